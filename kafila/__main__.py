@@ -1,0 +1,3 @@
+from kafila.cli import main
+
+raise SystemExit(main())

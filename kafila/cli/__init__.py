@@ -1,0 +1,71 @@
+"""`kafila` command line: one module per subcommand under kafila/cli/.
+
+Each subcommand module defines `configure(parser)` (flags only, no heavy imports at module
+level) and `main(args) -> int`. The table below is the whole dispatch; modules are imported
+only when their command runs or when help is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from kafila import __version__
+
+# name -> (module under kafila.cli, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("run", "generate text with a model on this machine"),
+    "models": ("models", "list the models available here"),
+    "probe": ("probe", "measure this device (bandwidth, overhead, memory, throughput)"),
+    "plan": ("plan", "plan a fleet from a TOML file and compare divisions"),
+    "rendezvous": ("rendezvous", "run the rendezvous service"),
+    "host": ("host", "open a session for a model and serve as a member"),
+    "join": ("join", "join a session with its code"),
+    "demo": ("demo", "a rendezvous and three members on this machine"),
+    "trace": ("trace", "read session traces"),
+}
+
+
+def _load(name: str):  # type: ignore[no-untyped-def]
+    return importlib.import_module(f"kafila.cli.{COMMANDS[name][0]}")
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kafila", description="Kafila: one model server from trusted machines."
+    )
+    parser.add_argument("--version", action="version", version=f"kafila {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        if only is None or only == name:
+            try:
+                _load(name).configure(cmd)
+            except ModuleNotFoundError as exc:
+                if exc.name != f"kafila.cli.{COMMANDS[name][0]}":
+                    raise
+                cmd.description = f"{help_text} (not available in this build)"
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    only = argv[0] if argv and argv[0] in COMMANDS else None
+    parser = build_parser(only)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    from kafila.obs.log import configure_logging
+
+    configure_logging()
+    try:
+        return int(_load(args.command).main(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

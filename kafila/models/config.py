@@ -1,0 +1,85 @@
+"""A transformer's shape, parsed from a Hugging Face `config.json` (pure: no tensors, no files).
+
+Only decoder-only Llama-family models are described: `llama` (SmolLM2, Llama 2/3) and `qwen3`
+(adds q_norm/k_norm on each head). Unknown architectures are refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+class ConfigError(ValueError):
+    """config.json is missing a field or names something Kafila cannot run."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str  # "llama" | "qwen3"
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False
+    torch_dtype: str | None = None
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.model_type == "qwen3"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        model_type = d.get("model_type")
+        if model_type not in ARCHITECTURES:
+            archs = d.get("architectures") or []
+            raise ConfigError(
+                f"unknown architecture: model_type={model_type!r} architectures={archs!r}; "
+                f"Kafila runs {sorted(ARCHITECTURES)}"
+            )
+        try:
+            hidden = int(d["hidden_size"])
+            heads = int(d["num_attention_heads"])
+            eos = d.get("eos_token_id")
+            rope = d.get("rope_parameters") or {}
+            return cls(
+                model_type=model_type,
+                hidden_size=hidden,
+                num_hidden_layers=int(d["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                intermediate_size=int(d["intermediate_size"]),
+                vocab_size=int(d["vocab_size"]),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(d.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+                rope_scaling=d.get("rope_scaling") or _scaling_from_parameters(rope),
+                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+                attention_bias=bool(d.get("attention_bias", False)),
+                torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_id=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+                raw=dict(d),
+            )
+        except KeyError as exc:
+            raise ConfigError(f"config.json has no {exc.args[0]!r}") from exc
+
+
+def _scaling_from_parameters(rope: dict[str, Any]) -> dict[str, Any] | None:
+    """transformers 5 writes `rope_parameters`; only a non-default rope_type is a scaling."""
+    kind = rope.get("rope_type", "default")
+    return None if kind == "default" else dict(rope)

@@ -1,0 +1,1 @@
+"""Observability: structlog setup, Prometheus metrics, trace records."""

@@ -1,0 +1,1 @@
+"""Operator tooling (kafila-ops)."""
