@@ -1,0 +1,340 @@
+"""A Hugging Face model folder, read from its safetensors headers (no tensor bytes until asked).
+
+Layout read (see docs/engine-checkpoints.md):
+
+    config.json                      -> ModelConfig (required)
+    model.safetensors                -> tensors, or
+    model.safetensors.index.json     -> {"weight_map": {name: shard file}} plus the shards
+    generation_config.json           -> dict (optional)
+    tokenizer.json                   -> path only (optional; kafila.engine.tokenizer reads it)
+    tokenizer_config.json            -> bos/eos/pad, chat_template (optional)
+    chat_template.jinja              -> chat template (optional; wins over tokenizer_config's, as in
+                                        transformers)
+
+A safetensors file is an 8-byte little-endian header length N, N bytes of JSON
+`{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`, then the data;
+offsets are relative to byte 8 + N. `TensorInfo.start/end` are absolute offsets in the file, so a
+block range is read with a few `pread`s and nothing else (`Checkpoint.read`, `bytes_read`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kafila.models.config import ConfigError, ModelConfig
+from kafila.models.manifest import (
+    DTYPE_BYTES,
+    EMBED,
+    FINAL_NORM,
+    LM_HEAD,
+    Manifest,
+    TensorSpec,
+    block_index,
+    build_manifest,
+)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# A header larger than this is corrupt, not a model (safetensors itself caps it at 100 MB).
+MAX_HEADER_BYTES = 100_000_000
+
+
+class CheckpointError(ValueError):
+    """The folder is not a checkpoint Kafila can read; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str  # safetensors dtype string: "F32", "BF16", ...
+    shape: tuple[int, ...]
+    file: Path
+    start: int  # absolute byte offset of the first data byte in `file`
+    end: int  # absolute offset one past the last data byte
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.name, self.dtype, self.shape)
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """Special tokens as the folder names them: strings from tokenizer_config.json, ids from
+    generation_config.json (preferred) or config.json. Any of them may be absent."""
+
+    bos: str | None = None
+    eos: str | None = None
+    pad: str | None = None
+    bos_id: int | None = None
+    eos_ids: tuple[int, ...] = ()
+    pad_id: int | None = None
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: ModelConfig
+    tensors: dict[str, TensorInfo]
+    generation_config: dict[str, Any] = field(default_factory=dict)
+    tokenizer_file: Path | None = None
+    tokenizer_config: dict[str, Any] = field(default_factory=dict)
+    chat_template: str | None = None
+    special_tokens: SpecialTokens = field(default_factory=SpecialTokens)
+    bytes_read: int = 0  # tensor-data bytes read by `read` since open
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> Checkpoint:
+        folder = Path(path).expanduser().resolve()
+        if not folder.is_dir():
+            raise CheckpointError(f"{folder}: no such model folder")
+        config = _read_config(folder)
+        tensors = _read_tensors(folder)
+        generation = _read_json(folder / "generation_config.json") or {}
+        tok_config = _read_json(folder / "tokenizer_config.json") or {}
+        tokenizer_file = folder / "tokenizer.json"
+        return cls(
+            path=folder,
+            config=config,
+            tensors=tensors,
+            generation_config=generation,
+            tokenizer_file=tokenizer_file if tokenizer_file.is_file() else None,
+            tokenizer_config=tok_config,
+            chat_template=_read_chat_template(folder, tok_config),
+            special_tokens=_special_tokens(config, generation, tok_config),
+        )
+
+    @property
+    def n_blocks(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def tied(self) -> bool:
+        return LM_HEAD not in self.tensors
+
+    def specs(self) -> list[TensorSpec]:
+        return [t.spec for t in self.tensors.values()]
+
+    def manifest(self, dtype: str | None = None) -> Manifest:
+        """Byte sizes from the headers; `dtype` ("BF16", "F32", ...) prices floats as if cast."""
+        try:
+            return build_manifest(self.specs(), self.config, dtype)
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"{self.path}: {exc}") from exc
+
+    def names_for(self, blocks: range, head: bool) -> list[str]:
+        """Tensor names of blocks [a, b) and, with `head`, embedding, final norm and lm_head
+        (when untied), in file order."""
+        if blocks.step != 1 or blocks.start < 0 or blocks.stop > self.n_blocks or blocks.start > blocks.stop:
+            raise CheckpointError(
+                f"{self.path}: block range [{blocks.start}, {blocks.stop}) step {blocks.step} "
+                f"is not inside the model's {self.n_blocks} blocks"
+            )
+        wanted = {EMBED, FINAL_NORM, LM_HEAD} if head else set()
+        names = [
+            t.name
+            for t in self.tensors.values()
+            if t.name in wanted or ((i := block_index(t.name)) is not None and i in blocks)
+        ]
+        return sorted(names, key=lambda n: (str(self.tensors[n].file), self.tensors[n].start))
+
+    def read(self, names: list[str] | tuple[str, ...] | set[str]) -> dict[str, tuple[TensorInfo, bytes]]:
+        """The raw bytes of exactly these tensors, reading adjacent ranges of a file as one span."""
+        missing = [n for n in names if n not in self.tensors]
+        if missing:
+            raise CheckpointError(f"{self.path}: no tensor named {missing[0]!r} ({len(missing)} missing)")
+        by_file: dict[Path, list[TensorInfo]] = {}
+        for name in set(names):
+            info = self.tensors[name]
+            by_file.setdefault(info.file, []).append(info)
+        out: dict[str, tuple[TensorInfo, bytes]] = {}
+        for file, infos in by_file.items():
+            infos.sort(key=lambda t: t.start)
+            with open(file, "rb") as f:
+                for span in _coalesce(infos):
+                    out.update(self._read_span(f.fileno(), file, span))
+        return out
+
+    def _read_span(self, fd: int, file: Path, span: list[TensorInfo]) -> dict[str, tuple[TensorInfo, bytes]]:
+        start, end = span[0].start, span[-1].end
+        data = os.pread(fd, end - start, start)
+        self.bytes_read += len(data)
+        if len(data) != end - start:
+            raise CheckpointError(f"{file}: truncated: wanted bytes [{start}, {end}), file ends early")
+        view = memoryview(data)
+        return {t.name: (t, bytes(view[t.start - start : t.end - start])) for t in span}
+
+
+def _coalesce(infos: list[TensorInfo]) -> list[list[TensorInfo]]:
+    """Tensors sorted by start -> runs whose byte ranges touch (one read each)."""
+    spans: list[list[TensorInfo]] = []
+    for info in infos:
+        if spans and spans[-1][-1].end == info.start:
+            spans[-1].append(info)
+        else:
+            spans.append([info])
+    return spans
+
+
+def _read_json(file: Path) -> dict[str, Any] | None:
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file}: not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _read_config(folder: Path) -> ModelConfig:
+    file = folder / "config.json"
+    data = _read_json(file)
+    if data is None:
+        raise CheckpointError(f"{file}: missing (a Hugging Face model folder has config.json)")
+    try:
+        return ModelConfig.from_dict(data)
+    except (ConfigError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"{file}: {exc}") from exc
+
+
+def _read_tensors(folder: Path) -> dict[str, TensorInfo]:
+    index_file = folder / INDEX_FILE
+    if index_file.is_file():
+        return _read_sharded(folder, index_file)
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        return read_header(single)
+    raise CheckpointError(f"{folder}: no safetensors weights (neither {SINGLE_FILE} nor {INDEX_FILE})")
+
+
+def _read_sharded(folder: Path, index_file: Path) -> dict[str, TensorInfo]:
+    index = _read_json(index_file) or {}
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_file}: no weight_map")
+    tensors: dict[str, TensorInfo] = {}
+    for shard in sorted(set(weight_map.values())):
+        file = folder / shard
+        if not file.is_file():
+            raise CheckpointError(f"{index_file}: names shard {shard!r}, which is missing from {folder}")
+        for name, info in read_header(file).items():
+            if name in tensors:
+                raise CheckpointError(f"{file}: tensor {name} is also in {tensors[name].file.name}")
+            tensors[name] = info
+    for name, shard in weight_map.items():
+        if name not in tensors or tensors[name].file.name != Path(shard).name:
+            raise CheckpointError(f"{index_file}: maps {name} to {shard}, whose header has no such tensor")
+    return tensors
+
+
+def read_header(file: Path) -> dict[str, TensorInfo]:
+    """Every tensor in one safetensors file with absolute byte ranges, validated against the file size."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{file}: truncated: {size} bytes, shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise CheckpointError(
+                f"{file}: corrupt header: header length {n} is beyond the file's {size} bytes"
+            )
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{file}: corrupt header: not JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: corrupt header: expected a JSON object")
+    header.pop("__metadata__", None)
+    base = 8 + n
+    tensors = {name: _tensor_info(file, name, entry, base) for name, entry in header.items()}
+    _check_ranges(file, list(tensors.values()), base, size)
+    return tensors
+
+
+def _tensor_info(file: Path, name: str, entry: Any, base: int) -> TensorInfo:
+    try:
+        dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        begin, end, shape = int(begin), int(end), tuple(int(d) for d in shape)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{file}: corrupt header: tensor {name}: {entry!r}") from exc
+    if dtype not in DTYPE_BYTES:
+        raise CheckpointError(
+            f"{file}: tensor {name} has unknown dtype {dtype!r} (known: {sorted(DTYPE_BYTES)})"
+        )
+    want = math.prod(shape) * DTYPE_BYTES[dtype]
+    if begin < 0 or end - begin != want:
+        raise CheckpointError(
+            f"{file}: tensor {name} {dtype}{list(shape)} needs {want} bytes, header gives [{begin}, {end})"
+        )
+    return TensorInfo(name, dtype, shape, file, base + begin, base + end)
+
+
+def _check_ranges(file: Path, infos: list[TensorInfo], base: int, size: int) -> None:
+    prev: TensorInfo | None = None
+    for info in sorted(infos, key=lambda t: (t.start, t.end)):
+        if info.end > size:
+            raise CheckpointError(
+                f"{file}: tensor {info.name} ends at byte {info.end}, "
+                f"past the file's {size} bytes (truncated?)"
+            )
+        if prev is not None and info.start < prev.end and info.nbytes and prev.nbytes:
+            raise CheckpointError(
+                f"{file}: tensors {prev.name} [{prev.start}, {prev.end}) and "
+                f"{info.name} [{info.start}, {info.end}) overlap"
+            )
+        prev = info
+
+
+def _read_chat_template(folder: Path, tok_config: dict[str, Any]) -> str | None:
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config writes a special token as a string or as an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+
+
+def _special_tokens(config: ModelConfig, generation: dict[str, Any], tok: dict[str, Any]) -> SpecialTokens:
+    bos_id = generation.get("bos_token_id", config.bos_token_id)
+    pad_id = generation.get("pad_token_id", config.raw.get("pad_token_id"))
+    eos_ids = _ids(generation.get("eos_token_id")) or config.eos_token_id
+    return SpecialTokens(
+        bos=_token_text(tok.get("bos_token")),
+        eos=_token_text(tok.get("eos_token")),
+        pad=_token_text(tok.get("pad_token")),
+        bos_id=None if bos_id is None else int(bos_id),
+        eos_ids=eos_ids,
+        pad_id=None if isinstance(pad_id, list) or pad_id is None else int(pad_id),
+    )
