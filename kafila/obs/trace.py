@@ -1,0 +1,229 @@
+"""Trace records of a session and its requests, JSON lines on disk, and the Table IV summary.
+
+The ring runtime measures; this module only holds and reads what it measured (pure apart from
+`TraceLog`, which appends lines to a file). Records are plain dataclasses with stable names so the
+Prometheus layer (kafila.obs.metrics) and `kafila trace summarize` read the same fields:
+
+- `SessionRecord` (one per formed session): division, ring order, blocks and predicted compute
+  time per stage, predicted bottleneck and circuit time, each edge's path.
+- `RequestRecord` (one per finished request): prompt and completion tokens, time waiting in the
+  queue, time to first token split into prefill and first decode step, decode tokens/s, and per
+  stage the measured compute time per decode step next to the prediction, per hop the bytes sent.
+
+A summary groups request records by session and reports the paper's Table IV columns:
+bottleneck (slowest stage's measured ms per decode step), imbalance (slowest over fastest stage),
+utilisation (mean stage over the bottleneck), tokens/s (median, spread), and prediction error
+(median |predicted - measured| / measured over every stage of every request).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StageTrace:
+    member: str
+    index: int  # position in the ring, 0 = head
+    blocks: tuple[int, int]  # [first, last) block
+    head: bool
+    predicted_ms: float  # per decode step, from the plan
+    measured_ms: float  # median compute per decode step in this request
+    steps: int = 0  # decode steps measured
+    bytes_out: int = 0  # tensor bytes this stage sent to the next member
+
+
+@dataclass(frozen=True)
+class HopTrace:
+    src: str
+    dst: str
+    path: str  # "direct" | "relay" | "local"
+    bytes: int
+    messages: int
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    session: str
+    request_id: int
+    member: str  # the member whose API received the request
+    division: str
+    prompt_tokens: int
+    completion_tokens: int
+    queue_s: float
+    prefill_s: float  # prompt through the ring until the first token is sampled
+    decode_s: float  # first token to last token
+    circuit_ms: float  # median time around the ring per decode step, measured at the head
+    stages: tuple[StageTrace, ...]
+    hops: tuple[HopTrace, ...] = ()
+    finish: str = "stop"
+    type: str = "request"
+
+    @property
+    def ttft_s(self) -> float:
+        return self.queue_s + self.prefill_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        steps = self.completion_tokens - 1
+        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ttft_s"], d["tokens_per_s"] = self.ttft_s, self.tokens_per_s
+        return d
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    session: str
+    model: str
+    division: str
+    order: tuple[str, ...]
+    head: str
+    blocks: dict[str, tuple[int, int]]
+    predicted_stage_ms: dict[str, float]
+    predicted_bottleneck_ms: float
+    predicted_circuit_ms: float
+    edges: dict[str, str] = field(default_factory=dict)  # "a->b": "direct" | "relay"
+    type: str = "session"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+Record = RequestRecord | SessionRecord
+
+
+def from_json(d: dict[str, Any]) -> Record:
+    """Inverse of `to_json` (derived fields are dropped)."""
+    kind = d.get("type")
+    if kind == "session":
+        blocks = {k: (int(v[0]), int(v[1])) for k, v in d["blocks"].items()}
+        return SessionRecord(**{**d, "order": tuple(d["order"]), "blocks": blocks})
+    if kind == "request":
+        body = {k: v for k, v in d.items() if k not in {"ttft_s", "tokens_per_s"}}
+        stages = tuple(StageTrace(**{**s, "blocks": tuple(s["blocks"])}) for s in d["stages"])
+        hops = tuple(HopTrace(**h) for h in d.get("hops", ()))
+        return RequestRecord(**{**body, "stages": stages, "hops": hops})
+    raise ValueError(f"trace line has type {kind!r}; expected 'session' or 'request'")
+
+
+class TraceLog:
+    """Appends records as JSON lines and keeps the last `keep` in memory for the /traces endpoint."""
+
+    def __init__(self, path: Path | None, keep: int = 256) -> None:
+        self.path = path
+        self._recent: deque[dict[str, Any]] = deque(maxlen=keep)
+        self._lock = threading.Lock()
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: Record) -> None:
+        line = record.to_json()
+        with self._lock:
+            self._recent.append(line)
+            if self.path is not None:
+                with self.path.open("a") as f:
+                    f.write(json.dumps(line) + "\n")
+
+    def recent(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._recent)
+
+
+def read_lines(lines: Iterable[str]) -> Iterator[Record]:
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                yield from_json(json.loads(line))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"trace line {n}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Table IV for one session (median over its requests, the first one dropped as cold)."""
+
+    session: str
+    division: str
+    requests: int
+    stage_ms: dict[str, float]  # member -> measured ms per decode step
+    predicted_ms: dict[str, float]
+    bottleneck_ms: float
+    bottleneck_member: str
+    imbalance: float
+    utilisation: float
+    tokens_per_s: float
+    tokens_per_s_spread: float  # half the range of the counted requests
+    prediction_error: float  # median relative error over stages x requests
+    circuit_ms: float
+    ttft_prefill_s: float
+    ttft_queue_s: float
+
+
+def summarize(records: Iterable[Record], drop_cold: bool = True) -> list[Summary]:
+    by_session: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        if isinstance(r, RequestRecord) and r.completion_tokens > 1:
+            by_session.setdefault(r.session, []).append(r)
+    return [_summarize_one(reqs[1:] if drop_cold and len(reqs) > 1 else reqs) for reqs in by_session.values()]
+
+
+def _summarize_one(reqs: list[RequestRecord]) -> Summary:
+    members = [s.member for s in reqs[0].stages]
+    stage_ms = {m: statistics.median(_stage(r, m).measured_ms for r in reqs) for m in members}
+    predicted = {m: _stage(reqs[0], m).predicted_ms for m in members}
+    slowest = max(stage_ms, key=lambda m: stage_ms[m])
+    bneck, fastest = stage_ms[slowest], min(stage_ms.values())
+    rates = [r.tokens_per_s for r in reqs]
+    errors = [
+        abs(s.predicted_ms - s.measured_ms) / s.measured_ms for r in reqs for s in r.stages if s.measured_ms
+    ]
+    return Summary(
+        session=reqs[0].session,
+        division=reqs[0].division,
+        requests=len(reqs),
+        stage_ms=stage_ms,
+        predicted_ms=predicted,
+        bottleneck_ms=bneck,
+        bottleneck_member=slowest,
+        imbalance=bneck / fastest if fastest > 0 else float("inf"),
+        utilisation=statistics.fmean(stage_ms.values()) / bneck if bneck > 0 else 0.0,
+        tokens_per_s=statistics.median(rates),
+        tokens_per_s_spread=(max(rates) - min(rates)) / 2,
+        prediction_error=statistics.median(errors) if errors else float("nan"),
+        circuit_ms=statistics.median(r.circuit_ms for r in reqs),
+        ttft_prefill_s=statistics.median(r.prefill_s for r in reqs),
+        ttft_queue_s=statistics.median(r.queue_s for r in reqs),
+    )
+
+
+def _stage(r: RequestRecord, member: str) -> StageTrace:
+    for s in r.stages:
+        if s.member == member:
+            return s
+    raise ValueError(f"request {r.request_id} has no stage for member {member}")
+
+
+def format_table(summaries: list[Summary]) -> str:
+    head = (
+        f"{'session':<14} {'division':<8} {'reqs':>4} {'imbal':>6} {'bneck ms':>9} {'util':>5} "
+        f"{'tok/s':>13} {'pred err':>8} {'circuit ms':>10} {'prefill s':>9}  bottleneck"
+    )
+    rows = [head]
+    for s in summaries:
+        rows.append(
+            f"{s.session[:14]:<14} {s.division:<8} {s.requests:>4} {s.imbalance:>6.2f} "
+            f"{s.bottleneck_ms:>9.2f} {s.utilisation:>5.0%} "
+            f"{s.tokens_per_s:>7.1f} ±{s.tokens_per_s_spread:<4.1f} {s.prediction_error:>8.0%} "
+            f"{s.circuit_ms:>10.2f} {s.ttft_prefill_s:>9.3f}  {s.bottleneck_member}"
+        )
+    return "\n".join(rows)
