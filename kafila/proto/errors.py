@@ -1,0 +1,15 @@
+"""The one error every wire-format parser in kafila.proto raises on bad input."""
+
+from __future__ import annotations
+
+
+class ProtocolError(ValueError):
+    """Input that is not a valid message; the text says what is wrong and where.
+
+    `code` is a short machine-readable reason ("bad_message", "too_large", "unsupported_version",
+    ...) that signaling error replies carry unchanged.
+    """
+
+    def __init__(self, message: str, code: str = "bad_message") -> None:
+        super().__init__(message)
+        self.code = code

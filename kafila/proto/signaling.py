@@ -1,0 +1,438 @@
+"""Signaling messages: JSON text frames over the rendezvous WebSocket (pure, no I/O).
+
+Every frame is one JSON object `{"v": 1, "type": "<name>", ...fields}`. Decoding is strict:
+unknown types, unknown or missing fields, wrong JSON types, out-of-range numbers, oversized text,
+duplicate keys, NaN/Infinity and nesting deeper than `MAX_DEPTH` raise `ProtocolError` with a
+message naming the field. Member-to-member payloads (`signal.payload`) and the capability/NAT
+reports are opaque JSON objects: the rendezvous forwards them without interpreting them.
+
+Client -> rendezvous: open, join, update, signal, relay_request, heartbeat, leave.
+Rendezvous -> client: opened, joined, member_joined, member_updated, signal, relay_allocated,
+heartbeat_ack, member_left, error. docs/protocol.md lists every field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar, Union
+
+from kafila.proto.errors import ProtocolError
+
+VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024  # what the rendezvous accepts from a member
+MAX_SERVER_MESSAGE_BYTES = 4 * 1024 * 1024  # what a member accepts from the rendezvous
+MAX_OBJECT_BYTES = 16 * 1024  # one capability or NAT report, serialized
+MAX_PAYLOAD_BYTES = 48 * 1024  # one signal payload, serialized
+MAX_DEPTH = 16
+MAX_NAME = 64
+MAX_MODEL = 200
+MAX_REF = 64
+MAX_CANDIDATES = 16
+MAX_CANDIDATE = 64
+MAX_MEMBERS = 256
+
+JsonObject = dict[str, Any]
+
+
+def _m(
+    *,
+    key: str | None = None,
+    max_len: int | None = None,
+    lo: float | None = None,
+    hi: float | None = None,
+    max_bytes: int | None = None,
+) -> dict[str, Any]:
+    """Field metadata the strict decoder checks: JSON key, length/range/size bounds."""
+    return {"key": key, "max_len": max_len, "lo": lo, "hi": hi, "max_bytes": max_bytes}
+
+
+# ------------------------------------------------------------------ shared values
+
+
+@dataclass(frozen=True, slots=True)
+class MemberInfo:
+    """What every member of a session learns about every other member."""
+
+    id: int = field(metadata=_m(lo=1, hi=2**31))
+    name: str = field(metadata=_m(max_len=MAX_NAME))
+    host: bool = field(metadata=_m())  # opened the session
+    address: str = field(metadata=_m(max_len=64))  # signaling source IP as the rendezvous saw it
+    capability: JsonObject = field(metadata=_m(max_bytes=MAX_OBJECT_BYTES))
+    nat: JsonObject | None = field(default=None, metadata=_m(max_bytes=MAX_OBJECT_BYTES))
+    candidates: list[str] = field(default_factory=list, metadata=_m(max_len=MAX_CANDIDATES))
+
+
+# ------------------------------------------------------------------ client -> rendezvous
+
+
+@dataclass(frozen=True, slots=True)
+class Open:
+    """Register a new session; this connection becomes its first member (the host)."""
+
+    TYPE: ClassVar[str] = "open"
+    model: str = field(metadata=_m(max_len=MAX_MODEL))
+    members_expected: int = field(metadata=_m(lo=1, hi=MAX_MEMBERS))
+    name: str = field(metadata=_m(max_len=MAX_NAME))
+    capability: JsonObject = field(metadata=_m(max_bytes=MAX_OBJECT_BYTES))
+    nat: JsonObject | None = field(default=None, metadata=_m(max_bytes=MAX_OBJECT_BYTES))
+    candidates: list[str] = field(default_factory=list, metadata=_m(max_len=MAX_CANDIDATES))
+    ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
+    """Join a session by the public part of its code (the secret part never travels here)."""
+
+    TYPE: ClassVar[str] = "join"
+    session: str = field(metadata=_m(max_len=32))
+    name: str = field(metadata=_m(max_len=MAX_NAME))
+    capability: JsonObject = field(metadata=_m(max_bytes=MAX_OBJECT_BYTES))
+    nat: JsonObject | None = field(default=None, metadata=_m(max_bytes=MAX_OBJECT_BYTES))
+    candidates: list[str] = field(default_factory=list, metadata=_m(max_len=MAX_CANDIDATES))
+    ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """Replace this member's capability, NAT report or candidates; others get member_updated."""
+
+    TYPE: ClassVar[str] = "update"
+    capability: JsonObject | None = field(default=None, metadata=_m(max_bytes=MAX_OBJECT_BYTES))
+    nat: JsonObject | None = field(default=None, metadata=_m(max_bytes=MAX_OBJECT_BYTES))
+    candidates: list[str] | None = field(default=None, metadata=_m(max_len=MAX_CANDIDATES))
+
+
+@dataclass(frozen=True, slots=True)
+class Signal:
+    """An opaque payload for one other member of the session."""
+
+    TYPE: ClassVar[str] = "signal"
+    to: int = field(metadata=_m(lo=1, hi=2**31))
+    payload: JsonObject = field(metadata=_m(max_bytes=MAX_PAYLOAD_BYTES))
+
+
+@dataclass(frozen=True, slots=True)
+class RelayRequest:
+    """Ask for a relay channel for the ring edge between this member and `peer`."""
+
+    TYPE: ClassVar[str] = "relay_request"
+    peer: int = field(metadata=_m(lo=1, hi=2**31))
+    ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    TYPE: ClassVar[str] = "heartbeat"
+    ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
+
+
+@dataclass(frozen=True, slots=True)
+class Leave:
+    TYPE: ClassVar[str] = "leave"
+    reason: str | None = field(default=None, metadata=_m(max_len=200))
+
+
+# ------------------------------------------------------------------ rendezvous -> client
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    TYPE: ClassVar[str] = "opened"
+    session: str = field(metadata=_m(max_len=32))  # public part of the code
+    member: int = field(metadata=_m(lo=1, hi=2**31))
+    expires_in: float = field(metadata=_m(lo=0))  # seconds the code stays valid while nobody joins
+    heartbeat_s: float = field(metadata=_m(lo=0))  # send a heartbeat at least this often
+    probe_port: int | None = field(default=None, metadata=_m(lo=1, hi=65535))  # UDP probes and relay
+    probe_alt_port: int | None = field(default=None, metadata=_m(lo=1, hi=65535))
+    probe_alt_host: str | None = field(default=None, metadata=_m(max_len=64))
+    ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    TYPE: ClassVar[str] = "joined"
+    session: str = field(metadata=_m(max_len=32))
+    member: int = field(metadata=_m(lo=1, hi=2**31))
+    model: str = field(metadata=_m(max_len=MAX_MODEL))
+    members_expected: int = field(metadata=_m(lo=1, hi=MAX_MEMBERS))
+    # everyone in the session, this member included
+    members: list[MemberInfo] = field(metadata=_m(max_len=MAX_MEMBERS))
+    heartbeat_s: float = field(metadata=_m(lo=0))
+    probe_port: int | None = field(default=None, metadata=_m(lo=1, hi=65535))
+    probe_alt_port: int | None = field(default=None, metadata=_m(lo=1, hi=65535))
+    probe_alt_host: str | None = field(default=None, metadata=_m(max_len=64))
+    ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
+
+
+@dataclass(frozen=True, slots=True)
+class MemberJoined:
+    TYPE: ClassVar[str] = "member_joined"
+    member: MemberInfo = field(metadata=_m())
+
+
+@dataclass(frozen=True, slots=True)
+class MemberUpdated:
+    TYPE: ClassVar[str] = "member_updated"
+    member: MemberInfo = field(metadata=_m())
+
+
+@dataclass(frozen=True, slots=True)
+class SignalFrom:
+    """A signal delivered to its recipient; `sender` travels as JSON key "from"."""
+
+    TYPE: ClassVar[str] = "signal"
+    sender: int = field(metadata=_m(key="from", lo=1, hi=2**31))
+    payload: JsonObject = field(metadata=_m(max_bytes=MAX_PAYLOAD_BYTES))
+
+
+@dataclass(frozen=True, slots=True)
+class RelayAllocated:
+    """A relay channel for the edge to `peer`; `token` (hex) binds this member's leg only."""
+
+    TYPE: ClassVar[str] = "relay_allocated"
+    channel: int = field(metadata=_m(lo=1, hi=2**32 - 1))
+    peer: int = field(metadata=_m(lo=1, hi=2**31))
+    leg: int = field(metadata=_m(lo=0, hi=1))
+    token: str = field(metadata=_m(max_len=32))
+    ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatAck:
+    TYPE: ClassVar[str] = "heartbeat_ack"
+    ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
+
+
+@dataclass(frozen=True, slots=True)
+class MemberLeft:
+    TYPE: ClassVar[str] = "member_left"
+    member: int = field(metadata=_m(lo=1, hi=2**31))
+    reason: str = field(metadata=_m(max_len=32))  # "left", "timed_out", "disconnected"
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """A refused or malformed request. `fatal`: the rendezvous closes the connection after it."""
+
+    TYPE: ClassVar[str] = "error"
+    code: str = field(metadata=_m(max_len=32))
+    message: str = field(metadata=_m(max_len=1000))
+    fatal: bool = field(default=False, metadata=_m())
+    ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
+
+
+ClientMessage = Open | Join | Update | Signal | RelayRequest | Heartbeat | Leave
+ServerMessage = (
+    Opened
+    | Joined
+    | MemberJoined
+    | MemberUpdated
+    | SignalFrom
+    | RelayAllocated
+    | HeartbeatAck
+    | MemberLeft
+    | Error
+)
+CLIENT_TYPES: dict[str, type] = {
+    c.TYPE: c for c in (Open, Join, Update, Signal, RelayRequest, Heartbeat, Leave)
+}
+SERVER_TYPES: dict[str, type] = {
+    c.TYPE: c
+    for c in (
+        Opened,
+        Joined,
+        MemberJoined,
+        MemberUpdated,
+        SignalFrom,
+        RelayAllocated,
+        HeartbeatAck,
+        MemberLeft,
+        Error,
+    )
+}
+
+# ------------------------------------------------------------------ encode
+
+
+def encode(msg: ClientMessage | ServerMessage) -> str:
+    """One JSON text frame for a message (compact, stable key order)."""
+    body = {"v": VERSION, "type": type(msg).TYPE, **_to_json(msg)}
+    return json.dumps(body, separators=(",", ":"), allow_nan=False)
+
+
+def _to_json(obj: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, list):
+            value = [_to_json(v) if isinstance(v, MemberInfo) else v for v in value]
+        elif isinstance(value, MemberInfo):
+            value = _to_json(value)
+        out[f.metadata["key"] or f.name] = value
+    return out
+
+
+# ------------------------------------------------------------------ decode
+
+
+def decode_client(text: str | bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> ClientMessage:
+    """Parse a frame a member sent to the rendezvous."""
+    return typing.cast(ClientMessage, _decode(text, max_bytes, CLIENT_TYPES))
+
+
+def decode_server(text: str | bytes, max_bytes: int = MAX_SERVER_MESSAGE_BYTES) -> ServerMessage:
+    """Parse a frame the rendezvous sent to a member."""
+    return typing.cast(ServerMessage, _decode(text, max_bytes, SERVER_TYPES))
+
+
+def _decode(text: str | bytes, max_bytes: int, table: dict[str, type]) -> Any:
+    raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    if len(raw) > max_bytes:
+        raise ProtocolError(f"message of {len(raw)} bytes exceeds the limit of {max_bytes}", "too_large")
+    obj = _parse_json(raw)
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"message must be a JSON object, got {_jtype(obj)}")
+    version = obj.pop("v", None)
+    kind = obj.pop("type", None)
+    if version != VERSION or isinstance(version, bool):
+        raise ProtocolError(
+            f"protocol version {version!r} not supported (this side speaks {VERSION})", "unsupported_version"
+        )
+    if not isinstance(kind, str) or kind not in table:
+        raise ProtocolError(f"unknown message type {kind!r}; expected one of {sorted(table)}", "unknown_type")
+    return _build(table[kind], obj, kind)
+
+
+def _parse_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    except ProtocolError:
+        raise
+    except RecursionError as exc:
+        raise ProtocolError("JSON nested too deeply") from exc
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"not valid JSON: {exc}") from exc
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ProtocolError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ProtocolError(f"{name} is not allowed in a message")
+
+
+def _build(cls: type, obj: dict[str, Any], where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    specs = {f.metadata["key"] or f.name: f for f in fields(cls)}
+    unknown = sorted(set(obj) - set(specs))
+    if unknown:
+        raise ProtocolError(f"{where}: unknown field(s) {unknown}; allowed {sorted(specs)}")
+    kwargs: dict[str, Any] = {}
+    for key, f in specs.items():
+        if key not in obj:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise ProtocolError(f"{where}: missing field {key!r}")
+            continue
+        kwargs[f.name] = _check(obj[key], hints[f.name], f.metadata, f"{where}.{key}")
+    return cls(**kwargs)
+
+
+def _check(value: Any, hint: Any, meta: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        return _check(value, options[0], meta, where)
+    if origin is list:
+        return _check_list(value, typing.get_args(hint)[0], meta, where)
+    if origin is dict:
+        return _check_object(value, meta, where)
+    if hint is MemberInfo:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where}: expected object, got {_jtype(value)}")
+        return _build(MemberInfo, value, where)
+    return _check_scalar(value, hint, meta, where)
+
+
+def _check_scalar(value: Any, hint: Any, meta: Any, where: str) -> Any:
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ProtocolError(f"{where}: expected boolean, got {_jtype(value)}")
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            raise ProtocolError(f"{where}: expected string, got {_jtype(value)}")
+        if meta["max_len"] is not None and len(value) > meta["max_len"]:
+            raise ProtocolError(f"{where}: {len(value)} characters, at most {meta['max_len']}")
+        if any(ord(c) < 0x20 or 0xD800 <= ord(c) <= 0xDFFF for c in value):
+            raise ProtocolError(f"{where}: control characters or lone surrogates are not allowed")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ProtocolError(f"{where}: expected integer, got {_jtype(value)}")
+    elif hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ProtocolError(f"{where}: expected number, got {_jtype(value)}")
+        value = float(value)
+    else:  # pragma: no cover - a schema mistake, not bad input
+        raise TypeError(f"{where}: unsupported schema type {hint!r}")
+    if meta["lo"] is not None and value < meta["lo"]:
+        raise ProtocolError(f"{where}: {value} is below the minimum {meta['lo']}")
+    if meta["hi"] is not None and value > meta["hi"]:
+        raise ProtocolError(f"{where}: {value} is above the maximum {meta['hi']}")
+    return value
+
+
+def _check_list(value: Any, item: Any, meta: Any, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ProtocolError(f"{where}: expected array, got {_jtype(value)}")
+    if meta["max_len"] is not None and len(value) > meta["max_len"]:
+        raise ProtocolError(f"{where}: {len(value)} items, at most {meta['max_len']}")
+    item_meta = {"key": None, "max_len": MAX_CANDIDATE, "lo": None, "hi": None, "max_bytes": None}
+    return [_check(v, item, item_meta, f"{where}[{i}]") for i, v in enumerate(value)]
+
+
+def _check_object(value: Any, meta: Any, where: str) -> JsonObject:
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{where}: expected object, got {_jtype(value)}")
+    if _depth(value) > MAX_DEPTH:
+        raise ProtocolError(f"{where}: nested deeper than {MAX_DEPTH} levels")
+    size = len(json.dumps(value, separators=(",", ":")))
+    if meta["max_bytes"] is not None and size > meta["max_bytes"]:
+        raise ProtocolError(f"{where}: {size} bytes, at most {meta['max_bytes']}", "too_large")
+    return value
+
+
+def _depth(value: Any, level: int = 1) -> int:
+    if level > MAX_DEPTH:
+        return level
+    if isinstance(value, dict):
+        return max((_depth(v, level + 1) for v in value.values()), default=level)
+    if isinstance(value, list):
+        return max((_depth(v, level + 1) for v in value), default=level)
+    return level
+
+
+def _jtype(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
