@@ -1,0 +1,80 @@
+"""Model presets for planning: the real Hugging Face configs, so no weights are needed to plan.
+
+`resolve_manifest(spec, dtype)` takes a preset name (qwen3-8b, qwen3-14b, qwen3-32b,
+smollm2-135m; case-insensitive) or a local Hugging Face folder, and returns its Manifest.
+Pure except for reading a folder's headers when given a path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kafila.models.config import ModelConfig
+from kafila.models.manifest import RUNTIME_DTYPES, Manifest, build_manifest, specs_from_config
+
+_QWEN3_COMMON: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "num_key_value_heads": 8,
+    "tie_word_embeddings": False,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 40960,
+    "attention_bias": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "torch_dtype": "bfloat16",
+}
+
+# Values of Qwen/Qwen3-{8B,14B,32B}/config.json and HuggingFaceTB/SmolLM2-135M-Instruct.
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-8b": _QWEN3_COMMON
+    | {"hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "intermediate_size": 12288},
+    "qwen3-14b": _QWEN3_COMMON
+    | {"hidden_size": 5120, "num_hidden_layers": 40, "num_attention_heads": 40, "intermediate_size": 17408},
+    "qwen3-32b": _QWEN3_COMMON
+    | {"hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 64, "intermediate_size": 25600},
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 576,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "intermediate_size": 1536,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+        "rope_theta": 100000.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 8192,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+}
+
+
+def preset_config(name: str) -> ModelConfig:
+    key = name.lower()
+    if key not in PRESETS:
+        raise KeyError(f"unknown model preset {name!r}; presets: {sorted(PRESETS)}")
+    return ModelConfig.from_dict(PRESETS[key])
+
+
+def resolve_manifest(spec: str, dtype: str = "bf16") -> Manifest:
+    """A preset name or a local Hugging Face folder -> Manifest priced at `dtype`."""
+    st_dtype = RUNTIME_DTYPES.get(dtype.lower())
+    if st_dtype is None:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(RUNTIME_DTYPES)}")
+    if spec.lower() in PRESETS:
+        config = preset_config(spec)
+        return build_manifest(specs_from_config(config, st_dtype), config)
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a folder")
+    from kafila.models.checkpoint import Checkpoint
+
+    return Checkpoint.open(path).manifest(st_dtype)

@@ -1,0 +1,133 @@
+"""The cost model of Section V-A and the block limits, per device and tier.
+
+Stage cost (full tier):  c_i = o_i + n_i * beta_block / b_i + [i = head] * beta_head_read / b_i
+- beta_block: bytes one block's weights occupy; a batch-one decode step reads each weight once.
+  When the synthetic-block probe timed a block of this model on device i, that time replaces
+  beta_block / b_i.
+- beta_head_read: bytes a token reads at the head (unembedding, final norm, one embedding row).
+Capacity uses resident bytes: each block holds its weights plus the KV cache reserved for the
+session's declared context and concurrency; the head also holds embedding and unembedding.
+
+Throughput tier: per(i) = 2 * params_per_block / flops_i, fixed(i) = o_i if measured else 0, and
+no head term (arithmetic throughput does not price the head's extra read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from kafila.models.manifest import DTYPE_BYTES, Manifest
+from kafila.planner.devices import DeviceReport
+
+
+class Tier(StrEnum):
+    FULL = "full"  # bandwidth (and overhead) measured on every member
+    THROUGHPUT = "throughput"  # only arithmetic throughput on every member
+    WORKING_SET = "working_set"  # nothing measured: proportional to memory
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model's byte sizes at the session's declared context and concurrency."""
+
+    n_blocks: int
+    block_read_bytes: float  # mean weight bytes of one block (what a token reads)
+    block_resident_bytes: int  # largest block's weights plus its KV reservation
+    head_read_bytes: int
+    head_resident_bytes: int
+    params_per_block: float
+    context: int
+    concurrency: int
+
+    @classmethod
+    def of(cls, manifest: Manifest, context: int, concurrency: int) -> Workload:
+        if context < 1 or concurrency < 1:
+            raise ValueError(f"context {context} and concurrency {concurrency} must be >= 1")
+        k = manifest.n_blocks
+        mean_block = sum(manifest.block_bytes) / k
+        return cls(
+            n_blocks=k,
+            block_read_bytes=mean_block,
+            block_resident_bytes=manifest.block_bytes_max + manifest.kv_bytes(context, concurrency, 1),
+            head_read_bytes=manifest.head_read_bytes,
+            head_resident_bytes=manifest.head_resident_bytes,
+            params_per_block=mean_block / DTYPE_BYTES[manifest.dtype],
+            context=context,
+            concurrency=concurrency,
+        )
+
+    def resident_bytes(self, n: int, head: bool) -> int:
+        return n * self.block_resident_bytes + (self.head_resident_bytes if head else 0)
+
+    def limit(self, memory_bytes: int, head: bool) -> int:
+        """lim(i): most blocks a device holds; smaller on the head."""
+        room = memory_bytes - (self.head_resident_bytes if head else 0)
+        return max(0, room // self.block_resident_bytes)
+
+
+@dataclass(frozen=True)
+class DeviceCost:
+    """fixed(i), per(i) and lim(i) of Algorithm 1 for one device (head and non-head)."""
+
+    name: str
+    overhead_s: float
+    per_block_s: float
+    head_s: float  # extra cost when this device holds the head (0 in the throughput tier)
+    limit: int
+    limit_head: int
+
+    def fixed(self, head: bool) -> float:
+        return self.overhead_s + (self.head_s if head else 0.0)
+
+    def lim(self, head: bool) -> int:
+        return self.limit_head if head else self.limit
+
+    def stage_s(self, n: int, head: bool) -> float:
+        return self.fixed(head) + n * self.per_block_s
+
+
+def choose_tier(devices: Sequence[DeviceReport]) -> Tier:
+    if all(d.bandwidth_bytes_s for d in devices):
+        return Tier.FULL
+    if all(d.flops for d in devices):
+        return Tier.THROUGHPUT
+    return Tier.WORKING_SET
+
+
+def device_cost(d: DeviceReport, w: Workload, tier: Tier, use_block_probe: bool = True) -> DeviceCost:
+    lim, lim_head = w.limit(d.memory_bytes, False), w.limit(d.memory_bytes, True)
+    overhead = d.overhead_s or 0.0
+    if tier is Tier.FULL:
+        assert d.bandwidth_bytes_s
+        b = d.bandwidth_bytes_s
+        per = d.block_s if (use_block_probe and d.block_s) else w.block_read_bytes / b
+        return DeviceCost(d.name, overhead, per, w.head_read_bytes / b, lim, lim_head)
+    if tier is Tier.THROUGHPUT:
+        assert d.flops
+        return DeviceCost(d.name, overhead, 2.0 * w.params_per_block / d.flops, 0.0, lim, lim_head)
+    raise ValueError("the working-set tier has no cost model")
+
+
+def costs_for(
+    devices: Sequence[DeviceReport], w: Workload, tier: Tier, use_block_probe: bool = True
+) -> list[DeviceCost]:
+    return [device_cost(d, w, tier, use_block_probe) for d in devices]
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes as decimal GB (or MB below one GB) for messages."""
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def memory_shortfall(d: DeviceReport, w: Workload, n: int, head: bool) -> str | None:
+    """None if `n` blocks (and the head) fit on `d`, else a refusal naming the numbers."""
+    need = w.resident_bytes(n, head)
+    if need <= d.memory_bytes:
+        return None
+    what = f"{n} block{'s' if n != 1 else ''}" + (" + head" if head else "")
+    return (
+        f"{d.name}: {what} need {fmt_bytes(need)}, has {fmt_bytes(d.memory_bytes)} "
+        f"(context {w.context} x concurrency {w.concurrency})"
+    )

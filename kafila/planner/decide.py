@@ -1,0 +1,195 @@
+"""The planner's entry point: ring order, division (by tier), head, admission -> Plan.
+
+Pure: takes device reports, the model manifest and the session's declared context and
+concurrency, returns a Plan (feasible, or refused with a reason naming the device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kafila.models.manifest import Manifest
+from kafila.planner.admission import check_memory, explain_no_division
+from kafila.planner.baselines import proportional_counts, uniform_counts
+from kafila.planner.cost import DeviceCost, Tier, Workload, choose_tier, costs_for
+from kafila.planner.devices import DeviceReport
+from kafila.planner.head import MU, place_head, solve_rotation, unrotate
+from kafila.planner.order import RingOrder, edge_price_s, order_ring, predicted_direct, ring_edges
+from kafila.planner.partition import Infeasible
+from kafila.planner.plan import Edge, Plan, Stage
+from kafila.planner.reachability import DEFAULT_RULE, PairRule
+
+DIVISIONS = ("kafila", "uniform", "memory")
+
+
+def plan(
+    devices: Sequence[DeviceReport],
+    manifest: Manifest,
+    *,
+    context: int,
+    concurrency: int = 1,
+    division: str = "kafila",
+    rule: PairRule = DEFAULT_RULE,
+    mu: float = MU,
+    use_block_probe: bool = True,
+    anchor: int = 0,
+) -> Plan:
+    """Plan one division. `anchor` indexes the member that opened the session."""
+    return plan_all(
+        devices,
+        manifest,
+        context=context,
+        concurrency=concurrency,
+        divisions=(division,),
+        rule=rule,
+        mu=mu,
+        use_block_probe=use_block_probe,
+        anchor=anchor,
+    )[division]
+
+
+def plan_all(
+    devices: Sequence[DeviceReport],
+    manifest: Manifest,
+    *,
+    context: int,
+    concurrency: int = 1,
+    divisions: Sequence[str] = DIVISIONS,
+    rule: PairRule = DEFAULT_RULE,
+    mu: float = MU,
+    use_block_probe: bool = True,
+    anchor: int = 0,
+) -> dict[str, Plan]:
+    """Several divisions over one ring order (computed once), keyed by division name."""
+    if not devices:
+        raise ValueError("no devices to plan")
+    names = [d.name for d in devices]
+    if len(set(names)) != len(names):
+        raise ValueError(f"device names must be unique, got {names}")
+    unknown = set(divisions) - set(DIVISIONS)
+    if unknown:
+        raise ValueError(f"unknown division {sorted(unknown)}; choose from {DIVISIONS}")
+    w = Workload.of(manifest, context, concurrency)
+    tier = choose_tier(devices)
+    ring = order_ring(devices, rule, anchor)
+    ordered = [devices[i] for i in ring.order]
+    costs = costs_for(ordered, w, tier, use_block_probe) if tier is not Tier.WORKING_SET else None
+    return {name: _division(name, ordered, ring, w, tier, costs, rule, mu) for name in divisions}
+
+
+def _division(
+    name: str,
+    ordered: list[DeviceReport],
+    ring: RingOrder,
+    w: Workload,
+    tier: Tier,
+    costs: list[DeviceCost] | None,
+    rule: PairRule,
+    mu: float,
+) -> Plan:
+    k, m = w.n_blocks, len(ordered)
+    if m > k:
+        return _refused(name, ordered, ring, w, tier, explain_no_division(ordered, w))
+    if name == "uniform":
+        head, counts = 0, uniform_counts(k, m)
+    elif name == "memory" or costs is None:
+        head, counts = 0, proportional_counts(k, [d.memory_bytes for d in ordered])
+    elif tier is Tier.FULL:
+        choice = place_head(k, costs, anchor=0, mu=mu)
+        if isinstance(choice, Infeasible):
+            return _refused(name, ordered, ring, w, tier, explain_no_division(ordered, w))
+        head, counts = choice.head, choice.counts
+    else:  # throughput tier: the head stays with the opener
+        part = solve_rotation(k, costs, 0)
+        if isinstance(part, Infeasible):
+            return _refused(name, ordered, ring, w, tier, explain_no_division(ordered, w))
+        head, counts = 0, unrotate(part.counts, 0)
+    return _build(name, ordered, ring, w, tier, costs, rule, head, counts)
+
+
+def _refused(
+    name: str, ordered: list[DeviceReport], ring: RingOrder, w: Workload, tier: Tier, reason: str
+) -> Plan:
+    return Plan(
+        division=name,
+        feasible=False,
+        reason=reason,
+        tier=tier.value,
+        ordering=ring.method,
+        order=tuple(d.name for d in ordered),
+        head=None,
+        stages=(),
+        edges=(),
+        n_blocks=w.n_blocks,
+        context=w.context,
+        concurrency=w.concurrency,
+    )
+
+
+def _build(
+    name: str,
+    ordered: list[DeviceReport],
+    ring: RingOrder,
+    w: Workload,
+    tier: Tier,
+    costs: list[DeviceCost] | None,
+    rule: PairRule,
+    head: int,
+    counts: Sequence[int],
+) -> Plan:
+    m = len(ordered)
+    chain = [(head + j) % m for j in range(m)]  # ring positions, head first
+    stages, start = [], 0
+    for pos in chain:
+        d, n = ordered[pos], counts[pos]
+        cost = costs[pos].stage_s(n, pos == head) if costs else None
+        stages.append(
+            Stage(
+                d.name, start, start + n, pos == head, cost, w.resident_bytes(n, pos == head), d.memory_bytes
+            )
+        )
+        start += n
+    edges = tuple(_edge(ordered[a], ordered[b], rule) for a, b in ring_edges(chain))
+    reason = check_memory(ordered, counts, head, w)
+    return _with_figures(
+        Plan(
+            division=name,
+            feasible=reason is None,
+            reason=reason,
+            tier=tier.value,
+            ordering=ring.method,
+            order=tuple(ordered[p].name for p in chain),
+            head=ordered[head].name,
+            stages=tuple(stages),
+            edges=edges,
+            n_blocks=w.n_blocks,
+            context=w.context,
+            concurrency=w.concurrency,
+        )
+    )
+
+
+def _edge(a: DeviceReport, b: DeviceReport, rule: PairRule) -> Edge:
+    direct = predicted_direct(a, b, rule)
+    price = edge_price_s(a, b, direct)
+    return Edge(a.name, b.name, direct, None if price is None else price / 2)
+
+
+def _with_figures(p: Plan) -> Plan:
+    stage_s = [s.cost_s for s in p.stages if s.cost_s is not None]
+    if len(stage_s) != len(p.stages) or not stage_s:
+        return p
+    bottleneck = max(stage_s)
+    known = [e.latency_s for e in p.edges if e.latency_s is not None]
+    circuit = sum(stage_s) + sum(known)
+    return Plan(
+        **{
+            **p.__dict__,
+            "bottleneck_s": bottleneck,
+            "imbalance": bottleneck / min(stage_s),
+            "utilisation": sum(stage_s) / len(stage_s) / bottleneck,
+            "circuit_s": circuit,
+            "network_priced": len(known) == len(p.edges),
+            "tokens_s": 1.0 / circuit,
+        }
+    )

@@ -1,0 +1,83 @@
+"""What a member reports about itself: the planner's device input (JSON-able, built from probes)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from kafila.planner.reachability import Nat
+
+
+@dataclass(frozen=True)
+class DeviceReport:
+    """One member as measured. Every measurement is optional: the planner degrades by tier.
+
+    memory_bytes: memory available for this session's weights and KV cache.
+    bandwidth_bytes_s: streaming read bandwidth measured with the member's backend.
+    overhead_s: fixed per-token dispatch overhead.
+    flops: matmul FLOP/s (the degraded tier's only speed figure).
+    block_s: one decode step of one block of the session model, timed by the synthetic-block probe.
+    nat: classified NAT (None: unknown, predicted as restrictive).
+    rtt_s: round trip to the rendezvous.
+    pair_rtt_s: measured round trips to other members, by name.
+    """
+
+    name: str
+    memory_bytes: int
+    bandwidth_bytes_s: float | None = None
+    overhead_s: float | None = None
+    flops: float | None = None
+    block_s: float | None = None
+    nat: Nat | None = None
+    rtt_s: float | None = None
+    pair_rtt_s: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("device name is empty")
+        if self.memory_bytes < 0:
+            raise ValueError(f"device {self.name}: memory_bytes {self.memory_bytes} is negative")
+        for key in ("bandwidth_bytes_s", "flops", "block_s"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise ValueError(f"device {self.name}: {key} must be > 0, got {value}")
+        for key in ("overhead_s", "rtt_s"):
+            value = getattr(self, key)
+            if value is not None and value < 0:
+                raise ValueError(f"device {self.name}: {key} must be >= 0, got {value}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "memory_bytes": self.memory_bytes,
+            "bandwidth_bytes_s": self.bandwidth_bytes_s,
+            "overhead_s": self.overhead_s,
+            "flops": self.flops,
+            "block_s": self.block_s,
+            "nat": self.nat.to_dict() if self.nat else None,
+            "rtt_s": self.rtt_s,
+            "pair_rtt_s": dict(self.pair_rtt_s),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DeviceReport:
+        nat = d.get("nat")
+        return cls(
+            name=str(d["name"]),
+            memory_bytes=int(d["memory_bytes"]),
+            bandwidth_bytes_s=d.get("bandwidth_bytes_s"),
+            overhead_s=d.get("overhead_s"),
+            flops=d.get("flops"),
+            block_s=d.get("block_s"),
+            nat=Nat.from_dict(nat) if nat else None,
+            rtt_s=d.get("rtt_s"),
+            pair_rtt_s={str(k): float(v) for k, v in (d.get("pair_rtt_s") or {}).items()},
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str) -> DeviceReport:
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,115 @@
+"""The Plan value: what the host decides and sends to every member (JSON round trip)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One member's share: blocks [start, stop) and, on the head, embedding/unembedding/sampler."""
+
+    name: str
+    start: int
+    stop: int
+    head: bool
+    cost_s: float | None  # predicted stage time per token (None in the working-set tier)
+    resident_bytes: int  # weights + KV reservation (+ head) this share keeps in memory
+    memory_bytes: int  # what the member reported available
+
+    @property
+    def n_blocks(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Edge:
+    """A ring edge in token direction, predicted direct or relayed through the rendezvous."""
+
+    src: str
+    dst: str
+    direct: bool
+    latency_s: float | None  # one-way: half the priced round trip; None when an rtt is missing
+
+
+@dataclass(frozen=True)
+class Plan:
+    division: str  # "kafila" | "uniform" | "memory"
+    feasible: bool
+    reason: str | None  # why the division was refused (names the device and the numbers)
+    tier: str  # "full" | "throughput" | "working_set"
+    ordering: str  # how the ring order was chosen (see kafila.planner.order)
+    order: tuple[str, ...]  # ring order, head first
+    head: str | None
+    stages: tuple[Stage, ...]  # in ring order, head first; empty when no division exists
+    edges: tuple[Edge, ...]
+    n_blocks: int
+    context: int
+    concurrency: int
+    bottleneck_s: float | None = None
+    imbalance: float | None = None  # slowest stage / fastest stage
+    utilisation: float | None = None  # mean stage / bottleneck
+    circuit_s: float | None = None  # sum of stages + edge latencies that are known
+    network_priced: bool = False  # every edge latency was known when circuit_s was summed
+    tokens_s: float | None = None  # one request: 1 / circuit_s
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def relayed(self) -> int:
+        return sum(not e.direct for e in self.edges)
+
+    def blocks(self) -> dict[str, int]:
+        return {s.name: s.n_blocks for s in self.stages}
+
+    def block_range(self, name: str) -> tuple[int, int]:
+        stage = next(s for s in self.stages if s.name == name)
+        return stage.start, stage.stop
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for key in ("order", "stages", "edges", "notes"):
+            d[key] = list(d[key])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        return cls(
+            **{
+                **d,
+                "order": tuple(d["order"]),
+                "stages": tuple(Stage(**s) for s in d["stages"]),
+                "edges": tuple(Edge(**e) for e in d["edges"]),
+                "notes": tuple(d.get("notes", ())),
+            }
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+    def summary(self) -> dict[str, Any]:
+        """The `kafila plan --json` entry for this division."""
+
+        def ms(x: float | None) -> float | None:
+            return None if x is None else round(x * 1e3, 4)
+
+        return {
+            "feasible": self.feasible,
+            "reason": self.reason,
+            "order": list(self.order),
+            "head": self.head,
+            "blocks": self.blocks(),
+            "stage_ms": {s.name: ms(s.cost_s) for s in self.stages},
+            "bottleneck_ms": ms(self.bottleneck_s),
+            "imbalance": self.imbalance,
+            "utilisation": self.utilisation,
+            "circuit_ms": ms(self.circuit_s),
+            "tokens_s": self.tokens_s,
+            "tier": self.tier,
+            "edges": [{"src": e.src, "dst": e.dst, "direct": e.direct} for e in self.edges],
+        }
