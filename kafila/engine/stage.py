@@ -1,0 +1,260 @@
+"""A stage: blocks [a, b) of one model (and the head on the head stage) with their KV caches.
+
+    stage = Stage.load(ckpt, range(0, 15), head=True, backend="torch", dtype="fp32",
+                       context=2048, concurrency=4)
+    stage.open("r1")
+    h = stage.embed([1, 2, 3])                      # head only: token ids -> hidden [T, H]
+    [out] = stage.forward([("r1", 0, h)])           # every request's rows through blocks [a, b)
+    logits = stage.logits(out[-1])                  # head only: final norm + unembedding -> [V]
+    stage.close("r1")
+
+Hidden states are backend arrays; `to_bytes`/`from_bytes` turn them into raw row-major bytes in
+`wire_dtype` for the ring. The stage is backend-neutral: the model class comes from the Backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kafila.engine.backend import Backend, resolve
+from kafila.models.manifest import LM_HEAD, block_index
+from kafila.models.span import Span
+from kafila.obs.log import get_logger
+
+log = get_logger(__name__)
+
+RequestId = int | str
+Item = tuple[RequestId, int, Any]  # (request id, first position, hidden [T, H])
+
+
+class StageError(RuntimeError):
+    """A request the stage cannot run; the message names the request and the numbers."""
+
+
+class ContextFullError(StageError):
+    """A request's positions would go past the declared context."""
+
+
+class SlotsFullError(StageError):
+    """Every KV-cache slot is taken (the declared concurrency is reached)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """`n_tokens` rows of a stacked step that belong to request `rid`, first at `start`."""
+
+    rid: RequestId
+    start: int
+    n_tokens: int
+
+
+class _Weights(Mapping[str, Any]):
+    """Tensors read from the checkpoint on first access, one ranged read each, never kept here:
+    the model fuses and casts as it loads, so peak memory stays near one copy of the stage."""
+
+    def __init__(self, ckpt: Any, backend: Backend, names: Sequence[str]) -> None:
+        self.ckpt, self.backend, self.names = ckpt, backend, set(names)
+        self.read_names: set[str] = set()
+        self.bytes_read = 0
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self.names:
+            raise KeyError(name)
+        info, data = self.ckpt.read([name])[name]
+        self.read_names.add(name)
+        self.bytes_read += len(data)
+        return self.backend.tensor(info.dtype, info.shape, data)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+class Stage:
+    """Blocks [a, b) (+ the head) with per-request KV caches preallocated for `concurrency` requests
+    of up to `context` positions each.
+
+    Threading: one thread owns a Stage. Its methods are not thread-safe and its arrays (torch
+    tensors, MLX arrays) must only be touched by that thread; an asyncio shell runs them on one
+    dedicated executor thread and exchanges bytes (`to_bytes`/`from_bytes`) with the network.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        backend: Backend,
+        blocks: range,
+        head: bool,
+        context: int,
+        concurrency: int,
+        bytes_loaded: int = 0,
+    ) -> None:
+        self.model, self.backend, self.blocks, self.head = model, backend, blocks, head
+        self.context, self.concurrency, self.bytes_loaded = context, concurrency, bytes_loaded
+        self.cache = model.new_cache(concurrency)
+        self._slots: dict[RequestId, int] = {}
+        self._length: dict[RequestId, int] = {}
+        self._free = list(range(concurrency - 1, -1, -1))
+
+    @classmethod
+    def load(
+        cls,
+        ckpt: Any,
+        blocks: range,
+        head: bool,
+        backend: Backend | str = "auto",
+        dtype: str = "auto",
+        context: int = 2048,
+        concurrency: int = 1,
+    ) -> Stage:
+        """Read exactly blocks [a, b) (and the head's tensors) from a kafila Checkpoint."""
+        be = resolve(backend, dtype) if isinstance(backend, str) else backend
+        if context < 1 or concurrency < 1:
+            raise StageError(f"context ({context}) and concurrency ({concurrency}) must be at least 1")
+        names = ckpt.names_for(blocks, head)
+        weights = _Weights(ckpt, be, names)
+        model_cls = be.model_class(ckpt.config.model_type)
+        model = model_cls(ckpt.config, weights, blocks, head, context=context, **be.model_kwargs())
+        unread = weights.names - weights.read_names - {LM_HEAD}
+        if unread:
+            raise StageError(
+                f"checkpoint tensors not used by the {ckpt.config.model_type} model: {sorted(unread)[:3]}"
+            )
+        stage = cls(model, be, blocks, head, context, concurrency, weights.bytes_read)
+        log.info(
+            "stage_loaded",
+            blocks=f"[{blocks.start}, {blocks.stop})",
+            head=head,
+            backend=str(be),
+            weight_bytes=weights.bytes_read,
+            kv_bytes=stage.kv_bytes,
+            context=context,
+            concurrency=concurrency,
+        )
+        return stage
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def open(self, rid: RequestId) -> None:
+        """Give request `rid` a KV-cache slot (positions start at 0)."""
+        if rid in self._slots:
+            raise StageError(f"request {rid!r} is already open on this stage")
+        if not self._free:
+            raise SlotsFullError(
+                f"stage blocks [{self.blocks.start}, {self.blocks.stop}): all {self.concurrency} KV-cache "
+                f"slots are in use (declared concurrency {self.concurrency}); cannot open request {rid!r}"
+            )
+        self._slots[rid] = self._free.pop()
+        self._length[rid] = 0
+
+    def close(self, rid: RequestId) -> None:
+        """Free `rid`'s slot (unknown ids are ignored, so closing twice is harmless)."""
+        slot = self._slots.pop(rid, None)
+        self._length.pop(rid, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def length(self, rid: RequestId) -> int:
+        """Positions of `rid` held in the KV cache."""
+        return self._length[self._known(rid)]
+
+    @property
+    def open_requests(self) -> list[RequestId]:
+        return list(self._slots)
+
+    @property
+    def kv_bytes(self) -> int:
+        return int(self.cache.nbytes)
+
+    @property
+    def wire_dtype(self) -> str:
+        return self.backend.wire_dtype
+
+    def check_fits(self, rid: RequestId, start: int, n_tokens: int) -> None:
+        """Raise a clear error unless `n_tokens` rows at `start` fit `rid`'s cache."""
+        have = self._length[self._known(rid)]
+        if start < 0 or start > have:
+            raise StageError(
+                f"request {rid!r}: step starts at position {start}, but {have} positions are cached"
+            )
+        if start + n_tokens > self.context:
+            raise ContextFullError(
+                f"request {rid!r}: positions [{start}, {start + n_tokens}) exceed the context of "
+                f"{self.context} tokens declared for this stage"
+            )
+
+    def _known(self, rid: RequestId) -> RequestId:
+        if rid not in self._slots:
+            raise StageError(f"request {rid!r} is not open on this stage")
+        return rid
+
+    # -- compute ---------------------------------------------------------------------------------
+
+    def embed(self, token_ids: Sequence[int]) -> Any:
+        """Token ids [T] -> hidden [T, H] (head stage only)."""
+        self._need_head("embed")
+        return self.model.embed(self.backend.ids(token_ids))
+
+    def forward(self, items: Sequence[Item]) -> list[Any]:
+        """Items (rid, start, hidden [T, H]) -> each item's hidden [T, H] after blocks [a, b).
+        All items run as one batched computation (decode steps and prefill chunks may mix)."""
+        entries = [Entry(rid, start, int(h.shape[0])) for rid, start, h in items]
+        out = self.step(self.backend.concat([h for _, _, h in items]), entries)
+        rows, offset = [], 0
+        for e in entries:
+            rows.append(out[offset : offset + e.n_tokens])
+            offset += e.n_tokens
+        return rows
+
+    def step(self, hidden: Any, entries: Sequence[Entry]) -> Any:
+        """Stacked hidden [N, H] whose rows belong to `entries` in order -> hidden [N, H]."""
+        seen: set[RequestId] = set()
+        for e in entries:
+            if e.rid in seen:
+                raise StageError(f"request {e.rid!r} appears twice in one step")
+            seen.add(e.rid)
+            self.check_fits(e.rid, e.start, e.n_tokens)
+        if sum(e.n_tokens for e in entries) != hidden.shape[0]:
+            raise StageError(
+                f"entries cover {sum(e.n_tokens for e in entries)} rows, hidden has {hidden.shape[0]}"
+            )
+        spans = [Span(self._slots[e.rid], e.start, e.n_tokens) for e in entries]
+        out = self.model.forward(hidden, spans, self.cache)
+        for e in entries:
+            self._length[e.rid] = e.start + e.n_tokens
+        return out
+
+    def logits(self, hidden_last: Any) -> np.ndarray:
+        """Final norm + unembedding: hidden [H] -> logits [V], or [B, H] -> [B, V] (float32 numpy)."""
+        self._need_head("logits")
+        one = len(hidden_last.shape) == 1
+        out = self.backend.numpy(self.model.logits(hidden_last[None] if one else hidden_last))
+        return out[0] if one else out
+
+    def _need_head(self, what: str) -> None:
+        if not self.head:
+            raise StageError(
+                f"{what}() runs on the head stage; this stage holds blocks "
+                f"[{self.blocks.start}, {self.blocks.stop}) without the head"
+            )
+
+    # -- wire ------------------------------------------------------------------------------------
+
+    def to_bytes(self, hidden: Any) -> bytes:
+        """hidden [T, H] -> raw row-major bytes in `wire_dtype`."""
+        return self.backend.to_bytes(hidden)
+
+    def from_bytes(self, data: bytes, shape: Sequence[int]) -> Any:
+        """Raw bytes in `wire_dtype` of `shape` ([T, H]) -> hidden on this stage's backend."""
+        return self.backend.from_bytes(data, shape)
+
+
+def blocks_of(names: Sequence[str]) -> set[int]:
+    """Block indices named by tensor names (for tests and checks)."""
+    return {i for n in names if (i := block_index(n)) is not None}

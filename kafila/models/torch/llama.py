@@ -1,0 +1,227 @@
+"""Llama (SmolLM2, Llama 2 and 3) in torch: the embedding, a contiguous range of blocks, the head.
+
+Hugging Face weight names, rotate-half RoPE (see kafila.models.rope), no permutations. At load the
+q/k/v rows are fused into one `wqkv` and gate/up into one `w_gate_up`, so a block is four matmuls.
+The model knows nothing about networks or requests: `forward` takes the hidden rows of several
+requests stacked together and, for each, its KV-cache slot and first position (`Span`).
+
+Shapes: N = rows in a step (all requests' tokens), H = hidden, d = head_dim, nq/nkv = query/KV
+heads, g = nq / nkv, L = keys attended, F = intermediate, V = vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kafila.models import rope
+from kafila.models.config import ModelConfig
+from kafila.models.manifest import EMBED, FINAL_NORM, LM_HEAD
+from kafila.models.span import Span
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class Block:
+    attn_norm: Tensor  # [H]
+    wqkv: Tensor  # [(nq + 2 nkv) d, H]: q rows, then k, then v
+    bqkv: Tensor | None  # [(nq + 2 nkv) d]
+    qk_norm: Tensor | None  # [nq + nkv, d]: q_norm per q head, then k_norm per kv head (qwen3)
+    wo: Tensor  # [H, nq d]
+    mlp_norm: Tensor  # [H]
+    w_gate_up: Tensor  # [2F, H]: gate rows, then up
+    w_down: Tensor  # [H, F]
+
+
+@dataclass
+class KVCache:
+    """Preallocated keys and values: per local block [slots, nkv, context, d]."""
+
+    k: list[Tensor]
+    v: list[Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class LlamaModel:
+    """Blocks [a, b) of a Llama-family model, plus the head (embedding, final norm, unembedding)
+    when `head` is set. `weights` maps Hugging Face names to tensors (any float dtype)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, Tensor],
+        blocks: range,
+        head: bool,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        context: int = 2048,
+    ) -> None:
+        self.config, self.blocks_range, self.has_head = config, blocks, head
+        self.dtype, self.device, self.context = dtype, torch.device(device), context
+        self.blocks = [self._load_block(weights, i) for i in blocks]
+        self.embed_w = self.norm_w = self.unembed_w = None
+        if head:
+            self.embed_w = self._w(weights, EMBED)  # [V, H]
+            self.norm_w = self._w(weights, FINAL_NORM)  # [H]
+            tied = config.tie_word_embeddings or LM_HEAD not in weights
+            self.unembed_w = self.embed_w if tied else self._w(weights, LM_HEAD)  # [V, H]
+        cos, sin = rope.tables(config, context)
+        self.cos = torch.from_numpy(cos).to(self.device, dtype)  # [context, d]
+        self.sin = torch.from_numpy(sin).to(self.device, dtype)  # [context, d], sign folded in
+
+    # -- loading ---------------------------------------------------------------------------------
+
+    def _w(self, weights: Mapping[str, Tensor], name: str) -> Tensor:
+        return weights[name].to(self.device, self.dtype)
+
+    def _cat(self, weights: Mapping[str, Tensor], names: Sequence[str]) -> Tensor:
+        return torch.cat([weights[n].to(self.device, self.dtype) for n in names], dim=0)
+
+    def _load_block(self, w: Mapping[str, Tensor], i: int) -> Block:
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        qk_norm = None
+        if self.config.qk_norm:
+            nq, nkv = self.config.num_attention_heads, self.config.num_key_value_heads
+            q_n, k_n = self._w(w, a + "q_norm.weight"), self._w(w, a + "k_norm.weight")  # [d]
+            qk_norm = torch.cat([q_n.expand(nq, -1), k_n.expand(nkv, -1)]).contiguous()  # [nq+nkv, d]
+        bias = [a + f"{n}_proj.bias" for n in "qkv"]
+        return Block(
+            attn_norm=self._w(w, p + "input_layernorm.weight"),
+            wqkv=self._cat(w, [a + f"{n}_proj.weight" for n in "qkv"]),
+            bqkv=self._cat(w, bias) if self.config.attention_bias else None,
+            qk_norm=qk_norm,
+            wo=self._w(w, a + "o_proj.weight"),
+            mlp_norm=self._w(w, p + "post_attention_layernorm.weight"),
+            w_gate_up=self._cat(w, [m + "gate_proj.weight", m + "up_proj.weight"]),
+            w_down=self._w(w, m + "down_proj.weight"),
+        )
+
+    def new_cache(self, slots: int) -> KVCache:
+        c = self.config
+        shape = (slots, c.num_key_value_heads, self.context, c.head_dim)
+        k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.blocks]
+        v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.blocks]
+        return KVCache(k, v)
+
+    # -- compute ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def embed(self, ids: Tensor) -> Tensor:
+        """ids [N] int64 -> hidden [N, H]."""
+        assert self.embed_w is not None, "embed() needs the head"
+        return F.embedding(ids.to(self.device), self.embed_w)
+
+    @torch.inference_mode()
+    def logits(self, x: Tensor) -> Tensor:
+        """hidden [B, H] -> logits [B, V] float32 (final norm + unembedding)."""
+        assert self.unembed_w is not None and self.norm_w is not None, "logits() needs the head"
+        h = F.rms_norm(x, (x.shape[-1],), self.norm_w, self.config.rms_norm_eps)
+        return F.linear(h, self.unembed_w).float()
+
+    @torch.inference_mode()
+    def forward(self, x: Tensor, spans: Sequence[Span], cache: KVCache) -> Tensor:
+        """hidden [N, H] (spans' rows stacked in order) -> hidden [N, H] after every local block."""
+        x = x.to(self.device, self.dtype, copy=True)  # [N, H], updated in place below
+        plan = _AttentionPlan(spans, self.device)
+        cos, sin = self.cos[plan.positions, None], self.sin[plan.positions, None]  # [N, 1, d]
+        for blk, k_cache, v_cache in zip(self.blocks, cache.k, cache.v, strict=True):
+            self._block(blk, x, cos, sin, plan, k_cache, v_cache)
+        return x
+
+    def _block(
+        self, blk: Block, x: Tensor, cos: Tensor, sin: Tensor, plan: _AttentionPlan, kc: Tensor, vc: Tensor
+    ) -> None:
+        c, eps = self.config, self.config.rms_norm_eps
+        n, nq, nkv, d = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        h = F.rms_norm(x, (x.shape[-1],), blk.attn_norm, eps)  # [N, H]
+        qkv = F.linear(h, blk.wqkv, blk.bqkv)  # [N, (nq + 2 nkv) d]
+        qk = qkv[:, : (nq + nkv) * d].view(n, nq + nkv, d)  # [N, nq + nkv, d]
+        if blk.qk_norm is not None:
+            qk = F.rms_norm(qk, (d,), None, eps) * blk.qk_norm
+        qk = qk * cos + qk.roll(d // 2, dims=-1) * sin  # rotate-half RoPE, [N, nq + nkv, d]
+        v = qkv[:, (nq + nkv) * d :].view(n, nkv, d)  # [N, nkv, d]
+        attn = plan.attend(qk[:, :nq], qk[:, nq:], v, kc, vc)  # [N, nq d]
+        x += F.linear(attn, blk.wo)  # [N, H]
+        h = F.rms_norm(x, (x.shape[-1],), blk.mlp_norm, eps)
+        gate, up = F.linear(h, blk.w_gate_up).chunk(2, dim=-1)  # [N, F] each
+        x += F.linear(F.silu(gate).mul_(up), blk.w_down)  # [N, H]
+
+
+class _AttentionPlan:
+    """Per-step indexing shared by every block: positions, slots, masks (built once per step).
+
+    Grouped-query attention without repeating K/V: the g query heads sharing a KV head are folded
+    into the query-length axis ([nkv, g*T, d] against [nkv, L, d]), so SDPA sees plain MHA."""
+
+    def __init__(self, spans: Sequence[Span], device: torch.device) -> None:
+        self.spans = list(spans)
+        self.decode_only = all(s.length == 1 for s in spans)
+        pos = [s.start + t for s in spans for t in range(s.length)]
+        self.positions = torch.tensor(pos, dtype=torch.long, device=device)  # [N]
+        self.slots = torch.tensor([s.slot for s in spans], dtype=torch.long, device=device)  # [B]
+        self.masks: list[Tensor | None] = []
+        if self.decode_only and len(spans) > 1:
+            kv_len = max(pos) + 1
+            keys = torch.arange(kv_len, device=device)
+            self.batch_mask = (keys[None, :] <= self.positions[:, None])[:, None, None, :]  # [B,1,1,L]
+        elif not self.decode_only:
+            self.masks = [_causal_mask(s, device) for s in spans]
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor) -> Tensor:
+        """q [N, nq, d], k/v [N, nkv, d] -> [N, nq d]; writes k/v into the caches first."""
+        if self.decode_only:
+            return self._decode(q, k, v, kc, vc)
+        out, row = [], 0
+        for s, mask in zip(self.spans, self.masks, strict=True):
+            rows = slice(row, row + s.length)
+            out.append(_attend_span(s, mask, q[rows], k[rows], v[rows], kc, vc))
+            row += s.length
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    def _decode(self, q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor) -> Tensor:
+        b, nq, d = q.shape
+        nkv = k.shape[1]
+        kc[self.slots, :, self.positions] = k  # [B, nkv, d] into [slots, nkv, ctx, d]
+        vc[self.slots, :, self.positions] = v
+        qg = q.view(b, nkv, nq // nkv, d)  # [B, nkv, g, d]
+        if b == 1:
+            s = self.spans[0]
+            keys, vals = kc[s.slot, :, : s.start + 1], vc[s.slot, :, : s.start + 1]  # [nkv, L, d]
+            return F.scaled_dot_product_attention(qg[0], keys, vals).reshape(1, nq * d)
+        kv_len = self.batch_mask.shape[-1]
+        keys, vals = kc[self.slots, :, :kv_len], vc[self.slots, :, :kv_len]  # [B, nkv, L, d]
+        out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=self.batch_mask)  # [B, nkv, g, d]
+        return out.reshape(b, nq * d)
+
+
+def _causal_mask(s: Span, device: torch.device) -> Tensor:
+    """[T, L]: query t (position start + t) sees keys 0..start + t."""
+    keys = torch.arange(s.start + s.length, device=device)
+    queries = torch.arange(s.start, s.start + s.length, device=device)
+    return keys[None, :] <= queries[:, None]
+
+
+def _attend_span(
+    s: Span, mask: Tensor | None, q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor
+) -> Tensor:
+    """One request's T rows: q [T, nq, d], k/v [T, nkv, d] -> [T, nq d]."""
+    t, nq, d = q.shape
+    nkv = k.shape[1]
+    g, end = nq // nkv, s.start + t
+    kc[s.slot, :, s.start : end] = k.transpose(0, 1)  # [nkv, T, d]
+    vc[s.slot, :, s.start : end] = v.transpose(0, 1)
+    qg = q.view(t, nkv, g, d).permute(1, 2, 0, 3).reshape(nkv, g * t, d)  # [nkv, g*T, d]
+    assert mask is not None
+    out = F.scaled_dot_product_attention(
+        qg, kc[s.slot, :, :end], vc[s.slot, :, :end], attn_mask=mask.repeat(g, 1)
+    )
+    return out.view(nkv, g, t, d).permute(2, 0, 1, 3).reshape(t, nq * d)  # [T, nq d]
