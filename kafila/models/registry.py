@@ -1,0 +1,128 @@
+"""Model names -> Hugging Face folders: the default models (converted on first use) and folders.
+
+`resolve("smollm2-135m")` converts the default model if needed and returns its folder;
+`resolve("/path/to/folder")` returns the folder; a name of a folder under the cache's models/ works
+too. `available()` lists all of them for `kafila models`.
+
+Cache: `$KAFILA_CACHE`, else `$XDG_CACHE_HOME/kafila`, else `~/.cache/kafila`; models live in
+`<cache>/models/<name>/`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ModelNotFound(ValueError):
+    """A --model value that is neither a known name nor a model folder."""
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    architecture: str  # config.json model_type, e.g. "llama"
+    blocks: int
+    size_bytes: int  # weights on disk once converted (F32 for the default models)
+    path: Path
+    converted: bool  # False: a default model whose folder is written on first use
+    description: str = ""
+
+
+def cache_dir() -> Path:
+    if os.environ.get("KAFILA_CACHE"):
+        return Path(os.environ["KAFILA_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "kafila"
+    return Path.home() / ".cache" / "kafila"
+
+
+def models_dir() -> Path:
+    return cache_dir() / "models"
+
+
+def resolve(name_or_path: str | os.PathLike[str], progress: bool = True) -> Path:
+    """A default model's name (converted on first use), a model folder, or a folder name in the cache."""
+    from kafila.models.default import DEFAULT_MODELS, ensure_default
+
+    text = os.fspath(name_or_path)
+    if text in DEFAULT_MODELS:
+        return ensure_default(text, progress=progress)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    cached = models_dir() / text
+    if os.sep not in text and (cached / "config.json").is_file():
+        return cached
+    names = [e.name for e in available()]
+    raise ModelNotFound(
+        f"unknown model {text!r}: not a model name nor a folder; available: {', '.join(names)} "
+        f"(or pass the path of a Hugging Face folder with config.json and safetensors)"
+    )
+
+
+def available() -> list[ModelEntry]:
+    """Default models (converted or not) then every model folder in the cache."""
+    from kafila.models.default import DEFAULT_MODELS
+
+    entries = [_default_entry(name) for name in DEFAULT_MODELS]
+    root = models_dir()
+    if root.is_dir():
+        for folder in sorted(root.iterdir()):
+            if folder.name in DEFAULT_MODELS or folder.name.startswith("."):
+                continue
+            entry = _folder_entry(folder.name, folder)
+            if entry is not None:
+                entries.append(entry)
+    return entries
+
+
+def _default_entry(name: str) -> ModelEntry:
+    from kafila.models.default import DEFAULT_MODELS, default_folder, is_converted
+
+    model = DEFAULT_MODELS[name]
+    folder = default_folder(name)
+    if is_converted(name):
+        entry = _folder_entry(name, folder)
+        if entry is not None:
+            return ModelEntry(**{**entry.__dict__, "description": model.description})
+    arch, blocks, size = _gguf_summary(name)
+    return ModelEntry(name, arch, blocks, size, folder, converted=False, description=model.description)
+
+
+def _gguf_summary(name: str) -> tuple[str, int, int]:
+    """(architecture, blocks, F32 bytes) from the GGUF's header; zeros if the package is missing."""
+    from kafila.models.default import DEFAULT_MODELS, DefaultModelUnavailable, locate_gguf
+
+    try:
+        file = locate_gguf(DEFAULT_MODELS[name])
+    except DefaultModelUnavailable:
+        return ("?", 0, 0)
+    import gguf
+
+    reader = gguf.GGUFReader(file)
+    arch = reader.fields["general.architecture"].contents()
+    blocks = int(reader.fields[f"{arch}.block_count"].contents())
+    return (arch, blocks, 4 * sum(int(t.n_elements) for t in reader.tensors))
+
+
+def _folder_entry(name: str, folder: Path) -> ModelEntry | None:
+    """A summary from config.json and the safetensors sizes; None if it is not a model folder."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError:
+        return None
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    return ModelEntry(
+        name=name,
+        architecture=str(config.get("model_type", "?")),
+        blocks=int(config.get("num_hidden_layers", 0)),
+        size_bytes=size,
+        path=folder,
+        converted=True,
+    )
