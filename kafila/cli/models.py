@@ -1,0 +1,67 @@
+"""`kafila models`: list the models available here (default models and folders in the cache)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per model (name, architecture, blocks, size_bytes, path, converted) "
+        "instead of a table",
+    )
+    parser.add_argument(
+        "--convert",
+        metavar="NAME",
+        help="convert this default model now (normally done on first use) and then list",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    from kafila.models.default import DEFAULT_MODELS, DefaultModelUnavailable, ensure_default
+    from kafila.models.registry import available, models_dir
+
+    if args.convert:
+        if args.convert not in DEFAULT_MODELS:
+            print(f"kafila models: {args.convert!r} is not a default model ({', '.join(DEFAULT_MODELS)})")
+            return 2
+        try:
+            ensure_default(args.convert)
+        except DefaultModelUnavailable as exc:
+            print(f"kafila models: {exc}")
+            return 1
+    entries = available()
+    if args.json:
+        for e in entries:
+            row = {
+                "name": e.name,
+                "architecture": e.architecture,
+                "blocks": e.blocks,
+                "size_bytes": e.size_bytes,
+                "path": str(e.path),
+                "converted": e.converted,
+            }
+            print(json.dumps(row))
+        return 0
+    rows = [("NAME", "ARCH", "BLOCKS", "SIZE", "CONVERTED", "PATH")]
+    for e in entries:
+        converted = "yes" if e.converted else "on first use"
+        rows.append((e.name, e.architecture, str(e.blocks), _size(e.size_bytes), converted, str(e.path)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
+    print(f"\ncache: {models_dir()}  (--model takes a name above or a Hugging Face folder)")
+    return 0
+
+
+def _size(n: int) -> str:
+    if n <= 0:
+        return "?"
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    return f"{n} B"
