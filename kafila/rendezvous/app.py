@@ -1,0 +1,152 @@
+"""Starlette app of the rendezvous: WebSocket signaling at /v1/signal, /healthz, /metrics.
+
+A thin asyncio shell around `Registry`: each connection gets an id and an outbox drained by a
+writer task; frames are decoded with the strict parser and fed to the registry with `now`; the
+events it returns are carried out here. A tick task times out silent members and expires codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
+
+from kafila.obs.log import get_logger
+from kafila.proto import signaling as sig
+from kafila.proto.errors import ProtocolError
+from kafila.rendezvous.metrics import make_registry
+from kafila.rendezvous.registry import Close, ConnId, Event, Note, Registry, Send
+
+log = get_logger("kafila.rendezvous")
+SIGNAL_PATH = "/v1/signal"
+OUTBOX_LIMIT = 1000  # queued frames before a connection that does not read is dropped
+_CloseReq = tuple[int, str]
+
+
+class SignalingHub:
+    def __init__(self, registry: Registry, clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry = registry
+        self.clock = clock
+        self._ids = itertools.count(1)
+        self._outboxes: dict[ConnId, asyncio.Queue[str | _CloseReq]] = {}
+
+    def apply(self, events: list[Event]) -> None:
+        for event in events:
+            if isinstance(event, Send):
+                self._enqueue(event.conn, sig.encode(event.message))
+            elif isinstance(event, Close):
+                self._enqueue(event.conn, (event.code, event.reason))
+            elif isinstance(event, Note):
+                log.info(event.event, **event.fields)
+
+    def _enqueue(self, conn: ConnId, item: str | _CloseReq) -> None:
+        box = self._outboxes.get(conn)
+        if box is None:
+            return
+        if box.qsize() >= OUTBOX_LIMIT and isinstance(item, str):
+            log.warning("outbox_full", conn=conn, queued=box.qsize())
+            box.put_nowait((1008, f"not reading: {box.qsize()} messages queued"))
+            return
+        box.put_nowait(item)
+
+    async def serve(self, ws: WebSocket) -> None:
+        await ws.accept()
+        conn = next(self._ids)
+        self._outboxes[conn] = asyncio.Queue()
+        source = ws.client.host if ws.client else "unknown"
+        self.apply(self.registry.connect(conn, source, self.clock()))
+        reader = asyncio.create_task(self._read(ws, conn))
+        writer = asyncio.create_task(self._write(ws, conn))
+        try:
+            await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (reader, writer):
+                task.cancel()
+            await asyncio.gather(reader, writer, return_exceptions=True)
+            self._outboxes.pop(conn, None)
+            self.apply(self.registry.disconnect(conn, self.clock()))
+
+    async def _read(self, ws: WebSocket, conn: ConnId) -> None:
+        limit = self.registry.limits.max_message_bytes
+        while True:
+            message = await ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            now = self.clock()
+            if message.get("text") is None:
+                err = ProtocolError("binary frames are not part of the protocol; send JSON text")
+                self.apply(self.registry.bad_frame(conn, err, now))
+                continue
+            try:
+                msg = sig.decode_client(message["text"], limit)
+            except ProtocolError as exc:
+                self.apply(self.registry.bad_frame(conn, exc, now))
+                continue
+            self.apply(self.registry.receive(conn, msg, now))
+
+    async def _write(self, ws: WebSocket, conn: ConnId) -> None:
+        box = self._outboxes[conn]
+        while True:
+            item = await box.get()
+            if isinstance(item, tuple):
+                with contextlib.suppress(Exception):
+                    await ws.close(item[0], item[1])
+                return
+            await ws.send_text(item)
+
+    async def tick_forever(self, period: float) -> None:
+        while True:
+            await asyncio.sleep(period)
+            self.apply(self.registry.tick(self.clock()))
+
+
+def build_app(
+    registry: Registry,
+    udp_stats: dict[str, int] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    tick_s: float = 1.0,
+) -> Starlette:
+    hub = SignalingHub(registry, clock)
+    prom = make_registry(registry, udp_stats)
+
+    async def healthz(request: Request) -> Response:
+        body: dict[str, Any] = {
+            "status": "ok",
+            "sessions": len(registry.sessions),
+            "members": registry.member_count,
+            "udp_port": registry.probe.port,
+        }
+        return JSONResponse(body)
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(prom), media_type=CONTENT_TYPE_LATEST)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        ticker = asyncio.create_task(hub.tick_forever(tick_s))
+        try:
+            yield
+        finally:
+            ticker.cancel()
+            await asyncio.gather(ticker, return_exceptions=True)
+
+    app = Starlette(
+        routes=[
+            Route("/healthz", healthz),
+            Route("/metrics", metrics),
+            WebSocketRoute(SIGNAL_PATH, hub.serve),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.hub = hub
+    return app

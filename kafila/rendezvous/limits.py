@@ -1,0 +1,29 @@
+"""Every limit the rendezvous enforces, in one value (flags of `kafila rendezvous` fill it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kafila.proto import signaling
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_message_bytes: int = signaling.MAX_MESSAGE_BYTES  # one signaling frame
+    max_bad_frames: int = 5  # malformed frames in a row before the connection is closed
+    max_connections: int = 5000
+    max_sessions: int = 1000
+    max_members: int = 64  # per session
+    code_ttl_s: float = 600.0  # a code with no join for this long stops working
+    heartbeat_s: float = 10.0  # interval members are told to keep
+    heartbeat_timeout_s: float = 30.0  # silence after which a member is timed out
+    join_rate_per_address: float = 10 / 60  # join attempts per second per source address...
+    join_burst_per_address: int = 10  # ...with this burst
+    join_rate_per_session: float = 20 / 60  # join attempts per second on one session's code...
+    join_burst_per_session: int = 20
+    open_rate_per_address: float = 6 / 60  # sessions opened per second per source address
+    open_burst_per_address: int = 6
+    relay_channels: int = 4096  # all sessions together
+    relay_channels_per_session: int = 32
+    relay_session_bytes_per_s: float = 100e6  # forwarded per session (0: unlimited)
+    relay_idle_s: float = 60.0  # a channel with no bind or data for this long is removed

@@ -1,0 +1,67 @@
+"""Prometheus metrics of the rendezvous (prefix `kafila_rendezvous_`), read from the pure cores.
+
+The registry and relay keep plain counters; this collector turns them into metrics at scrape
+time, so forwarding a packet costs no metric lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kafila.rendezvous.registry import Registry
+
+PREFIX = "kafila_rendezvous_"
+JOIN_OUTCOMES = (
+    "ok",
+    "unknown_session",
+    "bad_code",
+    "rate_limited",
+    "session_full",
+    "already_in_session",
+)
+
+
+class RendezvousCollector(Collector):
+    def __init__(self, registry: Registry, udp_stats: dict[str, int] | None = None) -> None:
+        self.registry = registry
+        self.udp_stats = udp_stats if udp_stats is not None else {}
+
+    def collect(self) -> Iterator[Metric]:
+        reg, relay = self.registry, self.registry.relay
+        yield GaugeMetricFamily(PREFIX + "sessions", "Open sessions", value=len(reg.sessions))
+        yield GaugeMetricFamily(PREFIX + "members", "Members in open sessions", value=reg.member_count)
+        yield GaugeMetricFamily(PREFIX + "connections", "Signaling connections", value=len(reg.conns))
+        joins = CounterMetricFamily(PREFIX + "joins", "Join attempts by outcome", labels=["outcome"])
+        for outcome in sorted(set(JOIN_OUTCOMES) | set(reg.joins)):
+            joins.add_metric([outcome], reg.joins.get(outcome, 0))
+        yield joins
+        yield GaugeMetricFamily(
+            PREFIX + "relay_channels", "Allocated relay channels", value=len(relay.channels)
+        )
+        yield CounterMetricFamily(
+            PREFIX + "relay_bytes", "Bytes forwarded by the relay", value=relay.totals.bytes
+        )
+        yield CounterMetricFamily(
+            PREFIX + "relay_packets", "Datagrams forwarded by the relay", value=relay.totals.packets
+        )
+        dropped = CounterMetricFamily(PREFIX + "relay_dropped", "Relay datagrams dropped", labels=["reason"])
+        for why, count in relay.totals.dropped.items():
+            dropped.add_metric([why.value], count)
+        yield dropped
+        probes = CounterMetricFamily(
+            PREFIX + "udp_datagrams", "UDP datagrams received by kind", labels=["kind"]
+        )
+        for kind, count in sorted(self.udp_stats.items()):
+            probes.add_metric([kind], count)
+        yield probes
+
+
+def make_registry(registry: Registry, udp_stats: dict[str, int] | None = None) -> CollectorRegistry:
+    """A Prometheus registry of its own (several rendezvous apps can live in one process)."""
+    prom = CollectorRegistry(auto_describe=False)
+    prom.register(RendezvousCollector(registry, udp_stats))
+    return prom

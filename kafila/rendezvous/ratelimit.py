@@ -1,0 +1,53 @@
+"""Token buckets keyed by a string (source address, session code); pure: callers pass `now`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class _Bucket:
+    tokens: float
+    stamp: float
+
+
+class TokenBuckets:
+    """`rate` tokens per second up to `burst`; `take(key, now)` spends one if available."""
+
+    def __init__(self, rate: float, burst: float, max_keys: int = 100_000) -> None:
+        self.rate = rate
+        self.burst = float(burst)
+        self.max_keys = max_keys
+        self._buckets: dict[str, _Bucket] = {}
+
+    def _level(self, bucket: _Bucket, now: float) -> float:
+        return min(self.burst, bucket.tokens + max(0.0, now - bucket.stamp) * self.rate)
+
+    def take(self, key: str, now: float, cost: float = 1.0) -> bool:
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            if len(self._buckets) >= self.max_keys:
+                self.prune(now)
+            bucket = self._buckets[key] = _Bucket(self.burst, now)
+        bucket.tokens = self._level(bucket, now)
+        bucket.stamp = now
+        if bucket.tokens < cost:
+            return False
+        bucket.tokens -= cost
+        return True
+
+    def retry_after(self, key: str, now: float, cost: float = 1.0) -> float:
+        """Seconds until `take(key)` would succeed."""
+        bucket = self._buckets.get(key)
+        if bucket is None or self.rate <= 0:
+            return 0.0 if bucket is None else float("inf")
+        return max(0.0, (cost - self._level(bucket, now)) / self.rate)
+
+    def prune(self, now: float) -> None:
+        """Forget buckets that have refilled (they behave exactly like absent ones)."""
+        full = [k for k, b in self._buckets.items() if self._level(b, now) >= self.burst]
+        for key in full:
+            del self._buckets[key]
+
+    def __len__(self) -> int:
+        return len(self._buckets)

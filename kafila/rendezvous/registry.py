@@ -1,0 +1,399 @@
+"""The rendezvous's pure session core: sessions, members, presence, codes, join limits.
+
+No sockets and no clock. The WebSocket shell calls `connect`, `receive`, `bad_frame`,
+`disconnect` and (about once a second) `tick`, each with `now`, and carries out the events
+returned: `Send` a message to a connection, `Close` a connection, `Note` something that happened
+(for the log). Counters for /metrics live here too (`joins`, `sessions`, `members`).
+
+Presence: any frame refreshes a member; `heartbeat_timeout_s` of silence times it out. A session
+dissolves when its last member is gone. Its code accepts joins while the session is not full and
+for `code_ttl_s` after the last open/join; a session still alone with its host when the code
+expires is dissolved (the host gets a fatal `code_expired`).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kafila.proto import codes, signaling
+from kafila.proto import signaling as sig
+from kafila.proto.errors import ProtocolError
+from kafila.rendezvous.limits import Limits
+from kafila.rendezvous.ratelimit import TokenBuckets
+from kafila.rendezvous.relay import RelayLimitError, RelayTable
+
+ConnId = int
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    conn: ConnId
+    message: sig.ServerMessage
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    conn: ConnId
+    code: int  # WebSocket close code
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    event: str
+    fields: dict[str, Any]
+
+
+Event = Send | Close | Note
+
+
+@dataclass(slots=True)
+class ProbeInfo:
+    """UDP endpoints advertised in opened/joined (None when the shell runs without UDP)."""
+
+    port: int | None = None
+    alt_port: int | None = None
+    alt_host: str | None = None
+
+
+@dataclass(slots=True)
+class Member:
+    id: int
+    conn: ConnId
+    info: sig.MemberInfo
+
+
+@dataclass(slots=True)
+class Session:
+    code: str
+    model: str
+    members_expected: int
+    code_deadline: float
+    members: dict[int, Member] = field(default_factory=dict)
+    next_id: int = 1
+    joins: int = 0  # successful joins (the host's open excluded)
+
+
+@dataclass(slots=True)
+class Conn:
+    id: ConnId
+    source: str
+    last_seen: float
+    session: str | None = None
+    member: int | None = None
+    bad_frames: int = 0
+
+
+class Registry:
+    def __init__(
+        self,
+        limits: Limits,
+        relay: RelayTable | None = None,
+        probe: ProbeInfo | None = None,
+        rand_below: Callable[[int], int] = secrets.randbelow,
+    ) -> None:
+        self.limits = limits
+        self.relay = relay if relay is not None else RelayTable(limits)
+        self.probe = probe or ProbeInfo()
+        self._rand_below = rand_below
+        self.sessions: dict[str, Session] = {}
+        self.conns: dict[ConnId, Conn] = {}
+        self.joins: Counter[str] = Counter()  # outcome -> count
+        self._join_by_addr = TokenBuckets(limits.join_rate_per_address, limits.join_burst_per_address)
+        self._join_by_session = TokenBuckets(limits.join_rate_per_session, limits.join_burst_per_session)
+        self._open_by_addr = TokenBuckets(limits.open_rate_per_address, limits.open_burst_per_address)
+
+    @property
+    def member_count(self) -> int:
+        return sum(len(s.members) for s in self.sessions.values())
+
+    # ------------------------------------------------------------ connections
+
+    def connect(self, conn: ConnId, source: str, now: float) -> list[Event]:
+        if len(self.conns) >= self.limits.max_connections:
+            msg = f"rendezvous has {len(self.conns)} connections, the limit is {self.limits.max_connections}"
+            return [
+                Send(conn, sig.Error("limit", msg, fatal=True)),
+                Close(conn, 1013, "too many connections"),
+            ]
+        self.conns[conn] = Conn(conn, source, now)
+        return []
+
+    def disconnect(self, conn: ConnId, now: float) -> list[Event]:
+        """The socket closed (cleanly or not); a member still in a session is gone."""
+        state = self.conns.pop(conn, None)
+        if state is None or state.session is None:
+            return []
+        return self._remove_member(state, "disconnected", now)
+
+    def bad_frame(self, conn: ConnId, error: ProtocolError, now: float) -> list[Event]:
+        state = self.conns.get(conn)
+        if state is None:
+            return []
+        state.last_seen = now
+        state.bad_frames += 1
+        fatal = state.bad_frames >= self.limits.max_bad_frames
+        out: list[Event] = [
+            Send(conn, sig.Error(error.code, str(error), fatal=fatal)),
+            Note(
+                "bad_frame", {"conn": conn, "source": state.source, "code": error.code, "error": str(error)}
+            ),
+        ]
+        if fatal:
+            out.append(Close(conn, 1008, f"{state.bad_frames} malformed messages in a row"))
+        return out
+
+    def receive(self, conn: ConnId, msg: sig.ClientMessage, now: float) -> list[Event]:
+        state = self.conns.get(conn)
+        if state is None:
+            return []
+        state.last_seen = now
+        state.bad_frames = 0
+        match msg:
+            case sig.Open():
+                return self._open(state, msg, now)
+            case sig.Join():
+                return self._join(state, msg, now)
+            case sig.Heartbeat(ref):
+                return [Send(conn, sig.HeartbeatAck(ref))]
+        if state.session is None:
+            return [Send(conn, sig.Error("not_in_session", f"'{msg.TYPE}' needs an open or join first"))]
+        match msg:
+            case sig.Update():
+                return self._update(state, msg)
+            case sig.Signal(to, payload):
+                return self._signal(state, to, payload)
+            case sig.RelayRequest(peer, ref):
+                return self._relay(state, peer, ref, now)
+            case sig.Leave():
+                return [*self._remove_member(state, "left", now), Close(conn, 1000, "left")]
+        raise AssertionError(f"unhandled message {msg!r}")  # pragma: no cover
+
+    # ------------------------------------------------------------ open / join
+
+    def _open(self, state: Conn, msg: sig.Open, now: float) -> list[Event]:
+        refusal = self._refuse_open(state, msg, now)
+        if refusal is not None:
+            return [Send(state.id, refusal)]
+        code = self._fresh_code()
+        session = Session(code, msg.model, msg.members_expected, now + self.limits.code_ttl_s)
+        self.sessions[code] = session
+        member = self._add_member(session, state, msg, host=True)
+        opened = sig.Opened(
+            session=code,
+            member=member.id,
+            expires_in=self.limits.code_ttl_s,
+            heartbeat_s=self.limits.heartbeat_s,
+            probe_port=self.probe.port,
+            probe_alt_port=self.probe.alt_port,
+            probe_alt_host=self.probe.alt_host,
+            ref=msg.ref,
+        )
+        fields = {
+            "session": code,
+            "model": msg.model,
+            "expected": msg.members_expected,
+            "source": state.source,
+        }
+        return [Send(state.id, opened), Note("session_opened", fields)]
+
+    def _refuse_open(self, state: Conn, msg: sig.Open, now: float) -> sig.Error | None:
+        lim = self.limits
+        if state.session is not None:
+            return sig.Error(
+                "already_in_session", f"this connection is already in session {state.session}", ref=msg.ref
+            )
+        if len(self.sessions) >= lim.max_sessions:
+            return sig.Error(
+                "limit",
+                f"rendezvous has {len(self.sessions)} sessions, the limit is {lim.max_sessions}",
+                ref=msg.ref,
+            )
+        if msg.members_expected > lim.max_members:
+            text = f"session expects {msg.members_expected} members, the limit is {lim.max_members}"
+            return sig.Error("limit", text, ref=msg.ref)
+        if not self._open_by_addr.take(state.source, now):
+            wait = self._open_by_addr.retry_after(state.source, now)
+            return sig.Error(
+                "rate_limited",
+                f"too many sessions opened from {state.source}; retry in {wait:.0f} s",
+                ref=msg.ref,
+            )
+        return None
+
+    def _fresh_code(self) -> str:
+        while True:
+            code = codes.new_public(self._rand_below)
+            if code not in self.sessions:
+                return code
+
+    def _join(self, state: Conn, msg: sig.Join, now: float) -> list[Event]:
+        outcome, result = self._try_join(state, msg, now)
+        self.joins[outcome] += 1
+        note = Note("join", {"outcome": outcome, "source": state.source, "session": msg.session})
+        if isinstance(result, sig.Error):
+            return [Send(state.id, result), note]
+        session, member = result
+        joined = sig.Joined(
+            session=session.code,
+            member=member.id,
+            model=session.model,
+            members_expected=session.members_expected,
+            members=[m.info for m in session.members.values()],
+            heartbeat_s=self.limits.heartbeat_s,
+            probe_port=self.probe.port,
+            probe_alt_port=self.probe.alt_port,
+            probe_alt_host=self.probe.alt_host,
+            ref=msg.ref,
+        )
+        out: list[Event] = [Send(state.id, joined), note]
+        out += [
+            Send(m.conn, sig.MemberJoined(member.info)) for m in session.members.values() if m is not member
+        ]
+        return out
+
+    def _try_join(
+        self, state: Conn, msg: sig.Join, now: float
+    ) -> tuple[str, sig.Error | tuple[Session, Member]]:
+        def err(outcome: str, text: str) -> tuple[str, sig.Error]:
+            return outcome, sig.Error(outcome, text, ref=msg.ref)
+
+        if state.session is not None:
+            return err("already_in_session", f"this connection is already in session {state.session}")
+        if not self._join_by_addr.take(state.source, now):
+            wait = self._join_by_addr.retry_after(state.source, now)
+            return err("rate_limited", f"too many join attempts from {state.source}; retry in {wait:.0f} s")
+        try:
+            code = codes.parse_public(msg.session)
+        except ProtocolError as exc:
+            return err("bad_code", str(exc))
+        session = self.sessions.get(code)
+        if session is None or now >= session.code_deadline:
+            return err("unknown_session", f"no open session with code {code} (wrong or expired code)")
+        if not self._join_by_session.take(code, now):
+            return err("rate_limited", f"too many join attempts on session {code}; retry later")
+        if len(session.members) >= min(session.members_expected, self.limits.max_members):
+            return err("session_full", f"session {code} already has its {session.members_expected} members")
+        session.joins += 1
+        session.code_deadline = now + self.limits.code_ttl_s
+        return "ok", (session, self._add_member(session, state, msg, host=False))
+
+    def _add_member(self, session: Session, state: Conn, msg: sig.Open | sig.Join, host: bool) -> Member:
+        mid = session.next_id
+        session.next_id += 1
+        info = sig.MemberInfo(
+            id=mid,
+            name=msg.name,
+            host=host,
+            address=state.source,
+            capability=msg.capability,
+            nat=msg.nat,
+            candidates=list(msg.candidates),
+        )
+        member = Member(mid, state.id, info)
+        session.members[mid] = member
+        state.session, state.member = session.code, mid
+        return member
+
+    # ------------------------------------------------------------ in-session requests
+
+    def _member(self, state: Conn) -> tuple[Session, Member]:
+        assert state.session is not None and state.member is not None
+        session = self.sessions[state.session]
+        return session, session.members[state.member]
+
+    def _update(self, state: Conn, msg: sig.Update) -> list[Event]:
+        session, member = self._member(state)
+        info = member.info
+        member.info = sig.MemberInfo(
+            id=info.id,
+            name=info.name,
+            host=info.host,
+            address=info.address,
+            capability=info.capability if msg.capability is None else msg.capability,
+            nat=info.nat if msg.nat is None else msg.nat,
+            candidates=info.candidates if msg.candidates is None else list(msg.candidates),
+        )
+        return [Send(m.conn, sig.MemberUpdated(member.info)) for m in session.members.values()]
+
+    def _signal(self, state: Conn, to: int, payload: signaling.JsonObject) -> list[Event]:
+        session, member = self._member(state)
+        target = session.members.get(to)
+        if target is None:
+            return [Send(state.id, sig.Error("unknown_member", f"session {session.code} has no member {to}"))]
+        return [Send(target.conn, sig.SignalFrom(member.id, payload))]
+
+    def _relay(self, state: Conn, peer: int, ref: str | None, now: float) -> list[Event]:
+        session, member = self._member(state)
+        other = session.members.get(peer)
+        if other is None or other is member:
+            text = f"session {session.code} has no other member {peer}"
+            return [Send(state.id, sig.Error("unknown_member", text, ref=ref))]
+        try:
+            channel = self.relay.allocate(session.code, member.id, peer, now)
+        except RelayLimitError as exc:
+            return [Send(state.id, sig.Error("limit", str(exc), ref=ref))]
+        out: list[Event] = []
+        for leg_index, leg in enumerate(channel.legs):
+            me = session.members[leg.member]
+            peer_id = channel.legs[1 - leg_index].member
+            msg = sig.RelayAllocated(
+                channel.id, peer_id, leg_index, leg.token.hex(), ref if me is member else None
+            )
+            out.append(Send(me.conn, msg))
+        out.append(
+            Note(
+                "relay_allocated", {"session": session.code, "channel": channel.id, "edge": [member.id, peer]}
+            )
+        )
+        return out
+
+    # ------------------------------------------------------------ leaving and time
+
+    def _remove_member(self, state: Conn, reason: str, now: float) -> list[Event]:
+        session, member = self._member(state)
+        del session.members[member.id]
+        state.session = state.member = None
+        self.relay.release_member(session.code, member.id)
+        out: list[Event] = [
+            Note("member_left", {"session": session.code, "member": member.id, "reason": reason})
+        ]
+        out += [Send(m.conn, sig.MemberLeft(member.id, reason)) for m in session.members.values()]
+        if not session.members:
+            out += self._dissolve(session, "last member left")
+        return out
+
+    def _dissolve(self, session: Session, why: str) -> list[Event]:
+        del self.sessions[session.code]
+        self.relay.release_session(session.code)
+        return [Note("session_dissolved", {"session": session.code, "why": why, "joins": session.joins})]
+
+    def tick(self, now: float) -> list[Event]:
+        """Time out silent members and expire unused codes."""
+        out: list[Event] = []
+        deadline = now - self.limits.heartbeat_timeout_s
+        for state in [c for c in self.conns.values() if c.last_seen <= deadline]:
+            if state.session is not None:
+                out += self._remove_member(state, "timed_out", now)
+            silent = now - state.last_seen
+            out.append(Send(state.id, sig.Error("timed_out", f"no message for {silent:.0f} s", fatal=True)))
+            out.append(Close(state.id, 1001, "heartbeat timeout"))
+            del self.conns[state.id]
+        for session in [s for s in self.sessions.values() if now >= s.code_deadline and s.joins == 0]:
+            (host,) = session.members.values()
+            text = (
+                f"nobody joined session {session.code} within {self.limits.code_ttl_s:.0f} s; open a new one"
+            )
+            out.append(Send(host.conn, sig.Error("code_expired", text, fatal=True)))
+            out.append(Close(host.conn, 1000, "code expired"))
+            self.conns[host.conn].session = self.conns[host.conn].member = None
+            out += self._dissolve(session, "code expired")
+        self.relay.expire(now)
+        self._join_by_addr.prune(now)
+        self._join_by_session.prune(now)
+        self._open_by_addr.prune(now)
+        return out

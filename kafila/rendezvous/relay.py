@@ -1,0 +1,191 @@
+"""The relay's pure core: channels between two legs of one ring edge, bound by per-leg tokens.
+
+No sockets and no clock: the UDP shell passes `now`, the datagram's source address and the index
+of the local socket it arrived on (`endpoint`), and gets back where to send it. Datagrams are
+forwarded unchanged; the relay never looks past the 6-byte RelayData header.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kafila.proto import udp
+from kafila.proto.udp import Address, ErrorCode
+from kafila.rendezvous.limits import Limits
+from kafila.rendezvous.ratelimit import TokenBuckets
+
+
+class RelayLimitError(Exception):
+    """A channel could not be allocated; the text names the limit and the numbers."""
+
+
+@dataclass(slots=True)
+class Leg:
+    member: int
+    token: bytes
+    addr: Address | None = None
+    endpoint: int = 0  # index of the local socket the leg bound through
+
+
+@dataclass(slots=True)
+class Channel:
+    id: int
+    session: str
+    legs: tuple[Leg, Leg]
+    last_active: float
+    bytes: int = 0
+    packets: int = 0
+    dropped: int = 0
+
+    def leg_of(self, member: int) -> Leg:
+        return self.legs[0] if self.legs[0].member == member else self.legs[1]
+
+
+class Drop(Enum):
+    UNKNOWN_CHANNEL = "unknown_channel"
+    NOT_A_LEG = "not_a_leg"  # source is not a bound leg of the channel
+    PEER_UNBOUND = "peer_unbound"
+    RATE_LIMITED = "rate_limited"
+
+
+@dataclass(slots=True)
+class Totals:
+    bytes: int = 0
+    packets: int = 0
+    dropped: dict[Drop, int] = field(default_factory=lambda: dict.fromkeys(Drop, 0))
+    allocated: int = 0
+    expired: int = 0
+
+
+class RelayTable:
+    def __init__(
+        self,
+        limits: Limits,
+        token_bytes: Callable[[int], bytes] = secrets.token_bytes,
+        random_id: Callable[[], int] = lambda: secrets.randbelow(udp.MAX_CHANNEL) + 1,
+    ) -> None:
+        self.limits = limits
+        self._token_bytes = token_bytes
+        self._random_id = random_id
+        self.channels: dict[int, Channel] = {}
+        self._by_edge: dict[tuple[str, int, int], int] = {}
+        self._rate = TokenBuckets(limits.relay_session_bytes_per_s, limits.relay_session_bytes_per_s)
+        self.totals = Totals()
+
+    # ------------------------------------------------------------ allocation
+
+    def allocate(self, session: str, a: int, b: int, now: float) -> Channel:
+        """The channel for edge {a, b} of `session`, created if new (raises RelayLimitError)."""
+        edge = (session, min(a, b), max(a, b))
+        existing = self._by_edge.get(edge)
+        if existing is not None:
+            return self.channels[existing]
+        self._check_caps(session)
+        cid = self._fresh_id()
+        legs = (
+            Leg(edge[1], self._token_bytes(udp.TOKEN_BYTES)),
+            Leg(edge[2], self._token_bytes(udp.TOKEN_BYTES)),
+        )
+        channel = Channel(cid, session, legs, now)
+        self.channels[cid] = channel
+        self._by_edge[edge] = cid
+        self.totals.allocated += 1
+        return channel
+
+    def _check_caps(self, session: str) -> None:
+        if len(self.channels) >= self.limits.relay_channels:
+            raise RelayLimitError(
+                f"relay has {len(self.channels)} channels, the limit is {self.limits.relay_channels}"
+            )
+        mine = sum(1 for s, _, _ in self._by_edge if s == session)
+        cap = self.limits.relay_channels_per_session
+        if mine >= cap:
+            raise RelayLimitError(f"session {session} has {mine} relay channels, the limit is {cap}")
+
+    def _fresh_id(self) -> int:
+        while True:
+            cid = self._random_id()
+            if 1 <= cid <= udp.MAX_CHANNEL and cid not in self.channels:
+                return cid
+
+    # ------------------------------------------------------------ binding
+
+    def bind(self, msg: udp.RelayBind, src: Address, endpoint: int, now: float) -> udp.UdpMessage:
+        """Bind (or refresh, or move) the leg whose token this is; returns the ack or error to send."""
+        channel = self.channels.get(msg.channel)
+        if channel is None:
+            return udp.RelayBindError(
+                msg.channel, ErrorCode.UNKNOWN_CHANNEL, f"no relay channel {msg.channel}"
+            )
+        leg = next((g for g in channel.legs if hmac.compare_digest(g.token, msg.token)), None)
+        if leg is None:
+            return udp.RelayBindError(msg.channel, ErrorCode.BAD_TOKEN, "token does not match either leg")
+        leg.addr, leg.endpoint = src, endpoint
+        channel.last_active = now
+        other = channel.legs[1] if leg is channel.legs[0] else channel.legs[0]
+        return udp.RelayBindAck(msg.channel, other.addr is not None, src)
+
+    # ------------------------------------------------------------ forwarding
+
+    def forward(self, cid: int, src: Address, size: int, now: float) -> tuple[Address, int] | Drop:
+        """Where a RelayData datagram of `size` bytes from `src` goes: (address, endpoint) or a Drop."""
+        channel = self.channels.get(cid)
+        if channel is None:
+            return self._drop(None, Drop.UNKNOWN_CHANNEL)
+        a, b = channel.legs
+        if a.addr == src:
+            dest = b
+        elif b.addr == src:
+            dest = a
+        else:
+            return self._drop(channel, Drop.NOT_A_LEG)
+        if dest.addr is None:
+            return self._drop(channel, Drop.PEER_UNBOUND)
+        if self.limits.relay_session_bytes_per_s > 0 and not self._rate.take(channel.session, now, size):
+            return self._drop(channel, Drop.RATE_LIMITED)
+        channel.bytes += size
+        channel.packets += 1
+        channel.last_active = now
+        self.totals.bytes += size
+        self.totals.packets += 1
+        return dest.addr, dest.endpoint
+
+    def _drop(self, channel: Channel | None, why: Drop) -> Drop:
+        if channel is not None:
+            channel.dropped += 1
+        self.totals.dropped[why] += 1
+        return why
+
+    # ------------------------------------------------------------ removal
+
+    def expire(self, now: float) -> list[Channel]:
+        """Remove channels idle for `relay_idle_s`; returns them."""
+        idle = [c for c in self.channels.values() if now - c.last_active >= self.limits.relay_idle_s]
+        for channel in idle:
+            self._remove(channel)
+        self.totals.expired += len(idle)
+        return idle
+
+    def release_member(self, session: str, member: int) -> list[Channel]:
+        gone = [
+            c
+            for c in self.channels.values()
+            if c.session == session and member in (c.legs[0].member, c.legs[1].member)
+        ]
+        for channel in gone:
+            self._remove(channel)
+        return gone
+
+    def release_session(self, session: str) -> list[Channel]:
+        gone = [c for c in self.channels.values() if c.session == session]
+        for channel in gone:
+            self._remove(channel)
+        return gone
+
+    def _remove(self, channel: Channel) -> None:
+        del self.channels[channel.id]
+        self._by_edge.pop((channel.session, channel.legs[0].member, channel.legs[1].member), None)

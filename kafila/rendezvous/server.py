@@ -1,0 +1,113 @@
+"""Run the rendezvous: UDP probes + relay and the signaling app under uvicorn, in one event loop.
+
+`RendezvousServer(config)`: `await start()` binds everything (port 0 picks a free port; the bound
+ports are then in `http_port`, `udp.port`, `udp.alt_port`), `await stop()` shuts it down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from dataclasses import dataclass, field
+
+import uvicorn
+
+from kafila.obs.log import get_logger
+from kafila.proto import signaling
+from kafila.rendezvous.app import SIGNAL_PATH, build_app
+from kafila.rendezvous.limits import Limits
+from kafila.rendezvous.registry import ProbeInfo, Registry
+from kafila.rendezvous.relay import RelayTable
+from kafila.rendezvous.udp import UdpService
+
+log = get_logger("kafila.rendezvous")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "0.0.0.0"  # signaling (HTTP/WebSocket) address
+    port: int = 8470
+    udp_host: str | None = None  # probe/relay address; default: `host`
+    udp_port: int = 3478
+    udp_alt_port: int = 3479
+    udp_alt_host: str | None = None  # a second address for "reply from other address"
+    advertise_alt_host: str | None = None  # alt address as members reach it (default udp_alt_host)
+    cert: str | None = None  # PEM certificate chain: serve wss directly
+    key: str | None = None
+    forwarded_allow_ips: str | None = None  # trust X-Forwarded-For from these proxies
+    limits: Limits = field(default_factory=Limits)
+    tick_s: float = 1.0
+
+
+class RendezvousServer:
+    def __init__(self, config: ServerConfig, handle_signals: bool = False) -> None:
+        self.config = config
+        self.handle_signals = handle_signals
+        self.relay = RelayTable(config.limits)
+        self.udp = UdpService(self.relay)
+        self.registry: Registry | None = None
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.http_port = 0
+
+    async def start(self) -> None:
+        cfg = self.config
+        await self.udp.start(cfg.udp_host or cfg.host, cfg.udp_port, cfg.udp_alt_port, cfg.udp_alt_host)
+        alt_host = cfg.advertise_alt_host or cfg.udp_alt_host
+        probe = ProbeInfo(self.udp.port, self.udp.alt_port, alt_host)
+        self.registry = Registry(cfg.limits, self.relay, probe)
+        app = build_app(self.registry, self.udp.stats, tick_s=cfg.tick_s)
+        sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((cfg.host, cfg.port))
+        self.http_port = sock.getsockname()[1]
+        self._server = uvicorn.Server(self._uvicorn_config(app))
+        # uvicorn's serve() captures SIGINT/SIGTERM (wanted by the CLI); embedded servers (tests, demo)
+        # leave signals to their host process.
+        serve = self._server.serve if self.handle_signals else self._server._serve
+        self._task = asyncio.create_task(serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self.udp.close()
+                await self._task  # raises what went wrong
+                raise RuntimeError("rendezvous HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+        log.info("rendezvous_started", url=self.url, udp_port=self.udp.port, udp_alt_port=self.udp.alt_port)
+
+    def _uvicorn_config(self, app: object) -> uvicorn.Config:
+        cfg = self.config
+        return uvicorn.Config(
+            app,
+            ssl_certfile=cfg.cert,
+            ssl_keyfile=cfg.key,
+            ws="websockets-sansio",
+            ws_max_size=max(4 * cfg.limits.max_message_bytes, signaling.MAX_MESSAGE_BYTES),
+            ws_ping_interval=20.0,
+            ws_ping_timeout=20.0,
+            proxy_headers=cfg.forwarded_allow_ips is not None,
+            forwarded_allow_ips=cfg.forwarded_allow_ips,
+            log_config=None,
+            access_log=False,
+            lifespan="on",
+        )
+
+    @property
+    def url(self) -> str:
+        scheme = "wss" if self.config.cert else "ws"
+        host = self.config.host if self.config.host not in ("0.0.0.0", "::") else "127.0.0.1"
+        return f"{scheme}://{host}:{self.http_port}{SIGNAL_PATH}"
+
+    async def stop(self) -> None:
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await self._task
+        self.udp.close()
+        log.info("rendezvous_stopped")
+
+    async def serve_forever(self) -> None:
+        await self.start()
+        try:
+            assert self._task is not None
+            await self._task
+        finally:
+            self.udp.close()
