@@ -1,0 +1,273 @@
+"""Member-side signaling client: one WebSocket to the rendezvous (asyncio).
+
+    client = await SignalingClient.connect("wss://rv.example:8470/v1/signal", ca_file="ca.pem")
+    opened = await client.open_session("smollm2-135m", 3, "laptop", capability)  # host
+    joined = await client.join("4-k7m2", "desktop", capability)                   # or a member
+    await client.signal(peer_id, {"kind": "candidates", ...})                     # opaque payload
+    relay = await client.request_relay(peer_id)       # RelayAllocated: channel, leg token
+    event = await client.next_event()                 # member_joined, signal, member_left, ...
+    await client.close()                              # sends leave
+
+Replies to requests are matched by `ref`; everything else (a peer's signal, members coming and
+going, a relay channel a peer asked for, errors not tied to a request) arrives through
+`next_event()`. Heartbeats are sent in the background every `heartbeat_s` the rendezvous asked
+for. Refusals raise `SignalingError(code, message)`; a lost connection raises `SignalingClosed`.
+
+TLS: `wss://` URLs verify the rendezvous certificate against the system trust store, or against
+`ca_file` only, or (`fingerprint`) pin the SHA-256 of its certificate instead of a CA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import itertools
+import ssl
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+from kafila.obs.log import get_logger
+from kafila.proto import signaling as sig
+from kafila.proto.errors import ProtocolError
+
+log = get_logger("kafila.net.signaling")
+
+
+class SignalingError(Exception):
+    """The rendezvous refused a request (`code` as in docs/protocol.md)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class SignalingClosed(SignalingError):
+    """The connection to the rendezvous is gone."""
+
+
+def client_ssl_context(ca_file: str | None = None, fingerprint: str | None = None) -> ssl.SSLContext:
+    """System trust by default; only `ca_file` when given; no CA check when pinning a fingerprint."""
+    if fingerprint is not None:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE  # the certificate is checked against the pin after the handshake
+        return ctx
+    ctx = ssl.create_default_context(cafile=ca_file) if ca_file else ssl.create_default_context()
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
+
+
+def _normalize_fingerprint(text: str) -> bytes:
+    hex_digits = text.replace(":", "").replace(" ", "").lower()
+    raw = bytes.fromhex(hex_digits)
+    if len(raw) != 32:
+        raise ValueError(f"certificate fingerprint has {len(raw)} bytes, expected 32 (SHA-256)")
+    return raw
+
+
+class SignalingClient:
+    def __init__(self, ws: ClientConnection) -> None:
+        self._ws = ws
+        self._refs = itertools.count(1)
+        self._pending: dict[str, asyncio.Future[sig.ServerMessage]] = {}
+        self._events: asyncio.Queue[sig.ServerMessage | None] = asyncio.Queue()
+        self._reader = asyncio.create_task(self._read())
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._closed: SignalingClosed | None = None
+        self.member: int | None = None
+        self.session: str | None = None
+        self.probe: tuple[int | None, int | None, str | None] = (None, None, None)
+        self.rtt_s: float | None = None  # last heartbeat round trip
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        *,
+        ca_file: str | None = None,
+        fingerprint: str | None = None,
+        open_timeout: float = 10.0,
+    ) -> SignalingClient:
+        ctx = client_ssl_context(ca_file, fingerprint) if url.startswith("wss://") else None
+        pin = _normalize_fingerprint(fingerprint) if fingerprint is not None else None
+        ws = await connect(
+            url,
+            ssl=ctx,
+            open_timeout=open_timeout,
+            max_size=sig.MAX_SERVER_MESSAGE_BYTES,
+            compression=None,
+            proxy=None,
+        )
+        if pin is not None:
+            await cls._check_pin(ws, pin, url)
+        return cls(ws)
+
+    @staticmethod
+    async def _check_pin(ws: ClientConnection, pin: bytes, url: str) -> None:
+        ssl_object = ws.transport.get_extra_info("ssl_object")
+        der = ssl_object.getpeercert(binary_form=True) if ssl_object else None
+        seen = hashlib.sha256(der or b"").digest()
+        if der is None or not hmac.compare_digest(seen, pin):
+            await ws.close(1008, "certificate fingerprint mismatch")
+            raise SignalingError(
+                "bad_certificate",
+                f"{url}: certificate SHA-256 {seen.hex()} does not match the pinned {pin.hex()}",
+            )
+
+    # ------------------------------------------------------------ requests
+
+    async def open_session(
+        self,
+        model: str,
+        members_expected: int,
+        name: str,
+        capability: sig.JsonObject,
+        nat: sig.JsonObject | None = None,
+        candidates: Sequence[str] = (),
+        timeout: float = 10.0,
+    ) -> sig.Opened:
+        ref = self._ref()
+        msg = sig.Open(model, members_expected, name, capability, nat, list(candidates), ref)
+        opened = await self._request(msg, ref, sig.Opened, timeout)
+        self._entered(opened.session, opened.member, opened.heartbeat_s)
+        self.probe = (opened.probe_port, opened.probe_alt_port, opened.probe_alt_host)
+        return opened
+
+    async def join(
+        self,
+        session: str,
+        name: str,
+        capability: sig.JsonObject,
+        nat: sig.JsonObject | None = None,
+        candidates: Sequence[str] = (),
+        timeout: float = 10.0,
+    ) -> sig.Joined:
+        ref = self._ref()
+        msg = sig.Join(session, name, capability, nat, list(candidates), ref)
+        joined = await self._request(msg, ref, sig.Joined, timeout)
+        self._entered(joined.session, joined.member, joined.heartbeat_s)
+        self.probe = (joined.probe_port, joined.probe_alt_port, joined.probe_alt_host)
+        return joined
+
+    async def update(
+        self,
+        capability: sig.JsonObject | None = None,
+        nat: sig.JsonObject | None = None,
+        candidates: Sequence[str] | None = None,
+    ) -> None:
+        await self._send(sig.Update(capability, nat, None if candidates is None else list(candidates)))
+
+    async def signal(self, to: int, payload: sig.JsonObject) -> None:
+        await self._send(sig.Signal(to, payload))
+
+    async def request_relay(self, peer: int, timeout: float = 10.0) -> sig.RelayAllocated:
+        ref = self._ref()
+        return await self._request(sig.RelayRequest(peer, ref), ref, sig.RelayAllocated, timeout)
+
+    async def heartbeat(self, timeout: float = 10.0) -> float:
+        """Send a heartbeat; returns its round trip in seconds."""
+        ref = self._ref()
+        start = time.monotonic()
+        await self._request(sig.Heartbeat(ref), ref, sig.HeartbeatAck, timeout)
+        self.rtt_s = time.monotonic() - start
+        return self.rtt_s
+
+    async def next_event(self, timeout: float | None = None) -> sig.ServerMessage:
+        """The next unsolicited message; raises SignalingClosed once the connection is gone."""
+        item = await asyncio.wait_for(self._events.get(), timeout)
+        if item is None:
+            self._events.put_nowait(None)  # keep raising for later callers
+            raise self._closed or SignalingClosed("closed", "connection closed")
+        return item
+
+    async def close(self, reason: str | None = None) -> None:
+        """Leave the session (if in one) and close the connection."""
+        if self._closed is None and self.session is not None:
+            with contextlib.suppress(ConnectionClosed, SignalingError):
+                await self._send(sig.Leave(reason))
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        await self._ws.close()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
+
+    async def __aenter__(self) -> SignalingClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------ internals
+
+    def _ref(self) -> str:
+        return f"r{next(self._refs)}"
+
+    def _entered(self, session: str, member: int, heartbeat_s: float) -> None:
+        self.session, self.member = session, member
+        if self._heartbeat is None and heartbeat_s > 0:
+            self._heartbeat = asyncio.create_task(self._beat(heartbeat_s))
+
+    async def _send(self, msg: sig.ClientMessage) -> None:
+        if self._closed is not None:
+            raise self._closed
+        try:
+            await self._ws.send(sig.encode(msg))
+        except ConnectionClosed as exc:
+            raise SignalingClosed("closed", f"connection to the rendezvous closed: {exc}") from exc
+
+    async def _request(self, msg: sig.ClientMessage, ref: str, want: type[Any], timeout: float) -> Any:
+        future: asyncio.Future[sig.ServerMessage] = asyncio.get_running_loop().create_future()
+        self._pending[ref] = future
+        try:
+            await self._send(msg)
+            reply = await asyncio.wait_for(future, timeout)
+        finally:
+            self._pending.pop(ref, None)
+        if isinstance(reply, sig.Error):
+            raise SignalingError(reply.code, reply.message)
+        if not isinstance(reply, want):
+            raise SignalingError("bad_message", f"expected {want.TYPE} for {msg.TYPE}, got {reply.TYPE}")
+        return reply
+
+    async def _beat(self, period: float) -> None:
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.heartbeat(timeout=period * 2)
+            except (SignalingError, TimeoutError) as exc:
+                log.warning("heartbeat_failed", error=str(exc))
+                if isinstance(exc, SignalingClosed):
+                    return
+
+    async def _read(self) -> None:
+        try:
+            async for frame in self._ws:
+                self._dispatch(frame)
+            reason = f"rendezvous closed the connection ({self._ws.close_code} {self._ws.close_reason or ''})"
+        except ConnectionClosed as exc:
+            reason = f"connection to the rendezvous lost: {exc}"
+        self._closed = SignalingClosed("closed", reason.strip())
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(self._closed)
+        self._events.put_nowait(None)
+
+    def _dispatch(self, frame: str | bytes) -> None:
+        try:
+            msg = sig.decode_server(frame)
+        except ProtocolError as exc:
+            log.warning("bad_frame_from_rendezvous", error=str(exc))
+            return
+        ref = getattr(msg, "ref", None)
+        future = self._pending.get(ref) if ref is not None else None
+        if future is not None and not future.done():
+            future.set_result(msg)
+        else:
+            self._events.put_nowait(msg)
