@@ -32,7 +32,10 @@ def explain_no_division(devices: Sequence[DeviceReport], w: Workload) -> str:
         return f"no member can hold the head: largest is {memory_shortfall(big, w, 1, head=True)}"
     limits = [w.limit(d.memory_bytes, head=False) for d in devices]
     most = max(sum(limits) - limits[i] + w.limit(d.memory_bytes, head=True) for i, d in enumerate(devices))
-    per_device = ", ".join(f"{d.name} {n}" for d, n in zip(devices, limits, strict=True))
+    per_device = ", ".join(
+        f"{d.name} {n} ({w.limit(d.memory_bytes, head=True)} with the head)"
+        for d, n in zip(devices, limits, strict=True)
+    )
     return (
         f"the members hold at most {most} of {k} blocks with the head "
         f"({fmt_bytes(w.block_resident_bytes)} per block at context {w.context} x concurrency "

@@ -127,7 +127,8 @@ def memory_shortfall(d: DeviceReport, w: Workload, n: int, head: bool) -> str | 
     if need <= d.memory_bytes:
         return None
     what = f"{n} block{'s' if n != 1 else ''}" + (" + head" if head else "")
+    verb = "needs" if n == 1 and not head else "need"
     return (
-        f"{d.name}: {what} need {fmt_bytes(need)}, has {fmt_bytes(d.memory_bytes)} "
+        f"{d.name}: {what} {verb} {fmt_bytes(need)}, has {fmt_bytes(d.memory_bytes)} "
         f"(context {w.context} x concurrency {w.concurrency})"
     )

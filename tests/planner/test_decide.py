@@ -1,0 +1,146 @@
+"""The planner end to end: tiers, admission refusals, baselines, the paper's fleets, Plan JSON."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kafila.models.presets import resolve_manifest
+from kafila.planner import DeviceReport, Plan, plan, plan_all
+from kafila.planner.cost import Workload
+from kafila.planner.fleet import parse_fleet
+
+FLEETS = Path(__file__).resolve().parents[2] / "examples" / "fleets"
+QWEN8 = resolve_manifest("qwen3-8b")
+GB = 10**9
+
+
+def gpu(name: str, mem_gb: float, bw_gb_s: float | None, **kw) -> DeviceReport:
+    return DeviceReport(name, int(mem_gb * GB), None if bw_gb_s is None else bw_gb_s * 1e9, **kw)
+
+
+def test_full_tier_prices_blocks_by_bandwidth_and_places_the_head():
+    fleet = [gpu("slow", 40, 100, overhead_s=1e-4), gpu("fast", 40, 400, overhead_s=1e-4)]
+    p = plan(fleet, QWEN8, context=4096, concurrency=1)
+    assert p.feasible and p.tier == "full"
+    assert p.blocks()["fast"] > 3 * p.blocks()["slow"] - 4
+    assert sum(p.blocks().values()) == 36
+    assert p.order[0] == p.head and p.stages[0].head
+    assert [s.start for s in p.stages] == [0, p.stages[0].stop]
+    w = Workload.of(QWEN8, 4096, 1)
+    for s in p.stages:
+        b = 100e9 if s.name == "slow" else 400e9
+        want = 1e-4 + s.n_blocks * w.block_read_bytes / b + (w.head_read_bytes / b if s.head else 0)
+        assert s.cost_s == pytest.approx(want)
+    assert p.bottleneck_s == max(s.cost_s for s in p.stages)
+    assert p.utilisation == pytest.approx(sum(s.cost_s for s in p.stages) / 2 / p.bottleneck_s)
+
+
+def test_synthetic_block_probe_replaces_the_bandwidth_per_block_cost():
+    fleet = [gpu("a", 40, 100, block_s=0.001), gpu("b", 40, 100, block_s=0.003)]
+    p = plan(fleet, QWEN8, context=4096)
+    assert p.blocks()["a"] > 2 * p.blocks()["b"]
+    off = plan(fleet, QWEN8, context=4096, use_block_probe=False)
+    other = "b" if off.head == "a" else "a"
+    # equal bandwidths: only the head read (1.24 GB, about 3.2 blocks) separates the two shares
+    assert 0 < off.blocks()[other] - off.blocks()[off.head] <= 4
+
+
+def test_throughput_tier_when_a_bandwidth_is_missing_keeps_the_head_with_the_opener():
+    fleet = [gpu("opener", 40, None, flops=1e12), gpu("big", 40, 900, flops=9e12)]
+    p = plan(fleet, QWEN8, context=4096)
+    assert p.tier == "throughput" and p.head == "opener"
+    assert p.blocks()["big"] > 5 * p.blocks()["opener"]
+    assert p.stages[0].cost_s == pytest.approx(p.stages[0].n_blocks * 2 * QWEN8.block_bytes[0] / 2 / 1e12)
+
+
+def test_working_set_tier_when_nothing_is_measured_divides_by_memory():
+    fleet = [gpu("a", 30, None), gpu("b", 10, None, flops=1e12)]
+    p = plan(fleet, QWEN8, context=1024)
+    assert p.tier == "working_set" and p.feasible
+    assert p.blocks() == {"a": 27, "b": 9}
+    assert p.bottleneck_s is None and p.stages[0].cost_s is None
+
+
+def test_refusal_names_the_undersized_device_and_the_numbers():
+    fleet = [gpu("desktop", 80, 900), gpu("laptop", 6, 100)]
+    p = plan(fleet, QWEN8, context=40960, concurrency=4, division="uniform")
+    assert not p.feasible
+    assert p.reason.startswith("laptop: 18 blocks need 19.0 GB, has 6.0 GB")
+    assert "desktop" not in p.reason
+    assert p.blocks() == {"desktop": 18, "laptop": 18}  # the refused division is still shown
+
+
+def test_kafila_fits_where_the_baselines_are_refused():
+    fleet = [gpu("desktop", 80, 900), gpu("laptop", 6, 100)]
+    p = plan(fleet, QWEN8, context=40960, concurrency=4)
+    assert p.feasible and p.blocks()["laptop"] <= 5
+
+
+def test_no_division_names_the_device_that_cannot_hold_one_block():
+    fleet = [gpu("desktop", 80, 900), gpu("phone", 0.3, 30)]
+    p = plan(fleet, QWEN8, context=4096)
+    assert not p.feasible and p.reason.startswith("phone: 1 block needs 402.7 MB")
+    assert "has 300.0 MB" in p.reason
+
+
+def test_fleet_too_small_for_the_model_lists_every_limit():
+    fleet = [gpu("a", 8, 100), gpu("b", 8, 100)]
+    p = plan(fleet, QWEN8, context=4096)
+    assert (
+        not p.feasible
+        and "at most 32 of 36 blocks" in p.reason
+        and "a 19 (13 with the head), b 19 (13 with the head)" in p.reason
+    )
+
+
+def test_more_members_than_blocks_is_refused():
+    p = plan([gpu(f"d{i}", 10, 100) for i in range(40)], QWEN8, context=128)
+    assert not p.feasible and "40 members" in p.reason
+
+
+def test_plan_json_round_trip():
+    fleet = parse_fleet((FLEETS / "intercontinental.toml").read_text())
+    for p in plan_all(
+        fleet.devices, resolve_manifest(fleet.model), context=fleet.context, concurrency=4
+    ).values():
+        back = Plan.from_json(p.to_json())
+        assert back == p
+    p = plan(fleet.devices, resolve_manifest(fleet.model), context=fleet.context, concurrency=4)
+    assert p.edges and not all(e.direct for e in p.edges) and p.network_priced
+    assert p.circuit_s == pytest.approx(sum(s.cost_s for s in p.stages) + sum(e.latency_s for e in p.edges))
+    assert p.block_range(p.head) == (0, p.stages[0].n_blocks)
+
+
+def test_device_report_json_round_trip():
+    fleet = parse_fleet((FLEETS / "lan.toml").read_text())
+    for d in fleet.devices:
+        d2 = replace(d, block_s=0.001, pair_rtt_s={"x": 0.002})
+        assert DeviceReport.from_json(d2.to_json()) == d2
+
+
+@pytest.mark.parametrize("fleet_file", ["lan.toml", "uscentral.toml", "intercontinental.toml"])
+@pytest.mark.parametrize("model", ["qwen3-8b", "qwen3-14b", "qwen3-32b"])
+def test_on_the_paper_fleets_kafila_is_never_worse_than_the_baselines(fleet_file, model):
+    fleet = parse_fleet((FLEETS / fleet_file).read_text())
+    plans = plan_all(
+        fleet.devices, resolve_manifest(model), context=fleet.context, concurrency=fleet.concurrency
+    )
+    kafila = plans["kafila"]
+    for name in ("uniform", "memory"):
+        base = plans[name]
+        if base.feasible:
+            assert kafila.feasible and kafila.bottleneck_s <= base.bottleneck_s * (1 + 1e-12)
+    assert kafila.feasible or fleet_file == "lan.toml"  # 32B does not fit the LAN fleet at all
+
+
+def test_the_paper_memory_walls():
+    inter = parse_fleet((FLEETS / "intercontinental.toml").read_text())
+    plans = plan_all(inter.devices, resolve_manifest("qwen3-32b"), context=40960, concurrency=4)
+    assert plans["kafila"].feasible and not plans["uniform"].feasible
+    assert plans["uniform"].reason.startswith("m3pro: 13 blocks need")
+    lan = parse_fleet((FLEETS / "lan.toml").read_text())
+    plans = plan_all(lan.devices, resolve_manifest("qwen3-14b"), context=40960, concurrency=4)
+    assert not plans["uniform"].feasible and plans["uniform"].reason.startswith("a40: 10 blocks")

@@ -1,0 +1,36 @@
+"""Pair rules: the paper's and the one measured on Linux NATs (facts.md)."""
+
+from __future__ import annotations
+
+import itertools
+
+from kafila.planner.reachability import LINUX_RULE, PAPER_RULE, UNKNOWN, Behaviour, Nat, NatClass
+
+P = Nat(NatClass.PERMISSIVE)
+OA = Nat(NatClass.ORDINARY, Behaviour.ENDPOINT_INDEPENDENT, Behaviour.ADDRESS_DEPENDENT)
+OP = Nat(NatClass.ORDINARY, Behaviour.ENDPOINT_INDEPENDENT, Behaviour.ADDRESS_AND_PORT_DEPENDENT)
+ORD = Nat(NatClass.ORDINARY)
+R = Nat(NatClass.RESTRICTIVE)
+ALL = [P, OA, OP, ORD, R]
+
+
+def test_paper_rule_direct_iff_one_endpoint_permissive():
+    for a, b in itertools.product(ALL, ALL):
+        assert PAPER_RULE(a, b) == (NatClass.PERMISSIVE in (a.cls, b.cls))
+
+
+def test_linux_rule_matches_the_measured_punching_outcomes():
+    assert all(LINUX_RULE(P, x) and LINUX_RULE(x, P) for x in ALL)
+    assert LINUX_RULE(OA, OP) and LINUX_RULE(ORD, ORD) and LINUX_RULE(OP, OP)
+    assert LINUX_RULE(OA, R) and LINUX_RULE(R, OA)
+    assert not LINUX_RULE(OP, R) and not LINUX_RULE(R, OP)
+    assert not LINUX_RULE(ORD, R)  # unknown filtering counts as port-dependent (plain MASQUERADE)
+    assert not LINUX_RULE(R, R)
+
+
+def test_rules_are_symmetric_and_unknown_is_restrictive():
+    for rule in (PAPER_RULE, LINUX_RULE):
+        for a, b in itertools.product(ALL, ALL):
+            assert rule(a, b) == rule(b, a)
+    assert Nat.of(None) == UNKNOWN and UNKNOWN.cls is NatClass.RESTRICTIVE
+    assert Nat.from_dict(OA.to_dict()) == OA
