@@ -1,0 +1,450 @@
+"""A QUIC link to one ring neighbour, whose real path (direct or relayed) can change underneath.
+
+aioquic is sans-I/O; this is its thin asyncio shell. The connection talks to a *virtual* peer
+address, so QUIC never sees a path change: every outgoing datagram goes to whatever path is current
+(the punched peer address, or the relay channel with its 6-byte header), and datagrams from either
+path are fed in as coming from the virtual address. The link starts on the relay when it has to,
+moves to the direct path as soon as one is added (a punch succeeded), and goes back to the relay
+when the direct path has not answered for `dead_after` seconds; QUIC's loss recovery resends what
+was lost on the dead path, so no message is lost. PINGs every `keepalive` seconds hold the NAT
+mappings (<= 25 s: Linux forgets an unreplied UDP flow after 30 s).
+
+Messages: one bidirectional stream carries (kind, payload) messages in order (kafila.net.framing).
+Authentication (kafila.net.auth) runs on it first; `send`/`recv` work only after it succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from aioquic.buffer import Buffer
+from aioquic.quic import events
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+from aioquic.quic.packet import QuicPacketType, pull_quic_header
+
+from kafila.net import framing
+from kafila.net.auth import EdgeContext, LinkAuth
+from kafila.net.certs import Identity, fingerprint
+from kafila.net.endpoint import Address, UdpEndpoint
+from kafila.net.errors import LinkAuthError, LinkClosed, LinkError, LinkTimeout
+from kafila.obs.log import get_logger
+from kafila.proto import udp
+
+log = get_logger("kafila.net.link")
+ALPN = "kafila-link/1"
+STREAM = 0  # the client's first bidirectional stream carries everything
+ERROR_AUTH = 0x1A  # application close code: authentication failed
+ERROR_CLOSED = 0x0  # normal close
+
+
+class PathKind(StrEnum):
+    DIRECT = "direct"
+    RELAY = "relay"
+
+
+@dataclass(frozen=True)
+class RelayLeg:
+    """This member's leg of a relay channel (already bound at the relay)."""
+
+    relay: Address
+    channel: int
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    max_datagram_size: int = 1200  # QUIC packet size; larger only where the path allows it
+    max_stream_data: int = 32 * 1024 * 1024  # flow-control window: several activation frames
+    max_data: int = 64 * 1024 * 1024
+    idle_timeout: float = 30.0  # no packet at all for this long: the link is closed
+    keepalive: float = 2.0  # PING interval; holds NAT mappings and feeds the liveness check
+    dead_after: float = 6.0  # nothing from the direct path for this long: fall back to relay
+    handshake_timeout: float = 10.0  # QUIC handshake plus authentication
+    send_buffer: int = 16 * 1024 * 1024  # send() waits while more than this is unacknowledged
+
+
+@dataclass(frozen=True)
+class PathChange:
+    at: float  # loop time
+    old: PathKind | None
+    new: PathKind
+    reason: str
+
+
+@dataclass(frozen=True)
+class LinkStats:
+    path: PathKind | None
+    bytes_sent: int  # message payload bytes
+    bytes_received: int
+    messages_sent: int
+    messages_received: int
+    datagrams_direct: int  # QUIC datagrams sent on each path
+    datagrams_relay: int
+    smoothed_rtt: float  # seconds, QUIC's estimate
+    path_changes: int
+
+
+@dataclass
+class _Counters:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+    datagrams: dict[PathKind, int] = field(default_factory=lambda: dict.fromkeys(PathKind, 0))
+
+
+class Link:
+    """One end of an authenticated QUIC link. Build with `open_link`, or via connect_edge."""
+
+    def __init__(
+        self,
+        endpoint: UdpEndpoint,
+        ctx: EdgeContext,
+        identity: Identity,
+        is_client: bool,
+        config: LinkConfig | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.ctx = ctx
+        self.identity = identity
+        self.is_client = is_client
+        self.config = config or LinkConfig()
+        self.peer_id = ctx.server_id if is_client else ctx.client_id
+        self.path_changes: list[PathChange] = []
+        self.on_path_change: list[Callable[[PathChange], None]] = []
+        self._loop = asyncio.get_running_loop()
+        self._virtual = ("kafila-peer", self.peer_id)
+        self._quic: QuicConnection | None = None
+        self._path: PathKind | None = None
+        self._direct: Address | None = None
+        self._relay: RelayLeg | None = None
+        self._last_rx: dict[PathKind, float] = {}
+        self._reader = framing.MessageReader()
+        self._inbox: asyncio.Queue[tuple[int, bytes] | None] = asyncio.Queue()
+        self._auth = LinkAuth(ctx, is_client, b"")
+        self._ready: asyncio.Future[None] = self._loop.create_future()
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self._closed: LinkError | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._keepalive_task: asyncio.Task[None] | None = None
+        self._counters = _Counters()
+        self._log = log.bind(edge=f"{ctx.client_id}->{ctx.server_id}", me="client" if is_client else "server")
+
+    # ------------------------------------------------------------------ paths
+
+    @property
+    def path(self) -> PathKind | None:
+        return self._path
+
+    @property
+    def direct_address(self) -> Address | None:
+        return self._direct
+
+    def add_direct(self, addr: Address, reason: str = "punch succeeded") -> None:
+        """Route QUIC from `addr` to this link and send on it from now on."""
+        self.endpoint.route_quic_from(addr, self._datagram)
+        self._direct = addr
+        self._last_rx[PathKind.DIRECT] = self._loop.time()
+        self._set_path(PathKind.DIRECT, reason)
+
+    def set_relay(self, leg: RelayLeg) -> None:
+        """Make the relay available; it carries the link whenever no direct path works."""
+        self.endpoint.route_relay_channel(leg.channel, self._datagram)
+        self._relay = leg
+        if self._path is None:
+            self._set_path(PathKind.RELAY, "no direct path yet")
+
+    def _set_path(self, new: PathKind, reason: str) -> None:
+        if new is self._path:
+            return
+        change = PathChange(self._loop.time(), self._path, new, reason)
+        self._path = new
+        self.path_changes.append(change)
+        self._log.info("link_path", old=change.old, new=new.value, reason=reason)
+        for callback in list(self.on_path_change):
+            callback(change)
+        self._transmit()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Client: send the first flight. Server: wait for it. Keepalives start for both."""
+        if self.is_client:
+            self._quic = QuicConnection(configuration=self._quic_config())
+            self._quic.connect(self._virtual, now=self._loop.time())
+            self._transmit()
+        self._keepalive_task = self._loop.create_task(self._keepalive())
+
+    async def wait_ready(self) -> None:
+        """Until the QUIC handshake and the mutual authentication are done (or fail)."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self._ready), self.config.handshake_timeout)
+        except TimeoutError:
+            err = LinkTimeout(
+                f"link {self.ctx.client_id}->{self.ctx.server_id}: not authenticated within "
+                f"{self.config.handshake_timeout} s (path {self._path})"
+            )
+            self._fail(err, ERROR_CLOSED, "handshake timeout")
+            raise err from None
+
+    async def close(self, reason: str = "closed by this side") -> None:
+        if self._closed is None:
+            self._fail(LinkClosed(f"link to {self.peer_id}: {reason}"), ERROR_CLOSED, reason)
+
+    def _quic_config(self) -> QuicConfiguration:
+        cfg = QuicConfiguration(
+            is_client=self.is_client,
+            alpn_protocols=[ALPN],
+            max_datagram_size=self.config.max_datagram_size,
+            max_data=self.config.max_data,
+            max_stream_data=self.config.max_stream_data,
+            idle_timeout=self.config.idle_timeout,
+        )
+        if self.is_client:
+            cfg.verify_mode = ssl.CERT_NONE  # the certificate is checked by the SPAKE2 binding instead
+        else:
+            cfg.certificate = self.identity.certificate
+            cfg.private_key = self.identity.private_key
+        return cfg
+
+    # ------------------------------------------------------------------ datagrams in and out
+
+    def _datagram(self, data: bytes, via: str, src: Address) -> None:
+        if self._closed is not None:
+            return
+        now = self._loop.time()
+        self._last_rx[PathKind(via)] = now
+        if self._quic is None and not self._accept_initial(data):
+            return
+        assert self._quic is not None
+        self._quic.receive_datagram(data, self._virtual, now=now)
+        self.endpoint.mark_dirty(self._flush)
+
+    def _flush(self) -> None:
+        if self._quic is not None and self._closed is None:
+            self._process()
+
+    def _accept_initial(self, data: bytes) -> bool:
+        """Server: the client's first Initial packet creates the connection."""
+        if self.is_client:
+            return False
+        try:
+            header = pull_quic_header(Buffer(data=data), host_cid_length=8)
+        except ValueError:
+            return False
+        if header.packet_type is not QuicPacketType.INITIAL:
+            return False
+        self._quic = QuicConnection(
+            configuration=self._quic_config(), original_destination_connection_id=header.destination_cid
+        )
+        return True
+
+    def _transmit(self) -> None:
+        if self._quic is None or self._path is None:
+            return
+        now = self._loop.time()
+        for data, _ in self._quic.datagrams_to_send(now=now):
+            self._counters.datagrams[self._path] += 1
+            if self._path is PathKind.DIRECT and self._direct is not None:
+                self.endpoint.sendto(data, self._direct)
+            elif self._relay is not None:
+                self.endpoint.sendto(udp.relay_header(self._relay.channel) + data, self._relay.relay)
+        self._arm_timer()
+
+    def _arm_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        at = self._quic.get_timer() if self._quic is not None else None
+        if at is not None and self._closed is None:
+            self._timer = self._loop.call_at(at, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self._quic is None or self._closed is not None:
+            return
+        self._quic.handle_timer(now=self._loop.time())
+        self._process()
+
+    # ------------------------------------------------------------------ QUIC events
+
+    def _process(self) -> None:
+        assert self._quic is not None
+        try:
+            while (event := self._quic.next_event()) is not None:
+                self._on_event(event)
+        except LinkAuthError as exc:
+            self._fail(exc, ERROR_AUTH, "authentication failed")
+        except framing.FramingError as exc:
+            self._fail(LinkClosed(f"link to {self.peer_id}: {exc}"), ERROR_CLOSED, "bad framing")
+        self._transmit()
+        self._update_drained()
+
+    def _on_event(self, event: events.QuicEvent) -> None:
+        if isinstance(event, events.HandshakeCompleted):
+            self._start_auth()
+        elif isinstance(event, events.StreamDataReceived):
+            self._on_stream(event)
+        elif isinstance(event, events.ConnectionTerminated):
+            auth = event.error_code == ERROR_AUTH
+            cls = LinkAuthError if auth else LinkClosed
+            why = event.reason_phrase or "no reason"
+            self._fail(cls(f"link to {self.peer_id} closed by the peer: {why}"))
+
+    def _start_auth(self) -> None:
+        assert self._quic is not None
+        if self.is_client:
+            peer_cert = self._quic.tls._peer_certificate  # what TLS actually showed us
+            if peer_cert is None:
+                raise LinkAuthError(f"link to {self.peer_id}: the server presented no certificate")
+            self._auth = LinkAuth(self.ctx, True, fingerprint(peer_cert))
+            self._send_raw(framing.KIND_AUTH_HELLO, self._auth.hello())
+        else:
+            self._auth = LinkAuth(self.ctx, False, self.identity.fingerprint)
+
+    def _on_stream(self, event: events.StreamDataReceived) -> None:
+        if event.stream_id != STREAM:
+            raise framing.FramingError(f"data on unexpected stream {event.stream_id}")
+        for kind, payload in self._reader.feed(event.data):
+            if kind < framing.FIRST_APP_KIND:
+                self._on_auth_message(kind, payload)
+            elif not self._ready.done():
+                raise LinkAuthError(f"link to {self.peer_id}: message kind {kind} before authentication")
+            else:
+                self._counters.messages_received += 1
+                self._counters.bytes_received += len(payload)
+                self._inbox.put_nowait((kind, payload))
+        if event.end_stream:
+            self._fail(LinkClosed(f"link to {self.peer_id}: the peer ended the message stream"))
+
+    def _on_auth_message(self, kind: int, payload: bytes) -> None:
+        if kind == framing.KIND_AUTH_HELLO and not self.is_client:
+            self._auth.on_peer_hello(payload)
+            self._send_raw(framing.KIND_AUTH_HELLO, self._auth.hello())
+            self._send_raw(framing.KIND_AUTH_CONFIRM, self._auth.confirm())
+        elif kind == framing.KIND_AUTH_HELLO:
+            self._auth.on_peer_hello(payload)
+        elif kind == framing.KIND_AUTH_CONFIRM and not self._ready.done():
+            self._auth.verify(payload)
+            if self.is_client:
+                self._send_raw(framing.KIND_AUTH_CONFIRM, self._auth.confirm())
+            self._ready.set_result(None)
+            self._log.info("link_authenticated", path=self._path)
+        else:
+            raise LinkAuthError(f"link to {self.peer_id}: unexpected link message kind {kind}")
+
+    def _send_raw(self, kind: int, payload: bytes) -> None:
+        assert self._quic is not None
+        self._quic.send_stream_data(STREAM, framing.encode_header(kind, len(payload)) + payload)
+
+    # ------------------------------------------------------------------ messages
+
+    async def send(self, kind: int, payload: bytes) -> None:
+        """Queue one message; waits while more than `send_buffer` bytes are unacknowledged."""
+        if kind < framing.FIRST_APP_KIND:
+            raise ValueError(f"message kinds below {framing.FIRST_APP_KIND} are reserved for the link")
+        self._raise_if_closed()
+        if not self._ready.done():
+            await self.wait_ready()
+        while not self._drained.is_set():
+            await self._drained.wait()
+            self._raise_if_closed()
+        self._send_raw(kind, payload)
+        self._counters.messages_sent += 1
+        self._counters.bytes_sent += len(payload)
+        self._transmit()
+        self._update_drained()
+
+    async def recv(self, timeout: float | None = None) -> tuple[int, bytes]:
+        """The next message in order; LinkClosed when the link ends, LinkTimeout after `timeout`."""
+        if self._inbox.empty():
+            self._raise_if_closed()
+        try:
+            item = await asyncio.wait_for(self._inbox.get(), timeout)
+        except TimeoutError:
+            raise LinkTimeout(f"link to {self.peer_id}: no message within {timeout} s") from None
+        if item is None:
+            self._inbox.put_nowait(None)  # wake any other reader too
+            self._raise_if_closed()
+            raise LinkClosed(f"link to {self.peer_id} closed")
+        return item
+
+    def unacknowledged(self) -> int:
+        if self._quic is None or STREAM not in self._quic._streams:
+            return 0
+        sender = self._quic._streams[STREAM].sender
+        return sender._buffer_stop - sender._buffer_start
+
+    def _update_drained(self) -> None:
+        if self._closed is not None or self.unacknowledged() <= self.config.send_buffer:
+            self._drained.set()
+        else:
+            self._drained.clear()
+
+    def stats(self) -> LinkStats:
+        c = self._counters
+        rtt = self._quic._loss._rtt_smoothed if self._quic is not None else 0.0
+        return LinkStats(
+            path=self._path,
+            bytes_sent=c.bytes_sent,
+            bytes_received=c.bytes_received,
+            messages_sent=c.messages_sent,
+            messages_received=c.messages_received,
+            datagrams_direct=c.datagrams[PathKind.DIRECT],
+            datagrams_relay=c.datagrams[PathKind.RELAY],
+            smoothed_rtt=rtt,
+            path_changes=len(self.path_changes),
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
+
+    # ------------------------------------------------------------------ liveness and failure
+
+    async def _keepalive(self) -> None:
+        interval = self.config.keepalive
+        uid = 0
+        while self._closed is None:
+            await asyncio.sleep(min(interval, self.config.dead_after / 3))
+            if self._quic is None or self._closed is not None:
+                continue
+            self._check_direct()
+            uid += 1
+            self._quic.send_ping(uid)
+            self._transmit()
+
+    def _check_direct(self) -> None:
+        if self._path is not PathKind.DIRECT or self._relay is None:
+            return
+        silent = self._loop.time() - self._last_rx.get(PathKind.DIRECT, 0.0)
+        if silent > self.config.dead_after:
+            self._set_path(PathKind.RELAY, f"direct path silent for {silent:.1f} s")
+
+    def _raise_if_closed(self) -> None:
+        if self._closed is not None:
+            raise self._closed
+
+    def _fail(self, err: LinkError, code: int | None = None, reason: str = "") -> None:
+        if self._closed is not None:
+            return
+        self._closed = err
+        if code is not None and self._quic is not None:
+            self._quic.close(error_code=code, reason_phrase=reason)
+            self._transmit()
+        self._log.info("link_closed", reason=str(err))
+        if not self._ready.done():
+            self._ready.set_exception(err)
+            self._ready.exception()  # retrieved: wait_ready re-raises it
+        self._inbox.put_nowait(None)
+        self._drained.set()
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._keepalive_task is not None and self._keepalive_task is not asyncio.current_task():
+            self._keepalive_task.cancel()
+        self.endpoint.forget(self._datagram)

@@ -1,0 +1,96 @@
+"""Links over real UDP sockets on loopback: messages, authentication, closing and timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from kafila.net.auth import EdgeContext
+from kafila.net.errors import LinkAuthError, LinkClosed, LinkTimeout
+from kafila.net.link import LinkConfig, PathKind
+from tests.net.conftest import direct_pair
+
+pytestmark = pytest.mark.network
+
+
+async def test_messages_arrive_in_order_with_kinds_and_sizes(linked) -> None:
+    client, server = linked
+    big = os.urandom(3 * 1024 * 1024 + 17)  # a tensor frame larger than one flow-control window
+    sent = [(16, b""), (17, b"x" * 8192), (300, big), (16, b"last")]
+    for kind, payload in sent:
+        await client.send(kind, payload)
+    got = [await server.recv(timeout=20) for _ in sent]
+    assert got == sent
+    await server.send(20, b"reply")
+    assert await client.recv(timeout=5) == (20, b"reply")
+    stats = client.stats()
+    assert stats.path is PathKind.DIRECT
+    assert stats.messages_sent == 4 and stats.bytes_sent == sum(len(p) for _, p in sent)
+    assert stats.messages_received == 1 and stats.smoothed_rtt > 0
+    assert server.stats().bytes_received == stats.bytes_sent
+
+
+async def test_reserved_kinds_are_refused(linked) -> None:
+    client, _ = linked
+    with pytest.raises(ValueError, match="reserved"):
+        await client.send(1, b"spoofed auth")
+
+
+@pytest.mark.parametrize(
+    ("client_view", "server_view"),
+    [
+        # a member with the wrong code
+        (EdgeContext("S", "alice", "bob", b"secret-1"), EdgeContext("S", "alice", "bob", b"secret-2")),
+        # a rendezvous that swapped identities: the server believes it links carol, not alice
+        (EdgeContext("S", "alice", "bob", b"secret"), EdgeContext("S", "carol", "bob", b"secret")),
+        # ... or the client was pointed at dave while it asked for bob
+        (EdgeContext("S", "alice", "bob", b"secret"), EdgeContext("S", "alice", "dave", b"secret")),
+        # the same secret used in another session
+        (EdgeContext("S", "alice", "bob", b"secret"), EdgeContext("T", "alice", "bob", b"secret")),
+    ],
+)
+async def test_link_fails_closed_without_matching_secret_and_identities(client_view, server_view) -> None:
+    client, server, a, b = await direct_pair(client_view, server_view)
+    try:
+        results = await asyncio.gather(client.wait_ready(), server.wait_ready(), return_exceptions=True)
+        assert all(isinstance(r, LinkAuthError) for r in results), results
+        with pytest.raises(LinkAuthError):
+            await client.send(16, b"never sent")
+        with pytest.raises(LinkAuthError):
+            await server.recv(timeout=1)
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_close_surfaces_as_link_closed_on_both_sides(linked) -> None:
+    client, server = linked
+    await client.send(16, b"before close")
+    await asyncio.sleep(0.2)
+    await client.close("test is done")
+    assert await server.recv(timeout=5) == (16, b"before close")  # delivered before the close
+    with pytest.raises(LinkClosed, match="test is done"):
+        await server.recv(timeout=5)
+    with pytest.raises(LinkClosed):
+        await server.send(16, b"after close")
+    with pytest.raises(LinkClosed):
+        await client.send(16, b"after close")
+
+
+async def test_recv_timeout_raises_link_timeout(linked) -> None:
+    _, server = linked
+    with pytest.raises(LinkTimeout, match=r"0\.2 s"):
+        await server.recv(timeout=0.2)
+
+
+async def test_handshake_with_nobody_answering_times_out() -> None:
+    ctx = EdgeContext("S", "alice", "bob", b"secret")
+    client, _server, a, b = await direct_pair(ctx, ctx, LinkConfig(handshake_timeout=0.5))
+    b.close()  # the server's socket is gone: nothing ever answers
+    try:
+        with pytest.raises(LinkTimeout, match=r"not authenticated within 0\.5 s"):
+            await client.wait_ready()
+    finally:
+        a.close()
