@@ -1,0 +1,68 @@
+"""Session codes: format, parsing a person's typing, entropy figures the docs quote."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kafila.proto import codes
+from kafila.proto.errors import ProtocolError
+
+
+def test_word_list_is_256_distinct_lowercase_words() -> None:
+    assert len(codes.WORDS) == 256 == len(set(codes.WORDS))
+    assert all(w.isalpha() and w.islower() for w in codes.WORDS)
+
+
+def test_entropy_figures() -> None:
+    assert codes.PUBLIC_SPACE == 8 * 32**4
+    assert round(codes.PUBLIC_BITS, 6) == 23.0
+    assert round(codes.SECRET_BITS, 6) == 24.0
+
+
+def test_new_code_shape_and_round_trip() -> None:
+    rng = random.Random(7)
+    public = codes.new_public(rng.randrange)
+    code = codes.new_code(public, rng.randrange)
+    text = str(code)
+    assert text.count("-") == 4 and text.startswith(public + "-")
+    assert codes.parse_code(text) == code
+    assert codes.parse_code(text.upper().replace("-", " ")) == code
+
+
+def test_parse_forgives_lookalikes_and_spacing() -> None:
+    assert codes.parse_public(" 4 K7M2 ") == "4-k7m2"
+    assert codes.parse_public("4-koil") == "4-k011"
+
+
+@pytest.mark.parametrize("text", ["", "4", "1-k7m2", "4-k7m", "4-k7m2u", "44-k7m2", "4-k7m2-x"])
+def test_bad_public_parts(text: str) -> None:
+    with pytest.raises(ProtocolError):
+        codes.parse_public(text)
+
+
+def test_bad_full_codes() -> None:
+    with pytest.raises(ProtocolError, match="has 4 parts, expected 5"):
+        codes.parse_code("4-k7m2-tiger-lamp")
+    with pytest.raises(ProtocolError, match=r"\['zzzz'\] are not in the word list"):
+        codes.parse_code("4-k7m2-tiger-zzzz-ocean")
+
+
+def test_secret_material_binds_public_and_secret() -> None:
+    a = codes.SessionCode("4-k7m2", "tiger-lily-ocean")
+    b = codes.SessionCode("5-k7m2", "tiger-lily-ocean")
+    assert a.secret_material() != b.secret_material()
+    assert b"tiger-lily-ocean" in a.secret_material()
+
+
+@settings(deadline=None)
+@given(st.text(max_size=60))
+def test_fuzz_parse_is_defined(text: str) -> None:
+    for parse in (codes.parse_public, codes.parse_code):
+        try:
+            parse(text)
+        except ProtocolError as exc:
+            assert exc.code == "bad_code"

@@ -1,0 +1,175 @@
+"""Signaling messages: round trips, strict validation with clear messages, and fuzzing."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from dataclasses import fields
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kafila.proto import signaling as sig
+from kafila.proto.errors import ProtocolError
+
+INFO = sig.MemberInfo(
+    id=2,
+    name="desk",
+    host=False,
+    address="198.51.100.4",
+    capability={"bw": 21.5},
+    candidates=["10.0.0.2:5000"],
+)
+CLIENT = [
+    sig.Open("smollm2-135m", 3, "laptop", {"mem_gb": 16}, {"class": "ordinary"}, ["192.168.1.5:4000"], "r1"),
+    sig.Join("4-k7m2", "desk", {}, None, [], None),
+    sig.Update(nat={"class": "restrictive"}),
+    sig.Update(),
+    sig.Signal(3, {"kind": "offer", "nested": {"a": [1, 2.5, None, True]}}),
+    sig.RelayRequest(1, "r9"),
+    sig.Heartbeat(),
+    sig.Leave("done"),
+]
+SERVER = [
+    sig.Opened("4-k7m2", 1, 600.0, 10.0, 3478, 3479, "203.0.113.9", "r1"),
+    sig.Joined("4-k7m2", 2, "smollm2-135m", 3, [INFO], 10.0),
+    sig.MemberJoined(INFO),
+    sig.MemberUpdated(INFO),
+    sig.SignalFrom(1, {"x": "y"}),
+    sig.RelayAllocated(99, 1, 0, "ab" * 16, "r4"),
+    sig.HeartbeatAck("r2"),
+    sig.MemberLeft(3, "timed_out"),
+    sig.Error("session_full", "session 4-k7m2 already has its 3 members", True, "r3"),
+]
+
+
+@pytest.mark.parametrize("msg", CLIENT, ids=lambda m: type(m).__name__)
+def test_client_round_trip(msg: sig.ClientMessage) -> None:
+    text = sig.encode(msg)
+    assert json.loads(text)["v"] == sig.VERSION
+    assert sig.decode_client(text) == msg
+
+
+@pytest.mark.parametrize("msg", SERVER, ids=lambda m: type(m).__name__)
+def test_server_round_trip(msg: sig.ServerMessage) -> None:
+    assert sig.decode_server(sig.encode(msg)) == msg
+
+
+def test_signal_sender_travels_as_from() -> None:
+    assert json.loads(sig.encode(sig.SignalFrom(4, {})))["from"] == 4
+
+
+def _frame(kind: str, **fields: Any) -> str:
+    return json.dumps({"v": 1, "type": kind, **fields})
+
+
+@pytest.mark.parametrize(
+    ("text", "code", "words"),
+    [
+        ("not json", "bad_message", "not valid JSON"),
+        ("[1]", "bad_message", "must be a JSON object, got array"),
+        ('{"type": "heartbeat"}', "unsupported_version", "version None not supported"),
+        ('{"v": true, "type": "heartbeat"}', "unsupported_version", "version True"),
+        ('{"v": 1, "type": "dance"}', "unknown_type", "unknown message type 'dance'"),
+        ('{"v": 1, "type": "opened"}', "unknown_type", "unknown message type 'opened'"),
+        (_frame("heartbeat", extra=1), "bad_message", "heartbeat: unknown field(s) ['extra']"),
+        (_frame("join", name="x", capability={}), "bad_message", "join: missing field 'session'"),
+        (_frame("signal", to="3", payload={}), "bad_message", "signal.to: expected integer, got string"),
+        (_frame("signal", to=True, payload={}), "bad_message", "signal.to: expected integer, got boolean"),
+        (_frame("signal", to=0, payload={}), "bad_message", "signal.to: 0 is below the minimum 1"),
+        (_frame("signal", to=2, payload=[]), "bad_message", "signal.payload: expected object, got array"),
+        (_frame("join", session="4-k7m2", name="x" * 65, capability={}), "bad_message", "65 characters"),
+        (_frame("join", session="4-k7m2", name="a\nb", capability={}), "bad_message", "control characters"),
+        (_frame("update", candidates=["a"] * 17), "bad_message", "17 items, at most 16"),
+        (_frame("update", candidates=[1]), "bad_message", "update.candidates[0]: expected string"),
+        ('{"v": 1, "v": 1, "type": "heartbeat"}', "bad_message", "duplicate key 'v'"),
+        ('{"v": 1, "type": "open", "members_expected": NaN}', "bad_message", "NaN is not allowed"),
+    ],
+)
+def test_bad_frames_name_the_problem(text: str, code: str, words: str) -> None:
+    with pytest.raises(ProtocolError, match=re.escape(words)) as info:
+        sig.decode_client(text)
+    assert info.value.code == code
+
+
+def test_size_limits() -> None:
+    big = _frame("signal", to=2, payload={"blob": "x" * sig.MAX_MESSAGE_BYTES})
+    with pytest.raises(ProtocolError, match=r"exceeds the limit of 65536") as info:
+        sig.decode_client(big)
+    assert info.value.code == "too_large"
+    over_payload = _frame("signal", to=2, payload={"blob": "x" * sig.MAX_PAYLOAD_BYTES})
+    with pytest.raises(ProtocolError, match=r"signal.payload: \d+ bytes, at most 49152"):
+        sig.decode_client(over_payload)
+
+
+def test_depth_limits() -> None:
+    deep: Any = {}
+    for _ in range(sig.MAX_DEPTH + 2):
+        deep = {"a": deep}
+    with pytest.raises(ProtocolError, match="nested deeper than 16"):
+        sig.decode_client(_frame("signal", to=2, payload=deep))
+    with pytest.raises(ProtocolError, match="nested too deeply"):
+        sig.decode_client("[" * 50_000 + "]" * 50_000, max_bytes=200_000)
+
+
+def test_lone_surrogates_in_payload_survive_encoding() -> None:
+    msg = sig.decode_client('{"v":1,"type":"signal","to":2,"payload":{"s":"\\ud800"}}')
+    assert sig.decode_client(sig.encode(msg)) == msg
+
+
+# ------------------------------------------------------------------ fuzzing
+
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12,
+)
+FIELD_NAMES = sorted({f.name for cls in (*sig.CLIENT_TYPES.values(), sig.MemberInfo) for f in fields(cls)})
+
+
+@st.composite
+def almost_messages(draw: st.DrawFn) -> dict[str, Any]:
+    """Objects shaped like messages: a real type, real field names, arbitrary values."""
+    obj: dict[str, Any] = {
+        "v": draw(st.sampled_from([1, 1, 1, 2])),
+        "type": draw(st.sampled_from(list(sig.CLIENT_TYPES))),
+    }
+    for name in draw(st.lists(st.sampled_from([*FIELD_NAMES, "zzz"]), max_size=6, unique=True)):
+        obj[name] = draw(JSON | st.sampled_from([1, 3, "4-k7m2", {}, [], ["1.2.3.4:5"]]))
+    return obj
+
+
+@settings(max_examples=120, deadline=None)
+@given(almost_messages())
+def test_fuzz_structured(obj: dict[str, Any]) -> None:
+    text = json.dumps(obj)
+    try:
+        msg = sig.decode_client(text)
+    except ProtocolError as exc:
+        assert str(exc) and exc.code
+        return
+    assert sig.decode_client(sig.encode(msg)) == msg
+
+
+@settings(deadline=None)
+@given(st.text(max_size=200) | st.binary(max_size=200))
+def test_fuzz_raw(data: str | bytes) -> None:
+    for decode in (sig.decode_client, sig.decode_server):
+        with contextlib.suppress(ProtocolError):
+            decode(data)
+
+
+@settings(max_examples=40, deadline=None)
+@given(JSON)
+def test_fuzz_server_side_decoder(value: Any) -> None:
+    for kind in sig.SERVER_TYPES:
+        obj = {"v": 1, "type": kind, "member": value, "payload": value, "members": value, "from": value}
+        with contextlib.suppress(ProtocolError):
+            sig.decode_server(json.dumps(obj))
