@@ -1,0 +1,89 @@
+"""`kafila plan`: the table, the --json schema, refusals and errors, through the real CLI entry."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+from kafila.cli import main
+from kafila.models.config import ModelConfig
+from kafila.models.manifest import specs_from_config
+
+FLEETS = Path(__file__).resolve().parents[2] / "examples" / "fleets"
+KEYS = {
+    "feasible", "reason", "order", "head", "blocks", "stage_ms", "bottleneck_ms",
+    "imbalance", "utilisation", "circuit_ms", "tier",
+}  # fmt: skip
+
+
+def test_json_schema_for_all_divisions(capsys):
+    rc = main(["plan", str(FLEETS / "intercontinental.toml"), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and set(out) == {"divisions"}
+    divisions = out["divisions"]
+    assert set(divisions) == {"kafila", "uniform", "memory"}
+    for entry in divisions.values():
+        assert set(entry) >= KEYS
+    kafila, uniform = divisions["kafila"], divisions["uniform"]
+    assert kafila["feasible"] and sum(kafila["blocks"].values()) == 64
+    assert kafila["bottleneck_ms"] == max(kafila["stage_ms"].values())
+    assert not uniform["feasible"] and uniform["reason"].startswith("m3pro: 13 blocks need 21.4 GB")
+
+
+def test_table_compares_divisions_and_explains_refusals(capsys):
+    rc = main(["plan", str(FLEETS / "lan.toml"), "--model", "qwen3-14b"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "kafila    yes" in out and "uniform   NO" in out
+    assert "refused:\n  uniform: a40: 10 blocks need 13.3 GB, has 12.0 GB" in out
+
+
+def test_overrides_and_a_single_refused_division_exit_1(capsys):
+    rc = main(["plan", str(FLEETS / "lan.toml"), "--model", "qwen3-32b", "--division", "kafila", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 1 and list(out["divisions"]) == ["kafila"]
+    assert "at most 44 of 64 blocks" in out["divisions"]["kafila"]["reason"]
+    rc = main(["plan", str(FLEETS / "lan.toml"), "--context", "2048", "--concurrency", "1", "--json"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["divisions"]["uniform"]["feasible"]
+
+
+def test_bad_fleet_is_reported_with_the_field(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[session]\nmodel="qwen3-8b"\ncontext=10\n[[device]]\nname="x"\nmemory_gb="lots"\n')
+    assert main(["plan", str(bad)]) == 2
+    assert "device 'x': 'memory_gb' must be a number" in capsys.readouterr().err
+    assert main(["plan", str(FLEETS / "lan.toml"), "--model", "nope"]) == 2
+    assert "neither a preset" in capsys.readouterr().err
+
+
+def write_folder(folder: Path, n_layers: int) -> Path:
+    """A Hugging Face folder (config.json + model.safetensors of zeros) written with the stdlib."""
+    config = {
+        "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": n_layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "intermediate_size": 96, "vocab_size": 256, "tie_word_embeddings": False,
+    }  # fmt: skip
+    specs = specs_from_config(ModelConfig.from_dict(config), "F32")
+    header, offset = {}, 0
+    for s in specs:
+        header[s.name] = {
+            "dtype": s.dtype,
+            "shape": list(s.shape),
+            "data_offsets": [offset, offset + s.nbytes()],
+        }
+        offset += s.nbytes()
+    blob = json.dumps(header).encode()
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(offset))
+    return folder
+
+
+def test_local_hugging_face_folder_as_model(tmp_path, capsys):
+    folder = write_folder(tmp_path / "tiny-qwen3", 5)
+    rc = main(
+        ["plan", str(FLEETS / "uscentral.toml"), "--model", str(folder), "--json", "--division", "kafila"]
+    )
+    out = json.loads(capsys.readouterr().out)["divisions"]["kafila"]
+    assert rc == 0 and sum(out["blocks"].values()) == 5
