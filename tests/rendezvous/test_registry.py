@@ -1,0 +1,266 @@
+"""The pure session core: open/join/leave/expiry, wrong codes, rate limits, caps, presence."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from kafila.proto import signaling as sig
+from kafila.proto.errors import ProtocolError
+from kafila.rendezvous.limits import Limits
+from kafila.rendezvous.registry import Close, Event, Note, ProbeInfo, Registry, Send
+
+
+def sends(events: list[Event], conn: int | None = None) -> list[sig.ServerMessage]:
+    return [e.message for e in events if isinstance(e, Send) and (conn is None or e.conn == conn)]
+
+
+def closes(events: list[Event]) -> list[Close]:
+    return [e for e in events if isinstance(e, Close)]
+
+
+def make(**overrides: float) -> Registry:
+    limits = dataclasses.replace(Limits(), **overrides)  # type: ignore[arg-type]
+    return Registry(limits, probe=ProbeInfo(3478, 3479, None), rand_below=random.Random(1).randrange)
+
+
+def open_session(reg: Registry, conn: int = 1, now: float = 0.0, expected: int = 3) -> str:
+    reg.connect(conn, f"10.0.0.{conn}", now)
+    (opened,) = sends(reg.receive(conn, sig.Open("m", expected, f"host{conn}", {"bw": 1}), now))
+    assert isinstance(opened, sig.Opened)
+    return opened.session
+
+
+def join(reg: Registry, conn: int, code: str, now: float = 0.0, source: str | None = None) -> list[Event]:
+    reg.connect(conn, source or f"10.0.0.{conn}", now)
+    return reg.receive(conn, sig.Join(code, f"m{conn}", {"bw": conn}), now)
+
+
+def test_open_then_join_introduces_members_both_ways() -> None:
+    reg = make()
+    code = open_session(reg)
+    events = join(reg, 2, code, 1.0)
+    (joined,) = sends(events, 2)
+    assert isinstance(joined, sig.Joined)
+    assert [m.name for m in joined.members] == ["host1", "m2"]
+    assert joined.members[0].host and not joined.members[1].host
+    assert joined.probe_port == 3478 and joined.members_expected == 3
+    (introduced,) = sends(events, 1)
+    assert isinstance(introduced, sig.MemberJoined) and introduced.member.id == 2
+    assert reg.joins["ok"] == 1 and reg.member_count == 2
+
+
+def test_signal_is_forwarded_unchanged_and_unknown_target_is_refused() -> None:
+    reg = make()
+    code = open_session(reg)
+    join(reg, 2, code)
+    payload = {"candidates": ["1.2.3.4:5"], "opaque": {"x": [1, None]}}
+    assert sends(reg.receive(2, sig.Signal(1, payload), 1.0), 1) == [sig.SignalFrom(2, payload)]
+    (err,) = sends(reg.receive(2, sig.Signal(9, {}), 1.0))
+    assert isinstance(err, sig.Error) and err.code == "unknown_member"
+
+
+def test_update_reaches_every_member() -> None:
+    reg = make()
+    code = open_session(reg)
+    join(reg, 2, code)
+    events = reg.receive(2, sig.Update(nat={"class": "restrictive"}, candidates=["5.6.7.8:9"]), 1.0)
+    updates = sends(events)
+    assert len(updates) == 2 and all(isinstance(u, sig.MemberUpdated) for u in updates)
+    assert updates[0].member.nat == {"class": "restrictive"}  # type: ignore[union-attr]
+    assert updates[0].member.capability == {"bw": 2}  # type: ignore[union-attr]
+
+
+def test_wrong_code_and_malformed_code() -> None:
+    reg = make()
+    open_session(reg)
+    (err,) = sends(join(reg, 2, "9-zzzz"))
+    assert isinstance(err, sig.Error) and err.code == "unknown_session" and "9-zzzz" in err.message
+    (err,) = sends(join(reg, 3, "not a code at all"))
+    assert isinstance(err, sig.Error) and err.code == "bad_code"
+    assert reg.joins["unknown_session"] == 1 and reg.joins["bad_code"] == 1
+
+
+def test_session_full_and_member_cap() -> None:
+    reg = make(max_members=4)
+    code = open_session(reg, expected=2)
+    join(reg, 2, code)
+    (err,) = sends(join(reg, 3, code))
+    assert isinstance(err, sig.Error) and err.code == "session_full"
+    reg.connect(9, "10.9.9.9", 0.0)
+    (err,) = sends(reg.receive(9, sig.Open("m", 5, "big", {}), 0.0))
+    assert (
+        isinstance(err, sig.Error)
+        and err.code == "limit"
+        and "expects 5 members, the limit is 4" in err.message
+    )
+
+
+def test_session_cap() -> None:
+    reg = make(max_sessions=2)
+    open_session(reg, 1)
+    open_session(reg, 2)
+    reg.connect(3, "10.0.0.3", 0.0)
+    (err,) = sends(reg.receive(3, sig.Open("m", 2, "x", {}), 0.0))
+    assert isinstance(err, sig.Error) and err.code == "limit" and "2 sessions, the limit is 2" in err.message
+
+
+def test_join_rate_limited_per_source_address() -> None:
+    reg = make(join_burst_per_address=3, join_rate_per_address=0.1)
+    open_session(reg)
+    outcomes = [sends(join(reg, 10 + i, "9-zzzz", 1.0, source="203.0.113.5"))[0] for i in range(5)]
+    codes = [o.code for o in outcomes if isinstance(o, sig.Error)]
+    assert codes == ["unknown_session"] * 3 + ["rate_limited"] * 2
+    assert "retry in 10 s" in outcomes[3].message  # type: ignore[union-attr]
+    # another address is not affected, and the first one recovers at the configured rate
+    assert sends(join(reg, 20, "9-zzzz", 1.0, source="203.0.113.6"))[0].code == "unknown_session"  # type: ignore[union-attr]
+    assert sends(join(reg, 21, "9-zzzz", 11.0, source="203.0.113.5"))[0].code == "unknown_session"  # type: ignore[union-attr]
+
+
+def test_join_rate_limited_per_session() -> None:
+    reg = make(join_burst_per_session=2, join_rate_per_session=0.01)
+    code = open_session(reg, expected=10)
+    results = [sends(join(reg, 10 + i, code, 1.0), 10 + i)[0] for i in range(4)]
+    assert [type(r).__name__ for r in results] == ["Joined", "Joined", "Error", "Error"]
+    assert all(r.code == "rate_limited" for r in results[2:])  # type: ignore[union-attr]
+
+
+def test_open_rate_limited_per_source_address() -> None:
+    reg = make(open_burst_per_address=1, open_rate_per_address=0.01)
+    open_session(reg, 1)
+    reg.connect(2, "10.0.0.1", 0.0)
+    (err,) = sends(reg.receive(2, sig.Open("m", 2, "again", {}), 0.0))
+    assert isinstance(err, sig.Error) and err.code == "rate_limited"
+
+
+def test_leave_notifies_and_last_member_dissolves_the_session() -> None:
+    reg = make()
+    code = open_session(reg)
+    join(reg, 2, code)
+    events = reg.receive(1, sig.Leave(), 5.0)
+    assert sends(events, 2) == [sig.MemberLeft(1, "left")]
+    assert closes(events)[0].conn == 1
+    assert code in reg.sessions
+    events = reg.disconnect(2, 6.0)
+    assert code not in reg.sessions and reg.member_count == 0
+    assert any(isinstance(e, Note) and e.event == "session_dissolved" for e in events)
+
+
+def test_member_that_vanishes_is_timed_out() -> None:
+    reg = make(heartbeat_timeout_s=30.0)
+    code = open_session(reg)
+    join(reg, 2, code)
+    reg.receive(1, sig.Heartbeat(), 20.0)
+    events = reg.tick(31.0)  # member 2 silent since 0 (its socket never closed)
+    assert sends(events, 1) == [sig.MemberLeft(2, "timed_out")]
+    (err,) = sends(events, 2)
+    assert isinstance(err, sig.Error) and err.code == "timed_out" and err.fatal
+    assert [c.conn for c in closes(events)] == [2]
+    assert reg.disconnect(2, 32.0) == []  # the socket closing later changes nothing
+    assert reg.member_count == 1
+
+
+def test_unused_code_expires_and_dissolves_the_session() -> None:
+    reg = make(code_ttl_s=100.0, heartbeat_timeout_s=1e9)
+    code = open_session(reg)
+    assert reg.tick(99.0) == []
+    events = reg.tick(100.0)
+    (err,) = sends(events, 1)
+    assert isinstance(err, sig.Error) and err.code == "code_expired" and err.fatal
+    assert code not in reg.sessions
+    (err,) = sends(join(reg, 2, code, 101.0))
+    assert err.code == "unknown_session"  # type: ignore[union-attr]
+
+
+def test_used_code_stops_accepting_joins_after_ttl_but_session_lives() -> None:
+    reg = make(code_ttl_s=100.0, heartbeat_timeout_s=1e9)
+    code = open_session(reg, expected=5)
+    join(reg, 2, code, 50.0)
+    reg.tick(160.0)
+    assert code in reg.sessions
+    (err,) = sends(join(reg, 3, code, 160.0))
+    assert err.code == "unknown_session"  # type: ignore[union-attr]
+
+
+def test_requests_before_joining_are_refused() -> None:
+    reg = make()
+    reg.connect(1, "10.0.0.1", 0.0)
+    for msg in (sig.Signal(1, {}), sig.RelayRequest(1), sig.Update(), sig.Leave()):
+        (err,) = sends(reg.receive(1, msg, 0.0))
+        assert isinstance(err, sig.Error) and err.code == "not_in_session"
+    assert sends(reg.receive(1, sig.Heartbeat("h"), 0.0)) == [sig.HeartbeatAck("h")]
+
+
+def test_open_twice_is_refused() -> None:
+    reg = make()
+    open_session(reg)
+    (err,) = sends(reg.receive(1, sig.Open("m", 2, "x", {}), 0.0))
+    assert isinstance(err, sig.Error) and err.code == "already_in_session"
+
+
+def test_bad_frames_get_errors_then_close() -> None:
+    reg = make(max_bad_frames=3)
+    reg.connect(1, "10.0.0.1", 0.0)
+    bad = ProtocolError("signal.to: expected integer, got string")
+    for i in range(3):
+        events = reg.bad_frame(1, bad, 0.0)
+        (err,) = sends(events)
+        assert isinstance(err, sig.Error) and err.message == str(bad) and err.fatal == (i == 2)
+    assert closes(events)[0].code == 1008
+
+
+def test_relay_request_gives_each_member_its_own_token() -> None:
+    reg = make()
+    code = open_session(reg)
+    join(reg, 2, code)
+    events = reg.receive(2, sig.RelayRequest(1, "r1"), 1.0)
+    (mine,) = sends(events, 2)
+    (theirs,) = sends(events, 1)
+    assert isinstance(mine, sig.RelayAllocated) and isinstance(theirs, sig.RelayAllocated)
+    assert mine.channel == theirs.channel and mine.token != theirs.token
+    assert (mine.peer, theirs.peer, mine.ref, theirs.ref) == (1, 2, "r1", None)
+    assert {mine.leg, theirs.leg} == {0, 1}
+    again = sends(reg.receive(1, sig.RelayRequest(2), 2.0), 1)[0]
+    assert again.channel == mine.channel  # type: ignore[union-attr]
+    reg.receive(2, sig.Leave(), 3.0)
+    assert reg.relay.channels == {}
+
+
+def test_relay_request_for_self_or_stranger_is_refused() -> None:
+    reg = make()
+    code = open_session(reg)
+    join(reg, 2, code)
+    for peer in (2, 7):
+        (err,) = sends(reg.receive(2, sig.RelayRequest(peer), 1.0))
+        assert isinstance(err, sig.Error) and err.code == "unknown_member"
+
+
+def test_relay_channel_cap_per_session() -> None:
+    reg = make(relay_channels_per_session=1)
+    code = open_session(reg)
+    join(reg, 2, code)
+    join(reg, 3, code)
+    reg.receive(2, sig.RelayRequest(1), 1.0)
+    (err,) = sends(reg.receive(3, sig.RelayRequest(1), 1.0))
+    assert isinstance(err, sig.Error) and err.code == "limit" and "the limit is 1" in err.message
+
+
+def test_connection_cap() -> None:
+    reg = make(max_connections=1)
+    assert reg.connect(1, "a", 0.0) == []
+    events = reg.connect(2, "b", 0.0)
+    assert closes(events)[0].code == 1013
+
+
+@pytest.mark.parametrize("members", [2, 5])
+def test_sessions_are_isolated(members: int) -> None:
+    reg = make()
+    a = open_session(reg, 1)
+    b = open_session(reg, 100)
+    for i in range(2, members + 1):
+        join(reg, i, a)
+    events = join(reg, 200, b)
+    assert [m.name for m in sends(events, 200)[0].members] == ["host100", "m200"]  # type: ignore[union-attr]
+    assert all(e.conn in (100, 200) for e in events if isinstance(e, Send))

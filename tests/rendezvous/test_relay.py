@@ -1,0 +1,123 @@
+"""The relay's pure core: binding legs by token, forwarding, rejections, limits, expiry."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+
+from kafila.proto import udp
+from kafila.proto.udp import ErrorCode
+from kafila.rendezvous.limits import Limits
+from kafila.rendezvous.relay import Drop, RelayLimitError, RelayTable
+
+A = ("198.51.100.1", 40001)
+B = ("203.0.113.2", 50002)
+EVE = ("192.0.2.66", 6666)
+
+
+def table(**overrides: float) -> RelayTable:
+    counter = itertools.count(1)
+    limits = dataclasses.replace(Limits(), **overrides)  # type: ignore[arg-type]
+    return RelayTable(limits, random_id=lambda: next(counter))
+
+
+def bound_channel(relay: RelayTable) -> int:
+    ch = relay.allocate("4-k7m2", 1, 2, 0.0)
+    assert isinstance(relay.bind(udp.RelayBind(ch.id, ch.legs[0].token), A, 0, 0.0), udp.RelayBindAck)
+    ack = relay.bind(udp.RelayBind(ch.id, ch.legs[1].token), B, 0, 0.0)
+    assert ack == udp.RelayBindAck(ch.id, True, B)
+    return ch.id
+
+
+def test_forwarding_both_ways_with_counters() -> None:
+    relay = table()
+    cid = bound_channel(relay)
+    assert relay.forward(cid, A, 1200, 1.0) == (B, 0)
+    assert relay.forward(cid, B, 800, 1.0) == (A, 0)
+    ch = relay.channels[cid]
+    assert (ch.bytes, ch.packets) == (2000, 2)
+    assert (relay.totals.bytes, relay.totals.packets) == (2000, 2)
+
+
+def test_first_bind_reports_peer_unbound_and_data_waits() -> None:
+    relay = table()
+    ch = relay.allocate("s", 1, 2, 0.0)
+    ack = relay.bind(udp.RelayBind(ch.id, ch.legs[0].token), A, 0, 0.0)
+    assert ack == udp.RelayBindAck(ch.id, False, A)
+    assert relay.forward(ch.id, A, 100, 0.0) is Drop.PEER_UNBOUND
+
+
+def test_third_party_is_not_forwarded() -> None:
+    relay = table()
+    cid = bound_channel(relay)
+    assert relay.forward(cid, EVE, 100, 1.0) is Drop.NOT_A_LEG
+    assert relay.forward(999, A, 100, 1.0) is Drop.UNKNOWN_CHANNEL
+    assert relay.totals.packets == 0 and relay.channels[cid].dropped == 1
+
+
+def test_bad_token_and_unknown_channel_are_refused() -> None:
+    relay = table()
+    cid = bound_channel(relay)
+    err = relay.bind(udp.RelayBind(cid, b"\x00" * 16), EVE, 0, 1.0)
+    assert isinstance(err, udp.RelayBindError) and err.code is ErrorCode.BAD_TOKEN
+    err = relay.bind(udp.RelayBind(cid + 1, b"\x00" * 16), EVE, 0, 1.0)
+    assert isinstance(err, udp.RelayBindError) and err.code is ErrorCode.UNKNOWN_CHANNEL
+    assert relay.forward(cid, A, 10, 1.0) == (B, 0)  # legs unchanged
+
+
+def test_leg_moves_when_its_nat_mapping_changes() -> None:
+    relay = table()
+    cid = bound_channel(relay)
+    moved = ("198.51.100.1", 40999)
+    relay.bind(udp.RelayBind(cid, relay.channels[cid].legs[0].token), moved, 1, 2.0)
+    assert relay.forward(cid, A, 10, 2.0) is Drop.NOT_A_LEG
+    assert relay.forward(cid, B, 10, 2.0) == (moved, 1)  # out of the socket the leg bound through
+
+
+def test_allocate_is_idempotent_per_edge() -> None:
+    relay = table()
+    assert relay.allocate("s", 1, 2, 0.0).id == relay.allocate("s", 2, 1, 0.0).id
+    assert relay.allocate("s", 1, 3, 0.0).id != relay.allocate("t", 1, 2, 0.0).id
+
+
+def test_channel_limits() -> None:
+    relay = table(relay_channels_per_session=2, relay_channels=3)
+    relay.allocate("s", 1, 2, 0.0)
+    relay.allocate("s", 2, 3, 0.0)
+    with pytest.raises(RelayLimitError, match="session s has 2 relay channels, the limit is 2"):
+        relay.allocate("s", 3, 1, 0.0)
+    relay.allocate("t", 1, 2, 0.0)
+    with pytest.raises(RelayLimitError, match="relay has 3 channels, the limit is 3"):
+        relay.allocate("u", 1, 2, 0.0)
+
+
+def test_session_byte_rate_limit_drops_the_excess() -> None:
+    relay = table(relay_session_bytes_per_s=10_000)
+    cid = bound_channel(relay)
+    results = [relay.forward(cid, A, 1000, 5.0) for _ in range(12)]
+    assert results.count((B, 0)) == 10 and results.count(Drop.RATE_LIMITED) == 2
+    assert relay.forward(cid, A, 1000, 5.2) == (B, 0)  # 0.2 s refills 2000 bytes
+
+
+def test_idle_channels_expire_and_active_ones_stay() -> None:
+    relay = table(relay_idle_s=60.0)
+    cid = bound_channel(relay)
+    other = relay.allocate("s2", 1, 2, 0.0).id
+    relay.forward(cid, A, 10, 50.0)
+    expired = relay.expire(60.0)
+    assert [c.id for c in expired] == [other]
+    assert relay.expire(109.0) == [] and cid in relay.channels
+    assert [c.id for c in relay.expire(110.0)] == [cid]
+    assert relay.forward(cid, A, 10, 111.0) is Drop.UNKNOWN_CHANNEL
+
+
+def test_release_member_and_session() -> None:
+    relay = table()
+    relay.allocate("s", 1, 2, 0.0)
+    relay.allocate("s", 2, 3, 0.0)
+    relay.allocate("t", 1, 2, 0.0)
+    assert len(relay.release_member("s", 3)) == 1
+    assert len(relay.release_session("s")) == 1
+    assert [c.session for c in relay.channels.values()] == ["t"]
