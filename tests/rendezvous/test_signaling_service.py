@@ -1,0 +1,147 @@
+"""The signaling service end to end: real server on loopback, the member-side client, raw sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from kafila.net.signaling import SignalingClient, SignalingClosed, SignalingError
+from kafila.proto import signaling as sig
+from tests.rendezvous.conftest import Factory
+
+pytestmark = pytest.mark.network
+CAP = {"bandwidth_gbs": 20.0, "memory_gb": 16}
+
+
+async def test_open_join_signal_update_leave(start_rendezvous: Factory) -> None:
+    server = await start_rendezvous()
+    host = await SignalingClient.connect(server.url)
+    opened = await host.open_session("smollm2-135m", 2, "laptop", CAP, nat={"class": "ordinary"})
+    assert opened.member == 1 and opened.probe_port == server.udp.port
+    assert opened.probe_alt_host == "127.0.0.2"
+    member = await SignalingClient.connect(server.url)
+    joined = await member.join(opened.session, "desktop", {"memory_gb": 8})
+    assert [(m.id, m.name, m.nat) for m in joined.members] == [
+        (1, "laptop", {"class": "ordinary"}),
+        (2, "desktop", None),
+    ]
+    event = await host.next_event(2.0)
+    assert isinstance(event, sig.MemberJoined) and event.member.name == "desktop"
+
+    await member.signal(1, {"kind": "candidates", "addrs": ["10.0.0.2:4000"]})
+    assert await host.next_event(2.0) == sig.SignalFrom(2, {"kind": "candidates", "addrs": ["10.0.0.2:4000"]})
+    await member.update(candidates=["203.0.113.5:4000"])
+    for client in (host, member):
+        upd = await client.next_event(2.0)
+        assert isinstance(upd, sig.MemberUpdated) and upd.member.candidates == ["203.0.113.5:4000"]
+    assert await member.heartbeat() < 2.0
+
+    await member.close()
+    assert await host.next_event(2.0) == sig.MemberLeft(2, "left")
+    await host.close()
+    await asyncio.sleep(0.1)
+    assert server.registry is not None and server.registry.sessions == {}
+
+
+async def test_wrong_code_and_rate_limit_surface_as_errors(start_rendezvous: Factory) -> None:
+    server = await start_rendezvous(join_burst_per_address=2, join_rate_per_address=0.001)
+    client = await SignalingClient.connect(server.url)
+    for _ in range(2):
+        with pytest.raises(SignalingError, match="unknown_session: no open session with code 9-zzzz"):
+            await client.join("9-zzzz", "guesser", {})
+    with pytest.raises(SignalingError, match="rate_limited") as info:
+        await client.join("9-zzzz", "guesser", {})
+    assert info.value.code == "rate_limited"
+    await client.close()
+
+
+async def test_malformed_and_oversized_frames_get_clear_errors(start_rendezvous: Factory) -> None:
+    server = await start_rendezvous(max_bad_frames=3)
+    async with connect(server.url) as ws:
+        await ws.send("{not json")
+        err = sig.decode_server(await ws.recv())
+        assert isinstance(err, sig.Error) and err.code == "bad_message" and not err.fatal
+        await ws.send(json.dumps({"v": 1, "type": "signal", "to": 1, "payload": {"x": "y" * 70_000}}))
+        err = sig.decode_server(await ws.recv())
+        assert isinstance(err, sig.Error) and err.code == "too_large" and "65536" in err.message
+        await ws.send(b"\x00binary")
+        err = sig.decode_server(await ws.recv())
+        assert isinstance(err, sig.Error) and "binary frames" in err.message and err.fatal
+        with pytest.raises(ConnectionClosed) as closed:
+            await ws.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+    async with connect(server.url, max_size=None) as ws:  # beyond the transport limit: closed 1009
+        await ws.send("x" * (4 * 65536 + 1))
+        with pytest.raises(ConnectionClosed) as closed:
+            await ws.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
+
+
+async def test_member_whose_socket_dies_is_reported_disconnected(start_rendezvous: Factory) -> None:
+    server = await start_rendezvous()
+    host = await SignalingClient.connect(server.url)
+    opened = await host.open_session("m", 3, "host", CAP)
+    ws = await connect(server.url)
+    await ws.send(sig.encode(sig.Join(opened.session, "doomed", {})))
+    assert isinstance(sig.decode_server(await ws.recv()), sig.Joined)
+    ws.transport.abort()  # no close frame, no leave
+    await host.next_event(2.0)  # member_joined
+    assert await host.next_event(5.0) == sig.MemberLeft(2, "disconnected")
+    await host.close()
+
+
+async def test_member_that_goes_silent_is_timed_out(start_rendezvous: Factory) -> None:
+    server = await start_rendezvous(heartbeat_timeout_s=0.5)
+    host = await SignalingClient.connect(server.url)
+    opened = await host.open_session("m", 3, "host", CAP)
+    # a raw member that never sends another frame (its TCP connection stays up)
+    async with connect(server.url) as ws:
+        await ws.send(sig.encode(sig.Join(opened.session, "silent", {})))
+        assert isinstance(sig.decode_server(await ws.recv()), sig.Joined)
+        await host.next_event(2.0)  # member_joined
+        await host.heartbeat()
+        left = await host.next_event(5.0)
+        assert left == sig.MemberLeft(2, "timed_out")
+        err = sig.decode_server(await asyncio.wait_for(ws.recv(), 2.0))
+        assert isinstance(err, sig.Error) and err.code == "timed_out" and err.fatal
+    await host.close()
+
+
+async def test_fatal_close_reaches_the_client_as_signaling_closed(start_rendezvous: Factory) -> None:
+    server = await start_rendezvous(code_ttl_s=0.3)
+    host = await SignalingClient.connect(server.url)
+    await host.open_session("m", 2, "lonely", CAP)
+    event = await host.next_event(5.0)
+    assert isinstance(event, sig.Error) and event.code == "code_expired"
+    with pytest.raises(SignalingClosed):
+        await host.next_event(5.0)
+    with pytest.raises(SignalingClosed):
+        await host.signal(1, {})
+    await host.close()
+
+
+async def test_healthz_and_metrics(start_rendezvous: Factory) -> None:
+    server = await start_rendezvous()
+    host = await SignalingClient.connect(server.url)
+    opened = await host.open_session("m", 3, "h", CAP)
+    guest = await SignalingClient.connect(server.url)
+    await guest.join(opened.session, "g", CAP)
+    with pytest.raises(SignalingError):
+        await SignalingClient.join(guest, "9-zzzz", "g2", CAP)  # already in a session
+    base = f"http://127.0.0.1:{server.http_port}"
+    async with httpx.AsyncClient() as http:
+        health = (await http.get(base + "/healthz")).json()
+        text = (await http.get(base + "/metrics")).text
+    assert health == {"status": "ok", "sessions": 1, "members": 2, "udp_port": server.udp.port}
+    assert "kafila_rendezvous_sessions 1.0" in text
+    assert "kafila_rendezvous_members 2.0" in text
+    assert 'kafila_rendezvous_joins_total{outcome="ok"} 1.0' in text
+    assert 'kafila_rendezvous_joins_total{outcome="already_in_session"} 1.0' in text
+    assert "kafila_rendezvous_relay_channels 0.0" in text
+    await guest.close()
+    await host.close()
