@@ -1,0 +1,111 @@
+"""Single-process generation: one Stage holding every block and the head.
+
+`generate(stage, prompt_ids, params)` prefills the prompt in chunks, then decodes one token per
+step, yielding token ids as they are sampled; `timings` records prefill and decode separately.
+`TextStream` turns a growing list of token ids into text deltas without splitting a UTF-8
+character across deltas.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from kafila.engine.sampler import Sampler, SamplingParams, StopReason
+from kafila.engine.stage import ContextFullError, RequestId, Stage
+
+
+@dataclass
+class Timings:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0  # prompt forward + first token
+    decode_s: float = 0.0  # every later token
+    stop_reason: StopReason | None = None
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def generate(
+    stage: Stage,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    eos_ids: tuple[int, ...] = (),
+    chunk: int = 512,
+    rid: RequestId = "local",
+    timings: Timings | None = None,
+) -> Iterator[int]:
+    """Yield generated token ids (the stop token included when generation ends on one)."""
+    if not stage.head or stage.blocks.start != 0 or stage.blocks.stop != stage.model.config.num_hidden_layers:
+        raise ValueError("generate() needs a stage holding every block and the head")
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    if len(prompt_ids) >= stage.context:
+        raise ContextFullError(
+            f"the prompt has {len(prompt_ids)} tokens; the context of {stage.context} tokens leaves no "
+            "room to generate (raise --context or shorten the prompt)"
+        )
+    t = timings if timings is not None else Timings()
+    t.prompt_tokens, sampler = len(prompt_ids), Sampler(params, eos_ids)
+    stage.open(rid)
+    try:
+        yield from _run(stage, list(prompt_ids), sampler, chunk, rid, t)
+    finally:
+        stage.close(rid)
+
+
+def _run(
+    stage: Stage, prompt: list[int], sampler: Sampler, chunk: int, rid: RequestId, t: Timings
+) -> Iterator[int]:
+    start = time.perf_counter()
+    for a in range(0, len(prompt), chunk):
+        [hidden] = stage.forward([(rid, a, stage.embed(prompt[a : a + chunk]))])
+    token = sampler.sample(stage.logits(hidden[-1]))
+    t.prefill_s, t.generated_tokens = time.perf_counter() - start, 1
+    pos = len(prompt)
+    yield token
+    start = time.perf_counter()
+    try:
+        while (reason := sampler.stop_reason(token)) is None and pos < stage.context:
+            [hidden] = stage.forward([(rid, pos, stage.embed([token]))])
+            token, pos = sampler.sample(stage.logits(hidden[-1])), pos + 1
+            t.generated_tokens += 1
+            t.decode_s = time.perf_counter() - start
+            yield token
+        t.stop_reason = reason or "length"
+    finally:
+        t.decode_s = time.perf_counter() - start
+
+
+class TextStream:
+    """Token ids in, text deltas out. Decodes the whole sequence each time and emits what is new,
+    holding back a trailing U+FFFD (a UTF-8 character whose bytes have not all arrived)."""
+
+    def __init__(self, decode: Callable[[list[int]], str], skip: frozenset[int] = frozenset()) -> None:
+        self.decode, self.skip = decode, skip
+        self.ids: list[int] = []
+        self.emitted = 0
+
+    def push(self, token: int) -> str:
+        if token in self.skip:
+            return ""
+        self.ids.append(token)
+        text = self.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        delta, self.emitted = text[self.emitted :], len(text)
+        return delta
+
+    def flush(self) -> str:
+        text = self.decode(self.ids)
+        delta, self.emitted = text[self.emitted :], len(text)
+        return delta

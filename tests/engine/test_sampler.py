@@ -1,0 +1,75 @@
+"""Sampler: greedy, temperature, top-k, top-p, seeds, stop rules."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kafila.engine.sampler import Sampler, SamplingParams, distribution
+
+LOGITS = np.array([1.0, 3.0, 2.0, 0.5, 2.9, -1.0], dtype=np.float32)
+
+
+def test_greedy_is_argmax() -> None:
+    assert Sampler(SamplingParams()).sample(LOGITS) == 1
+
+
+def test_temperature_gives_softmax_of_scaled_logits() -> None:
+    p = distribution(LOGITS, temperature=0.5)
+    z = np.exp((LOGITS - LOGITS.max()) / 0.5)
+    np.testing.assert_allclose(p, z / z.sum(), rtol=1e-6)
+
+
+def test_top_k_keeps_only_the_k_most_likely() -> None:
+    p = distribution(LOGITS, temperature=1.0, top_k=2)
+    assert set(np.flatnonzero(p)) == {1, 4}
+    assert p.sum() == pytest.approx(1.0)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    full = distribution(LOGITS, temperature=1.0)
+    order = np.argsort(-full)
+    p = distribution(LOGITS, temperature=1.0, top_p=0.8)
+    kept = set(np.flatnonzero(p))
+    assert full[order[:2]].sum() < 0.8 <= full[order[:3]].sum()
+    assert kept == set(order[:3].tolist())
+
+
+def test_seeded_requests_repeat_and_different_seeds_differ() -> None:
+    logits = np.zeros(1000, dtype=np.float32)
+
+    def draw(seed: int) -> list[int]:
+        s = Sampler(SamplingParams(temperature=1.0, seed=seed, max_tokens=50))
+        return [s.sample(logits) for _ in range(20)]
+
+    assert draw(7) == draw(7)
+    assert draw(7) != draw(8)
+
+
+def test_sampling_frequencies_follow_the_distribution() -> None:
+    s = Sampler(SamplingParams(temperature=1.0, top_k=3, seed=0, max_tokens=10_000))
+    counts = np.bincount([s.sample(LOGITS) for _ in range(4000)], minlength=6) / 4000
+    np.testing.assert_allclose(counts, distribution(LOGITS, 1.0, top_k=3), atol=0.03)
+
+
+def test_stops_on_eos_stop_tokens_and_max_tokens() -> None:
+    s = Sampler(SamplingParams(max_tokens=3, stop_token_ids=(9,)), eos_ids=(2,))
+    s.sample(LOGITS)
+    assert s.stop_reason(2) == "stop" and s.stop_reason(9) == "stop" and s.stop_reason(5) is None
+    s.sample(LOGITS)
+    s.sample(LOGITS)
+    assert s.stop_reason(5) == "length"
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"temperature": -1}, "temperature must be >= 0"),
+        ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": -2}, "top_k must be >= 0"),
+        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+    ],
+)
+def test_bad_parameters_are_refused_by_name(kw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kw)
