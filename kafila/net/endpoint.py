@@ -38,9 +38,9 @@ class EndpointCounters:
 
 @dataclass(frozen=True)
 class Binding:
-    """A binding answer and how long it took (seconds, from the last send to the answer)."""
+    """A binding answer (or the server's refusal) and how long it took (s, last send to answer)."""
 
-    response: udp.BindingResponse
+    response: udp.BindingResponse | udp.BindingError
     rtt: float
 
 
@@ -58,7 +58,7 @@ class UdpEndpoint:
         self._closed = False
         self._quic_by_addr: dict[Address, QuicSink] = {}
         self._quic_by_channel: dict[int, QuicSink] = {}
-        self._binding_waiters: dict[bytes, asyncio.Future[udp.BindingResponse]] = {}
+        self._binding_waiters: dict[bytes, asyncio.Future[udp.BindingResponse | udp.BindingError]] = {}
         self._relay_waiters: dict[int, asyncio.Future[udp.RelayBindAck]] = {}
         self._punch_sinks: list[PunchSink] = []
         self._dirty: dict[int, Callable[[], None]] = {}
@@ -175,7 +175,9 @@ class UdpEndpoint:
             self.counters.dropped += 1
             return
         match msg:
-            case udp.BindingResponse(txid=txid) if txid in self._binding_waiters:
+            case udp.BindingResponse(txid=txid) | udp.BindingError(txid=txid) if (
+                txid in self._binding_waiters
+            ):
                 fut = self._binding_waiters.pop(txid)
                 if not fut.done():
                     fut.set_result(msg)
@@ -201,7 +203,7 @@ class UdpEndpoint:
         """One binding request with retries; None when no answer came (that is a result too)."""
         txid = os.urandom(udp.TXID_BYTES)
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[udp.BindingResponse] = loop.create_future()
+        fut: asyncio.Future[udp.BindingResponse | udp.BindingError] = loop.create_future()
         self._binding_waiters[txid] = fut
         try:
             for _ in range(attempts):

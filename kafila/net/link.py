@@ -53,6 +53,7 @@ class RelayLeg:
 
     relay: Address
     channel: int
+    token: bytes  # re-sent in a RelayBind every `relay_refresh` s so the channel does not expire
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class LinkConfig:
     dead_after: float = 6.0  # nothing from the direct path for this long: fall back to relay
     handshake_timeout: float = 10.0  # QUIC handshake plus authentication
     send_buffer: int = 16 * 1024 * 1024  # send() waits while more than this is unacknowledged
+    relay_refresh: float = 20.0  # re-bind the relay leg this often (relay idle expiry, NAT mapping)
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,8 @@ class Link:
         self.peer_id = ctx.server_id if is_client else ctx.client_id
         self.path_changes: list[PathChange] = []
         self.on_path_change: list[Callable[[PathChange], None]] = []
+        self.on_close: list[Callable[[], None]] = []
+        self.tasks: list[asyncio.Task[None]] = []  # helpers (punching, relay setup) ended on close
         self._loop = asyncio.get_running_loop()
         self._virtual = ("kafila-peer", self.peer_id)
         self._quic: QuicConnection | None = None
@@ -151,6 +155,11 @@ class Link:
         self._direct = addr
         self._last_rx[PathKind.DIRECT] = self._loop.time()
         self._set_path(PathKind.DIRECT, reason)
+
+    def accept_from(self, addr: Address) -> None:
+        """Route QUIC arriving from `addr` (a peer address a valid punch probe came from) here."""
+        if self._closed is None:
+            self.endpoint.route_quic_from(addr, self._datagram)
 
     def set_relay(self, leg: RelayLeg) -> None:
         """Make the relay available; it carries the link whenever no direct path works."""
@@ -410,8 +419,14 @@ class Link:
     async def _keepalive(self) -> None:
         interval = self.config.keepalive
         uid = 0
+        refreshed = self._loop.time()
         while self._closed is None:
             await asyncio.sleep(min(interval, self.config.dead_after / 3))
+            if self._relay is not None and self._loop.time() - refreshed > self.config.relay_refresh:
+                refreshed = self._loop.time()
+                self.endpoint.send_control(
+                    udp.RelayBind(self._relay.channel, self._relay.token), self._relay.relay
+                )
             if self._quic is None or self._closed is not None:
                 continue
             self._check_direct()
@@ -448,3 +463,8 @@ class Link:
         if self._keepalive_task is not None and self._keepalive_task is not asyncio.current_task():
             self._keepalive_task.cancel()
         self.endpoint.forget(self._datagram)
+        for task in self.tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        for callback in self.on_close:
+            callback()

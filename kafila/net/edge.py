@@ -1,0 +1,235 @@
+"""Forming one ring edge: candidates through signaling, punching, relay channel, then the QUIC link.
+
+    node = LinkNode(endpoint, signals, identity, session, member, secret, relay=(rv_host, probe_port))
+    node.nat = await classify(endpoint, ...)              # once per member (gives the mapped address)
+    link = await connect_edge(node, peer=3, is_client=True)  # both ends call it, one as client
+
+Both ends send an `offer` signal (random punch nonce, candidate addresses) and wait for the
+other's. The client asks the rendezvous for a relay channel for the edge (both ends receive their
+leg tokens) and both bind their leg from the member socket, so the relay is ready as a fallback.
+Punching starts at once; QUIC starts as soon as a punch succeeds or, when it has not after
+`punch_wait` seconds (0 when the pair is predicted relayed), on the relay, and moves to the direct
+path if the punch succeeds later (it continues for `punch_timeout`). The rendezvous sees offers,
+tokens and, on a relayed edge, ciphertext; the link authenticates with the secret it never sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from kafila.net.auth import EdgeContext
+from kafila.net.certs import Identity, make_identity
+from kafila.net.classify import NatReport
+from kafila.net.endpoint import Address, UdpEndpoint
+from kafila.net.errors import LinkError, LinkTimeout
+from kafila.net.link import Link, LinkConfig, RelayLeg
+from kafila.net.punch import Puncher, punch_key
+from kafila.net.signaling import SignalingClient
+from kafila.obs.log import get_logger
+from kafila.proto import signaling as sig
+
+log = get_logger("kafila.net.edge")
+SIGNAL_KEY = "kafila_link"  # marks a signal payload as ours
+SIGNAL_VERSION = 1
+
+
+def edge_name(client: int, server: int) -> str:
+    return f"{client}>{server}"
+
+
+def format_address(addr: Address) -> str:
+    return f"{addr[0]}:{addr[1]}"
+
+
+def parse_address(text: str) -> Address:
+    host, _, port = text.rpartition(":")
+    return (host.strip("[]"), int(port))
+
+
+class SignalRouter:
+    """Takes this module's signals and relay grants out of the signaling event stream.
+
+    Call `handle(event)` for each `SignalingClient.next_event()` (True: it was ours), or run
+    `pump()`, which puts every other event on `others` for the session layer.
+    """
+
+    def __init__(self, client: SignalingClient) -> None:
+        self.client = client
+        self.others: asyncio.Queue[sig.ServerMessage] = asyncio.Queue()
+        self._offers: dict[tuple[int, str], asyncio.Future[dict[str, Any]]] = {}
+        self._relays: dict[int, asyncio.Future[sig.RelayAllocated]] = {}
+
+    def _future(self, table: dict[Any, asyncio.Future[Any]], key: Any) -> asyncio.Future[Any]:
+        if key not in table or table[key].cancelled():
+            table[key] = asyncio.get_running_loop().create_future()
+        return table[key]
+
+    def handle(self, event: sig.ServerMessage) -> bool:
+        if isinstance(event, sig.SignalFrom) and event.payload.get(SIGNAL_KEY) == SIGNAL_VERSION:
+            edge = str(event.payload.get("edge", ""))
+            fut = self._future(self._offers, (event.sender, edge))
+            if not fut.done():
+                fut.set_result(event.payload)
+            return True
+        if isinstance(event, sig.RelayAllocated):
+            fut = self._future(self._relays, event.peer)
+            if not fut.done():
+                fut.set_result(event)
+            return True
+        return False
+
+    async def pump(self) -> None:
+        while True:
+            event = await self.client.next_event()
+            if not self.handle(event):
+                self.others.put_nowait(event)
+
+    async def offer(self, peer: int, edge: str, timeout: float) -> dict[str, Any]:
+        fut = self._future(self._offers, (peer, edge))
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            raise LinkTimeout(f"edge {edge}: no offer from member {peer} within {timeout} s") from None
+        finally:
+            if fut.done():
+                self._offers.pop((peer, edge), None)
+
+    async def relay_grant(self, peer: int, timeout: float) -> sig.RelayAllocated:
+        fut = self._future(self._relays, peer)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            raise LinkTimeout(
+                f"no relay channel for the edge with member {peer} within {timeout} s"
+            ) from None
+        finally:
+            if fut.done():
+                self._relays.pop(peer, None)
+
+
+@dataclass
+class LinkNode:
+    """What one member brings to all its edges."""
+
+    endpoint: UdpEndpoint
+    signals: SignalRouter
+    session: str  # public part of the session code
+    member: int
+    secret: bytes  # SessionCode.secret_material()
+    relay: Address  # the rendezvous's UDP address (probes and relay)
+    identity: Identity = field(default_factory=make_identity)
+    nat: NatReport | None = None
+    config: LinkConfig = field(default_factory=LinkConfig)
+
+    def candidates(self) -> list[Address]:
+        local = self.endpoint.local_address
+        if local[0] in ("0.0.0.0", ""):
+            local = (_route_source(self.relay[0]), local[1])
+        found = [local]
+        if self.nat is not None and self.nat.mapped != local:
+            found.append(self.nat.mapped)
+        return found
+
+
+def _route_source(dest: str) -> str:
+    """The local address this host would use toward `dest` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((dest, 9))
+        return str(probe.getsockname()[0])
+
+
+@dataclass(frozen=True)
+class EdgeOptions:
+    predicted_direct: bool = True  # from the pair rule; False starts on the relay right away
+    punch_wait: float = 0.4  # seconds to wait for a punch before starting on the relay
+    punch_timeout: float = 5.0  # total punching time (continues on the relay, upgrading on success)
+    use_relay: bool = True
+    use_direct: bool = True
+    signal_timeout: float = 10.0
+
+
+async def connect_edge(
+    node: LinkNode, peer: int, is_client: bool, options: EdgeOptions | None = None
+) -> Link:
+    """Form the edge with `peer` (both call it; exactly one with is_client=True); authenticated."""
+    opts = options or EdgeOptions()
+    client, server = (node.member, peer) if is_client else (peer, node.member)
+    edge = edge_name(client, server)
+    nonce = os.urandom(16)
+    mine = [format_address(a) for a in node.candidates()] if opts.use_direct else []
+    await node.signals.client.signal(
+        peer, {SIGNAL_KEY: SIGNAL_VERSION, "edge": edge, "nonce": nonce.hex(), "candidates": mine}
+    )
+    theirs = await node.signals.offer(peer, edge, opts.signal_timeout)
+    peer_nonce = bytes.fromhex(str(theirs["nonce"]))
+    ctx = EdgeContext(node.session, str(client), str(server), node.secret)
+    link = Link(node.endpoint, ctx, node.identity, is_client, node.config)
+    key = punch_key(*((nonce, peer_nonce) if is_client else (peer_nonce, nonce)), edge)
+    peer_candidates = [parse_address(c) for c in theirs.get("candidates", [])] if opts.use_direct else []
+    puncher = Puncher(
+        node.endpoint, key, "client" if is_client else "server", peer_candidates, link.accept_from
+    )
+    link.on_close.append(puncher.stop)
+    punch = asyncio.create_task(_punch(link, puncher, opts.punch_timeout if peer_candidates else 0))
+    relay = asyncio.create_task(_relay(node, link, peer, is_client, opts)) if opts.use_relay else None
+    link.tasks += [punch] + ([relay] if relay else [])
+    try:
+        await _wait_for_a_path(link, punch, relay, opts.punch_wait if opts.predicted_direct else 0.0)
+        link.start()
+        await link.wait_ready()
+    except BaseException:
+        await link.close("edge setup failed")
+        raise
+    log.info("edge_connected", edge=edge, path=link.path, probes=puncher.probes_sent)
+    return link
+
+
+async def _punch(link: Link, puncher: Puncher, timeout: float) -> None:
+    addr = await puncher.run(timeout)
+    if addr is not None and not link.closed:
+        link.add_direct(addr)
+
+
+async def _relay(node: LinkNode, link: Link, peer: int, is_client: bool, opts: EdgeOptions) -> None:
+    if is_client:
+        grant = await node.signals.client.request_relay(peer, timeout=opts.signal_timeout)
+    else:
+        grant = await node.signals.relay_grant(peer, opts.signal_timeout)
+    token = bytes.fromhex(grant.token)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + opts.signal_timeout
+    while True:  # bind until the other leg is bound too, so the first QUIC flight is not dropped
+        ack = await node.endpoint.bind_relay(node.relay, grant.channel, token)
+        if ack.peer_bound or loop.time() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    if not link.closed:
+        link.set_relay(RelayLeg(node.relay, grant.channel, token))
+
+
+async def _wait_for_a_path(
+    link: Link, punch: asyncio.Task[None], relay: asyncio.Task[None] | None, punch_wait: float
+) -> None:
+    """Until a punch succeeded, or `punch_wait` passed with the relay ready, or both gave up."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    tasks = [t for t in (punch, relay) if t is not None]
+    while True:
+        if link.direct_address is not None:
+            return
+        if link.path is not None and loop.time() - start >= punch_wait:
+            return
+        pending = [t for t in tasks if not t.done()]
+        if not pending:
+            if link.path is not None:
+                return
+            errors = [str(t.exception()) for t in tasks if not t.cancelled() and t.exception()]
+            raise LinkError(
+                f"link to member {link.peer_id}: punching failed and no relay is available "
+                f"({'; '.join(errors) or 'relay not used'})"
+            )
+        await asyncio.wait(pending, timeout=0.02)

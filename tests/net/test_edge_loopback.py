@@ -1,0 +1,84 @@
+"""Edges formed through the real rendezvous on loopback: punched direct, relayed, and classified."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import AsyncIterator
+
+import pytest
+
+from kafila.net.edge import EdgeOptions, connect_edge
+from kafila.net.link import PathKind
+from kafila.planner.reachability import NatClass
+from kafila.proto import udp
+from kafila.rendezvous.server import RendezvousServer
+from tests.net.harness import open_pair, start_rendezvous
+
+pytestmark = pytest.mark.network
+
+
+def _sock() -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+@pytest.fixture
+async def rdv() -> AsyncIterator[RendezvousServer]:
+    server = await start_rendezvous()
+    yield server
+    await server.stop()
+
+
+async def _link(rdv: RendezvousServer, opts: EdgeOptions):
+    pair = await open_pair(rdv, _sock(), _sock())
+    links = await asyncio.gather(
+        connect_edge(pair.a, pair.b.member, True, opts), connect_edge(pair.b, pair.a.member, False, opts)
+    )
+    return pair, links
+
+
+async def test_loopback_members_classify_as_unnatted_and_punch_direct(rdv) -> None:
+    pair, (client, server) = await _link(rdv, EdgeOptions())
+    try:
+        for node in (pair.a, pair.b):
+            assert node.nat is not None and node.nat.nat.cls is not NatClass.RESTRICTIVE
+            assert node.nat.mapped == node.endpoint.local_address  # no NAT on loopback
+        assert client.path is PathKind.DIRECT and server.path is PathKind.DIRECT
+        await client.send(16, b"ping")
+        assert await server.recv(timeout=5) == (16, b"ping")
+    finally:
+        await client.close()
+        await server.close()
+        await pair.close()
+
+
+async def test_relayed_edge_carries_only_ciphertext(rdv, monkeypatch) -> None:
+    forwarded: list[bytes] = []
+    real_handle = rdv.udp.handle
+
+    def capture(index: int, data: bytes, src: tuple[str, int]) -> None:
+        if udp.relay_channel(data) is not None:
+            forwarded.append(data)
+        real_handle(index, data, src)
+
+    monkeypatch.setattr(rdv.udp, "handle", capture)
+    pair, (client, server) = await _link(rdv, EdgeOptions(use_direct=False))
+    marker = b"KAFILA-PLAINTEXT-MARKER-" + os.urandom(8).hex().encode()
+    try:
+        assert client.path is PathKind.RELAY and server.path is PathKind.RELAY
+        tensor = os.urandom(20_000) + marker + os.urandom(20_000)
+        await client.send(16, tensor)
+        assert await server.recv(timeout=10) == (16, tensor)
+        await server.send(17, marker)
+        assert await client.recv(timeout=10) == (17, marker)
+        assert client.stats().datagrams_relay > 0 and client.stats().datagrams_direct == 0
+        wire = b"".join(forwarded)
+        assert len(wire) > 40_000  # the tensor did cross the relay...
+        assert marker not in wire and marker[:16] not in wire  # ...but never readable
+    finally:
+        await client.close()
+        await server.close()
+        await pair.close()
