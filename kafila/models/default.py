@@ -26,7 +26,6 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -174,23 +173,142 @@ def hf_name(gguf_name: str) -> str:
 
 def convert_gguf(gguf_file: Path, out: Path, progress: bool = True, desc: str = "converting") -> None:
     """Write a Hugging Face folder for a Llama GGUF into `out` (which must exist)."""
-    import gguf
-
-    reader = gguf.GGUFReader(gguf_file)
-    meta = _metadata(reader)
-    config = _llama_config(meta)
-    _write_safetensors(reader, config, out / "model.safetensors", progress, desc)
+    gf = GGUFFile.open(gguf_file)
+    config = _llama_config(gf.meta)
+    _write_safetensors(gf, config, out / "model.safetensors", progress, desc)
     _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", _generation_config(meta))
-    _write_tokenizer(meta, out)
+    _write_json(out / "generation_config.json", _generation_config(gf.meta))
+    _write_tokenizer(gf.meta, out)
     _write_json(
         out / SOURCE_FILE,
         {"converter": CONVERTER_VERSION, "gguf": str(gguf_file), "gguf_bytes": gguf_file.stat().st_size},
     )
 
 
-def _metadata(reader: Any) -> dict[str, Any]:
-    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+# --- GGUF file --------------------------------------------------------------------------------
+# A small reader of the GGUF v2/v3 layout: header, metadata key/values, tensor infos, aligned data.
+# (gguf.GGUFReader builds one numpy view per vocabulary string, ~10 s for this file on a busy
+# machine; this reads the same header in well under a second.)
+
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    shape: tuple[int, ...]  # numpy/Hugging Face order (outermost first); GGUF stores it reversed
+    ggml_type: int
+    start: int  # absolute offset in the file
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    path: Path
+    meta: dict[str, Any]
+    tensors: list[GGUFTensor]
+
+    @classmethod
+    def open(cls, path: Path) -> GGUFFile:
+        import gguf
+
+        with open(path, "rb") as f:
+            r = _Cursor(f.read(_header_bound(path)))
+        if r.take(4) != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file (bad magic)")
+        version, n_tensors, n_kv = r.unpack("<I"), r.unpack("<Q"), r.unpack("<Q")
+        if version not in (2, 3):
+            raise ValueError(f"{path}: GGUF version {version} is not supported (2, 3)")
+        meta = {r.string(): r.value(r.unpack("<I")) for _ in range(n_kv)}
+        infos = []
+        for _ in range(n_tensors):
+            name = r.string()
+            dims = [r.unpack("<Q") for _ in range(r.unpack("<I"))]
+            infos.append((name, tuple(reversed(dims)), r.unpack("<I"), r.unpack("<Q")))
+        align = int(meta.get("general.alignment", 32))
+        data_start = -(-r.pos // align) * align
+        tensors = []
+        for name, shape, kind, offset in infos:
+            block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+            numel = 1
+            for d in shape:
+                numel *= d
+            tensors.append(GGUFTensor(name, shape, kind, data_start + offset, numel // block * block_bytes))
+        return cls(path, meta, tensors)
+
+    def raw(self, t: GGUFTensor) -> Any:
+        """The tensor's stored bytes as uint8 rows [outer dims..., bytes per row] (memory-mapped)."""
+        import numpy as np
+
+        data = np.memmap(self.path, dtype=np.uint8, mode="r", offset=t.start, shape=(t.nbytes,))
+        return data.reshape(*t.shape[:-1], -1) if len(t.shape) > 1 else data
+
+    def dequantize(self, t: GGUFTensor) -> Any:
+        import gguf
+        import numpy as np
+
+        qtype = gguf.GGMLQuantizationType(t.ggml_type)
+        if qtype == gguf.GGMLQuantizationType.F32:
+            return self.raw(t).view(np.float32).reshape(t.shape)
+        return gguf.quants.dequantize(self.raw(t), qtype).reshape(t.shape)
+
+
+def _header_bound(path: Path) -> int:
+    return min(path.stat().st_size, 64 << 20)  # metadata + tensor infos; vocabularies are a few MB
+
+
+class _Cursor:
+    def __init__(self, buf: bytes) -> None:
+        self.buf, self.pos = buf, 0
+
+    def take(self, n: int) -> bytes:
+        if self.pos + n > len(self.buf):
+            raise ValueError(f"GGUF header ends early at byte {len(self.buf)} (wanted {self.pos + n})")
+        out = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def unpack(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        (v,) = struct.unpack_from(fmt, self.take(size))
+        return v
+
+    def string(self) -> str:
+        return self.take(self.unpack("<Q")).decode("utf-8")
+
+    def value(self, kind: int) -> Any:
+        if kind in _SCALARS:
+            return self.unpack(_SCALARS[kind])
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            elem, count = self.unpack("<I"), self.unpack("<Q")
+            if elem in _SCALARS:  # one unpack for the whole array
+                fmt = _SCALARS[elem]
+                size = struct.calcsize(fmt)
+                return list(struct.unpack(f"<{count}{fmt[1]}", self.take(size * count)))
+            return [self.value(elem) for _ in range(count)]
+        raise ValueError(f"GGUF metadata value type {kind} is unknown")
 
 
 def _llama_config(meta: dict[str, Any]) -> dict[str, Any]:
@@ -239,17 +357,10 @@ def _generation_config(meta: dict[str, Any]) -> dict[str, Any]:
     return {k: _opt_int(meta, f"tokenizer.ggml.{v}_token_id") for k, v in keys.items()}
 
 
-def _hf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, Any]]:
-    """(HF name, GGUF tensor) sorted by HF name, the order safetensors writes."""
-    pairs = sorted((hf_name(t.name), t) for t in reader.tensors if t.name != "rope_freqs.weight")
-    yield from pairs
-
-
-def _dequantized(tensor: Any, name: str, config: dict[str, Any]) -> Any:
-    import gguf
+def _dequantized(gf: GGUFFile, tensor: GGUFTensor, name: str, config: dict[str, Any]) -> Any:
     import numpy as np
 
-    w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+    w = gf.dequantize(tensor).astype(np.float32, copy=False)
     if name.endswith("self_attn.q_proj.weight"):
         w = unpermute_qk(w, config["num_attention_heads"])
     elif name.endswith("self_attn.k_proj.weight"):
@@ -257,28 +368,29 @@ def _dequantized(tensor: Any, name: str, config: dict[str, Any]) -> Any:
     return np.ascontiguousarray(w, dtype="<f4")
 
 
-def _write_safetensors(reader: Any, config: dict[str, Any], file: Path, progress: bool, desc: str) -> None:
-    """Stream one tensor at a time: header from the GGUF shapes, then each dequantized tensor."""
+def _write_safetensors(gf: GGUFFile, config: dict[str, Any], file: Path, progress: bool, desc: str) -> None:
+    """Stream one tensor at a time: header from the GGUF shapes, then each dequantized tensor,
+    sorted by Hugging Face name as safetensors writes them."""
     from tqdm import tqdm
 
-    tensors = list(_hf_tensors(reader, config))
+    tensors = sorted((hf_name(t.name), t) for t in gf.tensors if t.name != "rope_freqs.weight")
     config["tie_word_embeddings"] = all(name != "lm_head.weight" for name, _ in tensors)
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, t in tensors:
-        shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dims innermost first
-        nbytes = 4 * int(t.n_elements)
-        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
+        header[name] = {
+            "dtype": "F32",
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + 4 * t.numel],
+        }
+        offset += 4 * t.numel
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
     bar = tqdm(total=offset, unit="B", unit_scale=True, desc=desc, file=sys.stderr, disable=not progress)
     with open(file, "wb") as f, bar:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for name, t in tensors:
-            w = _dequantized(t, name, config)
-            if list(w.shape) != header[name]["shape"]:
-                raise ValueError(f"{name}: dequantized shape {w.shape} != header {header[name]['shape']}")
+            w = _dequantized(gf, t, name, config)
             f.write(memoryview(w).cast("B"))
             bar.update(w.nbytes)
 

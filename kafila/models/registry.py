@@ -94,18 +94,15 @@ def _default_entry(name: str) -> ModelEntry:
 
 def _gguf_summary(name: str) -> tuple[str, int, int]:
     """(architecture, blocks, F32 bytes) from the GGUF's header; zeros if the package is missing."""
-    from kafila.models.default import DEFAULT_MODELS, DefaultModelUnavailable, locate_gguf
+    from kafila.models.default import DEFAULT_MODELS, DefaultModelUnavailable, GGUFFile, locate_gguf
 
     try:
         file = locate_gguf(DEFAULT_MODELS[name])
     except DefaultModelUnavailable:
         return ("?", 0, 0)
-    import gguf
-
-    reader = gguf.GGUFReader(file)
-    arch = reader.fields["general.architecture"].contents()
-    blocks = int(reader.fields[f"{arch}.block_count"].contents())
-    return (arch, blocks, 4 * sum(int(t.n_elements) for t in reader.tensors))
+    gf = GGUFFile.open(file)
+    arch = str(gf.meta["general.architecture"])
+    return (arch, int(gf.meta[f"{arch}.block_count"]), 4 * sum(t.numel for t in gf.tensors))
 
 
 def _folder_entry(name: str, folder: Path) -> ModelEntry | None:
