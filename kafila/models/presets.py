@@ -64,6 +64,15 @@ def preset_config(name: str) -> ModelConfig:
     return ModelConfig.from_dict(PRESETS[key])
 
 
+def resolve_config(spec: str) -> ModelConfig:
+    """A preset name or a local Hugging Face folder -> its ModelConfig."""
+    if spec.lower() in PRESETS:
+        return preset_config(spec)
+    from kafila.models.checkpoint import Checkpoint
+
+    return Checkpoint.open(Path(spec).expanduser()).config
+
+
 def resolve_manifest(spec: str, dtype: str = "bf16") -> Manifest:
     """A preset name or a local Hugging Face folder -> Manifest priced at `dtype`."""
     st_dtype = RUNTIME_DTYPES.get(dtype.lower())

@@ -1,0 +1,174 @@
+"""`probe()`: measure this device with the backend it will infer with, into a ProbeReport.
+
+Figures (each a median and spread over repetitions):
+- bandwidth: a reduction streaming a buffer of at least 8x the last-level cache (256 MiB on a CPU,
+  1 GiB on a GPU); the paper's b.
+- matvec_bandwidth: the same bytes streamed through a decode-shaped matrix-vector product.
+- overhead: a tiny op chain that reads ~nothing and ends in a host read, as a decode step pays it.
+- flops: an n x n matmul, for the degraded planning tier.
+- block (with a model): one decode step of one transformer block of that model's shapes, random
+  weights allocated here, run by the engine's own model code.
+Each repetition loops its workload for a minimum window; under a cgroup CPU quota the window spans
+several CFS periods, so the figure is the share the process actually gets, not a burst.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kafila.models.config import ModelConfig
+from kafila.obs.log import get_logger
+from kafila.planner.devices import DeviceReport
+from kafila.planner.reachability import Nat
+from kafila.probe import system
+from kafila.probe.ops import Ops, Run
+from kafila.probe.stats import Figure, rates
+
+log = get_logger("kafila.probe")
+WINDOW_S = 0.04  # minimum time per repetition
+QUOTA_WINDOW_S = 0.25  # under a CFS quota: at least two 100 ms periods
+
+
+@dataclass(frozen=True)
+class ProbeReport:
+    backend: str  # e.g. "torch/cpu/fp32"
+    threads: int | None
+    cpu_quota: float | None
+    memory_bytes: int  # available for weights and KV cache, after the reserve
+    bandwidth: Figure  # bytes/s
+    matvec_bandwidth: Figure  # bytes/s
+    overhead: Figure  # s
+    flops: Figure  # FLOP/s
+    block: Figure | None = None  # s per block per decode step
+    block_model: str | None = None
+    block_bytes: int | None = None
+    wall_s: float = 0.0
+
+    def device_report(
+        self, name: str, nat: Nat | None = None, rtt_s: float | None = None, use_block: bool = True
+    ) -> DeviceReport:
+        return DeviceReport(
+            name=name,
+            memory_bytes=self.memory_bytes,
+            bandwidth_bytes_s=self.bandwidth.median,
+            overhead_s=self.overhead.median,
+            flops=self.flops.median,
+            block_s=self.block.median if (self.block and use_block) else None,
+            nat=nat,
+            rtt_s=rtt_s,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = dict(self.__dict__)
+        for key in ("bandwidth", "matvec_bandwidth", "overhead", "flops", "block"):
+            d[key] = d[key].to_dict() if d[key] is not None else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ProbeReport:
+        figs = {
+            k: Figure.from_dict(d[k]) if d.get(k) else None
+            for k in ("bandwidth", "matvec_bandwidth", "overhead", "flops", "block")
+        }
+        return cls(**{**d, **figs})
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+
+def seconds_per_call(run: Run, repeats: int, window_s: float) -> list[float]:
+    """Warm up once, then per repetition loop `run` for at least `window_s`: seconds per call."""
+    run()
+    out = []
+    for _ in range(repeats):
+        calls, start = 0, time.perf_counter()
+        while True:
+            run()
+            calls += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= window_s:
+                break
+        out.append(elapsed / calls)
+    return out
+
+
+def _stream_bytes(ops: Ops, memory: int) -> int:
+    on_gpu = ops.backend.device != "cpu"
+    want = max(8 * (system.llc_bytes() or 32 << 20), (1 << 30) if on_gpu else 256 << 20)
+    return int(min(want, max(memory // 8, 16 << 20)))
+
+
+def probe(
+    backend: str = "auto",
+    dtype: str = "auto",
+    repeats: int | None = None,
+    model: ModelConfig | None = None,
+    model_name: str | None = None,
+    position: int = 256,
+) -> ProbeReport:
+    from kafila.engine.backend import resolve
+
+    be = resolve(backend, dtype)
+    t0 = time.perf_counter()  # after the backend import, which the member pays once anyway
+    quota = system.cpu_quota()
+    threads = _set_threads(be) if be.name == "torch" and be.device == "cpu" else None
+    window = QUOTA_WINDOW_S if quota else WINDOW_S
+    repeats = repeats or (3 if quota else 5)
+    ops = Ops(be)
+    memory = _memory(ops)
+    buf = ops.make_buffer(_stream_bytes(ops, memory))
+    nbytes = ops.nbytes(buf)
+    bandwidth = Figure.of(rates(seconds_per_call(ops.make_stream(buf), repeats, window), nbytes), "B/s")
+    matvec_bw = Figure.of(rates(seconds_per_call(ops.make_matvec(buf), repeats, window), nbytes), "B/s")
+    del buf
+    overhead = Figure.of(seconds_per_call(ops.make_dispatch(), repeats, window), "s")
+    mm, flop = ops.make_matmul(512 if be.device == "cpu" else 4096)
+    flops = Figure.of(rates(seconds_per_call(mm, repeats, window), flop), "FLOP/s")
+    block = block_bytes = None
+    if model is not None:
+        run, block_bytes = ops.make_block(model, position)
+        block = Figure.of(seconds_per_call(run, repeats, window), "s")
+    report = ProbeReport(
+        backend=str(be),
+        threads=threads,
+        cpu_quota=quota,
+        memory_bytes=memory,
+        bandwidth=bandwidth,
+        matvec_bandwidth=matvec_bw,
+        overhead=overhead,
+        flops=flops,
+        block=block,
+        block_model=model_name if model is not None else None,
+        block_bytes=block_bytes,
+        wall_s=time.perf_counter() - t0,
+    )
+    log.info(
+        "probed",
+        backend=report.backend,
+        bandwidth_gb_s=round(bandwidth.median / 1e9, 2),
+        overhead_us=round(overhead.median * 1e6, 1),
+        tflops=round(flops.median / 1e12, 4),
+        block_ms=round(block.median * 1e3, 3) if block else None,
+        memory_gb=round(memory / 1e9, 2),
+        cpu_quota=quota,
+        wall_s=round(report.wall_s, 2),
+    )
+    return report
+
+
+def _memory(ops: Ops) -> int:
+    total = ops.memory_available() or system.system_memory_available() or 0
+    return max(0, total - system.reserve(total))
+
+
+def _set_threads(be: Any) -> int:
+    """Size torch's CPU thread pool to what the cgroup quota grants (more threads than the quota
+    only get throttled together)."""
+    import torch
+
+    if system.cpu_quota():
+        torch.set_num_threads(system.usable_cpus())
+    return int(torch.get_num_threads())

@@ -1,0 +1,155 @@
+"""The probe's workloads on one array library (torch CPU/CUDA or MLX): each `make_*` allocates
+what it needs and returns a zero-argument callable that runs once and waits for the device.
+
+torch and MLX are imported inside the methods, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kafila.models.config import ModelConfig
+from kafila.models.manifest import block_index, specs_from_config
+from kafila.models.span import Span
+
+Run = Callable[[], object]
+TINY = 64  # width of the dispatch-overhead chain: it reads a few KB, far below any cache
+
+
+@dataclass(frozen=True)
+class Ops:
+    backend: Any  # kafila.engine.backend.Backend
+
+    @property
+    def is_torch(self) -> bool:
+        return self.backend.name == "torch"
+
+    # -- array helpers --------------------------------------------------------------------------
+
+    def _zeros(self, shape: tuple[int, ...]) -> Any:
+        if self.is_torch:
+            import torch
+
+            return torch.zeros(shape, dtype=self.backend.torch_dtype, device=self.backend.device)
+        import mlx.core as mx
+
+        a = mx.zeros(shape, dtype=self.backend.mx_dtype)
+        mx.eval(a)
+        return a
+
+    def _random(self, shape: tuple[int, ...], scale: float) -> Any:
+        if self.is_torch:
+            import torch
+
+            t = torch.empty(shape, dtype=self.backend.torch_dtype, device=self.backend.device)
+            return t.uniform_(-scale, scale)
+        import mlx.core as mx
+
+        a = mx.random.uniform(-scale, scale, shape).astype(self.backend.mx_dtype)
+        mx.eval(a)
+        return a
+
+    def _done(self, value: Any) -> Any:
+        """Wait for the device: a CUDA sync, an MLX eval; torch CPU is synchronous."""
+        if self.is_torch:
+            if self.backend.device == "cuda":
+                import torch
+
+                torch.cuda.synchronize()
+            return value
+        import mlx.core as mx
+
+        mx.eval(value)
+        return value
+
+    def element_size(self) -> int:
+        return {"fp32": 4, "bf16": 2, "fp16": 2}[self.backend.dtype]
+
+    # -- workloads ------------------------------------------------------------------------------
+
+    def make_buffer(self, nbytes: int, width: int = 4096) -> Any:
+        """A [rows, width] matrix of about `nbytes` (zeros: no denormals, values do not matter)."""
+        return self._zeros((max(1, nbytes // self.element_size() // width), width))
+
+    def nbytes(self, buf: Any) -> int:
+        return int(buf.shape[0] * buf.shape[1] * self.element_size())
+
+    def make_stream(self, buf: Any) -> Run:
+        """A reduction over the whole buffer: every byte is read once per call."""
+        return lambda: self._done(buf.sum())
+
+    def make_matvec(self, buf: Any) -> Run:
+        """A decode-shaped matrix-vector product streaming the same buffer once per call."""
+        x = self._random((1, buf.shape[1]), 1.0)
+        if self.is_torch:
+            import torch.nn.functional as F
+
+            return lambda: self._done(F.linear(x, buf))
+        return lambda: self._done(x @ buf.T)
+
+    def make_dispatch(self) -> Run:
+        """A tiny op chain that reads ~nothing, ending in a host read as a decode step does:
+        embedding row, norm, projection, activation, residual, softmax, argmax -> host."""
+        table, proj = self._random((256, TINY), 1.0), self._random((TINY, TINY), 0.1)
+        norm = self._random((TINY,), 1.0)
+        if self.is_torch:
+            import torch
+            import torch.nn.functional as F
+
+            ids = torch.tensor([7], device=self.backend.device)
+
+            def run_torch() -> int:
+                h = F.embedding(ids, table)  # [1, TINY]
+                h = F.rms_norm(h, (TINY,), norm, 1e-6)
+                h = h + F.silu(F.linear(h, proj))
+                return int(torch.softmax(h.float(), dim=-1).argmax())
+
+            return run_torch
+        import mlx.core as mx
+
+        ids = mx.array([7])
+
+        def run_mlx() -> int:
+            h = table[ids]  # [1, TINY]
+            h = mx.fast.rms_norm(h, norm, 1e-6)
+            z = h @ proj.T
+            h = h + z * mx.sigmoid(z)
+            return int(mx.argmax(mx.softmax(h.astype(mx.float32), axis=-1)).item())
+
+        return run_mlx
+
+    def make_matmul(self, n: int) -> tuple[Run, float]:
+        """An n x n matmul: 2 n^3 floating-point operations per call."""
+        a, b = self._random((n, n), 1.0), self._random((n, n), 1.0)
+        return (lambda: self._done(a @ b)), 2.0 * n**3
+
+    def make_block(self, config: ModelConfig, position: int) -> tuple[Run, int]:
+        """One decode step (one token) through one transformer block with this model's shapes and
+        random weights, using the engine's own model code. Returns (run, weight bytes)."""
+        specs = [s for s in specs_from_config(config, "F32") if block_index(s.name) == 0]
+        weights = {s.name: self._random(s.shape, 0.02) for s in specs}
+        cls = self.backend.model_class(config.model_type)
+        context = position + 1
+        model = cls(config, weights, range(0, 1), False, context=context, **self.backend.model_kwargs())
+        del weights
+        cache = model.new_cache(1)
+        x = self._random((1, config.hidden_size), 1.0)
+        span = [Span(slot=0, start=position, length=1)]
+        nbytes = sum(s.numel for s in specs) * self.element_size()
+        return (lambda: self._done(model.forward(x, span, cache))), nbytes
+
+    def memory_available(self) -> int | None:
+        """Device memory free for weights (CUDA free memory; MLX's recommended working set); None
+        on a CPU, where system RAM is read instead."""
+        if self.is_torch and self.backend.device == "cuda":
+            import torch
+
+            return int(torch.cuda.mem_get_info()[0])
+        if not self.is_torch and self.backend.device == "gpu":
+            import mlx.core as mx
+
+            info = mx.device_info()
+            return int(info.get("max_recommended_working_set_size") or info.get("memory_size") or 0) or None
+        return None

@@ -1,0 +1,125 @@
+"""What the operating system grants this process: memory, CPU share (cgroups), cache size.
+
+Read from /proc and /sys on Linux and `sysctl` on macOS; psutil is not used. Every function
+returns None when the figure is not available rather than guessing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def meminfo_available() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (Linux)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _cgroup_paths() -> dict[str, str]:
+    """controller -> path from /proc/self/cgroup ("" key for the v2 unified hierarchy)."""
+    out: dict[str, str] = {}
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            for c in controllers.split(",") if controllers else [""]:
+                out[c] = path
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def _read_int(file: Path) -> int | None:
+    try:
+        text = file.read_text().split()[0]
+    except (OSError, IndexError):
+        return None
+    return None if text == "max" else int(text)
+
+
+def cgroup_memory_room() -> int | None:
+    """Bytes left under this process's cgroup memory limit (v1 or v2), or None if unlimited."""
+    paths = _cgroup_paths()
+    if "memory" in paths:
+        d = CGROUP_ROOT / "memory" / paths["memory"].lstrip("/")
+        limit, usage = _read_int(d / "memory.limit_in_bytes"), _read_int(d / "memory.usage_in_bytes")
+    elif "" in paths:
+        d = CGROUP_ROOT / paths[""].lstrip("/")
+        limit, usage = _read_int(d / "memory.max"), _read_int(d / "memory.current")
+    else:
+        return None
+    if limit is None or usage is None or limit >= 1 << 60:
+        return None
+    return max(0, limit - usage)
+
+
+def cpu_quota() -> float | None:
+    """CPUs this process may use under a cgroup CFS quota (0.25 = a quarter core), or None."""
+    paths = _cgroup_paths()
+    for key, sub in (("cpu", "cpu"), ("cpu,cpuacct", "cpu,cpuacct")):
+        if key in paths:
+            d = CGROUP_ROOT / sub / paths[key].lstrip("/")
+            quota, period = _read_int(d / "cpu.cfs_quota_us"), _read_int(d / "cpu.cfs_period_us")
+            if quota is not None and quota > 0 and period:
+                return quota / period
+            return None
+    if "" in paths:
+        try:
+            quota_s, period_s = (CGROUP_ROOT / paths[""].lstrip("/") / "cpu.max").read_text().split()
+        except (OSError, ValueError):
+            return None
+        return None if quota_s == "max" else int(quota_s) / int(period_s)
+    return None
+
+
+def usable_cpus() -> int:
+    """Threads worth running: the CPUs in our affinity mask, capped by a CFS quota (rounded up)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cpu_quota()
+    return max(1, min(cpus, math.ceil(quota))) if quota else cpus
+
+
+def llc_bytes() -> int | None:
+    """Size of the largest CPU cache level (the last-level cache)."""
+    best = None
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip()
+        mult = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1], 1)
+        size = int(text.rstrip("KMG")) * mult
+        best = size if best is None else max(best, size)
+    if best is None and platform.system() == "Darwin":
+        best = _sysctl_int("hw.l2cachesize")
+    return best
+
+
+def _sysctl_int(key: str) -> int | None:
+    try:
+        return int(subprocess.run(["sysctl", "-n", key], capture_output=True, text=True, check=True).stdout)
+    except (OSError, ValueError, subprocess.CalledProcessError):
+        return None
+
+
+def system_memory_available() -> int | None:
+    """RAM this process could still take: MemAvailable capped by the cgroup limit (macOS: hw.memsize)."""
+    avail = meminfo_available()
+    if avail is None and platform.system() == "Darwin":
+        avail = _sysctl_int("hw.memsize")
+    room = cgroup_memory_room()
+    if avail is None:
+        return room
+    return avail if room is None else min(avail, room)
+
+
+def reserve(total: int) -> int:
+    """What the OS and the API keep: 10% of the memory, at least 1 GiB (a quarter on tiny hosts)."""
+    return min(max(total // 10, 1 << 30), total // 4)

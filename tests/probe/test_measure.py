@@ -1,0 +1,75 @@
+"""The probe on this machine: sane figures, quickly, with the real backends and engine model code."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kafila.cli import main
+from kafila.models.config import ModelConfig
+from kafila.planner import plan
+from kafila.planner.devices import DeviceReport
+from kafila.probe import measure
+from kafila.probe.measure import ProbeReport, probe
+
+TINY_QWEN3 = ModelConfig.from_dict(
+    {
+        "model_type": "qwen3", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512, "vocab_size": 512,
+    }
+)  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def short_windows(monkeypatch):
+    monkeypatch.setattr(measure, "WINDOW_S", 0.01)
+    monkeypatch.setattr(measure, "QUOTA_WINDOW_S", 0.1)
+
+
+def check_sane(r: ProbeReport) -> None:
+    assert 0.1e9 < r.bandwidth.median < 20e12, r.bandwidth
+    assert 0.1e9 < r.matvec_bandwidth.median < 20e12, r.matvec_bandwidth
+    assert 1e-7 < r.overhead.median < 0.05, r.overhead
+    assert 1e7 < r.flops.median < 1e17, r.flops
+    assert r.memory_bytes > 1 << 28
+    for fig in (r.bandwidth, r.overhead, r.flops):
+        assert fig.lo <= fig.median <= fig.hi and fig.n == 2
+
+
+def test_torch_probe_is_sane_and_quick():
+    r = probe("torch", "fp32", repeats=2, model=TINY_QWEN3, model_name="tiny-qwen3")
+    check_sane(r)
+    assert r.backend == "torch/cpu/fp32" and r.wall_s < 5.0
+    assert r.block is not None and 1e-6 < r.block.median < 0.5
+    assert r.block_bytes == 4 * (256 * (256 + 2 * 128) + 256 * 256 + 3 * 256 * 512 + 2 * 256 + 2 * 64)
+
+
+def test_mlx_probe_is_sane():
+    pytest.importorskip("mlx.core")
+    r = probe("mlx", "fp32", repeats=2)
+    check_sane(r)
+    assert r.backend.startswith("mlx/")
+
+
+def test_report_feeds_the_planner_and_round_trips():
+    r = probe("torch", "fp32", repeats=2, model=TINY_QWEN3, model_name="tiny-qwen3")
+    assert ProbeReport.from_dict(json.loads(r.to_json())) == r
+    dev = r.device_report("here", rtt_s=0.02)
+    assert dev.bandwidth_bytes_s == r.bandwidth.median and dev.block_s == r.block.median
+    assert DeviceReport.from_json(dev.to_json()) == dev
+    from kafila.models.presets import resolve_manifest
+
+    p = plan([dev, r.device_report("twin", use_block=False)], resolve_manifest("smollm2-135m"), context=512)
+    assert p.feasible and p.tier == "full"
+
+
+def test_cli_probe_json(capsys):
+    assert (
+        main(["probe", "--backend", "torch", "--dtype", "fp32", "--repeats", "2", "--json", "--name", "box"])
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert out["device"]["name"] == "box" and out["device"]["bandwidth_bytes_s"] > 0
+    assert out["probe"]["overhead"]["n"] == 2
+    assert main(["probe", "--backend", "nope"]) == 2

@@ -1,0 +1,66 @@
+"""cgroup and /proc readers against fake trees (the real ones are read by the probe tests)."""
+
+from __future__ import annotations
+
+from kafila.probe import system
+from kafila.probe.stats import Figure
+
+
+def fake_cgroup(monkeypatch, tmp_path, paths, files):
+    monkeypatch.setattr(system, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(system, "_cgroup_paths", lambda: paths)
+    for rel, text in files.items():
+        f = tmp_path / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+
+
+def test_cgroup_v1_cpu_quota(monkeypatch, tmp_path):
+    fake_cgroup(
+        monkeypatch,
+        tmp_path,
+        {"cpu": "/member-1"},
+        {"cpu/member-1/cpu.cfs_quota_us": "25000\n", "cpu/member-1/cpu.cfs_period_us": "100000\n"},
+    )
+    assert system.cpu_quota() == 0.25
+    assert system.usable_cpus() == 1
+
+
+def test_cgroup_v1_unlimited_and_v2(monkeypatch, tmp_path):
+    fake_cgroup(
+        monkeypatch,
+        tmp_path,
+        {"cpu": "/"},
+        {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"},
+    )
+    assert system.cpu_quota() is None
+    fake_cgroup(monkeypatch, tmp_path, {"": "/box"}, {"box/cpu.max": "150000 100000\n"})
+    assert system.cpu_quota() == 1.5
+
+
+def test_cgroup_memory_room(monkeypatch, tmp_path):
+    fake_cgroup(
+        monkeypatch,
+        tmp_path,
+        {"memory": "/m"},
+        {"memory/m/memory.limit_in_bytes": "4000000000\n", "memory/m/memory.usage_in_bytes": "1000000000\n"},
+    )
+    assert system.cgroup_memory_room() == 3_000_000_000
+    fake_cgroup(monkeypatch, tmp_path, {"": "/u"}, {"u/memory.max": "max\n", "u/memory.current": "5\n"})
+    assert system.cgroup_memory_room() is None
+
+
+def test_real_machine_readers_return_plausible_values():
+    avail = system.system_memory_available()
+    assert avail is None or avail > 1 << 28
+    llc = system.llc_bytes()
+    assert llc is None or llc >= 1 << 16
+    assert system.usable_cpus() >= 1
+    assert system.reserve(16 << 30) == (16 << 30) // 10 and system.reserve(2 << 30) == (2 << 30) // 4
+
+
+def test_figure_median_and_spread():
+    f = Figure.of([1.0, 3.0, 2.0, 2.0], "s")
+    assert (f.median, f.lo, f.hi, f.n) == (2.0, 1.0, 3.0, 4)
+    assert f.spread == 0.5
+    assert Figure.from_dict(f.to_dict()) == f
