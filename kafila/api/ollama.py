@@ -1,0 +1,111 @@
+"""Ollama-compatible routes: /api/chat, /api/generate (NDJSON streaming by default), /api/tags."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kafila.api.errors import ApiError, invalid
+from kafila.api.params import Job, check_model, fit, flag, integer, messages, number, read_body, stop_strings
+from kafila.api.state import Api, api_of
+from kafila.api.stream import ChunkStream, Piece, Tally, collect, pieces, start
+from kafila.session.service import Sampling
+
+
+def job_from(body: dict[str, Any], prompt: list[int], context: int) -> Job:
+    opts = body.get("options") or {}
+    if not isinstance(opts, dict):
+        raise invalid("options", "'options' must be an object")
+    num_predict = integer(opts, "num_predict", -2, None)
+    max_tokens = fit(
+        prompt, None if num_predict is None or num_predict < 0 else num_predict, context, "num_predict"
+    )
+    sampling = Sampling(
+        max_tokens=max_tokens,
+        temperature=number(opts, "temperature", 0.0, 2.0, 0.8),
+        top_k=integer(opts, "top_k", 0, 40) or 0,
+        top_p=number(opts, "top_p", 0.0, 1.0, 0.9),
+        seed=integer(opts, "seed", -(2**63), None),
+    )
+    return Job(prompt, sampling, stop_strings(opts.get("stop"), "options.stop"), flag(body, "stream", True))
+
+
+async def chat(request: Request) -> Response:
+    api, body = api_of(request), await read_body(request)
+    check_model(body, api.model_id)
+    prompt = api.encode_chat(messages(body))
+    return await _run(request, api, job_from(body, prompt, api.service.context), chat=True)
+
+
+async def generate(request: Request) -> Response:
+    api, body = api_of(request), await read_body(request)
+    check_model(body, api.model_id)
+    text = body.get("prompt")
+    if not isinstance(text, str):
+        raise invalid("prompt", "'prompt' must be a string")
+    if flag(body, "raw", False):
+        prompt = api.codec.encode_prompt(text)
+    else:
+        prompt = api.encode_chat([{"role": "user", "content": text}])
+    return await _run(request, api, job_from(body, prompt, api.service.context), chat=False)
+
+
+async def tags(request: Request) -> Response:
+    api = api_of(request)
+    when = datetime.fromtimestamp(api.created, UTC).isoformat()
+    model = {"name": api.model_id, "model": api.model_id, "modified_at": when, "size": 0, "digest": ""}
+    model["details"] = {"format": "safetensors", "family": "kafila-session"}
+    return JSONResponse({"models": [model]})
+
+
+async def _run(request: Request, api: Api, job: Job, chat: bool) -> Response:
+    gen = await start(api.service, job)
+    tally = Tally(len(job.prompt))
+    stream = pieces(gen, api.codec, job, tally)
+    if job.stream:
+        return ChunkStream(_ndjson(stream, api, tally, chat), gen, "application/x-ndjson", _error)  # type: ignore[return-value]
+    await collect(request, stream, gen)
+    return JSONResponse(_line(api, "".join(tally.text), chat) | _final(tally))
+
+
+def _line(api: Api, text: str, chat: bool) -> dict[str, Any]:
+    d: dict[str, Any] = {"model": api.model_id, "created_at": datetime.now(UTC).isoformat()}
+    if chat:
+        d["message"] = {"role": "assistant", "content": text}
+    else:
+        d["response"] = text
+    return d | {"done": False}
+
+
+def _final(t: Tally) -> dict[str, Any]:
+    end = t.finished or time.perf_counter()
+    first = t.first_token or end
+    ns = 1_000_000_000
+    return {
+        "done": True,
+        "done_reason": t.finish,
+        "total_duration": int((end - t.started) * ns),
+        "load_duration": 0,
+        "prompt_eval_count": t.prompt_tokens,
+        "prompt_eval_duration": int((first - t.started) * ns),
+        "eval_count": t.completion_tokens,
+        "eval_duration": int((end - first) * ns),
+    }
+
+
+async def _ndjson(stream: AsyncIterator[Piece], api: Api, tally: Tally, chat: bool) -> AsyncIterator[bytes]:
+    async for p in stream:
+        if p.text:
+            yield json.dumps(_line(api, p.text, chat)).encode() + b"\n"
+        if p.finish:
+            yield json.dumps(_line(api, "", chat) | _final(tally)).encode() + b"\n"
+
+
+def _error(exc: ApiError) -> bytes:
+    return json.dumps({"error": exc.message}).encode() + b"\n"

@@ -1,0 +1,116 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions (SSE streaming or not), /v1/models."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kafila.api.errors import ApiError, invalid
+from kafila.api.params import (
+    Job,
+    check_model,
+    fit,
+    flag,
+    integer,
+    messages,
+    number,
+    read_body,
+    stop_strings,
+)
+from kafila.api.state import Api, api_of
+from kafila.api.stream import ChunkStream, Piece, Tally, collect, pieces, start
+from kafila.session.service import Sampling
+
+
+def job_from(body: dict[str, Any], prompt: list[int], context: int) -> Job:
+    if integer(body, "n", 1, 1) != 1:
+        raise invalid("n", "only n=1 is supported")
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = fit(prompt, integer(body, key, 1, None), context, key)
+    sampling = Sampling(
+        max_tokens=max_tokens,
+        temperature=number(body, "temperature", 0.0, 2.0, 1.0),
+        top_p=number(body, "top_p", 0.0, 1.0, 1.0),
+        seed=integer(body, "seed", -(2**63), None),
+    )
+    return Job(prompt, sampling, stop_strings(body.get("stop")), flag(body, "stream", False))
+
+
+async def chat_completions(request: Request) -> Response:
+    api, body = api_of(request), await read_body(request)
+    check_model(body, api.model_id)
+    prompt = api.encode_chat(messages(body))
+    return await _run(request, api, job_from(body, prompt, api.service.context), chat=True)
+
+
+async def completions(request: Request) -> Response:
+    api, body = api_of(request), await read_body(request)
+    check_model(body, api.model_id)
+    text = body.get("prompt")
+    if isinstance(text, list) and len(text) == 1:
+        text = text[0]
+    if not isinstance(text, str):
+        raise invalid("prompt", "'prompt' must be a string (one prompt per request)")
+    prompt = api.codec.encode_prompt(text)
+    return await _run(request, api, job_from(body, prompt, api.service.context), chat=False)
+
+
+async def models(request: Request) -> Response:
+    api = api_of(request)
+    entry = {"id": api.model_id, "object": "model", "created": api.created, "owned_by": "kafila"}
+    return JSONResponse({"object": "list", "data": [entry]})
+
+
+async def _run(request: Request, api: Api, job: Job, chat: bool) -> Response:
+    gen = await start(api.service, job)
+    tally = Tally(len(job.prompt))
+    stream = pieces(gen, api.codec, job, tally)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    if job.stream:
+        return ChunkStream(_sse(stream, api, rid, chat), gen, "text/event-stream", _sse_error)  # type: ignore[return-value]
+    await collect(request, stream, gen)
+    text = "".join(tally.text)
+    choice: dict[str, Any] = {"index": 0, "finish_reason": tally.finish, "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return JSONResponse(_envelope(api, rid, chat, False) | {"choices": [choice], "usage": _usage(tally)})
+
+
+def _envelope(api: Api, rid: str, chat: bool, chunk: bool) -> dict[str, Any]:
+    kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+    return {"id": rid, "object": kind, "created": api.created, "model": api.model_id}
+
+
+def _usage(t: Tally) -> dict[str, int]:
+    total = t.prompt_tokens + t.completion_tokens
+    return {"prompt_tokens": t.prompt_tokens, "completion_tokens": t.completion_tokens, "total_tokens": total}
+
+
+async def _sse(stream: AsyncIterator[Piece], api: Api, rid: str, chat: bool) -> AsyncIterator[bytes]:
+    head = _envelope(api, rid, chat, True)
+    if chat:
+        yield _event(
+            head | {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
+        )
+    async for p in stream:
+        if p.text or p.finish:
+            body = {"content": p.text} if chat else None
+            choice = {"index": 0, "finish_reason": p.finish}
+            choice |= {"delta": body if p.text else {}} if chat else {"text": p.text, "logprobs": None}
+            yield _event(head | {"choices": [choice]})
+    yield b"data: [DONE]\n\n"
+
+
+def _event(d: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(d).encode() + b"\n\n"
+
+
+def _sse_error(exc: ApiError) -> bytes:
+    return _event({"error": {"message": exc.message, "type": "server_error", "code": exc.code}})

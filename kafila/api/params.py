@@ -1,0 +1,115 @@
+"""Request bodies -> a `Job` (prompt ids, sampling, stop strings, stream flag), validated.
+
+OpenAI and Ollama name the same parameters differently; both end here so the limits and messages
+are the same. A prompt that does not fit the declared context is refused, never truncated.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+
+from kafila.api.errors import ApiError, invalid
+from kafila.session.service import Sampling
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: list[int]
+    sampling: Sampling
+    stop: tuple[str, ...]
+    stream: bool
+
+
+async def read_body(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body() or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, "invalid_json", f"request body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "invalid_json", f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def check_model(body: dict[str, Any], served: str) -> None:
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        raise invalid("model", "'model' is required and must be a string")
+    if name not in {served, served.split(":")[0]} and name.split(":")[0] != served:
+        raise ApiError(
+            404, "model_not_found", f"model {name!r} is not served here; this session serves {served!r}"
+        )
+
+
+def number(d: dict[str, Any], key: str, lo: float, hi: float, default: float) -> float:
+    v = d.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
+        raise invalid(key, f"{key!r} must be a number in [{lo}, {hi}], got {v!r}")
+    return float(v)
+
+
+def integer(d: dict[str, Any], key: str, lo: int, default: int | None) -> int | None:
+    v = d.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise invalid(key, f"{key!r} must be an integer >= {lo}, got {v!r}")
+    return v
+
+
+def stop_strings(v: Any, key: str = "stop") -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        return (v,)
+    if isinstance(v, list) and all(isinstance(s, str) for s in v) and len(v) <= 16:
+        return tuple(v)
+    raise invalid(key, f"{key!r} must be a string or a list of up to 16 strings")
+
+
+def flag(d: dict[str, Any], key: str, default: bool) -> bool:
+    v = d.get(key, default)
+    if not isinstance(v, bool):
+        raise invalid(key, f"{key!r} must be true or false, got {v!r}")
+    return v
+
+
+def messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise invalid("messages", "'messages' must be a non-empty list")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise invalid("messages", f"messages[{i}] must be an object with a 'role'")
+        if not isinstance(m.get("content", ""), str):
+            raise invalid("messages", f"messages[{i}].content must be a string")
+    return msgs
+
+
+def fit(prompt: list[int], max_tokens: int | None, context: int, key: str) -> int:
+    """The answer budget; refuses a prompt (or prompt + max_tokens) that exceeds the context."""
+    if not prompt:
+        raise invalid("prompt", "the prompt is empty after tokenization")
+    room = context - len(prompt)
+    if room <= 0:
+        raise ApiError(
+            400,
+            "context_length_exceeded",
+            f"prompt is {len(prompt)} tokens; the session's context is {context} tokens "
+            f"(prompt plus answer); shorten the prompt (Kafila never truncates it)",
+            "messages",
+        )
+    if max_tokens is not None and max_tokens > room:
+        raise ApiError(
+            400,
+            "context_length_exceeded",
+            f"prompt of {len(prompt)} tokens plus {key}={max_tokens} exceeds the session's context of "
+            f"{context} tokens; at most {room} answer tokens fit",
+            key,
+        )
+    return max_tokens if max_tokens is not None else room

@@ -1,0 +1,35 @@
+"""What every route needs: the generation service, the model's text codec, and the served name."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+
+from kafila.api.errors import ApiError
+from kafila.api.text import TextCodec
+from kafila.obs.trace import TraceLog
+from kafila.session.service import GenerationService
+
+
+@dataclass
+class Api:
+    service: GenerationService
+    codec: TextCodec
+    model_id: str
+    traces: TraceLog | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def encode_chat(self, msgs: list[dict[str, Any]]) -> list[int]:
+        try:
+            return self.codec.encode_chat(msgs)
+        except (ValueError, TypeError, KeyError) as exc:  # the template refused the messages
+            raise ApiError(
+                400, "invalid_messages", f"messages cannot be rendered: {exc}", "messages"
+            ) from exc
+
+
+def api_of(request: Request) -> Api:
+    return request.app.state.api  # type: ignore[no-any-return]

@@ -1,0 +1,141 @@
+"""Running one job against the generation service: text pieces, streaming and collected.
+
+A client that disconnects cancels its request: streaming responses watch the ASGI receive
+channel while they send, collected responses race the generation against the disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+from starlette.types import Receive, Scope, Send
+
+from kafila.api.errors import ApiError
+from kafila.api.params import Job
+from kafila.api.text import Detokenizer, TextCodec
+from kafila.obs.log import get_logger
+from kafila.session.service import Generation, GenerationError, GenerationService
+
+log = get_logger("kafila.api")
+
+
+@dataclass
+class Piece:
+    text: str
+    finish: str | None = None
+
+
+@dataclass
+class Tally:
+    """What the final chunk and the usage block report."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    finished: float | None = None
+    text: list[str] = field(default_factory=list)
+    finish: str = "stop"
+
+
+async def start(service: GenerationService, job: Job) -> Generation:
+    try:
+        return await service.submit(job.prompt, job.sampling)
+    except GenerationError as exc:
+        raise ApiError.from_generation(exc) from exc
+
+
+async def pieces(gen: Generation, codec: TextCodec, job: Job, tally: Tally) -> AsyncIterator[Piece]:
+    detok = Detokenizer(codec, job.stop)
+    try:
+        async for ev in gen:
+            if ev.tokens:
+                tally.first_token = tally.first_token or time.perf_counter()
+                tally.completion_tokens += len(ev.tokens)
+                text = detok.feed(ev.tokens)
+                if detok.stopped:
+                    yield _end(tally, text, "stop")
+                    return
+                if text:
+                    tally.text.append(text)
+                    yield Piece(text)
+            if ev.finish:
+                yield _end(tally, detok.flush(), ev.finish)
+                return
+    finally:
+        gen.cancel("client gone or answer stopped")
+
+
+def _end(tally: Tally, text: str, finish: str) -> Piece:
+    tally.text.append(text)
+    tally.finish, tally.finished = finish, time.perf_counter()
+    return Piece(text, finish)
+
+
+async def collect(request: Request, stream: AsyncIterator[Piece], gen: Generation) -> None:
+    """Run the stream to its end, or cancel it when the client disconnects first."""
+
+    async def drain() -> None:
+        async for _ in stream:
+            pass
+
+    work = asyncio.ensure_future(drain())
+    gone = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            gen.cancel("client disconnected")
+            log.info("client_disconnected", path=request.url.path, request_id=gen.request_id)
+    try:
+        await work
+    except GenerationError as exc:
+        raise ApiError.from_generation(exc) from exc
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class ChunkStream:
+    """An ASGI response sending encoded chunks; a disconnect cancels the generation."""
+
+    def __init__(
+        self,
+        chunks: AsyncIterator[bytes],
+        gen: Generation,
+        media_type: str,
+        on_error: Callable[[ApiError], bytes],
+    ) -> None:
+        self.chunks, self.gen, self.media_type, self.on_error = chunks, gen, media_type, on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = [(b"content-type", self.media_type.encode()), (b"cache-control", b"no-cache")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        sender = asyncio.ensure_future(self._send_all(send))
+        gone = asyncio.ensure_future(_disconnected(receive))
+        await asyncio.wait({sender, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not sender.done():
+            sender.cancel()
+            self.gen.cancel("client disconnected")
+            log.info("client_disconnected", path=scope.get("path"), request_id=self.gen.request_id)
+        gone.cancel()
+        await asyncio.gather(sender, gone, return_exceptions=True)
+
+    async def _send_all(self, send: Send) -> None:
+        try:
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except GenerationError as exc:
+            body = self.on_error(ApiError.from_generation(exc))
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        finally:
+            self.gen.cancel("stream ended")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
