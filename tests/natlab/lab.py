@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 CLONE_NEWNET = 0x40000000
+SO_RCVBUFFORCE = 33  # Linux; not exported by Python's socket module
 RDV_ADDRS = ("198.18.0.2", "198.18.0.3")
 KINDS = ("permissive", "ordinary", "ordinary-address", "restrictive")
 # The class each router kind must be classified as (the fine-grained kind is kept alongside).
@@ -259,11 +260,21 @@ class Lab:
                 "ip", "daddr", other.wan, "drop",
             )  # fmt: skip
 
-    def capture(self) -> socket.socket:
-        """A raw packet socket on the public bridge: sees every frame crossing the 'Internet'."""
+    def unblock_all(self) -> None:
+        for site in self.sites:
+            sh("ip", "netns", "exec", site.router, "nft", "flush", "chain", "ip", "natlab", "block")
+
+    def capture(self, port: str = "prdv") -> socket.socket:
+        """A raw packet socket on one port of the public bridge (default: the rendezvous's), seeing
+        every frame that crosses it in either direction."""
         with netns(self.inet):
             sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
-        sock.bind(("br0", 0))
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 64 * 1024 * 1024)
+            sock.bind((port, 0))
+        except OSError:
+            sock.close()
+            raise
         sock.setblocking(False)
         return sock
 

@@ -74,6 +74,7 @@ async def open_pair(
     in_b: InNs = _nowhere,
     config: LinkConfig | None = None,
     classify_nat: bool = True,
+    probe_timeout: float = 0.3,
 ) -> Pair:
     url = rdv.url
     relay = (rdv.config.udp_host or rdv.config.host, rdv.udp.port)
@@ -90,7 +91,9 @@ async def open_pair(
         node = LinkNode(endpoint, SignalRouter(client), code.public, member, code.secret_material(), relay)
         node.config = config or LinkConfig()
         if classify_nat:
-            node.nat = await classify(endpoint, relay, rdv.udp.alt_port, rdv.config.udp_alt_host)
+            node.nat = await classify(
+                endpoint, relay, rdv.udp.alt_port, rdv.config.udp_alt_host, timeout=probe_timeout
+            )
         nodes.append(node)
     pair = Pair(nodes[0], nodes[1], [ca, cb])
     pair.pumps = [asyncio.create_task(n.signals.pump()) for n in nodes]

@@ -1,0 +1,176 @@
+"""Links through real Linux NATs (network namespaces + netfilter; root): classification, every
+class pair, prediction against outcome, a relay that sees no plaintext, fallback to the relay."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from kafila.net.classify import classify
+from kafila.net.edge import EdgeOptions, connect_edge
+from kafila.net.endpoint import UdpEndpoint
+from kafila.net.link import Link, LinkConfig, PathKind
+from kafila.planner.reachability import DEFAULT_RULE, Behaviour
+from kafila.rendezvous.server import RendezvousServer
+from tests.natlab.lab import EXPECTED_CLASS, KINDS, RDV_ADDRS, Lab, Site, netns
+from tests.net.harness import Pair, open_pair, start_rendezvous
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+EI, AD = Behaviour.ENDPOINT_INDEPENDENT, Behaviour.ADDRESS_DEPENDENT
+APD = Behaviour.ADDRESS_AND_PORT_DEPENDENT
+EXPECTED_BEHAVIOUR = {
+    "permissive": (EI, EI),
+    "ordinary": (EI, APD),
+    "ordinary-address": (EI, AD),
+    "restrictive": (APD, APD),
+}
+PROBE_TIMEOUT = 0.1  # lab round trips are well under a millisecond
+
+
+@pytest.fixture(scope="module")
+def sites(natlab: Lab) -> dict[str, list[Site]]:
+    """Two member sites behind each router kind (a pair of one kind needs two routers)."""
+    return {kind: [natlab.add_site(kind), natlab.add_site(kind)] for kind in KINDS}
+
+
+@pytest.fixture
+async def rdv(natlab: Lab) -> AsyncIterator[RendezvousServer]:
+    with netns(natlab.rdv):
+        server = await start_rendezvous(RDV_ADDRS[0], RDV_ADDRS[1])
+    yield server
+    await server.stop()
+
+
+async def lab_pair(
+    lab: Lab, rdv: RendezvousServer, a: Site, b: Site, config: LinkConfig | None = None
+) -> Pair:
+    return await open_pair(
+        rdv,
+        lab.udp_socket(a.host, a.lan),
+        lab.udp_socket(b.host, b.lan),
+        lambda: netns(a.host),
+        lambda: netns(b.host),
+        config=config,
+        probe_timeout=PROBE_TIMEOUT,
+    )
+
+
+async def link_pair(pair: Pair, predicted_direct: bool = True) -> tuple[Link, Link]:
+    opts = EdgeOptions(predicted_direct=predicted_direct)
+    client, server = await asyncio.gather(
+        connect_edge(pair.a, pair.b.member, True, opts), connect_edge(pair.b, pair.a.member, False, opts)
+    )
+    return client, server
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_classifier_names_each_router_kind(natlab: Lab, sites, rdv, kind: str) -> None:
+    site = sites[kind][0]
+    endpoint = await UdpEndpoint.open(natlab.udp_socket(site.host, site.lan))
+    try:
+        report = await classify(
+            endpoint, (RDV_ADDRS[0], rdv.udp.port), rdv.udp.alt_port, RDV_ADDRS[1], timeout=PROBE_TIMEOUT
+        )
+    finally:
+        endpoint.close()
+    assert report.nat.cls.value == EXPECTED_CLASS[kind]
+    assert (report.nat.mapping, report.nat.filtering) == EXPECTED_BEHAVIOUR[kind]
+    assert report.mapped[0] == site.wan  # seen from outside: the router's public address
+    assert report.probes <= 3 + 2 * 3 + 2 * 3  # a constant number of probes, retries included
+    assert 0 < report.rtt_median < 0.1
+
+
+PAIRS = [(a, b) for a, b in itertools.product(KINDS, KINDS) if "ordinary-address" not in (a, b) or a != b]
+
+
+@pytest.mark.parametrize(("client_kind", "server_kind"), PAIRS)
+async def test_class_pair_links_moves_data_and_prediction_errs_only_toward_relay(
+    natlab: Lab, sites, rdv, client_kind: str, server_kind: str
+) -> None:
+    a, b = sites[client_kind][0], sites[server_kind][1]
+    pair = await lab_pair(natlab, rdv, a, b)
+    assert pair.a.nat is not None and pair.b.nat is not None
+    predicted = DEFAULT_RULE(pair.a.nat.nat, pair.b.nat.nat)
+    start = time.perf_counter()
+    client, server = await link_pair(pair, predicted)
+    elapsed = time.perf_counter() - start
+    try:
+        frame = os.urandom(1 << 20)
+        await client.send(16, frame)
+        await server.send(17, b"back")
+        assert await server.recv(timeout=20) == (16, frame)
+        assert await client.recv(timeout=20) == (17, b"back")
+        achieved_direct = client.path is PathKind.DIRECT
+        if predicted:  # the prediction may only err toward the relay
+            assert achieved_direct, f"{client_kind}->{server_kind} predicted direct, linked {client.path}"
+        assert elapsed < (0.5 if achieved_direct and predicted else 2.0) * 4  # generous: shared CPUs
+    finally:
+        await client.close()
+        await server.close()
+        await pair.close()
+
+
+async def test_relayed_edge_shows_only_ciphertext_on_the_wire(natlab: Lab, sites, rdv) -> None:
+    a, b = sites["restrictive"]
+    capture = natlab.capture()
+    pair = await lab_pair(natlab, rdv, a, b)
+    client, server = await link_pair(pair, predicted_direct=False)
+    marker = b"KAFILA-MARKER-" + os.urandom(6).hex().encode()
+    try:
+        assert client.path is PathKind.RELAY
+        tensor = os.urandom(30_000) + marker + os.urandom(30_000)
+        await client.send(16, tensor)
+        assert await server.recv(timeout=20) == (16, tensor)
+        frames = []
+        while True:
+            try:
+                frames.append(capture.recv(65535))
+            except BlockingIOError:
+                break
+        wire = b"".join(frames)
+        assert wire.count(bytes(map(int, RDV_ADDRS[0].split(".")))) > 40  # relayed datagrams were seen
+        assert len(wire) > 2 * len(tensor)  # to the relay and out again
+        assert marker not in wire and marker[:12] not in wire
+    finally:
+        capture.close()
+        await client.close()
+        await server.close()
+        await pair.close()
+
+
+async def test_direct_path_that_stops_answering_falls_back_to_relay_without_loss(
+    natlab: Lab, sites, rdv
+) -> None:
+    a, b = sites["ordinary"]
+    config = LinkConfig(keepalive=0.25, dead_after=1.0)
+    pair = await lab_pair(natlab, rdv, a, b, config)
+    client, server = await link_pair(pair)
+    try:
+        assert client.path is PathKind.DIRECT and server.path is PathKind.DIRECT
+        count = 120
+
+        async def produce() -> None:
+            for i in range(count):
+                await client.send(16, i.to_bytes(4, "big") + os.urandom(4096))
+                if i == 30:
+                    natlab.block_direct(a, b)  # both routers now drop the direct path
+                await asyncio.sleep(0.02)
+
+        producer = asyncio.create_task(produce())
+        got = [int.from_bytes((await server.recv(timeout=15))[1][:4], "big") for _ in range(count)]
+        await producer
+        assert got == list(range(count))  # nothing lost, nothing reordered
+        assert client.path is PathKind.RELAY and server.path is PathKind.RELAY
+        assert client.path_changes[-1].reason.startswith("direct path silent")
+        await server.send(18, b"still there")
+        assert await client.recv(timeout=10) == (18, b"still there")
+    finally:
+        natlab.unblock_all()
+        await client.close()
+        await server.close()
+        await pair.close()
