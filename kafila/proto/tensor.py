@@ -7,9 +7,10 @@ Every message is one length-prefixed record, so the same bytes work over a messa
 
 Tensor frames (kind HIDDEN) carry hidden states for a batch of requests at one stage step:
 
-    u16 flags | u32 step | u8 dtype | u8 ndim | u16 n_entries
+    u16 flags | u32 step | u8 dtype | u8 ndim | u16 n_entries | u8 n_timings
     ndim x u32 shape
     n_entries x (u32 request_id | u32 position | u32 n_tokens)
+    n_timings x u32 compute microseconds of each stage this frame has passed, in ring order
     raw tensor bytes (row-major, little-endian; exactly numel * itemsize of dtype)
 
 Entries name which rows of the tensor belong to which request: request `r` owns `n_tokens` rows
@@ -33,7 +34,7 @@ VERSION = 1
 MAX_BODY = 1 << 30  # 1 GiB: a frame larger than this is refused, not allocated
 
 _PREFIX = struct.Struct("<IBB")  # body_length, version, kind
-_HIDDEN = struct.Struct("<HIBBH")  # flags, step, dtype, ndim, n_entries
+_HIDDEN = struct.Struct("<HIBBHB")  # flags, step, dtype, ndim, n_entries, n_timings
 _ENTRY = struct.Struct("<III")  # request_id, position, n_tokens
 _U32 = struct.Struct("<I")
 
@@ -84,6 +85,7 @@ class Hidden:
     entries: tuple[Entry, ...]
     data: bytes
     flags: int = 0
+    timings_us: tuple[int, ...] = ()  # compute time at each stage passed so far (microseconds)
 
     kind: ClassVar[Kind] = Kind.HIDDEN
 
@@ -247,10 +249,13 @@ def _encode_hidden(msg: Hidden) -> bytes:
     rows = sum(e.n_tokens for e in msg.entries)
     if msg.shape and rows != msg.shape[0]:
         raise FrameError(f"entries cover {rows} rows, tensor has {msg.shape[0]}")
-    head = _HIDDEN.pack(msg.flags, msg.step, int(msg.dtype), len(msg.shape), len(msg.entries))
+    head = _HIDDEN.pack(
+        msg.flags, msg.step, int(msg.dtype), len(msg.shape), len(msg.entries), len(msg.timings_us)
+    )
     dims = b"".join(_U32.pack(n) for n in msg.shape)
     entries = b"".join(_ENTRY.pack(e.request_id, e.position, e.n_tokens) for e in msg.entries)
-    return head + dims + entries + bytes(msg.data)
+    timings = b"".join(_U32.pack(min(t, 2**32 - 1)) for t in msg.timings_us)
+    return head + dims + entries + timings + bytes(msg.data)
 
 
 def hidden_nbytes(dtype: DType, shape: tuple[int, ...]) -> int:
@@ -272,17 +277,21 @@ def _decode_body(kind: int, body: memoryview) -> Message:
 def _decode_hidden(body: memoryview) -> Hidden:
     if len(body) < _HIDDEN.size:
         raise FrameError(f"HIDDEN body of {len(body)} bytes is shorter than its {_HIDDEN.size}-byte header")
-    flags, step, dtype_code, ndim, n_entries = _HIDDEN.unpack_from(body)
+    flags, step, dtype_code, ndim, n_entries, n_timings = _HIDDEN.unpack_from(body)
     if dtype_code not in DType._value2member_map_:
         raise FrameError(f"unknown dtype code {dtype_code}")
     at = _HIDDEN.size
-    need = at + ndim * _U32.size + n_entries * _ENTRY.size
+    need = at + (ndim + n_timings) * _U32.size + n_entries * _ENTRY.size
     if len(body) < need:
-        raise FrameError(f"HIDDEN header declares {ndim} dims and {n_entries} entries, body too short")
+        raise FrameError(
+            f"HIDDEN header declares {ndim} dims, {n_entries} entries, {n_timings} timings; body too short"
+        )
     shape = tuple(_U32.unpack_from(body, at + i * _U32.size)[0] for i in range(ndim))
     at += ndim * _U32.size
     entries = tuple(Entry(*_ENTRY.unpack_from(body, at + i * _ENTRY.size)) for i in range(n_entries))
     at += n_entries * _ENTRY.size
+    timings = tuple(_U32.unpack_from(body, at + i * _U32.size)[0] for i in range(n_timings))
+    at += n_timings * _U32.size
     data = body[at:]
     dtype = DType(dtype_code)
     if len(data) != hidden_nbytes(dtype, shape):
@@ -291,7 +300,15 @@ def _decode_hidden(body: memoryview) -> Hidden:
         )
     if shape and sum(e.n_tokens for e in entries) != shape[0]:
         raise FrameError(f"entries cover {sum(e.n_tokens for e in entries)} rows, tensor has {shape[0]}")
-    return Hidden(step=step, dtype=dtype, shape=shape, entries=entries, data=bytes(data), flags=flags)
+    return Hidden(
+        step=step,
+        dtype=dtype,
+        shape=shape,
+        entries=entries,
+        data=bytes(data),
+        flags=flags,
+        timings_us=timings,
+    )
 
 
 def _decode_json(kind: Kind, body: memoryview) -> Message:

@@ -27,8 +27,10 @@ def hiddens(draw: st.DrawFn) -> t.Hidden:
     entries = tuple(t.Entry(draw(u32), draw(u32), n) for n in counts)
     shape = (sum(counts), width)
     data = draw(st.binary(min_size=t.hidden_nbytes(dtype, shape), max_size=t.hidden_nbytes(dtype, shape)))
+    timings = tuple(draw(st.lists(u32, max_size=5)))
+    flags = draw(st.integers(0, 3))
     return t.Hidden(
-        step=draw(u32), dtype=dtype, shape=shape, entries=entries, data=data, flags=draw(st.integers(0, 3))
+        step=draw(u32), dtype=dtype, shape=shape, entries=entries, data=data, flags=flags, timings_us=timings
     )
 
 
@@ -103,13 +105,17 @@ def test_one_flipped_byte_decodes_or_raises_frame_error(msg: t.Message, where: i
 
 def test_hidden_layout_is_the_documented_one() -> None:
     data = struct.pack("<4f", 1.0, 2.0, 3.0, 4.0)
-    msg = t.Hidden(step=7, dtype=t.DType.F32, shape=(2, 2), entries=(t.Entry(5, 9, 2),), data=data, flags=3)
+    entries = (t.Entry(5, 9, 2),)
+    msg = t.Hidden(
+        step=7, dtype=t.DType.F32, shape=(2, 2), entries=entries, data=data, flags=3, timings_us=(42,)
+    )
     record = t.encode(msg)
     body_len, version, kind = struct.unpack_from("<IBB", record)
     assert (version, kind, body_len) == (1, 1, len(record) - 6)
-    assert struct.unpack_from("<HIBBH", record, 6) == (3, 7, 1, 2, 1)
-    assert struct.unpack_from("<II", record, 6 + 10) == (2, 2)
-    assert struct.unpack_from("<III", record, 6 + 18) == (5, 9, 2)
+    assert struct.unpack_from("<HIBBHB", record, 6) == (3, 7, 1, 2, 1, 1)
+    assert struct.unpack_from("<II", record, 6 + 11) == (2, 2)
+    assert struct.unpack_from("<III", record, 6 + 19) == (5, 9, 2)
+    assert struct.unpack_from("<I", record, 6 + 31) == (42,)
     assert record[-16:] == data
 
 
