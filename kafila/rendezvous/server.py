@@ -53,7 +53,7 @@ class RendezvousServer:
     async def start(self) -> None:
         cfg = self.config
         await self.udp.start(cfg.udp_host or cfg.host, cfg.udp_port, cfg.udp_alt_port, cfg.udp_alt_host)
-        alt_host = cfg.advertise_alt_host or cfg.udp_alt_host
+        alt_host = cfg.advertise_alt_host or cfg.udp_alt_host or None
         probe = ProbeInfo(self.udp.port, self.udp.alt_port, alt_host)
         self.registry = Registry(cfg.limits, self.relay, probe)
         app = build_app(self.registry, self.udp.stats, tick_s=cfg.tick_s)

@@ -1,0 +1,125 @@
+"""The rendezvous image with the real Docker engine: build, `docker-compose up`, healthy, used, down.
+
+No Docker Hub and no index inside containers here: the base image comes from
+compose/build-base-image.sh (debootstrap, cached by the engine) and the wheels from
+compose/build-wheelhouse.sh (built on the host).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kafila.net.signaling import SignalingClient
+from kafila.proto import udp
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+BASE_IMAGE = os.environ.get("KAFILA_BASE_IMAGE", "kafila/python-base:bookworm")
+IMAGE = "kafila/rendezvous:test"
+
+
+def run(*cmd: str, env: dict[str, str] | None = None, timeout: float = 600) -> str:
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+        )
+    return out.stdout
+
+
+def free_port(kind: int) -> int:
+    with socket.socket(socket.AF_INET, kind) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def require_engine() -> None:
+    if shutil.which("docker") is None or shutil.which("docker-compose") is None:
+        pytest.skip("docker and docker-compose are not installed (CI installs docker.io and docker-compose)")
+    info = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=60)
+    if info.returncode != 0:
+        pytest.skip(f"no running Docker engine (CI starts dockerd): {info.stderr.strip()[:200]}")
+    have_base = subprocess.run(["docker", "image", "inspect", BASE_IMAGE], capture_output=True, timeout=60)
+    if have_base.returncode != 0 and (os.geteuid() != 0 or shutil.which("debootstrap") is None):
+        pytest.skip(f"base image {BASE_IMAGE} is missing and building it needs root and debootstrap")
+
+
+@pytest.fixture(scope="module")
+def compose_env() -> Iterator[dict[str, str]]:
+    require_engine()
+    run("bash", "compose/build-base-image.sh", timeout=900)
+    run("bash", "compose/build-wheelhouse.sh", timeout=900)
+    env = {
+        **os.environ,
+        "KAFILA_BASE_IMAGE": BASE_IMAGE,
+        "KAFILA_WHEELHOUSE": "wheelhouse",
+        "KAFILA_RENDEZVOUS_IMAGE": IMAGE,
+        "KAFILA_RENDEZVOUS_PORT": str(free_port(socket.SOCK_STREAM)),
+        "KAFILA_UDP_PORT": str(free_port(socket.SOCK_DGRAM)),
+        "KAFILA_UDP_ALT_PORT": str(free_port(socket.SOCK_DGRAM)),
+    }
+    compose = ["docker-compose", "-f", "compose/docker-compose.yml", "-p", f"kafilatest{os.getpid()}"]
+    env["COMPOSE_CMD"] = json.dumps(compose)
+    try:
+        run(*compose, "build", "rendezvous", env=env, timeout=900)
+        run(*compose, "up", "-d", "rendezvous", env=env, timeout=300)
+        yield env
+    finally:
+        subprocess.run(
+            [*compose, "down", "--timeout", "5"], cwd=ROOT, env=env, capture_output=True, timeout=300
+        )
+
+
+def wait_healthy(env: dict[str, str], timeout: float = 90.0) -> dict[str, object]:
+    compose = json.loads(env["COMPOSE_CMD"])
+    cid = run(*compose, "ps", "-q", "rendezvous", env=env).strip()
+    deadline = time.monotonic() + timeout
+    state: dict[str, object] = {}
+    while time.monotonic() < deadline:
+        state = json.loads(run("docker", "inspect", "--format", "{{json .State}}", cid))
+        health = state.get("Health") or {}
+        if isinstance(health, dict) and health.get("Status") == "healthy":
+            return state
+        time.sleep(1.0)
+    logs = run(*compose, "logs", "--tail", "30", "rendezvous", env=env)
+    raise AssertionError(f"rendezvous not healthy after {timeout:.0f} s: {state}\n{logs}")
+
+
+def test_compose_up_healthy_then_signaling_and_udp_probe(compose_env: dict[str, str]) -> None:
+    state = wait_healthy(compose_env)
+    assert state["Running"] is True
+    config = json.loads(run("docker", "image", "inspect", "--format", "{{json .Config}}", IMAGE))
+    assert config["User"] == "kafila"  # unprivileged
+    port = int(compose_env["KAFILA_RENDEZVOUS_PORT"])
+    udp_port = int(compose_env["KAFILA_UDP_PORT"])
+    asyncio.run(signaling_round(f"ws://127.0.0.1:{port}/v1/signal", udp_port))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(3.0)
+        txid = os.urandom(12)
+        sock.sendto(udp.encode(udp.BindingRequest(txid)), ("127.0.0.1", udp_port))
+        data, _ = sock.recvfrom(2048)
+    reply = udp.decode(data)
+    assert isinstance(reply, udp.BindingResponse) and reply.txid == txid
+    assert reply.answered_from[1] == udp_port
+
+
+async def signaling_round(url: str, udp_port: int) -> None:
+    async with await SignalingClient.connect(url) as host:
+        opened = await host.open_session("smollm2-135m", 2, "container-test-host", {"memory_gb": 1})
+        assert opened.probe_port == udp_port
+        async with await SignalingClient.connect(url) as guest:
+            joined = await guest.join(opened.session, "container-test-guest", {})
+            assert [m.name for m in joined.members] == ["container-test-host", "container-test-guest"]
+            await guest.signal(1, {"hello": "through the container"})
+            await host.next_event(5.0)  # member_joined
+            assert (await host.next_event(5.0)).payload == {"hello": "through the container"}  # type: ignore[union-attr]
