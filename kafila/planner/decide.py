@@ -7,6 +7,7 @@ concurrency, returns a Plan (feasible, or refused with a reason naming the devic
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from kafila.models.manifest import Manifest
 from kafila.planner.admission import check_memory, explain_no_division
@@ -182,14 +183,12 @@ def _with_figures(p: Plan) -> Plan:
     bottleneck = max(stage_s)
     known = [e.latency_s for e in p.edges if e.latency_s is not None]
     circuit = sum(stage_s) + sum(known)
-    return Plan(
-        **{
-            **p.__dict__,
-            "bottleneck_s": bottleneck,
-            "imbalance": bottleneck / min(stage_s),
-            "utilisation": sum(stage_s) / len(stage_s) / bottleneck,
-            "circuit_s": circuit,
-            "network_priced": len(known) == len(p.edges),
-            "tokens_s": 1.0 / circuit,
-        }
+    return replace(
+        p,
+        bottleneck_s=bottleneck,
+        imbalance=bottleneck / min(stage_s),
+        utilisation=sum(stage_s) / len(stage_s) / bottleneck,
+        circuit_s=circuit,
+        network_priced=len(known) == len(p.edges),
+        tokens_s=1.0 / circuit,
     )

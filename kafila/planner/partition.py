@@ -40,8 +40,9 @@ def partition(
         raise ValueError(f"per-block costs must be > 0, got {list(per)}")
     if m > k:
         return Infeasible(f"{m} devices but the model has only {k} blocks; every device needs one")
-    if sum(min(k, max(0, n)) for n in lim) < k:
-        return Infeasible(f"the devices hold at most {sum(lim)} of {k} blocks")
+    room = sum(min(k, max(0, n)) for n in lim)
+    if room < k:
+        return Infeasible(f"the devices hold at most {room} of {k} blocks (limits {list(lim)})")
     candidates = sorted(  # line 1
         fixed[i] + n * per[i] for i in range(m) for n in range(1, min(k, lim[i]) + 1)
     )
