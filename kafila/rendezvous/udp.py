@@ -10,6 +10,7 @@ are counted and dropped (answering unauthenticated garbage would make the rendez
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from kafila.proto.udp import Address, DatagramKind, ErrorCode
 from kafila.rendezvous.relay import RelayTable
 
 log = get_logger("kafila.rendezvous.udp")
+SOCKET_BUFFER_BYTES = 4 << 20  # relay bursts: a ring step can send a few hundred KB at once
 
 
 class _Endpoint(asyncio.DatagramProtocol):
@@ -58,6 +60,9 @@ class UdpService:
             lambda: _Endpoint(self, index), local_addr=(host, port)
         )
         self.transports[index] = transport
+        sock = transport.get_extra_info("socket")
+        for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)  # capped by net.core.*mem_max
         sockname = transport.get_extra_info("sockname")
         self.local[index] = (str(sockname[0]), int(sockname[1]))
 
