@@ -151,8 +151,9 @@ class Checkpoint:
         ]
         return sorted(names, key=lambda n: (str(self.tensors[n].file), self.tensors[n].start))
 
-    def read(self, names: list[str] | tuple[str, ...] | set[str]) -> dict[str, tuple[TensorInfo, bytes]]:
-        """The raw bytes of exactly these tensors, reading adjacent ranges of a file as one span."""
+    def read(self, names: list[str] | tuple[str, ...] | set[str]) -> dict[str, tuple[TensorInfo, bytearray]]:
+        """The raw bytes of exactly these tensors, each in its own writable buffer (no copies: a run
+        of adjacent ranges in a file is read with one vectored read straight into the buffers)."""
         missing = [n for n in names if n not in self.tensors]
         if missing:
             raise CheckpointError(f"{self.path}: no tensor named {missing[0]!r} ({len(missing)} missing)")
@@ -160,22 +161,46 @@ class Checkpoint:
         for name in set(names):
             info = self.tensors[name]
             by_file.setdefault(info.file, []).append(info)
-        out: dict[str, tuple[TensorInfo, bytes]] = {}
+        out: dict[str, tuple[TensorInfo, bytearray]] = {}
         for file, infos in by_file.items():
             infos.sort(key=lambda t: t.start)
             with open(file, "rb") as f:
                 for span in _coalesce(infos):
-                    out.update(self._read_span(f.fileno(), file, span))
+                    buffers = [bytearray(t.nbytes) for t in span]
+                    got = _read_into(f.fileno(), [memoryview(b) for b in buffers], span[0].start)
+                    self.bytes_read += got
+                    if got != span[-1].end - span[0].start:
+                        raise CheckpointError(
+                            f"{file}: truncated: wanted bytes [{span[0].start}, {span[-1].end}), "
+                            f"the file ends after {got} of them"
+                        )
+                    out.update({t.name: (t, b) for t, b in zip(span, buffers, strict=True)})
         return out
 
-    def _read_span(self, fd: int, file: Path, span: list[TensorInfo]) -> dict[str, tuple[TensorInfo, bytes]]:
-        start, end = span[0].start, span[-1].end
-        data = os.pread(fd, end - start, start)
-        self.bytes_read += len(data)
-        if len(data) != end - start:
-            raise CheckpointError(f"{file}: truncated: wanted bytes [{start}, {end}), file ends early")
-        view = memoryview(data)
-        return {t.name: (t, bytes(view[t.start - start : t.end - start])) for t in span}
+
+# Linux caps one read at 0x7ffff000 bytes and one vectored read at IOV_MAX (1024) buffers.
+_IOV_MAX = 1024
+
+
+def _read_into(fd: int, views: list[memoryview], offset: int) -> int:
+    """Fill `views` from the file at `offset` in order (short reads resumed); bytes read until EOF."""
+    pending = [v for v in views if len(v)]
+    total = 0
+    while pending:
+        if hasattr(os, "preadv"):
+            n = os.preadv(fd, pending[:_IOV_MAX], offset)
+        else:  # no vectored reads on this platform
+            n = os.readv(fd, pending[:1]) if os.lseek(fd, offset, os.SEEK_SET) == offset else 0
+        if n <= 0:
+            break
+        offset += n
+        total += n
+        while n and pending:
+            if n >= len(pending[0]):
+                n -= len(pending.pop(0))
+            else:
+                pending[0], n = pending[0][n:], 0
+    return total
 
 
 def _coalesce(infos: list[TensorInfo]) -> list[list[TensorInfo]]:

@@ -86,17 +86,41 @@ def test_adjacent_ranges_are_read_in_one_span(
 ) -> None:
     ckpt = Checkpoint.open(tiny_checkpoint("llama-gqa3-tied"))
     calls: list[tuple[int, int]] = []
-    real_pread = checkpoint_module.os.pread
+    real_preadv = checkpoint_module.os.preadv
 
-    def counting_pread(fd: int, n: int, offset: int) -> bytes:
-        calls.append((offset, n))
-        return real_pread(fd, n, offset)
+    def counting_preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        calls.append((offset, len(buffers)))
+        return real_preadv(fd, buffers, offset)
 
-    monkeypatch.setattr(checkpoint_module.os, "pread", counting_pread)
+    monkeypatch.setattr(checkpoint_module.os, "preadv", counting_preadv)
     # transformers writes tensors sorted by name, so one block's tensors are contiguous
-    ckpt.read(ckpt.names_for(range(3, 4), head=False))
-    assert len(calls) == 1
-    assert calls[0][1] == ckpt.bytes_read == ckpt.manifest().block_bytes[3]
+    names = ckpt.names_for(range(3, 4), head=False)
+    got = ckpt.read(names)
+    assert calls == [(min(ckpt.tensors[n].start for n in names), len(names))]
+    assert ckpt.bytes_read == ckpt.manifest().block_bytes[3] == sum(len(b) for _, b in got.values())
+
+
+def test_short_reads_are_resumed_simulated_kernel(
+    tiny_checkpoint: TinyFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel returning at most 1000 bytes per read (as Linux does past 2 GiB), simulated by
+    handing the real preadv a truncated first buffer; the bytes must still be exact."""
+    folder = tiny_checkpoint("llama-mha-untied")
+    ckpt = Checkpoint.open(folder)
+    real_preadv = checkpoint_module.os.preadv
+    calls = 0
+
+    def short_preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        nonlocal calls
+        calls += 1
+        return real_preadv(fd, [buffers[0][:1000]], offset)
+
+    monkeypatch.setattr(checkpoint_module.os, "preadv", short_preadv)
+    names = ckpt.names_for(range(0, 5), head=True)
+    got = ckpt.read(names)
+    ref = _reference(folder)
+    assert all(bytes(data) == ref[name] for name, (_, data) in got.items())
+    assert calls >= ckpt.bytes_read // 1000
 
 
 def test_generation_config_template_and_special_tokens(tiny_checkpoint: TinyFactory, tmp_path: Path) -> None:
@@ -263,3 +287,13 @@ def test_bad_block_range_and_unknown_name(tiny_checkpoint: TinyFactory) -> None:
     with pytest.raises(CheckpointError, match=re.escape(f"no tensor named {missing!r}")):
         ckpt.read([missing])
     assert ckpt.bytes_read == 0
+
+
+def test_file_truncated_after_open(tiny_checkpoint: TinyFactory, tmp_path: Path) -> None:
+    folder = _copy(tiny_checkpoint("llama-gqa3-tied"), tmp_path / "m")
+    ckpt = Checkpoint.open(folder)
+    last = max(ckpt.tensors.values(), key=lambda t: t.end)
+    with open(last.file, "r+b") as f:
+        f.truncate(last.end - 10)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: truncated: wanted bytes .* ends after"):
+        ckpt.read([last.name])
