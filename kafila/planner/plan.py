@@ -63,9 +63,25 @@ class Plan:
     def blocks(self) -> dict[str, int]:
         return {s.name: s.n_blocks for s in self.stages}
 
+    def stage(self, name: str) -> Stage:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(f"{name!r} has no stage in this plan; members: {list(self.order)}")
+
     def block_range(self, name: str) -> tuple[int, int]:
-        stage = next(s for s in self.stages if s.name == name)
+        stage = self.stage(name)
         return stage.start, stage.stop
+
+    def successor(self, name: str) -> str:
+        """The member `name` sends its output to (the last member sends back to the head)."""
+        i = self.order.index(name)
+        return self.order[(i + 1) % len(self.order)]
+
+    def predecessor(self, name: str) -> str:
+        """The member `name` receives its input from (the head receives from the last member)."""
+        i = self.order.index(name)
+        return self.order[(i - 1) % len(self.order)]
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

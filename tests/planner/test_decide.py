@@ -112,6 +112,11 @@ def test_plan_json_round_trip():
     assert p.edges and not all(e.direct for e in p.edges) and p.network_priced
     assert p.circuit_s == pytest.approx(sum(s.cost_s for s in p.stages) + sum(e.latency_s for e in p.edges))
     assert p.block_range(p.head) == (0, p.stages[0].n_blocks)
+    last = p.order[-1]
+    assert p.successor(last) == p.head and p.predecessor(p.head) == last
+    assert p.successor(p.head) == p.order[1] and p.stage(last).stop == 64
+    with pytest.raises(KeyError, match="nobody"):
+        p.stage("nobody")
 
 
 def test_device_report_json_round_trip():
