@@ -2,14 +2,13 @@
 
 `generate(stage, prompt_ids, params)` prefills the prompt in chunks, then decodes one token per
 step, yielding token ids as they are sampled; `timings` records prefill and decode separately.
-`TextStream` turns a growing list of token ids into text deltas without splitting a UTF-8
-character across deltas.
+Text streaming is the tokenizer's (`kafila.engine.tokenizer.Tokenizer.stream()`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kafila.engine.sampler import Sampler, SamplingParams, StopReason
@@ -84,28 +83,3 @@ def _run(
         t.stop_reason = reason or "length"
     finally:
         t.decode_s = time.perf_counter() - start
-
-
-class TextStream:
-    """Token ids in, text deltas out. Decodes the whole sequence each time and emits what is new,
-    holding back a trailing U+FFFD (a UTF-8 character whose bytes have not all arrived)."""
-
-    def __init__(self, decode: Callable[[list[int]], str], skip: frozenset[int] = frozenset()) -> None:
-        self.decode, self.skip = decode, skip
-        self.ids: list[int] = []
-        self.emitted = 0
-
-    def push(self, token: int) -> str:
-        if token in self.skip:
-            return ""
-        self.ids.append(token)
-        text = self.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        delta, self.emitted = text[self.emitted :], len(text)
-        return delta
-
-    def flush(self) -> str:
-        text = self.decode(self.ids)
-        delta, self.emitted = text[self.emitted :], len(text)
-        return delta

@@ -1,0 +1,183 @@
+"""Engine speed and memory against transformers `generate`, side by side in one run.
+
+For each dtype: prefill and decode tokens/s of kafila's Stage (all blocks + head, greedy) and of
+transformers' `generate` (greedy, KV cache) on the same model, prompt and token count, alternating
+runs so both see the same machine load; the decode ratio; the fraction of the memory-bandwidth
+bound reached (bytes read per decoded token, from the manifest, over the bandwidth measured here
+with a streaming torch `sum` over a buffer far larger than the last-level cache); and, in a fresh
+subprocess per dtype, peak memory of the engine against its weights + KV cache.
+
+    python3 benchmarks/engine.py                       # default model, fp32 and bf16
+    python3 benchmarks/engine.py --dtypes fp32 --repeats 5 --new-tokens 128
+
+The figures are medians over `--repeats` runs with the spread (min-max) beside them; on a shared
+machine the spread is the honest part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def measure_bandwidth(threads: int, mib: int = 1024, repeats: int = 5) -> float:
+    """Streaming read bandwidth (bytes/s, best of `repeats`) of torch `sum` over `mib` MiB."""
+    torch.set_num_threads(threads)
+    buf = torch.ones(mib * 1024 * 1024 // 4, dtype=torch.float32)
+    buf.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return buf.numel() * 4 / best
+
+
+def kafila_run(stage, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    from kafila.engine.generate import Timings, generate
+    from kafila.engine.sampler import SamplingParams
+
+    t = Timings()
+    tokens = list(generate(stage, prompt, SamplingParams(max_tokens=new_tokens), timings=t))
+    assert len(tokens) == new_tokens, f"generated {len(tokens)} of {new_tokens} tokens"
+    return t.prefill_tps, t.decode_tps
+
+
+def hf_run(model, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    """Prefill tok/s from a 1-token generate; decode tok/s from the extra time of the rest."""
+    ids = torch.tensor([prompt])
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        t1 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        t2 = time.perf_counter()
+    assert out.shape[1] == len(prompt) + new_tokens
+    prefill_s = t1 - t0
+    return len(prompt) / prefill_s, (new_tokens - 1) / max((t2 - t1) - prefill_s, 1e-9)
+
+
+def speed(args: argparse.Namespace, path: Path, dtype: str, bandwidth: float) -> dict[str, float]:
+    import transformers
+
+    from kafila.engine.stage import Stage
+    from kafila.models.checkpoint import Checkpoint
+
+    ckpt = Checkpoint.open(path)
+    stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend="torch", dtype=dtype, context=args.context)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+    prompt = [(i * 7919) % 40000 + 100 for i in range(args.prompt_tokens)]
+    ours, theirs = [], []
+    kafila_run(stage, prompt, 4), hf_run(hf, prompt, 4)  # warm-up
+    for _ in range(args.repeats):
+        ours.append(kafila_run(stage, prompt, args.new_tokens))
+        theirs.append(hf_run(hf, prompt, args.new_tokens))
+    m = ckpt.manifest({"fp32": "F32", "bf16": "BF16", "fp16": "F16"}[dtype])
+    per_token = sum(m.block_bytes) + m.head_read_bytes
+    return summarize(dtype, ours, theirs, per_token, bandwidth)
+
+
+def summarize(dtype: str, ours: list, theirs: list, per_token: int, bandwidth: float) -> dict[str, float]:
+    def med(runs: list, i: int) -> float:
+        return statistics.median(r[i] for r in runs)
+
+    def spread(runs: list, i: int) -> str:
+        return f"{min(r[i] for r in runs):.1f}-{max(r[i] for r in runs):.1f}"
+
+    bound = bandwidth / per_token
+    row = {
+        "kafila_prefill": med(ours, 0),
+        "kafila_decode": med(ours, 1),
+        "hf_prefill": med(theirs, 0),
+        "hf_decode": med(theirs, 1),
+        "bound_decode": bound,
+        "bytes_per_token": per_token,
+    }
+    row["decode_ratio"] = row["kafila_decode"] / row["hf_decode"]
+    row["prefill_ratio"] = row["kafila_prefill"] / row["hf_prefill"]
+    row["bound_fraction"] = row["kafila_decode"] / bound
+    print(f"\n[{dtype}] bytes read per decoded token {per_token / 1e6:.1f} MB -> bound {bound:.1f} tok/s")
+    print(f"  {'':12}{'prefill tok/s':>24}{'decode tok/s':>24}")
+    for name, runs in (("kafila", ours), ("transformers", theirs)):
+        cells = [f"{med(runs, i):>10.1f} ({spread(runs, i):>11})" for i in (0, 1)]
+        print(f"  {name:12}{cells[0]}{cells[1]}")
+    print(
+        f"  decode ratio {row['decode_ratio']:.2f}x (target >= 2), "
+        f"prefill ratio {row['prefill_ratio']:.2f}x, "
+        f"decode at {row['bound_fraction']:.0%} of the bandwidth bound (target >= 65%)"
+    )
+    return row
+
+
+def memory_child(path: str, dtype: str, context: int, prompt_tokens: int, new_tokens: int) -> dict[str, int]:
+    """Runs in a fresh process: peak RSS growth while loading and generating vs weights + KV."""
+    from kafila.engine.stage import Stage
+    from kafila.models.checkpoint import Checkpoint
+
+    ckpt = Checkpoint.open(path)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend="torch", dtype=dtype, context=context)
+    kafila_run(stage, list(range(100, 100 + prompt_tokens)), new_tokens)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    m = ckpt.manifest({"fp32": "F32", "bf16": "BF16", "fp16": "F16"}[dtype])
+    return {"peak_growth": peak - base, "weights": m.total_bytes, "kv": stage.kv_bytes}
+
+
+def memory(args: argparse.Namespace, path: Path, dtype: str) -> dict[str, int]:
+    root = str(Path(__file__).resolve().parents[1])
+    call = f"memory_child({str(path)!r}, {dtype!r}, {args.context}, {args.prompt_tokens}, 16)"
+    code = f"import json, sys; sys.path.insert(0, {root!r}); from benchmarks.engine import memory_child; "
+    code += f"print(json.dumps({call}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    need = r["weights"] + r["kv"]
+    print(
+        f"  memory: peak growth {r['peak_growth'] / 2**20:.0f} MiB vs weights {r['weights'] / 2**20:.0f} MiB "
+        f"+ KV {r['kv'] / 2**20:.0f} MiB = {r['peak_growth'] / need:.2f}x (target <= 1.3x)"
+    )
+    return r
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m", help="default model name or a Hugging Face folder")
+    p.add_argument(
+        "--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES), help="dtypes to run"
+    )
+    p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length in tokens")
+    p.add_argument(
+        "--new-tokens", type=int, default=64, help="tokens generated per run (greedy, no EOS stop)"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="runs per system per dtype (median reported)")
+    p.add_argument("--context", type=int, default=2048, help="engine KV-cache context (counted in memory)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads for both")
+    args = p.parse_args()
+    from kafila.models.registry import resolve
+    from kafila.obs.log import configure_logging
+
+    configure_logging(level="warning")
+    path = resolve(args.model)
+    bandwidth = measure_bandwidth(args.threads)
+    print(
+        f"model {path}  threads {args.threads}  "
+        f"streaming read bandwidth {bandwidth / 1e9:.1f} GB/s (torch sum)"
+    )
+    for dtype in args.dtypes:
+        speed(args, path, dtype, bandwidth)
+        memory(args, path, dtype)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

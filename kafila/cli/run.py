@@ -1,0 +1,106 @@
+"""`kafila run`: generate text with a model on this machine (one stage holding the whole model)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "prompt", metavar="PROMPT", help="the user's message (or the text to continue, with --raw)"
+    )
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="a default model name (smollm2-135m, converted on first use) or the path of a Hugging Face "
+        "folder (config.json + safetensors + tokenizer.json); see `kafila models`",
+    )
+    parser.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "torch", "mlx"],
+        help="array library: auto = MLX on Apple Silicon, torch on CUDA when present, else torch on the CPU; "
+        "mlx also runs on Linux through mlx[cpu]",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        help="compute and KV-cache dtype: auto = bf16 on a GPU, fp32 on a CPU",
+    )
+    parser.add_argument("--max-tokens", type=int, default=256, help="stop after this many generated tokens")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (the default)"
+    )
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens; 0 = all")
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="sample among the most likely tokens holding P of the mass"
+    )
+    parser.add_argument("--seed", type=int, default=None, help="seed of the sampler (repeatable sampling)")
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=2048,
+        help="positions reserved in the KV cache (prompt + answer); a longer prompt is refused",
+    )
+    parser.add_argument(
+        "--raw", action="store_true", help="plain completion of PROMPT, without the model's chat template"
+    )
+    parser.add_argument("--system", default=None, help="a system message placed before PROMPT (chat mode)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from kafila.engine.backend import BackendError
+    from kafila.engine.sampler import SamplingParams
+    from kafila.engine.stage import StageError
+    from kafila.engine.tokenizer import TokenizerError
+    from kafila.models.checkpoint import CheckpointError
+    from kafila.models.registry import ModelNotFound
+
+    try:
+        params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.max_tokens)
+        return _run(args, params)
+    except (ValueError, BackendError, StageError, TokenizerError, CheckpointError, ModelNotFound) as exc:
+        print(f"kafila run: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace, params) -> int:  # type: ignore[no-untyped-def]
+    from kafila.engine.generate import Timings, generate
+    from kafila.engine.stage import Stage
+    from kafila.engine.tokenizer import Tokenizer
+    from kafila.models.checkpoint import Checkpoint
+    from kafila.models.registry import resolve
+
+    ckpt = Checkpoint.open(resolve(args.model))
+    tok = Tokenizer.from_checkpoint(ckpt)
+    prompt = _prompt_ids(tok, args)
+    context = min(args.context, ckpt.config.max_position_embeddings)
+    stage = Stage.load(
+        ckpt, range(ckpt.n_blocks), True, backend=args.backend, dtype=args.dtype, context=context
+    )
+    timings, stream = Timings(), tok.stream()
+    for token in generate(stage, prompt, params, eos_ids=tuple(tok.stop_ids), timings=timings):
+        sys.stdout.write(stream.push(token))
+        sys.stdout.flush()
+    sys.stdout.write(stream.flush() + "\n")
+    print(_summary(timings, str(stage.backend)), file=sys.stderr)
+    return 0
+
+
+def _prompt_ids(tok, args: argparse.Namespace) -> list[int]:  # type: ignore[no-untyped-def]
+    if args.raw or tok.chat_template is None:
+        return tok.encode(args.prompt)
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.prompt}
+    ]
+    return tok.encode_chat(messages, add_generation_prompt=True)
+
+
+def _summary(t, backend: str) -> str:  # type: ignore[no-untyped-def]
+    return (
+        f"prefill: {t.prompt_tokens} tokens in {t.prefill_s:.2f} s ({t.prefill_tps:.1f} tok/s); "
+        f"decode: {max(t.generated_tokens - 1, 0)} tokens in {t.decode_s:.2f} s ({t.decode_tps:.1f} tok/s); "
+        f"{backend}; stop: {t.stop_reason}"
+    )
