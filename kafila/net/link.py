@@ -135,6 +135,7 @@ class Link:
         self._drained.set()
         self._closed: LinkError | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
         self._keepalive_task: asyncio.Task[None] | None = None
         self._counters = _Counters()
         self._log = log.bind(edge=f"{ctx.client_id}->{ctx.server_id}", me="client" if is_client else "server")
@@ -266,11 +267,14 @@ class Link:
         self._arm_timer()
 
     def _arm_timer(self) -> None:
+        at = self._quic.get_timer() if self._quic is not None and self._closed is None else None
         if self._timer is not None:
+            if at == self._timer_at:
+                return  # unchanged: most sends leave the loss/ack timer where it was
             self._timer.cancel()
             self._timer = None
-        at = self._quic.get_timer() if self._quic is not None else None
-        if at is not None and self._closed is None:
+        self._timer_at = at
+        if at is not None:
             self._timer = self._loop.call_at(at, self._on_timer)
 
     def _on_timer(self) -> None:

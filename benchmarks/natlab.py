@@ -1,0 +1,179 @@
+"""NAT lab benchmark (root): Table III equivalent and link figures, through real Linux netfilter.
+
+Builds the NAT lab (tests/natlab/lab.py: a rendezvous with two public addresses, members behind
+permissive / ordinary (port- and address-restricted) / restrictive routers), starts the real
+rendezvous inside it, and for every ordered class pair forms an edge `--trials` times from a fresh
+socket: the classes each member measured, the pair rule's prediction (paper rule and Linux rule),
+the path achieved and the time to an authenticated link (connect_edge called on both ends until
+both are ready; session setup and classification excluded, classification timed separately).
+
+Then link figures on one direct edge (ordinary <-> ordinary) and one relayed edge (restrictive <->
+restrictive): time to link, one-way latency (median of sequential sends on an idle link; both ends
+live in this process so they share a clock) and throughput (back-to-back messages, MB/s of
+payload) for 8 KiB and 1 MiB messages. Both ends of every link run in this one Python process on
+shared CPUs, so throughput is a floor and figures are noisy.
+
+    sudo python3 benchmarks/natlab.py [--trials N] [--count-8k N] [--count-1m N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kafila.net.edge import EdgeOptions, connect_edge
+from kafila.net.link import Link
+from kafila.planner.reachability import LINUX_RULE, PAPER_RULE
+from tests.natlab.lab import KINDS, RDV_ADDRS, Lab, Site, missing_requirements, netns
+from tests.net.harness import Pair, open_pair, start_rendezvous
+
+PROBE_TIMEOUT = 0.1
+
+
+async def _pair(lab: Lab, rdv, a: Site, b: Site) -> tuple[Pair, float]:  # type: ignore[no-untyped-def]
+    start = time.perf_counter()
+    pair = await open_pair(
+        rdv,
+        lab.udp_socket(a.host, a.lan),
+        lab.udp_socket(b.host, b.lan),
+        lambda: netns(a.host),
+        lambda: netns(b.host),
+        probe_timeout=PROBE_TIMEOUT,
+    )
+    return pair, time.perf_counter() - start
+
+
+async def _link(pair: Pair, predicted: bool) -> tuple[Link, Link, float]:
+    opts = EdgeOptions(predicted_direct=predicted)
+    start = time.perf_counter()
+    client, server = await asyncio.gather(
+        connect_edge(pair.a, pair.b.member, True, opts), connect_edge(pair.b, pair.a.member, False, opts)
+    )
+    return client, server, time.perf_counter() - start
+
+
+async def table_iii(lab: Lab, rdv, sites: dict[str, list[Site]], trials: int) -> None:  # type: ignore[no-untyped-def]
+    print("\nTable III equivalent: ordered class pairs through Linux netfilter NATs")
+    print(
+        f"{'client':<17} {'server':<17} {'classes (measured)':<23} {'paper':<7} {'linux':<7} "
+        f"{'achieved':<14} {'link s (median)':>15}"
+    )
+    wrong_way = 0
+    for ka, kb in itertools.product(KINDS, KINDS):
+        achieved, times, classes = [], [], ""
+        paper = linux = False
+        for _ in range(trials):
+            pair, _ = await _pair(lab, rdv, sites[ka][0], sites[kb][1])
+            assert pair.a.nat and pair.b.nat
+            na, nb = pair.a.nat.nat, pair.b.nat.nat
+            classes = (
+                f"{na.cls.value[:4]}/{(na.filtering or '')[:8]} {nb.cls.value[:4]}/{(nb.filtering or '')[:8]}"
+            )
+            paper, linux = PAPER_RULE(na, nb), LINUX_RULE(na, nb)
+            client, server, took = await _link(pair, linux)
+            await client.send(16, b"x")
+            await server.recv(timeout=10)
+            achieved.append(client.path.value if client.path else "none")
+            times.append(took)
+            wrong_way += int(linux and client.path is not None and client.path.value != "direct")
+            await client.close()
+            await server.close()
+            await pair.close()
+        outcome = "/".join(sorted(set(achieved)))
+        if len(set(achieved)) > 1:
+            outcome += f" ({achieved.count('direct')}/{trials} direct)"
+        print(
+            f"{ka:<17} {kb:<17} {classes:<23} {_dr(paper):<7} {_dr(linux):<7} {outcome:<14} "
+            f"{statistics.median(times):>15.3f}"
+        )
+    print(f"edges predicted direct (linux rule) that relayed: {wrong_way}")
+
+
+ABBREV = {"endpoint-independent": "EI", "address-dependent": "AD", "address-and-port-dependent": "APD"}
+
+
+def _short(nat) -> str:  # type: ignore[no-untyped-def]
+    """class[mapping/filtering], e.g. ordi[EI/APD]."""
+    return f"{nat.cls.value[:4]}[{ABBREV.get(nat.mapping or '', '?')}/{ABBREV.get(nat.filtering or '', '?')}]"
+
+
+def _dr(direct: bool) -> str:
+    return "direct" if direct else "relay"
+
+
+async def link_figures(lab: Lab, rdv, a: Site, b: Site, label: str, args) -> None:  # type: ignore[no-untyped-def]
+    pair, setup = await _pair(lab, rdv, a, b)
+    assert pair.a.nat and pair.b.nat
+    predicted = LINUX_RULE(pair.a.nat.nat, pair.b.nat.nat)
+    client, server, took = await _link(pair, predicted)
+    print(
+        f"\n{label}: {a.kind} <-> {b.kind}, path {client.path}, time to link {took:.3f} s "
+        f"(session join + both classifications {setup:.2f} s)"
+    )
+    for size, count in ((8192, args.count_8k), (1 << 20, args.count_1m)):
+        payload = os.urandom(size)
+        lat = []
+        for _ in range(min(count, 30)):
+            t0 = time.perf_counter()
+            await client.send(16, payload)
+            await server.recv(timeout=30)
+            lat.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+
+        async def produce(p: bytes = payload, n: int = count) -> None:
+            for _ in range(n):
+                await client.send(16, p)
+
+        producer = asyncio.create_task(produce())
+        for _ in range(count):
+            await server.recv(timeout=60)
+        await producer
+        dt = time.perf_counter() - t0
+        print(
+            f"  {size // 1024:>5} KiB: one-way latency median {statistics.median(lat) * 1000:8.2f} ms, "
+            f"throughput {count * size / dt / 1e6:7.2f} MB/s ({count} messages in {dt:.2f} s)"
+        )
+    s = client.stats()
+    print(
+        f"  smoothed RTT {s.smoothed_rtt * 1000:.2f} ms, datagrams direct {s.datagrams_direct} relay "
+        f"{s.datagrams_relay}"
+    )
+    await client.close()
+    await server.close()
+    await pair.close()
+
+
+async def main(args: argparse.Namespace) -> None:
+    with Lab() as lab:
+        sites = {kind: [lab.add_site(kind), lab.add_site(kind)] for kind in KINDS}
+        with netns(lab.rdv):
+            rdv = await start_rendezvous(RDV_ADDRS[0], RDV_ADDRS[1])
+        try:
+            await table_iii(lab, rdv, sites, args.trials)
+            await link_figures(lab, rdv, *sites["ordinary"], "direct edge", args)
+            await link_figures(lab, rdv, *sites["restrictive"], "relayed edge", args)
+        finally:
+            await rdv.stop()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=3, help="links formed per ordered class pair")
+    parser.add_argument("--count-8k", type=int, default=400, help="8 KiB messages in the throughput run")
+    parser.add_argument("--count-1m", type=int, default=20, help="1 MiB messages in the throughput run")
+    reason = missing_requirements()
+    if reason:
+        sys.exit(f"natlab benchmark: {reason}")
+    os.environ.setdefault("KAFILA_LOG_LEVEL", "warning")
+    from kafila.obs.log import configure_logging
+
+    configure_logging(level="warning")
+    asyncio.run(main(parser.parse_args()))
