@@ -12,7 +12,7 @@ from dataclasses import replace
 from kafila.models.manifest import Manifest
 from kafila.planner.admission import check_memory, explain_no_division
 from kafila.planner.baselines import proportional_counts, uniform_counts
-from kafila.planner.cost import DeviceCost, Tier, Workload, choose_tier, costs_for
+from kafila.planner.cost import DeviceCost, Tier, Workload, choose_tier, costs_for, memory_shortfall
 from kafila.planner.devices import DeviceReport
 from kafila.planner.head import MU, place_head, solve_rotation, unrotate
 from kafila.planner.order import RingOrder, edge_price_s, order_ring, predicted_direct, ring_edges
@@ -103,7 +103,9 @@ def _division(
     else:  # throughput tier: the head stays with the opener
         part = solve_rotation(k, costs, 0)
         if isinstance(part, Infeasible):
-            return _refused(name, ordered, ring, w, tier, explain_no_division(ordered, w))
+            opener = memory_shortfall(ordered[0], w, 1, head=True)
+            why = f"the head stays with the opener in this tier: {opener}" if opener else None
+            return _refused(name, ordered, ring, w, tier, why or explain_no_division(ordered, w))
         head, counts = 0, unrotate(part.counts, 0)
     return _build(name, ordered, ring, w, tier, costs, rule, head, counts)
 

@@ -56,6 +56,14 @@ def test_throughput_tier_when_a_bandwidth_is_missing_keeps_the_head_with_the_ope
     assert p.stages[0].cost_s == pytest.approx(p.stages[0].n_blocks * 2 * QWEN8.block_bytes[0] / 2 / 1e12)
 
 
+def test_throughput_tier_refuses_when_the_opener_cannot_hold_the_head():
+    fleet = [gpu("opener", 2.5, None, flops=1e12), gpu("big", 40, 900, flops=9e12)]
+    p = plan(fleet, QWEN8, context=4096)
+    assert not p.feasible and p.reason.startswith(
+        "the head stays with the opener in this tier: opener: 1 block"
+    )
+
+
 def test_working_set_tier_when_nothing_is_measured_divides_by_memory():
     fleet = [gpu("a", 30, None), gpu("b", 10, None, flops=1e12)]
     p = plan(fleet, QWEN8, context=1024)
