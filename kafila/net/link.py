@@ -64,6 +64,7 @@ class LinkConfig:
     idle_timeout: float = 30.0  # no packet at all for this long: the link is closed
     keepalive: float = 2.0  # PING interval; holds NAT mappings and feeds the liveness check
     dead_after: float = 6.0  # nothing from the direct path for this long: fall back to relay
+    peer_timeout: float = 15.0  # nothing from the peer on any path for this long: LinkTimeout
     handshake_timeout: float = 10.0  # QUIC handshake plus authentication
     send_buffer: int = 16 * 1024 * 1024  # send() waits while more than this is unacknowledged
     relay_refresh: float = 20.0  # re-bind the relay leg this often (relay idle expiry, NAT mapping)
@@ -433,10 +434,19 @@ class Link:
                 )
             if self._quic is None or self._closed is not None:
                 continue
+            self._check_peer()
             self._check_direct()
             uid += 1
             self._quic.send_ping(uid)
             self._transmit()
+
+    def _check_peer(self) -> None:
+        if not self._ready.done() or not self._last_rx:
+            return
+        silent = self._loop.time() - max(self._last_rx.values())
+        if silent > self.config.peer_timeout:
+            err = LinkTimeout(f"link to {self.peer_id}: nothing received on any path for {silent:.1f} s")
+            self._fail(err, ERROR_CLOSED, "peer silent")
 
     def _check_direct(self) -> None:
         if self._path is not PathKind.DIRECT or self._relay is None:

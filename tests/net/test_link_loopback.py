@@ -94,3 +94,19 @@ async def test_handshake_with_nobody_answering_times_out() -> None:
             await client.wait_ready()
     finally:
         a.close()
+
+
+async def test_a_peer_that_vanishes_surfaces_as_link_timeout_not_a_hang() -> None:
+    ctx = EdgeContext("S", "alice", "bob", b"secret")
+    config = LinkConfig(keepalive=0.1, dead_after=0.3, peer_timeout=0.6)
+    client, server, a, b = await direct_pair(ctx, ctx, config)
+    try:
+        await asyncio.gather(client.wait_ready(), server.wait_ready())
+        b.close()  # bob's machine is gone without a word
+        with pytest.raises(LinkTimeout, match="nothing received on any path"):
+            await client.recv(timeout=5)
+        with pytest.raises(LinkTimeout):
+            await client.send(16, b"too late")
+    finally:
+        a.close()
+        await server.close()
