@@ -99,13 +99,13 @@ async def test_third_party_and_bad_token_are_rejected(start_rendezvous: Factory)
 
 
 async def test_idle_channel_expires(start_rendezvous: Factory) -> None:
-    server = await start_rendezvous(relay_idle_s=0.3)
+    server = await start_rendezvous(relay_idle_s=1.0)
     relay_addr = ("127.0.0.1", server.udp.port)
     host, guest, channel, token_a, token_b = await two_members(server)
     with udp_socket() as a, udp_socket() as b:
         await bind(a, relay_addr, channel, token_a)
         await bind(b, relay_addr, channel, token_b)
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(1.5)
         assert channel not in server.relay.channels
         await send(a, udp.encode(udp.RelayData(channel, b"\xc3late")), relay_addr)
         assert await nothing_arrives(b)
