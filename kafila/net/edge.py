@@ -26,7 +26,7 @@ from kafila.net.certs import Identity, make_identity
 from kafila.net.classify import NatReport
 from kafila.net.endpoint import Address, UdpEndpoint
 from kafila.net.errors import LinkError, LinkTimeout
-from kafila.net.link import Link, LinkConfig, RelayLeg
+from kafila.net.link import Link, LinkConfig, PathKind, RelayLeg
 from kafila.net.punch import Puncher, punch_key
 from kafila.net.signaling import SignalingClient
 from kafila.obs.log import get_logger
@@ -147,6 +147,7 @@ class EdgeOptions:
     predicted_direct: bool = True  # from the pair rule; False starts on the relay right away
     punch_wait: float = 0.4  # seconds to wait for a punch before starting on the relay
     punch_timeout: float = 5.0  # total punching time (continues on the relay, upgrading on success)
+    repunch_interval: float = 10.0  # while on the relay, try the direct path again this often (0: never)
     use_relay: bool = True
     use_direct: bool = True
     signal_timeout: float = 10.0
@@ -174,7 +175,10 @@ async def connect_edge(
         node.endpoint, key, "client" if is_client else "server", peer_candidates, link.accept_from
     )
     link.on_close.append(puncher.stop)
-    punch = asyncio.create_task(_punch(link, puncher, opts.punch_timeout if peer_candidates else 0))
+    timeout = opts.punch_timeout if peer_candidates else 0
+    punch = asyncio.create_task(
+        _punch(link, puncher, timeout, opts.repunch_interval if peer_candidates else 0)
+    )
     relay = asyncio.create_task(_relay(node, link, peer, is_client, opts)) if opts.use_relay else None
     link.tasks += [punch] + ([relay] if relay else [])
     try:
@@ -188,10 +192,18 @@ async def connect_edge(
     return link
 
 
-async def _punch(link: Link, puncher: Puncher, timeout: float) -> None:
+async def _punch(link: Link, puncher: Puncher, timeout: float, repunch_interval: float) -> None:
+    """Punch now; later, whenever the link is on the relay, try the direct path again."""
     addr = await puncher.run(timeout)
     if addr is not None and not link.closed:
         link.add_direct(addr)
+    while repunch_interval > 0 and not link.closed:
+        await asyncio.sleep(repunch_interval)
+        if link.path is PathKind.RELAY:
+            puncher.reset()
+            addr = await puncher.run(min(timeout, 1.0))
+            if addr is not None and not link.closed:
+                link.add_direct(addr, "punch succeeded again")
 
 
 async def _relay(node: LinkNode, link: Link, peer: int, is_client: bool, opts: EdgeOptions) -> None:

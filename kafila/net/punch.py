@@ -98,5 +98,11 @@ class Puncher:
                 await asyncio.wait_for(asyncio.shield(self._success), self.interval)
         return self.succeeded
 
+    def reset(self) -> None:
+        """Forget the last success so `run()` can prove the path again (after a fallback)."""
+        self._mine.clear()
+        if self._success.done():
+            self._success = asyncio.get_running_loop().create_future()
+
     def stop(self) -> None:
         self.endpoint.forget(self.on_message)

@@ -60,8 +60,8 @@ async def lab_pair(
     )
 
 
-async def link_pair(pair: Pair, predicted_direct: bool = True) -> tuple[Link, Link]:
-    opts = EdgeOptions(predicted_direct=predicted_direct)
+async def link_pair(pair: Pair, predicted_direct: bool = True, repunch: float = 10.0) -> tuple[Link, Link]:
+    opts = EdgeOptions(predicted_direct=predicted_direct, repunch_interval=repunch)
     client, server = await asyncio.gather(
         connect_edge(pair.a, pair.b.member, True, opts), connect_edge(pair.b, pair.a.member, False, opts)
     )
@@ -143,13 +143,13 @@ async def test_relayed_edge_shows_only_ciphertext_on_the_wire(natlab: Lab, sites
         await pair.close()
 
 
-async def test_direct_path_that_stops_answering_falls_back_to_relay_without_loss(
+async def test_direct_path_that_stops_answering_falls_back_to_relay_without_loss_and_comes_back(
     natlab: Lab, sites, rdv
 ) -> None:
     a, b = sites["ordinary"]
     config = LinkConfig(keepalive=0.25, dead_after=1.0)
     pair = await lab_pair(natlab, rdv, a, b, config)
-    client, server = await link_pair(pair)
+    client, server = await link_pair(pair, repunch=0.5)
     try:
         assert client.path is PathKind.DIRECT and server.path is PathKind.DIRECT
         count = 120
@@ -169,6 +169,17 @@ async def test_direct_path_that_stops_answering_falls_back_to_relay_without_loss
         assert client.path_changes[-1].reason.startswith("direct path silent")
         await server.send(18, b"still there")
         assert await client.recv(timeout=10) == (18, b"still there")
+        natlab.unblock_all()  # the direct path answers again: both ends move back to it
+        for _ in range(100):
+            if client.path is PathKind.DIRECT and server.path is PathKind.DIRECT:
+                break
+            await asyncio.sleep(0.05)
+        assert client.path is PathKind.DIRECT and server.path is PathKind.DIRECT
+        assert client.path_changes[-1].reason == "punch succeeded again"
+        direct_before = client.stats().datagrams_direct
+        await client.send(16, b"direct again")
+        assert await server.recv(timeout=10) == (16, b"direct again")
+        assert client.stats().datagrams_direct > direct_before
     finally:
         natlab.unblock_all()
         await client.close()
