@@ -254,6 +254,8 @@ def _read_sharded(folder: Path, index_file: Path) -> dict[str, TensorInfo]:
         raise CheckpointError(f"{index_file}: no weight_map")
     tensors: dict[str, TensorInfo] = {}
     for shard in sorted(set(weight_map.values())):
+        if not isinstance(shard, str) or Path(shard).name != shard or shard in (".", ".."):
+            raise CheckpointError(f"{index_file}: shard {shard!r} is not a file name inside {folder}")
         file = folder / shard
         if not file.is_file():
             raise CheckpointError(f"{index_file}: names shard {shard!r}, which is missing from {folder}")

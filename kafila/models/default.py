@@ -38,8 +38,9 @@ CONVERTER_VERSION = 1
 SOURCE_FILE = "kafila_source.json"
 
 
-class DefaultModelUnavailable(RuntimeError):
-    """The package that carries a default model's GGUF is not installed."""
+class DefaultModelUnavailable(ValueError):
+    """The package that carries a default model's GGUF is not installed (a ValueError, like
+    ModelNotFound, so callers handle every unusable --model value in one place)."""
 
 
 @dataclass(frozen=True)

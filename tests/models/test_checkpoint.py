@@ -297,3 +297,12 @@ def test_file_truncated_after_open(tiny_checkpoint: TinyFactory, tmp_path: Path)
         f.truncate(last.end - 10)
     with pytest.raises(CheckpointError, match=r"model\.safetensors: truncated: wanted bytes .* ends after"):
         ckpt.read([last.name])
+
+
+def test_index_naming_a_file_outside_the_folder(tiny_checkpoint: TinyFactory, tmp_path: Path) -> None:
+    folder = _copy(tiny_checkpoint("llama-gqa3-tied", sharded=True), tmp_path / "m")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    name = next(iter(index["weight_map"]))
+    index["weight_map"][name] = "../elsewhere.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    _expect(folder, "model.safetensors.index.json", "'../elsewhere.safetensors' is not a file name inside")
