@@ -92,7 +92,12 @@ class SignalingHub:
             except ProtocolError as exc:
                 self.apply(self.registry.bad_frame(conn, exc, now))
                 continue
-            self.apply(self.registry.receive(conn, msg, now))
+            try:
+                events = self.registry.receive(conn, msg, now)
+            except Exception as exc:  # a bug must not end the connection without a reason
+                log.exception("internal_error", conn=conn, message=msg.TYPE)
+                events = [Send(conn, sig.Error("internal", f"rendezvous failed on '{msg.TYPE}': {exc}"))]
+            self.apply(events)
 
     async def _write(self, ws: WebSocket, conn: ConnId) -> None:
         box = self._outboxes[conn]

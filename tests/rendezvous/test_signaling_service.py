@@ -144,3 +144,25 @@ async def test_healthz_and_metrics(start_rendezvous: Factory) -> None:
     assert "kafila_rendezvous_relay_channels 0.0" in text
     await guest.close()
     await host.close()
+
+
+async def test_a_bug_in_the_core_is_reported_and_the_connection_survives(
+    start_rendezvous: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Simulated bug: the registry raises on `update`; the member gets an `internal` error."""
+    server = await start_rendezvous()
+    assert server.registry is not None
+    honest = server.registry.receive
+
+    def broken(conn: int, msg: sig.ClientMessage, now: float) -> list:  # type: ignore[type-arg]
+        if isinstance(msg, sig.Update):
+            raise KeyError("simulated")
+        return honest(conn, msg, now)
+
+    monkeypatch.setattr(server.registry, "receive", broken)
+    async with connect(server.url) as ws:
+        await ws.send(sig.encode(sig.Update()))
+        err = sig.decode_server(await ws.recv())
+        assert isinstance(err, sig.Error) and err.code == "internal" and "'update'" in err.message
+        await ws.send(sig.encode(sig.Heartbeat("still-here")))
+        assert sig.decode_server(await ws.recv()) == sig.HeartbeatAck("still-here")
