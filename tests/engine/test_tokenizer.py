@@ -125,3 +125,27 @@ def test_render_without_template_is_an_error(smollm2_path: Path, tmp_path: Path)
     assert tok.decode(tok.encode("plain completion")) == "plain completion"
     with pytest.raises(TokenizerError, match="no chat template"):
         tok.render_chat([{"role": "user", "content": "hi"}])
+
+
+def test_post_processor_bos_like_llama3(smollm2_path: Path, tmp_path: Path) -> None:
+    """A tokenizer.json whose post-processor adds BOS (as Llama 3's does): plain encode adds it,
+    a rendered chat does not (its template writes the BOS), exactly as transformers does."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Backend.from_file(str(smollm2_path / "tokenizer.json"))
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A",
+        pair="<|endoftext|> $A <|endoftext|> $B",
+        special_tokens=[("<|endoftext|>", 0)],
+    )
+    backend.save(str(tmp_path / "tokenizer.json"))
+    config = json.loads((smollm2_path / "tokenizer_config.json").read_text())
+    config |= {"bos_token": "<|endoftext|>", "chat_template": "{{ bos_token }}{{ messages[0]['content'] }}"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, ref = Tokenizer.from_folder(tmp_path), PreTrainedTokenizerFast.from_pretrained(tmp_path)
+    assert ours.encode("hello") == ref("hello")["input_ids"] == [0, *ours.encode("hello", False)]
+    chat = [{"role": "user", "content": "hello"}]
+    want = ref.apply_chat_template(chat, tokenize=True, return_dict=False)
+    assert ours.encode_chat(chat, add_generation_prompt=False) == list(want) == ours.encode("hello")
