@@ -23,6 +23,7 @@ import json
 import math
 import os
 import struct
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,17 +85,20 @@ class SpecialTokens:
     pad_id: int | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class Checkpoint:
+    """A model folder; `read` may be called from several threads (bytes_read stays exact)."""
+
     path: Path
     config: ModelConfig
-    tensors: dict[str, TensorInfo]
-    generation_config: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, TensorInfo] = field(repr=False)
+    generation_config: dict[str, Any] = field(default_factory=dict, repr=False)
     tokenizer_file: Path | None = None
-    tokenizer_config: dict[str, Any] = field(default_factory=dict)
-    chat_template: str | None = None
+    tokenizer_config: dict[str, Any] = field(default_factory=dict, repr=False)
+    chat_template: str | None = field(default=None, repr=False)
     special_tokens: SpecialTokens = field(default_factory=SpecialTokens)
     bytes_read: int = 0  # tensor-data bytes read by `read` since open
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> Checkpoint:
@@ -168,7 +172,8 @@ class Checkpoint:
                 for span in _coalesce(infos):
                     buffers = [bytearray(t.nbytes) for t in span]
                     got = _read_into(f.fileno(), [memoryview(b) for b in buffers], span[0].start)
-                    self.bytes_read += got
+                    with self._lock:
+                        self.bytes_read += got
                     if got != span[-1].end - span[0].start:
                         raise CheckpointError(
                             f"{file}: truncated: wanted bytes [{span[0].start}, {span[-1].end}), "
