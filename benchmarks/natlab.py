@@ -74,9 +74,7 @@ async def table_iii(lab: Lab, rdv, sites: dict[str, list[Site]], trials: int) ->
             pair, _ = await _pair(lab, rdv, sites[ka][0], sites[kb][1])
             assert pair.a.nat and pair.b.nat
             na, nb = pair.a.nat.nat, pair.b.nat.nat
-            classes = (
-                f"{na.cls.value[:4]}/{(na.filtering or '')[:8]} {nb.cls.value[:4]}/{(nb.filtering or '')[:8]}"
-            )
+            classes = f"{_short(na)} {_short(nb)}"
             paper, linux = PAPER_RULE(na, nb), LINUX_RULE(na, nb)
             client, server, took = await _link(pair, linux)
             await client.send(16, b"x")
@@ -126,7 +124,7 @@ async def link_figures(lab: Lab, rdv, a: Site, b: Site, label: str, args) -> Non
             await client.send(16, payload)
             await server.recv(timeout=30)
             lat.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
 
         async def produce(p: bytes = payload, n: int = count) -> None:
             for _ in range(n):
@@ -136,10 +134,11 @@ async def link_figures(lab: Lab, rdv, a: Site, b: Site, label: str, args) -> Non
         for _ in range(count):
             await server.recv(timeout=60)
         await producer
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         print(
             f"  {size // 1024:>5} KiB: one-way latency median {statistics.median(lat) * 1000:8.2f} ms, "
-            f"throughput {count * size / dt / 1e6:7.2f} MB/s ({count} messages in {dt:.2f} s)"
+            f"throughput {count * size / dt / 1e6:7.2f} MB/s ({count} messages in {dt:.2f} s; "
+            f"{count * size / cpu / 1e6:.2f} MB per CPU-second of this process, both ends and relay)"
         )
     s = client.stats()
     print(
