@@ -248,3 +248,10 @@ def test_gguf_reader_here_agrees_with_the_gguf_package() -> None:
     for a, b in zip(ref.tensors, ours.tensors, strict=True):
         assert (a.name, tuple(int(d) for d in reversed(a.shape))) == (b.name, b.shape)
         assert (int(a.data_offset), int(a.n_bytes), int(a.tensor_type)) == (b.start, b.nbytes, b.ggml_type)
+
+
+def test_kafila_models_convert_flag(capsys: pytest.CaptureFixture[str], smollm2_path: Path) -> None:
+    assert cli_main(["models", "--convert", "smollm2-135m", "--json"]) == 0  # already converted: reused
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["converted"] is True
+    assert cli_main(["models", "--convert", "gpt-5"]) == 2
+    assert "'gpt-5' is not a default model (smollm2-135m)" in capsys.readouterr().out
