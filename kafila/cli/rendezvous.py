@@ -52,6 +52,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="behind a TLS-terminating proxy: trust its X-Forwarded-For from these IPs ('*' for any)",
     )
+    parser.add_argument(
+        "--log-format",
+        choices=("json", "console"),
+        default=None,
+        help="log lines as JSON (default for this service, or $KAFILA_LOG) or for a terminal",
+    )
     limits = parser.add_argument_group("limits")
     defaults = Limits()
     for f in dataclasses.fields(Limits):
@@ -68,11 +74,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     import asyncio
+    import os
 
-    from kafila.obs.log import get_logger
+    from kafila.obs.log import configure_logging, get_logger
     from kafila.rendezvous.limits import Limits
     from kafila.rendezvous.server import RendezvousServer, ServerConfig
 
+    configure_logging(args.log_format or os.environ.get("KAFILA_LOG") or "json")
     if bool(args.cert) != bool(args.key):
         get_logger("kafila.rendezvous").error("tls_config", error="--cert and --key go together")
         return 2

@@ -1,0 +1,69 @@
+"""`kafila rendezvous` as a user runs it: flags documented, a real process serving /healthz."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from kafila.cli import build_parser
+
+pytestmark = pytest.mark.network
+
+
+def free_port(kind: int) -> int:
+    with socket.socket(socket.AF_INET, kind) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_every_flag_has_help() -> None:
+    parser = build_parser("rendezvous")
+    sub = next(a for a in parser._actions if a.dest == "command").choices["rendezvous"]  # type: ignore[union-attr]
+    flags = [a for a in sub._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) >= 25
+    assert all(a.help and len(a.help) > 15 for a in flags), [a.dest for a in flags if not a.help]
+
+
+def test_process_serves_healthz_and_logs_json() -> None:
+    port, udp_port, alt = (
+        free_port(socket.SOCK_STREAM),
+        free_port(socket.SOCK_DGRAM),
+        free_port(socket.SOCK_DGRAM),
+    )
+    cmd = [sys.executable, "-m", "kafila", "rendezvous", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--udp-port", str(udp_port), "--udp-alt-port", str(alt), "--max-sessions", "7"]
+    env = {k: v for k, v in os.environ.items() if k != "KAFILA_LOG"}
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1.0).json()
+                break
+            except httpx.HTTPError:
+                assert proc.poll() is None, f"rendezvous exited {proc.returncode}"
+                assert time.monotonic() < deadline, "no /healthz within 30 s"
+                time.sleep(0.1)
+        assert health["udp_port"] == udp_port
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+    events = [json.loads(line)["event"] for line in err.splitlines() if line.startswith("{")]
+    assert events[:2] == ["udp_listening", "rendezvous_started"]
+
+
+def test_cert_without_key_is_refused() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kafila", "rendezvous", "--cert", "cert.pem"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "--cert and --key go together" in out.stderr
