@@ -25,10 +25,10 @@ from kafila.net.auth import EdgeContext
 from kafila.net.certs import Identity, make_identity
 from kafila.net.classify import NatReport
 from kafila.net.endpoint import Address, UdpEndpoint
-from kafila.net.errors import LinkError, LinkTimeout
+from kafila.net.errors import LinkError, LinkTimeout, NatProbeError
 from kafila.net.link import Link, LinkConfig, PathKind, RelayLeg
 from kafila.net.punch import Puncher, punch_key
-from kafila.net.signaling import SignalingClient
+from kafila.net.signaling import SignalingClient, SignalingError
 from kafila.obs.log import get_logger
 from kafila.proto import signaling as sig
 
@@ -207,18 +207,23 @@ async def _punch(link: Link, puncher: Puncher, timeout: float, repunch_interval:
 
 
 async def _relay(node: LinkNode, link: Link, peer: int, is_client: bool, opts: EdgeOptions) -> None:
-    if is_client:
-        grant = await node.signals.client.request_relay(peer, timeout=opts.signal_timeout)
-    else:
-        grant = await node.signals.relay_grant(peer, opts.signal_timeout)
-    token = bytes.fromhex(grant.token)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + opts.signal_timeout
-    while True:  # bind until the other leg is bound too, so the first QUIC flight is not dropped
-        ack = await node.endpoint.bind_relay(node.relay, grant.channel, token)
-        if ack.peer_bound or loop.time() > deadline:
-            break
-        await asyncio.sleep(0.05)
+    try:
+        if is_client:
+            grant = await node.signals.client.request_relay(peer, timeout=opts.signal_timeout)
+        else:
+            grant = await node.signals.relay_grant(peer, opts.signal_timeout)
+        token = bytes.fromhex(grant.token)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + opts.signal_timeout
+        while True:  # bind until the other leg is bound too, so the first QUIC flight is not dropped
+            ack = await node.endpoint.bind_relay(node.relay, grant.channel, token)
+            if ack.peer_bound or loop.time() > deadline:
+                break
+            await asyncio.sleep(0.05)
+    except (SignalingError, NatProbeError, LinkTimeout, TimeoutError) as exc:
+        link.relay_error = f"relay unavailable: {exc}"
+        log.warning("relay_unavailable", peer=peer, error=str(exc))
+        return
     if not link.closed:
         link.set_relay(RelayLeg(node.relay, grant.channel, token))
 
@@ -240,6 +245,7 @@ async def _wait_for_a_path(
             if link.path is not None:
                 return
             errors = [str(t.exception()) for t in tasks if not t.cancelled() and t.exception()]
+            errors += [link.relay_error] if link.relay_error else []
             raise LinkError(
                 f"link to member {link.peer_id}: punching failed and no relay is available "
                 f"({'; '.join(errors) or 'relay not used'})"

@@ -121,6 +121,7 @@ class Link:
         self.on_path_change: list[Callable[[PathChange], None]] = []
         self.on_close: list[Callable[[], None]] = []
         self.tasks: list[asyncio.Task[None]] = []  # helpers (punching, relay setup) ended on close
+        self.relay_error: str | None = None  # why no relay leg could be set up, if so
         self._loop = asyncio.get_running_loop()
         self._virtual = ("kafila-peer", self.peer_id)
         self._quic: QuicConnection | None = None
@@ -296,6 +297,11 @@ class Link:
             self._fail(exc, ERROR_AUTH, "authentication failed")
         except framing.FramingError as exc:
             self._fail(LinkClosed(f"link to {self.peer_id}: {exc}"), ERROR_CLOSED, "bad framing")
+        except Exception as exc:  # a bug must close this link loudly, not stall the socket reader
+            self._log.exception("link_internal_error")
+            self._fail(
+                LinkClosed(f"link to {self.peer_id}: internal error {exc!r}"), ERROR_CLOSED, "internal"
+            )
         self._transmit()
         self._update_drained()
 

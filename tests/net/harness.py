@@ -41,9 +41,11 @@ def _nowhere() -> Iterator[None]:
     yield
 
 
-async def start_rendezvous(host: str = "127.0.0.1", alt_host: str | None = None) -> RendezvousServer:
+async def start_rendezvous(
+    host: str = "127.0.0.1", alt_host: str | None = None, limits: Limits = LAB_LIMITS
+) -> RendezvousServer:
     server = RendezvousServer(
-        ServerConfig(host=host, port=0, udp_port=0, udp_alt_port=0, udp_alt_host=alt_host, limits=LAB_LIMITS)
+        ServerConfig(host=host, port=0, udp_port=0, udp_alt_port=0, udp_alt_host=alt_host, limits=limits)
     )
     await server.start()
     return server

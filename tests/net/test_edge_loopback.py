@@ -82,3 +82,28 @@ async def test_relayed_edge_carries_only_ciphertext(rdv, monkeypatch) -> None:
         await client.close()
         await server.close()
         await pair.close()
+
+
+async def test_no_punch_and_a_refused_relay_fail_with_a_clear_error_not_a_hang() -> None:
+    from dataclasses import replace
+
+    from kafila.net.errors import LinkError
+    from tests.net.harness import LAB_LIMITS
+
+    server = await start_rendezvous(limits=replace(LAB_LIMITS, relay_channels_per_session=0))
+    pair = await open_pair(server, _sock(), _sock(), classify_nat=False)
+    opts = EdgeOptions(use_direct=False, signal_timeout=3)
+    try:
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                connect_edge(pair.a, pair.b.member, True, opts),
+                connect_edge(pair.b, pair.a.member, False, opts),
+                return_exceptions=True,
+            ),
+            timeout=15,
+        )
+        assert all(isinstance(r, LinkError) for r in results), results
+        assert "limit" in str(results[0])  # the rendezvous's refusal is named
+    finally:
+        await pair.close()
+        await server.stop()
