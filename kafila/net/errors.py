@@ -21,3 +21,7 @@ class LinkAuthError(LinkClosed):
 
 class NatProbeError(Exception):
     """Classification could not reach the rendezvous's probe endpoints (the text says which)."""
+
+
+class PeerSilent(LinkTimeout, LinkClosed):
+    """Nothing arrived from the peer on any path for `peer_timeout`: the link is closed as dead."""

@@ -31,7 +31,7 @@ from kafila.net import framing
 from kafila.net.auth import EdgeContext, LinkAuth
 from kafila.net.certs import Identity, fingerprint
 from kafila.net.endpoint import Address, UdpEndpoint
-from kafila.net.errors import LinkAuthError, LinkClosed, LinkError, LinkTimeout
+from kafila.net.errors import LinkAuthError, LinkClosed, LinkError, LinkTimeout, PeerSilent
 from kafila.obs.log import get_logger
 from kafila.proto import udp
 
@@ -451,7 +451,7 @@ class Link:
             return
         silent = self._loop.time() - max(self._last_rx.values())
         if silent > self.config.peer_timeout:
-            err = LinkTimeout(f"link to {self.peer_id}: nothing received on any path for {silent:.1f} s")
+            err = PeerSilent(f"link to {self.peer_id}: nothing received on any path for {silent:.1f} s")
             self._fail(err, ERROR_CLOSED, "peer silent")
 
     def _check_direct(self) -> None:

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from kafila.net.auth import EdgeContext
-from kafila.net.errors import LinkAuthError, LinkClosed, LinkTimeout
+from kafila.net.errors import LinkAuthError, LinkClosed, LinkTimeout, PeerSilent
 from kafila.net.link import LinkConfig, PathKind
 from tests.net.conftest import direct_pair
 
@@ -103,10 +103,11 @@ async def test_a_peer_that_vanishes_surfaces_as_link_timeout_not_a_hang() -> Non
     try:
         await asyncio.gather(client.wait_ready(), server.wait_ready())
         b.close()  # bob's machine is gone without a word
-        with pytest.raises(LinkTimeout, match="nothing received on any path"):
+        with pytest.raises(PeerSilent, match="nothing received on any path"):
             await client.recv(timeout=5)
-        with pytest.raises(LinkTimeout):
+        with pytest.raises(LinkClosed):  # PeerSilent is both a LinkTimeout and a LinkClosed
             await client.send(16, b"too late")
+        assert client.closed
     finally:
         a.close()
         await server.close()
