@@ -129,7 +129,7 @@ def probe(
     flops = Figure.of(rates(seconds_per_call(mm, repeats, window), flop), "FLOP/s")
     block = block_bytes = None
     if model is not None:
-        run, block_bytes = ops.make_block(model, position)
+        run, block_bytes = ops.make_block(model, position, system.llc_bytes() or 0)
         block = Figure.of(seconds_per_call(run, repeats, window), "s")
     report = ProbeReport(
         backend=str(be),

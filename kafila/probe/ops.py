@@ -125,20 +125,34 @@ class Ops:
         a, b = self._random((n, n), 1.0), self._random((n, n), 1.0)
         return (lambda: self._done(a @ b)), 2.0 * n**3
 
-    def make_block(self, config: ModelConfig, position: int) -> tuple[Run, int]:
+    def make_block(self, config: ModelConfig, position: int, llc_bytes: int = 0) -> tuple[Run, int]:
         """One decode step (one token) through one transformer block with this model's shapes and
-        random weights, using the engine's own model code. Returns (run, weight bytes)."""
+        random weights, using the engine's own model code. Returns (run, weight bytes of a block).
+
+        A real decode streams many different blocks, so when one block would stay in the last-level
+        cache between calls, enough copies (each with its own weights and KV cache) to fill four
+        times the cache are made and called in turn."""
         specs = [s for s in specs_from_config(config, "F32") if block_index(s.name) == 0]
-        weights = {s.name: self._random(s.shape, 0.02) for s in specs}
+        nbytes = sum(s.numel for s in specs) * self.element_size()
+        copies = min(32, max(1, -(-4 * llc_bytes // nbytes)))
         cls = self.backend.model_class(config.model_type)
-        context = position + 1
-        model = cls(config, weights, range(0, 1), False, context=context, **self.backend.model_kwargs())
-        del weights
-        cache = model.new_cache(1)
         x = self._random((1, config.hidden_size), 1.0)
         span = [Span(slot=0, start=position, length=1)]
-        nbytes = sum(s.numel for s in specs) * self.element_size()
-        return (lambda: self._done(model.forward(x, span, cache))), nbytes
+        models = []
+        for _ in range(copies):
+            weights = {s.name: self._random(s.shape, 0.02) for s in specs}
+            model = cls(
+                config, weights, range(0, 1), False, context=position + 1, **self.backend.model_kwargs()
+            )
+            models.append((model, model.new_cache(1)))
+        turn = [0]
+
+        def run() -> object:
+            model, cache = models[turn[0] % copies]
+            turn[0] += 1
+            return self._done(model.forward(x, span, cache))
+
+        return run, nbytes
 
     def memory_available(self) -> int | None:
         """Device memory free for weights (CUDA free memory; MLX's recommended working set); None

@@ -40,9 +40,22 @@ def check_sane(r: ProbeReport) -> None:
 def test_torch_probe_is_sane_and_quick():
     r = probe("torch", "fp32", repeats=2, model=TINY_QWEN3, model_name="tiny-qwen3")
     check_sane(r)
-    assert r.backend == "torch/cpu/fp32" and r.wall_s < 5.0
+    # the default probe takes about 2 s of measuring; the slack is for five other test runs on 2 cores
+    assert r.backend == "torch/cpu/fp32" and r.wall_s < 10.0
     assert r.block is not None and 1e-6 < r.block.median < 0.5
     assert r.block_bytes == 4 * (256 * (256 + 2 * 128) + 256 * 256 + 3 * 256 * 512 + 2 * 256 + 2 * 64)
+
+
+def test_block_probe_cycles_copies_beyond_the_last_level_cache():
+    from kafila.engine.backend import resolve
+    from kafila.probe.ops import Ops
+
+    ops = Ops(resolve("torch", "fp32"))
+    run, nbytes = ops.make_block(TINY_QWEN3, 8, llc_bytes=10 * 2**20)
+    copies = -(-4 * 10 * 2**20 // nbytes)
+    assert 1 < copies <= 32
+    for _ in range(copies + 1):
+        run()
 
 
 def test_mlx_probe_is_sane():
