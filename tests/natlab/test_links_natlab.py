@@ -16,6 +16,7 @@ from kafila.net.edge import EdgeOptions, connect_edge
 from kafila.net.endpoint import UdpEndpoint
 from kafila.net.link import Link, LinkConfig, PathKind
 from kafila.planner.reachability import DEFAULT_RULE, Behaviour
+from kafila.proto import tensor
 from kafila.rendezvous.server import RendezvousServer
 from tests.natlab.lab import EXPECTED_CLASS, KINDS, RDV_ADDRS, Lab, Site, netns
 from tests.net.harness import Pair, open_pair, start_rendezvous
@@ -123,9 +124,13 @@ async def test_relayed_edge_shows_only_ciphertext_on_the_wire(natlab: Lab, sites
     marker = b"KAFILA-MARKER-" + os.urandom(6).hex().encode()
     try:
         assert client.path is PathKind.RELAY
-        tensor = os.urandom(30_000) + marker + os.urandom(30_000)
-        await client.send(16, tensor)
-        assert await server.recv(timeout=20) == (16, tensor)
+        rows = 16 * 576 * 4  # hidden states of 16 tokens of SmolLM2, f32
+        data = os.urandom(rows // 2) + marker + os.urandom(rows - rows // 2 - len(marker))
+        frame = tensor.Hidden(7, tensor.DType.F32, (16, 576), (tensor.Entry(1, 0, 16),), data)
+        record = tensor.encode(frame)
+        await client.send(32, record)
+        kind, got = await server.recv(timeout=20)
+        assert kind == 32 and tensor.decode(got) == frame
         frames = []
         while True:
             try:
@@ -134,7 +139,7 @@ async def test_relayed_edge_shows_only_ciphertext_on_the_wire(natlab: Lab, sites
                 break
         wire = b"".join(frames)
         assert wire.count(bytes(map(int, RDV_ADDRS[0].split(".")))) > 40  # relayed datagrams were seen
-        assert len(wire) > 2 * len(tensor)  # to the relay and out again
+        assert len(wire) > 2 * len(record)  # to the relay and out again
         assert marker not in wire and marker[:12] not in wire
     finally:
         capture.close()
