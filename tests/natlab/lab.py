@@ -260,6 +260,14 @@ class Lab:
                 "ip", "daddr", other.wan, "drop",
             )  # fmt: skip
 
+    def conntrack_udp_timeouts(self, site: Site, unreplied: int, stream: int) -> None:
+        """Shorten how long this router remembers UDP flows (Linux: 30 s and 120 s)."""
+        for name, value in (
+            ("nf_conntrack_udp_timeout", unreplied),
+            ("nf_conntrack_udp_timeout_stream", stream),
+        ):
+            sh("ip", "netns", "exec", site.router, "sysctl", "-qw", f"net.netfilter.{name}={value}")
+
     def unblock_all(self) -> None:
         for site in self.sites:
             sh("ip", "netns", "exec", site.router, "nft", "flush", "chain", "ip", "natlab", "block")

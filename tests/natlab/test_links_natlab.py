@@ -190,3 +190,28 @@ async def test_direct_path_that_stops_answering_falls_back_to_relay_without_loss
         await client.close()
         await server.close()
         await pair.close()
+
+
+async def test_keepalives_hold_nat_mappings_past_the_conntrack_timeout(natlab: Lab, rdv) -> None:
+    # Routers that forget a UDP flow after 2 s (3 s once replied) instead of Linux's 30 s / 120 s:
+    # an idle link survives only if its keepalives refresh both mappings.
+    a, b = natlab.add_site("ordinary"), natlab.add_site("ordinary")
+    for site in (a, b):
+        natlab.conntrack_udp_timeouts(site, unreplied=2, stream=3)
+    config = LinkConfig(keepalive=0.5, dead_after=1.5)
+    pair = await lab_pair(natlab, rdv, a, b, config)
+    client, server = await link_pair(pair, repunch=0)
+    try:
+        assert client.path is PathKind.DIRECT and server.path is PathKind.DIRECT
+        changes = len(client.path_changes), len(server.path_changes)
+        await asyncio.sleep(7)  # idle: no message, only keepalives
+        await client.send(16, b"after a long silence")
+        assert await server.recv(timeout=5) == (16, b"after a long silence")
+        await server.send(16, b"and back")
+        assert await client.recv(timeout=5) == (16, b"and back")
+        assert (len(client.path_changes), len(server.path_changes)) == changes  # never left direct
+        assert client.path is PathKind.DIRECT and server.path is PathKind.DIRECT
+    finally:
+        await client.close()
+        await server.close()
+        await pair.close()
