@@ -29,9 +29,24 @@ def configure_logging(fmt: str | None = None, level: str | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level_name, logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=_StderrLogger,
         cache_logger_on_first_use=False,
     )
+
+
+class _StderrLogger:
+    """Writes each rendered event to whatever `sys.stderr` is at that moment, so a logger made
+    before stderr was swapped (pytest's capture, a daemonized process) never holds a closed file."""
+
+    def __init__(self, *_args: object) -> None:
+        pass
+
+    def msg(self, message: str) -> None:
+        stream = sys.stderr
+        stream.write(message + "\n")
+        stream.flush()
+
+    log = debug = info = warn = warning = error = critical = exception = fatal = msg
 
 
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
