@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -121,17 +120,27 @@ def summarize(dtype: str, ours: list, theirs: list, per_token: int, bandwidth: f
 
 
 def memory_child(path: str, dtype: str, context: int, prompt_tokens: int, new_tokens: int) -> dict[str, int]:
-    """Runs in a fresh process: peak RSS growth while loading and generating vs weights + KV."""
+    """Runs in a fresh process: peak RSS growth while loading and generating vs weights + KV.
+    (VmHWM, not ru_maxrss: ru_maxrss survives exec, so it would carry the parent's peak.)"""
+    from kafila.engine.backend import resolve
     from kafila.engine.stage import Stage
     from kafila.models.checkpoint import Checkpoint
 
     ckpt = Checkpoint.open(path)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend="torch", dtype=dtype, context=context)
+    backend = resolve("torch", dtype)  # imports torch before the baseline
+    base = _proc_status_bytes("VmRSS")
+    stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend=backend, context=context)
     kafila_run(stage, list(range(100, 100 + prompt_tokens)), new_tokens)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _proc_status_bytes("VmHWM")
     m = ckpt.manifest({"fp32": "F32", "bf16": "BF16", "fp16": "F16"}[dtype])
     return {"peak_growth": peak - base, "weights": m.total_bytes, "kv": stage.kv_bytes}
+
+
+def _proc_status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def memory(args: argparse.Namespace, path: Path, dtype: str) -> dict[str, int]:

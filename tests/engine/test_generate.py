@@ -1,0 +1,94 @@
+"""Single-process generation on tiny checkpoints, and the real default model answering."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kafila.engine.generate import Timings, generate
+from kafila.engine.sampler import SamplingParams
+from kafila.engine.stage import ContextFullError, Stage
+from kafila.models.checkpoint import Checkpoint
+
+PROMPT = [4, 8, 15, 16, 23, 42, 7, 9]
+
+
+@pytest.fixture(scope="module")
+def stage(tiny_checkpoint) -> Stage:
+    ckpt = Checkpoint.open(tiny_checkpoint("qwen3-gqa4-tied"))
+    return Stage.load(ckpt, range(ckpt.n_blocks), True, backend="torch", dtype="fp32", context=40)
+
+
+def test_chunked_prefill_gives_the_same_tokens(stage: Stage) -> None:
+    whole = list(generate(stage, PROMPT, SamplingParams(max_tokens=10)))
+    chunked = list(generate(stage, PROMPT, SamplingParams(max_tokens=10), chunk=3))
+    assert whole == chunked and len(whole) == 10
+    assert stage.open_requests == []  # the slot was given back
+
+
+def test_stops_on_eos_and_records_timings(stage: Stage) -> None:
+    first_two = list(generate(stage, PROMPT, SamplingParams(max_tokens=2)))
+    t = Timings()
+    out = list(generate(stage, PROMPT, SamplingParams(max_tokens=10), eos_ids=(first_two[1],), timings=t))
+    assert out == first_two and t.stop_reason == "stop"
+    assert (t.prompt_tokens, t.generated_tokens) == (len(PROMPT), 2)
+    assert t.prefill_s > 0 and t.decode_s > 0 and t.prefill_tps > 0 and t.decode_tps > 0
+
+
+def test_generation_stops_at_the_context_end(stage: Stage) -> None:
+    t = Timings()
+    out = list(generate(stage, PROMPT, SamplingParams(max_tokens=100), timings=t))
+    assert len(out) == 40 - len(PROMPT) + 1 and t.stop_reason == "length"
+
+
+def test_seeded_sampling_repeats(stage: Stage) -> None:
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=12)
+    assert list(generate(stage, PROMPT, p)) == list(generate(stage, PROMPT, p))
+
+
+def test_prompt_longer_than_the_context_is_refused_by_numbers(stage: Stage) -> None:
+    with pytest.raises(ContextFullError, match="the prompt has 45 tokens; the context of 40 tokens"):
+        list(generate(stage, list(range(45)), SamplingParams()))
+    assert stage.open_requests == []
+
+
+QUESTION = "What is the capital of France?"
+
+
+def cli(*argv: str) -> tuple[int, str, str]:
+    """`kafila ...` in a fresh process, as a person runs it."""
+    out = subprocess.run([sys.executable, "-m", "kafila", *argv], capture_output=True, text=True, timeout=600)
+    return out.returncode, out.stdout, out.stderr
+
+
+@pytest.mark.slow
+def test_kafila_run_answers_paris_on_torch(smollm2_path) -> None:
+    code, out, err = cli(
+        "run", QUESTION, "--model", str(smollm2_path), "--backend", "torch", "--max-tokens", "16"
+    )
+    assert code == 0 and "Paris" in out
+    assert "prefill: " in err and "tok/s" in err and "torch/cpu/fp32" in err
+
+
+@pytest.mark.slow
+def test_greedy_answer_is_paris_on_mlx(smollm2_path) -> None:
+    pytest.importorskip("mlx.core")
+    from kafila.engine.tokenizer import Tokenizer
+
+    ckpt = Checkpoint.open(smollm2_path)
+    tok = Tokenizer.from_checkpoint(ckpt)
+    ids = tok.encode_chat([{"role": "user", "content": QUESTION}])
+    stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend="mlx", dtype="fp32", context=128)
+    answer = tok.decode(
+        list(generate(stage, ids, SamplingParams(max_tokens=16), eos_ids=tuple(tok.stop_ids)))
+    )
+    assert "Paris" in answer
+
+
+@pytest.mark.slow
+def test_kafila_run_refuses_a_prompt_longer_than_the_context(smollm2_path) -> None:
+    code, _, err = cli("run", QUESTION * 4, "--model", str(smollm2_path), "--raw", "--context", "16")
+    assert code == 2
+    assert "kafila run: error: the prompt has" in err and "the context of 16 tokens" in err
