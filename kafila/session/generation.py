@@ -1,0 +1,56 @@
+"""A request's event stream as the API sees it, fed by the head (local) or by Tokens messages
+arriving over the ring (a request forwarded from a member that is not the head).
+
+Request ids carry their origin: `rid = origin << ORIGIN_SHIFT | n`, where origin is the ring
+position of the member whose API received the request, so every member can tell whether a Tokens
+message is its own or has to travel on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Callable
+
+from kafila.session.service import GenerationError, TokenEvent
+
+ORIGIN_SHIFT = 24
+
+
+def origin_of(rid: int) -> int:
+    return rid >> ORIGIN_SHIFT
+
+
+class RequestIds:
+    def __init__(self, origin: int) -> None:
+        self._origin, self._n = origin, itertools.count(1)
+
+    def next(self) -> int:
+        return self._origin << ORIGIN_SHIFT | (next(self._n) % (1 << ORIGIN_SHIFT))
+
+
+class QueueGeneration:
+    """Events pushed by the session, read by the API; `cancel` calls back into the session once."""
+
+    def __init__(self, request_id: int, on_cancel: Callable[[int, str], None]) -> None:
+        self.request_id = request_id
+        self._events: asyncio.Queue[TokenEvent | GenerationError] = asyncio.Queue()
+        self._on_cancel = on_cancel
+        self.finished = False
+
+    def push(self, item: TokenEvent | GenerationError) -> None:
+        if not self.finished:
+            self._events.put_nowait(item)
+            self.finished = isinstance(item, GenerationError) or item.finish is not None
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        while not (self.finished and self._events.empty()):
+            item = await self._events.get()
+            if isinstance(item, GenerationError):
+                raise item
+            yield item
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        if not self.finished:
+            self.finished = True
+            self._on_cancel(self.request_id, reason)

@@ -1,0 +1,381 @@
+"""The ring head: admits requests, embeds and runs its blocks, samples what comes back.
+
+The head is a GenerationService. Requests come from its own API (`submit`) and from other members
+(Generate messages that travelled the ring to it). The pure `Schedule` says which prefill chunks
+and decode steps enter the ring; one pump task runs them on the model thread and queues the frames
+for the next member; one receive task takes frames back from the last member, samples on the model
+thread and answers. Every message to the next member goes through one outbox, so frees, frames and
+tokens keep their order. A channel that breaks fails every request within the heartbeat's window
+with a `member_lost` error that names the member.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kafila.engine.sampler import Sampler, SamplingParams
+from kafila.engine.stage import Stage, StageError
+from kafila.obs import metrics
+from kafila.obs.log import get_logger
+from kafila.obs.trace import HopTrace, RequestRecord, StageTrace, TraceLog
+from kafila.proto import tensor as t
+from kafila.session import compute
+from kafila.session.channel import Channel, ChannelError
+from kafila.session.generation import QueueGeneration, RequestIds, origin_of
+from kafila.session.schedule import Entry, Schedule, Step
+from kafila.session.service import GenerationError, Sampling, TokenEvent
+
+log = get_logger("kafila.session.head")
+
+
+@dataclass(frozen=True)
+class RingInfo:
+    """Who is where: ring order (head first), block ranges, predicted ms per decode step, edge paths."""
+
+    session: str
+    model: str
+    division: str
+    order: tuple[str, ...]
+    blocks: dict[str, tuple[int, int]]
+    predicted_ms: dict[str, float]
+    edges: dict[str, str] = field(default_factory=dict)  # "a->b": "direct" | "relay" | "local"
+    plan: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Req:
+    rid: int
+    prompt: list[int]
+    sampler: Sampler
+    generation: QueueGeneration | None  # local requests; None: answer over the ring
+    max_tokens: int
+    queued_at: float = field(default_factory=time.perf_counter)
+    admitted_at: float | None = None
+    first_at: float | None = None
+    last_at: float | None = None
+    last_token: int = 0
+    generated: int = 0
+    sent_at: float = 0.0
+    circuit_s: list[float] = field(default_factory=list)
+    stage_us: list[tuple[int, ...]] = field(default_factory=list)
+    rows: int = 0
+    finish: str = "stop"
+
+
+class RingHead:
+    def __init__(
+        self,
+        stage: Stage,
+        model: compute.ModelThread,
+        info: RingInfo,
+        next_ch: Channel | None,
+        prev_ch: Channel | None,
+        eos_ids: Sequence[int] = (),
+        concurrency: int = 1,
+        chunk: int = 256,
+        traces: TraceLog | None = None,
+    ) -> None:
+        self.stage, self.model, self.info = stage, model, info
+        self.next, self.prev = next_ch, prev_ch  # both None: a ring of one
+        self.eos_ids = tuple(eos_ids)
+        self.schedule = Schedule(concurrency=concurrency, chunk=chunk)
+        self.traces = traces
+        self.ids = RequestIds(0)
+        self.state = "serving"
+        self.broken: str | None = None
+        self._reqs: dict[int, _Req] = {}
+        self._outbox: asyncio.Queue[t.Message] = asyncio.Queue()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._row_bytes = stage.model.config.hidden_size * t.ITEMSIZE[compute.WIRE[stage.wire_dtype]]
+
+    # -- GenerationService -------------------------------------------------------------------------
+
+    @property
+    def context(self) -> int:
+        return self.stage.context
+
+    async def submit(self, prompt: Sequence[int], sampling: Sampling) -> QueueGeneration:
+        rid = self.ids.next()
+        gen = QueueGeneration(rid, self._cancel_local)
+        self._accept(rid, list(prompt), sampling, gen)
+        return gen
+
+    def describe(self) -> dict[str, Any]:
+        i = self.info
+        return {
+            "session": i.session,
+            "model": i.model,
+            "state": self.state if self.broken is None else "broken",
+            "error": self.broken,
+            "head": i.order[0],
+            "ring": list(i.order),
+            "members": [
+                {"name": m, "blocks": list(i.blocks[m]), "predicted_ms": i.predicted_ms.get(m)}
+                for m in i.order
+            ],
+            "links": [{"edge": e, "path": p} for e, p in i.edges.items()],
+            "division": i.division,
+            "plan": i.plan,
+            "active": list(self.schedule.active),
+            "queued": len(self.schedule.queue_positions()),
+        }
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    def start(self) -> RingHead:
+        self._tasks = [asyncio.ensure_future(self._pump())]
+        if self.next is not None and self.prev is not None:
+            self._tasks += [asyncio.ensure_future(self._send_out()), asyncio.ensure_future(self._receive())]
+        return self
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._fail_all("internal", "the session is shutting down")
+
+    # -- admission -------------------------------------------------------------------------------------
+
+    def _accept(self, rid: int, prompt: list[int], s: Sampling, gen: QueueGeneration | None) -> None:
+        if self.broken is not None:
+            raise GenerationError("member_lost", self.broken)
+        if not prompt or len(prompt) + s.max_tokens > self.context:
+            raise GenerationError(
+                "too_long",
+                f"prompt of {len(prompt)} tokens plus max_tokens={s.max_tokens} exceeds the context of "
+                f"{self.context} tokens",
+            )
+        params = SamplingParams(
+            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0, seed=s.seed,
+            max_tokens=s.max_tokens, stop_token_ids=s.stop_ids,
+        )  # fmt: skip
+        req = _Req(rid, prompt, Sampler(params, self.eos_ids), gen, s.max_tokens)
+        self._reqs[rid] = req
+        position = self.schedule.submit(rid, len(prompt), s.max_tokens)
+        if position:
+            self._emit(req, TokenEvent(queue_position=position))
+        log.info("request_accepted", request_id=rid, prompt_tokens=len(prompt), queue_position=position)
+        self._wake.set()
+
+    def _accept_remote(self, msg: t.Generate) -> None:
+        s = Sampling(msg.max_tokens, msg.temperature, msg.top_k, msg.top_p, msg.seed, tuple(msg.stop))
+        try:
+            self._accept(msg.request_id, list(msg.prompt), s, None)
+        except GenerationError as exc:
+            self._outbox.put_nowait(t.Error(msg.request_id, exc.code, exc.message))
+
+    def _cancel_local(self, rid: int, reason: str) -> None:
+        self._cancel(rid, reason)
+
+    def _cancel(self, rid: int, reason: str) -> None:
+        req = self._reqs.pop(rid, None)
+        if req is None:
+            return
+        self.schedule.cancel(rid)
+        req.finish = "cancelled"
+        log.info("request_cancelled", request_id=rid, reason=reason, generated=req.generated)
+        self._report_queue()
+        self._wake.set()
+
+    # -- the pump: what enters the ring ---------------------------------------------------------------
+
+    async def _pump(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            freed = self.schedule.pop_freed()
+            if freed:
+                await self.model.run(compute.close_slots, self.stage, freed)
+                if self.next is not None:
+                    self._outbox.put_nowait(t.Control("free", {"request_ids": freed}))
+                self._report_queue()
+            for step in self.schedule.take():
+                await self._enter(step)
+
+    async def _enter(self, step: Step) -> None:
+        tokens = [self._tokens_for(e, step.prefill) for e in step.entries]
+        entries = tuple(t.Entry(e.request_id, e.position, e.n_tokens) for e in step.entries)
+        try:
+            data, rows, us = await self.model.run(compute.head_step, self.stage, entries, tokens)
+        except StageError as exc:
+            self._fail_step(step, "internal", str(exc))
+            return
+        now = time.perf_counter()
+        for e in step.entries:
+            req = self._reqs.get(e.request_id)
+            if req is not None:
+                req.admitted_at = req.admitted_at or now
+                req.sent_at, req.rows = now, req.rows + e.n_tokens
+        flags = (t.Flag.PREFILL if step.prefill else 0) | (t.Flag.LAST_CHUNK if step.last_chunk else 0)
+        wire = compute.WIRE[self.stage.wire_dtype]
+        frame = t.Hidden(0, wire, (rows, self.stage.model.config.hidden_size), entries, data, flags, (us,))
+        if self.next is None:
+            await self._returned(frame)
+        else:
+            self._outbox.put_nowait(frame)
+
+    def _tokens_for(self, e: Entry, prefill: bool) -> list[int]:
+        req = self._reqs.get(e.request_id)
+        if req is None:  # cancelled between take() and now: its rows still keep positions in order
+            return [0] * e.n_tokens
+        return req.prompt[e.position : e.position + e.n_tokens] if prefill else [req.last_token]
+
+    async def _send_out(self) -> None:
+        assert self.next is not None
+        try:
+            while True:
+                await self.next.send(await self._outbox.get())
+        except ChannelError as exc:
+            self._break(f"member {self.next.peer}: {exc}")
+
+    # -- what comes back -------------------------------------------------------------------------------
+
+    async def _receive(self) -> None:
+        assert self.prev is not None
+        try:
+            while True:
+                msg = await self.prev.recv()
+                if isinstance(msg, t.Hidden):
+                    await self._returned(msg)
+                elif isinstance(msg, t.Generate):
+                    self._accept_remote(msg)
+                elif isinstance(msg, t.Cancel):
+                    self._cancel(msg.request_id, msg.reason)
+                elif isinstance(msg, t.Control) and msg.op == "broken":
+                    self._break(str(msg.body.get("reason")))
+                elif isinstance(msg, t.Control) and msg.op == "stage_error":
+                    for rid in msg.body.get("request_ids", []):
+                        self._fail_request(int(rid), "internal", str(msg.body.get("message")))
+        except ChannelError as exc:
+            self._break(str(exc))
+
+    async def _returned(self, frame: t.Hidden) -> None:
+        step = Step(
+            bool(frame.flags & t.Flag.PREFILL),
+            tuple(Entry(e.request_id, e.position, e.n_tokens) for e in frame.entries),
+            bool(frame.flags & t.Flag.LAST_CHUNK),
+        )
+        rids = [r for r in self.schedule.returned(step) if r in self._reqs]
+        if rids:
+            logits, us = await self.model.run(compute.head_logits, self.stage, frame, rids)
+            timings = (frame.timings_us[0] + us, *frame.timings_us[1:])
+            now = time.perf_counter()
+            for rid, row in zip(rids, logits, strict=True):
+                self._sampled(self._reqs[rid], row, step.prefill, timings, now)
+        self._wake.set()
+
+    def _sampled(self, req: _Req, logits: Any, prefill: bool, timings: tuple[int, ...], now: float) -> None:
+        if not prefill:
+            req.circuit_s.append(now - req.sent_at)
+            req.stage_us.append(timings)
+        token = req.sampler.sample(logits)
+        reason = req.sampler.stop_reason(token)
+        req.generated += 1
+        req.last_token = token
+        first = req.first_at is None
+        req.first_at, req.last_at = req.first_at or now, now
+        done = self.schedule.sampled(req.rid, reason is not None)
+        emitted = () if reason == "stop" else (token,)
+        prefill_s = now - (req.admitted_at or now) if first else None
+        finish = (reason or "length") if done else None
+        self._emit(req, TokenEvent(tokens=emitted, finish=finish, prefill_s=prefill_s))
+        if done:
+            req.finish = finish or "stop"
+            self._reqs.pop(req.rid, None)
+            self._record(req)
+
+    # -- answers ---------------------------------------------------------------------------------------
+
+    def _emit(self, req: _Req, ev: TokenEvent) -> None:
+        if req.generation is not None:
+            req.generation.push(ev)
+        elif self.next is not None:
+            msg = t.Tokens(req.rid, ev.tokens, ev.finish, ev.queue_position, ev.prefill_s)
+            self._outbox.put_nowait(msg)
+
+    def _report_queue(self) -> None:
+        for rid, pos in self.schedule.queue_positions().items():
+            if rid in self._reqs:
+                self._emit(self._reqs[rid], TokenEvent(queue_position=pos))
+
+    def _fail_request(self, rid: int, code: str, message: str) -> None:
+        req = self._reqs.pop(rid, None)
+        if req is None:
+            return
+        self.schedule.cancel(rid)
+        if req.generation is not None:
+            req.generation.push(GenerationError(code, message))
+        elif self.next is not None and self.broken is None:
+            self._outbox.put_nowait(t.Error(rid, code, message))
+        self._wake.set()
+
+    def _fail_step(self, step: Step, code: str, message: str) -> None:
+        for e in step.entries:
+            self._fail_request(e.request_id, code, message)
+
+    def _fail_all(self, code: str, message: str) -> None:
+        for rid in list(self._reqs):
+            self._fail_request(rid, code, message)
+
+    def _break(self, reason: str) -> None:
+        if self.broken is None:
+            self.broken = (
+                reason if reason.startswith("the ring is broken") else f"the ring is broken: {reason}"
+            )
+            self.state = "broken"
+            log.error("ring_broken", reason=reason, in_flight=len(self._reqs))
+        self._fail_all("member_lost", self.broken)
+
+    # -- traces ----------------------------------------------------------------------------------------
+
+    def _record(self, req: _Req) -> None:
+        if self.traces is None or req.first_at is None:
+            return
+        rec = request_record(self.info, req, self._row_bytes)
+        self.traces.write(rec)
+        metrics.observe_request(rec)
+
+
+def request_record(info: RingInfo, req: _Req, row_bytes: int) -> RequestRecord:
+    stages = []
+    for i, m in enumerate(info.order):
+        samples = [s[i] / 1e3 for s in req.stage_us if len(s) > i]
+        stages.append(
+            StageTrace(
+                member=m,
+                index=i,
+                blocks=info.blocks[m],
+                head=i == 0,
+                predicted_ms=info.predicted_ms.get(m, 0.0),
+                measured_ms=statistics.median(samples) if samples else 0.0,
+                steps=len(samples),
+                bytes_out=req.rows * row_bytes,
+            )
+        )
+    n = len(info.order)
+    hops = tuple(
+        HopTrace(a, b, info.edges.get(f"{a}->{b}", "local"), req.rows * row_bytes, len(req.stage_us) + 1)
+        for a, b in ((info.order[i], info.order[(i + 1) % n]) for i in range(n if n > 1 else 0))
+    )
+    first, last = req.first_at or 0.0, req.last_at or 0.0
+    return RequestRecord(
+        session=info.session,
+        request_id=req.rid,
+        member=info.order[origin_of(req.rid)] if origin_of(req.rid) < n else "?",
+        division=info.division,
+        prompt_tokens=len(req.prompt),
+        completion_tokens=req.generated,
+        queue_s=(req.admitted_at or req.queued_at) - req.queued_at,
+        prefill_s=first - (req.admitted_at or first),
+        decode_s=last - first,
+        circuit_ms=statistics.median(req.circuit_s) * 1e3 if req.circuit_s else 0.0,
+        stages=tuple(stages),
+        hops=hops,
+        finish=req.finish,
+    )

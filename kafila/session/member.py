@@ -1,0 +1,193 @@
+"""A ring member that is not the head: runs its blocks on what arrives, forwards the rest.
+
+From the previous member arrive hidden-state frames (run through this stage's blocks and passed
+on), `free` notices (drop those requests' KV caches, pass on), requests on their way to the head
+(pass on) and answers on their way back to the member that asked (deliver here, or pass on).
+Frames that are waiting when the model thread comes free run as one batch when they hold distinct
+requests. The member is also a GenerationService: its API's requests travel the ring to the head.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from kafila.engine.stage import Stage, StageError
+from kafila.obs.log import get_logger
+from kafila.proto import tensor as t
+from kafila.session import compute
+from kafila.session.channel import Channel, ChannelError
+from kafila.session.generation import QueueGeneration, RequestIds, origin_of
+from kafila.session.head import RingInfo
+from kafila.session.service import GenerationError, Sampling, TokenEvent
+
+log = get_logger("kafila.session.member")
+
+
+class RingMember:
+    def __init__(
+        self,
+        index: int,
+        stage: Stage,
+        model: compute.ModelThread,
+        info: RingInfo,
+        next_ch: Channel,
+        prev_ch: Channel,
+    ) -> None:
+        self.index, self.stage, self.model, self.info = index, stage, model, info
+        self.name = info.order[index]
+        self.next, self.prev = next_ch, prev_ch
+        self.ids = RequestIds(index)
+        self.broken: str | None = None
+        self._mine: dict[int, QueueGeneration] = {}
+        self._work: list[t.Hidden | t.Control] = []
+        self._ready = asyncio.Event()
+        self._outbox: asyncio.Queue[t.Message] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- GenerationService -----------------------------------------------------------------------------
+
+    @property
+    def context(self) -> int:
+        return self.stage.context
+
+    async def submit(self, prompt: Sequence[int], sampling: Sampling) -> QueueGeneration:
+        if self.broken is not None:
+            raise GenerationError("member_lost", self.broken)
+        rid = self.ids.next()
+        gen = QueueGeneration(rid, self._cancel)
+        self._mine[rid] = gen
+        s = sampling
+        msg = t.Generate(
+            rid, tuple(prompt), s.max_tokens, s.temperature, s.top_k, s.top_p, s.seed, s.stop_ids
+        )
+        self._outbox.put_nowait(msg)
+        log.info("request_forwarded", request_id=rid, head=self.info.order[0], prompt_tokens=len(prompt))
+        return gen
+
+    def describe(self) -> dict[str, Any]:
+        i = self.info
+        return {
+            "session": i.session,
+            "model": i.model,
+            "state": "serving" if self.broken is None else "broken",
+            "error": self.broken,
+            "me": self.name,
+            "head": i.order[0],
+            "ring": list(i.order),
+            "members": [
+                {"name": m, "blocks": list(i.blocks[m]), "predicted_ms": i.predicted_ms.get(m)}
+                for m in i.order
+            ],
+            "links": [{"edge": e, "path": p} for e, p in i.edges.items()],
+            "division": i.division,
+            "plan": i.plan,
+        }
+
+    def _cancel(self, rid: int, reason: str) -> None:
+        self._mine.pop(rid, None)
+        if self.broken is None:
+            self._outbox.put_nowait(t.Cancel(rid, reason))
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    def start(self) -> RingMember:
+        self._tasks = [asyncio.ensure_future(c) for c in (self._receive(), self._compute(), self._send_out())]
+        return self
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- loops -----------------------------------------------------------------------------------------
+
+    async def _receive(self) -> None:
+        try:
+            while True:
+                self._dispatch(await self.prev.recv())
+        except ChannelError as exc:
+            self._break(str(exc))
+
+    def _dispatch(self, msg: t.Message) -> None:
+        if isinstance(msg, t.Control) and msg.op == "broken":
+            self._break(str(msg.body.get("reason")), tell=False)
+            self._outbox.put_nowait(msg)
+        elif isinstance(msg, t.Hidden) or (isinstance(msg, t.Control) and msg.op == "free"):
+            self._work.append(msg)
+            self._ready.set()
+        elif isinstance(msg, t.Tokens | t.Error) and origin_of(msg.request_id) == self.index:
+            self._deliver(msg)
+        elif isinstance(msg, t.Tokens | t.Error | t.Generate | t.Cancel | t.Control):
+            self._outbox.put_nowait(msg)  # on its way to the head, or back to another member
+
+    def _deliver(self, msg: t.Tokens | t.Error) -> None:
+        gen = self._mine.get(msg.request_id)
+        if gen is None:
+            return
+        if isinstance(msg, t.Error):
+            gen.push(GenerationError(msg.code, msg.message))
+        else:
+            gen.push(TokenEvent(msg.tokens, msg.finish, msg.queue_position, msg.prefill_s))
+        if gen.finished:
+            self._mine.pop(msg.request_id, None)
+
+    async def _compute(self) -> None:
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            while self._work:
+                batch = self._take_batch()
+                if isinstance(batch, t.Control):
+                    ids = [int(r) for r in batch.body.get("request_ids", [])]
+                    await self.model.run(compute.close_slots, self.stage, ids)
+                    self._outbox.put_nowait(batch)
+                else:
+                    await self._run(batch)
+
+    def _take_batch(self) -> t.Control | list[t.Hidden]:
+        """The next `free`, or the longest run of waiting frames whose requests are distinct."""
+        if isinstance(self._work[0], t.Control):
+            return self._work.pop(0)  # type: ignore[return-value]
+        batch: list[t.Hidden] = []
+        seen: set[int] = set()
+        while self._work and isinstance(self._work[0], t.Hidden):
+            rids = {e.request_id for e in self._work[0].entries}
+            if rids & seen:
+                break
+            seen |= rids
+            batch.append(self._work.pop(0))  # type: ignore[arg-type]
+        return batch
+
+    async def _run(self, frames: list[t.Hidden]) -> None:
+        try:
+            datas, us = await self.model.run(compute.stage_step, self.stage, frames)
+        except StageError as exc:
+            rids = [e.request_id for f in frames for e in f.entries]
+            body = {"request_ids": rids, "message": f"member {self.name}: {exc}"}
+            self._outbox.put_nowait(t.Control("stage_error", body))  # to the head, which answers
+            return
+        for f, data in zip(frames, datas, strict=True):
+            out = t.Hidden(f.step, f.dtype, f.shape, f.entries, data, f.flags, (*f.timings_us, us))
+            self._outbox.put_nowait(out)
+
+    async def _send_out(self) -> None:
+        try:
+            while True:
+                await self.next.send(await self._outbox.get())
+        except ChannelError as exc:
+            self._break(f"member {self.next.peer}: {exc}")
+
+    def _break(self, reason: str, tell: bool = True) -> None:
+        """Fail this member's requests; tell the members downstream (and so the head) why."""
+        if self.broken is None:
+            self.broken = (
+                reason if reason.startswith("the ring is broken") else f"the ring is broken: {reason}"
+            )
+            log.error("ring_broken", member=self.name, reason=reason, waiting=len(self._mine))
+            if tell:
+                self._outbox.put_nowait(t.Control("broken", {"reason": self.broken}))
+        for gen in list(self._mine.values()):
+            gen.push(GenerationError("member_lost", self.broken))
+        self._mine.clear()

@@ -1,0 +1,80 @@
+"""Rings of real stages inside one test process, joined by in-memory channels (the transport is
+the only thing that differs from a session across machines; tests/session/test_session_loopback
+runs the same ring over QUIC links)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kafila.engine.stage import Stage
+from kafila.models.checkpoint import Checkpoint
+from kafila.session.channel import Heartbeat, MemoryChannel
+from kafila.session.compute import ModelThread
+from kafila.session.head import RingHead, RingInfo
+from kafila.session.member import RingMember
+
+
+@dataclass
+class Ring:
+    head: RingHead
+    members: list[RingMember]
+    channels: list[Heartbeat]
+
+    def kill(self, index: int) -> None:
+        """Simulated death of member `index` (not the head): its loops and its heartbeats stop,
+        nothing is closed politely, as when the process is killed."""
+        member = self.members[index - 1]
+        for task in member._tasks:
+            task.cancel()
+        n = len(self.members) + 1
+        for c in (self.channels[2 * index], self.channels[2 * ((index - 1) % n) + 1]):
+            if c._task is not None:
+                c._task.cancel()
+
+    async def stop(self) -> None:
+        await self.head.stop()
+        for m in self.members:
+            await m.stop()
+        for c in self.channels:
+            await c.close()
+        for model in [self.head.model, *(m.model for m in self.members)]:
+            model.close()
+
+
+def build_ring(
+    ckpt: Checkpoint,
+    splits: list[tuple[int, int]],
+    context: int = 64,
+    concurrency: int = 1,
+    chunk: int = 4,
+    dead_after: float = 5.0,
+) -> Ring:
+    names = tuple(f"m{i}" for i in range(len(splits)))
+    info = RingInfo(
+        session="test",
+        model="tiny",
+        division="test",
+        order=names,
+        blocks={n: s for n, s in zip(names, splits, strict=True)},
+        predicted_ms={n: 1.0 for n in names},
+        edges={f"{a}->{b}": "local" for a, b in zip(names, names[1:] + names[:1], strict=True)},
+    )
+    stages = [
+        Stage.load(
+            ckpt, range(a, b), i == 0, backend="torch", dtype="fp32", context=context, concurrency=concurrency
+        )
+        for i, (a, b) in enumerate(splits)
+    ]
+    n = len(splits)
+    # channel i: member i -> member i+1; ends[i] = (sender end at i, receiver end at i+1)
+    pairs = [MemoryChannel.pair(names[i], names[(i + 1) % n]) for i in range(n)] if n > 1 else []
+    hb = [(Heartbeat(a, dead_after).start(), Heartbeat(b, dead_after).start()) for a, b in pairs]
+    eos = ckpt.config.eos_token_id
+    if n == 1:
+        head = RingHead(stages[0], ModelThread(names[0]), info, None, None, eos, concurrency, chunk)
+        return Ring(head.start(), [], [])
+    head = RingHead(stages[0], ModelThread(names[0]), info, hb[0][0], hb[-1][1], eos, concurrency, chunk)
+    members = [
+        RingMember(i, stages[i], ModelThread(names[i]), info, hb[i][0], hb[i - 1][1]) for i in range(1, n)
+    ]
+    return Ring(head.start(), [m.start() for m in members], [c for p in hb for c in p])

@@ -1,0 +1,118 @@
+"""The ring runtime with real stages of a tiny model, members joined in memory (one process)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kafila.engine.generate import generate
+from kafila.engine.sampler import SamplingParams
+from kafila.engine.stage import Stage
+from kafila.models.checkpoint import Checkpoint
+from kafila.session.service import GenerationError, Sampling, TokenEvent
+from tests.session.ringkit import build_ring
+
+PROMPTS = [
+    [5, 9, 1, 77, 120, 3, 64, 18, 250, 31, 8],
+    [17, 4, 200],
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13],
+]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint) -> Checkpoint:
+    return Checkpoint.open(tiny_checkpoint("llama-gqa3-tied"))
+
+
+def single_process(ckpt: Checkpoint, prompt: list[int], n: int) -> list[int]:
+    stage = Stage.load(ckpt, range(5), True, backend="torch", dtype="fp32", context=64)
+    params = SamplingParams(max_tokens=n)
+    out = list(generate(stage, prompt, params, eos_ids=ckpt.config.eos_token_id, chunk=4))
+    return [t for t in out if t not in ckpt.config.eos_token_id]
+
+
+async def collect(gen) -> tuple[list[int], list[TokenEvent]]:
+    events = [ev async for ev in gen]
+    return [t for ev in events for t in ev.tokens], events
+
+
+@pytest.mark.parametrize(
+    "splits", [[(0, 5)], [(0, 2), (2, 5)], [(0, 1), (1, 4), (4, 5)], [(0, 3), (3, 4), (4, 5)]]
+)
+async def test_ring_gives_the_single_process_tokens(ckpt: Checkpoint, splits) -> None:
+    ring = build_ring(ckpt, splits)
+    try:
+        for prompt in PROMPTS[:2]:
+            tokens, events = await collect(await ring.head.submit(prompt, Sampling(max_tokens=12)))
+            assert tokens == single_process(ckpt, prompt, 12)
+            assert events[-1].finish in {"stop", "length"}
+            assert events[0].prefill_s is not None
+    finally:
+        await ring.stop()
+
+
+async def test_request_from_a_member_that_is_not_the_head(ckpt: Checkpoint) -> None:
+    ring = build_ring(ckpt, [(0, 1), (1, 4), (4, 5)])
+    try:
+        for m in ring.members:
+            tokens, _ = await collect(await m.submit(PROMPTS[0], Sampling(max_tokens=10)))
+            assert tokens == single_process(ckpt, PROMPTS[0], 10)
+    finally:
+        await ring.stop()
+
+
+async def test_concurrent_requests_each_match_their_single_user_output(ckpt: Checkpoint) -> None:
+    ring = build_ring(ckpt, [(0, 2), (2, 3), (3, 5)], concurrency=2)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], [9, 9, 9, 9]]
+    try:
+        services = [ring.head, ring.members[0], ring.members[1], ring.head]
+        gens = [await s.submit(p, Sampling(max_tokens=9)) for s, p in zip(services, prompts, strict=True)]
+        results = await asyncio.gather(*(collect(g) for g in gens))
+        for p, (tokens, _) in zip(prompts, results, strict=True):
+            assert tokens == single_process(ckpt, p, 9)
+        queued = [ev.queue_position for _, evs in results for ev in evs if ev.queue_position]
+        assert queued  # with concurrency 2, the later requests waited and were told their place
+    finally:
+        await ring.stop()
+
+
+async def test_cancel_frees_the_slot_for_the_next_request(ckpt: Checkpoint) -> None:
+    ring = build_ring(ckpt, [(0, 2), (2, 5)], concurrency=1)
+    try:
+        gen = await ring.members[0].submit(PROMPTS[0], Sampling(max_tokens=40))
+        async for ev in gen:
+            if ev.tokens:
+                break
+        gen.cancel()
+        tokens, _ = await asyncio.wait_for(
+            collect(await ring.head.submit(PROMPTS[1], Sampling(max_tokens=8))), 10
+        )
+        assert tokens == single_process(ckpt, PROMPTS[1], 8)
+    finally:
+        await ring.stop()
+
+
+async def test_prompt_past_the_context_is_refused(ckpt: Checkpoint) -> None:
+    ring = build_ring(ckpt, [(0, 5)], context=16)
+    try:
+        with pytest.raises(GenerationError, match="exceeds the context of 16"):
+            await ring.head.submit(list(range(1, 12)), Sampling(max_tokens=8))
+    finally:
+        await ring.stop()
+
+
+async def test_simulated_killed_member_fails_requests_quickly(ckpt: Checkpoint) -> None:
+    ring = build_ring(ckpt, [(0, 2), (2, 3), (3, 5)], dead_after=1.0)
+    try:
+        gen = await ring.head.submit(PROMPTS[0], Sampling(max_tokens=40))
+        ring.kill(1)  # simulated death of m1 while the request's prompt is on its way to it
+        with pytest.raises(GenerationError, match="member m1 stopped answering") as err:
+            await asyncio.wait_for(collect(gen), 10)
+        assert err.value.code == "member_lost"
+        assert ring.head.describe()["state"] == "broken"
+        assert ring.members[1].describe()["state"] == "broken"  # the others notice too
+        with pytest.raises(GenerationError, match="m1"):
+            await ring.members[1].submit(PROMPTS[1], Sampling(max_tokens=3))
+    finally:
+        await ring.stop()
