@@ -231,6 +231,8 @@ class Link:
             return
         now = self._loop.time()
         self._last_rx[PathKind(via)] = now
+        if via == PathKind.DIRECT and self._direct is None:
+            self.add_direct(src, "the peer reached us directly")  # src passed a punch check already
         if self._quic is None and not self._accept_initial(data):
             return
         assert self._quic is not None
