@@ -124,6 +124,7 @@ class LinkNode:
     identity: Identity = field(default_factory=make_identity)
     nat: NatReport | None = None
     config: LinkConfig = field(default_factory=LinkConfig)
+    links: dict[int, Link] = field(default_factory=dict)  # open links by peer member id
 
     def candidates(self) -> list[Address]:
         local = self.endpoint.local_address
@@ -158,6 +159,11 @@ async def connect_edge(
 ) -> Link:
     """Form the edge with `peer` (both call it; exactly one with is_client=True); authenticated."""
     opts = options or EdgeOptions()
+    if peer in node.links and not node.links[peer].closed:
+        raise ValueError(
+            f"member {node.member} already has a link with member {peer}: one link per pair carries "
+            "both directions (a two-member ring uses it both ways)"
+        )
     client, server = (node.member, peer) if is_client else (peer, node.member)
     edge = edge_name(client, server)
     nonce = os.urandom(16)
@@ -188,6 +194,7 @@ async def connect_edge(
     except BaseException:
         await link.close("edge setup failed")
         raise
+    node.links[peer] = link
     log.info("edge_connected", edge=edge, path=link.path, probes=puncher.probes_sent)
     return link
 

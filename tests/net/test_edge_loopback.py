@@ -49,6 +49,8 @@ async def test_loopback_members_classify_as_unnatted_and_punch_direct(rdv) -> No
         assert client.path is PathKind.DIRECT and server.path is PathKind.DIRECT
         await client.send(16, b"ping")
         assert await server.recv(timeout=5) == (16, b"ping")
+        with pytest.raises(ValueError, match="one link per pair"):
+            await connect_edge(pair.b, pair.a.member, True, EdgeOptions())
     finally:
         await client.close()
         await server.close()
