@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kafila.net.edge import EdgeOptions, connect_edge
-from kafila.net.link import Link
+from kafila.net.link import Link, LinkConfig
 from kafila.planner.reachability import LINUX_RULE, PAPER_RULE
 from tests.natlab.lab import KINDS, RDV_ADDRS, Lab, Site, missing_requirements, netns
 from tests.net.harness import Pair, open_pair, start_rendezvous
@@ -38,7 +38,7 @@ from tests.net.harness import Pair, open_pair, start_rendezvous
 PROBE_TIMEOUT = 0.1
 
 
-async def _pair(lab: Lab, rdv, a: Site, b: Site) -> tuple[Pair, float]:  # type: ignore[no-untyped-def]
+async def _pair(lab: Lab, rdv, a: Site, b: Site, datagram: int = 1200) -> tuple[Pair, float]:  # type: ignore[no-untyped-def]
     start = time.perf_counter()
     pair = await open_pair(
         rdv,
@@ -47,6 +47,7 @@ async def _pair(lab: Lab, rdv, a: Site, b: Site) -> tuple[Pair, float]:  # type:
         lambda: netns(a.host),
         lambda: netns(b.host),
         probe_timeout=PROBE_TIMEOUT,
+        config=LinkConfig(max_datagram_size=datagram),
     )
     return pair, time.perf_counter() - start
 
@@ -107,14 +108,14 @@ def _dr(direct: bool) -> str:
     return "direct" if direct else "relay"
 
 
-async def link_figures(lab: Lab, rdv, a: Site, b: Site, label: str, args) -> None:  # type: ignore[no-untyped-def]
-    pair, setup = await _pair(lab, rdv, a, b)
+async def link_figures(lab: Lab, rdv, a: Site, b: Site, label: str, args, datagram: int) -> None:  # type: ignore[no-untyped-def]
+    pair, setup = await _pair(lab, rdv, a, b, datagram)
     assert pair.a.nat and pair.b.nat
     predicted = LINUX_RULE(pair.a.nat.nat, pair.b.nat.nat)
     client, server, took = await _link(pair, predicted)
     print(
-        f"\n{label}: {a.kind} <-> {b.kind}, path {client.path}, time to link {took:.3f} s "
-        f"(session join + both classifications {setup:.2f} s)"
+        f"\n{label}, {datagram}-byte QUIC packets: {a.kind} <-> {b.kind}, path {client.path}, "
+        f"time to link {took:.3f} s (session join + both classifications {setup:.2f} s)"
     )
     for size, count in ((8192, args.count_8k), (1 << 20, args.count_1m)):
         payload = os.urandom(size)
@@ -157,8 +158,9 @@ async def main(args: argparse.Namespace) -> None:
             rdv = await start_rendezvous(RDV_ADDRS[0], RDV_ADDRS[1])
         try:
             await table_iii(lab, rdv, sites, args.trials)
-            await link_figures(lab, rdv, *sites["ordinary"], "direct edge", args)
-            await link_figures(lab, rdv, *sites["restrictive"], "relayed edge", args)
+            for size in args.datagram_sizes:
+                await link_figures(lab, rdv, *sites["ordinary"], "direct edge", args, size)
+                await link_figures(lab, rdv, *sites["restrictive"], "relayed edge", args, size)
         finally:
             await rdv.stop()
 
@@ -168,6 +170,13 @@ if __name__ == "__main__":
     parser.add_argument("--trials", type=int, default=3, help="links formed per ordered class pair")
     parser.add_argument("--count-8k", type=int, default=400, help="8 KiB messages in the throughput run")
     parser.add_argument("--count-1m", type=int, default=20, help="1 MiB messages in the throughput run")
+    parser.add_argument(
+        "--datagram-sizes",
+        type=lambda text: [int(x) for x in text.split(",")],
+        default=[1200, 1452],
+        help="QUIC packet sizes to measure the link figures with, side by side (1452 fits the lab's "
+        "1500-byte MTU with the relay header)",
+    )
     reason = missing_requirements()
     if reason:
         sys.exit(f"natlab benchmark: {reason}")
