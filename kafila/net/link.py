@@ -101,7 +101,8 @@ class _Counters:
 
 
 class Link:
-    """One end of an authenticated QUIC link. Build with `open_link`, or via connect_edge."""
+    """One end of an authenticated QUIC link. Made by `kafila.net.edge.connect_edge` (tests also
+    build one directly and hand it a path with `add_direct` / `set_relay` before `start`)."""
 
     def __init__(
         self,
