@@ -132,7 +132,11 @@ class LlamaModel:
         """hidden [N, H] (spans' rows stacked in order) -> hidden [N, H] after every local block."""
         x = x.to(self.device, self.dtype, copy=True)  # [N, H], updated in place below
         plan = _AttentionPlan(spans, self.device)
-        cos, sin = self.cos[plan.positions, None], self.sin[plan.positions, None]  # [N, 1, d]
+        if len(spans) == 1:  # one request: its positions are a slice, no gather
+            rows = slice(spans[0].start, spans[0].end)
+            cos, sin = self.cos[rows, None], self.sin[rows, None]  # [N, 1, d]
+        else:
+            cos, sin = self.cos[plan.positions, None], self.sin[plan.positions, None]
         for blk, k_cache, v_cache in zip(self.blocks, cache.k, cache.v, strict=True):
             self._block(blk, x, cos, sin, plan, k_cache, v_cache)
         return x
@@ -147,7 +151,7 @@ class LlamaModel:
         qk = qkv[:, : (nq + nkv) * d].view(n, nq + nkv, d)  # [N, nq + nkv, d]
         if blk.qk_norm is not None:
             qk = F.rms_norm(qk, (d,), None, eps) * blk.qk_norm
-        qk = qk * cos + qk.roll(d // 2, dims=-1) * sin  # rotate-half RoPE, [N, nq + nkv, d]
+        qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin)  # rotate-half RoPE, [N, nq + nkv, d]
         v = qkv[:, (nq + nkv) * d :].view(n, nkv, d)  # [N, nkv, d]
         attn = plan.attend(qk[:, :nq], qk[:, nq:], v, kc, vc)  # [N, nq d]
         x += F.linear(attn, blk.wo)  # [N, H]
@@ -164,64 +168,61 @@ class _AttentionPlan:
 
     def __init__(self, spans: Sequence[Span], device: torch.device) -> None:
         self.spans = list(spans)
-        self.decode_only = all(s.length == 1 for s in spans)
+        self.decode_batch = len(spans) > 1 and all(s.length == 1 for s in spans)
         pos = [s.start + t for s in spans for t in range(s.length)]
         self.positions = torch.tensor(pos, dtype=torch.long, device=device)  # [N]
-        self.slots = torch.tensor([s.slot for s in spans], dtype=torch.long, device=device)  # [B]
-        self.masks: list[Tensor | None] = []
-        if self.decode_only and len(spans) > 1:
-            kv_len = max(pos) + 1
-            keys = torch.arange(kv_len, device=device)
+        self.masks = [None if s.length == 1 else _causal_mask(s, device) for s in spans]
+        if self.decode_batch:
+            self.slots = torch.tensor([s.slot for s in spans], dtype=torch.long, device=device)  # [B]
+            keys = torch.arange(max(pos) + 1, device=device)
             self.batch_mask = (keys[None, :] <= self.positions[:, None])[:, None, None, :]  # [B,1,1,L]
-        elif not self.decode_only:
-            self.masks = [_causal_mask(s, device) for s in spans]
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor) -> Tensor:
         """q [N, nq, d], k/v [N, nkv, d] -> [N, nq d]; writes k/v into the caches first."""
-        if self.decode_only:
-            return self._decode(q, k, v, kc, vc)
+        if self.decode_batch:
+            return self._decode_batch(q, k, v, kc, vc)
+        if len(self.spans) == 1:
+            return _attend_span(self.spans[0], self.masks[0], q, k, v, kc, vc)
         out, row = [], 0
         for s, mask in zip(self.spans, self.masks, strict=True):
             rows = slice(row, row + s.length)
             out.append(_attend_span(s, mask, q[rows], k[rows], v[rows], kc, vc))
             row += s.length
-        return torch.cat(out) if len(out) > 1 else out[0]
+        return torch.cat(out)
 
-    def _decode(self, q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor) -> Tensor:
+    def _decode_batch(self, q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor) -> Tensor:
+        """B requests, one row each, at different positions: one SDPA with a length mask."""
         b, nq, d = q.shape
         nkv = k.shape[1]
         kc[self.slots, :, self.positions] = k  # [B, nkv, d] into [slots, nkv, ctx, d]
         vc[self.slots, :, self.positions] = v
-        qg = q.view(b, nkv, nq // nkv, d)  # [B, nkv, g, d]
-        if b == 1:
-            s = self.spans[0]
-            keys, vals = kc[s.slot, :, : s.start + 1], vc[s.slot, :, : s.start + 1]  # [nkv, L, d]
-            return F.scaled_dot_product_attention(qg[0], keys, vals).reshape(1, nq * d)
         kv_len = self.batch_mask.shape[-1]
         keys, vals = kc[self.slots, :, :kv_len], vc[self.slots, :, :kv_len]  # [B, nkv, L, d]
+        qg = q.view(b, nkv, nq // nkv, d)  # [B, nkv, g, d]
         out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=self.batch_mask)  # [B, nkv, g, d]
         return out.reshape(b, nq * d)
 
 
 def _causal_mask(s: Span, device: torch.device) -> Tensor:
     """[T, L]: query t (position start + t) sees keys 0..start + t."""
-    keys = torch.arange(s.start + s.length, device=device)
-    queries = torch.arange(s.start, s.start + s.length, device=device)
+    keys = torch.arange(s.end, device=device)
+    queries = torch.arange(s.start, s.end, device=device)
     return keys[None, :] <= queries[:, None]
 
 
 def _attend_span(
     s: Span, mask: Tensor | None, q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor
 ) -> Tensor:
-    """One request's T rows: q [T, nq, d], k/v [T, nkv, d] -> [T, nq d]."""
+    """One request's T rows: q [T, nq, d], k/v [T, nkv, d] -> [T, nq d]. mask [T, L] or None (T = 1)."""
     t, nq, d = q.shape
     nkv = k.shape[1]
-    g, end = nq // nkv, s.start + t
-    kc[s.slot, :, s.start : end] = k.transpose(0, 1)  # [nkv, T, d]
-    vc[s.slot, :, s.start : end] = v.transpose(0, 1)
+    g = nq // nkv
+    kc[s.slot, :, s.start : s.end] = k.transpose(0, 1)  # [nkv, T, d]
+    vc[s.slot, :, s.start : s.end] = v.transpose(0, 1)
+    keys, vals = kc[s.slot, :, : s.end], vc[s.slot, :, : s.end]  # [nkv, L, d], views
+    if mask is None:  # one row: every cached key is visible
+        out = F.scaled_dot_product_attention(q.view(nkv, g, d), keys, vals)  # [nkv, g, d]
+        return out.reshape(1, nq * d)
     qg = q.view(t, nkv, g, d).permute(1, 2, 0, 3).reshape(nkv, g * t, d)  # [nkv, g*T, d]
-    assert mask is not None
-    out = F.scaled_dot_product_attention(
-        qg, kc[s.slot, :, :end], vc[s.slot, :, :end], attn_mask=mask.repeat(g, 1)
-    )
+    out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask.repeat(g, 1))  # [nkv, g*T, d]
     return out.view(nkv, g, t, d).permute(2, 0, 1, 3).reshape(t, nq * d)  # [T, nq d]
