@@ -2,16 +2,19 @@
 
 Builds the NAT lab (tests/natlab/lab.py: a rendezvous with two public addresses, members behind
 permissive / ordinary (port- and address-restricted) / restrictive routers), starts the real
-rendezvous inside it, and for every ordered class pair forms an edge `--trials` times from a fresh
-socket: the classes each member measured, the pair rule's prediction (paper rule and Linux rule),
-the path achieved and the time to an authenticated link (connect_edge called on both ends until
-both are ready; session setup and classification excluded, classification timed separately).
+rendezvous inside it (`kafila rendezvous` in its own process, or `--in-process`), and for every
+ordered class pair forms an edge `--trials` times from a fresh socket: the classes each member
+measured, the pair rule's prediction (paper rule and Linux rule), the path achieved and the time
+to an authenticated link (connect_edge called on both ends until both are ready; session setup
+and classification excluded, and timed separately).
 
 Then link figures on one direct edge (ordinary <-> ordinary) and one relayed edge (restrictive <->
 restrictive): time to link, one-way latency (median of sequential sends on an idle link; both ends
 live in this process so they share a clock) and throughput (back-to-back messages, MB/s of
 payload) for 8 KiB and 1 MiB messages. Both ends of every link run in this one Python process on
-shared CPUs, so throughput is a floor and figures are noisy.
+shared CPUs, so throughput is a floor and figures are noisy; MB per CPU-second of this process is
+printed too, as a figure less sensitive to other load (it covers both link ends, and the relay
+too with --in-process).
 
     sudo python3 benchmarks/natlab.py [--trials N] [--count-8k N] [--count-1m N]
 """
@@ -20,11 +23,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -32,8 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kafila.net.edge import EdgeOptions, connect_edge
 from kafila.net.link import Link, LinkConfig
 from kafila.planner.reachability import LINUX_RULE, PAPER_RULE
+from kafila.rendezvous.server import RendezvousServer
 from tests.natlab.lab import KINDS, RDV_ADDRS, Lab, Site, missing_requirements, netns
-from tests.net.harness import Pair, open_pair, start_rendezvous
+from tests.net.harness import Pair, RendezvousAt, open_pair, start_rendezvous
 
 PROBE_TIMEOUT = 0.1
 
@@ -64,7 +72,7 @@ async def _link(pair: Pair, predicted: bool) -> tuple[Link, Link, float]:
 async def table_iii(lab: Lab, rdv, sites: dict[str, list[Site]], trials: int) -> None:  # type: ignore[no-untyped-def]
     print("\nTable III equivalent: ordered class pairs through Linux netfilter NATs")
     print(
-        f"{'client':<17} {'server':<17} {'classes (measured)':<23} {'paper':<7} {'linux':<7} "
+        f"{'client':<17} {'server':<17} {'classes (measured)':<27} {'paper':<7} {'linux':<7} "
         f"{'achieved':<14} {'link s (median)':>15}"
     )
     wrong_way = 0
@@ -90,7 +98,7 @@ async def table_iii(lab: Lab, rdv, sites: dict[str, list[Site]], trials: int) ->
         if len(set(achieved)) > 1:
             outcome += f" ({achieved.count('direct')}/{trials} direct)"
         print(
-            f"{ka:<17} {kb:<17} {classes:<23} {_dr(paper):<7} {_dr(linux):<7} {outcome:<14} "
+            f"{ka:<17} {kb:<17} {classes:<27} {_dr(paper):<7} {_dr(linux):<7} {outcome:<14} "
             f"{statistics.median(times):>15.3f}"
         )
     print(f"edges predicted direct (linux rule) that relayed: {wrong_way}")
@@ -139,7 +147,7 @@ async def link_figures(lab: Lab, rdv, a: Site, b: Site, label: str, args, datagr
         print(
             f"  {size // 1024:>5} KiB: one-way latency median {statistics.median(lat) * 1000:8.2f} ms, "
             f"throughput {count * size / dt / 1e6:7.2f} MB/s ({count} messages in {dt:.2f} s; "
-            f"{count * size / cpu / 1e6:.2f} MB per CPU-second of this process, both ends and relay)"
+            f"{count * size / cpu / 1e6:.2f} MB per CPU-second of this process)"
         )
     s = client.stats()
     print(
@@ -151,23 +159,69 @@ async def link_figures(lab: Lab, rdv, a: Site, b: Site, label: str, args, datagr
     await pair.close()
 
 
+RDV_PORT = 8470
+RELAXED = [
+    "--join-rate-per-address", "100", "--join-burst-per-address", "1000",
+    "--join-rate-per-session", "100", "--join-burst-per-session", "1000",
+    "--open-rate-per-address", "100", "--open-burst-per-address", "1000",
+]  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def rendezvous(lab: Lab, own_process: bool) -> AsyncIterator[RendezvousServer | RendezvousAt]:
+    """The real rendezvous inside the lab: `kafila rendezvous` in its own process (as deployed), or
+    in this process's event loop (as the tests run it)."""
+    if not own_process:
+        with netns(lab.rdv):
+            server = await start_rendezvous(RDV_ADDRS[0], RDV_ADDRS[1])
+        try:
+            yield server
+        finally:
+            await server.stop()
+        return
+    cmd = ["ip", "netns", "exec", lab.rdv, sys.executable, "-m", "kafila", "rendezvous"]
+    cmd += ["--host", RDV_ADDRS[0], "--port", str(RDV_PORT), "--udp-alt-host", RDV_ADDRS[1], *RELAXED]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        await _wait_listening(lab, proc)
+        yield RendezvousAt(f"ws://{RDV_ADDRS[0]}:{RDV_PORT}/v1/signal", RDV_ADDRS[0])
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def _wait_listening(lab: Lab, proc: subprocess.Popen[bytes]) -> None:
+    for _ in range(200):
+        if proc.poll() is not None:
+            raise RuntimeError(f"kafila rendezvous exited with {proc.returncode}")
+        with netns(lab.rdv):
+            probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        with probe:
+            if probe.connect_ex((RDV_ADDRS[0], RDV_PORT)) == 0:
+                return
+        await asyncio.sleep(0.05)
+    raise RuntimeError("kafila rendezvous did not start listening within 10 s")
+
+
 async def main(args: argparse.Namespace) -> None:
     with Lab() as lab:
         sites = {kind: [lab.add_site(kind), lab.add_site(kind)] for kind in KINDS}
-        with netns(lab.rdv):
-            rdv = await start_rendezvous(RDV_ADDRS[0], RDV_ADDRS[1])
-        try:
+        async with rendezvous(lab, not args.in_process) as rdv:
+            print(f"rendezvous: {'in this process' if args.in_process else 'kafila rendezvous, own process'}")
             await table_iii(lab, rdv, sites, args.trials)
             for size in args.datagram_sizes:
                 await link_figures(lab, rdv, *sites["ordinary"], "direct edge", args, size)
                 await link_figures(lab, rdv, *sites["restrictive"], "relayed edge", args, size)
-        finally:
-            await rdv.stop()
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=3, help="links formed per ordered class pair")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run the rendezvous in this process's event loop instead of `kafila rendezvous` in its own",
+    )
     parser.add_argument("--count-8k", type=int, default=400, help="8 KiB messages in the throughput run")
     parser.add_argument("--count-1m", type=int, default=20, help="1 MiB messages in the throughput run")
     parser.add_argument(

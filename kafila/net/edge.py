@@ -23,7 +23,7 @@ from typing import Any
 
 from kafila.net.auth import EdgeContext
 from kafila.net.certs import Identity, make_identity
-from kafila.net.classify import NatReport
+from kafila.net.classify import NatReport, classify
 from kafila.net.endpoint import Address, UdpEndpoint
 from kafila.net.errors import LinkError, LinkTimeout, NatProbeError
 from kafila.net.link import Link, LinkConfig, PathKind, RelayLeg
@@ -31,6 +31,7 @@ from kafila.net.punch import Puncher, punch_key
 from kafila.net.signaling import SignalingClient, SignalingError
 from kafila.obs.log import get_logger
 from kafila.proto import signaling as sig
+from kafila.proto.codes import SessionCode
 
 log = get_logger("kafila.net.edge")
 SIGNAL_KEY = "kafila_link"  # marks a signal payload as ours
@@ -125,6 +126,26 @@ class LinkNode:
     nat: NatReport | None = None
     config: LinkConfig = field(default_factory=LinkConfig)
     links: dict[int, Link] = field(default_factory=dict)  # open links by peer member id
+
+    @classmethod
+    async def joined(
+        cls, endpoint: UdpEndpoint, signals: SignalRouter, code: SessionCode, rendezvous_host: str
+    ) -> LinkNode:
+        """The node of a member that has opened or joined the session on `signals.client`;
+        `rendezvous_host` is the host it reached the rendezvous at (probes and relay live there)."""
+        client = signals.client
+        port = client.probe[0]
+        if client.member is None or port is None:
+            raise ValueError("open or join the session first: the rendezvous announces its probe port then")
+        infos = await asyncio.get_running_loop().getaddrinfo(rendezvous_host, port, type=socket.SOCK_DGRAM)
+        relay = (str(infos[0][4][0]), port)
+        return cls(endpoint, signals, code.public, client.member, code.secret_material(), relay)
+
+    async def classify_nat(self, timeout: float = 0.3, attempts: int = 3) -> NatReport:
+        """Classify this member's NAT against the rendezvous's probe endpoints (once per member)."""
+        _, alt_port, alt_host = self.signals.client.probe
+        self.nat = await classify(self.endpoint, self.relay, alt_port, alt_host, timeout, attempts)
+        return self.nat
 
     def candidates(self) -> list[Address]:
         local = self.endpoint.local_address

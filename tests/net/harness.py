@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
-from kafila.net.classify import classify
 from kafila.net.edge import LinkNode, SignalRouter
 from kafila.net.endpoint import UdpEndpoint
 from kafila.net.link import LinkConfig
@@ -68,8 +67,22 @@ class Pair:
         self.b.endpoint.close()
 
 
+@dataclass(frozen=True)
+class RendezvousAt:
+    """Where members reach a rendezvous (one running in another process, e.g. the CLI)."""
+
+    url: str
+    udp_host: str
+
+
+def _where(rdv: RendezvousServer | RendezvousAt) -> RendezvousAt:
+    if isinstance(rdv, RendezvousAt):
+        return rdv
+    return RendezvousAt(rdv.url, _where(rdv).udp_host)
+
+
 async def open_pair(
-    rdv: RendezvousServer,
+    rdv: RendezvousServer | RendezvousAt,
     sock_a: socket.socket,
     sock_b: socket.socket,
     in_a: InNs = _nowhere,
@@ -78,24 +91,21 @@ async def open_pair(
     classify_nat: bool = True,
     probe_timeout: float = 0.3,
 ) -> Pair:
-    url = rdv.url
-    relay = (rdv.config.udp_host or rdv.config.host, rdv.udp.port)
+    url = _where(rdv).url
     with in_a():
         ca = await SignalingClient.connect(url)
     with in_b():
         cb = await SignalingClient.connect(url)
     opened = await ca.open_session("tiny", 2, "a", {})
     code = new_code(opened.session)
-    joined = await cb.join(code.public, "b", {})
+    await cb.join(code.public, "b", {})
     nodes = []
-    for sock, client, member in ((sock_a, ca, opened.member), (sock_b, cb, joined.member)):
+    for sock, client in ((sock_a, ca), (sock_b, cb)):
         endpoint = await UdpEndpoint.open(sock)
-        node = LinkNode(endpoint, SignalRouter(client), code.public, member, code.secret_material(), relay)
+        node = await LinkNode.joined(endpoint, SignalRouter(client), code, _where(rdv).udp_host)
         node.config = config or LinkConfig()
         if classify_nat:
-            node.nat = await classify(
-                endpoint, relay, rdv.udp.alt_port, rdv.config.udp_alt_host, timeout=probe_timeout
-            )
+            await node.classify_nat(timeout=probe_timeout)
         nodes.append(node)
     pair = Pair(nodes[0], nodes[1], [ca, cb])
     pair.pumps = [asyncio.create_task(n.signals.pump()) for n in nodes]
