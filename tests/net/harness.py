@@ -78,7 +78,7 @@ class RendezvousAt:
 def _where(rdv: RendezvousServer | RendezvousAt) -> RendezvousAt:
     if isinstance(rdv, RendezvousAt):
         return rdv
-    return RendezvousAt(rdv.url, _where(rdv).udp_host)
+    return RendezvousAt(rdv.url, rdv.config.udp_host or rdv.config.host)
 
 
 async def open_pair(
