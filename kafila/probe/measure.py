@@ -108,7 +108,10 @@ def probe(
     model: ModelConfig | None = None,
     model_name: str | None = None,
     position: int = 256,
+    stream_bytes: int | None = None,
 ) -> ProbeReport:
+    """Measure this device. `stream_bytes` overrides the bandwidth buffer (default: 8x the LLC,
+    at least 256 MiB on a CPU, 1 GiB on a GPU)."""
     from kafila.engine.backend import resolve
 
     be = resolve(backend, dtype)
@@ -119,7 +122,7 @@ def probe(
     repeats = repeats or (3 if quota else 5)
     ops = Ops(be)
     memory = _memory(ops)
-    buf = ops.make_buffer(_stream_bytes(ops, memory))
+    buf = ops.make_buffer(stream_bytes or _stream_bytes(ops, memory))
     nbytes = ops.nbytes(buf)
     bandwidth = Figure.of(rates(seconds_per_call(ops.make_stream(buf), repeats, window), nbytes), "B/s")
     matvec_bw = Figure.of(rates(seconds_per_call(ops.make_matvec(buf), repeats, window), nbytes), "B/s")
