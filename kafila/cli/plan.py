@@ -118,6 +118,9 @@ def render_table(fleet: str, model: str, n_blocks: int, plans: dict[str, Any]) -
     refused = [(n, p.reason) for n, p in plans.items() if not p.feasible]
     if refused:
         lines += ["", "refused:"] + [f"  {n}: {r}" for n, r in refused]
+    notes = list(any_plan.notes)
     if not any_plan.network_priced and any_plan.edges:
-        lines += ["", "note: some member has no rtt_ms, so circuit time leaves out edge latency"]
+        notes.append("some member has no rtt_ms, so circuit time leaves out edge latency")
+    if notes:
+        lines += [""] + [f"note: {n}" for n in notes]
     return "\n".join(lines)

@@ -119,6 +119,7 @@ def _refused(
         reason=reason,
         tier=tier.value,
         ordering=ring.method,
+        notes=_notes(tier, ring),
         order=tuple(d.name for d in ordered),
         head=None,
         stages=(),
@@ -161,6 +162,7 @@ def _build(
             reason=reason,
             tier=tier.value,
             ordering=ring.method,
+            notes=_notes(tier, ring),
             order=tuple(ordered[p].name for p in chain),
             head=ordered[head].name,
             stages=tuple(stages),
@@ -170,6 +172,24 @@ def _build(
             concurrency=w.concurrency,
         )
     )
+
+
+_TIER_NOTES = {
+    Tier.FULL: "",
+    Tier.THROUGHPUT: "throughput tier: some member has no bandwidth; blocks priced by FLOP/s, no head "
+    "term, head kept with the opener",
+    Tier.WORKING_SET: "working-set tier: nothing measured on every member; blocks proportional to "
+    "memory, no stage times predicted",
+}
+_ORDER_NOTES = {
+    "counting": "ring ordered by the NAT counting rule: some member has no rendezvous rtt",
+    "rtt-heuristic": "ring ordered by cheapest insertion + 2-opt (more than 9 members): within 2x of "
+    "the cheapest ring on rtt-derived prices",
+}
+
+
+def _notes(tier: Tier, ring: RingOrder) -> tuple[str, ...]:
+    return tuple(n for n in (_TIER_NOTES[tier], _ORDER_NOTES.get(ring.method, "")) if n)
 
 
 def _edge(a: DeviceReport, b: DeviceReport, rule: PairRule) -> Edge:

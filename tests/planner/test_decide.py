@@ -64,6 +64,18 @@ def test_throughput_tier_refuses_when_the_opener_cannot_hold_the_head():
     )
 
 
+def test_a_single_member_holds_everything_and_has_no_edges():
+    p = plan([gpu("solo", 40, 100, overhead_s=1e-4)], QWEN8, context=4096)
+    assert p.feasible and p.order == ("solo",) and p.edges == () and p.blocks() == {"solo": 36}
+    assert p.circuit_s == p.bottleneck_s and p.network_priced and p.notes == ()
+
+
+def test_notes_say_which_tier_and_ordering_applied():
+    fleet = [gpu("a", 30, None, flops=1e12), gpu("b", 10, None, flops=1e12)]
+    notes = plan(fleet, QWEN8, context=1024).notes
+    assert notes[0].startswith("throughput tier") and notes[1].startswith("ring ordered by the NAT counting")
+
+
 def test_working_set_tier_when_nothing_is_measured_divides_by_memory():
     fleet = [gpu("a", 30, None), gpu("b", 10, None, flops=1e12)]
     p = plan(fleet, QWEN8, context=1024)
