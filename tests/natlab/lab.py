@@ -83,6 +83,16 @@ def netns(name: str) -> Iterator[None]:
         os.close(target)
 
 
+def remove_stale_namespaces() -> None:
+    """Delete namespaces of labs whose process is gone (killed before it could clean up)."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    for line in listing.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        owner = name[2:].split("-")[0] if name.startswith("kl") else ""
+        if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
 @dataclass
 class Site:
     """One member behind its own router."""
@@ -150,7 +160,7 @@ table ip natlab {{
 class Lab:
     """Namespaces, links and routers; `close()` removes everything (also after a failure)."""
 
-    prefix: str = field(default_factory=lambda: f"kl{os.getpid() % 100000}")
+    prefix: str = field(default_factory=lambda: f"kl{os.getpid()}")
     sites: list[Site] = field(default_factory=list)
     namespaces: list[str] = field(default_factory=list)
 
@@ -163,6 +173,7 @@ class Lab:
         return f"{self.prefix}-rdv"
 
     def __enter__(self) -> Lab:
+        remove_stale_namespaces()
         try:
             self._build_public()
         except BaseException:
