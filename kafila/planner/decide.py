@@ -183,13 +183,15 @@ _TIER_NOTES = {
 }
 _ORDER_NOTES = {
     "counting": "ring ordered by the NAT counting rule: some member has no rendezvous rtt",
-    "rtt-heuristic": "ring ordered by cheapest insertion + 2-opt (more than 9 members): within 2x of "
-    "the cheapest ring on rtt-derived prices",
+    "rtt-heuristic": "ring ordered by cheapest insertion + 2-opt (more than 9 members)",
 }
 
 
 def _notes(tier: Tier, ring: RingOrder) -> tuple[str, ...]:
-    return tuple(n for n in (_TIER_NOTES[tier], _ORDER_NOTES.get(ring.method, "")) if n)
+    order_note = _ORDER_NOTES.get(ring.method, "")
+    if ring.bound_ratio is not None:
+        order_note += f"; this ring costs at most {ring.bound_ratio:.2f}x the cheapest possible"
+    return tuple(n for n in (_TIER_NOTES[tier], order_note) if n)
 
 
 def _edge(a: DeviceReport, b: DeviceReport, rule: PairRule) -> Edge:

@@ -10,16 +10,20 @@ Every member's NAT class predicts each pair direct or relayed through a pair rul
   literal path), direct |r_A - r_B| (triangle-inequality lower bound) or a measured pair RTT.
   Orderings are searched exhaustively with the anchor fixed (and mirror images skipped) up to
   EXHAUSTIVE_MAX members; ties break on ring separation (sum of |r_A - r_B| around the ring).
-  Above that: cheapest insertion then 2-opt. On metric edge prices (the r-based ones are metric)
-  cheapest insertion is within 2x of the optimal ring (Rosenkrantz, Stearns and Lewis, 1977) and
-  2-opt only lowers it; measured pair RTTs that break the triangle inequality void the bound.
+  Above that: cheapest insertion then 2-opt. Stated bound: when every edge is priced alike (all
+  predicted direct, or all relayed) the prices are a metric and cheapest insertion is within 2x of
+  the cheapest ring (Rosenkrantz, Stearns and Lewis, 1977); 2-opt only lowers it. Mixed direct and
+  relayed prices are not a metric (A-C relayed can cost more than A-B-C direct), so every heuristic
+  ring also carries a certified ratio to a lower bound on any ring: the best 1-tree (minimum
+  spanning tree of all members but one, plus that member's two cheapest edges):
+  `RingOrder.bound_ratio`.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kafila.planner.devices import DeviceReport
 from kafila.planner.reachability import DEFAULT_RULE, Nat, PairRule
@@ -35,6 +39,7 @@ class RingOrder:
     relayed: int  # edges predicted relayed
     cost_s: float | None  # sum of edge prices (RTT) when every member has an rtt
     separation_s: float | None
+    bound_ratio: float | None = None  # heuristic only: cost / (lower bound on any ring's cost)
 
 
 def nat_of(d: DeviceReport) -> Nat:
@@ -63,7 +68,7 @@ def ring_edges(order: Sequence[int]) -> list[tuple[int, int]]:
     return [] if m < 2 else [(order[i], order[(i + 1) % m]) for i in range(m)]
 
 
-class _Prices:
+class RingPrices:
     """Integer-ns price and separation matrices for the RTT search."""
 
     def __init__(self, devices: Sequence[DeviceReport], rule: PairRule) -> None:
@@ -87,14 +92,44 @@ def order_ring(devices: Sequence[DeviceReport], rule: PairRule = DEFAULT_RULE, a
     if m == 1:
         return RingOrder((0,), "single", 0, None, None)
     if all(d.rtt_s is not None for d in devices):
-        prices = _Prices(devices, rule)
+        prices = RingPrices(devices, rule)
         if m <= EXHAUSTIVE_MAX:
             order, method = exhaustive(prices, m, anchor), "rtt-exhaustive"
         else:
-            order, method = two_opt(prices, cheapest_insertion(prices, m, anchor)), "rtt-heuristic"
+            order = two_opt(prices, cheapest_insertion(prices, m, anchor))
+            found = describe(devices, order, "rtt-heuristic", rule)
+            bound = one_tree_bound(prices, m)
+            ratio = (prices.ring(order) // prices.big) / bound if bound else 1.0
+            return replace(found, bound_ratio=ratio)
     else:
         order, method = alternate(devices, rule, anchor), "counting"
     return describe(devices, order, method, rule)
+
+
+def one_tree_bound(prices: RingPrices, m: int) -> int:
+    """A lower bound (integer ns) on any ring's price, the best 1-tree over the left-out member: a
+    ring is a path through the others (at least their minimum spanning tree) plus two edges at it."""
+    price = [[prices.key[i][j] // prices.big for j in range(m)] for i in range(m)]
+    best = 0
+    for v in range(m):
+        rest = [i for i in range(m) if i != v]
+        two = sorted(price[v][j] for j in rest)[:2]
+        best = max(best, _mst(price, rest) + sum(two))
+    return best
+
+
+def _mst(price: list[list[int]], nodes: list[int]) -> int:
+    """Prim's algorithm over `nodes` (O(n^2))."""
+    if len(nodes) < 2:
+        return 0
+    dist = {n: price[nodes[0]][n] for n in nodes[1:]}
+    total = 0
+    while dist:
+        n = min(dist, key=dist.__getitem__)
+        total += dist.pop(n)
+        for o in dist:
+            dist[o] = min(dist[o], price[n][o])
+    return total
 
 
 def describe(devices: Sequence[DeviceReport], order: Sequence[int], method: str, rule: PairRule) -> RingOrder:
@@ -109,7 +144,7 @@ def describe(devices: Sequence[DeviceReport], order: Sequence[int], method: str,
     return RingOrder(tuple(order), method, relayed, cost if priced else None, sep if priced else None)
 
 
-def exhaustive(prices: _Prices, m: int, anchor: int) -> tuple[int, ...]:
+def exhaustive(prices: RingPrices, m: int, anchor: int) -> tuple[int, ...]:
     """Every ordering with the anchor first; a ring and its mirror image cost the same, so only
     orderings whose second member precedes their last (by index) are priced."""
     others = [i for i in range(m) if i != anchor]
@@ -124,7 +159,7 @@ def exhaustive(prices: _Prices, m: int, anchor: int) -> tuple[int, ...]:
     return best
 
 
-def cheapest_insertion(prices: _Prices, m: int, anchor: int) -> list[int]:
+def cheapest_insertion(prices: RingPrices, m: int, anchor: int) -> list[int]:
     key = prices.key
     tour = [anchor]
     rest = [i for i in range(m) if i != anchor]
@@ -142,7 +177,7 @@ def cheapest_insertion(prices: _Prices, m: int, anchor: int) -> list[int]:
     return tour
 
 
-def two_opt(prices: _Prices, tour: list[int]) -> tuple[int, ...]:
+def two_opt(prices: RingPrices, tour: list[int]) -> tuple[int, ...]:
     """Reverse segments (never moving position 0) while that lowers the ring's key."""
     best = prices.ring(tour)
     improved = True
