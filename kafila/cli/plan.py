@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -55,12 +56,18 @@ def main(args: argparse.Namespace) -> int:
     from kafila.planner.reachability import RULES
 
     try:
-        fleet = parse_fleet(args.fleet.read_text(), str(args.fleet))
+        base = args.fleet.parent
+        fleet = parse_fleet(
+            args.fleet.read_text(), str(args.fleet), lambda p: json.loads((base / p).read_text())
+        )
         model = args.model or fleet.model
+        devices = fleet.devices
+        if model != fleet.model:  # probed block times were for the fleet's model
+            devices = tuple(replace(d, block_s=None) for d in devices)
         manifest = resolve_manifest(model, args.dtype)
         divisions = DIVISIONS if args.division == "all" else (args.division,)
         plans = plan_all(
-            fleet.devices,
+            devices,
             manifest,
             context=args.context or fleet.context,
             concurrency=args.concurrency or fleet.concurrency,

@@ -19,6 +19,7 @@ rtt_ms = 12               # optional: round trip to the rendezvous
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,10 +40,15 @@ class Fleet:
 
 
 _SESSION_KEYS = {"model", "context", "concurrency"}
-_DEVICE_KEYS = {"name", "memory_gb", "bandwidth_gb_s", "overhead_us", "tflops", "nat", "filtering", "rtt_ms"}
+_DEVICE_KEYS = {
+    "name", "memory_gb", "bandwidth_gb_s", "overhead_us", "tflops", "nat", "filtering", "rtt_ms", "probe",
+}  # fmt: skip
+ReadJson = Callable[[str], Any]
 
 
-def parse_fleet(text: str, source: str = "fleet") -> Fleet:
+def parse_fleet(text: str, source: str = "fleet", read_json: ReadJson | None = None) -> Fleet:
+    """Parse and validate a fleet. `read_json(path)` loads a device's `probe` file (the caller
+    does the I/O, relative to the fleet file); without it a `probe` field is an error."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -54,41 +60,77 @@ def parse_fleet(text: str, source: str = "fleet") -> Fleet:
     tables = data.get("device")
     if not isinstance(tables, list) or not tables:
         raise FleetError(f"{source}: needs at least one [[device]] table")
-    devices = tuple(_device(t, i, source) for i, t in enumerate(tables))
+    model = _get(session, "model", str, f"{source}: [session]")
+    devices = tuple(_device(t, i, source, model, read_json) for i, t in enumerate(tables))
     names = [d.name for d in devices]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise FleetError(f"{source}: device names must be unique, repeated: {dup}")
     return Fleet(
-        model=_get(session, "model", str, f"{source}: [session]"),
+        model=model,
         context=_positive_int(session, "context", f"{source}: [session]"),
         concurrency=_positive_int(session, "concurrency", f"{source}: [session]", default=1),
         devices=devices,
     )
 
 
-def _device(t: Any, index: int, source: str) -> DeviceReport:
+def _device(t: Any, index: int, source: str, model: str, read_json: ReadJson | None) -> DeviceReport:
     where = f"{source}: device #{index + 1}"
     if not isinstance(t, dict):
         raise FleetError(f"{where}: must be a table")
     name = _get(t, "name", str, where)
     where = f"{source}: device {name!r}"
     _no_unknown(t, _DEVICE_KEYS, where)
-    memory = _number(t, "memory_gb", where, required=True)
-    assert memory is not None
+    measured = _probe_file(t, where, model, read_json)
+    memory = _number(t, "memory_gb", where, required="memory_bytes" not in measured)
     bandwidth = _number(t, "bandwidth_gb_s", where)
     overhead = _number(t, "overhead_us", where, allow_zero=True)
     tflops = _number(t, "tflops", where)
     rtt = _number(t, "rtt_ms", where, allow_zero=True)
+    given = {
+        "memory_bytes": None if memory is None else int(memory * 1e9),
+        "bandwidth_bytes_s": None if bandwidth is None else bandwidth * 1e9,
+        "overhead_s": None if overhead is None else overhead * 1e-6,
+        "flops": None if tflops is None else tflops * 1e12,
+    }
+    merged = measured | {k: v for k, v in given.items() if v is not None}
+    if bandwidth is not None:  # an explicit bandwidth asks for bandwidth pricing, not the probed block
+        merged.pop("block_s", None)
     return DeviceReport(
         name=name,
-        memory_bytes=int(memory * 1e9),
-        bandwidth_bytes_s=None if bandwidth is None else bandwidth * 1e9,
-        overhead_s=None if overhead is None else overhead * 1e-6,
-        flops=None if tflops is None else tflops * 1e12,
+        memory_bytes=int(merged["memory_bytes"]),
+        bandwidth_bytes_s=merged.get("bandwidth_bytes_s"),
+        overhead_s=merged.get("overhead_s"),
+        flops=merged.get("flops"),
+        block_s=merged.get("block_s"),
         nat=_nat(t, where),
         rtt_s=None if rtt is None else rtt * 1e-3,
     )
+
+
+_MEASURED = ("memory_bytes", "bandwidth_bytes_s", "overhead_s", "flops")
+
+
+def _probe_file(t: dict[str, Any], where: str, model: str, read_json: ReadJson | None) -> dict[str, Any]:
+    """The figures of a `kafila probe --json` file (its "device" object); the block time only when
+    the probe timed this session's model."""
+    path = t.get("probe")
+    if path is None:
+        return {}
+    if not isinstance(path, str) or not path:
+        raise FleetError(f"{where}: 'probe' must be a file path, got {path!r}")
+    if read_json is None:
+        raise FleetError(f"{where}: 'probe' files can only be read when the fleet is loaded from a file")
+    try:
+        data = read_json(path)
+        device = data.get("device", data)
+        out = {k: device[k] for k in _MEASURED if device.get(k) is not None}
+    except (OSError, ValueError, AttributeError, TypeError) as exc:
+        raise FleetError(f"{where}: cannot read probe file {path!r}: {exc}") from exc
+    probed_model = (data.get("probe") or {}).get("block_model")
+    if device.get("block_s") and probed_model == model:
+        out["block_s"] = device["block_s"]
+    return out
 
 
 def _nat(t: dict[str, Any], where: str) -> Nat | None:

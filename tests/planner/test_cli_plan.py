@@ -87,3 +87,26 @@ def test_local_hugging_face_folder_as_model(tmp_path, capsys):
     )
     out = json.loads(capsys.readouterr().out)["divisions"]["kafila"]
     assert rc == 0 and sum(out["blocks"].values()) == 5
+
+
+def test_devices_filled_from_kafila_probe_json_files(tmp_path, capsys):
+    probe_json = {
+        "probe": {"block_model": "smollm2-135m"},
+        "device": {
+            "name": "whatever", "memory_bytes": 8 * 10**9, "bandwidth_bytes_s": 20e9,
+            "overhead_s": 1e-4, "flops": 1e11, "block_s": 0.004,
+        },
+    }  # fmt: skip
+    (tmp_path / "box.json").write_text(json.dumps(probe_json))
+    (tmp_path / "fleet.toml").write_text(
+        '[session]\nmodel = "smollm2-135m"\ncontext = 512\nconcurrency = 1\n'
+        '[[device]]\nname = "box"\nprobe = "box.json"\nnat = "ordinary"\n'
+        '[[device]]\nname = "box2"\nprobe = "box.json"\nbandwidth_gb_s = 40\n'
+    )
+    assert main(["plan", str(tmp_path / "fleet.toml"), "--json", "--division", "kafila"]) == 0
+    out = json.loads(capsys.readouterr().out)["divisions"]["kafila"]
+    # box is priced by its probed block time (4 ms), box2 by its explicit 40 GB/s (0.18 ms a block)
+    assert out["tier"] == "full" and out["stage_ms"]["box"] >= 4.0 and out["blocks"]["box2"] > 20
+    assert main(["plan", str(tmp_path / "fleet.toml"), "--json", "--model", "qwen3-8b"]) == 1
+    out = json.loads(capsys.readouterr().out)["divisions"]["kafila"]
+    assert "at most" in out["reason"]  # 16 GB of members for a 16.4 GB model, block_s dropped

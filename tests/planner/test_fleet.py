@@ -69,3 +69,26 @@ def test_rejects_a_file_without_devices_or_not_toml():
         parse_fleet('[session]\nmodel = "x"\ncontext = 1\n')
     with pytest.raises(FleetError, match="not valid TOML"):
         parse_fleet("[session")
+
+
+def test_probe_file_fills_measurements_and_explicit_fields_win():
+    data = {
+        "probe": {"block_model": "qwen3-8b"},
+        "device": {"memory_bytes": 5 * 10**9, "bandwidth_bytes_s": 1e10, "overhead_s": 2e-4, "block_s": 0.01},
+    }
+    text = (
+        '[session]\nmodel = "qwen3-8b"\ncontext = 64\n'
+        '[[device]]\nname = "d"\nprobe = "d.json"\nmemory_gb = 4\n'
+    )
+    (d,) = parse_fleet(text, "f.toml", lambda path: data).devices
+    assert d.memory_bytes == 4 * 10**9 and d.bandwidth_bytes_s == 1e10 and d.block_s == 0.01
+    other = text.replace('model = "qwen3-8b"', 'model = "qwen3-14b"')
+    assert parse_fleet(other, "f.toml", lambda path: data).devices[0].block_s is None
+    with pytest.raises(FleetError, match="only be read when the fleet is loaded from a file"):
+        parse_fleet(text, "f.toml")
+
+    def missing(path):
+        raise OSError(f"no such file: {path}")
+
+    with pytest.raises(FleetError, match=r"device 'd': cannot read probe file 'd\.json'"):
+        parse_fleet(text, "f.toml", missing)
