@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kafila.net.auth import EdgeContext
@@ -279,3 +279,41 @@ async def _wait_for_a_path(
                 f"({'; '.join(errors) or 'relay not used'})"
             )
         await asyncio.wait(pending, timeout=0.02)
+
+
+async def connect_ring(
+    node: LinkNode,
+    ring: list[int],
+    predicted_direct: dict[int, bool] | None = None,
+    options: EdgeOptions | None = None,
+) -> dict[int, Link]:
+    """Links from this member to its ring neighbours, by peer id (every member calls it with the
+    same ring order). The edge ring[i] -> ring[i+1] has ring[i] as QUIC client; a two-member ring
+    is one link used both ways. `predicted_direct[peer]` (from the pair rule) sets each edge's
+    `EdgeOptions.predicted_direct`."""
+    if node.member not in ring:
+        raise ValueError(f"member {node.member} is not in the ring {ring}")
+    i = ring.index(node.member)
+    n = len(ring)
+    succ, pred = ring[(i + 1) % n], ring[(i - 1) % n]
+    edges: dict[int, bool] = {}  # peer -> this member is the QUIC client of the edge
+    if n == 2:
+        edges = {succ: i == 0}
+    elif n > 2:
+        edges = {succ: True, pred: False}
+    base = options or EdgeOptions()
+    guesses = predicted_direct or {}
+    results = await asyncio.gather(
+        *(
+            connect_edge(node, peer, is_client, replace(base, predicted_direct=guesses.get(peer, True)))
+            for peer, is_client in edges.items()
+        ),
+        return_exceptions=True,
+    )
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:  # no half-formed ring: close what did connect, raise what did not
+        for r in results:
+            if isinstance(r, Link):
+                await r.close("the other ring edge failed")
+        raise failed[0]
+    return {peer: r for peer, r in zip(edges, results, strict=True) if isinstance(r, Link)}

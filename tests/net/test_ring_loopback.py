@@ -13,7 +13,7 @@ from kafila.net.endpoint import UdpEndpoint
 from kafila.net.link import PathKind
 from kafila.net.signaling import SignalingClient
 from kafila.proto.codes import new_code
-from tests.net.harness import start_rendezvous
+from tests.net.harness import open_pair, start_rendezvous
 
 pytestmark = pytest.mark.network
 
@@ -61,3 +61,72 @@ async def test_three_member_ring_with_a_relayed_edge_passes_a_message_round() ->
         for node in nodes:
             node.endpoint.close()
         await rdv.stop()
+
+
+async def test_connect_ring_links_every_member_to_its_neighbours() -> None:
+    from kafila.net.edge import connect_ring
+
+    rdv = await start_rendezvous()
+    clients = [await SignalingClient.connect(rdv.url) for _ in range(4)]
+    opened = await clients[0].open_session("tiny", 4, "m1", {})
+    code = new_code(opened.session)
+    for i, client in enumerate(clients[1:], start=2):
+        await client.join(code.public, f"m{i}", {})
+    nodes = []
+    for client in clients:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind(("127.0.0.1", 0))
+        nodes.append(
+            await LinkNode.joined(await UdpEndpoint.open(sock), SignalRouter(client), code, "127.0.0.1")
+        )
+    pumps = [asyncio.create_task(n.signals.pump()) for n in nodes]
+    ring = [3, 1, 4, 2]
+    try:
+        per_member = await asyncio.gather(*(connect_ring(n, ring) for n in nodes))
+        links = {n.member: m for n, m in zip(nodes, per_member, strict=True)}
+        assert {m: sorted(v) for m, v in links.items()} == {1: [3, 4], 2: [3, 4], 3: [1, 2], 4: [1, 2]}
+        await links[3][1].send(16, b"round")  # 3 -> 1 -> 4 -> 2 -> 3
+        for here, there, nxt in ((1, 3, 4), (4, 1, 2), (2, 4, 3)):
+            kind, payload = await links[here][there].recv(timeout=5)
+            await links[here][nxt].send(kind, payload + f" {here}".encode())
+        assert await links[3][2].recv(timeout=5) == (16, b"round 1 4 2")
+        for per_peer in per_member:
+            for link in per_peer.values():
+                await link.close()
+        with pytest.raises(ValueError, match="not in the ring"):
+            await connect_ring(nodes[0], [2, 3])
+    finally:
+        for pump in pumps:
+            pump.cancel()
+        for client in clients:
+            await client.close()
+        for node in nodes:
+            node.endpoint.close()
+        await rdv.stop()
+
+
+async def test_two_member_ring_is_one_link_used_both_ways() -> None:
+    from kafila.net.edge import connect_ring
+
+    rdv = await start_rendezvous()
+    pair = await open_pair(rdv, _bound(), _bound(), classify_nat=False)
+    try:
+        ring = [pair.b.member, pair.a.member]
+        la, lb = await asyncio.gather(connect_ring(pair.a, ring), connect_ring(pair.b, ring))
+        assert list(la) == [pair.b.member] and list(lb) == [pair.a.member]
+        link_a, link_b = la[pair.b.member], lb[pair.a.member]
+        assert link_b.is_client and not link_a.is_client  # ring[0] opens the connection
+        await link_a.send(16, b"a->b")
+        await link_b.send(16, b"b->a")
+        assert await link_b.recv(timeout=5) == (16, b"a->b")
+        assert await link_a.recv(timeout=5) == (16, b"b->a")
+        await link_a.close()
+    finally:
+        await pair.close()
+        await rdv.stop()
+
+
+def _bound() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    return sock
