@@ -1,0 +1,67 @@
+"""The exact dynamic program against brute force, and head placement (mu = 0) against it at the
+paper's sizes (up to 64 blocks on 6 devices), where brute force is out of reach."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kafila.planner.cost import DeviceCost
+from kafila.planner.exact import exact_division, exact_for_head
+from kafila.planner.head import HeadChoice, place_head
+from kafila.planner.partition import Infeasible
+from tests.planner.test_head import rotation_optimum
+
+
+@st.composite
+def fleets(draw, max_m: int, max_k: int):
+    m = draw(st.integers(1, max_m))
+    k = draw(st.integers(m, max_k))
+    costs = []
+    for i in range(m):
+        limit = draw(st.integers(0, k))
+        costs.append(
+            DeviceCost(
+                name=f"d{i}",
+                overhead_s=draw(st.floats(0.0, 1.0)),
+                per_block_s=draw(st.floats(0.05, 3.0)),
+                head_s=draw(st.floats(0.0, 3.0)),
+                limit=limit,
+                limit_head=draw(st.integers(0, limit)),
+            )
+        )
+    return k, costs
+
+
+def close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(1.0, abs(b))
+
+
+@settings(max_examples=150, deadline=None)
+@given(fleets(max_m=4, max_k=9))
+def test_exact_equals_brute_force_for_every_head(case):
+    k, costs = case
+    for h in range(len(costs)):
+        want = rotation_optimum(k, costs, h)
+        got = exact_for_head(k, costs, h)
+        if want is None:
+            assert got is None
+            continue
+        assert got is not None and close(got.bottleneck, want)
+        assert sum(got.counts) == k
+        assert all(1 <= n <= c.lim(i == h) for i, (n, c) in enumerate(zip(got.counts, costs, strict=True)))
+        assert close(
+            max(c.stage_s(n, i == h) for i, (n, c) in enumerate(zip(got.counts, costs, strict=True))), want
+        )
+
+
+@settings(max_examples=60, deadline=None)
+@given(fleets(max_m=6, max_k=64))
+def test_head_placement_without_margin_equals_exact_optimum_at_paper_sizes(case):
+    k, costs = case
+    want = exact_division(k, costs)
+    got = place_head(k, costs, anchor=0, mu=0.0)
+    if want is None:
+        assert isinstance(got, Infeasible)
+        return
+    assert isinstance(got, HeadChoice) and close(got.bottleneck, want.bottleneck)
