@@ -81,6 +81,52 @@ def _where(rdv: RendezvousServer | RendezvousAt) -> RendezvousAt:
     return RendezvousAt(rdv.url, rdv.config.udp_host or rdv.config.host)
 
 
+@dataclass
+class Session:
+    """N members of one session, in joining order (nodes[0] opened it)."""
+
+    nodes: list[LinkNode]
+    clients: list[SignalingClient]
+    pumps: list[asyncio.Task[None]] = field(default_factory=list)
+
+    async def close(self) -> None:
+        for pump in self.pumps:
+            pump.cancel()
+        for client in self.clients:
+            with contextlib.suppress(Exception):
+                await client.close()
+        for node in self.nodes:
+            node.endpoint.close()
+
+
+async def open_session(
+    rdv: RendezvousServer | RendezvousAt,
+    socks: list[socket.socket],
+    in_ns: list[InNs] | None = None,
+    config: LinkConfig | None = None,
+    classify_nat: bool = True,
+    probe_timeout: float = 0.3,
+) -> Session:
+    """One member per socket: the first opens a session, the rest join it with the code."""
+    where = _where(rdv)
+    clients = []
+    for enter in in_ns or [_nowhere] * len(socks):
+        with enter():
+            clients.append(await SignalingClient.connect(where.url))
+    opened = await clients[0].open_session("tiny", len(socks), "m1", {})
+    code = new_code(opened.session)
+    for i, client in enumerate(clients[1:], start=2):
+        await client.join(code.public, f"m{i}", {})
+    nodes = []
+    for sock, client in zip(socks, clients, strict=True):
+        node = await LinkNode.joined(await UdpEndpoint.open(sock), SignalRouter(client), code, where.udp_host)
+        node.config = config or LinkConfig()
+        if classify_nat:
+            await node.classify_nat(timeout=probe_timeout)
+        nodes.append(node)
+    return Session(nodes, clients, [asyncio.create_task(n.signals.pump()) for n in nodes])
+
+
 async def open_pair(
     rdv: RendezvousServer | RendezvousAt,
     sock_a: socket.socket,
@@ -91,22 +137,5 @@ async def open_pair(
     classify_nat: bool = True,
     probe_timeout: float = 0.3,
 ) -> Pair:
-    url = _where(rdv).url
-    with in_a():
-        ca = await SignalingClient.connect(url)
-    with in_b():
-        cb = await SignalingClient.connect(url)
-    opened = await ca.open_session("tiny", 2, "a", {})
-    code = new_code(opened.session)
-    await cb.join(code.public, "b", {})
-    nodes = []
-    for sock, client in ((sock_a, ca), (sock_b, cb)):
-        endpoint = await UdpEndpoint.open(sock)
-        node = await LinkNode.joined(endpoint, SignalRouter(client), code, _where(rdv).udp_host)
-        node.config = config or LinkConfig()
-        if classify_nat:
-            await node.classify_nat(timeout=probe_timeout)
-        nodes.append(node)
-    pair = Pair(nodes[0], nodes[1], [ca, cb])
-    pair.pumps = [asyncio.create_task(n.signals.pump()) for n in nodes]
-    return pair
+    session = await open_session(rdv, [sock_a, sock_b], [in_a, in_b], config, classify_nat, probe_timeout)
+    return Pair(session.nodes[0], session.nodes[1], session.clients, session.pumps)
