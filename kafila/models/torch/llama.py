@@ -175,7 +175,8 @@ class _AttentionPlan:
         if self.decode_batch:
             self.slots = torch.tensor([s.slot for s in spans], dtype=torch.long, device=device)  # [B]
             keys = torch.arange(max(pos) + 1, device=device)
-            self.batch_mask = (keys[None, :] <= self.positions[:, None])[:, None, None, :]  # [B,1,1,L]
+            visible = (keys[None, :] <= self.positions[:, None])[:, None, None, :]  # [B, 1, 1, L]
+            self.batch_bias = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor) -> Tensor:
         """q [N, nq, d], k/v [N, nkv, d] -> [N, nq d]; writes k/v into the caches first."""
@@ -196,11 +197,10 @@ class _AttentionPlan:
         nkv = k.shape[1]
         kc[self.slots, :, self.positions] = k  # [B, nkv, d] into [slots, nkv, ctx, d]
         vc[self.slots, :, self.positions] = v
-        kv_len = self.batch_mask.shape[-1]
+        kv_len = self.batch_bias.shape[-1]
         keys, vals = kc[self.slots, :, :kv_len], vc[self.slots, :, :kv_len]  # [B, nkv, L, d]
         qg = q.view(b, nkv, nq // nkv, d)  # [B, nkv, g, d]
-        out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=self.batch_mask)  # [B, nkv, g, d]
-        return out.reshape(b, nq * d)
+        return _decode_attention(qg, keys, vals, self.batch_bias).reshape(b, nq * d)
 
 
 def _causal_mask(s: Span, device: torch.device) -> Tensor:
@@ -221,8 +221,17 @@ def _attend_span(
     vc[s.slot, :, s.start : s.end] = v.transpose(0, 1)
     keys, vals = kc[s.slot, :, : s.end], vc[s.slot, :, : s.end]  # [nkv, L, d], views
     if mask is None:  # one row: every cached key is visible
-        out = F.scaled_dot_product_attention(q.view(nkv, g, d), keys, vals)  # [nkv, g, d]
-        return out.reshape(1, nq * d)
-    qg = q.view(t, nkv, g, d).permute(1, 2, 0, 3).reshape(nkv, g * t, d)  # [nkv, g*T, d]
-    out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask.repeat(g, 1))  # [nkv, g*T, d]
+        return _decode_attention(q.view(nkv, g, d), keys, vals).reshape(1, nq * d)
+    qg = q.view(t, nkv, g, d).permute(1, 2, 0, 3).reshape(1, nkv, g * t, d)  # [1, nkv, g*T, d]
+    out = F.scaled_dot_product_attention(qg, keys[None], vals[None], attn_mask=mask.repeat(g, 1))
     return out.view(nkv, g, t, d).permute(2, 0, 1, 3).reshape(t, nq * d)  # [T, nq d]
+
+
+def _decode_attention(q: Tensor, keys: Tensor, vals: Tensor, bias: Tensor | None = None) -> Tensor:
+    """Attention for single-row queries: q [..., nkv, g, d], keys/vals [..., nkv, L, d] -> [..., nkv, g, d].
+    Written out (two matmuls and a softmax in float32) because on the CPU, for these tiny shapes,
+    SDPA's generic paths cost several times more than the arithmetic."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float().mul_(q.shape[-1] ** -0.5)  # [..., nkv, g, L]
+    if bias is not None:
+        scores += bias
+    return torch.matmul(scores.softmax(-1).to(vals.dtype), vals)
