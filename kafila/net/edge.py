@@ -43,7 +43,8 @@ def edge_name(client: int, server: int) -> str:
 
 
 def format_address(addr: Address) -> str:
-    return f"{addr[0]}:{addr[1]}"
+    host = f"[{addr[0]}]" if ":" in addr[0] else addr[0]
+    return f"{host}:{addr[1]}"
 
 
 def parse_address(text: str) -> Address:

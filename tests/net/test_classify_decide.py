@@ -25,3 +25,11 @@ M1, M1_OTHER_PORT, M1_THIRD = ("198.18.0.11", 5000), ("198.18.0.11", 40001), ("1
 def test_decide(m2, m3, other_addr: bool, other_port: bool, expected) -> None:
     nat = decide(M1, m2, m3, other_addr, other_port)
     assert (nat.cls, nat.mapping, nat.filtering) == expected
+
+
+def test_candidate_addresses_round_trip_through_signaling_text() -> None:
+    from kafila.net.edge import format_address, parse_address
+
+    for addr in (("198.18.0.11", 5000), ("2001:db8::7", 443)):
+        assert parse_address(format_address(addr)) == addr
+    assert format_address(("2001:db8::7", 443)) == "[2001:db8::7]:443"
