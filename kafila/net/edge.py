@@ -249,7 +249,7 @@ async def _relay(node: LinkNode, link: Link, peer: int, is_client: bool, opts: E
             if ack.peer_bound or loop.time() > deadline:
                 break
             await asyncio.sleep(0.05)
-    except (SignalingError, NatProbeError, LinkTimeout, TimeoutError) as exc:
+    except (SignalingError, NatProbeError, LinkTimeout, TimeoutError, ConnectionError) as exc:
         link.relay_error = f"relay unavailable: {exc}"
         log.warning("relay_unavailable", peer=peer, error=str(exc))
         return
