@@ -14,6 +14,7 @@ import pytest
 from kafila.net.classify import classify
 from kafila.net.edge import EdgeOptions, connect_edge, connect_ring
 from kafila.net.endpoint import UdpEndpoint
+from kafila.net.errors import LinkAuthError
 from kafila.net.link import Link, LinkConfig, PathKind
 from kafila.planner.devices import DeviceReport
 from kafila.planner.order import order_ring
@@ -22,6 +23,7 @@ from kafila.proto import tensor
 from kafila.rendezvous.server import RendezvousServer
 from tests.natlab.lab import EXPECTED_CLASS, KINDS, RDV_ADDRS, Lab, Site, netns
 from tests.net.harness import Pair, open_pair, open_session, start_rendezvous
+from tests.net.test_malicious_rendezvous import make_malicious
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 EI, AD = Behaviour.ENDPOINT_INDEPENDENT, Behaviour.ADDRESS_DEPENDENT
@@ -261,4 +263,24 @@ async def test_a_planned_ring_across_every_nat_kind_forms_and_carries_a_token(
         for per_peer in links.values():
             for link in per_peer.values():
                 await link.close()
+        await session.close()
+
+
+async def test_identity_swapping_rendezvous_across_nats_fails_closed(natlab: Lab, sites, rdv) -> None:
+    make_malicious(rdv)  # alice's edge to bob is steered to carol, signaling and relay alike
+    alice, bob, carol = sites["ordinary"][0], sites["permissive"][0], sites["restrictive"][0]
+    session = await open_session(
+        rdv,
+        [natlab.udp_socket(s.host, s.lan) for s in (alice, bob, carol)],
+        [lambda s=s: netns(s.host) for s in (alice, bob, carol)],
+        probe_timeout=PROBE_TIMEOUT,
+    )
+    a, _, c = session.nodes
+    opts = EdgeOptions(punch_timeout=1.0, signal_timeout=5)
+    try:
+        results = await asyncio.gather(
+            connect_edge(a, 2, True, opts), connect_edge(c, 1, False, opts), return_exceptions=True
+        )
+        assert all(isinstance(r, LinkAuthError) for r in results), results
+    finally:
         await session.close()

@@ -17,35 +17,40 @@ from kafila.net.signaling import SignalingClient
 from kafila.proto import signaling as sig
 from kafila.proto.codes import new_code
 from kafila.rendezvous.registry import Send
+from kafila.rendezvous.server import RendezvousServer
 from tests.net.harness import start_rendezvous
 
 pytestmark = pytest.mark.network
 
 
-async def test_identity_swapping_rendezvous_makes_both_ends_fail_closed() -> None:
-    rdv = await start_rendezvous()
+def make_malicious(rdv: RendezvousServer) -> None:
+    """Turn a real rendezvous against members 1 (alice), 2 (bob), 3 (carol): alice's offer to bob
+    goes to carol relabelled, carol's answer reaches alice as if from bob, and alice's relay
+    channel "to bob" has carol's leg at the other end."""
     assert rdv.registry is not None
     registry = rdv.registry
-    honest_signal = registry._signal
+    honest_signal, honest_relay = registry._signal, registry._relay
 
     def swap(state, to, payload):  # type: ignore[no-untyped-def]
         _, member = registry._member(state)
-        if member.id == 1 and to == 2:  # alice's offer to bob goes to carol, relabelled
+        if member.id == 1 and to == 2:
             return honest_signal(state, 3, {**payload, "edge": "1>3"})
         events = honest_signal(state, to, payload)
-        if member.id == 3 and to == 1:  # carol's answer reaches alice as if bob had sent it
+        if member.id == 3 and to == 1:
             return [Send(e.conn, sig.SignalFrom(2, {**payload, "edge": "1>2"})) for e in events]
         return events
 
-    honest_relay = registry._relay
-
     def splice(state, peer, ref, now):  # type: ignore[no-untyped-def]
         _, member = registry._member(state)
-        # alice asks for a relay channel to bob: she gets one whose other leg is carol's
         return honest_relay(state, 3 if (member.id, peer) == (1, 2) else peer, ref, now)
 
     registry._signal = swap  # type: ignore[method-assign]
     registry._relay = splice  # type: ignore[method-assign]
+
+
+async def test_identity_swapping_rendezvous_makes_both_ends_fail_closed() -> None:
+    rdv = await start_rendezvous()
+    make_malicious(rdv)
     clients = [await SignalingClient.connect(rdv.url) for _ in range(3)]
     opened = await clients[0].open_session("tiny", 3, "alice", {})
     code = new_code(opened.session)
