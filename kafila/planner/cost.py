@@ -2,8 +2,10 @@
 
 Stage cost (full tier):  c_i = o_i + n_i * beta_block / b_i + [i = head] * beta_head_read / b_i
 - beta_block: bytes one block's weights occupy; a batch-one decode step reads each weight once.
+  When the probe timed the block's op chain at tiny shapes (block_dispatch_s, d_i), a block costs
+  d_i + beta_block / b_i: dispatching a block's ~25 ops costs as much as streaming a small block.
   When the synthetic-block probe timed a block of this model on device i, that time replaces
-  beta_block / b_i.
+  both (use_block_probe=False keeps the bandwidth form).
 - beta_head_read: bytes a token reads at the head (unembedding, final norm, one embedding row).
 Capacity uses resident bytes: each block holds its weights plus the KV cache reserved for the
 session's declared context and concurrency; the head also holds embedding and unembedding.
@@ -102,7 +104,9 @@ def device_cost(d: DeviceReport, w: Workload, tier: Tier, use_block_probe: bool 
     if tier is Tier.FULL:
         assert d.bandwidth_bytes_s
         b = d.bandwidth_bytes_s
-        per = d.block_s if (use_block_probe and d.block_s) else w.block_read_bytes / b
+        per = w.block_read_bytes / b + (d.block_dispatch_s or 0.0)
+        if use_block_probe and d.block_s:
+            per = d.block_s
         return DeviceCost(d.name, overhead, per, w.head_read_bytes / b, lim, lim_head)
     if tier is Tier.THROUGHPUT:
         assert d.flops

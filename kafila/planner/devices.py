@@ -18,6 +18,8 @@ class DeviceReport:
     overhead_s: fixed per-token dispatch overhead.
     flops: matmul FLOP/s (the degraded tier's only speed figure).
     block_s: one decode step of one block of the session model, timed by the synthetic-block probe.
+    block_dispatch_s: one decode step of one block of the session model's architecture at tiny
+        shapes: what the block's op chain costs to dispatch, added to block bytes / bandwidth.
     nat: classified NAT (None: unknown, predicted as restrictive).
     rtt_s: round trip to the rendezvous.
     pair_rtt_s: measured round trips to other members, by name.
@@ -29,6 +31,7 @@ class DeviceReport:
     overhead_s: float | None = None
     flops: float | None = None
     block_s: float | None = None
+    block_dispatch_s: float | None = None
     nat: Nat | None = None
     rtt_s: float | None = None
     pair_rtt_s: dict[str, float] = field(default_factory=dict)
@@ -42,7 +45,7 @@ class DeviceReport:
             value = getattr(self, key)
             if value is not None and not value > 0:
                 raise ValueError(f"device {self.name}: {key} must be > 0, got {value}")
-        for key in ("overhead_s", "rtt_s"):
+        for key in ("overhead_s", "rtt_s", "block_dispatch_s"):
             value = getattr(self, key)
             if value is not None and value < 0:
                 raise ValueError(f"device {self.name}: {key} must be >= 0, got {value}")
@@ -55,6 +58,7 @@ class DeviceReport:
             "overhead_s": self.overhead_s,
             "flops": self.flops,
             "block_s": self.block_s,
+            "block_dispatch_s": self.block_dispatch_s,
             "nat": self.nat.to_dict() if self.nat else None,
             "rtt_s": self.rtt_s,
             "pair_rtt_s": dict(self.pair_rtt_s),
@@ -70,6 +74,7 @@ class DeviceReport:
             overhead_s=d.get("overhead_s"),
             flops=d.get("flops"),
             block_s=d.get("block_s"),
+            block_dispatch_s=d.get("block_dispatch_s"),
             nat=Nat.from_dict(nat) if nat else None,
             rtt_s=d.get("rtt_s"),
             pair_rtt_s={str(k): float(v) for k, v in (d.get("pair_rtt_s") or {}).items()},

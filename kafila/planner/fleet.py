@@ -103,6 +103,7 @@ def _device(t: Any, index: int, source: str, model: str, read_json: ReadJson | N
         overhead_s=merged.get("overhead_s"),
         flops=merged.get("flops"),
         block_s=merged.get("block_s"),
+        block_dispatch_s=merged.get("block_dispatch_s"),
         nat=_nat(t, where),
         rtt_s=None if rtt is None else rtt * 1e-3,
     )
@@ -112,8 +113,8 @@ _MEASURED = ("memory_bytes", "bandwidth_bytes_s", "overhead_s", "flops")
 
 
 def _probe_file(t: dict[str, Any], where: str, model: str, read_json: ReadJson | None) -> dict[str, Any]:
-    """The figures of a `kafila probe --json` file (its "device" object); the block time only when
-    the probe timed this session's model."""
+    """The figures of a `kafila probe --json` file (its "device" object); the block and block
+    dispatch times only when the probe timed this session's model."""
     path = t.get("probe")
     if path is None:
         return {}
@@ -128,8 +129,8 @@ def _probe_file(t: dict[str, Any], where: str, model: str, read_json: ReadJson |
     except (OSError, ValueError, AttributeError, TypeError) as exc:
         raise FleetError(f"{where}: cannot read probe file {path!r}: {exc}") from exc
     probed_model = (data.get("probe") or {}).get("block_model")
-    if device.get("block_s") and probed_model == model:
-        out["block_s"] = device["block_s"]
+    if probed_model == model:  # both timed this model's blocks
+        out |= {k: device[k] for k in ("block_s", "block_dispatch_s") if device.get(k)}
     return out
 
 

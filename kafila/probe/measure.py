@@ -28,6 +28,7 @@ from kafila.probe.ops import Ops, Run
 from kafila.probe.stats import Figure, rates
 
 log = get_logger("kafila.probe")
+FIGURES = ("bandwidth", "matvec_bandwidth", "overhead", "flops", "block", "block_dispatch")
 WINDOW_S = 0.04  # minimum time per repetition
 QUOTA_WINDOW_S = 0.25  # under a CFS quota: at least two 100 ms periods
 
@@ -43,6 +44,7 @@ class ProbeReport:
     overhead: Figure  # s
     flops: Figure  # FLOP/s
     block: Figure | None = None  # s per block per decode step
+    block_dispatch: Figure | None = None  # s per block per decode step at tiny shapes (dispatch)
     block_model: str | None = None
     block_bytes: int | None = None
     wall_s: float = 0.0
@@ -57,22 +59,20 @@ class ProbeReport:
             overhead_s=self.overhead.median,
             flops=self.flops.median,
             block_s=self.block.median if (self.block and use_block) else None,
+            block_dispatch_s=self.block_dispatch.median if self.block_dispatch else None,
             nat=nat,
             rtt_s=rtt_s,
         )
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = dict(self.__dict__)
-        for key in ("bandwidth", "matvec_bandwidth", "overhead", "flops", "block"):
+        for key in FIGURES:
             d[key] = d[key].to_dict() if d[key] is not None else None
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ProbeReport:
-        figs = {
-            k: Figure.from_dict(d[k]) if d.get(k) else None
-            for k in ("bandwidth", "matvec_bandwidth", "overhead", "flops", "block")
-        }
+        figs = {k: Figure.from_dict(d[k]) if d.get(k) else None for k in FIGURES}
         return cls(**{**d, **figs})
 
     def to_json(self) -> str:
@@ -130,10 +130,12 @@ def probe(
     overhead = Figure.of(seconds_per_call(ops.make_dispatch(), repeats, window), "s")
     mm, flop = ops.make_matmul(512 if be.device == "cpu" else 4096)
     flops = Figure.of(rates(seconds_per_call(mm, repeats, window), flop), "FLOP/s")
-    block = block_bytes = None
+    block = block_bytes = block_dispatch = None
     if model is not None:
         run, block_bytes = ops.make_block(model, position, system.llc_bytes() or 0)
         block = Figure.of(seconds_per_call(run, repeats, window), "s")
+        dispatch = ops.make_block_dispatch(model, position)
+        block_dispatch = Figure.of(seconds_per_call(dispatch, repeats, window), "s")
     report = ProbeReport(
         backend=str(be),
         threads=threads,
@@ -144,6 +146,7 @@ def probe(
         overhead=overhead,
         flops=flops,
         block=block,
+        block_dispatch=block_dispatch,
         block_model=model_name if model is not None else None,
         block_bytes=block_bytes,
         wall_s=time.perf_counter() - t0,
@@ -155,6 +158,7 @@ def probe(
         overhead_us=round(overhead.median * 1e6, 1),
         tflops=round(flops.median / 1e12, 4),
         block_ms=round(block.median * 1e3, 3) if block else None,
+        block_dispatch_ms=round(block_dispatch.median * 1e3, 3) if block_dispatch else None,
         memory_gb=round(memory / 1e9, 2),
         cpu_quota=quota,
         wall_s=round(report.wall_s, 2),
@@ -168,10 +172,10 @@ def _memory(ops: Ops) -> int:
 
 
 def _set_threads(be: Any) -> int:
-    """Size torch's CPU thread pool to what the cgroup quota grants (more threads than the quota
-    only get throttled together)."""
+    """Size torch's CPU thread pool to `system.usable_cpus()`: the CPUs of our affinity mask, capped
+    by a cgroup quota (more threads than the quota only get throttled together). The engine should
+    run with the same count, or the probe measures another machine than the one that infers."""
     import torch
 
-    if system.cpu_quota():
-        torch.set_num_threads(system.usable_cpus())
+    torch.set_num_threads(system.usable_cpus())
     return int(torch.get_num_threads())

@@ -7,7 +7,7 @@ torch and MLX are imported inside the methods, so importing this module is cheap
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kafila.models.config import ModelConfig
@@ -154,6 +154,13 @@ class Ops:
 
         return run, nbytes
 
+    def make_block_dispatch(self, config: ModelConfig, position: int) -> Run:
+        """One decode step through one block of this model's architecture at tiny shapes (hidden
+        width 64, one KV head of width 16, the model's query/KV head ratio), run by the engine's own
+        model code: the same op chain as a real block, reading a few KB, so its time is what the
+        chain costs to dispatch, which bytes / bandwidth does not see."""
+        return self.make_block(tiny_shapes(config), position)[0]
+
     def memory_available(self) -> int | None:
         """Device memory free for weights (CUDA free memory; MLX's recommended working set); None
         on a CPU, where system RAM is read instead."""
@@ -167,3 +174,19 @@ class Ops:
             info = mx.device_info()
             return int(info.get("max_recommended_working_set_size") or info.get("memory_size") or 0) or None
         return None
+
+
+def tiny_shapes(config: ModelConfig) -> ModelConfig:
+    """`config` with the same architecture and flags but widths small enough that a block's weights
+    (~50 KB) cost nothing to read: what is left of a decode step is dispatch."""
+    ratio = max(1, config.num_attention_heads // max(1, config.num_key_value_heads))
+    head_dim = 16
+    return replace(
+        config,
+        hidden_size=TINY,
+        num_attention_heads=ratio,
+        num_key_value_heads=1,
+        head_dim=head_dim,
+        intermediate_size=2 * TINY,
+        num_hidden_layers=1,
+    )

@@ -48,6 +48,19 @@ def test_synthetic_block_probe_replaces_the_bandwidth_per_block_cost():
     assert 0 < off.blocks()[other] - off.blocks()[off.head] <= 4
 
 
+def test_block_dispatch_adds_to_the_bandwidth_per_block_cost_and_the_block_probe_replaces_both():
+    w = Workload.of(QWEN8, 4096, 1)
+    fleet = [replace(gpu("a", 40, 100), block_dispatch_s=0.002), gpu("b", 40, 100)]
+    p = plan(fleet, QWEN8, context=4096)
+    a = next(s for s in p.stages if s.name == "a")
+    want = a.n_blocks * (w.block_read_bytes / 100e9 + 0.002) + (w.head_read_bytes / 100e9 if a.head else 0)
+    assert a.cost_s == pytest.approx(want)
+    assert p.blocks()["a"] < p.blocks()["b"]  # the dispatch term makes a slower per block
+    timed = plan([replace(fleet[0], block_s=0.001), fleet[1]], QWEN8, context=4096)
+    a = next(s for s in timed.stages if s.name == "a")
+    assert a.cost_s == pytest.approx(a.n_blocks * 0.001 + (w.head_read_bytes / 100e9 if a.head else 0))
+
+
 def test_throughput_tier_when_a_bandwidth_is_missing_keeps_the_head_with_the_opener():
     fleet = [gpu("opener", 40, None, flops=1e12), gpu("big", 40, 900, flops=9e12)]
     p = plan(fleet, QWEN8, context=4096)

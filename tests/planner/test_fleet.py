@@ -74,7 +74,13 @@ def test_rejects_a_file_without_devices_or_not_toml():
 def test_probe_file_fills_measurements_and_explicit_fields_win():
     data = {
         "probe": {"block_model": "qwen3-8b"},
-        "device": {"memory_bytes": 5 * 10**9, "bandwidth_bytes_s": 1e10, "overhead_s": 2e-4, "block_s": 0.01},
+        "device": {
+            "memory_bytes": 5 * 10**9,
+            "bandwidth_bytes_s": 1e10,
+            "overhead_s": 2e-4,
+            "block_s": 0.01,
+            "block_dispatch_s": 0.002,
+        },
     }
     text = (
         '[session]\nmodel = "qwen3-8b"\ncontext = 64\n'
@@ -82,8 +88,10 @@ def test_probe_file_fills_measurements_and_explicit_fields_win():
     )
     (d,) = parse_fleet(text, "f.toml", lambda path: data).devices
     assert d.memory_bytes == 4 * 10**9 and d.bandwidth_bytes_s == 1e10 and d.block_s == 0.01
+    assert d.block_dispatch_s == 0.002
     other = text.replace('model = "qwen3-8b"', 'model = "qwen3-14b"')
-    assert parse_fleet(other, "f.toml", lambda path: data).devices[0].block_s is None
+    (o,) = parse_fleet(other, "f.toml", lambda path: data).devices
+    assert o.block_s is None and o.block_dispatch_s is None
     with pytest.raises(FleetError, match="only be read when the fleet is loaded from a file"):
         parse_fleet(text, "f.toml")
 

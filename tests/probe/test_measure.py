@@ -12,6 +12,7 @@ from kafila.planner import plan
 from kafila.planner.devices import DeviceReport
 from kafila.probe import measure
 from kafila.probe.measure import ProbeReport, probe
+from kafila.probe.system import usable_cpus
 
 TINY_QWEN3 = ModelConfig.from_dict(
     {
@@ -43,6 +44,8 @@ def test_torch_probe_is_sane_and_quick():
     # the default probe takes about 2 s of measuring; the slack is for five other test runs on 2 cores
     assert r.backend == "torch/cpu/fp32" and r.wall_s < 10.0
     assert r.block is not None and 1e-6 < r.block.median < 0.5
+    assert r.block_dispatch is not None and 1e-6 < r.block_dispatch.median < 0.5
+    assert r.threads == usable_cpus()  # the count the engine should run with
     assert r.block_bytes == 4 * (256 * (256 + 2 * 128) + 256 * 256 + 3 * 256 * 512 + 2 * 256 + 2 * 64)
 
 
@@ -58,6 +61,22 @@ def test_block_probe_cycles_copies_beyond_the_last_level_cache():
         run()
 
 
+def test_block_dispatch_runs_the_same_architecture_at_tiny_shapes():
+    from kafila.engine.backend import resolve
+    from kafila.probe.ops import Ops, tiny_shapes
+
+    tiny = tiny_shapes(TINY_QWEN3)
+    assert (tiny.model_type, tiny.qk_norm, tiny.rope_theta) == (
+        "qwen3",
+        TINY_QWEN3.qk_norm,
+        TINY_QWEN3.rope_theta,
+    )
+    assert tiny.num_attention_heads // tiny.num_key_value_heads == 2  # the model's GQA ratio
+    assert tiny.hidden_size < TINY_QWEN3.hidden_size
+    run = Ops(resolve("torch", "fp32")).make_block_dispatch(TINY_QWEN3, 8)
+    run()
+
+
 def test_mlx_probe_is_sane():
     pytest.importorskip("mlx.core")
     r = probe("mlx", "fp32", repeats=2)
@@ -70,6 +89,7 @@ def test_report_feeds_the_planner_and_round_trips():
     assert ProbeReport.from_dict(json.loads(r.to_json())) == r
     dev = r.device_report("here", rtt_s=0.02)
     assert dev.bandwidth_bytes_s == r.bandwidth.median and dev.block_s == r.block.median
+    assert dev.block_dispatch_s == r.block_dispatch.median
     assert DeviceReport.from_json(dev.to_json()) == dev
     from kafila.models.presets import resolve_manifest
 
