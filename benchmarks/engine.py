@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from kafila.engine.backend import OMP_WAIT_POLICY
+
+os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)  # as the engine sets it, for both systems
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -179,7 +183,7 @@ def main() -> int:
     path = resolve(args.model)
     bandwidth = measure_bandwidth(args.threads)
     print(
-        f"model {path}  threads {args.threads}  "
+        f"model {path}  threads {args.threads}  OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}  "
         f"streaming read bandwidth {bandwidth / 1e9:.1f} GB/s (torch sum)"
     )
     for dtype in args.dtypes:

@@ -9,7 +9,9 @@ and from wire bytes. torch and MLX are imported only when a backend that needs t
 from __future__ import annotations
 
 import importlib.util
+import os
 import platform
+import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +22,11 @@ import numpy as np
 # user-facing dtype name -> safetensors/wire dtype name
 DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
 _ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+# OpenMP threads sleep as soon as a parallel region ends instead of spinning. A member shares its
+# machine (a laptop, other processes): spinning workers then steal the core the model thread needs
+# between two matmuls, and a decode step measured 2-3x slower on a loaded 2-core machine. Export
+# OMP_WAIT_POLICY=ACTIVE on a dedicated machine to keep spinning.
+OMP_WAIT_POLICY = "PASSIVE"
 _NP = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # bf16 travels as raw uint16
 
 
@@ -105,6 +112,8 @@ class TorchBackend(Backend):
     def create(cls, dtype: str) -> TorchBackend:
         if importlib.util.find_spec("torch") is None:
             raise BackendError("backend torch: torch is not installed (pip install 'kafila[torch]')")
+        if "torch" not in sys.modules:  # read by OpenMP once, when torch loads
+            os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
