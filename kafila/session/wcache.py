@@ -1,0 +1,177 @@
+"""The member's local weight cache: content-addressed tensor blobs and per-shard model folders.
+
+Layout under `registry.cache_dir()` (see docs/weights.md):
+
+    blobs/<kk>/<key>.safetensors        one tensor as a one-tensor safetensors file; <key> is
+                                        `blob_key(name, dtype, shape, sha256 of the data bytes)`
+    weights/<ckpt16>/files/<name>       the checkpoint's small files (config.json, tokenizer.json, ...)
+    weights/<ckpt16>/shard-<a>-<b>[-head]/
+        config.json, tokenizer*.json... symlinks into files/
+        <key>.safetensors               symlinks into blobs/
+        model.safetensors.index.json    {"weight_map": {tensor name: "<key>.safetensors"}}
+
+A shard folder is an ordinary sharded Hugging Face folder, so `Checkpoint.open` reads it and
+`Stage.load` loads it unchanged. Every file is written to a temporary name in its own folder and
+renamed into place, so a crash leaves either the whole file or nothing.
+
+`HashCache` keeps the host's per-tensor sha256 digests next to the file's size, mtime and inode,
+so a host hashes a checkpoint once, not once per session.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kafila.models.checkpoint import INDEX_FILE, CheckpointError, TensorInfo, read_header
+
+HASH_CHUNK = 8 << 20  # bytes hashed per read
+
+
+def blob_key(name: str, dtype: str, shape: Iterable[int], sha256: str) -> str:
+    """The content address of one tensor: its name, dtype, shape and the sha256 of its bytes."""
+    text = f"{name}\0{dtype}\0{','.join(str(int(d)) for d in shape)}\0{sha256}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def write_atomic(path: Path, chunks: Iterable[bytes | bytearray | memoryview]) -> None:
+    """Write `chunks` to `path` via a temporary file in the same folder and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def one_tensor_header(name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> bytes:
+    """8-byte length + JSON header (space-padded to 8 bytes) of a safetensors file holding one tensor."""
+    body = json.dumps(
+        {name: {"dtype": dtype, "shape": list(shape), "data_offsets": [0, nbytes]}}, separators=(",", ":")
+    ).encode()
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+class BlobStore:
+    """Content-addressed one-tensor safetensors files under `root` (e.g. cache_dir()/blobs)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def path(self, key: str) -> Path:
+        return self.root / key[:2] / f"{key}.safetensors"
+
+    def has(self, key: str, name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> bool:
+        """True when the blob exists and its header says exactly this tensor (cheap: header only)."""
+        path = self.path(key)
+        if not path.is_file():
+            return False
+        try:
+            info = read_header(path).get(name)
+        except (CheckpointError, OSError):
+            return False
+        return info is not None and (info.dtype, info.shape, info.nbytes) == (dtype, shape, nbytes)
+
+    def put(self, key: str, name: str, dtype: str, shape: tuple[int, ...], data: bytes | bytearray) -> Path:
+        path = self.path(key)
+        write_atomic(path, [one_tensor_header(name, dtype, shape, len(data)), data])
+        return path
+
+
+@dataclass(frozen=True)
+class ShardFolder:
+    """Where a shard's folder goes and what it links to."""
+
+    path: Path
+    files: dict[str, Path]  # small file name -> its cached copy
+    blobs: dict[str, Path]  # tensor name -> its blob
+
+
+def build_shard_folder(shard: ShardFolder) -> Path:
+    """Materialise `shard` (symlinks + index) atomically; an existing folder is replaced."""
+    shard.path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=shard.path.parent, prefix=f".{shard.path.name}."))
+    try:
+        for name, target in shard.files.items():
+            (tmp / name).symlink_to(target.resolve())
+        weight_map = {}
+        for name, blob in sorted(shard.blobs.items()):
+            link = blob.name
+            if not (tmp / link).exists():
+                (tmp / link).symlink_to(blob.resolve())
+            weight_map[name] = link
+        index = {"metadata": {"kafila_shard": True}, "weight_map": weight_map}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1, sort_keys=True))
+        if shard.path.exists():
+            old = shard.path.with_name(f".{shard.path.name}.old.{os.getpid()}")
+            os.replace(shard.path, old)
+            os.replace(tmp, shard.path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, shard.path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return shard.path
+
+
+def sha256_range(fd: int, start: int, end: int) -> str:
+    """sha256 of bytes [start, end) of an open file (read in HASH_CHUNK pieces)."""
+    h = hashlib.sha256()
+    at = start
+    while at < end:
+        chunk = os.pread(fd, min(HASH_CHUNK, end - at), at)
+        if not chunk:
+            raise CheckpointError(f"file ends at byte {at}, before the tensor's end {end}")
+        h.update(chunk)
+        at += len(chunk)
+    return h.hexdigest()
+
+
+class HashCache:
+    """Per-file tensor digests, remembered while the file's (size, mtime_ns, inode) stay the same."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def _entry(self, file: Path) -> Path:
+        return self.root / f"{hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:32]}.json"
+
+    @staticmethod
+    def _stamp(file: Path) -> list[int]:
+        st = file.stat()
+        return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+    def digests(self, file: Path, infos: list[TensorInfo]) -> dict[str, str]:
+        """sha256 of each tensor's bytes in `file` (hashing only what is not remembered)."""
+        stamp = self._stamp(file)
+        entry = self._entry(file)
+        known: dict[str, str] = {}
+        try:
+            saved = json.loads(entry.read_text())
+            if saved.get("stamp") == stamp and isinstance(saved.get("sha256"), dict):
+                known = {str(k): str(v) for k, v in saved["sha256"].items()}
+        except (OSError, ValueError):
+            pass
+        missing = [t for t in infos if t.name not in known]
+        if missing:
+            with open(file, "rb") as f:
+                for t in missing:
+                    known[t.name] = sha256_range(f.fileno(), t.start, t.end)
+            if self._stamp(file) == stamp:  # the file did not change while we hashed it
+                write_atomic(entry, [json.dumps({"stamp": stamp, "sha256": known}).encode()])
+        return {t.name: known[t.name] for t in infos}

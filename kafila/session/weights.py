@@ -1,0 +1,729 @@
+"""Per-shard weight fetch: a member fetches exactly its tensors from the host's safetensors files.
+
+Over a session Channel (kafila.session.channel; an authenticated QUIC link or an in-process pair):
+
+    member -> host   CONTROL  weights.get_manifest
+    host -> member   CONTROL  weights.manifest {checkpoint, max_request, files, headers, tensors}
+    member -> host   FETCH_REQUEST {fetch_id, file, offset, length}     (several in flight)
+    host -> member   FETCH_DATA fetch_id | bytes     or   ERROR {request_id: fetch_id, code, message}
+    member -> host   CONTROL  weights.done {bytes, tensors}
+
+The host answers only files of its checkpoint, only ranges inside a safetensors header, inside
+tensor data, or inside one of the small files (config.json, tokenizer.json, ...), at most
+`max_request` bytes each; reads run on a worker thread. The member checks every safetensors header
+it fetched against the manifest (names, dtypes, shapes, byte ranges), every response's size, and
+every tensor's sha256 before caching it (kafila.session.wcache), then builds a shard folder that
+`Checkpoint.open` / `Stage.load` read unchanged. See docs/weights.md.
+
+    server = WeightServer(folder)                       # host, once per session
+    await server.serve(channel)                         # per member, until it says done
+    shard = await fetch_shard(channel, range(4, 9), head=False)   # member
+    stage = Stage.load(Checkpoint.open(shard.path), range(4, 9), False)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import hashlib
+import itertools
+import json
+import math
+import os
+import struct
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kafila.models.checkpoint import MAX_HEADER_BYTES, Checkpoint, CheckpointError
+from kafila.models.manifest import DTYPE_BYTES
+from kafila.obs.log import get_logger
+from kafila.proto import tensor as t
+from kafila.session.channel import Channel, ChannelError
+from kafila.session.wcache import (
+    BlobStore,
+    HashCache,
+    ShardFolder,
+    blob_key,
+    build_shard_folder,
+    write_atomic,
+)
+
+log = get_logger(__name__)
+
+OP_GET_MANIFEST = "weights.get_manifest"
+OP_MANIFEST = "weights.manifest"
+OP_DONE = "weights.done"
+# Small files a member needs besides tensors (those present are offered, whole).
+SMALL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+MAX_SMALL_FILE = 64 << 20  # a "small" file larger than this is not offered
+DEFAULT_MAX_REQUEST = 4 << 20  # bytes per FETCH_REQUEST the host accepts
+DEFAULT_WINDOW = 8  # requests a member keeps in flight
+
+
+class WeightsError(RuntimeError):
+    """The fetch failed (refused, truncated, corrupt, or a checkpoint mismatch); the text says which."""
+
+
+class FetchRefused(ValueError):
+    """A host-side refusal of one FETCH_REQUEST (becomes an ERROR reply)."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    file: str  # safetensors file name inside the checkpoint folder
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute offsets in `file`
+    end: int
+    sha256: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def key(self) -> str:
+        return blob_key(self.name, self.dtype, self.shape, self.sha256)
+
+
+@dataclass(frozen=True)
+class WeightManifest:
+    """What a host offers: its checkpoint id (the digest of its safetensors headers), the request
+    size limit, small files (size, sha256), header lengths and every tensor with its sha256."""
+
+    checkpoint: str
+    max_request: int
+    files: dict[str, tuple[int, str]]  # small file -> (size, sha256)
+    headers: dict[str, int]  # safetensors file -> header bytes (8 + N)
+    tensors: dict[str, TensorEntry]
+    n_blocks: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "checkpoint": self.checkpoint,
+            "max_request": self.max_request,
+            "n_blocks": self.n_blocks,
+            "files": {k: list(v) for k, v in self.files.items()},
+            "headers": self.headers,
+            "tensors": [
+                [e.name, e.file, e.dtype, list(e.shape), e.start, e.end, e.sha256]
+                for e in self.tensors.values()
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> WeightManifest:
+        try:
+            tensors = {}
+            for name, file, dtype, shape, start, end, sha in d["tensors"]:
+                tensors[str(name)] = TensorEntry(
+                    str(name),
+                    str(file),
+                    str(dtype),
+                    tuple(int(x) for x in shape),
+                    int(start),
+                    int(end),
+                    str(sha),
+                )
+            files = {str(k): (int(v[0]), str(v[1])) for k, v in d["files"].items()}
+            headers = {str(k): int(v) for k, v in d["headers"].items()}
+            m = cls(str(d["checkpoint"]), int(d["max_request"]), files, headers, tensors, int(d["n_blocks"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WeightsError(f"host sent a malformed weights manifest: {exc!r}") from None
+        if m.max_request < 1 or any(Path(f).name != f or f in (".", "..") for f in [*files, *headers]):
+            raise WeightsError("host sent a weights manifest with a bad file name or request size")
+        return m
+
+
+def headers_digest(headers: dict[str, bytes]) -> str:
+    """The checkpoint id: sha256 over each safetensors file's name and header bytes, by name."""
+    h = hashlib.sha256()
+    for name in sorted(headers):
+        raw = headers[name]
+        h.update(name.encode() + b"\0" + struct.pack("<Q", len(raw)) + raw)
+    return h.hexdigest()
+
+
+def parse_header(file: str, raw: bytes) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
+    """Header bytes (8-byte length + JSON) -> {name: (dtype, shape, start, end)}, absolute offsets,
+    with the same checks as Checkpoint (known dtype, byte count = numel * itemsize)."""
+    if len(raw) < 8 or struct.unpack_from("<Q", raw)[0] != len(raw) - 8 or len(raw) - 8 > MAX_HEADER_BYTES:
+        raise WeightsError(f"{file}: header of {len(raw)} bytes does not match its length prefix")
+    try:
+        header = json.loads(raw[8:].decode("utf-8"))
+        header.pop("__metadata__", None)
+        out = {}
+        for name, e in header.items():
+            dtype, shape, (a, b) = e["dtype"], tuple(int(x) for x in e["shape"]), e["data_offsets"]
+            if dtype not in DTYPE_BYTES or int(b) - int(a) != math.prod(shape) * DTYPE_BYTES[dtype] or a < 0:
+                raise WeightsError(f"{file}: tensor {name} {dtype}{list(shape)} has byte range [{a}, {b})")
+            out[name] = (dtype, shape, len(raw) + int(a), len(raw) + int(b))
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise WeightsError(f"{file}: corrupt safetensors header: {exc!r}") from None
+    return out
+
+
+def _read_headers(folder: Path, files: Sequence[str]) -> dict[str, bytes]:
+    out = {}
+    for name in files:
+        with open(folder / name, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{folder / name}: shorter than a safetensors header")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{folder / name}: header length {n} is corrupt")
+            out[name] = head + f.read(n)
+    return out
+
+
+def describe(
+    folder: Path, max_request: int = DEFAULT_MAX_REQUEST, cache: Path | None = None
+) -> WeightManifest:
+    """The host's manifest of a checkpoint folder (blocking: hashes tensors not hashed before)."""
+    ckpt = Checkpoint.open(folder)
+    hashes = HashCache(_cache_root(cache) / "weights" / "hashes")
+    by_file: dict[Path, list[Any]] = {}
+    for info in ckpt.tensors.values():
+        by_file.setdefault(info.file, []).append(info)
+    tensors = {}
+    for file, infos in sorted(by_file.items()):
+        digests = hashes.digests(file, infos)
+        for i in infos:
+            tensors[i.name] = TensorEntry(
+                i.name, file.name, i.dtype, i.shape, i.start, i.end, digests[i.name]
+            )
+    header_bytes = _read_headers(ckpt.path, sorted(f.name for f in by_file))
+    files = {}
+    for name in SMALL_FILES:
+        p = ckpt.path / name
+        if p.is_file() and p.stat().st_size <= MAX_SMALL_FILE:
+            data = p.read_bytes()
+            files[name] = (len(data), hashlib.sha256(data).hexdigest())
+    return WeightManifest(
+        checkpoint=headers_digest(header_bytes),
+        max_request=max_request,
+        files=files,
+        headers={k: len(v) for k, v in header_bytes.items()},
+        tensors=tensors,
+        n_blocks=ckpt.n_blocks,
+    )
+
+
+def _cache_root(cache: Path | None) -> Path:
+    if cache is not None:
+        return Path(cache)
+    from kafila.models.registry import cache_dir
+
+    return cache_dir()
+
+
+def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted [start, end) spans -> maximal runs of touching spans."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(spans):
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        elif b > a:
+            out.append((a, b))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- host
+
+
+@dataclass
+class ServeStats:
+    requests: int = 0
+    bytes_sent: int = 0
+    refused: int = 0
+
+
+class WeightServer:
+    """The host's side: answers weight fetches of one checkpoint folder on any number of channels."""
+
+    def __init__(
+        self,
+        folder: str | os.PathLike[str],
+        max_request: int = DEFAULT_MAX_REQUEST,
+        cache: Path | None = None,
+    ) -> None:
+        self.folder = Path(folder).expanduser().resolve()
+        self.max_request, self.cache = max_request, cache
+        self.stats: dict[str, ServeStats] = {}
+        self._manifest: WeightManifest | None = None
+        self._allowed: dict[str, list[tuple[int, int]]] = {}
+        self._lock = asyncio.Lock()
+
+    async def prepare(self) -> WeightManifest:
+        """Describe the checkpoint (on a thread; hashes are remembered across sessions)."""
+        async with self._lock:
+            if self._manifest is None:
+                m = await asyncio.to_thread(describe, self.folder, self.max_request, self.cache)
+                allowed = {name: [(0, size)] for name, (size, _) in m.files.items() if size}
+                for file, hlen in m.headers.items():
+                    spans = [(e.start, e.end) for e in m.tensors.values() if e.file == file]
+                    allowed[file] = _runs([(0, hlen), *spans])
+                self._manifest, self._allowed = m, allowed
+                log.info(
+                    "weights_prepared",
+                    folder=str(self.folder),
+                    checkpoint=m.checkpoint[:16],
+                    tensors=len(m.tensors),
+                )
+            return self._manifest
+
+    def check(self, req: t.FetchRequest) -> tuple[Path, int, int]:
+        """The file, offset and length a request may read; FetchRefused saying why not."""
+        runs = self._allowed.get(req.file)
+        if runs is None:
+            raise FetchRefused(f"file {req.file!r} is not part of the checkpoint being served")
+        if req.length < 1 or req.length > self.max_request:
+            raise FetchRefused(
+                f"{req.file}: request of {req.length} bytes; requests must be 1..{self.max_request} bytes"
+            )
+        a, b = req.offset, req.offset + req.length
+        i = bisect.bisect_right(runs, (a, math.inf)) - 1
+        if i < 0 or b > runs[i][1]:
+            raise FetchRefused(
+                f"{req.file}: bytes [{a}, {b}) are not inside its header or tensor data "
+                f"(allowed runs: {runs[:4]}{' ...' if len(runs) > 4 else ''})"
+            )
+        return self.folder / req.file, a, req.length
+
+    async def handle(self, channel: Channel, msg: t.Message) -> bool:
+        """Answer `msg` if it is a weights message (True), else leave it to the caller (False).
+        For a host whose receive loop owns the channel; `serve` does the same in its own loop."""
+        if isinstance(msg, t.Control) and msg.op == OP_GET_MANIFEST:
+            m = await self.prepare()
+            await channel.send(t.Control(OP_MANIFEST, m.to_json()))
+            return True
+        if isinstance(msg, t.FetchRequest):
+            await self._answer(channel, msg)
+            return True
+        if isinstance(msg, t.Control) and msg.op == OP_DONE:
+            s = self.stats.get(channel.peer, ServeStats())
+            log.info(
+                "weights_served",
+                peer=channel.peer,
+                requests=s.requests,
+                bytes=s.bytes_sent,
+                refused=s.refused,
+                member_bytes=msg.body.get("bytes"),
+                error=msg.body.get("error"),
+            )
+            return True
+        return False
+
+    async def serve(self, channel: Channel, timeout: float | None = None) -> ServeStats:
+        """Serve one member until it sends weights.done (or closes); returns what was sent."""
+        await self.prepare()
+        while True:
+            try:
+                msg = await channel.recv(timeout)
+            except ChannelError:
+                break
+            await self.handle(channel, msg)
+            if isinstance(msg, t.Control) and msg.op == OP_DONE:
+                break
+        return self.stats.get(channel.peer, ServeStats())
+
+    async def _answer(self, channel: Channel, req: t.FetchRequest) -> None:
+        await self.prepare()
+        stats = self.stats.setdefault(channel.peer, ServeStats())
+        stats.requests += 1
+        try:
+            path, offset, length = self.check(req)
+            data = await asyncio.to_thread(_pread, path, offset, length)
+        except FetchRefused as exc:
+            stats.refused += 1
+            log.warning("weights_fetch_refused", peer=channel.peer, reason=str(exc))
+            await channel.send(t.Error(req.fetch_id, "fetch_refused", str(exc)))
+            return
+        except OSError as exc:
+            await channel.send(t.Error(req.fetch_id, "fetch_failed", f"{req.file}: read failed: {exc}"))
+            return
+        stats.bytes_sent += len(data)
+        await channel.send(t.FetchData(req.fetch_id, data))
+
+
+def _pread(path: Path, offset: int, length: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        parts, at = [], offset
+        while at < offset + length:
+            chunk = os.pread(fd, offset + length - at, at)
+            if not chunk:
+                break
+            parts.append(chunk)
+            at += len(chunk)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+# -------------------------------------------------------------------------------------- member
+
+
+@dataclass
+class ShardResult:
+    """A member's shard: `path` loads with Checkpoint.open (a cached shard folder, or the member's
+    own copy of the same checkpoint). Byte counts are payload bytes received in FETCH_DATA."""
+
+    path: Path
+    checkpoint: str
+    blocks: range
+    head: bool
+    tensors: tuple[str, ...]
+    fetched: tuple[str, ...] = ()  # tensors fetched now (the rest came from the cache)
+    tensor_bytes: int = 0  # tensor bytes fetched now
+    meta_bytes: int = 0  # header and small-file bytes fetched now
+    local: bool = False  # True: `path` is the member's own copy; nothing was fetched
+
+    @property
+    def bytes_fetched(self) -> int:
+        return self.tensor_bytes + self.meta_bytes
+
+
+@dataclass
+class _Job:
+    file: str
+    offset: int
+    length: int
+
+
+@dataclass
+class _Pending:
+    """A tensor being assembled from responses."""
+
+    entry: TensorEntry
+    buf: bytearray
+    missing: int
+
+
+@dataclass
+class _Fetch:
+    channel: Channel
+    window: int
+    timeout: float
+    bar: Any
+    ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    received: int = 0
+
+    async def run(self, jobs: list[_Job], sink: Any) -> None:
+        """Fetch every job with up to `window` requests in flight; `sink(job, data)` takes each."""
+        queue = list(reversed(jobs))
+        pending: dict[int, _Job] = {}
+        while queue or pending:
+            while queue and len(pending) < self.window:
+                job = queue.pop()
+                fid = next(self.ids)
+                pending[fid] = job
+                await self.channel.send(t.FetchRequest(fid, job.file, job.offset, job.length))
+            try:
+                msg = await self.channel.recv(self.timeout)
+            except ChannelError as exc:
+                raise WeightsError(f"weights fetch from {self.channel.peer}: {exc}") from exc
+            if isinstance(msg, t.Error) and msg.request_id in pending:
+                job = pending[msg.request_id]
+                raise WeightsError(
+                    f"host {self.channel.peer} refused {job.file} bytes [{job.offset}, "
+                    f"{job.offset + job.length}): {msg.code}: {msg.message}"
+                )
+            if not isinstance(msg, t.FetchData):
+                log.debug("weights_ignored_message", kind=msg.kind.name)
+                continue
+            job = pending.pop(msg.fetch_id, None)  # type: ignore[assignment]
+            if job is None:
+                raise WeightsError(f"host {self.channel.peer} answered unknown fetch id {msg.fetch_id}")
+            if len(msg.data) != job.length:
+                raise WeightsError(
+                    f"{job.file} bytes [{job.offset}, {job.offset + job.length}): host {self.channel.peer} "
+                    f"sent {len(msg.data)} bytes for a {job.length}-byte request (truncated or corrupt "
+                    f"response); nothing from it was cached"
+                )
+            self.received += len(msg.data)
+            self.bar.update(len(msg.data))
+            await sink(job, msg.data)
+
+
+def _chunks(file: str, spans: list[tuple[int, int]], max_request: int) -> list[_Job]:
+    jobs = []
+    for a, b in _runs(spans):
+        jobs += [_Job(file, o, min(max_request, b - o)) for o in range(a, b, max_request)]
+    return jobs
+
+
+class _Member:
+    def __init__(
+        self, channel: Channel, cache: Path, window: int, timeout: float, progress: bool, label: str
+    ):
+        self.channel, self.root, self.window, self.timeout = channel, cache, window, timeout
+        self.progress, self.label = progress, label
+        self.blobs = BlobStore(cache / "blobs")
+
+    async def manifest(self) -> WeightManifest:
+        await self.channel.send(t.Control(OP_GET_MANIFEST))
+        while True:
+            try:
+                msg = await self.channel.recv(self.timeout)
+            except ChannelError as exc:
+                raise WeightsError(f"weights manifest from {self.channel.peer}: {exc}") from exc
+            if isinstance(msg, t.Control) and msg.op == OP_MANIFEST:
+                return WeightManifest.from_json(msg.body)
+            if isinstance(msg, t.Error):
+                raise WeightsError(f"host {self.channel.peer}: {msg.code}: {msg.message}")
+
+    def bar(self, total: int) -> Any:
+        from tqdm import tqdm
+
+        return tqdm(
+            total=total,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            file=sys.stderr,
+            desc=self.label,
+            disable=not self.progress or total == 0,
+            leave=False,
+        )
+
+    async def meta(self, m: WeightManifest, ckdir: Path, fetch: _Fetch) -> dict[str, Path]:
+        """Headers (checked against the manifest) and small files (checked by sha256) into ckdir."""
+        files_dir = ckdir / "files"
+        want: dict[str, tuple[int, str | None]] = {f"{k}": v for k, v in m.files.items()}
+        want.update({f"{k}.header": (n, None) for k, n in m.headers.items()})
+        have = {name: files_dir / name for name in want if _valid(files_dir / name, *want[name])}
+        jobs = [
+            job
+            for name, (size, _) in want.items()
+            if name not in have
+            for job in _chunks(name.removesuffix(".header"), [(0, size)], m.max_request)
+        ]
+        bufs = {name: bytearray(size) for name, (size, _) in want.items() if name not in have}
+
+        async def sink(job: _Job, data: bytes) -> None:
+            name = job.file if job.file in bufs and job.file in m.files else f"{job.file}.header"
+            bufs[name][job.offset : job.offset + len(data)] = data
+
+        await fetch.run(jobs, sink)
+        for name, buf in bufs.items():
+            sha = want[name][1]
+            if sha is not None and hashlib.sha256(buf).hexdigest() != sha:
+                raise WeightsError(f"{name}: fetched bytes do not match the host's sha256; not cached")
+            write_atomic(files_dir / name, [buf])
+            have[name] = files_dir / name
+        headers = {k: (files_dir / f"{k}.header").read_bytes() for k in m.headers}
+        if headers_digest(headers) != m.checkpoint:
+            raise WeightsError(
+                f"host {self.channel.peer}: safetensors headers do not match its checkpoint id"
+            )
+        for file, raw in headers.items():
+            parsed = parse_header(file, raw)
+            listed = {
+                e.name: (e.dtype, e.shape, e.start, e.end) for e in m.tensors.values() if e.file == file
+            }
+            if parsed != listed:
+                bad = sorted(set(parsed.items()) ^ set(listed.items()))[:1]
+                raise WeightsError(f"{file}: manifest and header disagree about {bad}")
+        return {k: v for k, v in have.items() if k in m.files}
+
+    async def tensors(self, entries: list[TensorEntry], m: WeightManifest, fetch: _Fetch) -> None:
+        """Fetch `entries`, verify each tensor's size and sha256, put it in the blob store."""
+        by_file: dict[str, list[TensorEntry]] = {}
+        for e in entries:
+            by_file.setdefault(e.file, []).append(e)
+        jobs: list[_Job] = []
+        index: dict[str, tuple[list[int], list[_Pending]]] = {}
+        for file, es in by_file.items():
+            es.sort(key=lambda e: e.start)
+            jobs += _chunks(file, [(e.start, e.end) for e in es], m.max_request)
+            index[file] = ([e.start for e in es], [_Pending(e, bytearray(e.nbytes), e.nbytes) for e in es])
+        writes: list[asyncio.Task[None]] = [
+            asyncio.ensure_future(asyncio.to_thread(self._store, p))
+            for _, parts in index.values()
+            for p in parts
+            if p.missing == 0  # empty tensors: nothing to fetch
+        ]
+
+        async def sink(job: _Job, data: bytes) -> None:
+            starts, parts = index[job.file]
+            i = max(0, bisect.bisect_right(starts, job.offset) - 1)
+            a, b = job.offset, job.offset + len(data)
+            while i < len(parts) and parts[i].entry.start < b:
+                p = parts[i]
+                lo, hi = max(a, p.entry.start), min(b, p.entry.end)
+                if hi > lo:
+                    p.buf[lo - p.entry.start : hi - p.entry.start] = data[lo - a : hi - a]
+                    p.missing -= hi - lo
+                    if p.missing == 0:
+                        writes.append(asyncio.ensure_future(asyncio.to_thread(self._store, p)))
+                i += 1
+
+        try:
+            await fetch.run(jobs, sink)
+        finally:
+            results = await asyncio.gather(*writes, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+
+    def _store(self, p: _Pending) -> None:
+        e = p.entry
+        if hashlib.sha256(p.buf).hexdigest() != e.sha256:
+            raise WeightsError(
+                f"tensor {e.name} ({e.nbytes} bytes from {e.file}): fetched bytes do not match the host's "
+                f"sha256 (corrupt response); not cached"
+            )
+        self.blobs.put(e.key, e.name, e.dtype, e.shape, p.buf)
+        p.buf = bytearray()
+
+
+def _valid(path: Path, size: int, sha: str | None) -> bool:
+    if not path.is_file() or path.stat().st_size != size:
+        return False
+    return sha is None or hashlib.sha256(path.read_bytes()).hexdigest() == sha
+
+
+def shard_names(m: WeightManifest, blocks: range, head: bool) -> list[str]:
+    """The tensors of blocks [a, b) (+ the head's) in the manifest, as Checkpoint.names_for picks them."""
+    from kafila.models.manifest import EMBED, FINAL_NORM, LM_HEAD, block_index
+
+    if blocks.step != 1 or blocks.start < 0 or blocks.stop > m.n_blocks or blocks.start > blocks.stop:
+        raise WeightsError(
+            f"block range [{blocks.start}, {blocks.stop}) is not inside the {m.n_blocks} blocks"
+        )
+    wanted = {EMBED, FINAL_NORM, LM_HEAD} if head else set()
+    return [n for n in m.tensors if n in wanted or ((i := block_index(n)) is not None and i in blocks)]
+
+
+def _local_match(
+    m: WeightManifest, names: list[str], folders: Sequence[Path], hashes: HashCache
+) -> Path | None:
+    """A folder holding the same checkpoint (same headers digest) whose shard tensors hash right."""
+    for folder in folders:
+        try:
+            if not (folder / "config.json").is_file():
+                continue
+            if headers_digest(_read_headers(folder, sorted(m.headers))) != m.checkpoint:
+                continue
+            ckpt = Checkpoint.open(folder)
+            infos = [ckpt.tensors[n] for n in names]
+            by_file: dict[Path, list[Any]] = {}
+            for i in infos:
+                by_file.setdefault(i.file, []).append(i)
+            digests = {k: v for f, fi in by_file.items() for k, v in hashes.digests(f, fi).items()}
+        except (OSError, CheckpointError, KeyError):
+            continue
+        bad = [n for n in names if digests[n] != m.tensors[n].sha256]
+        if not bad:
+            return ckpt.path
+        log.warning("weights_local_differs", folder=str(folder), tensor=bad[0], differing=len(bad))
+    return None
+
+
+def _default_local() -> list[Path]:
+    from kafila.models.registry import models_dir
+
+    root = models_dir()
+    return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+
+
+async def fetch_shard(
+    channel: Channel,
+    blocks: range,
+    head: bool,
+    *,
+    cache: Path | None = None,
+    local: Sequence[Path] | None = None,
+    window: int = DEFAULT_WINDOW,
+    timeout: float = 30.0,
+    progress: bool = True,
+    label: str = "weights",
+) -> ShardResult:
+    """Fetch the tensors of blocks [a, b) (+ the head's when `head`) from the host at the other end
+    of `channel` into the cache and return a folder `Checkpoint.open` reads.
+
+    `cache`: cache root (default registry.cache_dir()). `local`: folders that may hold the same
+    checkpoint (default: the model folders in the cache); one whose headers digest matches and whose
+    shard tensors hash right is used as is, fetching nothing. `window`: requests in flight.
+    The member owns the channel's receive side until this returns (other messages are skipped).
+    """
+    try:
+        return await _fetch_shard(
+            channel, blocks, head, _cache_root(cache), local, window, timeout, progress, label
+        )
+    except (WeightsError, CheckpointError, OSError) as exc:
+        with contextlib.suppress(ChannelError):  # tell the host to stop serving this member
+            await channel.send(t.Control(OP_DONE, {"error": str(exc)[:500]}))
+        raise
+
+
+async def _fetch_shard(
+    channel: Channel,
+    blocks: range,
+    head: bool,
+    root: Path,
+    local: Sequence[Path] | None,
+    window: int,
+    timeout: float,
+    progress: bool,
+    label: str,
+) -> ShardResult:
+    member = _Member(channel, root, window, timeout, progress, label)
+    m = await member.manifest()
+    names = shard_names(m, blocks, head)
+    hashes = HashCache(root / "weights" / "hashes")
+    found = await asyncio.to_thread(
+        _local_match, m, names, _default_local() if local is None else local, hashes
+    )
+    result = ShardResult(Path(), m.checkpoint, blocks, head, tuple(names))
+    if found is not None:
+        result.path, result.local = found, True
+        await channel.send(t.Control(OP_DONE, {"bytes": 0, "tensors": 0}))
+        log.info("weights_local", folder=str(found), checkpoint=m.checkpoint[:16], tensors=len(names))
+        return result
+    ckdir = root / "weights" / m.checkpoint[:16]
+    entries = [m.tensors[n] for n in names]
+    todo = [e for e in entries if not member.blobs.has(e.key, e.name, e.dtype, e.shape, e.nbytes)]
+    with member.bar(sum(e.nbytes for e in todo)) as bar:
+        fetch = _Fetch(channel, window, timeout, bar)
+        files = await member.meta(m, ckdir, fetch)
+        result.meta_bytes = fetch.received
+        bar.total = (bar.total or 0) + result.meta_bytes
+        await member.tensors(todo, m, fetch)
+        result.tensor_bytes = fetch.received - result.meta_bytes
+    result.fetched = tuple(e.name for e in todo)
+    tag = f"shard-{blocks.start}-{blocks.stop}{'-head' if head else ''}"
+    shard = ShardFolder(ckdir / tag, files, {e.name: member.blobs.path(e.key) for e in entries})
+    result.path = await asyncio.to_thread(build_shard_folder, shard)
+    await channel.send(t.Control(OP_DONE, {"bytes": result.bytes_fetched, "tensors": len(todo)}))
+    log.info(
+        "weights_fetched",
+        peer=channel.peer,
+        checkpoint=m.checkpoint[:16],
+        shard=tag,
+        tensors=len(names),
+        fetched=len(todo),
+        tensor_bytes=result.tensor_bytes,
+        meta_bytes=result.meta_bytes,
+    )
+    return result
+
+
+async def fetch_for_plan(channel: Channel, plan: Any, member: str, **kwargs: Any) -> ShardResult:
+    """`fetch_shard` for member `member`'s stage in a kafila.planner Plan (its blocks and head flag)."""
+    stage = plan.stage(member)
+    return await fetch_shard(channel, range(stage.start, stage.stop), stage.head, **kwargs)

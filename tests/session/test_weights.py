@@ -1,0 +1,278 @@
+"""Per-shard weight fetch (kafila.session.weights) over in-memory channels and real QUIC links on
+loopback: exact shares, the cache, local copies, refusals and damaged responses."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kafila.engine.stage import Stage
+from kafila.models.checkpoint import Checkpoint, read_header
+from kafila.planner.plan import Plan
+from kafila.planner.plan import Stage as PlanStage
+from kafila.proto import tensor as t
+from kafila.session.channel import Channel, LinkChannel, MemoryChannel
+from kafila.session.wcache import BlobStore
+from kafila.session.weights import (
+    ShardResult,
+    WeightsError,
+    WeightServer,
+    fetch_for_plan,
+    fetch_shard,
+)
+
+MODEL = "llama-mha-untied"  # untied lm_head: the head's share has three head tensors
+SPLITS = {"m0": (0, 2), "m1": (2, 4), "m2": (4, 5)}
+
+
+def three_member_plan() -> Plan:
+    stages = tuple(PlanStage(n, a, b, n == "m0", None, 0, 0) for n, (a, b) in SPLITS.items())
+    return Plan("kafila", True, None, "working_set", "test", tuple(SPLITS), "m0", stages, (), 5, 64, 1)
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_checkpoint) -> Path:
+    return tiny_checkpoint(MODEL, sharded=True)  # several safetensors files
+
+
+@pytest.fixture(scope="module")
+def full(folder: Path) -> Checkpoint:
+    return Checkpoint.open(folder)
+
+
+Pair = Callable[[str], "asyncio.Future[tuple[Channel, Channel]]"]
+
+
+@pytest.fixture(params=["memory", pytest.param("quic", marks=pytest.mark.network)])
+async def pairs(request) -> AsyncIterator[Callable[[str], object]]:
+    """Makes (member end, host end) channels: in memory, or over a real authenticated QUIC link."""
+    cleanup: list[object] = []
+
+    async def make(name: str) -> tuple[Channel, Channel]:
+        if request.param == "memory":
+            host_end, member_end = MemoryChannel.pair("host", name)
+            return member_end, host_end
+        from kafila.net.auth import EdgeContext
+        from tests.net.conftest import direct_pair
+
+        ctx = EdgeContext("S-weights", name, "host", b"correct horse")
+        client, server, a, b = await direct_pair(ctx, ctx)
+        await asyncio.gather(client.wait_ready(), server.wait_ready())
+        cleanup.append((client, server, a, b))
+        return LinkChannel(client, "host"), LinkChannel(server, name)
+
+    yield make
+    for client, server, a, b in cleanup:  # type: ignore[misc]
+        await client.close()
+        await server.close()
+        a.close()
+        b.close()
+
+
+async def fetch_via(
+    server: WeightServer, member: Channel, host: Channel, blocks: range, head: bool, cache: Path, **kw
+) -> ShardResult:
+    serving = asyncio.ensure_future(server.serve(host, timeout=30))
+    try:
+        return await fetch_shard(member, blocks, head, cache=cache, local=[], progress=False, **kw)
+    finally:
+        await asyncio.wait_for(serving, 10)
+
+
+def share(full: Checkpoint, blocks: range, head: bool) -> tuple[list[str], int]:
+    names = full.names_for(blocks, head)
+    return names, sum(full.tensors[n].nbytes for n in names)
+
+
+def chained_logits(stages: list[Stage], ids: list[int]) -> np.ndarray:
+    h = stages[0].embed(ids)
+    for s in stages:
+        s.open("r")
+        [h] = s.forward([("r", 0, h)])
+    return stages[0].logits(h[-1])
+
+
+def load(ckpt: Checkpoint, blocks: range, head: bool) -> Stage:
+    return Stage.load(ckpt, blocks, head, backend="torch", dtype="fp32", context=32)
+
+
+async def test_three_members_fetch_exactly_their_share_and_load(pairs, folder, full, tmp_path) -> None:
+    plan = three_member_plan()
+    server = WeightServer(folder, max_request=4096, cache=tmp_path / "host")  # many requests per tensor
+    results: dict[str, ShardResult] = {}
+    host_ends: dict[str, Channel] = {}
+    for name in plan.order:
+        member, host = await pairs(name)
+        host_ends[name] = host
+        serving = asyncio.ensure_future(server.serve(host, timeout=30))
+        results[name] = await fetch_for_plan(
+            member, plan, name, cache=tmp_path / name, local=[], progress=False, window=4
+        )
+        await asyncio.wait_for(serving, 10)
+    for name in plan.order:
+        a, b = plan.block_range(name)
+        names, nbytes = share(full, range(a, b), plan.stage(name).head)
+        r = results[name]
+        assert sorted(r.fetched) == sorted(names) and r.tensor_bytes == nbytes, name
+        assert server.stats[name].bytes_sent == r.tensor_bytes + r.meta_bytes
+        assert not r.local
+        shard = Checkpoint.open(r.path)
+        assert set(shard.tensors) == set(names)  # exactly the share, nothing more
+    assert sum(r.tensor_bytes for r in results.values()) == sum(i.nbytes for i in full.tensors.values())
+    ids = [5, 9, 1, 77, 3, 18]
+    fetched = [load(Checkpoint.open(results[n].path), range(*SPLITS[n]), n == "m0") for n in plan.order]
+    reference = [load(full, range(*SPLITS[n]), n == "m0") for n in plan.order]
+    got, want = chained_logits(fetched, ids), chained_logits(reference, ids)
+    assert got.shape == (full.config.vocab_size,)
+    np.testing.assert_array_equal(got, want)
+
+
+async def test_restart_fetches_nothing_and_replan_fetches_only_the_moved_block(
+    folder, full, tmp_path
+) -> None:
+    server = WeightServer(folder, cache=tmp_path / "host")
+    cache = tmp_path / "member"
+    first = await fetch_via(server, *MemoryChannel.pair("host", "m1")[::-1], range(2, 4), False, cache)
+    assert first.tensor_bytes == share(full, range(2, 4), False)[1] and first.meta_bytes > 0
+    again = await fetch_via(server, *MemoryChannel.pair("host", "m1")[::-1], range(2, 4), False, cache)
+    assert again.bytes_fetched == 0 and again.fetched == () and again.path == first.path
+    moved = await fetch_via(server, *MemoryChannel.pair("host", "m1")[::-1], range(2, 5), False, cache)
+    block4, nbytes = share(full, range(4, 5), False)
+    assert sorted(moved.fetched) == sorted(block4) and moved.tensor_bytes == nbytes
+    assert moved.meta_bytes == 0
+    assert set(Checkpoint.open(moved.path).tensors) == set(full.names_for(range(2, 5), False))
+
+
+async def test_member_with_the_same_files_locally_fetches_nothing(folder, tmp_path) -> None:
+    server = WeightServer(folder, cache=tmp_path / "host")
+    member, host = MemoryChannel.pair("host", "m2")[::-1]
+    serving = asyncio.ensure_future(server.serve(host, timeout=30))
+    r = await fetch_shard(member, range(4, 5), False, cache=tmp_path / "m2", local=[folder], progress=False)
+    await asyncio.wait_for(serving, 10)
+    assert r.local and r.path == folder.resolve() and r.bytes_fetched == 0
+    assert server.stats.get("m2") is None  # not one fetch request
+    assert not (tmp_path / "m2" / "blobs").exists()
+
+
+async def test_local_copy_with_same_headers_but_other_bytes_is_not_used(folder, full, tmp_path) -> None:
+    """A fine-tune has the same headers: the digest matches, the tensor hashes do not."""
+    copy = tmp_path / "finetune"
+    shutil.copytree(folder, copy)
+    info = full.tensors[full.names_for(range(4, 5), False)[0]]
+    with open(copy / info.file.name, "r+b") as f:
+        f.seek(info.start)
+        f.write(bytes(b ^ 0xFF for b in f.read(4)))
+    server = WeightServer(folder, cache=tmp_path / "host")
+    pair = MemoryChannel.pair("host", "m2")[::-1]
+    serving = asyncio.ensure_future(server.serve(pair[1], timeout=30))
+    r = await fetch_shard(pair[0], range(4, 5), False, cache=tmp_path / "m2", local=[copy], progress=False)
+    await asyncio.wait_for(serving, 10)
+    assert not r.local and r.tensor_bytes == share(full, range(4, 5), False)[1]
+
+
+async def ask(server: WeightServer, req: t.FetchRequest) -> t.Message:
+    member, host = MemoryChannel.pair("host", "m")[::-1]
+    await server.handle(host, req)
+    return await member.recv(5)
+
+
+async def test_host_refuses_ranges_outside_tensor_data_and_files_outside_the_checkpoint(
+    folder, full, tmp_path
+) -> None:
+    server = WeightServer(folder, max_request=1 << 16, cache=tmp_path / "host")
+    info = next(iter(full.tensors.values()))
+    file, size = info.file.name, info.file.stat().st_size
+    ok = await ask(server, t.FetchRequest(1, file, info.start, info.nbytes))
+    assert isinstance(ok, t.FetchData) and ok.data == bytes(full.read([info.name])[info.name][1])
+    bad = [
+        (t.FetchRequest(2, file, size - 4, 8), "not inside its header or tensor data"),
+        (t.FetchRequest(3, file, size + 100, 8), "not inside its header or tensor data"),
+        (t.FetchRequest(4, "../" + file, 0, 8), "not part of the checkpoint"),
+        (t.FetchRequest(5, "model.safetensors.index.json", 0, 8), "not part of the checkpoint"),
+        (t.FetchRequest(6, "/etc/passwd", 0, 8), "not part of the checkpoint"),
+        (t.FetchRequest(7, file, info.start, (1 << 16) + 1), "requests must be 1..65536 bytes"),
+        (t.FetchRequest(8, file, info.start, 0), "requests must be 1..65536 bytes"),
+    ]
+    for req, text in bad:
+        reply = await ask(server, req)
+        assert isinstance(reply, t.Error), req
+        assert reply.request_id == req.fetch_id and reply.code == "fetch_refused"
+        assert text in reply.message and req.file in reply.message  # names the file and why
+
+
+async def test_member_reports_a_refusal_clearly(folder, tmp_path) -> None:
+    """A host with a smaller request limit than it announces (simulated misbehaving host)."""
+    server = WeightServer(folder, cache=tmp_path / "host")
+    await server.prepare()
+    server.max_request = 16  # the manifest already went out saying 4 MiB
+    with pytest.raises(WeightsError, match=r"refused .* fetch_refused: .*requests must be 1\.\.16 bytes"):
+        await fetch_via(server, *MemoryChannel.pair("host", "m1")[::-1], range(2, 4), False, tmp_path / "m")
+
+
+class DamagingChannel:
+    """The member's end of a channel whose `nth` FETCH_DATA arrives damaged (simulated bad link)."""
+
+    def __init__(self, inner: MemoryChannel, nth: int, damage: Callable[[bytes], bytes]) -> None:
+        self.inner, self.nth, self.damage, self.seen = inner, nth, damage, 0
+        self.peer, self.counters = inner.peer, inner.counters
+
+    @property
+    def path(self) -> str:
+        return self.inner.path
+
+    async def send(self, msg: t.Message) -> None:
+        await self.inner.send(msg)
+
+    async def recv(self, timeout: float | None = None) -> t.Message:
+        msg = await self.inner.recv(timeout)
+        if isinstance(msg, t.FetchData) and len(msg.data) > 64:
+            self.seen += 1
+            if self.seen == self.nth:
+                return t.FetchData(msg.fetch_id, self.damage(msg.data))
+        return msg
+
+    async def close(self, reason: str = "closed") -> None:
+        await self.inner.close(reason)
+
+
+@pytest.mark.parametrize(
+    ("damage", "error"),
+    [
+        (lambda d: d[:-7], r"sent \d+ bytes for a \d+-byte request \(truncated or corrupt"),
+        (lambda d: d[:10] + bytes([d[10] ^ 1]) + d[11:], r"do not match the host's sha256"),
+    ],
+    ids=["truncated", "flipped-bit"],
+)
+async def test_damaged_response_is_detected_and_not_cached(folder, full, tmp_path, damage, error) -> None:
+    server = WeightServer(folder, max_request=1 << 20, cache=tmp_path / "host")
+    cache = tmp_path / "m1"
+    member, host = MemoryChannel.pair("host", "m1")[::-1]
+    serving = asyncio.ensure_future(server.serve(host, timeout=2))
+    with pytest.raises(WeightsError, match=error):
+        await fetch_shard(
+            DamagingChannel(member, 2, damage),
+            range(2, 4),
+            False,
+            cache=cache,
+            local=[],
+            progress=False,
+            window=1,
+        )
+    await member.close()
+    await asyncio.wait_for(serving, 10)
+    names, nbytes = share(full, range(2, 4), False)
+    blobs = BlobStore(cache / "blobs")
+    cached = list(blobs.root.rglob("*.safetensors")) if blobs.root.exists() else []
+    assert len(cached) < len(names)  # the damaged tensor is not among them ...
+    for blob in cached:  # ... and every blob that was cached holds the host's exact bytes
+        ((tname, info),) = read_header(blob).items()
+        assert blob.read_bytes()[info.start : info.end] == bytes(full.read([tname])[tname][1])
+    retry = await fetch_via(server, *MemoryChannel.pair("host", "m1")[::-1], range(2, 4), False, cache)
+    assert 0 < retry.tensor_bytes <= nbytes
+    assert retry.tensor_bytes == sum(full.tensors[n].nbytes for n in retry.fetched)
+    assert set(Checkpoint.open(retry.path).tensors) == set(names)
