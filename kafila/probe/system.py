@@ -63,23 +63,34 @@ def cgroup_memory_room() -> int | None:
     return max(0, limit - usage)
 
 
-def cpu_quota() -> float | None:
-    """CPUs this process may use under a cgroup CFS quota (0.25 = a quarter core), or None."""
+def cfs_limit() -> tuple[float, float] | None:
+    """(quota, period) in seconds of this process's cgroup CFS bandwidth limit (v1 or v2), or None."""
+    us = _cfs_us()
+    return (us[0] / 1e6, us[1] / 1e6) if us else None
+
+
+def _cfs_us() -> tuple[int, int] | None:
     paths = _cgroup_paths()
     for key, sub in (("cpu", "cpu"), ("cpu,cpuacct", "cpu,cpuacct")):
         if key in paths:
             d = CGROUP_ROOT / sub / paths[key].lstrip("/")
             quota, period = _read_int(d / "cpu.cfs_quota_us"), _read_int(d / "cpu.cfs_period_us")
             if quota is not None and quota > 0 and period:
-                return quota / period
+                return quota, period
             return None
     if "" in paths:
         try:
             quota_s, period_s = (CGROUP_ROOT / paths[""].lstrip("/") / "cpu.max").read_text().split()
         except (OSError, ValueError):
             return None
-        return None if quota_s == "max" else int(quota_s) / int(period_s)
+        return None if quota_s == "max" else (int(quota_s), int(period_s))
     return None
+
+
+def cpu_quota() -> float | None:
+    """CPUs this process may use under a cgroup CFS quota (0.25 = a quarter core), or None."""
+    us = _cfs_us()
+    return us[0] / us[1] if us else None
 
 
 def usable_cpus() -> int:

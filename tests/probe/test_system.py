@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kafila.probe import system
 from kafila.probe.stats import Figure
 
@@ -23,6 +25,7 @@ def test_cgroup_v1_cpu_quota(monkeypatch, tmp_path):
         {"cpu/member-1/cpu.cfs_quota_us": "25000\n", "cpu/member-1/cpu.cfs_period_us": "100000\n"},
     )
     assert system.cpu_quota() == 0.25
+    assert system.cfs_limit() == (0.025, 0.1)
     assert system.usable_cpus() == 1
 
 
@@ -36,6 +39,7 @@ def test_cgroup_v1_unlimited_and_v2(monkeypatch, tmp_path):
     assert system.cpu_quota() is None
     fake_cgroup(monkeypatch, tmp_path, {"": "/box"}, {"box/cpu.max": "150000 100000\n"})
     assert system.cpu_quota() == 1.5
+    assert system.cfs_limit() == pytest.approx((0.15, 0.1))
 
 
 def test_cgroup_memory_room(monkeypatch, tmp_path):
@@ -64,3 +68,13 @@ def test_figure_median_and_spread():
     assert (f.median, f.lo, f.hi, f.n) == (2.0, 1.0, 3.0, 4)
     assert f.spread == 0.5
     assert Figure.from_dict(f.to_dict()) == f
+
+
+def test_quota_window_spans_whole_cfs_periods():
+    from kafila.probe.measure import QUOTA_WINDOW_S, WINDOW_S, quota_window
+
+    assert quota_window(None) == WINDOW_S
+    assert QUOTA_WINDOW_S == 0.25
+    assert quota_window((0.025, 0.1)) == pytest.approx(0.3)  # 2.5 periods would be phase-dependent
+    assert quota_window((0.05, 0.05)) == pytest.approx(0.25)
+    assert quota_window((0.5, 1.0)) == pytest.approx(1.0)
