@@ -1,0 +1,176 @@
+"""The API on every member, driven by the official openai and ollama clients over real HTTP.
+
+The session is a two-member ring of the real default model (SmolLM2-135M-Instruct) inside this
+process (members joined in memory); each member serves the API with uvicorn on loopback, and the
+member that is not the head forwards its requests around the ring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+import ollama
+import openai
+import pytest
+import pytest_asyncio
+
+from kafila.api.app import create_app
+from kafila.api.server import ApiServer
+from kafila.api.state import Api
+from kafila.engine.tokenizer import Tokenizer
+from kafila.models.checkpoint import Checkpoint
+from kafila.obs.trace import TraceLog
+from kafila.session.textcodec import TokenizerCodec
+from tests.session.ringkit import Ring, build_ring
+
+pytestmark = [pytest.mark.network, pytest.mark.asyncio(loop_scope="module")]
+MODEL = "smollm2-135m"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@dataclass
+class Served:
+    ring: Ring
+    head: ApiServer
+    member: ApiServer
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(smollm2_path, tmp_path_factory) -> AsyncIterator[Served]:
+    ckpt = Checkpoint.open(smollm2_path)
+    ring = build_ring(ckpt, [(0, 12), (12, 30)], context=256, concurrency=2, chunk=64)
+    codec = TokenizerCodec(Tokenizer.from_checkpoint(ckpt))
+    traces = TraceLog(tmp_path_factory.mktemp("traces") / "trace.jsonl")
+    ring.head.traces = traces
+    head = await ApiServer(create_app(Api(ring.head, codec, MODEL, traces))).start()
+    member = await ApiServer(create_app(Api(ring.members[0], codec, MODEL))).start()
+    yield Served(ring, head, member)
+    await head.stop()
+    await member.stop()
+    await ring.stop()
+    await asyncio.sleep(0.2)  # let closed connections' transports finish closing before the loop ends
+
+
+def oai(server: ApiServer) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+async def test_openai_chat_through_a_member_that_is_not_the_head(served: Served) -> None:
+    async with oai(served.member) as member, oai(served.head) as head:
+        via_member = await member.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=24, temperature=0
+        )
+        via_head = await head.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=24, temperature=0
+        )
+    answer = via_member.choices[0].message.content
+    assert "Paris" in answer
+    assert via_head.choices[0].message.content == answer
+    assert via_member.usage.completion_tokens > 0 and via_member.usage.prompt_tokens > 5
+
+
+async def test_openai_streaming_equals_the_whole_answer(served: Served) -> None:
+    parts, finish = [], None
+    async with oai(served.member) as client:
+        whole = await client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=20, temperature=0
+        )
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=20, temperature=0, stream=True
+        )
+        async for chunk in stream:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    assert "".join(parts) == whole.choices[0].message.content
+    assert finish == whole.choices[0].finish_reason
+
+
+async def test_openai_completions_and_models(served: Served) -> None:
+    async with oai(served.head) as client:
+        done = await client.completions.create(
+            model=MODEL, prompt="The capital of Germany is", max_tokens=6, temperature=0
+        )
+        assert "Berlin" in done.choices[0].text
+        stream = await client.completions.create(
+            model=MODEL, prompt="The capital of Germany is", max_tokens=6, temperature=0, stream=True
+        )
+        assert "".join([c.choices[0].text async for c in stream]) == done.choices[0].text
+        assert [m.id for m in (await client.models.list()).data] == [MODEL]
+
+
+async def test_openai_stop_strings_cut_the_answer(served: Served) -> None:
+    async with oai(served.head) as client:
+        r = await client.completions.create(
+            model=MODEL, prompt="The capital of Germany is", max_tokens=8, temperature=0, stop=["Ber"]
+        )
+    assert "Ber" not in r.choices[0].text and r.choices[0].finish_reason == "stop"
+
+
+def ollama_session(url: str) -> tuple[str, str, str, list[str]]:
+    """The ollama client's calls (its synchronous client, run on a worker thread)."""
+    options = {"temperature": 0, "num_predict": 24}
+    with ollama.Client(host=url) as client:
+        whole = client.chat(model=MODEL, messages=QUESTION, options=options)
+        assert whole.done and whole.eval_count > 0
+        parts = [
+            p.message.content
+            for p in client.chat(model=MODEL, messages=QUESTION, stream=True, options=options)
+        ]
+        raw = {"temperature": 0, "num_predict": 6}
+        gen = client.generate(model=MODEL, prompt="The capital of Germany is", raw=True, options=raw)
+        return whole.message.content, "".join(parts), gen.response, [m.model for m in client.list().models]
+
+
+async def test_ollama_chat_generate_and_tags(served: Served) -> None:
+    whole, streamed, generated, models = await asyncio.to_thread(ollama_session, served.member.url)
+    assert "Paris" in whole and streamed == whole
+    assert "Berlin" in generated
+    assert models == [MODEL]
+
+
+async def test_errors_are_clear_4xx_json(served: Served) -> None:
+    async with oai(served.member) as client:
+        with pytest.raises(openai.NotFoundError, match="'llama-70b' is not served here"):
+            await client.chat.completions.create(model="llama-70b", messages=QUESTION)
+        with pytest.raises(openai.BadRequestError, match="temperature"):
+            await client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=7)
+        with pytest.raises(openai.BadRequestError, match="context is 256 tokens") as err:
+            await client.completions.create(model=MODEL, prompt="Paris " * 400, max_tokens=4)
+    assert err.value.body["code"] == "context_length_exceeded"
+    with ollama.Client(host=served.member.url) as oclient, pytest.raises(ollama.ResponseError) as oerr:
+        await asyncio.to_thread(oclient.chat, model="nope", messages=QUESTION)
+    assert oerr.value.status_code == 404 and "not served here" in oerr.value.error
+    async with httpx.AsyncClient() as http:
+        r = await http.post(f"{served.head.url}/v1/chat/completions", content=b"{not json")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+async def test_a_client_that_disconnects_cancels_its_request(served: Served) -> None:
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 200, "temperature": 0, "stream": True}
+    url = f"{served.member.url}/v1/chat/completions"
+    async with httpx.AsyncClient() as http, http.stream("POST", url, json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and "content" in line:
+                break
+    for _ in range(100):  # the cancel travels to the head; its slot frees
+        if not served.ring.head.schedule.active:
+            break
+        await asyncio.sleep(0.05)
+    assert served.ring.head.schedule.active == ()
+
+
+async def test_session_document_and_traces(served: Served) -> None:
+    async with httpx.AsyncClient() as http:
+        doc = (await http.get(f"{served.member.url}/session")).json()
+        assert doc["ring"] == ["m0", "m1"] and doc["head"] == "m0" and doc["state"] == "serving"
+        assert {m["name"]: m["blocks"] for m in doc["members"]} == {"m0": [0, 12], "m1": [12, 30]}
+        assert doc["links"][0]["path"] == "local"
+        traces = (await http.get(f"{served.head.url}/traces")).json()["traces"]
+        assert traces and traces[-1]["stages"][1]["measured_ms"] > 0
+        text = (await http.get(f"{served.head.url}/metrics")).text
+        assert 'kafila_stage_compute_ms{member="m1",stage="1"}' in text
+    json.dumps(doc)
