@@ -442,6 +442,8 @@ class _Fetch:
                     f"host {self.channel.peer} refused {job.file} bytes [{job.offset}, "
                     f"{job.offset + job.length}): {msg.code}: {msg.message}"
                 )
+            if isinstance(msg, t.Error) and msg.request_id == 0:  # the link or session failed
+                raise WeightsError(f"host {self.channel.peer}: {msg.code}: {msg.message}")
             if not isinstance(msg, t.FetchData):
                 log.debug("weights_ignored_message", kind=msg.kind.name)
                 continue

@@ -159,6 +159,20 @@ async def test_member_with_the_same_files_locally_fetches_nothing(folder, tmp_pa
     assert not (tmp_path / "m2" / "blobs").exists()
 
 
+async def test_member_finds_the_same_model_among_its_cached_models(folder, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KAFILA_CACHE", str(tmp_path / "cache"))
+    other = tmp_path / "cache" / "models" / "another"
+    (other).mkdir(parents=True)
+    (other / "config.json").write_text("{}")  # a folder that is not this checkpoint is skipped
+    shutil.copytree(folder, tmp_path / "cache" / "models" / "tiny")
+    server = WeightServer(folder, cache=tmp_path / "host")
+    member, host = MemoryChannel.pair("host", "m0")[::-1]
+    serving = asyncio.ensure_future(server.serve(host, timeout=30))
+    r = await fetch_shard(member, range(0, 2), True, progress=False)  # default cache and local folders
+    await asyncio.wait_for(serving, 10)
+    assert r.local and r.path == (tmp_path / "cache" / "models" / "tiny").resolve() and r.bytes_fetched == 0
+
+
 async def test_local_copy_with_same_headers_but_other_bytes_is_not_used(folder, full, tmp_path) -> None:
     """A fine-tune has the same headers: the digest matches, the tensor hashes do not."""
     copy = tmp_path / "finetune"
