@@ -330,6 +330,8 @@ class RingHead:
             )
             self.state = "broken"
             log.error("ring_broken", reason=reason, in_flight=len(self._reqs))
+            if self.next is not None:  # tell the members (those still reachable) why
+                self._outbox.put_nowait(t.Control("broken", {"reason": self.broken}))
         self._fail_all("member_lost", self.broken)
 
     # -- traces ----------------------------------------------------------------------------------------

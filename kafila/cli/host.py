@@ -1,0 +1,111 @@
+"""`kafila host`: open a session for a model, print its code, and serve as a member."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_RENDEZVOUS = "ws://127.0.0.1:8470/ws"
+
+
+def add_member_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags every member has (host and join)."""
+    parser.add_argument(
+        "--rendezvous",
+        default=DEFAULT_RENDEZVOUS,
+        help=f"signaling URL of the rendezvous (ws:// or wss://), default {DEFAULT_RENDEZVOUS}",
+    )
+    parser.add_argument(
+        "--api",
+        default="127.0.0.1:11434",
+        help="this member's OpenAI/Ollama API address HOST:PORT (default 127.0.0.1:11434, localhost only); "
+        "'off' serves no API",
+    )
+    parser.add_argument("--name", help="this member's name in the session (default: the host name)")
+    parser.add_argument("--backend", default="auto", help="auto, torch or mlx (default auto)")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto, fp32, bf16 or fp16 (default auto: fp32 on a CPU)"
+    )
+    parser.add_argument(
+        "--memory-gb",
+        type=float,
+        help="offer at most this much memory (GB) for weights and KV cache (default: the probe's figure)",
+    )
+    parser.add_argument("--trace", help="append trace records (JSON lines) to this file")
+    parser.add_argument(
+        "--dead-after",
+        type=float,
+        default=5.0,
+        help="seconds of silence after which a neighbour counts as gone (default 5)",
+    )
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="model name or Hugging Face folder to serve")
+    parser.add_argument("--members", type=int, default=1, help="members in the session, this host included")
+    parser.add_argument(
+        "--context", type=int, default=2048, help="declared context: prompt plus answer tokens"
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=1, help="requests served at once (more wait in a queue)"
+    )
+    parser.add_argument(
+        "--division",
+        default="kafila",
+        choices=["kafila", "uniform", "memory"],
+        help="how blocks are divided: kafila (measured cost model), uniform, or memory-proportional",
+    )
+    parser.add_argument("--chunk", type=int, default=256, help="prefill chunk in tokens (default 256)")
+    parser.add_argument(
+        "--wait", type=float, default=300.0, help="seconds to wait for the members to join (default 300)"
+    )
+    add_member_flags(parser)
+
+
+def options(args: argparse.Namespace) -> object:
+    from pathlib import Path
+
+    from kafila.session.form import Options
+
+    o = Options(
+        rendezvous=args.rendezvous,
+        name=args.name,
+        api=None if args.api == "off" else args.api,
+        backend=args.backend,
+        dtype=args.dtype,
+        memory_bytes=int(args.memory_gb * 1e9) if args.memory_gb is not None else None,
+        trace=Path(args.trace) if args.trace else None,
+        dead_after=args.dead_after,
+    )
+    for key in ("model", "members", "context", "concurrency", "division", "chunk"):
+        if hasattr(args, key):
+            setattr(o, key, getattr(args, key))
+    if hasattr(args, "wait"):
+        o.wait_s = args.wait
+    return o
+
+
+async def serve_until_interrupted(formed: object) -> None:
+    import asyncio
+
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await formed.close()  # type: ignore[attr-defined]
+
+
+def main(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kafila.session.form import SessionError, say
+    from kafila.session.start import host
+
+    async def run() -> None:
+        formed = await host(options(args))  # type: ignore[arg-type]
+        await serve_until_interrupted(formed)
+
+    try:
+        asyncio.run(run())
+    except SessionError as exc:
+        say(f"error: {exc}")
+        return 1
+    return 0

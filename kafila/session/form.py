@@ -1,0 +1,228 @@
+"""Forming a session: host and join, from the session code to a serving ring (asyncio shell).
+
+    host: open the session at the rendezvous -> print the code -> classify NAT, probe itself ->
+          wait for N-1 members' reports -> plan (or refuse, naming the device) -> send the plan ->
+          link the plan's edges and a control link to every member -> serve weights -> ring
+    join: join with the code -> classify NAT, probe itself -> report -> receive the plan ->
+          link its edges and a control link to the host -> fetch its tensors -> ring
+
+Session messages between members travel as signaling payloads {"kafila_session": 1, "op": ...}:
+`report` (member -> host: its DeviceReport), `plan` (host -> members: the Plan and member ids),
+`refused` (host -> members), `ready` (member -> host). The rendezvous forwards them unread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kafila.net.edge import EdgeOptions, LinkNode, SignalRouter, connect_edge
+from kafila.net.endpoint import UdpEndpoint
+from kafila.net.link import Link
+from kafila.net.signaling import SignalingClient
+from kafila.obs.log import get_logger
+from kafila.obs.trace import SessionRecord
+from kafila.planner.devices import DeviceReport
+from kafila.planner.plan import Plan
+from kafila.proto import signaling as sig
+from kafila.proto.codes import SessionCode, new_code, parse_code
+
+log = get_logger("kafila.session.form")
+KEY = "kafila_session"
+
+
+class SessionError(RuntimeError):
+    """Forming the session failed; the message says at which step and why."""
+
+
+@dataclass
+class Options:
+    rendezvous: str = "ws://127.0.0.1:8470/ws"
+    name: str | None = None
+    api: str | None = "127.0.0.1:11434"  # None: no API on this member
+    backend: str = "auto"
+    dtype: str = "auto"
+    memory_bytes: int | None = None  # cap on what this member offers (default: the probe's figure)
+    probe_repeats: int = 2
+    wait_s: float = 300.0  # host: how long to wait for the members
+    trace: Path | None = None
+    cache: Path | None = None
+    dead_after: float = 5.0
+    # host only
+    model: str = "smollm2-135m"
+    members: int = 1
+    context: int = 2048
+    concurrency: int = 1
+    division: str = "kafila"
+    chunk: int = 256
+
+
+@dataclass
+class Peer:
+    id: int
+    name: str
+
+
+@dataclass
+class Formed:
+    """Everything a running member holds; `close()` ends it."""
+
+    name: str
+    code: SessionCode
+    plan: Plan
+    service: Any  # RingHead | RingMember
+    api: Any | None  # ApiServer
+    client: SignalingClient
+    node: LinkNode
+    links: dict[str, Link]
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+
+    async def close(self) -> None:
+        if self.api is not None:
+            await self.api.stop()
+        await self.service.stop()
+        self.service.model.close()
+        for link in self.links.values():
+            with contextlib.suppress(Exception):
+                await link.close("session ended")
+        for task in self.tasks:
+            task.cancel()
+        with contextlib.suppress(Exception):
+            await self.client.close("session ended")
+        self.node.endpoint.close()
+
+
+def say(text: str) -> None:
+    """Progress for the person at the terminal (stderr; stdout stays for results)."""
+    print(f"kafila: {text}", file=sys.stderr, flush=True)
+
+
+def payload(op: str, **body: Any) -> dict[str, Any]:
+    return {KEY: 1, "op": op, **body}
+
+
+async def next_session_message(router: SignalRouter, timeout: float) -> tuple[int, dict[str, Any]]:
+    """The next session payload from another member (other events are logged and skipped)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        left = deadline - loop.time()
+        if left <= 0:
+            raise TimeoutError
+        event = await asyncio.wait_for(router.others.get(), left)
+        if isinstance(event, sig.SignalFrom) and event.payload.get(KEY) == 1:
+            return event.sender, event.payload
+        if isinstance(event, sig.MemberLeft):
+            log.warning("member_left", member=event.member, reason=event.reason)
+        elif isinstance(event, sig.Error) and event.fatal:
+            raise SessionError(f"the rendezvous ended the session: {event.message}")
+
+
+async def connect_node(client: SignalingClient, code: SessionCode, url: str) -> LinkNode:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("0.0.0.0", 0))
+    host = url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0].strip("[]")
+    router = SignalRouter(client)
+    node = await LinkNode.joined(await UdpEndpoint.open(sock), router, code, host)
+    await node.classify_nat()
+    return node
+
+
+def probe_report(name: str, node: LinkNode, opts: Options) -> DeviceReport:
+    from kafila.probe.measure import probe
+
+    say("measuring this device (memory bandwidth, dispatch overhead, memory)")
+    report = probe(opts.backend, opts.dtype, repeats=opts.probe_repeats)
+    nat = node.nat.nat if node.nat else None
+    rtt = node.nat.rtt_median if node.nat else None
+    device = report.device_report(name, nat=nat, rtt_s=rtt)
+    if opts.memory_bytes is not None:
+        device = DeviceReport.from_dict({**device.to_dict(), "memory_bytes": opts.memory_bytes})
+    say(
+        f"{name}: {device.bandwidth_bytes_s / 1e9:.1f} GB/s, {device.memory_bytes / 1e9:.1f} GB for weights, "
+        f"NAT {nat.cls if nat else 'unknown'}"
+    )
+    return device
+
+
+async def link_ring(
+    node: LinkNode, plan: Plan, me: str, ids: dict[str, int], host: str
+) -> tuple[dict[str, Link], Link | None]:
+    """Both ring edges of `me` (as client toward the next member) and the control link between the
+    host and each other member; returns links by role ("next", "prev", "control:NAME")."""
+    order = list(plan.order)
+    if len(order) == 1:
+        return {}, None
+    i = order.index(me)
+    nxt, prv = order[(i + 1) % len(order)], order[i - 1]
+    direct = {(e.src, e.dst): e.direct for e in plan.edges}
+    jobs: dict[str, Any] = {
+        "next": connect_edge(node, ids[nxt], True, EdgeOptions(predicted_direct=direct.get((me, nxt), True))),
+        "prev": connect_edge(
+            node, ids[prv], False, EdgeOptions(predicted_direct=direct.get((prv, me), True))
+        ),
+    }
+    if me == host:
+        for m in order:
+            if m != me and order[(order.index(m) + 1) % len(order)] != host:
+                jobs[f"control:{m}"] = connect_edge(node, ids[m], False)
+    elif nxt != host:
+        jobs["control"] = connect_edge(node, ids[host], True)
+    results = await asyncio.gather(*jobs.values())
+    links = dict(zip(jobs, results, strict=True))
+    if me != host:
+        control = links["next"] if nxt == host else links["control"]
+    else:
+        control = None
+        for m in order:  # the member whose next is the host uses that ring edge as control
+            if m != me and order[(order.index(m) + 1) % len(order)] == host:
+                links[f"control:{m}"] = links["prev"]
+    for role, link in links.items():
+        say(f"link {role}: {link.path}")
+    return links, control
+
+
+def session_record(plan: Plan, session: str, model: str, edges: dict[str, str]) -> SessionRecord:
+    return SessionRecord(
+        session=session,
+        model=model,
+        division=plan.division,
+        order=tuple(plan.order),
+        head=plan.head or plan.order[0],
+        blocks={s.name: (s.start, s.stop) for s in plan.stages},
+        predicted_stage_ms={s.name: (s.cost_s or 0.0) * 1e3 for s in plan.stages},
+        predicted_bottleneck_ms=(plan.bottleneck_s or 0.0) * 1e3,
+        predicted_circuit_ms=(plan.circuit_s or 0.0) * 1e3,
+        edges=edges,
+    )
+
+
+def default_name() -> str:
+    return socket.gethostname().split(".")[0][:24] or "member"
+
+
+def fmt_plans(plans: dict[str, Plan]) -> str:
+    """The chosen division next to the uniform and memory-proportional predictions."""
+    rows = [
+        f"{'division':<9} {'blocks per member':<40} {'bneck ms':>9} {'imbal':>6} {'util':>5} {'tok/s':>7}"
+    ]
+    for name, p in plans.items():
+        if not p.feasible:
+            rows.append(f"{name:<9} refused: {p.reason}")
+            continue
+        blocks = " ".join(f"{s.name}:{s.n_blocks}" for s in p.stages)
+        rows.append(
+            f"{name:<9} {blocks:<40} {(p.bottleneck_s or 0) * 1e3:>9.2f} {p.imbalance or 0:>6.2f} "
+            f"{p.utilisation or 0:>5.0%} {p.tokens_s or 0:>7.1f}"
+        )
+    return "\n".join(rows)
+
+
+Progress = Callable[[str], None]
+__all__ = ["Formed", "Options", "SessionError", "new_code", "parse_code"]
