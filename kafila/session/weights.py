@@ -521,25 +521,22 @@ class _Member:
             bufs[name][job.offset : job.offset + len(data)] = data
 
         await fetch.run(jobs, sink)
+        headers = {}
+        for k in m.headers:
+            h = f"{k}.header"
+            headers[k] = bytes(bufs[h]) if h in bufs else (files_dir / h).read_bytes()
+        try:
+            _verify_headers(m, headers, self.channel.peer)
+        except WeightsError:
+            for k in m.headers:  # a cached header may be the bad one: fetch them all next time
+                (files_dir / f"{k}.header").unlink(missing_ok=True)
+            raise
         for name, buf in bufs.items():
             sha = want[name][1]
             if sha is not None and hashlib.sha256(buf).hexdigest() != sha:
                 raise WeightsError(f"{name}: fetched bytes do not match the host's sha256; not cached")
             write_atomic(files_dir / name, [buf])
             have[name] = files_dir / name
-        headers = {k: (files_dir / f"{k}.header").read_bytes() for k in m.headers}
-        if headers_digest(headers) != m.checkpoint:
-            raise WeightsError(
-                f"host {self.channel.peer}: safetensors headers do not match its checkpoint id"
-            )
-        for file, raw in headers.items():
-            parsed = parse_header(file, raw)
-            listed = {
-                e.name: (e.dtype, e.shape, e.start, e.end) for e in m.tensors.values() if e.file == file
-            }
-            if parsed != listed:
-                bad = sorted(set(parsed.items()) ^ set(listed.items()))[:1]
-                raise WeightsError(f"{file}: manifest and header disagree about {bad}")
         return {k: v for k, v in have.items() if k in m.files}
 
     async def tensors(self, entries: list[TensorEntry], m: WeightManifest, fetch: _Fetch) -> None:
@@ -591,6 +588,21 @@ class _Member:
             )
         self.blobs.put(e.key, e.name, e.dtype, e.shape, p.buf)
         p.buf = bytearray()
+
+
+def _verify_headers(m: WeightManifest, headers: dict[str, bytes], peer: str) -> None:
+    """The headers hash to the manifest's checkpoint id and say exactly what the manifest lists."""
+    if headers_digest(headers) != m.checkpoint:
+        raise WeightsError(f"host {peer}: safetensors headers do not match its checkpoint id; not cached")
+    stray = sorted({e.file for e in m.tensors.values()} - set(headers))
+    if stray:
+        raise WeightsError(f"host {peer}: manifest lists tensors in {stray[0]}, which has no header")
+    for file, raw in headers.items():
+        parsed = parse_header(file, raw)
+        listed = {e.name: (e.dtype, e.shape, e.start, e.end) for e in m.tensors.values() if e.file == file}
+        if parsed != listed:
+            bad = sorted(set(parsed.items()) ^ set(listed.items()))[:1]
+            raise WeightsError(f"{file}: manifest and header disagree about {bad}")
 
 
 def _valid(path: Path, size: int, sha: str | None) -> bool:
