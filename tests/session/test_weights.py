@@ -229,63 +229,83 @@ async def test_member_reports_a_refusal_clearly(folder, tmp_path) -> None:
 
 
 class DamagingChannel:
-    """The member's end of a channel whose `nth` FETCH_DATA arrives damaged (simulated bad link)."""
+    """The member's end of a channel where the response to the first request for (`file`, `offset`)
+    arrives damaged (simulated bad link or bad host; everything else is the real code path)."""
 
-    def __init__(self, inner: MemoryChannel, nth: int, damage: Callable[[bytes], bytes]) -> None:
-        self.inner, self.nth, self.damage, self.seen = inner, nth, damage, 0
+    def __init__(
+        self, inner: MemoryChannel, file: str, offset: int, damage: Callable[[bytes], bytes]
+    ) -> None:
+        self.inner, self.target, self.damage = inner, (file, offset), damage
         self.peer, self.counters = inner.peer, inner.counters
+        self.asked: dict[int, tuple[str, int]] = {}
+        self.damaged = 0
 
     @property
     def path(self) -> str:
         return self.inner.path
 
     async def send(self, msg: t.Message) -> None:
+        if isinstance(msg, t.FetchRequest):
+            self.asked[msg.fetch_id] = (msg.file, msg.offset)
         await self.inner.send(msg)
 
     async def recv(self, timeout: float | None = None) -> t.Message:
         msg = await self.inner.recv(timeout)
-        if isinstance(msg, t.FetchData) and len(msg.data) > 64:
-            self.seen += 1
-            if self.seen == self.nth:
-                return t.FetchData(msg.fetch_id, self.damage(msg.data))
+        if isinstance(msg, t.FetchData) and self.asked.get(msg.fetch_id) == self.target and not self.damaged:
+            self.damaged += 1
+            return t.FetchData(msg.fetch_id, self.damage(msg.data))
         return msg
 
     async def close(self, reason: str = "closed") -> None:
         await self.inner.close(reason)
 
 
+def truncate(d: bytes) -> bytes:
+    return d[:-7]
+
+
+def flip(d: bytes) -> bytes:
+    return d[:10] + bytes([d[10] ^ 1]) + d[11:]
+
+
 @pytest.mark.parametrize(
-    ("damage", "error"),
+    ("target", "damage", "error"),
     [
-        (lambda d: d[:-7], r"sent \d+ bytes for a \d+-byte request \(truncated or corrupt"),
-        (lambda d: d[:10] + bytes([d[10] ^ 1]) + d[11:], r"do not match the host's sha256"),
+        ("tensor", truncate, r"sent \d+ bytes for a \d+-byte request \(truncated or corrupt"),
+        ("tensor", flip, r"tensor .* do not match the host's sha256 \(corrupt response\); not cached"),
+        ("header", flip, r"headers do not match its checkpoint id; not cached"),
+        ("config", flip, r"config.json: fetched bytes do not match the host's sha256; not cached"),
     ],
-    ids=["truncated", "flipped-bit"],
+    ids=["tensor-truncated", "tensor-flipped-bit", "header-flipped-bit", "config-flipped-bit"],
 )
-async def test_damaged_response_is_detected_and_not_cached(folder, full, tmp_path, damage, error) -> None:
+async def test_damaged_response_is_detected_and_not_cached(
+    folder, full, tmp_path, target, damage, error
+) -> None:
+    names, nbytes = share(full, range(2, 4), False)
+    victim = full.tensors[names[0]]  # a run of the share starts at its first tensor
+    where = {
+        "tensor": (victim.file.name, victim.start),
+        "header": (victim.file.name, 0),
+        "config": ("config.json", 0),
+    }[target]
     server = WeightServer(folder, max_request=1 << 20, cache=tmp_path / "host")
     cache = tmp_path / "m1"
     member, host = MemoryChannel.pair("host", "m1")[::-1]
     serving = asyncio.ensure_future(server.serve(host, timeout=2))
+    damaged = DamagingChannel(member, *where, damage)
     with pytest.raises(WeightsError, match=error):
-        await fetch_shard(
-            DamagingChannel(member, 2, damage),
-            range(2, 4),
-            False,
-            cache=cache,
-            local=[],
-            progress=False,
-            window=1,
-        )
-    await member.close()
+        await fetch_shard(damaged, range(2, 4), False, cache=cache, local=[], progress=False, window=2)
+    assert damaged.damaged == 1
     await asyncio.wait_for(serving, 10)
-    names, nbytes = share(full, range(2, 4), False)
     blobs = BlobStore(cache / "blobs")
     cached = list(blobs.root.rglob("*.safetensors")) if blobs.root.exists() else []
     assert len(cached) < len(names)  # the damaged tensor is not among them ...
     for blob in cached:  # ... and every blob that was cached holds the host's exact bytes
         ((tname, info),) = read_header(blob).items()
         assert blob.read_bytes()[info.start : info.end] == bytes(full.read([tname])[tname][1])
+    for f in (cache / "weights").rglob("files/*"):  # every cached small file and header is the host's
+        source = folder / f.name.removesuffix(".header")
+        assert source.read_bytes()[: f.stat().st_size] == f.read_bytes()
     retry = await fetch_via(server, *MemoryChannel.pair("host", "m1")[::-1], range(2, 4), False, cache)
     assert 0 < retry.tensor_bytes <= nbytes
     assert retry.tensor_bytes == sum(full.tensors[n].nbytes for n in retry.fetched)
