@@ -44,7 +44,7 @@ def generate(
     timings: Timings | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids (the stop token included when generation ends on one)."""
-    if not stage.head or stage.blocks.start != 0 or stage.blocks.stop != stage.model.config.num_hidden_layers:
+    if not stage.head or stage.blocks.start != 0 or stage.blocks.stop != stage.config.num_hidden_layers:
         raise ValueError("generate() needs a stage holding every block and the head")
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token")

@@ -169,6 +169,11 @@ class Stage:
         return list(self._slots)
 
     @property
+    def config(self) -> Any:
+        """The model's ModelConfig (hidden_size, vocab_size, ...)."""
+        return self.model.config
+
+    @property
     def kv_bytes(self) -> int:
         return int(self.cache.nbytes)
 

@@ -66,13 +66,13 @@ class LlamaModel:
     ) -> None:
         self.config, self.blocks_range, self.has_head = config, blocks, head
         self.dtype, self.device, self.context = dtype, torch.device(device), context
-        self.blocks = [self._load_block(weights, i) for i in blocks]
         self.embed_w = self.norm_w = self.unembed_w = None
-        if head:
+        if head:  # first: the largest tensors load while little else is resident (lower peak memory)
             self.embed_w = self._w(weights, EMBED)  # [V, H]
             self.norm_w = self._w(weights, FINAL_NORM)  # [H]
             tied = config.tie_word_embeddings or LM_HEAD not in weights
             self.unembed_w = self.embed_w if tied else self._w(weights, LM_HEAD)  # [V, H]
+        self.blocks = [self._load_block(weights, i) for i in blocks]
         cos, sin = rope.tables(config, context)
         self.cos = torch.from_numpy(cos).to(self.device, dtype)  # [context, d]
         self.sin = torch.from_numpy(sin).to(self.device, dtype)  # [context, d], sign folded in
