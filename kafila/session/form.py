@@ -53,6 +53,7 @@ class Options:
     wait_s: float = 300.0  # host: how long to wait for the members
     trace: Path | None = None
     cache: Path | None = None
+    use_local: bool = True  # a member that holds the same checkpoint loads it instead of fetching
     dead_after: float = 5.0
     # host only
     model: str = "smollm2-135m"
@@ -151,41 +152,30 @@ def probe_report(name: str, node: LinkNode, opts: Options) -> DeviceReport:
     return device
 
 
-async def link_ring(
-    node: LinkNode, plan: Plan, me: str, ids: dict[str, int], host: str
-) -> tuple[dict[str, Link], Link | None]:
-    """Both ring edges of `me` (as client toward the next member) and the control link between the
-    host and each other member; returns links by role ("next", "prev", "control:NAME")."""
+async def link_ring(node: LinkNode, plan: Plan, me: str, ids: dict[str, int], host: str) -> dict[str, Link]:
+    """One authenticated link per pair of members that talk: ring neighbours, and the host with
+    every member (the weight fetch). Returns this member's links by peer name. A link carries both
+    directions, so a ring of two and the host's control links reuse the ring edges."""
     order = list(plan.order)
-    if len(order) == 1:
-        return {}, None
-    i = order.index(me)
-    nxt, prv = order[(i + 1) % len(order)], order[i - 1]
-    direct = {(e.src, e.dst): e.direct for e in plan.edges}
-    jobs: dict[str, Any] = {
-        "next": connect_edge(node, ids[nxt], True, EdgeOptions(predicted_direct=direct.get((me, nxt), True))),
-        "prev": connect_edge(
-            node, ids[prv], False, EdgeOptions(predicted_direct=direct.get((prv, me), True))
-        ),
-    }
-    if me == host:
-        for m in order:
-            if m != me and order[(order.index(m) + 1) % len(order)] != host:
-                jobs[f"control:{m}"] = connect_edge(node, ids[m], False)
-    elif nxt != host:
-        jobs["control"] = connect_edge(node, ids[host], True)
-    results = await asyncio.gather(*jobs.values())
-    links = dict(zip(jobs, results, strict=True))
-    if me != host:
-        control = links["next"] if nxt == host else links["control"]
-    else:
-        control = None
-        for m in order:  # the member whose next is the host uses that ring edge as control
-            if m != me and order[(order.index(m) + 1) % len(order)] == host:
-                links[f"control:{m}"] = links["prev"]
-    for role, link in links.items():
-        say(f"link {role}: {link.path}")
-    return links, control
+    pairs: dict[frozenset[str], tuple[str, str]] = {}  # pair -> (client, server)
+    for i, m in enumerate(order):
+        n = order[(i + 1) % len(order)]
+        if m != n:
+            pairs.setdefault(frozenset((m, n)), (m, n))
+    for m in order:
+        if m != host:
+            pairs.setdefault(frozenset((m, host)), (m, host))
+    direct = {frozenset((e.src, e.dst)): e.direct for e in plan.edges}
+    jobs = {}
+    for pair, (client, server) in pairs.items():
+        if me in pair:
+            peer = server if client == me else client
+            opts = EdgeOptions(predicted_direct=direct.get(pair, True))
+            jobs[peer] = connect_edge(node, ids[peer], client == me, opts)
+    links = dict(zip(jobs, await asyncio.gather(*jobs.values()), strict=True))
+    for peer, link in links.items():
+        say(f"link {me} <-> {peer}: {link.path}")
+    return links
 
 
 def session_record(plan: Plan, session: str, model: str, edges: dict[str, str]) -> SessionRecord:

@@ -50,7 +50,7 @@ async def host(opts: Options, on_code: Callable[[SessionCode], None] | None = No
         on_code(code)
     node = await connect_node(client, code, opts.rendezvous)
     pump = asyncio.ensure_future(node.signals.pump())
-    me = probe_report(name, node, opts)
+    me = await asyncio.to_thread(probe_report, name, node, opts)
     devices, ids = await _gather_reports(node, me, opts)
     plan = _plan(devices, ckpt, opts)
     for peer in ids.values():
@@ -58,13 +58,9 @@ async def host(opts: Options, on_code: Callable[[SessionCode], None] | None = No
             await client.signal(
                 peer, payload("plan", plan=plan.to_dict(), ids=ids, model=opts.model, chunk=opts.chunk)
             )
-    links, _ = await link_ring(node, plan, name, ids, name)
+    links = await link_ring(node, plan, name, ids, name)
     server = WeightServer(folder, cache=opts.cache)
-    controls = [
-        LinkChannel(link, role.split(":", 1)[1])
-        for role, link in links.items()
-        if role.startswith("control:")
-    ]
+    controls = [LinkChannel(link, peer) for peer, link in links.items()]
     say(f"serving weights to {len(controls)} member(s)")
     await asyncio.gather(*(server.serve(c) for c in controls))
     formed = await _start_ring(name, code, plan, folder, links, node, client, opts, opts.model, opts.chunk)
@@ -130,7 +126,7 @@ async def join(code_text: str, opts: Options) -> Formed:
     say(f"joined session {code.public} for model {joined.model} ({len(joined.members)} member(s) so far)")
     node = await connect_node(client, code, opts.rendezvous)
     pump = asyncio.ensure_future(node.signals.pump())
-    me = probe_report(name, node, opts)
+    me = await asyncio.to_thread(probe_report, name, node, opts)
     await client.signal(host_info.id, payload("report", device=me.to_dict()))
     say("waiting for the host's plan")
     _, msg = await next_session_message(node.signals, opts.wait_s)
@@ -139,13 +135,12 @@ async def join(code_text: str, opts: Options) -> Formed:
     plan, ids = Plan.from_dict(msg["plan"]), {k: int(v) for k, v in msg["ids"].items()}
     me_name = next(k for k, v in ids.items() if v == node.member)
     host_name = next(k for k, v in ids.items() if v == host_info.id)
-    links, control = await link_ring(node, plan, me_name, ids, host_name)
+    links = await link_ring(node, plan, me_name, ids, host_name)
     a, b = plan.block_range(me_name)
     head = plan.head == me_name
-    assert control is not None
-    shard = await fetch_shard(
-        LinkChannel(control, host_name), range(a, b), head, cache=opts.cache, label=me_name
-    )
+    local = None if opts.use_local else []
+    channel = LinkChannel(links[host_name], host_name)
+    shard = await fetch_shard(channel, range(a, b), head, cache=opts.cache, local=local, label=me_name)
     say(
         f"weights: {shard.tensor_bytes / 1e6:.1f} MB fetched for blocks [{a}, {b}){' + head' if head else ''}"
     )
@@ -184,9 +179,10 @@ async def _start_ring(
     stage = await asyncio.to_thread(
         Stage.load, ckpt, range(a, b), head, opts.backend, opts.dtype, plan.context, plan.concurrency
     )
+    nxt_name, prv_name = order[(index + 1) % len(order)], order[index - 1]
     edges = {f"{e.src}->{e.dst}": ("direct" if e.direct else "relay") for e in plan.edges}
-    if "next" in links:
-        edges[f"{name}->{order[(index + 1) % len(order)]}"] = str(links["next"].path)
+    if nxt_name in links:
+        edges[f"{name}->{nxt_name}"] = str(links[nxt_name].path)
     info = RingInfo(
         session=code.public,
         model=model,
@@ -197,8 +193,8 @@ async def _start_ring(
         edges=edges,
         plan=plan.summary(),
     )
-    nxt = _channel(links.get("next"), order[(index + 1) % len(order)], opts)
-    prv = _channel(links.get("prev"), order[index - 1], opts)
+    nxt = _channel(links.get(nxt_name), nxt_name, opts)
+    prv = _channel(links.get(prv_name), prv_name, opts) if len(order) > 2 or nxt is None else nxt
     traces = TraceLog(opts.trace) if opts.trace else None
     model_thread = ModelThread(name)
     if head:

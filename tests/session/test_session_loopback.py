@@ -1,0 +1,141 @@
+"""Whole sessions on loopback: a real rendezvous, members forming the ring over QUIC links,
+fetching their weights from the host, and answering through the API of a member that is not
+the head. Three members run in this process (each with its own socket, links, stage and model
+thread); tests/session/test_session_processes.py runs them as separate processes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import openai
+import pytest
+import pytest_asyncio
+
+from kafila.engine.generate import generate
+from kafila.engine.sampler import SamplingParams
+from kafila.engine.stage import Stage
+from kafila.engine.tokenizer import Tokenizer
+from kafila.models.checkpoint import Checkpoint
+from kafila.rendezvous.server import RendezvousServer
+from kafila.session.form import Formed, Options, SessionError
+from kafila.session.service import Sampling
+from kafila.session.start import host, join
+from tests.net.harness import start_rendezvous
+
+pytestmark = [pytest.mark.network, pytest.mark.slow]
+MODEL = "smollm2-135m"
+PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest_asyncio.fixture
+async def rdv() -> AsyncIterator[RendezvousServer]:
+    server = await start_rendezvous()
+    yield server
+    await server.stop()
+
+
+def opts(rdv: RendezvousServer, name: str, tmp: Path, **kw) -> Options:
+    base = dict(
+        rendezvous=rdv.url, name=name, api="127.0.0.1:0", cache=tmp / name, probe_repeats=1, wait_s=60
+    )
+    return Options(**(base | kw))
+
+
+async def form(rdv: RendezvousServer, tmp: Path, division: str = "kafila", **kw) -> list[Formed]:
+    code: asyncio.Future = asyncio.get_running_loop().create_future()
+    hosting = asyncio.ensure_future(
+        host(
+            opts(
+                rdv,
+                "alpha",
+                tmp,
+                model=MODEL,
+                members=3,
+                context=256,
+                concurrency=4,
+                division=division,
+                chunk=64,
+            ),
+            on_code=code.set_result,
+        )
+    )
+    c = str(await code)
+    members = [asyncio.ensure_future(join(c, opts(rdv, n, tmp, **kw.get(n, {})))) for n in ("beta", "gamma")]
+    return list(await asyncio.gather(hosting, *members))
+
+
+async def close(formed: list[Formed]) -> None:
+    for f in formed:
+        await f.close()
+
+
+def single_process(path: Path, prompt: list[int], n: int) -> list[int]:
+    ckpt = Checkpoint.open(path)
+    stage = Stage.load(ckpt, range(30), True, backend="torch", dtype="fp32", context=256)
+    stop = Tokenizer.from_checkpoint(ckpt).stop_ids
+    return [
+        t for t in generate(stage, prompt, SamplingParams(max_tokens=n), eos_ids=tuple(stop)) if t not in stop
+    ]
+
+
+def service_of(formed: list[Formed], not_head: bool = True):
+    for f in formed:
+        if (f.plan.head != f.name) == not_head:
+            return f
+    raise AssertionError("no such member")
+
+
+@pytest.mark.parametrize("division", ["kafila", "uniform", "memory"])
+async def test_three_members_give_the_single_process_tokens(rdv, smollm2_path, tmp_path, division) -> None:
+    formed = await form(rdv, tmp_path, division, beta={"use_local": False}, gamma={"use_local": False})
+    try:
+        plan = formed[0].plan
+        assert plan.division == division and len(plan.order) == 3
+        tok = Tokenizer.from_checkpoint(Checkpoint.open(smollm2_path))
+        prompt = tok.encode_chat(PROMPT)
+        want = single_process(smollm2_path, prompt, 16)
+        member = service_of(formed)
+        got = [
+            t async for ev in await member.service.submit(prompt, Sampling(max_tokens=16)) for t in ev.tokens
+        ]
+        assert got == want
+        for f in formed[1:]:  # each joiner fetched exactly its share of tensors
+            a, b = f.plan.block_range(f.name)
+            ckpt = Checkpoint.open(smollm2_path)
+            share = sum(ckpt.tensors[n].nbytes for n in ckpt.names_for(range(a, b), f.plan.head == f.name))
+            assert f.shard.tensor_bytes in (share, 0)  # 0: a previous division cached every tensor
+    finally:
+        await close(formed)
+
+
+async def test_openai_client_through_a_member_that_is_not_the_head(rdv, tmp_path) -> None:
+    formed = await form(rdv, tmp_path)
+    try:
+        member = service_of(formed)
+        async with openai.AsyncOpenAI(base_url=f"{member.api.url}/v1", api_key="x", max_retries=0) as client:
+            r = await client.chat.completions.create(
+                model=MODEL, messages=PROMPT, max_tokens=20, temperature=0
+            )
+        assert "Paris" in r.choices[0].message.content
+        doc = member.service.describe()
+        assert doc["state"] == "serving" and len(doc["ring"]) == 3
+    finally:
+        await close(formed)
+
+
+async def test_infeasible_session_is_refused_naming_the_device(rdv, tmp_path) -> None:
+    code: asyncio.Future = asyncio.get_running_loop().create_future()
+    tiny = 0.01  # GB: far less than any share of the model
+    hosting = asyncio.ensure_future(
+        host(
+            opts(rdv, "alpha", tmp_path, model=MODEL, members=2, context=256, memory_bytes=int(tiny * 1e9)),
+            on_code=code.set_result,
+        )
+    )
+    c = str(await code)
+    joining = asyncio.ensure_future(join(c, opts(rdv, "beta", tmp_path, memory_bytes=int(tiny * 1e9))))
+    with pytest.raises(SessionError, match=r"alpha|beta"):
+        await hosting
+    joining.cancel()
