@@ -15,3 +15,16 @@ def test_torch_logits_and_greedy_tokens_match_transformers(tiny_checkpoint, shap
 
 def test_torch_reads_a_sharded_checkpoint(tiny_checkpoint) -> None:
     check_against_transformers(tiny_checkpoint("qwen3-gqa2-untied", sharded=True), "torch")
+
+
+def test_unsupported_rope_scaling_is_refused_by_name(tiny_checkpoint) -> None:
+    import dataclasses
+
+    from kafila.engine.stage import Stage
+    from kafila.models.checkpoint import Checkpoint
+    from kafila.models.rope import RopeError
+
+    ckpt = Checkpoint.open(tiny_checkpoint("llama-mha-untied"))
+    ckpt.config = dataclasses.replace(ckpt.config, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(RopeError, match="rope_type 'yarn' is not supported"):
+        Stage.load(ckpt, range(ckpt.n_blocks), True, backend="torch", dtype="fp32", context=16)
