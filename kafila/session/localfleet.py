@@ -1,0 +1,415 @@
+"""A fleet of member processes on this one machine, made unequal on purpose by CPU shares.
+
+    LocalFleet([1.0, 0.5, 0.25]) -> start(): `kafila rendezvous` (own process, free ports) ->
+        `kafila host` (member 0) -> `kafila join CODE` (the others), each a real CLI process,
+        each optionally inside its own cgroup v1 `cpu` group (cfs_quota_us = share x cfs_period_us,
+        so a share of 0.25 is a quarter of one core) -> wait for every member's API and for
+        /session to say "serving" -> plan, API URLs, session document -> close(): SIGINT to every
+        member, then the rendezvous (SIGTERM/SIGKILL after a grace period), cgroups removed.
+
+Shares need root and a writable /sys/fs/cgroup/cpu; without them the fleet still runs but
+`shares_applied` is False and `shares_note` says so (`require_shares=True` refuses instead).
+Each process writes its stderr (progress lines and logs) to `workdir/NAME.log`; members write
+traces to `workdir/NAME.trace.jsonl`. By default members probe one after another (`stagger`), so
+one member's probe does not measure the others' probes on a shared machine.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kafila.obs.log import get_logger
+
+log = get_logger("kafila.session.localfleet")
+
+CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
+PERIOD_US = 100_000
+GROUP_PREFIX = "kafila-fleet-"
+DEFAULT_NAMES = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta")
+
+_CODE = re.compile(r"kafila: session code: (\S+)")
+_API = re.compile(r"kafila: API at (http://\S+)")
+_READY = re.compile(r"kafila: session ready")
+_HOST_PROBED = re.compile(r"kafila: waiting for \d+ member")
+_JOIN_PROBED = re.compile(r"kafila: waiting for the host's plan")
+_PLANS = re.compile(r"kafila: plans for this session \(predicted\):\n((?:(?!kafila:|\d{4}-\d\d-\d\dT).*\n)+)")
+
+
+class FleetError(RuntimeError):
+    """The fleet could not start; the message names the process and quotes the end of its log."""
+
+
+@dataclass
+class FleetMember:
+    name: str
+    share: float | None  # fraction of one core (None: unlimited)
+    role: str  # "host" or "join"
+    log_path: Path
+    trace_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    cgroup: Path | None = None
+    api_url: str | None = None
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+
+@dataclass
+class LocalFleet:
+    """`shares[i]` is member i's CPU share in cores (None: unlimited); member 0 hosts."""
+
+    shares: Sequence[float | None]
+    model: str = "smollm2-135m"
+    division: str = "kafila"
+    context: int = 2048
+    concurrency: int = 1
+    chunk: int = 256
+    backend: str = "auto"
+    dtype: str = "auto"
+    names: Sequence[str] | None = None
+    api_ports: Sequence[int] | None = None  # default: a free port each (read from the member's output)
+    workdir: Path | None = None  # default: a new temporary folder, kept for its logs
+    wait_s: float = 300.0
+    stagger: bool = True  # members probe one after another
+    require_shares: bool = False
+    extra_args: Sequence[str] = ()  # more flags for every member (e.g. "--dead-after", "10")
+    members: list[FleetMember] = field(default_factory=list, init=False)
+    rendezvous_url: str | None = field(default=None, init=False)
+    code: str | None = field(default=None, init=False)
+    shares_applied: bool = field(default=False, init=False)
+    shares_note: str = field(default="", init=False)
+    _rendezvous: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    _rdv_log: Path | None = field(default=None, init=False)
+    _closed: bool = field(default=False, init=False)
+
+    # -- public -----------------------------------------------------------------------------------
+
+    def start(self) -> LocalFleet:
+        """Start everything and return once every member serves; on any failure (or Ctrl-C)
+        everything started so far is stopped before the error propagates."""
+        if len(self.shares) < 1:
+            raise ValueError("a fleet needs at least one member")
+        atexit.register(self.close)
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Stop members (SIGINT: they close links and API), then the rendezvous; remove cgroups."""
+        if self._closed:
+            return
+        self._closed = True
+        procs = [m.proc for m in self.members if m.proc is not None]
+        _stop(procs, signal.SIGINT, grace_s=8.0)
+        if self._rendezvous is not None:
+            _stop([self._rendezvous], signal.SIGTERM, grace_s=5.0)
+        for m in self.members:
+            if m.cgroup is not None:
+                _remove_cgroup(m.cgroup)
+        atexit.unregister(self.close)
+        log.info("fleet_closed", members=len(self.members), workdir=str(self.workdir))
+
+    def __enter__(self) -> LocalFleet:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def api_urls(self) -> dict[str, str]:
+        return {m.name: m.api_url for m in self.members if m.api_url}
+
+    def session(self, name: str | None = None) -> dict[str, Any]:
+        """The /session document of member `name` (default: the host)."""
+        return _get_json(f"{self.api_urls[name or self.members[0].name]}/session")
+
+    @property
+    def plan(self) -> dict[str, Any]:
+        """The plan summary the session runs (from the host's /session)."""
+        return dict(self.session()["plan"])
+
+    @property
+    def head(self) -> str:
+        return str(self.session()["head"])
+
+    def url(self, name: str) -> str:
+        return self.api_urls[name]
+
+    def not_head(self) -> str:
+        """A member that is not the head (the head itself in a fleet of one)."""
+        head = self.head
+        return next((m.name for m in self.members if m.name != head), head)
+
+    def predicted_table(self) -> str:
+        """The host's printed plans: the chosen division next to uniform and memory-proportional."""
+        found = _PLANS.search(self.members[0].log_text())
+        return found.group(1).rstrip("\n") if found else ""
+
+    def traces(self, name: str | None = None) -> list[dict[str, Any]]:
+        """Trace records (JSON lines) member `name` wrote (default: every member's, concatenated)."""
+        out: list[dict[str, Any]] = []
+        for m in self.members:
+            if name in (None, m.name) and m.trace_path.exists():
+                out += [json.loads(line) for line in m.trace_path.read_text().splitlines() if line.strip()]
+        return out
+
+    def describe(self) -> str:
+        rows = [f"rendezvous {self.rendezvous_url}   session code {self.code}   logs in {self.workdir}"]
+        for m in self.members:
+            share = f"{m.share:.2f} core" if m.share is not None else "unlimited"
+            applied = "" if m.share is None or self.shares_applied else " (NOT applied)"
+            pid = m.proc.pid if m.proc else "-"
+            rows.append(f"  {m.name:<8} {m.role:<4} cpu {share}{applied}  pid {pid}  {m.api_url}")
+        if self.shares_note:
+            rows.append(self.shares_note)
+        return "\n".join(rows)
+
+    # -- steps ---------------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        names = list(self.names or DEFAULT_NAMES[: len(self.shares)])
+        if len(names) != len(self.shares):
+            raise ValueError(f"{len(self.shares)} shares but {len(names)} names")
+        self.workdir = Path(self.workdir or tempfile.mkdtemp(prefix="kafila-fleet-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._check_shares()
+        deadline = time.monotonic() + self.wait_s
+        self._start_rendezvous()
+        for i, (name, share) in enumerate(zip(names, self.shares, strict=True)):
+            member = FleetMember(
+                name,
+                share,
+                "host" if i == 0 else "join",
+                self.workdir / f"{name}.log",
+                self.workdir / f"{name}.trace.jsonl",
+            )
+            self.members.append(member)
+            self._launch(member, i)
+            if i == 0:
+                self.code = self._wait_for(member, _CODE, deadline).group(1)
+            if self.stagger and len(self.shares) > 1:
+                self._wait_for(member, _HOST_PROBED if i == 0 else _JOIN_PROBED, deadline)
+        for m in self.members:
+            m.api_url = self._wait_for(m, _API, deadline).group(1)
+        if len(self.members) > 1:
+            self._wait_for(self.members[0], _READY, deadline)
+        self._wait_serving(deadline)
+        log.info("fleet_ready", members=len(self.members), code=self.code, shares_applied=self.shares_applied)
+
+    def _check_shares(self) -> None:
+        if all(s is None for s in self.shares):
+            return
+        bad = [s for s in self.shares if s is not None and s <= 0]
+        if bad:
+            raise ValueError(f"CPU shares must be positive (got {bad})")
+        why = cgroup_unavailable()
+        if why is None:
+            self.shares_applied = True
+            _remove_stale_groups()
+            total = sum(s or 0.0 for s in self.shares)
+            cores = len(os.sched_getaffinity(0))
+            self.shares_note = f"CPU shares applied with cgroup v1 cpu quotas: {total:.2f} of {cores} cores"
+            return
+        self.shares_note = f"CPU shares NOT applied ({why}): every member runs unlimited"
+        if self.require_shares:
+            raise FleetError(self.shares_note)
+        print(f"kafila: {self.shares_note}", file=sys.stderr, flush=True)
+
+    def _start_rendezvous(self) -> None:
+        assert self.workdir is not None
+        self._rdv_log = self.workdir / "rendezvous.log"
+        cmd = [sys.executable, "-m", "kafila", "rendezvous", "--host", "127.0.0.1", "--port", "0"]
+        cmd += ["--udp-port", "0", "--udp-alt-port", "0", "--log-format", "json"]
+        self._rendezvous = _spawn(cmd, self._rdv_log)
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            for line in self._rdv_log.read_text(errors="replace").splitlines():
+                if '"rendezvous_started"' in line:
+                    self.rendezvous_url = str(json.loads(line)["url"])
+                    return
+            if self._rendezvous.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise FleetError(
+            f"kafila rendezvous did not start: {_tail(self._rdv_log.read_text(errors='replace'))}"
+        )
+
+    def _launch(self, m: FleetMember, index: int) -> None:
+        assert self.rendezvous_url is not None and self.workdir is not None
+        port = self.api_ports[index] if self.api_ports else 0
+        common = ["--rendezvous", self.rendezvous_url, "--name", m.name, "--api", f"127.0.0.1:{port}"]
+        common += ["--backend", self.backend, "--dtype", self.dtype, "--trace", str(m.trace_path)]
+        common += ["--wait", str(int(self.wait_s)), *self.extra_args]
+        if m.role == "host":
+            cmd = [
+                "host",
+                "--model",
+                self.model,
+                "--members",
+                str(len(self.shares)),
+                "--context",
+                str(self.context),
+            ]
+            cmd += [
+                "--concurrency",
+                str(self.concurrency),
+                "--division",
+                self.division,
+                "--chunk",
+                str(self.chunk),
+            ]
+        else:
+            assert self.code is not None
+            cmd = ["join", self.code]
+        argv = [sys.executable, "-m", "kafila", *cmd, *common]
+        if m.share is not None and self.shares_applied:
+            m.cgroup = make_cgroup(f"{GROUP_PREFIX}{os.getpid()}-{m.name}", m.share)
+            argv = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(m.cgroup), *argv]
+        m.proc = _spawn(argv, m.log_path)
+        log.info("fleet_member_started", member=m.name, role=m.role, pid=m.proc.pid, share=m.share)
+
+    def _wait_for(self, m: FleetMember, pattern: re.Pattern[str], deadline: float) -> re.Match[str]:
+        while True:
+            found = pattern.search(m.log_text())
+            if found:
+                return found
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise FleetError(
+                    f"member {m.name}: no '{pattern.pattern}' within {self.wait_s:.0f} s; "
+                    f"its log ends: {_tail(m.log_text())}"
+                )
+            time.sleep(0.1)
+
+    def _check_alive(self) -> None:
+        for m in self.members:
+            if m.proc is not None and m.proc.poll() is not None:
+                code, tail = m.proc.returncode, _tail(m.log_text())
+                raise FleetError(f"member {m.name} ({m.role}) exited with {code}; its log ends: {tail}")
+        if self._rendezvous is not None and self._rendezvous.poll() is not None:
+            raise FleetError(f"the rendezvous exited with {self._rendezvous.returncode}")
+
+    def _wait_serving(self, deadline: float) -> None:
+        for m in self.members:
+            while True:
+                self._check_alive()
+                with contextlib.suppress(OSError, ValueError):
+                    doc = _get_json(f"{m.api_url}/session")
+                    if doc.get("state") == "serving" and len(doc.get("ring", ())) == len(self.members):
+                        break
+                if time.monotonic() > deadline:
+                    raise FleetError(
+                        f"member {m.name}: /session did not say serving within {self.wait_s:.0f} s"
+                    )
+                time.sleep(0.2)
+
+
+# -- cgroups ----------------------------------------------------------------------------------------
+
+
+def cgroup_unavailable() -> str | None:
+    """Why CPU shares cannot be applied here, or None when they can."""
+    if os.geteuid() != 0:
+        return "not root: cgroup v1 cpu quotas need root"
+    if not (CGROUP_CPU / "cpu.cfs_quota_us").exists():
+        return f"no cgroup v1 cpu controller at {CGROUP_CPU}"
+    if not os.access(CGROUP_CPU, os.W_OK):
+        return f"{CGROUP_CPU} is not writable"
+    return None
+
+
+def make_cgroup(name: str, share: float) -> Path:
+    """A cpu cgroup granting `share` cores: cfs_quota_us = share x cfs_period_us (100 ms)."""
+    group = CGROUP_CPU / name
+    group.mkdir(exist_ok=True)
+    (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+    (group / "cpu.cfs_quota_us").write_text(str(max(1000, round(share * PERIOD_US))))
+    return group
+
+
+def _remove_cgroup(group: Path) -> None:
+    for _ in range(50):
+        try:
+            group.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:  # tasks still inside (a child that outlived its parent): move them out
+            for pid in (group / "cgroup.procs").read_text().split():
+                with contextlib.suppress(OSError):
+                    (group.parent / "cgroup.procs").write_text(pid)
+            time.sleep(0.1)
+    log.warning("cgroup_not_removed", group=str(group))
+
+
+def _remove_stale_groups() -> None:
+    """Groups of fleets whose process died without closing."""
+    for group in CGROUP_CPU.glob(f"{GROUP_PREFIX}*"):
+        pid = group.name[len(GROUP_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            _remove_cgroup(group)
+
+
+# -- processes --------------------------------------------------------------------------------------
+
+
+def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("KAFILA_LOG", None)  # members print progress for people; the rendezvous asks for json itself
+    with log_path.open("wb") as out:
+        # own session: a Ctrl-C at the terminal reaches the fleet's owner, who stops members in order
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], sig: int, grace_s: float) -> None:
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, sig)
+    deadline = time.monotonic() + grace_s
+    for p in live:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(max(0.0, deadline - time.monotonic()))
+    for p in live:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+            p.wait()
+
+
+def _get_json(url: str) -> dict[str, Any]:
+    import httpx
+
+    r = httpx.get(url, timeout=5.0)
+    r.raise_for_status()
+    return dict(r.json())
+
+
+def _tail(text: str, lines: int = 12) -> str:
+    return "\n".join(text.rstrip().splitlines()[-lines:])
