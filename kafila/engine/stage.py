@@ -69,6 +69,9 @@ class _Weights(Mapping[str, Any]):
         self.bytes_read += len(data)
         return self.backend.tensor(info.dtype, info.shape, data)
 
+    def __contains__(self, name: object) -> bool:  # without reading (Mapping's default would)
+        return name in self.names
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
 

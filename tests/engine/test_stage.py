@@ -72,6 +72,14 @@ def test_stage_reads_exactly_its_tensors_bytes(ckpt: Checkpoint) -> None:
     assert stage.bytes_loaded == sum(ckpt.manifest().block_bytes[1:3])
 
 
+def test_head_stage_of_an_untied_model_reads_each_tensor_once(tiny_checkpoint) -> None:
+    untied = Checkpoint.open(tiny_checkpoint("llama-mha-untied"))
+    stage = _load(untied, range(0, 2), True)
+    names = untied.names_for(range(0, 2), True)
+    assert "lm_head.weight" in names
+    assert stage.bytes_loaded == untied.bytes_read == sum(untied.tensors[n].nbytes for n in names)
+
+
 def test_batched_decode_at_different_positions_equals_one_by_one(ckpt: Checkpoint) -> None:
     prompts = {"a": PROMPT[:3], "b": PROMPT, "c": PROMPT[2:9]}
     alone: dict[str, np.ndarray] = {}
