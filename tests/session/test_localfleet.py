@@ -1,0 +1,69 @@
+"""The local fleet: a real `kafila rendezvous`, `kafila host` and `kafila join` processes on this
+machine, members inside cgroup v1 cpu groups; startup failures and shutdown leave nothing behind."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kafila.session import localfleet
+from kafila.session.localfleet import CGROUP_CPU, PERIOD_US, FleetError, LocalFleet
+
+needs_cgroups = pytest.mark.skipif(
+    localfleet.cgroup_unavailable() is not None,
+    reason=f"CPU shares need root and cgroup v1 cpu: {localfleet.cgroup_unavailable()}",
+)
+
+
+@pytest.mark.root
+@pytest.mark.slow
+@pytest.mark.network
+@needs_cgroups
+def test_two_member_fleet_with_cpu_shares_serves_and_cleans_up(smollm2_path: Path, tmp_path: Path) -> None:
+    fleet = LocalFleet([1.0, 0.5], context=256, workdir=tmp_path, wait_s=240)
+    with fleet:
+        assert fleet.shares_applied and "1.50 of" in fleet.shares_note
+        for m, share in zip(fleet.members, (1.0, 0.5), strict=True):
+            assert m.cgroup is not None and m.proc is not None
+            assert int((m.cgroup / "cpu.cfs_quota_us").read_text()) == round(share * PERIOD_US)
+            assert str(m.proc.pid) in (m.cgroup / "cgroup.procs").read_text().split()
+            doc = fleet.session(m.name)
+            assert doc["state"] == "serving" and doc["ring"] == [x.name for x in fleet.members]
+        assert set(fleet.plan["blocks"]) == {"alpha", "beta"}
+        assert "uniform" in fleet.predicted_table() and "memory" in fleet.predicted_table()
+        body = {
+            "model": "smollm2-135m",
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 12,
+            "temperature": 0,
+        }
+        r = httpx.post(f"{fleet.url(fleet.not_head())}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
+        groups = [m.cgroup for m in fleet.members]
+    assert all(m.proc is not None and m.proc.poll() is not None for m in fleet.members)
+    assert fleet._rendezvous is not None and fleet._rendezvous.poll() is not None
+    assert not any(g is not None and g.exists() for g in groups)
+    assert not list(CGROUP_CPU.glob(f"{localfleet.GROUP_PREFIX}{os.getpid()}-*"))
+
+
+@pytest.mark.network
+def test_a_member_that_cannot_start_is_named_and_everything_stops(tmp_path: Path) -> None:
+    fleet = LocalFleet([None, None], model="no-such-model", workdir=tmp_path, wait_s=60)
+    with pytest.raises(FleetError, match=r"(?s)member alpha \(host\) exited with [1-9].*no-such-model"):
+        fleet.start()
+    assert fleet.members[0].proc is not None and fleet.members[0].proc.poll() is not None
+    assert len(fleet.members) == 1  # the joiner never started: there was no code
+    assert fleet._rendezvous is not None and fleet._rendezvous.poll() is not None
+
+
+def test_shares_required_without_root_refuse_before_starting_anything(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(localfleet.os, "geteuid", lambda: 1000)  # simulated non-root user
+    fleet = LocalFleet([1.0, 0.25], workdir=tmp_path, require_shares=True)
+    with pytest.raises(FleetError, match="CPU shares NOT applied \\(not root"):
+        fleet.start()
+    assert fleet.members == [] and fleet._rendezvous is None
