@@ -67,7 +67,7 @@ SMALL_FILES = (
     "chat_template.jinja",
 )
 MAX_SMALL_FILE = 64 << 20  # a "small" file larger than this is not offered
-DEFAULT_MAX_REQUEST = 4 << 20  # bytes per FETCH_REQUEST the host accepts
+DEFAULT_MAX_REQUEST = 1 << 20  # bytes per FETCH_REQUEST the host accepts (window x this = bytes queued)
 DEFAULT_WINDOW = 8  # requests a member keeps in flight
 
 
