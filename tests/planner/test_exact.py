@@ -3,12 +3,18 @@ paper's sizes (up to 64 blocks on 6 devices), where brute force is out of reach.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kafila.planner.cost import DeviceCost
+from kafila.models.presets import resolve_manifest
+from kafila.planner import plan
+from kafila.planner.cost import DeviceCost, Tier, Workload, costs_for
 from kafila.planner.exact import exact_division, exact_for_head
-from kafila.planner.head import HeadChoice, place_head
+from kafila.planner.fleet import parse_fleet
+from kafila.planner.head import MU, HeadChoice, place_head
 from kafila.planner.partition import Infeasible
 from tests.planner.test_head import rotation_optimum
 
@@ -65,3 +71,22 @@ def test_head_placement_without_margin_equals_exact_optimum_at_paper_sizes(case)
         assert isinstance(got, Infeasible)
         return
     assert isinstance(got, HeadChoice) and close(got.bottleneck, want.bottleneck)
+
+
+FLEETS = Path(__file__).resolve().parents[2] / "examples" / "fleets"
+
+
+@pytest.mark.parametrize("fleet_name", ["lan", "uscentral", "intercontinental"])
+def test_on_the_paper_fleets_kafila_is_the_exact_optimum_up_to_the_head_margin(fleet_name):
+    fleet = parse_fleet((FLEETS / f"{fleet_name}.toml").read_text())
+    for model in ("qwen3-8b", "qwen3-14b", "qwen3-32b"):
+        manifest = resolve_manifest(model)
+        w = Workload.of(manifest, fleet.context, fleet.concurrency)
+        best = exact_division(w.n_blocks, costs_for(fleet.devices, w, Tier.FULL))
+        kw = {"context": fleet.context, "concurrency": fleet.concurrency}
+        exact0, shipped = plan(fleet.devices, manifest, mu=0.0, **kw), plan(fleet.devices, manifest, **kw)
+        if best is None:
+            assert not exact0.feasible and not shipped.feasible
+            continue
+        assert close(exact0.bottleneck_s, best.bottleneck)
+        assert best.bottleneck <= shipped.bottleneck_s <= best.bottleneck / (1 - MU)
