@@ -1,0 +1,221 @@
+"""What the session benchmarks share: machine load while they run, requests against a member's
+API, trace records from the head, and the single-process baseline (kafila.engine.generate).
+
+Load: the machine has 2 cores shared with other work, so every benchmark prints the load average
+and, from /proc, how many cores were busy during the run and how many of those were not ours
+(the benchmark process and its fleet): a figure measured while others took a core is not a
+figure of an idle machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from kafila.session.localfleet import LocalFleet  # noqa: E402
+
+MODEL = "smollm2-135m"
+# A plain continuation rarely ends early, so greedy answers run to max_tokens on every system.
+PROMPT = "Once upon a time, in a small village at the edge of a great forest, there lived"
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+# -- load ------------------------------------------------------------------------------------------
+
+
+def _machine_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies over every CPU since boot."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def _proc_ticks(pid: int) -> int:
+    """utime + stime + children's, in jiffies (0 if the process is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    fields = text.rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15])
+
+
+def _tree(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        with contextlib.suppress(OSError):
+            todo += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+    return out
+
+
+class Load:
+    """Samples machine CPU use and our own (this process + fleets' processes) between start and stop."""
+
+    def __init__(self) -> None:
+        self.cores = len(os.sched_getaffinity(0))
+        self.loadavg_start = os.getloadavg()
+        self._t0 = time.monotonic()
+        self._m0 = _machine_ticks()
+        self._ours: dict[int, tuple[int, int]] = {}  # pid -> (first, last) ticks seen
+        self.watch(os.getpid())
+
+    def watch(self, *pids: int) -> None:
+        for root in pids:
+            for p in _tree(root):
+                t = _proc_ticks(p)
+                self._ours.setdefault(p, (t, t))
+
+    def watch_fleet(self, fleet: LocalFleet) -> None:
+        pids = [m.proc.pid for m in fleet.members if m.proc is not None]
+        if fleet._rendezvous is not None:
+            pids.append(fleet._rendezvous.pid)
+        self.watch(*pids)
+
+    def sample(self) -> None:
+        """Record our processes' CPU now (call before a fleet closes: a dead process has no figures)."""
+        for p, (first, _) in list(self._ours.items()):
+            t = _proc_ticks(p)
+            if t:
+                self._ours[p] = (first, t)
+
+    def report(self) -> str:
+        self.sample()
+        busy0, total0 = self._m0
+        busy1, total1 = _machine_ticks()
+        wall = time.monotonic() - self._t0
+        busy_cores = (busy1 - busy0) / max(total1 - total0, 1) * self.cores
+        ours = sum(last - first for first, last in self._ours.values()) / TICK / max(wall, 1e-9)
+        la0, la1 = self.loadavg_start[0], os.getloadavg()[0]
+        return (
+            f"load: {self.cores} cores; {busy_cores:.2f} cores busy on average over {wall:.0f} s, "
+            f"{ours:.2f} of them this benchmark's processes, {max(busy_cores - ours, 0):.2f} others'; "
+            f"load average {la0:.2f} at start, {la1:.2f} at end"
+        )
+
+
+# -- requests ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Answer:
+    text: str
+    completion_tokens: int
+    wall_s: float
+
+
+def complete(url: str, max_tokens: int, prompt: str = PROMPT, timeout: float = 600.0) -> Answer:
+    """One greedy /v1/completions request (not streamed)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    t0 = time.perf_counter()
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
+    wall = time.perf_counter() - t0
+    if r.status_code != 200:
+        raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text[:300]}")
+    doc = r.json()
+    return Answer(doc["choices"][0]["text"], int(doc["usage"]["completion_tokens"]), wall)
+
+
+def concurrent(
+    url: str, users: int, max_tokens: int, prompts: Sequence[str] | None = None
+) -> tuple[list[Answer], float]:
+    """`users` requests at once (one thread each); returns the answers and the wall time from the
+    first send to the last answer."""
+    prompts = prompts or [PROMPT] * users
+    answers: list[Answer | BaseException] = [RuntimeError("not run")] * users
+
+    def one(i: int) -> None:
+        try:
+            answers[i] = complete(url, max_tokens, prompts[i])
+        except BaseException as exc:  # reported below
+            answers[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(users)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    for a in answers:
+        if isinstance(a, BaseException):
+            raise RuntimeError(f"a concurrent request failed: {a}") from a
+    return [a for a in answers if isinstance(a, Answer)], wall
+
+
+def request_records(fleet: LocalFleet) -> list[dict[str, Any]]:
+    """The head's request trace records, oldest first."""
+    return [r for r in fleet.traces(fleet.head) if r.get("type") == "request"]
+
+
+def wait_records(fleet: LocalFleet, n: int, timeout: float = 10.0) -> list[dict[str, Any]]:
+    """The head writes a request's record as it finishes; wait until `n` are on disk."""
+    deadline = time.monotonic() + timeout
+    while True:
+        recs = request_records(fleet)
+        if len(recs) >= n or time.monotonic() > deadline:
+            return recs
+        time.sleep(0.1)
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def spread(xs: Sequence[float]) -> float:
+    return (max(xs) - min(xs)) / 2 if xs else float("nan")
+
+
+# -- single process ------------------------------------------------------------------------------------
+
+
+class SingleProcess:
+    """The whole model in this process (kafila.engine.generate), as `kafila run` runs it."""
+
+    def __init__(self, backend: str = "auto", dtype: str = "auto", context: int = 2048) -> None:
+        from kafila.engine.stage import Stage
+        from kafila.engine.tokenizer import Tokenizer
+        from kafila.models.checkpoint import Checkpoint
+        from kafila.models.registry import resolve
+
+        ckpt = Checkpoint.open(resolve(MODEL))
+        self.tokenizer = Tokenizer.from_checkpoint(ckpt)
+        n = ckpt.config.num_hidden_layers
+        self.stage = Stage.load(ckpt, range(n), True, backend, dtype, context)
+
+    def run(self, max_tokens: int, prompt: str = PROMPT) -> tuple[list[int], float]:
+        """Greedy tokens and the decode tokens/s (steps after the first token over their time)."""
+        from kafila.engine.generate import Timings, generate
+        from kafila.engine.sampler import SamplingParams
+
+        ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        timings = Timings()
+        stops = tuple(self.tokenizer.stop_ids)
+        out = list(
+            generate(self.stage, ids, SamplingParams(max_tokens=max_tokens), eos_ids=stops, timings=timings)
+        )
+        return out, timings.decode_tps
+
+    def text(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(
+            [t for t in tokens if t not in self.tokenizer.stop_ids], skip_special_tokens=True
+        )
+
+
+def fleet_banner(fleet: LocalFleet) -> str:
+    return fleet.describe() + "\nplans (predicted by the host):\n" + fleet.predicted_table()

@@ -1,0 +1,73 @@
+"""Pipeline overhead: a three-member ring on loopback against single-process generation.
+
+Three `kafila join`/`kafila host` processes (no CPU limits: each may use the whole machine, like
+the single process) form a session of the default model; the single-process side is
+kafila.engine.generate (what `kafila run` runs) in this process, same model, dtype and prompt.
+Rounds alternate ring / single process; decode tokens/s is (tokens - 1) / time from the first
+token to the last: for the ring from the head's trace record of the request, for the single
+process from generate()'s timings. With one request in flight only one stage computes at a time,
+so the ring has the same hardware as the single process and the ratio is the ring's cost:
+hidden states over QUIC, the head's scheduling, three event loops. Target: ratio >= 0.85.
+
+    python3 benchmarks/pipeline_overhead.py [--tokens 64] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from _session_common import (
+    Load,
+    LocalFleet,
+    SingleProcess,
+    complete,
+    fleet_banner,
+    median,
+    spread,
+    wait_records,
+)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=64, help="tokens generated per request (default 64)")
+    p.add_argument("--rounds", type=int, default=5, help="measured rounds of each side (default 5)")
+    p.add_argument("--members", type=int, default=3, help="members in the ring (default 3)")
+    p.add_argument("--dtype", default="auto", help="dtype for both sides (default auto: fp32 on a CPU)")
+    args = p.parse_args()
+
+    load = Load()
+    single = SingleProcess(dtype=args.dtype, context=512)
+    with LocalFleet([None] * args.members, context=512, dtype=args.dtype) as fleet:
+        load.watch_fleet(fleet)
+        print(fleet_banner(fleet))
+        head = fleet.url(fleet.head)
+        want, _ = single.run(args.tokens)  # warm-up of both sides (first requests are cold)
+        first = complete(head, args.tokens)
+        same = first.text == single.text(want)
+        ring_rates, single_rates, client_rates = [], [], []
+        for _ in range(args.rounds):
+            _, rate = single.run(args.tokens)
+            single_rates.append(rate)
+            answer = complete(head, args.tokens)
+            client_rates.append(answer.completion_tokens / answer.wall_s)
+            same = same and answer.text == first.text
+        records = wait_records(fleet, args.rounds + 1)[1:]
+        ring_rates = [float(r["tokens_per_s"]) for r in records]
+        load.sample()
+        circuit = median([float(r["circuit_ms"]) for r in records])
+    ratio = median(ring_rates) / median(single_rates)
+    print(f"\nmodel smollm2-135m, dtype {args.dtype}, greedy, {args.tokens} tokens, {args.rounds} rounds")
+    print(f"single process decode: {median(single_rates):6.2f} tok/s (±{spread(single_rates):.2f})")
+    print(
+        f"{args.members}-member ring decode: {median(ring_rates):6.2f} tok/s (±{spread(ring_rates):.2f}), "
+        f"circuit {circuit:.1f} ms; client-side incl. prefill+HTTP {median(client_rates):.2f} tok/s"
+    )
+    print(f"same tokens as single process: {same}")
+    print(f"ratio ring/single: {ratio:.3f}   (target >= 0.85: {'met' if ratio >= 0.85 else 'NOT met'})")
+    print(load.report())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
