@@ -18,7 +18,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         help="also time one decode step of one block of this model (preset or Hugging Face folder), "
-        "random weights allocated here",
+        "random weights allocated here, and the same block's op chain at tiny shapes (its dispatch cost)",
     )
     parser.add_argument(
         "--position",
