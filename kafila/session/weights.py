@@ -34,7 +34,7 @@ import os
 import struct
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,8 @@ SMALL_FILES = (
 MAX_SMALL_FILE = 64 << 20  # a "small" file larger than this is not offered
 DEFAULT_MAX_REQUEST = 1 << 20  # bytes per FETCH_REQUEST the host accepts (window x this = bytes queued)
 DEFAULT_WINDOW = 8  # requests a member keeps in flight
+_U32_MAX = (1 << 32) - 1  # FETCH_DATA carries the fetch id as a u32
+_FETCH_IDS = itertools.count()
 
 
 class WeightsError(RuntimeError):
@@ -290,6 +292,8 @@ class WeightServer:
         runs = self._allowed.get(req.file)
         if runs is None:
             raise FetchRefused(f"file {req.file!r} is not part of the checkpoint being served")
+        if req.fetch_id > _U32_MAX:
+            raise FetchRefused(f"fetch id {req.fetch_id} does not fit the u32 of FETCH_DATA")
         if req.length < 1 or req.length > self.max_request:
             raise FetchRefused(
                 f"{req.file}: request of {req.length} bytes; requests must be 1..{self.max_request} bytes"
@@ -419,7 +423,6 @@ class _Fetch:
     window: int
     timeout: float
     bar: Any
-    ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     received: int = 0
 
     async def run(self, jobs: list[_Job], sink: Any) -> None:
@@ -429,7 +432,7 @@ class _Fetch:
         while queue or pending:
             while queue and len(pending) < self.window:
                 job = queue.pop()
-                fid = next(self.ids)
+                fid = next(_FETCH_IDS) % _U32_MAX + 1  # unique in this process: stale answers are known
                 pending[fid] = job
                 await self.channel.send(t.FetchRequest(fid, job.file, job.offset, job.length))
             try:
@@ -448,8 +451,9 @@ class _Fetch:
                 log.debug("weights_ignored_message", kind=msg.kind.name)
                 continue
             job = pending.pop(msg.fetch_id, None)  # type: ignore[assignment]
-            if job is None:
-                raise WeightsError(f"host {self.channel.peer} answered unknown fetch id {msg.fetch_id}")
+            if job is None:  # an answer to an earlier, abandoned fetch on this channel
+                log.debug("weights_stale_answer", fetch_id=msg.fetch_id)
+                continue
             if len(msg.data) != job.length:
                 raise WeightsError(
                     f"{job.file} bytes [{job.offset}, {job.offset + job.length}): host {self.channel.peer} "
