@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-DEFAULT_RENDEZVOUS = "ws://127.0.0.1:8470/ws"
+DEFAULT_RENDEZVOUS = "ws://127.0.0.1:8470/v1/signal"
 
 
 def add_member_flags(parser: argparse.ArgumentParser) -> None:

@@ -43,7 +43,7 @@ class SessionError(RuntimeError):
 
 @dataclass
 class Options:
-    rendezvous: str = "ws://127.0.0.1:8470/ws"
+    rendezvous: str = "ws://127.0.0.1:8470/v1/signal"
     name: str | None = None
     api: str | None = "127.0.0.1:11434"  # None: no API on this member
     backend: str = "auto"
