@@ -102,7 +102,10 @@ class ShardFolder:
 
 
 def build_shard_folder(shard: ShardFolder) -> Path:
-    """Materialise `shard` (symlinks + index) atomically; an existing folder is replaced."""
+    """Materialise `shard` (symlinks + index) atomically; an existing folder that says the same is
+    kept (so a folder being read is never pulled away), any other is replaced."""
+    if _same_shard(shard):
+        return shard.path
     shard.path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=shard.path.parent, prefix=f".{shard.path.name}."))
     try:
@@ -127,6 +130,18 @@ def build_shard_folder(shard: ShardFolder) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return shard.path
+
+
+def _same_shard(shard: ShardFolder) -> bool:
+    try:
+        index = json.loads((shard.path / INDEX_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    links = {**{n: n for n in shard.files}, **{n: b.name for n, b in shard.blobs.items()}}
+    targets = {**shard.files, **shard.blobs}
+    return index.get("weight_map") == {n: b.name for n, b in shard.blobs.items()} and all(
+        (shard.path / links[n]).resolve() == targets[n].resolve() for n in targets
+    )
 
 
 def sha256_range(fd: int, start: int, end: int) -> str:

@@ -139,8 +139,10 @@ async def test_restart_fetches_nothing_and_replan_fetches_only_the_moved_block(
     cache = tmp_path / "member"
     first = await fetch_via(server, *MemoryChannel.pair("host", "m1")[::-1], range(2, 4), False, cache)
     assert first.tensor_bytes == share(full, range(2, 4), False)[1] and first.meta_bytes > 0
+    inode = first.path.stat().st_ino
     again = await fetch_via(server, *MemoryChannel.pair("host", "m1")[::-1], range(2, 4), False, cache)
     assert again.bytes_fetched == 0 and again.fetched == () and again.path == first.path
+    assert again.path.stat().st_ino == inode  # the same folder kept, not rebuilt under a reader
     moved = await fetch_via(server, *MemoryChannel.pair("host", "m1")[::-1], range(2, 5), False, cache)
     block4, nbytes = share(full, range(4, 5), False)
     assert sorted(moved.fetched) == sorted(block4) and moved.tensor_bytes == nbytes
