@@ -152,9 +152,17 @@ class Heartbeat:
     """Beats on `inner` every `interval` s; `recv` raises ChannelDead after `dead_after` s of silence.
     Beats are consumed here and never returned to the caller."""
 
-    def __init__(self, inner: Channel, dead_after: float = 5.0, interval: float | None = None) -> None:
+    def __init__(
+        self,
+        inner: Channel,
+        dead_after: float = 5.0,
+        interval: float | None = None,
+        first_within: float = 300.0,
+    ) -> None:
         self.inner, self.dead_after = inner, dead_after
         self.interval = interval if interval is not None else min(1.0, dead_after / 4)
+        self.first_within = first_within  # a peer may still be loading: its first beat can take longer
+        self._heard = False
         self.peer, self.counters = inner.peer, inner.counters
         self._task: asyncio.Task[None] | None = None
 
@@ -177,13 +185,15 @@ class Heartbeat:
 
     async def recv(self, timeout: float | None = None) -> t.Message:
         while True:
-            wait = self.dead_after if timeout is None else min(timeout, self.dead_after)
+            limit = self.dead_after if self._heard else self.first_within
+            wait = limit if timeout is None else min(timeout, limit)
             try:
                 msg = await self.inner.recv(wait)
             except ChannelDead:
                 raise ChannelDead(
-                    f"member {self.peer} stopped answering (nothing for {self.dead_after:.0f} s)"
+                    f"member {self.peer} stopped answering (nothing for {limit:.0f} s)"
                 ) from None
+            self._heard = True
             if not (isinstance(msg, t.Control) and msg.op == BEAT):
                 return msg
 

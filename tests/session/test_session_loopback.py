@@ -6,6 +6,7 @@ thread); tests/session/test_session_processes.py runs them as separate processes
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -23,10 +24,32 @@ from kafila.session.form import Formed, Options, SessionError
 from kafila.session.service import Sampling
 from kafila.session.start import host, join
 from tests.net.harness import start_rendezvous
+from tests.tiny_models import make_tiny
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 MODEL = "smollm2-135m"
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory, smollm2_path) -> Path:
+    """A tiny random Llama (6 blocks) with the real SmolLM2 tokenizer and chat template: every code
+    path of a session at a fetch size the test can afford (the weight fetch is its slow part)."""
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    make_tiny(
+        folder,
+        "llama",
+        num_hidden_layers=6,
+        vocab_size=49152,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        tie_word_embeddings=True,
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_path / name, folder / name)
+    return folder
 
 
 @pytest_asyncio.fixture
@@ -43,7 +66,9 @@ def opts(rdv: RendezvousServer, name: str, tmp: Path, **kw) -> Options:
     return Options(**(base | kw))
 
 
-async def form(rdv: RendezvousServer, tmp: Path, division: str = "kafila", **kw) -> list[Formed]:
+async def form(
+    rdv: RendezvousServer, tmp: Path, division: str = "kafila", model: str = MODEL, **kw
+) -> list[Formed]:
     code: asyncio.Future = asyncio.get_running_loop().create_future()
     hosting = asyncio.ensure_future(
         host(
@@ -51,7 +76,7 @@ async def form(rdv: RendezvousServer, tmp: Path, division: str = "kafila", **kw)
                 rdv,
                 "alpha",
                 tmp,
-                model=MODEL,
+                model=model,
                 members=3,
                 context=256,
                 concurrency=4,
@@ -73,7 +98,7 @@ async def close(formed: list[Formed]) -> None:
 
 def single_process(path: Path, prompt: list[int], n: int) -> list[int]:
     ckpt = Checkpoint.open(path)
-    stage = Stage.load(ckpt, range(30), True, backend="torch", dtype="fp32", context=256)
+    stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend="torch", dtype="fp32", context=256)
     stop = Tokenizer.from_checkpoint(ckpt).stop_ids
     return [
         t for t in generate(stage, prompt, SamplingParams(max_tokens=n), eos_ids=tuple(stop)) if t not in stop
@@ -88,24 +113,25 @@ def service_of(formed: list[Formed], not_head: bool = True):
 
 
 @pytest.mark.parametrize("division", ["kafila", "uniform", "memory"])
-async def test_three_members_give_the_single_process_tokens(rdv, smollm2_path, tmp_path, division) -> None:
-    formed = await form(rdv, tmp_path, division, beta={"use_local": False}, gamma={"use_local": False})
+async def test_three_members_give_the_single_process_tokens(rdv, tiny_chat_model, tmp_path, division) -> None:
+    formed = await form(rdv, tmp_path, division, model=str(tiny_chat_model))
     try:
         plan = formed[0].plan
         assert plan.division == division and len(plan.order) == 3
-        tok = Tokenizer.from_checkpoint(Checkpoint.open(smollm2_path))
+        tok = Tokenizer.from_checkpoint(Checkpoint.open(tiny_chat_model))
         prompt = tok.encode_chat(PROMPT)
-        want = single_process(smollm2_path, prompt, 16)
+        want = await asyncio.to_thread(single_process, tiny_chat_model, prompt, 16)
         member = service_of(formed)
         got = [
             t async for ev in await member.service.submit(prompt, Sampling(max_tokens=16)) for t in ev.tokens
         ]
         assert got == want
-        for f in formed[1:]:  # each joiner fetched exactly its share of tensors
+        ckpt = Checkpoint.open(tiny_chat_model)
+        for f in formed[1:]:  # each joiner fetched exactly its share of tensors, nothing more
             a, b = f.plan.block_range(f.name)
-            ckpt = Checkpoint.open(smollm2_path)
             share = sum(ckpt.tensors[n].nbytes for n in ckpt.names_for(range(a, b), f.plan.head == f.name))
-            assert f.shard.tensor_bytes in (share, 0)  # 0: a previous division cached every tensor
+            assert f.shard.tensor_bytes == share
+            assert 0 < share < sum(t.nbytes for t in ckpt.tensors.values())
     finally:
         await close(formed)
 
