@@ -169,3 +169,17 @@ def test_bf16_stage_round_trips_hidden_bytes_and_tracks_fp32(ckpt: Checkpoint) -
     fp32.open("r")
     [ref] = fp32.forward([("r", 0, fp32.embed(PROMPT))])
     assert stage.logits(out[-1]).argmax() == fp32.logits(ref[-1]).argmax()
+
+
+@pytest.mark.slow
+def test_real_model_split_in_two_gives_exactly_the_full_models_logits(smollm2_path) -> None:
+    real = Checkpoint.open(smollm2_path)
+    n = real.n_blocks
+
+    def load(blocks: range, head: bool) -> Stage:
+        return Stage.load(real, blocks, head, backend="torch", dtype="fp32", context=32)
+
+    full = _decode_run([load(range(n), True)], steps=3)
+    split = _decode_run([load(range(0, n // 2), True), load(range(n // 2, n), False)], wire=True, steps=3)
+    for ours, want in zip(split, full, strict=True):
+        assert np.array_equal(ours, want)
