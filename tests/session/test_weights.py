@@ -150,6 +150,24 @@ async def test_restart_fetches_nothing_and_replan_fetches_only_the_moved_block(
     assert set(Checkpoint.open(moved.path).tensors) == set(full.names_for(range(2, 5), False))
 
 
+async def test_head_shard_carries_tokenizer_chat_template_and_special_tokens(folder, tmp_path) -> None:
+    model = tmp_path / "with-tokenizer"
+    shutil.copytree(folder, model)
+    (model / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"}}')
+    (model / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    (model / "notes.txt").write_text("not a model file: never offered")
+    server = WeightServer(model, cache=tmp_path / "host")
+    r = await fetch_via(server, *MemoryChannel.pair("host", "m0")[::-1], range(0, 2), True, tmp_path / "m0")
+    shard, original = Checkpoint.open(r.path), Checkpoint.open(model)
+    assert shard.tokenizer_file is not None and original.tokenizer_file is not None
+    assert shard.tokenizer_file.read_bytes() == original.tokenizer_file.read_bytes()
+    assert shard.chat_template == original.chat_template is not None
+    assert shard.special_tokens == original.special_tokens and shard.special_tokens.eos == "</s>"
+    assert shard.generation_config == original.generation_config and shard.config == original.config
+    assert not (r.path / "notes.txt").exists()
+
+
 async def test_member_with_the_same_files_locally_fetches_nothing(folder, tmp_path) -> None:
     server = WeightServer(folder, cache=tmp_path / "host")
     member, host = MemoryChannel.pair("host", "m2")[::-1]
