@@ -68,7 +68,7 @@ def build_ring(
     n = len(splits)
     # channel i: member i -> member i+1; ends[i] = (sender end at i, receiver end at i+1)
     pairs = [MemoryChannel.pair(names[i], names[(i + 1) % n]) for i in range(n)] if n > 1 else []
-    hb = [(Heartbeat(a, dead_after).start(), Heartbeat(b, dead_after).start()) for a, b in pairs]
+    hb = [(beat(a, dead_after), beat(b, dead_after)) for a, b in pairs]
     eos = ckpt.config.eos_token_id
     if n == 1:
         head = RingHead(stages[0], ModelThread(names[0]), info, None, None, eos, concurrency, chunk)
@@ -78,3 +78,8 @@ def build_ring(
         RingMember(i, stages[i], ModelThread(names[i]), info, hb[i][0], hb[i - 1][1]) for i in range(1, n)
     ]
     return Ring(head.start(), [m.start() for m in members], [c for p in hb for c in p])
+
+
+def beat(channel: MemoryChannel, dead_after: float) -> Heartbeat:
+    """Every member of an in-process ring is up from the start: no grace for a loading peer."""
+    return Heartbeat(channel, dead_after, first_within=dead_after).start()
