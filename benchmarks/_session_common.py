@@ -219,3 +219,45 @@ class SingleProcess:
 
 def fleet_banner(fleet: LocalFleet) -> str:
     return fleet.describe() + "\nplans (predicted by the host):\n" + fleet.predicted_table()
+
+
+# -- several fleets side by side ------------------------------------------------------------------------
+
+
+def start_fleets(
+    stack: contextlib.ExitStack, specs: dict[str, LocalFleet], load: Load
+) -> dict[str, LocalFleet]:
+    """Start each fleet in turn (its members probe on a machine where the others are idle) and keep
+    them all up, so that rounds can alternate between them."""
+    for label, fleet in specs.items():
+        stack.enter_context(fleet)
+        load.watch_fleet(fleet)
+        print(f"\n== {label} ==\n{fleet_banner(fleet)}", flush=True)
+    return specs
+
+
+def interleaved_rounds(
+    fleets: dict[str, LocalFleet], tokens: int, rounds: int
+) -> tuple[dict[str, list[dict[str, Any]]], bool]:
+    """One warm-up request per fleet, then `rounds` rounds of one request to each fleet's head in
+    turn; returns each fleet's request trace records (warm-up dropped) and whether every answer was
+    the same text."""
+    texts = set()
+    for _ in range(rounds + 1):
+        for fleet in fleets.values():
+            texts.add(complete(fleet.url(fleet.head), tokens).text)
+    records = {label: wait_records(f, rounds + 1)[1:] for label, f in fleets.items()}
+    return records, len(texts) == 1
+
+
+def bottleneck(records: list[dict[str, Any]]) -> tuple[str, float, dict[str, float], dict[str, float]]:
+    """(member, ms) of the slowest stage, every stage's median measured ms per decode step, and the
+    plan's predicted ms, from request records."""
+    members = [s["member"] for s in records[0]["stages"]]
+    measured = {
+        m: median([s["measured_ms"] for r in records for s in r["stages"] if s["member"] == m])
+        for m in members
+    }
+    predicted = {s["member"]: float(s["predicted_ms"]) for s in records[0]["stages"]}
+    slowest = max(measured, key=lambda m: measured[m])
+    return slowest, measured[slowest], measured, predicted

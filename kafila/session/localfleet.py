@@ -3,9 +3,10 @@
     LocalFleet([1.0, 0.5, 0.25]) -> start(): `kafila rendezvous` (own process, free ports) ->
         `kafila host` (member 0) -> `kafila join CODE` (the others), each a real CLI process,
         each optionally inside its own cgroup v1 `cpu` group (cfs_quota_us = share x cfs_period_us,
-        so a share of 0.25 is a quarter of one core) -> wait for every member's API and for
-        /session to say "serving" -> plan, API URLs, session document -> close(): SIGINT to every
-        member, then the rendezvous (SIGTERM/SIGKILL after a grace period), cgroups removed.
+        so a share of 0.25 is a quarter of one core, granted every 4 ms: see PERIOD_US) -> wait
+        for every member's API and for /session to say "serving" -> plan, API URLs, session
+        document -> close(): SIGINT to every member, then the rendezvous (SIGTERM/SIGKILL after
+        a grace period), cgroups removed.
 
 Shares need root and a writable /sys/fs/cgroup/cpu; without them the fleet still runs but
 `shares_applied` is False and `shares_note` says so (`require_shares=True` refuses instead).
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import json
+import math
 import os
 import re
 import signal
@@ -36,8 +39,15 @@ from kafila.obs.log import get_logger
 log = get_logger("kafila.session.localfleet")
 
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
-PERIOD_US = 100_000
+# A short CFS period: the kernel grants the quota per period, and a member of a ring computes in
+# bursts (one stage step, tens of ms) between idle waits. With the usual 100 ms period a 0.25 share
+# runs such a burst at full speed and is slowed only on average; with 4 ms it is slow at every
+# moment, like a slower device (checked: a 35 ms burst took 87 ms at 1000/4000 us, 35 ms at
+# 25000/100000 us). The kernel's smallest quota is 1 ms, so shares under 0.25 lengthen the period.
+PERIOD_US = 4_000
+MIN_QUOTA_US = 1_000
 GROUP_PREFIX = "kafila-fleet-"
+_SERIALS = itertools.count()
 DEFAULT_NAMES = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta")
 
 _CODE = re.compile(r"kafila: session code: (\S+)")
@@ -89,6 +99,7 @@ class LocalFleet:
     stagger: bool = True  # members probe one after another
     require_shares: bool = False
     extra_args: Sequence[str] = ()  # more flags for every member (e.g. "--dead-after", "10")
+    member_args: Sequence[Sequence[str]] | None = None  # more flags per member (e.g. "--memory-gb", "2")
     members: list[FleetMember] = field(default_factory=list, init=False)
     rendezvous_url: str | None = field(default=None, init=False)
     code: str | None = field(default=None, init=False)
@@ -97,6 +108,7 @@ class LocalFleet:
     _rendezvous: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _rdv_log: Path | None = field(default=None, init=False)
     _closed: bool = field(default=False, init=False)
+    _serial: int = field(default_factory=lambda: next(_SERIALS), init=False)  # several fleets in one process
 
     # -- public -----------------------------------------------------------------------------------
 
@@ -259,6 +271,8 @@ class LocalFleet:
         common = ["--rendezvous", self.rendezvous_url, "--name", m.name, "--api", f"127.0.0.1:{port}"]
         common += ["--backend", self.backend, "--dtype", self.dtype, "--trace", str(m.trace_path)]
         common += ["--wait", str(int(self.wait_s)), *self.extra_args]
+        if self.member_args:
+            common += list(self.member_args[index])
         if m.role == "host":
             cmd = [
                 "host",
@@ -282,7 +296,7 @@ class LocalFleet:
             cmd = ["join", self.code]
         argv = [sys.executable, "-m", "kafila", *cmd, *common]
         if m.share is not None and self.shares_applied:
-            m.cgroup = make_cgroup(f"{GROUP_PREFIX}{os.getpid()}-{m.name}", m.share)
+            m.cgroup = make_cgroup(f"{GROUP_PREFIX}{os.getpid()}-{self._serial}-{m.name}", m.share)
             argv = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(m.cgroup), *argv]
         m.proc = _spawn(argv, m.log_path)
         log.info("fleet_member_started", member=m.name, role=m.role, pid=m.proc.pid, share=m.share)
@@ -337,12 +351,21 @@ def cgroup_unavailable() -> str | None:
     return None
 
 
-def make_cgroup(name: str, share: float) -> Path:
-    """A cpu cgroup granting `share` cores: cfs_quota_us = share x cfs_period_us (100 ms)."""
+def quota_for(share: float, period_us: int = PERIOD_US) -> tuple[int, int]:
+    """(cfs_period_us, cfs_quota_us) granting `share` cores: quota = share x period, the period
+    lengthened where the quota would fall under the kernel's 1 ms minimum."""
+    period = max(period_us, math.ceil(MIN_QUOTA_US / share))
+    return period, max(MIN_QUOTA_US, round(share * period))
+
+
+def make_cgroup(name: str, share: float, period_us: int = PERIOD_US) -> Path:
+    """A cpu cgroup granting `share` cores (see `quota_for`)."""
     group = CGROUP_CPU / name
     group.mkdir(exist_ok=True)
-    (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-    (group / "cpu.cfs_quota_us").write_text(str(max(1000, round(share * PERIOD_US))))
+    period, quota = quota_for(share, period_us)
+    (group / "cpu.cfs_quota_us").write_text("-1")  # a period below the current quota is refused
+    (group / "cpu.cfs_period_us").write_text(str(period))
+    (group / "cpu.cfs_quota_us").write_text(str(quota))
     return group
 
 

@@ -28,7 +28,8 @@ def test_two_member_fleet_with_cpu_shares_serves_and_cleans_up(smollm2_path: Pat
         assert fleet.shares_applied and "1.50 of" in fleet.shares_note
         for m, share in zip(fleet.members, (1.0, 0.5), strict=True):
             assert m.cgroup is not None and m.proc is not None
-            assert int((m.cgroup / "cpu.cfs_quota_us").read_text()) == round(share * PERIOD_US)
+            quota, period = (int((m.cgroup / f"cpu.cfs_{k}_us").read_text()) for k in ("quota", "period"))
+            assert (period, quota) == (PERIOD_US, round(share * PERIOD_US))
             assert str(m.proc.pid) in (m.cgroup / "cgroup.procs").read_text().split()
             doc = fleet.session(m.name)
             assert doc["state"] == "serving" and doc["ring"] == [x.name for x in fleet.members]
@@ -57,6 +58,12 @@ def test_a_member_that_cannot_start_is_named_and_everything_stops(tmp_path: Path
     assert fleet.members[0].proc is not None and fleet.members[0].proc.poll() is not None
     assert len(fleet.members) == 1  # the joiner never started: there was no code
     assert fleet._rendezvous is not None and fleet._rendezvous.poll() is not None
+
+
+def test_quota_keeps_the_kernel_minimum_by_lengthening_the_period() -> None:
+    assert localfleet.quota_for(0.25, 4000) == (4000, 1000)
+    assert localfleet.quota_for(1.5, 4000) == (4000, 6000)
+    assert localfleet.quota_for(0.1, 4000) == (10000, 1000)
 
 
 def test_shares_required_without_root_refuse_before_starting_anything(

@@ -1,0 +1,81 @@
+"""Value of the division: one fleet of three members with CPU shares 1 : 0.5 : 0.25 of a core,
+served with --division kafila, uniform and memory (memory-proportional), side by side.
+
+Three fleets (9 member processes, each in its cgroup v1 cpu group) stay up together and rounds
+alternate between them, so the machine's other load falls on all three alike. With one request in
+flight only one stage computes at a time, so each fleet needs at most one core at any moment
+(shares sum to 1.75 cores, within the 2 the machine has). Single-user decode tokens/s comes from
+the head's trace of each request ((tokens - 1) / decode time); the bottleneck is the stage with the
+largest median measured ms per decode step. Targets: kafila/uniform >= 1.5, kafila/memory >= 1.2.
+
+On one machine every member offers the same memory, so memory-proportional equals uniform unless
+--memory-gb gives the members different offers (e.g. --memory-gb 2,2,4: a slow member with more
+memory, as an old desktop next to a laptop).
+
+    python3 benchmarks/division_value.py [--tokens 48] [--rounds 4] [--memory-gb A,B,C]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+from _session_common import (
+    Load,
+    LocalFleet,
+    bottleneck,
+    interleaved_rounds,
+    median,
+    spread,
+    start_fleets,
+)
+
+DIVISIONS = ("kafila", "uniform", "memory")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=48, help="tokens generated per request (default 48)")
+    p.add_argument("--rounds", type=int, default=4, help="measured requests per division (default 4)")
+    p.add_argument(
+        "--shares", default="1,0.5,0.25", help="CPU shares in cores, comma-separated (default 1,0.5,0.25)"
+    )
+    p.add_argument(
+        "--memory-gb", default=None, help="memory each member offers, comma-separated (default: all alike)"
+    )
+    args = p.parse_args()
+    shares = [float(x) for x in args.shares.split(",")]
+    member_args = [["--memory-gb", x] for x in args.memory_gb.split(",")] if args.memory_gb else None
+
+    load = Load()
+    specs = {
+        d: LocalFleet(shares, division=d, context=512, require_shares=True, member_args=member_args)
+        for d in DIVISIONS
+    }
+    with contextlib.ExitStack() as stack:
+        fleets = start_fleets(stack, specs, load)
+        records, same = interleaved_rounds(fleets, args.tokens, args.rounds)
+        load.sample()
+    print(f"\nmodel smollm2-135m, greedy, {args.tokens} tokens, {args.rounds} rounds; shares {shares} cores")
+    rates = {}
+    for d in DIVISIONS:
+        recs = records[d]
+        rates[d] = median([float(r["tokens_per_s"]) for r in recs])
+        spr = spread([float(r["tokens_per_s"]) for r in recs])
+        member, ms, measured, predicted = bottleneck(recs)
+        blocks = " ".join(f"{s['member']}:{s['blocks'][1] - s['blocks'][0]}" for s in recs[0]["stages"])
+        stages = " ".join(f"{m} {measured[m]:.0f}/{predicted[m]:.0f}" for m in measured)
+        print(
+            f"{d:<8} {blocks:<28} decode {rates[d]:5.2f} tok/s (±{spr:.2f})  bottleneck {member} {ms:.1f} ms"
+            f"   stage ms measured/predicted: {stages}"
+        )
+    ku, km = rates["kafila"] / rates["uniform"], rates["kafila"] / rates["memory"]
+    print(f"same tokens in every division: {same}")
+    print(f"kafila/uniform: {ku:.2f}   (target >= 1.5: {'met' if ku >= 1.5 else 'NOT met'})")
+    print(f"kafila/memory:  {km:.2f}   (target >= 1.2: {'met' if km >= 1.2 else 'NOT met'})")
+    print(load.report())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
