@@ -79,7 +79,7 @@ async def fetch_via(
 ) -> ShardResult:
     serving = asyncio.ensure_future(server.serve(host, timeout=30))
     try:
-        return await fetch_shard(member, blocks, head, cache=cache, local=[], progress=False, **kw)
+        return await fetch_shard(member, blocks, head, cache=cache, local=[], **{"progress": False, **kw})
     finally:
         await asyncio.wait_for(serving, 10)
 
@@ -133,7 +133,7 @@ async def test_three_members_fetch_exactly_their_share_and_load(pairs, folder, f
 
 
 async def test_restart_fetches_nothing_and_replan_fetches_only_the_moved_block(
-    folder, full, tmp_path
+    folder, full, tmp_path, capsys
 ) -> None:
     server = WeightServer(folder, cache=tmp_path / "host")
     cache = tmp_path / "member"
@@ -143,7 +143,11 @@ async def test_restart_fetches_nothing_and_replan_fetches_only_the_moved_block(
     again = await fetch_via(server, *MemoryChannel.pair("host", "m1")[::-1], range(2, 4), False, cache)
     assert again.bytes_fetched == 0 and again.fetched == () and again.path == first.path
     assert again.path.stat().st_ino == inode  # the same folder kept, not rebuilt under a reader
-    moved = await fetch_via(server, *MemoryChannel.pair("host", "m1")[::-1], range(2, 5), False, cache)
+    capsys.readouterr()
+    pair = MemoryChannel.pair("host", "m1")[::-1]
+    moved = await fetch_via(server, *pair, range(2, 5), False, cache, progress=True, label="m1 weights")
+    bar = capsys.readouterr().err  # the progress bar: label, bytes and rate on stderr
+    assert "m1 weights:" in bar and "B/s" in bar
     block4, nbytes = share(full, range(4, 5), False)
     assert sorted(moved.fetched) == sorted(block4) and moved.tensor_bytes == nbytes
     assert moved.meta_bytes == 0
