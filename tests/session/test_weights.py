@@ -213,6 +213,32 @@ async def test_local_copy_with_same_headers_but_other_bytes_is_not_used(folder, 
     assert not r.local and r.tensor_bytes == share(full, range(4, 5), False)[1]
 
 
+async def test_host_dispatch_loop_with_handle_and_other_messages_interleaved(folder, full, tmp_path) -> None:
+    """A host whose own receive loop owns the channel hands weights messages to `handle`; other
+    session messages on the channel (both ways) do not disturb the fetch."""
+    server = WeightServer(folder, max_request=4096, cache=tmp_path / "host")
+    member, host = MemoryChannel.pair("host", "m1")[::-1]
+    others: list[t.Message] = []
+
+    async def host_loop() -> None:
+        while True:
+            msg = await host.recv(10)
+            if isinstance(msg, t.FetchRequest) and msg.fetch_id % 5 == 0:
+                await host.send(t.Control("session.state", {"members": 3}))  # unrelated traffic
+            if not await server.handle(host, msg):
+                others.append(msg)
+            if isinstance(msg, t.Control) and msg.op == "weights.done":
+                return
+
+    loop = asyncio.ensure_future(host_loop())
+    await member.send(t.Control("hello", {"from": "m1"}))
+    r = await fetch_shard(member, range(2, 4), False, cache=tmp_path / "m1", local=[], progress=False)
+    await asyncio.wait_for(loop, 10)
+    assert others == [t.Control("hello", {"from": "m1"})]
+    assert r.tensor_bytes == share(full, range(2, 4), False)[1]
+    assert server.stats["m1"].bytes_sent == r.bytes_fetched
+
+
 async def ask(server: WeightServer, req: t.FetchRequest) -> t.Message:
     member, host = MemoryChannel.pair("host", "m")[::-1]
     await server.handle(host, req)
