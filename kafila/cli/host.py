@@ -58,6 +58,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--wait", type=float, default=300.0, help="seconds to wait for the members to join (default 300)"
     )
+    parser.add_argument("--code-file", help="also write the session code to this file (for scripts)")
     add_member_flags(parser)
 
 
@@ -99,8 +100,13 @@ def main(args: argparse.Namespace) -> int:
     from kafila.session.form import SessionError, say
     from kafila.session.start import host
 
+    def on_code(code: object) -> None:
+        if args.code_file:
+            with open(args.code_file, "w") as f:
+                f.write(f"{code}\n")
+
     async def run() -> None:
-        formed = await host(options(args))  # type: ignore[arg-type]
+        formed = await host(options(args), on_code)  # type: ignore[arg-type]
         await serve_until_interrupted(formed)
 
     try:

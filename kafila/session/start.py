@@ -52,18 +52,19 @@ async def host(opts: Options, on_code: Callable[[SessionCode], None] | None = No
     pump = asyncio.ensure_future(node.signals.pump())
     me = await asyncio.to_thread(probe_report, name, node, opts)
     devices, ids = await _gather_reports(node, me, opts)
-    plan = _plan(devices, ckpt, opts)
+    plan, alternatives = _plan(devices, ckpt, opts)
     for peer in ids.values():
         if peer != node.member:
-            await client.signal(
-                peer, payload("plan", plan=plan.to_dict(), ids=ids, model=opts.model, chunk=opts.chunk)
-            )
+            body = payload("plan", plan=plan.to_dict(), ids=ids, model=opts.model, chunk=opts.chunk)
+            await client.signal(peer, body | {"alternatives": alternatives})
     links = await link_ring(node, plan, name, ids, name)
     server = WeightServer(folder, cache=opts.cache)
     controls = [LinkChannel(link, peer) for peer, link in links.items()]
     say(f"serving weights to {len(controls)} member(s)")
     await asyncio.gather(*(server.serve(c) for c in controls))
-    formed = await _start_ring(name, code, plan, folder, links, node, client, opts, opts.model, opts.chunk)
+    formed = await _start_ring(
+        name, code, plan, folder, links, node, client, opts, opts.model, opts.chunk, alternatives
+    )
     formed.tasks.append(pump)
     await _wait_ready(node, len(ids) - 1, opts.wait_s)
     say(f"session ready: {len(plan.order)} members, head {plan.head}, ring {' -> '.join(plan.order)}")
@@ -93,7 +94,7 @@ async def _gather_reports(
     return devices, ids
 
 
-def _plan(devices: list[DeviceReport], ckpt: Checkpoint, opts: Options) -> Plan:
+def _plan(devices: list[DeviceReport], ckpt: Checkpoint, opts: Options) -> tuple[Plan, dict[str, Any]]:
     from kafila.planner.decide import plan_all
 
     manifest = ckpt.manifest("F32" if opts.dtype in ("auto", "fp32") else None)
@@ -102,7 +103,7 @@ def _plan(devices: list[DeviceReport], ckpt: Checkpoint, opts: Options) -> Plan:
     plan = plans[opts.division]
     if not plan.feasible:
         raise SessionError(f"the session cannot be formed with the {opts.division} division: {plan.reason}")
-    return plan
+    return plan, {name: p.summary() for name, p in plans.items()}
 
 
 async def _wait_ready(node: Any, n: int, timeout: float) -> None:
@@ -145,7 +146,17 @@ async def join(code_text: str, opts: Options) -> Formed:
         f"weights: {shard.tensor_bytes / 1e6:.1f} MB fetched for blocks [{a}, {b}){' + head' if head else ''}"
     )
     formed = await _start_ring(
-        me_name, code, plan, shard.path, links, node, client, opts, msg["model"], msg["chunk"]
+        me_name,
+        code,
+        plan,
+        shard.path,
+        links,
+        node,
+        client,
+        opts,
+        msg["model"],
+        msg["chunk"],
+        msg.get("alternatives"),
     )
     formed.tasks.append(pump)
     formed.shard = shard  # type: ignore[attr-defined]
@@ -164,6 +175,7 @@ async def _start_ring(
     opts: Options,
     model: str,
     chunk: int,
+    alternatives: dict[str, Any] | None = None,
 ) -> Formed:
     from kafila.engine.stage import Stage
     from kafila.engine.tokenizer import Tokenizer
@@ -191,7 +203,7 @@ async def _start_ring(
         blocks={s.name: (s.start, s.stop) for s in plan.stages},
         predicted_ms={s.name: (s.cost_s or 0.0) * 1e3 for s in plan.stages},
         edges=edges,
-        plan=plan.summary(),
+        plan={"chosen": plan.summary(), "divisions": alternatives or {}},
     )
     nxt = _channel(links.get(nxt_name), nxt_name, opts)
     prv = _channel(links.get(prv_name), prv_name, opts) if len(order) > 2 or nxt is None else nxt
