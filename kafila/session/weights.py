@@ -511,7 +511,8 @@ class _Member:
         files_dir = ckdir / "files"
         want: dict[str, tuple[int, str | None]] = {f"{k}": v for k, v in m.files.items()}
         want.update({f"{k}.header": (n, None) for k, n in m.headers.items()})
-        have = {name: files_dir / name for name in want if _valid(files_dir / name, *want[name])}
+        valid = await asyncio.to_thread(lambda: [n for n in want if _valid(files_dir / n, *want[n])])
+        have = {name: files_dir / name for name in valid}
         jobs = [
             job
             for name, (size, _) in want.items()
@@ -525,23 +526,8 @@ class _Member:
             bufs[name][job.offset : job.offset + len(data)] = data
 
         await fetch.run(jobs, sink)
-        headers = {}
-        for k in m.headers:
-            h = f"{k}.header"
-            headers[k] = bytes(bufs[h]) if h in bufs else (files_dir / h).read_bytes()
-        try:
-            _verify_headers(m, headers, self.channel.peer)
-        except WeightsError:
-            for k in m.headers:  # a cached header may be the bad one: fetch them all next time
-                (files_dir / f"{k}.header").unlink(missing_ok=True)
-            raise
-        for name, buf in bufs.items():
-            sha = want[name][1]
-            if sha is not None and hashlib.sha256(buf).hexdigest() != sha:
-                raise WeightsError(f"{name}: fetched bytes do not match the host's sha256; not cached")
-            write_atomic(files_dir / name, [buf])
-            have[name] = files_dir / name
-        return {k: v for k, v in have.items() if k in m.files}
+        await asyncio.to_thread(_check_and_keep_meta, m, files_dir, want, bufs, self.channel.peer)
+        return {k: files_dir / k for k in m.files}
 
     async def tensors(self, entries: list[TensorEntry], m: WeightManifest, fetch: _Fetch) -> None:
         """Fetch `entries`, verify each tensor's size and sha256, put it in the blob store."""
@@ -592,6 +578,32 @@ class _Member:
             )
         self.blobs.put(e.key, e.name, e.dtype, e.shape, p.buf)
         p.buf = bytearray()
+
+
+def _check_and_keep_meta(
+    m: WeightManifest,
+    files_dir: Path,
+    want: dict[str, tuple[int, str | None]],
+    bufs: dict[str, bytearray],
+    peer: str,
+) -> None:
+    """Check fetched headers and small files (with the cached ones), then cache the fetched ones."""
+    headers = {}
+    for k in m.headers:
+        h = f"{k}.header"
+        headers[k] = bytes(bufs[h]) if h in bufs else (files_dir / h).read_bytes()
+    try:
+        _verify_headers(m, headers, peer)
+    except WeightsError:
+        for k in m.headers:  # a cached header may be the bad one: fetch them all next time
+            (files_dir / f"{k}.header").unlink(missing_ok=True)
+        raise
+    for name, buf in bufs.items():
+        sha = want[name][1]
+        if sha is not None and hashlib.sha256(buf).hexdigest() != sha:
+            raise WeightsError(f"{name}: fetched bytes do not match the host's sha256; not cached")
+    for name, buf in bufs.items():
+        write_atomic(files_dir / name, [buf])
 
 
 def _verify_headers(m: WeightManifest, headers: dict[str, bytes], peer: str) -> None:
@@ -715,7 +727,9 @@ async def _fetch_shard(
         return result
     ckdir = root / "weights" / m.checkpoint[:16]
     entries = [m.tensors[n] for n in names]
-    todo = [e for e in entries if not member.blobs.has(e.key, e.name, e.dtype, e.shape, e.nbytes)]
+    todo = await asyncio.to_thread(
+        lambda: [e for e in entries if not member.blobs.has(e.key, e.name, e.dtype, e.shape, e.nbytes)]
+    )
     with member.bar(sum(e.nbytes for e in todo)) as bar:
         fetch = _Fetch(channel, window, timeout, bar)
         files = await member.meta(m, ckdir, fetch)
