@@ -1,0 +1,55 @@
+"""Members as separate processes (`kafila rendezvous`, `kafila host`, `kafila join`) on loopback:
+a member killed in the middle of a generation makes the request fail fast, and the others notice."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+from kafila.session.local import LocalFleet
+
+pytestmark = [pytest.mark.network, pytest.mark.slow]
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture
+def fleet(smollm2_path, tmp_path):
+    f = LocalFleet(MODEL, (None, None, None), context=512, workdir=tmp_path)
+    try:
+        yield f.start(timeout=300)
+    finally:
+        f.close()
+
+
+def test_killed_member_fails_the_request_within_10_s_and_the_others_notice(fleet: LocalFleet) -> None:
+    doc = fleet.session()
+    assert doc["state"] == "serving" and len(doc["ring"]) == 3
+    others = [m for m in fleet.members if m.name != doc["head"]]
+    asker, victim = others[0], others[1]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": 400, "temperature": 0, "stream": True}  # fmt: skip
+    lines, killed_at, error = 0, None, None
+    with httpx.stream("POST", f"http://{asker.api}/v1/chat/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                error = chunk["error"]
+                break
+            lines += 1
+            if lines == 3:
+                victim.proc.send_signal(signal.SIGKILL)  # mid-generation, no goodbye
+                killed_at = time.monotonic()
+    assert killed_at is not None, "the answer ended before the member could be killed"
+    failed_after = time.monotonic() - killed_at
+    assert error is not None and victim.name in error["message"], error
+    assert failed_after < 10, f"the request failed {failed_after:.1f} s after the kill"
+    for m in fleet.members:
+        if m is not victim:
+            state = httpx.get(f"http://{m.api}/session", timeout=5).json()
+            assert state["state"] == "broken" and victim.name in state["error"]
