@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from kafila.session.local import LocalFleet
+from kafila.session.localfleet import LocalFleet
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 MODEL = "smollm2-135m"
@@ -18,11 +18,8 @@ MODEL = "smollm2-135m"
 
 @pytest.fixture
 def fleet(smollm2_path, tmp_path):
-    f = LocalFleet(MODEL, (None, None, None), context=512, workdir=tmp_path)
-    try:
-        yield f.start(timeout=300)
-    finally:
-        f.close()
+    with LocalFleet((None, None, None), MODEL, context=512, workdir=tmp_path, stagger=False) as f:
+        yield f
 
 
 def test_killed_member_fails_the_request_within_10_s_and_the_others_notice(fleet: LocalFleet) -> None:
@@ -30,10 +27,11 @@ def test_killed_member_fails_the_request_within_10_s_and_the_others_notice(fleet
     assert doc["state"] == "serving" and len(doc["ring"]) == 3
     others = [m for m in fleet.members if m.name != doc["head"]]
     asker, victim = others[0], others[1]
+    assert victim.proc is not None
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
             "max_tokens": 400, "temperature": 0, "stream": True}  # fmt: skip
     lines, killed_at, error = 0, None, None
-    with httpx.stream("POST", f"http://{asker.api}/v1/chat/completions", json=body, timeout=30) as r:
+    with httpx.stream("POST", f"{asker.api_url}/v1/chat/completions", json=body, timeout=30) as r:
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
@@ -51,5 +49,5 @@ def test_killed_member_fails_the_request_within_10_s_and_the_others_notice(fleet
     assert failed_after < 10, f"the request failed {failed_after:.1f} s after the kill"
     for m in fleet.members:
         if m is not victim:
-            state = httpx.get(f"http://{m.api}/session", timeout=5).json()
+            state = httpx.get(f"{m.api_url}/session", timeout=5).json()
             assert state["state"] == "broken" and victim.name in state["error"]
