@@ -6,7 +6,9 @@ alternate between them, so the machine's other load falls on all three alike. Wi
 flight only one stage computes at a time, so each fleet needs at most one core at any moment
 (shares sum to 1.75 cores, within the 2 the machine has). Single-user decode tokens/s comes from
 the head's trace of each request ((tokens - 1) / decode time); the bottleneck is the stage with the
-largest median measured ms per decode step. Targets: kafila/uniform >= 1.5, kafila/memory >= 1.2.
+largest median measured ms per decode step. Then rounds of --users concurrent requests per fleet
+(client-side aggregate tokens/s): with the pipeline full the bottleneck, not the circuit, sets
+the rate. Targets: kafila/uniform >= 1.5, kafila/memory >= 1.2.
 
 On one machine every member offers the same memory, so memory-proportional equals uniform unless
 --memory-gb gives the members different offers (e.g. --memory-gb 2,2,4: a slow member with more
@@ -24,6 +26,7 @@ from _session_common import (
     Load,
     LocalFleet,
     bottleneck,
+    concurrent,
     interleaved_rounds,
     median,
     spread,
@@ -49,12 +52,24 @@ def main() -> int:
 
     load = Load()
     specs = {
-        d: LocalFleet(shares, division=d, context=512, require_shares=True, member_args=member_args)
+        d: LocalFleet(
+            shares,
+            division=d,
+            context=512,
+            concurrency=max(1, args.users),
+            require_shares=True,
+            member_args=member_args,
+        )
         for d in DIVISIONS
     }
     with contextlib.ExitStack() as stack:
         fleets = start_fleets(stack, specs, load)
         records, same = interleaved_rounds(fleets, args.tokens, args.rounds)
+        many: dict[str, list[float]] = {d: [] for d in DIVISIONS}
+        for _ in range(args.rounds if args.users else 0):
+            for d, fleet in fleets.items():
+                answers, wall = concurrent(fleet.url(fleet.head), args.users, args.tokens)
+                many[d].append(sum(a.completion_tokens for a in answers) / wall)
         load.sample()
     print(f"\nmodel smollm2-135m, greedy, {args.tokens} tokens, {args.rounds} rounds; shares {shares} cores")
     rates = {}
@@ -71,6 +86,14 @@ def main() -> int:
         )
     ku, km = rates["kafila"] / rates["uniform"], rates["kafila"] / rates["memory"]
     print(f"same tokens in every division: {same}")
+    if args.users:
+        for d in DIVISIONS:
+            print(
+                f"{d:<8} {args.users} users: {median(many[d]):5.2f} tok/s aggregate (±{spread(many[d]):.2f})"
+            )
+        mu = median(many["kafila"]) / median(many["uniform"])
+        mm = median(many["kafila"]) / median(many["memory"])
+        print(f"{args.users} users: kafila/uniform {mu:.2f}, kafila/memory {mm:.2f}")
     print(f"kafila/uniform: {ku:.2f}   (target >= 1.5: {'met' if ku >= 1.5 else 'NOT met'})")
     print(f"kafila/memory:  {km:.2f}   (target >= 1.2: {'met' if km >= 1.2 else 'NOT met'})")
     print(load.report())
