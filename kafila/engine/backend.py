@@ -117,6 +117,10 @@ class TorchBackend(Backend):
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cpu":  # as many threads as the probe measured with: affinity capped by a CFS quota
+            from kafila.probe.system import usable_cpus
+
+            torch.set_num_threads(usable_cpus())
         d = ("bf16" if device == "cuda" else "fp32") if dtype == "auto" else normalize_dtype(dtype)
         return cls("torch", device, d)
 

@@ -46,3 +46,15 @@ def test_hidden_states_round_trip_through_wire_bytes(name: str, dtype: str) -> N
     hidden = be.from_bytes(data, (3, 4))
     assert be.to_bytes(hidden) == data
     np.testing.assert_allclose(be.numpy(hidden), values, atol=0.02)
+
+
+def test_torch_cpu_runs_as_many_threads_as_the_probe_measured_with() -> None:
+    import torch
+
+    from kafila.engine.backend import TorchBackend
+    from kafila.probe.system import usable_cpus
+
+    torch.set_num_threads(max(1, usable_cpus() * 2 + 1))
+    backend = TorchBackend.create("fp32")
+    if backend.device == "cpu":
+        assert torch.get_num_threads() == usable_cpus()
