@@ -14,7 +14,7 @@ On one machine every member offers the same memory, so memory-proportional equal
 --memory-gb gives the members different offers (e.g. --memory-gb 2,2,4: a slow member with more
 memory, as an old desktop next to a laptop).
 
-    python3 benchmarks/division_value.py [--tokens 48] [--rounds 4] [--memory-gb A,B,C]
+    python3 benchmarks/division_value.py [--tokens 48] [--rounds 4] [--users 4] [--memory-gb A,B,C]
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=48, help="tokens generated per request (default 48)")
     p.add_argument("--rounds", type=int, default=4, help="measured requests per division (default 4)")
+    p.add_argument("--users", type=int, default=4, help="concurrent users in the throughput rounds (0: none)")
     p.add_argument(
         "--shares", default="1,0.5,0.25", help="CPU shares in cores, comma-separated (default 1,0.5,0.25)"
     )
