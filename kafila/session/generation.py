@@ -17,6 +17,18 @@ from kafila.session.service import GenerationError, TokenEvent
 ORIGIN_SHIFT = 24
 
 
+async def cancel_tasks(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel and wait; cancels again while any is still running (Python 3.11's wait_for can lose a
+    cancellation that arrives as its inner future completes, leaving a receive loop running)."""
+    for _ in range(20):
+        pending = [t for t in tasks if not t.done()]
+        if not pending:
+            return
+        for t in pending:
+            t.cancel()
+        await asyncio.wait(pending, timeout=0.25)
+
+
 def origin_of(rid: int) -> int:
     return rid >> ORIGIN_SHIFT
 

@@ -26,7 +26,7 @@ from kafila.obs.trace import HopTrace, RequestRecord, StageTrace, TraceLog
 from kafila.proto import tensor as t
 from kafila.session import compute
 from kafila.session.channel import Channel, ChannelError
-from kafila.session.generation import QueueGeneration, RequestIds, origin_of
+from kafila.session.generation import QueueGeneration, RequestIds, cancel_tasks, origin_of
 from kafila.session.schedule import Entry, Schedule, Step
 from kafila.session.service import GenerationError, Sampling, TokenEvent
 
@@ -132,12 +132,21 @@ class RingHead:
         self._tasks = [asyncio.ensure_future(self._pump())]
         if self.next is not None and self.prev is not None:
             self._tasks += [asyncio.ensure_future(self._send_out()), asyncio.ensure_future(self._receive())]
+        if self.next is not None and self.next is not self.prev:
+            self._tasks.append(asyncio.ensure_future(self._watch_next()))
         return self
 
+    async def _watch_next(self) -> None:
+        """Drain the next member's beats on its link; silence there means it is gone."""
+        assert self.next is not None
+        try:
+            while True:
+                await self.next.recv()
+        except ChannelError as exc:
+            self._break(str(exc))
+
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_tasks(self._tasks)
         self._fail_all("internal", "the session is shutting down")
 
     # -- admission -------------------------------------------------------------------------------------
@@ -311,7 +320,7 @@ class RingHead:
         self.schedule.cancel(rid)
         if req.generation is not None:
             req.generation.push(GenerationError(code, message))
-        elif self.next is not None and self.broken is None:
+        elif self.next is not None:  # best effort: the way to the member may be what broke
             self._outbox.put_nowait(t.Error(rid, code, message))
         self._wake.set()
 

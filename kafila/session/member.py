@@ -18,7 +18,7 @@ from kafila.obs.log import get_logger
 from kafila.proto import tensor as t
 from kafila.session import compute
 from kafila.session.channel import Channel, ChannelError
-from kafila.session.generation import QueueGeneration, RequestIds, origin_of
+from kafila.session.generation import QueueGeneration, RequestIds, cancel_tasks, origin_of
 from kafila.session.head import RingInfo
 from kafila.session.service import GenerationError, Sampling, TokenEvent
 
@@ -93,13 +93,14 @@ class RingMember:
     # -- lifecycle -------------------------------------------------------------------------------------
 
     def start(self) -> RingMember:
-        self._tasks = [asyncio.ensure_future(c) for c in (self._receive(), self._compute(), self._send_out())]
+        loops = [self._receive(), self._compute(), self._send_out()]
+        if self.next is not self.prev:
+            loops.append(self._watch_next())
+        self._tasks = [asyncio.ensure_future(c) for c in loops]
         return self
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_tasks(self._tasks)
 
     # -- loops -----------------------------------------------------------------------------------------
 
@@ -171,6 +172,15 @@ class RingMember:
         for f, data in zip(frames, datas, strict=True):
             out = t.Hidden(f.step, f.dtype, f.shape, f.entries, data, f.flags, (*f.timings_us, us))
             self._outbox.put_nowait(out)
+
+    async def _watch_next(self) -> None:
+        """The next member sends nothing on this link but its beats: hearing them (or not) tells
+        whether it is alive, so a dead successor is noticed here too."""
+        try:
+            while True:
+                await self.next.recv()
+        except ChannelError as exc:
+            self._break(str(exc))
 
     async def _send_out(self) -> None:
         try:

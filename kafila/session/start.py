@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,29 +36,76 @@ from kafila.session.form import (
 log = get_logger("kafila.session")
 
 
+class Held:
+    """What a member holds while its session forms, released if forming fails."""
+
+    def __init__(self) -> None:
+        self.client: SignalingClient | None = None
+        self.node: Any = None
+        self.tasks: list[asyncio.Task[Any]] = []
+        self.links: dict[str, Link] = {}
+
+    async def release(self) -> None:
+        for link in self.links.values():
+            with contextlib.suppress(Exception):
+                await link.close("session not formed")
+        for task in self.tasks:
+            task.cancel()
+        if self.client is not None:
+            with contextlib.suppress(Exception):
+                await self.client.close("session not formed")
+        if self.node is not None:
+            self.node.endpoint.close()
+
+
 async def host(opts: Options, on_code: Callable[[SessionCode], None] | None = None) -> Formed:
+    held = Held()
+    try:
+        return await _host(opts, on_code, held)
+    except BaseException:
+        await asyncio.shield(held.release())
+        raise
+
+
+async def join(code_text: str, opts: Options) -> Formed:
+    held = Held()
+    try:
+        return await _join(code_text, opts, held)
+    except BaseException:
+        await asyncio.shield(held.release())
+        raise
+
+
+async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, held: Held) -> Formed:
     from kafila.models.registry import resolve
     from kafila.session.weights import WeightServer
 
     folder = resolve(opts.model)
     ckpt = Checkpoint.open(folder)
     name = opts.name or default_name()
-    client = await SignalingClient.connect(opts.rendezvous)
+    client = held.client = await SignalingClient.connect(opts.rendezvous)
     opened = await client.open_session(opts.model, opts.members, name, {"role": "host"})
     code = new_code(opened.session)
     say(f"session code: {code}   (members join with: kafila join {code})")
     if on_code:
         on_code(code)
-    node = await connect_node(client, code, opts.rendezvous)
+    node = held.node = await connect_node(client, code, opts.rendezvous)
     pump = asyncio.ensure_future(node.signals.pump())
+    held.tasks.append(pump)
     me = await asyncio.to_thread(probe_report, name, node, opts)
     devices, ids = await _gather_reports(node, me, opts)
-    plan, alternatives = _plan(devices, ckpt, opts)
+    try:
+        plan, alternatives = _plan(devices, ckpt, opts)
+    except SessionError as exc:
+        for peer in ids.values():
+            if peer != node.member:
+                await client.signal(peer, payload("refused", reason=str(exc)))
+        raise
     for peer in ids.values():
         if peer != node.member:
             body = payload("plan", plan=plan.to_dict(), ids=ids, model=opts.model, chunk=opts.chunk)
             await client.signal(peer, body | {"alternatives": alternatives})
-    links = await link_ring(node, plan, name, ids, name)
+    links = held.links = await link_ring(node, plan, name, ids, name)
     server = WeightServer(folder, cache=opts.cache)
     controls = [LinkChannel(link, peer) for peer, link in links.items()]
     say(f"serving weights to {len(controls)} member(s)")
@@ -116,17 +164,18 @@ async def _wait_ready(node: Any, n: int, timeout: float) -> None:
         ready += msg.get("op") == "ready"
 
 
-async def join(code_text: str, opts: Options) -> Formed:
+async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     from kafila.session.weights import fetch_shard
 
     code = parse_code(code_text)
-    client = await SignalingClient.connect(opts.rendezvous)
+    client = held.client = await SignalingClient.connect(opts.rendezvous)
     joined = await client.join(code.public, opts.name or default_name(), {"role": "member"})
     host_info = next(m for m in joined.members if m.host)
     name = f"{opts.name or default_name()}-{joined.member}" if opts.name is None else opts.name
     say(f"joined session {code.public} for model {joined.model} ({len(joined.members)} member(s) so far)")
-    node = await connect_node(client, code, opts.rendezvous)
+    node = held.node = await connect_node(client, code, opts.rendezvous)
     pump = asyncio.ensure_future(node.signals.pump())
+    held.tasks.append(pump)
     me = await asyncio.to_thread(probe_report, name, node, opts)
     await client.signal(host_info.id, payload("report", device=me.to_dict()))
     say("waiting for the host's plan")
@@ -136,7 +185,7 @@ async def join(code_text: str, opts: Options) -> Formed:
     plan, ids = Plan.from_dict(msg["plan"]), {k: int(v) for k, v in msg["ids"].items()}
     me_name = next(k for k, v in ids.items() if v == node.member)
     host_name = next(k for k, v in ids.items() if v == host_info.id)
-    links = await link_ring(node, plan, me_name, ids, host_name)
+    links = held.links = await link_ring(node, plan, me_name, ids, host_name)
     a, b = plan.block_range(me_name)
     head = plan.head == me_name
     local = None if opts.use_local else []

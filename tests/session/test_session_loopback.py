@@ -164,4 +164,5 @@ async def test_infeasible_session_is_refused_naming_the_device(rdv, tmp_path) ->
     joining = asyncio.ensure_future(join(c, opts(rdv, "beta", tmp_path, memory_bytes=int(tiny * 1e9))))
     with pytest.raises(SessionError, match=r"alpha|beta"):
         await hosting
-    joining.cancel()
+    with pytest.raises(SessionError, match="refused"):  # the member is told, not left waiting
+        await joining
