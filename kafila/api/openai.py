@@ -100,6 +100,8 @@ async def _sse(stream: AsyncIterator[Piece], api: Api, rid: str, chat: bool) -> 
             head | {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
         )
     async for p in stream:
+        if p.queue_position:  # an SSE comment: clients ignore it, people and tools can read it
+            yield f": queued, position {p.queue_position}\n\n".encode()
         if p.text or p.finish:
             body = {"content": p.text} if chat else None
             choice = {"index": 0, "finish_reason": p.finish}

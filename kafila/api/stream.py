@@ -27,6 +27,7 @@ log = get_logger("kafila.api")
 class Piece:
     text: str
     finish: str | None = None
+    queue_position: int | None = None  # the request waits for a slot (1 = next)
 
 
 @dataclass
@@ -53,6 +54,8 @@ async def pieces(gen: Generation, codec: TextCodec, job: Job, tally: Tally) -> A
     detok = Detokenizer(codec, job.stop)
     try:
         async for ev in gen:
+            if ev.queue_position:
+                yield Piece("", queue_position=ev.queue_position)
             if ev.tokens:
                 tally.first_token = tally.first_token or time.perf_counter()
                 tally.completion_tokens += len(ev.tokens)

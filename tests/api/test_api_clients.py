@@ -163,6 +163,20 @@ async def test_a_client_that_disconnects_cancels_its_request(served: Served) -> 
     assert served.ring.head.schedule.active == ()
 
 
+async def test_streaming_requests_beyond_the_concurrency_see_their_queue_position(served: Served) -> None:
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 12, "temperature": 0, "stream": True}
+
+    async def one(http: httpx.AsyncClient) -> list[str]:
+        async with http.stream("POST", f"{served.head.url}/v1/chat/completions", json=body) as r:
+            return [line async for line in r.aiter_lines() if line]
+
+    async with httpx.AsyncClient(timeout=60) as http:
+        streams = await asyncio.gather(*(one(http) for _ in range(4)))  # the session serves 2 at once
+    comments = [line for lines in streams for line in lines if line.startswith(": queued, position")]
+    assert comments, "no request was told it waits in the queue"
+    assert all(lines[-1] == "data: [DONE]" for lines in streams)
+
+
 async def test_session_document_and_traces(served: Served) -> None:
     async with httpx.AsyncClient() as http:
         doc = (await http.get(f"{served.member.url}/session")).json()
