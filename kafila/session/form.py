@@ -135,11 +135,20 @@ async def connect_node(client: SignalingClient, code: SessionCode, url: str) -> 
     return node
 
 
-def probe_report(name: str, node: LinkNode, opts: Options) -> DeviceReport:
+def probe_report(
+    name: str, node: LinkNode, opts: Options, config: dict[str, Any] | None = None
+) -> DeviceReport:
+    """This member measured (E3's probe). With the session model's config.json the probe also
+    times one decode step of one synthetic block of that model, which the planner prefers."""
+    from kafila.models.config import ConfigError, ModelConfig
     from kafila.probe.measure import probe
 
-    say("measuring this device (memory bandwidth, dispatch overhead, memory)")
-    report = probe(opts.backend, opts.dtype, repeats=opts.probe_repeats)
+    say("measuring this device (memory bandwidth, dispatch overhead, memory, one block of the model)")
+    try:
+        model = ModelConfig.from_dict(config) if config else None
+    except (ConfigError, ValueError, TypeError):
+        model = None
+    report = probe(opts.backend, opts.dtype, repeats=opts.probe_repeats, model=model, model_name=opts.model)
     nat = node.nat.nat if node.nat else None
     rtt = node.nat.rtt_median if node.nat else None
     device = report.device_report(name, nat=nat, rtt_s=rtt)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -84,7 +85,8 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     ckpt = Checkpoint.open(folder)
     name = opts.name or default_name()
     client = held.client = await SignalingClient.connect(opts.rendezvous)
-    opened = await client.open_session(opts.model, opts.members, name, {"role": "host"})
+    config = ckpt.config.raw if len(json.dumps(ckpt.config.raw)) < 12_000 else None
+    opened = await client.open_session(opts.model, opts.members, name, {"role": "host", "config": config})
     code = new_code(opened.session)
     say(f"session code: {code}   (members join with: kafila join {code})")
     if on_code:
@@ -92,7 +94,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     node = held.node = await connect_node(client, code, opts.rendezvous)
     pump = asyncio.ensure_future(node.signals.pump())
     held.tasks.append(pump)
-    me = await asyncio.to_thread(probe_report, name, node, opts)
+    me = await asyncio.to_thread(probe_report, name, node, opts, config)
     devices, ids = await _gather_reports(node, me, opts)
     try:
         plan, alternatives = _plan(devices, ckpt, opts)
@@ -176,7 +178,8 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     node = held.node = await connect_node(client, code, opts.rendezvous)
     pump = asyncio.ensure_future(node.signals.pump())
     held.tasks.append(pump)
-    me = await asyncio.to_thread(probe_report, name, node, opts)
+    config = host_info.capability.get("config")  # the model's shape, for the block probe
+    me = await asyncio.to_thread(probe_report, name, node, opts, config if isinstance(config, dict) else None)
     await client.signal(host_info.id, payload("report", device=me.to_dict()))
     say("waiting for the host's plan")
     _, msg = await next_session_message(node.signals, opts.wait_s)
