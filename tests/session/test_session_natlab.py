@@ -1,0 +1,94 @@
+"""The same session across the NAT lab (real Linux netfilter in network namespaces; root): three
+`kafila` member processes behind a permissive and two restrictive (symmetric) routers, so the edge
+between the two restrictive members cannot punch and goes through the rendezvous's relay. The
+session forms, one edge is relayed, and a member that is not the head answers through the ring."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from kafila.rendezvous.server import RendezvousServer
+from tests.natlab.lab import RDV_ADDRS, Lab, netns
+from tests.net.harness import start_rendezvous
+
+pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.network]
+API = "127.0.0.1:11434"  # each member's API, inside its own namespace
+ASK = f"""
+import httpx, json
+question = [{{"role": "user", "content": "What is the capital of France?"}}]
+body = {{"model": "smollm2-135m", "messages": question, "max_tokens": 20, "temperature": 0}}
+r = httpx.post("http://{API}/v1/chat/completions", json=body, timeout=120)
+print(json.dumps(r.json()))
+"""
+
+
+@pytest_asyncio.fixture
+async def rdv(natlab: Lab) -> AsyncIterator[RendezvousServer]:
+    with netns(natlab.rdv):
+        server = await start_rendezvous(RDV_ADDRS[0], RDV_ADDRS[1])
+    yield server
+    await server.stop()
+
+
+def spawn(ns: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "kafila", *args]
+    with log.open("wb") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
+
+
+async def wait_for(check, timeout: float, what: str, procs) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not check():
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(f"{what}: {p.args[3]} exited with {p.returncode}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f} s")
+        await asyncio.sleep(0.3)
+
+
+async def test_session_across_nats_with_a_relayed_edge(natlab: Lab, rdv, smollm2_path, tmp_path) -> None:
+    sites = [natlab.add_site("permissive"), natlab.add_site("restrictive"), natlab.add_site("restrictive")]
+    names = ["alpha", "beta", "gamma"]
+    logs = [tmp_path / f"{n}.log" for n in names]
+    code_file = tmp_path / "code"
+    common = ["--rendezvous", rdv.url, "--api", API, "--context", "512"]
+    procs = [spawn(sites[0].host, ["host", "--model", "smollm2-135m", "--members", "3", "--name", "alpha",
+                                   "--code-file", str(code_file), *common], logs[0])]  # fmt: skip
+    try:
+        await wait_for(code_file.exists, 120, "session code", procs)
+        code = code_file.read_text().strip()
+        for site, name, log in zip(sites[1:], names[1:], logs[1:], strict=True):
+            join = ["join", code, "--name", name, *[a for a in common if a != "--context" and a != "512"]]
+            procs.append(spawn(site.host, join, log))
+        await wait_for(lambda: "session ready" in logs[0].read_text(), 300, "session ready", procs)
+        text = "".join(log.read_text() for log in logs)
+        assert ": relay" in text, "no edge went through the relay"
+        assert ": direct" in text
+        asked = await asyncio.to_thread(
+            subprocess.run,
+            ["ip", "netns", "exec", sites[1].host, sys.executable, "-c", ASK],
+            capture_output=True,
+            timeout=180,
+        )
+        answer = json.loads(asked.stdout)
+        assert "Paris" in answer["choices"][0]["message"]["content"], answer
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
