@@ -92,3 +92,4 @@ async def test_session_across_nats_with_a_relayed_edge(natlab: Lab, rdv, smollm2
                 p.wait(15)
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait(5)
