@@ -161,8 +161,8 @@ class LocalFleet:
 
     @property
     def plan(self) -> dict[str, Any]:
-        """The plan summary the session runs (from the host's /session)."""
-        return dict(self.session()["plan"])
+        """The plan summary the session runs (`kafila plan --json` entry, from the host's /session)."""
+        return dict(self.session()["plan"]["chosen"])
 
     @property
     def head(self) -> str:
