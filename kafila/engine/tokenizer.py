@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kafila.engine import chat_template
+from kafila.models.checkpoint import token_ids, token_text
 
 if TYPE_CHECKING:
     from kafila.models.checkpoint import Checkpoint
@@ -46,7 +47,7 @@ class Tokenizer:
         self.source = source
         config = dict(tokenizer_config or {})
         self.chat_template = chat_template
-        self.special_tokens = {k: t for k in SPECIAL_NAMES if (t := _token_text(config.get(k))) is not None}
+        self.special_tokens = {k: t for k in SPECIAL_NAMES if (t := token_text(config.get(k))) is not None}
         self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         eos = self.special_tokens.get("eos_token")
         eos_id = backend.token_to_id(eos) if eos is not None else None
@@ -58,7 +59,7 @@ class Tokenizer:
     def from_checkpoint(cls, ckpt: Checkpoint) -> Tokenizer:
         if ckpt.tokenizer_file is None:
             raise TokenizerError(f"{ckpt.path}: no tokenizer.json (Kafila reads fast-tokenizer files only)")
-        eos = (*_ids(ckpt.generation_config.get("eos_token_id")), *ckpt.config.eos_token_id)
+        eos = (*token_ids(ckpt.generation_config.get("eos_token_id")), *ckpt.config.eos_token_id)
         return cls._load(ckpt.tokenizer_file, ckpt.tokenizer_config, ckpt.chat_template, eos)
 
     @classmethod
@@ -77,8 +78,8 @@ class Tokenizer:
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default") or next(iter(named.values()), None)
         eos = (
-            *_ids(_json(folder / "generation_config.json").get("eos_token_id")),
-            *_ids(_json(folder / "config.json").get("eos_token_id")),
+            *token_ids(_json(folder / "generation_config.json").get("eos_token_id")),
+            *token_ids(_json(folder / "config.json").get("eos_token_id")),
         )
         return cls._load(file, tok_config, template if isinstance(template, str) else None, eos)
 
@@ -204,18 +205,6 @@ def _clean_up_spaces(text: str) -> str:
     for a, b in ((" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
         text = text.replace(a, b)
     return text
-
-
-def _token_text(value: Any) -> str | None:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
 
 
 def _json(file: Path) -> dict[str, Any]:

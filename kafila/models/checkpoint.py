@@ -345,14 +345,15 @@ def _read_chat_template(folder: Path, tok_config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def _token_text(value: Any) -> str | None:
+def token_text(value: Any) -> str | None:
     """tokenizer_config writes a special token as a string or as an AddedToken dict."""
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
 
 
-def _ids(value: Any) -> tuple[int, ...]:
+def token_ids(value: Any) -> tuple[int, ...]:
+    """A config's token id field: absent, one id, or a list of ids."""
     if value is None:
         return ()
     return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
@@ -361,11 +362,11 @@ def _ids(value: Any) -> tuple[int, ...]:
 def _special_tokens(config: ModelConfig, generation: dict[str, Any], tok: dict[str, Any]) -> SpecialTokens:
     bos_id = generation.get("bos_token_id", config.bos_token_id)
     pad_id = generation.get("pad_token_id", config.raw.get("pad_token_id"))
-    eos_ids = _ids(generation.get("eos_token_id")) or config.eos_token_id
+    eos_ids = token_ids(generation.get("eos_token_id")) or config.eos_token_id
     return SpecialTokens(
-        bos=_token_text(tok.get("bos_token")),
-        eos=_token_text(tok.get("eos_token")),
-        pad=_token_text(tok.get("pad_token")),
+        bos=token_text(tok.get("bos_token")),
+        eos=token_text(tok.get("eos_token")),
+        pad=token_text(tok.get("pad_token")),
         bos_id=None if bos_id is None else int(bos_id),
         eos_ids=eos_ids,
         pad_id=None if isinstance(pad_id, list) or pad_id is None else int(pad_id),

@@ -46,6 +46,24 @@ class RingInfo:
     edges: dict[str, str] = field(default_factory=dict)  # "a->b": "direct" | "relay" | "local"
     plan: dict[str, Any] = field(default_factory=dict)
 
+    def document(self, state: str, error: str | None) -> dict[str, Any]:
+        """The part of a member's /session document every member shares."""
+        return {
+            "session": self.session,
+            "model": self.model,
+            "state": state if error is None else "broken",
+            "error": error,
+            "head": self.order[0],
+            "ring": list(self.order),
+            "members": [
+                {"name": m, "blocks": list(self.blocks[m]), "predicted_ms": self.predicted_ms.get(m)}
+                for m in self.order
+            ],
+            "links": [{"edge": e, "path": p} for e, p in self.edges.items()],
+            "division": self.division,
+            "plan": self.plan,
+        }
+
 
 @dataclass
 class _Req:
@@ -107,21 +125,7 @@ class RingHead:
         return gen
 
     def describe(self) -> dict[str, Any]:
-        i = self.info
-        return {
-            "session": i.session,
-            "model": i.model,
-            "state": self.state if self.broken is None else "broken",
-            "error": self.broken,
-            "head": i.order[0],
-            "ring": list(i.order),
-            "members": [
-                {"name": m, "blocks": list(i.blocks[m]), "predicted_ms": i.predicted_ms.get(m)}
-                for m in i.order
-            ],
-            "links": [{"edge": e, "path": p} for e, p in i.edges.items()],
-            "division": i.division,
-            "plan": i.plan,
+        return self.info.document(self.state, self.broken) | {
             "active": list(self.schedule.active),
             "queued": len(self.schedule.queue_positions()),
         }

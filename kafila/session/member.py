@@ -67,23 +67,7 @@ class RingMember:
         return gen
 
     def describe(self) -> dict[str, Any]:
-        i = self.info
-        return {
-            "session": i.session,
-            "model": i.model,
-            "state": "serving" if self.broken is None else "broken",
-            "error": self.broken,
-            "me": self.name,
-            "head": i.order[0],
-            "ring": list(i.order),
-            "members": [
-                {"name": m, "blocks": list(i.blocks[m]), "predicted_ms": i.predicted_ms.get(m)}
-                for m in i.order
-            ],
-            "links": [{"edge": e, "path": p} for e, p in i.edges.items()],
-            "division": i.division,
-            "plan": i.plan,
-        }
+        return self.info.document("serving", self.broken) | {"me": self.name}
 
     def _cancel(self, rid: int, reason: str) -> None:
         self._mine.pop(rid, None)
