@@ -45,13 +45,14 @@ def _machine_ticks() -> tuple[int, int]:
 
 
 def _proc_ticks(pid: int) -> int:
-    """utime + stime + children's, in jiffies (0 if the process is gone)."""
+    """utime + stime in jiffies (0 if the process is gone). Not the children's: a fleet member is
+    watched itself, and its time lands in our cutime when it exits (counted twice)."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return 0
     fields = text.rsplit(")", 1)[1].split()
-    return sum(int(x) for x in fields[11:15])
+    return sum(int(x) for x in fields[11:13])
 
 
 def _tree(pid: int) -> list[int]:
