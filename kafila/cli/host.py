@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 DEFAULT_RENDEZVOUS = "ws://127.0.0.1:8470/v1/signal"
 
@@ -95,9 +97,6 @@ async def serve_until_interrupted(formed: object) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from kafila.session.form import SessionError, say
     from kafila.session.start import host
 
     def on_code(code: object) -> None:
@@ -105,13 +104,21 @@ def main(args: argparse.Namespace) -> int:
             with open(args.code_file, "w") as f:
                 f.write(f"{code}\n")
 
+    return run_member(lambda: host(options(args), on_code))  # type: ignore[arg-type]
+
+
+def run_member(start: Callable[[], Awaitable[Any]]) -> int:
+    """Form the session with `start`, serve until Ctrl-C; a failure is one line naming it, exit 1."""
+    import asyncio
+
+    from kafila.session.form import SessionError, say
+
     async def run() -> None:
-        formed = await host(options(args), on_code)  # type: ignore[arg-type]
-        await serve_until_interrupted(formed)
+        await serve_until_interrupted(await start())
 
     try:
         asyncio.run(run())
-    except SessionError as exc:
+    except (SessionError, ValueError) as exc:  # ValueError: a bad model, checkpoint or code, named
         say(f"error: {exc}")
         return 1
     return 0

@@ -16,19 +16,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from kafila.cli.host import options, serve_until_interrupted
-    from kafila.session.form import SessionError, say
+    from kafila.cli.host import options, run_member
     from kafila.session.start import join
 
-    async def run() -> None:
-        formed = await join(args.code, options(args))  # type: ignore[arg-type]
-        await serve_until_interrupted(formed)
-
-    try:
-        asyncio.run(run())
-    except SessionError as exc:
-        say(f"error: {exc}")
-        return 1
-    return 0
+    return run_member(lambda: join(args.code, options(args)))  # type: ignore[arg-type]
