@@ -8,31 +8,17 @@ import socket
 
 import pytest
 
-from kafila.net.edge import EdgeOptions, LinkNode, SignalRouter, connect_edge
-from kafila.net.endpoint import UdpEndpoint
+from kafila.net.edge import EdgeOptions, connect_edge
 from kafila.net.link import PathKind
-from kafila.net.signaling import SignalingClient
-from kafila.proto.codes import new_code
-from tests.net.harness import open_pair, start_rendezvous
+from tests.net.harness import open_pair, open_session, start_rendezvous
 
 pytestmark = pytest.mark.network
 
 
 async def test_three_member_ring_with_a_relayed_edge_passes_a_message_round() -> None:
     rdv = await start_rendezvous()
-    clients = [await SignalingClient.connect(rdv.url) for _ in range(3)]
-    opened = await clients[0].open_session("tiny", 3, "m1", {})
-    code = new_code(opened.session)
-    for i, client in enumerate(clients[1:], start=2):
-        await client.join(code.public, f"m{i}", {})
-    nodes = []
-    for client in clients:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        sock.bind(("127.0.0.1", 0))
-        nodes.append(
-            await LinkNode.joined(await UdpEndpoint.open(sock), SignalRouter(client), code, "127.0.0.1")
-        )
-    pumps = [asyncio.create_task(n.signals.pump()) for n in nodes]
+    session = await open_session(rdv, [_bound() for _ in range(3)], classify_nat=False)
+    nodes = session.nodes
     direct, relayed = EdgeOptions(), EdgeOptions(use_direct=False)
     m1, m2, m3 = nodes
     try:
@@ -54,12 +40,7 @@ async def test_three_member_ring_with_a_relayed_edge_passes_a_message_round() ->
         for link in (l12, l21, l23, l32, l31, l13):
             await link.close()
     finally:
-        for pump in pumps:
-            pump.cancel()
-        for client in clients:
-            await client.close()
-        for node in nodes:
-            node.endpoint.close()
+        await session.close()
         await rdv.stop()
 
 
@@ -67,19 +48,8 @@ async def test_connect_ring_links_every_member_to_its_neighbours() -> None:
     from kafila.net.edge import connect_ring
 
     rdv = await start_rendezvous()
-    clients = [await SignalingClient.connect(rdv.url) for _ in range(4)]
-    opened = await clients[0].open_session("tiny", 4, "m1", {})
-    code = new_code(opened.session)
-    for i, client in enumerate(clients[1:], start=2):
-        await client.join(code.public, f"m{i}", {})
-    nodes = []
-    for client in clients:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        sock.bind(("127.0.0.1", 0))
-        nodes.append(
-            await LinkNode.joined(await UdpEndpoint.open(sock), SignalRouter(client), code, "127.0.0.1")
-        )
-    pumps = [asyncio.create_task(n.signals.pump()) for n in nodes]
+    session = await open_session(rdv, [_bound() for _ in range(4)], classify_nat=False)
+    nodes = session.nodes
     ring = [3, 1, 4, 2]
     try:
         per_member = await asyncio.gather(*(connect_ring(n, ring) for n in nodes))
@@ -96,12 +66,7 @@ async def test_connect_ring_links_every_member_to_its_neighbours() -> None:
         with pytest.raises(ValueError, match="not in the ring"):
             await connect_ring(nodes[0], [2, 3])
     finally:
-        for pump in pumps:
-            pump.cancel()
-        for client in clients:
-            await client.close()
-        for node in nodes:
-            node.endpoint.close()
+        await session.close()
         await rdv.stop()
 
 
