@@ -7,36 +7,15 @@ from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from kafila.models.presets import resolve_manifest
 from kafila.planner import plan
-from kafila.planner.cost import DeviceCost, Tier, Workload, costs_for
+from kafila.planner.cost import Tier, Workload, costs_for
 from kafila.planner.exact import exact_division, exact_for_head
 from kafila.planner.fleet import parse_fleet
 from kafila.planner.head import MU, HeadChoice, place_head
 from kafila.planner.partition import Infeasible
-from tests.planner.test_head import rotation_optimum
-
-
-@st.composite
-def fleets(draw, max_m: int, max_k: int):
-    m = draw(st.integers(1, max_m))
-    k = draw(st.integers(m, max_k))
-    costs = []
-    for i in range(m):
-        limit = draw(st.integers(0, k))
-        costs.append(
-            DeviceCost(
-                name=f"d{i}",
-                overhead_s=draw(st.floats(0.0, 1.0)),
-                per_block_s=draw(st.floats(0.05, 3.0)),
-                head_s=draw(st.floats(0.0, 3.0)),
-                limit=limit,
-                limit_head=draw(st.integers(0, limit)),
-            )
-        )
-    return k, costs
+from tests.planner.test_head import fleets, rotation_optimum
 
 
 def close(a: float, b: float) -> bool:

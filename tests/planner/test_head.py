@@ -34,9 +34,10 @@ def expected_head(k, costs, anchor, mu):
 
 
 @st.composite
-def fleets(draw):
-    m = draw(st.integers(1, 4))
-    k = draw(st.integers(m, 9))
+def fleets(draw, max_m: int = 4, max_k: int = 9):
+    """k blocks and m devices with random costs and (head) block limits, infeasible ones included."""
+    m = draw(st.integers(1, max_m))
+    k = draw(st.integers(m, max_k))
     costs = []
     for i in range(m):
         limit = draw(st.integers(0, k))
@@ -50,11 +51,17 @@ def fleets(draw):
                 limit_head=draw(st.integers(0, limit)),
             )
         )
-    return k, costs, draw(st.integers(0, m - 1))
+    return k, costs
+
+
+@st.composite
+def fleets_with_anchor(draw):
+    k, costs = draw(fleets())
+    return k, costs, draw(st.integers(0, len(costs) - 1))
 
 
 @settings(max_examples=200, deadline=None)
-@given(fleets())
+@given(fleets_with_anchor())
 def test_head_placement_equals_brute_force_over_rotations(case):
     k, costs, anchor = case
     expected = expected_head(k, costs, anchor, MU)
