@@ -1,16 +1,22 @@
 """Every Prometheus metric a member exports, defined once, fed from trace records.
 
-The metrics do not measure anything themselves: `observe_request` and `observe_session` copy the
-numbers of a trace record (kafila.obs.trace) into per-stage and per-hop series, so traces and
-metrics always agree. Names carry the `kafila_` prefix; `member` is the member's name in the
-session, `stage` its ring position (0 = head), `hop` an edge "src->dst" with its `path`.
+The metrics do not measure anything themselves: `observe_stage`, `observe_request` and
+`observe_session` copy the numbers of a trace record (kafila.obs.trace) into per-stage and per-hop
+series, so traces and metrics always agree. Names carry the `kafila_` prefix; `member` is the
+member's name in the session, `stage` its ring position (0 = head), `hop` an edge "src->dst" with
+its `path`.
+
+Every member exports its own stage and the hop it sends on (from its `StageRecord`), so each
+hop's bytes are counted once in the fleet: scrape every member and sum. The head also exports the
+request-level series (time to first token, tokens/s, circuit, transit) and the ring's per-stage
+gauges from its `RequestRecord`.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kafila.obs.trace import RequestRecord, SessionRecord
+from kafila.obs.trace import RequestRecord, SessionRecord, StageRecord
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -27,11 +33,41 @@ STAGE_PREDICTED = Gauge(
     registry=REGISTRY,
 )
 STAGE_BYTES = Counter(
-    "kafila_stage_sent_bytes", "Tensor bytes a stage sent to the next member", ["member"], registry=REGISTRY
+    "kafila_stage_sent_bytes",
+    "Hidden-state bytes a stage sent to the next member (counted on the link)",
+    ["member"],
+    registry=REGISTRY,
 )
-HOP_BYTES = Counter("kafila_hop_bytes", "Bytes sent over a ring edge", ["hop", "path"], registry=REGISTRY)
+STAGE_DECODE_STEPS = Counter(
+    "kafila_stage_decode_steps", "Decode steps a stage computed", ["member", "stage"], registry=REGISTRY
+)
+STAGE_PREFILL_CHUNK = Histogram(
+    "kafila_stage_prefill_chunk_ms",
+    "Compute of one prefill chunk at a stage (ms)",
+    ["member", "stage"],
+    buckets=(1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 10000),
+    registry=REGISTRY,
+)
+HOP_BYTES = Counter(
+    "kafila_hop_bytes",
+    "Hidden-state bytes sent over a ring edge, counted on the link by its sender",
+    ["hop", "path"],
+    registry=REGISTRY,
+)
 HOP_MESSAGES = Counter(
-    "kafila_hop_messages", "Messages sent over a ring edge", ["hop", "path"], registry=REGISTRY
+    "kafila_hop_messages", "Hidden-state frames sent over a ring edge", ["hop", "path"], registry=REGISTRY
+)
+HOP_RTT = Gauge(
+    "kafila_hop_rtt_ms",
+    "Measured round trip of a ring edge (QUIC smoothed RTT at the sender, last request)",
+    ["hop", "path"],
+    registry=REGISTRY,
+)
+HOP_PREDICTED_RTT = Gauge(
+    "kafila_hop_predicted_rtt_ms",
+    "Round trip the plan priced for a ring edge (ms)",
+    ["hop"],
+    registry=REGISTRY,
 )
 REQUESTS = Counter("kafila_requests", "Requests finished, by outcome", ["finish"], registry=REGISTRY)
 TOKENS = Counter("kafila_generated_tokens", "Tokens generated", registry=REGISTRY)
@@ -48,23 +84,47 @@ DECODE_RATE = Gauge(
 CIRCUIT = Gauge(
     "kafila_circuit_ms", "Measured ring circuit per decode step, last request (ms)", registry=REGISTRY
 )
+TRANSIT = Gauge(
+    "kafila_ring_transit_ms",
+    "Circuit minus every stage's compute per decode step, last request: time on hops and waiting (ms)",
+    registry=REGISTRY,
+)
 PREDICTED_BOTTLENECK = Gauge("kafila_predicted_bottleneck_ms", "Plan's slowest stage (ms)", registry=REGISTRY)
 
 
+def observe_stage(r: StageRecord) -> None:
+    """A member's own stage and the hop it sends on."""
+    stage = str(r.index)
+    if r.decode_steps:
+        STAGE_MEASURED.labels(r.member, stage).set(r.decode_ms)
+    STAGE_PREDICTED.labels(r.member, stage).set(r.predicted_ms)
+    STAGE_DECODE_STEPS.labels(r.member, stage).inc(r.decode_steps)
+    for ms in r.prefill_ms:
+        STAGE_PREFILL_CHUNK.labels(r.member, stage).observe(ms)
+    h = r.hop_out
+    if h is not None:
+        STAGE_BYTES.labels(r.member).inc(h.bytes)
+        HOP_BYTES.labels(h.name, h.path).inc(h.bytes)
+        HOP_MESSAGES.labels(h.name, h.path).inc(h.messages)
+        if h.rtt_ms is not None:
+            HOP_RTT.labels(h.name, h.path).set(h.rtt_ms)
+        if h.predicted_rtt_ms is not None:
+            HOP_PREDICTED_RTT.labels(h.name).set(h.predicted_rtt_ms)
+
+
 def observe_request(r: RequestRecord) -> None:
+    """The head's whole-ring view of one request (gauges per stage; hop counters come from
+    `observe_stage` at each sender, so a hop is counted once)."""
     for s in r.stages:
         STAGE_MEASURED.labels(s.member, str(s.index)).set(s.measured_ms)
         STAGE_PREDICTED.labels(s.member, str(s.index)).set(s.predicted_ms)
-        STAGE_BYTES.labels(s.member).inc(s.bytes_out)
-    for h in r.hops:
-        HOP_BYTES.labels(f"{h.src}->{h.dst}", h.path).inc(h.bytes)
-        HOP_MESSAGES.labels(f"{h.src}->{h.dst}", h.path).inc(h.messages)
     REQUESTS.labels(r.finish).inc()
     TOKENS.inc(r.completion_tokens)
     TTFT.labels("queue").observe(r.queue_s)
     TTFT.labels("prefill").observe(r.prefill_s)
     DECODE_RATE.set(r.tokens_per_s)
     CIRCUIT.set(r.circuit_ms)
+    TRANSIT.set(r.transit_ms)
 
 
 def observe_session(s: SessionRecord) -> None:

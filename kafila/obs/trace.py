@@ -6,14 +6,20 @@ Prometheus layer (kafila.obs.metrics) and `kafila trace summarize` read the same
 
 - `SessionRecord` (one per formed session): division, ring order, blocks and predicted compute
   time per stage, predicted bottleneck and circuit time, each edge's path.
-- `RequestRecord` (one per finished request): prompt and completion tokens, time waiting in the
-  queue, time to first token split into prefill and first decode step, decode tokens/s, and per
-  stage the measured compute time per decode step next to the prediction, per hop the bytes sent.
+- `RequestRecord` (one per finished request, written by the head: the whole ring's view): prompt
+  and completion tokens, time waiting in the queue, time to first token split into queue and
+  prefill, decode tokens/s, circuit and transit time per decode step, per stage the measured
+  compute per decode step and per prefill next to the prediction, and per hop the bytes and
+  messages counted on the link by its sender, its measured and its predicted round trip.
+- `StageRecord` (one per request at every member, the head too: what that member measured): its
+  stage's compute per decode step and per prefill chunk, and the hops it owns (bytes and messages
+  received from its predecessor and sent to its successor, counted on the link).
 
 A summary groups request records by session and reports the paper's Table IV columns:
 bottleneck (slowest stage's measured ms per decode step), imbalance (slowest over fastest stage),
 utilisation (mean stage over the bottleneck), tokens/s (median, spread), and prediction error
-(median |predicted - measured| / measured over every stage of every request).
+(median |predicted - measured| / measured over every stage of every request). A stage summary
+groups stage records by member: the same figures for one stage, from a member's own trace file.
 """
 
 from __future__ import annotations
@@ -37,16 +43,30 @@ class StageTrace:
     predicted_ms: float  # per decode step, from the plan
     measured_ms: float  # median compute per decode step in this request
     steps: int = 0  # decode steps measured
-    bytes_out: int = 0  # tensor bytes this stage sent to the next member
+    bytes_out: int = 0  # bytes this stage sent to the next member for this request (counted on the link)
+    prefill_ms: float = 0.0  # compute of all this request's prefill chunks at this stage
+    prefill_chunks: int = 0
 
 
 @dataclass(frozen=True)
 class HopTrace:
+    """One ring edge for one request. `bytes` and `messages` are counted on the link by the side
+    that wrote the record (the sender for a hop out, the receiver for a hop in): every hidden-state
+    frame that carried rows of the request, a frame shared by several requests split by rows.
+    `rtt_ms` is QUIC's smoothed round trip of that link when the request ended (None in-process);
+    `predicted_rtt_ms` is the round trip the plan priced for the edge (None when unknown)."""
+
     src: str
     dst: str
     path: str  # "direct" | "relay" | "local"
     bytes: int
     messages: int
+    rtt_ms: float | None = None
+    predicted_rtt_ms: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.src}->{self.dst}"
 
 
 @dataclass(frozen=True)
@@ -64,6 +84,7 @@ class RequestRecord:
     stages: tuple[StageTrace, ...]
     hops: tuple[HopTrace, ...] = ()
     finish: str = "stop"
+    transit_ms: float = 0.0  # median per decode step of circuit minus every stage's compute: hops + waits
     type: str = "request"
 
     @property
@@ -99,12 +120,48 @@ class SessionRecord:
         return asdict(self)
 
 
-Record = RequestRecord | SessionRecord
+@dataclass(frozen=True)
+class StageRecord:
+    """What one member measured of one request at its own stage."""
+
+    session: str
+    member: str
+    index: int  # ring position, 0 = head
+    blocks: tuple[int, int]
+    head: bool
+    request_id: int
+    predicted_ms: float  # per decode step, from the plan
+    decode_ms: float  # median compute per decode step (of the batch the step ran in)
+    decode_steps: int
+    prefill_ms: tuple[float, ...]  # compute of each prefill chunk, in order
+    hop_in: HopTrace | None  # from the previous member (None on a ring of one)
+    hop_out: HopTrace | None  # to the next member
+    type: str = "stage"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+Record = RequestRecord | SessionRecord | StageRecord
+
+
+def _hop(d: dict[str, Any] | None) -> HopTrace | None:
+    return None if d is None else HopTrace(**d)
 
 
 def from_json(d: dict[str, Any]) -> Record:
     """Inverse of `to_json` (derived fields are dropped)."""
     kind = d.get("type")
+    if kind == "stage":
+        return StageRecord(
+            **{
+                **d,
+                "blocks": (int(d["blocks"][0]), int(d["blocks"][1])),
+                "prefill_ms": tuple(float(x) for x in d["prefill_ms"]),
+                "hop_in": _hop(d.get("hop_in")),
+                "hop_out": _hop(d.get("hop_out")),
+            }
+        )
     if kind == "session":
         blocks = {k: (int(v[0]), int(v[1])) for k, v in d["blocks"].items()}
         return SessionRecord(**{**d, "order": tuple(d["order"]), "blocks": blocks})
@@ -113,7 +170,7 @@ def from_json(d: dict[str, Any]) -> Record:
         stages = tuple(StageTrace(**{**s, "blocks": tuple(s["blocks"])}) for s in d["stages"])
         hops = tuple(HopTrace(**h) for h in d.get("hops", ()))
         return RequestRecord(**{**body, "stages": stages, "hops": hops})
-    raise ValueError(f"trace line has type {kind!r}; expected 'session' or 'request'")
+    raise ValueError(f"trace line has type {kind!r}; expected 'session', 'request' or 'stage'")
 
 
 class TraceLog:
@@ -225,5 +282,74 @@ def format_table(summaries: list[Summary]) -> str:
             f"{s.bottleneck_ms:>9.2f} {s.utilisation:>5.0%} "
             f"{s.tokens_per_s:>7.1f} ±{s.tokens_per_s_spread:<4.1f} {s.prediction_error:>8.0%} "
             f"{s.circuit_ms:>10.2f} {s.ttft_prefill_s:>9.3f}  {s.bottleneck_member}"
+        )
+    return "\n".join(rows)
+
+
+@dataclass(frozen=True)
+class StageSummary:
+    """One member's stage over its stage records (median per request, the first dropped as cold)."""
+
+    session: str
+    member: str
+    index: int
+    blocks: tuple[int, int]
+    requests: int
+    decode_ms: float  # median over requests of the median compute per decode step
+    predicted_ms: float
+    prediction_error: float  # median |predicted - measured| / measured over requests
+    prefill_chunk_ms: float  # median compute of one prefill chunk
+    bytes_in: float  # median bytes received per request from the previous member
+    bytes_out: float  # median bytes sent per request to the next member
+    rtt_ms: float | None  # median measured round trip of the link to the next member
+    predicted_rtt_ms: float | None
+
+
+def summarize_stages(records: Iterable[Record], drop_cold: bool = True) -> list[StageSummary]:
+    by_member: dict[tuple[str, str], list[StageRecord]] = {}
+    for r in records:
+        if isinstance(r, StageRecord) and r.decode_steps > 0:
+            by_member.setdefault((r.session, r.member), []).append(r)
+    return [
+        _summarize_stage(recs[1:] if drop_cold and len(recs) > 1 else recs) for recs in by_member.values()
+    ]
+
+
+def _summarize_stage(recs: list[StageRecord]) -> StageSummary:
+    first = recs[0]
+    chunks = [ms for r in recs for ms in r.prefill_ms]
+    rtts = [r.hop_out.rtt_ms for r in recs if r.hop_out is not None and r.hop_out.rtt_ms is not None]
+    errors = [abs(r.predicted_ms - r.decode_ms) / r.decode_ms for r in recs if r.decode_ms > 0]
+    return StageSummary(
+        session=first.session,
+        member=first.member,
+        index=first.index,
+        blocks=first.blocks,
+        requests=len(recs),
+        decode_ms=statistics.median(r.decode_ms for r in recs),
+        predicted_ms=first.predicted_ms,
+        prediction_error=statistics.median(errors) if errors else float("nan"),
+        prefill_chunk_ms=statistics.median(chunks) if chunks else 0.0,
+        bytes_in=statistics.median(r.hop_in.bytes if r.hop_in else 0 for r in recs),
+        bytes_out=statistics.median(r.hop_out.bytes if r.hop_out else 0 for r in recs),
+        rtt_ms=statistics.median(rtts) if rtts else None,
+        predicted_rtt_ms=first.hop_out.predicted_rtt_ms if first.hop_out else None,
+    )
+
+
+def format_stage_table(summaries: list[StageSummary]) -> str:
+    head = (
+        f"{'session':<14} {'member':<12} {'stage':>5} {'blocks':>8} {'reqs':>4} {'decode ms':>9} "
+        f"{'pred ms':>8} {'pred err':>8} {'chunk ms':>8} {'in B/req':>9} {'out B/req':>9} "
+        f"{'rtt ms':>7} {'pred rtt':>8}"
+    )
+    rows = [head]
+    for s in summaries:
+        rtt = f"{s.rtt_ms:>7.2f}" if s.rtt_ms is not None else f"{'-':>7}"
+        prtt = f"{s.predicted_rtt_ms:>8.2f}" if s.predicted_rtt_ms is not None else f"{'-':>8}"
+        rows.append(
+            f"{s.session[:14]:<14} {s.member[:12]:<12} {s.index:>5} {s.blocks[0]:>3}-{s.blocks[1]:<4} "
+            f"{s.requests:>4} {s.decode_ms:>9.2f} {s.predicted_ms:>8.2f} {s.prediction_error:>8.0%} "
+            f"{s.prefill_chunk_ms:>8.2f} {s.bytes_in:>9.0f} {s.bytes_out:>9.0f} {rtt} {prtt}"
         )
     return "\n".join(rows)

@@ -2,7 +2,10 @@
 
 `LinkChannel` carries them on an authenticated QUIC link (kafila.net.link) as one link message
 kind. `MemoryChannel.pair()` connects two ends inside one process (a ring of stages in one
-process, and the in-memory ring tests). Both count bytes and messages per direction.
+process, and the in-memory ring tests). Both count the bytes and messages they actually send and
+receive per direction, in total and per request (`Counters`: every hidden-state frame's encoded
+size, a frame shared by several requests split by their rows), and say the link's measured round
+trip (`rtt_ms`: QUIC's smoothed RTT; None in-process).
 
 `Heartbeat` wraps any channel: it sends a beat every `interval` seconds and a receive that hears
 nothing (not even a beat) for `dead_after` seconds raises `ChannelDead`, so a member that was
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kafila.proto import tensor as t
@@ -35,11 +38,53 @@ class ChannelDead(ChannelError):
 
 
 @dataclass
+class RequestBytes:
+    """What one request's hidden-state frames weighed on one channel."""
+
+    bytes_sent: int = 0
+    messages_sent: int = 0
+    bytes_received: int = 0
+    messages_received: int = 0
+
+
+@dataclass
 class Counters:
     bytes_sent: int = 0
     messages_sent: int = 0
     bytes_received: int = 0
     messages_received: int = 0
+    requests: dict[int, RequestBytes] = field(default_factory=dict)
+
+    def sent(self, msg: t.Message, n: int) -> None:
+        self.bytes_sent += n
+        self.messages_sent += 1
+        for rid, share in _shares(msg, n):
+            r = self.requests.setdefault(rid, RequestBytes())
+            r.bytes_sent += share
+            r.messages_sent += 1
+
+    def received(self, msg: t.Message, n: int) -> None:
+        self.bytes_received += n
+        self.messages_received += 1
+        for rid, share in _shares(msg, n):
+            r = self.requests.setdefault(rid, RequestBytes())
+            r.bytes_received += share
+            r.messages_received += 1
+
+    def take(self, rid: int) -> RequestBytes:
+        """What request `rid` weighed here so far; forgets it (call once its last frame passed)."""
+        return self.requests.pop(rid, RequestBytes())
+
+
+def _shares(msg: t.Message, n: int) -> list[tuple[int, int]]:
+    """A hidden-state frame's `n` bytes split over its requests by rows (the last takes the rest)."""
+    if not isinstance(msg, t.Hidden) or not msg.entries:
+        return []
+    rows = sum(e.n_tokens for e in msg.entries) or 1
+    shares = [(e.request_id, n * e.n_tokens // rows) for e in msg.entries]
+    rid, share = shares[-1]
+    shares[-1] = (rid, share + n - sum(s for _, s in shares))
+    return shares
 
 
 class Channel(Protocol):
@@ -49,6 +94,11 @@ class Channel(Protocol):
     @property
     def path(self) -> str:
         """ "direct" | "relay" | "local"."""
+        ...
+
+    @property
+    def rtt_ms(self) -> float | None:
+        """The transport's measured round trip (None when there is no network in between)."""
         ...
 
     async def send(self, msg: t.Message) -> None: ...
@@ -77,12 +127,15 @@ class MemoryChannel:
     def path(self) -> str:
         return "local"
 
+    @property
+    def rtt_ms(self) -> float | None:
+        return None
+
     async def send(self, msg: t.Message) -> None:
         if self._closed:
             raise ChannelClosed(f"channel to {self.peer} is closed")
         record = t.encode(msg)
-        self.counters.bytes_sent += len(record)
-        self.counters.messages_sent += 1
+        self.counters.sent(msg, len(record))
         self._out.put_nowait(record)
 
     async def recv(self, timeout: float | None = None) -> t.Message:
@@ -93,9 +146,9 @@ class MemoryChannel:
         if record is None:
             self._in.put_nowait(None)
             raise ChannelClosed(f"{self.peer} closed the channel")
-        self.counters.bytes_received += len(record)
-        self.counters.messages_received += 1
-        return t.decode(record)
+        msg = t.decode(record)
+        self.counters.received(msg, len(record))
+        return msg
 
     async def close(self, reason: str = "closed") -> None:
         if not self._closed:
@@ -118,6 +171,11 @@ class LinkChannel:
         p = self.link.path
         return str(p.value) if p is not None else "none"
 
+    @property
+    def rtt_ms(self) -> float | None:
+        rtt = self.link.stats().smoothed_rtt
+        return rtt * 1e3 if rtt > 0 else None
+
     async def send(self, msg: t.Message) -> None:
         from kafila.net.errors import LinkError
 
@@ -126,8 +184,7 @@ class LinkChannel:
             await self.link.send(LINK_KIND, record)
         except LinkError as exc:
             raise ChannelClosed(f"link to {self.peer}: {exc}") from exc
-        self.counters.bytes_sent += len(record)
-        self.counters.messages_sent += 1
+        self.counters.sent(msg, len(record))
 
     async def recv(self, timeout: float | None = None) -> t.Message:
         from kafila.net.errors import LinkError, LinkTimeout
@@ -140,9 +197,9 @@ class LinkChannel:
             except LinkError as exc:
                 raise ChannelClosed(f"link to {self.peer}: {exc}") from exc
             if kind == LINK_KIND:
-                self.counters.bytes_received += len(payload)
-                self.counters.messages_received += 1
-                return t.decode(payload)
+                msg = t.decode(payload)
+                self.counters.received(msg, len(payload))
+                return msg
 
     async def close(self, reason: str = "closed") -> None:
         await self.link.close(reason)
@@ -169,6 +226,10 @@ class Heartbeat:
     @property
     def path(self) -> str:
         return self.inner.path
+
+    @property
+    def rtt_ms(self) -> float | None:
+        return self.inner.rtt_ms
 
     def start(self) -> Heartbeat:
         self._task = asyncio.ensure_future(self._beat())

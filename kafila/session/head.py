@@ -7,6 +7,11 @@ for the next member; one receive task takes frames back from the last member, sa
 thread and answers. Every message to the next member goes through one outbox, so frees, frames and
 tokens keep their order. A channel that breaks fails every request within the heartbeat's window
 with a `member_lost` error that names the member.
+
+Traces: the head writes its own `StageRecord` as every member does (kafila.session.stagetrace) and,
+once the request's `free` notice has come back around the ring carrying every member's hop
+figures, the `RequestRecord` with the whole ring's view (a ring of one writes it at once; a broken
+ring writes what it has). Metrics are fed from the same records.
 """
 
 from __future__ import annotations
@@ -22,13 +27,14 @@ from kafila.engine.sampler import Sampler, SamplingParams
 from kafila.engine.stage import Stage, StageError
 from kafila.obs import metrics
 from kafila.obs.log import get_logger
-from kafila.obs.trace import HopTrace, RequestRecord, StageTrace, TraceLog
+from kafila.obs.trace import HopTrace, RequestRecord, StageRecord, StageTrace, TraceLog
 from kafila.proto import tensor as t
 from kafila.session import compute
 from kafila.session.channel import Channel, ChannelError
 from kafila.session.generation import QueueGeneration, RequestIds, cancel_tasks, origin_of
 from kafila.session.schedule import Entry, Schedule, Step
 from kafila.session.service import GenerationError, Sampling, TokenEvent
+from kafila.session.stagetrace import StageTally, read_hop_report
 
 log = get_logger("kafila.session.head")
 
@@ -45,6 +51,7 @@ class RingInfo:
     predicted_ms: dict[str, float]
     edges: dict[str, str] = field(default_factory=dict)  # "a->b": "direct" | "relay" | "local"
     plan: dict[str, Any] = field(default_factory=dict)
+    edge_rtt_ms: dict[str, float] = field(default_factory=dict)  # "a->b": the plan's priced round trip
 
     def document(self, state: str, error: str | None) -> dict[str, Any]:
         """The part of a member's /session document every member shares."""
@@ -80,7 +87,9 @@ class _Req:
     generated: int = 0
     sent_at: float = 0.0
     circuit_s: list[float] = field(default_factory=list)
-    stage_us: list[tuple[int, ...]] = field(default_factory=list)
+    stage_us: list[tuple[int, ...]] = field(default_factory=list)  # per decode step, every stage
+    prefill_us: list[tuple[int, ...]] = field(default_factory=list)  # per prefill chunk, every stage
+    transit_ms: list[float] = field(default_factory=list)  # per decode step: circuit - compute
     rows: int = 0
     finish: str = "stop"
 
@@ -110,7 +119,8 @@ class RingHead:
         self._outbox: asyncio.Queue[t.Message] = asyncio.Queue()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._row_bytes = stage.model.config.hidden_size * t.ITEMSIZE[compute.WIRE[stage.wire_dtype]]
+        self.tally = StageTally(info, 0, next_ch, prev_ch)
+        self._pending: dict[int, _Pending] = {}  # recorded here, waiting for the members' hop reports
 
     # -- GenerationService -------------------------------------------------------------------------
 
@@ -152,6 +162,7 @@ class RingHead:
     async def stop(self) -> None:
         await cancel_tasks(self._tasks)
         self._fail_all("internal", "the session is shutting down")
+        self._flush_pending()
 
     # -- admission -------------------------------------------------------------------------------------
 
@@ -205,6 +216,8 @@ class RingHead:
             freed = self.schedule.pop_freed()
             if freed:
                 await self.model.run(compute.close_slots, self.stage, freed)
+                for rid in freed:
+                    self.tally.discard(rid)  # a cancelled request's counts (a finished one's are taken)
                 if self.next is not None:
                     self._outbox.put_nowait(t.Control("free", {"request_ids": freed}))
                 self._report_queue()
@@ -222,6 +235,8 @@ class RingHead:
         now = time.perf_counter()
         for e in step.entries:
             req = self._reqs.get(e.request_id)
+            if req is not None and step.prefill:
+                self.tally.add(e.request_id, us, prefill=True)
             if req is not None:
                 req.admitted_at = req.admitted_at or now
                 req.sent_at, req.rows = now, req.rows + e.n_tokens
@@ -260,6 +275,8 @@ class RingHead:
                     self._accept_remote(msg)
                 elif isinstance(msg, t.Cancel):
                     self._cancel(msg.request_id, msg.reason)
+                elif isinstance(msg, t.Control) and msg.op == "free":
+                    self._hop_reports(msg.body.get("hops", []))
                 elif isinstance(msg, t.Control) and msg.op == "broken":
                     self._break(str(msg.body.get("reason")))
                 elif isinstance(msg, t.Control) and msg.op == "stage_error":
@@ -274,19 +291,28 @@ class RingHead:
             tuple(Entry(e.request_id, e.position, e.n_tokens) for e in frame.entries),
             bool(frame.flags & t.Flag.LAST_CHUNK),
         )
+        if step.prefill:
+            for rid in dict.fromkeys(e.request_id for e in frame.entries):
+                if rid in self._reqs:
+                    self._reqs[rid].prefill_us.append(frame.timings_us)
         rids = [r for r in self.schedule.returned(step) if r in self._reqs]
         if rids:
             logits, us = await self.model.run(compute.head_logits, self.stage, frame, rids)
             timings = (frame.timings_us[0] + us, *frame.timings_us[1:])
             now = time.perf_counter()
             for rid, row in zip(rids, logits, strict=True):
-                self._sampled(self._reqs[rid], row, step.prefill, timings, now)
+                self._sampled(self._reqs[rid], row, step.prefill, timings, us, now)
         self._wake.set()
 
-    def _sampled(self, req: _Req, logits: Any, prefill: bool, timings: tuple[int, ...], now: float) -> None:
+    def _sampled(
+        self, req: _Req, logits: Any, prefill: bool, timings: tuple[int, ...], logits_us: int, now: float
+    ) -> None:
         if not prefill:
-            req.circuit_s.append(now - req.sent_at)
+            circuit = now - req.sent_at  # from the head's output leaving to the logits of what came back
+            req.circuit_s.append(circuit)
             req.stage_us.append(timings)
+            req.transit_ms.append((circuit * 1e6 - sum(timings[1:]) - logits_us) / 1e3)
+            self.tally.add(req.rid, timings[0], prefill=False)
         token = req.sampler.sample(logits)
         reason = req.sampler.stop_reason(token)
         req.generated += 1
@@ -335,6 +361,7 @@ class RingHead:
     def _fail_all(self, code: str, message: str) -> None:
         for rid in list(self._reqs):
             self._fail_request(rid, code, message)
+        self._flush_pending()
 
     def _break(self, reason: str) -> None:
         if self.broken is None:
@@ -350,17 +377,74 @@ class RingHead:
     # -- traces ----------------------------------------------------------------------------------------
 
     def _record(self, req: _Req) -> None:
-        if self.traces is None or req.first_at is None:
+        """The head's own stage record now; the request record once the hop reports are back."""
+        own = self.tally.finish(req.rid)
+        if own is not None:
+            if self.traces is not None:
+                self.traces.write(own)
+            metrics.observe_stage(own)
+        if req.first_at is None:
             return
-        rec = request_record(self.info, req, self._row_bytes)
-        self.traces.write(rec)
+        pending = _Pending(req, own)
+        if self.next is None:
+            self._write(pending)
+        else:
+            self._pending[req.rid] = pending
+
+    def _hop_reports(self, reports: Any) -> None:
+        """A `free` notice came back: every member's hops for those requests; write their records."""
+        done: set[int] = set()
+        for d in reports if isinstance(reports, list) else []:
+            try:
+                rid, member, hop_in, hop_out = read_hop_report(d)
+            except ValueError as exc:
+                log.warning("hop_report_ignored", reason=str(exc))
+                continue
+            if rid in self._pending:
+                self._pending[rid].reports[member] = (hop_in, hop_out)
+                done.add(rid)
+        for rid in done:
+            self._write(self._pending.pop(rid))
+
+    def _flush_pending(self) -> None:
+        for rid in list(self._pending):
+            self._write(self._pending.pop(rid))
+
+    def _write(self, pending: _Pending) -> None:
+        rec = request_record(self.info, pending.req, ring_hops(self.info, pending))
+        if self.traces is not None:
+            self.traces.write(rec)
         metrics.observe_request(rec)
 
 
-def request_record(info: RingInfo, req: _Req, row_bytes: int) -> RequestRecord:
+@dataclass
+class _Pending:
+    req: _Req
+    own: StageRecord | None  # the head's stage record (its hops)
+    reports: dict[str, tuple[HopTrace | None, HopTrace | None]] = field(default_factory=dict)
+
+
+def ring_hops(info: RingInfo, p: _Pending) -> tuple[HopTrace, ...]:
+    """Every ring edge as counted by its sender (the receiver's count where the sender's is missing)."""
+    hops = dict(p.reports)
+    if p.own is not None:
+        hops[info.order[0]] = (p.own.hop_in, p.own.hop_out)
+    n, out = len(info.order), []
+    for i in range(n if n > 1 else 0):
+        a, b = info.order[i], info.order[(i + 1) % n]
+        sent, received = hops.get(a, (None, None))[1], hops.get(b, (None, None))[0]
+        edge = f"{a}->{b}"
+        unknown = HopTrace(a, b, info.edges.get(edge, "local"), 0, 0, None, info.edge_rtt_ms.get(edge))
+        out.append(sent or received or unknown)
+    return tuple(out)
+
+
+def request_record(info: RingInfo, req: _Req, hops: tuple[HopTrace, ...]) -> RequestRecord:
+    sent = {h.src: h.bytes for h in hops}
     stages = []
     for i, m in enumerate(info.order):
         samples = [s[i] / 1e3 for s in req.stage_us if len(s) > i]
+        chunks = [s[i] / 1e3 for s in req.prefill_us if len(s) > i]
         stages.append(
             StageTrace(
                 member=m,
@@ -370,14 +454,12 @@ def request_record(info: RingInfo, req: _Req, row_bytes: int) -> RequestRecord:
                 predicted_ms=info.predicted_ms.get(m, 0.0),
                 measured_ms=statistics.median(samples) if samples else 0.0,
                 steps=len(samples),
-                bytes_out=req.rows * row_bytes,
+                bytes_out=sent.get(m, 0),
+                prefill_ms=sum(chunks),
+                prefill_chunks=len(chunks),
             )
         )
     n = len(info.order)
-    hops = tuple(
-        HopTrace(a, b, info.edges.get(f"{a}->{b}", "local"), req.rows * row_bytes, len(req.stage_us) + 1)
-        for a, b in ((info.order[i], info.order[(i + 1) % n]) for i in range(n if n > 1 else 0))
-    )
     first, last = req.first_at or 0.0, req.last_at or 0.0
     return RequestRecord(
         session=info.session,
@@ -393,4 +475,5 @@ def request_record(info: RingInfo, req: _Req, row_bytes: int) -> RequestRecord:
         stages=tuple(stages),
         hops=hops,
         finish=req.finish,
+        transit_ms=statistics.median(req.transit_ms) if req.transit_ms else 0.0,
     )

@@ -5,6 +5,11 @@ on), `free` notices (drop those requests' KV caches, pass on), requests on their
 (pass on) and answers on their way back to the member that asked (deliver here, or pass on).
 Frames that are waiting when the model thread comes free run as one batch when they hold distinct
 requests. The member is also a GenerationService: its API's requests travel the ring to the head.
+
+What it measures (kafila.session.stagetrace): per request, its stage's compute per decode step
+and per prefill chunk, and the bytes its links counted. When a request's `free` passes, the member
+writes its `StageRecord` (trace file, /traces, metrics) and adds its hop figures to the `free`, so
+the head, which the notice reaches last, records the whole ring.
 """
 
 from __future__ import annotations
@@ -14,13 +19,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from kafila.engine.stage import Stage, StageError
+from kafila.obs import metrics
 from kafila.obs.log import get_logger
+from kafila.obs.trace import TraceLog
 from kafila.proto import tensor as t
 from kafila.session import compute
 from kafila.session.channel import Channel, ChannelError
 from kafila.session.generation import QueueGeneration, RequestIds, cancel_tasks, origin_of
 from kafila.session.head import RingInfo
 from kafila.session.service import GenerationError, Sampling, TokenEvent
+from kafila.session.stagetrace import StageTally, hop_report
 
 log = get_logger("kafila.session.member")
 
@@ -34,10 +42,13 @@ class RingMember:
         info: RingInfo,
         next_ch: Channel,
         prev_ch: Channel,
+        traces: TraceLog | None = None,
     ) -> None:
         self.index, self.stage, self.model, self.info = index, stage, model, info
         self.name = info.order[index]
         self.next, self.prev = next_ch, prev_ch
+        self.traces = traces  # this member's own records (its stage, its hops); None: metrics only
+        self.tally = StageTally(info, index, next_ch, prev_ch)
         self.ids = RequestIds(index)
         self.broken: str | None = None
         self._mine: dict[int, QueueGeneration] = {}
@@ -127,7 +138,7 @@ class RingMember:
                 if isinstance(batch, t.Control):
                     ids = [int(r) for r in batch.body.get("request_ids", [])]
                     await self.model.run(compute.close_slots, self.stage, ids)
-                    self._outbox.put_nowait(batch)
+                    self._outbox.put_nowait(self._traced_free(batch, ids))
                 else:
                     await self._run(batch)
 
@@ -154,8 +165,22 @@ class RingMember:
             self._outbox.put_nowait(t.Control("stage_error", body))  # to the head, which answers
             return
         for f, data in zip(frames, datas, strict=True):
+            self.tally.computed(f, us)
             out = t.Hidden(f.step, f.dtype, f.shape, f.entries, data, f.flags, (*f.timings_us, us))
             self._outbox.put_nowait(out)
+
+    def _traced_free(self, free: t.Control, ids: list[int]) -> t.Control:
+        """Record the freed requests here; the notice carries on with this member's hop figures."""
+        reports = list(free.body.get("hops", []))
+        for rid in ids:
+            rec = self.tally.finish(rid)
+            if rec is None:
+                continue  # never reached this stage (cancelled while queued)
+            if self.traces is not None:
+                self.traces.write(rec)
+            metrics.observe_stage(rec)
+            reports.append(hop_report(rec))
+        return t.Control("free", free.body | {"hops": reports})
 
     async def _watch_next(self) -> None:
         """The next member sends nothing on this link but its beats: hearing them (or not) tells

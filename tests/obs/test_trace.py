@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -13,10 +14,12 @@ from kafila.obs.trace import (
     HopTrace,
     RequestRecord,
     SessionRecord,
+    StageRecord,
     StageTrace,
     TraceLog,
     read_lines,
     summarize,
+    summarize_stages,
 )
 
 
@@ -27,7 +30,7 @@ def request(rid: int, measured: tuple[float, float, float], decode_s: float = 1.
         StageTrace(m, i, (i * 3, i * 3 + 3), i == 0, predicted[i], measured[i], steps=9, bytes_out=100)
         for i, m in enumerate(members)
     )
-    hops = (HopTrace("a", "b", "direct", 100, 10), HopTrace("b", "c", "relay", 100, 10))
+    hops = (HopTrace("a", "b", "direct", 100, 10, 0.5, 0.4), HopTrace("b", "c", "relay", 100, 10, 30.0))
     return RequestRecord(
         session="s1",
         request_id=rid,
@@ -41,6 +44,26 @@ def request(rid: int, measured: tuple[float, float, float], decode_s: float = 1.
         circuit_ms=44.0,
         stages=stages,
         hops=hops,
+        transit_ms=3.0,
+    )
+
+
+def stage(rid: int, member: str, decode_ms: float, bytes_out: int = 4000) -> StageRecord:
+    index = {"a": 0, "b": 1, "c": 2}[member]
+    before, after = "abc"[index - 1], "abc"[(index + 1) % 3]
+    return StageRecord(
+        session="s1",
+        member=member,
+        index=index,
+        blocks=(index * 3, index * 3 + 3),
+        head=index == 0,
+        request_id=rid,
+        predicted_ms=10.0,
+        decode_ms=decode_ms,
+        decode_steps=9,
+        prefill_ms=(4.0, 6.0),
+        hop_in=HopTrace(before, member, "direct", 3000, 11, 0.8, None),
+        hop_out=HopTrace(member, after, "relay", bytes_out, 11, 25.0, 20.0),
     )
 
 
@@ -67,11 +90,32 @@ def test_request_derived_figures() -> None:
 
 def test_log_round_trips_through_json_lines(tmp_path: Path) -> None:
     log = TraceLog(tmp_path / "t" / "trace.jsonl", keep=2)
-    records = [session(), request(1, (10, 10, 20)), request(2, (11, 9, 22))]
+    records = [session(), request(1, (10, 10, 20)), request(2, (11, 9, 22)), stage(2, "b", 9.5)]
     for r in records:
         log.write(r)
     assert list(read_lines((tmp_path / "t" / "trace.jsonl").read_text().splitlines())) == records
-    assert [d["type"] for d in log.recent()] == ["request", "request"]
+    assert [d["type"] for d in log.recent()] == ["request", "stage"]
+
+
+def test_old_request_lines_without_hop_times_still_read() -> None:
+    d = request(1, (10, 10, 20)).to_json()
+    del d["transit_ms"]
+    for h in d["hops"]:
+        del h["rtt_ms"], h["predicted_rtt_ms"]
+    [r] = read_lines([json.dumps(d)])
+    assert isinstance(r, RequestRecord) and r.hops[0].rtt_ms is None and r.transit_ms == 0.0
+
+
+def test_stage_summary_per_member() -> None:
+    recs = [stage(1, "b", 50.0, 1), stage(2, "b", 8.0), stage(3, "b", 12.0), stage(2, "c", 10.0)]
+    b, c = summarize_stages([session(), *recs])
+    assert (b.member, b.requests, c.member, c.requests) == ("b", 2, "c", 1)  # b's first dropped as cold
+    assert b.decode_ms == pytest.approx(10.0) and b.predicted_ms == 10.0
+    assert b.prediction_error == pytest.approx(statistics.median([2 / 8, 2 / 12]))
+    assert b.prefill_chunk_ms == pytest.approx(5.0)
+    assert (b.bytes_in, b.bytes_out, b.rtt_ms, b.predicted_rtt_ms) == (3000, 4000, 25.0, 20.0)
+    [b_all, _] = summarize_stages(recs, drop_cold=False)
+    assert b_all.requests == 3
 
 
 def test_summary_gives_table_iv_columns() -> None:
@@ -104,9 +148,25 @@ def test_cli_summarize_prints_the_columns(tmp_path: Path, capsys: pytest.Capture
     out = capsys.readouterr().out
     assert "imbal" in out and "bneck ms" in out and "util" in out and "pred err" in out
     assert "2.00" in out and "20.00" in out and " c" in out
+    assert "Table IV from 2 request records" in out
     assert cli_main(["trace", "summarize", str(path), "--json"]) == 0
-    [d] = json.loads(capsys.readouterr().out)
+    [d] = json.loads(capsys.readouterr().out)["table_iv"]
     assert d["bottleneck_member"] == "c" and d["tokens_per_s"] == pytest.approx(5.0)
+
+
+def test_cli_summarize_reads_a_member_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "member.jsonl"
+    log = TraceLog(path)
+    for r in [stage(1, "b", 30.0), stage(2, "b", 11.0), stage(3, "b", 13.0)]:
+        log.write(r)
+    assert cli_main(["trace", "summarize", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "no request records" in out and "not the head's trace" in out
+    assert "stages from 3 stage records of b" in out
+    assert "12.00" in out and "4000" in out and "25.00" in out  # decode ms, bytes out, rtt
+    assert cli_main(["trace", "summarize", str(path), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["table_iv"] == [] and d["stages"][0]["decode_ms"] == pytest.approx(12.0)
 
 
 def test_cli_summarize_refuses_an_empty_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -115,12 +175,33 @@ def test_cli_summarize_refuses_an_empty_file(tmp_path: Path, capsys: pytest.Capt
     assert "no finished request" in capsys.readouterr().err
 
 
+def sample(text: str, series: str) -> float:
+    """The value of one exposition line (`name{labels}`), 0 when absent."""
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def test_metrics_are_fed_from_the_record() -> None:
     metrics.observe_session(session())
     metrics.observe_request(request(7, (10, 12, 21), 2.0))
     text = metrics.exposition().decode()
     assert 'kafila_stage_compute_ms{member="b",stage="1"} 12.0' in text
     assert 'kafila_stage_predicted_ms{member="c",stage="2"} 20.0' in text
-    assert 'kafila_hop_bytes_total{hop="b->c",path="relay"}' in text
     assert "kafila_decode_tokens_per_second 5.0" in text
     assert "kafila_predicted_bottleneck_ms 20.0" in text
+    assert "kafila_ring_transit_ms 3.0" in text
+
+
+def test_stage_metrics_count_each_hop_at_its_sender() -> None:
+    hop = 'kafila_hop_bytes_total{hop="c->a",path="relay"}'
+    before = sample(metrics.exposition().decode(), hop)
+    metrics.observe_request(request(8, (10, 12, 21)))  # the head's ring view adds no hop bytes
+    metrics.observe_stage(stage(8, "c", 21.5, bytes_out=4096))
+    text = metrics.exposition().decode()
+    assert sample(text, hop) - before == 4096
+    assert 'kafila_stage_compute_ms{member="c",stage="2"} 21.5' in text
+    assert 'kafila_hop_rtt_ms{hop="c->a",path="relay"} 25.0' in text
+    assert 'kafila_hop_predicted_rtt_ms{hop="c->a"} 20.0' in text
+    assert sample(text, 'kafila_stage_prefill_chunk_ms_count{member="c",stage="2"}') >= 2
