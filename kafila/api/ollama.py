@@ -1,4 +1,10 @@
-"""Ollama-compatible routes: /api/chat, /api/generate (NDJSON streaming by default), /api/tags."""
+"""Ollama-compatible routes: /api/chat, /api/generate (NDJSON streaming by default), /api/tags.
+
+A streamed request that waits for a slot first gets lines like Ollama's own chunks with empty
+text and one extra field, `"queue_position": N` (1 = next), each time its place changes. The
+official `ollama` client parses them as ordinary empty chunks (its response models ignore fields
+they do not know); people and tools reading the NDJSON see the position.
+"""
 
 from __future__ import annotations
 
@@ -101,6 +107,8 @@ def _final(t: Tally) -> dict[str, Any]:
 
 async def _ndjson(stream: AsyncIterator[Piece], api: Api, tally: Tally, chat: bool) -> AsyncIterator[bytes]:
     async for p in stream:
+        if p.queue_position:
+            yield json.dumps(_line(api, "", chat) | {"queue_position": p.queue_position}).encode() + b"\n"
         if p.text:
             yield json.dumps(_line(api, p.text, chat)).encode() + b"\n"
         if p.finish:
