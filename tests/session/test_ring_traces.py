@@ -1,0 +1,107 @@
+"""Traces of a ring of real stages of a tiny model, members joined in memory: every member records
+its own stage and hops, and the head's request record gathers every hop as its sender's link
+counted it (the in-memory channel encodes every message as a QUIC link would)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from kafila.models.checkpoint import Checkpoint
+from kafila.obs.trace import RequestRecord, StageRecord, TraceLog, from_json, summarize_stages
+from kafila.proto import tensor as t
+from kafila.session.service import Sampling
+from tests.session.ringkit import Ring, build_ring
+
+PROMPT = list(range(1, 14))  # 13 tokens: prefill chunks of 4, 4, 4, 1; the tiny model's answer has no EOS
+SHORT = [17, 4, 200]
+CHUNK = 4
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint) -> Checkpoint:
+    return Checkpoint.open(tiny_checkpoint("llama-gqa3-tied"))
+
+
+def traced(ring: Ring) -> list[TraceLog]:
+    logs = [TraceLog(None) for _ in range(len(ring.members) + 1)]
+    ring.head.traces = logs[0]
+    for m, log in zip(ring.members, logs[1:], strict=True):
+        m.traces = log
+    return logs
+
+
+async def records(log: TraceLog, kind: type, rid: int, within: float = 5.0) -> list:
+    """The records of request `rid` once written (they follow its free notice around the ring)."""
+    for _ in range(int(within / 0.02)):
+        found = [r for r in map(from_json, log.recent()) if isinstance(r, kind) and r.request_id == rid]
+        if found:
+            return found
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no {kind.__name__} for request {rid} within {within} s")
+
+
+def header(timings: int) -> int:
+    """Bytes of a one-request hidden frame that are not the tensor (after `timings` stages)."""
+    empty = t.Hidden(0, t.DType.F32, (0, 1), (t.Entry(0, 0, 0),), b"", 0, (0,) * timings)
+    return len(t.encode(empty))
+
+
+async def test_each_member_records_its_stage_and_the_head_every_hop(ckpt: Checkpoint) -> None:
+    ring = build_ring(ckpt, [(0, 2), (2, 3), (3, 5)], chunk=CHUNK)
+    logs = traced(ring)
+    ring.head.info.edge_rtt_ms.update({"m0->m1": 1.5, "m1->m2": 2.5, "m2->m0": 3.5})  # as a plan prices them
+    try:
+        gen = await ring.members[0].submit(PROMPT, Sampling(max_tokens=9))  # asked at m1, not the head
+        _ = [ev async for ev in gen]
+        [req] = await records(logs[0], RequestRecord, gen.request_id)
+        stages = [(await records(log, StageRecord, gen.request_id))[0] for log in logs]
+    finally:
+        await ring.stop()
+    steps, chunks = req.completion_tokens - 1, math.ceil(len(PROMPT) / CHUNK)
+    rows = len(PROMPT) + steps
+    row_bytes = ckpt.config.hidden_size * 4  # fp32 on the wire
+    for i, (own, ring_view) in enumerate(zip(stages, req.stages, strict=True)):
+        assert (own.member, own.index, own.decode_steps) == (f"m{i}", i, steps)
+        assert len(own.prefill_ms) == chunks and own.decode_ms > 0
+        # the head's view of each stage is what that member measured (the frame carries it)
+        assert ring_view.measured_ms == pytest.approx(own.decode_ms)
+        assert ring_view.prefill_chunks == chunks
+        assert ring_view.prefill_ms == pytest.approx(sum(own.prefill_ms), abs=0.01 * chunks)
+    assert [h.name for h in req.hops] == ["m0->m1", "m1->m2", "m2->m0"]
+    for i, hop in enumerate(req.hops):
+        sender, receiver = stages[i], stages[(i + 1) % 3]
+        assert hop == sender.hop_out  # the head records what the sender's link counted
+        assert receiver.hop_in is not None and receiver.hop_in.bytes == hop.bytes  # the receiver agrees
+        assert hop.messages == chunks + steps
+        # counted on the wire: the tensor rows plus each frame's header with i+1 stage timings
+        assert hop.bytes == rows * row_bytes + hop.messages * header(i + 1)
+        assert hop.rtt_ms is None and hop.predicted_rtt_ms == pytest.approx(1.5 + i)
+        assert req.stages[i].bytes_out == hop.bytes
+    assert 0 < req.transit_ms < req.circuit_ms
+    [m1] = summarize_stages([stages[1]])
+    assert m1.bytes_in == stages[0].hop_out.bytes and m1.predicted_rtt_ms == 2.5
+
+
+async def drain(gen) -> list:
+    return [ev async for ev in gen]
+
+
+async def test_concurrent_requests_each_count_their_own_frames(ckpt: Checkpoint) -> None:
+    ring = build_ring(ckpt, [(0, 2), (2, 5)], concurrency=2, chunk=CHUNK)
+    logs = traced(ring)
+    try:
+        gens = [await ring.head.submit(p, Sampling(max_tokens=8)) for p in (PROMPT, SHORT)]
+        await asyncio.gather(*(drain(g) for g in gens))
+        reqs = [(await records(logs[0], RequestRecord, g.request_id))[0] for g in gens]
+    finally:
+        await ring.stop()
+    row_bytes = ckpt.config.hidden_size * 4
+    for prompt, r in zip((PROMPT, SHORT), reqs, strict=True):
+        tensor = (len(prompt) + r.completion_tokens - 1) * row_bytes
+        for i, hop in enumerate(r.hops):
+            # its own rows, and each frame's header (shared with the other request when batched)
+            assert tensor < hop.bytes <= tensor + hop.messages * header(i + 1)
+            assert hop.messages == math.ceil(len(prompt) / CHUNK) + r.completion_tokens - 1
