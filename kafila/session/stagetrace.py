@@ -11,10 +11,12 @@ then records every hop of the request as counted on the links (kafila.session.he
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from kafila.obs.trace import HopTrace, StageRecord
+from kafila.planner.plan import Edge
 from kafila.proto import tensor as t
 from kafila.session.channel import Channel
 
@@ -94,6 +96,11 @@ class StageTally:
     def _hop(self, src: str, dst: str, ch: Channel, n: int, messages: int) -> HopTrace:
         edge = f"{src}->{dst}"
         return HopTrace(src, dst, ch.path, n, messages, ch.rtt_ms, self.info.edge_rtt_ms.get(edge))
+
+
+def planned_rtt_ms(edges: Iterable[Edge]) -> dict[str, float]:
+    """`RingInfo.edge_rtt_ms` from a plan's edges: the round trip it priced ("a->b": ms)."""
+    return {f"{e.src}->{e.dst}": 2e3 * e.latency_s for e in edges if e.latency_s is not None}
 
 
 def hop_report(rec: StageRecord) -> dict[str, Any]:

@@ -166,3 +166,41 @@ async def test_infeasible_session_is_refused_naming_the_device(rdv, tmp_path) ->
         await hosting
     with pytest.raises(SessionError, match="refused"):  # the member is told, not left waiting
         await joining
+
+
+async def test_every_member_traces_its_hops_over_quic(rdv, tiny_chat_model, tmp_path) -> None:
+    """Each member's stage record and the head's ring view: per-hop bytes counted on the QUIC links,
+    the links' measured round trips next to the ones the plan priced."""
+    from kafila.obs.trace import RequestRecord, StageRecord, TraceLog, from_json
+    from kafila.session.stagetrace import planned_rtt_ms
+
+    formed = await form(rdv, tmp_path, model=str(tiny_chat_model))
+    try:
+        for f in formed:  # what host/join --trace wire up (see docs/sessions.md, Traces)
+            f.service.traces = TraceLog(tmp_path / f"{f.name}.jsonl")
+            f.service.info.edge_rtt_ms.update(planned_rtt_ms(f.plan.edges))
+        prompt = Tokenizer.from_checkpoint(Checkpoint.open(tiny_chat_model)).encode_chat(PROMPT)
+        gen = await service_of(formed).service.submit(prompt, Sampling(max_tokens=12))
+        _ = [ev async for ev in gen]
+        head = service_of(formed, not_head=False)
+        for _ in range(200):  # the request record follows the free notice around the ring
+            recs = [from_json(d) for d in head.service.traces.recent()]
+            if any(isinstance(r, RequestRecord) for r in recs):
+                break
+            await asyncio.sleep(0.05)
+        stages = {
+            f.name: next(r for r in map(from_json, f.service.traces.recent()) if isinstance(r, StageRecord))
+            for f in formed
+        }
+    finally:
+        await close(formed)
+    [req] = [r for r in recs if isinstance(r, RequestRecord)]
+    order = formed[0].plan.order
+    edges = zip(order, order[1:] + order[:1], strict=True)
+    assert [h.name for h in req.hops] == [f"{a}->{b}" for a, b in edges]
+    priced = planned_rtt_ms(formed[0].plan.edges)
+    for hop in req.hops:
+        assert hop == stages[hop.src].hop_out and stages[hop.dst].hop_in.bytes == hop.bytes > 0
+        assert hop.path == "direct" and hop.rtt_ms is not None and 0 < hop.rtt_ms < 1000
+        assert hop.predicted_rtt_ms == priced.get(hop.name)
+    assert all(s.decode_steps == req.completion_tokens - 1 for s in stages.values())
