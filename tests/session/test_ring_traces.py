@@ -105,3 +105,18 @@ async def test_concurrent_requests_each_count_their_own_frames(ckpt: Checkpoint)
             # its own rows, and each frame's header (shared with the other request when batched)
             assert tensor < hop.bytes <= tensor + hop.messages * header(i + 1)
             assert hop.messages == math.ceil(len(prompt) / CHUNK) + r.completion_tokens - 1
+
+
+async def test_a_ring_of_one_records_at_once_without_hops(ckpt: Checkpoint) -> None:
+    ring = build_ring(ckpt, [(0, 5)], chunk=CHUNK)
+    [log] = traced(ring)
+    try:
+        gen = await ring.head.submit(PROMPT, Sampling(max_tokens=5))
+        await drain(gen)
+        recs = [from_json(d) for d in log.recent()]  # written as the last token was sampled
+    finally:
+        await ring.stop()
+    own, req = recs
+    assert isinstance(own, StageRecord) and own.hop_in is None and own.hop_out is None
+    assert isinstance(req, RequestRecord) and req.hops == ()
+    assert req.stages[0].measured_ms == pytest.approx(own.decode_ms)
