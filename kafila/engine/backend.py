@@ -121,6 +121,8 @@ class TorchBackend(Backend):
             from kafila.probe.system import usable_cpus
 
             torch.set_num_threads(usable_cpus())
+            if "numba" not in sys.modules:  # the few-row kernel's pool, read once when numba loads
+                os.environ.setdefault("NUMBA_NUM_THREADS", str(usable_cpus()))
         d = ("bf16" if device == "cuda" else "fp32") if dtype == "auto" else normalize_dtype(dtype)
         return cls("torch", device, d)
 

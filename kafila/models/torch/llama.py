@@ -2,10 +2,9 @@
 
 Hugging Face weight names, rotate-half RoPE (see kafila.models.rope), no permutations. At load the
 q/k/v rows are fused into one `wqkv` and gate/up into one `w_gate_up`, so a block is four matmuls.
-On the CPU in fp32, a weight with more outputs than inputs (wqkv, w_gate_up, the unembedding) is
-stored transposed, [in, out]: measured on an AVX2 CPU, a one-row product `x @ W^T` read from
-[in, out] runs 1.3-1.9x faster than `F.linear` on [out, in] for these shapes (and no faster, or
-slower, for the others, for bf16, and for many-row products, which keep [out, in]).
+On the CPU in fp32, products of a few rows (decode steps) go through the bandwidth-bound kernel in
+`kafila.models.torch.few_rows`; larger ones (prefill chunks) and other dtypes and devices through
+torch's `F.linear`. Weights keep the Hugging Face [out, in] layout for both.
 The model knows nothing about networks or requests: `forward` takes the hidden rows of several
 requests stacked together and, for each, its KV-cache slot and first position (`Span`).
 
@@ -25,22 +24,23 @@ from kafila.models import rope
 from kafila.models.config import ModelConfig
 from kafila.models.manifest import EMBED, FINAL_NORM, LM_HEAD
 from kafila.models.span import Span
+from kafila.models.torch import few_rows
 
 Tensor = torch.Tensor
 
 
 @dataclass
 class Linear:
-    """y = x W^T + b for a weight W [out, in], kept as W^T [in, out] when `transposed`."""
+    """y = x W^T + b for a weight W [out, in]."""
 
-    w: Tensor  # [out, in], or [in, out] when transposed
-    transposed: bool
+    w: Tensor  # [out, in]
     bias: Tensor | None = None  # [out]
 
     def __call__(self, x: Tensor) -> Tensor:  # [N, in] -> [N, out]
-        if not self.transposed:
+        if not few_rows.usable(x, self.w):
             return F.linear(x, self.w, self.bias)
-        return x @ self.w if self.bias is None else torch.addmm(self.bias, x, self.w)
+        y = few_rows.linear(x, self.w)
+        return y if self.bias is None else y.add_(self.bias)
 
 
 @dataclass
@@ -83,15 +83,14 @@ class LlamaModel:
     ) -> None:
         self.config, self.blocks_range, self.has_head = config, blocks, head
         self.dtype, self.device, self.context = dtype, torch.device(device), context
-        self.embed_w: Tensor | None = None  # [V, H]; None when tied and read from the transposed unembedding
+        self.embed_w: Tensor | None = None  # [V, H]
         self.norm_w: Tensor | None = None
         self.unembed: Linear | None = None
         if head:  # first: the largest tensors load while little else is resident (lower peak memory)
             tied = config.tie_word_embeddings or LM_HEAD not in weights
-            self.unembed = self._linear(self._w(weights, EMBED if tied else LM_HEAD))  # [V, H]
+            self.embed_w = self._w(weights, EMBED)
+            self.unembed = Linear(self.embed_w if tied else self._w(weights, LM_HEAD))  # [V, H]
             self.norm_w = self._w(weights, FINAL_NORM)  # [H]
-            if not tied or not self.unembed.transposed:
-                self.embed_w = self.unembed.w if tied else self._w(weights, EMBED)
         self.blocks = [self._load_block(weights, i) for i in blocks]
         cos, sin = rope.tables(config, context)
         self.cos = torch.from_numpy(cos).to(self.device, dtype)  # [context, d]
@@ -105,11 +104,6 @@ class LlamaModel:
     def _cat(self, weights: Mapping[str, Tensor], names: Sequence[str]) -> Tensor:
         return torch.cat([weights[n].to(self.device, self.dtype) for n in names], dim=0)
 
-    def _linear(self, w: Tensor, bias: Tensor | None = None) -> Linear:
-        """w [out, in] as a Linear, transposed where that reads faster (see the module docstring)."""
-        transposed = self.dtype == torch.float32 and self.device.type == "cpu" and w.shape[0] > w.shape[1]
-        return Linear(w.t().contiguous() if transposed else w, transposed, bias)
-
     def _load_block(self, w: Mapping[str, Tensor], i: int) -> Block:
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
@@ -122,12 +116,12 @@ class LlamaModel:
         bqkv = self._cat(w, bias) if self.config.attention_bias else None
         return Block(
             attn_norm=self._w(w, p + "input_layernorm.weight"),
-            wqkv=self._linear(self._cat(w, [a + f"{n}_proj.weight" for n in "qkv"]), bqkv),
+            wqkv=Linear(self._cat(w, [a + f"{n}_proj.weight" for n in "qkv"]), bqkv),
             qk_norm=qk_norm,
-            wo=self._linear(self._w(w, a + "o_proj.weight")),
+            wo=Linear(self._w(w, a + "o_proj.weight")),
             mlp_norm=self._w(w, p + "post_attention_layernorm.weight"),
-            w_gate_up=self._linear(self._cat(w, [m + "gate_proj.weight", m + "up_proj.weight"])),
-            w_down=self._linear(self._w(w, m + "down_proj.weight")),
+            w_gate_up=Linear(self._cat(w, [m + "gate_proj.weight", m + "up_proj.weight"])),
+            w_down=Linear(self._w(w, m + "down_proj.weight")),
         )
 
     def new_cache(self, slots: int) -> KVCache:
@@ -142,9 +136,7 @@ class LlamaModel:
     @torch.inference_mode()
     def embed(self, ids: Tensor) -> Tensor:
         """ids [N] int64 -> hidden [N, H]."""
-        assert self.unembed is not None, "embed() needs the head"
-        if self.embed_w is None:  # tied, stored as [H, V]: gather columns
-            return self.unembed.w.index_select(1, ids.to(self.device)).t().contiguous()
+        assert self.embed_w is not None, "embed() needs the head"
         return F.embedding(ids.to(self.device), self.embed_w)
 
     @torch.inference_mode()
