@@ -110,7 +110,7 @@ class RingHead:
         self.stage, self.model, self.info = stage, model, info
         self.next, self.prev = next_ch, prev_ch  # both None: a ring of one
         self.eos_ids = tuple(eos_ids)
-        self.schedule = Schedule(concurrency=concurrency, chunk=chunk)
+        self.schedule = Schedule(concurrency=concurrency, chunk=chunk, stages=len(info.order))
         self.traces = traces
         self.ids = RequestIds(0)
         self.state = "serving"

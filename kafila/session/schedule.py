@@ -4,8 +4,13 @@ Requests are admitted up to the declared concurrency; more wait in a FIFO queue 
 are reported. An admitted request first sends its prompt as prefill chunks (all of them at once:
 chunk k+1 can run at the head while chunk k runs further along the ring; links keep them in order),
 then alternates: one decode step goes around the ring, comes back, is sampled, and the next step
-becomes ready. Every request has at most one decode step in flight; the decode steps of all
-requests that are ready at the same moment leave as one batch.
+becomes ready. Every request has at most one decode step in flight.
+
+Decode steps that are ready at the same moment leave in groups of at most ceil(active / stages)
+requests. One group of every request would travel the ring as a convoy, leaving all stages but
+one idle; one group per request would read every stage's weights once per request. Groups of that
+size give each stage of the ring a group to work on (pipelining) while each group shares its
+weight reads (batching): with four users on three stages, groups of two.
 
 No clocks, no I/O: the head loop calls `submit`, `take`, `returned`, `sampled`, `cancel`, and acts
 on what they return.
@@ -58,14 +63,18 @@ class _Request:
 class Schedule:
     concurrency: int
     chunk: int = 256  # prefill chunk, tokens
+    stages: int = 1  # members in the ring: sizes the decode groups
     _reqs: dict[int, _Request] = field(default_factory=dict)
     _queue: deque[int] = field(default_factory=deque)
     _active: list[int] = field(default_factory=list)  # admission order
     _freed: list[int] = field(default_factory=list)  # requests whose KV the stages may drop
 
     def __post_init__(self) -> None:
-        if self.concurrency < 1 or self.chunk < 1:
-            raise ValueError(f"concurrency {self.concurrency} and chunk {self.chunk} must be at least 1")
+        if self.concurrency < 1 or self.chunk < 1 or self.stages < 1:
+            raise ValueError(
+                f"concurrency {self.concurrency}, chunk {self.chunk} and stages {self.stages} "
+                "must be at least 1"
+            )
 
     def submit(self, rid: int, prompt_len: int, max_tokens: int) -> int:
         """Queue a request; returns its queue position (0: admitted now)."""
@@ -90,15 +99,21 @@ class Schedule:
     def active(self) -> tuple[int, ...]:
         return tuple(self._active)
 
+    @property
+    def group_size(self) -> int:
+        """Most decode steps in one frame: ceil(active requests / stages), at least 1."""
+        return max(1, -(-len(self._active) // self.stages))
+
     def take(self) -> list[Step]:
-        """Everything that can enter the ring now: prefill chunks first, then one decode batch."""
+        """Everything that can enter the ring now: prefill chunks first, then the decode groups."""
         steps = [c for rid in list(self._active) for c in self._chunks(self._reqs[rid])]
         ready = [self._reqs[rid] for rid in self._active if self._reqs[rid].state is State.READY]
-        if ready:
-            for r in ready:
-                r.state, r.in_flight = State.IN_FLIGHT, r.in_flight + 1
-            pos = [r.prompt_len + r.generated - 1 for r in ready]
-            steps.append(Step(False, tuple(Entry(r.rid, p, 1) for r, p in zip(ready, pos, strict=True))))
+        for r in ready:
+            r.state, r.in_flight = State.IN_FLIGHT, r.in_flight + 1
+        size = self.group_size
+        for at in range(0, len(ready), size):
+            group = ready[at : at + size]
+            steps.append(Step(False, tuple(Entry(r.rid, r.prompt_len + r.generated - 1, 1) for r in group)))
         return steps
 
     def _chunks(self, r: _Request) -> list[Step]:

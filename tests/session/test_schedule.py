@@ -60,6 +60,29 @@ def test_ready_decode_steps_leave_as_one_batch() -> None:
     assert batch.entries == (Entry(1, 5, 1), Entry(2, 7, 1), Entry(3, 2, 1))
 
 
+@pytest.mark.parametrize(
+    ("n_reqs", "stages", "sizes"),
+    [(4, 3, [2, 2]), (4, 1, [4]), (4, 4, [1, 1, 1, 1]), (5, 2, [3, 2]), (3, 5, [1, 1, 1])],
+)
+def test_ready_decode_steps_leave_in_groups_of_active_over_stages(
+    n_reqs: int, stages: int, sizes: list[int]
+) -> None:
+    s = Schedule(concurrency=n_reqs, chunk=16, stages=stages)
+    for rid in range(n_reqs):
+        s.submit(rid, 3 + rid, 10)
+    for step in s.take():
+        for rid in s.returned(step):
+            s.sampled(rid, stop=False)
+    groups = s.take()
+    assert [len(g.entries) for g in groups] == sizes
+    assert [e.request_id for g in groups for e in g.entries] == list(range(n_reqs))  # each once, in order
+    assert all(e.position == 3 + e.request_id for g in groups for e in g.entries)
+    # a group that comes back alone leaves again as one group: sizes do not decay to one request
+    for rid in s.returned(groups[0]):
+        s.sampled(rid, stop=False)
+    assert [len(g.entries) for g in s.take()] == [sizes[0]]
+
+
 def test_cancelled_request_keeps_its_slot_until_its_step_returns() -> None:
     s = Schedule(concurrency=1, chunk=16)
     s.submit(1, 4, 10)
@@ -77,6 +100,8 @@ def test_cancelled_request_keeps_its_slot_until_its_step_returns() -> None:
 def test_bad_arguments_are_refused_with_numbers() -> None:
     with pytest.raises(ValueError, match="concurrency 0"):
         Schedule(concurrency=0)
+    with pytest.raises(ValueError, match="stages 0"):
+        Schedule(concurrency=2, stages=0)
     s = Schedule(concurrency=1)
     with pytest.raises(ValueError, match="prompt of 0"):
         s.submit(1, 0, 5)
@@ -86,14 +111,15 @@ def test_bad_arguments_are_refused_with_numbers() -> None:
 @given(
     concurrency=st.integers(1, 4),
     chunk=st.integers(1, 6),
+    stages=st.integers(1, 4),
     reqs=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 6)), min_size=1, max_size=8),
     seed=st.integers(0, 2**32),
 )
 def test_random_interleavings_keep_the_invariants(
-    concurrency: int, chunk: int, reqs: list[tuple[int, int]], seed: int
+    concurrency: int, chunk: int, stages: int, reqs: list[tuple[int, int]], seed: int
 ) -> None:
     rng = random.Random(seed)
-    s = Schedule(concurrency=concurrency, chunk=chunk)
+    s = Schedule(concurrency=concurrency, chunk=chunk, stages=stages)
     sent: dict[int, list[tuple[int, int]]] = {i: [] for i in range(len(reqs))}
     finished, cancelled, ring = set(), set(), []
     pending = list(enumerate(reqs))
@@ -108,7 +134,9 @@ def test_random_interleavings_keep_the_invariants(
                 s.cancel(rid)
                 cancelled.add(rid)
         else:
-            ring += s.take()
+            taken = s.take()
+            assert all(len(st.entries) <= -(-concurrency // stages) for st in taken if not st.prefill)
+            ring += taken
             for rid in s.pop_freed():
                 assert s.idle(rid)
             if ring:
