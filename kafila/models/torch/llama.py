@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -24,7 +25,7 @@ from kafila.models import rope
 from kafila.models.config import ModelConfig
 from kafila.models.manifest import EMBED, FINAL_NORM, LM_HEAD
 from kafila.models.span import Span
-from kafila.models.torch import few_rows
+from kafila.models.torch import decode_cpu, few_rows
 
 Tensor = torch.Tensor
 
@@ -52,6 +53,21 @@ class Block:
     mlp_norm: Tensor  # [H]
     w_gate_up: Linear  # [2F, H]: gate rows, then up
     w_down: Linear  # [H, F]
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """numpy views of the weights in `decode_cpu.block_step`'s order (CPU fp32 only; no copies)."""
+        none1, none2 = np.empty(0, np.float32), np.empty((0, 0), np.float32)
+        bias = self.wqkv.bias
+        return (
+            self.attn_norm.numpy(),
+            self.wqkv.w.numpy(),
+            none1 if bias is None else bias.numpy(),
+            none2 if self.qk_norm is None else self.qk_norm.numpy(),
+            self.wo.w.numpy(),
+            self.mlp_norm.numpy(),
+            self.w_gate_up.w.numpy(),
+            self.w_down.w.numpy(),
+        )
 
 
 @dataclass
@@ -95,6 +111,9 @@ class LlamaModel:
         cos, sin = rope.tables(config, context)
         self.cos = torch.from_numpy(cos).to(self.device, dtype)  # [context, d]
         self.sin = torch.from_numpy(sin).to(self.device, dtype)  # [context, d], sign folded in
+        # decode steps in fp32 on the CPU run each block as one compiled call (decode_cpu)
+        self.fused_decode = dtype == torch.float32 and self.device.type == "cpu"
+        self._arrays = [b.arrays() for b in self.blocks] if self.fused_decode else []
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -150,6 +169,9 @@ class LlamaModel:
     def forward(self, x: Tensor, spans: Sequence[Span], cache: KVCache) -> Tensor:
         """hidden [N, H] (spans' rows stacked in order) -> hidden [N, H] after every local block."""
         x = x.to(self.device, self.dtype, copy=True)  # [N, H], updated in place below
+        if self.fused_decode and len(spans) <= few_rows.MAX_ROWS and all(s.length == 1 for s in spans):
+            self._decode_fused(x, spans, cache)
+            return x
         plan = _AttentionPlan(spans, self.device)
         if len(spans) == 1:  # one request: its positions are a slice, no gather
             rows = slice(spans[0].start, spans[0].end)
@@ -159,6 +181,16 @@ class LlamaModel:
         for blk, k_cache, v_cache in zip(self.blocks, cache.k, cache.v, strict=True):
             self._block(blk, x, cos, sin, plan, k_cache, v_cache)
         return x
+
+    def _decode_fused(self, x: Tensor, spans: Sequence[Span], cache: KVCache) -> None:
+        """One row per span (decode), every local block through decode_cpu.block_step, in place on x."""
+        xn = x.numpy()  # [N, H], shares memory with x
+        slots = np.array([s.slot for s in spans], dtype=np.int64)  # [N]
+        positions = np.array([s.start for s in spans], dtype=np.int64)  # [N]
+        cos, sin = self.cos.numpy(), self.sin.numpy()  # [context, d]
+        nq, eps = self.config.num_attention_heads, self.config.rms_norm_eps
+        for arrays, kc, vc in zip(self._arrays, cache.k, cache.v, strict=True):
+            decode_cpu.block_step(xn, *arrays, kc.numpy(), vc.numpy(), cos, sin, slots, positions, nq, eps)
 
     def _block(
         self, blk: Block, x: Tensor, cos: Tensor, sin: Tensor, plan: _AttentionPlan, kc: Tensor, vc: Tensor
