@@ -6,9 +6,9 @@
     join: join with the code -> classify NAT, probe itself -> report -> receive the plan ->
           link its edges and a control link to the host -> fetch its tensors -> ring
 
-Session messages between members travel as signaling payloads {"kafila_session": 1, "op": ...}:
-`report` (member -> host: its DeviceReport), `plan` (host -> members: the Plan and member ids),
-`refused` (host -> members), `ready` (member -> host). The rendezvous forwards them unread.
+The steps and the session messages (`report`, `plan`, `refused`, `ready`: signaling payloads the
+rendezvous forwards unread) are decided by the pure state machines of kafila.session.formation;
+`Driver` here feeds them the signaling events and the clock and carries out what they return.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import asyncio
 import contextlib
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kafila.net.edge import EdgeOptions, LinkNode, SignalRouter, connect_edge
 from kafila.net.endpoint import UdpEndpoint
@@ -32,9 +32,12 @@ from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan
 from kafila.proto import signaling as sig
 from kafila.proto.codes import SessionCode, new_code, parse_code
+from kafila.session import formation as fm
+from kafila.session.formation import HostFormation, MemberFormation
 
 log = get_logger("kafila.session.form")
-KEY = "kafila_session"
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class SessionError(RuntimeError):
@@ -104,25 +107,89 @@ def say(text: str) -> None:
     print(f"kafila: {text}", file=sys.stderr, flush=True)
 
 
-def payload(op: str, **body: Any) -> dict[str, Any]:
-    return {KEY: 1, "op": op, **body}
+class Driver:
+    """The thin shell around a formation core (kafila.session.formation): feeds it the signaling
+    events and the clock, and carries out its outputs (progress lines, signals; a failure becomes
+    a SessionError)."""
 
+    def __init__(self, core: HostFormation | MemberFormation, client: SignalingClient, router: SignalRouter):
+        self.core, self.client, self.router = core, client, router
+        self._next: asyncio.Task[sig.ServerMessage] | None = None
 
-async def next_session_message(router: SignalRouter, timeout: float) -> tuple[int, dict[str, Any]]:
-    """The next session payload from another member (other events are logged and skipped)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        left = deadline - loop.time()
-        if left <= 0:
-            raise TimeoutError
-        event = await asyncio.wait_for(router.others.get(), left)
-        if isinstance(event, sig.SignalFrom) and event.payload.get(KEY) == 1:
-            return event.sender, event.payload
+    @staticmethod
+    def now() -> float:
+        return asyncio.get_running_loop().time()
+
+    async def carry(self, outputs: list[fm.Output]) -> list[fm.Output]:
+        """Carry out progress, sends, rejections and failure; return the steps left to the caller."""
+        rest = []
+        for out in outputs:
+            if isinstance(out, fm.Say):
+                say(out.text)
+            elif isinstance(out, fm.Send):
+                await self.client.signal(out.to, out.body)
+            elif isinstance(out, fm.Rejected):
+                log.warning("session_message_rejected", member=out.member, reason=out.reason)
+            elif isinstance(out, fm.Failed):
+                log.warning("session_not_formed", reason=out.reason)
+                raise SessionError(out.reason)
+            else:
+                rest.append(out)
+        return rest
+
+    async def until(self, want: type[T], first: list[fm.Output] | None = None) -> T:
+        """Carry out `first` (what a step of the core just returned), then feed events and ticks
+        until the core outputs a `want`."""
+        outputs = await self.carry(first or [])
+        while True:
+            for out in outputs:
+                if isinstance(out, want):
+                    return out
+            outputs = await self._feed_one(None)
+
+    async def during(self, work: Awaitable[R]) -> R:
+        """Run one step of the shell's own (linking, fetching, loading) while still feeding the
+        core, so a member leaving or a deadline ends the attempt without waiting for the step."""
+        task = asyncio.ensure_future(work)
+        try:
+            while not task.done():
+                await self._feed_one(task)
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+    def close(self) -> None:
+        if self._next is not None:
+            self._next.cancel()  # an unconsumed event stays in the queue
+
+    async def _feed_one(self, work: asyncio.Future[Any] | None) -> list[fm.Output]:
+        if self._next is None:
+            self._next = asyncio.ensure_future(self.router.others.get())
+        deadline = self.core.deadline
+        timeout = None if deadline is None else max(0.0, deadline - self.now())
+        waiting = {self._next} if work is None else {self._next, work}
+        done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if self._next not in done:
+            return await self.carry(self.core.tick(self.now()))
+        event, self._next = self._next.result(), None
+        core_event = self._translate(event)
+        return [] if core_event is None else await self.carry(self.core.handle(core_event, self.now()))
+
+    @staticmethod
+    def _translate(event: sig.ServerMessage) -> fm.Event | None:
+        if isinstance(event, sig.SignalFrom) and event.payload.get(fm.KEY) == 1:
+            return fm.Message(event.sender, event.payload)
+        if isinstance(event, sig.MemberJoined):
+            return fm.Joined(event.member.id, event.member.name)
         if isinstance(event, sig.MemberLeft):
             log.warning("member_left", member=event.member, reason=event.reason)
-        elif isinstance(event, sig.Error) and event.fatal:
+            return fm.Left(event.member, event.reason)
+        if isinstance(event, sig.Error) and event.fatal:
             raise SessionError(f"the rendezvous ended the session: {event.message}")
+        return None
 
 
 async def connect_node(client: SignalingClient, code: SessionCode, url: str) -> LinkNode:

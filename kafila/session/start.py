@@ -18,8 +18,10 @@ from kafila.obs.trace import TraceLog
 from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan
 from kafila.proto.codes import SessionCode, new_code, parse_code
+from kafila.session import formation as fm
 from kafila.session.channel import Heartbeat, LinkChannel
 from kafila.session.form import (
+    Driver,
     Formed,
     Options,
     SessionError,
@@ -27,12 +29,11 @@ from kafila.session.form import (
     default_name,
     fmt_plans,
     link_ring,
-    next_session_message,
-    payload,
     probe_report,
     say,
     session_record,
 )
+from kafila.session.formation import HostFormation, MemberFormation
 
 log = get_logger("kafila.session")
 
@@ -45,8 +46,11 @@ class Held:
         self.node: Any = None
         self.tasks: list[asyncio.Task[Any]] = []
         self.links: dict[str, Link] = {}
+        self.driver: Driver | None = None
 
     async def release(self) -> None:
+        if self.driver is not None:
+            self.driver.close()
         for link in self.links.values():
             with contextlib.suppress(Exception):
                 await link.close("session not formed")
@@ -79,7 +83,6 @@ async def join(code_text: str, opts: Options) -> Formed:
 
 async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, held: Held) -> Formed:
     from kafila.models.registry import resolve
-    from kafila.session.weights import WeightServer
 
     folder = resolve(opts.model)
     ckpt = Checkpoint.open(folder)
@@ -95,53 +98,48 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     pump = asyncio.ensure_future(node.signals.pump())
     held.tasks.append(pump)
     me = await asyncio.to_thread(probe_report, name, node, opts, config)
-    devices, ids = await _gather_reports(node, me, opts)
+    core = HostFormation(members=opts.members, wait_s=opts.wait_s, host_id=node.member)
+    drive = held.driver = Driver(core, client, node.signals)
+    gathered = await drive.until(fm.PlanNow, core.start(me, drive.now()))
     try:
-        plan, alternatives = _plan(devices, ckpt, opts)
+        plan, alternatives = _plan(list(gathered.devices), ckpt, opts)
     except SessionError as exc:
-        for peer in ids.values():
-            if peer != node.member:
-                await client.signal(peer, payload("refused", reason=str(exc)))
+        await drive.carry(core.refuse(str(exc), drive.now()))
         raise
-    for peer in ids.values():
-        if peer != node.member:
-            body = payload("plan", plan=plan.to_dict(), ids=ids, model=opts.model, chunk=opts.chunk)
-            await client.signal(peer, body | {"alternatives": alternatives})
+    extra = {"model": opts.model, "chunk": opts.chunk, "alternatives": alternatives}
+    await drive.carry(core.planned(plan, drive.now(), **extra))
+    ring = _host_ring(name, code, plan, folder, gathered.ids, node, client, opts, held, alternatives)
+    formed = await drive.during(ring)
+    formed.tasks.append(pump)
+    await drive.until(fm.Formed, core.started(drive.now()))
+    drive.close()
+    say(f"session ready: {len(plan.order)} members, head {plan.head}, ring {' -> '.join(plan.order)}")
+    return formed
+
+
+async def _host_ring(
+    name: str,
+    code: SessionCode,
+    plan: Plan,
+    folder: Path,
+    ids: dict[str, int],
+    node: Any,
+    client: SignalingClient,
+    opts: Options,
+    held: Held,
+    alternatives: dict[str, Any],
+) -> Formed:
+    """The host's links, weight serving and ring role (a step the formation core waits on)."""
+    from kafila.session.weights import WeightServer
+
     links = held.links = await link_ring(node, plan, name, ids, name)
     server = WeightServer(folder, cache=opts.cache)
     controls = [LinkChannel(link, peer) for peer, link in links.items()]
     say(f"serving weights to {len(controls)} member(s)")
     await asyncio.gather(*(server.serve(c) for c in controls))
-    formed = await _start_ring(
+    return await _start_ring(
         name, code, plan, folder, links, node, client, opts, opts.model, opts.chunk, alternatives
     )
-    formed.tasks.append(pump)
-    await _wait_ready(node, len(ids) - 1, opts.wait_s)
-    say(f"session ready: {len(plan.order)} members, head {plan.head}, ring {' -> '.join(plan.order)}")
-    return formed
-
-
-async def _gather_reports(
-    node: Any, me: DeviceReport, opts: Options
-) -> tuple[list[DeviceReport], dict[str, int]]:
-    devices, ids = [me], {me.name: node.member}
-    say(f"waiting for {opts.members - 1} member(s) (up to {opts.wait_s:.0f} s)")
-    while len(devices) < opts.members:
-        try:
-            sender, msg = await next_session_message(node.signals, opts.wait_s)
-        except TimeoutError:
-            raise SessionError(
-                f"only {len(devices)} of {opts.members} members arrived within {opts.wait_s:.0f} s "
-                f"(joined: {', '.join(ids)}); ask the others to run `kafila join` with the code"
-            ) from None
-        if msg.get("op") == "report":
-            device = DeviceReport.from_dict(msg["device"])
-            if device.name in ids:
-                device = DeviceReport.from_dict({**msg["device"], "name": f"{device.name}-{sender}"})
-            devices.append(device)
-            ids[device.name] = sender
-            say(f"{device.name} joined ({len(devices)}/{opts.members})")
-    return devices, ids
 
 
 def _plan(devices: list[DeviceReport], ckpt: Checkpoint, opts: Options) -> tuple[Plan, dict[str, Any]]:
@@ -156,19 +154,7 @@ def _plan(devices: list[DeviceReport], ckpt: Checkpoint, opts: Options) -> tuple
     return plan, {name: p.summary() for name, p in plans.items()}
 
 
-async def _wait_ready(node: Any, n: int, timeout: float) -> None:
-    ready = 0
-    while ready < n:
-        try:
-            _, msg = await next_session_message(node.signals, timeout)
-        except TimeoutError:
-            raise SessionError(f"only {ready} of {n} members became ready within {timeout:.0f} s") from None
-        ready += msg.get("op") == "ready"
-
-
 async def _join(code_text: str, opts: Options, held: Held) -> Formed:
-    from kafila.session.weights import fetch_shard
-
     code = parse_code(code_text)
     client = held.client = await SignalingClient.connect(opts.rendezvous)
     joined = await client.join(code.public, opts.name or default_name(), {"role": "member"})
@@ -180,40 +166,35 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     held.tasks.append(pump)
     config = host_info.capability.get("config")  # the model's shape, for the block probe
     me = await asyncio.to_thread(probe_report, name, node, opts, config if isinstance(config, dict) else None)
-    await client.signal(host_info.id, payload("report", device=me.to_dict()))
-    say("waiting for the host's plan")
-    _, msg = await next_session_message(node.signals, opts.wait_s)
-    if msg.get("op") == "refused":
-        raise SessionError(f"the host refused the session: {msg.get('reason')}")
-    plan, ids = Plan.from_dict(msg["plan"]), {k: int(v) for k, v in msg["ids"].items()}
-    me_name = next(k for k, v in ids.items() if v == node.member)
-    host_name = next(k for k, v in ids.items() if v == host_info.id)
-    links = held.links = await link_ring(node, plan, me_name, ids, host_name)
-    a, b = plan.block_range(me_name)
-    head = plan.head == me_name
-    local = None if opts.use_local else []
-    channel = LinkChannel(links[host_name], host_name)
-    shard = await fetch_shard(channel, range(a, b), head, cache=opts.cache, local=local, label=me_name)
-    say(
-        f"weights: {shard.tensor_bytes / 1e6:.1f} MB fetched for blocks [{a}, {b}){' + head' if head else ''}"
+    core = MemberFormation(host_id=host_info.id, me_id=node.member, wait_s=opts.wait_s, link_s=opts.wait_s)
+    drive = held.driver = Driver(core, client, node.signals)
+    got = await drive.until(fm.LinkNow, core.start(me, drive.now()))
+    links = held.links = await drive.during(link_ring(node, got.plan, got.me, got.ids, got.host))
+    await drive.carry(core.linked(drive.now()))
+    shard = await drive.during(_fetch(got, links, opts))
+    await drive.carry(core.fetched(drive.now()))
+    ring = _start_ring(
+        got.me, code, got.plan, shard.path, links, node, client, opts, got.model, got.chunk, got.alternatives
     )
-    formed = await _start_ring(
-        me_name,
-        code,
-        plan,
-        shard.path,
-        links,
-        node,
-        client,
-        opts,
-        msg["model"],
-        msg["chunk"],
-        msg.get("alternatives"),
-    )
+    formed = await drive.during(ring)
     formed.tasks.append(pump)
     formed.shard = shard  # type: ignore[attr-defined]
-    await client.signal(host_info.id, payload("ready"))
+    await drive.carry(core.started(drive.now()))
+    drive.close()
     return formed
+
+
+async def _fetch(got: fm.LinkNow, links: dict[str, Link], opts: Options) -> Any:
+    from kafila.session.weights import fetch_shard
+
+    a, b = got.plan.block_range(got.me)
+    head = got.plan.head == got.me
+    local = None if opts.use_local else []
+    channel = LinkChannel(links[got.host], got.host)
+    shard = await fetch_shard(channel, range(a, b), head, cache=opts.cache, local=local, label=got.me)
+    part = f"blocks [{a}, {b}){' + head' if head else ''}"
+    say(f"weights: {shard.tensor_bytes / 1e6:.1f} MB fetched for {part}")
+    return shard
 
 
 async def _start_ring(

@@ -1,0 +1,410 @@
+"""Forming a session as two pure state machines: the host's side and a joining member's side.
+
+No sockets, threads or clocks: the asyncio shell (kafila.session.start) feeds a machine what
+happened (a member joined or left the session at the rendezvous, a session message arrived, one of
+its own steps finished) together with `now` (seconds on any monotonic clock), and carries out what
+the machine returns: progress lines for the person (`Say`), messages to send (`Send`), the next
+step to take (`PlanNow`, `LinkNow`), a message it ignored (`Rejected`, naming why), the end of the
+attempt (`Failed`) or success (`Formed`). Every input first checks the current deadline against
+`now`: an event that arrives at or after the deadline finds the attempt already timed out.
+
+    host:   start(own report) -> GATHERING --N reports--> PLANNING --planned--> LINKING
+            --started--> WAITING_READY --N-1 readies--> FORMED      (refuse / timeout / left: FAILED)
+    member: start(own report) -> AWAITING_PLAN --plan--> LINKING --linked--> FETCHING
+            --fetched--> STARTING --started--> FORMED                (refused / timeout / left: FAILED)
+
+Session messages travel as signaling payloads `{"kafila_session": 1, "op": ...}` (see `payload`):
+`report` (member -> host: its DeviceReport), `plan` (host -> members: the Plan, member ids, model,
+prefill chunk, compared divisions), `refused` (host -> members: the reason), `ready` (member -> host).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from kafila.planner.devices import DeviceReport
+from kafila.planner.plan import Plan
+
+KEY = "kafila_session"
+
+
+def payload(op: str, **body: Any) -> dict[str, Any]:
+    """A session message as a signaling payload (the rendezvous forwards it unread)."""
+    return {KEY: 1, "op": op, **body}
+
+
+class FormationError(RuntimeError):
+    """The shell called a step in a state that does not take it (a bug in the caller)."""
+
+
+# ------------------------------------------------------------------ inputs
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A member entered the session at the rendezvous."""
+
+    member: int
+    name: str
+
+
+@dataclass(frozen=True)
+class Left:
+    """A member left the session at the rendezvous ("left", "timed_out", "disconnected")."""
+
+    member: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Message:
+    """A session payload from `sender` (its `op` says which)."""
+
+    sender: int
+    body: dict[str, Any]
+
+
+Event = Joined | Left | Message
+
+
+# ------------------------------------------------------------------ outputs
+
+
+@dataclass(frozen=True)
+class Say:
+    """A progress line for the person at the terminal."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send `body` to member `to` over signaling."""
+
+    to: int
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """An input that does not fit was ignored; `reason` names it (the shell logs it)."""
+
+    member: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The attempt is over; `reason` is the one line the person reads."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class PlanNow:
+    """Host: every member reported; plan over these devices (ids: device name -> member id)."""
+
+    devices: tuple[DeviceReport, ...]
+    ids: dict[str, int]
+
+
+@dataclass(frozen=True)
+class LinkNow:
+    """Member: the host's plan arrived; link its edges and the control link to the host."""
+
+    plan: Plan
+    ids: dict[str, int]
+    me: str
+    host: str
+    model: str
+    chunk: int
+    alternatives: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class Formed:
+    """Every member is ready (host) / this member is ready and has told the host (member)."""
+
+    members: tuple[str, ...]
+
+
+Output = Say | Send | Rejected | Failed | PlanNow | LinkNow | Formed
+
+
+class Step(enum.Enum):
+    NEW = "new"
+    GATHERING = "gathering reports"
+    PLANNING = "planning"
+    AWAITING_PLAN = "awaiting the plan"
+    LINKING = "linking"
+    FETCHING = "fetching weights"
+    STARTING = "starting"
+    WAITING_READY = "waiting for ready members"
+    FORMED = "formed"
+    FAILED = "failed"
+
+
+DONE = (Step.FORMED, Step.FAILED)
+
+
+@dataclass
+class _Machine:
+    step: Step = Step.NEW
+    deadline: float | None = None  # when the current step times out (None: no limit)
+    now: float = 0.0  # the `now` of the latest input
+
+    def _require(self, *steps: Step) -> None:
+        if self.step not in steps:
+            want = " or ".join(s.value for s in steps)
+            raise FormationError(f"step taken while {self.step.value}; it needs {want}")
+
+    def _fail(self, reason: str, out: list[Output] | None = None) -> list[Output]:
+        self.step, self.deadline = Step.FAILED, None
+        return [*(out or []), Failed(reason)]
+
+    def _expired(self, now: float) -> bool:
+        return self.step not in DONE and self.deadline is not None and now >= self.deadline
+
+    def _timed_out(self) -> list[Output]:
+        raise NotImplementedError
+
+    def tick(self, now: float) -> list[Output]:
+        """The clock moved on: a step past its deadline fails with a message naming it."""
+        self.now = now
+        return self._timed_out() if self._expired(now) else []
+
+    def handle(self, event: Event, now: float) -> list[Output]:
+        """One thing that happened at the rendezvous or arrived from a member."""
+        self.now = now
+        if self._expired(now):
+            return self._timed_out()
+        if self.step in DONE:
+            who = event.sender if isinstance(event, Message) else event.member
+            return [Rejected(who, f"{type(event).__name__.lower()} after the session was {self.step.value}")]
+        if isinstance(event, Joined):
+            return self._joined(event)
+        if isinstance(event, Left):
+            return self._left(event)
+        return self._message(event.sender, str(event.body.get("op")), event.body)
+
+    def _joined(self, event: Joined) -> list[Output]:
+        return []
+
+    def _left(self, event: Left) -> list[Output]:
+        raise NotImplementedError
+
+    def _message(self, sender: int, op: str, body: dict[str, Any]) -> list[Output]:
+        raise NotImplementedError
+
+
+@dataclass
+class HostFormation(_Machine):
+    """The host's side: gathers N reports (its own first), has the shell plan, sends the plan or the
+    refusal, and waits for every other member's `ready` after its own ring has started."""
+
+    members: int = 1  # N, the host included
+    wait_s: float = 300.0  # how long to wait for the reports, and again for the readies
+    host_id: int = 1
+    joined: dict[int, str] = field(default_factory=dict)  # member id -> name at the rendezvous
+    devices: dict[int, DeviceReport] = field(default_factory=dict)  # member id -> its report
+    ids: dict[str, int] = field(default_factory=dict)  # the plan's members: device name -> id
+    ready: set[int] = field(default_factory=set)
+
+    def start(self, me: DeviceReport, now: float) -> list[Output]:
+        self._require(Step.NEW)
+        self.joined[self.host_id] = me.name
+        self.devices[self.host_id] = me
+        self.ids[me.name] = self.host_id
+        self.step, self.deadline = Step.GATHERING, now + self.wait_s
+        out: list[Output] = [Say(f"waiting for {self.members - 1} member(s) (up to {self.wait_s:.0f} s)")]
+        return out + self._maybe_plan()
+
+    def planned(self, plan: Plan, now: float, **extra: Any) -> list[Output]:
+        """The shell planned a feasible session: send it (and `extra`) to every other member."""
+        self._require(Step.PLANNING)
+        body = payload("plan", plan=plan.to_dict(), ids=self.ids, **extra)
+        self.step, self.deadline = Step.LINKING, None
+        return [Send(m, body) for m in self._others()]
+
+    def refuse(self, reason: str, now: float) -> list[Output]:
+        """The shell found no feasible plan: tell every other member why, and fail with it."""
+        self._require(Step.PLANNING)
+        return self._fail(reason, [Send(m, payload("refused", reason=reason)) for m in self._others()])
+
+    def started(self, now: float) -> list[Output]:
+        """The host's own ring role is running: wait (up to wait_s) for the others' `ready`."""
+        self.now = now
+        if self._expired(now):
+            return self._timed_out()
+        self._require(Step.LINKING)
+        self.step, self.deadline = Step.WAITING_READY, now + self.wait_s
+        return self._maybe_formed()
+
+    def _others(self) -> list[int]:
+        return [m for m in self.ids.values() if m != self.host_id]
+
+    def _name(self, member: int) -> str:
+        device = self.devices.get(member)
+        return device.name if device else self.joined.get(member, f"member {member}")
+
+    def _timed_out(self) -> list[Output]:
+        if self.step is Step.GATHERING:
+            names = ", ".join(d.name for d in self.devices.values())
+            return self._fail(
+                f"only {len(self.devices)} of {self.members} members arrived within {self.wait_s:.0f} s "
+                f"(joined: {names}); ask the others to run `kafila join` with the code"
+            )
+        missing = ", ".join(self._name(m) for m in self._others() if m not in self.ready)
+        return self._fail(
+            f"only {len(self.ready)} of {self.members - 1} members became ready within {self.wait_s:.0f} s "
+            f"(not ready: {missing})"
+        )
+
+    def _joined(self, event: Joined) -> list[Output]:
+        if event.member in self.joined:
+            return [Rejected(event.member, f"member {event.member} ({event.name}) joined twice")]
+        self.joined[event.member] = event.name
+        return [Say(f"{event.name} connected; waiting for its report")] if self.step is Step.GATHERING else []
+
+    def _left(self, event: Left) -> list[Output]:
+        if event.member not in self.joined:
+            return [Rejected(event.member, f"member {event.member} left but never joined")]
+        name = self._name(event.member)
+        if event.member in self.ids.values() and self.step is not Step.GATHERING:
+            reason = f"member {name} left ({event.reason}) before the session formed"
+            others = [m for m in self._others() if m != event.member]
+            return self._fail(reason, [Send(m, payload("refused", reason=reason)) for m in others])
+        del self.joined[event.member]
+        if self.devices.pop(event.member, None) is not None:
+            del self.ids[name]
+        return [Say(f"{name} left ({event.reason}); {len(self.devices)}/{self.members} members reported")]
+
+    def _message(self, sender: int, op: str, body: dict[str, Any]) -> list[Output]:
+        if sender not in self.joined:
+            return [Rejected(sender, f"'{op}' from member {sender}, which is not in this session")]
+        if op == "report":
+            return self._report(sender, body)
+        if op == "ready":
+            return self._ready(sender)
+        return [Rejected(sender, f"unexpected '{op}' from {self._name(sender)}")]
+
+    def _report(self, sender: int, body: dict[str, Any]) -> list[Output]:
+        if sender in self.devices:
+            return [Rejected(sender, f"duplicate report from {self._name(sender)}")]
+        if self.step is not Step.GATHERING:
+            return [Rejected(sender, f"report from {self._name(sender)} after the plan was made")]
+        try:
+            device = DeviceReport.from_dict(body["device"])
+        except (KeyError, TypeError, ValueError) as exc:
+            return [Rejected(sender, f"unreadable report from member {sender}: {exc!r}")]
+        if device.name in self.ids:  # two members of one name: the later one gets its id appended
+            device = DeviceReport.from_dict({**device.to_dict(), "name": f"{device.name}-{sender}"})
+        self.devices[sender] = device
+        self.ids[device.name] = sender
+        return [Say(f"{device.name} joined ({len(self.devices)}/{self.members})"), *self._maybe_plan()]
+
+    def _maybe_plan(self) -> list[Output]:
+        if len(self.devices) < self.members:
+            return []
+        self.step, self.deadline = Step.PLANNING, None
+        return [PlanNow(tuple(self.devices.values()), dict(self.ids))]
+
+    def _ready(self, sender: int) -> list[Output]:
+        name = self._name(sender)
+        if self.step in (Step.GATHERING, Step.PLANNING):
+            return [Rejected(sender, f"ready from {name} before the plan was sent")]
+        if sender not in self._others():
+            return [Rejected(sender, f"ready from {name}, which is not in the plan")]
+        if sender in self.ready:
+            return [Rejected(sender, f"duplicate ready from {name}")]
+        self.ready.add(sender)
+        out: list[Output] = [Say(f"{name} ready ({len(self.ready)}/{self.members - 1})")]
+        return out + self._maybe_formed()
+
+    def _maybe_formed(self) -> list[Output]:
+        if self.step is not Step.WAITING_READY or len(self.ready) < len(self._others()):
+            return []
+        self.step, self.deadline = Step.FORMED, None
+        return [Formed(tuple(self.ids))]
+
+
+@dataclass
+class MemberFormation(_Machine):
+    """A joining member's side: sends its report, waits for the host's plan (or refusal), then is
+    told by the shell when its links are up, its weights fetched and its ring role started, and
+    finally tells the host it is ready. The weight fetch has no deadline (it shows progress and a
+    large model takes long); waiting for the plan and linking do."""
+
+    host_id: int = 1
+    me_id: int = 2
+    wait_s: float = 300.0  # how long to wait for the plan
+    link_s: float | None = None  # how long linking may take (None: the links' own timeouts)
+    ids: dict[str, int] = field(default_factory=dict)  # the plan's members, once it arrived
+
+    def start(self, me: DeviceReport, now: float) -> list[Output]:
+        self._require(Step.NEW)
+        self.step, self.deadline = Step.AWAITING_PLAN, now + self.wait_s
+        report = payload("report", device=me.to_dict())
+        return [Send(self.host_id, report), Say("waiting for the host's plan")]
+
+    def linked(self, now: float) -> list[Output]:
+        return self._advance(Step.LINKING, Step.FETCHING, now)
+
+    def fetched(self, now: float) -> list[Output]:
+        return self._advance(Step.FETCHING, Step.STARTING, now)
+
+    def started(self, now: float) -> list[Output]:
+        out = self._advance(Step.STARTING, Step.FORMED, now)
+        if self.step is Step.FORMED:
+            out += [Send(self.host_id, payload("ready")), Formed(tuple(self.ids))]
+        return out
+
+    def _advance(self, here: Step, to: Step, now: float) -> list[Output]:
+        self.now = now
+        if self._expired(now):
+            return self._timed_out()
+        self._require(here)
+        self.step, self.deadline = to, None
+        return []
+
+    def _timed_out(self) -> list[Output]:
+        if self.step is Step.AWAITING_PLAN:
+            return self._fail(f"no plan from the host within {self.wait_s:.0f} s")
+        return self._fail(f"the links of this session were not up within {self.link_s:.0f} s")
+
+    def _left(self, event: Left) -> list[Output]:
+        if event.member == self.host_id:
+            return self._fail(f"the host left the session ({event.reason}) before it formed")
+        names = {m: n for n, m in self.ids.items()}
+        if event.member in names:
+            return self._fail(f"member {names[event.member]} left ({event.reason}) before the session formed")
+        return []
+
+    def _message(self, sender: int, op: str, body: dict[str, Any]) -> list[Output]:
+        if sender != self.host_id:
+            return [Rejected(sender, f"'{op}' from member {sender}, which is not the host")]
+        if op == "refused":
+            return self._fail(f"the host refused the session: {body.get('reason')}")
+        if op != "plan":
+            return [Rejected(sender, f"unexpected '{op}' from the host")]
+        if self.step is not Step.AWAITING_PLAN:
+            return [Rejected(sender, f"a second plan from the host while {self.step.value}")]
+        return self._plan(body)
+
+    def _plan(self, body: dict[str, Any]) -> list[Output]:
+        try:
+            plan, ids = Plan.from_dict(body["plan"]), {str(k): int(v) for k, v in body["ids"].items()}
+            model, chunk = str(body["model"]), int(body["chunk"])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            return self._fail(f"the host's plan is unreadable: {exc!r}")
+        names = {m: n for n, m in ids.items()}
+        if self.me_id not in names or self.host_id not in names:
+            who = "this member" if self.me_id not in names else "the host"
+            return self._fail(f"the host's plan leaves out {who}")
+        self.ids = ids
+        self.step = Step.LINKING
+        self.deadline = None if self.link_s is None else self.now + self.link_s
+        alternatives = body.get("alternatives")
+        return [LinkNow(plan, ids, names[self.me_id], names[self.host_id], model, chunk, alternatives)]

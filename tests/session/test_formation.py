@@ -1,0 +1,410 @@
+"""The formation cores (kafila/session/formation.py): pure, fed events and `now`, no sockets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kafila.planner.devices import DeviceReport
+from kafila.planner.plan import Plan, Stage
+from kafila.session import formation as fm
+from kafila.session.formation import HostFormation, MemberFormation, Step
+
+HOST = 1
+
+
+def device(name: str, gb: float = 8.0) -> DeviceReport:
+    return DeviceReport(name=name, memory_bytes=int(gb * 1e9), bandwidth_bytes_s=20e9, overhead_s=1e-4)
+
+
+def report(name: str) -> dict[str, Any]:
+    return fm.payload("report", device=device(name).to_dict())
+
+
+def plan_of(names: list[str]) -> Plan:
+    per = 12 // len(names)
+    stages = tuple(Stage(n, i * per, (i + 1) * per, i == 0, None, 0, 0) for i, n in enumerate(names))
+    return Plan(
+        division="kafila",
+        feasible=True,
+        reason=None,
+        tier="full",
+        ordering="exact",
+        notes=(),
+        order=tuple(names),
+        head=names[0],
+        stages=stages,
+        edges=(),
+        n_blocks=12,
+        context=256,
+        concurrency=1,
+    )
+
+
+def kinds(outputs: list[fm.Output]) -> list[str]:
+    return [type(o).__name__ for o in outputs]
+
+
+def only(outputs: list[fm.Output], kind: type) -> Any:
+    found = [o for o in outputs if isinstance(o, kind)]
+    assert len(found) == 1, outputs
+    return found[0]
+
+
+def host_with(n: int, wait_s: float = 10.0, now: float = 100.0) -> HostFormation:
+    core = HostFormation(members=n, wait_s=wait_s, host_id=HOST)
+    out = core.start(device("alpha"), now)
+    assert only(out, fm.Say).text == f"waiting for {n - 1} member(s) (up to {wait_s:.0f} s)"
+    return core
+
+
+def gathered(core: HostFormation, names: dict[int, str], now: float = 101.0) -> list[fm.Output]:
+    out: list[fm.Output] = []
+    for member, name in names.items():
+        out += core.handle(fm.Joined(member, name), now)
+    for member, name in names.items():
+        out += core.handle(fm.Message(member, report(name)), now)
+    return out
+
+
+# ------------------------------------------------------------------ host: normal flow
+
+
+def test_host_gathers_plans_sends_and_forms() -> None:
+    core = host_with(3)
+    out = gathered(core, {2: "beta", 3: "gamma"})
+    says = [o.text for o in out if isinstance(o, fm.Say)]
+    assert says == [
+        "beta connected; waiting for its report",
+        "gamma connected; waiting for its report",
+        "beta joined (2/3)",
+        "gamma joined (3/3)",
+    ]
+    plan_now = only(out, fm.PlanNow)
+    assert [d.name for d in plan_now.devices] == ["alpha", "beta", "gamma"]
+    assert plan_now.ids == {"alpha": 1, "beta": 2, "gamma": 3}
+    assert core.step is Step.PLANNING and core.deadline is None
+    sent = core.planned(plan_of(["alpha", "beta", "gamma"]), 102.0, model="m", chunk=64)
+    assert [s.to for s in sent] == [2, 3]
+    body = sent[0].body
+    assert body["op"] == "plan" and body["ids"] == {"alpha": 1, "beta": 2, "gamma": 3}
+    assert body["model"] == "m" and body["chunk"] == 64 and body[fm.KEY] == 1
+    assert core.step is Step.LINKING
+    assert kinds(core.handle(fm.Message(2, fm.payload("ready")), 103.0)) == ["Say"]  # early ready counts
+    assert core.started(104.0) == [] and core.deadline == 114.0
+    out = core.handle(fm.Message(3, fm.payload("ready")), 105.0)
+    assert only(out, fm.Say).text == "gamma ready (2/2)"
+    assert only(out, fm.Formed).members == ("alpha", "beta", "gamma")
+    assert core.step is Step.FORMED
+
+
+def test_host_forms_at_start_when_every_ready_came_before() -> None:
+    core = host_with(2)
+    gathered(core, {2: "beta"})
+    core.planned(plan_of(["alpha", "beta"]), 102.0)
+    core.handle(fm.Message(2, fm.payload("ready")), 103.0)
+    assert only(core.started(104.0), fm.Formed).members == ("alpha", "beta")
+
+
+def test_a_session_of_one_plans_at_once() -> None:
+    core = HostFormation(members=1, wait_s=5.0, host_id=HOST)
+    out = core.start(device("alpha"), 0.0)
+    assert only(out, fm.PlanNow).ids == {"alpha": 1}
+    assert core.planned(plan_of(["alpha"]), 0.0) == []
+    assert kinds(core.started(0.0)) == ["Formed"]
+
+
+def test_reports_in_any_order_and_joins_interleaved() -> None:
+    core = host_with(4)
+    out = core.handle(fm.Joined(4, "delta"), 100.5)
+    out += core.handle(fm.Message(4, report("delta")), 100.6)
+    out += core.handle(fm.Joined(2, "beta"), 100.7)
+    out += core.handle(fm.Joined(3, "gamma"), 100.8)
+    out += core.handle(fm.Message(3, report("gamma")), 100.9)
+    assert not any(isinstance(o, fm.PlanNow) for o in out)
+    out = core.handle(fm.Message(2, report("beta")), 101.0)
+    assert only(out, fm.PlanNow).ids == {"alpha": 1, "delta": 4, "gamma": 3, "beta": 2}
+
+
+def test_two_members_of_one_name_are_told_apart_by_id() -> None:
+    core = host_with(3)
+    out = gathered(core, {2: "laptop", 3: "laptop"})
+    assert only(out, fm.PlanNow).ids == {"alpha": 1, "laptop": 2, "laptop-3": 3}
+
+
+# ------------------------------------------------------------------ host: what does not fit
+
+
+def test_duplicate_report_is_rejected_naming_the_member() -> None:
+    core = host_with(3)
+    gathered(core, {2: "beta"})
+    out = core.handle(fm.Message(2, report("beta")), 101.5)
+    assert only(out, fm.Rejected).reason == "duplicate report from beta"
+    assert len(core.devices) == 2
+
+
+def test_report_from_an_unknown_member_is_rejected() -> None:
+    core = host_with(2)
+    out = core.handle(fm.Message(9, report("mallory")), 101.0)
+    assert only(out, fm.Rejected).reason == "'report' from member 9, which is not in this session"
+    assert core.step is Step.GATHERING and len(core.devices) == 1
+
+
+def test_unreadable_report_is_rejected_and_the_member_may_report_again() -> None:
+    core = host_with(2)
+    core.handle(fm.Joined(2, "beta"), 100.5)
+    bad = fm.payload("report", device={"name": "beta", "memory_bytes": -5})
+    rejected = only(core.handle(fm.Message(2, bad), 101.0), fm.Rejected)
+    assert "unreadable report from member 2" in rejected.reason and "-5" in rejected.reason
+    assert kinds(core.handle(fm.Message(2, report("beta")), 101.5)) == ["Say", "PlanNow"]
+
+
+def test_ready_before_the_plan_is_out_of_order() -> None:
+    core = host_with(3)
+    gathered(core, {2: "beta"})
+    out = core.handle(fm.Message(2, fm.payload("ready")), 101.0)
+    assert only(out, fm.Rejected).reason == "ready from beta before the plan was sent"
+
+
+def test_report_after_the_plan_and_unexpected_ops_are_rejected() -> None:
+    core = host_with(2)
+    gathered(core, {2: "beta"})
+    core.handle(fm.Joined(3, "late"), 101.0)
+    assert only(core.handle(fm.Message(3, report("late")), 101.1), fm.Rejected).reason == (
+        "report from late after the plan was made"
+    )
+    assert only(core.handle(fm.Message(2, fm.payload("plan")), 101.2), fm.Rejected).reason == (
+        "unexpected 'plan' from beta"
+    )
+
+
+def test_duplicate_ready_and_ready_from_outside_the_plan() -> None:
+    core = host_with(2)
+    gathered(core, {2: "beta"})
+    core.handle(fm.Joined(3, "late"), 101.0)
+    core.planned(plan_of(["alpha", "beta"]), 102.0)
+    core.handle(fm.Message(2, fm.payload("ready")), 103.0)
+    assert only(core.handle(fm.Message(2, fm.payload("ready")), 103.1), fm.Rejected).reason == (
+        "duplicate ready from beta"
+    )
+    assert only(core.handle(fm.Message(3, fm.payload("ready")), 103.2), fm.Rejected).reason == (
+        "ready from late, which is not in the plan"
+    )
+
+
+def test_joined_twice_and_left_without_joining_are_rejected() -> None:
+    core = host_with(3)
+    core.handle(fm.Joined(2, "beta"), 100.1)
+    assert (
+        only(core.handle(fm.Joined(2, "beta"), 100.2), fm.Rejected).reason == "member 2 (beta) joined twice"
+    )
+    assert (
+        only(core.handle(fm.Left(7, "left"), 100.3), fm.Rejected).reason == "member 7 left but never joined"
+    )
+
+
+def test_steps_out_of_order_are_a_caller_bug() -> None:
+    core = host_with(3)
+    with pytest.raises(fm.FormationError, match="while gathering reports; it needs planning"):
+        core.planned(plan_of(["alpha"]), 101.0)
+    with pytest.raises(fm.FormationError, match="it needs new"):
+        core.start(device("alpha"), 101.0)
+
+
+# ------------------------------------------------------------------ host: members leaving
+
+
+def test_member_leaving_before_the_plan_frees_its_place() -> None:
+    core = host_with(3)
+    gathered(core, {2: "beta"})
+    out = core.handle(fm.Left(2, "disconnected"), 101.0)
+    assert only(out, fm.Say).text == "beta left (disconnected); 1/3 members reported"
+    assert core.ids == {"alpha": 1}
+    out = gathered(core, {3: "gamma", 4: "delta"}, now=102.0)
+    assert only(out, fm.PlanNow).ids == {"alpha": 1, "gamma": 3, "delta": 4}
+
+
+def test_member_leaving_before_it_reported() -> None:
+    core = host_with(2)
+    core.handle(fm.Joined(2, "beta"), 100.1)
+    out = core.handle(fm.Left(2, "timed_out"), 100.2)
+    assert only(out, fm.Say).text == "beta left (timed_out); 1/2 members reported"
+    assert only(core.handle(fm.Message(2, report("beta")), 100.3), fm.Rejected)
+
+
+def test_member_leaving_after_the_plan_ends_the_attempt_and_tells_the_others() -> None:
+    core = host_with(3)
+    gathered(core, {2: "beta", 3: "gamma"})
+    core.planned(plan_of(["alpha", "beta", "gamma"]), 102.0)
+    out = core.handle(fm.Left(3, "disconnected"), 103.0)
+    reason = "member gamma left (disconnected) before the session formed"
+    assert kinds(out) == ["Send", "Failed"]
+    assert out[0] == fm.Send(2, fm.payload("refused", reason=reason))
+    assert out[1] == fm.Failed(reason)
+    assert core.step is Step.FAILED
+    late = core.handle(fm.Message(2, fm.payload("ready")), 104.0)
+    assert only(late, fm.Rejected).reason == "message after the session was failed"
+
+
+# ------------------------------------------------------------------ host: refusal and timeouts
+
+
+def test_refusal_is_sent_to_every_member_and_names_the_device() -> None:
+    core = host_with(3)
+    gathered(core, {2: "beta", 3: "gamma"})
+    reason = (
+        "the session cannot be formed with the kafila division: "
+        "member beta: 14 blocks need 15.1 GB, has 12.0 GB"
+    )
+    out = core.refuse(reason, 102.0)
+    assert out == [
+        fm.Send(2, fm.payload("refused", reason=reason)),
+        fm.Send(3, fm.payload("refused", reason=reason)),
+        fm.Failed(reason),
+    ]
+
+
+def test_gathering_times_out_exactly_at_the_deadline() -> None:
+    core = host_with(3, wait_s=30.0, now=100.0)
+    gathered(core, {2: "beta"}, now=110.0)
+    assert core.tick(129.999) == [] and core.step is Step.GATHERING
+    out = core.tick(130.0)
+    assert out == [
+        fm.Failed(
+            "only 2 of 3 members arrived within 30 s (joined: alpha, beta); "
+            "ask the others to run `kafila join` with the code"
+        )
+    ]
+    assert core.tick(131.0) == []  # failed once
+
+
+def test_a_report_at_the_deadline_finds_the_attempt_timed_out() -> None:
+    core = host_with(2, wait_s=30.0, now=100.0)
+    core.handle(fm.Joined(2, "beta"), 129.0)
+    out = core.handle(fm.Message(2, report("beta")), 130.0)
+    assert kinds(out) == ["Failed"] and "only 1 of 2 members arrived within 30 s" in out[0].reason
+
+
+def test_a_report_just_before_the_deadline_counts() -> None:
+    core = host_with(2, wait_s=30.0, now=100.0)
+    core.handle(fm.Joined(2, "beta"), 129.0)
+    assert kinds(core.handle(fm.Message(2, report("beta")), 129.999)) == ["Say", "PlanNow"]
+    assert core.tick(1e9) == []  # no deadline while the shell plans
+
+
+def test_waiting_for_ready_times_out_naming_who_is_missing() -> None:
+    core = host_with(3, wait_s=20.0)
+    gathered(core, {2: "beta", 3: "gamma"})
+    core.planned(plan_of(["alpha", "beta", "gamma"]), 102.0)
+    assert core.tick(1e6) == []  # linking and serving weights have no deadline of their own here
+    core.started(200.0)
+    core.handle(fm.Message(3, fm.payload("ready")), 210.0)
+    assert core.tick(219.999) == []
+    assert core.tick(220.0) == [fm.Failed("only 1 of 2 members became ready within 20 s (not ready: beta)")]
+
+
+# ------------------------------------------------------------------ member
+
+
+def member(wait_s: float = 10.0, link_s: float | None = 5.0, now: float = 50.0) -> MemberFormation:
+    core = MemberFormation(host_id=HOST, me_id=3, wait_s=wait_s, link_s=link_s)
+    out = core.start(device("gamma"), now)
+    assert out[0] == fm.Send(HOST, fm.payload("report", device=device("gamma").to_dict()))
+    assert out[1] == fm.Say("waiting for the host's plan")
+    return core
+
+
+def plan_body(names: list[str], ids: dict[str, int]) -> dict[str, Any]:
+    return fm.payload("plan", plan=plan_of(names).to_dict(), ids=ids, model="m", chunk=64, alternatives={})
+
+
+IDS = {"alpha": 1, "beta": 2, "gamma": 3}
+
+
+def test_member_normal_flow() -> None:
+    core = member()
+    out = core.handle(fm.Message(HOST, plan_body(["alpha", "beta", "gamma"], IDS)), 51.0)
+    got = only(out, fm.LinkNow)
+    assert (got.me, got.host, got.model, got.chunk) == ("gamma", "alpha", "m", 64)
+    assert got.plan.block_range("gamma") == (8, 12)
+    assert core.step is Step.LINKING and core.deadline == 56.0
+    assert core.linked(52.0) == [] and core.deadline is None
+    assert core.fetched(1000.0) == []  # the fetch has no deadline
+    out = core.started(1001.0)
+    assert out == [fm.Send(HOST, fm.payload("ready")), fm.Formed(("alpha", "beta", "gamma"))]
+
+
+def test_member_refused_names_the_reason() -> None:
+    core = member()
+    out = core.handle(
+        fm.Message(HOST, fm.payload("refused", reason="member beta: needs 15.1 GB, has 12.0 GB")), 51.0
+    )
+    assert out == [fm.Failed("the host refused the session: member beta: needs 15.1 GB, has 12.0 GB")]
+
+
+def test_member_refused_after_the_plan_while_linking() -> None:
+    core = member()
+    core.handle(fm.Message(HOST, plan_body(["alpha", "beta", "gamma"], IDS)), 51.0)
+    out = core.handle(fm.Message(HOST, fm.payload("refused", reason="member beta left")), 52.0)
+    assert out == [fm.Failed("the host refused the session: member beta left")]
+
+
+def test_member_plan_times_out_exactly_at_the_deadline() -> None:
+    core = member(wait_s=10.0, now=50.0)
+    assert core.tick(59.999) == []
+    assert core.tick(60.0) == [fm.Failed("no plan from the host within 10 s")]
+
+
+def test_a_plan_at_the_deadline_is_too_late() -> None:
+    core = member(wait_s=10.0, now=50.0)
+    out = core.handle(fm.Message(HOST, plan_body(["alpha", "beta", "gamma"], IDS)), 60.0)
+    assert out == [fm.Failed("no plan from the host within 10 s")]
+
+
+def test_member_links_time_out_by_now() -> None:
+    core = member(link_s=5.0)
+    core.handle(fm.Message(HOST, plan_body(["alpha", "beta", "gamma"], IDS)), 51.0)
+    assert core.tick(55.999) == []
+    assert core.linked(56.0) == [fm.Failed("the links of this session were not up within 5 s")]
+
+
+def test_member_rejects_messages_from_others_duplicates_and_unknown_ops() -> None:
+    core = member()
+    out = core.handle(fm.Message(2, plan_body(["alpha", "beta", "gamma"], IDS)), 51.0)
+    assert only(out, fm.Rejected).reason == "'plan' from member 2, which is not the host"
+    assert only(core.handle(fm.Message(HOST, fm.payload("ready")), 51.1), fm.Rejected).reason == (
+        "unexpected 'ready' from the host"
+    )
+    core.handle(fm.Message(HOST, plan_body(["alpha", "beta", "gamma"], IDS)), 51.2)
+    out = core.handle(fm.Message(HOST, plan_body(["alpha", "beta", "gamma"], IDS)), 51.3)
+    assert only(out, fm.Rejected).reason == "a second plan from the host while linking"
+
+
+def test_member_steps_out_of_order_are_a_caller_bug() -> None:
+    core = member()
+    with pytest.raises(fm.FormationError, match="while awaiting the plan; it needs fetching weights"):
+        core.fetched(51.0)
+
+
+def test_member_fails_when_the_host_or_a_plan_member_leaves() -> None:
+    core = member()
+    assert core.handle(fm.Left(2, "left"), 50.5) == []  # before the plan: not this member's concern
+    assert core.handle(fm.Left(HOST, "disconnected"), 51.0) == [
+        fm.Failed("the host left the session (disconnected) before it formed")
+    ]
+    core = member()
+    core.handle(fm.Message(HOST, plan_body(["alpha", "beta", "gamma"], IDS)), 51.0)
+    core.linked(52.0)
+    assert core.handle(fm.Left(2, "timed_out"), 53.0) == [
+        fm.Failed("member beta left (timed_out) before the session formed")
+    ]
+
+
+def test_a_plan_that_leaves_this_member_out_or_is_unreadable() -> None:
+    core = member()
+    out = core.handle(fm.Message(HOST, plan_body(["alpha", "beta"], {"alpha": 1, "beta": 2})), 51.0)
+    assert out == [fm.Failed("the host's plan leaves out this member")]
+    core = member()
+    out = core.handle(fm.Message(HOST, fm.payload("plan", plan={"order": 3})), 51.0)
+    assert kinds(out) == ["Failed"] and out[0].reason.startswith("the host's plan is unreadable")
