@@ -58,7 +58,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk in tokens (default 256)")
     parser.add_argument(
-        "--wait", type=float, default=300.0, help="seconds to wait for the members to join (default 300)"
+        "--wait",
+        type=float,
+        default=300.0,
+        help="seconds to wait for every member's report, and again (once the plan is sent and the "
+        "weights served) for every member to become ready (default 300)",
     )
     parser.add_argument("--code-file", help="also write the session code to this file (for scripts)")
     add_member_flags(parser)

@@ -10,7 +10,11 @@ from kafila.cli.host import add_member_flags
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("code", help="the session code the host printed, e.g. 4-k7m2-tiger-lamp-ocean")
     parser.add_argument(
-        "--wait", type=float, default=300.0, help="seconds to wait for the host's plan (default 300)"
+        "--wait",
+        type=float,
+        default=300.0,
+        help="seconds to wait for the host's plan, and again for this member's links to come up "
+        "(default 300; the weight fetch itself has no limit, it shows its progress)",
     )
     add_member_flags(parser)
 
