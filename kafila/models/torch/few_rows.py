@@ -12,7 +12,8 @@ batching decode steps of several users then costs little more than one
 Each output element is one dot product whose order of additions depends only on `in`, never on
 how many rows are in the call, so a request's result is bit-identical alone or in a batch.
 
-Compiled by numba on first use (a few seconds) and cached on disk afterwards. Threads: numba's
+`LlamaModel` sends products of at most `llama.FEW_ROWS` rows here (fp32, CPU). Compiled by numba
+on first use (a few seconds) and cached on disk afterwards. Threads: numba's
 pool, sized by NUMBA_NUM_THREADS, which `kafila.engine.backend` sets to the usable CPUs before the
 first import.
 """
@@ -23,7 +24,6 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-MAX_ROWS = 16  # above this (prefill chunks) torch's packed products are as fast or faster
 _OUT_TILE = 32  # output rows per parallel task
 
 
@@ -41,18 +41,8 @@ def _product(x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:  # pragma: no
                 y[r, o] = acc
 
 
-def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether the kernel takes this product: CPU, float32, contiguous, at most MAX_ROWS rows."""
-    return (
-        x.shape[0] <= MAX_ROWS
-        and x.dtype == w.dtype == torch.float32
-        and x.device.type == w.device.type == "cpu"
-        and w.is_contiguous()
-    )
-
-
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [N, in] @ w[out, in]^T -> [N, out] float32 (N <= MAX_ROWS; see `usable`)."""
+    """x [N, in] @ w[out, in]^T -> [N, out]: float32 CPU tensors, w contiguous, few rows."""
     y = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)  # [N, out]
     _product(x.contiguous().numpy(), w.numpy(), y.numpy())
     return y

@@ -2,9 +2,10 @@
 
 Hugging Face weight names, rotate-half RoPE (see kafila.models.rope), no permutations. At load the
 q/k/v rows are fused into one `wqkv` and gate/up into one `w_gate_up`, so a block is four matmuls.
-On the CPU in fp32, products of a few rows (decode steps) go through the bandwidth-bound kernel in
-`kafila.models.torch.few_rows`; larger ones (prefill chunks) and other dtypes and devices through
-torch's `F.linear`. Weights keep the Hugging Face [out, in] layout for both.
+On the CPU in fp32, decode steps run each block as one compiled call (`decode_cpu`), and other
+products of at most FEW_ROWS rows go through the bandwidth-bound kernel in `few_rows`; larger ones
+(prefill chunks) and other dtypes and devices through torch's `F.linear`. Weights keep the Hugging
+Face [out, in] layout for all of them.
 The model knows nothing about networks or requests: `forward` takes the hidden rows of several
 requests stacked together and, for each, its KV-cache slot and first position (`Span`).
 
@@ -25,9 +26,15 @@ from kafila.models import rope
 from kafila.models.config import ModelConfig
 from kafila.models.manifest import EMBED, FINAL_NORM, LM_HEAD
 from kafila.models.span import Span
-from kafila.models.torch import decode_cpu, few_rows
 
 Tensor = torch.Tensor
+
+
+FEW_ROWS = 16  # products of at most this many rows are decode-sized (above: prefill chunks)
+
+
+def _cpu_fp32(t: Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu"
 
 
 @dataclass
@@ -38,8 +45,10 @@ class Linear:
     bias: Tensor | None = None  # [out]
 
     def __call__(self, x: Tensor) -> Tensor:  # [N, in] -> [N, out]
-        if not few_rows.usable(x, self.w):
+        if x.shape[0] > FEW_ROWS or not (_cpu_fp32(x) and _cpu_fp32(self.w)):
             return F.linear(x, self.w, self.bias)
+        from kafila.models.torch import few_rows  # numba loads only where its kernels run
+
         y = few_rows.linear(x, self.w)
         return y if self.bias is None else y.add_(self.bias)
 
@@ -114,6 +123,10 @@ class LlamaModel:
         # decode steps in fp32 on the CPU run each block as one compiled call (decode_cpu)
         self.fused_decode = dtype == torch.float32 and self.device.type == "cpu"
         self._arrays = [b.arrays() for b in self.blocks] if self.fused_decode else []
+        if self.fused_decode:
+            from kafila.models.torch import decode_cpu  # numba loads only where its kernels run
+
+            self._block_step = decode_cpu.block_step
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -169,7 +182,7 @@ class LlamaModel:
     def forward(self, x: Tensor, spans: Sequence[Span], cache: KVCache) -> Tensor:
         """hidden [N, H] (spans' rows stacked in order) -> hidden [N, H] after every local block."""
         x = x.to(self.device, self.dtype, copy=True)  # [N, H], updated in place below
-        if self.fused_decode and len(spans) <= few_rows.MAX_ROWS and all(s.length == 1 for s in spans):
+        if self.fused_decode and len(spans) <= FEW_ROWS and all(s.length == 1 for s in spans):
             self._decode_fused(x, spans, cache)
             return x
         plan = _AttentionPlan(spans, self.device)
@@ -190,7 +203,7 @@ class LlamaModel:
         cos, sin = self.cos.numpy(), self.sin.numpy()  # [context, d]
         nq, eps = self.config.num_attention_heads, self.config.rms_norm_eps
         for arrays, kc, vc in zip(self._arrays, cache.k, cache.v, strict=True):
-            decode_cpu.block_step(xn, *arrays, kc.numpy(), vc.numpy(), cos, sin, slots, positions, nq, eps)
+            self._block_step(xn, *arrays, kc.numpy(), vc.numpy(), cos, sin, slots, positions, nq, eps)
 
     def _block(
         self, blk: Block, x: Tensor, cos: Tensor, sin: Tensor, plan: _AttentionPlan, kc: Tensor, vc: Tensor
