@@ -250,12 +250,14 @@ class HostFormation(_Machine):
         return device.name if device else self.joined.get(member, f"member {member}")
 
     def _timed_out(self) -> list[Output]:
-        if self.step is Step.GATHERING:
+        if self.step is Step.GATHERING:  # those who came are told, not left waiting for a plan
             names = ", ".join(d.name for d in self.devices.values())
-            return self._fail(
+            reason = (
                 f"only {len(self.devices)} of {self.members} members arrived within {self.wait_s:.0f} s "
                 f"(joined: {names}); ask the others to run `kafila join` with the code"
             )
+            came = [m for m in self.joined if m != self.host_id]
+            return self._fail(reason, [Send(m, payload("refused", reason=reason)) for m in came])
         missing = ", ".join(self._name(m) for m in self._others() if m not in self.ready)
         return self._fail(
             f"only {len(self.ready)} of {self.members - 1} members became ready within {self.wait_s:.0f} s "

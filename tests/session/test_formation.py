@@ -269,13 +269,14 @@ def test_gathering_times_out_exactly_at_the_deadline() -> None:
     core = host_with(3, wait_s=30.0, now=100.0)
     gathered(core, {2: "beta"}, now=110.0)
     assert core.tick(129.999) == [] and core.step is Step.GATHERING
+    core.handle(fm.Joined(3, "gamma"), 120.0)  # joined, still measuring itself
     out = core.tick(130.0)
-    assert out == [
-        fm.Failed(
-            "only 2 of 3 members arrived within 30 s (joined: alpha, beta); "
-            "ask the others to run `kafila join` with the code"
-        )
-    ]
+    reason = (
+        "only 2 of 3 members arrived within 30 s (joined: alpha, beta); "
+        "ask the others to run `kafila join` with the code"
+    )
+    refused = fm.payload("refused", reason=reason)
+    assert out == [fm.Send(2, refused), fm.Send(3, refused), fm.Failed(reason)]
     assert core.tick(131.0) == []  # failed once
 
 
@@ -283,7 +284,7 @@ def test_a_report_at_the_deadline_finds_the_attempt_timed_out() -> None:
     core = host_with(2, wait_s=30.0, now=100.0)
     core.handle(fm.Joined(2, "beta"), 129.0)
     out = core.handle(fm.Message(2, report("beta")), 130.0)
-    assert kinds(out) == ["Failed"] and "only 1 of 2 members arrived within 30 s" in out[0].reason
+    assert kinds(out) == ["Send", "Failed"] and "only 1 of 2 members arrived within 30 s" in out[1].reason
 
 
 def test_a_report_just_before_the_deadline_counts() -> None:

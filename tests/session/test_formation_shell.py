@@ -1,0 +1,91 @@
+"""The asyncio shell around the formation cores (start.py's host/join with form.Driver) on a real
+rendezvous: deadlines and departures end an attempt promptly, with the core's message, and the
+members who came are told. Where the other side is a bare signaling client that does not run the
+host's code, the test name says the host is simulated."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from kafila.net.signaling import SignalingClient
+from kafila.proto import signaling as sig
+from kafila.proto.codes import new_code
+from kafila.rendezvous.server import RendezvousServer
+from kafila.session.form import Options, SessionError
+from kafila.session.formation import KEY
+from kafila.session.start import host, join
+from tests.net.harness import start_rendezvous
+
+pytestmark = [pytest.mark.network]
+
+
+@pytest_asyncio.fixture
+async def rdv() -> AsyncIterator[RendezvousServer]:
+    server = await start_rendezvous()
+    yield server
+    await server.stop()
+
+
+def opts(rdv: RendezvousServer, name: str, tmp: Path, **kw) -> Options:
+    base = dict(rendezvous=rdv.url, name=name, api=None, cache=tmp / name, probe_repeats=1, wait_s=60)
+    return Options(**(base | kw))
+
+
+async def simulated_host(rdv: RendezvousServer) -> tuple[SignalingClient, str]:
+    """A bare signaling client in the host's place: it opens the session and never plans."""
+    client = await SignalingClient.connect(rdv.url)
+    opened = await client.open_session("tiny", 2, "simulated-host", {"role": "host"})
+    return client, str(new_code(opened.session))
+
+
+async def next_report(client: SignalingClient) -> int:
+    while True:
+        event = await client.next_event(timeout=60)
+        if isinstance(event, sig.SignalFrom) and event.payload.get(KEY) == 1:
+            assert event.payload["op"] == "report"
+            return event.sender
+
+
+async def test_member_gives_up_by_its_deadline_when_a_simulated_host_never_plans(rdv, tmp_path) -> None:
+    client, code = await simulated_host(rdv)
+    try:
+        joining = asyncio.ensure_future(join(code, opts(rdv, "beta", tmp_path, wait_s=2)))
+        await next_report(client)
+        started = time.monotonic()
+        with pytest.raises(SessionError, match=r"^no plan from the host within 2 s$"):
+            await joining
+        assert time.monotonic() - started < 10
+    finally:
+        await client.close()
+
+
+async def test_member_stops_at_once_when_a_simulated_host_leaves(rdv, tmp_path) -> None:
+    client, code = await simulated_host(rdv)
+    joining = asyncio.ensure_future(join(code, opts(rdv, "beta", tmp_path, wait_s=60)))
+    await next_report(client)
+    started = time.monotonic()
+    await client.close("going away")
+    with pytest.raises(SessionError, match=r"^the host left the session \(\w+\) before it formed$"):
+        await joining
+    assert time.monotonic() - started < 10  # not the 60 s wait
+
+
+async def test_host_timeout_names_who_came_and_tells_them(rdv, tmp_path) -> None:
+    code: asyncio.Future = asyncio.get_running_loop().create_future()
+    hosting = asyncio.ensure_future(
+        host(opts(rdv, "alpha", tmp_path, members=3, context=256, wait_s=10), on_code=code.set_result)
+    )
+    joining = asyncio.ensure_future(join(str(await code), opts(rdv, "beta", tmp_path, wait_s=60)))
+    arrived = r"only 2 of 3 members arrived within 10 s \(joined: alpha, beta\)"
+    with pytest.raises(SessionError, match=f"^{arrived}; ask the others"):
+        await hosting
+    started = time.monotonic()
+    with pytest.raises(SessionError, match=f"^the host refused the session: {arrived}"):
+        await joining
+    assert time.monotonic() - started < 10  # told, not left to its own 60 s deadline
