@@ -22,7 +22,7 @@ from kafila.session.formation import KEY
 from kafila.session.start import host, join
 from tests.net.harness import start_rendezvous
 
-pytestmark = [pytest.mark.network]
+pytestmark = [pytest.mark.network, pytest.mark.slow]
 
 
 @pytest_asyncio.fixture
