@@ -112,7 +112,9 @@ class Driver:
     events and the clock, and carries out its outputs (progress lines, signals; a failure becomes
     a SessionError)."""
 
-    def __init__(self, core: HostFormation | MemberFormation, client: SignalingClient, router: SignalRouter):
+    def __init__(
+        self, core: HostFormation | MemberFormation, client: SignalingClient, router: SignalRouter
+    ) -> None:
         self.core, self.client, self.router = core, client, router
         self._next: asyncio.Task[sig.ServerMessage] | None = None
 
