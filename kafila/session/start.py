@@ -215,6 +215,7 @@ async def _start_ring(
     from kafila.session.compute import ModelThread
     from kafila.session.head import RingHead, RingInfo
     from kafila.session.member import RingMember
+    from kafila.session.stagetrace import planned_rtt_ms
 
     ckpt = Checkpoint.open(folder)
     tokenizer = Tokenizer.from_checkpoint(ckpt)
@@ -237,6 +238,7 @@ async def _start_ring(
         predicted_ms={s.name: (s.cost_s or 0.0) * 1e3 for s in plan.stages},
         edges=edges,
         plan={"chosen": plan.summary(), "divisions": alternatives or {}},
+        edge_rtt_ms=planned_rtt_ms(plan.edges),
     )
     nxt = _channel(links.get(nxt_name), nxt_name, opts)
     prv = _channel(links.get(prv_name), prv_name, opts) if len(order) > 2 or nxt is None else nxt
@@ -251,7 +253,7 @@ async def _start_ring(
             traces.write(record)
         metrics.observe_session(record)
     else:
-        service = RingMember(index, stage, model_thread, info, nxt, prv)  # type: ignore[arg-type]
+        service = RingMember(index, stage, model_thread, info, nxt, prv, traces)  # type: ignore[arg-type]
     service.start()
     api = await _serve_api(service, tokenizer, model, traces, opts) if opts.api else None
     return Formed(name, code, plan, service, api, client, node, links)

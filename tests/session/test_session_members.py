@@ -19,9 +19,11 @@ from kafila.engine.sampler import SamplingParams
 from kafila.engine.stage import Stage
 from kafila.engine.tokenizer import Tokenizer
 from kafila.models.checkpoint import Checkpoint
+from kafila.obs.trace import StageRecord, from_json
 from kafila.rendezvous.server import RendezvousServer
 from kafila.session.form import Formed, Options
 from kafila.session.service import Sampling
+from kafila.session.stagetrace import planned_rtt_ms
 from kafila.session.start import host, join
 from tests.net.harness import start_rendezvous
 from tests.tiny_models import make_tiny
@@ -61,7 +63,13 @@ async def rdv() -> AsyncIterator[RendezvousServer]:
 
 def opts(rdv: RendezvousServer, name: str, tmp: Path, **kw) -> Options:
     base = dict(
-        rendezvous=rdv.url, name=name, api="127.0.0.1:0", cache=tmp / name, probe_repeats=1, wait_s=60
+        rendezvous=rdv.url,
+        name=name,
+        api="127.0.0.1:0",
+        cache=tmp / name,
+        probe_repeats=1,
+        wait_s=60,
+        trace=tmp / f"{name}.jsonl",
     )
     return Options(**(base | kw))
 
@@ -83,6 +91,10 @@ def single_process(path: Path, prompt: list[int], n: int) -> list[int]:
     stop = Tokenizer.from_checkpoint(ckpt).stop_ids
     params = SamplingParams(max_tokens=n, seed=7)
     return [t for t in generate(stage, prompt, params, eos_ids=tuple(stop)) if t not in stop]
+
+
+def stage_records(f: Formed) -> list[StageRecord]:
+    return [r for r in map(from_json, f.service.traces.recent()) if isinstance(r, StageRecord)]
 
 
 def far_from_host(order: tuple[str, ...], host_name: str) -> list[str]:
@@ -118,6 +130,14 @@ async def test_sessions_of_four_and_five_members(rdv, tiny_chat_model, tmp_path,
         asker = by_name[far[0]]  # a member that is neither the head's nor the host's neighbour
         events = await asker.service.submit(prompt, Sampling(max_tokens=12, seed=7))
         assert [t async for ev in events for t in ev.tokens] == want
+
+        for _ in range(200):  # every member writes its stage record once the request is freed
+            if all(stage_records(f) for f in formed):
+                break
+            await asyncio.sleep(0.05)
+        for f in formed:  # host/join --trace reach every member, with the plan's priced round trips
+            assert stage_records(f) and (tmp_path / f"{f.name}.jsonl").stat().st_size > 0
+            assert f.service.info.edge_rtt_ms == planned_rtt_ms(plan.edges)
 
         async with httpx.AsyncClient() as client:
             doc = (await client.get(f"{asker.api.url}/session")).json()
