@@ -14,11 +14,12 @@ import pytest
 import pytest_asyncio
 
 from kafila.net.signaling import SignalingClient
+from kafila.planner.plan import Plan, Stage
 from kafila.proto import signaling as sig
 from kafila.proto.codes import new_code
 from kafila.rendezvous.server import RendezvousServer
 from kafila.session.form import Options, SessionError
-from kafila.session.formation import KEY
+from kafila.session.formation import KEY, payload
 from kafila.session.start import host, join
 from tests.net.harness import start_rendezvous
 
@@ -74,6 +75,43 @@ async def test_member_stops_at_once_when_a_simulated_host_leaves(rdv, tmp_path) 
     with pytest.raises(SessionError, match=r"^the host left the session \(\w+\) before it formed$"):
         await joining
     assert time.monotonic() - started < 10  # not the 60 s wait
+
+
+def two_member_plan() -> Plan:
+    stages = (Stage("simulated-host", 0, 1, True, None, 0, 0), Stage("beta", 1, 2, False, None, 0, 0))
+    return Plan(
+        division="uniform",
+        feasible=True,
+        reason=None,
+        tier="full",
+        ordering="exact",
+        notes=(),
+        order=("simulated-host", "beta"),
+        head="simulated-host",
+        stages=stages,
+        edges=(),
+        n_blocks=2,
+        context=64,
+        concurrency=1,
+    )
+
+
+async def test_member_linking_is_cut_short_when_a_simulated_host_leaves(rdv, tmp_path) -> None:
+    """The plan arrives, the member starts linking to a host that never answers on the link, and the
+    host leaving ends the attempt at once instead of after the link's own timeouts."""
+    client, code = await simulated_host(rdv)
+    joining = asyncio.ensure_future(join(code, opts(rdv, "beta", tmp_path, wait_s=60)))
+    member = await next_report(client)
+    ids = {"simulated-host": client.member, "beta": member}
+    body = payload("plan", plan=two_member_plan().to_dict(), ids=ids, model="tiny", chunk=4)
+    await client.signal(member, body)
+    await asyncio.sleep(1.0)  # the member is linking now
+    assert not joining.done()
+    started = time.monotonic()
+    await client.close("going away")
+    with pytest.raises(SessionError, match=r"^the host left the session \(\w+\) before it formed$"):
+        await joining
+    assert time.monotonic() - started < 5
 
 
 async def test_host_timeout_names_who_came_and_tells_them(rdv, tmp_path) -> None:
