@@ -227,8 +227,9 @@ async def _start_ring(
     )
     nxt_name, prv_name = order[(index + 1) % len(order)], order[index - 1]
     edges = {f"{e.src}->{e.dst}": ("direct" if e.direct else "relay") for e in plan.edges}
-    if nxt_name in links:
-        edges[f"{name}->{nxt_name}"] = str(links[nxt_name].path)
+    for src, dst, peer in ((name, nxt_name, nxt_name), (prv_name, name, prv_name)):
+        if peer in links:  # this member's own ring links: the path they took, not the predicted one
+            edges[f"{src}->{dst}"] = str(links[peer].path)
     info = RingInfo(
         session=code.public,
         model=model,
