@@ -106,7 +106,7 @@ async def test_waiting_ollama_stream_is_told_its_position(served: Served) -> Non
 
 def client_stream(url: str) -> tuple[str, list[str], bool]:
     """The official client's streamed generate: (joined text, every chunk's text, last chunk done)."""
-    with ollama.Client(host=url) as client:
+    with ollama.Client(host=url, timeout=120) as client:
         chunks = list(client.generate(model=MODEL, prompt="What is the capital of France?", stream=True,
                                       options=OPTIONS))  # fmt: skip
     return "".join(c.response for c in chunks), [c.response for c in chunks], bool(chunks[-1].done)

@@ -25,6 +25,13 @@ def ckpt(tiny_checkpoint) -> Checkpoint:
     return Checkpoint.open(tiny_checkpoint("llama-gqa3-tied"))
 
 
+async def drain(gen, within: float = 60.0) -> list:
+    async def events() -> list:
+        return [ev async for ev in gen]
+
+    return await asyncio.wait_for(events(), within)
+
+
 def traced(ring: Ring) -> list[TraceLog]:
     logs = [TraceLog(None) for _ in range(len(ring.members) + 1)]
     ring.head.traces = logs[0]
@@ -55,7 +62,7 @@ async def test_each_member_records_its_stage_and_the_head_every_hop(ckpt: Checkp
     ring.head.info.edge_rtt_ms.update({"m0->m1": 1.5, "m1->m2": 2.5, "m2->m0": 3.5})  # as a plan prices them
     try:
         gen = await ring.members[0].submit(PROMPT, Sampling(max_tokens=9))  # asked at m1, not the head
-        _ = [ev async for ev in gen]
+        await drain(gen)
         [req] = await records(logs[0], RequestRecord, gen.request_id)
         stages = [(await records(log, StageRecord, gen.request_id))[0] for log in logs]
     finally:
@@ -83,10 +90,6 @@ async def test_each_member_records_its_stage_and_the_head_every_hop(ckpt: Checkp
     assert 0 < req.transit_ms < req.circuit_ms
     [m1] = summarize_stages([stages[1]])
     assert m1.bytes_in == stages[0].hop_out.bytes and m1.predicted_rtt_ms == 2.5
-
-
-async def drain(gen) -> list:
-    return [ev async for ev in gen]
 
 
 async def test_concurrent_requests_each_count_their_own_frames(ckpt: Checkpoint) -> None:

@@ -176,12 +176,15 @@ async def test_every_member_traces_its_hops_over_quic(rdv, tiny_chat_model, tmp_
 
     formed = await form(rdv, tmp_path, model=str(tiny_chat_model))
     try:
-        for f in formed:  # what host/join --trace wire up (see docs/sessions.md, Traces)
+        for f in formed:  # as `--trace FILE` would (the plan's priced round trips are wired already)
             f.service.traces = TraceLog(tmp_path / f"{f.name}.jsonl")
-            f.service.info.edge_rtt_ms.update(planned_rtt_ms(f.plan.edges))
         prompt = Tokenizer.from_checkpoint(Checkpoint.open(tiny_chat_model)).encode_chat(PROMPT)
         gen = await service_of(formed).service.submit(prompt, Sampling(max_tokens=12))
-        _ = [ev async for ev in gen]
+
+        async def answer() -> list:
+            return [ev async for ev in gen]
+
+        await asyncio.wait_for(answer(), 60)
         head = service_of(formed, not_head=False)
         for _ in range(200):  # the request record follows the free notice around the ring
             recs = [from_json(d) for d in head.service.traces.recent()]
