@@ -33,6 +33,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kafila.obs.log import get_logger
+
+log = get_logger("kafila.obs.trace")
+
 
 @dataclass(frozen=True)
 class StageTrace:
@@ -180,16 +184,24 @@ class TraceLog:
         self.path = path
         self._recent: deque[dict[str, Any]] = deque(maxlen=keep)
         self._lock = threading.Lock()
+        self._failed = False
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: Record) -> None:
+        """Keep and append one record. A file that cannot be written is logged once, never raised:
+        the ring loops that write records must not stop over a full disk."""
         line = record.to_json()
         with self._lock:
             self._recent.append(line)
             if self.path is not None:
-                with self.path.open("a") as f:
-                    f.write(json.dumps(line) + "\n")
+                try:
+                    with self.path.open("a") as f:
+                        f.write(json.dumps(line) + "\n")
+                except OSError as exc:
+                    if not self._failed:
+                        log.error("trace_write_failed", path=str(self.path), reason=str(exc))
+                    self._failed = True
 
     def recent(self) -> list[dict[str, Any]]:
         with self._lock:

@@ -205,3 +205,10 @@ def test_stage_metrics_count_each_hop_at_its_sender() -> None:
     assert 'kafila_hop_rtt_ms{hop="c->a",path="relay"} 25.0' in text
     assert 'kafila_hop_predicted_rtt_ms{hop="c->a"} 20.0' in text
     assert sample(text, 'kafila_stage_prefill_chunk_ms_count{member="c",stage="2"}') >= 2
+
+
+def test_a_file_that_cannot_be_written_does_not_raise(tmp_path: Path) -> None:
+    log = TraceLog(tmp_path / "t.jsonl")
+    (tmp_path / "t.jsonl").mkdir()  # opening it for appending fails (IsADirectoryError)
+    log.write(request(1, (10, 10, 20)))
+    assert len(log.recent()) == 1  # /traces still has it
