@@ -9,11 +9,16 @@ import math
 
 import pytest
 
+from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
 from kafila.obs.trace import RequestRecord, StageRecord, TraceLog, from_json, summarize_stages
 from kafila.proto import tensor as t
+from kafila.session.channel import MemoryChannel
+from kafila.session.compute import ModelThread
+from kafila.session.head import RingHead, RingInfo
+from kafila.session.member import RingMember
 from kafila.session.service import Sampling
-from tests.session.ringkit import Ring, build_ring
+from tests.session.ringkit import Ring, beat, build_ring
 
 PROMPT = list(range(1, 14))  # 13 tokens: prefill chunks of 4, 4, 4, 1; the tiny model's answer has no EOS
 SHORT = [17, 4, 200]
@@ -123,3 +128,36 @@ async def test_a_ring_of_one_records_at_once_without_hops(ckpt: Checkpoint) -> N
     assert isinstance(own, StageRecord) and own.hop_in is None and own.hop_out is None
     assert isinstance(req, RequestRecord) and req.hops == ()
     assert req.stages[0].measured_ms == pytest.approx(own.decode_ms)
+
+
+async def test_a_ring_of_two_on_one_channel_counts_each_direction(ckpt: Checkpoint) -> None:
+    """As host/join build a ring of two: one link (one channel) carries both directions."""
+    names = ("m0", "m1")
+    info = RingInfo("test", "tiny", "test", names, {"m0": (0, 2), "m1": (2, 5)}, {"m0": 1.0, "m1": 1.0})
+    stages = [
+        Stage.load(ckpt, range(a, b), i == 0, backend="torch", dtype="fp32", context=64)
+        for i, (a, b) in enumerate(info.blocks.values())
+    ]
+    to_m1, to_m0 = (beat(c, 5.0) for c in MemoryChannel.pair("m0", "m1"))
+    head = RingHead(stages[0], ModelThread("m0"), info, to_m1, to_m1, ckpt.config.eos_token_id, 1, CHUNK)
+    member = RingMember(1, stages[1], ModelThread("m1"), info, to_m0, to_m0)
+    logs = [TraceLog(None), TraceLog(None)]
+    head.traces, member.traces = logs
+    head.start()
+    member.start()
+    try:
+        gen = await member.submit(PROMPT, Sampling(max_tokens=6))
+        await drain(gen)
+        [req] = await records(logs[0], RequestRecord, gen.request_id)
+        [own] = await records(logs[1], StageRecord, gen.request_id)
+    finally:
+        for service in (head, member):
+            await service.stop()
+            service.model.close()
+        for c in (to_m1, to_m0):
+            await c.close()
+    there, back = req.hops
+    assert (there.name, back.name) == ("m0->m1", "m1->m0")
+    assert own.hop_in is not None and own.hop_in.bytes == there.bytes
+    assert back == own.hop_out and back.bytes > 0 and there.bytes > 0
+    assert there.bytes != back.bytes  # the frames coming back carry one more stage timing each
