@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan, Stage
@@ -409,3 +411,72 @@ def test_a_plan_that_leaves_this_member_out_or_is_unreadable() -> None:
     core = member()
     out = core.handle(fm.Message(HOST, fm.payload("plan", plan={"order": 3})), 51.0)
     assert kinds(out) == ["Failed"] and out[0].reason.startswith("the host's plan is unreadable")
+
+
+# ------------------------------------------------------------------ host: random interleavings
+
+
+@st.composite
+def interleavings(draw: st.DrawFn) -> tuple[int, list[tuple[str, int]]]:
+    """N, and every member's join -> report -> ready (now and then a duplicate, a leave or a
+    rejoin thrown in; sometimes one member too many) interleaved with the host's `started` and
+    clock ticks, in any order."""
+    n = draw(st.integers(1, 4))
+    scripts = []
+    for m in range(2, n + 1 + draw(st.integers(0, 1)) + 1):
+        script = ["join", "report", "ready"]
+        for extra in draw(st.lists(st.sampled_from(["join", "report", "ready", "leave"]), max_size=2)):
+            script.insert(draw(st.integers(0, len(script))), extra)
+        scripts.append([(kind, m) for kind in script])
+    scripts.append([("started", 0)] * draw(st.integers(1, 2)))
+    scripts.append([("tick", draw(st.integers(0, 8))) for _ in range(draw(st.integers(0, 3)))])
+    merged: list[tuple[str, int]] = []
+    scripts = [sc for sc in scripts if sc]
+    while scripts:
+        i = draw(st.integers(0, len(scripts) - 1))
+        merged.append(scripts[i].pop(0))
+        scripts = [sc for sc in scripts if sc]
+    return n, merged
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=interleavings())
+def test_host_core_invariants_under_any_interleaving(case: tuple[int, list[tuple[str, int]]]) -> None:
+    """Whatever arrives in whatever order: one plan at most, over N distinct reporting members still
+    present; `Formed` only after the host started and every other plan member was ready; nothing
+    but rejections once the attempt is over."""
+    n, actions = case
+    core = HostFormation(members=n, wait_s=30.0, host_id=HOST)
+    seen = {"planned": None, "started": False, "over": False, "present": {HOST}}
+
+    def check(outs: list[fm.Output], now: float) -> None:
+        if seen["over"]:
+            assert all(isinstance(o, fm.Rejected) for o in outs), outs
+        assert all(o.reason for o in outs if isinstance(o, fm.Rejected | fm.Failed))
+        if any(isinstance(o, fm.Formed) for o in outs):
+            assert seen["started"] and core.ready == set(seen["planned"].values()) - {HOST}
+        seen["over"] = seen["over"] or any(isinstance(o, fm.Failed | fm.Formed) for o in outs)
+        if any(isinstance(o, fm.PlanNow) for o in outs):
+            assert seen["planned"] is None
+            plan_now = only(outs, fm.PlanNow)
+            assert len(plan_now.devices) == n == len(set(plan_now.ids))
+            assert set(plan_now.ids.values()) <= seen["present"]
+            seen["planned"] = plan_now.ids
+            check(core.planned(plan_of(list(plan_now.ids)), now), now)
+
+    check(core.start(device("alpha"), 0.0), 0.0)
+    for step, (kind, m) in enumerate(actions, start=1):
+        now = float(step)
+        if kind == "tick":
+            check(core.tick(now + m * 5), now)
+        elif kind == "started" and core.step is Step.LINKING:
+            seen["started"] = True
+            check(core.started(now), now)
+        elif kind in ("join", "leave"):
+            (seen["present"].add if kind == "join" else seen["present"].discard)(m)
+            happened = fm.Joined(m, f"m{m}") if kind == "join" else fm.Left(m, "left")
+            check(core.handle(happened, now), now)
+        elif kind in ("report", "ready"):
+            body = report(f"m{m}") if kind == "report" else fm.payload("ready")
+            check(core.handle(fm.Message(m, body), now), now)
+    event(f"ended {core.step.value} with {n} member(s)")  # --hypothesis-show-statistics
