@@ -171,7 +171,8 @@ class RingMember:
 
     def _traced_free(self, free: t.Control, ids: list[int]) -> t.Control:
         """Record the freed requests here; the notice carries on with this member's hop figures."""
-        reports = list(free.body.get("hops", []))
+        before = free.body.get("hops")
+        reports = list(before) if isinstance(before, list) else []
         for rid in ids:
             rec = self.tally.finish(rid)
             if rec is None:
