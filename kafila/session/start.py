@@ -230,6 +230,9 @@ async def _start_ring(
     for src, dst, peer in ((name, nxt_name, nxt_name), (prv_name, name, prv_name)):
         if peer in links:  # this member's own ring links: the path they took, not the predicted one
             edges[f"{src}->{dst}"] = str(links[peer].path)
+    for peer, link in links.items():  # control links (host <-> a member that is not its neighbour)
+        if peer not in (nxt_name, prv_name):
+            edges[f"{name}<->{peer}"] = str(link.path)
     info = RingInfo(
         session=code.public,
         model=model,

@@ -139,16 +139,19 @@ async def test_sessions_of_four_and_five_members(rdv, tiny_chat_model, tmp_path,
             assert stage_records(f) and (tmp_path / f"{f.name}.jsonl").stat().st_size > 0
             assert f.service.info.edge_rtt_ms == planned_rtt_ms(plan.edges)
 
-        async with httpx.AsyncClient() as client:
-            doc = (await client.get(f"{asker.api.url}/session")).json()
-        assert doc["state"] == "serving" and doc["ring"] == list(plan.order)
-        assert [m["name"] for m in doc["members"]] == list(plan.order)
-        assert {m["name"]: tuple(m["blocks"]) for m in doc["members"]} == {
-            s.name: (s.start, s.stop) for s in plan.stages
-        }
         ring_edges = {f"{a}->{plan.successor(a)}" for a in plan.order}
-        links = {link["edge"]: link["path"] for link in doc["links"]}
-        assert set(links) == ring_edges and set(links.values()) <= {"direct", "relay"}
+        controls = {asker.name: {f"{asker.name}<->{NAMES[0]}"}, NAMES[0]: {f"{NAMES[0]}<->{m}" for m in far}}
+        async with httpx.AsyncClient() as client:
+            for name, own_controls in controls.items():  # the far member's and the host's view
+                doc = (await client.get(f"{by_name[name].api.url}/session")).json()
+                assert doc["state"] == "serving" and doc["ring"] == list(plan.order)
+                assert [m["name"] for m in doc["members"]] == list(plan.order)
+                assert {m["name"]: tuple(m["blocks"]) for m in doc["members"]} == {
+                    s.name: (s.start, s.stop) for s in plan.stages
+                }
+                links = {link["edge"]: link["path"] for link in doc["links"]}
+                assert set(links) == ring_edges | own_controls
+                assert set(links.values()) <= {"direct", "relay"}
     finally:
         for f in formed:
             await f.close()
