@@ -38,6 +38,12 @@ STAGE_BYTES = Counter(
     ["member"],
     registry=REGISTRY,
 )
+STAGE_WAIT = Gauge(
+    "kafila_stage_wait_ms",
+    "Median wait of a decode step at a member before its compute started, last request (ms)",
+    ["member", "stage"],
+    registry=REGISTRY,
+)
 STAGE_DECODE_STEPS = Counter(
     "kafila_stage_decode_steps", "Decode steps a stage computed", ["member", "stage"], registry=REGISTRY
 )
@@ -97,6 +103,7 @@ def observe_stage(r: StageRecord) -> None:
     stage = str(r.index)
     if r.decode_steps:
         STAGE_MEASURED.labels(r.member, stage).set(r.decode_ms)
+        STAGE_WAIT.labels(r.member, stage).set(r.wait_ms)
     STAGE_PREDICTED.labels(r.member, stage).set(r.predicted_ms)
     STAGE_DECODE_STEPS.labels(r.member, stage).inc(r.decode_steps)
     for ms in r.prefill_ms:

@@ -140,6 +140,7 @@ class StageRecord:
     prefill_ms: tuple[float, ...]  # compute of each prefill chunk, in order
     hop_in: HopTrace | None  # from the previous member (None on a ring of one)
     hop_out: HopTrace | None  # to the next member
+    wait_ms: float = 0.0  # median per decode step: frame arrived here -> its batch started (not the head)
     type: str = "stage"
 
     def to_json(self) -> dict[str, Any]:
@@ -311,6 +312,7 @@ class StageSummary:
     predicted_ms: float
     prediction_error: float  # median |predicted - measured| / measured over requests
     prefill_chunk_ms: float  # median compute of one prefill chunk
+    wait_ms: float  # median over requests of the median wait before a decode step's compute
     bytes_in: float  # median bytes received per request from the previous member
     bytes_out: float  # median bytes sent per request to the next member
     rtt_ms: float | None  # median measured round trip of the link to the next member
@@ -342,6 +344,7 @@ def _summarize_stage(recs: list[StageRecord]) -> StageSummary:
         predicted_ms=first.predicted_ms,
         prediction_error=statistics.median(errors) if errors else float("nan"),
         prefill_chunk_ms=statistics.median(chunks) if chunks else 0.0,
+        wait_ms=statistics.median(r.wait_ms for r in recs),
         bytes_in=statistics.median(r.hop_in.bytes if r.hop_in else 0 for r in recs),
         bytes_out=statistics.median(r.hop_out.bytes if r.hop_out else 0 for r in recs),
         rtt_ms=statistics.median(rtts) if rtts else None,
@@ -352,7 +355,7 @@ def _summarize_stage(recs: list[StageRecord]) -> StageSummary:
 def format_stage_table(summaries: list[StageSummary]) -> str:
     head = (
         f"{'session':<14} {'member':<12} {'stage':>5} {'blocks':>8} {'reqs':>4} {'decode ms':>9} "
-        f"{'pred ms':>8} {'pred err':>8} {'chunk ms':>8} {'in B/req':>9} {'out B/req':>9} "
+        f"{'pred ms':>8} {'pred err':>8} {'wait ms':>7} {'chunk ms':>8} {'in B/req':>9} {'out B/req':>9} "
         f"{'rtt ms':>7} {'pred rtt':>8}"
     )
     rows = [head]
@@ -362,6 +365,7 @@ def format_stage_table(summaries: list[StageSummary]) -> str:
         rows.append(
             f"{s.session[:14]:<14} {s.member[:12]:<12} {s.index:>5} {s.blocks[0]:>3}-{s.blocks[1]:<4} "
             f"{s.requests:>4} {s.decode_ms:>9.2f} {s.predicted_ms:>8.2f} {s.prediction_error:>8.0%} "
-            f"{s.prefill_chunk_ms:>8.2f} {s.bytes_in:>9.0f} {s.bytes_out:>9.0f} {rtt} {prtt}"
+            f"{s.wait_ms:>7.2f} {s.prefill_chunk_ms:>8.2f} {s.bytes_in:>9.0f} {s.bytes_out:>9.0f} "
+            f"{rtt} {prtt}"
         )
     return "\n".join(rows)

@@ -15,6 +15,7 @@ the head, which the notice reaches last, records the whole ring.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +50,7 @@ class RingMember:
         self.next, self.prev = next_ch, prev_ch
         self.traces = traces  # this member's own records (its stage, its hops); None: metrics only
         self.tally = StageTally(info, index, next_ch, prev_ch)
+        self._arrived: dict[int, float] = {}  # id of a waiting frame -> when it arrived
         self.ids = RequestIds(index)
         self.broken: str | None = None
         self._mine: dict[int, QueueGeneration] = {}
@@ -112,6 +114,8 @@ class RingMember:
             self._outbox.put_nowait(msg)
         elif isinstance(msg, t.Hidden) or (isinstance(msg, t.Control) and msg.op == "free"):
             self._work.append(msg)
+            if isinstance(msg, t.Hidden):
+                self._arrived[id(msg)] = time.perf_counter()
             self._ready.set()
         elif isinstance(msg, t.Tokens | t.Error) and origin_of(msg.request_id) == self.index:
             self._deliver(msg)
@@ -157,6 +161,8 @@ class RingMember:
         return batch
 
     async def _run(self, frames: list[t.Hidden]) -> None:
+        started = time.perf_counter()
+        waited = [started - self._arrived.pop(id(f), started) for f in frames]  # behind earlier work
         try:
             datas, us = await self.model.run(compute.stage_step, self.stage, frames)
         except StageError as exc:
@@ -164,8 +170,8 @@ class RingMember:
             body = {"request_ids": rids, "message": f"member {self.name}: {exc}"}
             self._outbox.put_nowait(t.Control("stage_error", body))  # to the head, which answers
             return
-        for f, data in zip(frames, datas, strict=True):
-            self.tally.computed(f, us)
+        for f, data, wait in zip(frames, datas, waited, strict=True):
+            self.tally.computed(f, us, int(wait * 1e6))
             out = t.Hidden(f.step, f.dtype, f.shape, f.entries, data, f.flags, (*f.timings_us, us))
             self._outbox.put_nowait(out)
 

@@ -34,6 +34,7 @@ class _Ring(Protocol):
 class _Measured:
     decode_us: list[int] = field(default_factory=list)
     prefill_us: list[int] = field(default_factory=list)
+    wait_us: list[int] = field(default_factory=list)  # per decode step: arrival to compute
 
 
 class StageTally:
@@ -45,15 +46,18 @@ class StageTally:
         self.next, self.prev = next_ch, prev_ch
         self._open: dict[int, _Measured] = {}
 
-    def add(self, rid: int, us: int, prefill: bool) -> None:
+    def add(self, rid: int, us: int, prefill: bool, waited_us: int | None = None) -> None:
         m = self._open.setdefault(rid, _Measured())
         (m.prefill_us if prefill else m.decode_us).append(us)
+        if waited_us is not None and not prefill:
+            m.wait_us.append(waited_us)
 
-    def computed(self, frame: t.Hidden, us: int) -> None:
-        """A frame went through this stage in `us` (the batch it ran in): one step of each request."""
+    def computed(self, frame: t.Hidden, us: int, waited_us: int | None = None) -> None:
+        """A frame went through this stage in `us` (the batch it ran in): one step of each request;
+        `waited_us`: how long it waited here before that batch started."""
         prefill = bool(frame.flags & t.Flag.PREFILL)
         for rid in dict.fromkeys(e.request_id for e in frame.entries):
-            self.add(rid, us, prefill)
+            self.add(rid, us, prefill, waited_us)
 
     def finish(self, rid: int) -> StageRecord | None:
         """The record of request `rid` at this stage (None when it never ran here); forgets it."""
@@ -72,6 +76,7 @@ class StageTally:
             decode_ms=statistics.median(m.decode_us) / 1e3 if m.decode_us else 0.0,
             decode_steps=len(m.decode_us),
             prefill_ms=tuple(us / 1e3 for us in m.prefill_us),
+            wait_ms=statistics.median(m.wait_us) / 1e3 if m.wait_us else 0.0,
             hop_in=hop_in,
             hop_out=hop_out,
         )

@@ -64,6 +64,7 @@ def stage(rid: int, member: str, decode_ms: float, bytes_out: int = 4000) -> Sta
         prefill_ms=(4.0, 6.0),
         hop_in=HopTrace(before, member, "direct", 3000, 11, 0.8, None),
         hop_out=HopTrace(member, after, "relay", bytes_out, 11, 25.0, 20.0),
+        wait_ms=decode_ms / 10,
     )
 
 
@@ -112,7 +113,7 @@ def test_stage_summary_per_member() -> None:
     assert (b.member, b.requests, c.member, c.requests) == ("b", 2, "c", 1)  # b's first dropped as cold
     assert b.decode_ms == pytest.approx(10.0) and b.predicted_ms == 10.0
     assert b.prediction_error == pytest.approx(statistics.median([2 / 8, 2 / 12]))
-    assert b.prefill_chunk_ms == pytest.approx(5.0)
+    assert b.prefill_chunk_ms == pytest.approx(5.0) and b.wait_ms == pytest.approx(1.0)
     assert (b.bytes_in, b.bytes_out, b.rtt_ms, b.predicted_rtt_ms) == (3000, 4000, 25.0, 20.0)
     [b_all, _] = summarize_stages(recs, drop_cold=False)
     assert b_all.requests == 3
@@ -203,6 +204,7 @@ def test_stage_metrics_count_each_hop_at_its_sender() -> None:
     assert sample(text, hop) - before == 4096
     assert 'kafila_stage_compute_ms{member="c",stage="2"} 21.5' in text
     assert 'kafila_hop_rtt_ms{hop="c->a",path="relay"} 25.0' in text
+    assert 'kafila_stage_wait_ms{member="c",stage="2"} 2.15' in text
     assert 'kafila_hop_predicted_rtt_ms{hop="c->a"} 20.0' in text
     assert sample(text, 'kafila_stage_prefill_chunk_ms_count{member="c",stage="2"}') >= 2
 

@@ -78,6 +78,7 @@ async def test_each_member_records_its_stage_and_the_head_every_hop(ckpt: Checkp
     for i, (own, ring_view) in enumerate(zip(stages, req.stages, strict=True)):
         assert (own.member, own.index, own.decode_steps) == (f"m{i}", i, steps)
         assert len(own.prefill_ms) == chunks and own.decode_ms > 0
+        assert own.wait_ms >= 0 and (i > 0 or own.wait_ms == 0)  # the head's steps do not arrive
         # the head's view of each stage is what that member measured (the frame carries it)
         assert ring_view.measured_ms == pytest.approx(own.decode_ms)
         assert ring_view.prefill_chunks == chunks
