@@ -13,21 +13,15 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from kafila.obs.trace import HopTrace, StageRecord
 from kafila.planner.plan import Edge
 from kafila.proto import tensor as t
 from kafila.session.channel import Channel
 
-
-class _Ring(Protocol):
-    session: str
-    order: tuple[str, ...]
-    blocks: dict[str, tuple[int, int]]
-    predicted_ms: dict[str, float]
-    edges: dict[str, str]
-    edge_rtt_ms: dict[str, float]
+if TYPE_CHECKING:
+    from kafila.session.head import RingInfo
 
 
 @dataclass
@@ -40,7 +34,7 @@ class _Measured:
 class StageTally:
     """Per-request compute of the stage at ring position `index`, and its hops' counted bytes."""
 
-    def __init__(self, info: _Ring, index: int, next_ch: Channel | None, prev_ch: Channel | None) -> None:
+    def __init__(self, info: RingInfo, index: int, next_ch: Channel | None, prev_ch: Channel | None) -> None:
         self.info, self.index = info, index
         self.name = info.order[index]
         self.next, self.prev = next_ch, prev_ch
