@@ -14,9 +14,10 @@ import pytest
 import pytest_asyncio
 
 from kafila.net.signaling import SignalingClient
+from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan, Stage
 from kafila.proto import signaling as sig
-from kafila.proto.codes import new_code
+from kafila.proto.codes import new_code, parse_code
 from kafila.rendezvous.server import RendezvousServer
 from kafila.session.form import Options, SessionError
 from kafila.session.formation import KEY, payload
@@ -127,3 +128,31 @@ async def test_host_timeout_names_who_came_and_tells_them(rdv, tmp_path) -> None
     with pytest.raises(SessionError, match=f"^the host refused the session: {arrived}"):
         await joining
     assert time.monotonic() - started < 10  # told, not left to its own 60 s deadline
+
+
+async def test_host_stops_linking_and_tells_the_others_when_a_simulated_member_leaves(rdv, tmp_path) -> None:
+    """gamma is a bare signaling client standing in for a member: it reports, takes the plan and
+    leaves without linking. The host, busy linking, ends the attempt at once naming gamma, and beta
+    (a real member) is told."""
+    code: asyncio.Future = asyncio.get_running_loop().create_future()
+    hosting = asyncio.ensure_future(
+        host(opts(rdv, "alpha", tmp_path, members=3, context=256), on_code=code.set_result)
+    )
+    c = str(await code)
+    joining = asyncio.ensure_future(join(c, opts(rdv, "beta", tmp_path)))
+    gamma = await SignalingClient.connect(rdv.url)
+    joined = await gamma.join(parse_code(c).public, "gamma", {"role": "member"})
+    host_id = next(m.id for m in joined.members if m.host)
+    report = DeviceReport(name="gamma", memory_bytes=8_000_000_000, bandwidth_bytes_s=20e9, overhead_s=1e-4)
+    await gamma.signal(host_id, payload("report", device=report.to_dict()))
+    while True:  # the plan: the host is linking now
+        event = await gamma.next_event(timeout=60)
+        if isinstance(event, sig.SignalFrom) and event.payload.get("op") == "plan":
+            break
+    started = time.monotonic()
+    await gamma.close("going away")
+    with pytest.raises(SessionError, match=r"^member gamma left \(\w+\) before the session formed$"):
+        await hosting
+    with pytest.raises(SessionError, match=r"gamma left \(\w+\) before the session formed"):
+        await joining
+    assert time.monotonic() - started < 10
