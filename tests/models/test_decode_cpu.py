@@ -18,18 +18,19 @@ from tests.tiny_models import SHAPES
 PROMPTS = {"a": [5, 17, 200, 33], "b": [9, 1, 250, 64, 7, 99, 128], "c": [42]}
 
 
-def _stage(path, fused: bool) -> Stage:
+def _stage(path, fused: bool, dtype: str = "fp32") -> Stage:
     ckpt = Checkpoint.open(path)
     stage = Stage.load(
-        ckpt, range(ckpt.n_blocks), True, backend="torch", dtype="fp32", context=32, concurrency=3
+        ckpt, range(ckpt.n_blocks), True, backend="torch", dtype=dtype, context=32, concurrency=3
     )
-    assert stage.model.fused_decode  # fp32 on the CPU takes the fused path by default
+    assert stage.model.fused_decode  # fp32 and bf16 on the CPU take the fused path by default
     stage.model.fused_decode = fused
     return stage
 
 
-def _decode(stage: Stage, steps: int, together: bool) -> dict[str, list[np.ndarray]]:
-    """Prefill every prompt, then `steps` greedy decode steps; hidden rows per request per step."""
+def _decode(stage: Stage, steps: int, together: bool, greedy: bool = True) -> dict[str, list[np.ndarray]]:
+    """Prefill every prompt, then `steps` decode steps (greedy, or fixed tokens when not `greedy`,
+    so that two dtypes see the same inputs); hidden rows per request per step."""
     out: dict[str, list[np.ndarray]] = {rid: [] for rid in PROMPTS}
     last, pos = {}, {}
     for rid, prompt in PROMPTS.items():
@@ -41,8 +42,9 @@ def _decode(stage: Stage, steps: int, together: bool) -> dict[str, list[np.ndarr
         for group in groups:
             hidden = stage.forward([(rid, pos[rid], stage.embed([last[rid]])) for rid in group])
             for rid, h in zip(group, hidden, strict=True):
-                out[rid].append(np.asarray(h).copy())
-                last[rid], pos[rid] = int(stage.logits(h).argmax()), pos[rid] + 1
+                out[rid].append(h.float().numpy().copy())
+                greedy_token = int(stage.logits(h).argmax())
+                last[rid], pos[rid] = greedy_token if greedy else (7 * pos[rid]) % 200, pos[rid] + 1
     for rid in PROMPTS:
         stage.close(rid)
     return out
@@ -60,10 +62,55 @@ def test_fused_decode_matches_the_torch_block_code(tiny_checkpoint, shape: str) 
             np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5 * scale)
 
 
-def test_fused_decode_is_bit_identical_alone_or_batched(tiny_checkpoint) -> None:
+@pytest.mark.parametrize("shape", ["llama-gqa3-tied", "qwen3-gqa2-untied"])
+def test_bf16_fused_decode_strays_from_fp32_no_more_than_the_torch_block_code(
+    tiny_checkpoint, shape: str
+) -> None:
+    """bf16 computes in float32 between roundings of the residual stream, torch's ops round after
+    every op: against fp32, the fused path's error is at most the torch path's."""
+    path = tiny_checkpoint(shape)
+    run = {
+        name: _decode(_stage(path, fused=fused, dtype=dtype), steps=4, together=True, greedy=False)
+        for name, fused, dtype in [("fused", True, "bf16"), ("torch", False, "bf16"), ("fp32", True, "fp32")]
+    }
+
+    def error(name: str) -> float:
+        return max(
+            float(np.abs(a - ref).max())
+            for rid in PROMPTS
+            for a, ref in zip(run[name][rid], run["fp32"][rid], strict=True)
+        )
+
+    assert 0 < error("fused") <= error("torch")
+
+
+def test_bf16_fused_decode_does_not_depend_on_the_division(tiny_checkpoint) -> None:
+    """The residual stream is rounded to bf16 after every block, as it is on the wire between
+    members, so one stage of five blocks equals stages of two and three blocks, bit for bit."""
+    ckpt = Checkpoint.open(tiny_checkpoint("qwen3-gqa2-untied"))
+
+    def load(blocks: range, head: bool) -> Stage:
+        return Stage.load(ckpt, blocks, head, backend="torch", dtype="bf16", context=32, concurrency=1)
+
+    whole, first, second = load(range(5), True), load(range(2), True), load(range(2, 5), False)
+    prompt, token = PROMPTS["b"], 3
+    for s in (whole, first, second):
+        s.open("r")
+    [a] = whole.forward([("r", 0, whole.embed(prompt))])
+    [b] = second.forward([("r", 0, first.forward([("r", 0, first.embed(prompt))])[0])])
+    for pos in range(len(prompt), len(prompt) + 4):
+        [a] = whole.forward([("r", pos, whole.embed([token]))])
+        [h] = first.forward([("r", pos, first.embed([token]))])
+        [b] = second.forward([("r", pos, second.from_bytes(first.to_bytes(h), h.shape))])
+        assert np.array_equal(np.asarray(whole.to_bytes(a)), np.asarray(second.to_bytes(b)))
+        token = int(whole.logits(a).argmax())
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fused_decode_is_bit_identical_alone_or_batched(tiny_checkpoint, dtype: str) -> None:
     path = tiny_checkpoint("qwen3-gqa2-untied")
-    batched = _decode(_stage(path, fused=True), steps=5, together=True)
-    alone = _decode(_stage(path, fused=True), steps=5, together=False)
+    batched = _decode(_stage(path, fused=True, dtype=dtype), steps=5, together=True)
+    alone = _decode(_stage(path, fused=True, dtype=dtype), steps=5, together=False)
     for rid in PROMPTS:
         for a, b in zip(batched[rid], alone[rid], strict=True):
             assert np.array_equal(a, b)

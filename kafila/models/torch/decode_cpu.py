@@ -1,4 +1,4 @@
-"""A Llama/Qwen3 block's decode step on the CPU in fp32, compiled whole by numba.
+"""A Llama/Qwen3 block's decode step on the CPU in fp32 or bf16, compiled whole by numba.
 
 A decode step runs each block on 1-16 rows (one per request). In torch that is about 25 small
 operations per block, 750 per step for a 30-block model, each costing 10-30 microseconds of
@@ -6,8 +6,12 @@ dispatch on a 576-wide row: as much time as reading the weights. Here one compil
 block: the four weight products go through `few_rows._product` (each weight read once from
 memory for every row), and the norms, RoPE, the KV-cache write, attention and the SwiGLU run in
 the same call without dispatch. `LlamaModel.forward` takes this path for decode-only steps in fp32
-on the CPU; prefill chunks, other dtypes and devices keep the torch code, which the reference
-tests compare against transformers, and this path is held to the same tests.
+and bf16 on the CPU; prefill chunks, fp16 and other devices keep the torch code, which the
+reference tests compare against transformers, and this path is held to the same tests.
+
+In bf16, weights and KV caches stay bf16 in memory (read as uint16 bits, widened exactly) and the
+arithmetic is float32; the residual stream is rounded to bf16 after every block, as it is when it
+crosses to the next member, so a division of the blocks never changes the result.
 
 Row r's arithmetic depends only on its own inputs and cache, never on the other rows in the call,
 so a request decodes bit-identically alone or in a batch.
@@ -23,7 +27,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from kafila.models.torch.few_rows import _product
+from kafila.models.torch.few_rows import _product, f32_row, store_row
 
 
 @njit(fastmath=True, cache=True, boundscheck=False, nogil=True)
@@ -88,9 +92,8 @@ def _prepare_qkv(
                 _head_norm(head, qk_norm[h], eps)
             _rope_row(head, cos[p], sin[p], tmp)
         for h in range(nkv):
-            for i in range(d):
-                kc[s, h, p, i] = qkv[r, (nq + h) * d + i]
-                vc[s, h, p, i] = qkv[r, (nq + nkv + h) * d + i]
+            store_row(kc[s, h], p, qkv[r, (nq + h) * d : (nq + h + 1) * d])
+            store_row(vc[s, h], p, qkv[r, (nq + nkv + h) * d : (nq + nkv + h + 1) * d])
 
 
 @njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
@@ -113,12 +116,15 @@ def _attend(
         s, length = slots[r], positions[r] + 1
         kv = h // g
         q = qkv[r, h * d : (h + 1) * d]
+        keys, vals = kc[s, kv], vc[s, kv]  # [ctx, d]
+        buf = np.empty(d, np.float32)
         scores = np.empty(length, np.float32)
         top = np.float32(-np.inf)
         for j in range(length):
+            key = f32_row(keys, j, buf)
             acc = np.float32(0.0)
             for i in range(d):
-                acc += q[i] * kc[s, kv, j, i]
+                acc += q[i] * key[i]
             scores[j] = acc * scale
             top = max(top, scores[j])
         total = np.float32(0.0)
@@ -128,9 +134,10 @@ def _attend(
         o = out[r, h * d : (h + 1) * d]
         o[:] = 0.0
         for j in range(length):
+            val = f32_row(vals, j, buf)
             wj = scores[j] / total
             for i in range(d):
-                o[i] += wj * vc[s, kv, j, i]
+                o[i] += wj * val[i]
 
 
 @njit(fastmath=True, cache=True, boundscheck=False, nogil=True)
@@ -139,6 +146,15 @@ def _add_into(x: np.ndarray, y: np.ndarray) -> None:  # pragma: no cover
     for r in range(n):
         for i in range(h):
             x[r, i] += y[r, i]
+
+
+@njit(fastmath=True, cache=True, boundscheck=False, nogil=True)
+def _round_to_bf16(x: np.ndarray) -> None:  # pragma: no cover
+    """In place on float32 x [N, H]: the nearest bf16 value (ties to even), as torch rounds."""
+    bits = x.reshape(-1).view(np.uint32)
+    for i in range(bits.shape[0]):
+        b = bits[i]
+        bits[i] = ((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> 16) << 16
 
 
 @njit(fastmath=True, cache=True, boundscheck=False, nogil=True)
@@ -155,23 +171,24 @@ def _swiglu(gate_up: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover
 def block_step(
     x: np.ndarray,  # [N, H], updated in place
     attn_norm: np.ndarray,  # [H]
-    wqkv: np.ndarray,  # [(nq + 2 nkv) d, H]
+    wqkv: np.ndarray,  # [(nq + 2 nkv) d, H]; weights: float32, or uint16 bfloat16 bits
     bqkv: np.ndarray,  # [(nq + 2 nkv) d], or [0] without attention bias
     qk_norm: np.ndarray,  # [nq + nkv, d], or [0, 0]
     wo: np.ndarray,  # [H, nq d]
     mlp_norm: np.ndarray,  # [H]
     w_gate_up: np.ndarray,  # [2F, H]
     w_down: np.ndarray,  # [H, F]
-    kc: np.ndarray,  # [slots, nkv, ctx, d]
+    kc: np.ndarray,  # [slots, nkv, ctx, d], float32 or bf16 bits like the weights
     vc: np.ndarray,
-    cos: np.ndarray,  # [ctx, d]
+    cos: np.ndarray,  # [ctx, d] float32
     sin: np.ndarray,
     slots: np.ndarray,  # [N] int64
     positions: np.ndarray,  # [N] int64
     nq: int,
     eps: float,
+    bf16: bool,  # round the residual stream to bf16 at the end
 ) -> None:  # pragma: no cover
-    """One block's decode step for N rows, in place on x."""
+    """One block's decode step for N rows, in place on x (float32 in both dtypes)."""
     n, hidden = x.shape
     nkv = kc.shape[1]
     h = np.empty((n, hidden), np.float32)
@@ -194,3 +211,5 @@ def block_step(
     _swiglu(gate_up, act)
     _product(act, w_down, y)
     _add_into(x, y)
+    if bf16:
+        _round_to_bf16(x)

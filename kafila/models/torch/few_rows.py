@@ -1,4 +1,4 @@
-"""Products of a few rows with a large fp32 weight on the CPU, at close to the memory bandwidth.
+"""Products of a few rows with a large fp32 or bf16 weight on the CPU, at close to the memory bandwidth.
 
 A decode step multiplies 1-16 hidden rows (one per request in the batch) by every weight matrix
 once, so its cost is reading the weights. torch's CPU products (MKL, oneDNN) pack the weight for
@@ -12,7 +12,9 @@ batching decode steps of several users then costs little more than one
 Each output element is one dot product whose order of additions depends only on `in`, never on
 how many rows are in the call, so a request's result is bit-identical alone or in a batch.
 
-`LlamaModel` sends products of at most `llama.FEW_ROWS` rows here (fp32, CPU). Compiled by numba
+bf16 weights are read as their uint16 bits and widened to float32 row by row (exact), so they
+cost half the memory traffic; arithmetic is float32. `LlamaModel` sends products of at most
+`llama.FEW_ROWS` rows here (fp32 and bf16, CPU). Compiled by numba
 on first use (a few seconds) and cached on disk afterwards. Threads: numba's
 pool, sized by NUMBA_NUM_THREADS, which `kafila.engine.backend` sets to the usable CPUs before the
 first import.
@@ -22,27 +24,83 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 _OUT_TILE = 32  # output rows per parallel task
 
 
+def numpy_view(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as numpy, no copy: float32 as float32, bfloat16 as its uint16 bits."""
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def f32_row(w: np.ndarray, o: int, buf: np.ndarray) -> np.ndarray:
+    """Row o of a float32 or bfloat16-bits 2-D array as float32 (compiled: see the overload)."""
+    raise NotImplementedError("compiled only")
+
+
+@overload(f32_row, jit_options={"fastmath": True})
+def _f32_row(w, o, buf):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
+    if w.dtype == types.float32:
+        return lambda w, o, buf: w[o]  # a view: no copy
+    if w.dtype == types.uint16:  # bfloat16 bits: the high half of a float32
+
+        def widen(w, o, buf):  # type: ignore[no-untyped-def]
+            bits = buf.view(np.uint32)
+            for i in range(w.shape[1]):
+                bits[i] = np.uint32(w[o, i]) << np.uint32(16)
+            return buf
+
+        return widen
+    return None
+
+
+def store_row(dst: np.ndarray, j: int, src: np.ndarray) -> None:
+    """dst[j] = src (float32), rounded to nearest even when dst holds bfloat16 bits (compiled)."""
+    raise NotImplementedError("compiled only")
+
+
+@overload(store_row, jit_options={"fastmath": True})
+def _store_row(dst, j, src):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
+    if dst.dtype == types.float32:
+
+        def copy(dst, j, src):  # type: ignore[no-untyped-def]
+            for i in range(src.shape[0]):
+                dst[j, i] = src[i]
+
+        return copy
+    if dst.dtype == types.uint16:
+
+        def narrow(dst, j, src):  # type: ignore[no-untyped-def]
+            bits = src.view(np.uint32)
+            for i in range(src.shape[0]):
+                b = bits[i]
+                dst[j, i] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> 16)
+
+        return narrow
+    return None
+
+
 @njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
 def _product(x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:  # pragma: no cover (compiled)
-    """y[r, o] = sum_i x[r, i] w[o, i] for x [N, in], w [out, in], y [N, out], all float32."""
+    """y[r, o] = sum_i x[r, i] w[o, i] for x [N, in] and y [N, out] float32, w [out, in] float32 or
+    bfloat16 bits (each row widened once into a per-task buffer, then dotted with every x row)."""
     n, k = x.shape
     out = w.shape[0]
     for tile in prange((out + _OUT_TILE - 1) // _OUT_TILE):
+        buf = np.empty(k, np.float32)
         for o in range(tile * _OUT_TILE, min(out, (tile + 1) * _OUT_TILE)):
+            row = f32_row(w, o, buf)
             for r in range(n):
                 acc = np.float32(0.0)
                 for i in range(k):
-                    acc += x[r, i] * w[o, i]
+                    acc += x[r, i] * row[i]
                 y[r, o] = acc
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [N, in] @ w[out, in]^T -> [N, out]: float32 CPU tensors, w contiguous, few rows."""
+    """x [N, in] @ w[out, in]^T -> [N, out] in x's dtype: CPU, fp32 or bf16, w contiguous, few rows."""
     y = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)  # [N, out]
-    _product(x.contiguous().numpy(), w.numpy(), y.numpy())
-    return y
+    _product(x.float().contiguous().numpy(), numpy_view(w), y.numpy())
+    return y.to(x.dtype)

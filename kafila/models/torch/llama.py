@@ -33,8 +33,9 @@ Tensor = torch.Tensor
 FEW_ROWS = 16  # products of at most this many rows are decode-sized (above: prefill chunks)
 
 
-def _cpu_fp32(t: Tensor) -> bool:
-    return t.dtype == torch.float32 and t.device.type == "cpu"
+def _kernel_dtype(t: Tensor) -> bool:
+    """Whether the CPU kernels (few_rows, decode_cpu) take this tensor: fp32 or bf16 on the CPU."""
+    return t.dtype in (torch.float32, torch.bfloat16) and t.device.type == "cpu"
 
 
 @dataclass
@@ -45,7 +46,7 @@ class Linear:
     bias: Tensor | None = None  # [out]
 
     def __call__(self, x: Tensor) -> Tensor:  # [N, in] -> [N, out]
-        if x.shape[0] > FEW_ROWS or not (_cpu_fp32(x) and _cpu_fp32(self.w)):
+        if x.shape[0] > FEW_ROWS or not (_kernel_dtype(x) and _kernel_dtype(self.w)):
             return F.linear(x, self.w, self.bias)
         from kafila.models.torch import few_rows  # numba loads only where its kernels run
 
@@ -64,18 +65,22 @@ class Block:
     w_down: Linear  # [H, F]
 
     def arrays(self) -> tuple[np.ndarray, ...]:
-        """numpy views of the weights in `decode_cpu.block_step`'s order (CPU fp32 only; no copies)."""
-        none1, none2 = np.empty(0, np.float32), np.empty((0, 0), np.float32)
-        bias = self.wqkv.bias
+        """The weights in `decode_cpu.block_step`'s order: matrices as views (float32, or bf16 bits),
+        norms and biases as float32."""
+        from kafila.models.torch.few_rows import numpy_view
+
+        def f32(t: Tensor | None, empty: tuple[int, ...]) -> np.ndarray:
+            return np.empty(empty, np.float32) if t is None else t.float().contiguous().numpy()
+
         return (
-            self.attn_norm.numpy(),
-            self.wqkv.w.numpy(),
-            none1 if bias is None else bias.numpy(),
-            none2 if self.qk_norm is None else self.qk_norm.numpy(),
-            self.wo.w.numpy(),
-            self.mlp_norm.numpy(),
-            self.w_gate_up.w.numpy(),
-            self.w_down.w.numpy(),
+            f32(self.attn_norm, (0,)),
+            numpy_view(self.wqkv.w),
+            f32(self.wqkv.bias, (0,)),
+            f32(self.qk_norm, (0, 0)),
+            numpy_view(self.wo.w),
+            f32(self.mlp_norm, (0,)),
+            numpy_view(self.w_gate_up.w),
+            numpy_view(self.w_down.w),
         )
 
 
@@ -120,8 +125,9 @@ class LlamaModel:
         cos, sin = rope.tables(config, context)
         self.cos = torch.from_numpy(cos).to(self.device, dtype)  # [context, d]
         self.sin = torch.from_numpy(sin).to(self.device, dtype)  # [context, d], sign folded in
-        # decode steps in fp32 on the CPU run each block as one compiled call (decode_cpu)
-        self.fused_decode = dtype == torch.float32 and self.device.type == "cpu"
+        self._rope32 = (cos, sin)  # float32 numpy, for decode_cpu
+        # decode steps in fp32 and bf16 on the CPU run each block as one compiled call (decode_cpu)
+        self.fused_decode = dtype in (torch.float32, torch.bfloat16) and self.device.type == "cpu"
         self._arrays = [b.arrays() for b in self.blocks] if self.fused_decode else []
         if self.fused_decode:
             from kafila.models.torch import decode_cpu  # numba loads only where its kernels run
@@ -197,13 +203,20 @@ class LlamaModel:
 
     def _decode_fused(self, x: Tensor, spans: Sequence[Span], cache: KVCache) -> None:
         """One row per span (decode), every local block through decode_cpu.block_step, in place on x."""
-        xn = x.numpy()  # [N, H], shares memory with x
+        from kafila.models.torch.few_rows import numpy_view
+
+        bf16 = self.dtype == torch.bfloat16
+        xf = x.float() if bf16 else x  # [N, H] float32 (shares x's memory in fp32)
         slots = np.array([s.slot for s in spans], dtype=np.int64)  # [N]
         positions = np.array([s.start for s in spans], dtype=np.int64)  # [N]
-        cos, sin = self.cos.numpy(), self.sin.numpy()  # [context, d]
+        cos, sin = self._rope32  # [context, d]
         nq, eps = self.config.num_attention_heads, self.config.rms_norm_eps
+        xn = xf.numpy()
         for arrays, kc, vc in zip(self._arrays, cache.k, cache.v, strict=True):
-            self._block_step(xn, *arrays, kc.numpy(), vc.numpy(), cos, sin, slots, positions, nq, eps)
+            kv = numpy_view(kc), numpy_view(vc)
+            self._block_step(xn, *arrays, *kv, cos, sin, slots, positions, nq, eps, bf16)
+        if bf16:
+            x.copy_(xf)  # exact: every block rounded the rows to bf16 values
 
     def _block(
         self, blk: Block, x: Tensor, cos: Tensor, sin: Tensor, plan: _AttentionPlan, kc: Tensor, vc: Tensor
