@@ -47,10 +47,18 @@ class Held:
         self.tasks: list[asyncio.Task[Any]] = []
         self.links: dict[str, Link] = {}
         self.driver: Driver | None = None
+        self.formed: Formed | None = None  # the ring role and API, once started
 
     async def release(self) -> None:
         if self.driver is not None:
             self.driver.close()
+        if self.formed is not None:  # e.g. the host's members never became ready
+            with contextlib.suppress(Exception):
+                await self.formed.service.stop()
+            if self.formed.api is not None:
+                with contextlib.suppress(Exception):
+                    await self.formed.api.stop()
+            self.formed.service.model.close()
         for link in self.links.values():
             with contextlib.suppress(Exception):
                 await link.close("session not formed")
@@ -109,7 +117,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     extra = {"model": opts.model, "chunk": opts.chunk, "alternatives": alternatives}
     await drive.carry(core.planned(plan, drive.now(), **extra))
     ring = _host_ring(name, code, plan, folder, gathered.ids, node, client, opts, held, alternatives)
-    formed = await drive.during(ring)
+    formed = held.formed = await drive.during(ring)
     formed.tasks.append(pump)
     await drive.until(fm.Formed, core.started(drive.now()))
     drive.close()
@@ -176,7 +184,7 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     ring = _start_ring(
         got.me, code, got.plan, shard.path, links, node, client, opts, got.model, got.chunk, got.alternatives
     )
-    formed = await drive.during(ring)
+    formed = held.formed = await drive.during(ring)
     formed.tasks.append(pump)
     formed.shard = shard  # type: ignore[attr-defined]
     await drive.carry(core.started(drive.now()))
