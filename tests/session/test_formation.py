@@ -480,3 +480,58 @@ def test_host_core_invariants_under_any_interleaving(case: tuple[int, list[tuple
             body = report(f"m{m}") if kind == "report" else fm.payload("ready")
             check(core.handle(fm.Message(m, body), now), now)
     event(f"ended {core.step.value} with {n} member(s)")  # --hypothesis-show-statistics
+
+
+MEMBER_EXTRAS = ["plan", "plan-other", "refused", "ready", "leave-host", "leave-beta", "tick"]
+
+
+@st.composite
+def member_inputs(draw: st.DrawFn) -> list[str]:
+    """The happy path (plan, linked, fetched, started) with up to four other inputs, or steps
+    repeated, thrown in anywhere."""
+    script = ["plan", "linked", "fetched", "started"]
+    extras = st.sampled_from([*MEMBER_EXTRAS, "linked", "fetched", "started"])
+    for extra in draw(st.lists(extras, max_size=4)):
+        script.insert(draw(st.integers(0, len(script))), extra)
+    return script
+
+
+@settings(max_examples=150, deadline=None)
+@given(inputs=member_inputs())
+def test_member_core_invariants_under_any_inputs(inputs: list[str]) -> None:
+    """One LinkNow at most and only from the host's plan; `ready` sent once, only after the member
+    linked, fetched and started; nothing but rejections after the end; steps taken out of turn are
+    caller bugs (FormationError), never a silent state change."""
+    core = member(wait_s=10.0, link_s=5.0, now=0.0)
+    links = readies = 0
+    over = False
+    for i, what in enumerate(inputs, start=1):
+        now, before = i * 1.5, core.step
+        try:
+            if what in ("linked", "fetched", "started"):
+                outs = getattr(core, what)(now)
+            elif what == "tick":
+                outs = core.tick(now)
+            elif what.startswith("leave"):
+                outs = core.handle(fm.Left(HOST if what == "leave-host" else 2, "left"), now)
+            else:
+                sender = 2 if what == "plan-other" else HOST
+                body = (
+                    plan_body(["alpha", "beta", "gamma"], IDS)
+                    if what.startswith("plan")
+                    else fm.payload(what)
+                )
+                outs = core.handle(fm.Message(sender, body), now)
+        except fm.FormationError:
+            assert core.step is before
+            continue
+        if over:
+            assert all(isinstance(o, fm.Rejected) for o in outs), outs
+        links += sum(isinstance(o, fm.LinkNow) for o in outs)
+        sent_ready = [o for o in outs if isinstance(o, fm.Send) and o.body["op"] == "ready"]
+        if sent_ready:
+            assert before is Step.STARTING and what == "started"
+        readies += len(sent_ready)
+        over = over or any(isinstance(o, fm.Failed | fm.Formed) for o in outs)
+    assert links <= 1 and readies <= 1
+    event(f"member ended {core.step.value}")  # --hypothesis-show-statistics
