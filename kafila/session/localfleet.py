@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib.util
 import itertools
 import json
 import math
@@ -210,6 +211,7 @@ class LocalFleet:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._check_shares()
         deadline = time.monotonic() + self.wait_s
+        self._warm_kernels()
         self._start_rendezvous()
         for i, (name, share) in enumerate(zip(names, self.shares, strict=True)):
             member = FleetMember(
@@ -231,6 +233,20 @@ class LocalFleet:
             self._wait_for(self.members[0], _READY, deadline)
         self._wait_serving(deadline)
         log.info("fleet_ready", members=len(self.members), code=self.code, shares_applied=self.shares_applied)
+
+    def _warm_kernels(self) -> None:
+        """Compile the CPU decode kernels once (or load numba's disk cache) before the members
+        start, so that they load them instead of all compiling at once on the same cores."""
+        if self.backend == "mlx" or importlib.util.find_spec("numba") is None:
+            return
+        code = "from kafila.models.torch import decode_cpu; decode_cpu.warm_up()"
+        start = time.monotonic()
+        argv = [sys.executable, "-c", code]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=self.wait_s)
+        if done.returncode != 0:  # the members will compile for themselves
+            log.warning("kernel_warm_up_failed", rc=done.returncode, stderr=done.stderr[-500:])
+        else:
+            log.info("kernels_ready", seconds=round(time.monotonic() - start, 1))
 
     def _check_shares(self) -> None:
         if all(s is None for s in self.shares):

@@ -8,6 +8,9 @@ request decodes bit-identically alone or batched on the fused path.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -114,3 +117,13 @@ def test_fused_decode_is_bit_identical_alone_or_batched(tiny_checkpoint, dtype: 
     for rid in PROMPTS:
         for a, b in zip(batched[rid], alone[rid], strict=True):
             assert np.array_equal(a, b)
+
+
+def test_compiled_kernels_load_from_numba_cache_in_fresh_processes() -> None:
+    """A cached function that calls another parallel function crashes numba on load from its disk
+    cache (seen as a segfault in every member after the first): the kernels are written so that it
+    cannot happen. Two fresh processes in turn: the first may compile, the second loads."""
+    code = "from kafila.models.torch import decode_cpu; decode_cpu.warm_up(); print('warm')"
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0 and "warm" in done.stdout, done.stderr[-2000:]

@@ -3,7 +3,7 @@
 A decode step runs each block on 1-16 rows (one per request). In torch that is about 25 small
 operations per block, 750 per step for a 30-block model, each costing 10-30 microseconds of
 dispatch on a 576-wide row: as much time as reading the weights. Here one compiled call runs a
-block: the four weight products go through `few_rows._product` (each weight read once from
+block: the four weight products run `few_rows.product_tile` tasks (each weight read once from
 memory for every row), and the norms, RoPE, the KV-cache write, attention and the SwiGLU run in
 the same call without dispatch. `LlamaModel.forward` takes this path for decode-only steps in fp32
 and bf16 on the CPU; prefill chunks, fp16 and other devices keep the torch code, which the
@@ -27,7 +27,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from kafila.models.torch.few_rows import _product, f32_row, store_row
+from kafila.models.torch.few_rows import TILE, f32_row, product_tile, store_row
 
 
 @njit(fastmath=True, cache=True, boundscheck=False, nogil=True)
@@ -96,8 +96,8 @@ def _prepare_qkv(
             store_row(vc[s, h], p, qkv[r, (nq + nkv + h) * d : (nq + nkv + h + 1) * d])
 
 
-@njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
-def _attend(
+@njit(fastmath=True, cache=True, boundscheck=False, nogil=True)
+def _attend_head(
     qkv: np.ndarray,  # [N, (nq + 2 nkv) d]: the rotated queries are read
     kc: np.ndarray,  # [slots, nkv, ctx, d]
     vc: np.ndarray,
@@ -105,39 +105,37 @@ def _attend(
     positions: np.ndarray,
     nq: int,
     out: np.ndarray,  # [N, nq d]
+    job: int,  # row * nq + query head: one parallel task
 ) -> None:  # pragma: no cover
-    """Each row's query heads against its cached keys 0..position (softmax in float32)."""
-    n = qkv.shape[0]
+    """One row's query head against its cached keys 0..position (softmax in float32)."""
     nkv, d = kc.shape[1], kc.shape[3]
-    g = nq // nkv
+    r, h = job // nq, job % nq
+    s, length = slots[r], positions[r] + 1
+    kv = h // (nq // nkv)
+    q = qkv[r, h * d : (h + 1) * d]
+    keys, vals = kc[s, kv], vc[s, kv]  # [ctx, d]
+    buf = np.empty(d, np.float32)
     scale = np.float32(1.0 / math.sqrt(d))
-    for job in prange(n * nq):
-        r, h = job // nq, job % nq
-        s, length = slots[r], positions[r] + 1
-        kv = h // g
-        q = qkv[r, h * d : (h + 1) * d]
-        keys, vals = kc[s, kv], vc[s, kv]  # [ctx, d]
-        buf = np.empty(d, np.float32)
-        scores = np.empty(length, np.float32)
-        top = np.float32(-np.inf)
-        for j in range(length):
-            key = f32_row(keys, j, buf)
-            acc = np.float32(0.0)
-            for i in range(d):
-                acc += q[i] * key[i]
-            scores[j] = acc * scale
-            top = max(top, scores[j])
-        total = np.float32(0.0)
-        for j in range(length):
-            scores[j] = np.exp(scores[j] - top)
-            total += scores[j]
-        o = out[r, h * d : (h + 1) * d]
-        o[:] = 0.0
-        for j in range(length):
-            val = f32_row(vals, j, buf)
-            wj = scores[j] / total
-            for i in range(d):
-                o[i] += wj * val[i]
+    scores = np.empty(length, np.float32)
+    top = np.float32(-np.inf)
+    for j in range(length):
+        key = f32_row(keys, j, buf)
+        acc = np.float32(0.0)
+        for i in range(d):
+            acc += q[i] * key[i]
+        scores[j] = acc * scale
+        top = max(top, scores[j])
+    total = np.float32(0.0)
+    for j in range(length):
+        scores[j] = np.exp(scores[j] - top)
+        total += scores[j]
+    o = out[r, h * d : (h + 1) * d]
+    o[:] = 0.0
+    for j in range(length):
+        val = f32_row(vals, j, buf)
+        wj = scores[j] / total
+        for i in range(d):
+            o[i] += wj * val[i]
 
 
 @njit(fastmath=True, cache=True, boundscheck=False, nogil=True)
@@ -167,7 +165,12 @@ def _swiglu(gate_up: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover
             out[r, i] = a / (np.float32(1.0) + np.exp(-a)) * gate_up[r, f + i]
 
 
-@njit(fastmath=True, cache=True, boundscheck=False, nogil=True)
+@njit(cache=True, nogil=True)
+def _tiles(w: np.ndarray) -> int:  # pragma: no cover
+    return (w.shape[0] + TILE - 1) // TILE
+
+
+@njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
 def block_step(
     x: np.ndarray,  # [N, H], updated in place
     attn_norm: np.ndarray,  # [H]
@@ -188,28 +191,63 @@ def block_step(
     eps: float,
     bf16: bool,  # round the residual stream to bf16 at the end
 ) -> None:  # pragma: no cover
-    """One block's decode step for N rows, in place on x (float32 in both dtypes)."""
+    """One block's decode step for N rows, in place on x (float32 in both dtypes). The products and
+    attention are `prange` loops over tasks written here (see few_rows.product_tile for why)."""
     n, hidden = x.shape
     nkv = kc.shape[1]
     h = np.empty((n, hidden), np.float32)
     _rms_norm(x, attn_norm, eps, h)
     qkv = np.empty((n, wqkv.shape[0]), np.float32)
-    _product(h, wqkv, qkv)
+    for tile in prange(_tiles(wqkv)):
+        product_tile(h, wqkv, qkv, tile)
     if bqkv.shape[0] > 0:
         for r in range(n):
             qkv[r] += bqkv
     _prepare_qkv(qkv, qk_norm, cos, sin, kc, vc, slots, positions, nq, nkv, eps)
     attn = np.empty((n, wo.shape[1]), np.float32)
-    _attend(qkv, kc, vc, slots, positions, nq, attn)
+    for job in prange(n * nq):
+        _attend_head(qkv, kc, vc, slots, positions, nq, attn, job)
     y = np.empty((n, hidden), np.float32)
-    _product(attn, wo, y)
+    for tile in prange(_tiles(wo)):
+        product_tile(attn, wo, y, tile)
     _add_into(x, y)
     _rms_norm(x, mlp_norm, eps, h)
     gate_up = np.empty((n, w_gate_up.shape[0]), np.float32)
-    _product(h, w_gate_up, gate_up)
+    for tile in prange(_tiles(w_gate_up)):
+        product_tile(h, w_gate_up, gate_up, tile)
     act = np.empty((n, w_down.shape[1]), np.float32)
     _swiglu(gate_up, act)
-    _product(act, w_down, y)
+    for tile in prange(_tiles(w_down)):
+        product_tile(act, w_down, y, tile)
     _add_into(x, y)
     if bf16:
         _round_to_bf16(x)
+
+
+def warm_up() -> None:
+    """Compile the kernels for fp32 and bf16 (or load them from numba's disk cache) on tiny arrays.
+    The first compile takes 10-30 s; a local fleet calls this before starting its members so that
+    they load the cache instead of each compiling at once on the same cores."""
+    import torch
+
+    from kafila.models.torch import few_rows
+
+    n, hidden, nq, nkv, d, inter = 1, 8, 2, 1, 4, 8
+    rng = np.random.default_rng(0)
+
+    def f32(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32)
+
+    for bf16 in (False, True):
+        dtype = torch.bfloat16 if bf16 else torch.float32
+
+        def weight(*shape: int, dtype: torch.dtype = dtype) -> np.ndarray:
+            return few_rows.numpy_view(torch.from_numpy(f32(*shape)).to(dtype).contiguous())
+
+        cache = [weight(1, nkv, 2, d) for _ in range(2)]
+        block_step(
+            f32(n, hidden), f32(hidden), weight((nq + 2 * nkv) * d, hidden), f32(0), f32(0, 0),
+            weight(hidden, nq * d), f32(hidden), weight(2 * inter, hidden), weight(hidden, inter),
+            *cache, f32(2, d), f32(2, d), np.zeros(n, np.int64), np.zeros(n, np.int64), nq, 1e-5, bf16,
+        )  # fmt: skip
+        few_rows.linear(torch.ones(n, hidden, dtype=dtype), torch.ones(inter, hidden, dtype=dtype))

@@ -27,7 +27,7 @@ import torch
 from numba import njit, prange, types
 from numba.extending import overload
 
-_OUT_TILE = 32  # output rows per parallel task
+TILE = 32  # output rows per parallel task
 
 
 def numpy_view(t: torch.Tensor) -> np.ndarray:
@@ -82,21 +82,28 @@ def _store_row(dst, j, src):  # type: ignore[no-untyped-def]  # pragma: no cover
     return None
 
 
+@njit(fastmath=True, cache=True, boundscheck=False, nogil=True)
+def product_tile(x: np.ndarray, w: np.ndarray, y: np.ndarray, tile: int) -> None:  # pragma: no cover
+    """Output rows [tile * TILE, (tile + 1) * TILE) of y = x w^T (see `_product`); one parallel task.
+    Compiled callers run `for tile in prange(tiles(out))`: a cached function must not call another
+    parallel function (numba's cache then crashes on load), so the loop is written where it runs."""
+    n, k = x.shape
+    buf = np.empty(k, np.float32)
+    for o in range(tile * TILE, min(w.shape[0], (tile + 1) * TILE)):
+        row = f32_row(w, o, buf)
+        for r in range(n):
+            acc = np.float32(0.0)
+            for i in range(k):
+                acc += x[r, i] * row[i]
+            y[r, o] = acc
+
+
 @njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
 def _product(x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:  # pragma: no cover (compiled)
     """y[r, o] = sum_i x[r, i] w[o, i] for x [N, in] and y [N, out] float32, w [out, in] float32 or
     bfloat16 bits (each row widened once into a per-task buffer, then dotted with every x row)."""
-    n, k = x.shape
-    out = w.shape[0]
-    for tile in prange((out + _OUT_TILE - 1) // _OUT_TILE):
-        buf = np.empty(k, np.float32)
-        for o in range(tile * _OUT_TILE, min(out, (tile + 1) * _OUT_TILE)):
-            row = f32_row(w, o, buf)
-            for r in range(n):
-                acc = np.float32(0.0)
-                for i in range(k):
-                    acc += x[r, i] * row[i]
-                y[r, o] = acc
+    for tile in prange((w.shape[0] + TILE - 1) // TILE):
+        product_tile(x, w, y, tile)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
