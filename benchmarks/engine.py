@@ -125,13 +125,19 @@ def summarize(dtype: str, ours: list, theirs: list, per_token: int, bandwidth: f
 
 def memory_child(path: str, dtype: str, context: int, prompt_tokens: int, new_tokens: int) -> dict[str, int]:
     """Runs in a fresh process: peak RSS growth while loading and generating vs weights + KV.
-    (VmHWM, not ru_maxrss: ru_maxrss survives exec, so it would carry the parent's peak.)"""
+    The baseline is taken after the libraries are loaded: torch, and on the CPU numba with the
+    compiled kernels (about 130 MiB, the same for every model size). (VmHWM, not ru_maxrss:
+    ru_maxrss survives exec, so it would carry the parent's peak.)"""
     from kafila.engine.backend import resolve
     from kafila.engine.stage import Stage
     from kafila.models.checkpoint import Checkpoint
 
     ckpt = Checkpoint.open(path)
     backend = resolve("torch", dtype)  # imports torch before the baseline
+    if backend.device == "cpu":  # and loads the compiled CPU kernels: library code, like torch's own
+        from kafila.models.torch import decode_cpu
+
+        decode_cpu.warm_up()
     base = _proc_status_bytes("VmRSS")
     stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend=backend, context=context)
     kafila_run(stage, list(range(100, 100 + prompt_tokens)), new_tokens)

@@ -27,7 +27,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from kafila.models.torch.few_rows import TILE, f32_row, product_tile, store_row
+from kafila.models.torch.few_rows import at, product_tile, store_row, tiles
 
 
 @njit(fastmath=True, cache=True, boundscheck=False, nogil=True)
@@ -114,15 +114,13 @@ def _attend_head(
     kv = h // (nq // nkv)
     q = qkv[r, h * d : (h + 1) * d]
     keys, vals = kc[s, kv], vc[s, kv]  # [ctx, d]
-    buf = np.empty(d, np.float32)
     scale = np.float32(1.0 / math.sqrt(d))
     scores = np.empty(length, np.float32)
     top = np.float32(-np.inf)
     for j in range(length):
-        key = f32_row(keys, j, buf)
         acc = np.float32(0.0)
         for i in range(d):
-            acc += q[i] * key[i]
+            acc += q[i] * at(keys, j, i)
         scores[j] = acc * scale
         top = max(top, scores[j])
     total = np.float32(0.0)
@@ -132,10 +130,9 @@ def _attend_head(
     o = out[r, h * d : (h + 1) * d]
     o[:] = 0.0
     for j in range(length):
-        val = f32_row(vals, j, buf)
         wj = scores[j] / total
         for i in range(d):
-            o[i] += wj * val[i]
+            o[i] += wj * at(vals, j, i)
 
 
 @njit(fastmath=True, cache=True, boundscheck=False, nogil=True)
@@ -163,11 +160,6 @@ def _swiglu(gate_up: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover
         for i in range(f):
             a = gate_up[r, i]
             out[r, i] = a / (np.float32(1.0) + np.exp(-a)) * gate_up[r, f + i]
-
-
-@njit(cache=True, nogil=True)
-def _tiles(w: np.ndarray) -> int:  # pragma: no cover
-    return (w.shape[0] + TILE - 1) // TILE
 
 
 @njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
@@ -198,7 +190,7 @@ def block_step(
     h = np.empty((n, hidden), np.float32)
     _rms_norm(x, attn_norm, eps, h)
     qkv = np.empty((n, wqkv.shape[0]), np.float32)
-    for tile in prange(_tiles(wqkv)):
+    for tile in prange(tiles(wqkv)):
         product_tile(h, wqkv, qkv, tile)
     if bqkv.shape[0] > 0:
         for r in range(n):
@@ -208,16 +200,16 @@ def block_step(
     for job in prange(n * nq):
         _attend_head(qkv, kc, vc, slots, positions, nq, attn, job)
     y = np.empty((n, hidden), np.float32)
-    for tile in prange(_tiles(wo)):
+    for tile in prange(tiles(wo)):
         product_tile(attn, wo, y, tile)
     _add_into(x, y)
     _rms_norm(x, mlp_norm, eps, h)
     gate_up = np.empty((n, w_gate_up.shape[0]), np.float32)
-    for tile in prange(_tiles(w_gate_up)):
+    for tile in prange(tiles(w_gate_up)):
         product_tile(h, w_gate_up, gate_up, tile)
     act = np.empty((n, w_down.shape[1]), np.float32)
     _swiglu(gate_up, act)
-    for tile in prange(_tiles(w_down)):
+    for tile in prange(tiles(w_down)):
         product_tile(act, w_down, y, tile)
     _add_into(x, y)
     if bf16:

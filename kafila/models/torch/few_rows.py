@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
-TILE = 32  # output rows per parallel task
+TILE = 16  # pairs of output rows per parallel task
 
 
 def numpy_view(t: torch.Tensor) -> np.ndarray:
@@ -35,24 +36,27 @@ def numpy_view(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def f32_row(w: np.ndarray, o: int, buf: np.ndarray) -> np.ndarray:
-    """Row o of a float32 or bfloat16-bits 2-D array as float32 (compiled: see the overload)."""
+@intrinsic
+def _bits_to_f32(typingctx, bits):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
+    """The float32 whose bit pattern is the uint32 `bits` (an LLVM bitcast, vectorisable)."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+def at(w: np.ndarray, o: int, i: int) -> float:
+    """w[o, i] as float32, for a float32 or bfloat16-bits 2-D array (compiled: see the overload)."""
     raise NotImplementedError("compiled only")
 
 
-@overload(f32_row, jit_options={"fastmath": True})
-def _f32_row(w, o, buf):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
+@overload(at, jit_options={"fastmath": True})
+def _at(w, o, i):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
     if w.dtype == types.float32:
-        return lambda w, o, buf: w[o]  # a view: no copy
-    if w.dtype == types.uint16:  # bfloat16 bits: the high half of a float32
-
-        def widen(w, o, buf):  # type: ignore[no-untyped-def]
-            bits = buf.view(np.uint32)
-            for i in range(w.shape[1]):
-                bits[i] = np.uint32(w[o, i]) << np.uint32(16)
-            return buf
-
-        return widen
+        return lambda w, o, i: w[o, i]
+    if w.dtype == types.uint16:  # bfloat16 bits: the high half of a float32, widened exactly
+        return lambda w, o, i: _bits_to_f32(np.uint32(w[o, i]) << np.uint32(16))
     return None
 
 
@@ -82,27 +86,44 @@ def _store_row(dst, j, src):  # type: ignore[no-untyped-def]  # pragma: no cover
     return None
 
 
+@njit(cache=True, nogil=True)
+def tiles(w: np.ndarray) -> int:  # pragma: no cover (compiled)
+    """Parallel tasks of a product with w: TILE pairs of output rows each."""
+    return ((w.shape[0] + 1) // 2 + TILE - 1) // TILE
+
+
 @njit(fastmath=True, cache=True, boundscheck=False, nogil=True)
 def product_tile(x: np.ndarray, w: np.ndarray, y: np.ndarray, tile: int) -> None:  # pragma: no cover
-    """Output rows [tile * TILE, (tile + 1) * TILE) of y = x w^T (see `_product`); one parallel task.
-    Compiled callers run `for tile in prange(tiles(out))`: a cached function must not call another
+    """One parallel task of y = x w^T (see `_product`): output rows o in [tile * TILE, (tile + 1) *
+    TILE) of the first half together with rows o + half, two memory streams at once (measured
+    5-20% faster for one x row, 20-35% for four, than one stream).
+    Compiled callers run `for tile in prange(tiles(w))`: a cached function must not call another
     parallel function (numba's cache then crashes on load), so the loop is written where it runs."""
     n, k = x.shape
-    buf = np.empty(k, np.float32)
-    for o in range(tile * TILE, min(w.shape[0], (tile + 1) * TILE)):
-        row = f32_row(w, o, buf)
-        for r in range(n):
-            acc = np.float32(0.0)
-            for i in range(k):
-                acc += x[r, i] * row[i]
-            y[r, o] = acc
+    out = w.shape[0]
+    half = (out + 1) // 2
+    for o in range(tile * TILE, min(half, (tile + 1) * TILE)):
+        o2 = o + half
+        if o2 < out:
+            for r in range(n):
+                a0, a1 = np.float32(0.0), np.float32(0.0)
+                for i in range(k):
+                    a0 += x[r, i] * at(w, o, i)
+                    a1 += x[r, i] * at(w, o2, i)
+                y[r, o], y[r, o2] = a0, a1
+        else:  # out odd: the middle row alone
+            for r in range(n):
+                a0 = np.float32(0.0)
+                for i in range(k):
+                    a0 += x[r, i] * at(w, o, i)
+                y[r, o] = a0
 
 
 @njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
 def _product(x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:  # pragma: no cover (compiled)
     """y[r, o] = sum_i x[r, i] w[o, i] for x [N, in] and y [N, out] float32, w [out, in] float32 or
-    bfloat16 bits (each row widened once into a per-task buffer, then dotted with every x row)."""
-    for tile in prange((w.shape[0] + TILE - 1) // TILE):
+    bfloat16 bits (widened as they are read)."""
+    for tile in prange(tiles(w)):
         product_tile(x, w, y, tile)
 
 
