@@ -1,5 +1,43 @@
-"""Fixtures the session tests borrow: the NAT lab (root) from tests/natlab."""
+"""Fixtures the session tests share: the NAT lab (root) from tests/natlab, a real rendezvous on
+loopback, and tiny random chat models carrying the real SmolLM2 tokenizer and chat template."""
 
+from __future__ import annotations
+
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest_asyncio
+
+from kafila.rendezvous.server import RendezvousServer
 from tests.natlab.conftest import natlab
+from tests.net.harness import start_rendezvous
+from tests.tiny_models import make_tiny
 
-__all__ = ["natlab"]
+__all__ = ["make_tiny_chat", "natlab", "rdv"]
+
+
+def make_tiny_chat(folder: Path, smollm2_path: Path, blocks: int) -> Path:
+    """A tiny random Llama of `blocks` blocks with SmolLM2's vocabulary, tokenizer and template."""
+    make_tiny(
+        folder,
+        "llama",
+        num_hidden_layers=blocks,
+        vocab_size=49152,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        tie_word_embeddings=True,
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_path / name, folder / name)
+    return folder
+
+
+@pytest_asyncio.fixture
+async def rdv() -> AsyncIterator[RendezvousServer]:
+    """A real rendezvous on loopback (signaling, UDP probes, relay), stopped after the test."""
+    server = await start_rendezvous()
+    yield server
+    await server.stop()

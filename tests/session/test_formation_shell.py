@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 
 from kafila.net.signaling import SignalingClient
 from kafila.planner.devices import DeviceReport
@@ -22,17 +20,9 @@ from kafila.rendezvous.server import RendezvousServer
 from kafila.session.form import Options, SessionError
 from kafila.session.formation import KEY, payload
 from kafila.session.start import host, join
-from tests.net.harness import start_rendezvous
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 TINY = "llama-gqa3-tied"  # a tiny checkpoint for the host (tests/conftest.py)
-
-
-@pytest_asyncio.fixture
-async def rdv() -> AsyncIterator[RendezvousServer]:
-    server = await start_rendezvous()
-    yield server
-    await server.stop()
 
 
 def opts(rdv: RendezvousServer, name: str, tmp: Path, **kw) -> Options:

@@ -6,13 +6,10 @@ thread); tests/session/test_session_processes.py runs them as separate processes
 from __future__ import annotations
 
 import asyncio
-import shutil
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import openai
 import pytest
-import pytest_asyncio
 
 from kafila.engine.generate import generate
 from kafila.engine.sampler import SamplingParams
@@ -23,8 +20,7 @@ from kafila.rendezvous.server import RendezvousServer
 from kafila.session.form import Formed, Options, SessionError
 from kafila.session.service import Sampling
 from kafila.session.start import host, join
-from tests.net.harness import start_rendezvous
-from tests.tiny_models import make_tiny
+from tests.session.conftest import make_tiny_chat
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 MODEL = "smollm2-135m"
@@ -35,28 +31,7 @@ PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 def tiny_chat_model(tmp_path_factory, smollm2_path) -> Path:
     """A tiny random Llama (6 blocks) with the real SmolLM2 tokenizer and chat template: every code
     path of a session at a fetch size the test can afford (the weight fetch is its slow part)."""
-    folder = tmp_path_factory.mktemp("tiny-chat")
-    make_tiny(
-        folder,
-        "llama",
-        num_hidden_layers=6,
-        vocab_size=49152,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        tie_word_embeddings=True,
-    )
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2_path / name, folder / name)
-    return folder
-
-
-@pytest_asyncio.fixture
-async def rdv() -> AsyncIterator[RendezvousServer]:
-    server = await start_rendezvous()
-    yield server
-    await server.stop()
+    return make_tiny_chat(tmp_path_factory.mktemp("tiny-chat"), smollm2_path, blocks=6)
 
 
 def opts(rdv: RendezvousServer, name: str, tmp: Path, **kw) -> Options:

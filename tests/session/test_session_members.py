@@ -6,13 +6,10 @@ weights over a control link to the host that carries no ring traffic."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
-import pytest_asyncio
 
 from kafila.engine.generate import generate
 from kafila.engine.sampler import SamplingParams
@@ -25,8 +22,7 @@ from kafila.session.form import Formed, Options
 from kafila.session.service import Sampling
 from kafila.session.stagetrace import planned_rtt_ms
 from kafila.session.start import host, join
-from tests.net.harness import start_rendezvous
-from tests.tiny_models import make_tiny
+from tests.session.conftest import make_tiny_chat
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 NAMES = ("alpha", "beta", "gamma", "delta", "epsilon")
@@ -37,28 +33,7 @@ PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 def tiny_chat_model(tmp_path_factory, smollm2_path) -> Path:
     """A tiny random Llama (8 blocks: every member of five gets at least one) with the real
     SmolLM2 tokenizer and chat template."""
-    folder = tmp_path_factory.mktemp("tiny-chat-8")
-    make_tiny(
-        folder,
-        "llama",
-        num_hidden_layers=8,
-        vocab_size=49152,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        tie_word_embeddings=True,
-    )
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2_path / name, folder / name)
-    return folder
-
-
-@pytest_asyncio.fixture
-async def rdv() -> AsyncIterator[RendezvousServer]:
-    server = await start_rendezvous()
-    yield server
-    await server.stop()
+    return make_tiny_chat(tmp_path_factory.mktemp("tiny-chat-8"), smollm2_path, blocks=8)
 
 
 def opts(rdv: RendezvousServer, name: str, tmp: Path, **kw) -> Options:
