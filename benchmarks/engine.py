@@ -25,10 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-from kafila.engine.backend import OMP_WAIT_POLICY
+from kafila.engine.backend import configure_openmp
 
-os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)  # as the engine sets it, for both systems
-import torch
+configure_openmp()  # as the engine sets it, for both systems
+import torch  # noqa: E402  (after configure_openmp: OpenMP reads its settings when torch loads it)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -189,7 +189,8 @@ def main() -> int:
     path = resolve(args.model)
     bandwidth = measure_bandwidth(args.threads)
     print(
-        f"model {path}  threads {args.threads}  OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}  "
+        f"model {path}  threads {args.threads}  OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} "
+        f"GOMP_SPINCOUNT={os.environ['GOMP_SPINCOUNT']}  "
         f"streaming read bandwidth {bandwidth / 1e9:.1f} GB/s (torch sum)"
     )
     for dtype in args.dtypes:

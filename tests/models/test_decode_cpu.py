@@ -127,3 +127,19 @@ def test_compiled_kernels_load_from_numba_cache_in_fresh_processes() -> None:
     for _ in range(2):
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
         assert done.returncode == 0 and "warm" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("out", [1, 2, 3, 5, 7, 13, 70, 257])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_few_row_product_equals_torch_for_any_output_width(out: int, rows: int) -> None:
+    """The kernel takes output rows four at a time; widths not divisible by four end one by one."""
+    import torch
+
+    from kafila.models.torch import few_rows
+
+    gen = torch.Generator().manual_seed(out * 100 + rows)
+    x, w = torch.randn(rows, 40, generator=gen), torch.randn(out, 40, generator=gen)
+    torch.testing.assert_close(few_rows.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    ref = (xb.float() @ wb.float().T).bfloat16()  # float32 products of the bf16 values, rounded once
+    torch.testing.assert_close(few_rows.linear(xb, wb), ref, rtol=1e-2, atol=1e-2)
