@@ -15,6 +15,8 @@ heads, g = nq / nkv, L = keys attended, F = intermediate, V = vocab.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -33,9 +35,15 @@ Tensor = torch.Tensor
 FEW_ROWS = 16  # products of at most this many rows are decode-sized (above: prefill chunks)
 
 
+@functools.cache
+def kernels_available() -> bool:
+    """Whether numba is installed (it comes with the `torch` extra); without it the torch ops run."""
+    return importlib.util.find_spec("numba") is not None
+
+
 def _kernel_dtype(t: Tensor) -> bool:
     """Whether the CPU kernels (few_rows, decode_cpu) take this tensor: fp32 or bf16 on the CPU."""
-    return t.dtype in (torch.float32, torch.bfloat16) and t.device.type == "cpu"
+    return t.dtype in (torch.float32, torch.bfloat16) and t.device.type == "cpu" and kernels_available()
 
 
 @dataclass
@@ -127,7 +135,8 @@ class LlamaModel:
         self.sin = torch.from_numpy(sin).to(self.device, dtype)  # [context, d], sign folded in
         self._rope32 = (cos, sin)  # float32 numpy, for decode_cpu
         # decode steps in fp32 and bf16 on the CPU run each block as one compiled call (decode_cpu)
-        self.fused_decode = dtype in (torch.float32, torch.bfloat16) and self.device.type == "cpu"
+        cpu_kernels = dtype in (torch.float32, torch.bfloat16) and self.device.type == "cpu"
+        self.fused_decode = cpu_kernels and kernels_available()
         self._arrays = [b.arrays() for b in self.blocks] if self.fused_decode else []
         if self.fused_decode:
             from kafila.models.torch import decode_cpu  # numba loads only where its kernels run
