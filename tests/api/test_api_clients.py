@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import httpx
 import ollama
@@ -18,41 +17,17 @@ import openai
 import pytest
 import pytest_asyncio
 
-from kafila.api.app import create_app
 from kafila.api.server import ApiServer
-from kafila.api.state import Api
-from kafila.engine.tokenizer import Tokenizer
-from kafila.models.checkpoint import Checkpoint
-from kafila.obs.trace import TraceLog
-from kafila.session.textcodec import TokenizerCodec
-from tests.session.ringkit import Ring, build_ring
+from tests.api.served import MODEL, Served, serve_ring
 
 pytestmark = [pytest.mark.network, pytest.mark.asyncio(loop_scope="module")]
-MODEL = "smollm2-135m"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@dataclass
-class Served:
-    ring: Ring
-    head: ApiServer
-    member: ApiServer
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(smollm2_path, tmp_path_factory) -> AsyncIterator[Served]:
-    ckpt = Checkpoint.open(smollm2_path)
-    ring = build_ring(ckpt, [(0, 12), (12, 30)], context=256, concurrency=2, chunk=64)
-    codec = TokenizerCodec(Tokenizer.from_checkpoint(ckpt))
-    traces = TraceLog(tmp_path_factory.mktemp("traces") / "trace.jsonl")
-    ring.head.traces = traces
-    head = await ApiServer(create_app(Api(ring.head, codec, MODEL, traces))).start()
-    member = await ApiServer(create_app(Api(ring.members[0], codec, MODEL))).start()
-    yield Served(ring, head, member)
-    await head.stop()
-    await member.stop()
-    await ring.stop()
-    await asyncio.sleep(0.2)  # let closed connections' transports finish closing before the loop ends
+    async with serve_ring(smollm2_path, tmp_path_factory.mktemp("traces"), concurrency=2) as s:
+        yield s
 
 
 def oai(server: ApiServer) -> openai.AsyncOpenAI:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -19,42 +18,17 @@ import ollama
 import pytest
 import pytest_asyncio
 
-from kafila.api.app import create_app
-from kafila.api.server import ApiServer
-from kafila.api.state import Api
-from kafila.engine.tokenizer import Tokenizer
-from kafila.models.checkpoint import Checkpoint
-from kafila.obs.trace import TraceLog
-from kafila.session.textcodec import TokenizerCodec
-from tests.session.ringkit import Ring, build_ring
+from tests.api.served import MODEL, Served, serve_ring
 
 pytestmark = [pytest.mark.network, pytest.mark.asyncio(loop_scope="module")]
-MODEL = "smollm2-135m"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 OPTIONS = {"temperature": 0, "num_predict": 32}
 
 
-@dataclass
-class Served:
-    ring: Ring
-    head: ApiServer
-    member: ApiServer
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(smollm2_path, tmp_path_factory) -> AsyncIterator[Served]:
-    ckpt = Checkpoint.open(smollm2_path)
-    ring = build_ring(ckpt, [(0, 12), (12, 30)], context=256, concurrency=1, chunk=64)
-    codec = TokenizerCodec(Tokenizer.from_checkpoint(ckpt))
-    folder = tmp_path_factory.mktemp("traces")
-    ring.head.traces, ring.members[0].traces = TraceLog(folder / "m0.jsonl"), TraceLog(folder / "m1.jsonl")
-    head = await ApiServer(create_app(Api(ring.head, codec, MODEL, ring.head.traces))).start()
-    member = await ApiServer(create_app(Api(ring.members[0], codec, MODEL, ring.members[0].traces))).start()
-    yield Served(ring, head, member)
-    await head.stop()
-    await member.stop()
-    await ring.stop()
-    await asyncio.sleep(0.2)  # let closed connections' transports finish closing before the loop ends
+    async with serve_ring(smollm2_path, tmp_path_factory.mktemp("traces"), concurrency=1) as s:
+        yield s
 
 
 async def ndjson(http: httpx.AsyncClient, url: str, body: dict[str, Any], first: asyncio.Event | None = None):

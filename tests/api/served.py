@@ -1,0 +1,46 @@
+"""A two-member ring of the real default model inside this process, each member serving the API
+with uvicorn on loopback (the member that is not the head forwards around the ring)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kafila.api.app import create_app
+from kafila.api.server import ApiServer
+from kafila.api.state import Api
+from kafila.engine.tokenizer import Tokenizer
+from kafila.models.checkpoint import Checkpoint
+from kafila.obs.trace import TraceLog
+from kafila.session.textcodec import TokenizerCodec
+from tests.session.ringkit import Ring, build_ring
+
+MODEL = "smollm2-135m"
+
+
+@dataclass
+class Served:
+    ring: Ring
+    head: ApiServer
+    member: ApiServer
+
+
+@contextlib.asynccontextmanager
+async def serve_ring(model: Path, traces: Path, concurrency: int) -> AsyncIterator[Served]:
+    """Blocks [0, 12) + head at m0, [12, 30) at m1; each member's trace file in `traces`."""
+    ckpt = Checkpoint.open(model)
+    ring = build_ring(ckpt, [(0, 12), (12, 30)], context=256, concurrency=concurrency, chunk=64)
+    codec = TokenizerCodec(Tokenizer.from_checkpoint(ckpt))
+    ring.head.traces, ring.members[0].traces = TraceLog(traces / "m0.jsonl"), TraceLog(traces / "m1.jsonl")
+    head = await ApiServer(create_app(Api(ring.head, codec, MODEL, ring.head.traces))).start()
+    member = await ApiServer(create_app(Api(ring.members[0], codec, MODEL, ring.members[0].traces))).start()
+    try:
+        yield Served(ring, head, member)
+    finally:
+        await head.stop()
+        await member.stop()
+        await ring.stop()
+        await asyncio.sleep(0.2)  # let closed connections' transports finish closing before the loop ends
