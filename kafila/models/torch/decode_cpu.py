@@ -31,16 +31,22 @@ from kafila.models.torch.few_rows import at, product_tile, store_row, tiles
 
 
 @njit(fastmath=True, cache=True, boundscheck=False, nogil=True)
+def _rms_row(v: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:  # pragma: no cover
+    """out [d] = v [d] / rms(v) * w [d]; `out` may be `v` (in place)."""
+    d = v.shape[0]
+    ss = np.float32(0.0)
+    for i in range(d):
+        ss += v[i] * v[i]
+    scale = np.float32(1.0) / np.sqrt(ss / np.float32(d) + np.float32(eps))
+    for i in range(d):
+        out[i] = v[i] * scale * w[i]
+
+
+@njit(fastmath=True, cache=True, boundscheck=False, nogil=True)
 def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:  # pragma: no cover
-    """out [N, H] = x [N, H] / rms(x) * w [H]."""
-    n, h = x.shape
-    for r in range(n):
-        ss = np.float32(0.0)
-        for i in range(h):
-            ss += x[r, i] * x[r, i]
-        scale = np.float32(1.0) / np.sqrt(ss / np.float32(h) + np.float32(eps))
-        for i in range(h):
-            out[r, i] = x[r, i] * scale * w[i]
+    """out [N, H] = each row of x [N, H] / its rms * w [H]."""
+    for r in range(x.shape[0]):
+        _rms_row(x[r], w, eps, out[r])
 
 
 @njit(fastmath=True, cache=True, boundscheck=False, nogil=True)
@@ -52,18 +58,6 @@ def _rope_row(v: np.ndarray, cos: np.ndarray, sin: np.ndarray, tmp: np.ndarray) 
         tmp[i] = v[i]
     for i in range(d):
         v[i] = tmp[i] * cos[i] + tmp[(i + half) % d] * sin[i]
-
-
-@njit(fastmath=True, cache=True, boundscheck=False, nogil=True)
-def _head_norm(v: np.ndarray, w: np.ndarray, eps: float) -> None:  # pragma: no cover
-    """In place on one head v [d]: Qwen3's q_norm / k_norm."""
-    d = v.shape[0]
-    ss = np.float32(0.0)
-    for i in range(d):
-        ss += v[i] * v[i]
-    scale = np.float32(1.0) / np.sqrt(ss / np.float32(d) + np.float32(eps))
-    for i in range(d):
-        v[i] = v[i] * scale * w[i]
 
 
 @njit(fastmath=True, cache=True, boundscheck=False, nogil=True)
@@ -89,7 +83,7 @@ def _prepare_qkv(
         for h in range(nq + nkv):
             head = qkv[r, h * d : (h + 1) * d]
             if qk_norm.shape[0] > 0:
-                _head_norm(head, qk_norm[h], eps)
+                _rms_row(head, qk_norm[h], eps, head)  # Qwen3's q_norm / k_norm, in place
             _rope_row(head, cos[p], sin[p], tmp)
         for h in range(nkv):
             store_row(kc[s, h], p, qkv[r, (nq + h) * d : (nq + h + 1) * d])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -98,10 +98,19 @@ class KVCache:
 
     k: list[Tensor]
     v: list[Tensor]
+    _views: list[tuple[np.ndarray, np.ndarray]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def numpy_views(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per block (keys, values) as numpy views for decode_cpu (made once: the tensors never move)."""
+        if self._views is None:
+            from kafila.models.torch.few_rows import numpy_view
+
+            self._views = [(numpy_view(k), numpy_view(v)) for k, v in zip(self.k, self.v, strict=True)]
+        return self._views
 
 
 class LlamaModel:
@@ -212,8 +221,6 @@ class LlamaModel:
 
     def _decode_fused(self, x: Tensor, spans: Sequence[Span], cache: KVCache) -> None:
         """One row per span (decode), every local block through decode_cpu.block_step, in place on x."""
-        from kafila.models.torch.few_rows import numpy_view
-
         bf16 = self.dtype == torch.bfloat16
         xf = x.float() if bf16 else x  # [N, H] float32 (shares x's memory in fp32)
         slots = np.array([s.slot for s in spans], dtype=np.int64)  # [N]
@@ -221,8 +228,7 @@ class LlamaModel:
         cos, sin = self._rope32  # [context, d]
         nq, eps = self.config.num_attention_heads, self.config.rms_norm_eps
         xn = xf.numpy()
-        for arrays, kc, vc in zip(self._arrays, cache.k, cache.v, strict=True):
-            kv = numpy_view(kc), numpy_view(vc)
+        for arrays, kv in zip(self._arrays, cache.numpy_views(), strict=True):
             self._block_step(xn, *arrays, *kv, cos, sin, slots, positions, nq, eps, bf16)
         if bf16:
             x.copy_(xf)  # exact: every block rounded the rows to bf16 values
