@@ -27,7 +27,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from kafila.models.torch.few_rows import at, product_tile, store_row, tiles
+from kafila.models.torch.few_rows import at, bf16_bits, product_tile, store_row, tiles
 
 
 @njit(fastmath=True, cache=True, boundscheck=False, nogil=True)
@@ -142,8 +142,7 @@ def _round_to_bf16(x: np.ndarray) -> None:  # pragma: no cover
     """In place on float32 x [N, H]: the nearest bf16 value (ties to even), as torch rounds."""
     bits = x.reshape(-1).view(np.uint32)
     for i in range(bits.shape[0]):
-        b = bits[i]
-        bits[i] = ((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> 16) << 16
+        bits[i] = bf16_bits(bits[i]) << np.uint32(16)
 
 
 @njit(fastmath=True, cache=True, boundscheck=False, nogil=True)

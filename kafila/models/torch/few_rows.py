@@ -60,6 +60,12 @@ def _at(w, o, i):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
     return None
 
 
+@njit(cache=True, nogil=True)
+def bf16_bits(b: np.uint32) -> np.uint32:  # pragma: no cover (compiled)
+    """The bfloat16 nearest (ties to even, as torch rounds) to the float32 with bits `b`, as its bits."""
+    return (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+
+
 def store_row(dst: np.ndarray, j: int, src: np.ndarray) -> None:
     """dst[j] = src (float32), rounded to nearest even when dst holds bfloat16 bits (compiled)."""
     raise NotImplementedError("compiled only")
@@ -79,8 +85,7 @@ def _store_row(dst, j, src):  # type: ignore[no-untyped-def]  # pragma: no cover
         def narrow(dst, j, src):  # type: ignore[no-untyped-def]
             bits = src.view(np.uint32)
             for i in range(src.shape[0]):
-                b = bits[i]
-                dst[j, i] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> 16)
+                dst[j, i] = np.uint16(bf16_bits(bits[i]))
 
         return narrow
     return None
