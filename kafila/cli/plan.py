@@ -63,7 +63,7 @@ def main(args: argparse.Namespace) -> int:
         model = args.model or fleet.model
         devices = fleet.devices
         if model != fleet.model:  # probed block times were for the fleet's model
-            devices = tuple(replace(d, block_s=None, block_dispatch_s=None) for d in devices)
+            devices = tuple(replace(d, block_s=None, block_dispatch_s=None, head_s=None) for d in devices)
         manifest = resolve_manifest(model, args.dtype)
         divisions = DIVISIONS if args.division == "all" else (args.division,)
         plans = plan_all(

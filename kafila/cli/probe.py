@@ -53,6 +53,8 @@ def main(args: argparse.Namespace) -> int:
     ]
     if report.block:
         rows.append((f"block step ({args.model})", report.block, 1e3, "ms"))
+    if report.head:
+        rows.append((f"head step ({args.model})", report.head, 1e3, "ms"))
     if report.block_dispatch:
         rows.append(("block dispatch (tiny shapes)", report.block_dispatch, 1e3, "ms"))
     print(f"backend {report.backend}, threads {report.threads}, cpu quota {report.cpu_quota or 'none'}")

@@ -7,6 +7,8 @@ Stage cost (full tier):  c_i = o_i + n_i * beta_block / b_i + [i = head] * beta_
   When the synthetic-block probe timed a block of this model on device i, that time replaces
   both (use_block_probe=False keeps the bandwidth form).
 - beta_head_read: bytes a token reads at the head (unembedding, final norm, one embedding row).
+  When the probe timed this model's final norm and unembedding on device i (head_s), that time
+  replaces beta_head_read / b_i in the same way.
 Capacity uses resident bytes: each block holds its weights plus the KV cache reserved for the
 session's declared context and concurrency; the head also holds embedding and unembedding.
 
@@ -105,9 +107,12 @@ def device_cost(d: DeviceReport, w: Workload, tier: Tier, use_block_probe: bool 
         assert d.bandwidth_bytes_s
         b = d.bandwidth_bytes_s
         per = w.block_read_bytes / b + (d.block_dispatch_s or 0.0)
+        head = w.head_read_bytes / b
         if use_block_probe and d.block_s:
             per = d.block_s
-        return DeviceCost(d.name, overhead, per, w.head_read_bytes / b, lim, lim_head)
+        if use_block_probe and d.head_s:
+            head = d.head_s
+        return DeviceCost(d.name, overhead, per, head, lim, lim_head)
     if tier is Tier.THROUGHPUT:
         assert d.flops
         return DeviceCost(d.name, overhead, 2.0 * w.params_per_block / d.flops, 0.0, lim, lim_head)

@@ -20,6 +20,8 @@ class DeviceReport:
     block_s: one decode step of one block of the session model, timed by the synthetic-block probe.
     block_dispatch_s: one decode step of one block of the session model's architecture at tiny
         shapes: what the block's op chain costs to dispatch, added to block bytes / bandwidth.
+    head_s: the head's final norm and unembedding of one row of the session model, timed by the
+        probe with the engine's own code (replaces head bytes / bandwidth, like block_s).
     nat: classified NAT (None: unknown, predicted as restrictive).
     rtt_s: round trip to the rendezvous.
     pair_rtt_s: measured round trips to other members, by name.
@@ -32,6 +34,7 @@ class DeviceReport:
     flops: float | None = None
     block_s: float | None = None
     block_dispatch_s: float | None = None
+    head_s: float | None = None
     nat: Nat | None = None
     rtt_s: float | None = None
     pair_rtt_s: dict[str, float] = field(default_factory=dict)
@@ -41,7 +44,7 @@ class DeviceReport:
             raise ValueError("device name is empty")
         if self.memory_bytes < 0:
             raise ValueError(f"device {self.name}: memory_bytes {self.memory_bytes} is negative")
-        for key in ("bandwidth_bytes_s", "flops", "block_s"):
+        for key in ("bandwidth_bytes_s", "flops", "block_s", "head_s"):
             value = getattr(self, key)
             if value is not None and not value > 0:
                 raise ValueError(f"device {self.name}: {key} must be > 0, got {value}")
@@ -59,6 +62,7 @@ class DeviceReport:
             "flops": self.flops,
             "block_s": self.block_s,
             "block_dispatch_s": self.block_dispatch_s,
+            "head_s": self.head_s,
             "nat": self.nat.to_dict() if self.nat else None,
             "rtt_s": self.rtt_s,
             "pair_rtt_s": dict(self.pair_rtt_s),
@@ -75,6 +79,7 @@ class DeviceReport:
             flops=d.get("flops"),
             block_s=d.get("block_s"),
             block_dispatch_s=d.get("block_dispatch_s"),
+            head_s=d.get("head_s"),
             nat=Nat.from_dict(nat) if nat else None,
             rtt_s=d.get("rtt_s"),
             pair_rtt_s={str(k): float(v) for k, v in (d.get("pair_rtt_s") or {}).items()},

@@ -96,6 +96,7 @@ def _device(t: Any, index: int, source: str, model: str, read_json: ReadJson | N
     merged = measured | {k: v for k, v in given.items() if v is not None}
     if bandwidth is not None:  # an explicit bandwidth asks for bandwidth pricing, not the probed block
         merged.pop("block_s", None)
+        merged.pop("head_s", None)
     return DeviceReport(
         name=name,
         memory_bytes=int(merged["memory_bytes"]),
@@ -104,6 +105,7 @@ def _device(t: Any, index: int, source: str, model: str, read_json: ReadJson | N
         flops=merged.get("flops"),
         block_s=merged.get("block_s"),
         block_dispatch_s=merged.get("block_dispatch_s"),
+        head_s=merged.get("head_s"),
         nat=_nat(t, where),
         rtt_s=None if rtt is None else rtt * 1e-3,
     )
@@ -130,7 +132,7 @@ def _probe_file(t: dict[str, Any], where: str, model: str, read_json: ReadJson |
         raise FleetError(f"{where}: cannot read probe file {path!r}: {exc}") from exc
     probed_model = (data.get("probe") or {}).get("block_model")
     if probed_model == model:  # both timed this model's blocks
-        out |= {k: device[k] for k in ("block_s", "block_dispatch_s") if device.get(k)}
+        out |= {k: device[k] for k in ("block_s", "block_dispatch_s", "head_s") if device.get(k)}
     return out
 
 

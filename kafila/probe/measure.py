@@ -6,8 +6,12 @@ Figures (each a median and spread over repetitions):
 - matvec_bandwidth: the same bytes streamed through a decode-shaped matrix-vector product.
 - overhead: a tiny op chain that reads ~nothing and ends in a host read, as a decode step pays it.
 - flops: an n x n matmul, for the degraded planning tier.
-- block (with a model): one decode step of one transformer block of that model's shapes, random
-  weights allocated here, run by the engine's own model code.
+- block (with a model): a stage's decode step through several transformer blocks of that model's
+  shapes (random weights allocated here, the engine's own model code), per block.
+- head (with a model): the final norm and unembedding of one row, the head's share of a step.
+Block and head are timed as a ring runs them: each call follows an idle gap twice its own length
+(the other stages of a ring of three computing), so caches, thread wake-ups and a CFS quota's
+refill behave as they will in the session.
 Each repetition loops its workload for a minimum window; under a cgroup CPU quota the window spans
 several CFS periods, so the figure is the share the process actually gets, not a burst.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -29,9 +34,11 @@ from kafila.probe.ops import Ops, Run
 from kafila.probe.stats import Figure, rates
 
 log = get_logger("kafila.probe")
-FIGURES = ("bandwidth", "matvec_bandwidth", "overhead", "flops", "block", "block_dispatch")
+FIGURES = ("bandwidth", "matvec_bandwidth", "overhead", "flops", "block", "block_dispatch", "head")
 WINDOW_S = 0.04  # minimum time per repetition
 QUOTA_WINDOW_S = 0.25  # under a CFS quota: at least this long, in whole periods
+IDLE_RATIO = 2.0  # stage-shaped calls: idle this many times the call's length before the next
+STEPS = 12  # stage-shaped calls timed per repetition
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,7 @@ class ProbeReport:
     block_model: str | None = None
     block_bytes: int | None = None
     wall_s: float = 0.0
+    head: Figure | None = None  # s per decode step for the final norm and unembedding of one row
 
     def device_report(
         self, name: str, nat: Nat | None = None, rtt_s: float | None = None, use_block: bool = True
@@ -61,6 +69,7 @@ class ProbeReport:
             flops=self.flops.median,
             block_s=self.block.median if (self.block and use_block) else None,
             block_dispatch_s=self.block_dispatch.median if self.block_dispatch else None,
+            head_s=self.head.median if (self.head and use_block) else None,
             nat=nat,
             rtt_s=rtt_s,
         )
@@ -93,6 +102,29 @@ def seconds_per_call(run: Run, repeats: int, window_s: float) -> list[float]:
             if elapsed >= window_s:
                 break
         out.append(elapsed / calls)
+    return out
+
+
+def seconds_per_step(run: Run, repeats: int, idle_ratio: float = IDLE_RATIO) -> list[float]:
+    """Warm up twice, then time `repeats` x STEPS single calls, each after an idle gap of about
+    `idle_ratio` times the previous call: seconds per call, the median of each repetition.
+    The gaps vary by +-50% (seeded): a fixed gap can lock onto a CFS quota's period and measure
+    the same phase every time, where a ring's stages start at every phase."""
+    jitter = random.Random(0)
+    run()
+    last = time.perf_counter()
+    run()
+    last = time.perf_counter() - last
+    out = []
+    for _ in range(repeats):
+        calls = []
+        for _ in range(STEPS):
+            time.sleep(idle_ratio * last * jitter.uniform(0.5, 1.5))
+            start = time.perf_counter()
+            run()
+            last = time.perf_counter() - start
+            calls.append(last)
+        out.append(sorted(calls)[len(calls) // 2])
     return out
 
 
@@ -131,12 +163,16 @@ def probe(
     overhead = Figure.of(seconds_per_call(ops.make_dispatch(), repeats, window), "s")
     mm, flop = ops.make_matmul(512 if be.device == "cpu" else 4096)
     flops = Figure.of(rates(seconds_per_call(mm, repeats, window), flop), "FLOP/s")
-    block = block_bytes = block_dispatch = None
+    block = block_bytes = block_dispatch = head = None
     if model is not None:
-        run, block_bytes = ops.make_block(model, position, system.llc_bytes() or 0)
-        block = Figure.of(seconds_per_call(run, repeats, window), "s")
-        dispatch = ops.make_block_dispatch(model, position)
-        block_dispatch = Figure.of(seconds_per_call(dispatch, repeats, window), "s")
+        run, block_bytes, n = ops.make_block(model, position, system.llc_bytes() or 0)
+        block = Figure.of([s / n for s in seconds_per_step(run, repeats)], "s")
+        del run
+        head_run, _ = ops.make_head(model)
+        head = Figure.of(seconds_per_step(head_run, repeats), "s")
+        del head_run
+        dispatch, dn = ops.make_block_dispatch(model, position)
+        block_dispatch = Figure.of([s / dn for s in seconds_per_call(dispatch, repeats, window)], "s")
     report = ProbeReport(
         backend=str(be),
         threads=threads,
@@ -151,6 +187,7 @@ def probe(
         block_model=model_name if model is not None else None,
         block_bytes=block_bytes,
         wall_s=time.perf_counter() - t0,
+        head=head,
     )
     log.info(
         "probed",
@@ -160,6 +197,7 @@ def probe(
         tflops=round(flops.median / 1e12, 4),
         block_ms=round(block.median * 1e3, 3) if block else None,
         block_dispatch_ms=round(block_dispatch.median * 1e3, 3) if block_dispatch else None,
+        head_ms=round(head.median * 1e3, 3) if head else None,
         memory_gb=round(memory / 1e9, 2),
         cpu_quota=quota,
         wall_s=round(report.wall_s, 2),

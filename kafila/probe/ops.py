@@ -125,41 +125,46 @@ class Ops:
         a, b = self._random((n, n), 1.0), self._random((n, n), 1.0)
         return (lambda: self._done(a @ b)), 2.0 * n**3
 
-    def make_block(self, config: ModelConfig, position: int, llc_bytes: int = 0) -> tuple[Run, int]:
-        """One decode step (one token) through one transformer block with this model's shapes and
-        random weights, using the engine's own model code. Returns (run, weight bytes of a block).
+    def make_block(self, config: ModelConfig, position: int, llc_bytes: int = 0) -> tuple[Run, int, int]:
+        """A stage's decode step (one token) through `n` distinct transformer blocks with this
+        model's shapes and random weights, in one call of the engine's own model code, as a ring
+        member runs its stage. Returns (run, weight bytes of one block, n).
 
-        A real decode streams many different blocks, so when one block would stay in the last-level
-        cache between calls, enough copies (each with its own weights and KV cache) to fill four
-        times the cache are made and called in turn."""
+        A real decode streams every block from memory, so `n` is large enough that the blocks fill
+        four times the last-level cache (at least 2, at most 32): no call finds its weights cached."""
         specs = [s for s in specs_from_config(config, "F32") if block_index(s.name) == 0]
         nbytes = sum(s.numel for s in specs) * self.element_size()
-        copies = min(32, max(1, -(-4 * llc_bytes // nbytes)))
+        n = min(32, max(2, -(-4 * llc_bytes // nbytes)))
         cls = self.backend.model_class(config.model_type)
-        x = self._random((1, config.hidden_size), 1.0)
+        weights = {}
+        for s in specs_from_config(replace(config, num_hidden_layers=n), "F32"):
+            if block_index(s.name) is not None:
+                weights[s.name] = self._random(s.shape, 0.02)
+        model = cls(config, weights, range(0, n), False, context=position + 1, **self.backend.model_kwargs())
+        cache = model.new_cache(1)
+        x = self._random((1, config.hidden_size), 1.0)  # [1, H]
         span = [Span(slot=0, start=position, length=1)]
-        models = []
-        for _ in range(copies):
-            weights = {s.name: self._random(s.shape, 0.02) for s in specs}
-            model = cls(
-                config, weights, range(0, 1), False, context=position + 1, **self.backend.model_kwargs()
-            )
-            models.append((model, model.new_cache(1)))
-        turn = [0]
+        return (lambda: self._done(model.forward(x, span, cache))), nbytes, n
 
-        def run() -> object:
-            model, cache = models[turn[0] % copies]
-            turn[0] += 1
-            return self._done(model.forward(x, span, cache))
+    def make_head(self, config: ModelConfig) -> tuple[Run, int]:
+        """The head's share of a decode step: final norm and unembedding of one row ([1, H] ->
+        logits [1, V]) with this model's vocabulary, random weights, the engine's own code.
+        Returns (run, bytes the unembedding reads)."""
+        specs = [s for s in specs_from_config(config, "F32") if block_index(s.name) is None]
+        weights = {s.name: self._random(s.shape, 0.02) for s in specs}
+        cls = self.backend.model_class(config.model_type)
+        model = cls(config, weights, range(0, 0), True, context=1, **self.backend.model_kwargs())
+        x = self._random((1, config.hidden_size), 1.0)  # [1, H]
+        nbytes = config.vocab_size * config.hidden_size * self.element_size()
+        return (lambda: self._done(model.logits(x))), nbytes
 
-        return run, nbytes
-
-    def make_block_dispatch(self, config: ModelConfig, position: int) -> Run:
+    def make_block_dispatch(self, config: ModelConfig, position: int) -> tuple[Run, int]:
         """One decode step through one block of this model's architecture at tiny shapes (hidden
         width 64, one KV head of width 16, the model's query/KV head ratio), run by the engine's own
         model code: the same op chain as a real block, reading a few KB, so its time is what the
-        chain costs to dispatch, which bytes / bandwidth does not see."""
-        return self.make_block(tiny_shapes(config), position)[0]
+        chain costs to dispatch, which bytes / bandwidth does not see. Returns (run, blocks per call)."""
+        run, _, n = self.make_block(tiny_shapes(config), position)
+        return run, n
 
     def memory_available(self) -> int | None:
         """Device memory free for weights (CUDA free memory; MLX's recommended working set); None

@@ -61,6 +61,19 @@ def test_block_dispatch_adds_to_the_bandwidth_per_block_cost_and_the_block_probe
     assert a.cost_s == pytest.approx(a.n_blocks * 0.001 + (w.head_read_bytes / 100e9 if a.head else 0))
 
 
+def test_probed_head_time_replaces_the_head_read_over_bandwidth():
+    w = Workload.of(QWEN8, 4096, 1)
+    fleet = [gpu("a", 40, 100, block_s=0.001, head_s=0.002), gpu("b", 40, 100, block_s=0.001, head_s=0.05)]
+    p = plan(fleet, QWEN8, context=4096)
+    assert p.head == "a"  # b's head would cost 50 ms, a's 2 ms
+    a = next(s for s in p.stages if s.name == "a")
+    assert a.cost_s == pytest.approx(a.n_blocks * 0.001 + 0.002)
+    off = plan(fleet, QWEN8, context=4096, use_block_probe=False)
+    h = next(s for s in off.stages if s.head)
+    assert h.cost_s == pytest.approx(h.n_blocks * w.block_read_bytes / 100e9 + w.head_read_bytes / 100e9)
+    assert DeviceReport.from_json(fleet[1].to_json()) == fleet[1]
+
+
 def test_throughput_tier_when_a_bandwidth_is_missing_keeps_the_head_with_the_opener():
     fleet = [gpu("opener", 40, None, flops=1e12), gpu("big", 40, 900, flops=9e12)]
     p = plan(fleet, QWEN8, context=4096)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import time
 
 import pytest
 
@@ -45,20 +47,46 @@ def test_torch_probe_is_sane_and_quick():
     assert r.backend == "torch/cpu/fp32" and r.wall_s < 10.0
     assert r.block is not None and 1e-6 < r.block.median < 0.5
     assert r.block_dispatch is not None and 1e-6 < r.block_dispatch.median < 0.5
+    assert r.head is not None and 1e-6 < r.head.median < 0.5
     assert r.threads == usable_cpus()  # the count the engine should run with
     assert r.block_bytes == 4 * (256 * (256 + 2 * 128) + 256 * 256 + 3 * 256 * 512 + 2 * 256 + 2 * 64)
 
 
-def test_block_probe_cycles_copies_beyond_the_last_level_cache():
+def test_block_probe_runs_a_stage_of_blocks_that_outgrows_the_last_level_cache():
     from kafila.engine.backend import resolve
     from kafila.probe.ops import Ops
 
     ops = Ops(resolve("torch", "fp32"))
-    run, nbytes = ops.make_block(TINY_QWEN3, 8, llc_bytes=10 * 2**20)
-    copies = -(-4 * 10 * 2**20 // nbytes)
-    assert 1 < copies <= 32
-    for _ in range(copies + 1):
-        run()
+    run, nbytes, n = ops.make_block(TINY_QWEN3, 8, llc_bytes=10 * 2**20)
+    assert n == -(-4 * 10 * 2**20 // nbytes) and 1 < n <= 32  # n distinct blocks, one call
+    out = run()
+    assert tuple(out.shape) == (1, TINY_QWEN3.hidden_size)
+    assert ops.make_block(TINY_QWEN3, 8, llc_bytes=0)[2] == 2  # at least two blocks per stage
+
+
+def test_head_probe_unembeds_one_row_of_the_model_vocabulary():
+    from kafila.engine.backend import resolve
+    from kafila.probe.ops import Ops
+
+    run, nbytes = Ops(resolve("torch", "fp32")).make_head(TINY_QWEN3)
+    assert nbytes == 4 * TINY_QWEN3.vocab_size * TINY_QWEN3.hidden_size
+    assert tuple(run().shape) == (1, TINY_QWEN3.vocab_size)
+
+
+def test_stage_shaped_timing_idles_between_calls_as_a_ring_of_three_does():
+    from kafila.probe.measure import STEPS, seconds_per_step
+
+    calls: list[float] = []
+
+    def run() -> None:
+        calls.append(time.perf_counter())
+        time.sleep(0.002)
+
+    out = seconds_per_step(run, repeats=2, idle_ratio=2.0)
+    assert len(out) == 2 and len(calls) == 2 + 2 * STEPS
+    assert all(0.0015 < s < 0.05 for s in out)
+    gaps = [b - a for a, b in itertools.pairwise(calls[1:])]
+    assert min(gaps) > 0.002 * 1.9  # the call itself plus at least its length idle (2x, -50%)
 
 
 def test_block_dispatch_runs_the_same_architecture_at_tiny_shapes():
@@ -73,7 +101,8 @@ def test_block_dispatch_runs_the_same_architecture_at_tiny_shapes():
     )
     assert tiny.num_attention_heads // tiny.num_key_value_heads == 2  # the model's GQA ratio
     assert tiny.hidden_size < TINY_QWEN3.hidden_size
-    run = Ops(resolve("torch", "fp32")).make_block_dispatch(TINY_QWEN3, 8)
+    run, n = Ops(resolve("torch", "fp32")).make_block_dispatch(TINY_QWEN3, 8)
+    assert n == 2
     run()
 
 
@@ -89,7 +118,7 @@ def test_report_feeds_the_planner_and_round_trips():
     assert ProbeReport.from_dict(json.loads(r.to_json())) == r
     dev = r.device_report("here", rtt_s=0.02)
     assert dev.bandwidth_bytes_s == r.bandwidth.median and dev.block_s == r.block.median
-    assert dev.block_dispatch_s == r.block_dispatch.median
+    assert dev.block_dispatch_s == r.block_dispatch.median and dev.head_s == r.head.median
     assert DeviceReport.from_json(dev.to_json()) == dev
     from kafila.models.presets import resolve_manifest
 
