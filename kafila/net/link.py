@@ -387,10 +387,13 @@ class Link:
         """The next message in order; LinkClosed when the link ends, LinkTimeout after `timeout`."""
         if self._inbox.empty():
             self._raise_if_closed()
-        try:
-            item = await asyncio.wait_for(self._inbox.get(), timeout)
-        except TimeoutError:
-            raise LinkTimeout(f"link to {self.peer_id}: no message within {timeout} s") from None
+            try:
+                async with asyncio.timeout(timeout):  # in this task: no task per message (wait_for)
+                    item = await self._inbox.get()
+            except TimeoutError:
+                raise LinkTimeout(f"link to {self.peer_id}: no message within {timeout} s") from None
+        else:
+            item = self._inbox.get_nowait()
         if item is None:
             self._inbox.put_nowait(None)  # wake any other reader too
             self._raise_if_closed()

@@ -140,7 +140,8 @@ class MemoryChannel:
 
     async def recv(self, timeout: float | None = None) -> t.Message:
         try:
-            record = await asyncio.wait_for(self._in.get(), timeout)
+            async with asyncio.timeout(timeout):
+                record = await self._in.get()
         except TimeoutError:
             raise ChannelDead(f"{self.peer}: no message within {timeout} s") from None
         if record is None:
