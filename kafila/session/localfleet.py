@@ -29,8 +29,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,13 +137,14 @@ class LocalFleet:
         if self._closed:
             return
         self._closed = True
-        procs = [m.proc for m in self.members if m.proc is not None]
-        _stop(procs, signal.SIGINT, grace_s=8.0)
-        if self._rendezvous is not None:
-            _stop([self._rendezvous], signal.SIGTERM, grace_s=5.0)
-        for m in self.members:
-            if m.cgroup is not None:
-                _remove_cgroup(m.cgroup)
+        with _sigint_ignored():  # a second Ctrl-C must not leave the rendezvous or a cgroup behind
+            procs = [m.proc for m in self.members if m.proc is not None]
+            _stop(procs, signal.SIGINT, grace_s=8.0)
+            if self._rendezvous is not None:
+                _stop([self._rendezvous], signal.SIGTERM, grace_s=5.0)
+            for m in self.members:
+                if m.cgroup is not None:
+                    _remove_cgroup(m.cgroup)
         atexit.unregister(self.close)
         log.info("fleet_closed", members=len(self.members), workdir=str(self.workdir))
 
@@ -415,6 +417,20 @@ def _remove_stale_groups() -> None:
 
 
 # -- processes --------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Ignore SIGINT in this process for the duration (main thread only; elsewhere a no-op).
+    Stopping is bounded by the grace periods (SIGKILL after them), so nothing can hang here."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:

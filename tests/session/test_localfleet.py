@@ -74,3 +74,13 @@ def test_shares_required_without_root_refuse_before_starting_anything(
     with pytest.raises(FleetError, match="CPU shares NOT applied \\(not root"):
         fleet.start()
     assert fleet.members == [] and fleet._rendezvous is None
+
+
+def test_closing_ignores_a_second_ctrl_c_until_everything_is_stopped() -> None:
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    with localfleet._sigint_ignored():
+        os.kill(os.getpid(), signal.SIGINT)  # would raise KeyboardInterrupt with the default handler
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    assert signal.getsignal(signal.SIGINT) is before
