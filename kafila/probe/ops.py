@@ -131,10 +131,10 @@ class Ops:
         member runs its stage. Returns (run, weight bytes of one block, n).
 
         A real decode streams every block from memory, so `n` is large enough that the blocks fill
-        four times the last-level cache (at least 2, at most 32): no call finds its weights cached."""
+        twice the last-level cache (at least 2, at most 32): no call finds its weights cached."""
         specs = [s for s in specs_from_config(config, "F32") if block_index(s.name) == 0]
         nbytes = sum(s.numel for s in specs) * self.element_size()
-        n = min(32, max(2, -(-4 * llc_bytes // nbytes)))
+        n = min(32, max(2, -(-2 * llc_bytes // nbytes)))
         cls = self.backend.model_class(config.model_type)
         weights = {}
         for s in specs_from_config(replace(config, num_hidden_layers=n), "F32"):

@@ -58,7 +58,7 @@ def test_block_probe_runs_a_stage_of_blocks_that_outgrows_the_last_level_cache()
 
     ops = Ops(resolve("torch", "fp32"))
     run, nbytes, n = ops.make_block(TINY_QWEN3, 8, llc_bytes=10 * 2**20)
-    assert n == -(-4 * 10 * 2**20 // nbytes) and 1 < n <= 32  # n distinct blocks, one call
+    assert n == -(-2 * 10 * 2**20 // nbytes) and 1 < n <= 32  # n distinct blocks, one call
     out = run()
     assert tuple(out.shape) == (1, TINY_QWEN3.hidden_size)
     assert ops.make_block(TINY_QWEN3, 8, llc_bytes=0)[2] == 2  # at least two blocks per stage
