@@ -1,4 +1,5 @@
-"""Helpers for loopback link tests: two endpoints on 127.0.0.1 and a linked pair."""
+"""Helpers for loopback link tests: two endpoints on 127.0.0.1, a linked pair, and a real rendezvous
+on loopback (`rdv`, also used by tests/session)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from kafila.net.auth import EdgeContext
 from kafila.net.certs import make_identity
 from kafila.net.endpoint import UdpEndpoint
 from kafila.net.link import Link, LinkConfig
+from kafila.rendezvous.server import RendezvousServer
+from tests.net.harness import start_rendezvous
 
 
 async def direct_pair(
@@ -37,3 +40,11 @@ async def linked() -> AsyncIterator[tuple[Link, Link]]:
     await server.close()
     a.close()
     b.close()
+
+
+@pytest.fixture
+async def rdv() -> AsyncIterator[RendezvousServer]:
+    """A real rendezvous on loopback (signaling, UDP probes, relay), stopped after the test."""
+    server = await start_rendezvous()
+    yield server
+    await server.stop()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -23,13 +22,6 @@ def _sock() -> socket.socket:
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.bind(("127.0.0.1", 0))
     return s
-
-
-@pytest.fixture
-async def rdv() -> AsyncIterator[RendezvousServer]:
-    server = await start_rendezvous()
-    yield server
-    await server.stop()
 
 
 async def _link(rdv: RendezvousServer, opts: EdgeOptions):

@@ -4,14 +4,10 @@ loopback, and tiny random chat models carrying the real SmolLM2 tokenizer and ch
 from __future__ import annotations
 
 import shutil
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import pytest_asyncio
-
-from kafila.rendezvous.server import RendezvousServer
 from tests.natlab.conftest import natlab
-from tests.net.harness import start_rendezvous
+from tests.net.conftest import rdv
 from tests.tiny_models import make_tiny
 
 __all__ = ["make_tiny_chat", "natlab", "rdv"]
@@ -33,11 +29,3 @@ def make_tiny_chat(folder: Path, smollm2_path: Path, blocks: int) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(smollm2_path / name, folder / name)
     return folder
-
-
-@pytest_asyncio.fixture
-async def rdv() -> AsyncIterator[RendezvousServer]:
-    """A real rendezvous on loopback (signaling, UDP probes, relay), stopped after the test."""
-    server = await start_rendezvous()
-    yield server
-    await server.stop()
