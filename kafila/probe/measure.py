@@ -12,8 +12,8 @@ Figures (each a median and spread over repetitions):
 Block and head are timed as a ring runs them: each call follows an idle gap twice its own length
 (the other stages of a ring of three computing), so caches, thread wake-ups and a CFS quota's
 refill behave as they will in the session.
-Each repetition loops its workload for a minimum window; under a cgroup CPU quota the window spans
-several CFS periods, so the figure is the share the process actually gets, not a burst.
+The other figures loop their workload for a minimum window per repetition; under a cgroup CPU
+quota the window spans several CFS periods, so the figure is the share the process actually gets.
 """
 
 from __future__ import annotations

@@ -41,9 +41,14 @@ def kernels_available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
+def _kernels_take(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the CPU kernels (few_rows, decode_cpu) take this dtype on this device: fp32 or bf16
+    on the CPU, with numba installed."""
+    return dtype in (torch.float32, torch.bfloat16) and device.type == "cpu" and kernels_available()
+
+
 def _kernel_dtype(t: Tensor) -> bool:
-    """Whether the CPU kernels (few_rows, decode_cpu) take this tensor: fp32 or bf16 on the CPU."""
-    return t.dtype in (torch.float32, torch.bfloat16) and t.device.type == "cpu" and kernels_available()
+    return _kernels_take(t.dtype, t.device)
 
 
 @dataclass
@@ -144,8 +149,7 @@ class LlamaModel:
         self.sin = torch.from_numpy(sin).to(self.device, dtype)  # [context, d], sign folded in
         self._rope32 = (cos, sin)  # float32 numpy, for decode_cpu
         # decode steps in fp32 and bf16 on the CPU run each block as one compiled call (decode_cpu)
-        cpu_kernels = dtype in (torch.float32, torch.bfloat16) and self.device.type == "cpu"
-        self.fused_decode = cpu_kernels and kernels_available()
+        self.fused_decode = _kernels_take(dtype, self.device)
         self._arrays = [b.arrays() for b in self.blocks] if self.fused_decode else []
         if self.fused_decode:
             from kafila.models.torch import decode_cpu  # numba loads only where its kernels run
