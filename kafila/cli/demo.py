@@ -12,8 +12,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shares",
         default="1,0.5,0.25",
-        help="CPU share of one core for each member, comma-separated (cgroup v1 cpu, root only); "
-        "its length is the number of members (default 1,0.5,0.25)",
+        help="CPU share of one core for each member, comma-separated; its length is the number of "
+        "members (default 1,0.5,0.25)",
+    )
+    parser.add_argument(
+        "--slow-by",
+        default="pace",
+        choices=["pace", "quota"],
+        help="how a share slows its member: pace (default) pins it to one CPU and stretches each "
+        "computation to CPU time / share (--emulate-speed); quota uses a cgroup v1 cpu quota (root)",
     )
     parser.add_argument(
         "--division", default="kafila", choices=["kafila", "uniform", "memory"], help="division"
@@ -38,13 +45,16 @@ def main(args: argparse.Namespace) -> int:
     from kafila.session.localfleet import LocalFleet
 
     shares = tuple(float(s) for s in args.shares.split(","))
-    fleet = LocalFleet(shares, args.model, args.division, context=512, workdir=Path(args.workdir))
+    fleet = LocalFleet(
+        shares, args.model, args.division, context=512, workdir=Path(args.workdir), slow_by=args.slow_by
+    )
     try:
         print(f"starting a rendezvous and {len(shares)} members (probe, plan, links, weight fetch) ...")
         fleet.start()
         print(fleet.describe())
         if fleet.shares_applied:
-            print(f"members limited to {', '.join(f'{s:.0%}' for s in shares)} of one CPU (cgroup v1 cpu)")
+            how = "emulated pace, one CPU each" if args.slow_by == "pace" else "cgroup v1 cpu quota"
+            print(f"members limited to {', '.join(f'{s:.0%}' for s in shares)} of one CPU ({how})")
         doc = fleet.session()
         print(f"\nring {' -> '.join(doc['ring'])} (head {doc['head']}), division {doc['division']}")
         print("predicted, this division next to uniform and memory-proportional:")

@@ -39,6 +39,25 @@ def add_member_flags(parser: argparse.ArgumentParser) -> None:
         default=5.0,
         help="seconds of silence after which a neighbour counts as gone (default 5)",
     )
+    parser.add_argument(
+        "--emulate-speed",
+        type=_speed,
+        default=1.0,
+        metavar="S",
+        help="emulate a device S times as fast as this one (0 < S <= 1): every computation of the "
+        "model, in the probe and in the ring, is followed by idle time so it takes 1/S as long. "
+        "For fleets of several members on one machine (benchmarks, demo); default 1 (off)",
+    )
+
+
+def _speed(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -82,6 +101,7 @@ def options(args: argparse.Namespace) -> object:
         memory_bytes=int(args.memory_gb * 1e9) if args.memory_gb is not None else None,
         trace=Path(args.trace) if args.trace else None,
         dead_after=args.dead_after,
+        emulate_speed=args.emulate_speed,
     )
     for key in ("model", "members", "context", "concurrency", "division", "chunk"):
         if hasattr(args, key):

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from kafila.engine.backend import Backend, resolve
+from kafila.engine.pace import FULL_SPEED, Pace
 from kafila.models.manifest import LM_HEAD, block_index
 from kafila.models.span import Span
 from kafila.obs.log import get_logger
@@ -97,8 +98,10 @@ class Stage:
         context: int,
         concurrency: int,
         bytes_loaded: int = 0,
+        pace: Pace = FULL_SPEED,
     ) -> None:
         self.model, self.backend, self.blocks, self.head = model, backend, blocks, head
+        self.pace = pace  # an emulated slower device: the shell idles after each computation
         self.context, self.concurrency, self.bytes_loaded = context, concurrency, bytes_loaded
         self.cache = model.new_cache(concurrency)
         self._slots: dict[RequestId, int] = {}
@@ -115,6 +118,7 @@ class Stage:
         dtype: str = "auto",
         context: int = 2048,
         concurrency: int = 1,
+        pace: Pace = FULL_SPEED,
     ) -> Stage:
         """Read exactly blocks [a, b) (and the head's tensors) from a kafila Checkpoint."""
         be = resolve(backend, dtype) if isinstance(backend, str) else backend
@@ -129,7 +133,7 @@ class Stage:
             raise StageError(
                 f"checkpoint tensors not used by the {ckpt.config.model_type} model: {sorted(unread)[:3]}"
             )
-        stage = cls(model, be, blocks, head, context, concurrency, weights.bytes_read)
+        stage = cls(model, be, blocks, head, context, concurrency, weights.bytes_read, pace)
         log.info(
             "stage_loaded",
             blocks=f"[{blocks.start}, {blocks.stop})",

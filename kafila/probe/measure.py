@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kafila.engine.pace import FULL_SPEED, Pace
 from kafila.models.config import ModelConfig
 from kafila.obs.log import get_logger
 from kafila.planner.devices import DeviceReport
@@ -57,6 +58,7 @@ class ProbeReport:
     block_bytes: int | None = None
     wall_s: float = 0.0
     head: Figure | None = None  # s per decode step for the final norm and unembedding of one row
+    emulated_speed: float = 1.0  # < 1: measured under an emulated pace (kafila.engine.pace)
 
     def device_report(
         self, name: str, nat: Nat | None = None, rtt_s: float | None = None, use_block: bool = True
@@ -89,23 +91,25 @@ class ProbeReport:
         return json.dumps(self.to_dict())
 
 
-def seconds_per_call(run: Run, repeats: int, window_s: float) -> list[float]:
-    """Warm up once, then per repetition loop `run` for at least `window_s`: seconds per call."""
+def seconds_per_call(run: Run, repeats: int, window_s: float, pace: Pace = FULL_SPEED) -> list[float]:
+    """Warm up once, then per repetition loop `run` for at least `window_s`: seconds per call
+    (an emulated pace idles once after each repetition's loop)."""
     run()
     out = []
     for _ in range(repeats):
-        calls, start = 0, time.perf_counter()
+        calls, began = 0, pace.mark()
         while True:
             run()
             calls += 1
-            elapsed = time.perf_counter() - start
-            if elapsed >= window_s:
+            if time.perf_counter() - began.wall >= window_s:
                 break
-        out.append(elapsed / calls)
+        out.append(pace.finish(began) / calls)
     return out
 
 
-def seconds_per_step(run: Run, repeats: int, idle_ratio: float = IDLE_RATIO) -> list[float]:
+def seconds_per_step(
+    run: Run, repeats: int, idle_ratio: float = IDLE_RATIO, pace: Pace = FULL_SPEED
+) -> list[float]:
     """Warm up twice, then time `repeats` x STEPS single calls, each after an idle gap of about
     `idle_ratio` times the previous call: seconds per call, the median of each repetition.
     The gaps vary by +-50% (seeded): a fixed gap can lock onto a CFS quota's period and measure
@@ -120,9 +124,9 @@ def seconds_per_step(run: Run, repeats: int, idle_ratio: float = IDLE_RATIO) -> 
         calls = []
         for _ in range(STEPS):
             time.sleep(idle_ratio * last * jitter.uniform(0.5, 1.5))
-            start = time.perf_counter()
+            began = pace.mark()
             run()
-            last = time.perf_counter() - start
+            last = pace.finish(began)
             calls.append(last)
         out.append(sorted(calls)[len(calls) // 2])
     return out
@@ -142,9 +146,11 @@ def probe(
     model_name: str | None = None,
     position: int = 256,
     stream_bytes: int | None = None,
+    pace: Pace = FULL_SPEED,
 ) -> ProbeReport:
     """Measure this device. `stream_bytes` overrides the bandwidth buffer (default: 8x the LLC,
-    at least 256 MiB on a CPU, 1 GiB on a GPU)."""
+    at least 256 MiB on a CPU, 1 GiB on a GPU). `pace` emulates a slower device: every timed
+    workload idles after it as the member's stage steps will (kafila.engine.pace)."""
     from kafila.engine.backend import resolve
 
     be = resolve(backend, dtype)
@@ -157,22 +163,22 @@ def probe(
     memory = _memory(ops)
     buf = ops.make_buffer(stream_bytes or _stream_bytes(ops, memory))
     nbytes = ops.nbytes(buf)
-    bandwidth = Figure.of(rates(seconds_per_call(ops.make_stream(buf), repeats, window), nbytes), "B/s")
-    matvec_bw = Figure.of(rates(seconds_per_call(ops.make_matvec(buf), repeats, window), nbytes), "B/s")
+    bandwidth = Figure.of(rates(seconds_per_call(ops.make_stream(buf), repeats, window, pace), nbytes), "B/s")
+    matvec_bw = Figure.of(rates(seconds_per_call(ops.make_matvec(buf), repeats, window, pace), nbytes), "B/s")
     del buf
-    overhead = Figure.of(seconds_per_call(ops.make_dispatch(), repeats, window), "s")
+    overhead = Figure.of(seconds_per_call(ops.make_dispatch(), repeats, window, pace), "s")
     mm, flop = ops.make_matmul(512 if be.device == "cpu" else 4096)
-    flops = Figure.of(rates(seconds_per_call(mm, repeats, window), flop), "FLOP/s")
+    flops = Figure.of(rates(seconds_per_call(mm, repeats, window, pace), flop), "FLOP/s")
     block = block_bytes = block_dispatch = head = None
     if model is not None:
         run, block_bytes, n = ops.make_block(model, position, system.llc_bytes() or 0)
-        block = Figure.of([s / n for s in seconds_per_step(run, repeats)], "s")
+        block = Figure.of([s / n for s in seconds_per_step(run, repeats, pace=pace)], "s")
         del run
         head_run, _ = ops.make_head(model)
-        head = Figure.of(seconds_per_step(head_run, repeats), "s")
+        head = Figure.of(seconds_per_step(head_run, repeats, pace=pace), "s")
         del head_run
         dispatch, dn = ops.make_block_dispatch(model, position)
-        block_dispatch = Figure.of([s / dn for s in seconds_per_call(dispatch, repeats, window)], "s")
+        block_dispatch = Figure.of([s / dn for s in seconds_per_call(dispatch, repeats, window, pace)], "s")
     report = ProbeReport(
         backend=str(be),
         threads=threads,
@@ -188,6 +194,7 @@ def probe(
         block_bytes=block_bytes,
         wall_s=time.perf_counter() - t0,
         head=head,
+        emulated_speed=pace.speed,
     )
     log.info(
         "probed",
@@ -200,6 +207,7 @@ def probe(
         head_ms=round(head.median * 1e3, 3) if head else None,
         memory_gb=round(memory / 1e9, 2),
         cpu_quota=quota,
+        emulated_speed=pace.speed if pace.emulated else None,
         wall_s=round(report.wall_s, 2),
     )
     return report

@@ -8,13 +8,13 @@ hidden states cross the thread boundary only as bytes.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
 
+from kafila.engine.pace import Mark, Pace
 from kafila.engine.stage import Entry as StageEntry
 from kafila.engine.stage import Stage
 from kafila.proto import tensor as t
@@ -47,19 +47,19 @@ def head_step(
     stage: Stage, entries: Sequence[t.Entry], tokens: Sequence[Sequence[int]]
 ) -> tuple[bytes, int, int]:
     """Embed each entry's tokens and run the head's blocks: (wire bytes [N, H], rows, microseconds)."""
-    start = time.perf_counter()
+    start = Pace.mark()
     open_new(stage, entries)
     ids = [tok for toks in tokens for tok in toks]
     hidden = stage.embed(ids)  # [N, H]
     out = stage.step(hidden, [StageEntry(e.request_id, e.position, e.n_tokens) for e in entries])
     data = stage.to_bytes(out)
-    return data, len(ids), _us(start)
+    return data, len(ids), _us(stage, start)
 
 
 def stage_step(stage: Stage, frames: Sequence[t.Hidden]) -> tuple[list[bytes], int]:
     """Several frames through this stage's blocks as one batch: each frame's output bytes, microseconds.
     The frames hold distinct requests (the caller checks)."""
-    start = time.perf_counter()
+    start = Pace.mark()
     entries = [e for f in frames for e in f.entries]
     open_new(stage, entries)
     parts = [stage.from_bytes(f.data, f.shape) for f in frames]  # each [n_f, H]
@@ -70,19 +70,19 @@ def stage_step(stage: Stage, frames: Sequence[t.Hidden]) -> tuple[list[bytes], i
         rows = f.shape[0]
         datas.append(stage.to_bytes(out[at : at + rows]))
         at += rows
-    return datas, _us(start)
+    return datas, _us(stage, start)
 
 
 def head_logits(stage: Stage, frame: t.Hidden, rids: Sequence[int]) -> tuple[np.ndarray, int]:
     """The last row of each named request's rows -> logits [B, V] (float32), microseconds."""
-    start = time.perf_counter()
+    start = Pace.mark()
     hidden = stage.from_bytes(frame.data, frame.shape)  # [N, H]
     last, at = {}, 0
     for e in frame.entries:
         at += e.n_tokens
         last[e.request_id] = at - 1
     rows = hidden[[last[r] for r in rids]]  # [B, H]
-    return stage.logits(rows), _us(start)
+    return stage.logits(rows), _us(stage, start)
 
 
 def close_slots(stage: Stage, rids: Sequence[int]) -> None:
@@ -90,5 +90,6 @@ def close_slots(stage: Stage, rids: Sequence[int]) -> None:
         stage.close(rid)
 
 
-def _us(start: float) -> int:
-    return int((time.perf_counter() - start) * 1e6)
+def _us(stage: Stage, start: Mark) -> int:
+    """Microseconds since `start`, after the stage's emulated pace has idled (see engine.pace)."""
+    return int(stage.pace.finish(start) * 1e6)

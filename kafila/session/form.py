@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kafila.engine.pace import Pace
 from kafila.net.edge import EdgeOptions, LinkNode, SignalRouter, connect_edge
 from kafila.net.endpoint import UdpEndpoint
 from kafila.net.link import Link
@@ -58,6 +59,7 @@ class Options:
     cache: Path | None = None
     use_local: bool = True  # a member that holds the same checkpoint loads it instead of fetching
     dead_after: float = 5.0
+    emulate_speed: float = 1.0  # < 1: emulate a slower device (kafila.engine.pace)
     # host only
     model: str = "smollm2-135m"
     members: int = 1
@@ -210,6 +212,7 @@ def probe_report(
     """This member measured (E3's probe). With the session model's config.json the probe also
     times one decode step of one synthetic block of that model, which the planner prefers."""
     from kafila.models.config import ConfigError, ModelConfig
+    from kafila.probe import system
     from kafila.probe.measure import probe
 
     say("measuring this device (memory bandwidth, dispatch overhead, memory, one block of the model)")
@@ -217,7 +220,13 @@ def probe_report(
         model = ModelConfig.from_dict(config) if config else None
     except (ConfigError, ValueError, TypeError):
         model = None
-    report = probe(opts.backend, opts.dtype, repeats=opts.probe_repeats, model=model, model_name=opts.model)
+    pace = Pace(opts.emulate_speed)
+    pace.check_cpus(system.usable_cpus())
+    if pace.emulated:
+        say(f"{name}: emulating a slower device, {pace.speed:g} of this machine's speed (--emulate-speed)")
+    report = probe(
+        opts.backend, opts.dtype, repeats=opts.probe_repeats, model=model, model_name=opts.model, pace=pace
+    )
     nat = node.nat.nat if node.nat else None
     rtt = node.nat.rtt_median if node.nat else None
     device = report.device_report(name, nat=nat, rtt_s=rtt)

@@ -105,6 +105,10 @@ class LocalFleet:
     wait_s: float = 300.0
     stagger: bool = True  # members probe one after another
     require_shares: bool = False
+    # how shares slow a member: "pace" pins it to one CPU and runs it with --emulate-speed SHARE (a
+    # deterministic duty cycle per computation, see kafila.engine.pace; no root needed); "quota"
+    # puts it in a cgroup v1 cpu group with cfs_quota_us = SHARE x period (needs root)
+    slow_by: str = "pace"
     extra_args: Sequence[str] = ()  # more flags for every member (e.g. "--dead-after", "10")
     member_args: Sequence[Sequence[str]] | None = None  # more flags per member (e.g. "--memory-gb", "2")
     members: list[FleetMember] = field(default_factory=list, init=False)
@@ -112,6 +116,7 @@ class LocalFleet:
     code: str | None = field(default=None, init=False)
     shares_applied: bool = field(default=False, init=False)
     shares_note: str = field(default="", init=False)
+    cpus: dict[str, int] = field(default_factory=dict, init=False)  # pace: the CPU each member runs on
     _rendezvous: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _rdv_log: Path | None = field(default=None, init=False)
     _closed: bool = field(default=False, init=False)
@@ -196,6 +201,8 @@ class LocalFleet:
         rows = [f"rendezvous {self.rendezvous_url}   session code {self.code}   logs in {self.workdir}"]
         for m in self.members:
             share = f"{m.share:.2f} core" if m.share is not None else "unlimited"
+            if m.name in self.cpus:
+                share = f"{m.share:.2f} of CPU {self.cpus[m.name]}"
             applied = "" if m.share is None or self.shares_applied else " (NOT applied)"
             pid = m.proc.pid if m.proc else "-"
             rows.append(f"  {m.name:<8} {m.role:<4} cpu {share}{applied}  pid {pid}  {m.api_url}")
@@ -236,6 +243,26 @@ class LocalFleet:
         self._wait_serving(deadline)
         log.info("fleet_ready", members=len(self.members), code=self.code, shares_applied=self.shares_applied)
 
+    def _pin_cpus(self) -> None:
+        """Pace: every member with a share gets one CPU, the busiest shares first, each onto the
+        CPU whose shares sum least; a share is then that CPU's fraction the member emulates."""
+        big = [s for s in self.shares if s is not None and s > 1.0]
+        if big:
+            raise ValueError(f"with slow_by='pace' a share is a fraction of one CPU, at most 1 (got {big})")
+        names = list(self.names or DEFAULT_NAMES[: len(self.shares)])
+        load = dict.fromkeys(sorted(os.sched_getaffinity(0)), 0.0)
+        for name, share in sorted(zip(names, self.shares, strict=True), key=lambda x: -(x[1] or 0.0)):
+            if share is not None:
+                cpu = min(load, key=lambda c: (load[c], c))
+                load[cpu] += share
+                self.cpus[name] = cpu
+        self.shares_applied = True
+        pinned = ", ".join(f"{n} on CPU {c}" for n, c in self.cpus.items())
+        self.shares_note = (
+            f"CPU shares emulated: each member pinned to one CPU ({pinned}) idles after every "
+            "computation of its model so it runs at its share of that CPU's speed (--emulate-speed)"
+        )
+
     def _warm_kernels(self) -> None:
         """Compile the CPU decode kernels once (or load numba's disk cache) before the members
         start, so that they load them instead of all compiling at once on the same cores."""
@@ -256,6 +283,11 @@ class LocalFleet:
         bad = [s for s in self.shares if s is not None and s <= 0]
         if bad:
             raise ValueError(f"CPU shares must be positive (got {bad})")
+        if self.slow_by == "pace":
+            self._pin_cpus()
+            return
+        if self.slow_by != "quota":
+            raise ValueError(f"slow_by must be 'pace' or 'quota', got {self.slow_by!r}")
         why = cgroup_unavailable()
         if why is None:
             self.shares_applied = True
@@ -318,7 +350,10 @@ class LocalFleet:
             assert self.code is not None
             cmd = ["join", self.code]
         argv = [sys.executable, "-m", "kafila", *cmd, *common]
-        if m.share is not None and self.shares_applied:
+        if m.name in self.cpus:
+            assert m.share is not None
+            argv = ["taskset", "-c", str(self.cpus[m.name]), *argv, "--emulate-speed", f"{m.share:g}"]
+        elif m.share is not None and self.shares_applied:
             m.cgroup = make_cgroup(f"{GROUP_PREFIX}{os.getpid()}-{self._serial}-{m.name}", m.share)
             argv = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(m.cgroup), *argv]
         m.proc = _spawn(argv, m.log_path)

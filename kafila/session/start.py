@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kafila.engine.pace import Pace
 from kafila.models.checkpoint import Checkpoint
 from kafila.net.link import Link
 from kafila.net.signaling import SignalingClient
@@ -231,7 +232,15 @@ async def _start_ring(
     index, order = plan.order.index(name), list(plan.order)
     head = plan.head == name
     stage = await asyncio.to_thread(
-        Stage.load, ckpt, range(a, b), head, opts.backend, opts.dtype, plan.context, plan.concurrency
+        Stage.load,
+        ckpt,
+        range(a, b),
+        head,
+        opts.backend,
+        opts.dtype,
+        plan.context,
+        plan.concurrency,
+        Pace(opts.emulate_speed),
     )
     nxt_name, prv_name = order[(index + 1) % len(order)], order[index - 1]
     edges = {f"{e.src}->{e.dst}": ("direct" if e.direct else "relay") for e in plan.edges}

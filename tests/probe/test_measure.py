@@ -89,6 +89,22 @@ def test_stage_shaped_timing_idles_between_calls_as_a_ring_of_three_does():
     assert min(gaps) > 0.002 * 1.9  # the call itself plus at least its length idle (2x, -50%)
 
 
+def test_an_emulated_pace_stretches_every_probed_call_by_its_cpu_time():
+    from kafila.engine.pace import Pace
+    from kafila.probe.measure import seconds_per_call, seconds_per_step
+
+    def run() -> None:  # 2 ms of CPU
+        end = time.process_time() + 0.002
+        while time.process_time() < end:
+            pass
+
+    half = Pace(0.5)
+    stepped = seconds_per_step(run, repeats=1, idle_ratio=0.5, pace=half)
+    looped = seconds_per_call(run, repeats=2, window_s=0.02, pace=half)
+    assert 0.0038 < stepped[0] < 0.006
+    assert all(0.0038 < s < 0.006 for s in looped)
+
+
 def test_block_dispatch_runs_the_same_architecture_at_tiny_shapes():
     from kafila.engine.backend import resolve
     from kafila.probe.ops import Ops, tiny_shapes

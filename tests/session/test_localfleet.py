@@ -1,5 +1,6 @@
 """The local fleet: a real `kafila rendezvous`, `kafila host` and `kafila join` processes on this
-machine, members inside cgroup v1 cpu groups; startup failures and shutdown leave nothing behind."""
+machine, members slowed by an emulated pace on one pinned CPU each or inside cgroup v1 cpu groups;
+startup failures and shutdown leave nothing behind."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ needs_cgroups = pytest.mark.skipif(
 @pytest.mark.network
 @needs_cgroups
 def test_two_member_fleet_with_cpu_shares_serves_and_cleans_up(smollm2_path: Path, tmp_path: Path) -> None:
-    fleet = LocalFleet([1.0, 0.5], context=256, workdir=tmp_path, wait_s=240)
+    fleet = LocalFleet([1.0, 0.5], context=256, workdir=tmp_path, wait_s=240, slow_by="quota")
     with fleet:
         assert fleet.shares_applied and "1.50 of" in fleet.shares_note
         for m, share in zip(fleet.members, (1.0, 0.5), strict=True):
@@ -51,6 +52,37 @@ def test_two_member_fleet_with_cpu_shares_serves_and_cleans_up(smollm2_path: Pat
     assert not list(CGROUP_CPU.glob(f"{localfleet.GROUP_PREFIX}{os.getpid()}-*"))
 
 
+@pytest.mark.slow
+@pytest.mark.network
+def test_paced_fleet_pins_each_member_to_one_cpu_and_emulates_its_share(
+    smollm2_path: Path, tmp_path: Path
+) -> None:
+    fleet = LocalFleet([1.0, 0.25], context=256, workdir=tmp_path, wait_s=240)
+    with fleet:
+        assert fleet.shares_applied and "emulated" in fleet.shares_note
+        for m in fleet.members:
+            assert m.proc is not None and m.cgroup is None
+            assert os.sched_getaffinity(m.proc.pid) == {fleet.cpus[m.name]}
+        assert "emulating a slower device, 0.25 of this machine's speed" in fleet.members[1].log_text()
+        body = {"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 4}
+        r = httpx.post(f"{fleet.url(fleet.not_head())}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["text"]
+        blocks = fleet.plan["blocks"]  # blocks per member
+        assert blocks["beta"] < blocks["alpha"]  # the probe saw the quarter-speed member as slower
+    assert all(m.proc is not None and m.proc.poll() is not None for m in fleet.members)
+
+
+def test_pace_puts_the_largest_shares_on_the_least_loaded_cpus(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(localfleet.os, "sched_getaffinity", lambda pid: {0, 1})  # simulated 2-CPU machine
+    fleet = LocalFleet([0.25, 1.0, 0.5, None], workdir=tmp_path)
+    fleet._check_shares()
+    assert fleet.cpus == {"beta": 0, "gamma": 1, "alpha": 1}  # delta (no share) is not pinned
+    with pytest.raises(ValueError, match=r"at most 1 \(got \[1.5\]\)"):
+        LocalFleet([1.5, 0.5], workdir=tmp_path)._check_shares()
+
+
 @pytest.mark.network
 def test_a_member_that_cannot_start_is_named_and_everything_stops(tmp_path: Path) -> None:
     fleet = LocalFleet([None, None], model="no-such-model", workdir=tmp_path, wait_s=60)
@@ -71,7 +103,7 @@ def test_shares_required_without_root_refuse_before_starting_anything(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setattr(localfleet.os, "geteuid", lambda: 1000)  # simulated non-root user
-    fleet = LocalFleet([1.0, 0.25], workdir=tmp_path, require_shares=True)
+    fleet = LocalFleet([1.0, 0.25], workdir=tmp_path, require_shares=True, slow_by="quota")
     with pytest.raises(FleetError, match="CPU shares NOT applied \\(not root"):
         fleet.start()
     assert fleet.members == [] and fleet._rendezvous is None
