@@ -6,11 +6,13 @@ chunk k+1 can run at the head while chunk k runs further along the ring; links k
 then alternates: one decode step goes around the ring, comes back, is sampled, and the next step
 becomes ready. Every request has at most one decode step in flight.
 
-Decode steps that are ready at the same moment leave in groups of at most ceil(active / stages)
-requests. One group of every request would travel the ring as a convoy, leaving all stages but
-one idle; one group per request would read every stage's weights once per request. Groups of that
-size give each stage of the ring a group to work on (pipelining) while each group shares its
-weight reads (batching): with four users on three stages, groups of two.
+Decode steps that are ready at the same moment leave in groups. One group of every request would
+travel the ring as a convoy, leaving all stages but one idle; one group per request reads every
+stage's weights once per request. The schedule keeps `lanes` groups in the ring: one per stage and
+one more, for the group that is on a link or at the head's sampler while the others compute (a
+ring of one member has nothing to overlap: one lane). Groups are as large as they can be while
+there are at least that many (batching, which shares each stage's weight reads): four users on
+three stages leave as four groups of one, eight as four groups of two.
 
 No clocks, no I/O: the head loop calls `submit`, `take`, `returned`, `sampled`, `cancel`, and acts
 on what they return.
@@ -100,9 +102,18 @@ class Schedule:
         return tuple(self._active)
 
     @property
+    def lanes(self) -> int:
+        """Groups the ring can work on at once: one per stage, one more in transit (1 alone)."""
+        return self.stages + 1 if self.stages > 1 else 1
+
+    @property
     def group_size(self) -> int:
-        """Most decode steps in one frame: ceil(active requests / stages), at least 1."""
-        return max(1, -(-len(self._active) // self.stages))
+        """Most decode steps in one frame: the largest size that still makes `lanes` groups of the
+        active requests (ceil(active / size) >= lanes), at least 1."""
+        active, size = len(self._active), max(1, len(self._active))
+        while size > 1 and -(-active // size) < self.lanes:
+            size -= 1
+        return size
 
     def take(self) -> list[Step]:
         """Everything that can enter the ring now: prefill chunks first, then the decode groups."""
