@@ -218,6 +218,12 @@ class SingleProcess:
         )
 
 
+SLOW_BY_HELP = (
+    "how a share slows its member: pace (default: one pinned CPU each, every computation stretched "
+    "to CPU time / share, kafila.engine.pace) or quota (cgroup v1 cpu quota, root)"
+)
+
+
 def fleet_banner(fleet: LocalFleet) -> str:
     return fleet.describe() + "\nplans (predicted by the host):\n" + fleet.predicted_table()
 

@@ -1,10 +1,10 @@
-"""Value of the division: one fleet of three members with CPU shares 1 : 0.5 : 0.25 of a core,
+"""Value of the division: one fleet of three members with CPU shares 1 : 0.5 : 0.25 of a CPU,
 served with --division kafila, uniform and memory (memory-proportional), side by side.
 
-Three fleets (9 member processes, each in its cgroup v1 cpu group) stay up together and rounds
-alternate between them, so the machine's other load falls on all three alike. With one request in
-flight only one stage computes at a time, so each fleet needs at most one core at any moment
-(shares sum to 1.75 cores, within the 2 the machine has). Single-user decode tokens/s comes from
+Three fleets (9 member processes; by default each pinned to one CPU and slowed to its share by an
+emulated pace, kafila.engine.pace; --slow-by quota uses cgroup v1 cpu quotas) stay up together and
+rounds alternate between them, so the machine's other load falls on all three alike. With one
+request in flight only one stage computes at a time. Single-user decode tokens/s comes from
 the head's trace of each request ((tokens - 1) / decode time); the bottleneck is the stage with the
 largest median measured ms per decode step. Then rounds of --users concurrent requests per fleet
 (client-side aggregate tokens/s): with the pipeline full the bottleneck, not the circuit, sets
@@ -23,6 +23,7 @@ import argparse
 import contextlib
 
 from _session_common import (
+    SLOW_BY_HELP,
     Load,
     LocalFleet,
     bottleneck,
@@ -47,6 +48,7 @@ def main() -> int:
     p.add_argument(
         "--memory-gb", default=None, help="memory each member offers, comma-separated (default: all alike)"
     )
+    p.add_argument("--slow-by", default="pace", choices=["pace", "quota"], help=SLOW_BY_HELP)
     args = p.parse_args()
     shares = [float(x) for x in args.shares.split(",")]
     member_args = [["--memory-gb", x] for x in args.memory_gb.split(",")] if args.memory_gb else None
@@ -60,6 +62,7 @@ def main() -> int:
             concurrency=max(1, args.users),
             require_shares=True,
             member_args=member_args,
+            slow_by=args.slow_by,
         )
         for d in DIVISIONS
     }
@@ -72,7 +75,8 @@ def main() -> int:
                 answers, wall = concurrent(fleet.url(fleet.head), args.users, args.tokens)
                 many[d].append(sum(a.completion_tokens for a in answers) / wall)
         load.sample()
-    print(f"\nmodel smollm2-135m, greedy, {args.tokens} tokens, {args.rounds} rounds; shares {shares} cores")
+    print(f"\nmodel smollm2-135m, greedy, {args.tokens} tokens, {args.rounds} rounds", end="")
+    print(f"; shares {shares} of a CPU ({args.slow_by})")
     rates = {}
     for d in DIVISIONS:
         recs = records[d]

@@ -9,12 +9,19 @@ process from generate()'s timings. With one request in flight only one stage com
 so the ring has the same hardware as the single process and the ratio is the ring's cost:
 hidden states over QUIC, the head's scheduling, three event loops. Target: ratio >= 0.85.
 
-    python3 benchmarks/pipeline_overhead.py [--tokens 64] [--rounds 5]
+--threads N caps the compute threads of both sides (kafila's --threads). On a VM, a vCPU that
+has idled for tens of ms takes ~1.3 ms to run again (docs/benchmarks.md): the single process
+never idles, while a ring member does between its turns, so with two threads every stage pays
+that wake-up on its first parallel kernel. With --threads 1 both sides compute on one CPU at a time
+and the ratio is the ring's own cost.
+
+    python3 benchmarks/pipeline_overhead.py [--tokens 64] [--rounds 5] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from _session_common import (
     Load,
@@ -27,6 +34,8 @@ from _session_common import (
     wait_records,
 )
 
+from kafila.probe.system import THREADS_ENV
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,7 +43,10 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5, help="measured rounds of each side (default 5)")
     p.add_argument("--members", type=int, default=3, help="members in the ring (default 3)")
     p.add_argument("--dtype", default="auto", help="dtype for both sides (default auto: fp32 on a CPU)")
+    p.add_argument("--threads", type=int, help="compute threads of both sides (default: every CPU)")
     args = p.parse_args()
+    if args.threads:  # before torch and numba load, here and in the members (they inherit it)
+        os.environ[THREADS_ENV] = str(args.threads)
 
     load = Load()
     single = SingleProcess(dtype=args.dtype, context=512)
@@ -57,7 +69,9 @@ def main() -> int:
         load.sample()
         circuit = median([float(r["circuit_ms"]) for r in records])
     ratio = median(ring_rates) / median(single_rates)
-    print(f"\nmodel smollm2-135m, dtype {args.dtype}, greedy, {args.tokens} tokens, {args.rounds} rounds")
+    threads = f"{args.threads} thread(s)" if args.threads else "every CPU"
+    print(f"\nmodel smollm2-135m, dtype {args.dtype}, greedy, {args.tokens} tokens", end="")
+    print(f", {args.rounds} rounds, {threads}")
     print(f"single process decode: {median(single_rates):6.2f} tok/s (±{spread(single_rates):.2f})")
     print(
         f"{args.members}-member ring decode: {median(ring_rates):6.2f} tok/s (±{spread(ring_rates):.2f}), "

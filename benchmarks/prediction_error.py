@@ -1,7 +1,8 @@
 """Prediction error: per stage, |predicted - measured| / measured compute time per decode step,
 from the session's own traces.
 
-One fleet (default three members with CPU shares 1 : 0.5 : 0.25 of a core, division kafila)
+One fleet (default three members with CPU shares 1 : 0.5 : 0.25 of a CPU, each pinned to one CPU
+and slowed by an emulated pace, kafila.engine.pace; --slow-by quota: cgroup quotas; division kafila)
 answers a few single-user requests; the head's trace records carry, for every stage, the plan's
 predicted ms per decode step and the median measured ms (kafila.obs.trace). The first request is
 dropped as cold. Printed: each stage's predicted and measured ms and its error, and the median
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from _session_common import Load, LocalFleet, complete, fleet_banner, median, wait_records
+from _session_common import SLOW_BY_HELP, Load, LocalFleet, complete, fleet_banner, median, wait_records
 
 from kafila.obs.trace import format_table, from_json, summarize
 
@@ -26,11 +27,14 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=5, help="measured requests (default 5, plus one cold)")
     p.add_argument("--shares", default="1,0.5,0.25", help="CPU shares in cores, comma-separated")
     p.add_argument("--division", default="kafila", help="kafila, uniform or memory (default kafila)")
+    p.add_argument("--slow-by", default="pace", choices=["pace", "quota"], help=SLOW_BY_HELP)
     args = p.parse_args()
     shares = [float(x) for x in args.shares.split(",")]
 
     load = Load()
-    with LocalFleet(shares, context=512, division=args.division, require_shares=True) as fleet:
+    with LocalFleet(
+        shares, context=512, division=args.division, require_shares=True, slow_by=args.slow_by
+    ) as fleet:
         load.watch_fleet(fleet)
         print(fleet_banner(fleet), flush=True)
         for _ in range(args.requests + 1):

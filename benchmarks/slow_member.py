@@ -1,10 +1,11 @@
-"""A slow member: the same fleet with and without one member limited to 25% of a core.
+"""A slow member: the same fleet with and without one member limited to 25% of a CPU.
 
-Fleet A: every member one core (cgroup quota 1.0). Fleet B: the same but the last member 0.25.
-Both stay up side by side (each member in its cgroup v1 cpu group) and rounds alternate between
-them; single-user decode tokens/s from the head's trace ((tokens - 1) / decode time), division
-kafila in both. With one request in flight only one stage computes at a time, so each fleet
-needs at most one core at any moment.
+Fleet A: every member a whole CPU (share 1.0). Fleet B: the same but the last member 0.25. By
+default every member is pinned to one CPU and slowed to its share by an emulated pace
+(kafila.engine.pace); --slow-by quota puts each in a cgroup v1 cpu group instead. Both fleets stay
+up side by side and rounds alternate between them; single-user decode tokens/s from the head's
+trace ((tokens - 1) / decode time), division kafila in both. With one request in flight only one
+stage computes at a time.
 
 Ideal: if the division gives every member work in proportion to its speed c_i (all stages take the
 same time), a decode step costs m stages x W / sum(c) for W the work of one token, so the
@@ -20,7 +21,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-from _session_common import Load, LocalFleet, bottleneck, interleaved_rounds, median, spread, start_fleets
+from _session_common import (
+    SLOW_BY_HELP,
+    Load,
+    LocalFleet,
+    bottleneck,
+    interleaved_rounds,
+    median,
+    spread,
+    start_fleets,
+)
 
 
 def main() -> int:
@@ -31,14 +41,15 @@ def main() -> int:
     )
     p.add_argument("--tokens", type=int, default=48, help="tokens generated per request (default 48)")
     p.add_argument("--rounds", type=int, default=4, help="measured requests per fleet (default 4)")
+    p.add_argument("--slow-by", default="pace", choices=["pace", "quota"], help=SLOW_BY_HELP)
     args = p.parse_args()
     full = [1.0] * args.members
     slow = [1.0] * (args.members - 1) + [args.slow]
 
     load = Load()
     specs = {
-        "unthrottled": LocalFleet(full, context=512, require_shares=True),
-        "one slow": LocalFleet(slow, context=512, require_shares=True),
+        "unthrottled": LocalFleet(full, context=512, require_shares=True, slow_by=args.slow_by),
+        "one slow": LocalFleet(slow, context=512, require_shares=True, slow_by=args.slow_by),
     }
     with contextlib.ExitStack() as stack:
         fleets = start_fleets(stack, specs, load)

@@ -1,7 +1,8 @@
 """Several users: aggregate tokens/s with four concurrent users over one user, same session.
 
-One fleet (default three members with CPU shares 1 : 0.5 : 0.25 of a core, 1.75 of the machine's
-2 cores, so every stage can compute at once without oversubscribing it), declared concurrency 4.
+One fleet (default three members with CPU shares 1 : 0.5 : 0.25 of a CPU, each pinned to one CPU
+and slowed by an emulated pace, kafila.engine.pace: 1.75 of the machine's 2 CPUs, so every stage
+can compute at once without oversubscribing it), declared concurrency 4.
 Rounds alternate one request alone and four at once (the same prompt, greedy), each sent to a
 member that is not the head (forwarded over the ring, as most users would reach it). Aggregate
 tokens/s = completion tokens of the round / wall time from the first send to the last answer
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from _session_common import Load, LocalFleet, concurrent, fleet_banner, median, spread
+from _session_common import SLOW_BY_HELP, Load, LocalFleet, concurrent, fleet_banner, median, spread
 
 
 def main() -> int:
@@ -25,11 +26,14 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="measured rounds of each (default 3)")
     p.add_argument("--users", type=int, default=4, help="concurrent users (default 4)")
     p.add_argument("--shares", default="1,0.5,0.25", help="CPU shares in cores, comma-separated")
+    p.add_argument("--slow-by", default="pace", choices=["pace", "quota"], help=SLOW_BY_HELP)
     args = p.parse_args()
     shares = [float(x) for x in args.shares.split(",")]
 
     load = Load()
-    with LocalFleet(shares, context=512, concurrency=args.users, require_shares=True) as fleet:
+    with LocalFleet(
+        shares, context=512, concurrency=args.users, require_shares=True, slow_by=args.slow_by
+    ) as fleet:
         load.watch_fleet(fleet)
         print(fleet_banner(fleet), flush=True)
         url = fleet.url(fleet.not_head())

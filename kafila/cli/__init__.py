@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -58,6 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if getattr(args, "threads", None):  # before any backend loads: OpenMP and numba read it once
+        from kafila.probe.system import THREADS_ENV
+
+        os.environ[THREADS_ENV] = str(args.threads)
     from kafila.obs.log import configure_logging
 
     configure_logging()

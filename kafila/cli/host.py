@@ -39,6 +39,7 @@ def add_member_flags(parser: argparse.ArgumentParser) -> None:
         default=5.0,
         help="seconds of silence after which a neighbour counts as gone (default 5)",
     )
+    add_threads_flag(parser)
     parser.add_argument(
         "--emulate-speed",
         type=_speed,
@@ -48,6 +49,21 @@ def add_member_flags(parser: argparse.ArgumentParser) -> None:
         "model, in the probe and in the ring, is followed by idle time so it takes 1/S as long. "
         "For fleets of several members on one machine (benchmarks, demo); default 1 (off)",
     )
+
+
+def add_threads_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--threads",
+        type=_positive_int,
+        help="compute with at most this many CPU threads (default: every CPU this process may use, "
+        "capped by a cgroup CPU quota)",
+    )
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return int(text)
 
 
 def _speed(text: str) -> float:

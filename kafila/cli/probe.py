@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from kafila.cli.host import add_threads_flag
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -28,6 +30,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--name", default="this-device", help="device name in the --json DeviceReport")
     parser.add_argument("--json", action="store_true", help="print the probe report and DeviceReport as JSON")
+    add_threads_flag(parser)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kafila.cli.host import add_threads_flag
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -38,6 +40,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--top-p", type=float, default=1.0, help="sample among the most likely tokens holding P of the mass"
     )
     parser.add_argument("--seed", type=int, default=None, help="seed of the sampler (repeatable sampling)")
+    add_threads_flag(parser)
     parser.add_argument(
         "--context",
         type=int,

@@ -93,11 +93,18 @@ def cpu_quota() -> float | None:
     return us[0] / us[1] if us else None
 
 
+THREADS_ENV = "KAFILA_THREADS"  # set by the CLI's --threads: at most this many compute threads
+
+
 def usable_cpus() -> int:
-    """Threads worth running: the CPUs in our affinity mask, capped by a CFS quota (rounded up)."""
+    """Threads worth running: the CPUs in our affinity mask, capped by a CFS quota (rounded up)
+    and by --threads (the KAFILA_THREADS environment variable the CLI sets from it)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     quota = cpu_quota()
-    return max(1, min(cpus, math.ceil(quota))) if quota else cpus
+    if quota:
+        cpus = max(1, min(cpus, math.ceil(quota)))
+    cap = os.environ.get(THREADS_ENV, "")
+    return max(1, min(cpus, int(cap))) if cap.isdigit() and int(cap) > 0 else cpus
 
 
 def llc_bytes() -> int | None:

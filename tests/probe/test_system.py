@@ -78,3 +78,24 @@ def test_quota_window_spans_whole_cfs_periods():
     assert quota_window((0.025, 0.1)) == pytest.approx(0.3)  # 2.5 periods would be phase-dependent
     assert quota_window((0.05, 0.05)) == pytest.approx(0.25)
     assert quota_window((0.5, 1.0)) == pytest.approx(1.0)
+
+
+def test_threads_flag_caps_the_usable_cpus(monkeypatch):
+    monkeypatch.setattr(system.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})  # simulated 4 CPUs
+    monkeypatch.setattr(system, "cpu_quota", lambda: None)
+    monkeypatch.delenv(system.THREADS_ENV, raising=False)
+    assert system.usable_cpus() == 4
+    monkeypatch.setenv(system.THREADS_ENV, "2")
+    assert system.usable_cpus() == 2
+    monkeypatch.setenv(system.THREADS_ENV, "9")  # never more than the CPUs
+    assert system.usable_cpus() == 4
+
+
+def test_cli_threads_flag_reaches_the_probe_in_a_fresh_process():
+    import json
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "kafila", "probe", "--threads", "1", "--repeats", "1", "--json"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=True).stdout
+    assert json.loads(out)["probe"]["threads"] == 1
