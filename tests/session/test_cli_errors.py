@@ -1,5 +1,6 @@
 """`kafila host` / `kafila join` refuse bad input with one line naming it, never a traceback."""
 
+import os
 import subprocess
 import sys
 
@@ -20,3 +21,13 @@ def test_bad_input_is_one_named_error(argv: list[str], named: str) -> None:
     assert done.returncode == 1
     assert named in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a machine with 2 CPUs or more")
+def test_emulated_speed_on_several_cpus_is_refused_before_connecting() -> None:
+    argv = [sys.executable, "-m", "kafila", "join", "4-zzzz-bad", "--emulate-speed", "0.5"]
+    done = subprocess.run(["taskset", "-c", "0,1", *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "--emulate-speed 0.5 needs this member pinned to one CPU (it may use 2)" in done.stderr
+    pinned = subprocess.run(["taskset", "-c", "0", *argv], capture_output=True, text=True, timeout=120)
+    assert pinned.returncode == 1 and "session code has 3 parts" in pinned.stderr  # got past the check
