@@ -200,12 +200,12 @@ class LocalFleet:
     def describe(self) -> str:
         rows = [f"rendezvous {self.rendezvous_url}   session code {self.code}   logs in {self.workdir}"]
         for m in self.members:
-            share = f"{m.share:.2f} core" if m.share is not None else "unlimited"
+            share = f"cpu {m.share:.2f} core" if m.share is not None else "cpu unlimited"
             if m.name in self.cpus:
-                share = f"{m.share:.2f} of CPU {self.cpus[m.name]}"
+                share = f"speed {m.share:.2f} on CPU {self.cpus[m.name]}"
             applied = "" if m.share is None or self.shares_applied else " (NOT applied)"
             pid = m.proc.pid if m.proc else "-"
-            rows.append(f"  {m.name:<8} {m.role:<4} cpu {share}{applied}  pid {pid}  {m.api_url}")
+            rows.append(f"  {m.name:<8} {m.role:<4} {share}{applied}  pid {pid}  {m.api_url}")
         if self.shares_note:
             rows.append(self.shares_note)
         return "\n".join(rows)
