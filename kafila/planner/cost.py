@@ -8,7 +8,8 @@ Stage cost (full tier):  c_i = o_i + n_i * beta_block / b_i + [i = head] * beta_
   both (use_block_probe=False keeps the bandwidth form).
 - beta_head_read: bytes a token reads at the head (unembedding, final norm, one embedding row).
   When the probe timed this model's final norm and unembedding on device i (head_s), that time
-  replaces beta_head_read / b_i in the same way.
+  replaces beta_head_read / b_i in the same way. When it also timed the synthetic stage at two
+  block counts, the part that does not grow with the blocks (stage_fixed_s) replaces o_i.
 Capacity uses resident bytes: each block holds its weights plus the KV cache reserved for the
 session's declared context and concurrency; the head also holds embedding and unembedding.
 
@@ -110,6 +111,8 @@ def device_cost(d: DeviceReport, w: Workload, tier: Tier, use_block_probe: bool 
         head = w.head_read_bytes / b
         if use_block_probe and d.block_s:
             per = d.block_s
+            if d.stage_fixed_s is not None:  # measured with those blocks: the stage's own per-call part
+                overhead = d.stage_fixed_s
         if use_block_probe and d.head_s:
             head = d.head_s
         return DeviceCost(d.name, overhead, per, head, lim, lim_head)

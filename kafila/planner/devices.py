@@ -22,6 +22,8 @@ class DeviceReport:
         shapes: what the block's op chain costs to dispatch, added to block bytes / bandwidth.
     head_s: the head's final norm and unembedding of one row of the session model, timed by the
         probe with the engine's own code (replaces head bytes / bandwidth, like block_s).
+    stage_fixed_s: the part of a stage's decode step that does not grow with its blocks (the
+        synthetic-block probe timed at two block counts); replaces overhead_s where block_s is used.
     nat: classified NAT (None: unknown, predicted as restrictive).
     rtt_s: round trip to the rendezvous.
     pair_rtt_s: measured round trips to other members, by name.
@@ -35,6 +37,7 @@ class DeviceReport:
     block_s: float | None = None
     block_dispatch_s: float | None = None
     head_s: float | None = None
+    stage_fixed_s: float | None = None
     nat: Nat | None = None
     rtt_s: float | None = None
     pair_rtt_s: dict[str, float] = field(default_factory=dict)
@@ -48,7 +51,7 @@ class DeviceReport:
             value = getattr(self, key)
             if value is not None and not value > 0:
                 raise ValueError(f"device {self.name}: {key} must be > 0, got {value}")
-        for key in ("overhead_s", "rtt_s", "block_dispatch_s"):
+        for key in ("overhead_s", "rtt_s", "block_dispatch_s", "stage_fixed_s"):
             value = getattr(self, key)
             if value is not None and value < 0:
                 raise ValueError(f"device {self.name}: {key} must be >= 0, got {value}")
@@ -63,6 +66,7 @@ class DeviceReport:
             "block_s": self.block_s,
             "block_dispatch_s": self.block_dispatch_s,
             "head_s": self.head_s,
+            "stage_fixed_s": self.stage_fixed_s,
             "nat": self.nat.to_dict() if self.nat else None,
             "rtt_s": self.rtt_s,
             "pair_rtt_s": dict(self.pair_rtt_s),
@@ -80,6 +84,7 @@ class DeviceReport:
             block_s=d.get("block_s"),
             block_dispatch_s=d.get("block_dispatch_s"),
             head_s=d.get("head_s"),
+            stage_fixed_s=d.get("stage_fixed_s"),
             nat=Nat.from_dict(nat) if nat else None,
             rtt_s=d.get("rtt_s"),
             pair_rtt_s={str(k): float(v) for k, v in (d.get("pair_rtt_s") or {}).items()},

@@ -9,6 +9,10 @@ Figures (each a median and spread over repetitions):
 - block (with a model): a stage's decode step through several transformer blocks of that model's
   shapes (random weights allocated here, the engine's own model code), per block.
 - head (with a model): the final norm and unembedding of one row, the head's share of a step.
+- stage_fixed (with a model): the block figure's stage timed again with twice the blocks; what does
+  not grow with the blocks (Python and dispatch around the kernels) is a stage's per-step part,
+  and only the rest counts per block (without it a 5-block probe folded a fifth of that part into
+  each block).
 Block and head are timed as a ring runs them: each call follows an idle gap twice its own length
 (the other stages of a ring of three computing), so caches, thread wake-ups and a CFS quota's
 refill behave as they will in the session.
@@ -35,7 +39,16 @@ from kafila.probe.ops import Ops, Run
 from kafila.probe.stats import Figure, rates
 
 log = get_logger("kafila.probe")
-FIGURES = ("bandwidth", "matvec_bandwidth", "overhead", "flops", "block", "block_dispatch", "head")
+FIGURES = (
+    "bandwidth",
+    "matvec_bandwidth",
+    "overhead",
+    "flops",
+    "block",
+    "block_dispatch",
+    "head",
+    "stage_fixed",
+)
 WINDOW_S = 0.04  # minimum time per repetition
 QUOTA_WINDOW_S = 0.25  # under a CFS quota: at least this long, in whole periods
 IDLE_RATIO = 2.0  # stage-shaped calls: idle this many times the call's length before the next
@@ -59,6 +72,7 @@ class ProbeReport:
     wall_s: float = 0.0
     head: Figure | None = None  # s per decode step for the final norm and unembedding of one row
     emulated_speed: float = 1.0  # < 1: measured under an emulated pace (kafila.engine.pace)
+    stage_fixed: Figure | None = None  # s per stage step that does not grow with its blocks
 
     def device_report(
         self, name: str, nat: Nat | None = None, rtt_s: float | None = None, use_block: bool = True
@@ -72,6 +86,7 @@ class ProbeReport:
             block_s=self.block.median if (self.block and use_block) else None,
             block_dispatch_s=self.block_dispatch.median if self.block_dispatch else None,
             head_s=self.head.median if (self.head and use_block) else None,
+            stage_fixed_s=self.stage_fixed.median if (self.stage_fixed and use_block) else None,
             nat=nat,
             rtt_s=rtt_s,
         )
@@ -169,11 +184,9 @@ def probe(
     overhead = Figure.of(seconds_per_call(ops.make_dispatch(), repeats, window, pace), "s")
     mm, flop = ops.make_matmul(512 if be.device == "cpu" else 4096)
     flops = Figure.of(rates(seconds_per_call(mm, repeats, window, pace), flop), "FLOP/s")
-    block = block_bytes = block_dispatch = head = None
+    block = block_bytes = block_dispatch = head = stage_fixed = None
     if model is not None:
-        run, block_bytes, n = ops.make_block(model, position, system.llc_bytes() or 0)
-        block = Figure.of([s / n for s in seconds_per_step(run, repeats, pace=pace)], "s")
-        del run
+        block, stage_fixed, block_bytes = _stage_blocks(ops, model, position, repeats, pace, memory)
         head_run, _ = ops.make_head(model)
         head = Figure.of(seconds_per_step(head_run, repeats, pace=pace), "s")
         del head_run
@@ -195,6 +208,7 @@ def probe(
         wall_s=time.perf_counter() - t0,
         head=head,
         emulated_speed=pace.speed,
+        stage_fixed=stage_fixed,
     )
     log.info(
         "probed",
@@ -205,12 +219,40 @@ def probe(
         block_ms=round(block.median * 1e3, 3) if block else None,
         block_dispatch_ms=round(block_dispatch.median * 1e3, 3) if block_dispatch else None,
         head_ms=round(head.median * 1e3, 3) if head else None,
+        stage_fixed_ms=round(stage_fixed.median * 1e3, 3) if stage_fixed else None,
         memory_gb=round(memory / 1e9, 2),
         cpu_quota=quota,
         emulated_speed=pace.speed if pace.emulated else None,
         wall_s=round(report.wall_s, 2),
     )
     return report
+
+
+def _stage_blocks(
+    ops: Ops, model: ModelConfig, position: int, repeats: int, pace: Pace, memory: int
+) -> tuple[Figure, Figure | None, int]:
+    """(per block, per stage step, bytes of one block): the synthetic stage timed stage-shaped with
+    n blocks and, when 2n fit in a quarter of the memory, with 2n, split by `split_fixed`."""
+    run, nbytes, n = ops.make_block(model, position, system.llc_bytes() or 0)
+    t_n = seconds_per_step(run, repeats, pace=pace)
+    del run
+    if 2 * n * nbytes > memory // 4:
+        return Figure.of([t / n for t in t_n], "s"), None, nbytes
+    run, _, _ = ops.make_block(model, position, blocks=2 * n)
+    t_2n = seconds_per_step(run, repeats, pace=pace)
+    del run
+    fits = [split_fixed(a, b, n) for a, b in zip(t_n, t_2n, strict=True)]
+    return Figure.of([per for _, per in fits], "s"), Figure.of([fixed for fixed, _ in fits], "s"), nbytes
+
+
+def split_fixed(t_n: float, t_2n: float, n: int) -> tuple[float, float]:
+    """A stage step of n blocks took t_n, of 2n blocks t_2n: (the per-step part, the per-block
+    part) of t = fixed + blocks x per. The fixed part is 2 t_n - t_2n, at least 0: timing noise
+    must not make it negative. When 2n blocks did not take longer than n, nothing is split."""
+    if t_2n <= t_n:
+        return 0.0, t_n / n
+    fixed = max(0.0, 2.0 * t_n - t_2n)
+    return fixed, (t_n - fixed) / n
 
 
 def quota_window(limit: tuple[float, float] | None) -> float:

@@ -74,6 +74,19 @@ def test_probed_head_time_replaces_the_head_read_over_bandwidth():
     assert DeviceReport.from_json(fleet[1].to_json()) == fleet[1]
 
 
+def test_probed_stage_fixed_part_replaces_the_dispatch_overhead_where_blocks_are_probed():
+    fleet = [gpu("a", 40, 100, overhead_s=1e-4, block_s=0.001, head_s=0.002, stage_fixed_s=0.003)]
+    a = plan(fleet, QWEN8, context=4096).stages[0]
+    assert a.cost_s == pytest.approx(0.003 + a.n_blocks * 0.001 + 0.002)
+    off = plan(fleet, QWEN8, context=4096, use_block_probe=False).stages[0]  # bandwidth form: o_i
+    w = Workload.of(QWEN8, 4096, 1)
+    by_bandwidth = off.n_blocks * w.block_read_bytes / 100e9 + w.head_read_bytes / 100e9
+    assert off.cost_s == pytest.approx(1e-4 + by_bandwidth)
+    assert DeviceReport.from_json(fleet[0].to_json()) == fleet[0]
+    with pytest.raises(ValueError, match="stage_fixed_s must be >= 0"):
+        gpu("b", 40, 100, stage_fixed_s=-1.0)
+
+
 def test_throughput_tier_when_a_bandwidth_is_missing_keeps_the_head_with_the_opener():
     fleet = [gpu("opener", 40, None, flops=1e12), gpu("big", 40, 900, flops=9e12)]
     p = plan(fleet, QWEN8, context=4096)

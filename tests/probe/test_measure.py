@@ -48,6 +48,9 @@ def test_torch_probe_is_sane_and_quick():
     assert r.block is not None and 1e-6 < r.block.median < 0.5
     assert r.block_dispatch is not None and 1e-6 < r.block_dispatch.median < 0.5
     assert r.head is not None and 1e-6 < r.head.median < 0.5
+    assert r.stage_fixed is not None and 0.0 <= r.stage_fixed.median < 0.5
+    assert r.device_report("x").stage_fixed_s == r.stage_fixed.median
+    assert ProbeReport.from_dict(r.to_dict()) == r
     assert r.threads == usable_cpus()  # the count the engine should run with
     assert r.block_bytes == 4 * (256 * (256 + 2 * 128) + 256 * 256 + 3 * 256 * 512 + 2 * 256 + 2 * 64)
 
@@ -62,6 +65,18 @@ def test_block_probe_runs_a_stage_of_blocks_that_outgrows_the_last_level_cache()
     out = run()
     assert tuple(out.shape) == (1, TINY_QWEN3.hidden_size)
     assert ops.make_block(TINY_QWEN3, 8, llc_bytes=0)[2] == 2  # at least two blocks per stage
+
+
+def test_a_stage_timed_at_two_block_counts_splits_into_per_step_and_per_block_parts():
+    from kafila.probe.measure import split_fixed
+
+    assert split_fixed(0.007, 0.012, 5) == pytest.approx((0.002, 0.001))  # t = 2 ms + blocks x 1 ms
+    assert split_fixed(0.005, 0.011, 5) == pytest.approx((0.0, 0.001))  # noise: never below 0
+    assert split_fixed(0.006, 0.005, 5) == pytest.approx((0.0, 0.0012))  # 2n not slower: no split
+    from kafila.engine.backend import resolve
+    from kafila.probe.ops import Ops
+
+    assert Ops(resolve("torch", "fp32")).make_block(TINY_QWEN3, 8, llc_bytes=0, blocks=6)[2] == 6
 
 
 def test_head_probe_unembeds_one_row_of_the_model_vocabulary():
