@@ -53,7 +53,7 @@ def main(args: argparse.Namespace) -> int:
         fleet.start()
         print(fleet.describe())
         if fleet.shares_applied:
-            how = "emulated pace, one CPU each" if args.slow_by == "pace" else "cgroup v1 cpu quota"
+            how = "emulated pace" if args.slow_by == "pace" else "cgroup v1 cpu quota"
             print(f"members limited to {', '.join(f'{s:.0%}' for s in shares)} of one CPU ({how})")
         doc = fleet.session()
         print(f"\nring {' -> '.join(doc['ring'])} (head {doc['head']}), division {doc['division']}")

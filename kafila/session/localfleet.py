@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -116,7 +117,8 @@ class LocalFleet:
     code: str | None = field(default=None, init=False)
     shares_applied: bool = field(default=False, init=False)
     shares_note: str = field(default="", init=False)
-    cpus: dict[str, int] = field(default_factory=dict, init=False)  # pace: the CPU each member runs on
+    # pace: the CPU each member runs on (None: not pinned, no taskset here)
+    cpus: dict[str, int | None] = field(default_factory=dict, init=False)
     _rendezvous: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _rdv_log: Path | None = field(default=None, init=False)
     _closed: bool = field(default=False, init=False)
@@ -202,7 +204,8 @@ class LocalFleet:
         for m in self.members:
             share = f"cpu {m.share:.2f} core" if m.share is not None else "cpu unlimited"
             if m.name in self.cpus:
-                share = f"speed {m.share:.2f} on CPU {self.cpus[m.name]}"
+                cpu = self.cpus[m.name]
+                share = f"speed {m.share:.2f} " + (f"on CPU {cpu}" if cpu is not None else "on one thread")
             applied = "" if m.share is None or self.shares_applied else " (NOT applied)"
             pid = m.proc.pid if m.proc else "-"
             rows.append(f"  {m.name:<8} {m.role:<4} {share}{applied}  pid {pid}  {m.api_url}")
@@ -244,23 +247,30 @@ class LocalFleet:
         log.info("fleet_ready", members=len(self.members), code=self.code, shares_applied=self.shares_applied)
 
     def _pin_cpus(self) -> None:
-        """Pace: every member with a share gets one CPU, the busiest shares first, each onto the
-        CPU whose shares sum least; a share is then that CPU's fraction the member emulates."""
+        """Pace: every member with a share computes on one thread (--threads 1) and, where Linux's
+        `taskset` is there, on one CPU of its own: the busiest shares first, each onto the CPU
+        whose shares sum least. A share is the fraction of that CPU's speed the member emulates."""
         big = [s for s in self.shares if s is not None and s > 1.0]
         if big:
             raise ValueError(f"with slow_by='pace' a share is a fraction of one CPU, at most 1 (got {big})")
         names = list(self.names or DEFAULT_NAMES[: len(self.shares)])
-        load = dict.fromkeys(sorted(os.sched_getaffinity(0)), 0.0)
+        can_pin = hasattr(os, "sched_getaffinity") and shutil.which("taskset") is not None
+        load = dict.fromkeys(sorted(os.sched_getaffinity(0)) if can_pin else [], 0.0)
         for name, share in sorted(zip(names, self.shares, strict=True), key=lambda x: -(x[1] or 0.0)):
             if share is not None:
-                cpu = min(load, key=lambda c: (load[c], c))
-                load[cpu] += share
+                cpu = min(load, key=lambda c: (load[c], c)) if load else None
+                if cpu is not None:
+                    load[cpu] += share
                 self.cpus[name] = cpu
         self.shares_applied = True
-        pinned = ", ".join(f"{n} on CPU {c}" for n, c in self.cpus.items())
+        where = (
+            "each on one CPU (" + ", ".join(f"{n} on CPU {c}" for n, c in self.cpus.items()) + ")"
+            if can_pin
+            else "each on one thread (no taskset here to pin them)"
+        )
         self.shares_note = (
-            f"CPU shares emulated: each member pinned to one CPU ({pinned}) idles after every "
-            "computation of its model so it runs at its share of that CPU's speed (--emulate-speed)"
+            f"CPU shares emulated: members run {where} and idle after every computation of their "
+            "model so they run at their share of one CPU's speed (--emulate-speed)"
         )
 
     def _warm_kernels(self) -> None:
@@ -352,7 +362,9 @@ class LocalFleet:
         argv = [sys.executable, "-m", "kafila", *cmd, *common]
         if m.name in self.cpus:
             assert m.share is not None
-            argv = ["taskset", "-c", str(self.cpus[m.name]), *argv, "--emulate-speed", f"{m.share:g}"]
+            cpu = self.cpus[m.name]
+            pin = ["taskset", "-c", str(cpu)] if cpu is not None else []
+            argv = [*pin, *argv, "--threads", "1", "--emulate-speed", f"{m.share:g}"]
         elif m.share is not None and self.shares_applied:
             m.cgroup = make_cgroup(f"{GROUP_PREFIX}{os.getpid()}-{self._serial}-{m.name}", m.share)
             argv = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(m.cgroup), *argv]

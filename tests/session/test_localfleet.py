@@ -79,6 +79,10 @@ def test_pace_puts_the_largest_shares_on_the_least_loaded_cpus(
     fleet = LocalFleet([0.25, 1.0, 0.5, None], workdir=tmp_path)
     fleet._check_shares()
     assert fleet.cpus == {"beta": 0, "gamma": 1, "alpha": 1}  # delta (no share) is not pinned
+    monkeypatch.setattr(localfleet.shutil, "which", lambda cmd: None)  # simulated machine without taskset
+    unpinned = LocalFleet([1.0, 0.5], workdir=tmp_path)
+    unpinned._check_shares()
+    assert unpinned.cpus == {"alpha": None, "beta": None} and "one thread (no taskset" in unpinned.shares_note
     with pytest.raises(ValueError, match=r"at most 1 \(got \[1.5\]\)"):
         LocalFleet([1.5, 0.5], workdir=tmp_path)._check_shares()
 
