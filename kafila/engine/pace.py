@@ -10,8 +10,9 @@ to itself:
 - the sleep leaves the core to the others, as a separate, slower machine would;
 - the slowdown is the same in the probe and in the ring, which a CFS quota's is not (a quota'd
   process coming out of idle bursts ahead of its share; see docs/benchmarks.md).
-Process CPU time counts every thread of the member, so the emulation needs the member pinned to
-one CPU (otherwise two busy threads would count twice): `Pace.check_cpus` says so.
+Process CPU time counts every thread of the member, so the emulation needs the member to compute
+on one CPU, with --threads 1 or pinned (otherwise two busy threads would count twice):
+`Pace.check_cpus` says so.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ class Pace:
         """Refuse an emulation whose CPU time would count several CPUs at once."""
         if self.emulated and usable_cpus != 1:
             raise ValueError(
-                f"--emulate-speed {self.speed:g} needs this member pinned to one CPU (it may use "
-                f"{usable_cpus}): start it with e.g. `taskset -c 1 kafila join ...`"
+                f"--emulate-speed {self.speed:g} needs this member to compute on one CPU (it may use "
+                f"{usable_cpus}): add --threads 1, or pin it with e.g. `taskset -c 1 kafila join ...`"
             )
 
     @staticmethod

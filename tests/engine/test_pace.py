@@ -45,5 +45,5 @@ def test_speeds_outside_zero_to_one_are_refused(speed: float) -> None:
 def test_emulation_needs_one_cpu_and_says_how() -> None:
     Pace(0.5).check_cpus(1)
     FULL_SPEED.check_cpus(8)
-    with pytest.raises(ValueError, match=r"pinned to one CPU \(it may use 2\).*taskset -c 1"):
+    with pytest.raises(ValueError, match=r"one CPU \(it may use 2\): add --threads 1.*taskset -c 1"):
         Pace(0.5).check_cpus(2)
