@@ -2,14 +2,18 @@
 
     LocalFleet([1.0, 0.5, 0.25]) -> start(): `kafila rendezvous` (own process, free ports) ->
         `kafila host` (member 0) -> `kafila join CODE` (the others), each a real CLI process,
-        each optionally inside its own cgroup v1 `cpu` group (cfs_quota_us = share x cfs_period_us,
-        so a share of 0.25 is a quarter of one core, granted every 4 ms: see PERIOD_US) -> wait
-        for every member's API and for /session to say "serving" -> plan, API URLs, session
-        document -> close(): SIGINT to every member, then the rendezvous (SIGTERM/SIGKILL after
-        a grace period), cgroups removed.
+        each slowed to its share (below) -> wait for every member's API and for /session to say
+        "serving" -> plan, API URLs, session document -> close(): SIGINT to every member, then
+        the rendezvous (SIGTERM/SIGKILL after a grace period), cgroups removed.
 
-Shares need root and a writable /sys/fs/cgroup/cpu; without them the fleet still runs but
-`shares_applied` is False and `shares_note` says so (`require_shares=True` refuses instead).
+How a share slows a member (`slow_by`):
+- "pace" (default): the member computes on one thread, pinned to one CPU where `taskset` exists,
+  with `--emulate-speed SHARE`: every computation of its model idles until it has taken its CPU
+  time / SHARE (kafila.engine.pace), in its probe and in its ring stage alike.
+- "quota": the member runs inside its own cgroup v1 `cpu` group (cfs_quota_us = share x
+  cfs_period_us, so a share of 0.25 is a quarter of one core, granted every 4 ms: see PERIOD_US).
+  Needs root and a writable /sys/fs/cgroup/cpu; without them the fleet still runs but
+  `shares_applied` is False and `shares_note` says so (`require_shares=True` refuses instead).
 Each process writes its stderr (progress lines and logs) to `workdir/NAME.log`; members write
 traces to `workdir/NAME.trace.jsonl`. By default members probe one after another (`stagger`), so
 one member's probe does not measure the others' probes on a shared machine.
