@@ -95,8 +95,8 @@ def _device(t: Any, index: int, source: str, model: str, read_json: ReadJson | N
     }
     merged = measured | {k: v for k, v in given.items() if v is not None}
     if bandwidth is not None:  # an explicit bandwidth asks for bandwidth pricing, not the probed block
-        merged.pop("block_s", None)
-        merged.pop("head_s", None)
+        for key in ("block_s", "head_s", "stage_fixed_s"):  # block_dispatch_s adds to bandwidth pricing
+            merged.pop(key, None)
     return DeviceReport(
         name=name,
         memory_bytes=int(merged["memory_bytes"]),
@@ -106,12 +106,14 @@ def _device(t: Any, index: int, source: str, model: str, read_json: ReadJson | N
         block_s=merged.get("block_s"),
         block_dispatch_s=merged.get("block_dispatch_s"),
         head_s=merged.get("head_s"),
+        stage_fixed_s=merged.get("stage_fixed_s"),
         nat=_nat(t, where),
         rtt_s=None if rtt is None else rtt * 1e-3,
     )
 
 
 _MEASURED = ("memory_bytes", "bandwidth_bytes_s", "overhead_s", "flops")
+_MODEL_TIMED = ("block_s", "block_dispatch_s", "head_s", "stage_fixed_s")  # valid for one model only
 
 
 def _probe_file(t: dict[str, Any], where: str, model: str, read_json: ReadJson | None) -> dict[str, Any]:
@@ -132,7 +134,7 @@ def _probe_file(t: dict[str, Any], where: str, model: str, read_json: ReadJson |
         raise FleetError(f"{where}: cannot read probe file {path!r}: {exc}") from exc
     probed_model = (data.get("probe") or {}).get("block_model")
     if probed_model == model:  # both timed this model's blocks
-        out |= {k: device[k] for k in ("block_s", "block_dispatch_s", "head_s") if device.get(k)}
+        out |= {k: device[k] for k in _MODEL_TIMED if device.get(k) is not None}
     return out
 
 
