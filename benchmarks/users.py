@@ -8,7 +8,9 @@ member that is not the head (forwarded over the ring, as most users would reach 
 tokens/s = completion tokens of the round / wall time from the first send to the last answer
 (client side: prefill, queueing and HTTP included, for one user and four alike). One request
 leaves all but one stage idle at any moment; four fill the pipeline and share batched decode
-steps. Target: four-user aggregate / one-user >= 3.5 (the paper: 4.0x on its LAN).
+steps. Target: four-user aggregate / one-user >= 3.5 (the paper: 4.0x on its LAN). It also
+prints each stage's ms per decode step as predicted, measured alone and measured under load (from
+the head's trace records): on one machine the stages that compute at once slow each other.
 
     python3 benchmarks/users.py [--tokens 48] [--rounds 3] [--shares 1,0.5,0.25]
 """
@@ -16,8 +18,19 @@ steps. Target: four-user aggregate / one-user >= 3.5 (the paper: 4.0x on its LAN
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
-from _session_common import SLOW_BY_HELP, Load, LocalFleet, concurrent, fleet_banner, median, spread
+from _session_common import (
+    SLOW_BY_HELP,
+    Load,
+    LocalFleet,
+    concurrent,
+    fleet_banner,
+    median,
+    request_records,
+    spread,
+    wait_records,
+)
 
 
 def main() -> int:
@@ -40,11 +53,16 @@ def main() -> int:
         concurrent(url, 1, args.tokens)  # warm-up
         concurrent(url, args.users, args.tokens)
         one, many, same = [], [], True
+        alone: list[dict[str, Any]] = []
+        loaded: list[dict[str, Any]] = []
         for _ in range(args.rounds):
+            n0 = len(request_records(fleet))
             answers, wall = concurrent(url, 1, args.tokens)
             one.append(answers[0].completion_tokens / wall)
+            alone += wait_records(fleet, n0 + 1)[n0:]
             group, wall = concurrent(url, args.users, args.tokens)
             many.append(sum(a.completion_tokens for a in group) / wall)
+            loaded += wait_records(fleet, n0 + 1 + args.users)[n0 + 1 :]
             same = same and all(a.text == answers[0].text for a in group)
         load.sample()
     ratio = median(many) / median(one)
@@ -53,11 +71,30 @@ def main() -> int:
     print(f"{args.users} users: {median(many):5.2f} tok/s aggregate (±{spread(many):.2f})")
     print(f"each concurrent answer identical to the single user's: {same}")
     print(
+        f"stage ms per decode step, predicted / alone / with {args.users} users (stages slowing each other):"
+    )
+    for member, (pred, ms1, msn) in stage_table(alone, loaded).items():
+        print(f"  {member:<8} {pred:6.1f} / {ms1:6.1f} / {msn:6.1f}")
+    print(
         f"ratio {args.users} users / 1 user: {ratio:.2f}   "
         f"(target >= 3.5: {'met' if ratio >= 3.5 else 'NOT met'})"
     )
     print(load.report())
     return 0
+
+
+def stage_table(alone: list[dict[str, Any]], loaded: list[dict[str, Any]]) -> dict[str, tuple[float, ...]]:
+    """Per member: (predicted, median measured alone, median measured under load) ms per step."""
+
+    def ms(records: list[dict[str, Any]], key: str) -> dict[str, float]:
+        by: dict[str, list[float]] = {}
+        for r in records:
+            for s in r["stages"]:
+                by.setdefault(s["member"], []).append(float(s[key]))
+        return {m: median(v) for m, v in by.items()}
+
+    pred, ms1, msn = ms(alone, "predicted_ms"), ms(alone, "measured_ms"), ms(loaded, "measured_ms")
+    return {m: (pred[m], ms1[m], msn.get(m, float("nan"))) for m in pred}
 
 
 if __name__ == "__main__":
