@@ -107,11 +107,7 @@ def options(args: argparse.Namespace) -> object:
     """The member's Options from its flags; ValueError (one line) for flags that cannot work here."""
     from pathlib import Path
 
-    from kafila.engine.pace import Pace
-    from kafila.probe.system import usable_cpus
     from kafila.session.form import Options
-
-    Pace(args.emulate_speed).check_cpus(usable_cpus())  # before connecting anywhere
 
     o = Options(
         rendezvous=args.rendezvous,

@@ -68,6 +68,16 @@ class Options:
     division: str = "kafila"
     chunk: int = 256
 
+    def __post_init__(self) -> None:
+        """Refuse what cannot work here before anything connects (ValueError, one line)."""
+        from kafila.probe.system import usable_cpus
+
+        self.pace.check_cpus(usable_cpus())
+
+    @property
+    def pace(self) -> Pace:
+        return Pace(self.emulate_speed)
+
 
 @dataclass
 class Peer:
@@ -212,7 +222,6 @@ def probe_report(
     """This member measured (E3's probe). With the session model's config.json the probe also
     times one decode step of one synthetic block of that model, which the planner prefers."""
     from kafila.models.config import ConfigError, ModelConfig
-    from kafila.probe import system
     from kafila.probe.measure import probe
 
     say("measuring this device (memory bandwidth, dispatch overhead, memory, one block of the model)")
@@ -220,8 +229,7 @@ def probe_report(
         model = ModelConfig.from_dict(config) if config else None
     except (ConfigError, ValueError, TypeError):
         model = None
-    pace = Pace(opts.emulate_speed)
-    pace.check_cpus(system.usable_cpus())
+    pace = opts.pace
     if pace.emulated:
         say(f"{name}: emulating a slower device, {pace.speed:g} of this machine's speed (--emulate-speed)")
     report = probe(

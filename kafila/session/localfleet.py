@@ -220,7 +220,7 @@ class LocalFleet:
     # -- steps ---------------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        names = list(self.names or DEFAULT_NAMES[: len(self.shares)])
+        names = self._names()
         if len(names) != len(self.shares):
             raise ValueError(f"{len(self.shares)} shares but {len(names)} names")
         self.workdir = Path(self.workdir or tempfile.mkdtemp(prefix="kafila-fleet-"))
@@ -250,6 +250,9 @@ class LocalFleet:
         self._wait_serving(deadline)
         log.info("fleet_ready", members=len(self.members), code=self.code, shares_applied=self.shares_applied)
 
+    def _names(self) -> list[str]:
+        return list(self.names or DEFAULT_NAMES[: len(self.shares)])
+
     def _pin_cpus(self) -> None:
         """Pace: every member with a share computes on one thread (--threads 1) and, where Linux's
         `taskset` is there, on one CPU of its own: the busiest shares first, each onto the CPU
@@ -257,7 +260,7 @@ class LocalFleet:
         big = [s for s in self.shares if s is not None and s > 1.0]
         if big:
             raise ValueError(f"with slow_by='pace' a share is a fraction of one CPU, at most 1 (got {big})")
-        names = list(self.names or DEFAULT_NAMES[: len(self.shares)])
+        names = self._names()
         can_pin = hasattr(os, "sched_getaffinity") and shutil.which("taskset") is not None
         load = dict.fromkeys(sorted(os.sched_getaffinity(0)) if can_pin else [], 0.0)
         for name, share in sorted(zip(names, self.shares, strict=True), key=lambda x: -(x[1] or 0.0)):

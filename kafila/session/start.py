@@ -9,7 +9,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kafila.engine.pace import Pace
 from kafila.models.checkpoint import Checkpoint
 from kafila.net.link import Link
 from kafila.net.signaling import SignalingClient
@@ -240,7 +239,7 @@ async def _start_ring(
         opts.dtype,
         plan.context,
         plan.concurrency,
-        Pace(opts.emulate_speed),
+        opts.pace,
     )
     nxt_name, prv_name = order[(index + 1) % len(order)], order[index - 1]
     edges = {f"{e.src}->{e.dst}": ("direct" if e.direct else "relay") for e in plan.edges}
