@@ -9,6 +9,7 @@ figure of an idle machine.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import statistics
@@ -218,10 +219,15 @@ class SingleProcess:
         )
 
 
-SLOW_BY_HELP = (
-    "how a share slows its member: pace (default: one pinned CPU each, every computation stretched "
-    "to CPU time / share, kafila.engine.pace) or quota (cgroup v1 cpu quota, root)"
-)
+def add_slow_by(p: argparse.ArgumentParser) -> None:
+    """The --slow-by flag of the benchmarks whose fleets have CPU shares."""
+    p.add_argument(
+        "--slow-by",
+        default="pace",
+        choices=["pace", "quota"],
+        help="how a share slows its member: pace (default: one pinned CPU each, every computation "
+        "stretched to CPU time / share, kafila.engine.pace) or quota (cgroup v1 cpu quota, root)",
+    )
 
 
 def fleet_banner(fleet: LocalFleet) -> str:

@@ -23,9 +23,9 @@ import argparse
 import contextlib
 
 from _session_common import (
-    SLOW_BY_HELP,
     Load,
     LocalFleet,
+    add_slow_by,
     bottleneck,
     concurrent,
     interleaved_rounds,
@@ -48,7 +48,7 @@ def main() -> int:
     p.add_argument(
         "--memory-gb", default=None, help="memory each member offers, comma-separated (default: all alike)"
     )
-    p.add_argument("--slow-by", default="pace", choices=["pace", "quota"], help=SLOW_BY_HELP)
+    add_slow_by(p)
     args = p.parse_args()
     shares = [float(x) for x in args.shares.split(",")]
     member_args = [["--memory-gb", x] for x in args.memory_gb.split(",")] if args.memory_gb else None

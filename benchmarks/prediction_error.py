@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from _session_common import SLOW_BY_HELP, Load, LocalFleet, complete, fleet_banner, median, wait_records
+from _session_common import Load, LocalFleet, add_slow_by, complete, fleet_banner, median, wait_records
 
 from kafila.obs.trace import format_table, from_json, summarize
 
@@ -27,7 +27,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=5, help="measured requests (default 5, plus one cold)")
     p.add_argument("--shares", default="1,0.5,0.25", help="CPU shares in cores, comma-separated")
     p.add_argument("--division", default="kafila", help="kafila, uniform or memory (default kafila)")
-    p.add_argument("--slow-by", default="pace", choices=["pace", "quota"], help=SLOW_BY_HELP)
+    add_slow_by(p)
     args = p.parse_args()
     shares = [float(x) for x in args.shares.split(",")]
 

@@ -22,9 +22,9 @@ import argparse
 import contextlib
 
 from _session_common import (
-    SLOW_BY_HELP,
     Load,
     LocalFleet,
+    add_slow_by,
     bottleneck,
     interleaved_rounds,
     median,
@@ -41,7 +41,7 @@ def main() -> int:
     )
     p.add_argument("--tokens", type=int, default=48, help="tokens generated per request (default 48)")
     p.add_argument("--rounds", type=int, default=4, help="measured requests per fleet (default 4)")
-    p.add_argument("--slow-by", default="pace", choices=["pace", "quota"], help=SLOW_BY_HELP)
+    add_slow_by(p)
     args = p.parse_args()
     full = [1.0] * args.members
     slow = [1.0] * (args.members - 1) + [args.slow]

@@ -21,9 +21,9 @@ import argparse
 from typing import Any
 
 from _session_common import (
-    SLOW_BY_HELP,
     Load,
     LocalFleet,
+    add_slow_by,
     concurrent,
     fleet_banner,
     median,
@@ -39,7 +39,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="measured rounds of each (default 3)")
     p.add_argument("--users", type=int, default=4, help="concurrent users (default 4)")
     p.add_argument("--shares", default="1,0.5,0.25", help="CPU shares in cores, comma-separated")
-    p.add_argument("--slow-by", default="pace", choices=["pace", "quota"], help=SLOW_BY_HELP)
+    add_slow_by(p)
     args = p.parse_args()
     shares = [float(x) for x in args.shares.split(",")]
 
