@@ -10,9 +10,12 @@ to itself:
 - the sleep leaves the core to the others, as a separate, slower machine would;
 - the slowdown is the same in the probe and in the ring, which a CFS quota's is not (a quota'd
   process coming out of idle bursts ahead of its share; see docs/benchmarks.md).
-Process CPU time counts every thread of the member, so the emulation needs the member to compute
-on one CPU, with --threads 1 or pinned (otherwise two busy threads would count twice):
-`Pace.check_cpus` says so.
+The CPU time is the computing thread's own: the member's network thread, which keeps receiving
+and sending other requests' frames while a stage step runs, is not slowed (a slower device's
+compute is slower, not its network stack; process CPU time stretched that work by 1/S as well,
+by as much as 10 ms a step with four users at S = 0.25). So the computation must run on the
+thread that times it: the member computes with one thread (--threads 1, or pinned to one CPU,
+where numba and torch run on the calling thread). `Pace.check_cpus` says so.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Mark:
-    """When a computation began: wall clock and this process's CPU time, in seconds."""
+    """When a computation began: wall clock and the calling thread's CPU time, in seconds."""
 
     wall: float
     cpu: float
@@ -51,13 +54,13 @@ class Pace:
 
     @staticmethod
     def mark() -> Mark:
-        return Mark(time.perf_counter(), time.process_time())
+        return Mark(time.perf_counter(), time.thread_time())
 
     def finish(self, began: Mark) -> float:
-        """Call after the computation that began at `began`: idle until it has taken its CPU
-        time / speed; returns the seconds since `began`, idle included."""
+        """Call on the thread that ran the computation that began at `began`: idle until it has
+        taken its CPU time / speed; returns the seconds since `began`, idle included."""
         if self.emulated:
-            cpu = time.process_time() - began.cpu
+            cpu = time.thread_time() - began.cpu
             idle = cpu / self.speed - (time.perf_counter() - began.wall)
             if idle > 0:
                 time.sleep(idle)

@@ -6,13 +6,16 @@ chunk k+1 can run at the head while chunk k runs further along the ring; links k
 then alternates: one decode step goes around the ring, comes back, is sampled, and the next step
 becomes ready. Every request has at most one decode step in flight.
 
-Decode steps that are ready at the same moment leave in groups. One group of every request would
-travel the ring as a convoy, leaving all stages but one idle; one group per request reads every
-stage's weights once per request. The schedule keeps `lanes` groups in the ring: one per stage and
-one more, for the group that is on a link or at the head's sampler while the others compute (a
-ring of one member has nothing to overlap: one lane). Groups are as large as they can be while
-there are at least that many (batching, which shares each stage's weight reads): four users on
-three stages leave as four groups of one, eight as four groups of two.
+Decode steps travel in lanes. The ring keeps `lanes` groups of decode steps in flight at once;
+each admitted request belongs to one lane (the emptiest when it is admitted), and a lane's next
+step leaves, carrying every one of its requests that is ready, as soon as its previous step is
+back. The requests of a lane therefore stay together step after step (one batch: they share
+each stage's weight reads), and the lanes fill the pipeline (while one group computes at one
+stage, the others compute at others). How many lanes: `lanes_for`, as many as the slowest
+stage can serve while one group goes once around the ring. More would queue at that stage;
+fewer would leave stages idle, and one group of every request (a convoy) pays for batching
+without any overlap. Lanes that differ by two or more requests are evened out with a ready
+request, so a lane emptied by finished requests does not idle while another carries several.
 
 No clocks, no I/O: the head loop calls `submit`, `take`, `returned`, `sampled`, `cancel`, and acts
 on what they return.
@@ -20,7 +23,8 @@ on what they return.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -65,16 +69,18 @@ class _Request:
 class Schedule:
     concurrency: int
     chunk: int = 256  # prefill chunk, tokens
-    stages: int = 1  # members in the ring: sizes the decode groups
+    lanes: int = 1  # decode groups in flight at once (see `lanes_for`)
     _reqs: dict[int, _Request] = field(default_factory=dict)
     _queue: deque[int] = field(default_factory=deque)
     _active: list[int] = field(default_factory=list)  # admission order
     _freed: list[int] = field(default_factory=list)  # requests whose KV the stages may drop
+    _lane: dict[int, int] = field(default_factory=dict)  # admitted request -> its lane
+    _busy: set[int] = field(default_factory=set)  # lanes with a decode step in the ring
 
     def __post_init__(self) -> None:
-        if self.concurrency < 1 or self.chunk < 1 or self.stages < 1:
+        if self.concurrency < 1 or self.chunk < 1 or self.lanes < 1:
             raise ValueError(
-                f"concurrency {self.concurrency}, chunk {self.chunk} and stages {self.stages} "
+                f"concurrency {self.concurrency}, chunk {self.chunk} and lanes {self.lanes} "
                 "must be at least 1"
             )
 
@@ -101,31 +107,41 @@ class Schedule:
     def active(self) -> tuple[int, ...]:
         return tuple(self._active)
 
-    @property
-    def lanes(self) -> int:
-        """Groups the ring can work on at once: one per stage, one more in transit (1 alone)."""
-        return self.stages + 1 if self.stages > 1 else 1
-
-    @property
-    def group_size(self) -> int:
-        """Most decode steps in one frame: the largest size that still makes `lanes` groups of the
-        active requests (ceil(active / size) >= lanes), at least 1."""
-        active, size = len(self._active), max(1, len(self._active))
-        while size > 1 and -(-active // size) < self.lanes:
-            size -= 1
-        return size
+    def lane_sizes(self) -> list[int]:
+        """Admitted requests per lane."""
+        counts = Counter(self._lane.values())
+        return [counts[lane] for lane in range(self.lanes)]
 
     def take(self) -> list[Step]:
-        """Everything that can enter the ring now: prefill chunks first, then the decode groups."""
+        """Everything that can enter the ring now: prefill chunks first, then one decode group
+        from every lane whose previous step is back, of its requests that are ready."""
         steps = [c for rid in list(self._active) for c in self._chunks(self._reqs[rid])]
-        ready = [self._reqs[rid] for rid in self._active if self._reqs[rid].state is State.READY]
-        for r in ready:
-            r.state, r.in_flight = State.IN_FLIGHT, r.in_flight + 1
-        size = self.group_size
-        for at in range(0, len(ready), size):
-            group = ready[at : at + size]
+        self._even_out()
+        for lane in range(self.lanes):
+            if lane in self._busy:
+                continue
+            group = [r for r in self._ready() if self._lane[r.rid] == lane]
+            if not group:
+                continue
+            for r in group:
+                r.state, r.in_flight = State.IN_FLIGHT, r.in_flight + 1
+            self._busy.add(lane)
             steps.append(Step(False, tuple(Entry(r.rid, r.prompt_len + r.generated - 1, 1) for r in group)))
         return steps
+
+    def _ready(self) -> list[_Request]:
+        return [self._reqs[rid] for rid in self._active if self._reqs[rid].state is State.READY]
+
+    def _even_out(self) -> None:
+        """Move ready requests (not in the ring) from the fullest lane to the emptiest while they
+        differ by two or more."""
+        while True:
+            sizes = self.lane_sizes()
+            small, big = sizes.index(min(sizes)), sizes.index(max(sizes))
+            movable = [r for r in self._ready() if self._lane[r.rid] == big]
+            if sizes[big] - sizes[small] < 2 or not movable:
+                return
+            self._lane[movable[-1].rid] = small
 
     def _chunks(self, r: _Request) -> list[Step]:
         out = []
@@ -142,6 +158,8 @@ class Schedule:
     def returned(self, step: Step) -> list[int]:
         """A step came back to the head: the requests to sample now (cancelled ones are dropped)."""
         out = []
+        if not step.prefill:
+            self._busy.difference_update(self._lane.get(e.request_id) for e in step.entries)
         for e in step.entries:
             r = self._reqs.get(e.request_id)
             if r is None:
@@ -198,10 +216,26 @@ class Schedule:
             if r.rid in self._active:
                 self._active.remove(r.rid)
                 self._freed.append(r.rid)
+                del self._lane[r.rid]
             self._admit()
 
     def _admit(self) -> None:
         while self._queue and len(self._active) < self.concurrency:
             rid = self._queue.popleft()
+            sizes = self.lane_sizes()
+            self._lane[rid] = sizes.index(min(sizes))
             self._active.append(rid)
             self._reqs[rid].state = State.PREFILL
+
+
+def lanes_for(stage_ms: Sequence[float], hop_ms: Sequence[float] = ()) -> int:
+    """Decode groups a ring should keep in flight: as many as its slowest stage can serve while
+    one group goes once around (every stage's predicted ms per step plus every hop's), at
+    least 1. Stages 28, 29 and 28 ms with 1 ms hops give 3 (88 // 29); a head of 40 ms with two
+    stages of 20 gives 2; a ring of one gives 1. Without predictions: one lane per stage."""
+    if not stage_ms:
+        raise ValueError("a ring has at least one stage")
+    slowest = max(stage_ms)
+    if slowest <= 0:
+        return len(stage_ms)
+    return max(1, int((sum(stage_ms) + sum(hop_ms)) // slowest))

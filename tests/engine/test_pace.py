@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -28,6 +29,19 @@ def test_waiting_inside_a_computation_is_not_stretched() -> None:
     began = pace.mark()
     time.sleep(0.05)
     assert 0.05 <= pace.finish(began) < 0.08
+
+
+def test_another_threads_cpu_time_is_not_stretched() -> None:
+    # The member's network thread works while its model thread computes: only the computing
+    # thread's CPU time is the emulated device's. Here the computing thread waits 60 ms while
+    # another thread burns 50 ms of CPU: counted as the process's, that would be 200 ms.
+    pace = Pace(0.25)
+    other = threading.Thread(target=_busy, args=(0.05,))
+    began = pace.mark()
+    other.start()
+    other.join()
+    time.sleep(0.01)
+    assert 0.05 <= pace.finish(began) < 0.12
 
 
 def test_full_speed_adds_nothing() -> None:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kafila.session.schedule import Entry, Schedule, Step
+from kafila.session.schedule import Entry, Schedule, Step, lanes_for
 
 
 def test_prefill_chunks_then_one_decode_step_at_a_time() -> None:
@@ -60,36 +60,99 @@ def test_ready_decode_steps_leave_as_one_batch() -> None:
     assert batch.entries == (Entry(1, 5, 1), Entry(2, 7, 1), Entry(3, 2, 1))
 
 
-@pytest.mark.parametrize(
-    ("n_reqs", "stages", "sizes"),
-    [
-        (4, 3, [1, 1, 1, 1]),
-        (8, 3, [2, 2, 2, 2]),
-        (7, 3, [2, 2, 2, 1]),
-        (12, 3, [3, 3, 3, 3]),
-        (4, 1, [4]),
-        (4, 4, [1, 1, 1, 1]),
-        (5, 2, [2, 2, 1]),
-        (3, 5, [1, 1, 1]),
-    ],
-)
-def test_ready_decode_steps_leave_in_groups_filling_one_lane_per_stage_and_one_more(
-    n_reqs: int, stages: int, sizes: list[int]
-) -> None:
-    s = Schedule(concurrency=n_reqs, chunk=16, stages=stages)
+def _prefilled(s: Schedule, n_reqs: int) -> None:
+    """Submit n_reqs requests (prompt 3 + rid) and bring each back from its prefill."""
     for rid in range(n_reqs):
         s.submit(rid, 3 + rid, 10)
     for step in s.take():
         for rid in s.returned(step):
             s.sampled(rid, stop=False)
-    groups = s.take()
-    assert [len(g.entries) for g in groups] == sizes
-    assert [e.request_id for g in groups for e in g.entries] == list(range(n_reqs))  # each once, in order
-    assert all(e.position == 3 + e.request_id for g in groups for e in g.entries)
-    # a group that comes back alone leaves again as one group: sizes do not decay to one request
-    for rid in s.returned(groups[0]):
+
+
+@pytest.mark.parametrize(
+    ("n_reqs", "lanes", "groups"),
+    [
+        (4, 2, [[0, 2], [1, 3]]),
+        (4, 3, [[0, 3], [1], [2]]),
+        (4, 4, [[0], [1], [2], [3]]),
+        (4, 1, [[0, 1, 2, 3]]),
+        (3, 5, [[0], [1], [2]]),
+        (8, 3, [[0, 3, 6], [1, 4, 7], [2, 5]]),
+    ],
+)
+def test_ready_decode_steps_leave_one_group_per_lane(
+    n_reqs: int, lanes: int, groups: list[list[int]]
+) -> None:
+    s = Schedule(concurrency=n_reqs, chunk=16, lanes=lanes)
+    _prefilled(s, n_reqs)
+    taken = s.take()
+    assert [[e.request_id for e in g.entries] for g in taken] == groups
+    assert all(not g.prefill and e.position == 3 + e.request_id for g in taken for e in g.entries)
+    # a group that comes back leaves again whole, and only its lane leaves: the others are in the ring
+    for rid in s.returned(taken[0]):
         s.sampled(rid, stop=False)
-    assert [len(g.entries) for g in s.take()] == [sizes[0]]
+    assert [[e.request_id for e in g.entries] for g in s.take()] == [groups[0]]
+
+
+def test_a_lane_waits_for_its_step_so_late_requests_join_the_next_one() -> None:
+    s = Schedule(concurrency=2, chunk=16, lanes=1)
+    s.submit(1, 4, 10)
+    s.submit(2, 4, 10)
+    p1, p2 = s.take()
+    for rid in s.returned(p1):
+        s.sampled(rid, stop=False)
+    [d1] = s.take()
+    assert d1.entries == (Entry(1, 4, 1),)  # the lane was free: request 1 leaves alone
+    for rid in s.returned(p2):
+        s.sampled(rid, stop=False)
+    assert s.take() == []  # request 2 is ready, but its lane's step is in the ring
+    for rid in s.returned(d1):
+        s.sampled(rid, stop=False)
+    [d2] = s.take()
+    assert d2.entries == (Entry(1, 5, 1), Entry(2, 4, 1))  # from now on they travel together
+
+
+def test_lanes_are_evened_out_when_requests_finish() -> None:
+    s = Schedule(concurrency=4, chunk=16, lanes=2)
+    _prefilled(s, 4)  # lanes: [0, 2] and [1, 3]
+    a, b = s.take()
+    for rid in s.returned(a):
+        s.sampled(rid, stop=True)  # 0 and 2 finish: lane 0 is empty
+    for rid in s.returned(b):
+        s.sampled(rid, stop=False)
+    assert s.lane_sizes() == [0, 2]
+    taken = s.take()
+    assert sorted(len(g.entries) for g in taken) == [1, 1]  # one of lane 1's moved over
+    assert s.lane_sizes() == [1, 1]
+
+
+def test_new_requests_join_the_emptiest_lane() -> None:
+    s = Schedule(concurrency=3, chunk=16, lanes=2)
+    _prefilled(s, 2)
+    assert s.lane_sizes() == [1, 1]
+    s.submit(9, 3, 5)
+    assert s.lane_sizes() == [2, 1]
+    s.cancel(0)  # ready, not in the ring: forgotten at once
+    assert s.lane_sizes() == [1, 1]
+    taken = s.take()
+    assert [(g.prefill, [e.request_id for e in g.entries]) for g in taken] == [(True, [9]), (False, [1])]
+
+
+@pytest.mark.parametrize(
+    ("stage_ms", "hop_ms", "lanes"),
+    [
+        ([28.0, 29.0, 28.0], [0.5, 0.5, 0.5], 2),  # 86.5 // 29
+        ([28.0, 28.0, 28.0], [1.0, 1.0, 1.0], 3),  # 87 // 28
+        ([40.0, 20.0, 20.0], [], 2),
+        ([10.0, 10.0, 10.0, 10.0], [2.0] * 4, 4),
+        ([30.0], [], 1),
+        ([0.0, 0.0, 0.0], [], 3),  # no predictions: one lane per stage
+    ],
+)
+def test_lanes_for_fills_the_ring_up_to_its_slowest_stage(
+    stage_ms: list[float], hop_ms: list[float], lanes: int
+) -> None:
+    assert lanes_for(stage_ms, hop_ms) == lanes
 
 
 def test_cancelled_request_keeps_its_slot_until_its_step_returns() -> None:
@@ -109,8 +172,10 @@ def test_cancelled_request_keeps_its_slot_until_its_step_returns() -> None:
 def test_bad_arguments_are_refused_with_numbers() -> None:
     with pytest.raises(ValueError, match="concurrency 0"):
         Schedule(concurrency=0)
-    with pytest.raises(ValueError, match="stages 0"):
-        Schedule(concurrency=2, stages=0)
+    with pytest.raises(ValueError, match="lanes 0"):
+        Schedule(concurrency=2, lanes=0)
+    with pytest.raises(ValueError, match="at least one stage"):
+        lanes_for([])
     s = Schedule(concurrency=1)
     with pytest.raises(ValueError, match="prompt of 0"):
         s.submit(1, 0, 5)
@@ -120,15 +185,15 @@ def test_bad_arguments_are_refused_with_numbers() -> None:
 @given(
     concurrency=st.integers(1, 4),
     chunk=st.integers(1, 6),
-    stages=st.integers(1, 4),
+    lanes=st.integers(1, 4),
     reqs=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 6)), min_size=1, max_size=8),
     seed=st.integers(0, 2**32),
 )
 def test_random_interleavings_keep_the_invariants(
-    concurrency: int, chunk: int, stages: int, reqs: list[tuple[int, int]], seed: int
+    concurrency: int, chunk: int, lanes: int, reqs: list[tuple[int, int]], seed: int
 ) -> None:
     rng = random.Random(seed)
-    s = Schedule(concurrency=concurrency, chunk=chunk, stages=stages)
+    s = Schedule(concurrency=concurrency, chunk=chunk, lanes=lanes)
     sent: dict[int, list[tuple[int, int]]] = {i: [] for i in range(len(reqs))}
     finished, cancelled, ring = set(), set(), []
     pending = list(enumerate(reqs))
@@ -144,9 +209,10 @@ def test_random_interleavings_keep_the_invariants(
                 cancelled.add(rid)
         else:
             taken = s.take()
-            most = concurrency if stages == 1 else max(1, concurrency // stages)  # lanes - 1 == stages
-            assert all(len(st.entries) <= most for st in taken if not st.prefill)
             ring += taken
+            decoding = [g for g in ring if not g.prefill]
+            assert len(decoding) <= lanes  # never more decode groups in the ring than lanes
+            assert all(len(g.entries) <= -(-concurrency // lanes) for g in decoding)
             for rid in s.pop_freed():
                 assert s.idle(rid)
             if ring:
