@@ -2,8 +2,10 @@
 
 Requests are admitted up to the declared concurrency; more wait in a FIFO queue whose positions
 are reported. An admitted request first sends its prompt as prefill chunks (all of them at once:
-chunk k+1 can run at the head while chunk k runs further along the ring; links keep them in order),
-then alternates: one decode step goes around the ring, comes back, is sampled, and the next step
+chunk k+1 can run at the head while chunk k runs further along the ring; links keep them in order).
+The last chunks of prompts admitted together travel as one step while their rows fit in a chunk
+(four users' short prompts: one forward pass per stage instead of four). Then a request
+alternates: one decode step goes around the ring, comes back, is sampled, and the next step
 becomes ready. Every request has at most one decode step in flight.
 
 Decode steps travel in lanes. The ring keeps `lanes` groups of decode steps in flight at once;
@@ -115,7 +117,8 @@ class Schedule:
     def take(self) -> list[Step]:
         """Everything that can enter the ring now: prefill chunks first, then one decode group
         from every lane whose previous step is back, of its requests that are ready."""
-        steps = [c for rid in list(self._active) for c in self._chunks(self._reqs[rid])]
+        chunks = [c for rid in list(self._active) for c in self._chunks(self._reqs[rid])]
+        steps = [c for c in chunks if not c.last_chunk] + self._merged([c for c in chunks if c.last_chunk])
         self._even_out()
         for lane in range(self.lanes):
             if lane in self._busy:
@@ -142,6 +145,17 @@ class Schedule:
             if sizes[big] - sizes[small] < 2 or not movable:
                 return
             self._lane[movable[-1].rid] = small
+
+    def _merged(self, lasts: list[Step]) -> list[Step]:
+        """Last chunks of several requests as few steps of at most `chunk` rows, in order."""
+        out: list[Step] = []
+        for c in lasts:
+            prev = out[-1] if out else None
+            if prev is not None and sum(e.n_tokens for e in prev.entries + c.entries) <= self.chunk:
+                out[-1] = Step(True, prev.entries + c.entries, last_chunk=True)
+            else:
+                out.append(c)
+        return out
 
     def _chunks(self, r: _Request) -> list[Step]:
         out = []

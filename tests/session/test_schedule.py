@@ -40,12 +40,26 @@ def test_queue_positions_and_admission_when_a_slot_frees() -> None:
     s = Schedule(concurrency=2, chunk=8)
     assert [s.submit(i, 3, 1) for i in range(1, 6)] == [0, 0, 1, 2, 3]
     assert s.queue_positions() == {3: 1, 4: 2, 5: 3}
-    steps = s.take()
-    assert [st.entries[0].request_id for st in steps] == [1, 2]
-    s.returned(steps[0])
+    [step] = s.take()  # both short prompts in one prefill step
+    assert [e.request_id for e in step.entries] == [1, 2] and step.last_chunk
+    assert s.returned(step) == [1, 2]
     assert s.sampled(1, stop=True) is True
     assert s.queue_positions() == {4: 1, 5: 2}
     assert s.active == (2, 3)
+
+
+def test_last_chunks_of_prompts_admitted_together_share_steps_up_to_a_chunk() -> None:
+    s = Schedule(concurrency=4, chunk=8)
+    for rid, n in [(1, 3), (2, 12), (3, 4), (4, 2)]:
+        s.submit(rid, n, 5)
+    steps = s.take()
+    shapes = [(st.last_chunk, [(e.request_id, e.position, e.n_tokens) for e in st.entries]) for st in steps]
+    assert shapes == [
+        (False, [(2, 0, 8)]),  # a long prompt's earlier chunks go first, alone
+        (True, [(1, 0, 3), (2, 8, 4)]),  # 7 rows
+        (True, [(3, 0, 4), (4, 0, 2)]),  # 4 more would make 11 > 8: a new step
+    ]
+    assert [s.returned(st) for st in steps] == [[], [1, 2], [3, 4]]
 
 
 def test_ready_decode_steps_leave_as_one_batch() -> None:
@@ -97,8 +111,9 @@ def test_ready_decode_steps_leave_one_group_per_lane(
 def test_a_lane_waits_for_its_step_so_late_requests_join_the_next_one() -> None:
     s = Schedule(concurrency=2, chunk=16, lanes=1)
     s.submit(1, 4, 10)
+    [p1] = s.take()
     s.submit(2, 4, 10)
-    p1, p2 = s.take()
+    [p2] = s.take()
     for rid in s.returned(p1):
         s.sampled(rid, stop=False)
     [d1] = s.take()
