@@ -149,6 +149,7 @@ class RingHead:
         return self.info.document(self.state, self.broken) | {
             "active": list(self.schedule.active),
             "queued": len(self.schedule.queue_positions()),
+            "lanes": self.schedule.lane_sizes(),  # admitted requests per decode lane
         }
 
     # -- lifecycle -------------------------------------------------------------------------------------

@@ -48,15 +48,17 @@ def build_ring(
     concurrency: int = 1,
     chunk: int = 4,
     dead_after: float = 5.0,
+    predicted_ms: list[float] | None = None,  # per stage; default 1.0 each (one lane per stage)
 ) -> Ring:
     names = tuple(f"m{i}" for i in range(len(splits)))
+    predicted = predicted_ms or [1.0] * len(splits)
     info = RingInfo(
         session="test",
         model="tiny",
         division="test",
         order=names,
         blocks={n: s for n, s in zip(names, splits, strict=True)},
-        predicted_ms={n: 1.0 for n in names},
+        predicted_ms=dict(zip(names, predicted, strict=True)),
         edges={f"{a}->{b}": "local" for a, b in zip(names, names[1:] + names[:1], strict=True)},
     )
     stages = [

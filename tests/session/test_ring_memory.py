@@ -77,6 +77,21 @@ async def test_concurrent_requests_each_match_their_single_user_output(ckpt: Che
         await ring.stop()
 
 
+async def test_four_users_travel_in_the_lanes_the_plan_allows_and_match_single_user(ckpt: Checkpoint) -> None:
+    # predicted 3 + 2 + 2 ms around a 3 ms head: two lanes of two requests
+    ring = build_ring(ckpt, [(0, 2), (2, 3), (3, 5)], concurrency=4, predicted_ms=[3.0, 2.0, 2.0])
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], [9, 9, 9, 9]]
+    try:
+        gens = [await ring.head.submit(p, Sampling(max_tokens=9)) for p in prompts]
+        assert ring.head.describe()["lanes"] == [2, 2]
+        results = await asyncio.gather(*(collect(g) for g in gens))
+        for p, (tokens, _) in zip(prompts, results, strict=True):
+            assert tokens == single_process(ckpt, p, 9)
+        assert ring.head.describe()["lanes"] == [0, 0]
+    finally:
+        await ring.stop()
+
+
 async def test_cancel_frees_the_slot_for_the_next_request(ckpt: Checkpoint) -> None:
     ring = build_ring(ckpt, [(0, 2), (2, 5)], concurrency=1)
     try:
