@@ -120,10 +120,11 @@ class Schedule:
         chunks = [c for rid in list(self._active) for c in self._chunks(self._reqs[rid])]
         steps = [c for c in chunks if not c.last_chunk] + self._merged([c for c in chunks if c.last_chunk])
         self._even_out()
+        ready = self._ready()
         for lane in range(self.lanes):
             if lane in self._busy:
                 continue
-            group = [r for r in self._ready() if self._lane[r.rid] == lane]
+            group = [r for r in ready if self._lane[r.rid] == lane]
             if not group:
                 continue
             for r in group:
