@@ -32,7 +32,7 @@ from kafila.proto import tensor as t
 from kafila.session import compute
 from kafila.session.channel import Channel, ChannelError
 from kafila.session.generation import QueueGeneration, RequestIds, cancel_tasks, origin_of
-from kafila.session.schedule import Entry, Schedule, Step, lanes_for
+from kafila.session.schedule import Entry, Schedule, Step
 from kafila.session.service import GenerationError, Sampling, TokenEvent
 from kafila.session.stagetrace import StageTally, read_hop_report
 
@@ -52,16 +52,6 @@ class RingInfo:
     edges: dict[str, str] = field(default_factory=dict)  # "a->b": "direct" | "relay" | "local"
     plan: dict[str, Any] = field(default_factory=dict)
     edge_rtt_ms: dict[str, float] = field(default_factory=dict)  # "a->b": the plan's priced round trip
-
-    def lanes(self) -> int:
-        """Decode groups to keep in flight (schedule.lanes_for) from the plan's predicted stage
-        costs and its ring edges' round trips (half of one each way)."""
-        n = len(self.order)
-        edges = [f"{self.order[i]}->{self.order[(i + 1) % n]}" for i in range(n)] if n > 1 else []
-        return lanes_for(
-            [self.predicted_ms.get(m, 0.0) for m in self.order],
-            [self.edge_rtt_ms.get(e, 0.0) / 2 for e in edges],
-        )
 
     def document(self, state: str, error: str | None) -> dict[str, Any]:
         """The part of a member's /session document every member shares."""
@@ -116,11 +106,12 @@ class RingHead:
         concurrency: int = 1,
         chunk: int = 256,
         traces: TraceLog | None = None,
+        lanes: int = 1,  # decode groups in flight (schedule.lanes_for, from the plan)
     ) -> None:
         self.stage, self.model, self.info = stage, model, info
         self.next, self.prev = next_ch, prev_ch  # both None: a ring of one
         self.eos_ids = tuple(eos_ids)
-        self.schedule = Schedule(concurrency=concurrency, chunk=chunk, lanes=info.lanes())
+        self.schedule = Schedule(concurrency=concurrency, chunk=chunk, lanes=lanes)
         log.info("decode_lanes", lanes=self.schedule.lanes, concurrency=concurrency)
         self.traces = traces
         self.ids = RequestIds(0)

@@ -26,7 +26,6 @@ on what they return.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -243,14 +242,14 @@ class Schedule:
             self._reqs[rid].state = State.PREFILL
 
 
-def lanes_for(stage_ms: Sequence[float], hop_ms: Sequence[float] = ()) -> int:
+def lanes_for(circuit: float | None, slowest: float | None, stages: int) -> int:
     """Decode groups a ring should keep in flight: as many as its slowest stage can serve while
-    one group goes once around (every stage's predicted ms per step plus every hop's), at
-    least 1. Stages 28, 29 and 28 ms with 1 ms hops give 3 (88 // 29); a head of 40 ms with two
-    stages of 20 gives 2; a ring of one gives 1. Without predictions: one lane per stage."""
-    if not stage_ms:
+    one group goes once around, at least 1. `circuit` and `slowest` are the plan's predicted
+    circuit (every stage plus every hop) and bottleneck stage, in any one unit: 88 ms around a
+    29 ms stage gives 3, 80 around a 40 ms head gives 2, a ring of one gives 1. Without
+    predictions: one lane per stage."""
+    if stages < 1:
         raise ValueError("a ring has at least one stage")
-    slowest = max(stage_ms)
-    if slowest <= 0:
-        return len(stage_ms)
-    return max(1, int((sum(stage_ms) + sum(hop_ms)) // slowest))
+    if not circuit or not slowest:
+        return stages
+    return max(1, int(circuit // slowest))

@@ -34,6 +34,7 @@ from kafila.session.form import (
     session_record,
 )
 from kafila.session.formation import HostFormation, MemberFormation
+from kafila.session.schedule import lanes_for
 
 log = get_logger("kafila.session")
 
@@ -265,8 +266,18 @@ async def _start_ring(
     traces = TraceLog(opts.trace) if opts.trace else None
     model_thread = ModelThread(name)
     if head:
+        lanes = lanes_for(plan.circuit_s, plan.bottleneck_s, len(order))
         service: Any = RingHead(
-            stage, model_thread, info, nxt, prv, tuple(tokenizer.stop_ids), plan.concurrency, chunk, traces
+            stage,
+            model_thread,
+            info,
+            nxt,
+            prv,
+            tuple(tokenizer.stop_ids),
+            plan.concurrency,
+            chunk,
+            traces,
+            lanes,
         )
         record = session_record(plan, code.public, model, edges)
         if traces:

@@ -48,17 +48,16 @@ def build_ring(
     concurrency: int = 1,
     chunk: int = 4,
     dead_after: float = 5.0,
-    predicted_ms: list[float] | None = None,  # per stage; default 1.0 each (one lane per stage)
+    lanes: int | None = None,  # decode lanes at the head; default one per stage
 ) -> Ring:
     names = tuple(f"m{i}" for i in range(len(splits)))
-    predicted = predicted_ms or [1.0] * len(splits)
     info = RingInfo(
         session="test",
         model="tiny",
         division="test",
         order=names,
         blocks={n: s for n, s in zip(names, splits, strict=True)},
-        predicted_ms=dict(zip(names, predicted, strict=True)),
+        predicted_ms={n: 1.0 for n in names},
         edges={f"{a}->{b}": "local" for a, b in zip(names, names[1:] + names[:1], strict=True)},
     )
     stages = [
@@ -72,10 +71,11 @@ def build_ring(
     pairs = [MemoryChannel.pair(names[i], names[(i + 1) % n]) for i in range(n)] if n > 1 else []
     hb = [(beat(a, dead_after), beat(b, dead_after)) for a, b in pairs]
     eos = ckpt.config.eos_token_id
+    ways = {"concurrency": concurrency, "chunk": chunk, "lanes": lanes or n}
     if n == 1:
-        head = RingHead(stages[0], ModelThread(names[0]), info, None, None, eos, concurrency, chunk)
+        head = RingHead(stages[0], ModelThread(names[0]), info, None, None, eos, **ways)
         return Ring(head.start(), [], [])
-    head = RingHead(stages[0], ModelThread(names[0]), info, hb[0][0], hb[-1][1], eos, concurrency, chunk)
+    head = RingHead(stages[0], ModelThread(names[0]), info, hb[0][0], hb[-1][1], eos, **ways)
     members = [
         RingMember(i, stages[i], ModelThread(names[i]), info, hb[i][0], hb[i - 1][1]) for i in range(1, n)
     ]

@@ -10,6 +10,7 @@ from kafila.engine.generate import generate
 from kafila.engine.sampler import SamplingParams
 from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
+from kafila.session.schedule import lanes_for
 from kafila.session.service import GenerationError, Sampling, TokenEvent
 from tests.session.ringkit import build_ring
 
@@ -78,8 +79,8 @@ async def test_concurrent_requests_each_match_their_single_user_output(ckpt: Che
 
 
 async def test_four_users_travel_in_the_lanes_the_plan_allows_and_match_single_user(ckpt: Checkpoint) -> None:
-    # predicted 3 + 2 + 2 ms around a 3 ms head: two lanes of two requests
-    ring = build_ring(ckpt, [(0, 2), (2, 3), (3, 5)], concurrency=4, predicted_ms=[3.0, 2.0, 2.0])
+    lanes = lanes_for(7.0, 3.0, 3)  # predicted 3 + 2 + 2 ms around a 3 ms head: two lanes of two requests
+    ring = build_ring(ckpt, [(0, 2), (2, 3), (3, 5)], concurrency=4, lanes=lanes)
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], [9, 9, 9, 9]]
     try:
         gens = [await ring.head.submit(p, Sampling(max_tokens=9)) for p in prompts]

@@ -154,20 +154,20 @@ def test_new_requests_join_the_emptiest_lane() -> None:
 
 
 @pytest.mark.parametrize(
-    ("stage_ms", "hop_ms", "lanes"),
+    ("circuit_ms", "slowest_ms", "stages", "lanes"),
     [
-        ([28.0, 29.0, 28.0], [0.5, 0.5, 0.5], 2),  # 86.5 // 29
-        ([28.0, 28.0, 28.0], [1.0, 1.0, 1.0], 3),  # 87 // 28
-        ([40.0, 20.0, 20.0], [], 2),
-        ([10.0, 10.0, 10.0, 10.0], [2.0] * 4, 4),
-        ([30.0], [], 1),
-        ([0.0, 0.0, 0.0], [], 3),  # no predictions: one lane per stage
+        (86.5, 29.0, 3, 2),  # stages 28, 29, 28 and hops of 0.5
+        (87.0, 28.0, 3, 3),  # stages 28, 28, 28 and hops of 1
+        (80.0, 40.0, 3, 2),  # a 40 ms head and two stages of 20
+        (48.0, 10.0, 4, 4),  # four stages of 10 and hops of 2
+        (30.0, 30.0, 1, 1),
+        (None, None, 3, 3),  # no predictions: one lane per stage
     ],
 )
 def test_lanes_for_fills_the_ring_up_to_its_slowest_stage(
-    stage_ms: list[float], hop_ms: list[float], lanes: int
+    circuit_ms: float | None, slowest_ms: float | None, stages: int, lanes: int
 ) -> None:
-    assert lanes_for(stage_ms, hop_ms) == lanes
+    assert lanes_for(circuit_ms, slowest_ms, stages) == lanes
 
 
 def test_cancelled_request_keeps_its_slot_until_its_step_returns() -> None:
@@ -190,7 +190,7 @@ def test_bad_arguments_are_refused_with_numbers() -> None:
     with pytest.raises(ValueError, match="lanes 0"):
         Schedule(concurrency=2, lanes=0)
     with pytest.raises(ValueError, match="at least one stage"):
-        lanes_for([])
+        lanes_for(10.0, 5.0, 0)
     s = Schedule(concurrency=1)
     with pytest.raises(ValueError, match="prompt of 0"):
         s.submit(1, 0, 5)
