@@ -185,6 +185,13 @@ class Stage:
         return int(self.cache.nbytes)
 
     @property
+    def batch_rows(self) -> int | None:
+        """Most rows one step may hold with each request's result the same as alone (the CPU
+        kernels' limit, kafila.models.torch.llama.KERNEL_ROWS); None: no bound below a chunk."""
+        rows = getattr(self.model, "batch_rows", None)
+        return int(rows) if rows is not None else None
+
+    @property
     def wire_dtype(self) -> str:
         return self.backend.wire_dtype
 

@@ -111,7 +111,8 @@ class RingHead:
         self.stage, self.model, self.info = stage, model, info
         self.next, self.prev = next_ch, prev_ch  # both None: a ring of one
         self.eos_ids = tuple(eos_ids)
-        self.schedule = Schedule(concurrency=concurrency, chunk=chunk, lanes=lanes)
+        merge = stage.batch_rows or 0  # prompts prefilled together: as many rows as stay exact
+        self.schedule = Schedule(concurrency=concurrency, chunk=chunk, lanes=lanes, merge=merge)
         log.info("decode_lanes", lanes=self.schedule.lanes, concurrency=concurrency)
         self.traces = traces
         self.ids = RequestIds(0)

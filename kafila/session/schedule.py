@@ -3,8 +3,11 @@
 Requests are admitted up to the declared concurrency; more wait in a FIFO queue whose positions
 are reported. An admitted request first sends its prompt as prefill chunks (all of them at once:
 chunk k+1 can run at the head while chunk k runs further along the ring; links keep them in order).
-The last chunks of prompts admitted together travel as one step while their rows fit in a chunk
-(four users' short prompts: one forward pass per stage instead of four). Then a request
+The last chunks of prompts admitted together travel as one step while their rows fit in `merge`
+rows (four users' short prompts: one forward pass per stage instead of four). `merge` defaults to
+a chunk; the head lowers it to the rows up to which its engine computes every row of a step
+independently of the others (`Stage.batch_rows`), so a prompt prefills to the same bits alone or
+with others. Then a request
 alternates: one decode step goes around the ring, comes back, is sampled, and the next step
 becomes ready. Every request has at most one decode step in flight.
 
@@ -71,6 +74,7 @@ class Schedule:
     concurrency: int
     chunk: int = 256  # prefill chunk, tokens
     lanes: int = 1  # decode groups in flight at once (see `lanes_for`)
+    merge: int = 0  # rows up to which last prefill chunks of several prompts share a step (0: chunk)
     _reqs: dict[int, _Request] = field(default_factory=dict)
     _queue: deque[int] = field(default_factory=deque)
     _active: list[int] = field(default_factory=list)  # admission order
@@ -79,11 +83,12 @@ class Schedule:
     _busy: set[int] = field(default_factory=set)  # lanes with a decode step in the ring
 
     def __post_init__(self) -> None:
-        if self.concurrency < 1 or self.chunk < 1 or self.lanes < 1:
+        if self.concurrency < 1 or self.chunk < 1 or self.lanes < 1 or self.merge < 0:
             raise ValueError(
                 f"concurrency {self.concurrency}, chunk {self.chunk} and lanes {self.lanes} "
-                "must be at least 1"
+                f"must be at least 1, merge {self.merge} at least 0"
             )
+        self.merge = min(self.merge or self.chunk, self.chunk)
 
     def submit(self, rid: int, prompt_len: int, max_tokens: int) -> int:
         """Queue a request; returns its queue position (0: admitted now)."""
@@ -147,11 +152,11 @@ class Schedule:
             self._lane[movable[-1].rid] = small
 
     def _merged(self, lasts: list[Step]) -> list[Step]:
-        """Last chunks of several requests as few steps of at most `chunk` rows, in order."""
+        """Last chunks of several requests as few steps of at most `merge` rows, in order."""
         out: list[Step] = []
         for c in lasts:
             prev = out[-1] if out else None
-            if prev is not None and sum(e.n_tokens for e in prev.entries + c.entries) <= self.chunk:
+            if prev is not None and sum(e.n_tokens for e in prev.entries + c.entries) <= self.merge:
                 out[-1] = Step(True, prev.entries + c.entries, last_chunk=True)
             else:
                 out.append(c)

@@ -130,7 +130,7 @@ def test_compiled_kernels_load_from_numba_cache_in_fresh_processes() -> None:
 
 
 @pytest.mark.parametrize("out", [1, 2, 3, 5, 7, 13, 70, 257])
-@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 64])
 def test_few_row_product_equals_torch_for_any_output_width(out: int, rows: int) -> None:
     """The kernel takes output rows four at a time; widths not divisible by four end one by one."""
     import torch
@@ -143,6 +143,34 @@ def test_few_row_product_equals_torch_for_any_output_width(out: int, rows: int) 
     xb, wb = x.bfloat16(), w.bfloat16()
     ref = (xb.float() @ wb.float().T).bfloat16()  # float32 products of the bf16 values, rounded once
     torch.testing.assert_close(few_rows.linear(xb, wb), ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_prefill_is_bit_identical_alone_or_with_other_prompts(tiny_checkpoint, dtype: str) -> None:
+    """Prefill chunks of up to KERNEL_ROWS rows take the few-row kernel, whose rows do not depend
+    on each other: a prompt prefilled alone and together with two others gives the same bits (four
+    users admitted together prefill in one step at the head and at every member)."""
+    from kafila.models.torch import llama
+
+    stage = _stage(tiny_checkpoint("llama-gqa3-tied"), fused=True, dtype=dtype)
+    prompts = {rid: [(7 * i + n) % 250 for i in range(n)] for rid, n in (("a", 12), ("b", 30), ("c", 9))}
+    assert llama.FEW_ROWS < 51 and not llama._too_many(51, stage.model.dtype)  # 51 rows: prefill-sized
+    stage.open("alone")
+    [alone] = stage.forward([("alone", 0, stage.embed(prompts["b"]))])
+    stage.close("alone")
+    for rid in prompts:
+        stage.open(rid)
+    together = stage.forward([(rid, 0, stage.embed(p)) for rid, p in prompts.items()])
+    assert np.array_equal(np.asarray(stage.to_bytes(alone)), np.asarray(stage.to_bytes(together[1])))
+
+
+def test_prefill_products_past_the_kernel_rows_go_to_torch() -> None:
+    import torch
+
+    from kafila.models.torch import llama
+
+    assert not llama._too_many(64, torch.float32) and llama._too_many(65, torch.float32)
+    assert not llama._too_many(4096, torch.bfloat16)  # bf16: the kernel at every size
 
 
 def test_without_numba_the_torch_ops_run_and_agree(tiny_checkpoint, monkeypatch) -> None:

@@ -62,6 +62,16 @@ def test_last_chunks_of_prompts_admitted_together_share_steps_up_to_a_chunk() ->
     assert [s.returned(st) for st in steps] == [[], [1, 2], [3, 4]]
 
 
+def test_last_chunks_share_steps_only_up_to_the_merge_rows() -> None:
+    s = Schedule(concurrency=3, chunk=8, merge=5)
+    for rid, n in [(1, 3), (2, 2), (3, 1)]:
+        s.submit(rid, n, 5)
+    assert [[e.request_id for e in st.entries] for st in s.take()] == [[1, 2], [3]]  # 6 rows > 5
+    with pytest.raises(ValueError, match="merge -1"):
+        Schedule(concurrency=1, merge=-1)
+    assert Schedule(concurrency=1, chunk=8, merge=64).merge == 8  # never more than a chunk
+
+
 def test_ready_decode_steps_leave_as_one_batch() -> None:
     s = Schedule(concurrency=3, chunk=16)
     for rid, n in [(1, 5), (2, 7), (3, 2)]:

@@ -2,9 +2,9 @@
 
 Hugging Face weight names, rotate-half RoPE (see kafila.models.rope), no permutations. At load the
 q/k/v rows are fused into one `wqkv` and gate/up into one `w_gate_up`, so a block is four matmuls.
-On the CPU in fp32, decode steps run each block as one compiled call (`decode_cpu`), and other
-products of at most FEW_ROWS rows go through the bandwidth-bound kernel in `few_rows`; larger ones
-(prefill chunks) and other dtypes and devices through torch's `F.linear`. Weights keep the Hugging
+On the CPU in fp32 and bf16, decode steps run each block as one compiled call (`decode_cpu`), and
+the products of prefill chunks go through the kernel in `few_rows` up to `KERNEL_ROWS` rows; larger
+fp32 chunks, other dtypes and other devices go through torch's `F.linear`. Weights keep the Hugging
 Face [out, in] layout for all of them.
 The model knows nothing about networks or requests: `forward` takes the hidden rows of several
 requests stacked together and, for each, its KV-cache slot and first position (`Span`).
@@ -32,7 +32,12 @@ from kafila.models.span import Span
 Tensor = torch.Tensor
 
 
-FEW_ROWS = 16  # products of at most this many rows are decode-sized (above: prefill chunks)
+FEW_ROWS = 16  # decode steps of at most this many rows run fused (decode_cpu)
+# Products of at most this many rows go through few_rows' kernel (CPU); None: any number. Measured
+# with the weights read from memory, as in a prefill (benchmarks/products.py, docs/engine.md): in
+# fp32 the kernel is 1.2-2.5x faster than torch up to 64 rows on one or two threads and slower from
+# 76 rows on one; in bf16 it is 3-4x faster at every size up to 256 (torch widens bf16 slowly here).
+KERNEL_ROWS: dict[torch.dtype, int | None] = {torch.float32: 64, torch.bfloat16: None}
 
 
 @functools.cache
@@ -51,6 +56,12 @@ def _kernel_dtype(t: Tensor) -> bool:
     return _kernels_take(t.dtype, t.device)
 
 
+def _too_many(rows: int, dtype: torch.dtype) -> bool:
+    """Whether a product of `rows` rows with a weight of `dtype` is faster in torch than in few_rows."""
+    limit = KERNEL_ROWS.get(dtype)
+    return limit is not None and rows > limit
+
+
 @dataclass
 class Linear:
     """y = x W^T + b for a weight W [out, in]."""
@@ -59,7 +70,7 @@ class Linear:
     bias: Tensor | None = None  # [out]
 
     def __call__(self, x: Tensor) -> Tensor:  # [N, in] -> [N, out]
-        if x.shape[0] > FEW_ROWS or not (_kernel_dtype(x) and _kernel_dtype(self.w)):
+        if not (_kernel_dtype(x) and _kernel_dtype(self.w)) or _too_many(x.shape[0], self.w.dtype):
             return F.linear(x, self.w, self.bias)
         from kafila.models.torch import few_rows  # numba loads only where its kernels run
 
@@ -155,6 +166,13 @@ class LlamaModel:
             from kafila.models.torch import decode_cpu  # numba loads only where its kernels run
 
             self._block_step = decode_cpu.block_step
+
+    @property
+    def batch_rows(self) -> int | None:
+        """Most rows one step may hold with every row's result the same bits as alone: the few-row
+        kernel's `KERNEL_ROWS` for this dtype on the CPU. None: no bound below a chunk (the kernel
+        takes any size, or no kernel runs here and torch's products promise nothing either way)."""
+        return KERNEL_ROWS.get(self.dtype) if _kernels_take(self.dtype, self.device) else None
 
     # -- loading ---------------------------------------------------------------------------------
 

@@ -1,0 +1,62 @@
+"""Prefill-sized products: torch's `F.linear` against the few_rows kernel, weights read from memory.
+
+A prefill chunk multiplies its N rows by every weight of a block once, so, as in a decode step,
+each weight comes from memory, not from cache. This script times one block's four products (the
+default model's shapes: wqkv, o, gate+up, down) over enough distinct blocks (~340 MB in fp32) that
+every product reads its weight cold, for several N, side by side in one run, and prints the time
+per block of each and the ratio. `kafila.models.torch.llama.KERNEL_ROWS` (up to which N the kernel
+is used, per dtype) comes from these figures.
+
+    python3 benchmarks/products.py [--dtype fp32|bf16] [--threads T] [--rows 1,16,19,32,64,96,128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--threads", type=int, default=1, help="threads for torch and numba (default 1)")
+    p.add_argument("--rows", default="1,16,19,32,48,64,76,96,128", help="N values, comma-separated")
+    p.add_argument("--blocks", type=int, default=24, help="distinct blocks of weights (default 24)")
+    args = p.parse_args()
+    os.environ["NUMBA_NUM_THREADS"] = str(args.threads)  # before numba loads
+
+    import torch
+    import torch.nn.functional as F
+
+    from kafila.models.torch import few_rows
+
+    torch.set_num_threads(args.threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M's [out, in]
+    blocks = [[torch.randn(o, i).to(dtype) for o, i in shapes] for _ in range(args.blocks)]
+    print(f"{args.dtype}, {args.threads} thread(s), {args.blocks} blocks of {shapes}")
+    print(f"{'rows':>5} {'torch ms':>9} {'kernel ms':>10} {'torch/kernel':>13}")
+    for n in [int(r) for r in args.rows.split(",")]:
+        x = {i: torch.randn(n, i).to(dtype) for i in (576, 1536)}  # [N, in]
+
+        per_block(blocks, x, F.linear), per_block(blocks, x, few_rows.linear)  # warm up (and compile)
+        t = min(per_block(blocks, x, F.linear) for _ in range(2))
+        k = min(per_block(blocks, x, few_rows.linear) for _ in range(2))
+        print(f"{n:>5} {t * 1e3:>9.2f} {k * 1e3:>10.2f} {t / k:>13.2f}")
+    return 0
+
+
+def per_block(blocks: list[list[Any]], x: dict[int, Any], product: Callable[[Any, Any], Any]) -> float:
+    """Seconds per block for `product(x [N, in], w [out, in])` over every block's weights."""
+    start = time.perf_counter()
+    for block in blocks:
+        for w in block:
+            product(x[w.shape[1]], w)
+    return (time.perf_counter() - start) / len(blocks)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
