@@ -10,7 +10,9 @@ tokens/s = completion tokens of the round / wall time from the first send to the
 leaves all but one stage idle at any moment; four fill the pipeline and share batched decode
 steps. Target: four-user aggregate / one-user >= 3.5 (the paper: 4.0x on its LAN). It also
 prints each stage's ms per decode step as predicted, measured alone and measured under load (from
-the head's trace records): on one machine the stages that compute at once slow each other.
+the head's trace records): on one machine the stages that compute at once slow each other. And
+the time to each request's first token (queue + prefill at the head) alone and under load: the
+four prompts prefill through the same stages, so the last of them waits for the others.
 
     python3 benchmarks/users.py [--tokens 48] [--rounds 3] [--shares 1,0.5,0.25]
 """
@@ -75,6 +77,11 @@ def main() -> int:
     )
     for member, (pred, ms1, msn) in stage_table(alone, loaded).items():
         print(f"  {member:<8} {pred:6.1f} / {ms1:6.1f} / {msn:6.1f}")
+    first1, firstn = first_token_s(alone), first_token_s(loaded)
+    print(
+        f"first token s (head's trace: queue + prefill): alone {median(first1):.2f}, with {args.users} "
+        f"users median {median(firstn):.2f}, latest {max(firstn):.2f}"
+    )
     print(
         f"ratio {args.users} users / 1 user: {ratio:.2f}   "
         f"(target >= 3.5: {'met' if ratio >= 3.5 else 'NOT met'})"
@@ -95,6 +102,11 @@ def stage_table(alone: list[dict[str, Any]], loaded: list[dict[str, Any]]) -> di
 
     pred, ms1, msn = ms(alone, "predicted_ms"), ms(alone, "measured_ms"), ms(loaded, "measured_ms")
     return {m: (pred[m], ms1[m], msn.get(m, float("nan"))) for m in pred}
+
+
+def first_token_s(records: list[dict[str, Any]]) -> list[float]:
+    """Seconds from reaching the head to the first token, per request (the head's trace)."""
+    return [float(r["queue_s"]) + float(r["prefill_s"]) for r in records]
 
 
 if __name__ == "__main__":
