@@ -165,12 +165,21 @@ def test_prefill_is_bit_identical_alone_or_with_other_prompts(tiny_checkpoint, d
 
 
 def test_prefill_products_past_the_kernel_rows_go_to_torch() -> None:
+    """fp32 products of up to 64 rows give the kernel's bits, longer ones torch's (the two differ
+    in the last bits here, so each comparison tells which ran); bf16 takes the kernel at any size."""
     import torch
+    import torch.nn.functional as F
 
-    from kafila.models.torch import llama
+    from kafila.models.torch import few_rows, llama
 
-    assert not llama._too_many(64, torch.float32) and llama._too_many(65, torch.float32)
-    assert not llama._too_many(4096, torch.bfloat16)  # bf16: the kernel at every size
+    gen = torch.Generator().manual_seed(5)
+    w, x = torch.randn(70, 300, generator=gen), torch.randn(65, 300, generator=gen)
+    product = llama.Linear(w)
+    assert not torch.equal(F.linear(x[:64], w), few_rows.linear(x[:64], w))
+    assert torch.equal(product(x[:64]), few_rows.linear(x[:64], w))
+    assert torch.equal(product(x), F.linear(x, w))
+    wb, xb = w.bfloat16(), torch.randn(300, 300, generator=gen).bfloat16()
+    assert torch.equal(llama.Linear(wb)(xb), few_rows.linear(xb, wb))
 
 
 def test_without_numba_the_torch_ops_run_and_agree(tiny_checkpoint, monkeypatch) -> None:

@@ -15,11 +15,10 @@ how many rows are in the call, so a request's result is bit-identical alone or i
 bf16 weights are read as their uint16 bits and widened to float32 row by row (exact), so they
 cost half the memory traffic; arithmetic is float32. `LlamaModel` sends its products here on the
 CPU in fp32 and bf16 up to `llama.KERNEL_ROWS` rows: decode steps, and prefill chunks too, whose
-weights stream from memory once per chunk (in fp32 up to 64 rows this beats torch's packed
-product, which must read them as well; in bf16 at every size, benchmarks/products.py). Compiled by numba
-on first use (a few seconds) and cached on disk afterwards. Threads: numba's
-pool, sized by NUMBA_NUM_THREADS, which `kafila.engine.backend` sets to the usable CPUs before the
-first import.
+weights also stream from memory once per chunk (there the kernel beats torch's packed product up
+to 64 rows in fp32 and at every size in bf16, benchmarks/products.py). Compiled by numba on first
+use (a few seconds) and cached on disk afterwards. Threads: numba's pool, sized by
+NUMBA_NUM_THREADS, which `kafila.engine.backend` sets to the usable CPUs before the first import.
 """
 
 from __future__ import annotations

@@ -35,8 +35,9 @@ Tensor = torch.Tensor
 FEW_ROWS = 16  # decode steps of at most this many rows run fused (decode_cpu)
 # Products of at most this many rows go through few_rows' kernel (CPU); None: any number. Measured
 # with the weights read from memory, as in a prefill (benchmarks/products.py, docs/engine.md): in
-# fp32 the kernel is 1.2-2.5x faster than torch up to 64 rows on one or two threads and slower from
-# 76 rows on one; in bf16 it is 3-4x faster at every size up to 256 (torch widens bf16 slowly here).
+# fp32 the kernel is 1.2-2.5x faster than torch up to 64 rows on one or two threads, and from 76 to
+# 128 rows about even or slower depending on the run; in bf16 it is 3.5x faster at every size up to
+# 256 (torch widens bf16 slowly here).
 KERNEL_ROWS: dict[torch.dtype, int | None] = {torch.float32: 64, torch.bfloat16: None}
 
 
