@@ -6,6 +6,8 @@ import argparse
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from kafila.engine import PREFILL_CHUNK
+
 DEFAULT_RENDEZVOUS = "ws://127.0.0.1:8470/v1/signal"
 
 
@@ -54,13 +56,13 @@ def add_member_flags(parser: argparse.ArgumentParser) -> None:
 def add_threads_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads",
-        type=_positive_int,
+        type=positive_int,
         help="compute with at most this many CPU threads (default: every CPU this process may use, "
         "capped by a cgroup CPU quota)",
     )
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
     return int(text)
@@ -91,7 +93,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         choices=["kafila", "uniform", "memory"],
         help="how blocks are divided: kafila (measured cost model), uniform, or memory-proportional",
     )
-    parser.add_argument("--chunk", type=int, default=256, help="prefill chunk in tokens (default 256)")
+    parser.add_argument(
+        "--chunk",
+        type=positive_int,
+        default=PREFILL_CHUNK,
+        help=f"prompt tokens per prefill step (default {PREFILL_CHUNK}, as in `kafila run`)",
+    )
     parser.add_argument(
         "--wait",
         type=float,

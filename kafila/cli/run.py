@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kafila.cli.host import add_threads_flag
+from kafila.cli.host import add_threads_flag, positive_int
+from kafila.engine import PREFILL_CHUNK
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +52,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--raw", action="store_true", help="plain completion of PROMPT, without the model's chat template"
     )
     parser.add_argument("--system", default=None, help="a system message placed before PROMPT (chat mode)")
+    parser.add_argument(
+        "--chunk",
+        type=positive_int,
+        default=PREFILL_CHUNK,
+        help=f"prompt tokens per prefill step (default {PREFILL_CHUNK}, as in `kafila host`: the same "
+        "value gives the same tokens as a session)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -84,7 +92,8 @@ def _run(args: argparse.Namespace, params) -> int:  # type: ignore[no-untyped-de
         ckpt, range(ckpt.n_blocks), True, backend=args.backend, dtype=args.dtype, context=context
     )
     timings, stream = Timings(), tok.stream()
-    for token in generate(stage, prompt, params, eos_ids=tuple(tok.stop_ids), timings=timings):
+    steps = generate(stage, prompt, params, eos_ids=tuple(tok.stop_ids), chunk=args.chunk, timings=timings)
+    for token in steps:
         sys.stdout.write(stream.push(token))
         sys.stdout.flush()
     sys.stdout.write(stream.flush() + "\n")

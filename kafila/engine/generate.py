@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from kafila.engine import PREFILL_CHUNK
 from kafila.engine.sampler import Sampler, SamplingParams, StopReason
 from kafila.engine.stage import ContextFullError, RequestId, Stage
 
@@ -39,7 +40,7 @@ def generate(
     params: SamplingParams,
     *,
     eos_ids: tuple[int, ...] = (),
-    chunk: int = 512,
+    chunk: int = PREFILL_CHUNK,
     rid: RequestId = "local",
     timings: Timings | None = None,
 ) -> Iterator[int]:
@@ -48,6 +49,8 @@ def generate(
         raise ValueError("generate() needs a stage holding every block and the head")
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token")
+    if chunk < 1:
+        raise ValueError(f"the prefill chunk must be at least 1 token, got {chunk}")
     if len(prompt_ids) >= stage.context:
         raise ContextFullError(
             f"the prompt has {len(prompt_ids)} tokens; the context of {stage.context} tokens leaves no "

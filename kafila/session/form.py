@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kafila.engine import PREFILL_CHUNK
 from kafila.engine.pace import Pace
 from kafila.net.edge import EdgeOptions, LinkNode, SignalRouter, connect_edge
 from kafila.net.endpoint import UdpEndpoint
@@ -66,7 +67,7 @@ class Options:
     context: int = 2048
     concurrency: int = 1
     division: str = "kafila"
-    chunk: int = 256
+    chunk: int = PREFILL_CHUNK  # prompt tokens per prefill step (as `kafila run`'s)
 
     def __post_init__(self) -> None:
         """Refuse what cannot work here before anything connects (ValueError, one line)."""

@@ -54,6 +54,31 @@ def test_prompt_longer_than_the_context_is_refused_by_numbers(stage: Stage) -> N
     assert stage.open_requests == []
 
 
+def test_a_prefill_chunk_below_one_token_is_refused(stage: Stage) -> None:
+    with pytest.raises(ValueError, match="prefill chunk must be at least 1 token, got 0"):
+        list(generate(stage, PROMPT, SamplingParams(), chunk=0))
+    assert stage.open_requests == []
+
+
+def test_kafila_run_and_a_session_prefill_in_the_same_chunks() -> None:
+    """A prompt longer than a chunk gives the same greedy tokens in `kafila run` and in a session
+    only if both cut it at the same places: one default for both, and --chunk in both."""
+    import argparse
+    import inspect
+
+    from kafila.cli import host, run
+    from kafila.engine import PREFILL_CHUNK
+    from kafila.session.form import Options
+
+    defaults = []
+    for command in (host, run):
+        parser = argparse.ArgumentParser()
+        command.configure(parser)
+        defaults.append(parser.get_default("chunk"))
+    defaults += [Options().chunk, inspect.signature(generate).parameters["chunk"].default]
+    assert defaults == [PREFILL_CHUNK] * 4
+
+
 QUESTION = "What is the capital of France?"
 
 
