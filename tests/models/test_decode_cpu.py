@@ -154,7 +154,7 @@ def test_prefill_is_bit_identical_alone_or_with_other_prompts(tiny_checkpoint, d
 
     stage = _stage(tiny_checkpoint("llama-gqa3-tied"), fused=True, dtype=dtype)
     prompts = {rid: [(7 * i + n) % 250 for i in range(n)] for rid, n in (("a", 12), ("b", 30), ("c", 9))}
-    assert llama.FEW_ROWS < 51 and not llama._too_many(51, stage.model.dtype)  # 51 rows: prefill-sized
+    assert not llama._too_many(51, stage.model.dtype)  # 51 rows, three prompts: one kernel call
     stage.open("alone")
     [alone] = stage.forward([("alone", 0, stage.embed(prompts["b"]))])
     stage.close("alone")
@@ -162,6 +162,28 @@ def test_prefill_is_bit_identical_alone_or_with_other_prompts(tiny_checkpoint, d
         stage.open(rid)
     together = stage.forward([(rid, 0, stage.embed(p)) for rid, p in prompts.items()])
     assert np.array_equal(np.asarray(stage.to_bytes(alone)), np.asarray(stage.to_bytes(together[1])))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_twenty_users_decode_bit_identically_alone_or_batched(tiny_checkpoint, dtype: str) -> None:
+    """A decode step of more than 16 rows (a lane of twenty users) takes the fused path too, up to
+    KERNEL_ROWS, so every request's hidden state is the same bits as when it decodes alone."""
+    ckpt = Checkpoint.open(tiny_checkpoint("llama-gqa3-tied"))
+    stage = Stage.load(
+        ckpt, range(ckpt.n_blocks), True, backend="torch", dtype=dtype, context=32, concurrency=20
+    )
+    prompts = {rid: [(11 * rid + 3 * i) % 250 for i in range(1 + rid % 5)] for rid in range(20)}
+    for rid, prompt in prompts.items():
+        stage.open(rid)
+        stage.forward([(rid, 0, stage.embed(prompt))])
+    step = [(rid, len(p), stage.embed([7 + rid])) for rid, p in prompts.items()]  # [1, H] each
+    batched = stage.forward(step)
+    for (rid, pos, _), together in zip(step, batched, strict=True):
+        stage.close(rid)
+        stage.open(rid)
+        stage.forward([(rid, 0, stage.embed(prompts[rid]))])
+        [alone] = stage.forward([(rid, pos, stage.embed([7 + rid]))])
+        assert np.array_equal(np.asarray(stage.to_bytes(alone)), np.asarray(stage.to_bytes(together)))
 
 
 def test_prefill_products_past_the_kernel_rows_go_to_torch() -> None:

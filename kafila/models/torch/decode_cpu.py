@@ -1,13 +1,14 @@
 """A Llama/Qwen3 block's decode step on the CPU in fp32 or bf16, compiled whole by numba.
 
-A decode step runs each block on 1-16 rows (one per request). In torch that is about 25 small
-operations per block, 750 per step for a 30-block model, each costing 10-30 microseconds of
-dispatch on a 576-wide row: as much time as reading the weights. Here one compiled call runs a
-block: the four weight products run `few_rows.product_tile` tasks (each weight read once from
-memory for every row), and the norms, RoPE, the KV-cache write, attention and the SwiGLU run in
-the same call without dispatch. `LlamaModel.forward` takes this path for decode-only steps in fp32
-and bf16 on the CPU; prefill chunks, fp16 and other devices keep the torch code, which the
-reference tests compare against transformers, and this path is held to the same tests.
+A decode step runs each block on a few rows (one per request; up to `llama.KERNEL_ROWS`). In
+torch that is about 25 small operations per block, 750 per step for a 30-block model, each costing
+10-30 microseconds of dispatch on a 576-wide row: as much time as reading the weights. Here one
+compiled call runs a block: the four weight products run `few_rows.product_tile` tasks (each
+weight read once from memory for every row), and the norms, RoPE, the KV-cache write, attention
+and the SwiGLU run in the same call without dispatch. `LlamaModel.forward` takes this path for
+decode-only steps in fp32 and bf16 on the CPU; prefill chunks, fp16 and other devices keep the
+torch code, which the reference tests compare against transformers, and this path is held to the
+same tests.
 
 In bf16, weights and KV caches stay bf16 in memory (read as uint16 bits, widened exactly) and the
 arithmetic is float32; the residual stream is rounded to bf16 after every block, as it is when it

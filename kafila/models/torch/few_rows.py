@@ -1,6 +1,6 @@
 """Products of a few rows with a large fp32 or bf16 weight on the CPU, at close to the memory bandwidth.
 
-A decode step multiplies 1-16 hidden rows (one per request in the batch) by every weight matrix
+A decode step multiplies a few hidden rows (one per request in the batch) by every weight matrix
 once, so its cost is reading the weights. torch's CPU products (MKL, oneDNN) pack the weight for
 a general matrix product first and, measured on this project's AMD EPYC CI machine with two
 threads, read it at 6-14 GB/s for one row and 2-5 GB/s for two to eight rows, against 17 GB/s for

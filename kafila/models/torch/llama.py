@@ -3,8 +3,8 @@
 Hugging Face weight names, rotate-half RoPE (see kafila.models.rope), no permutations. At load the
 q/k/v rows are fused into one `wqkv` and gate/up into one `w_gate_up`, so a block is four matmuls.
 On the CPU in fp32 and bf16, decode steps run each block as one compiled call (`decode_cpu`), and
-the products of prefill chunks go through the kernel in `few_rows` up to `KERNEL_ROWS` rows; larger
-fp32 chunks, other dtypes and other devices go through torch's `F.linear`. Weights keep the Hugging
+the products of prefill chunks go through the kernel in `few_rows`, both up to `KERNEL_ROWS` rows;
+larger fp32 steps, other dtypes and other devices go through torch's ops. Weights keep the Hugging
 Face [out, in] layout for all of them.
 The model knows nothing about networks or requests: `forward` takes the hidden rows of several
 requests stacked together and, for each, its KV-cache slot and first position (`Span`).
@@ -32,8 +32,8 @@ from kafila.models.span import Span
 Tensor = torch.Tensor
 
 
-FEW_ROWS = 16  # decode steps of at most this many rows run fused (decode_cpu)
-# Products of at most this many rows go through few_rows' kernel (CPU); None: any number. Measured
+# Products of at most this many rows go through few_rows' kernel, and decode steps of at most this
+# many rows through decode_cpu (CPU; None: any number), so their rows stay independent. Measured
 # with the weights read from memory, as in a prefill (benchmarks/products.py, docs/engine.md): in
 # fp32 the kernel is 1.2-2.5x faster than torch up to 64 rows on one or two threads, and from 76 to
 # 128 rows about even or slower depending on the run; in bf16 it is 3.5x faster at every size up to
@@ -229,7 +229,8 @@ class LlamaModel:
     def forward(self, x: Tensor, spans: Sequence[Span], cache: KVCache) -> Tensor:
         """hidden [N, H] (spans' rows stacked in order) -> hidden [N, H] after every local block."""
         x = x.to(self.device, self.dtype, copy=True)  # [N, H], updated in place below
-        if self.fused_decode and len(spans) <= FEW_ROWS and all(s.length == 1 for s in spans):
+        decode = all(s.length == 1 for s in spans)
+        if self.fused_decode and decode and not _too_many(len(spans), self.dtype):
             self._decode_fused(x, spans, cache)
             return x
         plan = _AttentionPlan(spans, self.device)
