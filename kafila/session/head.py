@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kafila.engine import PREFILL_CHUNK
 from kafila.engine.sampler import Sampler, SamplingParams
 from kafila.engine.stage import Stage, StageError
 from kafila.obs import metrics
@@ -104,7 +105,7 @@ class RingHead:
         prev_ch: Channel | None,
         eos_ids: Sequence[int] = (),
         concurrency: int = 1,
-        chunk: int = 256,
+        chunk: int = PREFILL_CHUNK,
         traces: TraceLog | None = None,
         lanes: int = 1,  # decode groups in flight (schedule.lanes_for, from the plan)
     ) -> None:

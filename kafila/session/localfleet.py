@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kafila.engine import PREFILL_CHUNK
 from kafila.obs.log import get_logger
 
 log = get_logger("kafila.session.localfleet")
@@ -101,7 +102,7 @@ class LocalFleet:
     division: str = "kafila"
     context: int = 2048
     concurrency: int = 1
-    chunk: int = 256
+    chunk: int = PREFILL_CHUNK
     backend: str = "auto"
     dtype: str = "auto"
     names: Sequence[str] | None = None

@@ -32,6 +32,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kafila.engine import PREFILL_CHUNK
+
 
 class State(Enum):
     QUEUED = "queued"
@@ -72,7 +74,7 @@ class _Request:
 @dataclass
 class Schedule:
     concurrency: int
-    chunk: int = 256  # prefill chunk, tokens
+    chunk: int = PREFILL_CHUNK  # prefill chunk, tokens
     lanes: int = 1  # decode groups in flight at once (see `lanes_for`)
     merge: int = 0  # rows up to which last prefill chunks of several prompts share a step (0: chunk)
     _reqs: dict[int, _Request] = field(default_factory=dict)

@@ -69,6 +69,9 @@ def test_kafila_run_and_a_session_prefill_in_the_same_chunks() -> None:
     from kafila.cli import host, run
     from kafila.engine import PREFILL_CHUNK
     from kafila.session.form import Options
+    from kafila.session.head import RingHead
+    from kafila.session.localfleet import LocalFleet
+    from kafila.session.schedule import Schedule
 
     defaults = []
     for command in (host, run):
@@ -77,6 +80,13 @@ def test_kafila_run_and_a_session_prefill_in_the_same_chunks() -> None:
         defaults.append(parser.get_default("chunk"))
     defaults += [Options().chunk, inspect.signature(generate).parameters["chunk"].default]
     assert defaults == [PREFILL_CHUNK] * 4
+    # and where a session passes it on: the local fleet's flag, the head, its schedule
+    inner = [
+        LocalFleet.__dataclass_fields__["chunk"].default,
+        inspect.signature(RingHead).parameters["chunk"].default,
+        Schedule(concurrency=1).chunk,
+    ]
+    assert inner == [PREFILL_CHUNK] * 3
 
 
 QUESTION = "What is the capital of France?"

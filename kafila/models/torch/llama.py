@@ -58,7 +58,7 @@ def _kernel_dtype(t: Tensor) -> bool:
 
 
 def _too_many(rows: int, dtype: torch.dtype) -> bool:
-    """Whether a product of `rows` rows with a weight of `dtype` is faster in torch than in few_rows."""
+    """Whether a product or decode step of `rows` rows in `dtype` is past KERNEL_ROWS (torch takes it)."""
     limit = KERNEL_ROWS.get(dtype)
     return limit is not None and rows > limit
 
@@ -229,8 +229,7 @@ class LlamaModel:
     def forward(self, x: Tensor, spans: Sequence[Span], cache: KVCache) -> Tensor:
         """hidden [N, H] (spans' rows stacked in order) -> hidden [N, H] after every local block."""
         x = x.to(self.device, self.dtype, copy=True)  # [N, H], updated in place below
-        decode = all(s.length == 1 for s in spans)
-        if self.fused_decode and decode and not _too_many(len(spans), self.dtype):
+        if self.fused_decode and not _too_many(len(spans), self.dtype) and all(s.length == 1 for s in spans):
             self._decode_fused(x, spans, cache)
             return x
         plan = _AttentionPlan(spans, self.device)
