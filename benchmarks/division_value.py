@@ -1,14 +1,19 @@
 """Value of the division: one fleet of three members with CPU shares 1 : 0.5 : 0.25 of a CPU,
 served with --division kafila, uniform and memory (memory-proportional), side by side.
 
-Three fleets (9 member processes; by default each pinned to one CPU and slowed to its share by an
-emulated pace, kafila.engine.pace; --slow-by quota uses cgroup v1 cpu quotas) stay up together and
-rounds alternate between them, so the machine's other load falls on all three alike. With one
-request in flight only one stage computes at a time. Single-user decode tokens/s comes from
-the head's trace of each request ((tokens - 1) / decode time); the bottleneck is the stage with the
-largest median measured ms per decode step. Then rounds of --users concurrent requests per fleet
-(client-side aggregate tokens/s): with the pipeline full the bottleneck, not the circuit, sets
-the rate. Targets: kafila/uniform >= 1.5, kafila/memory >= 1.2.
+Two phases, each with three fleets (one per division, 9 member processes; by default each member
+pinned to one CPU and slowed to its share by an emulated pace, kafila.engine.pace; --slow-by quota
+uses cgroup v1 cpu quotas) up together, rounds alternating between them so the machine's other
+load falls on all three alike:
+1. Sessions declared for one request (--concurrency 1): single-user requests. Decode tokens/s
+   from the head's trace of each request ((tokens - 1) / decode time). With one request in flight
+   only one stage computes at a time, so the rate follows the circuit (every stage and hop), and
+   the kafila division is planned for that: the shortest circuit (kafila.planner.load).
+2. Sessions declared for --users requests: rounds of that many concurrent requests (client-side
+   aggregate tokens/s). With the pipeline full the bottleneck sets the rate, and the kafila
+   division evens the stages.
+Targets (one user): kafila/uniform >= 1.5, kafila/memory >= 1.2. The bottleneck is the stage with
+the largest median measured ms per decode step.
 
 On one machine every member offers the same memory, so memory-proportional equals uniform unless
 --memory-gb gives the members different offers (e.g. --memory-gb 2,2,4: a slow member with more
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+from typing import Any
 
 from _session_common import (
     Load,
@@ -54,29 +60,12 @@ def main() -> int:
     member_args = [["--memory-gb", x] for x in args.memory_gb.split(",")] if args.memory_gb else None
 
     load = Load()
-    specs = {
-        d: LocalFleet(
-            shares,
-            division=d,
-            context=512,
-            concurrency=max(1, args.users),
-            require_shares=True,
-            member_args=member_args,
-            slow_by=args.slow_by,
-        )
-        for d in DIVISIONS
-    }
-    with contextlib.ExitStack() as stack:
-        fleets = start_fleets(stack, specs, load)
-        records, same = interleaved_rounds(fleets, args.tokens, args.rounds)
-        many: dict[str, list[float]] = {d: [] for d in DIVISIONS}
-        for _ in range(args.rounds if args.users else 0):
-            for d, fleet in fleets.items():
-                answers, wall = concurrent(fleet.url(fleet.head), args.users, args.tokens)
-                many[d].append(sum(a.completion_tokens for a in answers) / wall)
-        load.sample()
+    one = run_fleets(args, shares, member_args, 1, load, users=0)
+    many = run_fleets(args, shares, member_args, args.users, load, users=args.users) if args.users else {}
+    records, same = one["records"], one["same"]
     print(f"\nmodel smollm2-135m, greedy, {args.tokens} tokens, {args.rounds} rounds", end="")
     print(f"; shares {shares} of a CPU ({args.slow_by})")
+    print("one user (sessions declared for concurrency 1):")
     rates = {}
     for d in DIVISIONS:
         recs = records[d]
@@ -85,24 +74,66 @@ def main() -> int:
         member, ms, measured, predicted = bottleneck(recs)
         blocks = " ".join(f"{s['member']}:{s['blocks'][1] - s['blocks'][0]}" for s in recs[0]["stages"])
         stages = " ".join(f"{m} {measured[m]:.0f}/{predicted[m]:.0f}" for m in measured)
+        circuit = median([float(r["circuit_ms"]) for r in recs])
         print(
-            f"{d:<8} {blocks:<28} decode {rates[d]:5.2f} tok/s (±{spr:.2f})  bottleneck {member} {ms:.1f} ms"
-            f"   stage ms measured/predicted: {stages}"
+            f"{d:<8} {blocks:<28} decode {rates[d]:5.2f} tok/s (±{spr:.2f})  circuit {circuit:.1f} ms  "
+            f"bottleneck {member} {ms:.1f} ms   stage ms measured/predicted: {stages}"
         )
     ku, km = rates["kafila"] / rates["uniform"], rates["kafila"] / rates["memory"]
     print(f"same tokens in every division: {same}")
     if args.users:
+        print(f"{args.users} users (sessions declared for concurrency {args.users}):")
         for d in DIVISIONS:
+            recs = many["records"][d]
+            blocks = " ".join(f"{s['member']}:{s['blocks'][1] - s['blocks'][0]}" for s in recs[0]["stages"])
+            member, ms, _, _ = bottleneck(recs)
+            agg = many["aggregate"][d]
             print(
-                f"{d:<8} {args.users} users: {median(many[d]):5.2f} tok/s aggregate (±{spread(many[d]):.2f})"
+                f"{d:<8} {blocks:<28} {median(agg):5.2f} tok/s aggregate (±{spread(agg):.2f})  "
+                f"bottleneck {member} {ms:.1f} ms (one user)"
             )
-        mu = median(many["kafila"]) / median(many["uniform"])
-        mm = median(many["kafila"]) / median(many["memory"])
+        agg = many["aggregate"]
+        mu = median(agg["kafila"]) / median(agg["uniform"])
+        mm = median(agg["kafila"]) / median(agg["memory"])
         print(f"{args.users} users: kafila/uniform {mu:.2f}, kafila/memory {mm:.2f}")
     print(f"kafila/uniform: {ku:.2f}   (target >= 1.5: {'met' if ku >= 1.5 else 'NOT met'})")
     print(f"kafila/memory:  {km:.2f}   (target >= 1.2: {'met' if km >= 1.2 else 'NOT met'})")
     print(load.report())
     return 0
+
+
+def run_fleets(
+    args: argparse.Namespace,
+    shares: list[float],
+    member_args: list[list[str]] | None,
+    concurrency: int,
+    load: Load,
+    users: int,
+) -> dict[str, Any]:
+    """Three fleets (one per division) declared for `concurrency`, up together: single-user rounds
+    (head's trace records), then `users`-user rounds (client-side aggregate tokens/s) if any."""
+    specs = {
+        d: LocalFleet(
+            shares,
+            division=d,
+            context=512,
+            concurrency=concurrency,
+            require_shares=True,
+            member_args=member_args,
+            slow_by=args.slow_by,
+        )
+        for d in DIVISIONS
+    }
+    aggregate: dict[str, list[float]] = {d: [] for d in DIVISIONS}
+    with contextlib.ExitStack() as stack:
+        fleets = start_fleets(stack, specs, load)
+        records, same = interleaved_rounds(fleets, args.tokens, 1 if users else args.rounds)
+        for _ in range(args.rounds if users else 0):
+            for d, fleet in fleets.items():
+                answers, wall = concurrent(fleet.url(fleet.head), users, args.tokens)
+                aggregate[d].append(sum(a.completion_tokens for a in answers) / wall)
+        load.sample()
+    return {"records": records, "same": same, "aggregate": aggregate}
 
 
 if __name__ == "__main__":

@@ -79,7 +79,11 @@ def fleet_table(folder: Path) -> None:
         fleet = parse_fleet((folder / f"{fleet_name}.toml").read_text())
         for model in MODELS:
             plans = plan_all(
-                fleet.devices, resolve_manifest(model), context=fleet.context, concurrency=fleet.concurrency
+                fleet.devices,
+                resolve_manifest(model),
+                context=fleet.context,
+                concurrency=fleet.concurrency,
+                objective="bottleneck",
             )
             k = plans["kafila"]
             for name, p in plans.items():
@@ -120,7 +124,7 @@ def exact_cells(folder: Path) -> list[Cell]:
                 )
             free = [replace(c, limit=w.n_blocks, limit_head=w.n_blocks) for c in costs]
             exact, exact_free = exact_division(w.n_blocks, costs), exact_division(w.n_blocks, free)
-            kw = {"context": fleet.context, "concurrency": fleet.concurrency}
+            kw = {"context": fleet.context, "concurrency": fleet.concurrency, "objective": "bottleneck"}
             k0 = plan(fleet.devices, manifest, mu=0.0, **kw)
             k = plan(fleet.devices, manifest, **kw)
             cells.append(

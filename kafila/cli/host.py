@@ -68,6 +68,17 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+def add_objective_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--objective",
+        default="load",
+        choices=["load", "bottleneck"],
+        help="what the kafila division minimizes: load (default: the time per token at the declared "
+        "concurrency, max(slowest stage, circuit / concurrency)) or bottleneck (the slowest stage "
+        "alone, as the paper's Algorithm 1)",
+    )
+
+
 def _speed(text: str) -> float:
     try:
         value = float(text)
@@ -85,7 +96,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--context", type=int, default=2048, help="declared context: prompt plus answer tokens"
     )
     parser.add_argument(
-        "--concurrency", type=int, default=1, help="requests served at once (more wait in a queue)"
+        "--concurrency",
+        type=positive_int,
+        default=1,
+        help="requests served at once (more wait in a queue); the kafila division is planned for "
+        "this load (default 1: the shortest circuit for one user)",
     )
     parser.add_argument(
         "--division",
@@ -93,6 +108,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         choices=["kafila", "uniform", "memory"],
         help="how blocks are divided: kafila (measured cost model), uniform, or memory-proportional",
     )
+    add_objective_flag(parser)
     parser.add_argument(
         "--chunk",
         type=positive_int,
@@ -127,7 +143,7 @@ def options(args: argparse.Namespace) -> object:
         dead_after=args.dead_after,
         emulate_speed=args.emulate_speed,
     )
-    for key in ("model", "members", "context", "concurrency", "division", "chunk"):
+    for key in ("model", "members", "context", "concurrency", "division", "objective", "chunk"):
         if hasattr(args, key):
             setattr(o, key, getattr(args, key))
     if hasattr(args, "wait"):

@@ -9,6 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kafila.cli.host import add_objective_flag
+
 DIVISION_CHOICES = ("kafila", "uniform", "memory", "all")
 
 
@@ -27,7 +29,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--concurrency",
         type=int,
-        help="concurrent requests the KV cache is reserved for; overrides [session]",
+        help="concurrent requests the KV cache is reserved for and the kafila division is planned "
+        "for; overrides [session]",
     )
     parser.add_argument(
         "--division",
@@ -35,6 +38,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="all",
         help="kafila (cost model), uniform (GPipe), memory (exo's memory-proportional) or all (default)",
     )
+    add_objective_flag(parser)
     parser.add_argument("--dtype", default="bf16", help="weight dtype the model is priced in (default bf16)")
     parser.add_argument(
         "--rule",
@@ -73,6 +77,7 @@ def main(args: argparse.Namespace) -> int:
             concurrency=args.concurrency or fleet.concurrency,
             divisions=divisions,
             rule=RULES[args.rule],
+            objective=args.objective,
         )
     except (OSError, FleetError, ValueError, KeyError) as exc:
         print(f"kafila plan: {exc}", file=sys.stderr)
@@ -99,7 +104,7 @@ def render_table(fleet: str, model: str, n_blocks: int, plans: dict[str, Any]) -
         f"{any_plan.concurrency}, tier {any_plan.tier}, ring ordered by {any_plan.ordering}",
         "",
         f"{'division':<9} {'fits':<5} {'head':<12} {'bneck ms':>9} {'imbal':>6} {'util':>5} "
-        f"{'circuit ms':>10} {'tok/s':>7} {'relayed':>7}",
+        f"{'circuit ms':>10} {'tok/s':>7} {'ms/token':>8} {'relayed':>7}",
     ]
     for name, p in plans.items():
         lines.append(
@@ -107,9 +112,15 @@ def render_table(fleet: str, model: str, n_blocks: int, plans: dict[str, Any]) -
             f"{_fmt(p.bottleneck_s and p.bottleneck_s * 1e3, '.2f'):>9} {_fmt(p.imbalance, '.2f'):>6} "
             f"{_fmt(p.utilisation and p.utilisation * 100, '.0f') + '%':>5} "
             f"{_fmt(p.circuit_s and p.circuit_s * 1e3, '.1f'):>10} {_fmt(p.tokens_s, '.1f'):>7} "
+            f"{_fmt(p.per_token_s and p.per_token_s * 1e3, '.2f'):>8} "
             f"{len(p.edges) and p.relayed:>7}"
         )
-    lines += ["", "blocks per device (stage ms), in ring order from the head:"]
+    lines += [
+        f"(tok/s: one request alone, 1 / circuit; ms/token: per token of the {any_plan.concurrency} "
+        "declared requests together, max(bneck, circuit / concurrency))",
+        "",
+        "blocks per device (stage ms), in ring order from the head:",
+    ]
     names = list(dict.fromkeys(n for p in plans.values() for n in p.order))
     lines.append(f"{'device':<12} " + " ".join(f"{n:<16}" for n in plans))
     for dev in names:

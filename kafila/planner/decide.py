@@ -14,13 +14,18 @@ from kafila.planner.admission import check_memory, explain_no_division
 from kafila.planner.baselines import proportional_counts, uniform_counts
 from kafila.planner.cost import DeviceCost, Tier, Workload, choose_tier, costs_for, memory_shortfall
 from kafila.planner.devices import DeviceReport
-from kafila.planner.head import MU, place_head, solve_rotation, unrotate
+from kafila.planner.head import MU, HeadChoice, place_head, solve_rotation, unrotate
+from kafila.planner.load import LoadChoice, divide_for_load
 from kafila.planner.order import RingOrder, edge_price_s, order_ring, predicted_direct, ring_edges
 from kafila.planner.partition import Infeasible
 from kafila.planner.plan import Edge, Plan, Stage
 from kafila.planner.reachability import DEFAULT_RULE, PairRule
 
 DIVISIONS = ("kafila", "uniform", "memory")
+# What the kafila division minimizes: "load", the session's time per token at its declared
+# concurrency (kafila.planner.load); "bottleneck", the slowest stage alone (Algorithm 1 and head
+# placement as the paper ran them, whatever the concurrency).
+OBJECTIVES = ("load", "bottleneck")
 
 
 def plan(
@@ -34,6 +39,7 @@ def plan(
     mu: float = MU,
     use_block_probe: bool = True,
     anchor: int = 0,
+    objective: str = "load",
 ) -> Plan:
     """Plan one division. `anchor` indexes the member that opened the session."""
     return plan_all(
@@ -46,6 +52,7 @@ def plan(
         mu=mu,
         use_block_probe=use_block_probe,
         anchor=anchor,
+        objective=objective,
     )[division]
 
 
@@ -60,6 +67,7 @@ def plan_all(
     mu: float = MU,
     use_block_probe: bool = True,
     anchor: int = 0,
+    objective: str = "load",
 ) -> dict[str, Plan]:
     """Several divisions over one ring order (computed once), keyed by division name."""
     if not devices:
@@ -70,12 +78,14 @@ def plan_all(
     unknown = set(divisions) - set(DIVISIONS)
     if unknown:
         raise ValueError(f"unknown division {sorted(unknown)}; choose from {DIVISIONS}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown objective {objective!r}; choose from {OBJECTIVES}")
     w = Workload.of(manifest, context, concurrency)
     tier = choose_tier(devices)
     ring = order_ring(devices, rule, anchor)
     ordered = [devices[i] for i in ring.order]
     costs = costs_for(ordered, w, tier, use_block_probe) if tier is not Tier.WORKING_SET else None
-    return {name: _division(name, ordered, ring, w, tier, costs, rule, mu) for name in divisions}
+    return {name: _division(name, ordered, ring, w, tier, costs, rule, mu, objective) for name in divisions}
 
 
 def _division(
@@ -87,27 +97,51 @@ def _division(
     costs: list[DeviceCost] | None,
     rule: PairRule,
     mu: float,
+    objective: str,
 ) -> Plan:
     k, m = w.n_blocks, len(ordered)
     if m > k:
         return _refused(name, ordered, ring, w, tier, explain_no_division(ordered, w))
+    load_note: tuple[str, ...] = ()
     if name == "uniform":
         head, counts = 0, uniform_counts(k, m)
     elif name == "memory" or costs is None:
         head, counts = 0, proportional_counts(k, [d.memory_bytes for d in ordered])
-    elif tier is Tier.FULL:
-        choice = place_head(k, costs, anchor=0, mu=mu)
-        if isinstance(choice, Infeasible):
-            return _refused(name, ordered, ring, w, tier, explain_no_division(ordered, w))
-        head, counts = choice.head, choice.counts
-    else:  # throughput tier: the head stays with the opener
-        part = solve_rotation(k, costs, 0)
-        if isinstance(part, Infeasible):
-            opener = memory_shortfall(ordered[0], w, 1, head=True)
+    else:
+        got = _solve(ordered, w, tier, costs, rule, mu, objective)
+        if isinstance(got, Infeasible):
+            opener = memory_shortfall(ordered[0], w, 1, head=True) if tier is Tier.THROUGHPUT else None
             why = f"the head stays with the opener in this tier: {opener}" if opener else None
             return _refused(name, ordered, ring, w, tier, why or explain_no_division(ordered, w))
-        head, counts = 0, unrotate(part.counts, 0)
-    return _build(name, ordered, ring, w, tier, costs, rule, head, counts)
+        head, counts = got.head, got.counts
+        if isinstance(got, LoadChoice) and got.circuit_bound:
+            load_note = (_load_note(got, w.concurrency, m),)
+    return _build(name, ordered, ring, w, tier, costs, rule, head, counts, load_note)
+
+
+def _solve(
+    ordered: list[DeviceReport],
+    w: Workload,
+    tier: Tier,
+    costs: list[DeviceCost],
+    rule: PairRule,
+    mu: float,
+    objective: str,
+) -> HeadChoice | LoadChoice | Infeasible:
+    """The kafila division. The full tier places the head by rotation; the throughput tier keeps
+    it with the opener."""
+    k, m = w.n_blocks, len(ordered)
+    if objective == "bottleneck":
+        if tier is Tier.FULL:
+            return place_head(k, costs, anchor=0, mu=mu)
+        part = solve_rotation(k, costs, 0)
+        if isinstance(part, Infeasible):
+            return part
+        return HeadChoice(0, unrotate(part.counts, 0), part.bottleneck)
+    heads = range(m) if tier is Tier.FULL else (0,)
+    latency = sum(_edge(ordered[a], ordered[b], rule).latency_s or 0.0 for a, b in ring_edges(range(m)))
+    u = w.concurrency
+    return divide_for_load(k, costs, concurrency=u, latency_s=latency, heads=heads, anchor=0, mu=mu)
 
 
 def _refused(
@@ -140,6 +174,7 @@ def _build(
     rule: PairRule,
     head: int,
     counts: Sequence[int],
+    extra_notes: tuple[str, ...] = (),
 ) -> Plan:
     m = len(ordered)
     chain = [(head + j) % m for j in range(m)]  # ring positions, head first
@@ -162,7 +197,7 @@ def _build(
             reason=reason,
             tier=tier.value,
             ordering=ring.method,
-            notes=_notes(tier, ring),
+            notes=_notes(tier, ring) + extra_notes,
             order=tuple(ordered[p].name for p in chain),
             head=ordered[head].name,
             stages=tuple(stages),
@@ -194,6 +229,15 @@ def _notes(tier: Tier, ring: RingOrder) -> tuple[str, ...]:
     return tuple(n for n in (_TIER_NOTES[tier], order_note) if n)
 
 
+def _load_note(choice: LoadChoice, concurrency: int, m: int) -> str:
+    return (
+        f"{concurrency} request{'s' if concurrency != 1 else ''} in flight cannot keep {m} stages busy: "
+        f"blocks divided for the shortest circuit ({choice.circuit_s * 1e3:.1f} ms, slowest stage "
+        f"{choice.bottleneck_s * 1e3:.1f} ms) rather than the most even stages (slowest "
+        f"{choice.tau_star_s * 1e3:.1f} ms); a larger --concurrency evens them"
+    )
+
+
 def _edge(a: DeviceReport, b: DeviceReport, rule: PairRule) -> Edge:
     direct = predicted_direct(a, b, rule)
     price = edge_price_s(a, b, direct)
@@ -215,4 +259,5 @@ def _with_figures(p: Plan) -> Plan:
         circuit_s=circuit,
         network_priced=len(known) == len(p.edges),
         tokens_s=1.0 / circuit,
+        per_token_s=max(bottleneck, circuit / p.concurrency),
     )

@@ -68,10 +68,14 @@ def feasible(
     for i in range(m):
         if fixed[i] > tau * (1 + _EPS):  # lines 10-11
             return None
-        fit = math.floor((tau - fixed[i]) / per[i] * (1 + _EPS) + _EPS)
-        n = min(fit, lim[i], left - (m - 1 - i))  # line 13
+        n = min(blocks_within(tau, fixed[i], per[i]), lim[i], left - (m - 1 - i))  # line 13
         if n < 1:  # lines 14-15
             return None
         counts.append(n)
         left -= n
     return tuple(counts) if left == 0 else None  # lines 19-22
+
+
+def blocks_within(tau: float, fixed: float, per: float) -> int:
+    """The most blocks a device of cost fixed + n * per holds within tau (may be below 1)."""
+    return math.floor((tau - fixed) / per * (1 + _EPS) + _EPS)

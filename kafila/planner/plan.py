@@ -54,6 +54,9 @@ class Plan:
     circuit_s: float | None = None  # sum of stages + edge latencies that are known
     network_priced: bool = False  # every edge latency was known when circuit_s was summed
     tokens_s: float | None = None  # one request: 1 / circuit_s
+    # the session's aggregate time per token at its declared concurrency:
+    # max(bottleneck_s, circuit_s / concurrency), what the kafila division minimizes
+    per_token_s: float | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -126,6 +129,7 @@ class Plan:
             "utilisation": self.utilisation,
             "circuit_ms": ms(self.circuit_s),
             "tokens_s": self.tokens_s,
+            "per_token_ms": ms(self.per_token_s),
             "tier": self.tier,
             "edges": [{"src": e.src, "dst": e.dst, "direct": e.direct} for e in self.edges],
         }

@@ -67,6 +67,7 @@ class Options:
     context: int = 2048
     concurrency: int = 1
     division: str = "kafila"
+    objective: str = "load"  # what the kafila division minimizes (kafila.planner.decide.OBJECTIVES)
     chunk: int = PREFILL_CHUNK  # prompt tokens per prefill step (as `kafila run`'s)
 
     def __post_init__(self) -> None:

@@ -155,7 +155,14 @@ def _plan(devices: list[DeviceReport], ckpt: Checkpoint, opts: Options) -> tuple
     from kafila.planner.decide import plan_all
 
     manifest = ckpt.manifest("F32" if opts.dtype in ("auto", "fp32") else None)
-    plans = plan_all(devices, manifest, context=opts.context, concurrency=opts.concurrency, anchor=0)
+    plans = plan_all(
+        devices,
+        manifest,
+        context=opts.context,
+        concurrency=opts.concurrency,
+        anchor=0,
+        objective=opts.objective,
+    )
     say("plans for this session (predicted):\n" + fmt_plans(plans))
     plan = plans[opts.division]
     if not plan.feasible:

@@ -62,7 +62,7 @@ def test_on_the_paper_fleets_kafila_is_the_exact_optimum_up_to_the_head_margin(f
         manifest = resolve_manifest(model)
         w = Workload.of(manifest, fleet.context, fleet.concurrency)
         best = exact_division(w.n_blocks, costs_for(fleet.devices, w, Tier.FULL))
-        kw = {"context": fleet.context, "concurrency": fleet.concurrency}
+        kw = {"context": fleet.context, "concurrency": fleet.concurrency, "objective": "bottleneck"}
         exact0, shipped = plan(fleet.devices, manifest, mu=0.0, **kw), plan(fleet.devices, manifest, **kw)
         if best is None:
             assert not exact0.feasible and not shipped.feasible
