@@ -110,3 +110,27 @@ def test_devices_filled_from_kafila_probe_json_files(tmp_path, capsys):
     assert main(["plan", str(tmp_path / "fleet.toml"), "--json", "--model", "qwen3-8b"]) == 1
     out = json.loads(capsys.readouterr().out)["divisions"]["kafila"]
     assert "at most" in out["reason"]  # 16 GB of members for a 16.4 GB model, block_s dropped
+
+
+def test_objective_flag_chooses_what_the_kafila_division_minimizes(capsys):
+    args = ["plan", str(FLEETS / "lan.toml"), "--concurrency", "1", "--division", "kafila", "--json"]
+    assert main(args) == 0
+    load = json.loads(capsys.readouterr().out)["divisions"]["kafila"]
+    assert main([*args, "--objective", "bottleneck"]) == 0
+    paper = json.loads(capsys.readouterr().out)["divisions"]["kafila"]
+    assert load["circuit_ms"] < paper["circuit_ms"] and load["bottleneck_ms"] > paper["bottleneck_ms"]
+    assert load["per_token_ms"] == load["circuit_ms"]  # one request waits for the whole circuit
+    assert main(["plan", str(FLEETS / "lan.toml"), "--concurrency", "1"]) == 0
+    assert "note: 1 request in flight cannot keep 4 stages busy" in capsys.readouterr().out
+
+
+def test_host_flags_carry_the_objective_into_the_session_options():
+    import argparse
+
+    from kafila.cli.host import configure, options
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    assert options(parser.parse_args([])).objective == "load"  # type: ignore[attr-defined]
+    o = options(parser.parse_args(["--objective", "bottleneck", "--concurrency", "4"]))
+    assert (o.objective, o.concurrency) == ("bottleneck", 4)  # type: ignore[attr-defined]
