@@ -56,6 +56,18 @@ def _proc_ticks(pid: int) -> int:
     return sum(int(x) for x in fields[11:13])
 
 
+def _started_ticks(pid: int) -> int | None:
+    """When the process started, in jiffies since boot (None if it is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _uptime_ticks() -> int:
+    return int(float(Path("/proc/uptime").read_text().split()[0]) * TICK)
+
+
 def _tree(pid: int) -> list[int]:
     out, todo = [], [pid]
     while todo:
@@ -73,6 +85,7 @@ class Load:
         self.cores = len(os.sched_getaffinity(0))
         self.loadavg_start = os.getloadavg()
         self._t0 = time.monotonic()
+        self._boot_t0 = _uptime_ticks()
         self._m0 = _machine_ticks()
         self._ours: dict[int, tuple[int, int]] = {}  # pid -> (first, last) ticks seen
         self.watch(os.getpid())
@@ -81,7 +94,11 @@ class Load:
         for root in pids:
             for p in _tree(root):
                 t = _proc_ticks(p)
-                self._ours.setdefault(p, (t, t))
+                started = _started_ticks(p)
+                # a process started while we watch (a fleet's member): all its CPU is ours, its
+                # start-up and probe included
+                first = 0 if started is not None and started >= self._boot_t0 else t
+                self._ours.setdefault(p, (first, t))
 
     def watch_fleet(self, fleet: LocalFleet) -> None:
         pids = [m.proc.pid for m in fleet.members if m.proc is not None]
