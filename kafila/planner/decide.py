@@ -232,7 +232,7 @@ def _notes(tier: Tier, ring: RingOrder) -> tuple[str, ...]:
 def _load_note(choice: LoadChoice, concurrency: int, m: int) -> str:
     return (
         f"{concurrency} request{'s' if concurrency != 1 else ''} in flight cannot keep {m} stages busy: "
-        f"blocks divided for the shortest circuit ({choice.circuit_s * 1e3:.1f} ms, slowest stage "
+        f"blocks divided for a short circuit ({choice.circuit_s * 1e3:.1f} ms, slowest stage "
         f"{choice.bottleneck_s * 1e3:.1f} ms) rather than the most even stages (slowest "
         f"{choice.tau_star_s * 1e3:.1f} ms); a larger --concurrency evens them"
     )

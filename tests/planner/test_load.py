@@ -75,16 +75,31 @@ def shares_fleet(k: int = 30) -> list[DeviceCost]:
 
 def test_one_request_moves_blocks_onto_the_fast_member_and_four_balance_the_stages():
     costs = shares_fleet()
-    one = divide_for_load(30, costs, concurrency=1, latency_s=0.009, heads=range(3), anchor=0, mu=0.05)
-    four = divide_for_load(30, costs, concurrency=4, latency_s=0.009, heads=range(3), anchor=0, mu=0.05)
-    assert isinstance(one, LoadChoice) and isinstance(four, LoadChoice)
+    kw = {"latency_s": 0.009, "heads": range(3), "anchor": 0}
+    fastest = divide_for_load(30, costs, concurrency=1, mu=0, **kw)
+    one = divide_for_load(30, costs, concurrency=1, mu=0.05, **kw)
+    four = divide_for_load(30, costs, concurrency=4, mu=0.05, **kw)
+    assert isinstance(fastest, LoadChoice) and isinstance(one, LoadChoice) and isinstance(four, LoadChoice)
+    assert fastest.counts == (28, 1, 1)  # each slow member keeps the one block every member holds
+    # within mu (5%) of the shortest circuit, the most even division: beta takes two more blocks
+    assert one.counts == (26, 3, 1) and one.bottleneck_s < fastest.bottleneck_s
+    assert fastest.circuit_s < one.circuit_s <= fastest.circuit_s * 1.05
     assert one.head == four.head == 0
-    assert one.counts == (28, 1, 1)  # each slow member keeps the one block every member holds
     assert one.circuit_bound and not four.circuit_bound
     assert four.bottleneck_s == pytest.approx(four.tau_star_s)
-    assert one.circuit_s < 0.75 * four.circuit_s  # what one user waits for per token
+    assert one.circuit_s < 0.8 * four.circuit_s  # what one user waits for per token
     assert four.bottleneck_s < 0.7 * one.bottleneck_s  # what four users queue behind
     assert max(four.counts) - min(four.counts) > 5  # balanced stages, not balanced blocks
+
+
+def test_equal_members_stay_even_for_one_request_despite_probe_noise():
+    """Per-block costs 1% apart: piling blocks on the cheapest would shorten the circuit by well under
+    1%, inside the probe's noise, so the division stays even."""
+    per = {"a": 1.2e-3, "b": 1.19e-3, "c": 1.21e-3}
+    costs = [DeviceCost(n, 1e-3, p, 7.4e-3, 30, 30) for n, p in per.items()]
+    got = divide_for_load(30, costs, concurrency=1, latency_s=0.009, heads=range(3), anchor=0, mu=0.05)
+    assert isinstance(got, LoadChoice) and not got.circuit_bound
+    assert got.bottleneck_s == pytest.approx(got.tau_star_s)
 
 
 def test_the_fast_member_fills_only_to_its_block_limit():
@@ -112,7 +127,7 @@ def test_the_plan_names_the_trade_when_one_request_cannot_fill_the_ring():
     one = plan(fleet, qwen, context=4096, concurrency=1)
     many = plan(fleet, qwen, context=4096, concurrency=3)
     paper = plan(fleet, qwen, context=4096, concurrency=1, objective="bottleneck")
-    assert one.blocks()["slow"] == 1 and one.blocks()["mid"] == 1
+    assert one.blocks()["slow"] == 1 and one.blocks()["mid"] <= 3 and one.blocks()["fast"] >= 32
     assert one.circuit_s < paper.circuit_s and one.bottleneck_s > paper.bottleneck_s
     assert one.per_token_s == pytest.approx(one.circuit_s)
     assert any("1 request in flight cannot keep 3 stages busy" in n for n in one.notes)
