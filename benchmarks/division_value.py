@@ -74,10 +74,9 @@ def main() -> int:
         member, ms, measured, predicted = bottleneck(recs)
         blocks = " ".join(f"{s['member']}:{s['blocks'][1] - s['blocks'][0]}" for s in recs[0]["stages"])
         stages = " ".join(f"{m} {measured[m]:.0f}/{predicted[m]:.0f}" for m in measured)
-        circuit = median([float(r["circuit_ms"]) for r in recs])
         print(
-            f"{d:<8} {blocks:<28} decode {rates[d]:5.2f} tok/s (±{spr:.2f})  circuit {circuit:.1f} ms  "
-            f"bottleneck {member} {ms:.1f} ms   stage ms measured/predicted: {stages}"
+            f"{d:<8} {blocks:<28} decode {rates[d]:5.2f} tok/s (±{spr:.2f})  bottleneck {member} {ms:.1f} ms"
+            f"   stage ms measured/predicted: {stages}"
         )
     ku, km = rates["kafila"] / rates["uniform"], rates["kafila"] / rates["memory"]
     print(f"same tokens in every division: {same}")
