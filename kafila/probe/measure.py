@@ -9,10 +9,10 @@ Figures (each a median and spread over repetitions):
 - block (with a model): a stage's decode step through several transformer blocks of that model's
   shapes (random weights allocated here, the engine's own model code), per block.
 - head (with a model): the final norm and unembedding of one row, the head's share of a step.
-- stage_fixed (with a model): the block figure's stage timed again with twice the blocks; what does
-  not grow with the blocks (Python and dispatch around the kernels) is a stage's per-step part,
-  and only the rest counts per block (without it a 5-block probe folded a fifth of that part into
-  each block).
+- stage_fixed (with a model): the block figure's stage timed again with twice the blocks and as a
+  one-block stage; what does not grow with the blocks (Python and dispatch around the kernels) is
+  a stage's per-step part (a least-squares line through the three), and only the rest counts per
+  block (without it a 5-block probe folded a fifth of that part into each block).
 Block and head are timed as a ring runs them: each call follows an idle gap twice its own length
 (the other stages of a ring of three computing), so caches, thread wake-ups and a CFS quota's
 refill behave as they will in the session.
@@ -22,6 +22,7 @@ quota the window spans several CFS periods, so the figure is the share the proce
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -232,7 +233,9 @@ def _stage_blocks(
     ops: Ops, model: ModelConfig, position: int, repeats: int, pace: Pace, memory: int
 ) -> tuple[Figure, Figure | None, int]:
     """(per block, per stage step, bytes of one block): the synthetic stage timed stage-shaped with
-    n blocks and, when 2n fit in a quarter of the memory, with 2n, split by `split_fixed`."""
+    n blocks and, when 2n fit in a quarter of the memory, with 2n and as a one-block stage (n
+    one-block models in turn, so that each call's weights come from memory as in the others),
+    split by `fit_fixed`."""
     run, nbytes, n = ops.make_block(model, position, system.llc_bytes() or 0)
     t_n = seconds_per_step(run, repeats, pace=pace)
     del run
@@ -241,18 +244,35 @@ def _stage_blocks(
     run, _, _ = ops.make_block(model, position, blocks=2 * n)
     t_2n = seconds_per_step(run, repeats, pace=pace)
     del run
-    fits = [split_fixed(a, b, n) for a, b in zip(t_n, t_2n, strict=True)]
+    t_1 = seconds_per_step(_one_block_stages(ops, model, position, n), repeats, pace=pace)
+    fits = [fit_fixed({1: a, n: b, 2 * n: c}) for a, b, c in zip(t_1, t_n, t_2n, strict=True)]
     return Figure.of([per for _, per in fits], "s"), Figure.of([fixed for fixed, _ in fits], "s"), nbytes
 
 
-def split_fixed(t_n: float, t_2n: float, n: int) -> tuple[float, float]:
-    """A stage step of n blocks took t_n, of 2n blocks t_2n: (the per-step part, the per-block
-    part) of t = fixed + blocks x per. The fixed part is 2 t_n - t_2n, at least 0: timing noise
-    must not make it negative. When 2n blocks did not take longer than n, nothing is split."""
-    if t_2n <= t_n:
-        return 0.0, t_n / n
-    fixed = max(0.0, 2.0 * t_n - t_2n)
-    return fixed, (t_n - fixed) / n
+def _one_block_stages(ops: Ops, model: ModelConfig, position: int, n: int) -> Run:
+    """A one-block stage's decode step, each call through the next of n one-block models: n blocks
+    fill twice the last-level cache, so no call finds its weights cached."""
+    turn = itertools.cycle([ops.make_block(model, position, blocks=1)[0] for _ in range(n)])
+    return lambda: next(turn)()
+
+
+def fit_fixed(times: dict[int, float]) -> tuple[float, float]:
+    """Stage steps of each block count took times[count]: (the per-step part, the per-block part)
+    of t = fixed + blocks x per, by least squares. The one-block stage pins the per-step part
+    directly, where 2 t_n - t_2n alone amplified the noise of both (0.3-1.8 ms between probes of
+    one quarter-core member). The fixed part is at least 0: timing noise must not make it negative.
+    When more blocks did not take longer, nothing is split."""
+    xs, ys = list(times), list(times.values())
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    per = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    top = max(xs)
+    if per <= 0:
+        return 0.0, times[top] / top
+    fixed = my - per * mx
+    if fixed < 0:  # through the origin instead: t = blocks x per
+        return 0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+    return fixed, per
 
 
 def quota_window(limit: tuple[float, float] | None) -> float:

@@ -67,12 +67,18 @@ def test_block_probe_runs_a_stage_of_blocks_that_outgrows_the_last_level_cache()
     assert ops.make_block(TINY_QWEN3, 8, llc_bytes=0)[2] == 2  # at least two blocks per stage
 
 
-def test_a_stage_timed_at_two_block_counts_splits_into_per_step_and_per_block_parts():
-    from kafila.probe.measure import split_fixed
+def test_a_stage_timed_at_three_block_counts_splits_into_per_step_and_per_block_parts():
+    from kafila.probe.measure import fit_fixed
 
-    assert split_fixed(0.007, 0.012, 5) == pytest.approx((0.002, 0.001))  # t = 2 ms + blocks x 1 ms
-    assert split_fixed(0.005, 0.011, 5) == pytest.approx((0.0, 0.001))  # noise: never below 0
-    assert split_fixed(0.006, 0.005, 5) == pytest.approx((0.0, 0.0012))  # 2n not slower: no split
+    # t = 2 ms + blocks x 1 ms
+    assert fit_fixed({1: 0.003, 5: 0.007, 10: 0.012}) == pytest.approx((0.002, 0.001))
+    # noise on the long stages: the one-block stage keeps the per-step part near its 2 ms, where
+    # 2 t(5) - t(10) alone would say 2.6 ms
+    fixed, per = fit_fixed({1: 0.003, 5: 0.0073, 10: 0.012})
+    assert fixed == pytest.approx(0.00211, abs=1e-5) and per == pytest.approx(0.000998, abs=1e-6)
+    # a line that would cross below 0: through the origin instead (never a negative per-step part)
+    assert fit_fixed({1: 0.001, 5: 0.0055, 10: 0.011}) == pytest.approx((0.0, 0.1385 / 126))
+    assert fit_fixed({1: 0.006, 5: 0.006, 10: 0.005}) == pytest.approx((0.0, 0.0005))  # not slower: no split
     from kafila.engine.backend import resolve
     from kafila.probe.ops import Ops
 
