@@ -308,7 +308,8 @@ def fmt_plans(plans: dict[str, Plan]) -> str:
             f"{name:<9} {blocks:<40} {(p.bottleneck_s or 0) * 1e3:>9.2f} {p.imbalance or 0:>6.2f} "
             f"{p.utilisation or 0:>5.0%} {p.tokens_s or 0:>7.1f}"
         )
-    return "\n".join(rows)
+    notes = dict.fromkeys(n for p in plans.values() for n in p.notes)  # once each, in order
+    return "\n".join(rows + [f"note: {n}" for n in notes])
 
 
 Progress = Callable[[str], None]

@@ -535,3 +535,25 @@ def test_member_core_invariants_under_any_inputs(inputs: list[str]) -> None:
         over = over or any(isinstance(o, fm.Failed | fm.Formed) for o in outs)
     assert links <= 1 and readies <= 1
     event(f"member ended {core.step.value}")  # --hypothesis-show-statistics
+
+
+def test_the_host_prints_each_plan_note_once_under_the_plans():
+    from kafila.models.presets import resolve_manifest
+    from kafila.planner import plan_all
+    from kafila.session.form import fmt_plans
+
+    fleet = [
+        DeviceReport("fast", 40 * 10**9, 400e9, overhead_s=1e-4),
+        DeviceReport("slow", 40 * 10**9, 100e9, overhead_s=1e-4),
+    ]
+    text = fmt_plans(plan_all(fleet, resolve_manifest("qwen3-8b"), context=4096, concurrency=1))
+    lines = text.splitlines()
+    assert lines[0].startswith("division") and [ln.split()[0] for ln in lines[1:4]] == [
+        "kafila",
+        "uniform",
+        "memory",
+    ]
+    notes = lines[4:]
+    assert all(n.startswith("note: ") for n in notes) and len(set(notes)) == len(notes)
+    assert any(n.startswith("note: ring ordered by the NAT counting rule") for n in notes)  # every plan's
+    assert any(n.startswith("note: 1 request in flight cannot keep 2 stages busy") for n in notes)
