@@ -247,7 +247,7 @@ def main() -> None:
     )
     t = planning_time(args.runs)
     print(
-        f"planning time, 64 blocks on 16 devices (ring order + head + PARTITION): median "
+        f"planning time, 64 blocks on 16 devices, concurrency 4 (ring order + head + load division): median "
         f"{t * 1e3:.1f} ms over {args.runs} fleets (target < 50 ms)"
     )
 
