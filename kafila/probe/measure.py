@@ -259,8 +259,8 @@ def _one_block_stages(ops: Ops, model: ModelConfig, position: int, n: int) -> Ru
 def fit_fixed(times: dict[int, float]) -> tuple[float, float]:
     """Stage steps of each block count took times[count]: (the per-step part, the per-block part)
     of t = fixed + blocks x per, by least squares. The one-block stage pins the per-step part
-    directly, where 2 t_n - t_2n alone amplified the noise of both (0.3-1.8 ms between probes of
-    one quarter-core member). The fixed part is at least 0: timing noise must not make it negative.
+    directly, where 2 t_n - t_2n alone amplified the noise of both (0.5-3.6 ms between probes of
+    one half-core member). The fixed part is at least 0: timing noise must not make it negative.
     When more blocks did not take longer, nothing is split."""
     xs, ys = list(times), list(times.values())
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
