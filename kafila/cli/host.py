@@ -69,10 +69,12 @@ def positive_int(text: str) -> int:
 
 
 def add_objective_flag(parser: argparse.ArgumentParser) -> None:
+    from kafila.planner.decide import OBJECTIVES  # pure: the standard library only
+
     parser.add_argument(
         "--objective",
-        default="load",
-        choices=["load", "bottleneck"],
+        default=OBJECTIVES[0],
+        choices=OBJECTIVES,
         help="what the kafila division minimizes: load (default: the time per token at the declared "
         "concurrency, max(slowest stage, circuit / concurrency)) or bottleneck (the slowest stage "
         "alone, as the paper's Algorithm 1)",

@@ -34,6 +34,8 @@ from kafila.planner.cost import DeviceCost
 from kafila.planner.head import solve_rotation, unrotate
 from kafila.planner.partition import Infeasible, blocks_within
 
+_TIE = 1e-9  # relative: sums of the same stage costs in another order differ in the last bits
+
 
 @dataclass(frozen=True)
 class LoadChoice:
@@ -47,7 +49,7 @@ class LoadChoice:
     @property
     def circuit_bound(self) -> bool:
         """The division gave up some balance for a shorter circuit."""
-        return self.bottleneck_s > self.tau_star_s * (1 + 1e-9)
+        return self.bottleneck_s > self.tau_star_s * (1 + _TIE)
 
 
 def divide_for_load(
@@ -80,9 +82,6 @@ def divide_for_load(
     if kept is not None and not best.per_token_s < kept.per_token_s * (1 - mu):
         return kept
     return best
-
-
-_TIE = 1e-9  # relative: sums of the same stage costs in another order differ in the last bits
 
 
 def _better(a: LoadChoice, b: LoadChoice) -> bool:
@@ -131,11 +130,7 @@ def _for_head(
     # per_token(tau) = max(tau, circuit(tau) / u): tau rises, the circuit falls, so the least is
     # where they cross (the first bound at or above circuit / u, or the one before it)
     cross = _first(len(taus), lambda i: taus[i] >= circuit(i) / u)
-    best = min(
-        (taus[i] if taus[i] >= circuit(i) / u else circuit(i) / u)
-        for i in (cross - 1, cross)
-        if 0 <= i < len(taus)
-    )
+    best = min(max(taus[i], circuit(i) / u) for i in (cross - 1, cross) if 0 <= i < len(taus))
     # the tightest bound whose division stays within `slack` of that time: the most even stages
     # among divisions that good (a gain inside the probe's noise is not worth the balance)
     allowed = best * (1 + slack) * (1 + _TIE)
