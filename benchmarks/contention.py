@@ -1,0 +1,158 @@
+"""What one machine does to an emulated fleet: stages that compute at once, and stages that idle.
+
+The session benchmarks run every member on this one machine. Separate machines would not share
+what these measure, so their figures say how far a one-machine fleet is from a real one:
+
+1. **Two stages computing at once.** A stage of the default model (10 blocks, fp32, one thread)
+   decodes on CPU 0, alone and while a second process decodes another 10-block stage on CPU 1;
+   rounds alternate. Both read their weights from the same memory bus and the same L3, so the
+   first slows down. In users.py every stage computes at once; in a real fleet each has its
+   own memory.
+2. **A stage after idling.** The same stage, steps back to back against steps that each follow
+   a 30 ms sleep (a ring member idles while the other stages compute; a single process never
+   does), alternating. On a VM an idle vCPU is descheduled and its caches go cold.
+
+Each figure is the median step time over the rounds, and the slowdown is measured side by side in
+one run.
+
+    python3 benchmarks/contention.py [--rounds 8] [--steps 20] [--gap-ms 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from multiprocessing.synchronize import Event
+from typing import Any
+
+from _session_common import MODEL
+
+BLOCKS = 10
+
+
+def load_stage(first: int) -> tuple[Any, Any]:
+    """A stage of BLOCKS blocks from `first`, one thread, with one request prefilled: (stage, row)."""
+    from kafila.probe.system import THREADS_ENV
+
+    os.environ[THREADS_ENV] = "1"  # before torch and numba load
+    import torch
+
+    from kafila.engine.stage import Entry, Stage
+    from kafila.models.checkpoint import Checkpoint
+    from kafila.models.registry import resolve
+
+    ckpt = Checkpoint.open(resolve(MODEL))
+    stage = Stage.load(ckpt, range(first, first + BLOCKS), False, context=512)
+    stage.open(1)
+    prompt = torch.randn(19, ckpt.config.hidden_size)  # [19, H]
+    stage.step(prompt, [Entry(1, 0, 19)])
+    return stage, prompt[-1:]  # [1, H]
+
+
+class Decoder:
+    """Decode steps of one request on a stage (positions wrap within the context)."""
+
+    def __init__(self, first: int) -> None:
+        self.stage, self.row = load_stage(first)
+        self.position = 19
+
+    def step(self) -> float:
+        from kafila.engine.stage import Entry
+
+        t0 = time.perf_counter()
+        self.stage.step(self.row, [Entry(1, self.position, 1)])  # [1, H] -> [1, H]
+        self.position = 19 + (self.position - 18) % 400
+        return time.perf_counter() - t0
+
+
+def neighbour(cpu: int, ready: Event, busy: Event, stop: Event) -> None:
+    """The second stage: decodes back to back on `cpu` while `busy` is set."""
+    os.sched_setaffinity(0, {cpu})
+    dec = Decoder(BLOCKS)
+    ready.set()
+    while not stop.is_set():
+        if busy.wait(0.05):
+            dec.step()
+
+
+def median_ms(xs: list[float]) -> float:
+    return statistics.median(xs) * 1e3
+
+
+def together(
+    dec: Decoder, other_cpu: int | None, rounds: int, steps: int
+) -> tuple[list[float], list[float]] | None:
+    """Step times alone and with the neighbour computing on `other_cpu` (None: no second CPU)."""
+    if other_cpu is None:
+        return None
+    ctx = mp.get_context("spawn")
+    ready, busy, stop = ctx.Event(), ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=neighbour, args=(other_cpu, ready, busy, stop), daemon=True)
+    proc.start()
+    try:
+        if not ready.wait(300):
+            raise RuntimeError("the second stage did not load within 300 s")
+        alone: list[float] = []
+        shared: list[float] = []
+        for _ in range(rounds):
+            alone += [dec.step() for _ in range(steps)]
+            busy.set()
+            time.sleep(0.05)  # the neighbour is computing
+            shared += [dec.step() for _ in range(steps)]
+            busy.clear()
+            time.sleep(0.05)
+        return alone, shared
+    finally:
+        stop.set()
+        proc.join(10)
+
+
+def after_idle(dec: Decoder, rounds: int, steps: int, gap_s: float) -> tuple[list[float], list[float]]:
+    """Step times back to back and each after a `gap_s` sleep, alternating by round."""
+    busy: list[float] = []
+    idle: list[float] = []
+    for _ in range(rounds):
+        busy += [dec.step() for _ in range(steps)]
+        for _ in range(steps):
+            time.sleep(gap_s)
+            idle.append(dec.step())
+    return busy, idle
+
+
+def line(what: str, base: list[float], other: list[float], label: str) -> str:
+    b, o = median_ms(base), median_ms(other)
+    return f"{what}: {b:.2f} ms alone, {o:.2f} ms {label} ({(o / b - 1) * 100:+.1f}%)"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=8, help="alternations of each comparison (default 8)")
+    p.add_argument("--steps", type=int, default=20, help="decode steps per side per round (default 20)")
+    p.add_argument("--gap-ms", type=float, default=30.0, help="idle before each step (default 30)")
+    args = p.parse_args()
+    if min(args.rounds, args.steps) < 1 or args.gap_ms <= 0:
+        p.error("--rounds and --steps must be at least 1, --gap-ms above 0")
+    cpus = sorted(os.sched_getaffinity(0))
+    cpu, other = cpus[0], (cpus[1] if len(cpus) > 1 else None)
+    os.sched_setaffinity(0, {cpu})
+    dec = Decoder(0)
+    for _ in range(args.steps):  # warm-up
+        dec.step()
+    print(f"model {MODEL}, fp32, one thread, a stage of {BLOCKS} blocks decoding one request on CPU {cpu}")
+    pair = together(dec, other, args.rounds, args.steps)
+    if pair is None:
+        print("two stages at once: skipped (one CPU)")
+    else:
+        print(line("two stages at once", *pair, "with a second stage computing on another CPU"))
+    busy, idle = after_idle(dec, args.rounds, args.steps, args.gap_ms / 1e3)
+    slept = line("after idling", busy, idle, f"after {args.gap_ms:.0f} ms of sleep")
+    print(slept.replace(" alone", " back to back"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
