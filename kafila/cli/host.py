@@ -27,9 +27,6 @@ def add_member_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", help="this member's name in the session (default: the host name)")
     parser.add_argument("--backend", default="auto", help="auto, torch or mlx (default auto)")
     parser.add_argument(
-        "--dtype", default="auto", help="auto, fp32, bf16 or fp16 (default auto: fp32 on a CPU)"
-    )
-    parser.add_argument(
         "--memory-gb",
         type=float,
         help="offer at most this much memory (GB) for weights and KV cache (default: the probe's figure)",
@@ -112,6 +109,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     add_objective_flag(parser)
     parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        help="the session's dtype, which every member computes in (default auto: the checkpoint's "
+        "own, fp32 for the default model)",
+    )
+    parser.add_argument(
         "--chunk",
         type=positive_int,
         default=PREFILL_CHUNK,
@@ -139,13 +143,12 @@ def options(args: argparse.Namespace) -> object:
         name=args.name,
         api=None if args.api == "off" else args.api,
         backend=args.backend,
-        dtype=args.dtype,
         memory_bytes=int(args.memory_gb * 1e9) if args.memory_gb is not None else None,
         trace=Path(args.trace) if args.trace else None,
         dead_after=args.dead_after,
         emulate_speed=args.emulate_speed,
     )
-    for key in ("model", "members", "context", "concurrency", "division", "objective", "chunk"):
+    for key in ("model", "members", "context", "concurrency", "division", "objective", "dtype", "chunk"):
         if hasattr(args, key):
             setattr(o, key, getattr(args, key))
     if hasattr(args, "wait"):

@@ -30,7 +30,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "fp32", "bf16", "fp16"],
-        help="compute and KV-cache dtype: auto = bf16 on a GPU, fp32 on a CPU",
+        help="compute and KV-cache dtype: auto = the checkpoint's own (fp32 for the default model, "
+        "bf16 for a bf16 checkpoint), as a session's",
     )
     parser.add_argument("--max-tokens", type=int, default=256, help="stop after this many generated tokens")
     parser.add_argument(

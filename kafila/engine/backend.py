@@ -22,6 +22,7 @@ import numpy as np
 # user-facing dtype name -> safetensors/wire dtype name
 DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
 _ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_STORED = {v: k for k, v in DTYPES.items()}  # "F32" -> "fp32"
 # OpenMP threads sleep as soon as a parallel region ends instead of spinning. A member shares its
 # machine (a laptop, other processes): spinning workers then steal the core the model thread needs
 # between two matmuls, and a decode step measured 2-3x slower on a loaded 2-core machine. Export
@@ -55,13 +56,25 @@ def normalize_dtype(dtype: str) -> str:
     return d
 
 
+def checkpoint_dtype(requested: str, stored: str) -> str:
+    """The dtype a stage of a checkpoint stored in `stored` ("F32", "BF16", "F16") computes in:
+    `requested` itself, or for "auto" the checkpoint's own precision ("BF16" -> "bf16"; any other
+    stored type -> "fp32"). The answer depends on the checkpoint alone, never on the device, so
+    the members of a session (CPUs, CUDA cards, Apple GPUs) all compute and send hidden states in
+    one dtype, and `kafila run` computes in the same one."""
+    if requested != "auto":
+        return normalize_dtype(requested)
+    return _STORED.get(stored, "fp32")
+
+
 def is_apple_silicon() -> bool:
     return platform.system() == "Darwin" and platform.machine() == "arm64"
 
 
 def resolve(name: str = "auto", dtype: str = "auto") -> Backend:
     """A backend by name ("auto", "torch", "mlx") with a dtype ("auto", "fp32", "bf16", "fp16").
-    dtype "auto" is bf16 on a GPU (CUDA or Metal) and fp32 on a CPU."""
+    dtype "auto" without a checkpoint (the device probe) is bf16 on a GPU (CUDA or Metal) and fp32
+    on a CPU; a stage resolves "auto" from its checkpoint first (`checkpoint_dtype`)."""
     if name == "auto":
         name = "mlx" if is_apple_silicon() and importlib.util.find_spec("mlx") is not None else "torch"
     if name == "torch":

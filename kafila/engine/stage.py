@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from kafila.engine.backend import Backend, resolve
+from kafila.engine.backend import Backend, checkpoint_dtype, resolve
 from kafila.engine.pace import FULL_SPEED, Pace
 from kafila.models.manifest import LM_HEAD, block_index
 from kafila.models.span import Span
@@ -121,7 +121,9 @@ class Stage:
         pace: Pace = FULL_SPEED,
     ) -> Stage:
         """Read exactly blocks [a, b) (and the head's tensors) from a kafila Checkpoint."""
-        be = resolve(backend, dtype) if isinstance(backend, str) else backend
+        if isinstance(backend, str):  # dtype "auto": the checkpoint's own precision
+            backend = resolve(backend, checkpoint_dtype(dtype, ckpt.stored_dtype))
+        be = backend
         if context < 1 or concurrency < 1:
             raise StageError(f"context ({context}) and concurrency ({concurrency}) must be at least 1")
         names = ckpt.names_for(blocks, head)

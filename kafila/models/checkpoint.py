@@ -129,6 +129,15 @@ class Checkpoint:
     def tied(self) -> bool:
         return LM_HEAD not in self.tensors
 
+    @property
+    def stored_dtype(self) -> str:
+        """The safetensors dtype that holds most of the tensor bytes ("F32", "BF16", ...): the
+        checkpoint's precision, also in a member's shard, which holds only some tensors."""
+        by_dtype: dict[str, int] = {}
+        for t in self.tensors.values():
+            by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.nbytes
+        return max(by_dtype, key=lambda d: by_dtype[d]) if by_dtype else "F32"
+
     def specs(self) -> list[TensorSpec]:
         return [t.spec for t in self.tensors.values()]
 

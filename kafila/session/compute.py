@@ -16,7 +16,7 @@ import numpy as np
 
 from kafila.engine.pace import Mark, Pace
 from kafila.engine.stage import Entry as StageEntry
-from kafila.engine.stage import Stage
+from kafila.engine.stage import Stage, StageError
 from kafila.proto import tensor as t
 
 T = TypeVar("T")
@@ -60,6 +60,8 @@ def stage_step(stage: Stage, frames: Sequence[t.Hidden]) -> tuple[list[bytes], i
     """Several frames through this stage's blocks as one batch: each frame's output bytes, microseconds.
     The frames hold distinct requests (the caller checks)."""
     start = Pace.mark()
+    for f in frames:
+        check_dtype(stage, f)
     entries = [e for f in frames for e in f.entries]
     open_new(stage, entries)
     parts = [stage.from_bytes(f.data, f.shape) for f in frames]  # each [n_f, H]
@@ -76,6 +78,7 @@ def stage_step(stage: Stage, frames: Sequence[t.Hidden]) -> tuple[list[bytes], i
 def head_logits(stage: Stage, frame: t.Hidden, rids: Sequence[int]) -> tuple[np.ndarray, int]:
     """The last row of each named request's rows -> logits [B, V] (float32), microseconds."""
     start = Pace.mark()
+    check_dtype(stage, frame)
     hidden = stage.from_bytes(frame.data, frame.shape)  # [N, H]
     last, at = {}, 0
     for e in frame.entries:
@@ -83,6 +86,21 @@ def head_logits(stage: Stage, frame: t.Hidden, rids: Sequence[int]) -> tuple[np.
         last[e.request_id] = at - 1
     rows = hidden[[last[r] for r in rids]]  # [B, H]
     return stage.logits(rows), _us(stage, start)
+
+
+def wire_dtype(stage: Stage) -> t.DType:
+    """The dtype of the hidden states this stage sends (its compute dtype)."""
+    return WIRE[stage.wire_dtype]
+
+
+def check_dtype(stage: Stage, frame: t.Hidden) -> None:
+    """A frame in another dtype than this stage computes in is refused by name: its bytes would
+    be read as the wrong numbers. (Members take the session's dtype from the host's plan.)"""
+    if frame.dtype is not wire_dtype(stage):
+        raise StageError(
+            f"stage blocks [{stage.blocks.start}, {stage.blocks.stop}) computes in {stage.wire_dtype} but "
+            f"received hidden states in {frame.dtype.name}: the session's members disagree on the dtype"
+        )
 
 
 def close_slots(stage: Stage, rids: Sequence[int]) -> None:

@@ -52,7 +52,7 @@ class Options:
     name: str | None = None
     api: str | None = "127.0.0.1:11434"  # None: no API on this member
     backend: str = "auto"
-    dtype: str = "auto"
+    dtype: str = "auto"  # host: the session's (auto: the checkpoint's); a member takes the host's
     memory_bytes: int | None = None  # cap on what this member offers (default: the probe's figure)
     probe_repeats: int = 2
     wait_s: float = 300.0  # host: how long to wait for the members

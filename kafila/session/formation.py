@@ -15,7 +15,8 @@ attempt (`Failed`) or success (`Formed`). Every input first checks the current d
 
 Session messages travel as signaling payloads `{"kafila_session": 1, "op": ...}` (see `payload`):
 `report` (member -> host: its DeviceReport), `plan` (host -> members: the Plan, member ids, model,
-prefill chunk, compared divisions), `refused` (host -> members: the reason), `ready` (member -> host).
+prefill chunk, the session's dtype, compared divisions), `refused` (host -> members: the reason),
+`ready` (member -> host).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from kafila.engine.backend import DTYPES
 from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan
 
@@ -120,6 +122,7 @@ class LinkNow:
     host: str
     model: str
     chunk: int
+    dtype: str  # the session's one dtype ("fp32", "bf16", "fp16"): every member computes in it
     alternatives: dict[str, Any] | None
 
 
@@ -398,7 +401,9 @@ class MemberFormation(_Machine):
     def _plan(self, body: dict[str, Any]) -> list[Output]:
         try:
             plan, ids = Plan.from_dict(body["plan"]), {str(k): int(v) for k, v in body["ids"].items()}
-            model, chunk = str(body["model"]), int(body["chunk"])
+            model, chunk, dtype = str(body["model"]), int(body["chunk"]), str(body["dtype"])
+            if dtype not in DTYPES:
+                raise ValueError(f"dtype {dtype!r} is none of {sorted(DTYPES)}")
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             return self._fail(f"the host's plan is unreadable: {exc!r}")
         names = {m: n for n, m in ids.items()}
@@ -409,4 +414,5 @@ class MemberFormation(_Machine):
         self.step = Step.LINKING
         self.deadline = None if self.link_s is None else self.now + self.link_s
         alternatives = body.get("alternatives")
-        return [LinkNow(plan, ids, names[self.me_id], names[self.host_id], model, chunk, alternatives)]
+        me, host = names[self.me_id], names[self.host_id]
+        return [LinkNow(plan, ids, me, host, model, chunk, dtype, alternatives)]

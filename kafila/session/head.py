@@ -246,7 +246,7 @@ class RingHead:
                 req.admitted_at = req.admitted_at or now
                 req.sent_at, req.rows = now, req.rows + e.n_tokens
         flags = (t.Flag.PREFILL if step.prefill else 0) | (t.Flag.LAST_CHUNK if step.last_chunk else 0)
-        wire = compute.WIRE[self.stage.wire_dtype]
+        wire = compute.wire_dtype(self.stage)
         frame = t.Hidden(0, wire, (rows, self.stage.model.config.hidden_size), entries, data, flags, (us,))
         if self.next is None:
             await self._returned(frame)
@@ -302,7 +302,11 @@ class RingHead:
                     self._reqs[rid].prefill_us.append(frame.timings_us)
         rids = [r for r in self.schedule.returned(step) if r in self._reqs]
         if rids:
-            logits, us = await self.model.run(compute.head_logits, self.stage, frame, rids)
+            try:
+                logits, us = await self.model.run(compute.head_logits, self.stage, frame, rids)
+            except StageError as exc:
+                self._fail_step(step, "internal", str(exc))
+                return
             timings = (frame.timings_us[0] + us, *frame.timings_us[1:])
             now = time.perf_counter()
             for rid, row in zip(rids, logits, strict=True):

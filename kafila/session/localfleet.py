@@ -342,7 +342,7 @@ class LocalFleet:
         assert self.rendezvous_url is not None and self.workdir is not None
         port = self.api_ports[index] if self.api_ports else 0
         common = ["--rendezvous", self.rendezvous_url, "--name", m.name, "--api", f"127.0.0.1:{port}"]
-        common += ["--backend", self.backend, "--dtype", self.dtype, "--trace", str(m.trace_path)]
+        common += ["--backend", self.backend, "--trace", str(m.trace_path)]
         common += ["--wait", str(int(self.wait_s)), *self.extra_args]
         if self.member_args:
             common += list(self.member_args[index])
@@ -363,6 +363,8 @@ class LocalFleet:
                 self.division,
                 "--chunk",
                 str(self.chunk),
+                "--dtype",  # the session's: the members take it from the host
+                self.dtype,
             ]
         else:
             assert self.code is not None

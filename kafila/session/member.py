@@ -172,7 +172,8 @@ class RingMember:
             return
         for f, data, wait in zip(frames, datas, waited, strict=True):
             self.tally.computed(f, us, int(wait * 1e6))
-            out = t.Hidden(f.step, f.dtype, f.shape, f.entries, data, f.flags, (*f.timings_us, us))
+            wire = compute.wire_dtype(self.stage)
+            out = t.Hidden(f.step, wire, f.shape, f.entries, data, f.flags, (*f.timings_us, us))
             self._outbox.put_nowait(out)
 
     def _traced_free(self, free: t.Control, ids: list[int]) -> t.Control:

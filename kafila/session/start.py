@@ -6,9 +6,11 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kafila.engine.backend import DTYPES, checkpoint_dtype
 from kafila.models.checkpoint import Checkpoint
 from kafila.net.link import Link
 from kafila.net.signaling import SignalingClient
@@ -95,10 +97,13 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
 
     folder = resolve(opts.model)
     ckpt = Checkpoint.open(folder)
+    # one dtype for the whole session, decided here: every member probes and computes in it
+    opts = replace(opts, dtype=checkpoint_dtype(opts.dtype, ckpt.stored_dtype))
     name = opts.name or default_name()
     client = held.client = await SignalingClient.connect(opts.rendezvous)
     config = ckpt.config.raw if len(json.dumps(ckpt.config.raw)) < 12_000 else None
-    opened = await client.open_session(opts.model, opts.members, name, {"role": "host", "config": config})
+    capability = {"role": "host", "config": config, "dtype": opts.dtype}
+    opened = await client.open_session(opts.model, opts.members, name, capability)
     code = new_code(opened.session)
     say(f"session code: {code}   (members join with: kafila join {code})")
     if on_code:
@@ -115,7 +120,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     except SessionError as exc:
         await drive.carry(core.refuse(str(exc), drive.now()))
         raise
-    extra = {"model": opts.model, "chunk": opts.chunk, "alternatives": alternatives}
+    extra = {"model": opts.model, "chunk": opts.chunk, "dtype": opts.dtype, "alternatives": alternatives}
     await drive.carry(core.planned(plan, drive.now(), **extra))
     ring = _host_ring(name, code, plan, folder, gathered.ids, node, client, opts, held, alternatives)
     formed = held.formed = await drive.during(ring)
@@ -154,7 +159,7 @@ async def _host_ring(
 def _plan(devices: list[DeviceReport], ckpt: Checkpoint, opts: Options) -> tuple[Plan, dict[str, Any]]:
     from kafila.planner.decide import plan_all
 
-    manifest = ckpt.manifest("F32" if opts.dtype in ("auto", "fp32") else None)
+    manifest = ckpt.manifest(DTYPES[opts.dtype])  # priced in the session's dtype
     plans = plan_all(
         devices,
         manifest,
@@ -181,12 +186,15 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     pump = asyncio.ensure_future(node.signals.pump())
     held.tasks.append(pump)
     config = host_info.capability.get("config")  # the model's shape, for the block probe
+    dtype = host_info.capability.get("dtype")  # the session's dtype: probe in it
+    opts = replace(opts, dtype=str(dtype)) if isinstance(dtype, str) else opts
     me = await asyncio.to_thread(probe_report, name, node, opts, config if isinstance(config, dict) else None)
     core = MemberFormation(host_id=host_info.id, me_id=node.member, wait_s=opts.wait_s, link_s=opts.wait_s)
     drive = held.driver = Driver(core, client, node.signals)
     got = await drive.until(fm.LinkNow, core.start(me, drive.now()))
     links = held.links = await drive.during(link_ring(node, got.plan, got.me, got.ids, got.host))
     await drive.carry(core.linked(drive.now()))
+    opts = replace(opts, dtype=got.dtype)  # compute in the host's choice, whatever the probe used
     shard = await drive.during(_fetch(got, links, opts))
     await drive.carry(core.fetched(drive.now()))
     ring = _start_ring(

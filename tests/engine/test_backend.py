@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kafila.engine import backend as backend_mod
-from kafila.engine.backend import BackendError, resolve
+from kafila.engine.backend import BackendError, checkpoint_dtype, resolve
 
 
 def test_auto_is_torch_cpu_fp32_off_apple_silicon_without_cuda(monkeypatch) -> None:
@@ -22,6 +22,20 @@ def test_auto_picks_mlx_on_apple_silicon(monkeypatch) -> None:
     pytest.importorskip("mlx.core")
     monkeypatch.setattr(backend_mod, "is_apple_silicon", lambda: True)
     assert resolve("auto", "bf16").name == "mlx"
+
+
+def test_auto_dtype_is_the_checkpoints_own_on_every_device() -> None:
+    """A session's members (CPU, CUDA, Apple) must compute in one dtype: "auto" reads the
+    checkpoint, never the device. A named dtype is taken as asked."""
+    assert [checkpoint_dtype("auto", s) for s in ("F32", "BF16", "F16", "F64")] == [
+        "fp32",
+        "bf16",
+        "fp16",
+        "fp32",
+    ]
+    assert checkpoint_dtype("bf16", "F32") == "bf16" and checkpoint_dtype("float32", "BF16") == "fp32"
+    with pytest.raises(BackendError, match="unknown dtype 'int4'"):
+        checkpoint_dtype("int4", "F32")
 
 
 def test_unknown_backend_and_dtype_are_named() -> None:

@@ -171,6 +171,15 @@ def test_bf16_stage_round_trips_hidden_bytes_and_tracks_fp32(ckpt: Checkpoint) -
     assert stage.logits(out[-1]).argmax() == fp32.logits(ref[-1]).argmax()
 
 
+@pytest.mark.parametrize(("stored", "computes"), [("float32", "fp32"), ("bfloat16", "bf16")])
+def test_auto_dtype_keeps_the_checkpoints_precision(tiny_checkpoint, stored: str, computes: str) -> None:
+    """On this CPU as on a GPU: a bf16 checkpoint computes in bf16 (half the memory of fp32), an
+    fp32 one in fp32, so `kafila run` and every member of a session agree."""
+    ck = Checkpoint.open(tiny_checkpoint("llama-gqa3-tied", dtype=stored))
+    stage = Stage.load(ck, range(2), True, backend="torch", dtype="auto", context=32)
+    assert stage.backend.dtype == computes
+
+
 @pytest.mark.slow
 def test_real_model_split_in_two_gives_exactly_the_full_models_logits(smollm2_path) -> None:
     real = Checkpoint.open(smollm2_path)

@@ -49,6 +49,7 @@ def build_ring(
     chunk: int = 4,
     dead_after: float = 5.0,
     lanes: int | None = None,  # decode lanes at the head; default one per stage
+    dtypes: list[str] | None = None,  # each stage's dtype; default fp32 everywhere
 ) -> Ring:
     names = tuple(f"m{i}" for i in range(len(splits)))
     info = RingInfo(
@@ -60,10 +61,9 @@ def build_ring(
         predicted_ms={n: 1.0 for n in names},
         edges={f"{a}->{b}": "local" for a, b in zip(names, names[1:] + names[:1], strict=True)},
     )
+    kinds = dtypes or ["fp32"] * len(splits)
     stages = [
-        Stage.load(
-            ckpt, range(a, b), i == 0, backend="torch", dtype="fp32", context=context, concurrency=concurrency
-        )
+        Stage.load(ckpt, range(a, b), i == 0, "torch", kinds[i], context=context, concurrency=concurrency)
         for i, (a, b) in enumerate(splits)
     ]
     n = len(splits)

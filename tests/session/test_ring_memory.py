@@ -53,6 +53,21 @@ async def test_ring_gives_the_single_process_tokens(ckpt: Checkpoint, splits) ->
         await ring.stop()
 
 
+@pytest.mark.parametrize("dtypes", [["fp32", "bf16", "fp32"], ["fp32", "fp32", "bf16"]])
+async def test_a_member_in_another_dtype_fails_the_request_by_name(ckpt: Checkpoint, dtypes) -> None:
+    """Hidden states in the wrong dtype would be read as the wrong numbers (or hang the ring): a
+    stage refuses them, and the request fails with both dtypes named. (Sessions give every member
+    the host's dtype, tests/session/test_session_loopback.py; this is the guard behind it.)"""
+    ring = build_ring(ckpt, [(0, 2), (2, 4), (4, 5)], dtypes=dtypes)
+    try:
+        gen = await ring.members[0].submit(PROMPTS[1], Sampling(max_tokens=4))
+        with pytest.raises(GenerationError, match=r"computes in (BF16|F32) but received hidden states in"):
+            await asyncio.wait_for(collect(gen), 10)
+        assert ring.head.broken is None  # the ring itself stays up
+    finally:
+        await ring.stop()
+
+
 async def test_request_from_a_member_that_is_not_the_head(ckpt: Checkpoint) -> None:
     ring = build_ring(ckpt, [(0, 1), (1, 4), (4, 5)])
     try:

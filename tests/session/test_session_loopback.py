@@ -42,7 +42,12 @@ def opts(rdv: RendezvousServer, name: str, tmp: Path, **kw) -> Options:
 
 
 async def form(
-    rdv: RendezvousServer, tmp: Path, division: str = "kafila", model: str = MODEL, **kw
+    rdv: RendezvousServer,
+    tmp: Path,
+    division: str = "kafila",
+    model: str = MODEL,
+    host_kw: dict | None = None,
+    **kw,
 ) -> list[Formed]:
     code: asyncio.Future = asyncio.get_running_loop().create_future()
     hosting = asyncio.ensure_future(
@@ -57,6 +62,7 @@ async def form(
                 concurrency=4,
                 division=division,
                 chunk=64,
+                **(host_kw or {}),
             ),
             on_code=code.set_result,
         )
@@ -71,9 +77,9 @@ async def close(formed: list[Formed]) -> None:
         await f.close()
 
 
-def single_process(path: Path, prompt: list[int], n: int) -> list[int]:
+def single_process(path: Path, prompt: list[int], n: int, dtype: str = "fp32") -> list[int]:
     ckpt = Checkpoint.open(path)
-    stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend="torch", dtype="fp32", context=256)
+    stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend="torch", dtype=dtype, context=256)
     stop = Tokenizer.from_checkpoint(ckpt).stop_ids
     return [
         t for t in generate(stage, prompt, SamplingParams(max_tokens=n), eos_ids=tuple(stop)) if t not in stop
@@ -107,6 +113,26 @@ async def test_three_members_give_the_single_process_tokens(rdv, tiny_chat_model
             share = sum(ckpt.tensors[n].nbytes for n in ckpt.names_for(range(a, b), f.plan.head == f.name))
             assert f.shard.tensor_bytes == share
             assert 0 < share < sum(t.nbytes for t in ckpt.tensors.values())
+    finally:
+        await close(formed)
+
+
+async def test_every_member_computes_in_the_hosts_dtype(rdv, tiny_chat_model, tmp_path) -> None:
+    """The host's --dtype is the session's: members that asked for another (or for auto, which on
+    a GPU would differ from a CPU's) compute in the host's, the plan is priced in it, and the
+    tokens are the single process's in that dtype."""
+    member_kw = {n: {"dtype": "fp32"} for n in ("beta", "gamma")}
+    formed = await form(rdv, tmp_path, model=str(tiny_chat_model), host_kw={"dtype": "bf16"}, **member_kw)
+    try:
+        assert [f.service.stage.backend.dtype for f in formed] == ["bf16"] * 3
+        tok = Tokenizer.from_checkpoint(Checkpoint.open(tiny_chat_model))
+        prompt = tok.encode_chat(PROMPT)
+        want = await asyncio.to_thread(single_process, tiny_chat_model, prompt, 12, "bf16")
+        member = service_of(formed)
+        got = [
+            t async for ev in await member.service.submit(prompt, Sampling(max_tokens=12)) for t in ev.tokens
+        ]
+        assert got == want
     finally:
         await close(formed)
 
