@@ -156,6 +156,17 @@ async def _host_ring(
     )
 
 
+def in_session_dtype(opts: Options, capability: dict[str, Any]) -> Options:
+    """A joining member's options with the session's dtype from the host's capability (what it
+    probes in; the plan repeats it for the stage). A host that names none leaves "auto"."""
+    dtype = capability.get("dtype")
+    if dtype is None:
+        return replace(opts, dtype="auto")
+    if dtype not in DTYPES:
+        raise SessionError(f"the host asks for dtype {dtype!r}, none of {sorted(DTYPES)}")
+    return replace(opts, dtype=dtype)
+
+
 def _plan(devices: list[DeviceReport], ckpt: Checkpoint, opts: Options) -> tuple[Plan, dict[str, Any]]:
     from kafila.planner.decide import plan_all
 
@@ -186,8 +197,7 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     pump = asyncio.ensure_future(node.signals.pump())
     held.tasks.append(pump)
     config = host_info.capability.get("config")  # the model's shape, for the block probe
-    dtype = host_info.capability.get("dtype")  # the session's dtype: probe in it
-    opts = replace(opts, dtype=str(dtype)) if isinstance(dtype, str) else opts
+    opts = in_session_dtype(opts, host_info.capability)  # probe as the session will compute
     me = await asyncio.to_thread(probe_report, name, node, opts, config if isinstance(config, dict) else None)
     core = MemberFormation(host_id=host_info.id, me_id=node.member, wait_s=opts.wait_s, link_s=opts.wait_s)
     drive = held.driver = Driver(core, client, node.signals)
