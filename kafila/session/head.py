@@ -53,6 +53,7 @@ class RingInfo:
     edges: dict[str, str] = field(default_factory=dict)  # "a->b": "direct" | "relay" | "local"
     plan: dict[str, Any] = field(default_factory=dict)
     edge_rtt_ms: dict[str, float] = field(default_factory=dict)  # "a->b": the plan's priced round trip
+    dtype: str | None = None  # the session's ("fp32", "bf16", "fp16"): every member computes in it
 
     def document(self, state: str, error: str | None) -> dict[str, Any]:
         """The part of a member's /session document every member shares."""
@@ -69,6 +70,7 @@ class RingInfo:
             ],
             "links": [{"edge": e, "path": p} for e, p in self.edges.items()],
             "division": self.division,
+            "dtype": self.dtype,
             "plan": self.plan,
         }
 

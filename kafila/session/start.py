@@ -285,6 +285,7 @@ async def _start_ring(
         edges=edges,
         plan={"chosen": plan.summary(), "divisions": alternatives or {}},
         edge_rtt_ms=planned_rtt_ms(plan.edges),
+        dtype=stage.backend.dtype,
     )
     nxt = _channel(links.get(nxt_name), nxt_name, opts)
     prv = _channel(links.get(prv_name), prv_name, opts) if len(order) > 2 or nxt is None else nxt

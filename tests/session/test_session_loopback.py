@@ -125,6 +125,7 @@ async def test_every_member_computes_in_the_hosts_dtype(rdv, tiny_chat_model, tm
     formed = await form(rdv, tmp_path, model=str(tiny_chat_model), host_kw={"dtype": "bf16"}, **member_kw)
     try:
         assert [f.service.stage.backend.dtype for f in formed] == ["bf16"] * 3
+        assert {f.service.describe()["dtype"] for f in formed} == {"bf16"}  # /session says so
         tok = Tokenizer.from_checkpoint(Checkpoint.open(tiny_chat_model))
         prompt = tok.encode_chat(PROMPT)
         want = await asyncio.to_thread(single_process, tiny_chat_model, prompt, 12, "bf16")
