@@ -13,6 +13,10 @@ prints each stage's ms per decode step as predicted, measured alone and measured
 the head's trace records): on one machine the stages that compute at once slow each other. And
 the time to each request's first token (queue + prefill at the head) alone and under load: the
 four prompts prefill through the same stages, so the last of them waits for the others.
+Stages that stream their weights at once share this machine's memory bus, which separate
+machines would not (benchmarks/contention.py measures by how much). Smaller shares with the same
+ratios, e.g. --shares 0.25,0.125,0.0625, make such collisions rarer at the price of a slower run
+(docs/benchmarks.md, "Session 8").
 
     python3 benchmarks/users.py [--tokens 48] [--rounds 3] [--shares 1,0.5,0.25]
 """
