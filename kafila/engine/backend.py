@@ -58,8 +58,8 @@ def normalize_dtype(dtype: str) -> str:
 
 def checkpoint_dtype(requested: str, stored: str) -> str:
     """The dtype a stage of a checkpoint stored in `stored` ("F32", "BF16", "F16") computes in:
-    `requested` itself, or for "auto" the checkpoint's own precision ("BF16" -> "bf16"; any other
-    stored type -> "fp32"). The answer depends on the checkpoint alone, never on the device, so
+    `requested` itself, or for "auto" the checkpoint's own precision ("BF16" -> "bf16", "F16" ->
+    "fp16", anything else -> "fp32"). The answer depends on the checkpoint alone, not the device, so
     the members of a session (CPUs, CUDA cards, Apple GPUs) all compute and send hidden states in
     one dtype, and `kafila run` computes in the same one."""
     if requested != "auto":
