@@ -123,9 +123,9 @@ def after_idle(dec: Decoder, rounds: int, steps: int, gap_s: float) -> tuple[lis
     return busy, idle
 
 
-def line(what: str, base: list[float], other: list[float], label: str) -> str:
+def line(what: str, base: list[float], other: list[float], labels: tuple[str, str]) -> str:
     b, o = median_ms(base), median_ms(other)
-    return f"{what}: {b:.2f} ms alone, {o:.2f} ms {label} ({(o / b - 1) * 100:+.1f}%)"
+    return f"{what}: {b:.2f} ms {labels[0]}, {o:.2f} ms {labels[1]} ({(o / b - 1) * 100:+.1f}%)"
 
 
 def main() -> int:
@@ -147,10 +147,9 @@ def main() -> int:
     if pair is None:
         print("two stages at once: skipped (one CPU)")
     else:
-        print(line("two stages at once", *pair, "with a second stage computing on another CPU"))
+        print(line("two stages at once", *pair, ("alone", "with a second stage computing on another CPU")))
     busy, idle = after_idle(dec, args.rounds, args.steps, args.gap_ms / 1e3)
-    slept = line("after idling", busy, idle, f"after {args.gap_ms:.0f} ms of sleep")
-    print(slept.replace(" alone", " back to back"))
+    print(line("after idling", busy, idle, ("back to back", f"after {args.gap_ms:.0f} ms of sleep")))
     return 0
 
 
