@@ -45,23 +45,23 @@ def _machine_ticks() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
-def _proc_ticks(pid: int) -> int:
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name (empty if the process is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return []
+
+
+def _proc_ticks(fields: list[str]) -> int:
     """utime + stime in jiffies (0 if the process is gone). Not the children's: a fleet member is
     watched itself, and its time lands in our cutime when it exits (counted twice)."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0
-    fields = text.rsplit(")", 1)[1].split()
     return sum(int(x) for x in fields[11:13])
 
 
-def _started_ticks(pid: int) -> int | None:
+def _started_ticks(fields: list[str]) -> int | None:
     """When the process started, in jiffies since boot (None if it is gone)."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
+    return int(fields[19]) if len(fields) > 19 else None
 
 
 def _uptime_ticks() -> int:
@@ -93,8 +93,8 @@ class Load:
     def watch(self, *pids: int) -> None:
         for root in pids:
             for p in _tree(root):
-                t = _proc_ticks(p)
-                started = _started_ticks(p)
+                fields = _stat(p)  # read once: its CPU so far and when it started
+                t, started = _proc_ticks(fields), _started_ticks(fields)
                 # a process started while we watch (a fleet's member): all its CPU is ours, its
                 # start-up and probe included
                 first = 0 if started is not None and started >= self._boot_t0 else t
@@ -109,7 +109,7 @@ class Load:
     def sample(self) -> None:
         """Record our processes' CPU now (call before a fleet closes: a dead process has no figures)."""
         for p, (first, _) in list(self._ours.items()):
-            t = _proc_ticks(p)
+            t = _proc_ticks(_stat(p))
             if t:
                 self._ours[p] = (first, t)
 
