@@ -121,9 +121,9 @@ class Stage:
         pace: Pace = FULL_SPEED,
     ) -> Stage:
         """Read exactly blocks [a, b) (and the head's tensors) from a kafila Checkpoint."""
-        if isinstance(backend, str):  # dtype "auto": the checkpoint's own precision
-            backend = resolve(backend, checkpoint_dtype(dtype, ckpt.stored_dtype))
         be = backend
+        if isinstance(be, str):  # dtype "auto": the checkpoint's own precision
+            be = resolve(be, checkpoint_dtype(dtype, ckpt.stored_dtype))
         if context < 1 or concurrency < 1:
             raise StageError(f"context ({context}) and concurrency ({concurrency}) must be at least 1")
         names = ckpt.names_for(blocks, head)

@@ -170,9 +170,9 @@ class RingMember:
             body = {"request_ids": rids, "message": f"member {self.name}: {exc}"}
             self._outbox.put_nowait(t.Control("stage_error", body))  # to the head, which answers
             return
+        wire = compute.wire_dtype(self.stage)
         for f, data, wait in zip(frames, datas, waited, strict=True):
             self.tally.computed(f, us, int(wait * 1e6))
-            wire = compute.wire_dtype(self.stage)
             out = t.Hidden(f.step, wire, f.shape, f.entries, data, f.flags, (*f.timings_us, us))
             self._outbox.put_nowait(out)
 
