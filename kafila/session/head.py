@@ -234,6 +234,10 @@ class RingHead:
     async def _enter(self, step: Step) -> None:
         tokens = [self._tokens_for(e, step.prefill) for e in step.entries]
         entries = tuple(t.Entry(e.request_id, e.position, e.n_tokens) for e in step.entries)
+        taken = time.perf_counter()  # its queue ends here: the head's own compute is prefill
+        for e in step.entries:
+            if (req := self._reqs.get(e.request_id)) is not None:
+                req.admitted_at = req.admitted_at or taken
         try:
             data, rows, us = await self.model.run(compute.head_step, self.stage, entries, tokens)
         except StageError as exc:
@@ -245,7 +249,6 @@ class RingHead:
             if req is not None and step.prefill:
                 self.tally.add(e.request_id, us, prefill=True)
             if req is not None:
-                req.admitted_at = req.admitted_at or now
                 req.sent_at, req.rows = now, req.rows + e.n_tokens
         flags = (t.Flag.PREFILL if step.prefill else 0) | (t.Flag.LAST_CHUNK if step.last_chunk else 0)
         wire = compute.wire_dtype(self.stage)

@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from kafila.engine.pace import Pace
 from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
 from kafila.obs.trace import RequestRecord, StageRecord, TraceLog, from_json, summarize_stages
@@ -162,3 +163,22 @@ async def test_a_ring_of_two_on_one_channel_counts_each_direction(ckpt: Checkpoi
     assert own.hop_in is not None and own.hop_in.bytes == there.bytes
     assert back == own.hop_out and back.bytes > 0 and there.bytes > 0
     assert there.bytes != back.bytes  # the frames coming back carry one more stage timing each
+
+
+async def test_a_lone_requests_queue_ends_before_the_heads_own_prefill(ckpt: Checkpoint) -> None:
+    """queue_s is the wait for a free slot; the head's computation of the first chunk is prefill.
+    The head is slowed (an emulated 5x slower device, kafila.engine.pace) so its share is clear."""
+    ring = build_ring(ckpt, [(0, 2), (2, 5)], chunk=CHUNK)
+    logs = traced(ring)
+    try:
+        await drain(await ring.head.submit(SHORT, Sampling(max_tokens=2)))  # first calls compile kernels
+        ring.head.stage.pace = Pace(0.2)
+        gen = await ring.head.submit(PROMPT, Sampling(max_tokens=3))
+        await drain(gen)
+        [req] = await records(logs[0], RequestRecord, gen.request_id)
+        [head] = await records(logs[0], StageRecord, gen.request_id)
+    finally:
+        await ring.stop()
+    assert req.queue_s * 1e3 < head.prefill_ms[0] / 2  # a slot was free: no wait beyond a loop turn
+    assert req.prefill_s * 1e3 >= sum(head.prefill_ms)  # every chunk the head computed is prefill
+    assert req.ttft_s == pytest.approx(req.queue_s + req.prefill_s)
