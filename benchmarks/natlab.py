@@ -9,12 +9,14 @@ to an authenticated link (connect_edge called on both ends until both are ready;
 and classification excluded, and timed separately).
 
 Then link figures on one direct edge (ordinary <-> ordinary) and one relayed edge (restrictive <->
-restrictive): time to link, one-way latency (median of sequential sends on an idle link; both ends
-live in this process so they share a clock) and throughput (back-to-back messages, MB/s of
-payload) for 8 KiB and 1 MiB messages. Both ends of every link run in this one Python process on
-shared CPUs, so throughput is a floor and figures are noisy; MB per CPU-second of this process is
-printed too, as a figure less sensitive to other load (it covers both link ends, and the relay
-too with --in-process).
+restrictive), side by side with path MTU probing off (1200-byte QUIC packets everywhere) and on
+(the direct edge probes its path and settles on 1452 bytes, the lab's 1500-byte MTU): time to
+link, one-way latency (median of sequential sends on an idle link; both ends live in this process
+so they share a clock) and throughput (back-to-back messages, MB/s of payload) for 8 KiB and
+1 MiB messages. Both ends of every link run in this one Python process on shared CPUs, so
+throughput is a floor and figures are noisy; MB per CPU-second of this process is printed too,
+as a figure less sensitive to other load (it covers both link ends, and the relay too with
+--in-process).
 
     sudo python3 benchmarks/natlab.py [--trials N] [--count-8k N] [--count-1m N]
 """
@@ -46,7 +48,7 @@ from tests.net.harness import Pair, RendezvousAt, open_pair, start_rendezvous
 PROBE_TIMEOUT = 0.1
 
 
-async def _pair(lab: Lab, rdv, a: Site, b: Site, datagram: int = 1200) -> tuple[Pair, float]:  # type: ignore[no-untyped-def]
+async def _pair(lab: Lab, rdv, a: Site, b: Site, probe: bool = True) -> tuple[Pair, float]:  # type: ignore[no-untyped-def]
     start = time.perf_counter()
     pair = await open_pair(
         rdv,
@@ -55,7 +57,7 @@ async def _pair(lab: Lab, rdv, a: Site, b: Site, datagram: int = 1200) -> tuple[
         lambda: netns(a.host),
         lambda: netns(b.host),
         probe_timeout=PROBE_TIMEOUT,
-        config=LinkConfig(max_datagram_size=datagram),
+        config=LinkConfig() if probe else LinkConfig(probe_sizes=()),
     )
     return pair, time.perf_counter() - start
 
@@ -116,13 +118,15 @@ def _dr(direct: bool) -> str:
     return "direct" if direct else "relay"
 
 
-async def link_figures(lab: Lab, rdv, a: Site, b: Site, label: str, args, datagram: int) -> None:  # type: ignore[no-untyped-def]
-    pair, setup = await _pair(lab, rdv, a, b, datagram)
+async def link_figures(lab: Lab, rdv, a: Site, b: Site, label: str, args, probe: bool) -> None:  # type: ignore[no-untyped-def]
+    pair, setup = await _pair(lab, rdv, a, b, probe)
     assert pair.a.nat and pair.b.nat
     predicted = LINUX_RULE(pair.a.nat.nat, pair.b.nat.nat)
     client, server, took = await _link(pair, predicted)
+    await asyncio.sleep(1.0)  # both ends' path probes have answered (or given up) by now
+    packets = f"{client.datagram_size}-byte QUIC packets (path MTU probing {'on' if probe else 'off'})"
     print(
-        f"\n{label}, {datagram}-byte QUIC packets: {a.kind} <-> {b.kind}, path {client.path}, "
+        f"\n{label}, {packets}: {a.kind} <-> {b.kind}, path {client.path}, "
         f"time to link {took:.3f} s (session join + both classifications {setup:.2f} s)"
     )
     for size, count in ((8192, args.count_8k), (1 << 20, args.count_1m)):
@@ -209,9 +213,9 @@ async def main(args: argparse.Namespace) -> None:
         async with rendezvous(lab, not args.in_process) as rdv:
             print(f"rendezvous: {'in this process' if args.in_process else 'kafila rendezvous, own process'}")
             await table_iii(lab, rdv, sites, args.trials)
-            for size in args.datagram_sizes:
-                await link_figures(lab, rdv, *sites["ordinary"], "direct edge", args, size)
-                await link_figures(lab, rdv, *sites["restrictive"], "relayed edge", args, size)
+            for probe in (False, True):
+                await link_figures(lab, rdv, *sites["ordinary"], "direct edge", args, probe)
+                await link_figures(lab, rdv, *sites["restrictive"], "relayed edge", args, probe)
 
 
 if __name__ == "__main__":
@@ -224,13 +228,6 @@ if __name__ == "__main__":
     )
     parser.add_argument("--count-8k", type=int, default=400, help="8 KiB messages in the throughput run")
     parser.add_argument("--count-1m", type=int, default=20, help="1 MiB messages in the throughput run")
-    parser.add_argument(
-        "--datagram-sizes",
-        type=lambda text: [int(x) for x in text.split(",")],
-        default=[1200, 1452],
-        help="QUIC packet sizes to measure the link figures with, side by side (1452 fits the lab's "
-        "1500-byte MTU with the relay header)",
-    )
     reason = missing_requirements()
     if reason:
         sys.exit(f"natlab benchmark: {reason}")

@@ -3,14 +3,22 @@
 0x00-0x3F are kafila.proto.udp control messages (rendezvous probes, relay, punching); QUIC v1
 sets bit 0x40. QUIC from a direct peer is routed by its source address, relayed QUIC by the relay
 channel in its header; binding and relay answers wake whoever waits for their transaction id or
-channel; punch messages go to every registered puncher (each checks its own authenticator).
+channel; punch messages go to every registered puncher (each checks its own authenticator). A path
+probe is answered only when it comes from a peer whose QUIC this socket already takes (no answers
+to strangers); its answer wakes the waiting `path_carries`.
+
+The socket sets the don't-fragment bit where the OS lets it (Linux, macOS): a datagram larger
+than the path carries is dropped instead of cut into IP fragments, which is what makes a path
+probe's answer mean something (and what QUIC asks for, RFC 9000 section 14).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +29,10 @@ from kafila.proto import udp
 from kafila.proto.errors import ProtocolError
 
 log = get_logger("kafila.net.endpoint")
+
+# <netinet/in.h> values the socket module does not export
+_LINUX_IP_MTU_DISCOVER, _LINUX_IP_PMTUDISC_PROBE = 10, 3  # DF set, the kernel's cached PMTU ignored
+_DARWIN_IP_DONTFRAG = 28
 
 Address = tuple[str, int]
 QuicSink = Callable[[bytes, str, Address], None]  # (datagram, "direct"|"relay", source)
@@ -61,7 +73,9 @@ class UdpEndpoint:
         self._binding_waiters: dict[bytes, asyncio.Future[udp.BindingResponse | udp.BindingError]] = {}
         self._relay_waiters: dict[int, asyncio.Future[udp.RelayBindAck]] = {}
         self._punch_sinks: list[PunchSink] = []
+        self._path_waiters: dict[bytes, asyncio.Future[int]] = {}
         self._dirty: dict[int, Callable[[], None]] = {}
+        self.dont_fragment = _set_dont_fragment(sock)
         self._loop.add_reader(sock.fileno(), self._read_ready)
 
     # ------------------------------------------------------------------ lifecycle
@@ -192,6 +206,12 @@ class UdpEndpoint:
             case udp.PunchProbe() | udp.PunchAck():
                 for sink in list(self._punch_sinks):
                     sink(msg, src)
+            case udp.PathProbe(txid=txid, size=size) if src in self._quic_by_addr:
+                self.send_control(udp.PathAck(txid, size), src)
+            case udp.PathAck(txid=txid, size=size) if txid in self._path_waiters:
+                fut = self._path_waiters.pop(txid)
+                if not fut.done():
+                    fut.set_result(size)
             case _:
                 self.counters.dropped += 1
 
@@ -219,6 +239,33 @@ class UdpEndpoint:
             self._binding_waiters.pop(txid, None)
             fut.cancel()
 
+    async def path_carries(self, peer: Address, size: int, timeout: float, attempts: int = 2) -> bool:
+        """Whether a `size`-byte datagram reaches `peer` whole (a peer that routes our QUIC answers
+        path probes). False at once when this socket cannot set don't-fragment, or when the local
+        interface refuses the size (EMSGSIZE)."""
+        if not self.dont_fragment:
+            return False
+        txid = os.urandom(udp.TXID_BYTES)
+        fut: asyncio.Future[int] = self._loop.create_future()
+        self._path_waiters[txid] = fut
+        probe = udp.encode(udp.PathProbe(txid, size))
+        try:
+            for _ in range(attempts):
+                try:
+                    self.sock.sendto(probe, peer)
+                except OSError as exc:
+                    if exc.errno == errno.EMSGSIZE:
+                        return False
+                    continue  # a full buffer and the like: try again
+                try:
+                    return await asyncio.wait_for(asyncio.shield(fut), timeout) == size
+                except TimeoutError:
+                    continue
+            return False
+        finally:
+            self._path_waiters.pop(txid, None)
+            fut.cancel()
+
     async def bind_relay(
         self, relay: Address, channel: int, token: bytes, timeout: float = 0.3, attempts: int = 10
     ) -> udp.RelayBindAck:
@@ -238,3 +285,18 @@ class UdpEndpoint:
             f"relay {relay[0]}:{relay[1]} did not acknowledge channel {channel} "
             f"after {attempts} tries of {timeout} s"
         )
+
+
+def _set_dont_fragment(sock: socket.socket) -> bool:
+    """Set the don't-fragment bit on an IPv4 UDP socket; whether it could be set here."""
+    if sock.family != socket.AF_INET:
+        return False
+    option = {"linux": (_LINUX_IP_MTU_DISCOVER, _LINUX_IP_PMTUDISC_PROBE), "darwin": (_DARWIN_IP_DONTFRAG, 1)}
+    if sys.platform not in option:
+        return False
+    name, value = option[sys.platform]
+    try:
+        sock.setsockopt(socket.IPPROTO_IP, name, value)
+    except OSError:
+        return False
+    return True

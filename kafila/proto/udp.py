@@ -16,10 +16,16 @@ ip:4|16 bytes`.
 | 0x13 | RelayData        | channel:u32, then the datagram, unchanged, to the end |
 | 0x20 | PunchProbe       | txid:12, auth_len:u16, auth (opaque, filled by kafila.net) |
 | 0x21 | PunchAck         | txid:12, observed addr, auth_len:u16, auth |
+| 0x30 | PathProbe        | txid:12, size:u16, zero padding: the datagram is exactly `size` bytes |
+| 0x31 | PathAck          | txid:12, size:u16 (the probe's size as it arrived) |
 
 Relay data travels in both directions with the same header: a member sends `RelayData(channel,
 quic)` to the relay, and the relay forwards exactly those bytes to the other leg, so a member
 socket carrying two relayed channels (both ring neighbours) knows which peer each came from.
+
+A path probe asks whether the direct path carries datagrams of `size` bytes (sent with the
+don't-fragment bit): the peer answers with a small PathAck, so an answer is never larger than
+what asked for it (kafila.net.link raises its QUIC packet size to the largest size acknowledged).
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ MAX_AUTH_BYTES = 1024
 MAX_REASON_BYTES = 255
 RELAY_HEADER_BYTES = 6  # type, version, channel:u32
 MAX_CHANNEL = 0xFFFFFFFF
+PATH_PROBE_MIN = 16  # type, version, txid, size: a probe has at least its own fields
+PATH_PROBE_MAX = 65507  # the largest UDP payload over IPv4
 
 FLAG_CHANGE_PORT = 0x01
 FLAG_CHANGE_ADDRESS = 0x02
@@ -56,6 +64,8 @@ class MsgType(IntEnum):
     RELAY_DATA = 0x13
     PUNCH_PROBE = 0x20
     PUNCH_ACK = 0x21
+    PATH_PROBE = 0x30
+    PATH_ACK = 0x31
 
 
 class DatagramKind(Enum):
@@ -63,7 +73,7 @@ class DatagramKind(Enum):
     BINDING = "binding"  # 0x00-0x0F
     RELAY = "relay"  # 0x10-0x1F
     PUNCH = "punch"  # 0x20-0x2F
-    CONTROL_RESERVED = "reserved"  # 0x30-0x3F: no message defined yet
+    PATH = "path"  # 0x30-0x3F: path MTU probes
     UNKNOWN = "unknown"  # 0x80-0xBF: neither QUIC v1 nor ours; drop it
 
 
@@ -91,7 +101,7 @@ def classify_datagram(first_byte: int) -> DatagramKind:
         DatagramKind.BINDING,
         DatagramKind.RELAY,
         DatagramKind.PUNCH,
-        DatagramKind.CONTROL_RESERVED,
+        DatagramKind.PATH,
     )[first_byte >> 4]
 
 
@@ -164,6 +174,18 @@ class PunchAck:
     auth: bytes = b""
 
 
+@dataclass(frozen=True, slots=True)
+class PathProbe:
+    txid: bytes
+    size: int  # bytes of the whole datagram, padding included
+
+
+@dataclass(frozen=True, slots=True)
+class PathAck:
+    txid: bytes
+    size: int  # bytes of the probe as it arrived
+
+
 UdpMessage = (
     BindingRequest
     | BindingResponse
@@ -174,6 +196,8 @@ UdpMessage = (
     | RelayData
     | PunchProbe
     | PunchAck
+    | PathProbe
+    | PathAck
 )
 
 
@@ -219,6 +243,12 @@ def _auth(auth: bytes) -> bytes:
     return struct.pack("!H", len(auth)) + auth
 
 
+def _probe_size(size: int) -> bytes:
+    if not PATH_PROBE_MIN <= size <= PATH_PROBE_MAX:
+        raise ProtocolError(f"path probe size {size} outside {PATH_PROBE_MIN}..{PATH_PROBE_MAX}")
+    return struct.pack("!H", size)
+
+
 def encode(msg: UdpMessage) -> bytes:
     """Bytes of one control message (raises ProtocolError on out-of-range fields)."""
     match msg:
@@ -257,6 +287,11 @@ def encode(msg: UdpMessage) -> bytes:
             return _head(MsgType.PUNCH_PROBE) + _txid(txid) + _auth(auth)
         case PunchAck(txid, observed, auth):
             return _head(MsgType.PUNCH_ACK) + _txid(txid) + encode_address(observed) + _auth(auth)
+        case PathProbe(txid, size):
+            fields = _head(MsgType.PATH_PROBE) + _txid(txid) + _probe_size(size)
+            return fields + bytes(size - len(fields))
+        case PathAck(txid, size):
+            return _head(MsgType.PATH_ACK) + _txid(txid) + _probe_size(size)
     raise ProtocolError(f"cannot encode {type(msg).__name__}")
 
 
@@ -401,6 +436,18 @@ def _dec_punch_ack(r: _Reader) -> UdpMessage:
     return PunchAck(r.take(TXID_BYTES), r.address(), _dec_auth(r))
 
 
+def _dec_path_probe(r: _Reader) -> UdpMessage:
+    txid, size = r.take(TXID_BYTES), r.u16()
+    if size != len(r.data):
+        raise ProtocolError(f"{r.what}: says {size} bytes, {len(r.data)} arrived")
+    r.take(size - r.pos)  # the padding
+    return PathProbe(txid, size)
+
+
+def _dec_path_ack(r: _Reader) -> UdpMessage:
+    return PathAck(r.take(TXID_BYTES), r.u16())
+
+
 _DECODERS = {
     MsgType.BINDING_REQUEST: _dec_binding_request,
     MsgType.BINDING_RESPONSE: _dec_binding_response,
@@ -411,6 +458,8 @@ _DECODERS = {
     MsgType.RELAY_DATA: _dec_relay_data,
     MsgType.PUNCH_PROBE: _dec_punch_probe,
     MsgType.PUNCH_ACK: _dec_punch_ack,
+    MsgType.PATH_PROBE: _dec_path_probe,
+    MsgType.PATH_ACK: _dec_path_ack,
 }
 
 

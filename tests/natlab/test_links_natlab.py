@@ -23,6 +23,7 @@ from kafila.proto import tensor
 from kafila.rendezvous.server import RendezvousServer
 from tests.natlab.lab import EXPECTED_CLASS, KINDS, RDV_ADDRS, Lab, Site, netns
 from tests.net.harness import Pair, open_pair, open_session, start_rendezvous
+from tests.net.test_link_loopback import packet_size
 from tests.net.test_malicious_rendezvous import make_malicious
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -161,6 +162,7 @@ async def test_direct_path_that_stops_answering_falls_back_to_relay_without_loss
     client, server = await link_pair(pair, repunch=0.5)
     try:
         assert client.path is PathKind.DIRECT and server.path is PathKind.DIRECT
+        await packet_size(client, 1452)  # the lab's 1500-byte MTU: 16000 and 8952 refused locally
         count = 120
 
         async def produce() -> None:
@@ -176,6 +178,7 @@ async def test_direct_path_that_stops_answering_falls_back_to_relay_without_loss
         assert got == list(range(count))  # nothing lost, nothing reordered
         assert client.path is PathKind.RELAY and server.path is PathKind.RELAY
         assert client.path_changes[-1].reason.startswith("direct path silent")
+        assert client.datagram_size == 1200  # the relay path was never probed
         await server.send(18, b"still there")
         assert await client.recv(timeout=10) == (18, b"still there")
         natlab.unblock_all()  # the direct path answers again: both ends move back to it
@@ -185,6 +188,7 @@ async def test_direct_path_that_stops_answering_falls_back_to_relay_without_loss
             await asyncio.sleep(0.05)
         assert client.path is PathKind.DIRECT and server.path is PathKind.DIRECT
         assert client.path_changes[-1].reason == "punch succeeded again"
+        await packet_size(client, 1452)  # probed again
         direct_before = client.stats().datagrams_direct
         await client.send(16, b"direct again")
         assert await server.recv(timeout=10) == (16, b"direct again")

@@ -6,6 +6,7 @@ import socket
 
 import pytest
 
+from kafila.net.endpoint import UdpEndpoint
 from kafila.proto import udp
 
 pytestmark = pytest.mark.network
@@ -30,3 +31,17 @@ async def test_junk_on_the_shared_socket_is_dropped_and_the_link_keeps_working(l
         await client.send(16, b"after the junk")
         assert await server.recv(timeout=5) == (16, b"after the junk")
     assert server.endpoint.counters.dropped - before >= len(junk) - 1  # the empty one may not arrive
+
+
+async def test_path_probes_are_answered_for_peers_only(linked) -> None:
+    client, server = linked
+    target = server.endpoint.local_address
+    assert client.endpoint.dont_fragment  # Linux: IP_PMTUDISC_PROBE on every member socket
+    assert await client.endpoint.path_carries(target, 1452, timeout=1.0)
+    stranger = await UdpEndpoint.open(local=("127.0.0.1", 0))
+    try:
+        before = server.endpoint.counters.dropped
+        assert not await stranger.path_carries(target, 1452, timeout=0.2)  # no answer to strangers
+        assert server.endpoint.counters.dropped - before == 2  # both tries counted and dropped
+    finally:
+        stranger.close()

@@ -111,3 +111,42 @@ async def test_a_peer_that_vanishes_surfaces_as_link_timeout_not_a_hang() -> Non
     finally:
         a.close()
         await server.close()
+
+
+async def packet_size(link, size: int, within: float = 5.0) -> None:
+    """Until `link` builds packets of `size` bytes (its path probe has answered)."""
+    for _ in range(int(within / 0.01)):
+        if link.datagram_size == size:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"packets of {link.datagram_size} bytes, not {size}, after {within} s")
+
+
+async def test_a_direct_path_on_one_machine_carries_the_largest_probed_packets(linked) -> None:
+    client, server = linked
+    await packet_size(client, 16000)
+    await packet_size(server, 16000)
+    before = client.stats().datagrams_direct
+    payload = os.urandom(1 << 20)
+    await client.send(16, payload)
+    assert await server.recv(timeout=20) == (16, payload)
+    sent = client.stats().datagrams_direct - before
+    assert sent < len(payload) / 8000  # ~70 packets, where 1200-byte packets take ~900
+    assert client.stats().datagram_size == 16000
+
+
+async def test_without_probe_sizes_packets_stay_at_the_quic_minimum() -> None:
+    ctx = EdgeContext("S-loop", "alice", "bob", b"correct horse")
+    client, server, a, b = await direct_pair(ctx, ctx, LinkConfig(probe_sizes=()))
+    try:
+        await asyncio.gather(client.wait_ready(), server.wait_ready())
+        payload = os.urandom(1 << 20)
+        await client.send(16, payload)
+        assert await server.recv(timeout=20) == (16, payload)
+        assert client.stats().datagrams_direct > len(payload) / 1200
+        assert client.datagram_size == server.datagram_size == 1200
+    finally:
+        await client.close()
+        await server.close()
+        a.close()
+        b.close()

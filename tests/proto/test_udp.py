@@ -27,6 +27,9 @@ MESSAGES = [
     udp.RelayData(1, b""),
     udp.PunchProbe(TXID, b"mac" * 10),
     udp.PunchAck(TXID, V4, b""),
+    udp.PathProbe(TXID, udp.PATH_PROBE_MIN),
+    udp.PathProbe(TXID, 1452),
+    udp.PathAck(TXID, 16000),
 ]
 
 
@@ -47,13 +50,23 @@ def test_relay_data_keeps_the_datagram_unchanged_behind_a_six_byte_header() -> N
     assert udp.relay_channel(quic) is None
 
 
+def test_a_path_probe_is_exactly_its_size_and_a_cut_one_is_refused() -> None:
+    data = udp.encode(udp.PathProbe(TXID, 1452))
+    assert len(data) == 1452 and len(udp.encode(udp.PathAck(TXID, 1452))) < 20  # the answer is small
+    with pytest.raises(ProtocolError, match="says 1452 bytes, 1400 arrived"):
+        udp.decode(data[:1400])
+    for size in (udp.PATH_PROBE_MIN - 1, udp.PATH_PROBE_MAX + 1):
+        with pytest.raises(ProtocolError, match=f"path probe size {size} outside"):
+            udp.encode(udp.PathProbe(TXID, size))
+
+
 def test_classify_first_byte() -> None:
     assert udp.classify_datagram(0xC0) is DatagramKind.QUIC  # long header
     assert udp.classify_datagram(0x41) is DatagramKind.QUIC  # short header
     assert udp.classify_datagram(0x01) is DatagramKind.BINDING
     assert udp.classify_datagram(0x13) is DatagramKind.RELAY
     assert udp.classify_datagram(0x20) is DatagramKind.PUNCH
-    assert udp.classify_datagram(0x3F) is DatagramKind.CONTROL_RESERVED
+    assert udp.classify_datagram(0x3F) is DatagramKind.PATH
     assert udp.classify_datagram(0x80) is DatagramKind.UNKNOWN
     with pytest.raises(ProtocolError):
         udp.classify_datagram(256)
