@@ -257,6 +257,8 @@ class UdpEndpoint:
                     if exc.errno == errno.EMSGSIZE:
                         return False
                     continue  # a full buffer and the like: try again
+                self.counters.datagrams_out += 1
+                self.counters.bytes_out += size
                 try:
                     return await asyncio.wait_for(asyncio.shield(fut), timeout) == size
                 except TimeoutError:

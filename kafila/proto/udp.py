@@ -436,16 +436,24 @@ def _dec_punch_ack(r: _Reader) -> UdpMessage:
     return PunchAck(r.take(TXID_BYTES), r.address(), _dec_auth(r))
 
 
+def _dec_probe_size(r: _Reader) -> int:
+    size = r.u16()
+    if not PATH_PROBE_MIN <= size <= PATH_PROBE_MAX:
+        raise ProtocolError(f"{r.what}: size {size} outside {PATH_PROBE_MIN}..{PATH_PROBE_MAX}")
+    return size
+
+
 def _dec_path_probe(r: _Reader) -> UdpMessage:
-    txid, size = r.take(TXID_BYTES), r.u16()
+    txid, size = r.take(TXID_BYTES), _dec_probe_size(r)
     if size != len(r.data):
         raise ProtocolError(f"{r.what}: says {size} bytes, {len(r.data)} arrived")
-    r.take(size - r.pos)  # the padding
+    if any(r.take(size - r.pos)):
+        raise ProtocolError(f"{r.what}: padding is not zero")
     return PathProbe(txid, size)
 
 
 def _dec_path_ack(r: _Reader) -> UdpMessage:
-    return PathAck(r.take(TXID_BYTES), r.u16())
+    return PathAck(r.take(TXID_BYTES), _dec_probe_size(r))
 
 
 _DECODERS = {

@@ -55,6 +55,10 @@ def test_a_path_probe_is_exactly_its_size_and_a_cut_one_is_refused() -> None:
     assert len(data) == 1452 and len(udp.encode(udp.PathAck(TXID, 1452))) < 20  # the answer is small
     with pytest.raises(ProtocolError, match="says 1452 bytes, 1400 arrived"):
         udp.decode(data[:1400])
+    with pytest.raises(ProtocolError, match="padding is not zero"):
+        udp.decode(data[:-1] + b"\x01")
+    with pytest.raises(ProtocolError, match="size 3 outside"):
+        udp.decode(udp.encode(udp.PathAck(TXID, 16))[:-2] + b"\x00\x03")
     for size in (udp.PATH_PROBE_MIN - 1, udp.PATH_PROBE_MAX + 1):
         with pytest.raises(ProtocolError, match=f"path probe size {size} outside"):
             udp.encode(udp.PathProbe(TXID, size))
