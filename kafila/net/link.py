@@ -12,7 +12,8 @@ mappings (<= 25 s: Linux forgets an unreplied UDP flow after 30 s).
 Packet size: QUIC starts at 1200 bytes, which every path carries. Once the link is authenticated
 on a direct path, it probes that path (kafila.proto.udp PathProbe, don't-fragment) with the sizes
 in `LinkConfig.probe_sizes`, largest first, and sends larger packets from the first size the peer
-acknowledges: 1452 on an Ethernet LAN, 16000 between members on one machine. Fewer packets per
+acknowledges: 1452 on an Ethernet LAN, 1392 through a 1420-byte tunnel, 16000 between members
+on one machine. Fewer packets per
 message is less of aioquic's per-packet Python work, which bounds a link's throughput. On the
 relay, and whenever the path changes, the size goes back to 1200 (QUIC resends what a dropped
 large packet carried in packets of the current size) and a new direct path is probed again.
@@ -68,8 +69,10 @@ class RelayLeg:
 class LinkConfig:
     max_datagram_size: int = 1200  # QUIC packet size on every path until a probe allows more
     # sizes probed on a direct path, largest first; () keeps max_datagram_size. aioquic 1.7 writes a
-    # STREAM frame's length in two bytes, so its packets stay below 16 KiB
-    probe_sizes: tuple[int, ...] = (16000, 8952, 1452)  # one machine; 9000-byte jumbo; 1500-byte MTU
+    # STREAM frame's length in two bytes, so its packets stay below 16 KiB. The others are a link
+    # MTU less the IP and UDP headers: 9000 (jumbo), 1500 (Ethernet, Wi-Fi; PPPoE's 1492 too),
+    # 1420 (WireGuard and other tunnels, IPv4) and IPv6's 1280 minimum
+    probe_sizes: tuple[int, ...] = (16000, 8952, 1452, 1392, 1232)
     probe_timeout: float = 0.1  # per probe (at least 4 smoothed RTTs), two tries per size
     max_stream_data: int = 32 * 1024 * 1024  # flow-control window: several activation frames
     max_data: int = 64 * 1024 * 1024

@@ -279,6 +279,10 @@ class Lab:
         ):
             sh("ip", "netns", "exec", site.router, "sysctl", "-qw", f"net.netfilter.{name}={value}")
 
+    def set_wan_mtu(self, site: Site, mtu: int) -> None:
+        """The MTU of the router's public link (1420: as through a WireGuard tunnel)."""
+        sh("ip", "-n", site.router, "link", "set", "wan", "mtu", str(mtu))
+
     def unblock_all(self) -> None:
         for site in self.sites:
             sh("ip", "netns", "exec", site.router, "nft", "flush", "chain", "ip", "natlab", "block")

@@ -200,6 +200,28 @@ async def test_direct_path_that_stops_answering_falls_back_to_relay_without_loss
         await pair.close()
 
 
+async def test_a_path_through_a_smaller_mtu_carries_the_largest_size_that_fits(natlab: Lab, rdv) -> None:
+    # One router's public link has a 1420-byte MTU (as a WireGuard tunnel): a 1452-byte probe
+    # leaves the member whole and is dropped at that router (don't-fragment), 1392 gets through.
+    a, b = natlab.add_site("permissive"), natlab.add_site("permissive")
+    natlab.set_wan_mtu(a, 1420)
+    pair = await lab_pair(natlab, rdv, a, b)
+    client, server = await link_pair(pair)
+    try:
+        assert client.path is PathKind.DIRECT and server.path is PathKind.DIRECT
+        await packet_size(client, 1392)
+        await packet_size(server, 1392)
+        payload = os.urandom(300_000)
+        await client.send(16, payload)
+        assert await server.recv(timeout=10) == (16, payload)
+        await server.send(17, payload)
+        assert await client.recv(timeout=10) == (17, payload)
+    finally:
+        await client.close()
+        await server.close()
+        await pair.close()
+
+
 async def test_keepalives_hold_nat_mappings_past_the_conntrack_timeout(natlab: Lab, rdv) -> None:
     # Routers that forget a UDP flow after 2 s (3 s once replied) instead of Linux's 30 s / 120 s:
     # an idle link survives only if its keepalives refresh both mappings.
