@@ -269,12 +269,13 @@ async def _start_ring(
     )
     nxt_name, prv_name = order[(index + 1) % len(order)], order[index - 1]
     edges = {f"{e.src}->{e.dst}": ("direct" if e.direct else "relay") for e in plan.edges}
-    for src, dst, peer in ((name, nxt_name, nxt_name), (prv_name, name, prv_name)):
-        if peer in links:  # this member's own ring links: the path they took, not the predicted one
-            edges[f"{src}->{dst}"] = str(links[peer].path)
-    for peer, link in links.items():  # control links (host <-> a member that is not its neighbour)
-        if peer not in (nxt_name, prv_name):
-            edges[f"{name}<->{peer}"] = str(link.path)
+    own = {
+        f"{src}->{dst}": links[peer]
+        for src, dst, peer in ((name, nxt_name, nxt_name), (prv_name, name, prv_name))
+        if peer in links
+    }
+    own |= {f"{name}<->{peer}": link for peer, link in links.items() if peer not in (nxt_name, prv_name)}
+    follow_paths(edges, own)  # this member's own links (ring and control): their path now, not the prediction
     info = RingInfo(
         session=code.public,
         model=model,
@@ -314,6 +315,15 @@ async def _start_ring(
     service.start()
     api = await _serve_api(service, tokenizer, model, traces, opts) if opts.api else None
     return Formed(name, code, plan, service, api, client, node, links)
+
+
+def follow_paths(edges: dict[str, str], links: dict[str, Link]) -> None:
+    """Keep `edges[key]` at the path `links[key]` is on ("direct" or "relay"), also after the link
+    falls back to the relay or returns to its direct path (what /session shows)."""
+    for key, link in links.items():
+        if link.path is not None:
+            edges[key] = link.path.value
+        link.on_path_change.append(lambda change, key=key: edges.__setitem__(key, change.new.value))
 
 
 def _channel(link: Link | None, peer: str, opts: Options) -> Heartbeat | None:

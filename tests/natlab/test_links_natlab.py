@@ -21,6 +21,7 @@ from kafila.planner.order import order_ring
 from kafila.planner.reachability import DEFAULT_RULE, Behaviour
 from kafila.proto import tensor
 from kafila.rendezvous.server import RendezvousServer
+from kafila.session.start import follow_paths
 from tests.natlab.lab import EXPECTED_CLASS, KINDS, RDV_ADDRS, Lab, Site, netns
 from tests.net.harness import Pair, open_pair, open_session, start_rendezvous
 from tests.net.test_link_loopback import packet_size
@@ -160,8 +161,11 @@ async def test_direct_path_that_stops_answering_falls_back_to_relay_without_loss
     config = LinkConfig(keepalive=0.25, dead_after=1.0)
     pair = await lab_pair(natlab, rdv, a, b, config)
     client, server = await link_pair(pair, repunch=0.5)
+    shown: dict[str, str] = {}
+    follow_paths(shown, {"a->b": client})  # what a member's /session shows for its link
     try:
         assert client.path is PathKind.DIRECT and server.path is PathKind.DIRECT
+        assert shown == {"a->b": "direct"}
         await packet_size(client, 1452)  # the lab's 1500-byte MTU: 16000 and 8952 refused locally
         count = 120
 
@@ -179,6 +183,7 @@ async def test_direct_path_that_stops_answering_falls_back_to_relay_without_loss
         assert client.path is PathKind.RELAY and server.path is PathKind.RELAY
         assert client.path_changes[-1].reason.startswith("direct path silent")
         assert client.datagram_size == 1200  # the relay path was never probed
+        assert shown == {"a->b": "relay"}
         await server.send(18, b"still there")
         assert await client.recv(timeout=10) == (18, b"still there")
         natlab.unblock_all()  # the direct path answers again: both ends move back to it
@@ -189,6 +194,7 @@ async def test_direct_path_that_stops_answering_falls_back_to_relay_without_loss
         assert client.path is PathKind.DIRECT and server.path is PathKind.DIRECT
         assert client.path_changes[-1].reason == "punch succeeded again"
         await packet_size(client, 1452)  # probed again
+        assert shown == {"a->b": "direct"}
         direct_before = client.stats().datagrams_direct
         await client.send(16, b"direct again")
         assert await server.recv(timeout=10) == (16, b"direct again")
