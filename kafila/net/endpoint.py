@@ -4,8 +4,9 @@
 sets bit 0x40. QUIC from a direct peer is routed by its source address, relayed QUIC by the relay
 channel in its header; binding and relay answers wake whoever waits for their transaction id or
 channel; punch messages go to every registered puncher (each checks its own authenticator). A path
-probe is answered only when it comes from a peer whose QUIC this socket already takes (no answers
-to strangers); its answer wakes the waiting `path_carries`.
+probe is answered only when it comes from a peer whose QUIC this socket already takes, directly or
+on a relay channel it routes (no answers to strangers); its answer wakes the waiting
+`path_carries`.
 
 The socket sets the don't-fragment bit where the OS lets it (Linux, macOS): a datagram larger
 than the path carries is dropped instead of cut into IP fragments, which is what makes a path
@@ -172,7 +173,11 @@ class UdpEndpoint:
         elif kind is udp.DatagramKind.RELAY and data[0] == udp.MsgType.RELAY_DATA:
             channel = udp.relay_channel(data)
             sink = self._quic_by_channel.get(channel) if channel is not None else None
-            self._deliver(sink, data[udp.RELAY_HEADER_BYTES :], "relay", src)
+            inner = data[udp.RELAY_HEADER_BYTES :]
+            if sink is not None and inner and udp.classify_datagram(inner[0]) is udp.DatagramKind.PATH:
+                self._control(inner, src, channel)  # a path probe (or its answer) through the relay
+            else:
+                self._deliver(sink, inner, "relay", src)
         else:
             self._control(data, src)
 
@@ -182,7 +187,8 @@ class UdpEndpoint:
             return
         sink(data, via, src)
 
-    def _control(self, data: bytes, src: Address) -> None:
+    def _control(self, data: bytes, src: Address, channel: int | None = None) -> None:
+        """A control message; `channel`: it came inside RelayData on that (routed) relay channel."""
         try:
             msg = udp.decode(data)
         except ProtocolError:
@@ -206,8 +212,9 @@ class UdpEndpoint:
             case udp.PunchProbe() | udp.PunchAck():
                 for sink in list(self._punch_sinks):
                     sink(msg, src)
-            case udp.PathProbe(txid=txid, size=size) if src in self._quic_by_addr:
-                self.send_control(udp.PathAck(txid, size), src)
+            case udp.PathProbe(txid=txid, size=size) if channel is not None or src in self._quic_by_addr:
+                ack = udp.encode(udp.PathAck(txid, size))
+                self.sendto(ack if channel is None else udp.relay_header(channel) + ack, src)
             case udp.PathAck(txid=txid, size=size) if txid in self._path_waiters:
                 fut = self._path_waiters.pop(txid)
                 if not fut.done():
@@ -239,16 +246,21 @@ class UdpEndpoint:
             self._binding_waiters.pop(txid, None)
             fut.cancel()
 
-    async def path_carries(self, peer: Address, size: int, timeout: float, attempts: int = 2) -> bool:
+    async def path_carries(
+        self, peer: Address, size: int, timeout: float, attempts: int = 2, channel: int | None = None
+    ) -> bool:
         """Whether a `size`-byte datagram reaches `peer` whole (a peer that routes our QUIC answers
-        path probes). False at once when this socket cannot set don't-fragment, or when the local
-        interface refuses the size (EMSGSIZE)."""
+        path probes). With `channel`, `peer` is the relay and the probe travels inside RelayData
+        (`size` counts the relay header too). False at once when this socket cannot set
+        don't-fragment, or when the local interface refuses the size (EMSGSIZE)."""
         if not self.dont_fragment:
             return False
         txid = os.urandom(udp.TXID_BYTES)
         fut: asyncio.Future[int] = self._loop.create_future()
         self._path_waiters[txid] = fut
-        probe = udp.encode(udp.PathProbe(txid, size))
+        inner = size if channel is None else size - udp.RELAY_HEADER_BYTES
+        probe = udp.encode(udp.PathProbe(txid, inner))
+        probe = probe if channel is None else udp.relay_header(channel) + probe
         try:
             for _ in range(attempts):
                 try:
@@ -260,7 +272,7 @@ class UdpEndpoint:
                 self.counters.datagrams_out += 1
                 self.counters.bytes_out += size
                 try:
-                    return await asyncio.wait_for(asyncio.shield(fut), timeout) == size
+                    return await asyncio.wait_for(asyncio.shield(fut), timeout) == inner
                 except TimeoutError:
                     continue
             return False

@@ -9,14 +9,14 @@ when the direct path has not answered for `dead_after` seconds; QUIC's loss reco
 was lost on the dead path, so no message is lost. PINGs every `keepalive` seconds hold the NAT
 mappings (<= 25 s: Linux forgets an unreplied UDP flow after 30 s).
 
-Packet size: QUIC starts at 1200 bytes, which every path carries. Once the link is authenticated
-on a direct path, it probes that path (kafila.proto.udp PathProbe, don't-fragment) with the sizes
-in `LinkConfig.probe_sizes`, largest first, and sends larger packets from the first size the peer
-acknowledges: 1452 on an Ethernet LAN, 1392 through a 1420-byte tunnel, 16000 between members
-on one machine. Fewer packets per
-message is less of aioquic's per-packet Python work, which bounds a link's throughput. On the
-relay, and whenever the path changes, the size goes back to 1200 (QUIC resends what a dropped
-large packet carried in packets of the current size) and a new direct path is probed again.
+Packet size: QUIC starts at 1200 bytes, which every path carries. Once the link is authenticated,
+it probes its current path (kafila.proto.udp PathProbe, don't-fragment; on the relay path inside
+RelayData, through the relay) with the sizes in `LinkConfig.probe_sizes`, largest first, and sends
+larger packets from the first size the peer acknowledges: 1452 on an Ethernet LAN, 1392 through a
+1420-byte tunnel, 16000 between members on one machine (on the relay 6 bytes less, its header).
+Fewer packets per message is less of aioquic's per-packet Python work, which bounds a link's
+throughput. Whenever the path changes the size goes back to 1200 (QUIC resends what a dropped
+large packet carried in packets of the current size) and the new path is probed.
 
 Messages: one bidirectional stream carries (kind, payload) messages in order (kafila.net.framing).
 Authentication (kafila.net.auth) runs on it first; `send`/`recv` work only after it succeeds.
@@ -68,7 +68,8 @@ class RelayLeg:
 @dataclass(frozen=True)
 class LinkConfig:
     max_datagram_size: int = 1200  # QUIC packet size on every path until a probe allows more
-    # sizes probed on a direct path, largest first; () keeps max_datagram_size. aioquic 1.7 writes a
+    # datagram sizes probed on the current path, largest first; () keeps max_datagram_size (a relayed
+    # QUIC packet is 6 bytes smaller: the relay header is part of the datagram). aioquic 1.7 writes a
     # STREAM frame's length in two bytes, so its packets stay below 16 KiB. The others are a link
     # MTU less the IP and UDP headers: 9000 (jumbo), 1500 (Ethernet, Wi-Fi; PPPoE's 1492 too),
     # 1420 (WireGuard and other tunnels, IPv4) and IPv6's 1280 minimum
@@ -200,7 +201,7 @@ class Link:
         for callback in list(self.on_path_change):
             callback(change)
         self._use_datagram_size(self.config.max_datagram_size)
-        self._probe_direct_path()
+        self._probe_current_path()
         self._transmit()
 
     # ------------------------------------------------------------------ lifecycle
@@ -293,28 +294,42 @@ class Link:
 
     # ------------------------------------------------------------------ packet size
 
-    def _probe_direct_path(self) -> None:
-        """Start probing the direct path's packet size (authenticated links, one probe at a time)."""
-        if self._path is not PathKind.DIRECT or not self._ready.done() or self._closed is not None:
+    def _probe_current_path(self) -> None:
+        """Start probing the current path's packet size (authenticated links, one probe at a time)."""
+        if self._path is None or not self._ready.done() or self._closed is not None:
             return
         if self._probing is not None and not self._probing.done():
             self._probing.cancel()
-        self._probing = self._loop.create_task(self._probe_path(self._direct))
+        self._probing = self._loop.create_task(self._probe_path(self._path, self._route()))
         self.tasks.append(self._probing)
 
-    async def _probe_path(self, peer: Address | None) -> None:
+    def _route(self) -> tuple[Address, int | None] | None:
+        """Where the current path's datagrams go: (address, None) direct, (relay, channel) relayed."""
+        if self._path is PathKind.DIRECT and self._direct is not None:
+            return self._direct, None
+        if self._path is PathKind.RELAY and self._relay is not None:
+            return self._relay.relay, self._relay.channel
+        return None
+
+    async def _probe_path(self, path: PathKind, route: tuple[Address, int | None] | None) -> None:
+        if route is None:
+            return
         started = self._loop.time()
         rtt = self._quic._loss._rtt_smoothed if self._quic is not None else 0.0
         timeout = max(self.config.probe_timeout, 4 * rtt)
+        header = 0 if route[1] is None else udp.RELAY_HEADER_BYTES  # a relayed datagram's header
         for size in sorted(self.config.probe_sizes, reverse=True):
-            if size <= self.datagram_size or peer is None:
+            if size - header <= self.datagram_size:
                 break
-            if await self.endpoint.path_carries(peer, size, timeout):
-                if self._path is PathKind.DIRECT and self._direct == peer:
-                    self._use_datagram_size(size)
+            if await self.endpoint.path_carries(route[0], size, timeout, channel=route[1]):
+                if self._path is path and self._route() == route:
+                    self._use_datagram_size(size - header)
                 break
         self._log.info(
-            "link_packet_size", size=self.datagram_size, probed_s=round(self._loop.time() - started, 3)
+            "link_packet_size",
+            path=path.value,
+            size=self.datagram_size,
+            probed_s=round(self._loop.time() - started, 3),
         )
 
     def _use_datagram_size(self, size: int) -> None:
@@ -415,7 +430,7 @@ class Link:
                 self._send_raw(framing.KIND_AUTH_CONFIRM, self._auth.confirm())
             self._ready.set_result(None)
             self._log.info("link_authenticated", path=self._path)
-            self._probe_direct_path()
+            self._probe_current_path()
         else:
             raise LinkAuthError(f"link to {self.peer_id}: unexpected link message kind {kind}")
 

@@ -182,7 +182,7 @@ async def test_direct_path_that_stops_answering_falls_back_to_relay_without_loss
         assert got == list(range(count))  # nothing lost, nothing reordered
         assert client.path is PathKind.RELAY and server.path is PathKind.RELAY
         assert client.path_changes[-1].reason.startswith("direct path silent")
-        assert client.datagram_size == 1200  # the relay path was never probed
+        await packet_size(client, 1452 - 6)  # the relay path probed: 1452-byte datagrams, its header inside
         assert shown == {"a->b": "relay"}
         await server.send(18, b"still there")
         assert await client.recv(timeout=10) == (18, b"still there")

@@ -14,6 +14,7 @@ from kafila.planner.reachability import NatClass
 from kafila.proto import udp
 from kafila.rendezvous.server import RendezvousServer
 from tests.net.harness import open_pair, start_rendezvous
+from tests.net.test_link_loopback import packet_size
 
 pytestmark = pytest.mark.network
 
@@ -63,12 +64,15 @@ async def test_relayed_edge_carries_only_ciphertext(rdv, monkeypatch) -> None:
     marker = b"KAFILA-PLAINTEXT-MARKER-" + os.urandom(8).hex().encode()
     try:
         assert client.path is PathKind.RELAY and server.path is PathKind.RELAY
+        for link in (client, server):  # probed through the relay: 16000-byte datagrams less its header
+            await packet_size(link, 16000 - udp.RELAY_HEADER_BYTES)
         tensor = os.urandom(20_000) + marker + os.urandom(20_000)
         await client.send(16, tensor)
         assert await server.recv(timeout=10) == (16, tensor)
         await server.send(17, marker)
         assert await client.recv(timeout=10) == (17, marker)
         assert client.stats().datagrams_relay > 0 and client.stats().datagrams_direct == 0
+        assert max(map(len, forwarded)) == 16000  # the relay forwarded the large datagrams whole
         wire = b"".join(forwarded)
         assert len(wire) > 40_000  # the tensor did cross the relay...
         assert marker not in wire and marker[:16] not in wire  # ...but never readable
