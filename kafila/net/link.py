@@ -16,7 +16,11 @@ larger packets from the first size the peer acknowledges: 1452 on an Ethernet LA
 1420-byte tunnel, 16000 between members on one machine (on the relay 6 bytes less, its header).
 Fewer packets per message is less of aioquic's per-packet Python work, which bounds a link's
 throughput. Whenever the path changes the size goes back to 1200 (QUIC resends what a dropped
-large packet carried in packets of the current size) and the new path is probed.
+large packet carried in packets of the current size) and the new path is probed. With every
+keepalive one probe of the size in use confirms it: a path whose MTU shrank (a route change)
+would drop the large packets while the small PINGs and ACKs still kept it "alive", so after
+`probe_confirm` unanswered confirmations in a row the size goes back to 1200 and the path is
+probed again.
 
 Messages: one bidirectional stream carries (kind, payload) messages in order (kafila.net.framing).
 Authentication (kafila.net.auth) runs on it first; `send`/`recv` work only after it succeeds.
@@ -75,6 +79,7 @@ class LinkConfig:
     # 1420 (WireGuard and other tunnels, IPv4) and IPv6's 1280 minimum
     probe_sizes: tuple[int, ...] = (16000, 8952, 1452, 1392, 1232)
     probe_timeout: float = 0.1  # per probe (at least 4 smoothed RTTs), two tries per size
+    probe_confirm: int = 3  # keepalives in a row whose probe of the size in use went unanswered
     max_stream_data: int = 32 * 1024 * 1024  # flow-control window: several activation frames
     max_data: int = 64 * 1024 * 1024
     idle_timeout: float = 30.0  # no packet at all for this long: the link is closed
@@ -158,6 +163,7 @@ class Link:
         self._timer_at: float | None = None
         self._keepalive_task: asyncio.Task[None] | None = None
         self._probing: asyncio.Task[None] | None = None
+        self._unconfirmed = 0  # keepalive probes of the size in use unanswered in a row
         self.datagram_size = self.config.max_datagram_size
         self._counters = _Counters()
         self._log = log.bind(edge=f"{ctx.client_id}->{ctx.server_id}", me="client" if is_client else "server")
@@ -301,7 +307,6 @@ class Link:
         if self._probing is not None and not self._probing.done():
             self._probing.cancel()
         self._probing = self._loop.create_task(self._probe_path(self._path, self._route()))
-        self.tasks.append(self._probing)
 
     def _route(self) -> tuple[Address, int | None] | None:
         """Where the current path's datagrams go: (address, None) direct, (relay, channel) relayed."""
@@ -315,8 +320,7 @@ class Link:
         if route is None:
             return
         started = self._loop.time()
-        rtt = self._quic._loss._rtt_smoothed if self._quic is not None else 0.0
-        timeout = max(self.config.probe_timeout, 4 * rtt)
+        timeout = max(self.config.probe_timeout, 4 * self._rtt())
         header = 0 if route[1] is None else udp.RELAY_HEADER_BYTES  # a relayed datagram's header
         for size in sorted(self.config.probe_sizes, reverse=True):
             if size - header <= self.datagram_size:
@@ -332,11 +336,36 @@ class Link:
             probed_s=round(self._loop.time() - started, 3),
         )
 
+    def _confirm_size(self) -> None:
+        """One probe of the size in use (each keepalive, while it is above the base size)."""
+        if self.datagram_size <= self.config.max_datagram_size:
+            return
+        if self._probing is None or self._probing.done():
+            self._probing = self._loop.create_task(self._confirm(self._route(), self.datagram_size))
+
+    async def _confirm(self, route: tuple[Address, int | None] | None, size: int) -> None:
+        if route is None:
+            return
+        header = 0 if route[1] is None else udp.RELAY_HEADER_BYTES
+        timeout = min(self.config.keepalive / 2, max(self.config.probe_timeout, 4 * self._rtt()))
+        ok = await self.endpoint.path_carries(route[0], size + header, timeout, 1, channel=route[1])
+        if self._route() != route or self.datagram_size != size:
+            return  # the path or the size changed meanwhile: that started its own probing
+        self._unconfirmed = 0 if ok else self._unconfirmed + 1
+        if self._unconfirmed >= self.config.probe_confirm:
+            self._log.warning("link_packet_size_lost", size=size, unanswered=self._unconfirmed)
+            self._use_datagram_size(self.config.max_datagram_size)
+            self._probing = None
+            self._probe_current_path()
+
+    def _rtt(self) -> float:
+        return self._quic._loss._rtt_smoothed if self._quic is not None else 0.0
+
     def _use_datagram_size(self, size: int) -> None:
         """Build QUIC packets of up to `size` bytes from now on. aioquic fixes the size when the
         connection is made; the connection, its congestion controller and its pacer each keep a
         copy (aioquic 1.7, pinned), so all three change."""
-        self.datagram_size = size
+        self.datagram_size, self._unconfirmed = size, 0
         if self._quic is None:
             return
         self._quic._max_datagram_size = size
@@ -487,7 +516,7 @@ class Link:
 
     def stats(self) -> LinkStats:
         c = self._counters
-        rtt = self._quic._loss._rtt_smoothed if self._quic is not None else 0.0
+        rtt = self._rtt()
         return LinkStats(
             path=self._path,
             bytes_sent=c.bytes_sent,
@@ -525,6 +554,7 @@ class Link:
             uid += 1
             self._quic.send_ping(uid)
             self._transmit()
+            self._confirm_size()
 
     def _check_peer(self) -> None:
         if not self._ready.done() or not self._last_rx:
@@ -560,8 +590,9 @@ class Link:
         self._drained.set()
         if self._timer is not None:
             self._timer.cancel()
-        if self._keepalive_task is not None and self._keepalive_task is not asyncio.current_task():
-            self._keepalive_task.cancel()
+        for task in (self._keepalive_task, self._probing):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
         self.endpoint.forget(self._datagram)
         for task in self.tasks:
             if task is not asyncio.current_task():

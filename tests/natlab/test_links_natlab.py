@@ -228,6 +228,28 @@ async def test_a_path_through_a_smaller_mtu_carries_the_largest_size_that_fits(n
         await pair.close()
 
 
+async def test_a_path_whose_mtu_shrinks_is_noticed_and_probed_again(natlab: Lab, rdv) -> None:
+    # A route change after probing: the 1452-byte packets now die on the way, while PINGs and ACKs
+    # (small) still get through, so the path looks alive. The keepalives' probes of the size in
+    # use go unanswered; after three the link drops to 1200 and probes again: 1392.
+    a, b = natlab.add_site("permissive"), natlab.add_site("permissive")
+    pair = await lab_pair(natlab, rdv, a, b, LinkConfig(keepalive=0.25))
+    client, server = await link_pair(pair)
+    try:
+        await packet_size(client, 1452)
+        natlab.set_wan_mtu(a, 1420)
+        await packet_size(client, 1392)
+        await packet_size(server, 1392)
+        payload = os.urandom(300_000)
+        await client.send(16, payload)
+        assert await server.recv(timeout=10) == (16, payload)
+        assert client.path is PathKind.DIRECT  # found without leaving the direct path
+    finally:
+        await client.close()
+        await server.close()
+        await pair.close()
+
+
 async def test_keepalives_hold_nat_mappings_past_the_conntrack_timeout(natlab: Lab, rdv) -> None:
     # Routers that forget a UDP flow after 2 s (3 s once replied) instead of Linux's 30 s / 120 s:
     # an idle link survives only if its keepalives refresh both mappings.
