@@ -347,7 +347,7 @@ class Link:
         if route is None:
             return
         header = 0 if route[1] is None else udp.RELAY_HEADER_BYTES
-        timeout = min(self.config.keepalive / 2, max(self.config.probe_timeout, 4 * self._rtt()))
+        timeout = max(self.config.probe_timeout, 4 * self._rtt())  # a keepalive waits for it to end
         ok = await self.endpoint.path_carries(route[0], size + header, timeout, 1, channel=route[1])
         if self._route() != route or self.datagram_size != size:
             return  # the path or the size changed meanwhile: that started its own probing
