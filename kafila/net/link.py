@@ -78,7 +78,9 @@ class LinkConfig:
     # MTU less the IP and UDP headers: 9000 (jumbo), 1500 (Ethernet, Wi-Fi; PPPoE's 1492 too),
     # 1420 (WireGuard and other tunnels, IPv4) and IPv6's 1280 minimum
     probe_sizes: tuple[int, ...] = (16000, 8952, 1452, 1392, 1232)
-    probe_timeout: float = 0.1  # per probe (at least 4 smoothed RTTs), two tries per size
+    # per probe (at least 4 smoothed RTTs), two tries per size; a peer busy loading its stage answers
+    # late: at 0.1 s a member of the demo missed its neighbour's answers to 16000 and took 1452
+    probe_timeout: float = 0.5
     probe_confirm: int = 3  # keepalives in a row whose probe of the size in use went unanswered
     max_stream_data: int = 32 * 1024 * 1024  # flow-control window: several activation frames
     max_data: int = 64 * 1024 * 1024

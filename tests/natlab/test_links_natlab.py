@@ -233,7 +233,7 @@ async def test_a_path_whose_mtu_shrinks_is_noticed_and_probed_again(natlab: Lab,
     # (small) still get through, so the path looks alive. The keepalives' probes of the size in
     # use go unanswered; after three the link drops to 1200 and probes again: 1392.
     a, b = natlab.add_site("permissive"), natlab.add_site("permissive")
-    pair = await lab_pair(natlab, rdv, a, b, LinkConfig(keepalive=0.25))
+    pair = await lab_pair(natlab, rdv, a, b, LinkConfig(keepalive=0.25, probe_timeout=0.1))  # lab RTT < 1 ms
     client, server = await link_pair(pair)
     try:
         await packet_size(client, 1452)
