@@ -322,14 +322,12 @@ class Link:
         if route is None:
             return
         started = self._loop.time()
-        timeout = max(self.config.probe_timeout, 4 * self._rtt())
-        header = 0 if route[1] is None else udp.RELAY_HEADER_BYTES  # a relayed datagram's header
-        for size in sorted(self.config.probe_sizes, reverse=True):
-            if size - header <= self.datagram_size:
+        for packet in sorted((size - _header(route) for size in self.config.probe_sizes), reverse=True):
+            if packet <= self.datagram_size:
                 break
-            if await self.endpoint.path_carries(route[0], size, timeout, channel=route[1]):
+            if await self._carries(route, packet, attempts=2):
                 if self._path is path and self._route() == route:
-                    self._use_datagram_size(size - header)
+                    self._use_datagram_size(packet)
                 break
         self._log.info(
             "link_packet_size",
@@ -348,9 +346,7 @@ class Link:
     async def _confirm(self, route: tuple[Address, int | None] | None, size: int) -> None:
         if route is None:
             return
-        header = 0 if route[1] is None else udp.RELAY_HEADER_BYTES
-        timeout = max(self.config.probe_timeout, 4 * self._rtt())  # a keepalive waits for it to end
-        ok = await self.endpoint.path_carries(route[0], size + header, timeout, 1, channel=route[1])
+        ok = await self._carries(route, size, attempts=1)  # a keepalive waits for it to end
         if self._route() != route or self.datagram_size != size:
             return  # the path or the size changed meanwhile: that started its own probing
         self._unconfirmed = 0 if ok else self._unconfirmed + 1
@@ -359,6 +355,12 @@ class Link:
             self._use_datagram_size(self.config.max_datagram_size)
             self._probing = None
             self._probe_current_path()
+
+    async def _carries(self, route: tuple[Address, int | None], packet: int, attempts: int) -> bool:
+        """Whether `route` carries QUIC packets of `packet` bytes (a relayed one with its header)."""
+        timeout = max(self.config.probe_timeout, 4 * self._rtt())
+        size = packet + _header(route)
+        return await self.endpoint.path_carries(route[0], size, timeout, attempts, channel=route[1])
 
     def _rtt(self) -> float:
         return self._quic._loss._rtt_smoothed if self._quic is not None else 0.0
@@ -601,3 +603,8 @@ class Link:
                 task.cancel()
         for callback in self.on_close:
             callback()
+
+
+def _header(route: tuple[Address, int | None]) -> int:
+    """Bytes a datagram on `route` carries besides the QUIC packet: the relay header, if relayed."""
+    return 0 if route[1] is None else udp.RELAY_HEADER_BYTES
