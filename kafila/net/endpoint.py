@@ -76,6 +76,7 @@ class UdpEndpoint:
         self._punch_sinks: list[PunchSink] = []
         self._path_waiters: dict[bytes, asyncio.Future[int]] = {}
         self._dirty: dict[int, Callable[[], None]] = {}
+        self.batch_read_ns = 0  # perf_counter_ns() when the latest batch of datagrams began to be read
         self.dont_fragment = _set_dont_fragment(sock)
         self._loop.add_reader(sock.fileno(), self._read_ready)
 
@@ -148,6 +149,7 @@ class UdpEndpoint:
         self.sendto(udp.encode(msg), addr)
 
     def _read_ready(self) -> None:
+        self.batch_read_ns = time.perf_counter_ns()
         for _ in range(self.BATCH):
             try:
                 data, addr = self.sock.recvfrom(65535)

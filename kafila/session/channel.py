@@ -19,6 +19,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kafila.obs import hopmarks
 from kafila.proto import tensor as t
 
 LINK_KIND = 32  # link message kind that carries session messages (kinds < 16 are the link's own)
@@ -108,6 +109,14 @@ class Channel(Protocol):
     async def close(self, reason: str = "closed") -> None: ...
 
 
+async def send_marked(ch: Channel, msg: t.Message) -> None:
+    """`ch.send(msg)`, with a hidden-state frame's `send` and `sent` hop marks (kafila.obs.hopmarks)."""
+    entries = msg.entries if isinstance(msg, t.Hidden) else ()
+    hopmarks.mark("send", entries)
+    await ch.send(msg)
+    hopmarks.mark("sent", entries)
+
+
 class MemoryChannel:
     """One end of an in-process pair; messages are encoded and decoded as on a real link."""
 
@@ -181,6 +190,8 @@ class LinkChannel:
         from kafila.net.errors import LinkError
 
         record = t.encode(msg)
+        if isinstance(msg, t.Hidden):
+            hopmarks.mark("encoded", msg.entries)
         try:
             await self.link.send(LINK_KIND, record)
         except LinkError as exc:
@@ -199,6 +210,9 @@ class LinkChannel:
                 raise ChannelClosed(f"link to {self.peer}: {exc}") from exc
             if kind == LINK_KIND:
                 msg = t.decode(payload)
+                if isinstance(msg, t.Hidden):
+                    hopmarks.mark("read", msg.entries, self.link.endpoint.batch_read_ns)
+                    hopmarks.mark("decoded", msg.entries)
                 self.counters.received(msg, len(payload))
                 return msg
 

@@ -17,6 +17,7 @@ import numpy as np
 from kafila.engine.pace import Mark, Pace
 from kafila.engine.stage import Entry as StageEntry
 from kafila.engine.stage import Stage, StageError
+from kafila.obs import hopmarks
 from kafila.proto import tensor as t
 
 T = TypeVar("T")
@@ -47,18 +48,22 @@ def head_step(
     stage: Stage, entries: Sequence[t.Entry], tokens: Sequence[Sequence[int]]
 ) -> tuple[bytes, int, int]:
     """Embed each entry's tokens and run the head's blocks: (wire bytes [N, H], rows, microseconds)."""
+    hopmarks.mark("start", entries)
     start = Pace.mark()
     open_new(stage, entries)
     ids = [tok for toks in tokens for tok in toks]
     hidden = stage.embed(ids)  # [N, H]
     out = stage.step(hidden, [StageEntry(e.request_id, e.position, e.n_tokens) for e in entries])
     data = stage.to_bytes(out)
-    return data, len(ids), _us(stage, start)
+    us = _us(stage, start)
+    hopmarks.mark("end", entries)
+    return data, len(ids), us
 
 
 def stage_step(stage: Stage, frames: Sequence[t.Hidden]) -> tuple[list[bytes], int]:
     """Several frames through this stage's blocks as one batch: each frame's output bytes, microseconds.
     The frames hold distinct requests (the caller checks)."""
+    hopmarks.mark("start", frames[0].entries)
     start = Pace.mark()
     for f in frames:
         check_dtype(stage, f)
@@ -72,11 +77,14 @@ def stage_step(stage: Stage, frames: Sequence[t.Hidden]) -> tuple[list[bytes], i
         rows = f.shape[0]
         datas.append(stage.to_bytes(out[at : at + rows]))
         at += rows
-    return datas, _us(stage, start)
+    us = _us(stage, start)
+    hopmarks.mark("end", frames[0].entries)
+    return datas, us
 
 
 def head_logits(stage: Stage, frame: t.Hidden, rids: Sequence[int]) -> tuple[np.ndarray, int]:
     """The last row of each named request's rows -> logits [B, V] (float32), microseconds."""
+    hopmarks.mark("l_start", frame.entries)
     start = Pace.mark()
     check_dtype(stage, frame)
     hidden = stage.from_bytes(frame.data, frame.shape)  # [N, H]
@@ -85,7 +93,10 @@ def head_logits(stage: Stage, frame: t.Hidden, rids: Sequence[int]) -> tuple[np.
         at += e.n_tokens
         last[e.request_id] = at - 1
     rows = hidden[[last[r] for r in rids]]  # [B, H]
-    return stage.logits(rows), _us(stage, start)
+    logits = stage.logits(rows)
+    us = _us(stage, start)
+    hopmarks.mark("l_end", frame.entries)
+    return logits, us
 
 
 def wire_dtype(stage: Stage) -> t.DType:

@@ -26,12 +26,12 @@ from typing import Any
 from kafila.engine import PREFILL_CHUNK
 from kafila.engine.sampler import Sampler, SamplingParams
 from kafila.engine.stage import Stage, StageError
-from kafila.obs import metrics
+from kafila.obs import hopmarks, metrics
 from kafila.obs.log import get_logger
 from kafila.obs.trace import HopTrace, RequestRecord, StageRecord, StageTrace, TraceLog
 from kafila.proto import tensor as t
 from kafila.session import compute
-from kafila.session.channel import Channel, ChannelError
+from kafila.session.channel import Channel, ChannelError, send_marked
 from kafila.session.generation import QueueGeneration, RequestIds, cancel_tasks, origin_of
 from kafila.session.schedule import Entry, Schedule, Step
 from kafila.session.service import GenerationError, Sampling, TokenEvent
@@ -238,11 +238,13 @@ class RingHead:
         for e in step.entries:
             if (req := self._reqs.get(e.request_id)) is not None:
                 req.admitted_at = req.admitted_at or taken
+        hopmarks.mark("submit", entries)
         try:
             data, rows, us = await self.model.run(compute.head_step, self.stage, entries, tokens)
         except StageError as exc:
             self._fail_step(step, "internal", str(exc))
             return
+        hopmarks.mark("back", entries)
         now = time.perf_counter()
         for e in step.entries:
             req = self._reqs.get(e.request_id)
@@ -268,7 +270,7 @@ class RingHead:
         assert self.next is not None
         try:
             while True:
-                await self.next.send(await self._outbox.get())
+                await send_marked(self.next, await self._outbox.get())
         except ChannelError as exc:
             self._break(f"member {self.next.peer}: {exc}")
 
@@ -307,15 +309,18 @@ class RingHead:
                     self._reqs[rid].prefill_us.append(frame.timings_us)
         rids = [r for r in self.schedule.returned(step) if r in self._reqs]
         if rids:
+            hopmarks.mark("l_submit", frame.entries)
             try:
                 logits, us = await self.model.run(compute.head_logits, self.stage, frame, rids)
             except StageError as exc:
                 self._fail_step(step, "internal", str(exc))
                 return
+            hopmarks.mark("l_back", frame.entries)
             timings = (frame.timings_us[0] + us, *frame.timings_us[1:])
             now = time.perf_counter()
             for rid, row in zip(rids, logits, strict=True):
                 self._sampled(self._reqs[rid], row, step.prefill, timings, us, now)
+            hopmarks.mark("sampled", frame.entries)
         self._wake.set()
 
     def _sampled(

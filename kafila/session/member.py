@@ -20,12 +20,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from kafila.engine.stage import Stage, StageError
-from kafila.obs import metrics
+from kafila.obs import hopmarks, metrics
 from kafila.obs.log import get_logger
 from kafila.obs.trace import TraceLog
 from kafila.proto import tensor as t
 from kafila.session import compute
-from kafila.session.channel import Channel, ChannelError
+from kafila.session.channel import Channel, ChannelError, send_marked
 from kafila.session.generation import QueueGeneration, RequestIds, cancel_tasks, origin_of
 from kafila.session.head import RingInfo
 from kafila.session.service import GenerationError, Sampling, TokenEvent
@@ -164,7 +164,9 @@ class RingMember:
         started = time.perf_counter()
         waited = [started - self._arrived.pop(id(f), started) for f in frames]  # behind earlier work
         try:
+            hopmarks.mark("submit", frames[0].entries)
             datas, us = await self.model.run(compute.stage_step, self.stage, frames)
+            hopmarks.mark("back", frames[0].entries)
         except StageError as exc:
             rids = [e.request_id for f in frames for e in f.entries]
             body = {"request_ids": rids, "message": f"member {self.name}: {exc}"}
@@ -202,7 +204,7 @@ class RingMember:
     async def _send_out(self) -> None:
         try:
             while True:
-                await self.next.send(await self._outbox.get())
+                await send_marked(self.next, await self._outbox.get())
         except ChannelError as exc:
             self._break(f"member {self.next.peer}: {exc}")
 
