@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kafila.net.errors import NatProbeError
 from kafila.obs.log import get_logger
@@ -30,6 +31,7 @@ from kafila.proto import udp
 from kafila.proto.errors import ProtocolError
 
 log = get_logger("kafila.net.endpoint")
+T = TypeVar("T")
 
 # <netinet/in.h> values the socket module does not export
 _LINUX_IP_MTU_DISCOVER, _LINUX_IP_PMTUDISC_PROBE = 10, 3  # DF set, the kernel's cached PMTU ignored
@@ -231,22 +233,9 @@ class UdpEndpoint:
     ) -> Binding | None:
         """One binding request with retries; None when no answer came (that is a result too)."""
         txid = os.urandom(udp.TXID_BYTES)
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[udp.BindingResponse | udp.BindingError] = loop.create_future()
-        self._binding_waiters[txid] = fut
-        try:
-            for _ in range(attempts):
-                sent = time.perf_counter()
-                self.send_control(udp.BindingRequest(txid, flags), server)
-                try:
-                    resp = await asyncio.wait_for(asyncio.shield(fut), timeout)
-                except TimeoutError:
-                    continue
-                return Binding(resp, time.perf_counter() - sent)
-            return None
-        finally:
-            self._binding_waiters.pop(txid, None)
-            fut.cancel()
+        request = udp.encode(udp.BindingRequest(txid, flags))
+        got = await self._ask(self._binding_waiters, txid, request, server, timeout, attempts)
+        return Binding(*got) if got is not None else None
 
     async def path_carries(
         self, peer: Address, size: int, timeout: float, attempts: int = 2, channel: int | None = None
@@ -258,28 +247,45 @@ class UdpEndpoint:
         if not self.dont_fragment:
             return False
         txid = os.urandom(udp.TXID_BYTES)
-        fut: asyncio.Future[int] = self._loop.create_future()
-        self._path_waiters[txid] = fut
         inner = size if channel is None else size - udp.RELAY_HEADER_BYTES
         probe = udp.encode(udp.PathProbe(txid, inner))
         probe = probe if channel is None else udp.relay_header(channel) + probe
+        got = await self._ask(self._path_waiters, txid, probe, peer, timeout, attempts)
+        return got is not None and got[0] == inner
+
+    async def _ask(
+        self,
+        waiters: dict[bytes, asyncio.Future[T]],
+        txid: bytes,
+        request: bytes,
+        to: Address,
+        timeout: float,
+        attempts: int,
+    ) -> tuple[T, float] | None:
+        """Send `request` up to `attempts` times, `timeout` s apart, until the answer with `txid`
+        arrives: (the answer, seconds from the last send), or None. None at once when the local
+        interface refuses the datagram's size (EMSGSIZE): no retry can change that."""
+        fut: asyncio.Future[T] = self._loop.create_future()
+        waiters[txid] = fut
         try:
             for _ in range(attempts):
+                sent = time.perf_counter()
                 try:
-                    self.sock.sendto(probe, peer)
+                    self.sock.sendto(request, to)
                 except OSError as exc:
                     if exc.errno == errno.EMSGSIZE:
-                        return False
-                    continue  # a full buffer and the like: try again
-                self.counters.datagrams_out += 1
-                self.counters.bytes_out += size
+                        return None
+                    log.debug("udp_send_error", to=to, error=str(exc))  # a full buffer: wait, try again
+                else:
+                    self.counters.datagrams_out += 1
+                    self.counters.bytes_out += len(request)
                 try:
-                    return await asyncio.wait_for(asyncio.shield(fut), timeout) == inner
+                    return await asyncio.wait_for(asyncio.shield(fut), timeout), time.perf_counter() - sent
                 except TimeoutError:
                     continue
-            return False
+            return None
         finally:
-            self._path_waiters.pop(txid, None)
+            waiters.pop(txid, None)
             fut.cancel()
 
     async def bind_relay(
