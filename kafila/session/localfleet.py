@@ -127,6 +127,7 @@ class LocalFleet:
     _rendezvous: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _rdv_log: Path | None = field(default=None, init=False)
     _closed: bool = field(default=False, init=False)
+    _sigterm: Any = field(default=None, init=False)  # SIGTERM's handler before start(), if it changed
     _serial: int = field(default_factory=lambda: next(_SERIALS), init=False)  # several fleets in one process
 
     # -- public -----------------------------------------------------------------------------------
@@ -137,6 +138,7 @@ class LocalFleet:
         if len(self.shares) < 1:
             raise ValueError("a fleet needs at least one member")
         atexit.register(self.close)
+        self._sigterm = _sigterm_exits()
         try:
             self._start()
         except BaseException:
@@ -149,7 +151,7 @@ class LocalFleet:
         if self._closed:
             return
         self._closed = True
-        with _sigint_ignored():  # a second Ctrl-C must not leave the rendezvous or a cgroup behind
+        with _interrupts_ignored():  # a second Ctrl-C or kill must not leave a member or cgroup behind
             procs = [m.proc for m in self.members if m.proc is not None]
             _stop(procs, signal.SIGINT, grace_s=8.0)
             if self._rendezvous is not None:
@@ -158,6 +160,8 @@ class LocalFleet:
                 if m.cgroup is not None:
                     _remove_cgroup(m.cgroup)
         atexit.unregister(self.close)
+        if self._sigterm is not None:
+            signal.signal(signal.SIGTERM, self._sigterm)
         log.info("fleet_closed", members=len(self.members), workdir=str(self.workdir))
 
     def __enter__(self) -> LocalFleet:
@@ -476,18 +480,35 @@ def _remove_stale_groups() -> None:
 # -- processes --------------------------------------------------------------------------------------
 
 
+def _sigterm_exits() -> Any:
+    """Make SIGTERM (`kill`, `timeout`, a service manager) raise SystemExit in the main thread, so
+    the owner unwinds and stops its fleet, as on Ctrl-C; by default it would die at once and leave
+    the members running (they are in their own process sessions). Returns the handler to put back,
+    or None when nothing changed (not the main thread, or SIGTERM already has a handler)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+
+    def exit_on_term(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, exit_on_term)
+
+
 @contextlib.contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """Ignore SIGINT in this process for the duration (main thread only; elsewhere a no-op).
-    Stopping is bounded by the grace periods (SIGKILL after them), so nothing can hang here."""
+def _interrupts_ignored() -> Iterator[None]:
+    """Ignore SIGINT and SIGTERM in this process for the duration (main thread only; elsewhere a
+    no-op). Stopping is bounded by the grace periods (SIGKILL after them), so nothing can hang here."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    before = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, before)
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:

@@ -114,11 +114,63 @@ def test_shares_required_without_root_refuse_before_starting_anything(
     assert fleet.members == [] and fleet._rendezvous is None
 
 
-def test_closing_ignores_a_second_ctrl_c_until_everything_is_stopped() -> None:
+def test_closing_ignores_a_second_ctrl_c_or_kill_until_everything_is_stopped() -> None:
     import signal
 
-    before = signal.getsignal(signal.SIGINT)
-    with localfleet._sigint_ignored():
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    with localfleet._interrupts_ignored():
         os.kill(os.getpid(), signal.SIGINT)  # would raise KeyboardInterrupt with the default handler
+        os.kill(os.getpid(), signal.SIGTERM)  # would end the process with the default action
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-    assert signal.getsignal(signal.SIGINT) is before
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+OWNER = """
+import json, sys, time
+from kafila.session.localfleet import LocalFleet
+with LocalFleet([None], context=128, workdir=sys.argv[1], wait_s=240) as fleet:
+    pids = [m.proc.pid for m in fleet.members] + [fleet._rendezvous.pid]
+    print("PIDS", json.dumps(pids), flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.network
+def test_a_terminated_owner_stops_its_fleet(smollm2_path: Path, tmp_path: Path) -> None:
+    """`kill` (SIGTERM) of the process that owns a fleet stops the members and the rendezvous,
+    which run in their own process sessions, instead of leaving them running."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    argv = [sys.executable, "-c", OWNER, str(tmp_path)]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as owner:
+        try:
+            assert owner.stdout is not None
+            line = ""
+            while not line.startswith("PIDS "):  # the fleet's own log lines come first
+                line = owner.stdout.readline()
+                assert line, "the fleet's owner exited before its fleet was up"
+            pids = json.loads(line[5:])
+            assert all(_alive(p) for p in pids)
+            owner.send_signal(signal.SIGTERM)
+            assert owner.wait(30) == 128 + signal.SIGTERM
+        finally:
+            owner.kill()
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)]
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited but not yet reaped by its new parent, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
