@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -177,12 +178,26 @@ def main(args: argparse.Namespace) -> int:
 
 
 def run_member(start: Callable[[], Awaitable[Any]]) -> int:
-    """Form the session with `start`, serve until Ctrl-C; a failure is one line naming it, exit 1."""
+    """Form the session with `start`, serve until Ctrl-C or SIGTERM (`kill`, `docker stop`): either
+    closes the links and the API before the process ends (exit 130 or 143). A failure is one line
+    naming it, exit 1."""
     import asyncio
+    import signal
 
     from kafila.session.form import SessionError, say
 
     async def run() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+
+        def terminate() -> None:
+            # once: the API's uvicorn catches the same SIGTERM and raises it again after stopping,
+            # and a second cancel would cut the session's close short
+            if not task.cancelling():
+                task.cancel()
+
+        with contextlib.suppress(NotImplementedError):  # no loop signal handlers on Windows
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, terminate)
         await serve_until_interrupted(await start())
 
     try:
@@ -190,4 +205,7 @@ def run_member(start: Callable[[], Awaitable[Any]]) -> int:
     except (SessionError, ValueError) as exc:  # ValueError: a bad model, checkpoint or code, named
         say(f"error: {exc}")
         return 1
+    except asyncio.CancelledError:  # SIGTERM: the session is closed (serve_until_interrupted)
+        say("terminated: session closed")
+        return 128 + signal.SIGTERM
     return 0

@@ -56,3 +56,26 @@ def test_killed_member_fails_the_request_within_10_s_and_the_others_notice(fleet
             time.sleep(0.2)
         if m is not victim:
             assert state["state"] == "broken" and victim.name in state["error"], (m.name, state)
+
+
+def test_a_member_sent_sigterm_closes_its_links_and_the_others_notice_at_once(fleet: LocalFleet) -> None:
+    """`kill` or `docker stop` (SIGTERM) ends a member as Ctrl-C does: links closed with a reason,
+    exit status 143, and the members that stay see the ring broken without waiting for beats."""
+    doc = fleet.session()
+    victim = next(m for m in fleet.members if m.name != doc["head"])
+    assert victim.proc is not None
+    sent = time.monotonic()
+    victim.proc.send_signal(signal.SIGTERM)
+    assert victim.proc.wait(15) == 128 + signal.SIGTERM
+    log = (fleet.workdir / f"{victim.name}.log").read_text()
+    assert "terminated: session closed" in log and "link_closed" in log
+    for m in fleet.members:
+        while m is not victim:
+            state = httpx.get(f"{m.api_url}/session", timeout=5).json()
+            if state["state"] == "broken" or time.monotonic() - sent > 20:
+                break
+            time.sleep(0.1)
+        if m is not victim:
+            assert state["state"] == "broken" and victim.name in state["error"], (m.name, state)
+    noticed = time.monotonic() - sent
+    assert noticed < 5, f"the others noticed {noticed:.1f} s after the member was terminated"
