@@ -4,6 +4,7 @@ class pair, prediction against outcome, a relay that sees no plaintext, fallback
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import time
@@ -75,6 +76,29 @@ async def link_pair(pair: Pair, predicted_direct: bool = True, repunch: float = 
     return client, server
 
 
+@contextlib.asynccontextmanager
+async def lab_links(
+    lab: Lab,
+    rdv: RendezvousServer,
+    a: Site,
+    b: Site,
+    config: LinkConfig | None = None,
+    predicted_direct: bool = True,
+    repunch: float = 10.0,
+) -> AsyncIterator[tuple[Link, Link]]:
+    """A linked (client, server) between sites a and b; links and members closed afterwards."""
+    pair = await lab_pair(lab, rdv, a, b, config)
+    try:
+        client, server = await link_pair(pair, predicted_direct, repunch)
+        try:
+            yield client, server
+        finally:
+            await client.close()
+            await server.close()
+    finally:
+        await pair.close()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 async def test_classifier_names_each_router_kind(natlab: Lab, sites, rdv, kind: str) -> None:
     site = sites[kind][0]
@@ -125,33 +149,29 @@ async def test_class_pair_links_moves_data_and_prediction_errs_only_toward_relay
 async def test_relayed_edge_shows_only_ciphertext_on_the_wire(natlab: Lab, sites, rdv) -> None:
     a, b = sites["restrictive"]
     capture = natlab.capture()
-    pair = await lab_pair(natlab, rdv, a, b)
-    client, server = await link_pair(pair, predicted_direct=False)
-    marker = b"KAFILA-MARKER-" + os.urandom(6).hex().encode()
-    try:
-        assert client.path is PathKind.RELAY
-        rows = 16 * 576 * 4  # hidden states of 16 tokens of SmolLM2, f32
-        data = os.urandom(rows // 2) + marker + os.urandom(rows - rows // 2 - len(marker))
-        frame = tensor.Hidden(7, tensor.DType.F32, (16, 576), (tensor.Entry(1, 0, 16),), data)
-        record = tensor.encode(frame)
-        await client.send(32, record)
-        kind, got = await server.recv(timeout=20)
-        assert kind == 32 and tensor.decode(got) == frame
-        frames = []
-        while True:
-            try:
-                frames.append(capture.recv(65535))
-            except BlockingIOError:
-                break
-        wire = b"".join(frames)
-        assert wire.count(bytes(map(int, RDV_ADDRS[0].split(".")))) > 40  # relayed datagrams were seen
-        assert len(wire) > 2 * len(record)  # to the relay and out again
-        assert marker not in wire and marker[:12] not in wire
-    finally:
-        capture.close()
-        await client.close()
-        await server.close()
-        await pair.close()
+    async with lab_links(natlab, rdv, a, b, predicted_direct=False) as (client, server):
+        marker = b"KAFILA-MARKER-" + os.urandom(6).hex().encode()
+        try:
+            assert client.path is PathKind.RELAY
+            rows = 16 * 576 * 4  # hidden states of 16 tokens of SmolLM2, f32
+            data = os.urandom(rows // 2) + marker + os.urandom(rows - rows // 2 - len(marker))
+            frame = tensor.Hidden(7, tensor.DType.F32, (16, 576), (tensor.Entry(1, 0, 16),), data)
+            record = tensor.encode(frame)
+            await client.send(32, record)
+            kind, got = await server.recv(timeout=20)
+            assert kind == 32 and tensor.decode(got) == frame
+            frames = []
+            while True:
+                try:
+                    frames.append(capture.recv(65535))
+                except BlockingIOError:
+                    break
+            wire = b"".join(frames)
+            assert wire.count(bytes(map(int, RDV_ADDRS[0].split(".")))) > 40  # relayed datagrams were seen
+            assert len(wire) > 2 * len(record)  # to the relay and out again
+            assert marker not in wire and marker[:12] not in wire
+        finally:
+            capture.close()
 
 
 async def test_direct_path_that_stops_answering_falls_back_to_relay_without_loss_and_comes_back(
@@ -159,51 +179,48 @@ async def test_direct_path_that_stops_answering_falls_back_to_relay_without_loss
 ) -> None:
     a, b = sites["ordinary"]
     config = LinkConfig(keepalive=0.25, dead_after=1.0)
-    pair = await lab_pair(natlab, rdv, a, b, config)
-    client, server = await link_pair(pair, repunch=0.5)
-    shown: dict[str, str] = {}
-    follow_paths(shown, {"a->b": client})  # what a member's /session shows for its link
-    try:
-        assert client.path is PathKind.DIRECT and server.path is PathKind.DIRECT
-        assert shown == {"a->b": "direct"}
-        await packet_size(client, 1452)  # the lab's 1500-byte MTU: 16000 and 8952 refused locally
-        count = 120
+    async with lab_links(natlab, rdv, a, b, config, repunch=0.5) as (client, server):
+        shown: dict[str, str] = {}
+        follow_paths(shown, {"a->b": client})  # what a member's /session shows for its link
+        try:
+            assert client.path is PathKind.DIRECT and server.path is PathKind.DIRECT
+            assert shown == {"a->b": "direct"}
+            await packet_size(client, 1452)  # the lab's 1500-byte MTU: 16000 and 8952 refused locally
+            count = 120
 
-        async def produce() -> None:
-            for i in range(count):
-                await client.send(16, i.to_bytes(4, "big") + os.urandom(4096))
-                if i == 30:
-                    natlab.block_direct(a, b)  # both routers now drop the direct path
-                await asyncio.sleep(0.02)
+            async def produce() -> None:
+                for i in range(count):
+                    await client.send(16, i.to_bytes(4, "big") + os.urandom(4096))
+                    if i == 30:
+                        natlab.block_direct(a, b)  # both routers now drop the direct path
+                    await asyncio.sleep(0.02)
 
-        producer = asyncio.create_task(produce())
-        got = [int.from_bytes((await server.recv(timeout=15))[1][:4], "big") for _ in range(count)]
-        await producer
-        assert got == list(range(count))  # nothing lost, nothing reordered
-        assert client.path is PathKind.RELAY and server.path is PathKind.RELAY
-        assert client.path_changes[-1].reason.startswith("direct path silent")
-        await packet_size(client, 1452 - 6)  # the relay path probed: 1452-byte datagrams, its header inside
-        assert shown == {"a->b": "relay"}
-        await server.send(18, b"still there")
-        assert await client.recv(timeout=10) == (18, b"still there")
-        natlab.unblock_all()  # the direct path answers again: both ends move back to it
-        for _ in range(100):
-            if client.path is PathKind.DIRECT and server.path is PathKind.DIRECT:
-                break
-            await asyncio.sleep(0.05)
-        assert client.path is PathKind.DIRECT and server.path is PathKind.DIRECT
-        assert client.path_changes[-1].reason == "punch succeeded again"
-        await packet_size(client, 1452)  # probed again
-        assert shown == {"a->b": "direct"}
-        direct_before = client.stats().datagrams_direct
-        await client.send(16, b"direct again")
-        assert await server.recv(timeout=10) == (16, b"direct again")
-        assert client.stats().datagrams_direct > direct_before
-    finally:
-        natlab.unblock_all()
-        await client.close()
-        await server.close()
-        await pair.close()
+            producer = asyncio.create_task(produce())
+            got = [int.from_bytes((await server.recv(timeout=15))[1][:4], "big") for _ in range(count)]
+            await producer
+            assert got == list(range(count))  # nothing lost, nothing reordered
+            assert client.path is PathKind.RELAY and server.path is PathKind.RELAY
+            assert client.path_changes[-1].reason.startswith("direct path silent")
+            # the relay path probed: 1452-byte datagrams, its header inside
+            await packet_size(client, 1452 - 6)
+            assert shown == {"a->b": "relay"}
+            await server.send(18, b"still there")
+            assert await client.recv(timeout=10) == (18, b"still there")
+            natlab.unblock_all()  # the direct path answers again: both ends move back to it
+            for _ in range(100):
+                if client.path is PathKind.DIRECT and server.path is PathKind.DIRECT:
+                    break
+                await asyncio.sleep(0.05)
+            assert client.path is PathKind.DIRECT and server.path is PathKind.DIRECT
+            assert client.path_changes[-1].reason == "punch succeeded again"
+            await packet_size(client, 1452)  # probed again
+            assert shown == {"a->b": "direct"}
+            direct_before = client.stats().datagrams_direct
+            await client.send(16, b"direct again")
+            assert await server.recv(timeout=10) == (16, b"direct again")
+            assert client.stats().datagrams_direct > direct_before
+        finally:
+            natlab.unblock_all()
 
 
 async def test_a_path_through_a_smaller_mtu_carries_the_largest_size_that_fits(natlab: Lab, rdv) -> None:
@@ -211,9 +228,7 @@ async def test_a_path_through_a_smaller_mtu_carries_the_largest_size_that_fits(n
     # leaves the member whole and is dropped at that router (don't-fragment), 1392 gets through.
     a, b = natlab.add_site("permissive"), natlab.add_site("permissive")
     natlab.set_wan_mtu(a, 1420)
-    pair = await lab_pair(natlab, rdv, a, b)
-    client, server = await link_pair(pair)
-    try:
+    async with lab_links(natlab, rdv, a, b) as (client, server):
         assert client.path is PathKind.DIRECT and server.path is PathKind.DIRECT
         await packet_size(client, 1392)
         await packet_size(server, 1392)
@@ -222,10 +237,6 @@ async def test_a_path_through_a_smaller_mtu_carries_the_largest_size_that_fits(n
         assert await server.recv(timeout=10) == (16, payload)
         await server.send(17, payload)
         assert await client.recv(timeout=10) == (17, payload)
-    finally:
-        await client.close()
-        await server.close()
-        await pair.close()
 
 
 async def test_a_path_whose_mtu_shrinks_is_noticed_and_probed_again(natlab: Lab, rdv) -> None:
@@ -233,9 +244,8 @@ async def test_a_path_whose_mtu_shrinks_is_noticed_and_probed_again(natlab: Lab,
     # (small) still get through, so the path looks alive. The keepalives' probes of the size in
     # use go unanswered; after three the link drops to 1200 and probes again: 1392.
     a, b = natlab.add_site("permissive"), natlab.add_site("permissive")
-    pair = await lab_pair(natlab, rdv, a, b, LinkConfig(keepalive=0.25, probe_timeout=0.1))  # lab RTT < 1 ms
-    client, server = await link_pair(pair)
-    try:
+    config = LinkConfig(keepalive=0.25, probe_timeout=0.1)  # lab RTT < 1 ms
+    async with lab_links(natlab, rdv, a, b, config) as (client, server):
         await packet_size(client, 1452)
         natlab.set_wan_mtu(a, 1420)
         await packet_size(client, 1392)
@@ -244,10 +254,6 @@ async def test_a_path_whose_mtu_shrinks_is_noticed_and_probed_again(natlab: Lab,
         await client.send(16, payload)
         assert await server.recv(timeout=10) == (16, payload)
         assert client.path is PathKind.DIRECT  # found without leaving the direct path
-    finally:
-        await client.close()
-        await server.close()
-        await pair.close()
 
 
 async def test_keepalives_hold_nat_mappings_past_the_conntrack_timeout(natlab: Lab, rdv) -> None:
@@ -257,9 +263,7 @@ async def test_keepalives_hold_nat_mappings_past_the_conntrack_timeout(natlab: L
     for site in (a, b):
         natlab.conntrack_udp_timeouts(site, unreplied=2, stream=3)
     config = LinkConfig(keepalive=0.5, dead_after=1.5)
-    pair = await lab_pair(natlab, rdv, a, b, config)
-    client, server = await link_pair(pair, repunch=0)
-    try:
+    async with lab_links(natlab, rdv, a, b, config, repunch=0) as (client, server):
         assert client.path is PathKind.DIRECT and server.path is PathKind.DIRECT
         changes = len(client.path_changes), len(server.path_changes)
         await asyncio.sleep(7)  # idle: no message, only keepalives
@@ -269,10 +273,6 @@ async def test_keepalives_hold_nat_mappings_past_the_conntrack_timeout(natlab: L
         assert await client.recv(timeout=5) == (16, b"and back")
         assert (len(client.path_changes), len(server.path_changes)) == changes  # never left direct
         assert client.path is PathKind.DIRECT and server.path is PathKind.DIRECT
-    finally:
-        await client.close()
-        await server.close()
-        await pair.close()
 
 
 async def test_a_planned_ring_across_every_nat_kind_forms_and_carries_a_token(
