@@ -54,14 +54,22 @@ def read_marks(folder: Path) -> dict[int, Marks]:
     return by_pid
 
 
-def ring_order(by_pid: dict[int, Marks]) -> list[Marks]:
+def ring_order(by_pid: dict[int, Marks], members: int) -> list[Marks]:
     """The head (it samples) first, then the members in the order a step reaches them."""
-    head = next(m for m in by_pid.values() if any("sampled" in tags for tags in m.values()))
+    heads = [m for m in by_pid.values() if any("sampled" in tags for tags in m.values())]
+    if len(heads) != 1 or len(by_pid) != members:
+        raise SystemExit(
+            f"expected marks of {members} members, one of them the head; found {len(by_pid)} "
+            f"files, {len(heads)} with a sampled token (see the members' logs)"
+        )
+    head = heads[0]
     others = [m for m in by_pid.values() if m is not head]
-    key = next(
+    keys = [
         k for k, tags in head.items() if "sampled" in tags and all("start" in o.get(k, {}) for o in others)
-    )
-    return [head, *sorted(others, key=lambda m: m[key]["start"])]
+    ]
+    if not keys:
+        raise SystemExit("no decode step left marks at every member")
+    return [head, *sorted(others, key=lambda m: m[keys[0]]["start"])]
 
 
 def segments(ring: list[Marks], key: str) -> list[tuple[str, str, float]] | None:
@@ -119,7 +127,8 @@ def main() -> int:
             single_rates.append(single.run(args.tokens)[1])
         load.sample()
     # the members wrote their last marks when they stopped
-    ring = ring_order(read_marks(folder))
+    print(f"hop marks in {folder}")
+    ring = ring_order(read_marks(folder), args.members)
     steps = [k for k, tags in ring[0].items() if k.endswith(":1") and "submit" in tags]
     per_seg: dict[tuple[str, str], list[float]] = defaultdict(list)
     for key in steps:
