@@ -20,7 +20,8 @@ large packet carried in packets of the current size) and the new path is probed.
 keepalive one probe of the size in use confirms it: a path whose MTU shrank (a route change)
 would drop the large packets while the small PINGs and ACKs still kept it "alive", so after
 `probe_confirm` unanswered confirmations in a row the size goes back to 1200 and the path is
-probed again.
+probed again. Every `probe_raise` seconds (600) the sizes above the one in use are probed again,
+so a path whose MTU grew gets the larger packets back.
 
 Messages: one bidirectional stream carries (kind, payload) messages in order (kafila.net.framing).
 Authentication (kafila.net.auth) runs on it first; `send`/`recv` work only after it succeeds.
@@ -82,6 +83,9 @@ class LinkConfig:
     # late: at 0.1 s a member of the demo missed its neighbour's answers to 16000 and took 1452
     probe_timeout: float = 0.5
     probe_confirm: int = 3  # keepalives in a row whose probe of the size in use went unanswered
+    # seconds between probes of the sizes above the one in use (RFC 8899's raise timer): a path
+    # whose MTU grew (a route change, a tunnel gone) gets the larger packets back; 0 turns them off
+    probe_raise: float = 600.0
     max_stream_data: int = 32 * 1024 * 1024  # flow-control window: several activation frames
     max_data: int = 64 * 1024 * 1024
     idle_timeout: float = 30.0  # no packet at all for this long: the link is closed
@@ -166,6 +170,7 @@ class Link:
         self._keepalive_task: asyncio.Task[None] | None = None
         self._probing: asyncio.Task[None] | None = None
         self._unconfirmed = 0  # keepalive probes of the size in use unanswered in a row
+        self._probed_at = 0.0  # loop time the latest search of the path's packet size began
         self.datagram_size = self.config.max_datagram_size
         self._counters = _Counters()
         self._log = log.bind(edge=f"{ctx.client_id}->{ctx.server_id}", me="client" if is_client else "server")
@@ -302,13 +307,16 @@ class Link:
 
     # ------------------------------------------------------------------ packet size
 
-    def _probe_current_path(self) -> None:
-        """Start probing the current path's packet size (authenticated links, one probe at a time)."""
+    def _probe_current_path(self, first: bool = True) -> None:
+        """Start probing the current path's packet size (authenticated links, one probe at a time);
+        `first`: the path is new to this size (a raise probe is not, and logs only a change)."""
         if self._path is None or not self._ready.done() or self._closed is not None:
+            return
+        if not self.config.probe_sizes:
             return
         if self._probing is not None and not self._probing.done():
             self._probing.cancel()
-        self._probing = self._loop.create_task(self._probe_path(self._path, self._route()))
+        self._probing = self._loop.create_task(self._probe_path(self._path, self._route(), first))
 
     def _route(self) -> tuple[Address, int | None] | None:
         """Where the current path's datagrams go: (address, None) direct, (relay, channel) relayed."""
@@ -318,10 +326,13 @@ class Link:
             return self._relay.relay, self._relay.channel
         return None
 
-    async def _probe_path(self, path: PathKind, route: tuple[Address, int | None] | None) -> None:
+    async def _probe_path(
+        self, path: PathKind, route: tuple[Address, int | None] | None, first: bool = True
+    ) -> None:
         if route is None:
             return
-        started = self._loop.time()
+        started = self._probed_at = self._loop.time()
+        before = self.datagram_size
         for packet in sorted((size - _header(route) for size in self.config.probe_sizes), reverse=True):
             if packet <= self.datagram_size:
                 break
@@ -329,7 +340,7 @@ class Link:
                 if self._path is path and self._route() == route:
                     self._use_datagram_size(packet)
                 break
-        self._log.info(
+        (self._log.info if first or self.datagram_size != before else self._log.debug)(
             "link_packet_size",
             path=path.value,
             size=self.datagram_size,
@@ -337,10 +348,14 @@ class Link:
         )
 
     def _confirm_size(self) -> None:
-        """One probe of the size in use (each keepalive, while it is above the base size)."""
-        if self.datagram_size <= self.config.max_datagram_size:
+        """Each keepalive: one probe of the size in use (while it is above the base size), or, every
+        `probe_raise` seconds, a search of the sizes above it."""
+        if self._probing is not None and not self._probing.done():
             return
-        if self._probing is None or self._probing.done():
+        raise_every = self.config.probe_raise
+        if raise_every > 0 and self._loop.time() - self._probed_at >= raise_every:
+            self._probe_current_path(first=False)
+        elif self.datagram_size > self.config.max_datagram_size:
             self._probing = self._loop.create_task(self._confirm(self._route(), self.datagram_size))
 
     async def _confirm(self, route: tuple[Address, int | None] | None, size: int) -> None:

@@ -256,6 +256,28 @@ async def test_a_path_whose_mtu_shrinks_is_noticed_and_probed_again(natlab: Lab,
         assert client.path is PathKind.DIRECT  # found without leaving the direct path
 
 
+async def test_a_path_whose_mtu_grows_gets_the_larger_packets_back_at_the_next_raise_probe(
+    natlab: Lab, rdv
+) -> None:
+    # The 1420-byte tunnel is gone after probing: the link at 1392 probes the sizes above it every
+    # `probe_raise` seconds and finds 1452 (RFC 8899's raise timer; default 600 s, 1 s here).
+    a, b = natlab.add_site("permissive"), natlab.add_site("permissive")
+    natlab.set_wan_mtu(a, 1420)
+    config = LinkConfig(keepalive=0.25, probe_timeout=0.1, probe_raise=1.0)
+    async with lab_links(natlab, rdv, a, b, config) as (client, server):
+        await packet_size(client, 1392)
+        await packet_size(server, 1392)
+        natlab.set_wan_mtu(a, 1500)
+        await packet_size(client, 1452)
+        await packet_size(server, 1452)
+        payload = os.urandom(300_000)
+        await client.send(16, payload)
+        assert await server.recv(timeout=10) == (16, payload)
+        await server.send(17, payload)
+        assert await client.recv(timeout=10) == (17, payload)
+        assert client.path is PathKind.DIRECT and not client.path_changes[1:]
+
+
 async def test_keepalives_hold_nat_mappings_past_the_conntrack_timeout(natlab: Lab, rdv) -> None:
     # Routers that forget a UDP flow after 2 s (3 s once replied) instead of Linux's 30 s / 120 s:
     # an idle link survives only if its keepalives refresh both mappings.
