@@ -4,8 +4,8 @@ Off unless the environment variable KAFILA_HOP_MARKS names a folder. Then every 
 lines `TAG REQUEST:POSITION:ROWS NS` to FOLDER/PID.marks: the frame's first entry and
 `time.perf_counter_ns()`, which on Linux is CLOCK_MONOTONIC, one clock for every process of a
 machine, so marks of the members of a local fleet line up. `benchmarks/hop_costs.py` reads them.
-A disabled mark costs one test; an enabled one an f-string and a list append (a write every
-`FLUSH_EVERY` marks and at exit).
+A disabled mark costs one test; an enabled one an f-string and a list append under a lock (a
+write every `FLUSH_EVERY` marks and at exit).
 
 The tags, in the order a decode step meets them (docs/benchmarks.md, "Where a hop's time goes"):
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -30,6 +31,7 @@ ENV = "KAFILA_HOP_MARKS"
 FLUSH_EVERY = 256
 FOLDER = os.environ.get(ENV) or None
 _lines: list[str] = []
+_lock = threading.Lock()  # the event loop and the model thread both mark
 
 
 class _Entry(Protocol):
@@ -44,12 +46,18 @@ def mark(tag: str, entries: Sequence[_Entry], ns: int | None = None) -> None:
         return
     e = entries[0]
     at = time.perf_counter_ns() if ns is None else ns
-    _lines.append(f"{tag} {e.request_id}:{e.position}:{e.n_tokens} {at}\n")
-    if len(_lines) >= FLUSH_EVERY:
-        flush()
+    with _lock:
+        _lines.append(f"{tag} {e.request_id}:{e.position}:{e.n_tokens} {at}\n")
+        if len(_lines) >= FLUSH_EVERY:
+            _write()
 
 
 def flush() -> None:
+    with _lock:
+        _write()
+
+
+def _write() -> None:
     if FOLDER is None or not _lines:
         return
     with open(os.path.join(FOLDER, f"{os.getpid()}.marks"), "a") as f:
