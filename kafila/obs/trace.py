@@ -237,6 +237,7 @@ class Summary:
     circuit_ms: float
     ttft_prefill_s: float
     ttft_queue_s: float
+    transit_ms: float = 0.0  # median per decode step of the circuit less every stage's compute
 
 
 def summarize(records: Iterable[Record], drop_cold: bool = True) -> list[Summary]:
@@ -273,6 +274,7 @@ def _summarize_one(reqs: list[RequestRecord]) -> Summary:
         circuit_ms=statistics.median(r.circuit_ms for r in reqs),
         ttft_prefill_s=statistics.median(r.prefill_s for r in reqs),
         ttft_queue_s=statistics.median(r.queue_s for r in reqs),
+        transit_ms=statistics.median(r.transit_ms for r in reqs),
     )
 
 
@@ -286,7 +288,7 @@ def _stage(r: RequestRecord, member: str) -> StageTrace:
 def format_table(summaries: list[Summary]) -> str:
     head = (
         f"{'session':<14} {'division':<8} {'reqs':>4} {'imbal':>6} {'bneck ms':>9} {'util':>5} "
-        f"{'tok/s':>13} {'pred err':>8} {'circuit ms':>10} {'prefill s':>9}  bottleneck"
+        f"{'tok/s':>13} {'pred err':>8} {'circuit ms':>10} {'transit ms':>10} {'prefill s':>9}  bottleneck"
     )
     rows = [head]
     for s in summaries:
@@ -294,7 +296,7 @@ def format_table(summaries: list[Summary]) -> str:
             f"{s.session[:14]:<14} {s.division:<8} {s.requests:>4} {s.imbalance:>6.2f} "
             f"{s.bottleneck_ms:>9.2f} {s.utilisation:>5.0%} "
             f"{s.tokens_per_s:>7.1f} ±{s.tokens_per_s_spread:<4.1f} {s.prediction_error:>8.0%} "
-            f"{s.circuit_ms:>10.2f} {s.ttft_prefill_s:>9.3f}  {s.bottleneck_member}"
+            f"{s.circuit_ms:>10.2f} {s.transit_ms:>10.2f} {s.ttft_prefill_s:>9.3f}  {s.bottleneck_member}"
         )
     return "\n".join(rows)
 

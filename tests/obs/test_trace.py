@@ -133,6 +133,7 @@ def test_summary_gives_table_iv_columns() -> None:
     # |pred - meas| / meas over 9 stages: 0.25, 0, 0.2, 0.1667, 0, 0.3333, 0, 0, 0 -> median 0
     assert s.prediction_error == pytest.approx(0.0)
     assert s.circuit_ms == 44.0
+    assert s.transit_ms == 3.0  # hops and waits: the circuit less the stages' compute
 
 
 def test_bad_trace_line_names_the_line() -> None:
@@ -148,6 +149,7 @@ def test_cli_summarize_prints_the_columns(tmp_path: Path, capsys: pytest.Capture
     assert cli_main(["trace", "summarize", str(path)]) == 0
     out = capsys.readouterr().out
     assert "imbal" in out and "bneck ms" in out and "util" in out and "pred err" in out
+    assert "transit ms" in out and "3.00" in out
     assert "2.00" in out and "20.00" in out and " c" in out
     assert "Table IV from 2 request records" in out
     assert cli_main(["trace", "summarize", str(path), "--json"]) == 0
