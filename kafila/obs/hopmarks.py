@@ -9,10 +9,12 @@ write every `FLUSH_EVERY` marks and at exit).
 
 The tags, in the order a decode step meets them (docs/benchmarks.md, "Where a hop's time goes"):
 
-- every member, for the frame it receives: `read` (the socket read that completed the frame
-  began), `decoded` (the link delivered it and it is a message again), `submit` (handed to the
-  model thread), `start` / `end` (the model thread's compute), `back` (the event loop has the
-  result), `send` (the loop gives the output to its link), `encoded`, `sent` (after `sendto`);
+- every member, for the frame it receives: `read` (when the latest batch of socket reads before
+  the frame was decoded began: the one that completed the frame, unless another datagram, such as
+  an ACK, was read in between), `decoded` (the link delivered it and it is a message again),
+  `submit` (handed to the model thread), `start` / `end` (the model thread's compute), `back`
+  (the event loop has the result), `send` (the loop gives the output to its link), `encoded`,
+  `sent` (after `sendto`);
 - the head, for the step it starts: `submit`, `start`, `end`, `back`, `send`, `encoded`, `sent`;
   for the frame that comes back: `read`, `decoded`, `l_submit`, `l_start`, `l_end` (the logits),
   `l_back` and `sampled` (the token sampled and handed to whoever asked).
