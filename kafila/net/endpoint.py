@@ -31,6 +31,7 @@ from kafila.proto import udp
 from kafila.proto.errors import ProtocolError
 
 log = get_logger("kafila.net.endpoint")
+K = TypeVar("K", bytes, int)  # a transaction id, or a relay channel
 T = TypeVar("T")
 
 # <netinet/in.h> values the socket module does not export
@@ -255,16 +256,17 @@ class UdpEndpoint:
 
     async def _ask(
         self,
-        waiters: dict[bytes, asyncio.Future[T]],
-        txid: bytes,
+        waiters: dict[K, asyncio.Future[T]],
+        txid: K,
         request: bytes,
         to: Address,
         timeout: float,
         attempts: int,
     ) -> tuple[T, float] | None:
         """Send `request` up to `attempts` times, `timeout` s apart, until the answer with `txid`
-        arrives: (the answer, seconds from the last send), or None. None at once when the local
-        interface refuses the datagram's size (EMSGSIZE): no retry can change that."""
+        (a transaction id, or a relay channel) arrives: (the answer, seconds from the last send), or
+        None. None at once when the local interface refuses the datagram's size (EMSGSIZE): no retry
+        can change that. An answer that is an error (a future's exception) is raised."""
         fut: asyncio.Future[T] = self._loop.create_future()
         waiters[txid] = fut
         try:
@@ -292,17 +294,10 @@ class UdpEndpoint:
         self, relay: Address, channel: int, token: bytes, timeout: float = 0.3, attempts: int = 10
     ) -> udp.RelayBindAck:
         """Bind this socket as one leg of a relay channel (retried: the first packet may be lost)."""
-        loop = asyncio.get_running_loop()
-        for _ in range(attempts):
-            fut: asyncio.Future[udp.RelayBindAck] = loop.create_future()
-            self._relay_waiters[channel] = fut
-            self.send_control(udp.RelayBind(channel, token), relay)
-            try:
-                return await asyncio.wait_for(fut, timeout)
-            except TimeoutError:
-                continue
-            finally:
-                self._relay_waiters.pop(channel, None)
+        request = udp.encode(udp.RelayBind(channel, token))
+        got = await self._ask(self._relay_waiters, channel, request, relay, timeout, attempts)
+        if got is not None:
+            return got[0]
         raise NatProbeError(
             f"relay {relay[0]}:{relay[1]} did not acknowledge channel {channel} "
             f"after {attempts} tries of {timeout} s"
