@@ -99,6 +99,17 @@ async def lab_links(
         await pair.close()
 
 
+async def sized_and_carrying(client: Link, server: Link, size: int) -> None:
+    """Both ends send packets of `size` bytes, and 300 KB messages cross both ways whole."""
+    await packet_size(client, size)
+    await packet_size(server, size)
+    payload = os.urandom(300_000)
+    await client.send(16, payload)
+    assert await server.recv(timeout=10) == (16, payload)
+    await server.send(17, payload)
+    assert await client.recv(timeout=10) == (17, payload)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 async def test_classifier_names_each_router_kind(natlab: Lab, sites, rdv, kind: str) -> None:
     site = sites[kind][0]
@@ -230,13 +241,7 @@ async def test_a_path_through_a_smaller_mtu_carries_the_largest_size_that_fits(n
     natlab.set_wan_mtu(a, 1420)
     async with lab_links(natlab, rdv, a, b) as (client, server):
         assert client.path is PathKind.DIRECT and server.path is PathKind.DIRECT
-        await packet_size(client, 1392)
-        await packet_size(server, 1392)
-        payload = os.urandom(300_000)
-        await client.send(16, payload)
-        assert await server.recv(timeout=10) == (16, payload)
-        await server.send(17, payload)
-        assert await client.recv(timeout=10) == (17, payload)
+        await sized_and_carrying(client, server, 1392)
 
 
 async def test_a_path_whose_mtu_shrinks_is_noticed_and_probed_again(natlab: Lab, rdv) -> None:
@@ -248,11 +253,7 @@ async def test_a_path_whose_mtu_shrinks_is_noticed_and_probed_again(natlab: Lab,
     async with lab_links(natlab, rdv, a, b, config) as (client, server):
         await packet_size(client, 1452)
         natlab.set_wan_mtu(a, 1420)
-        await packet_size(client, 1392)
-        await packet_size(server, 1392)
-        payload = os.urandom(300_000)
-        await client.send(16, payload)
-        assert await server.recv(timeout=10) == (16, payload)
+        await sized_and_carrying(client, server, 1392)
         assert client.path is PathKind.DIRECT  # found without leaving the direct path
 
 
@@ -268,13 +269,7 @@ async def test_a_path_whose_mtu_grows_gets_the_larger_packets_back_at_the_next_r
         await packet_size(client, 1392)
         await packet_size(server, 1392)
         natlab.set_wan_mtu(a, 1500)
-        await packet_size(client, 1452)
-        await packet_size(server, 1452)
-        payload = os.urandom(300_000)
-        await client.send(16, payload)
-        assert await server.recv(timeout=10) == (16, payload)
-        await server.send(17, payload)
-        assert await client.recv(timeout=10) == (17, payload)
+        await sized_and_carrying(client, server, 1452)
         assert client.path is PathKind.DIRECT and not client.path_changes[1:]
 
 
