@@ -29,8 +29,8 @@ from kafila.probe.system import THREADS_ENV
 
 Marks = dict[str, dict[str, int]]  # key "request:position:rows" -> tag -> perf_counter_ns
 
-# (segment, kind): consecutive marks of one decode step; "next" is the member after this one
-HEAD_OUT = [("submit", "start", "hand-off"), ("start", "end", "compute"), ("end", "back", "hand-off")]
+# (first mark, second mark, kind): consecutive marks of one decode step at one process
+COMPUTE = [("submit", "start", "hand-off"), ("start", "end", "compute"), ("end", "back", "hand-off")]
 SEND = [("back", "send", "loop"), ("send", "encoded", "encode"), ("encoded", "sent", "QUIC send")]
 RECEIVE = [("read", "decoded", "QUIC receive"), ("decoded", "submit", "loop")]
 HEAD_BACK = [
@@ -76,8 +76,8 @@ def segments(ring: list[Marks], key: str) -> list[tuple[str, str, float]] | None
     """(where, kind, microseconds) for every segment of decode step `key`; None if a mark is missing."""
     out: list[tuple[str, str, float]] = []
     try:
-        places = [("head", ring[0], [*HEAD_OUT, *SEND])]
-        places += [(f"member {i}", m, [*RECEIVE, *HEAD_OUT, *SEND]) for i, m in enumerate(ring[1:], 1)]
+        places = [("head", ring[0], [*COMPUTE, *SEND])]
+        places += [(f"member {i}", m, [*RECEIVE, *COMPUTE, *SEND]) for i, m in enumerate(ring[1:], 1)]
         places += [("head", ring[0], HEAD_BACK)]
         prev_sent: int | None = None
         for where, marks, segs in places:
