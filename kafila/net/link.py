@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from aioquic import tls
 from aioquic.buffer import Buffer
 from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
@@ -54,6 +55,7 @@ ALPN = "kafila-link/1"
 STREAM = 0  # the client's first bidirectional stream carries everything
 ERROR_AUTH = 0x1A  # application close code: authentication failed
 ERROR_CLOSED = 0x0  # normal close
+MAX_ACK_DELAY = 0.025  # the max_ack_delay aioquic 1.7 advertises: no ACK may wait longer
 
 
 class PathKind(StrEnum):
@@ -95,6 +97,11 @@ class LinkConfig:
     handshake_timeout: float = 10.0  # QUIC handshake plus authentication
     send_buffer: int = 16 * 1024 * 1024  # send() waits while more than this is unacknowledged
     relay_refresh: float = 20.0  # re-bind the relay leg this often (relay idle expiry, NAT mapping)
+    # how long the ACK of a lone packet may wait (RFC 9000 13.2.1; aioquic advertises max_ack_delay
+    # 25 ms and waits 1 ms). A ring stage receives one frame per step and ACKs it when its own output
+    # has left (`acknowledge`); an ACK 1 ms after the frame would wake its loop in the middle of the
+    # compute (docs/links.md, "ACKs"). A second packet is ACKed at once (13.2.2).
+    ack_delay: float = 0.025
 
 
 @dataclass(frozen=True)
@@ -222,7 +229,7 @@ class Link:
     def start(self) -> None:
         """Client: send the first flight. Server: wait for it. Keepalives start for both."""
         if self.is_client:
-            self._quic = QuicConnection(configuration=self._quic_config())
+            self._quic = self._new_connection()
             self._quic.connect(self._virtual, now=self._loop.time())
             self._transmit()
         self._keepalive_task = self._loop.create_task(self._keepalive())
@@ -271,12 +278,23 @@ class Link:
         if self._quic is None and not self._accept_initial(data):
             return
         assert self._quic is not None
+        space = self._quic._spaces.get(tls.Epoch.ONE_RTT)
+        pending = space is not None and space.ack_at is not None  # an ACK already waits
         self._quic.receive_datagram(data, self._virtual, now=now)
+        if space is not None and pending and space.ack_at is not None:
+            space.ack_at = now  # a second packet since our last ACK: acknowledge both now (13.2.2)
         self.endpoint.mark_dirty(self._flush)
 
     def _flush(self) -> None:
         if self._quic is not None and self._closed is None:
             self._process()
+
+    def _new_connection(self, original_dcid: bytes | None = None) -> QuicConnection:
+        conn = QuicConnection(
+            configuration=self._quic_config(), original_destination_connection_id=original_dcid
+        )
+        conn._ack_delay = min(self.config.ack_delay, MAX_ACK_DELAY)
+        return conn
 
     def _accept_initial(self, data: bytes) -> bool:
         """Server: the client's first Initial packet creates the connection."""
@@ -288,9 +306,7 @@ class Link:
             return False
         if header.packet_type is not QuicPacketType.INITIAL:
             return False
-        self._quic = QuicConnection(
-            configuration=self._quic_config(), original_destination_connection_id=header.destination_cid
-        )
+        self._quic = self._new_connection(header.destination_cid)
         return True
 
     def _transmit(self) -> None:
@@ -520,6 +536,17 @@ class Link:
             self._raise_if_closed()
             raise LinkClosed(f"link to {self.peer_id} closed")
         return item
+
+    def acknowledge(self) -> None:
+        """Send the ACK that waits for `ack_delay`, now. A ring stage calls it once its step's output
+        is on its way: the member that sent the step's input is idle then, where the timer would
+        have reached it, or this side, in the middle of a compute."""
+        if self._quic is None or self._closed is not None:
+            return
+        space = self._quic._spaces.get(tls.Epoch.ONE_RTT)
+        if space is not None and space.ack_at is not None:
+            space.ack_at = self._loop.time()
+            self._transmit()
 
     def unacknowledged(self) -> int:
         if self._quic is None or STREAM not in self._quic._streams:

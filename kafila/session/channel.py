@@ -106,15 +106,25 @@ class Channel(Protocol):
 
     async def recv(self, timeout: float | None = None) -> t.Message: ...
 
+    def acknowledge(self) -> None:
+        """Acknowledge what was received now rather than after the transport's ACK delay."""
+        ...
+
     async def close(self, reason: str = "closed") -> None: ...
 
 
-async def send_marked(ch: Channel, msg: t.Message) -> None:
-    """`ch.send(msg)`, with a hidden-state frame's `send` and `sent` hop marks (kafila.obs.hopmarks)."""
-    entries = msg.entries if isinstance(msg, t.Hidden) else ()
-    hopmarks.mark("send", entries)
+async def send_marked(ch: Channel, msg: t.Message, prev: Channel | None = None) -> None:
+    """`ch.send(msg)`, with a hidden-state frame's `send` and `sent` hop marks (kafila.obs.hopmarks).
+    Once a frame has left, `prev` (the channel the stage's input came on) acknowledges what it
+    received: the ring's ACKs travel while their receivers are idle (kafila.net.link, `ack_delay`)."""
+    if not isinstance(msg, t.Hidden):
+        await ch.send(msg)
+        return
+    hopmarks.mark("send", msg.entries)
     await ch.send(msg)
-    hopmarks.mark("sent", entries)
+    hopmarks.mark("sent", msg.entries)
+    if prev is not None:
+        prev.acknowledge()
 
 
 class MemoryChannel:
@@ -159,6 +169,9 @@ class MemoryChannel:
         msg = t.decode(record)
         self.counters.received(msg, len(record))
         return msg
+
+    def acknowledge(self) -> None:
+        pass  # nothing to acknowledge in-process
 
     async def close(self, reason: str = "closed") -> None:
         if not self._closed:
@@ -216,6 +229,9 @@ class LinkChannel:
                 self.counters.received(msg, len(payload))
                 return msg
 
+    def acknowledge(self) -> None:
+        self.link.acknowledge()
+
     async def close(self, reason: str = "closed") -> None:
         await self.link.close(reason)
 
@@ -272,6 +288,9 @@ class Heartbeat:
             self._heard = True
             if not (isinstance(msg, t.Control) and msg.op == BEAT):
                 return msg
+
+    def acknowledge(self) -> None:
+        self.inner.acknowledge()
 
     async def close(self, reason: str = "closed") -> None:
         if self._task is not None:

@@ -220,16 +220,22 @@ class RingHead:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            freed = self.schedule.pop_freed()
-            if freed:
-                await self.model.run(compute.close_slots, self.stage, freed)
-                for rid in freed:
-                    self.tally.discard(rid)  # a cancelled request's counts (a finished one's are taken)
-                if self.next is not None:
-                    self._outbox.put_nowait(t.Control("free", {"request_ids": freed}))
-                self._report_queue()
-            for step in self.schedule.take():
-                await self._enter(step)
+            await self._advance()
+
+    async def _advance(self) -> None:
+        """Free what finished, then run every step the schedule lets in. The pump calls it when
+        woken; the receive task calls it too, right after sampling, so a lane's next decode step
+        reaches the model thread before any other task runs (the sampled token's consumer, say)."""
+        freed = self.schedule.pop_freed()
+        if freed:
+            await self.model.run(compute.close_slots, self.stage, freed)
+            for rid in freed:
+                self.tally.discard(rid)  # a cancelled request's counts (a finished one's are taken)
+            if self.next is not None:
+                self._outbox.put_nowait(t.Control("free", {"request_ids": freed}))
+            self._report_queue()
+        for step in self.schedule.take():
+            await self._enter(step)
 
     async def _enter(self, step: Step) -> None:
         tokens = [self._tokens_for(e, step.prefill) for e in step.entries]
@@ -270,7 +276,7 @@ class RingHead:
         assert self.next is not None
         try:
             while True:
-                await send_marked(self.next, await self._outbox.get())
+                await send_marked(self.next, await self._outbox.get(), self.prev)
         except ChannelError as exc:
             self._break(f"member {self.next.peer}: {exc}")
 
@@ -321,7 +327,10 @@ class RingHead:
             for rid, row in zip(rids, logits, strict=True):
                 self._sampled(self._reqs[rid], row, step.prefill, timings, us, now)
             hopmarks.mark("sampled", frame.entries)
-        self._wake.set()
+        if self.next is None:  # a ring of one: _enter called us, the pump goes on
+            self._wake.set()
+        else:
+            await self._advance()
 
     def _sampled(
         self, req: _Req, logits: Any, prefill: bool, timings: tuple[int, ...], logits_us: int, now: float

@@ -204,7 +204,7 @@ class RingMember:
     async def _send_out(self) -> None:
         try:
             while True:
-                await send_marked(self.next, await self._outbox.get())
+                await send_marked(self.next, await self._outbox.get(), self.prev)
         except ChannelError as exc:
             self._break(f"member {self.next.peer}: {exc}")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 
@@ -150,3 +151,50 @@ async def test_without_probe_sizes_packets_stay_at_the_quic_minimum() -> None:
         await server.close()
         a.close()
         b.close()
+
+
+async def test_a_lone_message_waits_for_its_ack_until_asked_and_a_second_one_is_acked_at_once() -> None:
+    """RFC 9000 13.2: the ACK of one packet may wait (`ack_delay`, 25 ms; a ring stage asks for it
+    once its output has left); a second ack-eliciting packet is acknowledged at once."""
+    ctx = EdgeContext("S-loop", "alice", "bob", b"correct horse")
+    quiet = LinkConfig(probe_sizes=(), keepalive=60.0)  # no probes or PINGs in between
+    client, server, a, b = await direct_pair(ctx, ctx, quiet)
+    try:
+        await asyncio.gather(client.wait_ready(), server.wait_ready())
+        await asyncio.sleep(0.1)  # the handshake's and authentication's ACKs are done
+
+        acks = server.stats().datagrams_direct
+        await client.send(16, b"one frame")
+        assert await server.recv(timeout=5) == (16, b"one frame")
+        assert server.stats().datagrams_direct == acks  # its ACK waits
+        assert client.unacknowledged() > 0
+        server.acknowledge()
+        assert server.stats().datagrams_direct == acks + 1  # sent now
+        server.acknowledge()
+        assert server.stats().datagrams_direct == acks + 1  # nothing more waited
+        await until(lambda: client.unacknowledged() == 0)
+
+        await client.send(16, b"first")
+        await client.send(16, b"second")  # each send is its own packet
+        assert [await server.recv(timeout=5) for _ in range(2)] == [(16, b"first"), (16, b"second")]
+        assert server.stats().datagrams_direct == acks + 2  # one ACK for both, without being asked
+
+        await client.send(16, b"alone")
+        await server.recv(timeout=5)
+        received = time.perf_counter()
+        await asyncio.sleep(0.005)
+        if time.perf_counter() - received < 0.02:  # (unless this machine stalled the loop meanwhile)
+            assert server.stats().datagrams_direct == acks + 2  # aioquic alone would ACK after 1 ms
+        await until(lambda: client.unacknowledged() == 0)  # unasked, the ACK comes after ack_delay
+        assert server.stats().datagrams_direct == acks + 3
+    finally:
+        await client.close()
+        await server.close()
+        a.close()
+        b.close()
+
+
+async def until(done, within: float = 5.0) -> None:
+    async with asyncio.timeout(within):
+        while not done():
+            await asyncio.sleep(0.005)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import numpy as np
 import pytest
 
@@ -32,3 +35,51 @@ def test_a_returning_frame_in_another_dtype_is_refused_at_the_head(head: Stage) 
         compute.head_logits(head, frame(t.DType.BF16, 3, hidden), [7])
     with pytest.raises(StageError, match="computes in F32 but received hidden states in BF16"):
         compute.stage_step(head, [frame(t.DType.BF16, 3, hidden)])
+
+
+async def test_the_model_thread_runs_calls_in_order_on_one_thread_and_hands_back_errors() -> None:
+    model = compute.ModelThread("t")
+    seen: list[tuple[int, str]] = []
+
+    def call(i: int) -> int:
+        seen.append((i, threading.current_thread().name))
+        return i * i
+
+    try:
+        assert await asyncio.gather(*(model.run(call, i) for i in range(20))) == [i * i for i in range(20)]
+        assert [i for i, _ in seen] == list(range(20))
+        assert {name for _, name in seen} == {"model-t"}
+        with pytest.raises(StageError, match="the stage refused"):
+            await model.run(_refuse)
+        assert await model.run(call, 3) == 9  # still serving after an error
+    finally:
+        model.close()
+
+
+async def test_a_cancelled_caller_does_not_stop_the_model_thread_and_close_drops_waiting_calls() -> None:
+    model = compute.ModelThread("t")
+    gate = threading.Event()
+    ran: list[str] = []
+    first = asyncio.ensure_future(model.run(lambda: (gate.wait(5), ran.append("first"))))
+    await asyncio.sleep(0.01)
+    first.cancel()  # its call is running: it ends, its result is dropped
+    gate.set()
+    assert await model.run(lambda: "next") == "next"
+    assert ran == ["first"] and first.cancelled()
+
+    gate.clear()
+    running = asyncio.ensure_future(model.run(gate.wait, 5))
+    waiting = asyncio.ensure_future(model.run(ran.append, "never"))
+    await asyncio.sleep(0.01)
+    model.close()
+    gate.set()
+    assert await running is True
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert ran == ["first"]
+    with pytest.raises(RuntimeError, match="closed"):
+        await model.run(ran.append, "after close")
+
+
+def _refuse() -> None:
+    raise StageError("the stage refused")
