@@ -57,15 +57,18 @@ class ModelThread:
     def _main(self) -> None:
         while (call := self._calls.get()) is not None:
             loop, future, fn, args = call
-            if self._closed:
-                loop.call_soon_threadsafe(_settle, future, None, asyncio.CancelledError())
-                continue
-            try:
-                result, error = fn(*args), None
-            except BaseException as exc:  # handed to the caller, like an executor does
-                result, error = None, exc
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
-                loop.call_soon_threadsafe(_settle, future, result, error)
+                if self._closed:  # dropped by close()
+                    loop.call_soon_threadsafe(future.cancel)
+                else:
+                    loop.call_soon_threadsafe(_settle, future, *_outcome(fn, args))
+
+
+def _outcome(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, BaseException | None]:
+    try:
+        return fn(*args), None
+    except BaseException as exc:  # handed to the caller, as an executor does
+        return None, exc
 
 
 _Call = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
