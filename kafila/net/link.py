@@ -23,6 +23,9 @@ would drop the large packets while the small PINGs and ACKs still kept it "alive
 probed again. Every `probe_raise` seconds (600) the sizes above the one in use are probed again,
 so a path whose MTU grew gets the larger packets back.
 
+ACKs: a lone packet's ACK waits up to `ack_delay` (25 ms) or until `acknowledge()` (the ring calls it
+once a stage's output has left); a second packet is ACKed at once (docs/links.md, "ACKs").
+
 Messages: one bidirectional stream carries (kind, payload) messages in order (kafila.net.framing).
 Authentication (kafila.net.auth) runs on it first; `send`/`recv` work only after it succeeds.
 """
