@@ -44,6 +44,7 @@ from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import QuicPacketType, pull_quic_header
+from aioquic.quic.recovery import QuicPacketSpace
 
 from kafila.net import framing
 from kafila.net.auth import EdgeContext, LinkAuth
@@ -281,7 +282,7 @@ class Link:
         if self._quic is None and not self._accept_initial(data):
             return
         assert self._quic is not None
-        space = self._quic._spaces.get(tls.Epoch.ONE_RTT)
+        space = self._ack_space()
         pending = space is not None and space.ack_at is not None  # an ACK already waits
         self._quic.receive_datagram(data, self._virtual, now=now)
         if space is not None and pending and space.ack_at is not None:
@@ -544,12 +545,16 @@ class Link:
         """Send the ACK that waits for `ack_delay`, now. A ring stage calls it once its step's output
         is on its way: the member that sent the step's input is idle then, where the timer would
         have reached it, or this side, in the middle of a compute."""
-        if self._quic is None or self._closed is not None:
+        if self._closed is not None:
             return
-        space = self._quic._spaces.get(tls.Epoch.ONE_RTT)
+        space = self._ack_space()
         if space is not None and space.ack_at is not None:
             space.ack_at = self._loop.time()
             self._transmit()
+
+    def _ack_space(self) -> QuicPacketSpace | None:
+        """aioquic's application packet space (its `ack_at`: when the waiting ACK is due), once keys exist."""
+        return None if self._quic is None else self._quic._spaces.get(tls.Epoch.ONE_RTT)
 
     def unacknowledged(self) -> int:
         if self._quic is None or STREAM not in self._quic._streams:

@@ -114,13 +114,19 @@ async def test_a_peer_that_vanishes_surfaces_as_link_timeout_not_a_hang() -> Non
         await server.close()
 
 
+async def until(done, within: float = 5.0) -> bool:
+    """Whether `done()` came true within `within` seconds (polled every 10 ms)."""
+    for _ in range(int(within / 0.01)):
+        if done():
+            return True
+        await asyncio.sleep(0.01)
+    return bool(done())
+
+
 async def packet_size(link, size: int, within: float = 5.0) -> None:
     """Until `link` builds packets of `size` bytes (its path probe has answered)."""
-    for _ in range(int(within / 0.01)):
-        if link.datagram_size == size:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"packets of {link.datagram_size} bytes, not {size}, after {within} s")
+    if not await until(lambda: link.datagram_size == size, within):
+        raise AssertionError(f"packets of {link.datagram_size} bytes, not {size}, after {within} s")
 
 
 async def test_a_direct_path_on_one_machine_carries_the_largest_probed_packets(linked) -> None:
@@ -172,7 +178,7 @@ async def test_a_lone_message_waits_for_its_ack_until_asked_and_a_second_one_is_
         assert server.stats().datagrams_direct == acks + 1  # sent now
         server.acknowledge()
         assert server.stats().datagrams_direct == acks + 1  # nothing more waited
-        await until(lambda: client.unacknowledged() == 0)
+        assert await until(lambda: client.unacknowledged() == 0)
 
         await client.send(16, b"first")
         await client.send(16, b"second")  # each send is its own packet
@@ -185,16 +191,10 @@ async def test_a_lone_message_waits_for_its_ack_until_asked_and_a_second_one_is_
         await asyncio.sleep(0.005)
         if time.perf_counter() - received < 0.02:  # (unless this machine stalled the loop meanwhile)
             assert server.stats().datagrams_direct == acks + 2  # aioquic alone would ACK after 1 ms
-        await until(lambda: client.unacknowledged() == 0)  # unasked, the ACK comes after ack_delay
+        assert await until(lambda: client.unacknowledged() == 0)  # unasked, the ACK comes after ack_delay
         assert server.stats().datagrams_direct == acks + 3
     finally:
         await client.close()
         await server.close()
         a.close()
         b.close()
-
-
-async def until(done, within: float = 5.0) -> None:
-    async with asyncio.timeout(within):
-        while not done():
-            await asyncio.sleep(0.005)
