@@ -38,8 +38,7 @@ HEAD_BACK = [
     ("decoded", "l_submit", "loop"),
     ("l_submit", "l_start", "hand-off"),
     ("l_start", "l_end", "compute"),
-    ("l_end", "l_back", "hand-off"),
-    ("l_back", "sampled", "sampling"),
+    ("l_end", "sampled", "sampling"),  # on the model thread, which then runs the lane's next step
 ]
 
 

@@ -16,8 +16,9 @@ The tags, in the order a decode step meets them (docs/benchmarks.md, "Where a ho
   (the event loop has the result), `send` (the loop gives the output to its link), `encoded`,
   `sent` (after `sendto`);
 - the head, for the step it starts: `submit`, `start`, `end`, `back`, `send`, `encoded`, `sent`;
-  for the frame that comes back: `read`, `decoded`, `l_submit`, `l_start`, `l_end` (the logits),
-  `l_back` and `sampled` (the token sampled and handed to whoever asked).
+  for the frame that comes back: `read`, `decoded`, `l_submit`, `l_start`, `l_end` (the logits) and
+  `sampled` (the tokens sampled, on the model thread). A decode step that the model thread runs
+  right after sampling the tokens it carries (RingHead) has its `submit` there too.
 """
 
 from __future__ import annotations

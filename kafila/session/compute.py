@@ -11,12 +11,15 @@ import asyncio
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 
 from kafila.engine.pace import Mark, Pace
+from kafila.engine.sampler import Sampler
 from kafila.engine.stage import Entry as StageEntry
 from kafila.engine.stage import Stage, StageError
 from kafila.obs import hopmarks
@@ -143,6 +146,42 @@ def head_logits(stage: Stage, frame: t.Hidden, rids: Sequence[int]) -> tuple[np.
     us = _us(stage, start)
     hopmarks.mark("l_end", frame.entries)
     return logits, us
+
+
+@dataclass(frozen=True)
+class HeadTurn:
+    """A frame back at the head, on the model thread: one token per request, the logits' time, and
+    the lane's next step when it could run at once."""
+
+    tokens: list[int]
+    logits_us: int
+    sampled_at: float  # time.perf_counter() when the tokens were sampled
+    ahead: tuple[bytes, int, int] | None  # `head_step` of the continuation: (wire bytes, rows, us)
+
+
+def head_turn(
+    stage: Stage,
+    frame: t.Hidden,
+    rids: Sequence[int],
+    samplers: Sequence[Sampler],
+    continuation: Sequence[t.Entry] | None,
+) -> HeadTurn:
+    """Logits of each named request's last row and its token from its sampler; then, when no token
+    ends its request and `continuation` (Schedule.continuation: the lane's next step, the same
+    requests one position on) is given, that step's embedding and head blocks at once: the step
+    leaves without a trip through the event loop between sampling and computing it."""
+    logits, us = head_logits(stage, frame, rids)  # [B, V]
+    tokens = [sampler.sample(row) for sampler, row in zip(samplers, logits, strict=True)]
+    sampled_at = time.perf_counter()
+    hopmarks.mark("sampled", frame.entries)
+    ahead = None
+    goes_on = all(s.stop_reason(tok) is None for s, tok in zip(samplers, tokens, strict=True))
+    if continuation is not None and goes_on:
+        token_of = dict(zip(rids, tokens, strict=True))
+        hopmarks.mark("submit", continuation)
+        with contextlib.suppress(StageError):  # the step is run again on its own and fails there by name
+            ahead = head_step(stage, continuation, [[token_of[e.request_id]] for e in continuation])
+    return HeadTurn(tokens, us, sampled_at, ahead)
 
 
 def wire_dtype(stage: Stage) -> t.DType:

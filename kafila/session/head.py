@@ -4,9 +4,12 @@ The head is a GenerationService. Requests come from its own API (`submit`) and f
 (Generate messages that travelled the ring to it). The pure `Schedule` says which prefill chunks
 and decode steps enter the ring; one pump task runs them on the model thread and queues the frames
 for the next member; one receive task takes frames back from the last member, samples on the model
-thread and answers. Every message to the next member goes through one outbox, so frees, frames and
-tokens keep their order. A channel that breaks fails every request within the heartbeat's window
-with a `member_lost` error that names the member.
+thread and answers. The model thread's turn that samples a lane's tokens also runs the lane's next
+step when the schedule will send it (`Schedule.continuation`), so a decode step leaves the head
+without a trip through the event loop between its token and its compute. Every message to the
+next member goes through one outbox, so frees, frames and tokens keep their order. A channel that
+breaks fails every request within the heartbeat's window with a `member_lost` error that names the
+member.
 
 Traces: the head writes its own `StageRecord` as every member does (kafila.session.stagetrace) and,
 once the request's `free` notice has come back around the ring carrying every member's hop
@@ -127,6 +130,8 @@ class RingHead:
         self._tasks: list[asyncio.Task[None]] = []
         self.tally = StageTally(info, 0, next_ch, prev_ch)
         self._pending: dict[int, _Pending] = {}  # recorded here, waiting for the members' hop reports
+        self._ahead: tuple[Step, tuple[bytes, int, int]] | None = None  # a continuation already run
+        self.steps_ahead = [0, 0]  # continuations run with the sampling: sent, dropped (taken otherwise)
 
     # -- GenerationService -------------------------------------------------------------------------
 
@@ -234,12 +239,19 @@ class RingHead:
             if self.next is not None:
                 self._outbox.put_nowait(t.Control("free", {"request_ids": freed}))
             self._report_queue()
-        for step in self.schedule.take():
+        steps = self.schedule.take()
+        ahead, self._ahead = self._ahead, None  # run for one of these steps, or stale
+        if ahead is not None:
+            self.steps_ahead[ahead[0] not in steps] += 1
+        if ahead is not None and ahead[0] in steps:
+            steps.remove(ahead[0])
+            await self._dispatch(*ahead)  # before the others: it is computed, they are not
+        for step in steps:
             await self._enter(step)
 
     async def _enter(self, step: Step) -> None:
         tokens = [self._tokens_for(e, step.prefill) for e in step.entries]
-        entries = tuple(t.Entry(e.request_id, e.position, e.n_tokens) for e in step.entries)
+        entries = _wire_entries(step)
         taken = time.perf_counter()  # its queue ends here: the head's own compute is prefill
         for e in step.entries:
             if (req := self._reqs.get(e.request_id)) is not None:
@@ -250,6 +262,12 @@ class RingHead:
         except StageError as exc:
             self._fail_step(step, "internal", str(exc))
             return
+        await self._dispatch(step, (data, rows, us))
+
+    async def _dispatch(self, step: Step, out: tuple[bytes, int, int]) -> None:
+        """The head's output of `step` (wire bytes of `rows` rows, computed in `us`) to the next member."""
+        data, rows, us = out
+        entries = _wire_entries(step)
         hopmarks.mark("back", entries)
         now = time.perf_counter()
         for e in step.entries:
@@ -315,33 +333,51 @@ class RingHead:
                     self._reqs[rid].prefill_us.append(frame.timings_us)
         rids = [r for r in self.schedule.returned(step) if r in self._reqs]
         if rids:
+            nxt = self.schedule.continuation(step)  # run on the model thread right after sampling
+            if nxt is not None and {e.request_id for e in nxt.entries} != set(rids):
+                nxt = None
+            samplers = [self._reqs[rid].sampler for rid in rids]
             hopmarks.mark("l_submit", frame.entries)
             try:
-                logits, us = await self.model.run(compute.head_logits, self.stage, frame, rids)
+                turn = await self.model.run(
+                    compute.head_turn,
+                    self.stage,
+                    frame,
+                    rids,
+                    samplers,
+                    None if nxt is None else _wire_entries(nxt),
+                )
             except StageError as exc:
                 self._fail_step(step, "internal", str(exc))
                 return
-            hopmarks.mark("l_back", frame.entries)
-            timings = (frame.timings_us[0] + us, *frame.timings_us[1:])
+            if nxt is not None and turn.ahead is not None:
+                self._ahead = (nxt, turn.ahead)
+            timings = (frame.timings_us[0] + turn.logits_us, *frame.timings_us[1:])
             now = time.perf_counter()
-            for rid, row in zip(rids, logits, strict=True):
-                self._sampled(self._reqs[rid], row, step.prefill, timings, us, now)
-            hopmarks.mark("sampled", frame.entries)
+            for rid, token in zip(rids, turn.tokens, strict=True):
+                if (req := self._reqs.get(rid)) is not None:  # (cancelled meanwhile: nothing to answer)
+                    self._sampled(req, token, step.prefill, timings, turn.logits_us, turn.sampled_at, now)
         if self.next is None:  # a ring of one: _enter called us, the pump goes on
             self._wake.set()
         else:
             await self._advance()
 
     def _sampled(
-        self, req: _Req, logits: Any, prefill: bool, timings: tuple[int, ...], logits_us: int, now: float
+        self,
+        req: _Req,
+        token: int,
+        prefill: bool,
+        timings: tuple[int, ...],
+        logits_us: int,
+        sampled_at: float,
+        now: float,
     ) -> None:
         if not prefill:
-            circuit = now - req.sent_at  # from the head's output leaving to the logits of what came back
+            circuit = sampled_at - req.sent_at  # from the head's output leaving to its token sampled
             req.circuit_s.append(circuit)
             req.stage_us.append(timings)
             req.transit_ms.append((circuit * 1e6 - sum(timings[1:]) - logits_us) / 1e3)
             self.tally.add(req.rid, timings[0], prefill=False)
-        token = req.sampler.sample(logits)
         reason = req.sampler.stop_reason(token)
         req.generated += 1
         req.last_token = token
@@ -361,10 +397,16 @@ class RingHead:
 
     def _emit(self, req: _Req, ev: TokenEvent) -> None:
         if req.generation is not None:
-            req.generation.push(ev)
+            self._push(req.generation, ev)
         elif self.next is not None:
             msg = t.Tokens(req.rid, ev.tokens, ev.finish, ev.queue_position, ev.prefill_s)
             self._outbox.put_nowait(msg)
+
+    @staticmethod
+    def _push(generation: QueueGeneration, item: TokenEvent | GenerationError) -> None:
+        """To a local caller, in order, once the current loop turn is done: a frame that this turn
+        hands to the next member leaves before the caller's task runs."""
+        asyncio.get_running_loop().call_soon(generation.push, item)
 
     def _report_queue(self) -> None:
         for rid, pos in self.schedule.queue_positions().items():
@@ -377,7 +419,7 @@ class RingHead:
             return
         self.schedule.cancel(rid)
         if req.generation is not None:
-            req.generation.push(GenerationError(code, message))
+            self._push(req.generation, GenerationError(code, message))
         elif self.next is not None:  # best effort: the way to the member may be what broke
             self._outbox.put_nowait(t.Error(rid, code, message))
         self._wake.set()
@@ -443,6 +485,10 @@ class RingHead:
         if self.traces is not None:
             self.traces.write(rec)
         metrics.observe_request(rec)
+
+
+def _wire_entries(step: Step) -> tuple[t.Entry, ...]:
+    return tuple(t.Entry(e.request_id, e.position, e.n_tokens) for e in step.entries)
 
 
 @dataclass

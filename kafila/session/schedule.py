@@ -21,6 +21,8 @@ stage can serve while one group goes once around the ring. More would queue at t
 fewer would leave stages idle, and one group of every request (a convoy) pays for batching
 without any overlap. Lanes that differ by two or more requests are evened out with a ready
 request, so a lane emptied by finished requests does not idle while another carries several.
+`continuation` says which step a returned lane sends next if all its requests go on, so the head
+can compute it together with their tokens.
 
 No clocks, no I/O: the head loop calls `submit`, `take`, `returned`, `sampled`, `cancel`, and acts
 on what they return.
@@ -201,6 +203,30 @@ class Schedule:
             return True
         r.state = State.READY
         return False
+
+    def continuation(self, step: Step) -> Step | None:
+        """The decode step `take` will send for the lane of `step`, a decode step that came back
+        (after `returned`, before `sampled`), if every request of it goes on and nothing else
+        happens first: the head runs it while the tokens it needs are sampled (RingHead). None
+        where `take` would send something else: the lane holds another request that is ready (it
+        joins this step), a request is gone or ends by length now, or `_even_out` would move one."""
+        if step.prefill or not step.entries:
+            return None
+        reqs = [r for e in step.entries if (r := self._reqs.get(e.request_id)) is not None]
+        if len(reqs) < len(step.entries) or any(r.state is not State.IN_FLIGHT or r.in_flight for r in reqs):
+            return None  # cancelled meanwhile
+        if any(r.generated + 1 >= r.max_tokens for r in reqs):
+            return None  # the token sampled now is its last
+        lane = self._lane[reqs[0].rid]
+        if any(self._lane[r.rid] != lane for r in reqs) or any(
+            self._lane[r.rid] == lane for r in self._ready()
+        ):
+            return None
+        sizes = self.lane_sizes()
+        if max(sizes) - min(sizes) >= 2:
+            return None
+        group = sorted(reqs, key=lambda r: self._active.index(r.rid))  # take's order
+        return Step(False, tuple(Entry(r.rid, r.prompt_len + r.generated, 1) for r in group))
 
     def cancel(self, rid: int) -> bool:
         """Drop a request; returns True when it had been admitted (its KV is freed through

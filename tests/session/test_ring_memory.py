@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -50,6 +51,61 @@ async def test_ring_gives_the_single_process_tokens(ckpt: Checkpoint, splits) ->
             assert events[-1].finish in {"stop", "length"}
             assert events[0].prefill_s is not None
     finally:
+        await ring.stop()
+
+
+@pytest.mark.parametrize("splits", [[(0, 5)], [(0, 2), (2, 5)], [(0, 1), (1, 4), (4, 5)]])
+async def test_each_decode_step_after_the_first_leaves_from_the_turn_that_sampled_its_token(
+    ckpt: Checkpoint, splits
+) -> None:
+    """The head runs a lane's next step on the model thread right after sampling its tokens
+    (Schedule.continuation): every decode step but the first (it follows the prefill) and no step
+    after the last token; none is run twice, and the tokens stay the single process's."""
+    ring = build_ring(ckpt, splits)
+    try:
+        for prompt in PROMPTS[:2]:
+            before = ring.head.steps_ahead[0]
+            tokens, events = await collect(await ring.head.submit(prompt, Sampling(max_tokens=12)))
+            assert tokens == single_process(ckpt, prompt, 12)
+            generated = len(tokens) + (events[-1].finish == "stop")  # the stop token is not emitted
+            assert ring.head.steps_ahead[0] - before == max(generated - 2, 0)
+        assert ring.head.steps_ahead == [10, 0]  # the second prompt runs to max_tokens
+    finally:
+        await ring.stop()
+
+
+async def test_a_request_cancelled_during_its_lanes_turn_at_the_head_leaves_the_other_exact(
+    ckpt: Checkpoint,
+) -> None:
+    """Two requests in one lane; one is cancelled while the head's model thread is busy (a held
+    call, standing in for a slow head) and the lane's turn waits behind it. The turn runs the
+    lane's next step for both, the schedule then sends it for one: that step is run again, and the
+    other request's tokens stay the single process's."""
+    ring = build_ring(ckpt, [(0, 2), (2, 5)], concurrency=2, lanes=1)
+    head, gate = ring.head, threading.Event()
+    try:
+        stays = await head.submit(PROMPTS[1], Sampling(max_tokens=12))
+        leaves = await head.submit(PROMPTS[1][:2], Sampling(max_tokens=30))
+        answer = asyncio.ensure_future(collect(stays))
+        seen = 0
+        async for ev in leaves:
+            seen += len(ev.tokens)
+            if seen == 3:  # both decode in the lane's steps now, each run ahead by the head
+                break
+        held = asyncio.ensure_future(head.model.run(gate.wait))
+        for _ in range(500):  # the lane's next turn queues behind the held call
+            if head.model._calls.qsize():
+                break
+            await asyncio.sleep(0.01)
+        assert head.model._calls.qsize() == 1
+        leaves.cancel("the caller left")
+        gate.set()
+        await held
+        tokens, _ = await answer
+        assert tokens == single_process(ckpt, PROMPTS[1], 12)
+        assert head.steps_ahead[1] == 1  # the one step run for both, sent for one
+    finally:
+        gate.set()
         await ring.stop()
 
 

@@ -163,6 +163,42 @@ def test_new_requests_join_the_emptiest_lane() -> None:
     assert [(g.prefill, [e.request_id for e in g.entries]) for g in taken] == [(True, [9]), (False, [1])]
 
 
+def test_the_continuation_of_a_returned_step_is_what_take_sends_next() -> None:
+    s = Schedule(concurrency=4, chunk=16, lanes=2)
+    _prefilled(s, 4)  # lanes [0, 2] and [1, 3]
+    a, b = s.take()
+    s.returned(a)
+    nxt = s.continuation(a)
+    assert nxt == Step(False, (Entry(0, 4, 1), Entry(2, 6, 1)))
+    for rid in (0, 2):
+        s.sampled(rid, stop=False)
+    assert s.take() == [nxt]
+    assert s.continuation(b) is None  # not yet returned: its requests are in the ring
+
+
+def test_no_continuation_where_take_would_send_something_else() -> None:
+    s = Schedule(concurrency=2, chunk=16, lanes=1)
+    s.submit(1, 4, 3)
+    [p1] = s.take()
+    assert s.returned(p1) == [1]
+    assert s.continuation(p1) is None  # a prefill chunk
+    s.sampled(1, stop=False)
+    [d1] = s.take()
+    s.submit(2, 4, 10)  # joins the lane while d1 is in the ring
+    [p2] = s.take()
+    s.returned(p2)
+    s.sampled(2, stop=False)  # ready, waiting for the lane
+    s.returned(d1)
+    assert s.continuation(d1) is None  # request 2 joins the lane's next step
+    s.sampled(1, stop=False)
+    [d2] = s.take()
+    assert d2.entries == (Entry(1, 5, 1), Entry(2, 4, 1))
+    s.returned(d2)
+    assert s.continuation(d2) is None  # request 1's token sampled now is its third and last
+    s.cancel(2)
+    assert s.continuation(d2) is None
+
+
 @pytest.mark.parametrize(
     ("circuit_ms", "slowest_ms", "stages", "lanes"),
     [
@@ -244,10 +280,17 @@ def test_random_interleavings_keep_the_invariants(
                 step = ring.pop(rng.randrange(len(ring)) if rng.random() < 0.2 else 0)
                 for e in step.entries:
                     sent[e.request_id].append((e.position, e.n_tokens))
-                for rid in s.returned(step):
+                back = s.returned(step)
+                guess, stops = s.continuation(step), False
+                for rid in back:
                     stop = rng.random() < 0.1
+                    stops = stops or stop
                     if s.sampled(rid, stop):
                         finished.add(rid)
+                if guess is not None and not stops:  # what the head computed ahead is sent next
+                    taken = s.take()
+                    assert guess in taken
+                    ring += taken
         assert len(s.active) <= concurrency
         in_ring = [e.request_id for st in ring if not st.prefill for e in st.entries]
         assert len(in_ring) == len(set(in_ring))  # at most one decode step per request in flight
