@@ -222,10 +222,19 @@ class RingHead:
     # -- the pump: what enters the ring ---------------------------------------------------------------
 
     async def _pump(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            await self._advance()
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                await self._advance()
+        except Exception as exc:
+            self._internal_error(exc)
+
+    def _internal_error(self, exc: Exception) -> None:
+        """Not a StageError (answered per request) but the backend failing, say: no step would come
+        back, so the ring is broken with the error named rather than left waiting."""
+        log.exception("stage_failed", member=self.info.order[0])
+        self._break(f"member {self.info.order[0]}: internal error {exc!r}")
 
     async def _advance(self) -> None:
         """Free what finished, then run every step the schedule lets in. The pump calls it when
@@ -320,6 +329,8 @@ class RingHead:
                         self._fail_request(int(rid), "internal", str(msg.body.get("message")))
         except ChannelError as exc:
             self._break(str(exc))
+        except Exception as exc:
+            self._internal_error(exc)
 
     async def _returned(self, frame: t.Hidden) -> None:
         step = Step(

@@ -134,17 +134,21 @@ class RingMember:
             self._mine.pop(msg.request_id, None)
 
     async def _compute(self) -> None:
-        while True:
-            await self._ready.wait()
-            self._ready.clear()
-            while self._work:
-                batch = self._take_batch()
-                if isinstance(batch, t.Control):
-                    ids = [int(r) for r in batch.body.get("request_ids", [])]
-                    await self.model.run(compute.close_slots, self.stage, ids)
-                    self._outbox.put_nowait(self._traced_free(batch, ids))
-                else:
-                    await self._run(batch)
+        try:
+            while True:
+                await self._ready.wait()
+                self._ready.clear()
+                while self._work:
+                    batch = self._take_batch()
+                    if isinstance(batch, t.Control):
+                        ids = [int(r) for r in batch.body.get("request_ids", [])]
+                        await self.model.run(compute.close_slots, self.stage, ids)
+                        self._outbox.put_nowait(self._traced_free(batch, ids))
+                    else:
+                        await self._run(batch)
+        except Exception as exc:  # not a StageError (answered per request): no step would come back
+            log.exception("stage_failed", member=self.name)
+            self._break(f"member {self.name}: internal error {exc!r}")
 
     def _take_batch(self) -> t.Control | list[t.Hidden]:
         """The next `free`, or the longest run of waiting frames whose requests are distinct."""

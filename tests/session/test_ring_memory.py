@@ -206,3 +206,29 @@ async def test_simulated_killed_member_fails_requests_quickly(ckpt: Checkpoint) 
             await ring.members[1].submit(PROMPTS[1], Sampling(max_tokens=3))
     finally:
         await ring.stop()
+
+
+@pytest.mark.parametrize(("where", "method"), [(1, "step"), (0, "step"), (0, "logits")])
+async def test_an_unexpected_error_on_a_model_thread_fails_requests_by_name_instead_of_hanging(
+    ckpt: Checkpoint, where: int, method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not a StageError (the stage's own refusals, answered per request) but anything else, such as
+    the backend running out of memory (simulated: the stage's method raises): the ring is broken
+    with the error named, every request fails at once and new ones are refused; nothing waits on a
+    step that will never come back."""
+    ring = build_ring(ckpt, [(0, 2), (2, 3), (3, 5)])
+    stage = ring.head.stage if where == 0 else ring.members[where - 1].stage
+
+    def fails(*_: object) -> None:
+        raise RuntimeError("simulated: out of memory")
+
+    try:
+        monkeypatch.setattr(stage, method, fails)
+        gen = await ring.head.submit(PROMPTS[1], Sampling(max_tokens=12))
+        with pytest.raises(GenerationError, match=f"m{where}: internal error.*simulated: out of memory"):
+            await asyncio.wait_for(collect(gen), 10)
+        assert ring.head.describe()["state"] == "broken"
+        with pytest.raises(GenerationError, match="simulated: out of memory"):
+            await ring.head.submit(PROMPTS[0], Sampling(max_tokens=3))
+    finally:
+        await ring.stop()
