@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from kafila.session.service import GenerationError, TokenEvent
 
@@ -27,6 +27,20 @@ async def cancel_tasks(tasks: list[asyncio.Task[None]]) -> None:
         for t in pending:
             t.cancel()
         await asyncio.wait(pending, timeout=0.25)
+
+
+def guarded(loop: Callable[[], Awaitable[None]], fail: Callable[[Exception], None]) -> asyncio.Task[None]:
+    """A task running one of a ring stage's loops. An exception that is not a cancellation goes to
+    `fail` (which breaks the ring, naming it) instead of ending the task unseen, which would leave
+    every request waiting for a step, a frame or an answer that no task is left to pass on."""
+
+    async def run() -> None:
+        try:
+            await loop()
+        except Exception as exc:
+            fail(exc)
+
+    return asyncio.ensure_future(run())
 
 
 def origin_of(rid: int) -> int:

@@ -35,7 +35,7 @@ from kafila.obs.trace import HopTrace, RequestRecord, StageRecord, StageTrace, T
 from kafila.proto import tensor as t
 from kafila.session import compute
 from kafila.session.channel import Channel, ChannelError, send_marked
-from kafila.session.generation import QueueGeneration, RequestIds, cancel_tasks, origin_of
+from kafila.session.generation import QueueGeneration, RequestIds, cancel_tasks, guarded, origin_of
 from kafila.session.schedule import Entry, Schedule, Step
 from kafila.session.service import GenerationError, Sampling, TokenEvent
 from kafila.session.stagetrace import StageTally, read_hop_report
@@ -155,11 +155,12 @@ class RingHead:
     # -- lifecycle -------------------------------------------------------------------------------------
 
     def start(self) -> RingHead:
-        self._tasks = [asyncio.ensure_future(self._pump())]
+        loops = [self._pump]
         if self.next is not None and self.prev is not None:
-            self._tasks += [asyncio.ensure_future(self._send_out()), asyncio.ensure_future(self._receive())]
+            loops += [self._send_out, self._receive]
         if self.next is not None and self.next is not self.prev:
-            self._tasks.append(asyncio.ensure_future(self._watch_next()))
+            loops.append(self._watch_next)
+        self._tasks = [guarded(c, self._internal_error) for c in loops]
         return self
 
     async def _watch_next(self) -> None:
@@ -222,18 +223,15 @@ class RingHead:
     # -- the pump: what enters the ring ---------------------------------------------------------------
 
     async def _pump(self) -> None:
-        try:
-            while True:
-                await self._wake.wait()
-                self._wake.clear()
-                await self._advance()
-        except Exception as exc:
-            self._internal_error(exc)
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self._advance()
 
     def _internal_error(self, exc: Exception) -> None:
-        """Not a StageError (answered per request) but the backend failing, say: no step would come
-        back, so the ring is broken with the error named rather than left waiting."""
-        log.exception("stage_failed", member=self.info.order[0])
+        """A loop failed with something other than a StageError (answered per request): the
+        backend out of memory, say. No step would come back: the ring is broken, the error named."""
+        log.error("member_failed", member=self.info.order[0], error=repr(exc), exc_info=exc)
         self._break(f"member {self.info.order[0]}: internal error {exc!r}")
 
     async def _advance(self) -> None:
@@ -329,8 +327,6 @@ class RingHead:
                         self._fail_request(int(rid), "internal", str(msg.body.get("message")))
         except ChannelError as exc:
             self._break(str(exc))
-        except Exception as exc:
-            self._internal_error(exc)
 
     async def _returned(self, frame: t.Hidden) -> None:
         step = Step(

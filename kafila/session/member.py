@@ -26,7 +26,7 @@ from kafila.obs.trace import TraceLog
 from kafila.proto import tensor as t
 from kafila.session import compute
 from kafila.session.channel import Channel, ChannelError, send_marked
-from kafila.session.generation import QueueGeneration, RequestIds, cancel_tasks, origin_of
+from kafila.session.generation import QueueGeneration, RequestIds, cancel_tasks, guarded, origin_of
 from kafila.session.head import RingInfo
 from kafila.session.service import GenerationError, Sampling, TokenEvent
 from kafila.session.stagetrace import StageTally, hop_report
@@ -90,11 +90,15 @@ class RingMember:
     # -- lifecycle -------------------------------------------------------------------------------------
 
     def start(self) -> RingMember:
-        loops = [self._receive(), self._compute(), self._send_out()]
+        loops = [self._receive, self._compute, self._send_out]
         if self.next is not self.prev:
-            loops.append(self._watch_next())
-        self._tasks = [asyncio.ensure_future(c) for c in loops]
+            loops.append(self._watch_next)
+        self._tasks = [guarded(c, self._internal_error) for c in loops]
         return self
+
+    def _internal_error(self, exc: Exception) -> None:
+        log.error("member_failed", member=self.name, error=repr(exc), exc_info=exc)
+        self._break(f"member {self.name}: internal error {exc!r}")
 
     async def stop(self) -> None:
         await cancel_tasks(self._tasks)
@@ -134,21 +138,17 @@ class RingMember:
             self._mine.pop(msg.request_id, None)
 
     async def _compute(self) -> None:
-        try:
-            while True:
-                await self._ready.wait()
-                self._ready.clear()
-                while self._work:
-                    batch = self._take_batch()
-                    if isinstance(batch, t.Control):
-                        ids = [int(r) for r in batch.body.get("request_ids", [])]
-                        await self.model.run(compute.close_slots, self.stage, ids)
-                        self._outbox.put_nowait(self._traced_free(batch, ids))
-                    else:
-                        await self._run(batch)
-        except Exception as exc:  # not a StageError (answered per request): no step would come back
-            log.exception("stage_failed", member=self.name)
-            self._break(f"member {self.name}: internal error {exc!r}")
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            while self._work:
+                batch = self._take_batch()
+                if isinstance(batch, t.Control):
+                    ids = [int(r) for r in batch.body.get("request_ids", [])]
+                    await self.model.run(compute.close_slots, self.stage, ids)
+                    self._outbox.put_nowait(self._traced_free(batch, ids))
+                else:
+                    await self._run(batch)  # a StageError is answered per request; others: guarded
 
     def _take_batch(self) -> t.Control | list[t.Hidden]:
         """The next `free`, or the longest run of waiting frames whose requests are distinct."""
