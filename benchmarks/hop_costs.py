@@ -9,7 +9,9 @@ The script then prints, per segment, the median and 90th percentile over every d
 requests, the sum of the medians by kind (compute, model-thread hand-offs, the event loop's tasks
 and queues, message encoding, QUIC sending and receiving, the wire), and next to it a single
 process's decode time per token (kafila.engine.generate, same model, dtype and threads), so the
-ring's compute can be compared with the same work done in one process.
+ring's compute can be compared with the same work done in one process. Last, what a token took at
+the head from one `sampled` mark to the next (median and mean: the mean carries the tails that the
+sum of medians leaves out, and is what tokens/s sees).
 
     python3 benchmarks/hop_costs.py [--tokens 96] [--requests 3] [--threads N]
 """
@@ -17,6 +19,7 @@ ring's compute can be compared with the same work done in one process.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import tempfile
 from collections import defaultdict
@@ -100,6 +103,21 @@ def next_step(ring: list[Marks], key: str) -> float | None:
     return (nxt["submit"] - ring[0][key]["sampled"]) / 1e3
 
 
+def token_intervals(head: Marks) -> list[float]:
+    """Microseconds between a request's consecutive tokens at the head (`sampled` to `sampled`):
+    what a token really takes, tails and overlaps included, which the sum of medians is not."""
+    by_request: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for key, tags in head.items():
+        rid, pos, rows = key.split(":")
+        if rows == "1" and "sampled" in tags:
+            by_request[rid].append((int(pos), tags["sampled"]))
+    out = []
+    for marks in by_request.values():
+        marks.sort()
+        out += [(b - a) / 1e3 for (p, a), (q, b) in itertools.pairwise(marks) if q == p + 1]
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=96, help="tokens generated per request (default 96)")
@@ -136,6 +154,13 @@ def main() -> int:
     gaps = [g for k in steps if (g := next_step(ring, k)) is not None]
     per_seg[("head: sampled -> next submit", "loop")] = gaps
     report(per_seg, len(steps), 1e3 / median(single_rates), args)
+    tokens = token_intervals(ring[0])
+    if tokens:
+        mean = sum(tokens) / len(tokens) / 1e3
+        print(
+            f"a token at the head, sampled to sampled: median {median(tokens) / 1e3:.2f} ms, mean "
+            f"{mean:.2f} ms (ring/single by the mean: {1e3 / median(single_rates) / mean:.3f})"
+        )
     print(load.report())
     return 0
 
