@@ -131,7 +131,8 @@ class RingHead:
         self.tally = StageTally(info, 0, next_ch, prev_ch)
         self._pending: dict[int, _Pending] = {}  # recorded here, waiting for the members' hop reports
         self._ahead: tuple[Step, tuple[bytes, int, int]] | None = None  # a continuation already run
-        self.steps_ahead = [0, 0]  # continuations run with the sampling: sent, dropped (taken otherwise)
+        self.ahead_sent = 0  # continuations run with the sampling and sent as they were
+        self.ahead_dropped = 0  # ... and dropped: the schedule took another step (a cancel meanwhile)
 
     # -- GenerationService -------------------------------------------------------------------------
 
@@ -248,11 +249,12 @@ class RingHead:
             self._report_queue()
         steps = self.schedule.take()
         ahead, self._ahead = self._ahead, None  # run for one of these steps, or stale
-        if ahead is not None:
-            self.steps_ahead[ahead[0] not in steps] += 1
         if ahead is not None and ahead[0] in steps:
+            self.ahead_sent += 1
             steps.remove(ahead[0])
             await self._dispatch(*ahead)  # before the others: it is computed, they are not
+        elif ahead is not None:
+            self.ahead_dropped += 1
         for step in steps:
             await self._enter(step)
 

@@ -64,12 +64,12 @@ async def test_each_decode_step_after_the_first_leaves_from_the_turn_that_sample
     ring = build_ring(ckpt, splits)
     try:
         for prompt in PROMPTS[:2]:
-            before = ring.head.steps_ahead[0]
+            before = ring.head.ahead_sent
             tokens, events = await collect(await ring.head.submit(prompt, Sampling(max_tokens=12)))
             assert tokens == single_process(ckpt, prompt, 12)
             generated = len(tokens) + (events[-1].finish == "stop")  # the stop token is not emitted
-            assert ring.head.steps_ahead[0] - before == max(generated - 2, 0)
-        assert ring.head.steps_ahead == [10, 0]  # the second prompt runs to max_tokens
+            assert ring.head.ahead_sent - before == max(generated - 2, 0)
+        assert (ring.head.ahead_sent, ring.head.ahead_dropped) == (10, 0)  # the second prompt: 12 tokens
     finally:
         await ring.stop()
 
@@ -103,7 +103,7 @@ async def test_a_request_cancelled_during_its_lanes_turn_at_the_head_leaves_the_
         await held
         tokens, _ = await answer
         assert tokens == single_process(ckpt, PROMPTS[1], 12)
-        assert head.steps_ahead[1] == 1  # the one step run for both, sent for one
+        assert head.ahead_dropped == 1  # the one step run for both, then taken for one
     finally:
         gate.set()
         await ring.stop()
