@@ -20,6 +20,7 @@ ring writes what it has). Metrics are fed from the same records.
 from __future__ import annotations
 
 import asyncio
+import functools
 import statistics
 import time
 from collections.abc import Sequence
@@ -197,7 +198,7 @@ class RingHead:
         self._reqs[rid] = req
         position = self.schedule.submit(rid, len(prompt), s.max_tokens)
         if position:
-            self._emit(req, TokenEvent(queue_position=position))
+            self._answer(req, TokenEvent(queue_position=position))
         log.info("request_accepted", request_id=rid, prompt_tokens=len(prompt), queue_position=position)
         self._wake.set()
 
@@ -396,7 +397,7 @@ class RingHead:
         emitted = () if reason == "stop" else (token,)
         prefill_s = now - (req.admitted_at or now) if first else None
         finish = (reason or "length") if done else None
-        self._emit(req, TokenEvent(tokens=emitted, finish=finish, prefill_s=prefill_s))
+        self._answer(req, TokenEvent(tokens=emitted, finish=finish, prefill_s=prefill_s))
         if done:
             req.finish = finish or "stop"
             self._reqs.pop(req.rid, None)
@@ -404,33 +405,29 @@ class RingHead:
 
     # -- answers ---------------------------------------------------------------------------------------
 
-    def _emit(self, req: _Req, ev: TokenEvent) -> None:
+    def _answer(self, req: _Req, item: TokenEvent | GenerationError) -> None:
+        """To whoever asked, in order, once the current loop turn is done: a frame that this turn
+        hands to the next member leaves first, where the caller's task (a local request) or the
+        Tokens message to the member that forwarded it would otherwise go before the frame."""
         if req.generation is not None:
-            self._push(req.generation, ev)
-        elif self.next is not None:
-            msg = t.Tokens(req.rid, ev.tokens, ev.finish, ev.queue_position, ev.prefill_s)
-            self._outbox.put_nowait(msg)
-
-    @staticmethod
-    def _push(generation: QueueGeneration, item: TokenEvent | GenerationError) -> None:
-        """To a local caller, in order, once the current loop turn is done: a frame that this turn
-        hands to the next member leaves before the caller's task runs."""
-        asyncio.get_running_loop().call_soon(generation.push, item)
+            deliver = functools.partial(req.generation.push, item)
+        elif self.next is not None:  # best effort for an error: the way to the member may be what broke
+            deliver = functools.partial(self._outbox.put_nowait, _answer_message(req.rid, item))
+        else:
+            return
+        asyncio.get_running_loop().call_soon(deliver)
 
     def _report_queue(self) -> None:
         for rid, pos in self.schedule.queue_positions().items():
             if rid in self._reqs:
-                self._emit(self._reqs[rid], TokenEvent(queue_position=pos))
+                self._answer(self._reqs[rid], TokenEvent(queue_position=pos))
 
     def _fail_request(self, rid: int, code: str, message: str) -> None:
         req = self._reqs.pop(rid, None)
         if req is None:
             return
         self.schedule.cancel(rid)
-        if req.generation is not None:
-            self._push(req.generation, GenerationError(code, message))
-        elif self.next is not None:  # best effort: the way to the member may be what broke
-            self._outbox.put_nowait(t.Error(rid, code, message))
+        self._answer(req, GenerationError(code, message))
         self._wake.set()
 
     def _fail_step(self, step: Step, code: str, message: str) -> None:
@@ -494,6 +491,12 @@ class RingHead:
         if self.traces is not None:
             self.traces.write(rec)
         metrics.observe_request(rec)
+
+
+def _answer_message(rid: int, item: TokenEvent | GenerationError) -> t.Message:
+    if isinstance(item, GenerationError):
+        return t.Error(rid, item.code, item.message)
+    return t.Tokens(rid, item.tokens, item.finish, item.queue_position, item.prefill_s)
 
 
 def _wire_entries(step: Step) -> tuple[t.Entry, ...]:

@@ -11,6 +11,7 @@ from kafila.engine.generate import generate
 from kafila.engine.sampler import SamplingParams
 from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
+from kafila.proto import tensor as t
 from kafila.session.schedule import lanes_for
 from kafila.session.service import GenerationError, Sampling, TokenEvent
 from tests.session.ringkit import build_ring
@@ -130,6 +131,35 @@ async def test_request_from_a_member_that_is_not_the_head(ckpt: Checkpoint) -> N
         for m in ring.members:
             tokens, _ = await collect(await m.submit(PROMPTS[0], Sampling(max_tokens=10)))
             assert tokens == single_process(ckpt, PROMPTS[0], 10)
+    finally:
+        await ring.stop()
+
+
+async def test_the_head_sends_a_decode_step_before_the_token_it_answers_a_forwarding_member(
+    ckpt: Checkpoint,
+) -> None:
+    """A request that came from another member gets its tokens as Tokens messages on the head's
+    outgoing link, the same link as the frames. The step computed with a token leaves before the
+    token's message, which would otherwise be sent first and delay the ring."""
+    ring = build_ring(ckpt, [(0, 1), (1, 4), (4, 5)])
+    link = ring.head.next
+    sent: list[t.Message] = []
+    send = link.send
+
+    async def recording(msg: t.Message) -> None:
+        sent.append(msg)
+        await send(msg)
+
+    try:
+        link.send = recording  # type: ignore[method-assign]
+        tokens, _ = await collect(await ring.members[0].submit(PROMPTS[1], Sampling(max_tokens=12)))
+        assert tokens == single_process(ckpt, PROMPTS[1], 12)
+        answers = [i for i, m in enumerate(sent) if isinstance(m, t.Tokens) and m.tokens]
+        frames = {m.entries[0].position: i for i, m in enumerate(sent) if isinstance(m, t.Hidden)}
+        first = len(PROMPTS[1])  # the first decode step's position, after the prefill's token
+        assert len(answers) == 12
+        for n, at in enumerate(answers[1:-1], 2):  # the n-th token goes with the step at first + n - 1
+            assert frames[first + n - 1] < at
     finally:
         await ring.stop()
 
