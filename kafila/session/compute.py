@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kafila.engine.pace import Mark, Pace
-from kafila.engine.sampler import Sampler
+from kafila.engine.sampler import Sampler, StopReason
 from kafila.engine.stage import Entry as StageEntry
 from kafila.engine.stage import Stage, StageError
 from kafila.obs import hopmarks
@@ -154,6 +154,7 @@ class HeadTurn:
     the lane's next step when it could run at once."""
 
     tokens: list[int]
+    reasons: list[StopReason | None]  # each token's: "stop" (EOS, a stop id), "length", or None
     logits_us: int
     sampled_at: float  # time.perf_counter() when the tokens were sampled
     ahead: tuple[bytes, int, int] | None  # `head_step` of the continuation: (wire bytes, rows, us)
@@ -172,16 +173,16 @@ def head_turn(
     leaves without a trip through the event loop between sampling and computing it."""
     logits, us = head_logits(stage, frame, rids)  # [B, V]
     tokens = [sampler.sample(row) for sampler, row in zip(samplers, logits, strict=True)]
+    reasons = [s.stop_reason(tok) for s, tok in zip(samplers, tokens, strict=True)]
     sampled_at = time.perf_counter()
     hopmarks.mark("sampled", frame.entries)
     ahead = None
-    goes_on = all(s.stop_reason(tok) is None for s, tok in zip(samplers, tokens, strict=True))
-    if continuation is not None and goes_on:
+    if continuation is not None and not any(reasons):
         token_of = dict(zip(rids, tokens, strict=True))
         hopmarks.mark("submit", continuation)
         with contextlib.suppress(StageError):  # the step is run again on its own and fails there by name
             ahead = head_step(stage, continuation, [[token_of[e.request_id]] for e in continuation])
-    return HeadTurn(tokens, us, sampled_at, ahead)
+    return HeadTurn(tokens, reasons, us, sampled_at, ahead)
 
 
 def wire_dtype(stage: Stage) -> t.DType:

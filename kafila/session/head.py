@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kafila.engine import PREFILL_CHUNK
-from kafila.engine.sampler import Sampler, SamplingParams
+from kafila.engine.sampler import Sampler, SamplingParams, StopReason
 from kafila.engine.stage import Stage, StageError
 from kafila.obs import hopmarks, metrics
 from kafila.obs.log import get_logger
@@ -237,9 +237,10 @@ class RingHead:
         self._break(f"member {self.info.order[0]}: internal error {exc!r}")
 
     async def _advance(self) -> None:
-        """Free what finished, then run every step the schedule lets in. The pump calls it when
+        """Free what finished, then send every step the schedule lets in: the one computed in the
+        sampling turn first (`_ahead`), the others through the model thread. The pump calls it when
         woken; the receive task calls it too, right after sampling, so a lane's next decode step
-        reaches the model thread before any other task runs (the sampled token's consumer, say)."""
+        leaves before any other task runs (the sampled token's consumer, say)."""
         freed = self.schedule.pop_freed()
         if freed:
             await self.model.run(compute.close_slots, self.stage, freed)
@@ -364,9 +365,9 @@ class RingHead:
                 self._ahead = (nxt, turn.ahead)
             timings = (frame.timings_us[0] + turn.logits_us, *frame.timings_us[1:])
             now = time.perf_counter()
-            for rid, token in zip(rids, turn.tokens, strict=True):
+            for rid, token, reason in zip(rids, turn.tokens, turn.reasons, strict=True):
                 if (req := self._reqs.get(rid)) is not None:  # (cancelled meanwhile: nothing to answer)
-                    self._sampled(req, token, step.prefill, timings, turn.logits_us, turn.sampled_at, now)
+                    self._sampled(req, token, reason, step.prefill, timings, turn, now)
         if self.next is None:  # a ring of one: _enter called us, the pump goes on
             self._wake.set()
         else:
@@ -376,19 +377,20 @@ class RingHead:
         self,
         req: _Req,
         token: int,
+        reason: StopReason | None,
         prefill: bool,
         timings: tuple[int, ...],
-        logits_us: int,
-        sampled_at: float,
+        turn: compute.HeadTurn,
         now: float,
     ) -> None:
+        """`token` (ended its request for `reason`, if any) sampled in `turn` on the model thread,
+        which alone touches the request's sampler."""
         if not prefill:
-            circuit = sampled_at - req.sent_at  # from the head's output leaving to its token sampled
+            circuit = turn.sampled_at - req.sent_at  # from the head's output leaving to its token sampled
             req.circuit_s.append(circuit)
             req.stage_us.append(timings)
-            req.transit_ms.append((circuit * 1e6 - sum(timings[1:]) - logits_us) / 1e3)
+            req.transit_ms.append((circuit * 1e6 - sum(timings[1:]) - turn.logits_us) / 1e3)
             self.tally.add(req.rid, timings[0], prefill=False)
-        reason = req.sampler.stop_reason(token)
         req.generated += 1
         req.last_token = token
         first = req.first_at is None
