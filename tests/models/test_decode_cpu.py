@@ -129,20 +129,55 @@ def test_compiled_kernels_load_from_numba_cache_in_fresh_processes() -> None:
         assert done.returncode == 0 and "warm" in done.stdout, done.stderr[-2000:]
 
 
+@pytest.mark.parametrize("inner", [40, 43])
 @pytest.mark.parametrize("out", [1, 2, 3, 5, 7, 13, 70, 257])
-@pytest.mark.parametrize("rows", [1, 3, 16, 64])
-def test_few_row_product_equals_torch_for_any_output_width(out: int, rows: int) -> None:
-    """The kernel takes output rows four at a time; widths not divisible by four end one by one."""
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 64])
+def test_few_row_product_equals_torch_for_any_output_width(out: int, rows: int, inner: int) -> None:
+    """The kernel takes output rows four at a time; widths not divisible by four end one by one.
+    It reads the input eight at a time; an input width not divisible by eight ends one by one."""
     import torch
 
     from kafila.models.torch import few_rows
 
-    gen = torch.Generator().manual_seed(out * 100 + rows)
-    x, w = torch.randn(rows, 40, generator=gen), torch.randn(out, 40, generator=gen)
+    gen = torch.Generator().manual_seed(out * 100 + rows + inner)
+    x, w = torch.randn(rows, inner, generator=gen), torch.randn(out, inner, generator=gen)
     torch.testing.assert_close(few_rows.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
     xb, wb = x.bfloat16(), w.bfloat16()
     ref = (xb.float() @ wb.float().T).bfloat16()  # float32 products of the bf16 values, rounded once
     torch.testing.assert_close(few_rows.linear(xb, wb), ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_rows_product_is_the_same_bits_whatever_else_is_in_the_call(dtype: str) -> None:
+    """The kernel takes input rows three at a time, then two or one: a row's result is the same bits
+    whether it was computed alone, first, second or third of a group, in any batch size (widths not
+    divisible by four or eight included)."""
+    import torch
+
+    from kafila.models.torch import few_rows
+
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(13, 43, generator=gen).to(getattr(torch, dtype))
+    x = torch.randn(9, 43, generator=gen)  # [9, in] float32 (a bf16 step widens its rows too)
+    every = few_rows.linear(x, w)  # [9, 13]: rows in groups (0, 1, 2), (3, 4, 5), (6, 7, 8)
+    for a in range(9):
+        for b in range(a + 1, 10):  # rows [a, b) on their own: each lands elsewhere in a group
+            assert torch.equal(few_rows.linear(x[a:b], w), every[a:b]), (a, b)
+
+
+def test_the_decode_kernels_name_the_few_row_code_they_were_compiled_with() -> None:
+    """decode_cpu's cached kernels compile few_rows' products into themselves, and numba's disk cache
+    only notices a change of their own file: decode_cpu.FEW_ROWS_SHA256 must name few_rows.py."""
+    import hashlib
+    from pathlib import Path
+
+    from kafila.models.torch import decode_cpu, few_rows
+
+    digest = hashlib.sha256(Path(few_rows.__file__).read_bytes()).hexdigest()[:16]
+    assert digest == decode_cpu.FEW_ROWS_SHA256, (
+        f"few_rows.py changed: set FEW_ROWS_SHA256 = {digest!r} in decode_cpu.py, or numba keeps running "
+        "the old products inside the cached decode kernels"
+    )
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -187,18 +222,21 @@ def test_twenty_users_decode_bit_identically_alone_or_batched(tiny_checkpoint, d
 
 
 def test_prefill_products_past_the_kernel_rows_go_to_torch() -> None:
-    """fp32 products of up to 64 rows give the kernel's bits, longer ones torch's (the two differ
-    in the last bits here, so each comparison tells which ran); bf16 takes the kernel at any size."""
+    """fp32 products of up to KERNEL_ROWS (128) rows give the kernel's bits, longer ones torch's (the
+    two differ in the last bits here, so each comparison tells which ran); bf16 takes the kernel at
+    any size."""
     import torch
     import torch.nn.functional as F
 
     from kafila.models.torch import few_rows, llama
 
+    rows = llama.KERNEL_ROWS[torch.float32]
+    assert rows == 128
     gen = torch.Generator().manual_seed(5)
-    w, x = torch.randn(70, 300, generator=gen), torch.randn(65, 300, generator=gen)
+    w, x = torch.randn(70, 300, generator=gen), torch.randn(rows + 1, 300, generator=gen)
     product = llama.Linear(w)
-    assert not torch.equal(F.linear(x[:64], w), few_rows.linear(x[:64], w))
-    assert torch.equal(product(x[:64]), few_rows.linear(x[:64], w))
+    assert not torch.equal(F.linear(x[:rows], w), few_rows.linear(x[:rows], w))
+    assert torch.equal(product(x[:rows]), few_rows.linear(x[:rows], w))
     assert torch.equal(product(x), F.linear(x, w))
     wb, xb = w.bfloat16(), torch.randn(300, 300, generator=gen).bfloat16()
     assert torch.equal(llama.Linear(wb)(xb), few_rows.linear(xb, wb))

@@ -184,9 +184,9 @@ async def test_four_users_travel_in_the_lanes_the_plan_allows_and_match_single_u
     ring = build_ring(ckpt, [(0, 2), (2, 3), (3, 5)], concurrency=4, lanes=lanes)
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], [9, 9, 9, 9]]
     try:
-        # prompts admitted together prefill in one step of at most 64 rows (the fp32 kernel's) and
+        # prompts admitted together prefill in one step of at most 128 rows (the fp32 kernel's) and
         # a chunk (4 rows here)
-        assert ring.head.stage.batch_rows == 64 and ring.head.schedule.merge == 4
+        assert ring.head.stage.batch_rows == 128 and ring.head.schedule.merge == 4
         gens = [await ring.head.submit(p, Sampling(max_tokens=9)) for p in prompts]
         assert ring.head.describe()["lanes"] == [2, 2]
         results = await asyncio.gather(*(collect(g) for g in gens))

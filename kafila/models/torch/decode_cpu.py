@@ -30,6 +30,13 @@ from numba import njit, prange
 
 from kafila.models.torch.few_rows import at, bf16_bits, product_tile, store_row, tiles
 
+# The contents of few_rows.py these kernels were compiled with (its sha256, first 16 hex digits).
+# numba's disk cache keys each function on its own file's time stamp and code, not on the code it
+# calls in other files, so without this line a changed few_rows.py would leave the cached kernels
+# below running the old products. A test compares it with the file: update it with every change
+# there, which changes this file too and makes numba compile these kernels again.
+FEW_ROWS_SHA256 = "4a4614208e8db381"
+
 
 @njit(fastmath=True, cache=True, boundscheck=False, nogil=True)
 def _rms_row(v: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:  # pragma: no cover

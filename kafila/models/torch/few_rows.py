@@ -4,29 +4,36 @@ A decode step multiplies a few hidden rows (one per request in the batch) by eve
 once, so its cost is reading the weights. torch's CPU products (MKL, oneDNN) pack the weight for
 a general matrix product first and, measured on this project's AMD EPYC CI machine with two
 threads, read it at 6-14 GB/s for one row and 2-5 GB/s for two to eight rows, against 17 GB/s for
-a plain streaming read. This kernel reads each weight row once from memory and dots it with every
-input row while it sits in L1, so one row streams at 12-17 GB/s and four rows at about 11 GB/s:
-batching decode steps of several users then costs little more than one
-(`benchmarks/engine.py`, `benchmarks/users.py`; figures in docs/engine.md).
+a plain streaming read. This kernel reads each weight row once from memory for up to three input
+rows at a time, held in registers, so one row streams at 12-17 GB/s and a product of two rows
+costs 0-6% more than one, of four rows 26% (`benchmarks/products.py`; figures in docs/engine.md):
+batching decode steps of several users then costs little more than one.
 
-Each output element is one dot product whose order of additions depends only on `in`, never on
-how many rows are in the call, so a request's result is bit-identical alone or in a batch.
+Each output element is one dot product whose order of additions is written out (`_vector_dot`)
+and depends only on `in`, never on how many rows are in the call, so a request's result is
+bit-identical alone or in a batch.
 
 bf16 weights are read as their uint16 bits and widened to float32 row by row (exact), so they
 cost half the memory traffic; arithmetic is float32. `LlamaModel` sends its products here on the
 CPU in fp32 and bf16 up to `llama.KERNEL_ROWS` rows: decode steps, and prefill chunks too, whose
 weights also stream from memory once per chunk (there the kernel beats torch's packed product up
-to 64 rows in fp32 and at every size in bf16, benchmarks/products.py). Compiled by numba on first
-use (a few seconds) and cached on disk afterwards. Threads: numba's pool, sized by
+to 128 rows in fp32 and at every size in bf16, benchmarks/products.py). Compiled by numba on first
+use (a few seconds) and cached on disk afterwards. numba keys a cached function on its own file
+only, and decode_cpu's kernels compile this file's code into theirs: `decode_cpu.FEW_ROWS_SHA256`
+names this file's contents, so a change here edits decode_cpu.py too and both recompile (a test
+checks it). Threads: numba's pool, sized by
 NUMBA_NUM_THREADS, which `kafila.engine.backend` sets to the usable CPUs before the first import.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 TILE = 8  # quadruples of output rows per parallel task
@@ -98,38 +105,139 @@ def tiles(w: np.ndarray) -> int:  # pragma: no cover (compiled)
     return ((w.shape[0] + 3) // 4 + TILE - 1) // TILE
 
 
-@njit(fastmath=True, cache=True, boundscheck=False, nogil=True)
+VF = 8  # float32 lanes of one vector register (AVX2; LLVM splits it where vectors are narrower)
+_F32, _I16, _I32 = ir.FloatType(), ir.IntType(16), ir.IntType(32)
+
+
+def _lanes(t: ir.Type, n: int) -> ir.Type:
+    return ir.VectorType(t, n) if n > 1 else t
+
+
+def _row(builder: ir.IRBuilder, array: Any, index: ir.Value) -> ir.Value:
+    """Pointer to array[index, 0] of a C-contiguous 2-D array."""
+    return builder.gep(array.data, [builder.mul(index, builder.extract_value(array.shape, 1))])
+
+
+def _load(builder: ir.IRBuilder, p: ir.Value, n: int, bf16: bool) -> ir.Value:
+    """n floats (a vector, or one float for n = 1) from p: float32, or bfloat16 bits widened exactly."""
+    if not bf16:
+        return builder.load(builder.bitcast(p, _lanes(_F32, n).as_pointer()), align=4)
+    bits = builder.load(builder.bitcast(p, _lanes(_I16, n).as_pointer()), align=2)
+    wide = builder.zext(bits, _lanes(_I32, n))  # the high half of a float32
+    return builder.bitcast(
+        builder.shl(wide, ir.Constant(_lanes(_I32, n), [16] * n if n > 1 else 16)), _lanes(_F32, n)
+    )
+
+
+def _lanes_sum(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """The VF lanes of v added in one fixed tree: ((0+4)+(2+6)) + ((1+5)+(3+7))."""
+    for n in (VF // 2, VF // 4, 1):
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
+        v = builder.fadd(lo, hi)
+    return builder.extract_element(v, _I32(0))
+
+
+def _vector_dot(nr: int, nw: int):  # type: ignore[no-untyped-def]
+    """A compiled intrinsic `dot(x, r, w, o, q, y)`: y[r + a, o + b q] = x[r + a] . w[o + b q] for
+    a < nr, b < nw, in one pass over the inputs, each weight row read once for all nr rows.
+
+    Written as LLVM IR so that the order of every dot product's additions is spelled out: each
+    (row, weight row) pair accumulates in its own VF-lane vector by multiply-adds over the input in
+    order (`llvm.fmuladd`: fused where the CPU has FMA), a scalar tail takes `in % VF`, and the lanes
+    are added in one fixed tree. No fast-math flags, so LLVM may not reorder them: y[r, o] comes out
+    the same bits whichever nr and nw computed it, that is, whatever else is in the batch. (With
+    fast-math, LLVM chose its own interleaving per loop, so one loop had to compute every row, and
+    rows after the first re-read the weights from L1 one by one: a second row cost 8-16% of the
+    first, here 0-6%.)"""
+    vec = ir.VectorType(_F32, VF)
+
+    @intrinsic
+    def dot(typingctx, x, r, w, o, q, y):  # type: ignore[no-untyped-def]
+        if not all(isinstance(a, types.Array) and a.layout == "C" and a.ndim == 2 for a in (x, w, y)):
+            return None  # contiguous rows only: row r starts at data + r * shape[1]
+        bf16 = w.dtype == types.uint16
+
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            xa, wa, ya = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 5))
+            r0, o0, q0 = args[1], args[3], args[4]
+            intp = r0.type
+            k = builder.extract_value(xa.shape, 1)
+            mad = [
+                cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(t, [t] * 3), f"llvm.fmuladd.{name}"
+                )
+                for t, name in ((vec, f"v{VF}f32"), (_F32, "f32"))
+            ]
+            xs = [_row(builder, xa, builder.add(r0, intp(a))) for a in range(nr)]
+            outs = [builder.add(o0, builder.mul(q0, intp(b))) for b in range(nw)]
+            ws = [_row(builder, wa, o) for o in outs]
+            zero = (ir.Constant(vec, [0.0] * VF), ir.Constant(_F32, 0.0))
+            acc = [[[cgutils.alloca_once_value(builder, z) for z in zero] for _ in ws] for _ in xs]
+
+            def accumulate(i: ir.Value, lanes: int) -> None:  # acc[a][b] += x[a][i:i+lanes] * w[b][...]
+                slot = 0 if lanes > 1 else 1
+                xv = [_load(builder, builder.gep(p, [i]), lanes, False) for p in xs]
+                for b, wp in enumerate(ws):
+                    wv = _load(builder, builder.gep(wp, [i]), lanes, bf16)
+                    for a in range(nr):
+                        cell = acc[a][b][slot]
+                        builder.store(builder.call(mad[slot], [xv[a], wv, builder.load(cell)]), cell)
+
+            body = builder.mul(builder.udiv(k, intp(VF)), intp(VF))
+            with cgutils.for_range_slice(builder, intp(0), body, intp(VF), intp) as (i, _):
+                accumulate(i, VF)
+            with cgutils.for_range_slice(builder, body, k, intp(1), intp) as (i, _):
+                accumulate(i, 1)
+            for a in range(nr):
+                yp = _row(builder, ya, builder.add(r0, intp(a)))
+                for b, o in enumerate(outs):
+                    vsum, tail = (builder.load(cell) for cell in acc[a][b])
+                    builder.store(builder.fadd(_lanes_sum(builder, vsum), tail), builder.gep(yp, [o]))
+            return context.get_dummy_value()
+
+        return types.void(x, r, w, o, q, y), codegen
+
+    return dot
+
+
+# x rows three at a time (12 vector accumulators with four weight rows), then the rest
+_dot_3x4, _dot_2x4, _dot_1x4 = _vector_dot(3, 4), _vector_dot(2, 4), _vector_dot(1, 4)
+_dot_3x1, _dot_2x1, _dot_1x1 = _vector_dot(3, 1), _vector_dot(2, 1), _vector_dot(1, 1)
+
+
+@njit(cache=True, boundscheck=False, nogil=True)
 def product_tile(x: np.ndarray, w: np.ndarray, y: np.ndarray, tile: int) -> None:  # pragma: no cover
     """One parallel task of y = x w^T (see `_product`): output rows o in [tile * TILE, (tile + 1) *
     TILE) of the first quarter together with rows o + q, o + 2q, o + 3q (q = out / 4), four memory
     streams at once (measured against two: 15-35% faster for one x row, 20-60% for four in fp32,
-    10-18% for one row in bf16). Which rows go together depends on `out` alone, never on N.
+    10-18% for one row in bf16), each read once for three x rows at a time (`_vector_dot`: the
+    bits of a row's result do not depend on which rows share the pass).
     Compiled callers run `for tile in prange(tiles(w))`: a cached function must not call another
     parallel function (numba's cache then crashes on load), so the loop is written where it runs."""
-    n, k = x.shape
+    n = x.shape[0]
     out = w.shape[0]
     q = (out + 3) // 4
     for o in range(tile * TILE, min(q, (tile + 1) * TILE)):
-        o1, o2, o3 = o + q, o + 2 * q, o + 3 * q
-        if o3 < out:
-            for r in range(n):
-                a0, a1 = np.float32(0.0), np.float32(0.0)
-                a2, a3 = np.float32(0.0), np.float32(0.0)
-                for i in range(k):
-                    xi = x[r, i]
-                    a0 += xi * at(w, o, i)
-                    a1 += xi * at(w, o1, i)
-                    a2 += xi * at(w, o2, i)
-                    a3 += xi * at(w, o3, i)
-                y[r, o], y[r, o1], y[r, o2], y[r, o3] = a0, a1, a2, a3
+        if o + 3 * q < out:
+            r = 0
+            while n - r >= 3:
+                _dot_3x4(x, r, w, o, q, y)
+                r += 3
+            if n - r == 2:
+                _dot_2x4(x, r, w, o, q, y)
+            elif n - r == 1:
+                _dot_1x4(x, r, w, o, q, y)
         else:  # the last quadruple of an `out` not divisible by 4: its rows one by one
-            for row in (o, o1, o2, o3):
-                if row < out:
-                    for r in range(n):
-                        a0 = np.float32(0.0)
-                        for i in range(k):
-                            a0 += x[r, i] * at(w, row, i)
-                        y[r, row] = a0
+            for row in range(o, out, q):
+                r = 0
+                while n - r >= 3:
+                    _dot_3x1(x, r, w, row, q, y)
+                    r += 3
+                if n - r == 2:
+                    _dot_2x1(x, r, w, row, q, y)
+                elif n - r == 1:
+                    _dot_1x1(x, r, w, row, q, y)
 
 
 @njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)

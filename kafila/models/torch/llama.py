@@ -35,10 +35,10 @@ Tensor = torch.Tensor
 # Products of at most this many rows go through few_rows' kernel, and decode steps of at most this
 # many rows through decode_cpu (CPU; None: any number), so their rows stay independent. Measured
 # with the weights read from memory, as in a prefill (benchmarks/products.py, docs/engine.md): in
-# fp32 the kernel is 1.2-2.5x faster than torch up to 64 rows on one or two threads, and from 76 to
-# 128 rows about even or slower depending on the run; in bf16 it is 3.5x faster at every size up to
-# 256 (torch widens bf16 slowly here).
-KERNEL_ROWS: dict[torch.dtype, int | None] = {torch.float32: 64, torch.bfloat16: None}
+# fp32 the kernel is 1.2-2.9x faster than torch up to 96 rows on one or two threads, 1.00-1.15x at
+# 128, and even or slower from 160 on; in bf16 it is 4.4-4.8x faster from 19 rows to 256 (torch
+# widens bf16 slowly here).
+KERNEL_ROWS: dict[torch.dtype, int | None] = {torch.float32: 128, torch.bfloat16: None}
 
 
 @functools.cache
