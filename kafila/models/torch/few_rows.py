@@ -6,8 +6,8 @@ a general matrix product first and, measured on this project's AMD EPYC CI machi
 threads, read it at 6-14 GB/s for one row and 2-5 GB/s for two to eight rows, against 17 GB/s for
 a plain streaming read. This kernel reads each weight row once from memory for up to three input
 rows at a time, held in registers, so one row streams at 12-17 GB/s and a product of two rows
-costs 0-6% more than one, of four rows 26% (`benchmarks/products.py`; figures in docs/engine.md):
-batching decode steps of several users then costs little more than one.
+costs 2-9% more than one, of four rows 14-26% (`benchmarks/products.py`; figures in
+docs/engine.md): batching decode steps of several users then costs little more than one.
 
 Each output element is one dot product whose order of additions is written out (`_vector_dot`)
 and depends only on `in`, never on how many rows are in the call, so a request's result is
@@ -21,8 +21,8 @@ to 128 rows in fp32 and at every size in bf16, benchmarks/products.py). Compiled
 use (a few seconds) and cached on disk afterwards. numba keys a cached function on its own file
 only, and decode_cpu's kernels compile this file's code into theirs: `decode_cpu.FEW_ROWS_SHA256`
 names this file's contents, so a change here edits decode_cpu.py too and both recompile (a test
-checks it). Threads: numba's pool, sized by
-NUMBA_NUM_THREADS, which `kafila.engine.backend` sets to the usable CPUs before the first import.
+checks it). Threads: numba's pool, sized by NUMBA_NUM_THREADS, which `kafila.engine.backend` sets
+to the usable CPUs before the first import.
 """
 
 from __future__ import annotations
