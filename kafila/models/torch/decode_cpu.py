@@ -35,7 +35,7 @@ from kafila.models.torch.few_rows import at, bf16_bits, product_tile, store_row,
 # calls in other files, so without this line a changed few_rows.py would leave the cached kernels
 # below running the old products. A test compares it with the file: update it with every change
 # there, which changes this file too and makes numba compile these kernels again.
-FEW_ROWS_SHA256 = "4468e228616978b4"
+FEW_ROWS_SHA256 = "b6732b436ef7dd42"
 
 
 @njit(fastmath=True, cache=True, boundscheck=False, nogil=True)

@@ -138,29 +138,30 @@ def _lanes_sum(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
     return builder.extract_element(v, _I32(0))
 
 
-def _vector_dot(nr: int, nw: int):  # type: ignore[no-untyped-def]
-    """A compiled intrinsic `dot(x, r, w, o, q, y)`: y[r + a, o + b q] = x[r + a] . w[o + b q] for
-    a < nr, b < nw, in one pass over the inputs, each weight row read once for all nr rows.
+def _vector_dot(nr: int):  # type: ignore[no-untyped-def]
+    """A compiled intrinsic `dot(x, r, w, o0, o1, o2, o3, y)`: y[r + a, o] = x[r + a] . w[o] for
+    a < nr and the four weight rows o, in one pass over the inputs, each weight row read once for
+    all nr rows (four memory streams at once).
 
     Written as LLVM IR so that the order of every dot product's additions is spelled out: each
     (row, weight row) pair accumulates in its own VF-lane vector by multiply-adds over the input in
     order (`llvm.fmuladd`: fused where the CPU has FMA), a scalar tail takes `in % VF`, and the lanes
     are added in one fixed tree. No fast-math flags, so LLVM may not reorder them: y[r, o] comes out
-    the same bits whichever nr and nw computed it, that is, whatever else is in the batch. (With
-    fast-math, LLVM chose its own interleaving per loop, so one loop had to compute every row, and
-    rows after the first re-read the weights from L1 one by one: a second row cost 8-16% of the
-    first, here 0-6%.)"""
+    the same bits whichever nr computed it and whichever weight rows shared the pass, that is,
+    whatever else is in the batch. (With fast-math, LLVM chose its own interleaving per loop, so one
+    loop had to compute every row, and rows after the first re-read the weights from L1 one by one:
+    a second row cost 8-16% of the first, here 2-9%.)"""
     vec = ir.VectorType(_F32, VF)
 
     @intrinsic
-    def dot(typingctx, x, r, w, o, q, y):  # type: ignore[no-untyped-def]
+    def dot(typingctx, x, r, w, o0, o1, o2, o3, y):  # type: ignore[no-untyped-def]
         if not all(isinstance(a, types.Array) and a.layout == "C" and a.ndim == 2 for a in (x, w, y)):
             return None  # contiguous rows only: row r starts at data + r * shape[1]
         bf16 = w.dtype == types.uint16
 
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            xa, wa, ya = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 5))
-            r0, o0, q0 = args[1], args[3], args[4]
+            xa, wa, ya = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 7))
+            r0, outs = args[1], args[3:7]
             intp = r0.type
             k = builder.extract_value(xa.shape, 1)
             mad = [
@@ -170,7 +171,6 @@ def _vector_dot(nr: int, nw: int):  # type: ignore[no-untyped-def]
                 for t, name in ((vec, f"v{VF}f32"), (_F32, "f32"))
             ]
             xs = [_row(builder, xa, builder.add(r0, intp(a))) for a in range(nr)]
-            outs = [builder.add(o0, builder.mul(q0, intp(b))) for b in range(nw)]
             ws = [_row(builder, wa, o) for o in outs]
             zero = (ir.Constant(vec, [0.0] * VF), ir.Constant(_F32, 0.0))
             acc = [[[cgutils.alloca_once_value(builder, z) for z in zero] for _ in ws] for _ in xs]
@@ -196,14 +196,13 @@ def _vector_dot(nr: int, nw: int):  # type: ignore[no-untyped-def]
                     builder.store(builder.fadd(_lanes_sum(builder, vsum), tail), builder.gep(yp, [o]))
             return context.get_dummy_value()
 
-        return types.void(x, r, w, o, q, y), codegen
+        return types.void(x, r, w, o0, o1, o2, o3, y), codegen
 
     return dot
 
 
-# x rows three at a time (12 vector accumulators with four weight rows), then the rest
-_dot_3x4, _dot_2x4, _dot_1x4 = _vector_dot(3, 4), _vector_dot(2, 4), _vector_dot(1, 4)
-_dot_3x1, _dot_2x1, _dot_1x1 = _vector_dot(3, 1), _vector_dot(2, 1), _vector_dot(1, 1)
+# x rows three at a time (12 vector accumulators with four weight rows), then two or one
+_dot_3, _dot_2, _dot_1 = _vector_dot(3), _vector_dot(2), _vector_dot(1)
 
 
 @njit(cache=True, boundscheck=False, nogil=True)
@@ -219,25 +218,19 @@ def product_tile(x: np.ndarray, w: np.ndarray, y: np.ndarray, tile: int) -> None
     out = w.shape[0]
     q = (out + 3) // 4
     for o in range(tile * TILE, min(q, (tile + 1) * TILE)):
-        if o + 3 * q < out:
-            r = 0
-            while n - r >= 3:
-                _dot_3x4(x, r, w, o, q, y)
-                r += 3
-            if n - r == 2:
-                _dot_2x4(x, r, w, o, q, y)
-            elif n - r == 1:
-                _dot_1x4(x, r, w, o, q, y)
-        else:  # the last quadruple of an `out` not divisible by 4: its rows one by one
-            for row in range(o, out, q):
-                r = 0
-                while n - r >= 3:
-                    _dot_3x1(x, r, w, row, q, y)
-                    r += 3
-                if n - r == 2:
-                    _dot_2x1(x, r, w, row, q, y)
-                elif n - r == 1:
-                    _dot_1x1(x, r, w, row, q, y)
+        # the last quadruple of an `out` not divisible by 4 repeats row o for the rows past the end
+        # (the same dot product written twice: the same bits)
+        o1 = o + q if o + q < out else o
+        o2 = o + 2 * q if o + 2 * q < out else o
+        o3 = o + 3 * q if o + 3 * q < out else o
+        r = 0
+        while n - r >= 3:
+            _dot_3(x, r, w, o, o1, o2, o3, y)
+            r += 3
+        if n - r == 2:
+            _dot_2(x, r, w, o, o1, o2, o3, y)
+        elif n - r == 1:
+            _dot_1(x, r, w, o, o1, o2, o3, y)
 
 
 @njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
