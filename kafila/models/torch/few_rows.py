@@ -45,7 +45,7 @@ def numpy_view(t: torch.Tensor) -> np.ndarray:
 
 
 @intrinsic
-def _bits_to_f32(typingctx, bits):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
+def bits_to_f32(typingctx, bits):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
     """The float32 whose bit pattern is the uint32 `bits` (an LLVM bitcast, vectorisable)."""
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
@@ -64,7 +64,7 @@ def _at(w, o, i):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
     if w.dtype == types.float32:
         return lambda w, o, i: w[o, i]
     if w.dtype == types.uint16:  # bfloat16 bits: the high half of a float32, widened exactly
-        return lambda w, o, i: _bits_to_f32(np.uint32(w[o, i]) << np.uint32(16))
+        return lambda w, o, i: bits_to_f32(np.uint32(w[o, i]) << np.uint32(16))
     return None
 
 
