@@ -12,7 +12,10 @@ import asyncio
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from kafila.obs.log import get_logger
 from kafila.session.service import GenerationError, TokenEvent
+
+log = get_logger("kafila.session.generation")
 
 ORIGIN_SHIFT = 24
 
@@ -29,16 +32,20 @@ async def cancel_tasks(tasks: list[asyncio.Task[None]]) -> None:
         await asyncio.wait(pending, timeout=0.25)
 
 
-def guarded(loop: Callable[[], Awaitable[None]], fail: Callable[[Exception], None]) -> asyncio.Task[None]:
-    """A task running one of a ring stage's loops. An exception that is not a cancellation goes to
-    `fail` (which breaks the ring, naming it) instead of ending the task unseen, which would leave
-    every request waiting for a step, a frame or an answer that no task is left to pass on."""
+def guarded(
+    loop: Callable[[], Awaitable[None]], member: str, break_ring: Callable[[str], None]
+) -> asyncio.Task[None]:
+    """A task running one of `member`'s ring loops. An exception that is not a cancellation (not a
+    StageError either, which is answered per request: the backend out of memory, say) is logged and
+    breaks the ring with the error named, instead of ending the task unseen, which would leave every
+    request waiting for a step, a frame or an answer that no task is left to pass on."""
 
     async def run() -> None:
         try:
             await loop()
         except Exception as exc:
-            fail(exc)
+            log.error("member_failed", member=member, error=repr(exc), exc_info=exc)
+            break_ring(f"member {member}: internal error {exc!r}")
 
     return asyncio.ensure_future(run())
 

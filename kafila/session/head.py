@@ -162,7 +162,7 @@ class RingHead:
             loops += [self._send_out, self._receive]
         if self.next is not None and self.next is not self.prev:
             loops.append(self._watch_next)
-        self._tasks = [guarded(c, self._internal_error) for c in loops]
+        self._tasks = [guarded(c, self.info.order[0], self._break) for c in loops]
         return self
 
     async def _watch_next(self) -> None:
@@ -229,12 +229,6 @@ class RingHead:
             await self._wake.wait()
             self._wake.clear()
             await self._advance()
-
-    def _internal_error(self, exc: Exception) -> None:
-        """A loop failed with something other than a StageError (answered per request): the
-        backend out of memory, say. No step would come back: the ring is broken, the error named."""
-        log.error("member_failed", member=self.info.order[0], error=repr(exc), exc_info=exc)
-        self._break(f"member {self.info.order[0]}: internal error {exc!r}")
 
     async def _advance(self) -> None:
         """Free what finished, then send every step the schedule lets in: the one computed in the

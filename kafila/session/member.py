@@ -93,12 +93,8 @@ class RingMember:
         loops = [self._receive, self._compute, self._send_out]
         if self.next is not self.prev:
             loops.append(self._watch_next)
-        self._tasks = [guarded(c, self._internal_error) for c in loops]
+        self._tasks = [guarded(c, self.name, self._break) for c in loops]
         return self
-
-    def _internal_error(self, exc: Exception) -> None:
-        log.error("member_failed", member=self.name, error=repr(exc), exc_info=exc)
-        self._break(f"member {self.name}: internal error {exc!r}")
 
     async def stop(self) -> None:
         await cancel_tasks(self._tasks)

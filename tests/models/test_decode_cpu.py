@@ -133,8 +133,9 @@ def test_compiled_kernels_load_from_numba_cache_in_fresh_processes() -> None:
 @pytest.mark.parametrize("out", [1, 2, 3, 5, 7, 13, 70, 257])
 @pytest.mark.parametrize("rows", [1, 2, 3, 16, 64])
 def test_few_row_product_equals_torch_for_any_output_width(out: int, rows: int, inner: int) -> None:
-    """The kernel takes output rows four at a time; widths not divisible by four end one by one.
-    It reads the input eight at a time; an input width not divisible by eight ends one by one."""
+    """The kernel takes output rows four at a time; a width not divisible by four repeats the last
+    quadruple's first row for the rows past the end. It reads the input eight at a time; an input
+    width not divisible by eight ends one by one."""
     import torch
 
     from kafila.models.torch import few_rows
