@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kafila.engine.backend import DTYPES, checkpoint_dtype
 from kafila.models.checkpoint import Checkpoint
@@ -37,6 +37,9 @@ from kafila.session.form import (
 )
 from kafila.session.formation import HostFormation, MemberFormation
 from kafila.session.schedule import lanes_for
+
+if TYPE_CHECKING:
+    from kafila.session.head import RingInfo
 
 log = get_logger("kafila.session")
 
@@ -247,9 +250,8 @@ async def _start_ring(
     from kafila.engine.stage import Stage
     from kafila.engine.tokenizer import Tokenizer
     from kafila.session.compute import ModelThread
-    from kafila.session.head import RingHead, RingInfo
+    from kafila.session.head import RingHead
     from kafila.session.member import RingMember
-    from kafila.session.stagetrace import planned_rtt_ms
 
     ckpt = Checkpoint.open(folder)
     tokenizer = Tokenizer.from_checkpoint(ckpt)
@@ -268,26 +270,7 @@ async def _start_ring(
         opts.pace,
     )
     nxt_name, prv_name = order[(index + 1) % len(order)], order[index - 1]
-    edges = {f"{e.src}->{e.dst}": ("direct" if e.direct else "relay") for e in plan.edges}
-    own = {
-        f"{src}->{dst}": links[peer]
-        for src, dst, peer in ((name, nxt_name, nxt_name), (prv_name, name, prv_name))
-        if peer in links
-    }
-    own |= {f"{name}<->{peer}": link for peer, link in links.items() if peer not in (nxt_name, prv_name)}
-    follow_paths(edges, own)  # this member's own links (ring and control): their path now, not the prediction
-    info = RingInfo(
-        session=code.public,
-        model=model,
-        division=plan.division,
-        order=tuple(order),
-        blocks={s.name: (s.start, s.stop) for s in plan.stages},
-        predicted_ms={s.name: (s.cost_s or 0.0) * 1e3 for s in plan.stages},
-        edges=edges,
-        plan={"chosen": plan.summary(), "divisions": alternatives or {}},
-        edge_rtt_ms=planned_rtt_ms(plan.edges),
-        dtype=stage.backend.dtype,
-    )
+    info = _ring_info(name, code, plan, links, model, alternatives, stage.backend.dtype)
     nxt = _channel(links.get(nxt_name), nxt_name, opts)
     prv = _channel(links.get(prv_name), prv_name, opts) if len(order) > 2 or nxt is None else nxt
     traces = TraceLog(opts.trace) if opts.trace else None
@@ -306,7 +289,7 @@ async def _start_ring(
             traces,
             lanes,
         )
-        record = session_record(plan, code.public, model, edges)
+        record = session_record(plan, code.public, model, info.edges)
         if traces:
             traces.write(record)
         metrics.observe_session(record)
@@ -315,6 +298,45 @@ async def _start_ring(
     service.start()
     api = await _serve_api(service, tokenizer, model, traces, opts) if opts.api else None
     return Formed(name, code, plan, service, api, client, node, links)
+
+
+def _ring_info(
+    name: str,
+    code: SessionCode,
+    plan: Plan,
+    links: dict[str, Link],
+    model: str,
+    alternatives: dict[str, Any] | None,
+    dtype: str,
+) -> RingInfo:
+    """What /session and the traces say of the ring, from member `name`'s side: its edges follow
+    the path this member's own links are on now (ring and control), the others the plan's."""
+    from kafila.session.head import RingInfo
+    from kafila.session.stagetrace import planned_rtt_ms
+
+    order = list(plan.order)
+    index = order.index(name)
+    nxt_name, prv_name = order[(index + 1) % len(order)], order[index - 1]
+    edges = {f"{e.src}->{e.dst}": ("direct" if e.direct else "relay") for e in plan.edges}
+    own = {
+        f"{src}->{dst}": links[peer]
+        for src, dst, peer in ((name, nxt_name, nxt_name), (prv_name, name, prv_name))
+        if peer in links
+    }
+    own |= {f"{name}<->{peer}": link for peer, link in links.items() if peer not in (nxt_name, prv_name)}
+    follow_paths(edges, own)
+    return RingInfo(
+        session=code.public,
+        model=model,
+        division=plan.division,
+        order=tuple(order),
+        blocks={s.name: (s.start, s.stop) for s in plan.stages},
+        predicted_ms={s.name: (s.cost_s or 0.0) * 1e3 for s in plan.stages},
+        edges=edges,
+        plan={"chosen": plan.summary(), "divisions": alternatives or {}},
+        edge_rtt_ms=planned_rtt_ms(plan.edges),
+        dtype=dtype,
+    )
 
 
 def follow_paths(edges: dict[str, str], links: dict[str, Link]) -> None:
