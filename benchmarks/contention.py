@@ -11,6 +11,13 @@ what these measure, so their figures say how far a one-machine fleet is from a r
 2. **A stage after idling.** The same stage, steps back to back against steps that each follow
    a 30 ms sleep (a ring member idles while the other stages compute; a single process never
    does), alternating. On a VM an idle vCPU is descheduled and its caches go cold.
+3. **A hop's protocol work, warm and cold.** One decode step's message through the real code of a
+   hop, in memory (no sockets): kafila's tensor encoding and framing, aioquic's packet building
+   and encryption on the sender, its decryption and stream reassembly and kafila's decoding on the
+   receiver (the ACK back is not timed). Three cases alternate: back to back (warm), right after a
+   decode step of the stage (the step streams its weights through the caches, as a ring member's
+   does just before it sends), and after a sleep of --gap-ms (as a member that waited for its turn
+   receives). This is the Python a ring pays per hop on top of the single process's work.
 
 Each figure is the median step time over the rounds, and the slowdown is measured side by side in
 one run.
@@ -123,6 +130,95 @@ def after_idle(dec: Decoder, rounds: int, steps: int, gap_s: float) -> tuple[lis
     return busy, idle
 
 
+class HopPair:
+    """Two aioquic connections joined in memory, carrying kafila messages: what one hop runs."""
+
+    def __init__(self) -> None:
+        import ssl
+
+        from aioquic.quic.configuration import QuicConfiguration
+        from aioquic.quic.connection import QuicConnection
+
+        from kafila.net.certs import make_identity
+
+        ident = make_identity()
+        cfg = [QuicConfiguration(is_client=c, alpn_protocols=["x"], max_datagram_size=16000) for c in (1, 0)]
+        cfg[0].verify_mode = ssl.CERT_NONE
+        cfg[1].certificate, cfg[1].private_key = ident.certificate, ident.private_key
+        self.now, self.addr = 1.0, ("192.0.2.1", 4433)
+        self.tx = QuicConnection(configuration=cfg[0])
+        self.tx.connect(self.addr, now=self.now)
+        self.rx = QuicConnection(
+            configuration=cfg[1],
+            original_destination_connection_id=self.tx.original_destination_connection_id,
+        )
+        for _ in range(8):  # the handshake
+            self._deliver(self.tx, self.rx)
+            self._deliver(self.rx, self.tx)
+        while self.tx.next_event() or self.rx.next_event():
+            pass
+
+    def _deliver(self, a: Any, b: Any) -> None:
+        for data, _ in a.datagrams_to_send(now=self.now):
+            b.receive_datagram(data, self.addr, now=self.now)
+
+    def hop(self, row: Any) -> tuple[float, float]:
+        """Seconds to send and to receive one decode step's hidden row [1, H]; then the ACK."""
+        from aioquic.quic import events
+
+        from kafila.net import framing
+        from kafila.proto import tensor as t
+
+        self.now += 0.001
+        t0 = time.perf_counter()
+        data = row.numpy().tobytes()
+        msg = t.encode(t.Hidden(1, t.DType.F32, tuple(row.shape), (t.Entry(1, 19, 1),), data, 0, (5000,)))
+        self.tx.send_stream_data(0, framing.encode_header(framing.FIRST_APP_KIND, len(msg)) + msg)
+        packets = [d for d, _ in self.tx.datagrams_to_send(now=self.now)]
+        t1 = time.perf_counter()
+        reader, got = framing.MessageReader(), []
+        for d in packets:
+            self.rx.receive_datagram(d, self.addr, now=self.now)
+        while (ev := self.rx.next_event()) is not None:
+            if isinstance(ev, events.StreamDataReceived):
+                got += [t.decode(m) for _, m in reader.feed(ev.data)]
+        t2 = time.perf_counter()
+        if len(got) != 1 or got[0].data != data:
+            raise RuntimeError("the hop lost or changed its message")
+        self.now += 0.03  # the receiver's ACK, due after its delay
+        self._deliver(self.rx, self.tx)
+        return t1 - t0, t2 - t1
+
+
+def hops(dec: Decoder, rounds: int, steps: int, gap_s: float) -> dict[str, list[tuple[float, float]]]:
+    """(send, receive) seconds of a hop: back to back, right after a stage step, after a sleep."""
+    pair = HopPair()
+    out: dict[str, list[tuple[float, float]]] = {"warm": [], "step": [], "idle": []}
+    for _ in range(rounds * steps):
+        pair.hop(dec.row)
+        out["warm"].append(pair.hop(dec.row))
+        dec.step()
+        out["step"].append(pair.hop(dec.row))
+        time.sleep(gap_s)
+        out["idle"].append(pair.hop(dec.row))
+    return out
+
+
+def hop_lines(times: dict[str, list[tuple[float, float]]], gap_ms: float) -> list[str]:
+    us = {k: [statistics.median(x[i] for x in v) * 1e6 for i in (0, 1)] for k, v in times.items()}
+    warm = us["warm"]
+    rows = [
+        ("back to back", "warm"),
+        ("right after a stage step", "step"),
+        (f"after {gap_ms:.0f} ms of sleep", "idle"),
+    ]
+    return [
+        f"  {label:<26} send {us[k][0]:6.0f} us ({us[k][0] / warm[0]:.1f}x)   "
+        f"receive {us[k][1]:6.0f} us ({us[k][1] / warm[1]:.1f}x)"
+        for label, k in rows
+    ]
+
+
 def line(what: str, base: list[float], other: list[float], labels: tuple[str, str]) -> str:
     b, o = median_ms(base), median_ms(other)
     return f"{what}: {b:.2f} ms {labels[0]}, {o:.2f} ms {labels[1]} ({(o / b - 1) * 100:+.1f}%)"
@@ -150,6 +246,8 @@ def main() -> int:
         print(line("two stages at once", *pair, ("alone", "with a second stage computing on another CPU")))
     busy, idle = after_idle(dec, args.rounds, args.steps, args.gap_ms / 1e3)
     print(line("after idling", busy, idle, ("back to back", f"after {args.gap_ms:.0f} ms of sleep")))
+    print("a hop's protocol work (encode, frame, aioquic send | aioquic receive, decode), medians:")
+    print("\n".join(hop_lines(hops(dec, args.rounds, args.steps, args.gap_ms / 1e3), args.gap_ms)))
     return 0
 
 

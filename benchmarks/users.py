@@ -12,7 +12,9 @@ steps. Target: four-user aggregate / one-user >= 3.5 (the paper: 4.0x on its LAN
 prints each stage's ms per decode step as predicted, measured alone and measured under load (from
 the head's trace records): on one machine the stages that compute at once slow each other. And
 the time to each request's first token (queue + prefill at the head) alone and under load: the
-four prompts prefill through the same stages, so the last of them waits for the others.
+four prompts prefill through the same stages, so the last of them waits for the others. And the
+decode part alone: the median time between a request's tokens after its first, alone and with
+four users, as a ratio of tokens per second (prefill, queueing and HTTP left out).
 Stages that stream their weights at once share this machine's memory bus, which separate
 machines would not (benchmarks/contention.py measures by how much). Smaller shares with the same
 ratios, e.g. --shares 0.25,0.125,0.0625, make such collisions rarer at the price of a slower run
@@ -86,6 +88,11 @@ def main() -> int:
         f"first token s (head's trace: queue + prefill): alone {median(first1):.2f}, with {args.users} "
         f"users median {median(firstn):.2f}, latest {max(firstn):.2f}"
     )
+    step1, stepn = decode_step_ms(alone), decode_step_ms(loaded)
+    print(
+        f"decode only: a request's token every {step1:.1f} ms alone, every {stepn:.1f} ms with {args.users} "
+        f"users: {args.users * step1 / stepn:.2f}x the tokens per second (prefill and HTTP left out)"
+    )
     print(
         f"ratio {args.users} users / 1 user: {ratio:.2f}   "
         f"(target >= 3.5: {'met' if ratio >= 3.5 else 'NOT met'})"
@@ -106,6 +113,12 @@ def stage_table(alone: list[dict[str, Any]], loaded: list[dict[str, Any]]) -> di
 
     pred, ms1, msn = ms(alone, "predicted_ms"), ms(alone, "measured_ms"), ms(loaded, "measured_ms")
     return {m: (pred[m], ms1[m], msn.get(m, float("nan"))) for m in pred}
+
+
+def decode_step_ms(records: list[dict[str, Any]]) -> float:
+    """Median ms between a request's tokens after its first (the head's trace)."""
+    steps = [(float(r["decode_s"]), int(r["completion_tokens"]) - 1) for r in records]
+    return median([s * 1e3 / n for s, n in steps if n > 0])
 
 
 def first_token_s(records: list[dict[str, Any]]) -> list[float]:
