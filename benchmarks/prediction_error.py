@@ -9,16 +9,35 @@ dropped as cold. Printed: each stage's predicted and measured ms and its error, 
 over every stage of every request (what `kafila trace summarize` reports). Target: <= 10% (the
 paper: 18%).
 
+The plan predicts a decode step at the KV position the probe times (kafila.probe.measure.POSITION,
+256): attention reads every cached position, so a step costs more further into a conversation. The
+requests' prompt is therefore the benchmarks' story repeated to `--position` minus half of
+`--tokens` tokens, so their decode steps run at positions centred on the predicted one.
+`--position 0` sends the short story prompt instead (decode at positions 19-67: the predictions
+are then for longer contexts than the ones measured).
+
     python3 benchmarks/prediction_error.py [--tokens 48] [--requests 5] [--shares 1,0.5,0.25]
+                                           [--position 256]
 """
 
 from __future__ import annotations
 
 import argparse
 
-from _session_common import Load, LocalFleet, add_slow_by, complete, fleet_banner, median, wait_records
+from _session_common import (
+    MODEL,
+    PROMPT,
+    Load,
+    LocalFleet,
+    add_slow_by,
+    complete,
+    fleet_banner,
+    median,
+    wait_records,
+)
 
 from kafila.obs.trace import format_table, from_json, summarize
+from kafila.probe.measure import POSITION
 
 
 def main() -> int:
@@ -27,9 +46,16 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=5, help="measured requests (default 5, plus one cold)")
     p.add_argument("--shares", default="1,0.5,0.25", help="CPU shares in cores, comma-separated")
     p.add_argument("--division", default="kafila", help="kafila, uniform or memory (default kafila)")
+    p.add_argument(
+        "--position",
+        type=int,
+        default=POSITION,
+        help=f"KV position the decode steps centre on (default {POSITION}, the probe's; 0: a short prompt)",
+    )
     add_slow_by(p)
     args = p.parse_args()
     shares = [float(x) for x in args.shares.split(",")]
+    prompt, first = prompt_at(args.position, args.tokens)
 
     load = Load()
     with LocalFleet(
@@ -38,13 +64,13 @@ def main() -> int:
         load.watch_fleet(fleet)
         print(fleet_banner(fleet), flush=True)
         for _ in range(args.requests + 1):
-            complete(fleet.url(fleet.head), args.tokens)
+            complete(fleet.url(fleet.head), args.tokens, prompt)
         records = wait_records(fleet, args.requests + 1)
         load.sample()
     measured = records[1:]
     print(
         f"\nmodel smollm2-135m, greedy, {args.tokens} tokens, {len(measured)} requests, "
-        f"division {args.division}"
+        f"division {args.division}, decode at KV positions {first}-{first + args.tokens - 2}"
     )
     print(f"{'stage':<8} {'blocks':>7} {'predicted ms':>13} {'measured ms':>12} {'error':>7}")
     errors = []
@@ -67,6 +93,24 @@ def main() -> int:
     print(format_table(summarize([from_json(r) for r in records])))
     print(load.report())
     return 0
+
+
+def prompt_at(position: int, tokens: int) -> tuple[str, int]:
+    """(prompt, KV position of the first decode step): the story prompt, or, for a position above
+    what it reaches, the story repeated and cut to `position - tokens // 2` tokens."""
+    from kafila.engine.tokenizer import Tokenizer
+    from kafila.models.checkpoint import Checkpoint
+    from kafila.models.registry import resolve
+
+    tok = Tokenizer.from_checkpoint(Checkpoint.open(resolve(MODEL)))
+    length = len(tok.encode(PROMPT, add_special_tokens=True))  # as the head encodes a prompt
+    want = position - tokens // 2
+    if want <= length:
+        return PROMPT, length
+    special = length - len(tok.encode(PROMPT, add_special_tokens=False))
+    story = tok.encode(" ".join([PROMPT + "."] * (want // length + 2)), add_special_tokens=False)
+    prompt = tok.decode(story[: want - special])
+    return prompt, len(tok.encode(prompt, add_special_tokens=True))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ WINDOW_S = 0.04  # minimum time per repetition
 QUOTA_WINDOW_S = 0.25  # under a CFS quota: at least this long, in whole periods
 IDLE_RATIO = 2.0  # stage-shaped calls: idle this many times the call's length before the next
 STEPS = 24  # stage-shaped calls per repetition (with 12: +-15% between probes at a quarter core)
+POSITION = 256  # KV position of the timed decode steps: the planner's costs are a step's at this position
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ def probe(
     repeats: int | None = None,
     model: ModelConfig | None = None,
     model_name: str | None = None,
-    position: int = 256,
+    position: int = POSITION,
     stream_bytes: int | None = None,
     pace: Pace = FULL_SPEED,
 ) -> ProbeReport:
