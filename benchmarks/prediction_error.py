@@ -39,6 +39,8 @@ from _session_common import (
 from kafila.obs.trace import format_table, from_json, summarize
 from kafila.probe.measure import POSITION
 
+CONTEXT = 512  # the fleet's declared context, positions
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,11 +57,13 @@ def main() -> int:
     add_slow_by(p)
     args = p.parse_args()
     shares = [float(x) for x in args.shares.split(",")]
+    if args.position < 0 or args.position + args.tokens // 2 > CONTEXT:
+        p.error(f"--position {args.position} and --tokens {args.tokens} run past the context {CONTEXT}")
     prompt, first = prompt_at(args.position, args.tokens)
 
     load = Load()
     with LocalFleet(
-        shares, context=512, division=args.division, require_shares=True, slow_by=args.slow_by
+        shares, context=CONTEXT, division=args.division, require_shares=True, slow_by=args.slow_by
     ) as fleet:
         load.watch_fleet(fleet)
         print(fleet_banner(fleet), flush=True)
