@@ -229,9 +229,17 @@ async def _fetch(got: fm.LinkNow, links: dict[str, Link], opts: Options) -> Any:
     local = None if opts.use_local else []
     channel = LinkChannel(links[got.host], got.host)
     shard = await fetch_shard(channel, range(a, b), head, cache=opts.cache, local=local, label=got.me)
-    part = f"blocks [{a}, {b}){' + head' if head else ''}"
-    say(f"weights: {shard.tensor_bytes / 1e6:.1f} MB fetched for {part}")
+    say(f"weights for blocks [{a}, {b}){' + head' if head else ''}: {weights_source(shard)}")
     return shard
+
+
+def weights_source(shard: Any) -> str:
+    """Where a member's shard came from, for the person watching (a kafila.session.weights ShardResult)."""
+    if shard.local:
+        return f"this machine's own copy of the checkpoint ({shard.path}), nothing fetched"
+    cached = len(shard.tensors) - len(shard.fetched)
+    fetched = f"{shard.tensor_bytes / 1e6:.1f} MB fetched from the host ({len(shard.fetched)} tensors)"
+    return fetched + (f", {cached} tensors from the local cache" if cached else "")
 
 
 async def _start_ring(

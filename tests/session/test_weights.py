@@ -17,6 +17,7 @@ from kafila.planner.plan import Plan
 from kafila.planner.plan import Stage as PlanStage
 from kafila.proto import tensor as t
 from kafila.session.channel import Channel, LinkChannel, MemoryChannel
+from kafila.session.start import weights_source
 from kafila.session.wcache import BlobStore
 from kafila.session.weights import (
     ShardResult,
@@ -151,6 +152,17 @@ async def test_restart_fetches_nothing_and_replan_fetches_only_the_moved_block(
     block4, nbytes = share(full, range(4, 5), False)
     assert sorted(moved.fetched) == sorted(block4) and moved.tensor_bytes == nbytes
     assert moved.meta_bytes == 0
+    # what the member says (kafila.session.start): fetched and cached counts of these real results
+    assert (
+        weights_source(first)
+        == f"{first.tensor_bytes / 1e6:.1f} MB fetched from the host ({len(first.tensors)} tensors)"
+    )
+    assert (
+        weights_source(again)
+        == f"0.0 MB fetched from the host (0 tensors), {len(again.tensors)} tensors from the local cache"
+    )
+    cached = len(moved.tensors) - len(block4)
+    assert weights_source(moved).endswith(f"({len(block4)} tensors), {cached} tensors from the local cache")
     assert set(Checkpoint.open(moved.path).tensors) == set(full.names_for(range(2, 5), False))
 
 
@@ -180,6 +192,10 @@ async def test_member_with_the_same_files_locally_fetches_nothing(folder, tmp_pa
     await asyncio.wait_for(serving, 10)
     assert r.local and r.path == folder.resolve() and r.bytes_fetched == 0
     assert server.stats.get("m2") is None  # not one fetch request
+    assert (
+        weights_source(r)
+        == f"this machine's own copy of the checkpoint ({folder.resolve()}), nothing fetched"
+    )
     assert not (tmp_path / "m2" / "blobs").exists()
 
 
