@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kafila.engine.backend import DTYPES, checkpoint_dtype
 from kafila.models.checkpoint import Checkpoint
 from kafila.net.link import Link
-from kafila.net.signaling import SignalingClient
+from kafila.net.signaling import SignalingClient, SignalingError
 from kafila.obs import metrics
 from kafila.obs.log import get_logger
 from kafila.obs.trace import TraceLog
@@ -95,6 +95,29 @@ async def join(code_text: str, opts: Options) -> Formed:
         raise
 
 
+async def reach_rendezvous(url: str) -> SignalingClient:
+    """The signaling connection, or a SessionError naming the URL and why it failed."""
+    from websockets.exceptions import WebSocketException
+
+    try:
+        return await SignalingClient.connect(url)
+    except (OSError, TimeoutError, WebSocketException) as exc:
+        why = str(exc) or type(exc).__name__
+        raise SessionError(
+            f"cannot reach the rendezvous at {url}: {why} (is `kafila rendezvous` running there? "
+            "choose another with --rendezvous URL)"
+        ) from exc
+
+
+@contextlib.contextmanager
+def refused_by(url: str, what: str) -> Iterator[None]:
+    """A request the rendezvous refuses becomes a SessionError naming what was asked and why."""
+    try:
+        yield
+    except SignalingError as exc:
+        raise SessionError(f"the rendezvous at {url} would not {what}: {exc.message} ({exc.code})") from exc
+
+
 async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, held: Held) -> Formed:
     from kafila.models.registry import resolve
 
@@ -103,10 +126,11 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     # one dtype for the whole session, decided here: every member probes and computes in it
     opts = replace(opts, dtype=checkpoint_dtype(opts.dtype, ckpt.stored_dtype))
     name = opts.name or default_name()
-    client = held.client = await SignalingClient.connect(opts.rendezvous)
+    client = held.client = await reach_rendezvous(opts.rendezvous)
     config = ckpt.config.raw if len(json.dumps(ckpt.config.raw)) < 12_000 else None
     capability = {"role": "host", "config": config, "dtype": opts.dtype}
-    opened = await client.open_session(opts.model, opts.members, name, capability)
+    with refused_by(opts.rendezvous, "open a session"):
+        opened = await client.open_session(opts.model, opts.members, name, capability)
     code = new_code(opened.session)
     say(f"session code: {code}   (members join with: kafila join {code})")
     if on_code:
@@ -191,8 +215,9 @@ def _plan(devices: list[DeviceReport], ckpt: Checkpoint, opts: Options) -> tuple
 
 async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     code = parse_code(code_text)
-    client = held.client = await SignalingClient.connect(opts.rendezvous)
-    joined = await client.join(code.public, opts.name or default_name(), {"role": "member"})
+    client = held.client = await reach_rendezvous(opts.rendezvous)
+    with refused_by(opts.rendezvous, f"join session {code.public}"):
+        joined = await client.join(code.public, opts.name or default_name(), {"role": "member"})
     host_info = next(m for m in joined.members if m.host)
     name = f"{opts.name or default_name()}-{joined.member}" if opts.name is None else opts.name
     say(f"joined session {code.public} for model {joined.model} ({len(joined.members)} member(s) so far)")

@@ -1,10 +1,13 @@
 """`kafila host` / `kafila join` refuse bad input with one line naming it, never a traceback."""
 
+import asyncio
 import os
 import subprocess
 import sys
 
 import pytest
+
+from tests.net.harness import start_rendezvous
 
 
 @pytest.mark.parametrize(
@@ -32,3 +35,32 @@ def test_emulated_speed_on_several_cpus_is_refused_before_connecting() -> None:
     for fix in (["taskset", "-c", "0", *argv], [*argv, "--threads", "1"]):
         fixed = subprocess.run(fix, capture_output=True, text=True, timeout=120)
         assert fixed.returncode == 1 and "session code has 3 parts" in fixed.stderr  # past the check
+
+
+def test_an_unreachable_rendezvous_is_named_with_the_reason() -> None:
+    url = "ws://127.0.0.1:1/v1/signal"  # nothing listens on port 1: connection refused
+    done = subprocess.run(
+        [sys.executable, "-m", "kafila", "join", "4-k7m2-tiger-lamp-ocean", "--rendezvous", url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert f"cannot reach the rendezvous at {url}: " in done.stderr and "Connect call failed" in done.stderr
+
+
+async def test_a_code_the_rendezvous_does_not_know_is_refused_in_one_line() -> None:
+    server = await start_rendezvous()  # a real rendezvous on this test's loop
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *[sys.executable, "-m", "kafila", "join", "4-k7m2-tiger-lamp-ocean", "--rendezvous", server.url],
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, err = await asyncio.wait_for(proc.communicate(), 120)
+    finally:
+        await server.stop()
+    stderr = err.decode()
+    assert proc.returncode == 1 and "Traceback" not in stderr
+    assert f"the rendezvous at {server.url} would not join session 4-k7m2: no open session" in stderr
+    assert "(unknown_session)" in stderr
