@@ -187,6 +187,12 @@ class SignalingClient:
             raise self._closed or SignalingClosed("closed", "connection closed")
         return item
 
+    async def lost(self) -> SignalingClosed:
+        """Wait until the connection is gone (the rendezvous closed it, or it broke); returns why."""
+        await asyncio.shield(self._reader)
+        assert self._closed is not None
+        return self._closed
+
     async def close(self, reason: str | None = None) -> None:
         """Leave the session (if in one) and close the connection."""
         if self._closed is None and self.session is not None:

@@ -27,7 +27,7 @@ from kafila.engine.pace import Pace
 from kafila.net.edge import EdgeOptions, LinkNode, SignalRouter, connect_edge
 from kafila.net.endpoint import UdpEndpoint
 from kafila.net.link import Link
-from kafila.net.signaling import SignalingClient
+from kafila.net.signaling import SignalingClient, SignalingClosed
 from kafila.obs.log import get_logger
 from kafila.obs.trace import SessionRecord
 from kafila.planner.devices import DeviceReport
@@ -131,6 +131,7 @@ class Driver:
     ) -> None:
         self.core, self.client, self.router = core, client, router
         self._next: asyncio.Task[sig.ServerMessage] | None = None
+        self._lost: asyncio.Task[SignalingClosed] | None = None
 
     @staticmethod
     def now() -> float:
@@ -178,16 +179,25 @@ class Driver:
                     await task
 
     def close(self) -> None:
-        if self._next is not None:
-            self._next.cancel()  # an unconsumed event stays in the queue
+        for task in (self._next, self._lost):
+            if task is not None:
+                task.cancel()  # an unconsumed event stays in the queue
 
     async def _feed_one(self, work: asyncio.Future[Any] | None) -> list[fm.Output]:
         if self._next is None:
             self._next = asyncio.ensure_future(self.router.others.get())
+        if self._lost is None:
+            self._lost = asyncio.ensure_future(self.client.lost())
         deadline = self.core.deadline
         timeout = None if deadline is None else max(0.0, deadline - self.now())
-        waiting = {self._next} if work is None else {self._next, work}
+        waiting = {self._next, self._lost} if work is None else {self._next, self._lost, work}
         done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if self._lost in done and self._next not in done:
+            # no member can join or signal any more: the session cannot form (a formed ring does
+            # not need the rendezvous for its direct edges, so only forming fails on this)
+            why = self._lost.result()
+            log.warning("session_not_formed", reason="rendezvous lost", error=str(why))
+            raise SessionError(f"lost the rendezvous while the session was forming: {why.message}")
         if self._next not in done:
             return await self.carry(self.core.tick(self.now()))
         event, self._next = self._next.result(), None

@@ -162,3 +162,23 @@ async def test_host_stops_linking_and_tells_the_others_when_a_simulated_member_l
     with pytest.raises(SessionError, match=r"gamma left \(\w+\) before the session formed"):
         await joining
     assert time.monotonic() - started < 10
+
+
+async def test_host_stops_at_once_when_the_rendezvous_goes_away_while_it_waits(
+    rdv, tmp_path, tiny_checkpoint
+) -> None:
+    """No member can join without the rendezvous: the host says so instead of waiting out its 60 s."""
+    code: asyncio.Future = asyncio.get_running_loop().create_future()
+    hosting = asyncio.ensure_future(
+        host(
+            opts(rdv, "alpha", tmp_path, model=str(tiny_checkpoint(TINY)), members=2, wait_s=60),
+            on_code=code.set_result,
+        )
+    )
+    await code
+    await asyncio.sleep(1.0)  # the host is measuring itself or waiting for its member
+    started = time.monotonic()
+    await rdv.stop()  # closes every signaling connection (1012, service restart)
+    with pytest.raises(SessionError, match=r"^lost the rendezvous while the session was forming: "):
+        await hosting
+    assert time.monotonic() - started < 30  # the probe in progress ends first, then the host stops
