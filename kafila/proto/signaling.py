@@ -296,6 +296,15 @@ def _decode(text: str | bytes, max_bytes: int, table: dict[str, type]) -> Any:
     obj = _parse_json(raw)
     if not isinstance(obj, dict):
         raise ProtocolError(f"message must be a JSON object, got {_jtype(obj)}")
+    ref = obj.get("ref")
+    try:
+        return _typed(obj, table)
+    except ProtocolError as exc:  # a readable ref goes back with the error, to the waiting request
+        exc.ref = ref if isinstance(ref, str) and 0 < len(ref) <= MAX_REF else None
+        raise
+
+
+def _typed(obj: dict[str, Any], table: dict[str, type]) -> Any:
     version = obj.pop("v", None)
     kind = obj.pop("type", None)
     if version != VERSION or isinstance(version, bool):

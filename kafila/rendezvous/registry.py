@@ -138,7 +138,7 @@ class Registry:
         state.bad_frames += 1
         fatal = state.bad_frames >= self.limits.max_bad_frames
         out: list[Event] = [
-            Send(conn, sig.Error(error.code, str(error), fatal=fatal)),
+            Send(conn, sig.Error(error.code, str(error), fatal=fatal, ref=error.ref)),
             Note(
                 "bad_frame", {"conn": conn, "source": state.source, "code": error.code, "error": str(error)}
             ),

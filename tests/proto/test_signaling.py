@@ -95,6 +95,18 @@ def test_bad_frames_name_the_problem(text: str, code: str, words: str) -> None:
     assert info.value.code == code
 
 
+def test_a_bad_request_keeps_its_readable_ref_for_the_error_reply() -> None:
+    refs = {"r7": "r7", None: None, 7: None, "": None, "x" * (sig.MAX_REF + 1): None}
+    for ref, kept in refs.items():
+        frame = _frame("open", members_expected=0, model="m", name="h", capability={}, ref=ref)
+        with pytest.raises(ProtocolError, match="members_expected: 0 is below the minimum 1") as info:
+            sig.decode_client(frame)
+        assert info.value.ref == kept, ref
+    with pytest.raises(ProtocolError) as info:
+        sig.decode_client("not json")
+    assert info.value.ref is None
+
+
 def test_size_limits() -> None:
     big = _frame("signal", to=2, payload={"blob": "x" * sig.MAX_MESSAGE_BYTES})
     with pytest.raises(ProtocolError, match=r"exceeds the limit of 65536") as info:

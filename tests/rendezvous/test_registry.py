@@ -211,6 +211,15 @@ def test_bad_frames_get_errors_then_close() -> None:
     assert closes(events)[0].code == 1008
 
 
+def test_a_bad_request_is_answered_to_its_ref() -> None:
+    reg = make()
+    reg.connect(1, "10.0.0.1", 0.0)
+    (err,) = sends(
+        reg.bad_frame(1, ProtocolError("open.members_expected: 0 is below the minimum 1", ref="r3"), 0.0)
+    )
+    assert isinstance(err, sig.Error) and err.ref == "r3" and err.code == "bad_message"
+
+
 def test_relay_request_gives_each_member_its_own_token() -> None:
     reg = make()
     code = open_session(reg)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -80,6 +81,18 @@ async def test_malformed_and_oversized_frames_get_clear_errors(start_rendezvous:
         with pytest.raises(ConnectionClosed) as closed:
             await ws.recv()
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
+
+
+async def test_a_request_the_rendezvous_cannot_read_fails_at_once_not_by_timeout(
+    start_rendezvous: Factory,
+) -> None:
+    server = await start_rendezvous()
+    client = await SignalingClient.connect(server.url)
+    started = time.monotonic()
+    with pytest.raises(SignalingError, match="members_expected: 0 is below the minimum 1") as info:
+        await client.open_session("m", 0, "host", CAP, timeout=30)
+    assert info.value.code == "bad_message" and time.monotonic() - started < 5
+    await client.close()
 
 
 async def test_member_whose_socket_dies_is_reported_disconnected(start_rendezvous: Factory) -> None:
