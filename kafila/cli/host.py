@@ -91,9 +91,14 @@ def _speed(text: str) -> float:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="model name or Hugging Face folder to serve")
-    parser.add_argument("--members", type=int, default=1, help="members in the session, this host included")
     parser.add_argument(
-        "--context", type=int, default=2048, help="declared context: prompt plus answer tokens"
+        "--members", type=positive_int, default=1, help="members in the session, this host included"
+    )
+    parser.add_argument(
+        "--context",
+        type=positive_int,
+        default=2048,
+        help="declared context: prompt plus answer tokens, at most the model's trained positions",
     )
     parser.add_argument(
         "--concurrency",

@@ -123,6 +123,11 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
 
     folder = resolve(opts.model)
     ckpt = Checkpoint.open(folder)
+    if opts.context > ckpt.config.max_position_embeddings:
+        raise SessionError(
+            f"--context {opts.context} is beyond the {ckpt.config.max_position_embeddings} positions "
+            f"{opts.model} was trained for"
+        )
     # one dtype for the whole session, decided here: every member probes and computes in it
     opts = replace(opts, dtype=checkpoint_dtype(opts.dtype, ckpt.stored_dtype))
     name = opts.name or default_name()

@@ -15,6 +15,7 @@ from tests.net.harness import start_rendezvous
     [
         (["host", "--model", "no-such-model"], "unknown model 'no-such-model'"),
         (["join", "4-zzzz-bad"], "session code has 3 parts"),
+        (["host", "--context", "100000"], "--context 100000 is beyond the 8192 positions smollm2-135m was"),
     ],
 )
 def test_bad_input_is_one_named_error(argv: list[str], named: str) -> None:
@@ -24,6 +25,15 @@ def test_bad_input_is_one_named_error(argv: list[str], named: str) -> None:
     assert done.returncode == 1
     assert named in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("flag", ["--members", "--context"])
+def test_counts_below_one_are_refused_by_the_parser(flag: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kafila", "host", flag, "0"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"argument {flag}: must be a whole number >= 1, got '0'" in done.stderr
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a machine with 2 CPUs or more")
