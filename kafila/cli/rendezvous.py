@@ -98,5 +98,10 @@ def main(args: argparse.Namespace) -> int:
         forwarded_allow_ips=args.forwarded_allow_ips,
         limits=limits,
     )
-    asyncio.run(RendezvousServer(config, handle_signals=True).serve_forever())
+    try:
+        asyncio.run(RendezvousServer(config, handle_signals=True).serve_forever())
+    except OSError as exc:  # a port in use or not ours to bind: named, no traceback
+        log = get_logger("kafila.rendezvous")
+        log.error("listen_failed", error=exc.strerror or str(exc), errno=exc.errno)
+        return 1
     return 0

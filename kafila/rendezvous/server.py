@@ -59,7 +59,12 @@ class RendezvousServer:
         app = build_app(self.registry, self.udp.stats, tick_s=cfg.tick_s)
         sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((cfg.host, cfg.port))
+        try:
+            sock.bind((cfg.host, cfg.port))
+        except OSError as exc:
+            sock.close()
+            self.udp.close()
+            raise OSError(exc.errno, f"cannot listen on TCP {cfg.host}:{cfg.port}: {exc.strerror}") from exc
         self.http_port = sock.getsockname()[1]
         self._server = uvicorn.Server(self._uvicorn_config(app))
         # uvicorn's serve() captures SIGINT/SIGTERM (wanted by the CLI); embedded servers (tests, demo)

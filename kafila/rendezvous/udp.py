@@ -56,9 +56,13 @@ class UdpService:
 
     async def _bind(self, index: int, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
-        transport, _ = await loop.create_datagram_endpoint(
-            lambda: _Endpoint(self, index), local_addr=(host, port)
-        )
+        try:
+            transport, _ = await loop.create_datagram_endpoint(
+                lambda: _Endpoint(self, index), local_addr=(host, port)
+            )
+        except OSError as exc:
+            self.close()
+            raise OSError(exc.errno, f"cannot listen on UDP {host}:{port}: {exc.strerror or exc}") from exc
         self.transports[index] = transport
         sock = transport.get_extra_info("socket")
         for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
