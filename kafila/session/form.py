@@ -144,7 +144,10 @@ class Driver:
             if isinstance(out, fm.Say):
                 say(out.text)
             elif isinstance(out, fm.Send):
-                await self.client.signal(out.to, out.body)
+                try:
+                    await self.client.signal(out.to, out.body)
+                except SignalingClosed as exc:
+                    raise self._rendezvous_lost(exc) from exc
             elif isinstance(out, fm.Rejected):
                 log.warning("session_message_rejected", member=out.member, reason=out.reason)
             elif isinstance(out, fm.Failed):
@@ -195,14 +198,17 @@ class Driver:
         if self._lost in done and self._next not in done:
             # no member can join or signal any more: the session cannot form (a formed ring does
             # not need the rendezvous for its direct edges, so only forming fails on this)
-            why = self._lost.result()
-            log.warning("session_not_formed", reason="rendezvous lost", error=str(why))
-            raise SessionError(f"lost the rendezvous while the session was forming: {why.message}")
+            raise self._rendezvous_lost(self._lost.result())
         if self._next not in done:
             return await self.carry(self.core.tick(self.now()))
         event, self._next = self._next.result(), None
         core_event = self._translate(event)
         return [] if core_event is None else await self.carry(self.core.handle(core_event, self.now()))
+
+    @staticmethod
+    def _rendezvous_lost(why: SignalingClosed) -> SessionError:
+        log.warning("session_not_formed", reason="rendezvous lost", error=str(why))
+        return SessionError(f"lost the rendezvous while the session was forming: {why.message}")
 
     @staticmethod
     def _translate(event: sig.ServerMessage) -> fm.Event | None:

@@ -40,6 +40,7 @@ from kafila.session.schedule import lanes_for
 
 if TYPE_CHECKING:
     from kafila.session.head import RingInfo
+    from kafila.session.weights import ShardResult
 
 log = get_logger("kafila.session")
 
@@ -263,8 +264,8 @@ async def _fetch(got: fm.LinkNow, links: dict[str, Link], opts: Options) -> Any:
     return shard
 
 
-def weights_source(shard: Any) -> str:
-    """Where a member's shard came from, for the person watching (a kafila.session.weights ShardResult)."""
+def weights_source(shard: ShardResult) -> str:
+    """Where a member's shard came from, for the person watching."""
     if shard.local:
         return f"this machine's own copy of the checkpoint ({shard.path}), nothing fetched"
     cached = len(shard.tensors) - len(shard.fetched)
