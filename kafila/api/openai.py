@@ -20,6 +20,7 @@ from kafila.api.params import (
     messages,
     number,
     read_body,
+    refuse_not_implemented,
     stop_strings,
 )
 from kafila.api.state import Api, api_of
@@ -28,6 +29,7 @@ from kafila.session.service import Sampling
 
 
 def job_from(body: dict[str, Any], prompt: list[int], context: int) -> Job:
+    refuse_not_implemented(body)
     if integer(body, "n", 1, 1) != 1:
         raise invalid("n", "only n=1 is supported")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"

@@ -34,6 +34,33 @@ async def read_body(request: Request) -> dict[str, Any]:
     return body
 
 
+# OpenAI parameters this server does not implement, with the values that mean "not used": a request
+# that sets one to anything else is refused by name, never answered as if it had not asked
+NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+def refuse_not_implemented(body: dict[str, Any]) -> None:
+    for key, unused in NOT_IMPLEMENTED.items():
+        value = body.get(key)
+        # True is not 1 here (best_of: true is no count); otherwise 0 == 0.0 and {} == {} as JSON means
+        fine = any(value is u for u in unused) if isinstance(value, bool) else value in unused
+        if not fine:
+            raise invalid(key, f"'{key}' is not supported here (got {json.dumps(value)}); leave it out")
+
+
 def check_model(body: dict[str, Any], served: str) -> None:
     name = body.get("model")
     if not isinstance(name, str) or not name:

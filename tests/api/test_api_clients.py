@@ -124,6 +124,23 @@ async def test_errors_are_clear_4xx_json(served: Served) -> None:
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
 
 
+async def test_parameters_not_implemented_are_refused_by_name_unless_unused(served: Served) -> None:
+    async with oai(served.member) as client:
+        refused = r"'logprobs' is not supported here \(got 2\)"
+        with pytest.raises(openai.BadRequestError, match=refused) as err:
+            await client.completions.create(model=MODEL, prompt="Paris", max_tokens=2, logprobs=2)
+        assert err.value.body["param"] == "logprobs"
+        with pytest.raises(openai.BadRequestError, match="'presence_penalty' is not supported here"):
+            await client.chat.completions.create(model=MODEL, messages=QUESTION, presence_penalty=0.5)
+        with pytest.raises(openai.BadRequestError, match="'response_format' is not supported here"):
+            fmt = {"type": "json_object"}
+            await client.chat.completions.create(model=MODEL, messages=QUESTION, response_format=fmt)  # type: ignore[arg-type]
+        # the values that mean "not used", as some clients send them, are answered
+        unused = {"logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}}
+        answer = await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, **unused)
+        assert answer.choices[0].message.content
+
+
 async def test_a_client_that_disconnects_cancels_its_request(served: Served) -> None:
     body = {"model": MODEL, "messages": QUESTION, "max_tokens": 200, "temperature": 0, "stream": True}
     url = f"{served.member.url}/v1/chat/completions"
