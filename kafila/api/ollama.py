@@ -18,7 +18,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kafila.api.errors import ApiError, invalid
-from kafila.api.params import Job, check_model, fit, flag, integer, messages, number, read_body, stop_strings
+from kafila.api.params import (
+    OLLAMA_NOT_IMPLEMENTED,
+    OLLAMA_OPTIONS_NOT_IMPLEMENTED,
+    Job,
+    check_model,
+    fit,
+    flag,
+    integer,
+    messages,
+    number,
+    read_body,
+    refuse_not_implemented,
+    stop_strings,
+)
 from kafila.api.state import Api, api_of
 from kafila.api.stream import ChunkStream, Piece, Tally, collect, pieces, start
 from kafila.session.service import Sampling
@@ -28,6 +41,8 @@ def job_from(body: dict[str, Any], prompt: list[int], context: int) -> Job:
     opts = body.get("options") or {}
     if not isinstance(opts, dict):
         raise invalid("options", "'options' must be an object")
+    refuse_not_implemented(body, OLLAMA_NOT_IMPLEMENTED)
+    refuse_not_implemented(opts, OLLAMA_OPTIONS_NOT_IMPLEMENTED, "options.")
     num_predict = integer(opts, "num_predict", -2, None)
     max_tokens = fit(
         prompt, None if num_predict is None or num_predict < 0 else num_predict, context, "num_predict"

@@ -52,13 +52,30 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
 }
 
 
-def refuse_not_implemented(body: dict[str, Any]) -> None:
-    for key, unused in NOT_IMPLEMENTED.items():
+# Ollama's: the request's `format` and the sampling options this server does not implement
+OLLAMA_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {"format": (None, "")}
+OLLAMA_OPTIONS_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "repeat_penalty": (None, 1),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "mirostat": (None, 0),
+    "typical_p": (None, 1),
+    "min_p": (None, 0),
+    "tfs_z": (None, 1),
+}
+
+
+def refuse_not_implemented(
+    body: dict[str, Any], table: dict[str, tuple[Any, ...]] = NOT_IMPLEMENTED, where: str = ""
+) -> None:
+    """Refuse (400, by name) a parameter of `table` set to anything but a value meaning "not used"."""
+    for key, unused in table.items():
         value = body.get(key)
         # True is not 1 here (best_of: true is no count); otherwise 0 == 0.0 and {} == {} as JSON means
         fine = any(value is u for u in unused) if isinstance(value, bool) else value in unused
         if not fine:
-            raise invalid(key, f"'{key}' is not supported here (got {json.dumps(value)}); leave it out")
+            name = where + key
+            raise invalid(name, f"'{name}' is not supported here (got {json.dumps(value)}); leave it out")
 
 
 def check_model(body: dict[str, Any], served: str) -> None:

@@ -139,6 +139,17 @@ async def test_parameters_not_implemented_are_refused_by_name_unless_unused(serv
         unused = {"logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}}
         answer = await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, **unused)
         assert answer.choices[0].message.content
+    with ollama.Client(host=served.member.url) as oclient:
+        for kw, name in (
+            ({"format": "json"}, "format"),
+            ({"options": {"repeat_penalty": 1.3}}, "options.repeat_penalty"),
+        ):
+            with pytest.raises(ollama.ResponseError) as oerr:
+                await asyncio.to_thread(oclient.generate, model=MODEL, prompt="Hi", **kw)
+            assert oerr.value.status_code == 400 and f"'{name}' is not supported here" in oerr.value.error
+        neutral = {"num_predict": 2, "repeat_penalty": 1.0, "min_p": 0.0}
+        done = await asyncio.to_thread(oclient.generate, model=MODEL, prompt="Hi", options=neutral)
+        assert done["done"] and done["eval_count"] == 2
 
 
 async def test_a_client_that_disconnects_cancels_its_request(served: Served) -> None:
