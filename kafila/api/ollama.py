@@ -17,32 +17,33 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kafila.api import params
 from kafila.api.errors import ApiError, invalid
-from kafila.api.params import (
-    OLLAMA_NOT_IMPLEMENTED,
-    OLLAMA_OPTIONS_NOT_IMPLEMENTED,
-    Job,
-    check_model,
-    fit,
-    flag,
-    integer,
-    messages,
-    number,
-    read_body,
-    refuse_not_implemented,
-    stop_strings,
-)
+from kafila.api.params import Job, check_model, fit, flag, integer, messages, number, read_body, stop_strings
 from kafila.api.state import Api, api_of
 from kafila.api.stream import ChunkStream, Piece, Tally, collect, pieces, start
 from kafila.session.service import Sampling
+
+# the request's `format` and the sampling options this server does not implement (refused by name
+# unless unused, as kafila.api.params.NOT_IMPLEMENTED for OpenAI's; other options are ignored)
+NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {"format": (None, "")}
+OPTIONS_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "repeat_penalty": (None, 1),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "mirostat": (None, 0),
+    "typical_p": (None, 1),
+    "min_p": (None, 0),
+    "tfs_z": (None, 1),
+}
 
 
 def job_from(body: dict[str, Any], prompt: list[int], context: int) -> Job:
     opts = body.get("options") or {}
     if not isinstance(opts, dict):
         raise invalid("options", "'options' must be an object")
-    refuse_not_implemented(body, OLLAMA_NOT_IMPLEMENTED)
-    refuse_not_implemented(opts, OLLAMA_OPTIONS_NOT_IMPLEMENTED, "options.")
+    params.refuse_not_implemented(body, NOT_IMPLEMENTED)
+    params.refuse_not_implemented(opts, OPTIONS_NOT_IMPLEMENTED, "options.")
     num_predict = integer(opts, "num_predict", -2, None)
     max_tokens = fit(
         prompt, None if num_predict is None or num_predict < 0 else num_predict, context, "num_predict"

@@ -52,19 +52,6 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
 }
 
 
-# Ollama's: the request's `format` and the sampling options this server does not implement
-OLLAMA_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {"format": (None, "")}
-OLLAMA_OPTIONS_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "repeat_penalty": (None, 1),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "mirostat": (None, 0),
-    "typical_p": (None, 1),
-    "min_p": (None, 0),
-    "tfs_z": (None, 1),
-}
-
-
 def refuse_not_implemented(
     body: dict[str, Any], table: dict[str, tuple[Any, ...]] = NOT_IMPLEMENTED, where: str = ""
 ) -> None:
