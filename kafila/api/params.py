@@ -111,15 +111,32 @@ def flag(d: dict[str, Any], key: str, default: bool) -> bool:
 
 
 def messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chat as the template takes it: each content a string (OpenAI's text parts joined by
+    newlines, as other servers join them), OpenAI's `developer` role under its older name `system`."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise invalid("messages", "'messages' must be a non-empty list")
+    out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise invalid("messages", f"messages[{i}] must be an object with a 'role'")
-        if not isinstance(m.get("content", ""), str):
-            raise invalid("messages", f"messages[{i}].content must be a string")
-    return msgs
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append(m | {"role": role, "content": _text(m.get("content", ""), i)})
+    return out
+
+
+def _text(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid("messages", f"messages[{i}].content must be a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise invalid("messages", f"messages[{i}].content[{j}]: only text parts are served, got {kind!r}")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def fit(prompt: list[int], max_tokens: int | None, context: int, key: str) -> int:

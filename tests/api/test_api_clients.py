@@ -152,6 +152,27 @@ async def test_parameters_not_implemented_are_refused_by_name_unless_unused(serv
         assert done["done"] and done["eval_count"] == 2
 
 
+async def test_text_parts_and_the_developer_role_read_as_plain_content_and_system(served: Served) -> None:
+    system = {"role": "system", "content": "Answer in one word."}
+    plain = [system, *QUESTION]
+    parts = [
+        {"role": "developer", "content": [{"type": "text", "text": "Answer in one word."}]},
+        {"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]},
+    ]
+    async with oai(served.member) as client:
+        want, got = [
+            await client.chat.completions.create(model=MODEL, messages=m, max_tokens=6, temperature=0)  # type: ignore[arg-type]
+            for m in (plain, parts)
+        ]
+        assert got.choices[0].message.content == want.choices[0].message.content  # greedy: the same prompt
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        with pytest.raises(
+            openai.BadRequestError, match=r"content\[1\]: only text parts are served, got 'image_url'"
+        ):
+            msg = {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}
+            await client.chat.completions.create(model=MODEL, messages=[msg])  # type: ignore[list-item]
+
+
 async def test_a_client_that_disconnects_cancels_its_request(served: Served) -> None:
     body = {"model": MODEL, "messages": QUESTION, "max_tokens": 200, "temperature": 0, "stream": True}
     url = f"{served.member.url}/v1/chat/completions"
