@@ -308,7 +308,7 @@ async def _start_ring(
         plan.concurrency,
         opts.pace,
     )
-    nxt_name, prv_name = order[(index + 1) % len(order)], order[index - 1]
+    nxt_name, prv_name = plan.successor(name), plan.predecessor(name)
     info = _ring_info(name, code, plan, links, model, alternatives, stage.backend.dtype)
     nxt = _channel(links.get(nxt_name), nxt_name, opts)
     prv = _channel(links.get(prv_name), prv_name, opts) if len(order) > 2 or nxt is None else nxt
@@ -353,9 +353,7 @@ def _ring_info(
     from kafila.session.head import RingInfo
     from kafila.session.stagetrace import planned_rtt_ms
 
-    order = list(plan.order)
-    index = order.index(name)
-    nxt_name, prv_name = order[(index + 1) % len(order)], order[index - 1]
+    nxt_name, prv_name = plan.successor(name), plan.predecessor(name)
     edges = {f"{e.src}->{e.dst}": ("direct" if e.direct else "relay") for e in plan.edges}
     own = {
         f"{src}->{dst}": links[peer]
@@ -368,7 +366,7 @@ def _ring_info(
         session=code.public,
         model=model,
         division=plan.division,
-        order=tuple(order),
+        order=tuple(plan.order),
         blocks={s.name: (s.start, s.stop) for s in plan.stages},
         predicted_ms={s.name: (s.cost_s or 0.0) * 1e3 for s in plan.stages},
         edges=edges,
