@@ -182,6 +182,19 @@ def main(args: argparse.Namespace) -> int:
     return run_member(lambda: host(options(args), on_code))  # type: ignore[arg-type]
 
 
+def member_failures() -> tuple[type[Exception], ...]:
+    """What a member's start or serving can end in that names its own cause, so one line says it:
+    the session refused or not formed, a bad model, checkpoint or code (ValueError), the rendezvous
+    refusing or gone, a link that could not be made or broke, the weight fetch, the NAT probe."""
+    from kafila.net.errors import LinkError, NatProbeError
+    from kafila.net.signaling import SignalingError
+    from kafila.session.channel import ChannelError
+    from kafila.session.form import SessionError
+    from kafila.session.weights import WeightsError
+
+    return (SessionError, ValueError, SignalingError, LinkError, ChannelError, WeightsError, NatProbeError)
+
+
 def run_member(start: Callable[[], Awaitable[Any]]) -> int:
     """Form the session with `start`, serve until Ctrl-C or SIGTERM (`kill`, `docker stop`): either
     closes the links and the API before the process ends (exit 130 or 143). A failure is one line
@@ -189,7 +202,7 @@ def run_member(start: Callable[[], Awaitable[Any]]) -> int:
     import asyncio
     import signal
 
-    from kafila.session.form import SessionError, say
+    from kafila.session.form import say
 
     async def run() -> None:
         task = asyncio.current_task()
@@ -207,7 +220,7 @@ def run_member(start: Callable[[], Awaitable[Any]]) -> int:
 
     try:
         asyncio.run(run())
-    except (SessionError, ValueError) as exc:  # ValueError: a bad model, checkpoint or code, named
+    except member_failures() as exc:
         say(f"error: {exc}")
         return 1
     except asyncio.CancelledError:  # SIGTERM: the session is closed (serve_until_interrupted)

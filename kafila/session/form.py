@@ -26,6 +26,7 @@ from kafila.engine import PREFILL_CHUNK
 from kafila.engine.pace import Pace
 from kafila.net.edge import EdgeOptions, LinkNode, SignalRouter, connect_edge
 from kafila.net.endpoint import UdpEndpoint
+from kafila.net.errors import NatProbeError
 from kafila.net.link import Link
 from kafila.net.signaling import SignalingClient, SignalingClosed
 from kafila.obs.log import get_logger
@@ -230,7 +231,14 @@ async def connect_node(client: SignalingClient, code: SessionCode, url: str) -> 
     host = url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0].strip("[]")
     router = SignalRouter(client)
     node = await LinkNode.joined(await UdpEndpoint.open(sock), router, code, host)
-    await node.classify_nat()
+    try:
+        await node.classify_nat()
+    except NatProbeError as exc:
+        node.endpoint.close()
+        raise SessionError(
+            f"cannot classify this member's NAT: {exc} (the rendezvous's UDP ports must be reachable "
+            "from here: a firewall in between, or a container without its UDP ports published?)"
+        ) from exc
     return node
 
 
@@ -269,13 +277,12 @@ async def link_ring(node: LinkNode, plan: Plan, me: str, ids: dict[str, int], ho
     """One authenticated link per pair of members that talk: ring neighbours, and the host with
     every member (the weight fetch). Returns this member's links by peer name. A link carries both
     directions, so a ring of two and the host's control links reuse the ring edges."""
-    order = list(plan.order)
     pairs: dict[frozenset[str], tuple[str, str]] = {}  # pair -> (client, server)
-    for i, m in enumerate(order):
-        n = order[(i + 1) % len(order)]
+    for m in plan.order:
+        n = plan.successor(m)
         if m != n:
             pairs.setdefault(frozenset((m, n)), (m, n))
-    for m in order:
+    for m in plan.order:
         if m != host:
             pairs.setdefault(frozenset((m, host)), (m, host))
     direct = {frozenset((e.src, e.dst)): e.direct for e in plan.edges}

@@ -7,6 +7,11 @@ import sys
 
 import pytest
 
+from kafila.cli.host import run_member
+from kafila.net.errors import LinkTimeout
+from kafila.net.signaling import SignalingError
+from kafila.session.channel import ChannelClosed
+from kafila.session.weights import WeightsError
 from tests.net.harness import start_rendezvous
 
 
@@ -74,3 +79,45 @@ async def test_a_code_the_rendezvous_does_not_know_is_refused_in_one_line() -> N
     assert proc.returncode == 1 and "Traceback" not in stderr
     assert f"the rendezvous at {server.url} would not join session 4-k7m2: no open session" in stderr
     assert "(unknown_session)" in stderr
+
+
+async def test_a_rendezvous_whose_udp_is_blocked_is_named_not_a_traceback() -> None:
+    """Its UDP probe port blocked (simulated by closing the rendezvous's UDP service, the signaling
+    stays up): the host's NAT probe gets no answer."""
+    server = await start_rendezvous()
+    server.udp.close()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *[sys.executable, "-m", "kafila", "host", "--members", "1", "--rendezvous", server.url],
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, err = await asyncio.wait_for(proc.communicate(), 120)
+    finally:
+        await server.stop()
+    stderr = err.decode()
+    assert proc.returncode == 1 and "Traceback" not in stderr
+    probe = f"127.0.0.1:{server.udp.port}"
+    assert f"cannot classify this member's NAT: rendezvous probe endpoint {probe} did not answer" in stderr
+    assert "the rendezvous's UDP ports must be reachable from here" in stderr
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        LinkTimeout("edge 1-2: no offer from member 2 within 30.0 s"),
+        WeightsError("tensor model.norm.weight: 2304 bytes fetched, 2048 expected"),
+        ChannelClosed("channel to beta closed"),
+        SignalingError("rate_limited", "too many requests"),
+    ],
+    ids=type,
+)
+def test_a_member_that_fails_on_its_own_cause_says_it_in_one_line(
+    failure: Exception, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def start() -> None:
+        raise failure
+
+    assert run_member(start) == 1
+    err = capsys.readouterr().err
+    assert f"kafila: error: {failure}" in err and "Traceback" not in err
