@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kafila.api import ollama, openai
-from kafila.api.errors import ApiError, handle_api_error, handle_generation_error
+from kafila.api.errors import ApiError, handle_api_error, handle_generation_error, render
 from kafila.api.state import Api, api_of
 from kafila.obs import metrics
 from kafila.session.service import GenerationError
@@ -33,9 +33,17 @@ async def healthz(request: Request) -> Response:
 
 
 async def not_found(request: Request, exc: Exception) -> Response:
-    from kafila.api.errors import render
-
     return render(request, ApiError(404, "not_found", f"no route {request.method} {request.url.path}"))
+
+
+async def wrong_method(request: Request, exc: Exception) -> Response:
+    """405 in the route's own error shape, naming the methods it takes (Starlette's is plain text)."""
+    allowed = getattr(exc, "headers", None) or {}
+    methods = allowed.get("Allow", "another method")
+    message = f"{request.url.path} does not take {request.method}; use {methods}"
+    response = render(request, ApiError(405, "method_not_allowed", message))
+    response.headers["Allow"] = methods
+    return response
 
 
 def create_app(api: Api) -> Starlette:
@@ -43,15 +51,24 @@ def create_app(api: Api) -> Starlette:
         Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai.completions, methods=["POST"]),
         Route("/v1/models", openai.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", openai.model, methods=["GET"]),
         Route("/api/chat", ollama.chat, methods=["POST"]),
         Route("/api/generate", ollama.generate, methods=["POST"]),
         Route("/api/tags", ollama.tags, methods=["GET"]),
+        Route("/api/show", ollama.show, methods=["POST"]),
+        Route("/api/ps", ollama.ps, methods=["GET"]),
+        Route("/api/version", ollama.version, methods=["GET"]),
         Route("/session", session, methods=["GET"]),
         Route("/traces", traces, methods=["GET"]),
         Route("/metrics", metrics_text, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
     ]
-    handlers = {ApiError: handle_api_error, GenerationError: handle_generation_error, 404: not_found}
+    handlers = {
+        ApiError: handle_api_error,
+        GenerationError: handle_generation_error,
+        404: not_found,
+        405: wrong_method,
+    }
     app = Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
     app.state.api = api
     return app

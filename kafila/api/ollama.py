@@ -1,4 +1,5 @@
-"""Ollama-compatible routes: /api/chat, /api/generate (NDJSON streaming by default), /api/tags.
+"""Ollama-compatible routes: /api/chat, /api/generate (NDJSON streaming by default), /api/tags,
+/api/show, /api/ps and /api/version.
 
 A streamed request that waits for a slot first gets lines like Ollama's own chunks with empty
 text and one extra field, `"queue_position": N` (1 = next), each time its place changes. The
@@ -17,6 +18,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kafila import __version__
 from kafila.api import params
 from kafila.api.errors import ApiError, invalid
 from kafila.api.params import Job, check_model, fit, flag, integer, messages, number, read_body, stop_strings
@@ -80,10 +82,69 @@ async def generate(request: Request) -> Response:
 
 async def tags(request: Request) -> Response:
     api = api_of(request)
-    when = datetime.fromtimestamp(api.created, UTC).isoformat()
-    model = {"name": api.model_id, "model": api.model_id, "modified_at": when, "size": 0, "digest": ""}
-    model["details"] = {"format": "safetensors", "family": "kafila-session"}
-    return JSONResponse({"models": [model]})
+    return JSONResponse({"models": [_entry(api) | {"modified_at": _created(api)}]})
+
+
+async def ps(request: Request) -> Response:
+    """The one model this session keeps loaded (on every member, in shares) until it ends."""
+    api = api_of(request)
+    return JSONResponse({"models": [_entry(api) | {"size_vram": 0, "context_length": api.service.context}]})
+
+
+async def show(request: Request) -> Response:
+    """POST /api/show: the model's details; `model_info` gives the session's context (what a client
+    can fit a prompt to), not the length the model was trained for."""
+    api, body = api_of(request), await read_body(request)
+    check_model(body, api.model_id)
+    f = api.facts
+    info = {
+        "general.architecture": f.architecture,
+        "general.parameter_count": f.parameters,
+        f"{f.architecture}.context_length": api.service.context,
+    }
+    return JSONResponse(
+        {
+            "modelfile": "",
+            "parameters": "",
+            "template": "",
+            "details": _details(api),
+            "model_info": info,
+            "capabilities": ["completion"],
+            "modified_at": _created(api),
+        }
+    )
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": __version__})
+
+
+def _entry(api: Api) -> dict[str, Any]:
+    size = api.facts.size_bytes
+    return {"name": api.model_id, "model": api.model_id, "size": size, "digest": "", "details": _details(api)}
+
+
+def _details(api: Api) -> dict[str, Any]:
+    f = api.facts
+    return {
+        "format": "safetensors",
+        "family": f.architecture,
+        "families": [f.architecture],
+        "parameter_size": _count(f.parameters),
+        "quantization_level": f.dtype,
+    }
+
+
+def _count(n: int) -> str:
+    """135_000_000 -> "135.0M", as Ollama writes parameter sizes."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+def _created(api: Api) -> str:
+    return datetime.fromtimestamp(api.created, UTC).isoformat()
 
 
 async def _run(request: Request, api: Api, job: Job, chat: bool) -> Response:

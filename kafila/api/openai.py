@@ -40,7 +40,26 @@ def job_from(body: dict[str, Any], prompt: list[int], context: int) -> Job:
         top_p=number(body, "top_p", 0.0, 1.0, 1.0),
         seed=integer(body, "seed", -(2**63), None),
     )
-    return Job(prompt, sampling, stop_strings(body.get("stop")), flag(body, "stream", False))
+    return Job(
+        prompt, sampling, stop_strings(body.get("stop")), flag(body, "stream", False), include_usage(body)
+    )
+
+
+def include_usage(body: dict[str, Any]) -> bool:
+    """`stream_options: {"include_usage": true}` asks for a last chunk carrying the usage block."""
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict):
+        raise invalid("stream_options", "'stream_options' must be an object")
+    if body.get("stream") is not True:
+        raise invalid("stream_options", "'stream_options' is only allowed when 'stream' is true")
+    # include_obfuscation pads chunks against size side channels on OpenAI's servers; no answer
+    # depends on it, so it is accepted and not done
+    unknown = sorted(set(opts) - {"include_usage", "include_obfuscation"})
+    if unknown:
+        raise invalid("stream_options", f"'stream_options.{unknown[0]}' is not supported here; leave it out")
+    return flag(opts, "include_usage", False)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -63,9 +82,18 @@ async def completions(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model(api_of(request))]})
+
+
+async def model(request: Request) -> Response:
+    """GET /v1/models/{model}: the served model, or 404 naming what is served."""
     api = api_of(request)
-    entry = {"id": api.model_id, "object": "model", "created": api.created, "owned_by": "kafila"}
-    return JSONResponse({"object": "list", "data": [entry]})
+    check_model({"model": request.path_params["model"]}, api.model_id)
+    return JSONResponse(_model(api))
+
+
+def _model(api: Api) -> dict[str, Any]:
+    return {"id": api.model_id, "object": "model", "created": api.created, "owned_by": "kafila"}
 
 
 async def _run(request: Request, api: Api, job: Job, chat: bool) -> Response:
@@ -74,7 +102,8 @@ async def _run(request: Request, api: Api, job: Job, chat: bool) -> Response:
     stream = pieces(gen, api.codec, job, tally)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     if job.stream:
-        return ChunkStream(_sse(stream, api, rid, chat), gen, "text/event-stream", _sse_error)  # type: ignore[return-value]
+        sse = _sse(stream, api, rid, chat, tally if job.usage else None)
+        return ChunkStream(sse, gen, "text/event-stream", _sse_error)  # type: ignore[return-value]
     await collect(request, stream, gen)
     text = "".join(tally.text)
     choice: dict[str, Any] = {"index": 0, "finish_reason": tally.finish, "logprobs": None}
@@ -95,8 +124,12 @@ def _usage(t: Tally) -> dict[str, int]:
     return {"prompt_tokens": t.prompt_tokens, "completion_tokens": t.completion_tokens, "total_tokens": total}
 
 
-async def _sse(stream: AsyncIterator[Piece], api: Api, rid: str, chat: bool) -> AsyncIterator[bytes]:
-    head = _envelope(api, rid, chat, True)
+async def _sse(
+    stream: AsyncIterator[Piece], api: Api, rid: str, chat: bool, usage: Tally | None
+) -> AsyncIterator[bytes]:
+    """The chunks; with `usage` (stream_options.include_usage) every chunk carries `"usage": null`
+    and one more, with no choices, carries the usage block before [DONE], as OpenAI sends them."""
+    head = _envelope(api, rid, chat, True) | ({"usage": None} if usage else {})
     if chat:
         yield _event(
             head | {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
@@ -109,6 +142,8 @@ async def _sse(stream: AsyncIterator[Piece], api: Api, rid: str, chat: bool) -> 
             choice = {"index": 0, "finish_reason": p.finish}
             choice |= {"delta": body if p.text else {}} if chat else {"text": p.text, "logprobs": None}
             yield _event(head | {"choices": [choice]})
+    if usage is not None:
+        yield _event(head | {"choices": [], "usage": _usage(usage)})
     yield b"data: [DONE]\n\n"
 
 

@@ -22,6 +22,7 @@ class Job:
     sampling: Sampling
     stop: tuple[str, ...]
     stream: bool
+    usage: bool = False  # a streamed answer ends with a usage chunk (OpenAI's stream_options)
 
 
 async def read_body(request: Request) -> dict[str, Any]:

@@ -286,6 +286,7 @@ async def _start_ring(
     chunk: int,
     alternatives: dict[str, Any] | None = None,
 ) -> Formed:
+    from kafila.api.state import ModelFacts
     from kafila.engine.stage import Stage
     from kafila.engine.tokenizer import Tokenizer
     from kafila.session.compute import ModelThread
@@ -335,7 +336,8 @@ async def _start_ring(
     else:
         service = RingMember(index, stage, model_thread, info, nxt, prv, traces)  # type: ignore[arg-type]
     service.start()
-    api = await _serve_api(service, tokenizer, model, traces, opts) if opts.api else None
+    facts = ModelFacts.of(ckpt.config, stage.backend.wire_dtype)
+    api = await _serve_api(service, tokenizer, model, facts, traces, opts) if opts.api else None
     return Formed(name, code, plan, service, api, client, node, links)
 
 
@@ -389,7 +391,9 @@ def _channel(link: Link | None, peer: str, opts: Options) -> Heartbeat | None:
     return Heartbeat(LinkChannel(link, peer), opts.dead_after).start() if link is not None else None
 
 
-async def _serve_api(service: Any, tokenizer: Any, model: str, traces: TraceLog | None, opts: Options) -> Any:
+async def _serve_api(
+    service: Any, tokenizer: Any, model: str, facts: Any, traces: TraceLog | None, opts: Options
+) -> Any:
     from kafila.api.app import create_app
     from kafila.api.server import ApiServer, parse_addr
     from kafila.api.state import Api
@@ -397,6 +401,6 @@ async def _serve_api(service: Any, tokenizer: Any, model: str, traces: TraceLog 
 
     codec = TokenizerCodec(tokenizer)
     host, port = parse_addr(opts.api or "")
-    server = await ApiServer(create_app(Api(service, codec, model, traces)), host, port).start()
+    server = await ApiServer(create_app(Api(service, codec, model, facts, traces)), host, port).start()
     say(f"API at {server.url} (OpenAI {server.url}/v1, Ollama {server.url}/api, {server.url}/session)")
     return server

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kafila.api.app import create_app
 from kafila.api.server import ApiServer
-from kafila.api.state import Api
+from kafila.api.state import Api, ModelFacts
 from kafila.engine.tokenizer import Tokenizer
 from kafila.models.checkpoint import Checkpoint
 from kafila.obs.trace import TraceLog
@@ -35,8 +35,10 @@ async def serve_ring(model: Path, traces: Path, concurrency: int) -> AsyncIterat
     ring = build_ring(ckpt, [(0, 12), (12, 30)], context=256, concurrency=concurrency, chunk=64)
     codec = TokenizerCodec(Tokenizer.from_checkpoint(ckpt))
     ring.head.traces, ring.members[0].traces = TraceLog(traces / "m0.jsonl"), TraceLog(traces / "m1.jsonl")
-    head = await ApiServer(create_app(Api(ring.head, codec, MODEL, ring.head.traces))).start()
-    member = await ApiServer(create_app(Api(ring.members[0], codec, MODEL, ring.members[0].traces))).start()
+    facts = ModelFacts.of(ckpt.config, ckpt.stored_dtype)
+    m1 = ring.members[0]
+    head = await ApiServer(create_app(Api(ring.head, codec, MODEL, facts, ring.head.traces))).start()
+    member = await ApiServer(create_app(Api(m1, codec, MODEL, facts, m1.traces))).start()
     try:
         yield Served(ring, head, member)
     finally:

@@ -17,7 +17,9 @@ import openai
 import pytest
 import pytest_asyncio
 
+import kafila
 from kafila.api.server import ApiServer
+from kafila.models.checkpoint import Checkpoint
 from tests.api.served import MODEL, Served, serve_ring
 
 pytestmark = [pytest.mark.network, pytest.mark.asyncio(loop_scope="module")]
@@ -83,6 +85,55 @@ async def test_openai_stop_strings_cut_the_answer(served: Served) -> None:
             model=MODEL, prompt="The capital of Germany is", max_tokens=8, temperature=0, stop=["Ber"]
         )
     assert "Ber" not in r.choices[0].text and r.choices[0].finish_reason == "stop"
+
+
+async def test_openai_stream_ends_with_the_usage_when_asked(served: Served) -> None:
+    ask = {"model": MODEL, "messages": QUESTION, "max_tokens": 10, "temperature": 0}
+    async with oai(served.member) as client:
+        whole = await client.chat.completions.create(**ask)  # type: ignore[call-overload]
+        stream = await client.chat.completions.create(
+            **ask, stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [c async for c in stream]
+        with pytest.raises(openai.BadRequestError, match="only allowed when 'stream' is true"):
+            await client.chat.completions.create(**ask, stream_options={"include_usage": True})
+    *answer, last = chunks
+    assert last.choices == [] and last.usage == whole.usage  # the same tokens, counted the same
+    assert all(c.usage is None for c in answer)
+    assert "".join(c.choices[0].delta.content or "" for c in answer) == whole.choices[0].message.content
+
+
+async def test_openai_retrieves_the_served_model_and_names_it_for_another(served: Served) -> None:
+    async with oai(served.member) as client:
+        assert (await client.models.retrieve(MODEL)).id == MODEL
+        with pytest.raises(openai.NotFoundError, match=f"this session serves '{MODEL}'"):
+            await client.models.retrieve("llama-70b")
+
+
+async def test_a_wrong_method_is_a_405_in_the_routes_own_error_shape(served: Served) -> None:
+    async with httpx.AsyncClient() as http:
+        r = await http.get(f"{served.head.url}/v1/chat/completions")
+        assert r.status_code == 405 and r.headers["allow"] == "POST"
+        assert r.json()["error"]["message"] == "/v1/chat/completions does not take GET; use POST"
+        r = await http.get(f"{served.head.url}/api/chat")
+        assert r.status_code == 405 and r.json() == {"error": "/api/chat does not take GET; use POST"}
+
+
+def ollama_facts(url: str) -> tuple[ollama.ShowResponse, ollama.ProcessResponse, dict[str, str]]:
+    with ollama.Client(host=url) as client:
+        return client.show(MODEL), client.ps(), httpx.get(f"{url}/api/version").json()
+
+
+async def test_ollama_show_ps_and_version_describe_the_served_model(served: Served, smollm2_path) -> None:
+    shown, running, version = await asyncio.to_thread(ollama_facts, served.member.url)
+    weights = Checkpoint.open(smollm2_path).manifest().total_bytes  # the checkpoint's own tensors
+    assert shown.details.family == "llama" and shown.details.quantization_level == "F32"
+    assert shown.modelinfo["llama.context_length"] == 256  # the session's context, what fits a request
+    assert shown.modelinfo["general.parameter_count"] * 4 == weights
+    assert shown.details.parameter_size == "134.5M" and shown.capabilities == ["completion"]
+    [loaded] = running.models
+    assert loaded.model == MODEL and loaded.size == weights and loaded.context_length == 256
+    assert version == {"version": kafila.__version__}
 
 
 def ollama_session(url: str) -> tuple[str, str, str, list[str]]:
