@@ -12,7 +12,10 @@ from kafila.api import ollama, openai
 from kafila.api.errors import ApiError, handle_api_error, handle_generation_error, render
 from kafila.api.state import Api, api_of
 from kafila.obs import metrics
+from kafila.obs.log import get_logger
 from kafila.session.service import GenerationError
+
+log = get_logger("kafila.api")
 
 
 async def session(request: Request) -> Response:
@@ -46,6 +49,12 @@ async def wrong_method(request: Request, exc: Exception) -> Response:
     return response
 
 
+async def internal_error(request: Request, exc: Exception) -> Response:
+    """A fault of this server (a bug): a JSON 500 in the route's error shape, named, and logged."""
+    log.error("api_internal_error", path=request.url.path, error=repr(exc))
+    return render(request, ApiError(500, "internal", f"internal error: {exc!r}"))
+
+
 def create_app(api: Api) -> Starlette:
     routes = [
         Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
@@ -68,6 +77,7 @@ def create_app(api: Api) -> Starlette:
         GenerationError: handle_generation_error,
         404: not_found,
         405: wrong_method,
+        Exception: internal_error,
     }
     app = Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
     app.state.api = api

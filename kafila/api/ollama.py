@@ -55,9 +55,16 @@ def job_from(body: dict[str, Any], prompt: list[int], context: int) -> Job:
         temperature=number(opts, "temperature", 0.0, 2.0, 0.8),
         top_k=integer(opts, "top_k", 0, 40) or 0,
         top_p=number(opts, "top_p", 0.0, 1.0, 0.9),
-        seed=integer(opts, "seed", -(2**63), None),
+        seed=_seed(opts),
     )
     return Job(prompt, sampling, stop_strings(opts.get("stop"), "options.stop"), flag(body, "stream", True))
+
+
+def _seed(opts: dict[str, Any]) -> int | None:
+    """Ollama's default seed is -1, which means a random one (as in llama.cpp): any negative seed
+    draws from a fresh generator; 0 and up repeat."""
+    seed = integer(opts, "seed", -(2**63), None)
+    return None if seed is None or seed < 0 else seed
 
 
 async def chat(request: Request) -> Response:

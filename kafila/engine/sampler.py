@@ -1,12 +1,15 @@
 """Choosing the next token from logits (numpy, backend-neutral) and deciding when to stop.
 
-Greedy when `temperature == 0`; otherwise logits / temperature, then top-k, then top-p (the
-smallest set of tokens whose probability reaches `top_p`, as transformers does), then a draw from
-the request's own generator, seeded by `seed` so a seeded request repeats exactly.
+Greedy when `temperature == 0` (or `top_k == 1`, or `top_p == 0`: only the most likely token is
+left); otherwise logits / temperature, then top-k, then top-p (the smallest set of tokens whose
+probability reaches `top_p`, as transformers does), then a draw from the request's own generator,
+seeded by `seed` so a seeded request repeats exactly (any integer: a negative seed is read as the
+64-bit pattern it has, so -1 is one fixed seed, not "random").
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,12 +28,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # also refuses NaN
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.top_p <= 1:
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
@@ -41,14 +44,14 @@ class Sampler:
     def __init__(self, params: SamplingParams, eos_ids: tuple[int, ...] = ()) -> None:
         self.params = params
         self.stop_ids = frozenset(eos_ids) | frozenset(params.stop_token_ids)
-        self.rng = np.random.default_rng(params.seed)
+        self.rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
         self.generated = 0
 
     def sample(self, logits: np.ndarray) -> int:
         """logits [V] -> the next token id."""
         p = self.params
         self.generated += 1
-        if p.temperature == 0 or p.top_k == 1:
+        if p.temperature == 0 or p.top_k == 1 or p.top_p == 0:
             return int(np.argmax(logits))
         probs = distribution(logits, p.temperature, p.top_k, p.top_p)
         return int(self.rng.choice(probs.shape[0], p=probs))

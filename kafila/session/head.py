@@ -190,11 +190,15 @@ class RingHead:
                 f"prompt of {len(prompt)} tokens plus max_tokens={s.max_tokens} exceeds the context of "
                 f"{self.context} tokens",
             )
-        params = SamplingParams(
-            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0, seed=s.seed,
-            max_tokens=s.max_tokens, stop_token_ids=s.stop_ids,
-        )  # fmt: skip
-        req = _Req(rid, prompt, Sampler(params, self.eos_ids), gen, s.max_tokens)
+        try:  # the API checked these; a forwarded request is checked here too, never breaking the ring
+            params = SamplingParams(
+                temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
+                max_tokens=s.max_tokens, stop_token_ids=s.stop_ids,
+            )  # fmt: skip
+            sampler = Sampler(params, self.eos_ids)
+        except ValueError as exc:
+            raise GenerationError("bad_request", str(exc)) from exc
+        req = _Req(rid, prompt, sampler, gen, s.max_tokens)
         self._reqs[rid] = req
         position = self.schedule.submit(rid, len(prompt), s.max_tokens)
         if position:

@@ -26,6 +26,7 @@ class Served:
     ring: Ring
     head: ApiServer
     member: ApiServer
+    head_api: Api  # what the head's app serves (to build another app on it)
 
 
 @contextlib.asynccontextmanager
@@ -36,11 +37,11 @@ async def serve_ring(model: Path, traces: Path, concurrency: int) -> AsyncIterat
     codec = TokenizerCodec(Tokenizer.from_checkpoint(ckpt))
     ring.head.traces, ring.members[0].traces = TraceLog(traces / "m0.jsonl"), TraceLog(traces / "m1.jsonl")
     facts = ModelFacts.of(ckpt.config, ckpt.stored_dtype)
-    m1 = ring.members[0]
-    head = await ApiServer(create_app(Api(ring.head, codec, MODEL, facts, ring.head.traces))).start()
+    m1, head_api = ring.members[0], Api(ring.head, codec, MODEL, facts, ring.head.traces)
+    head = await ApiServer(create_app(head_api)).start()
     member = await ApiServer(create_app(Api(m1, codec, MODEL, facts, m1.traces))).start()
     try:
-        yield Served(ring, head, member)
+        yield Served(ring, head, member, head_api)
     finally:
         await head.stop()
         await member.stop()

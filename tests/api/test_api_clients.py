@@ -18,8 +18,11 @@ import pytest
 import pytest_asyncio
 
 import kafila
+from kafila.api import openai as openai_routes
+from kafila.api.app import create_app
 from kafila.api.server import ApiServer
 from kafila.models.checkpoint import Checkpoint
+from kafila.session.service import GenerationError, Sampling
 from tests.api.served import MODEL, Served, serve_ring
 
 pytestmark = [pytest.mark.network, pytest.mark.asyncio(loop_scope="module")]
@@ -134,6 +137,60 @@ async def test_ollama_show_ps_and_version_describe_the_served_model(served: Serv
     [loaded] = running.models
     assert loaded.model == MODEL and loaded.size == weights and loaded.context_length == 256
     assert version == {"version": kafila.__version__}
+
+
+async def test_any_integer_seed_repeats_and_top_p_zero_is_the_most_likely_token(served: Served) -> None:
+    ask = {"model": MODEL, "prompt": "The capital of Germany is", "max_tokens": 6}
+    async with oai(served.member) as client:
+        seeded = [
+            (await client.completions.create(**ask, temperature=1.0, seed=-5)).choices[0].text for _ in "ab"
+        ]
+        greedy = await client.completions.create(**ask, temperature=0)
+        narrow = await client.completions.create(**ask, temperature=1.5, top_p=0)
+    assert seeded[0] == seeded[1]  # a negative seed was a 500 before
+    assert narrow.choices[0].text == greedy.choices[0].text  # top_p 0 was read as 1 (no top-p)
+    with ollama.Client(host=served.member.url) as oclient:
+        opts = {"num_predict": 3, "temperature": 1.0, "seed": -1}  # Ollama's default seed: random
+        done = await asyncio.to_thread(oclient.generate, model=MODEL, prompt="Hi", options=opts)
+    assert done["done"] and done["eval_count"] == 3
+
+
+async def test_a_forwarded_request_with_bad_sampling_is_refused_and_the_ring_keeps_serving(
+    served: Served,
+) -> None:
+    """A member whose API did not check (another version, a bug) forwards temperature -1 and a seed
+    numpy cannot take: the head answers that request with an error instead of breaking the ring."""
+    member = served.ring.members[0]
+    for bad in (Sampling(max_tokens=2, temperature=-1.0), Sampling(max_tokens=2, temperature=1.0, seed=-5)):
+        gen = await member.submit([1, 2, 3], bad)
+        try:
+            tokens = [ev async for ev in gen]
+        except GenerationError as exc:
+            assert exc.code == "bad_request" and "temperature must be" in exc.message
+        else:
+            assert bad.seed == -5 and tokens  # a negative seed is a fixed seed now
+    assert served.ring.head.broken is None
+    async with oai(served.member) as client:
+        r = await client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
+
+
+async def test_a_fault_of_the_server_is_a_named_json_500(served: Served, monkeypatch) -> None:
+    def broken(request: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(openai_routes, "models", broken)  # a route with a bug, in a fresh app
+    app = create_app(served.head_api)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://kafila") as http:
+        r = await http.get("/v1/models")
+    assert r.status_code == 500
+    assert r.json()["error"] == {
+        "message": "internal error: RuntimeError('boom')",
+        "type": "server_error",
+        "param": None,
+        "code": "internal",
+    }
 
 
 def ollama_session(url: str) -> tuple[str, str, str, list[str]]:

@@ -64,8 +64,8 @@ def test_stops_on_eos_stop_tokens_and_max_tokens() -> None:
 @pytest.mark.parametrize(
     "kw, message",
     [
-        ({"temperature": -1}, "temperature must be >= 0"),
-        ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
+        ({"temperature": -1}, "temperature must be a finite number >= 0"),
+        ({"top_p": 1.5}, r"top_p must be in \[0, 1\]"),
         ({"top_k": -2}, "top_k must be >= 0"),
         ({"max_tokens": 0}, "max_tokens must be >= 1"),
     ],
@@ -73,3 +73,25 @@ def test_stops_on_eos_stop_tokens_and_max_tokens() -> None:
 def test_bad_parameters_are_refused_by_name(kw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kw)
+
+
+def test_negative_seeds_repeat_and_differ_from_each_other() -> None:
+    def draw(seed: int) -> list[int]:
+        s = Sampler(SamplingParams(temperature=1.0, seed=seed, max_tokens=50))
+        rng = np.random.default_rng(7)
+        return [s.sample(rng.standard_normal(100).astype(np.float32)) for _ in range(20)]
+
+    assert draw(-1) == draw(-1) and draw(-5) == draw(-5)
+    assert draw(-1) != draw(-5)
+
+
+def test_top_p_zero_keeps_only_the_most_likely_token() -> None:
+    logits = np.random.default_rng(3).standard_normal(1000).astype(np.float32)
+    s = Sampler(SamplingParams(temperature=1.5, top_p=0.0, seed=1, max_tokens=50))
+    assert {s.sample(logits) for _ in range(20)} == {int(np.argmax(logits))}
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -0.5])
+def test_a_temperature_that_is_not_a_finite_number_at_least_zero_is_refused(temperature: float) -> None:
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        SamplingParams(temperature=temperature)
