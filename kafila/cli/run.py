@@ -86,11 +86,15 @@ def _run(args: argparse.Namespace, params) -> int:  # type: ignore[no-untyped-de
     from kafila.models.registry import resolve
 
     ckpt = Checkpoint.open(resolve(args.model))
+    trained = ckpt.config.max_position_embeddings
+    if args.context > trained:
+        raise ValueError(
+            f"--context {args.context} is beyond the {trained} positions {args.model} was trained for"
+        )
     tok = Tokenizer.from_checkpoint(ckpt)
     prompt = _prompt_ids(tok, args)
-    context = min(args.context, ckpt.config.max_position_embeddings)
     stage = Stage.load(
-        ckpt, range(ckpt.n_blocks), True, backend=args.backend, dtype=args.dtype, context=context
+        ckpt, range(ckpt.n_blocks), True, backend=args.backend, dtype=args.dtype, context=args.context
     )
     timings, stream = Timings(), tok.stream()
     steps = generate(stage, prompt, params, eos_ids=tuple(tok.stop_ids), chunk=args.chunk, timings=timings)
@@ -98,11 +102,21 @@ def _run(args: argparse.Namespace, params) -> int:  # type: ignore[no-untyped-de
         sys.stdout.write(stream.push(token))
         sys.stdout.flush()
     sys.stdout.write(stream.flush() + "\n")
-    print(_summary(timings, str(stage.backend)), file=sys.stderr)
+    print(_summary(timings, str(stage.backend), _length_limit(args, len(prompt))), file=sys.stderr)
     return 0
 
 
+def _length_limit(args: argparse.Namespace, prompt_tokens: int) -> str:
+    """What a "length" stop ran into: --max-tokens, or the context the prompt left room in."""
+    if prompt_tokens + args.max_tokens <= args.context:
+        return f"--max-tokens {args.max_tokens}"
+    return f"--context {args.context} full ({prompt_tokens} prompt tokens)"
+
+
 def _prompt_ids(tok, args: argparse.Namespace) -> list[int]:  # type: ignore[no-untyped-def]
+    if args.system is not None and (args.raw or tok.chat_template is None):
+        why = "with --raw" if args.raw else f"{args.model} has no chat template"
+        raise ValueError(f"--system has no place {why}: the prompt is plain text")
     if args.raw or tok.chat_template is None:
         return tok.encode(args.prompt)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
@@ -111,9 +125,10 @@ def _prompt_ids(tok, args: argparse.Namespace) -> list[int]:  # type: ignore[no-
     return tok.encode_chat(messages, add_generation_prompt=True)
 
 
-def _summary(t, backend: str) -> str:  # type: ignore[no-untyped-def]
+def _summary(t, backend: str, limit: str) -> str:  # type: ignore[no-untyped-def]
+    stop = f"length ({limit})" if t.stop_reason == "length" else t.stop_reason
     return (
         f"prefill: {t.prompt_tokens} tokens in {t.prefill_s:.2f} s ({t.prefill_tps:.1f} tok/s); "
         f"decode: {max(t.generated_tokens - 1, 0)} tokens in {t.decode_s:.2f} s ({t.decode_tps:.1f} tok/s); "
-        f"{backend}; stop: {t.stop_reason}"
+        f"{backend}; stop: {stop}"
     )

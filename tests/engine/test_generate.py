@@ -108,6 +108,32 @@ def test_kafila_run_answers_paris_on_torch(smollm2_path) -> None:
 
 
 @pytest.mark.slow
+def test_kafila_run_says_which_limit_a_length_stop_ran_into(smollm2_path) -> None:
+    story = "Once upon a time"  # 4 tokens, a continuation that does not end by itself in 6 tokens
+    run = ("run", story, "--model", str(smollm2_path), "--raw")
+    code, _, err = cli(*run, "--max-tokens", "6")
+    assert code == 0 and "stop: length (--max-tokens 6)" in err
+    code, _, err = cli(*run, "--max-tokens", "50", "--context", "8")
+    assert code == 0 and "stop: length (--context 8 full (4 prompt tokens))" in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (["--raw", "--system", "Be brief."], "--system has no place with --raw: the prompt is plain text"),
+        (["--context", "100000"], "--context 100000 is beyond the 8192 positions"),
+        (["--temperature", "nan"], "temperature must be a finite number >= 0, got nan"),
+        (["--temperature", "inf"], "temperature must be a finite number >= 0, got inf"),
+    ],
+)
+def test_kafila_run_refuses_what_it_would_ignore_or_break_on(
+    smollm2_path, extra: list[str], named: str
+) -> None:
+    code, _, err = cli("run", "Hi", "--model", str(smollm2_path), *extra)
+    assert code == 2 and named in err and "Traceback" not in err
+
+
+@pytest.mark.slow
 def test_greedy_answer_is_paris_on_mlx(smollm2_path) -> None:
     pytest.importorskip("mlx.core")
     from kafila.engine.tokenizer import Tokenizer
