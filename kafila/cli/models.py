@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -26,12 +27,15 @@ def main(args: argparse.Namespace) -> int:
 
     if args.convert:
         if args.convert not in DEFAULT_MODELS:
-            print(f"kafila models: {args.convert!r} is not a default model ({', '.join(DEFAULT_MODELS)})")
+            print(
+                f"kafila models: {args.convert!r} is not a default model ({', '.join(DEFAULT_MODELS)})",
+                file=sys.stderr,
+            )
             return 2
         try:
             ensure_default(args.convert)
         except DefaultModelUnavailable as exc:
-            print(f"kafila models: {exc}")
+            print(f"kafila models: {exc}", file=sys.stderr)
             return 1
     entries = available()
     if args.json:

@@ -254,4 +254,5 @@ def test_kafila_models_convert_flag(capsys: pytest.CaptureFixture[str], smollm2_
     assert cli_main(["models", "--convert", "smollm2-135m", "--json"]) == 0  # already converted: reused
     assert json.loads(capsys.readouterr().out.splitlines()[0])["converted"] is True
     assert cli_main(["models", "--convert", "gpt-5"]) == 2
-    assert "'gpt-5' is not a default model (smollm2-135m)" in capsys.readouterr().out
+    refused = capsys.readouterr()
+    assert "'gpt-5' is not a default model (smollm2-135m)" in refused.err and refused.out == ""
