@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 
 import uvicorn
 from starlette.applications import Starlette
@@ -17,40 +18,62 @@ def parse_addr(text: str, default_port: int = 11434) -> tuple[str, int]:
     """ "127.0.0.1:8000", ":8000", "8000" -> (host, port); the host defaults to localhost."""
     host, _, port = text.rpartition(":") if ":" in text else ("", "", text)
     try:
-        return host.strip("[]") or "127.0.0.1", int(port) if port else default_port
+        number = int(port) if port else default_port
     except ValueError:
         raise ValueError(f"--api {text!r}: expected HOST:PORT, :PORT or PORT") from None
+    if not 0 <= number <= 65535:
+        raise ValueError(f"--api {text!r}: port {number} is outside 0-65535")
+    return host.strip("[]") or "127.0.0.1", number
+
+
+def reserve(host: str, port: int) -> socket.socket:
+    """The API's listening address, bound now (before a session forms) so a taken port is known at
+    once and stays this member's; OSError names why it cannot be had."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no obstacle
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class ApiServer:
-    def __init__(self, app: Starlette, host: str = "127.0.0.1", port: int = 0) -> None:
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+    """uvicorn serving `app` on `sock` (a socket from `reserve`; default: a free localhost port)."""
+
+    def __init__(self, app: Starlette, sock: socket.socket | None = None) -> None:
+        self.sock = sock if sock is not None else reserve("127.0.0.1", 0)
+        config = uvicorn.Config(app, log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> ApiServer:
-        self._task = asyncio.ensure_future(self._server.serve())
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[self.sock]))
         while not self._server.started:
             if self._task.done():
-                self._task.result()  # raises why it could not start (port in use, ...)
+                self._task.result()  # raises why it could not start
             await asyncio.sleep(0.01)
         log.info("api_listening", url=self.url)
         return self
 
     @property
     def port(self) -> int:
-        return int(self._server.servers[0].sockets[0].getsockname()[1])
+        return int(self.sock.getsockname()[1])
 
     @property
     def host(self) -> str:
-        return str(self._server.config.host)
+        return str(self.sock.getsockname()[0])
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
     async def stop(self) -> None:
         self._server.should_exit = True
         if self._task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        self.sock.close()

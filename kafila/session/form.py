@@ -73,9 +73,12 @@ class Options:
 
     def __post_init__(self) -> None:
         """Refuse what cannot work here before anything connects (ValueError, one line)."""
+        from kafila.api.server import parse_addr
         from kafila.probe.system import usable_cpus
 
         self.pace.check_cpus(usable_cpus())
+        if self.api is not None:
+            parse_addr(self.api)  # a malformed --api is named before anything connects
 
     @property
     def pace(self) -> Pace:

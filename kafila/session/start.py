@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -55,6 +56,7 @@ class Held:
         self.links: dict[str, Link] = {}
         self.driver: Driver | None = None
         self.formed: Formed | None = None  # the ring role and API, once started
+        self.api_socket: socket.socket | None = None  # the API's address, bound before anything else
 
     async def release(self) -> None:
         if self.driver is not None:
@@ -76,6 +78,8 @@ class Held:
                 await self.client.close("session not formed")
         if self.node is not None:
             self.node.endpoint.close()
+        if self.api_socket is not None:
+            self.api_socket.close()
 
 
 async def host(opts: Options, on_code: Callable[[SessionCode], None] | None = None) -> Formed:
@@ -94,6 +98,23 @@ async def join(code_text: str, opts: Options) -> Formed:
     except BaseException:
         await asyncio.shield(held.release())
         raise
+
+
+def reserve_api(opts: Options) -> socket.socket | None:
+    """This member's API address (--api), bound before the session forms: a taken port or an
+    address this machine does not have is named now, not after probing, planning and loading."""
+    from kafila.api.server import parse_addr, reserve
+
+    if opts.api is None:
+        return None
+    host, port = parse_addr(opts.api)
+    try:
+        return reserve(host, port)
+    except OSError as exc:
+        raise SessionError(
+            f"cannot serve the API on {host}:{port}: {exc.strerror or exc} "
+            "(choose another with --api HOST:PORT, or --api off)"
+        ) from exc
 
 
 async def reach_rendezvous(url: str) -> SignalingClient:
@@ -132,6 +153,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     # one dtype for the whole session, decided here: every member probes and computes in it
     opts = replace(opts, dtype=checkpoint_dtype(opts.dtype, ckpt.stored_dtype))
     name = opts.name or default_name()
+    held.api_socket = reserve_api(opts)
     client = held.client = await reach_rendezvous(opts.rendezvous)
     config = ckpt.config.raw if len(json.dumps(ckpt.config.raw)) < 12_000 else None
     capability = {"role": "host", "config": config, "dtype": opts.dtype}
@@ -185,8 +207,9 @@ async def _host_ring(
     say(f"serving weights to {len(controls)} member(s)")
     await asyncio.gather(*(server.serve(c) for c in controls))
     return await _start_ring(
-        name, code, plan, folder, links, node, client, opts, opts.model, opts.chunk, alternatives
-    )
+        name, code, plan, folder, links, node, client, opts, opts.model, opts.chunk, alternatives,
+        held.api_socket,
+    )  # fmt: skip
 
 
 def in_session_dtype(opts: Options, capability: dict[str, Any]) -> Options:
@@ -221,6 +244,7 @@ def _plan(devices: list[DeviceReport], ckpt: Checkpoint, opts: Options) -> tuple
 
 async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     code = parse_code(code_text)
+    held.api_socket = reserve_api(opts)
     client = held.client = await reach_rendezvous(opts.rendezvous)
     with refused_by(opts.rendezvous, f"join session {code.public}"):
         joined = await client.join(code.public, opts.name or default_name(), {"role": "member"})
@@ -242,8 +266,9 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     shard = await drive.during(_fetch(got, links, opts))
     await drive.carry(core.fetched(drive.now()))
     ring = _start_ring(
-        got.me, code, got.plan, shard.path, links, node, client, opts, got.model, got.chunk, got.alternatives
-    )
+        got.me, code, got.plan, shard.path, links, node, client, opts, got.model, got.chunk, got.alternatives,
+        held.api_socket,
+    )  # fmt: skip
     formed = held.formed = await drive.during(ring)
     formed.tasks.append(pump)
     formed.shard = shard  # type: ignore[attr-defined]
@@ -285,6 +310,7 @@ async def _start_ring(
     model: str,
     chunk: int,
     alternatives: dict[str, Any] | None = None,
+    api_socket: socket.socket | None = None,
 ) -> Formed:
     from kafila.api.state import ModelFacts
     from kafila.engine.stage import Stage
@@ -337,7 +363,7 @@ async def _start_ring(
         service = RingMember(index, stage, model_thread, info, nxt, prv, traces)  # type: ignore[arg-type]
     service.start()
     facts = ModelFacts.of(ckpt.config, stage.backend.wire_dtype)
-    api = await _serve_api(service, tokenizer, model, facts, traces, opts) if opts.api else None
+    api = await _serve_api(service, tokenizer, model, facts, traces, api_socket) if api_socket else None
     return Formed(name, code, plan, service, api, client, node, links)
 
 
@@ -392,15 +418,14 @@ def _channel(link: Link | None, peer: str, opts: Options) -> Heartbeat | None:
 
 
 async def _serve_api(
-    service: Any, tokenizer: Any, model: str, facts: Any, traces: TraceLog | None, opts: Options
+    service: Any, tokenizer: Any, model: str, facts: Any, traces: TraceLog | None, sock: socket.socket
 ) -> Any:
     from kafila.api.app import create_app
-    from kafila.api.server import ApiServer, parse_addr
+    from kafila.api.server import ApiServer
     from kafila.api.state import Api
     from kafila.session.textcodec import TokenizerCodec
 
     codec = TokenizerCodec(tokenizer)
-    host, port = parse_addr(opts.api or "")
-    server = await ApiServer(create_app(Api(service, codec, model, facts, traces)), host, port).start()
+    server = await ApiServer(create_app(Api(service, codec, model, facts, traces)), sock).start()
     say(f"API at {server.url} (OpenAI {server.url}/v1, Ollama {server.url}/api, {server.url}/session)")
     return server

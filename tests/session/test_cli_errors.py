@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import socket
 import subprocess
 import sys
 
@@ -121,3 +122,28 @@ def test_a_member_that_fails_on_its_own_cause_says_it_in_one_line(
     assert run_member(start) == 1
     err = capsys.readouterr().err
     assert f"kafila: error: {failure}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("api", "named"),
+    [
+        ("127.0.0.1:99999", "--api '127.0.0.1:99999': port 99999 is outside 0-65535"),
+        ("localhost", "--api 'localhost': expected HOST:PORT, :PORT or PORT"),
+        ("taken", "cannot serve the API on 127.0.0.1:{port}: Address already in use (choose another with"),
+        ("192.0.2.1:8000", "cannot serve the API on 192.0.2.1:8000: Cannot assign requested address"),
+    ],
+)
+def test_an_api_address_that_cannot_serve_is_named_before_the_rendezvous_is_asked(
+    api: str, named: str
+) -> None:
+    with socket.socket() as holder:  # another program on a port
+        holder.bind(("127.0.0.1", 0))
+        port = holder.getsockname()[1]
+        api = f"127.0.0.1:{port}" if api == "taken" else api
+        argv = ["join", "4-k7m2-tiger-lamp-ocean", "--api", api, "--rendezvous", "ws://127.0.0.1:1/v1/signal"]
+        done = subprocess.run(
+            [sys.executable, "-m", "kafila", *argv], capture_output=True, text=True, timeout=120
+        )
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert named.format(port=port) in done.stderr
+    assert "cannot reach the rendezvous" not in done.stderr  # refused before connecting
