@@ -36,7 +36,8 @@ from _session_common import (
     wait_records,
 )
 
-from kafila.obs.trace import format_table, from_json, summarize
+from kafila.obs.trace import format_table, summarize
+from kafila.obs.tracefile import from_json
 from kafila.probe.measure import POSITION
 
 CONTEXT = 512  # the fleet's declared context, positions

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -39,43 +41,65 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def strict(value: Any) -> Any:
+    """`value` with every non-finite float as None, so that it prints as strict JSON: the summaries
+    hold None where a figure is undefined, and inf only where finite times sum beyond a float."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict(v) for v in value]
+    return value
+
+
+def cold_note(keep_cold: bool, kept: list[str]) -> str:
+    """What a table's title says of cold requests: `kept` names those whose only request is counted."""
+    if keep_cold:
+        return "cold requests kept"
+    note = "first request of each dropped as cold"
+    return f"{note}, but kept where it is the only one: {', '.join(kept)}" if kept else note
+
+
 def main(args: argparse.Namespace) -> int:
     from kafila.obs.trace import (
         RequestRecord,
         StageRecord,
         format_stage_table,
         format_table,
-        read_lines,
         summarize,
         summarize_stages,
     )
+    from kafila.obs.tracefile import read_lines
 
+    warm = not args.keep_cold
     try:
-        with args.file.open() as f:
+        with args.file.open("rb") as f:  # bytes: a line that is not UTF-8 is named by its number
             records = list(read_lines(f))
+        table, stages = summarize(records, drop_cold=warm), summarize_stages(records, drop_cold=warm)
     except (OSError, ValueError) as exc:
         print(f"kafila trace: {args.file}: {exc}", file=sys.stderr)
         return 1
-    warm = not args.keep_cold
-    table, stages = summarize(records, drop_cold=warm), summarize_stages(records, drop_cold=warm)
     if not table and not stages:
         print(
             f"kafila trace: {args.file} holds no finished request with more than one token", file=sys.stderr
         )
         return 1
     if args.json:
-        print(json.dumps({"table_iv": [asdict(s) for s in table], "stages": [asdict(s) for s in stages]}))
+        out = {"table_iv": [asdict(s) for s in table], "stages": [asdict(s) for s in stages]}
+        print(json.dumps(strict(out), allow_nan=False))
         return 0
     n_req = sum(isinstance(r, RequestRecord) for r in records)
     n_stage = sum(isinstance(r, StageRecord) for r in records)
-    cold = "first request of each dropped as cold" if warm else "cold requests kept"
     if table:
+        cold = cold_note(args.keep_cold, [s.session for s in table if not s.cold_dropped])
         print(f"Table IV from {n_req} request records (the head's whole-ring view; {cold}):")
         print(format_table(table))
     else:
         print(f"no request records: {args.file} is not the head's trace (Table IV needs the head's file)")
     if stages:
         members = ", ".join(dict.fromkeys(s.member for s in stages))
+        cold = cold_note(args.keep_cold, list(dict.fromkeys(s.member for s in stages if not s.cold_dropped)))
         print(f"\nstages from {n_stage} stage records of {members} (each member's own measurements; {cold}):")
         print(format_stage_table(stages))
     return 0

@@ -20,15 +20,19 @@ bottleneck (slowest stage's measured ms per decode step), imbalance (slowest ove
 utilisation (mean stage over the bottleneck), tokens/s (median, spread), and prediction error
 (median |predicted - measured| / measured over every stage of every request). A stage summary
 groups stage records by member: the same figures for one stage, from a member's own trace file.
+A figure that is undefined (a ratio over 0 ms) is None, not inf or NaN.
+
+Reading the lines back, every field checked: kafila.obs.tracefile.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,32 +154,30 @@ class StageRecord:
 Record = RequestRecord | SessionRecord | StageRecord
 
 
-def _hop(d: dict[str, Any] | None) -> HopTrace | None:
-    return None if d is None else HopTrace(**d)
-
-
-def from_json(d: dict[str, Any]) -> Record:
-    """Inverse of `to_json` (derived fields are dropped)."""
-    kind = d.get("type")
-    if kind == "stage":
-        return StageRecord(
-            **{
-                **d,
-                "blocks": (int(d["blocks"][0]), int(d["blocks"][1])),
-                "prefill_ms": tuple(float(x) for x in d["prefill_ms"]),
-                "hop_in": _hop(d.get("hop_in")),
-                "hop_out": _hop(d.get("hop_out")),
-            }
+def ring_mismatch(first: RequestRecord, r: RequestRecord, first_at: str = "") -> str | None:
+    """Why request record `r` cannot be summarised with `first`, its session's first (None if it can):
+    every request of a session passes the same members' stages, in ring order."""
+    have, want = [s.member for s in r.stages], [s.member for s in first.stages]
+    if not have:
+        return f"request {r.request_id} of session {r.session} has no stages"
+    if have != want:
+        return (
+            f"request {r.request_id} of session {r.session} has stages {', '.join(have)}; "
+            f"request {first.request_id}{first_at} has {', '.join(want) or 'none'}"
         )
-    if kind == "session":
-        blocks = {k: (int(v[0]), int(v[1])) for k, v in d["blocks"].items()}
-        return SessionRecord(**{**d, "order": tuple(d["order"]), "blocks": blocks})
-    if kind == "request":
-        body = {k: v for k, v in d.items() if k not in {"ttft_s", "tokens_per_s"}}
-        stages = tuple(StageTrace(**{**s, "blocks": tuple(s["blocks"])}) for s in d["stages"])
-        hops = tuple(HopTrace(**h) for h in d.get("hops", ()))
-        return RequestRecord(**{**body, "stages": stages, "hops": hops})
-    raise ValueError(f"trace line has type {kind!r}; expected 'session', 'request' or 'stage'")
+    return None
+
+
+def stage_mismatch(first: StageRecord, r: StageRecord, first_at: str = "") -> str | None:
+    """Why stage record `r` cannot be summarised with `first`, its member's first (None if it can):
+    a member keeps one stage, the same blocks, for its session's life."""
+    if (r.index, r.blocks) == (first.index, first.blocks):
+        return None
+    return (
+        f"stage record of member {r.member} in session {r.session} (request {r.request_id}) has stage "
+        f"{r.index}, blocks {r.blocks[0]}-{r.blocks[1]}; its record of request {first.request_id}{first_at} "
+        f"has stage {first.index}, blocks {first.blocks[0]}-{first.blocks[1]}"
+    )
 
 
 class TraceLog:
@@ -209,18 +211,12 @@ class TraceLog:
             return list(self._recent)
 
 
-def read_lines(lines: Iterable[str]) -> Iterator[Record]:
-    for n, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                yield from_json(json.loads(line))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"trace line {n}: {exc}") from exc
-
-
 @dataclass(frozen=True)
 class Summary:
-    """Table IV for one session (median over its requests, the first one dropped as cold)."""
+    """Table IV for one session: medians over its requests, the first dropped as cold unless it is the
+    only one (`cold_dropped` says which). A figure is None where it is undefined: imbalance when the
+    fastest stage measured 0 ms, utilisation and the bottleneck member when every stage did, tokens/s
+    when no request took decode time, prediction error when no stage measured more than 0 ms."""
 
     session: str
     division: str
@@ -228,33 +224,52 @@ class Summary:
     stage_ms: dict[str, float]  # member -> measured ms per decode step
     predicted_ms: dict[str, float]
     bottleneck_ms: float
-    bottleneck_member: str
-    imbalance: float
-    utilisation: float
-    tokens_per_s: float
-    tokens_per_s_spread: float  # half the range of the counted requests
-    prediction_error: float  # median relative error over stages x requests
+    bottleneck_member: str | None
+    imbalance: float | None
+    utilisation: float | None
+    tokens_per_s: float | None
+    tokens_per_s_spread: float | None  # half the range of the counted requests
+    prediction_error: float | None  # median relative error over stages x requests
     circuit_ms: float
     ttft_prefill_s: float
     ttft_queue_s: float
     transit_ms: float = 0.0  # median per decode step of the circuit less every stage's compute
+    cold_dropped: bool = False  # the session's first request is not counted
+
+
+def _ratio(a: float, b: float) -> float | None:
+    """a / b, None where that is undefined or not finite (b is 0)."""
+    if b <= 0:
+        return None
+    r = a / b
+    return r if math.isfinite(r) else None
 
 
 def summarize(records: Iterable[Record], drop_cold: bool = True) -> list[Summary]:
+    """Table IV per session from its request records of more than one token. Requests of one session
+    that pass different members' stages (or none) raise ValueError naming them: no stage is dropped."""
     by_session: dict[str, list[RequestRecord]] = {}
     for r in records:
         if isinstance(r, RequestRecord) and r.completion_tokens > 1:
             by_session.setdefault(r.session, []).append(r)
-    return [_summarize_one(reqs[1:] if drop_cold and len(reqs) > 1 else reqs) for reqs in by_session.values()]
+    out = []
+    for reqs in by_session.values():
+        for r in reqs:
+            problem = ring_mismatch(reqs[0], r)
+            if problem is not None:
+                raise ValueError(problem)
+        drop = drop_cold and len(reqs) > 1
+        out.append(_summarize_one(reqs[1:] if drop else reqs, cold_dropped=drop))
+    return out
 
 
-def _summarize_one(reqs: list[RequestRecord]) -> Summary:
+def _summarize_one(reqs: list[RequestRecord], cold_dropped: bool) -> Summary:
     members = [s.member for s in reqs[0].stages]
     stage_ms = {m: statistics.median(_stage(r, m).measured_ms for r in reqs) for m in members}
     predicted = {m: _stage(reqs[0], m).predicted_ms for m in members}
-    slowest = max(stage_ms, key=lambda m: stage_ms[m])
+    slowest = max(members, key=stage_ms.__getitem__)
     bneck, fastest = stage_ms[slowest], min(stage_ms.values())
-    rates = [r.tokens_per_s for r in reqs]
+    rates = [r.tokens_per_s for r in reqs if r.decode_s > 0]
     errors = [
         abs(s.predicted_ms - s.measured_ms) / s.measured_ms for r in reqs for s in r.stages if s.measured_ms
     ]
@@ -265,16 +280,17 @@ def _summarize_one(reqs: list[RequestRecord]) -> Summary:
         stage_ms=stage_ms,
         predicted_ms=predicted,
         bottleneck_ms=bneck,
-        bottleneck_member=slowest,
-        imbalance=bneck / fastest if fastest > 0 else float("inf"),
-        utilisation=statistics.fmean(stage_ms.values()) / bneck if bneck > 0 else 0.0,
-        tokens_per_s=statistics.median(rates),
-        tokens_per_s_spread=(max(rates) - min(rates)) / 2,
-        prediction_error=statistics.median(errors) if errors else float("nan"),
+        bottleneck_member=slowest if bneck > 0 else None,
+        imbalance=_ratio(bneck, fastest),
+        utilisation=statistics.fmean(v / bneck for v in stage_ms.values()) if bneck > 0 else None,
+        tokens_per_s=statistics.median(rates) if rates else None,
+        tokens_per_s_spread=(max(rates) - min(rates)) / 2 if rates else None,
+        prediction_error=statistics.median(errors) if errors else None,
         circuit_ms=statistics.median(r.circuit_ms for r in reqs),
         ttft_prefill_s=statistics.median(r.prefill_s for r in reqs),
         ttft_queue_s=statistics.median(r.queue_s for r in reqs),
         transit_ms=statistics.median(r.transit_ms for r in reqs),
+        cold_dropped=cold_dropped,
     )
 
 
@@ -285,6 +301,11 @@ def _stage(r: RequestRecord, member: str) -> StageTrace:
     raise ValueError(f"request {r.request_id} has no stage for member {member}")
 
 
+def _cell(v: float | None, spec: str, width: int) -> str:
+    """`v` formatted by `spec` (`width` wide), or "-" in its place where the figure is undefined."""
+    return format(v, spec) if v is not None else "-".rjust(width)
+
+
 def format_table(summaries: list[Summary]) -> str:
     head = (
         f"{'session':<14} {'division':<8} {'reqs':>4} {'imbal':>6} {'bneck ms':>9} {'util':>5} "
@@ -292,18 +313,24 @@ def format_table(summaries: list[Summary]) -> str:
     )
     rows = [head]
     for s in summaries:
+        rate = (
+            f"{s.tokens_per_s:>7.1f} ±{s.tokens_per_s_spread or 0.0:<4.1f}"
+            if s.tokens_per_s is not None
+            else f"{'-':>7}{'':6}"
+        )
         rows.append(
-            f"{s.session[:14]:<14} {s.division:<8} {s.requests:>4} {s.imbalance:>6.2f} "
-            f"{s.bottleneck_ms:>9.2f} {s.utilisation:>5.0%} "
-            f"{s.tokens_per_s:>7.1f} ±{s.tokens_per_s_spread:<4.1f} {s.prediction_error:>8.0%} "
-            f"{s.circuit_ms:>10.2f} {s.transit_ms:>10.2f} {s.ttft_prefill_s:>9.3f}  {s.bottleneck_member}"
+            f"{s.session[:14]:<14} {s.division:<8} {s.requests:>4} {_cell(s.imbalance, '>6.2f', 6)} "
+            f"{s.bottleneck_ms:>9.2f} {_cell(s.utilisation, '>5.0%', 5)} "
+            f"{rate} {_cell(s.prediction_error, '>8.0%', 8)} {s.circuit_ms:>10.2f} {s.transit_ms:>10.2f} "
+            f"{s.ttft_prefill_s:>9.3f}  {s.bottleneck_member or '-'}"
         )
     return "\n".join(rows)
 
 
 @dataclass(frozen=True)
 class StageSummary:
-    """One member's stage over its stage records (median per request, the first dropped as cold)."""
+    """One member's stage over its stage records: medians per request, the first dropped as cold unless
+    it is the only one (`cold_dropped` says which)."""
 
     session: str
     member: str
@@ -312,26 +339,35 @@ class StageSummary:
     requests: int
     decode_ms: float  # median over requests of the median compute per decode step
     predicted_ms: float
-    prediction_error: float  # median |predicted - measured| / measured over requests
+    prediction_error: float | None  # median |predicted - measured| / measured (None: none measured > 0)
     prefill_chunk_ms: float  # median compute of one prefill chunk
     wait_ms: float  # median over requests of the median wait before a decode step's compute
     bytes_in: float  # median bytes received per request from the previous member
     bytes_out: float  # median bytes sent per request to the next member
     rtt_ms: float | None  # median measured round trip of the link to the next member
     predicted_rtt_ms: float | None
+    cold_dropped: bool = False  # the member's first request is not counted
 
 
 def summarize_stages(records: Iterable[Record], drop_cold: bool = True) -> list[StageSummary]:
+    """One row per member from its stage records with decode steps. Records of one member at
+    different stages or blocks raise ValueError naming them."""
     by_member: dict[tuple[str, str], list[StageRecord]] = {}
     for r in records:
         if isinstance(r, StageRecord) and r.decode_steps > 0:
             by_member.setdefault((r.session, r.member), []).append(r)
-    return [
-        _summarize_stage(recs[1:] if drop_cold and len(recs) > 1 else recs) for recs in by_member.values()
-    ]
+    out = []
+    for recs in by_member.values():
+        for r in recs:
+            problem = stage_mismatch(recs[0], r)
+            if problem is not None:
+                raise ValueError(problem)
+        drop = drop_cold and len(recs) > 1
+        out.append(_summarize_stage(recs[1:] if drop else recs, cold_dropped=drop))
+    return out
 
 
-def _summarize_stage(recs: list[StageRecord]) -> StageSummary:
+def _summarize_stage(recs: list[StageRecord], cold_dropped: bool) -> StageSummary:
     first = recs[0]
     chunks = [ms for r in recs for ms in r.prefill_ms]
     rtts = [r.hop_out.rtt_ms for r in recs if r.hop_out is not None and r.hop_out.rtt_ms is not None]
@@ -344,13 +380,14 @@ def _summarize_stage(recs: list[StageRecord]) -> StageSummary:
         requests=len(recs),
         decode_ms=statistics.median(r.decode_ms for r in recs),
         predicted_ms=first.predicted_ms,
-        prediction_error=statistics.median(errors) if errors else float("nan"),
+        prediction_error=statistics.median(errors) if errors else None,
         prefill_chunk_ms=statistics.median(chunks) if chunks else 0.0,
         wait_ms=statistics.median(r.wait_ms for r in recs),
         bytes_in=statistics.median(r.hop_in.bytes if r.hop_in else 0 for r in recs),
         bytes_out=statistics.median(r.hop_out.bytes if r.hop_out else 0 for r in recs),
         rtt_ms=statistics.median(rtts) if rtts else None,
         predicted_rtt_ms=first.hop_out.predicted_rtt_ms if first.hop_out else None,
+        cold_dropped=cold_dropped,
     )
 
 
@@ -366,7 +403,8 @@ def format_stage_table(summaries: list[StageSummary]) -> str:
         prtt = f"{s.predicted_rtt_ms:>8.2f}" if s.predicted_rtt_ms is not None else f"{'-':>8}"
         rows.append(
             f"{s.session[:14]:<14} {s.member[:12]:<12} {s.index:>5} {s.blocks[0]:>3}-{s.blocks[1]:<4} "
-            f"{s.requests:>4} {s.decode_ms:>9.2f} {s.predicted_ms:>8.2f} {s.prediction_error:>8.0%} "
+            f"{s.requests:>4} {s.decode_ms:>9.2f} {s.predicted_ms:>8.2f} "
+            f"{_cell(s.prediction_error, '>8.0%', 8)} "
             f"{s.wait_ms:>7.2f} {s.prefill_chunk_ms:>8.2f} {s.bytes_in:>9.0f} {s.bytes_out:>9.0f} "
             f"{rtt} {prtt}"
         )

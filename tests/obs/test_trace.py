@@ -17,10 +17,10 @@ from kafila.obs.trace import (
     StageRecord,
     StageTrace,
     TraceLog,
-    read_lines,
     summarize,
     summarize_stages,
 )
+from kafila.obs.tracefile import read_lines
 
 
 def request(rid: int, measured: tuple[float, float, float], decode_s: float = 1.0) -> RequestRecord:

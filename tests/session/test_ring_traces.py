@@ -12,7 +12,8 @@ import pytest
 from kafila.engine.pace import Pace
 from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
-from kafila.obs.trace import RequestRecord, StageRecord, TraceLog, from_json, summarize_stages
+from kafila.obs.trace import RequestRecord, StageRecord, TraceLog, summarize_stages
+from kafila.obs.tracefile import from_json
 from kafila.proto import tensor as t
 from kafila.session.channel import MemoryChannel
 from kafila.session.compute import ModelThread

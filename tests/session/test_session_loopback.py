@@ -173,7 +173,8 @@ async def test_infeasible_session_is_refused_naming_the_device(rdv, tmp_path) ->
 async def test_every_member_traces_its_hops_over_quic(rdv, tiny_chat_model, tmp_path) -> None:
     """Each member's stage record and the head's ring view: per-hop bytes counted on the QUIC links,
     the links' measured round trips next to the ones the plan priced."""
-    from kafila.obs.trace import RequestRecord, StageRecord, TraceLog, from_json
+    from kafila.obs.trace import RequestRecord, StageRecord, TraceLog
+    from kafila.obs.tracefile import from_json
     from kafila.session.stagetrace import planned_rtt_ms
 
     formed = await form(rdv, tmp_path, model=str(tiny_chat_model))

@@ -16,7 +16,8 @@ from kafila.engine.sampler import SamplingParams
 from kafila.engine.stage import Stage
 from kafila.engine.tokenizer import Tokenizer
 from kafila.models.checkpoint import Checkpoint
-from kafila.obs.trace import StageRecord, from_json
+from kafila.obs.trace import StageRecord
+from kafila.obs.tracefile import from_json
 from kafila.rendezvous.server import RendezvousServer
 from kafila.session.form import Formed, Options
 from kafila.session.service import Sampling
