@@ -23,7 +23,7 @@ import asyncio
 import functools
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +125,7 @@ class RingHead:
         self.ids = RequestIds(0)
         self.state = "serving"
         self.broken: str | None = None
+        self.on_broken: Callable[[str], None] | None = None  # told once, e.g. the person at the terminal
         self._reqs: dict[int, _Req] = {}
         self._outbox: asyncio.Queue[t.Message] = asyncio.Queue()
         self._wake = asyncio.Event()
@@ -446,6 +447,8 @@ class RingHead:
             )
             self.state = "broken"
             log.error("ring_broken", reason=reason, in_flight=len(self._reqs))
+            if self.on_broken is not None:
+                self.on_broken(self.broken)
             if self.next is not None:  # tell the members (those still reachable) why
                 self._outbox.put_nowait(t.Control("broken", {"reason": self.broken}))
         self._fail_all("member_lost", self.broken)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kafila.engine.stage import Stage, StageError
@@ -53,6 +53,7 @@ class RingMember:
         self._arrived: dict[int, float] = {}  # id of a waiting frame -> when it arrived
         self.ids = RequestIds(index)
         self.broken: str | None = None
+        self.on_broken: Callable[[str], None] | None = None  # told once, e.g. the person at the terminal
         self._mine: dict[int, QueueGeneration] = {}
         self._work: list[t.Hidden | t.Control] = []
         self._ready = asyncio.Event()
@@ -215,6 +216,8 @@ class RingMember:
                 reason if reason.startswith("the ring is broken") else f"the ring is broken: {reason}"
             )
             log.error("ring_broken", member=self.name, reason=reason, waiting=len(self._mine))
+            if self.on_broken is not None:
+                self.on_broken(self.broken)
             if tell:
                 self._outbox.put_nowait(t.Control("broken", {"reason": self.broken}))
         for gen in list(self._mine.values()):

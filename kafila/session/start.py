@@ -361,6 +361,10 @@ async def _start_ring(
         metrics.observe_session(record)
     else:
         service = RingMember(index, stage, model_thread, info, nxt, prv, traces)  # type: ignore[arg-type]
+    service.on_broken = lambda why: say(
+        f"{why}. This member answers requests with 503 from now on; re-planning is not implemented: "
+        "end it (Ctrl-C) and form a new session"
+    )
     service.start()
     facts = ModelFacts.of(ckpt.config, stage.backend.wire_dtype)
     api = await _serve_api(service, tokenizer, model, facts, traces, api_socket) if api_socket else None

@@ -56,6 +56,8 @@ def test_killed_member_fails_the_request_within_10_s_and_the_others_notice(fleet
             time.sleep(0.2)
         if m is not victim:
             assert state["state"] == "broken" and victim.name in state["error"], (m.name, state)
+            told = "kafila: the ring is broken: " in m.log_text() and "form a new session" in m.log_text()
+            assert told, f"{m.name} did not tell the person at its terminal"
 
 
 def test_a_member_sent_sigterm_closes_its_links_and_the_others_notice_at_once(fleet: LocalFleet) -> None:
