@@ -9,9 +9,25 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kafila.cli.host import add_objective_flag
+from kafila.cli.host import add_objective_flag, positive_int
 
 DIVISION_CHOICES = ("kafila", "uniform", "memory", "all")
+
+
+def count(text: str) -> int:
+    """A context or concurrency: a whole number >= 1 that fits the wire's 32 bits."""
+    from kafila.planner.fleet import MAX_COUNT  # pure: the standard library only
+
+    value = positive_int(text)
+    if value > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_COUNT}, got {text!r}")
+    return value
+
+
+def non_empty(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -20,15 +36,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model",
+        type=non_empty,
         help="preset (qwen3-8b, qwen3-14b, qwen3-32b, smollm2-135m) or a local Hugging Face folder; "
         "overrides [session] model",
     )
     parser.add_argument(
-        "--context", type=int, help="declared context per request in tokens; overrides [session]"
+        "--context", type=count, help="declared context per request in tokens; overrides [session]"
     )
     parser.add_argument(
         "--concurrency",
-        type=int,
+        type=count,
         help="concurrent requests the KV cache is reserved for and the kafila division is planned "
         "for; overrides [session]",
     )
@@ -53,7 +70,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kafila.models.presets import resolve_manifest
+    from kafila.models.presets import resolve_config, resolve_manifest
     from kafila.obs.log import get_logger
     from kafila.planner import DIVISIONS, plan_all
     from kafila.planner.fleet import FleetError, parse_fleet
@@ -64,17 +81,23 @@ def main(args: argparse.Namespace) -> int:
         fleet = parse_fleet(
             args.fleet.read_text(), str(args.fleet), lambda p: json.loads((base / p).read_text())
         )
-        model = args.model or fleet.model
+        model = fleet.model if args.model is None else args.model
+        context = fleet.context if args.context is None else args.context
+        concurrency = fleet.concurrency if args.concurrency is None else args.concurrency
         devices = fleet.devices
         if model != fleet.model:  # probed block times were for the fleet's model
             devices = tuple(replace(d, block_s=None, block_dispatch_s=None, head_s=None) for d in devices)
         manifest = resolve_manifest(model, args.dtype)
+        positions = resolve_config(model).max_position_embeddings
+        if context > positions:  # as `kafila host` refuses it
+            given = "--context" if args.context is not None else f"{args.fleet}: [session] context"
+            raise ValueError(f"{given} {context} is beyond the {positions} positions {model} was trained for")
         divisions = DIVISIONS if args.division == "all" else (args.division,)
         plans = plan_all(
             devices,
             manifest,
-            context=args.context or fleet.context,
-            concurrency=args.concurrency or fleet.concurrency,
+            context=context,
+            concurrency=concurrency,
             divisions=divisions,
             rule=RULES[args.rule],
             objective=args.objective,
@@ -97,6 +120,10 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:.0f}%"
+
+
 def render_table(fleet: str, model: str, n_blocks: int, plans: dict[str, Any]) -> str:
     any_plan = next(iter(plans.values()))
     lines = [
@@ -110,7 +137,7 @@ def render_table(fleet: str, model: str, n_blocks: int, plans: dict[str, Any]) -
         lines.append(
             f"{name:<9} {'yes' if p.feasible else 'NO':<5} {p.head or '-':<12} "
             f"{_fmt(p.bottleneck_s and p.bottleneck_s * 1e3, '.2f'):>9} {_fmt(p.imbalance, '.2f'):>6} "
-            f"{_fmt(p.utilisation and p.utilisation * 100, '.0f') + '%':>5} "
+            f"{_pct(p.utilisation):>5} "
             f"{_fmt(p.circuit_s and p.circuit_s * 1e3, '.1f'):>10} {_fmt(p.tokens_s, '.1f'):>7} "
             f"{_fmt(p.per_token_s and p.per_token_s * 1e3, '.2f'):>8} "
             f"{len(p.edges) and p.relayed:>7}"

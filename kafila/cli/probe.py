@@ -5,30 +5,52 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
-from kafila.cli.host import add_threads_flag
+from kafila.cli.host import add_threads_flag, positive_int
+from kafila.cli.plan import non_empty
+
+if TYPE_CHECKING:
+    from kafila.models.config import ModelConfig
+
+
+def non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
+    return int(text)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--backend", default="auto", help="auto (MLX on Apple Silicon, else torch), torch or mlx"
+        "--backend",
+        default="auto",
+        choices=["auto", "torch", "mlx"],
+        help="auto (MLX on Apple Silicon, else torch), torch or mlx",
     )
     parser.add_argument(
-        "--dtype", default="auto", help="auto (bf16 on a GPU, fp32 on a CPU), fp32, bf16 or fp16"
+        "--dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        help="auto (bf16 on a GPU, fp32 on a CPU), fp32, bf16 or fp16",
     )
-    parser.add_argument("--repeats", type=int, help="repetitions per figure (default 5; 3 under a CPU quota)")
+    parser.add_argument(
+        "--repeats", type=positive_int, help="repetitions per figure (default 5; 3 under a CPU quota)"
+    )
     parser.add_argument(
         "--model",
+        type=non_empty,
         help="also time one decode step of one block of this model (preset or Hugging Face folder), "
         "random weights allocated here, and the same block's op chain at tiny shapes (its dispatch cost)",
     )
     parser.add_argument(
         "--position",
-        type=int,
-        default=256,
-        help="KV positions the synthetic block attends over (default 256)",
+        type=non_negative_int,
+        help="with --model: the KV position of the timed decode steps, below the model's trained "
+        "positions (default 256, the position the planner's costs are a step's at)",
     )
-    parser.add_argument("--name", default="this-device", help="device name in the --json DeviceReport")
+    parser.add_argument(
+        "--name", type=non_empty, default="this-device", help="device name in the --json DeviceReport"
+    )
     parser.add_argument("--json", action="store_true", help="print the probe report and DeviceReport as JSON")
     add_threads_flag(parser)
 
@@ -39,8 +61,9 @@ def main(args: argparse.Namespace) -> int:
     from kafila.probe.measure import probe
 
     try:
-        config = resolve_config(args.model) if args.model else None
-        report = probe(args.backend, args.dtype, args.repeats, config, args.model, args.position)
+        config = None if args.model is None else resolve_config(args.model)
+        position = check_position(args.position, args.model, config)
+        report = probe(args.backend, args.dtype, args.repeats, config, args.model, position)
     except (BackendError, ValueError, KeyError, OSError) as exc:
         print(f"kafila probe: {exc}", file=sys.stderr)
         return 2
@@ -66,3 +89,21 @@ def main(args: argparse.Namespace) -> int:
         print(f"{label:<28} {fig.median * scale:>10.3f} {unit:<8} +-{fig.spread * 100:.0f}% (n={fig.n})")
     print(f"probe took {report.wall_s:.1f} s")
     return 0
+
+
+def check_position(position: int | None, model: str | None, config: ModelConfig | None) -> int:
+    """The KV position to time the model's block at: --position, below the model's trained
+    positions (a larger one would allocate its KV cache for nothing), or the default."""
+    from kafila.probe.measure import POSITION
+
+    if position is None:
+        return POSITION
+    if config is None:
+        raise ValueError("--position sets where --model's block is timed; without --model nothing uses it")
+    limit = config.max_position_embeddings
+    if position >= limit:
+        raise ValueError(
+            f"--position {position} is beyond the {limit} positions {model} was trained for "
+            f"(at most {limit - 1})"
+        )
+    return position

@@ -18,6 +18,7 @@ rtt_ms = 12               # optional: round trip to the rendezvous
 
 from __future__ import annotations
 
+import math
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,49 @@ class Fleet:
     devices: tuple[DeviceReport, ...]
 
 
+@dataclass(frozen=True)
+class _Range:
+    """The numbers a field accepts: finite, above (or from) `lo`, at most `hi`."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False  # > lo rather than >= lo
+
+    def holds(self, v: object) -> bool:
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            return False
+        if isinstance(v, float) and not math.isfinite(v):
+            return False
+        return (v > self.lo if self.lo_open else v >= self.lo) and v <= self.hi  # exact for any int
+
+    def __str__(self) -> str:
+        return f"a finite number {'>' if self.lo_open else '>='} {self.lo:g} and <= {self.hi:g}"
+
+
+# Plausible figures, generous by orders of magnitude. A figure outside is a typo or inf, and one
+# far outside overflows the planner's arithmetic (1e300 GB is inf bytes; 1e-300 GB/s prices a
+# block at inf seconds, and inf - inf is nan).
+_DEVICE_NUMBERS: dict[str, tuple[str, float, _Range]] = {  # fleet field: (DeviceReport field, scale, range)
+    "memory_gb": ("memory_bytes", 1e9, _Range(0, 1e6, lo_open=True)),  # up to 1 PB
+    "bandwidth_gb_s": ("bandwidth_bytes_s", 1e9, _Range(1e-6, 1e6)),  # 1 KB/s to 1 PB/s
+    "overhead_us": ("overhead_s", 1e-6, _Range(0, 1e9)),  # up to 1000 s
+    "tflops": ("flops", 1e12, _Range(1e-9, 1e6)),  # 1 kFLOP/s to 1 EFLOP/s
+    "rtt_ms": ("rtt_s", 1e-3, _Range(0, 1e7)),  # up to 10^4 s
+}
+# A probe file's figures (`kafila probe --json`), in SI units: the fleet fields' ranges (a probe may
+# find no memory free), and step timings up to 1000 s (a block or head step of at least 1 ns).
+_PROBE_NUMBERS: dict[str, _Range] = {
+    "memory_bytes": _Range(0, 1e15),
+    "bandwidth_bytes_s": _Range(1e3, 1e15),
+    "overhead_s": _Range(0, 1e3),
+    "flops": _Range(1e3, 1e18),
+    "block_s": _Range(1e-9, 1e3),
+    "block_dispatch_s": _Range(0, 1e3),
+    "head_s": _Range(1e-9, 1e3),
+    "stage_fixed_s": _Range(0, 1e3),
+}
+# Session counts: positions and request ids are 32-bit on the wire (kafila.proto.tensor).
+MAX_COUNT = 2**32 - 1
 _SESSION_KEYS = {"model", "context", "concurrency"}
 _DEVICE_KEYS = {
     "name", "memory_gb", "bandwidth_gb_s", "overhead_us", "tflops", "nat", "filtering", "rtt_ms", "probe",
@@ -82,19 +126,18 @@ def _device(t: Any, index: int, source: str, model: str, read_json: ReadJson | N
     where = f"{source}: device {name!r}"
     _no_unknown(t, _DEVICE_KEYS, where)
     measured = _probe_file(t, where, model, read_json)
-    memory = _number(t, "memory_gb", where, required="memory_bytes" not in measured)
-    bandwidth = _number(t, "bandwidth_gb_s", where)
-    overhead = _number(t, "overhead_us", where, allow_zero=True)
-    tflops = _number(t, "tflops", where)
-    rtt = _number(t, "rtt_ms", where, allow_zero=True)
-    given = {
-        "memory_bytes": None if memory is None else int(memory * 1e9),
-        "bandwidth_bytes_s": None if bandwidth is None else bandwidth * 1e9,
-        "overhead_s": None if overhead is None else overhead * 1e-6,
-        "flops": None if tflops is None else tflops * 1e12,
-    }
-    merged = measured | {k: v for k, v in given.items() if v is not None}
-    if bandwidth is not None:  # an explicit bandwidth asks for bandwidth pricing, not the probed block
+    if "memory_gb" not in t and "memory_bytes" not in measured:
+        hint = f" (its probe file {t['probe']!r} has no 'memory_bytes')" if "probe" in t else ""
+        raise FleetError(f"{where}: missing 'memory_gb'{hint}")
+    given: dict[str, float] = {}
+    for key, (report_key, scale, allowed) in _DEVICE_NUMBERS.items():
+        if key in t:
+            if not allowed.holds(t[key]):
+                raise FleetError(f"{where}: '{key}' must be {allowed}, got {t[key]!r}")
+            given[report_key] = t[key] * scale
+    rtt = given.pop("rtt_s", None)
+    merged = measured | given
+    if "bandwidth_bytes_s" in given:  # an explicit bandwidth asks for bandwidth pricing, not the probed block
         for key in ("block_s", "head_s", "stage_fixed_s"):  # block_dispatch_s adds to bandwidth pricing
             merged.pop(key, None)
     return DeviceReport(
@@ -108,7 +151,7 @@ def _device(t: Any, index: int, source: str, model: str, read_json: ReadJson | N
         head_s=merged.get("head_s"),
         stage_fixed_s=merged.get("stage_fixed_s"),
         nat=_nat(t, where),
-        rtt_s=None if rtt is None else rtt * 1e-3,
+        rtt_s=rtt,
     )
 
 
@@ -117,8 +160,9 @@ _MODEL_TIMED = ("block_s", "block_dispatch_s", "head_s", "stage_fixed_s")  # val
 
 
 def _probe_file(t: dict[str, Any], where: str, model: str, read_json: ReadJson | None) -> dict[str, Any]:
-    """The figures of a `kafila probe --json` file (its "device" object); the block and block
-    dispatch times only when the probe timed this session's model."""
+    """The figures of a `kafila probe --json` file (its "device" object, or a bare DeviceReport),
+    each checked as the fleet's own fields are; the block and block dispatch times only when the
+    probe timed this session's model."""
     path = t.get("probe")
     if path is None:
         return {}
@@ -128,13 +172,24 @@ def _probe_file(t: dict[str, Any], where: str, model: str, read_json: ReadJson |
         raise FleetError(f"{where}: 'probe' files can only be read when the fleet is loaded from a file")
     try:
         data = read_json(path)
-        device = data.get("device", data)
-        out = {k: device[k] for k in _MEASURED if device.get(k) is not None}
-    except (OSError, ValueError, AttributeError, TypeError) as exc:
+    except (OSError, ValueError) as exc:
         raise FleetError(f"{where}: cannot read probe file {path!r}: {exc}") from exc
-    probed_model = (data.get("probe") or {}).get("block_model")
-    if probed_model == model:  # both timed this model's blocks
-        out |= {k: device[k] for k in _MODEL_TIMED if device.get(k) is not None}
+    where = f"{where}: probe file {path!r}"
+    if not isinstance(data, dict):
+        raise FleetError(f"{where}: must hold a JSON object, got {type(data).__name__}")
+    device, report = data.get("device", data), data.get("probe")
+    if not isinstance(device, dict):
+        raise FleetError(f"{where}: 'device' must be an object, got {device!r}")
+    if report is not None and not isinstance(report, dict):
+        raise FleetError(f"{where}: 'probe' must be an object, got {report!r}")
+    timed_here = report is not None and report.get("block_model") == model  # both timed this model's blocks
+    out: dict[str, Any] = {}
+    for key in _MEASURED + (_MODEL_TIMED if timed_here else ()):
+        value = device.get(key)
+        if value is not None:
+            if not _PROBE_NUMBERS[key].holds(value):
+                raise FleetError(f"{where}: '{key}' must be {_PROBE_NUMBERS[key]}, got {value!r}")
+            out[key] = value
     return out
 
 
@@ -167,24 +222,12 @@ def _get(t: dict[str, Any], key: str, kind: type, where: str) -> Any:
     return t[key]
 
 
-def _number(
-    t: dict[str, Any], key: str, where: str, required: bool = False, allow_zero: bool = False
-) -> float | None:
-    if key not in t:
-        if required:
-            raise FleetError(f"{where}: missing '{key}'")
-        return None
-    v = t[key]
-    ok = isinstance(v, int | float) and not isinstance(v, bool) and (v >= 0 if allow_zero else v > 0)
-    if not ok:
-        raise FleetError(f"{where}: '{key}' must be a number {'>=' if allow_zero else '>'} 0, got {v!r}")
-    return float(v)
-
-
 def _positive_int(t: dict[str, Any], key: str, where: str, default: int | None = None) -> int:
     if key not in t and default is not None:
         return default
-    v = _get(t, key, int, where)
-    if isinstance(v, bool) or v < 1:
-        raise FleetError(f"{where}: '{key}' must be an integer >= 1, got {v!r}")
-    return int(v)
+    if key not in t:
+        raise FleetError(f"{where}: missing '{key}'")
+    v = t[key]
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_COUNT:
+        raise FleetError(f"{where}: '{key}' must be an integer >= 1 and <= {MAX_COUNT}, got {v!r}")
+    return v

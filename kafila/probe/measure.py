@@ -168,6 +168,10 @@ def probe(
     """Measure this device. `stream_bytes` overrides the bandwidth buffer (default: 8x the LLC,
     at least 256 MiB on a CPU, 1 GiB on a GPU). `pace` emulates a slower device: every timed
     workload idles after it as the member's stage steps will (kafila.engine.pace)."""
+    if repeats is not None and repeats < 1:
+        raise ValueError(f"probe repeats must be at least 1, got {repeats}")
+    if position < 0:
+        raise ValueError(f"probe position must be at least 0, got {position}")
     from kafila.engine.backend import resolve
 
     be = resolve(backend, dtype)
@@ -175,7 +179,7 @@ def probe(
     quota = system.cpu_quota()
     threads = _set_threads(be) if be.name == "torch" and be.device == "cpu" else None
     window = quota_window(system.cfs_limit())
-    repeats = repeats or (3 if quota else 5)
+    repeats = (3 if quota else 5) if repeats is None else repeats
     ops = Ops(be)
     memory = _memory(ops)
     buf = ops.make_buffer(stream_bytes or _stream_bytes(ops, memory))

@@ -6,6 +6,8 @@ import json
 import struct
 from pathlib import Path
 
+import pytest
+
 from kafila.cli import main
 from kafila.models.config import ModelConfig
 from kafila.models.manifest import specs_from_config
@@ -52,9 +54,78 @@ def test_bad_fleet_is_reported_with_the_field(tmp_path, capsys):
     bad = tmp_path / "bad.toml"
     bad.write_text('[session]\nmodel="qwen3-8b"\ncontext=10\n[[device]]\nname="x"\nmemory_gb="lots"\n')
     assert main(["plan", str(bad)]) == 2
-    assert "device 'x': 'memory_gb' must be a number" in capsys.readouterr().err
+    assert "device 'x': 'memory_gb' must be a finite number" in capsys.readouterr().err
     assert main(["plan", str(FLEETS / "lan.toml"), "--model", "nope"]) == 2
     assert "neither a preset" in capsys.readouterr().err
+
+
+TWO = (
+    '[session]\nmodel = "qwen3-8b"\ncontext = 4096\n'
+    '[[device]]\nname = "a"\nmemory_gb = 24\nbandwidth_gb_s = 500\nrtt_ms = 10\n'
+    '[[device]]\nname = "b"\nmemory_gb = 24\nbandwidth_gb_s = 500\nrtt_ms = 12\n'
+)
+
+
+def test_non_finite_numbers_and_malformed_probe_files_are_named_errors(tmp_path, capsys):
+    """inf and 1e300 overflowed (OverflowError tracebacks), an inf bandwidth priced blocks at 0 s
+    ("per-block costs must be > 0"), a malformed probe file raised AttributeError or named no file."""
+    (tmp_path / "p.json").write_text('{"device": {"memory_bytes": 24000000000}, "probe": "x"}')
+    (tmp_path / "lots.json").write_text('{"device": {"memory_bytes": "lots"}}')
+    cases = [
+        (
+            ("memory_gb = 24\nbandwidth", "memory_gb = inf\nbandwidth"),
+            "device 'a': 'memory_gb' must be a finite",
+        ),
+        (("memory_gb = 24\nbandwidth", "memory_gb = 1e300\nbandwidth"), "device 'a': 'memory_gb' must be a"),
+        (("rtt_ms = 10", "rtt_ms = inf"), "device 'a': 'rtt_ms' must be a finite number >= 0"),
+        (
+            ("bandwidth_gb_s = 500\nrtt_ms = 12", "bandwidth_gb_s = inf\nrtt_ms = 12"),
+            "device 'b': 'bandwidth_gb_s'",
+        ),
+        (
+            ("rtt_ms = 12", 'rtt_ms = 12\nprobe = "p.json"'),
+            "device 'b': probe file 'p.json': 'probe' must be",
+        ),
+        (
+            ("rtt_ms = 12", 'rtt_ms = 12\nprobe = "lots.json"'),
+            "device 'b': probe file 'lots.json': 'memory_bytes'",
+        ),
+    ]
+    for (old, new), message in cases:
+        assert old in TWO
+        (tmp_path / "f.toml").write_text(TWO.replace(old, new))
+        assert main(["plan", str(tmp_path / "f.toml")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"kafila plan: {tmp_path / 'f.toml'}: ") and message in err, err
+
+
+def test_context_and_concurrency_below_1_are_refused_not_replaced_by_the_fleet(tmp_path, capsys):
+    (tmp_path / "f.toml").write_text(TWO)
+    for flag in ("--context", "--concurrency"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["plan", str(tmp_path / "f.toml"), flag, "0"])
+        assert (
+            exit_.value.code == 2
+            and f"argument {flag}: must be a whole number >= 1" in capsys.readouterr().err
+        )
+    with pytest.raises(SystemExit):
+        main(["plan", str(tmp_path / "f.toml"), "--concurrency", str(2**32)])  # past the wire's 32 bits
+    assert "argument --concurrency: must be at most 4294967295" in capsys.readouterr().err
+    assert main(["plan", str(tmp_path / "f.toml"), "--context", "40961"]) == 2  # as `kafila host` refuses it
+    assert "--context 40961 is beyond the 40960 positions qwen3-8b" in capsys.readouterr().err
+    (tmp_path / "f.toml").write_text(TWO.replace("context = 4096", "context = 100000000"))
+    assert main(["plan", str(tmp_path / "f.toml")]) == 2
+    assert "f.toml: [session] context 100000000 is beyond the 40960 positions" in capsys.readouterr().err
+    assert main(["plan", str(tmp_path / "f.toml"), "--context", "4096"]) == 0  # the flag overrides it
+
+
+def test_a_plan_without_times_shows_a_bare_dash_for_utilisation(tmp_path, capsys):
+    (tmp_path / "f.toml").write_text(TWO.replace("memory_gb = 24", "memory_gb = 0.5"))
+    assert main(["plan", str(tmp_path / "f.toml")]) == 1
+    out = capsys.readouterr().out
+    assert "-%" not in out
+    row = next(line for line in out.splitlines() if line.startswith("kafila "))
+    assert row.split()[:6] == ["kafila", "NO", "-", "-", "-", "-"], row  # division fits head bneck imbal util
 
 
 def write_folder(folder: Path, n_layers: int) -> Path:
@@ -63,6 +134,7 @@ def write_folder(folder: Path, n_layers: int) -> Path:
         "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": n_layers,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
         "intermediate_size": 96, "vocab_size": 256, "tie_word_embeddings": False,
+        "max_position_embeddings": 40960,
     }  # fmt: skip
     specs = specs_from_config(ModelConfig.from_dict(config), "F32")
     header, offset = {}, 0

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
+from kafila.models.presets import resolve_manifest
+from kafila.planner import plan_all
 from kafila.planner.fleet import FleetError, parse_fleet
 from kafila.planner.reachability import Behaviour, NatClass
 
@@ -42,18 +46,34 @@ def test_parses_a_fleet_in_si_units():
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (("memory_gb = 16", "memory_gb = -1"), "device 'laptop': 'memory_gb' must be a number > 0"),
+        (
+            ("memory_gb = 16", "memory_gb = -1"),
+            "device 'laptop': 'memory_gb' must be a finite number > 0 and <= 1e+06, got -1",
+        ),
         (("memory_gb = 16", "memory = 16"), "device 'laptop': unknown field(s) ['memory']"),
         (('nat = "ordinary"', 'nat = "cone"'), "device 'desk': nat must be one of"),
         (
             ("bandwidth_gb_s = 500", 'bandwidth_gb_s = "fast"'),
-            "device 'desk': 'bandwidth_gb_s' must be a number",
+            "device 'desk': 'bandwidth_gb_s' must be a finite number",
         ),
         (('name = "laptop"', 'name = "desk"'), "device names must be unique, repeated: ['desk']"),
         (("context = 8192", "context = 0"), "[session]: 'context' must be an integer >= 1"),
+        (("context = 8192", 'context = "8192"'), "[session]: 'context' must be an integer >= 1"),
+        (("concurrency = 2", "concurrency = 4294967296"), "'concurrency' must be an integer >= 1 and <="),
         (('model = "qwen3-8b"', ""), "[session]: missing 'model'"),
         (('name = "laptop"\n', ""), "device #2: missing 'name'"),
-        (("rtt_ms = 20", "rtt_ms = true"), "device 'desk': 'rtt_ms' must be a number >= 0"),
+        (("rtt_ms = 20", "rtt_ms = true"), "device 'desk': 'rtt_ms' must be a finite number >= 0"),
+        # TOML reads inf and nan; 1e300 GB is inf bytes: each a named refusal, not an OverflowError
+        (("memory_gb = 16", "memory_gb = inf"), "device 'laptop': 'memory_gb' must be a finite number > 0"),
+        (("memory_gb = 16", "memory_gb = 1e300"), "'memory_gb' must be a finite number > 0 and <= 1e+06"),
+        (("memory_gb = 16", "memory_gb = nan"), "device 'laptop': 'memory_gb' must be a finite number"),
+        (
+            ("bandwidth_gb_s = 500", "bandwidth_gb_s = inf"),
+            "device 'desk': 'bandwidth_gb_s' must be a finite",
+        ),
+        (("rtt_ms = 20", "rtt_ms = inf"), "device 'desk': 'rtt_ms' must be a finite number >= 0"),
+        (("overhead_us = 40", "overhead_us = -inf"), "device 'desk': 'overhead_us' must be a finite number"),
+        (("tflops = 100", "tflops = 1e300"), "device 'desk': 'tflops' must be a finite number"),
     ],
 )
 def test_errors_name_the_device_and_field(edit, message):
@@ -101,3 +121,78 @@ def test_probe_file_fills_measurements_and_explicit_fields_win():
 
     with pytest.raises(FleetError, match=r"device 'd': cannot read probe file 'd\.json'"):
         parse_fleet(text, "f.toml", missing)
+
+
+PROBED = '[session]\nmodel = "qwen3-8b"\ncontext = 64\n[[device]]\nname = "d"\nprobe = "d.json"\n'
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"device": {"memory_bytes": 8e9}, "probe": "x"}, "'probe' must be an object, got 'x'"),
+        ({"device": {"memory_bytes": "lots"}}, "'memory_bytes' must be a finite number >= 0"),
+        (
+            {"device": {"memory_bytes": -5}},
+            "'memory_bytes' must be a finite number >= 0 and <= 1e+15, got -5",
+        ),
+        ({"device": {"memory_bytes": float("inf")}}, "'memory_bytes' must be a finite number"),
+        ({"device": {"memory_bytes": 8e9, "bandwidth_bytes_s": -1}}, "'bandwidth_bytes_s' must be a finite"),
+        (
+            {"probe": {"block_model": "qwen3-8b"}, "device": {"memory_bytes": 8e9, "block_s": 0.0}},
+            "'block_s' must be a finite number >= 1e-09 and <= 1000, got 0.0",
+        ),
+        ([1, 2], "must hold a JSON object, got list"),
+        ({"device": "box"}, "'device' must be an object, got 'box'"),
+    ],
+)
+def test_probe_file_figures_are_checked_and_errors_name_the_file_device_and_field(data, message):
+    with pytest.raises(FleetError) as err:
+        parse_fleet(PROBED, "f.toml", lambda path: data)
+    text = str(err.value)
+    assert text.startswith("f.toml: device 'd': probe file 'd.json': ") and message in text
+
+
+def test_a_device_without_memory_says_its_probe_file_has_none():
+    with pytest.raises(FleetError) as err:
+        parse_fleet(PROBED, "f.toml", lambda path: {"device": {"bandwidth_bytes_s": 1e10}})
+    assert (
+        str(err.value)
+        == "f.toml: device 'd': missing 'memory_gb' (its probe file 'd.json' has no 'memory_bytes')"
+    )
+
+
+# Each fleet number at the ends of its range, and just past them.
+EDGES = [
+    ("memory_gb", 1e6, 1.01e6),
+    ("bandwidth_gb_s", 1e-6, 0.99e-6),
+    ("bandwidth_gb_s", 1e6, 1.01e6),
+    ("overhead_us", 1e9, 1.01e9),
+    ("tflops", 1e-9, 0.99e-9),
+    ("tflops", 1e6, 1.01e6),
+    ("rtt_ms", 1e7, 1.01e7),
+]
+MEASURED = "memory_gb = 24\nbandwidth_gb_s = 500\noverhead_us = 40\ntflops = 100\nrtt_ms = 20\n"
+
+
+@pytest.mark.parametrize(("key", "edge", "past"), EDGES)
+def test_numbers_at_the_ends_of_their_ranges_plan_with_finite_figures(key, edge, past):
+    """The ranges keep the planner's arithmetic finite (1e-300 GB/s priced a block at inf s and
+    the plan at nan; 1e300 GB overflowed), up to the largest context and concurrency a fleet takes."""
+    manifest = resolve_manifest("qwen3-32b", "fp32")
+    measured = MEASURED.replace("bandwidth_gb_s = 500\n", "") if key == "tflops" else MEASURED  # priced by it
+    edited = "".join(
+        f"{key} = {{}}\n" if line.startswith(key) else line + "\n" for line in measured.splitlines()
+    )
+    for count in (1, 2**32 - 1):
+        text = (
+            f'[session]\nmodel = "qwen3-32b"\ncontext = {count}\nconcurrency = {count}\n'
+            f'[[device]]\nname = "edge"\n{edited.format(repr(edge))}[[device]]\nname = "plain"\n{measured}'
+        )
+        fleet = parse_fleet(text, "f.toml")
+        plans = plan_all(fleet.devices, manifest, context=fleet.context, concurrency=fleet.concurrency)
+        assert plans["kafila"].tier == ("throughput" if key == "tflops" else "full")
+        for p in plans.values():
+            for x in (p.bottleneck_s, p.circuit_s, p.per_token_s, p.utilisation):
+                assert x is None or math.isfinite(x), (key, edge, p)
+        with pytest.raises(FleetError, match=f"device 'edge': '{key}' must be a finite number"):
+            parse_fleet(text.replace(repr(edge), repr(past), 1), "f.toml")
