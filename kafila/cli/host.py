@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -29,13 +30,13 @@ def add_member_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="auto", help="auto, torch or mlx (default auto)")
     parser.add_argument(
         "--memory-gb",
-        type=float,
+        type=positive_number,
         help="offer at most this much memory (GB) for weights and KV cache (default: the probe's figure)",
     )
     parser.add_argument("--trace", help="append trace records (JSON lines) to this file")
     parser.add_argument(
         "--dead-after",
-        type=float,
+        type=positive_number,
         default=5.0,
         help="seconds of silence after which a neighbour counts as gone (default 5)",
     )
@@ -64,6 +65,17 @@ def positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
     return int(text)
+
+
+def positive_number(text: str) -> float:
+    """A finite number > 0 (argparse's float also takes "inf", "nan" and negatives)."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not 0 < v < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return v
 
 
 def add_objective_flag(parser: argparse.ArgumentParser) -> None:
@@ -129,7 +141,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--wait",
-        type=float,
+        type=positive_number,
         default=300.0,
         help="seconds to wait for every member's report, and again (once the plan is sent and the "
         "weights served) for every member to become ready (default 300)",

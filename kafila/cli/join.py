@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from kafila.cli.host import add_member_flags
+from kafila.cli.host import add_member_flags, positive_number
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("code", help="the session code the host printed, e.g. 4-k7m2-tiger-lamp-ocean")
     parser.add_argument(
         "--wait",
-        type=float,
+        type=positive_number,
         default=300.0,
         help="seconds to wait for the host's plan, and again for this member's links to come up "
         "(default 300; the weight fetch itself has no limit, it shows its progress)",

@@ -33,6 +33,25 @@ def test_bad_input_is_one_named_error(argv: list[str], named: str) -> None:
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("command", "flag", "value"),
+    [
+        ("host", "--memory-gb", "inf"),
+        ("host", "--memory-gb", "nan"),
+        ("host", "--memory-gb", "-1"),
+        ("host", "--dead-after", "0"),
+        ("host", "--wait", "nan"),
+        ("join", "--wait", "-5"),
+    ],
+)
+def test_seconds_and_gigabytes_must_be_finite_and_positive(command: str, flag: str, value: str) -> None:
+    code = ["4-k7m2-tiger-lamp-ocean"] if command == "join" else []
+    argv = [sys.executable, "-m", "kafila", command, *code, flag, value]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"argument {flag}: must be a finite number > 0, got '{value}'" in done.stderr
+
+
 @pytest.mark.parametrize("flag", ["--members", "--context"])
 def test_counts_below_one_are_refused_by_the_parser(flag: str) -> None:
     done = subprocess.run(
