@@ -32,14 +32,16 @@ import math
 import statistics
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kafila.obs.log import get_logger
 
 log = get_logger("kafila.obs.trace")
+R = TypeVar("R")  # a record kind
+S = TypeVar("S")  # its summary
 
 
 @dataclass(frozen=True)
@@ -252,15 +254,20 @@ def summarize(records: Iterable[Record], drop_cold: bool = True) -> list[Summary
     for r in records:
         if isinstance(r, RequestRecord) and r.completion_tokens > 1:
             by_session.setdefault(r.session, []).append(r)
-    out = []
-    for reqs in by_session.values():
-        for r in reqs:
-            problem = ring_mismatch(reqs[0], r)
-            if problem is not None:
-                raise ValueError(problem)
-        drop = drop_cold and len(reqs) > 1
-        out.append(_summarize_one(reqs[1:] if drop else reqs, cold_dropped=drop))
-    return out
+    return [_warm(reqs, ring_mismatch, drop_cold, _summarize_one) for reqs in by_session.values()]
+
+
+def _warm(
+    group: list[R], mismatch: Callable[[R, R], str | None], drop_cold: bool, one: Callable[[list[R], bool], S]
+) -> S:
+    """`one` of a group of records that agree with its first (ValueError naming the first that does
+    not), the first dropped as cold when asked and not the only one."""
+    for r in group:
+        problem = mismatch(group[0], r)
+        if problem is not None:
+            raise ValueError(problem)
+    drop = drop_cold and len(group) > 1
+    return one(group[1:] if drop else group, drop)
 
 
 def _summarize_one(reqs: list[RequestRecord], cold_dropped: bool) -> Summary:
@@ -356,15 +363,7 @@ def summarize_stages(records: Iterable[Record], drop_cold: bool = True) -> list[
     for r in records:
         if isinstance(r, StageRecord) and r.decode_steps > 0:
             by_member.setdefault((r.session, r.member), []).append(r)
-    out = []
-    for recs in by_member.values():
-        for r in recs:
-            problem = stage_mismatch(recs[0], r)
-            if problem is not None:
-                raise ValueError(problem)
-        drop = drop_cold and len(recs) > 1
-        out.append(_summarize_stage(recs[1:] if drop else recs, cold_dropped=drop))
-    return out
+    return [_warm(recs, stage_mismatch, drop_cold, _summarize_stage) for recs in by_member.values()]
 
 
 def _summarize_stage(recs: list[StageRecord], cold_dropped: bool) -> StageSummary:

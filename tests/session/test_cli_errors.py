@@ -11,6 +11,7 @@ import pytest
 from kafila.cli.host import run_member
 from kafila.net.errors import LinkTimeout
 from kafila.net.signaling import SignalingError
+from kafila.rendezvous.server import RendezvousServer
 from kafila.session.channel import ChannelClosed
 from kafila.session.weights import WeightsError
 from tests.net.harness import start_rendezvous
@@ -84,19 +85,25 @@ def test_an_unreachable_rendezvous_is_named_with_the_reason() -> None:
     assert f"cannot reach the rendezvous at {url}: " in done.stderr and "Connect call failed" in done.stderr
 
 
-async def test_a_code_the_rendezvous_does_not_know_is_refused_in_one_line() -> None:
-    server = await start_rendezvous()  # a real rendezvous on this test's loop
+async def kafila_against(server: RendezvousServer, *argv: str) -> tuple[int | None, str]:
+    """`kafila ARGV --rendezvous URL` in a fresh process against `server` (running on this test's
+    loop), then the server stopped: the exit status and stderr."""
     try:
         proc = await asyncio.create_subprocess_exec(
-            *[sys.executable, "-m", "kafila", "join", "4-k7m2-tiger-lamp-ocean", "--rendezvous", server.url],
+            *[sys.executable, "-m", "kafila", *argv, "--rendezvous", server.url],
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
         _, err = await asyncio.wait_for(proc.communicate(), 120)
     finally:
         await server.stop()
-    stderr = err.decode()
-    assert proc.returncode == 1 and "Traceback" not in stderr
+    return proc.returncode, err.decode()
+
+
+async def test_a_code_the_rendezvous_does_not_know_is_refused_in_one_line() -> None:
+    server = await start_rendezvous()  # a real rendezvous on this test's loop
+    code, stderr = await kafila_against(server, "join", "4-k7m2-tiger-lamp-ocean")
+    assert code == 1 and "Traceback" not in stderr
     assert f"the rendezvous at {server.url} would not join session 4-k7m2: no open session" in stderr
     assert "(unknown_session)" in stderr
 
@@ -106,17 +113,8 @@ async def test_a_rendezvous_whose_udp_is_blocked_is_named_not_a_traceback() -> N
     stays up): the host's NAT probe gets no answer."""
     server = await start_rendezvous()
     server.udp.close()
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            *[sys.executable, "-m", "kafila", "host", "--members", "1", "--rendezvous", server.url],
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        _, err = await asyncio.wait_for(proc.communicate(), 120)
-    finally:
-        await server.stop()
-    stderr = err.decode()
-    assert proc.returncode == 1 and "Traceback" not in stderr
+    code, stderr = await kafila_against(server, "host", "--members", "1")
+    assert code == 1 and "Traceback" not in stderr
     probe = f"127.0.0.1:{server.udp.port}"
     assert f"cannot classify this member's NAT: rendezvous probe endpoint {probe} did not answer" in stderr
     assert "the rendezvous's UDP ports must be reachable from here" in stderr
