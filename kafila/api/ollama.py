@@ -28,7 +28,15 @@ from kafila.session.service import Sampling
 
 # the request's `format` and the sampling options this server does not implement (refused by name
 # unless unused, as kafila.api.params.NOT_IMPLEMENTED for OpenAI's; other options are ignored)
-NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {"format": (None, "")}
+NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "format": (None, ""),
+    "think": (None, False),
+    "tools": (None, []),
+    "images": (None, []),  # /api/generate's; a chat message's are checked in `chat`
+    "template": (None, ""),  # a Go template: the model's own chat template is what renders here
+    "suffix": (None, ""),
+    "context": (None, []),  # /api/generate's token context of an earlier answer (not returned here)
+}
 OPTIONS_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "repeat_penalty": (None, 1),
     "presence_penalty": (None, 0),
@@ -70,7 +78,10 @@ def _seed(opts: dict[str, Any]) -> int | None:
 async def chat(request: Request) -> Response:
     api, body = api_of(request), await read_body(request)
     check_model(body, api.model_id)
-    prompt = api.encode_chat(messages(body))
+    msgs = messages(body)
+    for i, m in enumerate(msgs):
+        params.refuse_not_implemented(m, {"images": (None, [])}, f"messages[{i}].")
+    prompt = api.encode_chat(msgs)
     return await _run(request, api, job_from(body, prompt, api.service.context), chat=True)
 
 
@@ -80,10 +91,16 @@ async def generate(request: Request) -> Response:
     text = body.get("prompt")
     if not isinstance(text, str):
         raise invalid("prompt", "'prompt' must be a string")
+    system = body.get("system")
+    if system is not None and not isinstance(system, str):
+        raise invalid("system", "'system' must be a string")
     if flag(body, "raw", False):
+        if system:
+            raise invalid("system", "'system' has no place in a raw prompt: the prompt is sent as it is")
         prompt = api.codec.encode_prompt(text)
     else:
-        prompt = api.encode_chat([{"role": "user", "content": text}])
+        turn = [{"role": "user", "content": text}]
+        prompt = api.encode_chat(([{"role": "system", "content": system}] if system else []) + turn)
     return await _run(request, api, job_from(body, prompt, api.service.context), chat=False)
 
 

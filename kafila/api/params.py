@@ -62,8 +62,9 @@ def refuse_not_implemented(
         # True is not 1 here (best_of: true is no count); otherwise 0 == 0.0 and {} == {} as JSON means
         fine = any(value is u for u in unused) if isinstance(value, bool) else value in unused
         if not fine:
-            name = where + key
-            raise invalid(name, f"'{name}' is not supported here (got {json.dumps(value)}); leave it out")
+            name, got = where + key, json.dumps(value)
+            got = got if len(got) <= 80 else got[:77] + "..."  # an image's base64 is megabytes
+            raise invalid(name, f"'{name}' is not supported here (got {got}); leave it out")
 
 
 def check_model(body: dict[str, Any], served: str) -> None:

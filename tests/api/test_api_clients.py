@@ -260,6 +260,50 @@ async def test_parameters_not_implemented_are_refused_by_name_unless_unused(serv
         assert done["done"] and done["eval_count"] == 2
 
 
+def ollama_refusals(url: str) -> dict[str, str]:
+    """What the ollama client hears back for each part of a request this server does not serve."""
+    image = b"\x89PNG\r\n\x1a\n" + bytes(64)
+    asks = {
+        "messages[0].images": ("chat", {"messages": [{**QUESTION[0], "images": [image]}]}),
+        "think": ("chat", {"messages": QUESTION, "think": True}),
+        "tools": ("chat", {"messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+        "images": ("generate", {"prompt": "What is this?", "images": [image]}),
+        "template": ("generate", {"prompt": "Hi", "template": "{{ .Prompt }}"}),
+        "suffix": ("generate", {"prompt": "def f(", "suffix": "return 1"}),
+        "context": ("generate", {"prompt": "And then?", "context": [1, 2, 3]}),
+    }
+    heard = {}
+    with ollama.Client(host=url) as client:
+        for name, (route, kw) in asks.items():
+            try:
+                getattr(client, route)(model=MODEL, options={"num_predict": 2}, **kw)
+            except ollama.ResponseError as exc:
+                heard[name] = f"{exc.status_code} {exc.error}"
+    return heard
+
+
+async def test_ollama_request_parts_not_served_are_refused_by_name(served: Served) -> None:
+    heard = await asyncio.to_thread(ollama_refusals, served.member.url)
+    for name in ("messages[0].images", "think", "tools", "images", "template", "suffix", "context"):
+        assert heard.get(name, "").startswith(f"400 '{name}' is not supported here"), (name, heard.get(name))
+    assert len(heard["messages[0].images"]) < 200  # the image is not echoed back
+
+
+async def test_ollama_generate_places_its_system_message(served: Served) -> None:
+    system, opts = "Answer with one word only.", {"temperature": 0, "num_predict": 8}
+    question = QUESTION[0]["content"]
+    with ollama.Client(host=served.member.url) as client:
+        msgs = [{"role": "system", "content": system}, *QUESTION]
+        chat = await asyncio.to_thread(client.chat, model=MODEL, messages=msgs, options=opts)
+        ask = {"model": MODEL, "prompt": question, "options": opts}
+        gen = await asyncio.to_thread(client.generate, **ask, system=system)
+        plain = await asyncio.to_thread(client.generate, **ask)
+    # the same prompt as the chat's, rendered by the model's template; without `system` the template
+    # puts its own default system message there (SmolLM2's names the model), so the prompts differ
+    assert gen.response == chat.message.content and gen.prompt_eval_count == chat.prompt_eval_count
+    assert gen.prompt_eval_count != plain.prompt_eval_count
+
+
 async def test_text_parts_and_the_developer_role_read_as_plain_content_and_system(served: Served) -> None:
     system = {"role": "system", "content": "Answer in one word."}
     plain = [system, *QUESTION]
