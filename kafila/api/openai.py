@@ -72,13 +72,20 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     api, body = api_of(request), await read_body(request)
     check_model(body, api.model_id)
-    text = body.get("prompt")
-    if isinstance(text, list) and len(text) == 1:
-        text = text[0]
-    if not isinstance(text, str):
-        raise invalid("prompt", "'prompt' must be a string (one prompt per request)")
-    prompt = api.codec.encode_prompt(text)
+    prompt = _prompt_ids(api, body.get("prompt"))
     return await _run(request, api, job_from(body, prompt, api.service.context), chat=False)
+
+
+def _prompt_ids(api: Api, prompt: Any) -> list[int]:
+    """A completion's prompt: a string, or token ids as OpenAI takes them (one prompt per request,
+    also as a list of one); the head refuses ids outside the model's vocabulary."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return api.codec.encode_prompt(prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    raise invalid("prompt", "'prompt' must be a string or a list of token ids (one prompt per request)")
 
 
 async def models(request: Request) -> Response:

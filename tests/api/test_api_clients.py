@@ -21,6 +21,7 @@ import kafila
 from kafila.api import openai as openai_routes
 from kafila.api.app import create_app
 from kafila.api.server import ApiServer
+from kafila.engine.tokenizer import Tokenizer
 from kafila.models.checkpoint import Checkpoint
 from kafila.session.service import GenerationError, Sampling
 from tests.api.served import MODEL, Served, serve_ring
@@ -106,6 +107,22 @@ async def test_openai_stream_ends_with_the_usage_when_asked(served: Served) -> N
     assert "".join(c.choices[0].delta.content or "" for c in answer) == whole.choices[0].message.content
 
 
+async def test_openai_completion_of_token_ids_is_the_completion_of_their_text(
+    served: Served, smollm2_path
+) -> None:
+    text = "The capital of Germany is"
+    ids = Tokenizer.from_checkpoint(Checkpoint.open(smollm2_path)).encode(text)
+    async with oai(served.member) as client:
+        by_text, by_ids, nested = [
+            await client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0)  # type: ignore[arg-type]
+            for p in (text, ids, [ids])
+        ]
+        with pytest.raises(openai.BadRequestError, match="prompt token 1000000 is outside the vocabulary"):
+            await client.completions.create(model=MODEL, prompt=[1, 10**6], max_tokens=2)
+    assert by_ids.choices[0].text == by_text.choices[0].text == nested.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+
+
 async def test_openai_retrieves_the_served_model_and_names_it_for_another(served: Served) -> None:
     async with oai(served.member) as client:
         assert (await client.models.retrieve(MODEL)).id == MODEL
@@ -169,6 +186,11 @@ async def test_a_forwarded_request_with_bad_sampling_is_refused_and_the_ring_kee
             assert exc.code == "bad_request" and "temperature must be" in exc.message
         else:
             assert bad.seed == -5 and tokens  # a negative seed is a fixed seed now
+    for ids in ([1, 2, 10**6], [-1]):  # the head's embedding would fail on them (IndexError)
+        with pytest.raises(
+            GenerationError, match=r"prompt token -?\d+ is outside the vocabulary \(0-49151\)"
+        ):
+            [ev async for ev in await member.submit(ids, Sampling(max_tokens=2))]
     assert served.ring.head.broken is None
     async with oai(served.member) as client:
         r = await client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
