@@ -318,7 +318,9 @@ def _typed(obj: dict[str, Any], table: dict[str, type]) -> Any:
 
 def _parse_json(raw: bytes) -> Any:
     try:
-        return json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+        return json.loads(
+            raw, object_pairs_hook=_no_duplicates, parse_constant=_no_constant, parse_float=_finite_float
+        )
     except ProtocolError:
         raise
     except RecursionError as exc:
@@ -338,6 +340,15 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _no_constant(name: str) -> Any:
     raise ProtocolError(f"{name} is not allowed in a message")
+
+
+def _finite_float(text: str) -> float:
+    """A JSON number as a float; one beyond a float's range (1e400 reads as inf) is refused here,
+    since no message holding it could be sent on (encoding refuses inf and NaN)."""
+    v = float(text)
+    if not math.isfinite(v):
+        raise ProtocolError(f"number {text[:40]} is beyond what a message may hold")
+    return v
 
 
 def _build(cls: type, obj: dict[str, Any], where: str) -> Any:

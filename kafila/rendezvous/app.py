@@ -43,7 +43,13 @@ class SignalingHub:
     def apply(self, events: list[Event]) -> None:
         for event in events:
             if isinstance(event, Send):
-                self._enqueue(event.conn, sig.encode(event.message))
+                try:
+                    text = sig.encode(event.message)
+                except (ValueError, TypeError) as exc:  # a bug: drop this message, not the connection
+                    kind = event.message.TYPE
+                    log.error("message_not_encoded", conn=event.conn, message=kind, error=str(exc))
+                    continue
+                self._enqueue(event.conn, text)
             elif isinstance(event, Close):
                 self._enqueue(event.conn, (event.code, event.reason))
             elif isinstance(event, Note):
@@ -68,7 +74,10 @@ class SignalingHub:
         reader = asyncio.create_task(self._read(ws, conn))
         writer = asyncio.create_task(self._write(ws, conn))
         try:
-            await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:  # a connection never ends on a failure nobody hears of
+                if not task.cancelled() and task.exception() is not None:
+                    log.error("connection_failed", conn=conn, error=repr(task.exception()))
         finally:
             for task in (reader, writer):
                 task.cancel()

@@ -87,6 +87,9 @@ def _frame(kind: str, **fields: Any) -> str:
         (_frame("update", candidates=[1]), "bad_message", "update.candidates[0]: expected string"),
         ('{"v": 1, "v": 1, "type": "heartbeat"}', "bad_message", "duplicate key 'v'"),
         ('{"v": 1, "type": "open", "members_expected": NaN}', "bad_message", "NaN is not allowed"),
+        # a number beyond a float reads as inf: the server could not send the message on to anyone
+        ('{"v":1,"type":"signal","to":2,"payload":{"x":1e400}}', "bad_message", "number 1e400 is beyond"),
+        ('{"v":1,"type":"update","nat":{"rtt":-1e999}}', "bad_message", "number -1e999 is beyond"),
     ],
 )
 def test_bad_frames_name_the_problem(text: str, code: str, words: str) -> None:
