@@ -26,8 +26,12 @@ def add_member_flags(parser: argparse.ArgumentParser) -> None:
         help="this member's OpenAI/Ollama API address HOST:PORT (default 127.0.0.1:11434, localhost only); "
         "'off' serves no API",
     )
-    parser.add_argument("--name", help="this member's name in the session (default: the host name)")
-    parser.add_argument("--backend", default="auto", help="auto, torch or mlx (default auto)")
+    parser.add_argument(
+        "--name", type=member_name, help="this member's name in the session (default: the host name)"
+    )
+    parser.add_argument(
+        "--backend", default="auto", choices=["auto", "torch", "mlx"], help="array library (default auto)"
+    )
     parser.add_argument(
         "--memory-gb",
         type=positive_number,
@@ -65,6 +69,15 @@ def positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
     return int(text)
+
+
+def member_name(text: str) -> str:
+    """A name the rendezvous takes: 1-64 characters, none of them control characters."""
+    from kafila.proto.signaling import MAX_NAME
+
+    if not 1 <= len(text) <= MAX_NAME or not text.isprintable():
+        raise argparse.ArgumentTypeError(f"must be 1-{MAX_NAME} printable characters, got {text!r}")
+    return text
 
 
 def positive_number(text: str) -> float:
@@ -184,13 +197,25 @@ async def serve_until_interrupted(formed: object) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from kafila.session.form import SessionError, say
     from kafila.session.start import host
 
     def on_code(code: object) -> None:
         if args.code_file:
-            with open(args.code_file, "w") as f:
-                f.write(f"{code}\n")
+            try:
+                with open(args.code_file, "w") as f:
+                    f.write(f"{code}\n")
+            except OSError as exc:
+                why = exc.strerror or exc
+                raise SessionError(f"cannot write --code-file {args.code_file}: {why}") from exc
 
+    if args.code_file:  # a file that cannot be written is named now, not once the session is open
+        try:
+            with open(args.code_file, "a"):
+                pass
+        except OSError as exc:
+            say(f"error: cannot write --code-file {args.code_file}: {exc.strerror or exc}")
+            return 1
     return run_member(lambda: host(options(args), on_code))  # type: ignore[arg-type]
 
 

@@ -17,6 +17,13 @@ from kafila.session.weights import WeightsError
 from tests.net.harness import start_rendezvous
 
 
+def kafila_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    """`kafila ARGV` in a fresh process, as a person runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "kafila", *argv], capture_output=True, text=True, timeout=120
+    )
+
+
 @pytest.mark.parametrize(
     ("argv", "named"),
     [
@@ -26,9 +33,7 @@ from tests.net.harness import start_rendezvous
     ],
 )
 def test_bad_input_is_one_named_error(argv: list[str], named: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "kafila", *argv], capture_output=True, text=True, timeout=120
-    )
+    done = kafila_cli(*argv)
     assert done.returncode == 1
     assert named in done.stderr
     assert "Traceback" not in done.stderr
@@ -47,17 +52,42 @@ def test_bad_input_is_one_named_error(argv: list[str], named: str) -> None:
 )
 def test_seconds_and_gigabytes_must_be_finite_and_positive(command: str, flag: str, value: str) -> None:
     code = ["4-k7m2-tiger-lamp-ocean"] if command == "join" else []
-    argv = [sys.executable, "-m", "kafila", command, *code, flag, value]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    done = kafila_cli(command, *code, flag, value)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert f"argument {flag}: must be a finite number > 0, got '{value}'" in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["host", "--name", ""], "argument --name: must be 1-64 printable characters, got ''"),
+        (["host", "--name", "x" * 65], "argument --name: must be 1-64 printable characters"),
+        (["join", "4-k7m2-tiger-lamp-ocean", "--name", "a\nb"], "argument --name: must be 1-64 printable"),
+        (["host", "--backend", "cuda"], "argument --backend: invalid choice: 'cuda'"),
+    ],
+)
+def test_names_and_backends_are_checked_by_the_parser(argv: list[str], named: str) -> None:
+    done = kafila_cli(*argv)
+    assert done.returncode == 2 and named in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_code_file_that_cannot_be_written_is_named_before_the_session_opens(tmp_path) -> None:
+    argv = [
+        "host",
+        "--code-file",
+        str(tmp_path / "no-such-dir" / "code"),
+        "--rendezvous",
+        "ws://127.0.0.1:1/x",
+    ]
+    done = kafila_cli(*argv)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "cannot write --code-file" in done.stderr and "No such file or directory" in done.stderr
+    assert "cannot reach the rendezvous" not in done.stderr  # before connecting
+
+
 @pytest.mark.parametrize("flag", ["--members", "--context"])
 def test_counts_below_one_are_refused_by_the_parser(flag: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "kafila", "host", flag, "0"], capture_output=True, text=True, timeout=120
-    )
+    done = kafila_cli("host", flag, "0")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert f"argument {flag}: must be a whole number >= 1, got '0'" in done.stderr
 
@@ -75,12 +105,7 @@ def test_emulated_speed_on_several_cpus_is_refused_before_connecting() -> None:
 
 def test_an_unreachable_rendezvous_is_named_with_the_reason() -> None:
     url = "ws://127.0.0.1:1/v1/signal"  # nothing listens on port 1: connection refused
-    done = subprocess.run(
-        [sys.executable, "-m", "kafila", "join", "4-k7m2-tiger-lamp-ocean", "--rendezvous", url],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = kafila_cli("join", "4-k7m2-tiger-lamp-ocean", "--rendezvous", url)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert f"cannot reach the rendezvous at {url}: " in done.stderr and "Connect call failed" in done.stderr
 
@@ -158,9 +183,7 @@ def test_an_api_address_that_cannot_serve_is_named_before_the_rendezvous_is_aske
         port = holder.getsockname()[1]
         api = f"127.0.0.1:{port}" if api == "taken" else api
         argv = ["join", "4-k7m2-tiger-lamp-ocean", "--api", api, "--rendezvous", "ws://127.0.0.1:1/v1/signal"]
-        done = subprocess.run(
-            [sys.executable, "-m", "kafila", *argv], capture_output=True, text=True, timeout=120
-        )
+        done = kafila_cli(*argv)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert named.format(port=port) in done.stderr
     assert "cannot reach the rendezvous" not in done.stderr  # refused before connecting
