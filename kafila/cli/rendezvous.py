@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
+from collections.abc import Callable
+
+from kafila.cli.host import positive_int, positive_number
 
 _LIMIT_HELP = {
     "max_message_bytes": "largest signaling frame accepted, in bytes",
@@ -20,21 +24,56 @@ _LIMIT_HELP = {
     "join_burst_per_session": "burst of join attempts allowed on one session code",
     "open_rate_per_address": "sessions opened per second allowed from one source address",
     "open_burst_per_address": "burst of sessions opened from one source address",
-    "relay_channels": "relay channels at once, all sessions together",
-    "relay_channels_per_session": "relay channels one session may hold",
+    "relay_channels": "relay channels at once, all sessions together (0: no relay)",
+    "relay_channels_per_session": "relay channels one session may hold (0: no relay)",
     "relay_session_bytes_per_s": "bytes per second the relay forwards for one session (0: unlimited)",
     "relay_idle_s": "seconds without traffic after which a relay channel is removed",
 }
+
+
+def port_number(text: str) -> int:
+    """A TCP/UDP port, 0 (any free port) to 65535."""
+    if not text.isascii() or not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"must be 0-65535, got {text!r}")
+    return int(text)
+
+
+def _limit_type(name: str, whole: bool) -> Callable[[str], float]:
+    """The argparse type of limit `name`: `positive_int`/`positive_number`, or Limits' own rule."""
+    from kafila.rendezvous.limits import MIN_MESSAGE_BYTES, ZERO_ALLOWED, limit_problem
+
+    if name not in ZERO_ALLOWED and name != "max_message_bytes":
+        return positive_int if whole else positive_number
+
+    def parse(text: str) -> float:
+        try:
+            value: float = int(text) if whole else float(text)
+        except ValueError:
+            value = -1.0 if whole else float("nan")
+        problem = limit_problem(name, value)
+        if problem:
+            bound = f">= {MIN_MESSAGE_BYTES}" if name == "max_message_bytes" else ">= 0"
+            kind = "a whole number" if whole else "a finite number"
+            raise argparse.ArgumentTypeError(f"must be {kind} {bound}, got {text!r}")
+        return value
+
+    return parse
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     from kafila.rendezvous.limits import Limits  # light: dataclass only
 
     parser.add_argument("--host", default="0.0.0.0", help="address for signaling (HTTP/WebSocket)")
-    parser.add_argument("--port", type=int, default=8470, help="TCP port for signaling, /healthz, /metrics")
+    parser.add_argument(
+        "--port", type=port_number, default=8470, help="TCP port for signaling, /healthz, /metrics"
+    )
     parser.add_argument("--udp-host", default=None, help="address for UDP probes and relay (default: --host)")
-    parser.add_argument("--udp-port", type=int, default=3478, help="primary UDP port: probes and relay")
-    parser.add_argument("--udp-alt-port", type=int, default=3479, help="alternate UDP port for NAT probes")
+    parser.add_argument(
+        "--udp-port", type=port_number, default=3478, help="primary UDP port: probes and relay"
+    )
+    parser.add_argument(
+        "--udp-alt-port", type=port_number, default=3479, help="alternate UDP port for NAT probes"
+    )
     parser.add_argument(
         "--udp-alt-host",
         default=None,
@@ -64,12 +103,65 @@ def configure(parser: argparse.ArgumentParser) -> None:
         value = getattr(defaults, f.name)
         limits.add_argument(
             "--" + f.name.replace("_", "-"),
-            type=type(value),
+            type=_limit_type(f.name, isinstance(value, int)),
             default=value,
             dest=f"limit_{f.name}",
             metavar="N",
             help=f"{_LIMIT_HELP[f.name]} (default {value:g})",
         )
+
+
+def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None  # a host name
+
+
+def _wildcard(host: str) -> bool:
+    address = _address(host)
+    return host == "" or (address is not None and address.is_unspecified)
+
+
+def flag_problems(args: argparse.Namespace) -> list[str]:
+    """What no rendezvous can serve with, naming the flags (the parser checked each value alone)."""
+    problems = []
+    if args.udp_port and args.udp_port == args.udp_alt_port:
+        problems.append(
+            f"--udp-alt-port {args.udp_alt_port} is also --udp-port: the alternate port must differ "
+            "from the primary"
+        )
+    primary, alt = args.udp_host or args.host, args.udp_alt_host
+    if alt:
+        same = _address(alt) == _address(primary) if _address(alt) else alt.lower() == primary.lower()
+        if same:
+            problems.append(
+                f"--udp-alt-host {alt} is the primary UDP address (--udp-host, default --host): "
+                "the alternate address must differ from the primary"
+            )
+        elif _wildcard(alt):
+            problems.append(
+                f"--udp-alt-host {alt!r} means every address, the primary included: give one specific "
+                "second address"
+            )
+        elif _wildcard(primary):
+            problems.append(
+                f"--udp-alt-host needs a specific primary UDP address, but --udp-host (default --host) is "
+                f"{primary!r}, which takes the UDP ports on every address, {alt} included: give the "
+                "primary address as --udp-host"
+            )
+    elif args.advertise_alt_host:
+        problems.append(
+            f"--advertise-alt-host {args.advertise_alt_host} is how members reach --udp-alt-host, which "
+            "is not given: nothing would listen on a second address (give both, or neither)"
+        )
+    beat, timeout = args.limit_heartbeat_s, args.limit_heartbeat_timeout_s
+    if timeout <= beat:
+        problems.append(
+            f"--heartbeat-timeout-s {timeout:g} must be longer than --heartbeat-s {beat:g}: members "
+            "would be timed out between heartbeats"
+        )
+    return problems
 
 
 def main(args: argparse.Namespace) -> int:
@@ -78,11 +170,17 @@ def main(args: argparse.Namespace) -> int:
 
     from kafila.obs.log import configure_logging, get_logger
     from kafila.rendezvous.limits import Limits
-    from kafila.rendezvous.server import RendezvousServer, ServerConfig
+    from kafila.rendezvous.server import RendezvousServer, ServerConfig, TlsError
 
     configure_logging(args.log_format or os.environ.get("KAFILA_LOG") or "json")
+    log = get_logger("kafila.rendezvous")
     if bool(args.cert) != bool(args.key):
-        get_logger("kafila.rendezvous").error("tls_config", error="--cert and --key go together")
+        log.error("tls_config", error="--cert and --key go together")
+        return 2
+    problems = flag_problems(args)
+    for problem in problems:
+        log.error("bad_flags", error=problem)
+    if problems:
         return 2
     limits = Limits(**{f.name: getattr(args, f"limit_{f.name}") for f in dataclasses.fields(Limits)})
     config = ServerConfig(
@@ -100,8 +198,10 @@ def main(args: argparse.Namespace) -> int:
     )
     try:
         asyncio.run(RendezvousServer(config, handle_signals=True).serve_forever())
+    except TlsError as exc:  # before anything is bound
+        log.error("tls_config", error=str(exc))
+        return 2
     except OSError as exc:  # a port in use or not ours to bind: named, no traceback
-        log = get_logger("kafila.rendezvous")
         log.error("listen_failed", error=exc.strerror or str(exc), errno=exc.errno)
         return 1
     return 0

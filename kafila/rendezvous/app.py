@@ -124,6 +124,17 @@ class SignalingHub:
             self.apply(self.registry.tick(self.clock()))
 
 
+async def _upgrade_required(request: Request) -> Response:
+    """Plain HTTP on the signaling path: say it is a WebSocket endpoint (426, RFC 9110 15.5.22)."""
+    url = request.url.replace(scheme="wss" if request.url.scheme == "https" else "ws", query="")
+    body = {
+        "error": "upgrade_required",
+        "message": f"{SIGNAL_PATH} is the rendezvous's WebSocket signaling endpoint: "
+        f"connect to {url} with a WebSocket client (ws://, or wss:// when served with TLS)",
+    }
+    return JSONResponse(body, status_code=426, headers={"Upgrade": "websocket"})
+
+
 def build_app(
     registry: Registry,
     udp_stats: dict[str, int] | None = None,
@@ -159,6 +170,7 @@ def build_app(
             Route("/healthz", healthz),
             Route("/metrics", metrics),
             WebSocketRoute(SIGNAL_PATH, hub.serve),
+            Route(SIGNAL_PATH, _upgrade_required),  # plain HTTP on the same path (http scope only)
         ],
         lifespan=lifespan,
     )

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 from kafila.proto import signaling
+
+# Limits where 0 is a setting of its own: no byte rate limit, or a rendezvous that does not relay.
+ZERO_ALLOWED = frozenset({"relay_session_bytes_per_s", "relay_channels", "relay_channels_per_session"})
+MIN_MESSAGE_BYTES = 1024  # a smaller frame limit would refuse ordinary open/join frames
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +29,31 @@ class Limits:
     join_burst_per_session: int = 20
     open_rate_per_address: float = 6 / 60  # sessions opened per second per source address
     open_burst_per_address: int = 6
-    relay_channels: int = 4096  # all sessions together
-    relay_channels_per_session: int = 32
+    relay_channels: int = 4096  # all sessions together (0: no relay)
+    relay_channels_per_session: int = 32  # (0: no relay)
     relay_session_bytes_per_s: float = 100e6  # forwarded per session (0: unlimited)
     relay_idle_s: float = 60.0  # a channel with no bind or data for this long is removed
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            problem = limit_problem(f.name, getattr(self, f.name))
+            if problem:
+                raise ValueError(f"limit {f.name} {problem}")
+        if not self.heartbeat_timeout_s > self.heartbeat_s:
+            raise ValueError(
+                f"limit heartbeat_timeout_s ({self.heartbeat_timeout_s:g} s) must be longer than "
+                f"heartbeat_s ({self.heartbeat_s:g} s), or members are timed out between heartbeats"
+            )
+
+
+def limit_problem(name: str, value: float) -> str | None:
+    """Why `value` cannot be the limit `name` ("must be ..."), or None when it can."""
+    if name == "max_message_bytes":
+        ok, bound = value >= MIN_MESSAGE_BYTES, f">= {MIN_MESSAGE_BYTES}"
+    elif name in ZERO_ALLOWED:
+        ok, bound = value >= 0, ">= 0"
+    else:
+        ok, bound = value > 0, "> 0"
+    if ok and math.isfinite(value):
+        return None
+    return f"must be finite and {bound}, got {value!r}"

@@ -12,7 +12,11 @@ class _Bucket:
 
 
 class TokenBuckets:
-    """`rate` tokens per second up to `burst`; `take(key, now)` spends one if available."""
+    """`rate` tokens per second up to `burst`; `take(key, now)` spends one if available.
+
+    A cost above `burst` (a datagram larger than one second's bytes) is taken from a full bucket and
+    leaves it in debt, so it passes at the average rate instead of never.
+    """
 
     def __init__(self, rate: float, burst: float, max_keys: int = 100_000) -> None:
         self.rate = rate
@@ -31,7 +35,7 @@ class TokenBuckets:
             bucket = self._buckets[key] = _Bucket(self.burst, now)
         bucket.tokens = self._level(bucket, now)
         bucket.stamp = now
-        if bucket.tokens < cost:
+        if bucket.tokens < min(cost, self.burst):
             return False
         bucket.tokens -= cost
         return True
@@ -41,7 +45,7 @@ class TokenBuckets:
         bucket = self._buckets.get(key)
         if bucket is None or self.rate <= 0:
             return 0.0 if bucket is None else float("inf")
-        return max(0.0, (cost - self._level(bucket, now)) / self.rate)
+        return max(0.0, (min(cost, self.burst) - self._level(bucket, now)) / self.rate)
 
     def prune(self, now: float) -> None:
         """Forget buckets that have refilled (they behave exactly like absent ones)."""

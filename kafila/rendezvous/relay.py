@@ -73,6 +73,7 @@ class RelayTable:
         self._random_id = random_id
         self.channels: dict[int, Channel] = {}
         self._by_edge: dict[tuple[str, int, int], int] = {}
+        # a burst of one second's bytes; a datagram above it passes from a full bucket (ratelimit.py)
         self._rate = TokenBuckets(limits.relay_session_bytes_per_s, limits.relay_session_bytes_per_s)
         self.totals = Totals()
 
@@ -97,6 +98,8 @@ class RelayTable:
         return channel
 
     def _check_caps(self, session: str) -> None:
+        if min(self.limits.relay_channels, self.limits.relay_channels_per_session) == 0:
+            raise RelayLimitError("this rendezvous does not relay: its relay channel limit is 0")
         if len(self.channels) >= self.limits.relay_channels:
             raise RelayLimitError(
                 f"relay has {len(self.channels)} channels, the limit is {self.limits.relay_channels}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from dataclasses import dataclass, field
 
 import uvicorn
@@ -18,9 +19,41 @@ from kafila.rendezvous.app import SIGNAL_PATH, build_app
 from kafila.rendezvous.limits import Limits
 from kafila.rendezvous.registry import ProbeInfo, Registry
 from kafila.rendezvous.relay import RelayTable
-from kafila.rendezvous.udp import UdpService
+from kafila.rendezvous.udp import UdpService, host_port
 
 log = get_logger("kafila.rendezvous")
+
+
+class TlsError(Exception):
+    """The certificate or key cannot serve TLS; the text names the file and the reason."""
+
+
+def check_tls(cert: str, key: str) -> None:
+    """Load `cert` and `key` as uvicorn will, raising TlsError naming the flag and file at fault."""
+    for flag, path in (("--cert", cert), ("--key", key)):
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            raise TlsError(f"cannot load {flag} {path}: {exc.strerror or exc}") from exc
+    try:
+        ssl.create_default_context().load_verify_locations(cafile=cert)
+    except ssl.SSLError as exc:
+        raise TlsError(f"cannot load --cert {cert}: it holds no PEM certificate ({exc.reason})") from exc
+
+    def encrypted() -> str:
+        raise TlsError(f"cannot load --key {key}: it is encrypted; give an unencrypted PEM key")
+
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=encrypted)
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            why = "the key does not belong to the certificate"
+        elif exc.library == "SSL" and "PEM lib" in str(exc):  # the certificate loaded above: the key
+            raise TlsError(f"cannot load --key {key}: it holds no PEM private key") from exc
+        else:
+            why = str(exc.reason or exc)
+        raise TlsError(f"cannot load --cert {cert} / --key {key}: {why}") from exc
 
 
 @dataclass(frozen=True)
@@ -52,6 +85,8 @@ class RendezvousServer:
 
     async def start(self) -> None:
         cfg = self.config
+        if cfg.cert and cfg.key:
+            check_tls(cfg.cert, cfg.key)  # before binding anything
         await self.udp.start(cfg.udp_host or cfg.host, cfg.udp_port, cfg.udp_alt_port, cfg.udp_alt_host)
         alt_host = cfg.advertise_alt_host or cfg.udp_alt_host or None
         probe = ProbeInfo(self.udp.port, self.udp.alt_port, alt_host)
@@ -64,7 +99,8 @@ class RendezvousServer:
         except OSError as exc:
             sock.close()
             self.udp.close()
-            raise OSError(exc.errno, f"cannot listen on TCP {cfg.host}:{cfg.port}: {exc.strerror}") from exc
+            where = host_port(cfg.host, cfg.port)
+            raise OSError(exc.errno, f"cannot listen on TCP {where}: {exc.strerror}") from exc
         self.http_port = sock.getsockname()[1]
         self._server = uvicorn.Server(self._uvicorn_config(app))
         # uvicorn's serve() captures SIGINT/SIGTERM (wanted by the CLI); embedded servers (tests, demo)
@@ -100,7 +136,7 @@ class RendezvousServer:
     def url(self) -> str:
         scheme = "wss" if self.config.cert else "ws"
         host = self.config.host if self.config.host not in ("0.0.0.0", "::") else "127.0.0.1"
-        return f"{scheme}://{host}:{self.http_port}{SIGNAL_PATH}"
+        return f"{scheme}://{host_port(host, self.http_port)}{SIGNAL_PATH}"
 
     async def stop(self) -> None:
         if self._server is not None and self._task is not None:

@@ -25,6 +25,11 @@ log = get_logger("kafila.rendezvous.udp")
 SOCKET_BUFFER_BYTES = 4 << 20  # relay bursts: a ring step can send a few hundred KB at once
 
 
+def host_port(host: str, port: int) -> str:
+    """HOST:PORT as URLs and logs write it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class _Endpoint(asyncio.DatagramProtocol):
     def __init__(self, service: UdpService, index: int) -> None:
         self.service = service
@@ -52,7 +57,7 @@ class UdpService:
         if alt_host:
             await self._bind(2, alt_host, self.local[0][1])
             await self._bind(3, alt_host, self.local[1][1])
-        log.info("udp_listening", endpoints={i: f"{h}:{p}" for i, (h, p) in self.local.items()})
+        log.info("udp_listening", endpoints={i: host_port(h, p) for i, (h, p) in self.local.items()})
 
     async def _bind(self, index: int, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
@@ -62,7 +67,8 @@ class UdpService:
             )
         except OSError as exc:
             self.close()
-            raise OSError(exc.errno, f"cannot listen on UDP {host}:{port}: {exc.strerror or exc}") from exc
+            where = host_port(host, port)
+            raise OSError(exc.errno, f"cannot listen on UDP {where}: {exc.strerror or exc}") from exc
         self.transports[index] = transport
         sock = transport.get_extra_info("socket")
         for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):

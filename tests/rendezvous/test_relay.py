@@ -10,6 +10,7 @@ import pytest
 from kafila.proto import udp
 from kafila.proto.udp import ErrorCode
 from kafila.rendezvous.limits import Limits
+from kafila.rendezvous.ratelimit import TokenBuckets
 from kafila.rendezvous.relay import Drop, RelayLimitError, RelayTable
 
 A = ("198.51.100.1", 40001)
@@ -121,3 +122,29 @@ def test_release_member_and_session() -> None:
     assert len(relay.release_member("s", 3)) == 1
     assert len(relay.release_session("s")) == 1
     assert [c.session for c in relay.channels.values()] == ["t"]
+
+
+def test_a_low_byte_rate_throttles_datagrams_larger_than_a_second_of_it() -> None:
+    relay = table(relay_session_bytes_per_s=1000)  # one second's bytes < one 1200-byte QUIC datagram
+    cid = bound_channel(relay)
+    results = [relay.forward(cid, A, 1200, 0.1 * i) for i in range(100)]  # 10 datagrams/s for 10 s
+    passed = results.count((B, 0))
+    assert 8 <= passed <= 9  # about 1000 B/s of 1200 B datagrams: throttled, not blackholed
+    assert results[0] == (B, 0) and results[1] == Drop.RATE_LIMITED
+
+
+def test_a_cost_above_the_burst_is_taken_from_a_full_bucket_and_repaid_at_the_rate() -> None:
+    buckets = TokenBuckets(rate=100.0, burst=100.0)
+    assert buckets.take("s", 0.0, cost=250)  # full: taken, 150 in debt
+    assert not buckets.take("s", 1.5, cost=1)  # 1.5 s repaid the debt, nothing more
+    assert buckets.take("s", 2.0, cost=50)
+    assert buckets.retry_after("s", 2.0, cost=250) == pytest.approx(1.0)  # waits for a full bucket
+    assert not buckets.take("s", 2.9, cost=250) and buckets.take("s", 3.0, cost=250)
+
+
+def test_a_relay_limit_of_0_says_the_rendezvous_does_not_relay() -> None:
+    for limit in ("relay_channels", "relay_channels_per_session"):
+        with pytest.raises(
+            RelayLimitError, match="this rendezvous does not relay: its relay channel limit is 0"
+        ):
+            table(**{limit: 0}).allocate("s", 1, 2, 0.0)
