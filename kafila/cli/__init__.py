@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rendezvous": ("rendezvous", "run the rendezvous service"),
     "host": ("host", "open a session for a model and serve as a member"),
     "join": ("join", "join a session with its code"),
-    "demo": ("demo", "a rendezvous and three members on this machine"),
+    "demo": ("demo", "a rendezvous and members (three by default) on this machine"),
     "trace": ("trace", "read session traces"),
 }
 

@@ -72,7 +72,14 @@ _PLANS = re.compile(r"kafila: plans for this session \(predicted\):\n((?:(?!kafi
 
 
 class FleetError(RuntimeError):
-    """The fleet could not start; the message names the process and quotes the end of its log."""
+    """The fleet could not start, or one of its processes exited: `what` names the process and what
+    went wrong, `log` is that process's log file (None when no one process is to blame), `cause`
+    its last error line (or its last line); the message adds the end of the log."""
+
+    def __init__(self, what: str, log: Path | None = None) -> None:
+        text = _read(log) if log is not None else ""
+        super().__init__(f"{what}; its log {log} ends: {_tail(text)}" if text.strip() else what)
+        self.what, self.log, self.cause = what, log, _cause(text)
 
 
 @dataclass
@@ -338,9 +345,7 @@ class LocalFleet:
             if self._rendezvous.poll() is not None:
                 break
             time.sleep(0.1)
-        raise FleetError(
-            f"kafila rendezvous did not start: {_tail(self._rdv_log.read_text(errors='replace'))}"
-        )
+        raise FleetError("kafila rendezvous did not start", self._rdv_log)
 
     def _launch(self, m: FleetMember, index: int) -> None:
         assert self.rendezvous_url is not None and self.workdir is not None
@@ -390,33 +395,33 @@ class LocalFleet:
             found = pattern.search(m.log_text())
             if found:
                 return found
-            self._check_alive()
+            self.check_alive()
             if time.monotonic() > deadline:
                 raise FleetError(
-                    f"member {m.name}: no '{pattern.pattern}' within {self.wait_s:.0f} s; "
-                    f"its log ends: {_tail(m.log_text())}"
+                    f"member {m.name}: no '{pattern.pattern}' within {self.wait_s:.0f} s", m.log_path
                 )
             time.sleep(0.1)
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """FleetError naming the first member (or the rendezvous) that has exited, if any."""
         for m in self.members:
             if m.proc is not None and m.proc.poll() is not None:
-                code, tail = m.proc.returncode, _tail(m.log_text())
-                raise FleetError(f"member {m.name} ({m.role}) exited with {code}; its log ends: {tail}")
+                raise FleetError(f"member {m.name} ({m.role}) exited with {m.proc.returncode}", m.log_path)
         if self._rendezvous is not None and self._rendezvous.poll() is not None:
-            raise FleetError(f"the rendezvous exited with {self._rendezvous.returncode}")
+            raise FleetError(f"the rendezvous exited with {self._rendezvous.returncode}", self._rdv_log)
 
     def _wait_serving(self, deadline: float) -> None:
         for m in self.members:
             while True:
-                self._check_alive()
+                self.check_alive()
                 with contextlib.suppress(OSError, ValueError):
                     doc = _get_json(f"{m.api_url}/session")
                     if doc.get("state") == "serving" and len(doc.get("ring", ())) == len(self.members):
                         break
                 if time.monotonic() > deadline:
                     raise FleetError(
-                        f"member {m.name}: /session did not say serving within {self.wait_s:.0f} s"
+                        f"member {m.name}: /session did not say serving within {self.wait_s:.0f} s",
+                        m.log_path,
                     )
                 time.sleep(0.2)
 
@@ -552,3 +557,19 @@ def _get_json(url: str) -> dict[str, Any]:
 
 def _tail(text: str, lines: int = 12) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _cause(log: str) -> str:
+    """A failed process's last `kafila: error: ...` line (members say their cause so), else the
+    last line of its log."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    return next(
+        (line for line in reversed(lines) if line.startswith("kafila: error:")), lines[-1] if lines else ""
+    )
