@@ -26,23 +26,14 @@ from kafila.obs.trace import (
 )
 
 _MISSING: Any = object()
+_JSON_KINDS = ((int | float, "number"), (str, "string"), (list | tuple, "array"), (dict, "object"))
 
 
 def _describe(v: Any) -> str:
     """A value as the reader saw it: its JSON type and its text, shortened."""
     if v is None or isinstance(v, bool):
         return json.dumps(v)  # null, true, false
-    kind = (
-        "number"
-        if isinstance(v, int | float)
-        else "string"
-        if isinstance(v, str)
-        else "array"
-        if isinstance(v, list | tuple)
-        else "object"
-        if isinstance(v, dict)
-        else type(v).__name__
-    )
+    kind = next((name for types, name in _JSON_KINDS if isinstance(v, types)), type(v).__name__)
     try:
         text = json.dumps(v)
     except (TypeError, ValueError):
