@@ -50,6 +50,8 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
 }
 
 

@@ -265,8 +265,11 @@ async def test_parameters_not_implemented_are_refused_by_name_unless_unused(serv
         with pytest.raises(openai.BadRequestError, match="'response_format' is not supported here"):
             fmt = {"type": "json_object"}
             await client.chat.completions.create(model=MODEL, messages=QUESTION, response_format=fmt)  # type: ignore[arg-type]
+        with pytest.raises(openai.BadRequestError, match="'modalities' is not supported here"):
+            await client.chat.completions.create(model=MODEL, messages=QUESTION, modalities=["text", "audio"])
         # the values that mean "not used", as some clients send them, are answered
-        unused = {"logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}}
+        unused = {"logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+                  "modalities": ["text"]}  # fmt: skip
         answer = await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, **unused)
         assert answer.choices[0].message.content
     with ollama.Client(host=served.member.url) as oclient:
