@@ -85,7 +85,7 @@ def _run(args: argparse.Namespace, params) -> int:  # type: ignore[no-untyped-de
     from kafila.models.checkpoint import Checkpoint
     from kafila.models.registry import resolve
 
-    ckpt = Checkpoint.open(resolve(args.model))
+    ckpt = Checkpoint.open(resolve(args.model), complete=True)
     trained = ckpt.config.max_position_embeddings
     if args.context > trained:
         raise ValueError(

@@ -38,6 +38,7 @@ from kafila.models.manifest import (
     TensorSpec,
     block_index,
     build_manifest,
+    specs_from_config,
 )
 
 SINGLE_FILE = "model.safetensors"
@@ -101,7 +102,10 @@ class Checkpoint:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str]) -> Checkpoint:
+    def open(cls, path: str | os.PathLike[str], complete: bool = False) -> Checkpoint:
+        """The model folder at `path`, its tensors checked against config.json (shapes, no block
+        past num_hidden_layers); with `complete` (a whole model, not a member's shard) also that
+        every tensor config.json describes is here."""
         folder = Path(path).expanduser().resolve()
         if not folder.is_dir():
             raise CheckpointError(f"{folder}: no such model folder")
@@ -110,6 +114,7 @@ class Checkpoint:
         generation = _read_json(folder / "generation_config.json") or {}
         tok_config = _read_json(folder / "tokenizer_config.json") or {}
         tokenizer_file = folder / "tokenizer.json"
+        _check_tensors(folder, config, tensors, complete)
         return cls(
             path=folder,
             config=config,
@@ -226,6 +231,29 @@ def _coalesce(infos: list[TensorInfo]) -> list[list[TensorInfo]]:
         else:
             spans.append([info])
     return spans
+
+
+def _check_tensors(folder: Path, config: ModelConfig, tensors: dict[str, TensorInfo], complete: bool) -> None:
+    """Refuse a checkpoint whose tensors are not the model config.json describes: a block past
+    num_hidden_layers (a smaller count would run the model short, silently wrong), a shape other
+    than the config's sizes give, or (`complete`) a tensor the config names that is missing."""
+    want = {s.name: s.shape for s in specs_from_config(config)}
+    for name, info in tensors.items():
+        i = block_index(name)
+        if i is not None and i >= config.num_hidden_layers:
+            raise CheckpointError(
+                f"{folder}: tensor {name} is past config.json's num_hidden_layers={config.num_hidden_layers}"
+            )
+        shape = want.get(name)
+        if shape is not None and tuple(info.shape) != tuple(shape):
+            has, given = list(info.shape), list(shape)
+            raise CheckpointError(f"{folder}: tensor {name} has shape {has}; config.json gives {given}")
+    missing = [n for n in want if n not in tensors] if complete else []
+    if missing:
+        raise CheckpointError(
+            f"{folder}: {len(missing)} tensor(s) that config.json describes are not in the checkpoint, "
+            f"e.g. {', '.join(missing[:3])}"
+        )
 
 
 def _read_json(file: Path) -> dict[str, Any] | None:

@@ -70,7 +70,7 @@ def resolve_config(spec: str) -> ModelConfig:
         return preset_config(spec)
     from kafila.models.checkpoint import Checkpoint
 
-    return Checkpoint.open(Path(spec).expanduser()).config
+    return Checkpoint.open(Path(spec).expanduser(), complete=True).config
 
 
 def resolve_manifest(spec: str, dtype: str = "bf16") -> Manifest:
@@ -86,4 +86,4 @@ def resolve_manifest(spec: str, dtype: str = "bf16") -> Manifest:
         raise ValueError(f"model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a folder")
     from kafila.models.checkpoint import Checkpoint
 
-    return Checkpoint.open(path).manifest(st_dtype)
+    return Checkpoint.open(path, complete=True).manifest(st_dtype)

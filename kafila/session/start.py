@@ -144,7 +144,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     from kafila.models.registry import resolve
 
     folder = resolve(opts.model)
-    ckpt = Checkpoint.open(folder)
+    ckpt = Checkpoint.open(folder, complete=True)
     if opts.context > ckpt.config.max_position_embeddings:
         raise SessionError(
             f"--context {opts.context} is beyond the {ckpt.config.max_position_embeddings} positions "
@@ -319,7 +319,7 @@ async def _start_ring(
     from kafila.session.head import RingHead
     from kafila.session.member import RingMember
 
-    ckpt = Checkpoint.open(folder)
+    ckpt = Checkpoint.open(folder)  # a member's shard: its own tensors only
     tokenizer = Tokenizer.from_checkpoint(ckpt)
     a, b = plan.block_range(name)
     index, order = plan.order.index(name), list(plan.order)

@@ -195,7 +195,7 @@ def describe(
     folder: Path, max_request: int = DEFAULT_MAX_REQUEST, cache: Path | None = None
 ) -> WeightManifest:
     """The host's manifest of a checkpoint folder (blocking: hashes tensors not hashed before)."""
-    ckpt = Checkpoint.open(folder)
+    ckpt = Checkpoint.open(folder, complete=True)
     hashes = HashCache(_cache_root(cache) / "weights" / "hashes")
     by_file: dict[Path, list[Any]] = {}
     for info in ckpt.tensors.values():

@@ -306,3 +306,39 @@ def test_index_naming_a_file_outside_the_folder(tiny_checkpoint: TinyFactory, tm
     index["weight_map"][name] = "../elsewhere.safetensors"
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     _expect(folder, "model.safetensors.index.json", "'../elsewhere.safetensors' is not a file name inside")
+
+
+def _with_config(tiny_checkpoint: TinyFactory, tmp_path: Path, **changes: object) -> Path:
+    folder = _copy(tiny_checkpoint("llama-gqa3-tied"), tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(cfg | changes))
+    return folder
+
+
+def test_fewer_layers_in_the_config_than_the_checkpoint_holds_is_refused(
+    tiny_checkpoint: TinyFactory, tmp_path: Path
+) -> None:
+    """Before, `kafila run` loaded only the config's blocks and answered, silently wrong."""
+    n = Checkpoint.open(tiny_checkpoint("llama-gqa3-tied")).n_blocks
+    folder = _with_config(tiny_checkpoint, tmp_path, num_hidden_layers=n - 1)
+    _expect(folder, f"model.layers.{n - 1}.", f"past config.json's num_hidden_layers={n - 1}")
+
+
+def test_a_whole_model_missing_tensors_the_config_describes_is_refused_but_a_shard_is_not(
+    tiny_checkpoint: TinyFactory, tmp_path: Path
+) -> None:
+    n = Checkpoint.open(tiny_checkpoint("llama-gqa3-tied")).n_blocks
+    folder = _with_config(tiny_checkpoint, tmp_path, num_hidden_layers=n + 2)
+    with pytest.raises(
+        CheckpointError, match=rf"tensor\(s\) that config.json describes are not in .* model.layers.{n}\."
+    ):
+        Checkpoint.open(folder, complete=True)
+    assert Checkpoint.open(folder).n_blocks == n + 2  # a member's shard holds only its own blocks
+
+
+def test_a_tensor_shape_other_than_the_config_gives_is_refused(
+    tiny_checkpoint: TinyFactory, tmp_path: Path
+) -> None:
+    vocab = Checkpoint.open(tiny_checkpoint("llama-gqa3-tied")).config.vocab_size
+    folder = _with_config(tiny_checkpoint, tmp_path, vocab_size=vocab - 1)
+    _expect(folder, "tensor model.embed_tokens.weight has shape", f"config.json gives [{vocab - 1}, ")
