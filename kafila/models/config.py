@@ -6,6 +6,7 @@ Only decoder-only Llama-family models are described: `llama` (SmolLM2, Llama 2/3
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,12 +38,32 @@ class ModelConfig:
     eos_token_id: tuple[int, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"config.json's num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        for key in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, key)
+            if not 0 < v < math.inf:
+                raise ConfigError(f"config.json's {key} must be a finite number > 0, got {v!r}")
+
     @property
     def qk_norm(self) -> bool:
         return self.model_type == "qwen3"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        if not isinstance(d, dict):
+            raise ConfigError(f"config.json must hold a JSON object, got {type(d).__name__}")
+        for key in _COUNTS:
+            v = d.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"config.json's {key} must be a whole number >= 1, got {v!r}")
+        for key in ("tie_word_embeddings", "attention_bias"):
+            if not isinstance(d.get(key, False), bool):
+                raise ConfigError(f"config.json's {key} must be true or false, got {d[key]!r}")
         model_type = d.get("model_type")
         if model_type not in ARCHITECTURES:
             archs = d.get("architectures") or []
@@ -66,7 +87,9 @@ class ModelConfig:
                 vocab_size=int(d["vocab_size"]),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(d.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+                rope_theta=float(
+                    next((v for v in (d.get("rope_theta"), rope.get("rope_theta")) if v is not None), 1e4)
+                ),
                 rope_scaling=d.get("rope_scaling") or _scaling_from_parameters(rope),
                 max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
                 attention_bias=bool(d.get("attention_bias", False)),
@@ -77,6 +100,15 @@ class ModelConfig:
             )
         except KeyError as exc:
             raise ConfigError(f"config.json has no {exc.args[0]!r}") from exc
+        except (TypeError, ValueError) as exc:  # e.g. an eos_token_id or rms_norm_eps that is no number
+            raise ConfigError(f"config.json: {exc}") from exc
+
+
+# counts that must be whole numbers >= 1 where config.json gives them (a 0 divides by zero later)
+_COUNTS = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "vocab_size", "max_position_embeddings",
+)  # fmt: skip
 
 
 def _scaling_from_parameters(rope: dict[str, Any]) -> dict[str, Any] | None:

@@ -112,13 +112,16 @@ def _folder_entry(name: str, folder: Path) -> ModelEntry | None:
         return None
     try:
         config = json.loads(config_file.read_text())
-    except json.JSONDecodeError:
-        return None
-    size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    except (OSError, ValueError):  # not JSON, not UTF-8: listed as unreadable, never a crash
+        config = None
+    if not isinstance(config, dict):
+        config = {"model_type": "? (config.json unreadable)"}
+    blocks = config.get("num_hidden_layers")
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors") if f.is_file())
     return ModelEntry(
         name=name,
         architecture=str(config.get("model_type", "?")),
-        blocks=int(config.get("num_hidden_layers", 0)),
+        blocks=blocks if isinstance(blocks, int) and not isinstance(blocks, bool) else 0,
         size_bytes=size,
         path=folder,
         converted=True,

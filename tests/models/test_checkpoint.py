@@ -342,3 +342,23 @@ def test_a_tensor_shape_other_than_the_config_gives_is_refused(
     vocab = Checkpoint.open(tiny_checkpoint("llama-gqa3-tied")).config.vocab_size
     folder = _with_config(tiny_checkpoint, tmp_path, vocab_size=vocab - 1)
     _expect(folder, "tensor model.embed_tokens.weight has shape", f"config.json gives [{vocab - 1}, ")
+
+
+@pytest.mark.parametrize(
+    ("changes", "fragment"),
+    [
+        ({"num_attention_heads": 0}, "num_attention_heads must be a whole number >= 1, got 0"),
+        ({"vocab_size": -5}, "vocab_size must be a whole number >= 1, got -5"),
+        ({"num_hidden_layers": 2.5}, "num_hidden_layers must be a whole number >= 1, got 2.5"),
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
+        ({"rms_norm_eps": -1e-5}, "rms_norm_eps must be a finite number > 0"),
+        ({"rope_theta": 0}, "rope_theta must be a finite number > 0"),
+        ({"num_key_value_heads": 5}, "is not a multiple of num_key_value_heads 5"),
+        ({"eos_token_id": "x"}, "config.json: invalid literal for int()"),
+    ],
+)
+def test_config_values_that_cannot_describe_a_model_are_named(
+    tiny_checkpoint: TinyFactory, tmp_path: Path, changes: dict[str, object], fragment: str
+) -> None:
+    """Before, these ran into ZeroDivisionError or torch shape errors, or ran as if another value."""
+    _expect(_with_config(tiny_checkpoint, tmp_path, **changes), fragment)

@@ -256,3 +256,18 @@ def test_kafila_models_convert_flag(capsys: pytest.CaptureFixture[str], smollm2_
     assert cli_main(["models", "--convert", "gpt-5"]) == 2
     refused = capsys.readouterr()
     assert "'gpt-5' is not a default model (smollm2-135m)" in refused.err and refused.out == ""
+
+
+@pytest.mark.parametrize("config", ["[1]", '"text"', '{"num_hidden_layers": "abc"}', "{not json", "\udcff"])
+def test_an_unreadable_folder_in_the_cache_is_listed_as_such_not_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: str
+) -> None:
+    """One odd folder in the cache made `kafila models`, and every unknown-model message, a traceback."""
+    monkeypatch.setenv("KAFILA_CACHE", str(tmp_path))
+    odd = tmp_path / "models" / "odd"
+    odd.mkdir(parents=True)
+    (odd / "config.json").write_bytes(config.encode("utf-8", "surrogateescape"))
+    row = next(e for e in registry.available() if e.name == "odd")
+    assert row.blocks == 0 and (row.architecture.startswith("? (") or config.startswith('{"num'))
+    with pytest.raises(registry.ModelNotFound, match=r"unknown model 'nope'.*available: .*odd"):
+        registry.resolve("nope")
