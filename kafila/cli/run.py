@@ -118,7 +118,8 @@ def _prompt_ids(tok, args: argparse.Namespace) -> list[int]:  # type: ignore[no-
         why = "with --raw" if args.raw else f"{args.model} has no chat template"
         raise ValueError(f"--system has no place {why}: the prompt is plain text")
     if not args.raw and tok.chat_template is None:
-        print(f"kafila run: {args.model} has no chat template: the prompt goes as plain text", file=sys.stderr)
+        note = f"kafila run: {args.model} has no chat template: the prompt goes as plain text"
+        print(note, file=sys.stderr)
     if args.raw or tok.chat_template is None:
         return tok.encode(args.prompt)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
