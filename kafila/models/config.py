@@ -48,6 +48,7 @@ class ModelConfig:
             v = getattr(self, key)
             if not 0 < v < math.inf:
                 raise ConfigError(f"config.json's {key} must be a finite number > 0, got {v!r}")
+        _check_rope_scaling(self.rope_scaling)
 
     @property
     def qk_norm(self) -> bool:
@@ -102,6 +103,37 @@ class ModelConfig:
             raise ConfigError(f"config.json has no {exc.args[0]!r}") from exc
         except (TypeError, ValueError) as exc:  # e.g. an eos_token_id or rms_norm_eps that is no number
             raise ConfigError(f"config.json: {exc}") from exc
+
+
+# the RoPE scalings Kafila implements (kafila.models.rope) and the numbers each needs
+ROPE_SCALINGS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def _check_rope_scaling(scaling: Any) -> None:
+    """Refuse a rope_scaling Kafila would compute wrong or fail on later: named, with its field."""
+    if scaling is None:
+        return
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"config.json's rope_scaling must be an object, got {scaling!r}")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_SCALINGS:
+        raise ConfigError(
+            f"config.json's rope_scaling type {kind!r} is not supported; Kafila runs {list(ROPE_SCALINGS)}"
+        )
+    for key in ROPE_SCALINGS[kind]:
+        v = scaling.get(key)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
+            raise ConfigError(
+                f"config.json's rope_scaling.{key} ({kind}) must be a finite number > 0, got {v!r}"
+            )
+    if kind == "llama3" and not scaling["low_freq_factor"] < scaling["high_freq_factor"]:
+        raise ConfigError(
+            "config.json's rope_scaling.low_freq_factor must be below high_freq_factor (llama3)"
+        )
 
 
 # counts that must be whole numbers >= 1 where config.json gives them (a 0 divides by zero later)

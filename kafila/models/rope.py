@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from kafila.models.config import ModelConfig
+from kafila.models.config import ROPE_SCALINGS, ModelConfig
 
-SUPPORTED = ("default", "linear", "llama3")
+SUPPORTED = tuple(ROPE_SCALINGS)
 
 
 class RopeError(ValueError):

@@ -60,6 +60,13 @@ def test_a_prefill_chunk_below_one_token_is_refused(stage: Stage) -> None:
     assert stage.open_requests == []
 
 
+def test_a_prompt_token_outside_the_vocabulary_is_refused(stage: Stage) -> None:
+    """A tokenizer.json from another model gives ids the embedding cannot take (an IndexError before)."""
+    vocab = stage.config.vocab_size
+    with pytest.raises(ValueError, match=f"prompt token {vocab} is outside the model's vocabulary"):
+        list(generate(stage, [1, vocab], SamplingParams(max_tokens=2)))
+
+
 def test_kafila_run_and_a_session_prefill_in_the_same_chunks() -> None:
     """A prompt longer than a chunk gives the same greedy tokens in `kafila run` and in a session
     only if both cut it at the same places: one default for both, and --chunk in both."""

@@ -355,6 +355,15 @@ def test_a_tensor_shape_other_than_the_config_gives_is_refused(
         ({"rope_theta": 0}, "rope_theta must be a finite number > 0"),
         ({"num_key_value_heads": 5}, "is not a multiple of num_key_value_heads 5"),
         ({"eos_token_id": "x"}, "config.json: invalid literal for int()"),
+        ({"rope_scaling": "linear"}, "rope_scaling must be an object, got 'linear'"),
+        (
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+            "rope_scaling.low_freq_factor (llama3) must be",
+        ),
+        (
+            {"rope_scaling": {"type": "linear", "factor": 0}},
+            "rope_scaling.factor (linear) must be a finite number > 0",
+        ),
     ],
 )
 def test_config_values_that_cannot_describe_a_model_are_named(
