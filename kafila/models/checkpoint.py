@@ -397,7 +397,18 @@ def token_ids(value: Any) -> tuple[int, ...]:
 
 
 def _special_tokens(config: ModelConfig, generation: dict[str, Any], tok: dict[str, Any]) -> SpecialTokens:
+    try:
+        return _read_special_tokens(config, generation, tok)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"a token id in generation_config.json or config.json: {exc}") from exc
+
+
+def _read_special_tokens(
+    config: ModelConfig, generation: dict[str, Any], tok: dict[str, Any]
+) -> SpecialTokens:
     bos_id = generation.get("bos_token_id", config.bos_token_id)
+    if isinstance(bos_id, list):  # some configs list it; the first is the one a prompt starts with
+        bos_id = bos_id[0] if bos_id else None
     pad_id = generation.get("pad_token_id", config.raw.get("pad_token_id"))
     eos_ids = token_ids(generation.get("eos_token_id")) or config.eos_token_id
     return SpecialTokens(

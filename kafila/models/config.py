@@ -65,6 +65,10 @@ class ModelConfig:
         for key in ("tie_word_embeddings", "attention_bias"):
             if not isinstance(d.get(key, False), bool):
                 raise ConfigError(f"config.json's {key} must be true or false, got {d[key]!r}")
+        for key, runs in _ONLY.items():  # what would otherwise be computed as if not asked
+            if d.get(key) not in runs:
+                allowed = " or ".join(repr(v) for v in runs[1:])
+                raise ConfigError(f"config.json's {key} is {d[key]!r}; Kafila runs only {allowed}")
         model_type = d.get("model_type")
         if model_type not in ARCHITECTURES:
             archs = d.get("architectures") or []
@@ -135,6 +139,14 @@ def _check_rope_scaling(scaling: Any) -> None:
             "config.json's rope_scaling.low_freq_factor must be below high_freq_factor (llama3)"
         )
 
+
+# config fields whose other values change the computation Kafila does not implement: key -> the
+# values it runs (None: absent)
+_ONLY: dict[str, tuple[Any, ...]] = {
+    "hidden_act": (None, "silu"),
+    "mlp_bias": (None, False),
+    "use_sliding_window": (None, False),
+}
 
 # counts that must be whole numbers >= 1 where config.json gives them (a 0 divides by zero later)
 _COUNTS = (

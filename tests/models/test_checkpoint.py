@@ -344,6 +344,14 @@ def test_a_tensor_shape_other_than_the_config_gives_is_refused(
     _expect(folder, "tensor model.embed_tokens.weight has shape", f"config.json gives [{vocab - 1}, ")
 
 
+def test_a_listed_bos_token_id_takes_the_first(tiny_checkpoint: TinyFactory, tmp_path: Path) -> None:
+    folder = _copy(tiny_checkpoint("llama-gqa3-tied"), tmp_path / "m")
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": [1, 2]}))
+    assert Checkpoint.open(folder).special_tokens.bos_id == 1  # a TypeError traceback before
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": "one"}))
+    _expect(folder, "a token id in generation_config.json or config.json")
+
+
 @pytest.mark.parametrize(
     ("changes", "fragment"),
     [
@@ -356,6 +364,8 @@ def test_a_tensor_shape_other_than_the_config_gives_is_refused(
         ({"num_key_value_heads": 5}, "is not a multiple of num_key_value_heads 5"),
         ({"eos_token_id": "x"}, "config.json: invalid literal for int()"),
         ({"rope_scaling": "linear"}, "rope_scaling must be an object, got 'linear'"),
+        ({"hidden_act": "gelu"}, "hidden_act is 'gelu'; Kafila runs only 'silu'"),
+        ({"mlp_bias": True}, "mlp_bias is True; Kafila runs only False"),
         (
             {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
             "rope_scaling.low_freq_factor (llama3) must be",
