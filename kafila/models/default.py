@@ -121,7 +121,13 @@ def ensure_default(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
     if is_converted(name):
         return folder
     gguf_file = locate_gguf(model)
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # e.g. KAFILA_CACHE names a file
+        raise DefaultModelUnavailable(
+            f"cannot make the model cache {folder.parent}: {exc.strerror or exc} "
+            "(set KAFILA_CACHE to a folder this user can write)"
+        ) from exc
     started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
     try:

@@ -271,3 +271,11 @@ def test_an_unreadable_folder_in_the_cache_is_listed_as_such_not_a_crash(
     assert row.blocks == 0 and (row.architecture.startswith("? (") or config.startswith('{"num'))
     with pytest.raises(registry.ModelNotFound, match=r"unknown model 'nope'.*available: .*odd"):
         registry.resolve("nope")
+
+
+def test_a_cache_that_is_a_file_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KAFILA_CACHE naming a file was a NotADirectoryError traceback from `kafila run`."""
+    (tmp_path / "cache").write_text("not a folder")
+    monkeypatch.setenv("KAFILA_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(DefaultModelUnavailable, match=r"cannot make the model cache .*/cache/models: Not a"):
+        ensure_default("smollm2-135m", progress=False)
