@@ -31,8 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kafila.models.checkpoint import INDEX_FILE, CheckpointError, TensorInfo, read_header
+from kafila.obs.log import get_logger
 
 HASH_CHUNK = 8 << 20  # bytes hashed per read
+
+
+log = get_logger("kafila.weights")
 
 
 def blob_key(name: str, dtype: str, shape: Iterable[int], sha256: str) -> str:
@@ -137,6 +141,8 @@ def _same_shard(shard: ShardFolder) -> bool:
         index = json.loads((shard.path / INDEX_FILE).read_text())
     except (OSError, ValueError):
         return False
+    if not isinstance(index, dict):  # damaged: rebuilt like a missing one
+        return False
     links = {**{n: n for n in shard.files}, **{n: b.name for n, b in shard.blobs.items()}}
     targets = {**shard.files, **shard.blobs}
     return index.get("weight_map") == {n: b.name for n, b in shard.blobs.items()} and all(
@@ -178,15 +184,18 @@ class HashCache:
         known: dict[str, str] = {}
         try:
             saved = json.loads(entry.read_text())
-            if saved.get("stamp") == stamp and isinstance(saved.get("sha256"), dict):
-                known = {str(k): str(v) for k, v in saved["sha256"].items()}
         except (OSError, ValueError):
-            pass
+            saved = None
+        if isinstance(saved, dict) and saved.get("stamp") == stamp and isinstance(saved.get("sha256"), dict):
+            known = {str(k): str(v) for k, v in saved["sha256"].items()}  # else: damaged, hashed again
         missing = [t for t in infos if t.name not in known]
         if missing:
             with open(file, "rb") as f:
                 for t in missing:
                     known[t.name] = sha256_range(f.fileno(), t.start, t.end)
             if self._stamp(file) == stamp:  # the file did not change while we hashed it
-                write_atomic(entry, [json.dumps({"stamp": stamp, "sha256": known}).encode()])
+                try:  # remembering is a saving, not a need: a cache that cannot be written is said
+                    write_atomic(entry, [json.dumps({"stamp": stamp, "sha256": known}).encode()])
+                except OSError as exc:
+                    log.warning("hash_cache_not_written", folder=str(self.root), error=str(exc))
         return {t.name: known[t.name] for t in infos}

@@ -695,7 +695,7 @@ async def fetch_shard(
         return await _fetch_shard(
             channel, blocks, head, _cache_root(cache), local, window, timeout, progress, label
         )
-    except (WeightsError, CheckpointError, OSError) as exc:
+    except Exception as exc:  # any failure, a bug too: the host must not wait for a `done` never sent
         with contextlib.suppress(ChannelError):  # tell the host to stop serving this member
             await channel.send(t.Control(OP_DONE, {"error": str(exc)[:500]}))
         raise

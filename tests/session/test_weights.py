@@ -376,3 +376,33 @@ async def test_damaged_response_is_detected_and_not_cached(
     assert 0 < retry.tensor_bytes <= nbytes  # answers to the failed fetch are skipped
     assert retry.tensor_bytes == sum(full.tensors[n].nbytes for n in retry.fetched)
     assert set(Checkpoint.open(retry.path).tensors) == set(names)
+
+
+async def test_damaged_cache_files_are_rebuilt_not_fatal(folder, full, tmp_path) -> None:
+    """A host hash entry that is JSON but not an object, a host hash folder that is a file, and a
+    member shard index that is JSON but not an object: each was an AttributeError or
+    FileExistsError that left the other side waiting (30 s for the member, or for ever for the host)."""
+    server = WeightServer(folder, cache=tmp_path / "host")
+    member = tmp_path / "member"
+    first = await fetch_via(server, *MemoryChannel.pair("host", "m1")[::-1], range(0, 2), False, member)
+    for entry in (tmp_path / "host" / "weights" / "hashes").iterdir():
+        entry.write_text("[]")
+    (first.path / "model.safetensors.index.json").write_text("[]")
+    again = await fetch_via(
+        WeightServer(folder, cache=tmp_path / "host"),
+        *MemoryChannel.pair("host", "m1")[::-1],
+        range(0, 2),
+        False,
+        member,
+    )
+    assert again.bytes_fetched == 0 and set(Checkpoint.open(again.path).tensors) == set(first.tensors)
+    (tmp_path / "host2" / "weights").mkdir(parents=True)
+    (tmp_path / "host2" / "weights" / "hashes").write_text("a file where the hash folder goes")
+    other = await fetch_via(
+        WeightServer(folder, cache=tmp_path / "host2"),
+        *MemoryChannel.pair("host", "m1")[::-1],
+        range(0, 2),
+        False,
+        member,
+    )
+    assert set(other.tensors) == set(first.tensors)
