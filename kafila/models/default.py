@@ -105,13 +105,25 @@ def default_folder(name: str) -> Path:
 
 
 def is_converted(name: str) -> bool:
+    """The folder holds this converter's output, whole: a folder whose weights were lost or cut
+    short (its headers name bytes the file does not hold) counts as not converted, so it is made
+    again instead of failing every run."""
+    from kafila.models.checkpoint import Checkpoint
+
     source = default_folder(name) / SOURCE_FILE
     if not source.is_file():
         return False
     try:
-        return json.loads(source.read_text()).get("converter") == CONVERTER_VERSION
-    except json.JSONDecodeError:
+        meta = json.loads(source.read_text())
+    except (OSError, ValueError):
         return False
+    if not isinstance(meta, dict) or meta.get("converter") != CONVERTER_VERSION:
+        return False
+    try:
+        Checkpoint.open(default_folder(name), complete=True)  # headers and file sizes only
+    except ValueError:  # CheckpointError, ConfigError
+        return False
+    return True
 
 
 def ensure_default(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
