@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -163,12 +164,23 @@ def test_conversion_is_atomic_then_reused(tmp_path: Path, monkeypatch: pytest.Mo
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
 
 
+def copying_conversion(converted: Path) -> Callable[[Path, Path, bool, str], None]:
+    """A stand-in for the GGUF conversion that copies an already converted folder (the weights
+    linked), to keep the tests of what surrounds the conversion fast."""
+    import shutil
+
+    def convert(gguf_file: Path, out: Path, progress: bool, desc: str) -> None:
+        for f in converted.iterdir():
+            (out / f.name).symlink_to(f) if f.name == "model.safetensors" else shutil.copy(f, out / f.name)
+
+    return convert
+
+
 def test_stale_conversion_is_redone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, smollm2_path: Path
 ) -> None:
     """A folder from another converter version is replaced (conversion simulated by copying the
     shared converted folder, to keep this fast); the real move-into-place path runs."""
-    import shutil
 
     monkeypatch.setenv("KAFILA_CACHE", str(tmp_path))
     folder = default.default_folder("smollm2-135m")
@@ -176,11 +188,7 @@ def test_stale_conversion_is_redone(
     (folder / default.SOURCE_FILE).write_text(json.dumps({"converter": -1}))
     assert not default.is_converted("smollm2-135m")
 
-    def copy_conversion(gguf_file: Path, out: Path, progress: bool, desc: str) -> None:
-        for f in smollm2_path.iterdir():
-            (out / f.name).symlink_to(f) if f.name == "model.safetensors" else shutil.copy(f, out / f.name)
-
-    monkeypatch.setattr(default, "convert_gguf", copy_conversion)
+    monkeypatch.setattr(default, "convert_gguf", copying_conversion(smollm2_path))
     assert ensure_default("smollm2-135m", progress=False) == folder
     assert default.is_converted("smollm2-135m")
     assert sorted(p.name for p in folder.parent.iterdir()) == ["smollm2-135m"]
@@ -296,10 +304,6 @@ def test_a_converted_folder_whose_weights_were_cut_short_is_converted_again(
         (folder / "model.safetensors").write_bytes(src.read(1 << 20))  # the first MB only
     assert not default.is_converted("smollm2-135m")
 
-    def copy_conversion(gguf_file: Path, out: Path, progress: bool, desc: str) -> None:
-        for f in smollm2_path.iterdir():
-            (out / f.name).symlink_to(f) if f.name == "model.safetensors" else shutil.copy(f, out / f.name)
-
-    monkeypatch.setattr(default, "convert_gguf", copy_conversion)
+    monkeypatch.setattr(default, "convert_gguf", copying_conversion(smollm2_path))
     assert ensure_default("smollm2-135m", progress=False) == folder
     assert default.is_converted("smollm2-135m")
