@@ -594,9 +594,15 @@ def _check_and_keep_meta(
         headers[k] = bytes(bufs[h]) if h in bufs else (files_dir / h).read_bytes()
     try:
         _verify_headers(m, headers, peer)
-    except WeightsError:
+    except WeightsError as exc:
         for k in m.headers:  # a cached header may be the bad one: fetch them all next time
             (files_dir / f"{k}.header").unlink(missing_ok=True)
+        cached = [k for k in m.headers if f"{k}.header" not in bufs]
+        if cached:
+            raise WeightsError(
+                f"{exc}; {len(cached)} of the headers came from this member's cache and may be the "
+                "damaged ones: removed, so the next attempt fetches them all"
+            ) from exc
         raise
     for name, buf in bufs.items():
         sha = want[name][1]

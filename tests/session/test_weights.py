@@ -406,3 +406,16 @@ async def test_damaged_cache_files_are_rebuilt_not_fatal(folder, full, tmp_path)
         member,
     )
     assert set(other.tensors) == set(first.tensors)
+
+
+async def test_a_damaged_cached_header_is_named_as_the_members_and_fetched_again(folder, tmp_path) -> None:
+    server, member = WeightServer(folder, cache=tmp_path / "host"), tmp_path / "member"
+    first = await fetch_via(server, *MemoryChannel.pair("host", "m1")[::-1], range(0, 2), False, member)
+    for header in member.rglob("files/*.header"):  # one bit flipped in this member's cache
+        data = bytearray(header.read_bytes())
+        data[10] ^= 1
+        header.write_bytes(data)
+    with pytest.raises(WeightsError, match="came from this member's cache and may be the damaged ones"):
+        await fetch_via(server, *MemoryChannel.pair("host", "m1")[::-1], range(0, 2), False, member)
+    again = await fetch_via(server, *MemoryChannel.pair("host", "m1")[::-1], range(0, 2), False, member)
+    assert set(again.tensors) == set(first.tensors)
