@@ -115,15 +115,23 @@ def _speed(text: str) -> float:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m", help="model name or Hugging Face folder to serve")
     parser.add_argument(
-        "--members", type=positive_int, default=1, help="members in the session, this host included"
+        "--model",
+        default="smollm2-135m",
+        help="model name or Hugging Face folder to serve (default smollm2-135m)",
+    )
+    parser.add_argument(
+        "--members",
+        type=positive_int,
+        default=1,
+        help="members in the session, this host included (default 1)",
     )
     parser.add_argument(
         "--context",
         type=positive_int,
         default=2048,
-        help="declared context: prompt plus answer tokens, at most the model's trained positions",
+        help="declared context: prompt plus answer tokens, at most the model's trained positions "
+        "(default 2048)",
     )
     parser.add_argument(
         "--concurrency",
@@ -136,7 +144,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--division",
         default="kafila",
         choices=["kafila", "uniform", "memory"],
-        help="how blocks are divided: kafila (measured cost model), uniform, or memory-proportional",
+        help="how blocks are divided: kafila (measured cost model; the default), uniform, or "
+        "memory-proportional",
     )
     add_objective_flag(parser)
     parser.add_argument(
