@@ -212,20 +212,49 @@ def main(args: argparse.Namespace) -> int:
     def on_code(code: object) -> None:
         if args.code_file:
             try:
-                with open(args.code_file, "w") as f:
-                    f.write(f"{code}\n")
+                write_code_file(args.code_file, f"{code}\n")
             except OSError as exc:
                 why = exc.strerror or exc
                 raise SessionError(f"cannot write --code-file {args.code_file}: {why}") from exc
 
-    if args.code_file:  # a file that cannot be written is named now, not once the session is open
-        try:
-            with open(args.code_file, "a"):
-                pass
-        except OSError as exc:
-            say(f"error: cannot write --code-file {args.code_file}: {exc.strerror or exc}")
-            return 1
+    problem = args.code_file and code_file_problem(args.code_file)
+    if problem:  # named now, not once the session is open (and nothing is created before the code)
+        say(f"error: cannot write --code-file {args.code_file}: {problem}")
+        return 1
     return run_member(lambda: host(options(args), on_code))  # type: ignore[arg-type]
+
+
+def code_file_problem(path: str) -> str | None:
+    """Why `path` could not take the session code (None if it can), without creating it: a script
+    that waits for the file to appear must see it only with the code in it."""
+    import os
+    from pathlib import Path
+
+    file = Path(path)
+    folder = file.parent
+    if file.is_dir():
+        return "Is a directory"
+    if not folder.is_dir():
+        return f"No such file or directory (no folder {folder})"
+    if not os.access(folder, os.W_OK) or (file.exists() and not os.access(file, os.W_OK)):
+        return "Permission denied"
+    return None
+
+
+def write_code_file(path: str, text: str) -> None:
+    """Write `text` to `path` whole or not at all (a temporary file renamed into place)."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    fd, tmp = tempfile.mkstemp(dir=Path(path).parent, prefix=".code-", suffix=".part")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def member_failures() -> tuple[type[Exception], ...]:

@@ -85,6 +85,15 @@ def test_a_code_file_that_cannot_be_written_is_named_before_the_session_opens(tm
     assert "cannot reach the rendezvous" not in done.stderr  # before connecting
 
 
+def test_the_code_file_appears_only_with_the_code_in_it(tmp_path) -> None:
+    """Scripts wait for the file to exist and then read the code: checking it may be written must
+    not create it (an empty file made the NAT-lab members read a code of 0 parts)."""
+    code_file = tmp_path / "code"
+    done = kafila_cli("host", "--code-file", str(code_file), "--rendezvous", "ws://127.0.0.1:1/x")
+    assert done.returncode == 1 and "cannot reach the rendezvous" in done.stderr
+    assert not code_file.exists() and list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("flag", ["--members", "--context"])
 def test_counts_below_one_are_refused_by_the_parser(flag: str) -> None:
     done = kafila_cli("host", flag, "0")
