@@ -9,7 +9,9 @@ import socket
 import uvicorn
 from starlette.applications import Starlette
 
+from kafila.net.tcp import bind_tcp
 from kafila.obs.log import get_logger
+from kafila.proto.udp import format_address
 
 log = get_logger("kafila.api")
 
@@ -26,25 +28,11 @@ def parse_addr(text: str, default_port: int = 11434) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", number
 
 
-def reserve(host: str, port: int) -> socket.socket:
-    """The API's listening address, bound now (before a session forms) so a taken port is known at
-    once and stays this member's; OSError names why it cannot be had."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no obstacle
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 class ApiServer:
-    """uvicorn serving `app` on `sock` (a socket from `reserve`; default: a free localhost port)."""
+    """uvicorn serving `app` on `sock` (bound before, `bind_tcp`; default: a free localhost port)."""
 
     def __init__(self, app: Starlette, sock: socket.socket | None = None) -> None:
-        self.sock = sock if sock is not None else reserve("127.0.0.1", 0)
+        self.sock = sock if sock is not None else bind_tcp("127.0.0.1", 0)
         config = uvicorn.Config(app, log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
         self._task: asyncio.Task[None] | None = None
@@ -68,8 +56,7 @@ class ApiServer:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"http://{format_address((self.host, self.port))}"
 
     async def stop(self) -> None:
         self._server.should_exit = True

@@ -206,13 +206,16 @@ async def serve_until_interrupted(formed: object) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from kafila.session.form import SessionError, say
     from kafila.session.start import host
+    from kafila.session.wcache import write_atomic
 
     def on_code(code: object) -> None:
         if args.code_file:
             try:
-                write_code_file(args.code_file, f"{code}\n")
+                write_atomic(Path(args.code_file), [f"{code}\n".encode()])  # whole or not at all
             except OSError as exc:
                 why = exc.strerror or exc
                 raise SessionError(f"cannot write --code-file {args.code_file}: {why}") from exc
@@ -239,22 +242,6 @@ def code_file_problem(path: str) -> str | None:
     if not os.access(folder, os.W_OK) or (file.exists() and not os.access(file, os.W_OK)):
         return "Permission denied"
     return None
-
-
-def write_code_file(path: str, text: str) -> None:
-    """Write `text` to `path` whole or not at all (a temporary file renamed into place)."""
-    import os
-    import tempfile
-    from pathlib import Path
-
-    fd, tmp = tempfile.mkstemp(dir=Path(path).parent, prefix=".code-", suffix=".part")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def member_failures() -> tuple[type[Exception], ...]:

@@ -88,10 +88,8 @@ def main(args: argparse.Namespace) -> int:
         if model != fleet.model:  # probed block times were for the fleet's model
             devices = tuple(replace(d, block_s=None, block_dispatch_s=None, head_s=None) for d in devices)
         manifest = resolve_manifest(model, args.dtype)
-        positions = resolve_config(model).max_position_embeddings
-        if context > positions:  # as `kafila host` refuses it
-            given = "--context" if args.context is not None else f"{args.fleet}: [session] context"
-            raise ValueError(f"{given} {context} is beyond the {positions} positions {model} was trained for")
+        given = "--context" if args.context is not None else f"{args.fleet}: [session] context"
+        resolve_config(model).check_context(context, model, given)  # as `kafila host` refuses it
         divisions = DIVISIONS if args.division == "all" else (args.division,)
         plans = plan_all(
             devices,

@@ -86,11 +86,7 @@ def _run(args: argparse.Namespace, params) -> int:  # type: ignore[no-untyped-de
     from kafila.models.registry import resolve
 
     ckpt = Checkpoint.open(resolve(args.model), complete=True)
-    trained = ckpt.config.max_position_embeddings
-    if args.context > trained:
-        raise ValueError(
-            f"--context {args.context} is beyond the {trained} positions {args.model} was trained for"
-        )
+    ckpt.config.check_context(args.context, args.model)
     tok = Tokenizer.from_checkpoint(ckpt)
     prompt = _prompt_ids(tok, args)
     stage = Stage.load(

@@ -54,6 +54,14 @@ class ModelConfig:
     def qk_norm(self) -> bool:
         return self.model_type == "qwen3"
 
+    def check_context(self, context: int, model: str, given: str = "--context") -> None:
+        """Refuse a declared context (prompt plus answer) past the positions the model was trained
+        for; `given` names where it came from (a flag or a file's field)."""
+        positions = self.max_position_embeddings
+        if context > positions:
+            trained = f"the {positions} positions {model} was trained for"
+            raise ConfigError(f"{given} {context} is beyond {trained}")
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         if not isinstance(d, dict):

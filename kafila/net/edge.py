@@ -32,6 +32,7 @@ from kafila.net.signaling import SignalingClient, SignalingError
 from kafila.obs.log import get_logger
 from kafila.proto import signaling as sig
 from kafila.proto.codes import SessionCode
+from kafila.proto.udp import format_address, parse_address
 
 log = get_logger("kafila.net.edge")
 SIGNAL_KEY = "kafila_link"  # marks a signal payload as ours
@@ -40,16 +41,6 @@ SIGNAL_VERSION = 1
 
 def edge_name(client: int, server: int) -> str:
     return f"{client}>{server}"
-
-
-def format_address(addr: Address) -> str:
-    host = f"[{addr[0]}]" if ":" in addr[0] else addr[0]
-    return f"{host}:{addr[1]}"
-
-
-def parse_address(text: str) -> Address:
-    host, _, port = text.rpartition(":")
-    return (host.strip("[]"), int(port))
 
 
 class SignalRouter:

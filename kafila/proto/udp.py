@@ -54,6 +54,17 @@ _KNOWN_FLAGS = FLAG_CHANGE_PORT | FLAG_CHANGE_ADDRESS
 Address = tuple[str, int]
 
 
+def format_address(addr: Address) -> str:
+    """HOST:PORT as URLs, logs and candidates write it: an IPv6 address in brackets."""
+    host = f"[{addr[0]}]" if ":" in addr[0] else addr[0]
+    return f"{host}:{addr[1]}"
+
+
+def parse_address(text: str) -> Address:
+    host, _, port = text.rpartition(":")
+    return (host.strip("[]"), int(port))
+
+
 class MsgType(IntEnum):
     BINDING_REQUEST = 0x01
     BINDING_RESPONSE = 0x02

@@ -7,19 +7,20 @@ ports are then in `http_port`, `udp.port`, `udp.alt_port`), `await stop()` shuts
 from __future__ import annotations
 
 import asyncio
-import socket
 import ssl
 from dataclasses import dataclass, field
 
 import uvicorn
 
+from kafila.net.tcp import bind_tcp
 from kafila.obs.log import get_logger
 from kafila.proto import signaling
+from kafila.proto.udp import format_address
 from kafila.rendezvous.app import SIGNAL_PATH, build_app
 from kafila.rendezvous.limits import Limits
 from kafila.rendezvous.registry import ProbeInfo, Registry
 from kafila.rendezvous.relay import RelayTable
-from kafila.rendezvous.udp import UdpService, host_port
+from kafila.rendezvous.udp import UdpService
 
 log = get_logger("kafila.rendezvous")
 
@@ -92,14 +93,11 @@ class RendezvousServer:
         probe = ProbeInfo(self.udp.port, self.udp.alt_port, alt_host)
         self.registry = Registry(cfg.limits, self.relay, probe)
         app = build_app(self.registry, self.udp.stats, tick_s=cfg.tick_s)
-        sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((cfg.host, cfg.port))
+            sock = bind_tcp(cfg.host, cfg.port)
         except OSError as exc:
-            sock.close()
             self.udp.close()
-            where = host_port(cfg.host, cfg.port)
+            where = format_address((cfg.host, cfg.port))
             raise OSError(exc.errno, f"cannot listen on TCP {where}: {exc.strerror}") from exc
         self.http_port = sock.getsockname()[1]
         self._server = uvicorn.Server(self._uvicorn_config(app))
@@ -136,7 +134,7 @@ class RendezvousServer:
     def url(self) -> str:
         scheme = "wss" if self.config.cert else "ws"
         host = self.config.host if self.config.host not in ("0.0.0.0", "::") else "127.0.0.1"
-        return f"{scheme}://{host_port(host, self.http_port)}{SIGNAL_PATH}"
+        return f"{scheme}://{format_address((host, self.http_port))}{SIGNAL_PATH}"
 
     async def stop(self) -> None:
         if self._server is not None and self._task is not None:

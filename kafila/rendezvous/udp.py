@@ -18,16 +18,11 @@ from collections.abc import Callable
 from kafila.obs.log import get_logger
 from kafila.proto import udp
 from kafila.proto.errors import ProtocolError
-from kafila.proto.udp import Address, DatagramKind, ErrorCode
+from kafila.proto.udp import Address, DatagramKind, ErrorCode, format_address
 from kafila.rendezvous.relay import RelayTable
 
 log = get_logger("kafila.rendezvous.udp")
 SOCKET_BUFFER_BYTES = 4 << 20  # relay bursts: a ring step can send a few hundred KB at once
-
-
-def host_port(host: str, port: int) -> str:
-    """HOST:PORT as URLs and logs write it: an IPv6 address in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class _Endpoint(asyncio.DatagramProtocol):
@@ -57,7 +52,7 @@ class UdpService:
         if alt_host:
             await self._bind(2, alt_host, self.local[0][1])
             await self._bind(3, alt_host, self.local[1][1])
-        log.info("udp_listening", endpoints={i: host_port(h, p) for i, (h, p) in self.local.items()})
+        log.info("udp_listening", endpoints={i: format_address((h, p)) for i, (h, p) in self.local.items()})
 
     async def _bind(self, index: int, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
@@ -67,7 +62,7 @@ class UdpService:
             )
         except OSError as exc:
             self.close()
-            where = host_port(host, port)
+            where = format_address((host, port))
             raise OSError(exc.errno, f"cannot listen on UDP {where}: {exc.strerror or exc}") from exc
         self.transports[index] = transport
         sock = transport.get_extra_info("socket")

@@ -103,13 +103,14 @@ async def join(code_text: str, opts: Options) -> Formed:
 def reserve_api(opts: Options) -> socket.socket | None:
     """This member's API address (--api), bound before the session forms: a taken port or an
     address this machine does not have is named now, not after probing, planning and loading."""
-    from kafila.api.server import parse_addr, reserve
+    from kafila.api.server import parse_addr
+    from kafila.net.tcp import bind_tcp
 
     if opts.api is None:
         return None
     host, port = parse_addr(opts.api)
     try:
-        return reserve(host, port)
+        return bind_tcp(host, port)
     except OSError as exc:
         raise SessionError(
             f"cannot serve the API on {host}:{port}: {exc.strerror or exc} "
@@ -145,11 +146,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
 
     folder = resolve(opts.model)
     ckpt = Checkpoint.open(folder, complete=True)
-    if opts.context > ckpt.config.max_position_embeddings:
-        raise SessionError(
-            f"--context {opts.context} is beyond the {ckpt.config.max_position_embeddings} positions "
-            f"{opts.model} was trained for"
-        )
+    ckpt.config.check_context(opts.context, opts.model)
     # one dtype for the whole session, decided here: every member probes and computes in it
     opts = replace(opts, dtype=checkpoint_dtype(opts.dtype, ckpt.stored_dtype))
     name = opts.name or default_name()
