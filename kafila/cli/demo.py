@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from kafila.cli.host import positive_int
+from kafila.cli.argtypes import positive_int
 
 if TYPE_CHECKING:
     from kafila.session.localfleet import FleetError

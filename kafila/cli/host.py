@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from kafila.cli.argtypes import member_name, positive_int, positive_number
 from kafila.engine import PREFILL_CHUNK
 
 DEFAULT_RENDEZVOUS = "ws://127.0.0.1:8470/v1/signal"
@@ -63,32 +63,6 @@ def add_threads_flag(parser: argparse.ArgumentParser) -> None:
         help="compute with at most this many CPU threads (default: every CPU this process may use, "
         "capped by a cgroup CPU quota)",
     )
-
-
-def positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
-    return int(text)
-
-
-def member_name(text: str) -> str:
-    """A name the rendezvous takes: 1-64 characters, none of them control characters."""
-    from kafila.proto.signaling import MAX_NAME
-
-    if not 1 <= len(text) <= MAX_NAME or not text.isprintable():
-        raise argparse.ArgumentTypeError(f"must be 1-{MAX_NAME} printable characters, got {text!r}")
-    return text
-
-
-def positive_number(text: str) -> float:
-    """A finite number > 0 (argparse's float also takes "inf", "nan" and negatives)."""
-    try:
-        v = float(text)
-    except ValueError:
-        v = math.nan
-    if not 0 < v < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return v
 
 
 def add_objective_flag(parser: argparse.ArgumentParser) -> None:

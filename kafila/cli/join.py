@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from kafila.cli.host import add_member_flags, positive_number
+from kafila.cli.argtypes import positive_number
+from kafila.cli.host import add_member_flags
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

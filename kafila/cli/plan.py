@@ -9,7 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kafila.cli.host import add_objective_flag, positive_int
+from kafila.cli.argtypes import positive_int
+from kafila.cli.host import add_objective_flag
 
 DIVISION_CHOICES = ("kafila", "uniform", "memory", "all")
 

@@ -7,17 +7,12 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
-from kafila.cli.host import add_threads_flag, positive_int
+from kafila.cli.argtypes import non_negative_int, positive_int
+from kafila.cli.host import add_threads_flag
 from kafila.cli.plan import non_empty
 
 if TYPE_CHECKING:
     from kafila.models.config import ModelConfig
-
-
-def non_negative_int(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
-    return int(text)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

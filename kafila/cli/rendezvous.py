@@ -7,7 +7,7 @@ import dataclasses
 import ipaddress
 from collections.abc import Callable
 
-from kafila.cli.host import positive_int, positive_number
+from kafila.cli.argtypes import port_number, positive_int, positive_number
 
 _LIMIT_HELP = {
     "max_message_bytes": "largest signaling frame accepted, in bytes",
@@ -29,13 +29,6 @@ _LIMIT_HELP = {
     "relay_session_bytes_per_s": "bytes per second the relay forwards for one session (0: unlimited)",
     "relay_idle_s": "seconds without traffic after which a relay channel is removed",
 }
-
-
-def port_number(text: str) -> int:
-    """A TCP/UDP port, 0 (any free port) to 65535."""
-    if not text.isascii() or not text.isdigit() or int(text) > 65535:
-        raise argparse.ArgumentTypeError(f"must be 0-65535, got {text!r}")
-    return int(text)
 
 
 def _limit_type(name: str, whole: bool) -> Callable[[str], float]:

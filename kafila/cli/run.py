@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kafila.cli.host import add_threads_flag, positive_int
+from kafila.cli.argtypes import positive_int
+from kafila.cli.host import add_threads_flag
 from kafila.engine import PREFILL_CHUNK
 
 

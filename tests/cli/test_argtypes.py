@@ -1,0 +1,49 @@
+"""The commands' shared argparse value types: what each accepts and how it names what it refused."""
+
+import argparse
+
+import pytest
+
+from kafila.cli.argtypes import member_name, non_negative_int, port_number, positive_int, positive_number
+
+
+@pytest.mark.parametrize(
+    ("parse", "text", "value"),
+    [
+        (positive_int, "1", 1),
+        (positive_int, "4096", 4096),
+        (non_negative_int, "0", 0),
+        (port_number, "0", 0),
+        (port_number, "65535", 65535),
+        (positive_number, "0.25", 0.25),
+        (positive_number, "1e3", 1000.0),
+        (member_name, "laptop-2", "laptop-2"),
+    ],
+)
+def test_accepts(parse, text, value):
+    assert parse(text) == value
+
+
+@pytest.mark.parametrize(
+    ("parse", "text", "message"),
+    [
+        (positive_int, "0", "must be a whole number >= 1, got '0'"),
+        (positive_int, "-3", "must be a whole number >= 1, got '-3'"),
+        (positive_int, "2.5", "must be a whole number >= 1, got '2.5'"),
+        (positive_int, "\u00b2", "must be a whole number >= 1, got '\u00b2'"),  # str.isdigit() says yes
+        (positive_int, "\u0663", "must be a whole number >= 1, got '\u0663'"),  # int() would read 3
+        (non_negative_int, "-1", "must be a whole number >= 0, got '-1'"),
+        (port_number, "65536", "must be 0-65535, got '65536'"),
+        (port_number, "http", "must be 0-65535, got 'http'"),
+        (positive_number, "0", "must be a finite number > 0, got '0'"),
+        (positive_number, "inf", "must be a finite number > 0, got 'inf'"),
+        (positive_number, "nan", "must be a finite number > 0, got 'nan'"),
+        (positive_number, "many", "must be a finite number > 0, got 'many'"),
+        (member_name, "", "must be 1-64 printable characters, got ''"),
+        (member_name, "a\nb", "must be 1-64 printable characters, got 'a\\nb'"),
+    ],
+)
+def test_refuses_naming_the_range(parse, text, message):
+    with pytest.raises(argparse.ArgumentTypeError) as refused:
+        parse(text)
+    assert str(refused.value) == message
