@@ -51,10 +51,9 @@ def generate(
         raise ValueError("the prompt is empty: give at least one token")
     if chunk < 1:
         raise ValueError(f"the prefill chunk must be at least 1 token, got {chunk}")
-    vocab = stage.config.vocab_size
-    outside = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-    if outside is not None:  # e.g. a tokenizer.json from another model: the embedding would fail
-        raise ValueError(f"prompt token {outside} is outside the model's vocabulary (0-{vocab - 1})")
+    problem = stage.config.token_problem(prompt_ids)
+    if problem:  # e.g. a tokenizer.json from another model
+        raise ValueError(problem)
     if len(prompt_ids) >= stage.context:
         raise ContextFullError(
             f"the prompt has {len(prompt_ids)} tokens; the context of {stage.context} tokens leaves no "

@@ -7,6 +7,7 @@ Only decoder-only Llama-family models are described: `llama` (SmolLM2, Llama 2/3
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,14 @@ class ModelConfig:
         if context > positions:
             trained = f"the {positions} positions {model} was trained for"
             raise ConfigError(f"{given} {context} is beyond {trained}")
+
+    def token_problem(self, ids: Iterable[int]) -> str | None:
+        """What is wrong with prompt token ids for this model (the first id outside the vocabulary,
+        which the embedding would fail on), or None."""
+        outside = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if outside is None:
+            return None
+        return f"prompt token {outside} is outside the model's vocabulary (0-{self.vocab_size - 1})"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:

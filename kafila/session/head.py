@@ -191,12 +191,9 @@ class RingHead:
                 f"prompt of {len(prompt)} tokens plus max_tokens={s.max_tokens} exceeds the context of "
                 f"{self.context} tokens",
             )
-        vocab = self.stage.config.vocab_size
-        outside = next((tok for tok in prompt if not 0 <= tok < vocab), None)
-        if outside is not None:  # the embedding would fail in the model thread and break the ring
-            raise GenerationError(
-                "bad_request", f"prompt token {outside} is outside the vocabulary (0-{vocab - 1})"
-            )
+        problem = self.stage.config.token_problem(prompt)
+        if problem:  # the embedding would fail in the model thread and break the ring
+            raise GenerationError("bad_request", problem)
         try:  # the API checked these; a forwarded request is checked here too, never breaking the ring
             params = SamplingParams(
                 temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,

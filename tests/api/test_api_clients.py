@@ -117,7 +117,7 @@ async def test_openai_completion_of_token_ids_is_the_completion_of_their_text(
             await client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0)  # type: ignore[arg-type]
             for p in (text, ids, [ids])
         ]
-        with pytest.raises(openai.BadRequestError, match="prompt token 1000000 is outside the vocabulary"):
+        with pytest.raises(openai.BadRequestError, match="token 1000000 is outside the model's vocabulary"):
             await client.completions.create(model=MODEL, prompt=[1, 10**6], max_tokens=2)
     assert by_ids.choices[0].text == by_text.choices[0].text == nested.choices[0].text
     assert by_ids.usage.prompt_tokens == len(ids)
@@ -188,7 +188,7 @@ async def test_a_forwarded_request_with_bad_sampling_is_refused_and_the_ring_kee
             assert bad.seed == -5 and tokens  # a negative seed is a fixed seed now
     for ids in ([1, 2, 10**6], [-1]):  # the head's embedding would fail on them (IndexError)
         with pytest.raises(
-            GenerationError, match=r"prompt token -?\d+ is outside the vocabulary \(0-49151\)"
+            GenerationError, match=r"prompt token -?\d+ is outside the model's vocabulary \(0-49151\)"
         ):
             [ev async for ev in await member.submit(ids, Sampling(max_tokens=2))]
     assert served.ring.head.broken is None
