@@ -71,7 +71,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kafila.models.presets import resolve_config, resolve_manifest
+    from kafila.models.presets import resolve_model
     from kafila.obs.log import get_logger
     from kafila.planner import DIVISIONS, plan_all
     from kafila.planner.fleet import FleetError, parse_fleet
@@ -88,9 +88,9 @@ def main(args: argparse.Namespace) -> int:
         devices = fleet.devices
         if model != fleet.model:  # probed block times were for the fleet's model
             devices = tuple(replace(d, block_s=None, block_dispatch_s=None, head_s=None) for d in devices)
-        manifest = resolve_manifest(model, args.dtype)
+        config, manifest = resolve_model(model, args.dtype)
         given = "--context" if args.context is not None else f"{args.fleet}: [session] context"
-        resolve_config(model).check_context(context, model, given)  # as `kafila host` refuses it
+        config.check_context(context, model, given)  # as `kafila host` refuses it
         divisions = DIVISIONS if args.division == "all" else (args.division,)
         plans = plan_all(
             devices,

@@ -1,7 +1,8 @@
 """Model presets for planning: the real Hugging Face configs, so no weights are needed to plan.
 
-`resolve_manifest(spec, dtype)` takes a preset name (qwen3-8b, qwen3-14b, qwen3-32b,
-smollm2-135m; case-insensitive) or a local Hugging Face folder, and returns its Manifest.
+`resolve_model(spec, dtype)` takes a preset name (qwen3-8b, qwen3-14b, qwen3-32b,
+smollm2-135m; case-insensitive) or a local Hugging Face folder, and returns its ModelConfig and
+Manifest (`resolve_config` and `resolve_manifest` one of them).
 Pure except for reading a folder's headers when given a path.
 """
 
@@ -75,15 +76,22 @@ def resolve_config(spec: str) -> ModelConfig:
 
 def resolve_manifest(spec: str, dtype: str = "bf16") -> Manifest:
     """A preset name or a local Hugging Face folder -> Manifest priced at `dtype`."""
+    return resolve_model(spec, dtype)[1]
+
+
+def resolve_model(spec: str, dtype: str = "bf16") -> tuple[ModelConfig, Manifest]:
+    """A preset name or a local Hugging Face folder -> its ModelConfig and Manifest priced at `dtype`
+    (a folder is opened once)."""
     st_dtype = RUNTIME_DTYPES.get(dtype.lower())
     if st_dtype is None:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(RUNTIME_DTYPES)}")
     if spec.lower() in PRESETS:
         config = preset_config(spec)
-        return build_manifest(specs_from_config(config, st_dtype), config)
+        return config, build_manifest(specs_from_config(config, st_dtype), config)
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise ValueError(f"model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a folder")
     from kafila.models.checkpoint import Checkpoint
 
-    return Checkpoint.open(path, complete=True).manifest(st_dtype)
+    checkpoint = Checkpoint.open(path, complete=True)
+    return checkpoint.config, checkpoint.manifest(st_dtype)
