@@ -163,6 +163,11 @@ def sha256_range(fd: int, start: int, end: int) -> str:
     return h.hexdigest()
 
 
+def file_stamp(st: os.stat_result) -> list[int]:
+    """What tells a file's contents changed without reading them: size, mtime_ns, inode."""
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
 class HashCache:
     """Per-file tensor digests, remembered while the file's (size, mtime_ns, inode) stay the same."""
 
@@ -172,14 +177,9 @@ class HashCache:
     def _entry(self, file: Path) -> Path:
         return self.root / f"{hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:32]}.json"
 
-    @staticmethod
-    def _stamp(file: Path) -> list[int]:
-        st = file.stat()
-        return [st.st_size, st.st_mtime_ns, st.st_ino]
-
     def digests(self, file: Path, infos: list[TensorInfo]) -> dict[str, str]:
         """sha256 of each tensor's bytes in `file` (hashing only what is not remembered)."""
-        stamp = self._stamp(file)
+        stamp = file_stamp(os.stat(file))
         entry = self._entry(file)
         known: dict[str, str] = {}
         try:
@@ -193,7 +193,7 @@ class HashCache:
             with open(file, "rb") as f:
                 for t in missing:
                     known[t.name] = sha256_range(f.fileno(), t.start, t.end)
-            if self._stamp(file) == stamp:  # the file did not change while we hashed it
+            if file_stamp(os.stat(file)) == stamp:  # the file did not change while we hashed it
                 try:  # remembering is a saving, not a need: a cache that cannot be written is said
                     write_atomic(entry, [json.dumps({"stamp": stamp, "sha256": known}).encode()])
                 except OSError as exc:

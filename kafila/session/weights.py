@@ -49,6 +49,7 @@ from kafila.session.wcache import (
     ShardFolder,
     blob_key,
     build_shard_folder,
+    file_stamp,
     write_atomic,
 )
 
@@ -267,18 +268,21 @@ class WeightServer:
         self.stats: dict[str, ServeStats] = {}
         self._manifest: WeightManifest | None = None
         self._allowed: dict[str, list[tuple[int, int]]] = {}
+        self._stamps: dict[str, list[int] | None] = {}  # each served file as it was described
         self._lock = asyncio.Lock()
 
     async def prepare(self) -> WeightManifest:
         """Describe the checkpoint (on a thread; hashes are remembered across sessions)."""
         async with self._lock:
             if self._manifest is None:
+                stamps = await asyncio.to_thread(_stamps, self.folder)  # before hashing: see _pread
                 m = await asyncio.to_thread(describe, self.folder, self.max_request, self.cache)
                 allowed = {name: [(0, size)] for name, (size, _) in m.files.items() if size}
                 for file, hlen in m.headers.items():
                     spans = [(e.start, e.end) for e in m.tensors.values() if e.file == file]
                     allowed[file] = _runs([(0, hlen), *spans])
                 self._manifest, self._allowed = m, allowed
+                self._stamps = {name: stamps.get(name) for name in allowed}
                 log.info(
                     "weights_prepared",
                     folder=str(self.folder),
@@ -350,7 +354,7 @@ class WeightServer:
         stats.requests += 1
         try:
             path, offset, length = self.check(req)
-            data = await asyncio.to_thread(_pread, path, offset, length)
+            data = await asyncio.to_thread(_pread, path, offset, length, self._stamps.get(req.file))
         except FetchRefused as exc:
             stats.refused += 1
             log.warning("weights_fetch_refused", peer=channel.peer, reason=str(exc))
@@ -363,9 +367,21 @@ class WeightServer:
         await channel.send(t.FetchData(req.fetch_id, data))
 
 
-def _pread(path: Path, offset: int, length: int) -> bytes:
+def _stamps(folder: Path) -> dict[str, list[int]]:
+    return {p.name: file_stamp(p.stat()) for p in folder.iterdir() if p.is_file()}
+
+
+def _pread(path: Path, offset: int, length: int, stamp: list[int] | None) -> bytes:
+    """Bytes [offset, offset + length) of `path`, as long as the file is the one the manifest
+    described (the digests members check were taken of it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
+        now = file_stamp(os.fstat(fd))
+        if now != stamp:
+            raise OSError(
+                f"the file changed on the host after the session described it (size, mtime_ns, inode: "
+                f"{stamp} -> {now}); restart the host to serve the new contents"
+            )
         parts, at = [], offset
         while at < offset + length:
             chunk = os.pread(fd, offset + length - at, at)
@@ -573,8 +589,9 @@ class _Member:
         e = p.entry
         if hashlib.sha256(p.buf).hexdigest() != e.sha256:
             raise WeightsError(
-                f"tensor {e.name} ({e.nbytes} bytes from {e.file}): fetched bytes do not match the host's "
-                f"sha256 (corrupt response); not cached"
+                f"tensor {e.name} ({e.nbytes} bytes from {e.file}): fetched bytes do not match the sha256 "
+                f"the host announced (its file, or its remembered digest under <cache>/weights/hashes, "
+                f"changed after hashing); not cached"
             )
         self.blobs.put(e.key, e.name, e.dtype, e.shape, p.buf)
         p.buf = bytearray()

@@ -4,6 +4,7 @@ loopback: exact shares, the cache, local copies, refusals and damaged responses.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -338,7 +339,7 @@ def flip(d: bytes) -> bytes:
     ("target", "damage", "error"),
     [
         ("tensor", truncate, r"sent \d+ bytes for a \d+-byte request \(truncated or corrupt"),
-        ("tensor", flip, r"tensor .* do not match the host's sha256 \(corrupt response\); not cached"),
+        ("tensor", flip, r"tensor .* do not match the sha256 the host announced .*; not cached"),
         ("header", flip, r"headers do not match its checkpoint id; not cached"),
         ("config", flip, r"config.json: fetched bytes do not match the host's sha256; not cached"),
     ],
@@ -376,6 +377,24 @@ async def test_damaged_response_is_detected_and_not_cached(
     assert 0 < retry.tensor_bytes <= nbytes  # answers to the failed fetch are skipped
     assert retry.tensor_bytes == sum(full.tensors[n].nbytes for n in retry.fetched)
     assert set(Checkpoint.open(retry.path).tensors) == set(names)
+
+
+async def test_a_file_changed_on_the_host_after_describing_is_refused(folder, tmp_path) -> None:
+    """A host whose checkpoint file is rewritten mid-session (a new download over it) must not serve
+    bytes whose digests the manifest does not hold: the member's fetch fails naming the change."""
+    copy = tmp_path / "ckpt"
+    shutil.copytree(folder, copy)
+    server = WeightServer(copy, cache=tmp_path / "host")
+    await server.prepare()
+    weights = next(copy.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes())  # rewritten: the host can no longer vouch for the digests
+    st = weights.stat()  # (file times can be as coarse as a clock tick: make the new one certain)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(WeightsError, match="the file changed on the host after the session described it"):
+        await fetch_via(server, *MemoryChannel.pair("host", "m1")[::-1], range(0, 2), False, tmp_path / "m")
+    again = WeightServer(copy, cache=tmp_path / "host")  # a restarted host describes the new file
+    done = await fetch_via(again, *MemoryChannel.pair("host", "m2")[::-1], range(0, 2), False, tmp_path / "m")
+    assert done.tensor_bytes > 0
 
 
 async def test_damaged_cache_files_are_rebuilt_not_fatal(folder, full, tmp_path) -> None:
