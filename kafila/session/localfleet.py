@@ -3,7 +3,7 @@
     LocalFleet([1.0, 0.5, 0.25]) -> start(): `kafila rendezvous` (own process, free ports) ->
         `kafila host` (member 0) -> `kafila join CODE` (the others), each a real CLI process,
         each slowed to its share (below) -> wait for every member's API and for /session to say
-        "serving" -> plan, API URLs, session document -> close(): SIGINT to every member, then
+        "serving" -> plan, API URLs, session document -> close(): SIGTERM to every member, then
         the rendezvous (SIGTERM/SIGKILL after a grace period), cgroups removed.
 
 How a share slows a member (`slow_by`):
@@ -154,13 +154,15 @@ class LocalFleet:
         return self
 
     def close(self) -> None:
-        """Stop members (SIGINT: they close links and API), then the rendezvous; remove cgroups."""
+        """Stop members (SIGTERM: they close links and API), then the rendezvous; remove cgroups.
+        Not SIGINT: a process started in the background by a shell ignores it, and so do the
+        members it starts (they were killed after the grace period, their links never closed)."""
         if self._closed:
             return
         self._closed = True
         with _interrupts_ignored():  # a second Ctrl-C or kill must not leave a member or cgroup behind
             procs = [m.proc for m in self.members if m.proc is not None]
-            _stop(procs, signal.SIGINT, grace_s=8.0)
+            _stop(procs, signal.SIGTERM, grace_s=8.0)
             if self._rendezvous is not None:
                 _stop([self._rendezvous], signal.SIGTERM, grace_s=5.0)
             for m in self.members:

@@ -140,7 +140,9 @@ with LocalFleet([None], context=128, workdir=sys.argv[1], wait_s=240) as fleet:
 @pytest.mark.network
 def test_a_terminated_owner_stops_its_fleet(smollm2_path: Path, tmp_path: Path) -> None:
     """`kill` (SIGTERM) of the process that owns a fleet stops the members and the rendezvous,
-    which run in their own process sessions, instead of leaving them running."""
+    which run in their own process sessions, instead of leaving them running. The owner runs as a
+    shell's background job does, SIGINT ignored (and so its members): they still close their
+    session themselves (killed after the grace period, their logs would not say so)."""
     import json
     import signal
     import subprocess
@@ -148,7 +150,11 @@ def test_a_terminated_owner_stops_its_fleet(smollm2_path: Path, tmp_path: Path) 
     import time
 
     argv = [sys.executable, "-c", OWNER, str(tmp_path)]
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as owner:
+
+    def as_a_background_job() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, preexec_fn=as_a_background_job) as owner:
         try:
             assert owner.stdout is not None
             line = ""
@@ -165,6 +171,7 @@ def test_a_terminated_owner_stops_its_fleet(smollm2_path: Path, tmp_path: Path) 
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in pids if _alive(p)]
+    assert "terminated: session closed" in (tmp_path / "alpha.log").read_text()
 
 
 def _alive(pid: int) -> bool:

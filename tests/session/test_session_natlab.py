@@ -86,7 +86,7 @@ async def test_session_across_nats_with_a_relayed_edge(natlab: Lab, rdv, smollm2
     finally:
         for p in procs:
             if p.poll() is None:
-                p.send_signal(signal.SIGINT)
+                p.send_signal(signal.SIGTERM)  # (SIGINT is ignored under a background shell)
         for p in procs:
             try:
                 p.wait(15)
