@@ -18,7 +18,7 @@ from kafila.api.errors import ApiError
 from kafila.api.params import Job
 from kafila.api.text import Detokenizer, TextCodec
 from kafila.obs.log import get_logger
-from kafila.session.service import Generation, GenerationError, GenerationService
+from kafila.session.service import STOP_STRING, Generation, GenerationError, GenerationService
 
 log = get_logger("kafila.api")
 
@@ -61,6 +61,7 @@ async def pieces(gen: Generation, codec: TextCodec, job: Job, tally: Tally) -> A
                 tally.completion_tokens += len(ev.tokens)
                 text = detok.feed(ev.tokens)
                 if detok.stopped:
+                    gen.cancel(STOP_STRING)  # finished, not abandoned: the head records it so
                     yield _end(tally, text, "stop")
                     return
                 if text:
@@ -70,7 +71,7 @@ async def pieces(gen: Generation, codec: TextCodec, job: Job, tally: Tally) -> A
                 yield _end(tally, detok.flush(), ev.finish)
                 return
     finally:
-        gen.cancel("client gone or answer stopped")
+        gen.cancel("client gone")
 
 
 def _end(tally: Tally, text: str, finish: str) -> Piece:

@@ -45,7 +45,10 @@ STAGE_WAIT = Gauge(
     registry=REGISTRY,
 )
 STAGE_DECODE_STEPS = Counter(
-    "kafila_stage_decode_steps", "Decode steps a stage computed", ["member", "stage"], registry=REGISTRY
+    "kafila_stage_decode_steps",
+    "Decode steps a stage computed, once per request in a step (a batched step of two counts two)",
+    ["member", "stage"],
+    registry=REGISTRY,
 )
 STAGE_PREFILL_CHUNK = Histogram(
     "kafila_stage_prefill_chunk_ms",
@@ -61,7 +64,10 @@ HOP_BYTES = Counter(
     registry=REGISTRY,
 )
 HOP_MESSAGES = Counter(
-    "kafila_hop_messages", "Hidden-state frames sent over a ring edge", ["hop", "path"], registry=REGISTRY
+    "kafila_hop_messages",
+    "Hidden-state frames sent over a ring edge, once per request a frame carries",
+    ["hop", "path"],
+    registry=REGISTRY,
 )
 HOP_RTT = Gauge(
     "kafila_hop_rtt_ms",
@@ -75,8 +81,17 @@ HOP_PREDICTED_RTT = Gauge(
     ["hop"],
     registry=REGISTRY,
 )
-REQUESTS = Counter("kafila_requests", "Requests finished, by outcome", ["finish"], registry=REGISTRY)
-TOKENS = Counter("kafila_generated_tokens", "Tokens generated", registry=REGISTRY)
+REQUESTS = Counter(
+    "kafila_requests",
+    "Requests ended at the head, by outcome (stop, length, cancelled, error)",
+    ["finish"],
+    registry=REGISTRY,
+)
+TOKENS = Counter(
+    "kafila_generated_tokens",
+    "Tokens the head sampled, a stop token included (the API's usage leaves it out)",
+    registry=REGISTRY,
+)
 TTFT = Histogram(
     "kafila_ttft_seconds",
     "Time to first token by phase (queue, prefill)",
@@ -121,22 +136,33 @@ def observe_stage(r: StageRecord) -> None:
 
 def observe_request(r: RequestRecord) -> None:
     """The head's whole-ring view of one request (gauges per stage; hop counters come from
-    `observe_stage` at each sender, so a hop is counted once)."""
+    `observe_stage` at each sender, so a hop is counted once). The "last request" gauges keep the
+    last request that decoded: one that ended at its first token measured no decode step."""
     for s in r.stages:
-        STAGE_MEASURED.labels(s.member, str(s.index)).set(s.measured_ms)
+        if s.steps:
+            STAGE_MEASURED.labels(s.member, str(s.index)).set(s.measured_ms)
         STAGE_PREDICTED.labels(s.member, str(s.index)).set(s.predicted_ms)
     REQUESTS.labels(r.finish).inc()
     TOKENS.inc(r.completion_tokens)
     TTFT.labels("queue").observe(r.queue_s)
     TTFT.labels("prefill").observe(r.prefill_s)
-    DECODE_RATE.set(r.tokens_per_s)
-    CIRCUIT.set(r.circuit_ms)
-    TRANSIT.set(r.transit_ms)
+    if any(s.steps for s in r.stages):
+        DECODE_RATE.set(r.tokens_per_s)
+        CIRCUIT.set(r.circuit_ms)
+        TRANSIT.set(r.transit_ms)
 
 
-def observe_session(s: SessionRecord) -> None:
-    for i, member in enumerate(s.order):
-        STAGE_PREDICTED.labels(member, str(i)).set(s.predicted_stage_ms.get(member, 0.0))
+def observe_no_token(finish: str) -> None:
+    """A request that ended before its first token (cancelled while queued or in prefill, failed)."""
+    REQUESTS.labels(finish).inc()
+
+
+def observe_session(s: SessionRecord, ring_view: bool = True) -> None:
+    """The plan: its bottleneck on every member, every stage's prediction where `ring_view` (the
+    head's, as its request records set them)."""
+    if ring_view:
+        for i, member in enumerate(s.order):
+            STAGE_PREDICTED.labels(member, str(i)).set(s.predicted_stage_ms.get(member, 0.0))
     PREDICTED_BOTTLENECK.set(s.predicted_bottleneck_ms)
 
 

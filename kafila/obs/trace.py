@@ -6,7 +6,8 @@ Prometheus layer (kafila.obs.metrics) and `kafila trace summarize` read the same
 
 - `SessionRecord` (one per formed session): division, ring order, blocks and predicted compute
   time per stage, predicted bottleneck and circuit time, each edge's path.
-- `RequestRecord` (one per finished request, written by the head: the whole ring's view): prompt
+- `RequestRecord` (one per request that ended after its first token, written by the head: the
+  whole ring's view; `finish` stop, length, cancelled or error): prompt
   and completion tokens, time waiting in the queue, time to first token split into queue and
   prefill, decode tokens/s, circuit and transit time per decode step, per stage the measured
   compute per decode step and per prefill next to the prediction, and per hop the bytes and

@@ -38,7 +38,7 @@ from kafila.session import compute
 from kafila.session.channel import Channel, ChannelError, send_marked
 from kafila.session.generation import QueueGeneration, RequestIds, cancel_tasks, guarded, origin_of
 from kafila.session.schedule import Entry, Schedule, Step
-from kafila.session.service import GenerationError, Sampling, TokenEvent
+from kafila.session.service import STOP_STRING, GenerationError, Sampling, TokenEvent
 from kafila.session.stagetrace import StageTally, read_hop_report
 
 log = get_logger("kafila.session.head")
@@ -132,6 +132,7 @@ class RingHead:
         self._tasks: list[asyncio.Task[None]] = []
         self.tally = StageTally(info, 0, next_ch, prev_ch)
         self._pending: dict[int, _Pending] = {}  # recorded here, waiting for the members' hop reports
+        self._ending: dict[int, _Req] = {}  # taken out (cancelled, failed), steps of them still in the ring
         self._ahead: tuple[Step, tuple[bytes, int, int]] | None = None  # a continuation already run
         self.ahead_sent = 0  # continuations run with the sampling and sent as they were
         self.ahead_dropped = 0  # ... and dropped: the schedule took another step (a cancel meanwhile)
@@ -224,11 +225,19 @@ class RingHead:
         req = self._reqs.pop(rid, None)
         if req is None:
             return
-        self.schedule.cancel(rid)
-        req.finish = "cancelled"
         log.info("request_cancelled", request_id=rid, reason=reason, generated=req.generated)
+        self._end(req, "stop" if reason == STOP_STRING else "cancelled")
         self._report_queue()
         self._wake.set()
+
+    def _end(self, req: _Req, finish: str) -> None:
+        """Take a request out before its answer is done; it is recorded (its frames crossed every hop)
+        once none of its steps is left in the ring, or now if it never entered."""
+        req.finish = finish
+        if self.schedule.cancel(req.rid):
+            self._ending[req.rid] = req
+        else:
+            self._record(req)
 
     # -- the pump: what enters the ring ---------------------------------------------------------------
 
@@ -247,7 +256,9 @@ class RingHead:
         if freed:
             await self.model.run(compute.close_slots, self.stage, freed)
             for rid in freed:
-                self.tally.discard(rid)  # a cancelled request's counts (a finished one's are taken)
+                if (ended := self._ending.pop(rid, None)) is not None:
+                    self._record(ended)
+                self.tally.discard(rid)  # (a finished request's counts were taken at its last token)
             if self.next is not None:
                 self._outbox.put_nowait(t.Control("free", {"request_ids": freed}))
             self._report_queue()
@@ -388,10 +399,13 @@ class RingHead:
         """`token` (ended its request for `reason`, if any) sampled in `turn` on the model thread,
         which alone touches the request's sampler."""
         if not prefill:
-            circuit = turn.sampled_at - req.sent_at  # from the head's output leaving to its token sampled
+            # from the head's blocks starting (their compute before the output left) to the token
+            # sampled: every stage, the logits and the hops, as the plan's circuit
+            head_blocks_s = (timings[0] - turn.logits_us) / 1e6
+            circuit = turn.sampled_at - req.sent_at + head_blocks_s
             req.circuit_s.append(circuit)
             req.stage_us.append(timings)
-            req.transit_ms.append((circuit * 1e6 - sum(timings[1:]) - turn.logits_us) / 1e3)
+            req.transit_ms.append((circuit * 1e6 - sum(timings)) / 1e3)
             self.tally.add(req.rid, timings[0], prefill=False)
         req.generated += 1
         req.last_token = token
@@ -430,8 +444,8 @@ class RingHead:
         req = self._reqs.pop(rid, None)
         if req is None:
             return
-        self.schedule.cancel(rid)
         self._answer(req, GenerationError(code, message))
+        self._end(req, "error")
         self._wake.set()
 
     def _fail_step(self, step: Step, code: str, message: str) -> None:
@@ -441,6 +455,8 @@ class RingHead:
     def _fail_all(self, code: str, message: str) -> None:
         for rid in list(self._reqs):
             self._fail_request(rid, code, message)
+        for rid in list(self._ending):  # no free will come round: record what is known
+            self._record(self._ending.pop(rid))
         self._flush_pending()
 
     def _break(self, reason: str) -> None:
@@ -465,7 +481,8 @@ class RingHead:
             if self.traces is not None:
                 self.traces.write(own)
             metrics.observe_stage(own)
-        if req.first_at is None:
+        if req.first_at is None:  # no token: nothing to time, only its end to count
+            metrics.observe_no_token(req.finish)
             return
         pending = _Pending(req, own)
         if self.next is None:

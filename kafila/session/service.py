@@ -7,8 +7,9 @@ this interface, so both serve the same routes.
 A `Generation` is an async iterator of `TokenEvent`s; the last one carries `finish`. Failures
 arrive as `GenerationError` raised from the iterator, with a stable `code` the API maps to HTTP
 status. `cancel()` stops the request wherever it is (queue, ring), never blocks (so it works
-inside a cancelled task's cleanup) and is safe to call twice. Stop and EOS tokens are not
-included in `tokens`.
+inside a cancelled task's cleanup) and is safe to call twice; the reason `STOP_STRING` says the
+answer ended (the head records it as finished "stop", any other reason as "cancelled"). Stop and
+EOS tokens are not included in `tokens`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ class TokenEvent:
     finish: str | None = None  # "stop" | "length" on the last event
     queue_position: int | None = None  # set while the request waits for a slot (1 = next)
     prefill_s: float | None = None  # on the event with the first token
+
+
+STOP_STRING = "stop string"  # the cancel reason of an answer that ended on one of its stop strings
 
 
 class GenerationError(Exception):

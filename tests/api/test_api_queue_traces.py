@@ -128,3 +128,21 @@ async def test_every_member_serves_what_it_measured(served: Served) -> None:
     assert back["bytes"] == stage["hop_out"]["bytes"] > 0
     assert request["stages"][1]["measured_ms"] == pytest.approx(stage["decode_ms"])
     assert 'kafila_hop_bytes_total{hop="m1->m0",path="local"}' in metrics
+
+
+async def test_an_answer_ended_by_a_stop_string_is_recorded_as_stopped(served: Served) -> None:
+    """The API ends the answer on the stop string (the head would decode on): the head records it
+    as finished "stop", not as a request the client abandoned (it used to write no record)."""
+    body = {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 32, "stop": ["Paris"]}
+    async with httpx.AsyncClient(timeout=120) as http:
+        r = await http.post(f"{served.member.url}/v1/chat/completions", json=body)
+        rid = served.ring.members[0].ids.next() - 1  # the id the member gave that request
+        ring = await traces_when(
+            http,
+            served.head.url,
+            lambda ts: any(d.get("request_id") == rid for d in ts if d["type"] == "request"),
+        )
+    [choice] = r.json()["choices"]
+    assert choice["finish_reason"] == "stop" and "Paris" not in choice["message"]["content"]
+    [request] = [d for d in ring if d["type"] == "request" and d["request_id"] == rid]
+    assert request["finish"] == "stop" and request["completion_tokens"] >= 1

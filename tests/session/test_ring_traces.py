@@ -183,3 +183,72 @@ async def test_a_lone_requests_queue_ends_before_the_heads_own_prefill(ckpt: Che
     assert req.queue_s * 1e3 < head.prefill_ms[0] / 2  # a slot was free: no wait beyond a loop turn
     assert req.prefill_s * 1e3 >= sum(head.prefill_ms)  # every chunk the head computed is prefill
     assert req.ttft_s == pytest.approx(req.queue_s + req.prefill_s)
+
+
+async def test_the_circuit_includes_the_heads_own_blocks(ckpt: Checkpoint) -> None:
+    """A decode step's circuit runs from the head's blocks to the sampled token, as the plan's
+    circuit sums every stage: the head is slowed (an emulated 5x slower device) so its blocks are
+    most of it. Transit (hops and waits) is the circuit less every stage's compute."""
+    ring = build_ring(ckpt, [(0, 3), (3, 5)], chunk=CHUNK)
+    logs = traced(ring)
+    try:
+        await drain(await ring.head.submit(SHORT, Sampling(max_tokens=2)))  # first calls compile kernels
+        ring.head.stage.pace = Pace(0.2)
+        gen = await ring.head.submit(PROMPT, Sampling(max_tokens=6))
+        await drain(gen)
+        [req] = await records(logs[0], RequestRecord, gen.request_id)
+    finally:
+        await ring.stop()
+    head, member = req.stages
+    assert head.measured_ms > 3 * member.measured_ms  # (the head's blocks and its logits)
+    assert req.circuit_ms > head.measured_ms + member.measured_ms
+    assert 0 < req.transit_ms < req.circuit_ms - head.measured_ms
+
+
+async def test_cancelled_and_stopped_requests_are_recorded_as_such(ckpt: Checkpoint) -> None:
+    """A request cancelled mid-answer crossed every hop: the head records it ("cancelled"), as the
+    members record their stages; one the API ends on a stop string is a finished "stop"."""
+    from kafila.obs import metrics
+    from kafila.session.service import STOP_STRING
+
+    ring = build_ring(ckpt, [(0, 2), (2, 5)], chunk=CHUNK)
+    logs = traced(ring)
+    before = {f: metrics.REQUESTS.labels(f)._value.get() for f in ("cancelled", "stop")}
+    try:
+        finishes = {}
+        for reason in ("client disconnected", STOP_STRING):
+            gen = await ring.members[0].submit(PROMPT, Sampling(max_tokens=20))  # forwarded to the head
+            async for ev in gen:
+                if ev.tokens:
+                    gen.cancel(reason)  # after its first token, as a client that has read enough
+                    break
+            [req] = await records(logs[0], RequestRecord, gen.request_id)
+            [own] = await records(logs[1], StageRecord, gen.request_id)
+            assert [h.bytes for h in req.hops] == [own.hop_in.bytes, own.hop_out.bytes]
+            finishes[reason] = req.finish
+    finally:
+        await ring.stop()
+    assert finishes == {"client disconnected": "cancelled", STOP_STRING: "stop"}
+    after = {f: metrics.REQUESTS.labels(f)._value.get() for f in before}
+    assert after == {"cancelled": before["cancelled"] + 1, "stop": before["stop"] + 1}
+
+
+async def test_a_one_token_request_leaves_the_last_decode_figures(ckpt: Checkpoint) -> None:
+    """The "last request" gauges keep the last request that decoded: one that ended at its first
+    token measured no decode step and used to set every stage and the circuit to 0."""
+    from kafila.obs import metrics
+
+    ring = build_ring(ckpt, [(0, 2), (2, 5)], chunk=CHUNK)
+    logs = traced(ring)
+    try:
+        decoded = await ring.head.submit(PROMPT, Sampling(max_tokens=5))
+        await drain(decoded)
+        await records(logs[0], RequestRecord, decoded.request_id)
+        figures = metrics.CIRCUIT._value.get(), metrics.STAGE_MEASURED.labels("m1", "1")._value.get()
+        one = await ring.head.submit(SHORT, Sampling(max_tokens=1))
+        await drain(one)
+        await records(logs[0], RequestRecord, one.request_id)
+    finally:
+        await ring.stop()
+    assert figures[0] > 0 and figures[1] > 0
+    assert (metrics.CIRCUIT._value.get(), metrics.STAGE_MEASURED.labels("m1", "1")._value.get()) == figures
