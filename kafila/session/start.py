@@ -336,7 +336,7 @@ async def _start_ring(
     info = _ring_info(name, code, plan, links, model, alternatives, stage.backend.dtype)
     nxt = _channel(links.get(nxt_name), nxt_name, opts)
     prv = _channel(links.get(prv_name), prv_name, opts) if len(order) > 2 or nxt is None else nxt
-    traces = TraceLog(opts.trace) if opts.trace else None
+    traces = TraceLog(opts.trace)  # without a file: the last records for /traces only
     model_thread = ModelThread(name)
     if head:
         lanes = lanes_for(plan.circuit_s, plan.bottleneck_s, len(order))
@@ -352,12 +352,10 @@ async def _start_ring(
             traces,
             lanes,
         )
-        record = session_record(plan, code.public, model, info.edges)
-        if traces:
-            traces.write(record)
-        metrics.observe_session(record)
+        traces.write(session_record(plan, code.public, model, info.edges))
     else:
         service = RingMember(index, stage, model_thread, info, nxt, prv, traces)  # type: ignore[arg-type]
+    metrics.observe_session(session_record(plan, code.public, model, info.edges), ring_view=head)
     service.on_broken = lambda why: say(
         f"{why}. This member answers requests with 503 from now on; re-planning is not implemented: "
         "end it (Ctrl-C) and form a new session"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -149,6 +150,18 @@ async def test_openai_client_through_a_member_that_is_not_the_head(rdv, tmp_path
         assert "Paris" in r.choices[0].message.content
         doc = member.service.describe()
         assert doc["state"] == "serving" and len(doc["ring"]) == 3
+        # no --trace file: /traces still serves what each member measured (it used to be empty)
+        for _ in range(100):  # the records follow the answer, with the request's free notice
+            async with httpx.AsyncClient() as http:
+                kinds = {
+                    d["type"]
+                    for f in formed
+                    for d in (await http.get(f"{f.api.url}/traces")).json()["traces"]
+                }
+            if kinds == {"session", "stage", "request"}:
+                break
+            await asyncio.sleep(0.05)
+        assert kinds == {"session", "stage", "request"}
     finally:
         await close(formed)
 
