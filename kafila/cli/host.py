@@ -240,7 +240,10 @@ def run_member(start: Callable[[], Awaitable[Any]]) -> int:
 
     from kafila.session.form import say
 
+    formed = False
+
     async def run() -> None:
+        nonlocal formed
         task = asyncio.current_task()
         assert task is not None
 
@@ -252,7 +255,12 @@ def run_member(start: Callable[[], Awaitable[Any]]) -> int:
 
         with contextlib.suppress(NotImplementedError):  # no loop signal handlers on Windows
             asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, terminate)
-        await serve_until_interrupted(await start())
+        session = await start()
+        formed = True
+        await serve_until_interrupted(session)
+
+    def closed() -> str:
+        return "session closed" if formed else "left before the session formed"
 
     try:
         asyncio.run(run())
@@ -260,6 +268,9 @@ def run_member(start: Callable[[], Awaitable[Any]]) -> int:
         say(f"error: {exc}")
         return 1
     except asyncio.CancelledError:  # SIGTERM: the session is closed (serve_until_interrupted)
-        say("terminated: session closed")
+        say(f"terminated: {closed()}")
         return 128 + signal.SIGTERM
+    except KeyboardInterrupt:  # Ctrl-C: closed the same way
+        say(f"interrupted: {closed()}")
+        return 128 + signal.SIGINT
     return 0

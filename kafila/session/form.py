@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import socket
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,6 +121,34 @@ class Formed:
         self.node.endpoint.close()
 
 
+async def off_loop(fn: Callable[..., R], *args: Any) -> R:
+    """`fn(*args)` on a daemon thread of its own. Unlike `asyncio.to_thread`, whose pool the loop
+    joins at exit, a member stopped meanwhile (Ctrl-C, SIGTERM) ends without waiting for it: a
+    probe or a stage's load takes 10 s and more, past `docker stop`'s grace period."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[R] = loop.create_future()
+
+    def settle(outcome: tuple[bool, Any]) -> None:
+        ok, value = outcome
+        if done.done():  # the awaiting task was cancelled
+            return
+        if ok:
+            done.set_result(value)
+        else:
+            done.set_exception(value)
+
+    def run() -> None:
+        try:
+            outcome: tuple[bool, Any] = (True, fn(*args))
+        except BaseException as exc:  # handed to the awaiting task, as to_thread does
+            outcome = (False, exc)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for it any more
+            loop.call_soon_threadsafe(settle, outcome)
+
+    threading.Thread(target=run, name=f"kafila-{getattr(fn, '__name__', 'work')}", daemon=True).start()
+    return await done
+
+
 def say(text: str) -> None:
     """Progress for the person at the terminal (stderr; stdout stays for results)."""
     print(f"kafila: {text}", file=sys.stderr, flush=True)
@@ -189,6 +218,32 @@ class Driver:
         for task in (self._next, self._lost):
             if task is not None:
                 task.cancel()  # an unconsumed event stays in the queue
+
+    async def serve_formed(self) -> None:
+        """After forming (a task until the member ends): keep feeding the core, so the host refuses
+        whoever joins the formed session, and say when the rendezvous is lost (the ring's direct
+        links do not need it)."""
+        self.close()
+        lost = asyncio.ensure_future(self.client.lost())
+        try:
+            while True:
+                nxt = asyncio.ensure_future(self.router.others.get())
+                done, _ = await asyncio.wait({nxt, lost}, return_when=asyncio.FIRST_COMPLETED)
+                if nxt not in done:
+                    nxt.cancel()
+                    why = lost.result().message
+                    say(
+                        f"lost the rendezvous ({why}): the ring goes on serving on its direct links; a "
+                        "relayed link and new sessions need it (this member does not reconnect)"
+                    )
+                    return
+                event = self._translate(nxt.result())
+                if event is not None:
+                    await self.carry(self.core.handle(event, self.now()))
+        except SessionError as exc:  # a fatal error from the rendezvous, or a refusal it could not take
+            say(f"the rendezvous: {exc}; the ring goes on serving on its direct links")
+        finally:
+            lost.cancel()
 
     async def _feed_one(self, work: asyncio.Future[Any] | None) -> list[fm.Output]:
         if self._next is None:

@@ -11,12 +11,17 @@ attempt (`Failed`) or success (`Formed`). Every input first checks the current d
     host:   start(own report) -> GATHERING --N reports--> PLANNING --planned--> LINKING
             --started--> WAITING_READY --N-1 readies--> FORMED      (refuse / timeout / left: FAILED)
     member: start(own report) -> AWAITING_PLAN --plan--> LINKING --linked--> FETCHING
-            --fetched--> STARTING --started--> FORMED                (refused / timeout / left: FAILED)
+            --fetched--> STARTING --started--> CONFIRMING --formed--> FORMED
+                                                                     (refused / timeout / left: FAILED)
+
+A member is formed only when the host says every member is ready (`formed`): a member that was
+ready while another failed to start is told (`refused`, or the host or that member leaving) and
+ends, instead of serving a ring that never formed.
 
 Session messages travel as signaling payloads `{"kafila_session": 1, "op": ...}` (see `payload`):
 `report` (member -> host: its DeviceReport), `plan` (host -> members: the Plan, member ids, model,
 prefill chunk, the session's dtype, compared divisions), `refused` (host -> members: the reason),
-`ready` (member -> host).
+`ready` (member -> host), `formed` (host -> members: every member is ready).
 """
 
 from __future__ import annotations
@@ -128,7 +133,7 @@ class LinkNow:
 
 @dataclass(frozen=True)
 class Formed:
-    """Every member is ready (host) / this member is ready and has told the host (member)."""
+    """Every member is ready (host) / the host confirmed that every member is ready (member)."""
 
     members: tuple[str, ...]
 
@@ -144,6 +149,7 @@ class Step(enum.Enum):
     LINKING = "linking"
     FETCHING = "fetching weights"
     STARTING = "starting"
+    CONFIRMING = "waiting for the host to confirm"
     WAITING_READY = "waiting for ready members"
     FORMED = "formed"
     FAILED = "failed"
@@ -245,6 +251,13 @@ class HostFormation(_Machine):
         self.step, self.deadline = Step.WAITING_READY, now + self.wait_s
         return self._maybe_formed()
 
+    def handle(self, event: Event, now: float) -> list[Output]:
+        if self.step is Step.FORMED and isinstance(event, Joined) and event.member not in self.joined:
+            reason = "this session has formed and takes no more members; ask the host for a new session"
+            told = f"{event.name} tried to join the formed session; told it takes no more members"
+            return [Send(event.member, payload("refused", reason=reason)), Say(told)]
+        return super().handle(event, now)
+
     def _others(self) -> list[int]:
         return [m for m in self.ids.values() if m != self.host_id]
 
@@ -332,7 +345,7 @@ class HostFormation(_Machine):
         if self.step is not Step.WAITING_READY or len(self.ready) < len(self._others()):
             return []
         self.step, self.deadline = Step.FORMED, None
-        return [Formed(tuple(self.ids))]
+        return [*(Send(m, payload("formed")) for m in self._others()), Formed(tuple(self.ids))]
 
 
 @dataclass
@@ -347,9 +360,11 @@ class MemberFormation(_Machine):
     wait_s: float = 300.0  # how long to wait for the plan
     link_s: float | None = None  # how long linking may take (None: the links' own timeouts)
     ids: dict[str, int] = field(default_factory=dict)  # the plan's members, once it arrived
+    name: str = ""  # the name this member reported (the host renames a second member of one name)
 
     def start(self, me: DeviceReport, now: float) -> list[Output]:
         self._require(Step.NEW)
+        self.name = me.name
         self.step, self.deadline = Step.AWAITING_PLAN, now + self.wait_s
         report = payload("report", device=me.to_dict())
         return [Send(self.host_id, report), Say("waiting for the host's plan")]
@@ -361,9 +376,11 @@ class MemberFormation(_Machine):
         return self._advance(Step.FETCHING, Step.STARTING, now)
 
     def started(self, now: float) -> list[Output]:
-        out = self._advance(Step.STARTING, Step.FORMED, now)
-        if self.step is Step.FORMED:
-            out += [Send(self.host_id, payload("ready")), Formed(tuple(self.ids))]
+        """This member's ring role runs: tell the host, and wait (up to wait_s) for its `formed`."""
+        out = self._advance(Step.STARTING, Step.CONFIRMING, now)
+        if self.step is Step.CONFIRMING:
+            self.deadline = now + self.wait_s
+            out += [Send(self.host_id, payload("ready")), Say("ready; waiting for the other members")]
         return out
 
     def _advance(self, here: Step, to: Step, now: float) -> list[Output]:
@@ -377,6 +394,10 @@ class MemberFormation(_Machine):
     def _timed_out(self) -> list[Output]:
         if self.step is Step.AWAITING_PLAN:
             return self._fail(f"no plan from the host within {self.wait_s:.0f} s")
+        if self.step is Step.CONFIRMING:
+            return self._fail(
+                f"the host did not confirm the session within {self.wait_s:.0f} s of this member's ready"
+            )
         return self._fail(f"the links of this session were not up within {self.link_s:.0f} s")
 
     def _left(self, event: Left) -> list[Output]:
@@ -392,6 +413,9 @@ class MemberFormation(_Machine):
             return [Rejected(sender, f"'{op}' from member {sender}, which is not the host")]
         if op == "refused":
             return self._fail(f"the host refused the session: {body.get('reason')}")
+        if op == "formed" and self.step is Step.CONFIRMING:
+            self.step, self.deadline = Step.FORMED, None
+            return [Formed(tuple(self.ids))]
         if op != "plan":
             return [Rejected(sender, f"unexpected '{op}' from the host")]
         if self.step is not Step.AWAITING_PLAN:
@@ -415,4 +439,7 @@ class MemberFormation(_Machine):
         self.deadline = None if self.link_s is None else self.now + self.link_s
         alternatives = body.get("alternatives")
         me, host = names[self.me_id], names[self.host_id]
-        return [LinkNow(plan, ids, me, host, model, chunk, dtype, alternatives)]
+        renamed = (
+            [Say(f"this member is {me} in the session: {self.name} was taken")] if me != self.name else []
+        )
+        return [*renamed, LinkNow(plan, ids, me, host, model, chunk, dtype, alternatives)]

@@ -32,6 +32,7 @@ from kafila.session.form import (
     default_name,
     fmt_plans,
     link_ring,
+    off_loop,
     probe_report,
     say,
     session_record,
@@ -62,6 +63,7 @@ class Held:
         if self.driver is not None:
             self.driver.close()
         if self.formed is not None:  # e.g. the host's members never became ready
+            self.formed.service.on_broken = None  # closing its links is not a ring breaking
             with contextlib.suppress(Exception):
                 await self.formed.service.stop()
             if self.formed.api is not None:
@@ -163,7 +165,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     node = held.node = await connect_node(client, code, opts.rendezvous)
     pump = asyncio.ensure_future(node.signals.pump())
     held.tasks.append(pump)
-    me = await asyncio.to_thread(probe_report, name, node, opts, config)
+    me = await off_loop(probe_report, name, node, opts, config)
     core = HostFormation(members=opts.members, wait_s=opts.wait_s, host_id=node.member)
     drive = held.driver = Driver(core, client, node.signals)
     gathered = await drive.until(fm.PlanNow, core.start(me, drive.now()))
@@ -178,7 +180,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     formed = held.formed = await drive.during(ring)
     formed.tasks.append(pump)
     await drive.until(fm.Formed, core.started(drive.now()))
-    drive.close()
+    formed.tasks.append(asyncio.ensure_future(drive.serve_formed()))
     say(f"session ready: {len(plan.order)} members, head {plan.head}, ring {' -> '.join(plan.order)}")
     return formed
 
@@ -245,7 +247,9 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     client = held.client = await reach_rendezvous(opts.rendezvous)
     with refused_by(opts.rendezvous, f"join session {code.public}"):
         joined = await client.join(code.public, opts.name or default_name(), {"role": "member"})
-    host_info = next(m for m in joined.members if m.host)
+    host_info = next((m for m in joined.members if m.host), None)
+    if host_info is None:  # its host left; members still in it keep the code alive
+        raise SessionError(f"session {code.public} has no host any more; ask for a new session code")
     name = f"{opts.name or default_name()}-{joined.member}" if opts.name is None else opts.name
     say(f"joined session {code.public} for model {joined.model} ({len(joined.members)} member(s) so far)")
     node = held.node = await connect_node(client, code, opts.rendezvous)
@@ -253,7 +257,7 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     held.tasks.append(pump)
     config = host_info.capability.get("config")  # the model's shape, for the block probe
     opts = in_session_dtype(opts, host_info.capability)  # probe as the session will compute
-    me = await asyncio.to_thread(probe_report, name, node, opts, config if isinstance(config, dict) else None)
+    me = await off_loop(probe_report, name, node, opts, config if isinstance(config, dict) else None)
     core = MemberFormation(host_id=host_info.id, me_id=node.member, wait_s=opts.wait_s, link_s=opts.wait_s)
     drive = held.driver = Driver(core, client, node.signals)
     got = await drive.until(fm.LinkNow, core.start(me, drive.now()))
@@ -269,8 +273,8 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     formed = held.formed = await drive.during(ring)
     formed.tasks.append(pump)
     formed.shard = shard  # type: ignore[attr-defined]
-    await drive.carry(core.started(drive.now()))
-    drive.close()
+    await drive.until(fm.Formed, core.started(drive.now()))  # refused / left / timeout: SessionError
+    formed.tasks.append(asyncio.ensure_future(drive.serve_formed()))
     return formed
 
 
@@ -291,6 +295,8 @@ def weights_source(shard: ShardResult) -> str:
     if shard.local:
         return f"this machine's own copy of the checkpoint ({shard.path}), nothing fetched"
     cached = len(shard.tensors) - len(shard.fetched)
+    if not shard.fetched:
+        return f"all {cached} tensors from the local cache, nothing fetched"
     fetched = f"{shard.tensor_bytes / 1e6:.1f} MB fetched from the host ({len(shard.fetched)} tensors)"
     return fetched + (f", {cached} tensors from the local cache" if cached else "")
 
@@ -321,7 +327,7 @@ async def _start_ring(
     a, b = plan.block_range(name)
     index, order = plan.order.index(name), list(plan.order)
     head = plan.head == name
-    stage = await asyncio.to_thread(
+    stage = await off_loop(
         Stage.load,
         ckpt,
         range(a, b),
@@ -363,6 +369,8 @@ async def _start_ring(
     service.start()
     facts = ModelFacts.of(ckpt.config, stage.backend.wire_dtype)
     api = await _serve_api(service, tokenizer, model, facts, traces, api_socket) if api_socket else None
+    if api is None:  # the API's line is the others' "ready"
+        say(f"serving blocks [{a}, {b}){' + head' if head else ''}; no API on this member (--api off)")
     return Formed(name, code, plan, service, api, client, node, links)
 
 

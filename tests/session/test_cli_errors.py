@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -196,3 +197,59 @@ def test_an_api_address_that_cannot_serve_is_named_before_the_rendezvous_is_aske
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert named.format(port=port) in done.stderr
     assert "cannot reach the rendezvous" not in done.stderr  # refused before connecting
+
+
+@pytest.mark.parametrize(
+    ("sig", "status", "line", "when"),
+    [
+        (
+            signal.SIGTERM,
+            143,
+            "kafila: terminated: left before the session formed",
+            "waiting for 1 member(s)",
+        ),
+        (
+            signal.SIGINT,
+            130,
+            "kafila: interrupted: left before the session formed",
+            "waiting for 1 member(s)",
+        ),
+        (signal.SIGTERM, 143, "kafila: terminated: left before the session formed", "measuring this device"),
+    ],
+    ids=["sigterm", "ctrl-c", "sigterm-while-probing"],
+)
+async def test_a_host_stopped_before_its_session_forms_says_so(sig, status, line, when) -> None:
+    """SIGTERM used to say "session closed" for a session that never formed; Ctrl-C said nothing;
+    either, while the member measured itself, waited for the probe to end (8-14 s here, past
+    `docker stop`'s 10 s)."""
+    server = await start_rendezvous()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *[
+                sys.executable,
+                "-m",
+                "kafila",
+                "host",
+                "--members",
+                "2",
+                "--api",
+                "off",
+                "--rendezvous",
+                server.url,
+            ],
+            stderr=asyncio.subprocess.PIPE,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal's foreground job
+        )
+        assert proc.stderr is not None
+        seen = ""
+        while when not in seen:
+            more = await asyncio.wait_for(proc.stderr.readline(), 120)
+            assert more, seen
+            seen += more.decode()
+        proc.send_signal(sig)
+        rest = (await asyncio.wait_for(proc.stderr.read(), 30)).decode()
+        assert await proc.wait() == status
+        assert "GB/s" not in rest or when != "measuring this device"  # stopped, not after the probe's end
+    finally:
+        await server.stop()
+    assert rest.rstrip().splitlines()[-1] == line and "Traceback" not in rest

@@ -336,7 +336,89 @@ def test_member_normal_flow() -> None:
     assert core.linked(52.0) == [] and core.deadline is None
     assert core.fetched(1000.0) == []  # the fetch has no deadline
     out = core.started(1001.0)
-    assert out == [fm.Send(HOST, fm.payload("ready")), fm.Formed(("alpha", "beta", "gamma"))]
+    assert out == [fm.Send(HOST, fm.payload("ready")), fm.Say("ready; waiting for the other members")]
+    assert core.step is Step.CONFIRMING and core.deadline == 1001.0 + core.wait_s
+    assert core.handle(fm.Message(HOST, fm.payload("formed")), 1002.0) == [
+        fm.Formed(("alpha", "beta", "gamma"))
+    ]
+    assert core.step is Step.FORMED
+
+
+def test_a_member_renamed_by_the_host_is_told() -> None:
+    """Two members of one name: the host appends the later one's id; that member used to learn its
+    session name only from its links' log lines."""
+    core = member()  # reported as "gamma"
+    out = core.handle(
+        fm.Message(HOST, plan_body(["alpha", "beta", "gamma-3"], {"alpha": 1, "beta": 2, "gamma-3": 3})), 51.0
+    )
+    assert out[0] == fm.Say("this member is gamma-3 in the session: gamma was taken")
+    assert only(out, fm.LinkNow).me == "gamma-3"
+
+
+def ready_member() -> MemberFormation:
+    core = member()
+    core.handle(fm.Message(HOST, plan_body(["alpha", "beta", "gamma"], IDS)), 51.0)
+    core.linked(52.0)
+    core.fetched(60.0)
+    core.started(61.0)
+    return core
+
+
+@pytest.mark.parametrize(
+    ("event", "reason"),
+    [
+        (
+            fm.Message(
+                HOST, fm.payload("refused", reason="member beta left (left) before the session formed")
+            ),
+            "the host refused the session: member beta left (left) before the session formed",
+        ),
+        (fm.Left(2, "disconnected"), "member beta left (disconnected) before the session formed"),
+        (fm.Left(HOST, "left"), "the host left the session (left) before it formed"),
+    ],
+    ids=["refused", "member-left", "host-left"],
+)
+def test_a_ready_member_ends_when_the_session_does_not_form(event, reason) -> None:
+    """Ready is not formed: a member that was ready while another failed to start used to serve a
+    ring that never formed (its neighbour gone), until someone killed it."""
+    core = ready_member()
+    assert only(core.handle(event, 62.0), fm.Failed).reason == reason
+    assert core.step is Step.FAILED
+
+
+def test_a_ready_member_times_out_without_the_hosts_confirmation() -> None:
+    core = ready_member()
+    assert core.tick(61.0 + core.wait_s - 0.1) == []
+    assert only(core.tick(61.0 + core.wait_s), fm.Failed).reason == (
+        f"the host did not confirm the session within {core.wait_s:.0f} s of this member's ready"
+    )
+
+
+def test_a_formed_host_refuses_whoever_joins_at_once() -> None:
+    """A member joining a formed session (its code still open) used to probe, report and then wait
+    for a plan until its --wait ran out; the host now refuses it when it joins."""
+    core = host_with(2)
+    gathered(core, {2: "beta"})
+    core.planned(plan_of(["alpha", "beta"]), 102.0)
+    core.handle(fm.Message(2, fm.payload("ready")), 103.0)
+    assert kinds(core.started(104.0)) == ["Send", "Formed"]
+    out = core.handle(fm.Joined(5, "late"), 200.0)
+    reason = "this session has formed and takes no more members; ask the host for a new session"
+    assert out == [
+        fm.Send(5, fm.payload("refused", reason=reason)),
+        fm.Say("late tried to join the formed session; told it takes no more members"),
+    ]
+    joiner = member()  # the late member's core reads the refusal as soon as it starts
+    assert only(joiner.handle(fm.Message(HOST, out[0].body), 51.0), fm.Failed).reason == (
+        f"the host refused the session: {reason}"
+    )
+
+
+def test_formed_before_this_member_is_ready_is_ignored() -> None:
+    core = member()
+    core.handle(fm.Message(HOST, plan_body(["alpha", "beta", "gamma"], IDS)), 51.0)
+    assert kinds(core.handle(fm.Message(HOST, fm.payload("formed")), 52.0)) == ["Rejected"]
+    assert core.step is Step.LINKING
 
 
 def test_member_refused_names_the_reason() -> None:
@@ -455,14 +537,17 @@ def interleavings(draw: st.DrawFn) -> tuple[int, list[tuple[str, int]]]:
 def test_host_core_invariants_under_any_interleaving(case: tuple[int, list[tuple[str, int]]]) -> None:
     """Whatever arrives in whatever order: one plan at most, over N distinct reporting members still
     present; `Formed` only after the host started and every other plan member was ready; nothing
-    but rejections once the attempt is over."""
+    but rejections once the attempt is over, or once formed a refusal to a member joining."""
     n, actions = case
     core = HostFormation(members=n, wait_s=30.0, host_id=HOST)
     seen = {"planned": None, "started": False, "over": False, "present": {HOST}}
 
     def check(outs: list[fm.Output], now: float) -> None:
-        if seen["over"]:
-            assert all(isinstance(o, fm.Rejected) for o in outs), outs
+        if seen["over"]:  # ... or, once formed, the refusal whoever joins is sent
+            refusal = [o for o in outs if isinstance(o, fm.Send) and o.body["op"] == "refused"]
+            assert all(isinstance(o, fm.Rejected) for o in outs) or (
+                core.step is Step.FORMED and len(refusal) == 1 and refusal[0].to not in core.ids.values()
+            ), outs
         assert all(o.reason for o in outs if isinstance(o, fm.Rejected | fm.Failed))
         if any(isinstance(o, fm.Formed) for o in outs):
             assert seen["started"] and core.ready == set(seen["planned"].values()) - {HOST}
@@ -493,14 +578,14 @@ def test_host_core_invariants_under_any_interleaving(case: tuple[int, list[tuple
     event(f"ended {core.step.value} with {n} member(s)")  # --hypothesis-show-statistics
 
 
-MEMBER_EXTRAS = ["plan", "plan-other", "refused", "ready", "leave-host", "leave-beta", "tick"]
+MEMBER_EXTRAS = ["plan", "plan-other", "refused", "ready", "formed", "leave-host", "leave-beta", "tick"]
 
 
 @st.composite
 def member_inputs(draw: st.DrawFn) -> list[str]:
     """The happy path (plan, linked, fetched, started) with up to four other inputs, or steps
     repeated, thrown in anywhere."""
-    script = ["plan", "linked", "fetched", "started"]
+    script = ["plan", "linked", "fetched", "started", "formed"]
     extras = st.sampled_from([*MEMBER_EXTRAS, "linked", "fetched", "started"])
     for extra in draw(st.lists(extras, max_size=4)):
         script.insert(draw(st.integers(0, len(script))), extra)
@@ -511,8 +596,9 @@ def member_inputs(draw: st.DrawFn) -> list[str]:
 @given(inputs=member_inputs())
 def test_member_core_invariants_under_any_inputs(inputs: list[str]) -> None:
     """One LinkNow at most and only from the host's plan; `ready` sent once, only after the member
-    linked, fetched and started; nothing but rejections after the end; steps taken out of turn are
-    caller bugs (FormationError), never a silent state change."""
+    linked, fetched and started; formed only by the host's `formed` after that; nothing but
+    rejections after the end; steps taken out of turn are caller bugs (FormationError), never a
+    silent state change."""
     core = member(wait_s=10.0, link_s=5.0, now=0.0)
     links = readies = 0
     over = False
@@ -543,6 +629,8 @@ def test_member_core_invariants_under_any_inputs(inputs: list[str]) -> None:
         if sent_ready:
             assert before is Step.STARTING and what == "started"
         readies += len(sent_ready)
+        if any(isinstance(o, fm.Formed) for o in outs):  # only the host's word after this one's ready
+            assert readies == 1 and what == "formed" and before is Step.CONFIRMING
         over = over or any(isinstance(o, fm.Failed | fm.Formed) for o in outs)
     assert links <= 1 and readies <= 1
     event(f"member ended {core.step.value}")  # --hypothesis-show-statistics

@@ -20,6 +20,7 @@ from kafila.rendezvous.server import RendezvousServer
 from kafila.session.form import Options, SessionError
 from kafila.session.formation import KEY, payload
 from kafila.session.start import host, join
+from tests.session.conftest import make_tiny_chat
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 TINY = "llama-gqa3-tied"  # a tiny checkpoint for the host (tests/conftest.py)
@@ -182,3 +183,107 @@ async def test_host_stops_at_once_when_the_rendezvous_goes_away_while_it_waits(
     with pytest.raises(SessionError, match=r"^lost the rendezvous while the session was forming: "):
         await hosting
     assert time.monotonic() - started < 30  # the probe in progress ends first, then the host stops
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory, smollm2_path) -> Path:
+    """A tiny random Llama with the real SmolLM2 tokenizer: sessions that start their rings."""
+    return make_tiny_chat(tmp_path_factory.mktemp("tiny-chat"), smollm2_path, blocks=6)
+
+
+async def host_and(rdv, tmp_path, model: str, members: int, joiners: list[str]) -> tuple[str, list]:
+    """A real host and real joiners, started at once; returns the code and every attempt's task."""
+    code: asyncio.Future = asyncio.get_running_loop().create_future()
+    hosting = asyncio.ensure_future(
+        host(opts(rdv, "alpha", tmp_path, model=model, members=members), on_code=code.set_result)
+    )
+    c = str(await code)
+    return c, [hosting, *(asyncio.ensure_future(join(c, opts(rdv, n, tmp_path))) for n in joiners)]
+
+
+async def test_a_ready_member_ends_when_another_fails_to_start(rdv, tmp_path, tiny_chat_model, monkeypatch):
+    """beta is ready while gamma is still fetching (its fetch simulated slow: it waits until the
+    test ends it); gamma leaving then ends every side. beta used to count itself formed at its own
+    ready and serve a ring that never formed, until someone killed it."""
+    from kafila.session import form, start
+
+    said: list[str] = []
+    monkeypatch.setattr(form, "say", lambda text: said.append(text))
+    real_fetch = start._fetch
+
+    async def fetch(got, links, o):
+        if got.me == "gamma":
+            await asyncio.Event().wait()  # the simulated slow fetch: until cancelled
+        return await real_fetch(got, links, o)
+
+    monkeypatch.setattr(start, "_fetch", fetch)
+    _, (hosting, beta, gamma) = await host_and(rdv, tmp_path, str(tiny_chat_model), 3, ["beta", "gamma"])
+    for _ in range(600):  # beta is ready once the host has said so
+        if "beta ready (1/2)" in said:
+            break
+        await asyncio.sleep(0.1)
+    assert "beta ready (1/2)" in said and "ready; waiting for the other members" in said
+    assert not beta.done()  # ready is not formed
+    started = time.monotonic()
+    gamma.cancel()  # gamma gives up (Ctrl-C while fetching): it leaves the session
+    with pytest.raises(SessionError, match=r"member gamma left \(\w+\) before the session formed"):
+        await hosting
+    with pytest.raises(SessionError, match=r"gamma left \(\w+\) before the session formed"):
+        await beta
+    assert time.monotonic() - started < 10
+
+
+async def test_joining_a_formed_session_is_refused_and_one_without_host_is_named(
+    rdv, tmp_path, tiny_chat_model
+):
+    """A member of a formed session has gone, so the rendezvous lets a newcomer in: the host refuses
+    it at once (it used to probe, report and wait out its --wait for a plan). With the host gone and
+    a member left, joining names that (it was a StopIteration traceback)."""
+    model = str(tiny_chat_model)
+    code, (hosting, beta) = await host_and(rdv, tmp_path, model, 2, ["beta"])
+    formed = [await hosting, await beta]
+    try:
+        await formed[1].close()  # beta goes: the session has a free place
+        started = time.monotonic()
+        refused = "the host refused the session: this session has formed and takes no more members"
+        with pytest.raises(SessionError, match=refused):
+            await join(code, opts(rdv, "late", tmp_path, wait_s=60))
+        assert time.monotonic() - started < 30  # its probe, then the refusal waiting for it
+    finally:
+        await formed[0].close()
+    code, (hosting, beta) = await host_and(rdv, tmp_path, model, 2, ["beta"])
+    formed = [await hosting, await beta]
+    try:
+        await formed[0].close()  # the host goes; beta stays in the session
+        with pytest.raises(
+            SessionError, match=r"^session \S+ has no host any more; ask for a new session code$"
+        ):
+            await join(code, opts(rdv, "late", tmp_path))
+    finally:
+        await formed[1].close()
+
+
+async def test_a_formed_ring_says_it_lost_the_rendezvous_and_goes_on_serving(
+    rdv, tmp_path, tiny_chat_model, monkeypatch
+):
+    """The rendezvous going away after forming used to be one log line; each member now says so,
+    and the ring (direct links) still answers."""
+    from kafila.session import form
+    from kafila.session.service import Sampling
+
+    said: list[str] = []
+    monkeypatch.setattr(form, "say", lambda text: said.append(text))
+    _, (hosting, beta) = await host_and(rdv, tmp_path, str(tiny_chat_model), 2, ["beta"])
+    formed = [await hosting, await beta]
+    try:
+        await rdv.stop()
+        for _ in range(100):
+            if sum(s.startswith("lost the rendezvous (") for s in said) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert sum(s.startswith("lost the rendezvous (") for s in said) == 2, said
+        gen = await formed[1].service.submit([1, 2, 3], Sampling(max_tokens=3))
+        assert [ev async for ev in gen][-1].finish == "length"
+    finally:
+        for f in formed:
+            await f.close()
