@@ -21,7 +21,8 @@ ends, instead of serving a ring that never formed.
 Session messages travel as signaling payloads `{"kafila_session": 1, "op": ...}` (see `payload`):
 `report` (member -> host: its DeviceReport), `plan` (host -> members: the Plan, member ids, model,
 prefill chunk, the session's dtype, compared divisions), `refused` (host -> members: the reason),
-`ready` (member -> host), `formed` (host -> members: every member is ready).
+`ready` (member -> host), `formed` (host -> members: every member is ready), `failed` (member ->
+host: why it cannot go on, e.g. its links did not authenticate; the host ends the attempt with it).
 """
 
 from __future__ import annotations
@@ -242,6 +243,12 @@ class HostFormation(_Machine):
         self._require(Step.PLANNING)
         return self._fail(reason, [Send(m, payload("refused", reason=reason)) for m in self._others()])
 
+    def link_failed(self, reason: str, now: float) -> list[Output]:
+        """The host's own links to the plan's members failed (a member with a wrong secret word):
+        tell the others why, and fail with it."""
+        self._require(Step.LINKING)
+        return self._fail(reason, [Send(m, payload("refused", reason=reason)) for m in self._others()])
+
     def started(self, now: float) -> list[Output]:
         """The host's own ring role is running: wait (up to wait_s) for the others' `ready`."""
         self.now = now
@@ -306,6 +313,10 @@ class HostFormation(_Machine):
             return self._report(sender, body)
         if op == "ready":
             return self._ready(sender)
+        if op == "failed" and sender in self._others() and self.step in (Step.LINKING, Step.WAITING_READY):
+            reason = f"member {self._name(sender)} {body.get('reason')}"
+            others = [m for m in self._others() if m != sender]
+            return self._fail(reason, [Send(m, payload("refused", reason=reason)) for m in others])
         return [Rejected(sender, f"unexpected '{op}' from {self._name(sender)}")]
 
     def _report(self, sender: int, body: dict[str, Any]) -> list[Output]:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from kafila.engine.backend import DTYPES, checkpoint_dtype
 from kafila.models.checkpoint import Checkpoint
+from kafila.net.errors import LinkError
 from kafila.net.link import Link
 from kafila.net.signaling import SignalingClient, SignalingError
 from kafila.obs import metrics
@@ -177,7 +178,11 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     extra = {"model": opts.model, "chunk": opts.chunk, "dtype": opts.dtype, "alternatives": alternatives}
     await drive.carry(core.planned(plan, drive.now(), **extra))
     ring = _host_ring(name, code, plan, folder, gathered.ids, node, client, opts, held, alternatives)
-    formed = held.formed = await drive.during(ring)
+    try:
+        formed = held.formed = await drive.during(ring)
+    except LinkError as exc:  # e.g. a member's wrong secret word: the members are told, not left
+        await drive.carry(core.link_failed(f"the host could not link: {exc}", drive.now()))
+        raise
     formed.tasks.append(pump)
     await drive.until(fm.Formed, core.started(drive.now()))
     formed.tasks.append(asyncio.ensure_future(drive.serve_formed()))
@@ -222,6 +227,15 @@ def in_session_dtype(opts: Options, capability: dict[str, Any]) -> Options:
     return replace(opts, dtype=dtype)
 
 
+async def tell_host_and_wait(drive: Driver, host_id: int, reason: str, within: float = 5.0) -> None:
+    """Say why this member cannot go on, and stay until the host's refusal comes back (up to
+    `within` s): the rendezvous may tell the host that this member left before it forwards the
+    message, and the host would then name only the leaving."""
+    with contextlib.suppress(SignalingError, SessionError, TimeoutError):
+        await drive.client.signal(host_id, fm.payload("failed", reason=reason))
+        await asyncio.wait_for(drive.until(fm.Formed), within)  # ends with the host's refusal
+
+
 def _plan(devices: list[DeviceReport], ckpt: Checkpoint, opts: Options) -> tuple[Plan, dict[str, Any]]:
     from kafila.planner.decide import plan_all
 
@@ -261,7 +275,11 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     core = MemberFormation(host_id=host_info.id, me_id=node.member, wait_s=opts.wait_s, link_s=opts.wait_s)
     drive = held.driver = Driver(core, client, node.signals)
     got = await drive.until(fm.LinkNow, core.start(me, drive.now()))
-    links = held.links = await drive.during(link_ring(node, got.plan, got.me, got.ids, got.host))
+    try:
+        links = held.links = await drive.during(link_ring(node, got.plan, got.me, got.ids, got.host))
+    except LinkError as exc:  # e.g. a wrong secret word: the others would only see it leave
+        await tell_host_and_wait(drive, host_info.id, f"could not link: {exc}")
+        raise
     await drive.carry(core.linked(drive.now()))
     opts = replace(opts, dtype=got.dtype)  # compute in the host's choice, whatever the probe used
     shard = await drive.during(_fetch(got, links, opts))

@@ -101,6 +101,20 @@ def test_host_gathers_plans_sends_and_forms() -> None:
     assert core.step is Step.FORMED
 
 
+def test_a_member_that_could_not_link_ends_the_attempt_naming_why() -> None:
+    """A member whose links did not authenticate (a wrong secret word) says why before it leaves;
+    the host and the others used to read only that it left."""
+    core = host_with(3)
+    gathered(core, {2: "beta", 3: "gamma"})
+    core.planned(plan_of(["alpha", "beta", "gamma"]), 102.0)
+    why = "could not link: edge 3->2: the peer did not prove the session secret for this edge"
+    out = core.handle(fm.Message(3, fm.payload("failed", reason=why)), 103.0)
+    reason = f"member gamma {why}"
+    assert out == [fm.Send(2, fm.payload("refused", reason=reason)), fm.Failed(reason)]
+    early = host_with(3)  # before the plan there is nothing to fail: named and ignored
+    assert kinds(early.handle(fm.Message(2, fm.payload("failed", reason=why)), 50.0)) == ["Rejected"]
+
+
 def test_host_forms_at_start_when_every_ready_came_before() -> None:
     core = host_with(2)
     gathered(core, {2: "beta"})

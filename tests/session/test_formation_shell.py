@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kafila.net.errors import LinkError
 from kafila.net.signaling import SignalingClient
 from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan, Stage
@@ -287,3 +288,18 @@ async def test_a_formed_ring_says_it_lost_the_rendezvous_and_goes_on_serving(
     finally:
         for f in formed:
             await f.close()
+
+
+async def test_a_member_with_a_wrong_secret_word_is_named_with_why(rdv, tmp_path, tiny_chat_model):
+    """carol's code has another valid last word: links with it do not authenticate. Every side
+    says so (the host and beta used to read only that carol, or the host, left)."""
+    from kafila.proto.codes import WORDS
+
+    code, (hosting, beta) = await host_and(rdv, tmp_path, str(tiny_chat_model), 3, ["beta"])
+    *head, last = code.split("-")
+    wrong = "-".join([*head, next(w for w in WORDS if w != last)])
+    carol = asyncio.ensure_future(join(wrong, opts(rdv, "carol", tmp_path)))
+    ends = await asyncio.gather(hosting, beta, carol, return_exceptions=True)
+    for end in ends:  # each its own link's failure, or the one it was told of
+        assert isinstance(end, SessionError | LinkError) and "did not prove the session secret" in str(end)
+    assert "could not link: " in str(ends[0])
