@@ -272,8 +272,15 @@ class Registry:
         except ProtocolError as exc:
             return err("bad_code", str(exc))
         session = self.sessions.get(code)
-        if session is None or now >= session.code_deadline:
+        if session is None:
             return err("unknown_session", f"no open session with code {code} (wrong or expired code)")
+        if now >= session.code_deadline:  # the session lives on; its code no longer takes joins
+            ttl = self.limits.code_ttl_s
+            return err(
+                "unknown_session",
+                f"session {code}'s code expired: it takes joins for {ttl:.0f} s after it opened or "
+                "was last joined; ask the host for a new session",
+            )
         if not self._join_by_session.take(code, now):
             return err("rate_limited", f"too many join attempts on session {code}; retry later")
         if len(session.members) >= min(session.members_expected, self.limits.max_members):

@@ -161,6 +161,11 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
         opened = await client.open_session(opts.model, opts.members, name, capability)
     code = new_code(opened.session)
     say(f"session code: {code}   (members join with: kafila join {code})")
+    if opts.wait_s > opened.expires_in:  # the rendezvous's --code-ttl-s is shorter than --wait
+        say(
+            f"note: the rendezvous takes joins with this code for {opened.expires_in:.0f} s after it "
+            f"opened or was last joined, less than --wait {opts.wait_s:.0f} s: members must join within that"
+        )
     if on_code:
         on_code(code)
     node = held.node = await connect_node(client, code, opts.rendezvous)

@@ -182,6 +182,10 @@ def test_used_code_stops_accepting_joins_after_ttl_but_session_lives() -> None:
     assert code in reg.sessions
     (err,) = sends(join(reg, 3, code, 160.0))
     assert err.code == "unknown_session"  # type: ignore[union-attr]
+    assert err.message == (  # type: ignore[union-attr]
+        f"session {code}'s code expired: it takes joins for 100 s after it opened or was last joined; "
+        "ask the host for a new session"
+    )
 
 
 def test_requests_before_joining_are_refused() -> None:

@@ -253,3 +253,29 @@ async def test_a_host_stopped_before_its_session_forms_says_so(sig, status, line
     finally:
         await server.stop()
     assert rest.rstrip().splitlines()[-1] == line and "Traceback" not in rest
+
+
+async def test_a_host_waiting_longer_than_the_code_lives_is_told() -> None:
+    """A rendezvous whose code TTL is shorter than the host's --wait refuses members joining late
+    while the host still waits for them: the host says so when it prints the code."""
+    from dataclasses import replace
+
+    from tests.net.harness import LAB_LIMITS
+
+    server = await start_rendezvous(limits=replace(LAB_LIMITS, code_ttl_s=10.0))
+    try:
+        argv = ["host", "--members", "2", "--wait", "30", "--api", "off", "--rendezvous", server.url]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kafila", *argv, stderr=asyncio.subprocess.PIPE
+        )
+        assert proc.stderr is not None
+        first = [(await asyncio.wait_for(proc.stderr.readline(), 60)).decode() for _ in range(2)]
+        proc.terminate()
+        await proc.wait()
+    finally:
+        await server.stop()
+    assert first[0].startswith("kafila: session code: ")
+    assert first[1] == (
+        "kafila: note: the rendezvous takes joins with this code for 10 s after it opened or was last "
+        "joined, less than --wait 30 s: members must join within that\n"
+    )
