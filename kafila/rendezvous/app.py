@@ -19,7 +19,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
-from starlette.websockets import WebSocket
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from kafila.obs.log import get_logger
 from kafila.proto import signaling as sig
@@ -116,7 +116,10 @@ class SignalingHub:
                 with contextlib.suppress(Exception):
                     await ws.close(item[0], item[1])
                 return
-            await ws.send_text(item)
+            try:
+                await ws.send_text(item)
+            except WebSocketDisconnect:  # the peer went as we wrote to it (it left): not a failure
+                return
 
     async def tick_forever(self, period: float) -> None:
         while True:
