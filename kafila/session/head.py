@@ -43,6 +43,8 @@ from kafila.session.stagetrace import StageTally, read_hop_report
 
 log = get_logger("kafila.session.head")
 
+QUEUE_REPORT_S = 0.25  # queue positions are sent at most this often (only those that changed)
+
 
 @dataclass(frozen=True)
 class RingInfo:
@@ -133,6 +135,8 @@ class RingHead:
         self.tally = StageTally(info, 0, next_ch, prev_ch)
         self._pending: dict[int, _Pending] = {}  # recorded here, waiting for the members' hop reports
         self._ending: dict[int, _Req] = {}  # taken out (cancelled, failed), steps of them still in the ring
+        self._told: dict[int, int] = {}  # the queue position each waiting request was last told
+        self._queue_report: asyncio.TimerHandle | None = None
         self._ahead: tuple[Step, tuple[bytes, int, int]] | None = None  # a continuation already run
         self.ahead_sent = 0  # continuations run with the sampling and sent as they were
         self.ahead_dropped = 0  # ... and dropped: the schedule took another step (a cancel meanwhile)
@@ -177,6 +181,8 @@ class RingHead:
             self._break(str(exc))
 
     async def stop(self) -> None:
+        if self._queue_report is not None:
+            self._queue_report.cancel()
         await cancel_tasks(self._tasks)
         self._fail_all("internal", "the session is shutting down")
         self._flush_pending()
@@ -207,6 +213,7 @@ class RingHead:
         self._reqs[rid] = req
         position = self.schedule.submit(rid, len(prompt), s.max_tokens)
         if position:
+            self._told[rid] = position
             self._answer(req, TokenEvent(queue_position=position))
         log.info("request_accepted", request_id=rid, prompt_tokens=len(prompt), queue_position=position)
         self._wake.set()
@@ -436,8 +443,21 @@ class RingHead:
         asyncio.get_running_loop().call_soon(deliver)
 
     def _report_queue(self) -> None:
-        for rid, pos in self.schedule.queue_positions().items():
-            if rid in self._reqs:
+        """Tell waiting requests their new positions, at most every QUEUE_REPORT_S: each cancel
+        or admission moves the whole queue, and a forwarded request's update is a message around
+        the ring (400 waiting clients leaving at once were 75 000 messages: the ring broke)."""
+        if self._queue_report is None:
+            loop = asyncio.get_running_loop()
+            self._queue_report = loop.call_later(QUEUE_REPORT_S, self._send_queue_positions)
+
+    def _send_queue_positions(self) -> None:
+        self._queue_report = None
+        positions = self.schedule.queue_positions()
+        for rid in [r for r in self._told if r not in positions]:
+            del self._told[rid]
+        for rid, pos in positions.items():
+            if rid in self._reqs and self._told.get(rid) != pos:  # only a position that changed
+                self._told[rid] = pos
                 self._answer(self._reqs[rid], TokenEvent(queue_position=pos))
 
     def _fail_request(self, rid: int, code: str, message: str) -> None:

@@ -262,3 +262,43 @@ async def test_an_unexpected_error_on_a_model_thread_fails_requests_by_name_inst
             await ring.head.submit(PROMPTS[0], Sampling(max_tokens=3))
     finally:
         await ring.stop()
+
+
+async def test_many_waiting_clients_leaving_at_once_send_few_queue_updates(ckpt: Checkpoint) -> None:
+    """150 forwarded requests wait behind one; all their clients leave at once. Each cancel moved
+    the whole queue and every waiting request was told at once, a message around the ring each
+    (about 150**2 / 2 here; 400 such clients broke a real ring). Positions now go out at most every
+    QUEUE_REPORT_S, only those that changed: the running request is not disturbed."""
+    from kafila.session.head import QUEUE_REPORT_S
+
+    ring = build_ring(ckpt, [(0, 2), (2, 5)], concurrency=1)
+    link = ring.head.next
+    told: list[int] = []
+    send = link.send
+
+    async def counting(msg: t.Message) -> None:
+        if isinstance(msg, t.Tokens) and msg.queue_position:
+            told.append(msg.request_id)
+        await send(msg)
+
+    try:
+        link.send = counting  # type: ignore[method-assign]
+        running = asyncio.ensure_future(collect(await ring.head.submit(PROMPTS[1], Sampling(max_tokens=40))))
+        waiting = [await ring.members[0].submit([7, 8, 9], Sampling(max_tokens=5)) for _ in range(150)]
+        for _ in range(500):  # each forwarded request reaches the head and is told its place
+            if len(ring.head.schedule.queue_positions()) == 150:
+                break
+            await asyncio.sleep(0.01)
+        assert len(ring.head.schedule.queue_positions()) == 150
+        for gen in waiting:
+            gen.cancel("client disconnected")
+        for _ in range(500):
+            if not ring.head.schedule.queue_positions():
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(2 * QUEUE_REPORT_S)
+        tokens, _ = await running
+        assert tokens == single_process(ckpt, PROMPTS[1], 40) and ring.head.broken is None
+        assert 150 <= len(told) <= 2 * 150  # each told once on arrival, a few updates at most
+    finally:
+        await ring.stop()
