@@ -148,16 +148,25 @@ class RingMember:
                     await self._run(batch)  # a StageError is answered per request; others: guarded
 
     def _take_batch(self) -> t.Control | list[t.Hidden]:
-        """The next `free`, or the longest run of waiting frames whose requests are distinct."""
+        """The next `free`, or the longest run of waiting frames whose requests are distinct, all
+        decode or all prefill, within the rows the engine computes independently of each other
+        (`Stage.batch_rows`): a decode row batched with a prefill chunk, or prefill rows past
+        that, would take another kernel and come out in other bits than alone (a seeded answer
+        changed when another prompt prefilled alongside)."""
         if isinstance(self._work[0], t.Control):
             return self._work.pop(0)  # type: ignore[return-value]
         batch: list[t.Hidden] = []
         seen: set[int] = set()
-        while self._work and isinstance(self._work[0], t.Hidden):
-            rids = {e.request_id for e in self._work[0].entries}
-            if rids & seen:
+        rows, limit = 0, self.stage.batch_rows
+        while self._work and isinstance(nxt := self._work[0], t.Hidden):
+            rids = {e.request_id for e in nxt.entries}
+            prefill = bool(nxt.flags & t.Flag.PREFILL)
+            if batch and (rids & seen or prefill != bool(batch[0].flags & t.Flag.PREFILL)):
+                break
+            if batch and limit is not None and rows + nxt.shape[0] > limit:
                 break
             seen |= rids
+            rows += nxt.shape[0]
             batch.append(self._work.pop(0))  # type: ignore[arg-type]
         return batch
 

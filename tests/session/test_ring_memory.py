@@ -302,3 +302,34 @@ async def test_many_waiting_clients_leaving_at_once_send_few_queue_updates(ckpt:
         assert 150 <= len(told) <= 2 * 150  # each told once on arrival, a few updates at most
     finally:
         await ring.stop()
+
+
+async def test_a_member_never_batches_a_decode_step_with_a_prefill_chunk(ckpt: Checkpoint) -> None:
+    """Frames waiting at a member (made slow: an emulated 10x slower device) run as one batch, but
+    a decode row batched with a prefill chunk takes another kernel than alone: a seeded answer
+    changed when another prompt prefilled alongside it. Decode and prefill now batch apart."""
+    from kafila.engine.pace import Pace
+
+    ring = build_ring(ckpt, [(0, 2), (2, 5)], concurrency=2)
+    member = ring.members[0]
+    batches: list[list[bool]] = []
+    run = member._run
+
+    async def recording(frames: list[t.Hidden]) -> None:
+        batches.append([bool(f.flags & t.Flag.PREFILL) for f in frames])
+        await run(frames)
+
+    try:
+        await collect(await ring.head.submit(PROMPTS[1], Sampling(max_tokens=2)))  # kernels compiled
+        member._run = recording  # type: ignore[method-assign]
+        member.stage.pace = Pace(0.1)
+        decoding = await ring.head.submit(PROMPTS[1], Sampling(max_tokens=30))
+        first = await anext(aiter(decoding))
+        assert first.tokens
+        prefilling = await ring.head.submit(PROMPTS[2] * 3, Sampling(max_tokens=2))  # 39 rows: 10 chunks
+        (tokens, _), _ = await asyncio.gather(collect(decoding), collect(prefilling))
+        assert first.tokens + tuple(tokens) == tuple(single_process(ckpt, PROMPTS[1], 30))
+    finally:
+        await ring.stop()
+    assert any(all(b) for b in batches) and any(not any(b) for b in batches)
+    assert all(len(set(b)) == 1 for b in batches), batches
