@@ -11,6 +11,7 @@ from starlette.routing import Route
 from kafila.api import ollama, openai
 from kafila.api.errors import ApiError, handle_api_error, handle_generation_error, render
 from kafila.api.state import Api, api_of
+from kafila.api.stream import ClientGone
 from kafila.obs import metrics
 from kafila.obs.log import get_logger
 from kafila.session.service import GenerationError
@@ -55,6 +56,11 @@ async def internal_error(request: Request, exc: Exception) -> Response:
     return render(request, ApiError(500, "internal", f"internal error: {exc!r}"))
 
 
+async def client_gone(request: Request, exc: Exception) -> Response:
+    """The client left before its answer (its request is cancelled): 499, which nobody reads."""
+    return Response(status_code=499)
+
+
 def create_app(api: Api) -> Starlette:
     routes = [
         Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
@@ -75,6 +81,7 @@ def create_app(api: Api) -> Starlette:
     handlers = {
         ApiError: handle_api_error,
         GenerationError: handle_generation_error,
+        ClientGone: client_gone,
         404: not_found,
         405: wrong_method,
         Exception: internal_error,

@@ -48,15 +48,24 @@ OPTIONS_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
 }
 
 
-def job_from(body: dict[str, Any], prompt: list[int], context: int) -> Job:
+def job_from(body: dict[str, Any], prompt: list[int], context: int, prompt_key: str = "messages") -> Job:
     opts = body.get("options") or {}
     if not isinstance(opts, dict):
         raise invalid("options", "'options' must be an object")
     params.refuse_not_implemented(body, NOT_IMPLEMENTED)
     params.refuse_not_implemented(opts, OPTIONS_NOT_IMPLEMENTED, "options.")
     num_predict = integer(opts, "num_predict", -2, None)
+    if num_predict == 0:  # (the head would refuse it as max_tokens, after the request was accepted)
+        raise invalid(
+            "options.num_predict",
+            "'options.num_predict' must be >= 1, or -1 or -2 (until the context is full), got 0",
+        )
     max_tokens = fit(
-        prompt, None if num_predict is None or num_predict < 0 else num_predict, context, "num_predict"
+        prompt,
+        None if num_predict is None or num_predict < 0 else num_predict,
+        context,
+        "num_predict",
+        prompt_key,
     )
     sampling = Sampling(
         max_tokens=max_tokens,
@@ -75,13 +84,22 @@ def _seed(opts: dict[str, Any]) -> int | None:
     return None if seed is None or seed < 0 else seed
 
 
+def _load_or_unload(api: Api, body: dict[str, Any], chat: bool) -> Response:
+    """Ollama's way to load a model (or, with keep_alive 0, unload it): no prompt, no messages.
+    The session's model is always loaded, so the answer comes at once, as Ollama's does."""
+    unload = body.get("keep_alive") in (0, "0", "0s", "0m", "0h")
+    return JSONResponse(_line(api, "", chat) | {"done": True, "done_reason": "unload" if unload else "load"})
+
+
 async def chat(request: Request) -> Response:
     api, body = api_of(request), await read_body(request)
     check_model(body, api.model_id)
+    if body.get("messages") in (None, []):
+        return _load_or_unload(api, body, chat=True)
     msgs = messages(body)
     for i, m in enumerate(msgs):
         params.refuse_not_implemented(m, {"images": (None, [])}, f"messages[{i}].")
-    prompt = api.encode_chat(msgs)
+    prompt = await api.chat_ids(msgs)
     return await _run(request, api, job_from(body, prompt, api.service.context), chat=True)
 
 
@@ -89,6 +107,8 @@ async def generate(request: Request) -> Response:
     api, body = api_of(request), await read_body(request)
     check_model(body, api.model_id)
     text = body.get("prompt")
+    if text in (None, ""):
+        return _load_or_unload(api, body, chat=False)
     if not isinstance(text, str):
         raise invalid("prompt", "'prompt' must be a string")
     system = body.get("system")
@@ -97,11 +117,11 @@ async def generate(request: Request) -> Response:
     if flag(body, "raw", False):
         if system:
             raise invalid("system", "'system' has no place in a raw prompt: the prompt is sent as it is")
-        prompt = api.codec.encode_prompt(text)
+        prompt = await api.prompt_ids(text)
     else:
         turn = [{"role": "user", "content": text}]
-        prompt = api.encode_chat(([{"role": "system", "content": system}] if system else []) + turn)
-    return await _run(request, api, job_from(body, prompt, api.service.context), chat=False)
+        prompt = await api.chat_ids(([{"role": "system", "content": system}] if system else []) + turn)
+    return await _run(request, api, job_from(body, prompt, api.service.context, "prompt"), chat=False)
 
 
 async def tags(request: Request) -> Response:

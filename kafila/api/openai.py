@@ -28,12 +28,12 @@ from kafila.api.stream import ChunkStream, Piece, Tally, collect, pieces, start
 from kafila.session.service import Sampling
 
 
-def job_from(body: dict[str, Any], prompt: list[int], context: int) -> Job:
+def job_from(body: dict[str, Any], prompt: list[int], context: int, prompt_key: str = "messages") -> Job:
     refuse_not_implemented(body)
     if integer(body, "n", 1, 1) != 1:
         raise invalid("n", "only n=1 is supported")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = fit(prompt, integer(body, key, 1, None), context, key)
+    max_tokens = fit(prompt, integer(body, key, 1, None), context, key, prompt_key)
     sampling = Sampling(
         max_tokens=max_tokens,
         temperature=number(body, "temperature", 0.0, 2.0, 1.0),
@@ -65,24 +65,24 @@ def include_usage(body: dict[str, Any]) -> bool:
 async def chat_completions(request: Request) -> Response:
     api, body = api_of(request), await read_body(request)
     check_model(body, api.model_id)
-    prompt = api.encode_chat(messages(body))
+    prompt = await api.chat_ids(messages(body))
     return await _run(request, api, job_from(body, prompt, api.service.context), chat=True)
 
 
 async def completions(request: Request) -> Response:
     api, body = api_of(request), await read_body(request)
     check_model(body, api.model_id)
-    prompt = _prompt_ids(api, body.get("prompt"))
-    return await _run(request, api, job_from(body, prompt, api.service.context), chat=False)
+    prompt = await _prompt_ids(api, body.get("prompt"))
+    return await _run(request, api, job_from(body, prompt, api.service.context, "prompt"), chat=False)
 
 
-def _prompt_ids(api: Api, prompt: Any) -> list[int]:
+async def _prompt_ids(api: Api, prompt: Any) -> list[int]:
     """A completion's prompt: a string, or token ids as OpenAI takes them (one prompt per request,
     also as a list of one); the head refuses ids outside the model's vocabulary."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return api.codec.encode_prompt(prompt)
+        return await api.prompt_ids(prompt)
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
     raise invalid("prompt", "'prompt' must be a string or a list of token ids (one prompt per request)")

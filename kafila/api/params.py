@@ -30,6 +30,8 @@ async def read_body(request: Request) -> dict[str, Any]:
         body = json.loads(await request.body() or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, "invalid_json", f"request body is not JSON: {exc}") from None
+    except RecursionError:  # 100 000 nested arrays: the decoder's recursion, not a server fault
+        raise ApiError(400, "invalid_json", "request body is nested too deeply to read") from None
     if not isinstance(body, dict):
         raise ApiError(400, "invalid_json", f"request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -108,7 +110,10 @@ def stop_strings(v: Any, key: str = "stop") -> tuple[str, ...]:
 
 
 def flag(d: dict[str, Any], key: str, default: bool) -> bool:
-    v = d.get(key, default)
+    """A true/false field; null is the default, as OpenAI and Ollama read it."""
+    v = d.get(key)
+    if v is None:
+        return default
     if not isinstance(v, bool):
         raise invalid(key, f"{key!r} must be true or false, got {v!r}")
     return v
@@ -143,10 +148,13 @@ def _text(content: Any, i: int) -> str:
     return "\n".join(texts)
 
 
-def fit(prompt: list[int], max_tokens: int | None, context: int, key: str) -> int:
-    """The answer budget; refuses a prompt (or prompt + max_tokens) that exceeds the context."""
+def fit(
+    prompt: list[int], max_tokens: int | None, context: int, key: str, prompt_key: str = "messages"
+) -> int:
+    """The answer budget; refuses a prompt (or prompt + max_tokens) that exceeds the context.
+    `key` names the answer's budget, `prompt_key` the prompt ("messages" or "prompt")."""
     if not prompt:
-        raise invalid("prompt", "the prompt is empty after tokenization")
+        raise invalid(prompt_key, "the prompt is empty after tokenization")
     room = context - len(prompt)
     if room <= 0:
         raise ApiError(
@@ -154,7 +162,7 @@ def fit(prompt: list[int], max_tokens: int | None, context: int, key: str) -> in
             "context_length_exceeded",
             f"prompt is {len(prompt)} tokens; the session's context is {context} tokens "
             f"(prompt plus answer); shorten the prompt (Kafila never truncates it)",
-            "messages",
+            prompt_key,
         )
     if max_tokens is not None and max_tokens > room:
         raise ApiError(

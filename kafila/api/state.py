@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +41,31 @@ class Api:
     traces: TraceLog | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def encode_chat(self, msgs: list[dict[str, Any]]) -> list[int]:
+    async def chat_ids(self, msgs: list[dict[str, Any]]) -> list[int]:
+        """Messages rendered and tokenized on a worker thread, refused first when their text alone
+        cannot fit the context: tokenizing 10 MB on the event loop stopped this member's
+        heartbeats long enough to break the ring."""
+        self._check_chars(sum(len(str(m.get("content", ""))) for m in msgs), "messages")
+        return await asyncio.to_thread(self._encode_chat, msgs)
+
+    async def prompt_ids(self, text: str, key: str = "prompt") -> list[int]:
+        """A plain prompt tokenized on a worker thread, refused first when it cannot fit."""
+        self._check_chars(len(text), key)
+        return await asyncio.to_thread(self.codec.encode_prompt, text)
+
+    def _check_chars(self, chars: int, key: str) -> None:
+        context, per_token = self.service.context, self.codec.max_token_chars
+        if chars > context * per_token:
+            raise ApiError(
+                400,
+                "context_length_exceeded",
+                f"the prompt's {chars} characters are more than {context * per_token} ({context} tokens "
+                f"of at most {per_token} characters): it cannot fit the session's context of {context} "
+                "tokens; shorten it (Kafila never truncates it)",
+                key,
+            )
+
+    def _encode_chat(self, msgs: list[dict[str, Any]]) -> list[int]:
         try:
             return self.codec.encode_chat(msgs)
         except (ValueError, TypeError, KeyError) as exc:  # the template refused the messages

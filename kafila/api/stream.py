@@ -99,8 +99,16 @@ async def collect(request: Request, stream: AsyncIterator[Piece], gen: Generatio
             log.info("client_disconnected", path=request.url.path, request_id=gen.request_id)
     try:
         await work
+    except asyncio.CancelledError:
+        if not work.cancelled():  # this task itself is being cancelled
+            raise
+        raise ClientGone from None  # nobody to answer (it was an "Exception in ASGI application")
     except GenerationError as exc:
         raise ApiError.from_generation(exc) from exc
+
+
+class ClientGone(Exception):
+    """The client of a non-streaming request went away before its answer: nothing to send."""
 
 
 async def _disconnected(receive: Receive) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 class TextCodec(Protocol):
     eos_ids: tuple[int, ...]
+    max_token_chars: int  # characters of the longest token: N characters are >= N / this tokens
 
     def encode_prompt(self, text: str) -> list[int]:
         """A plain completion prompt (BOS added when the model expects one)."""

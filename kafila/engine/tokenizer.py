@@ -15,6 +15,7 @@ tokenizer config's eos_token together.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -119,6 +120,13 @@ class Tokenizer:
     def pad_id(self) -> int | None:
         pad = self.special_tokens.get("pad_token")
         return None if pad is None else self.backend.token_to_id(pad)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters the longest token spells (a byte-level token's characters are its bytes, at
+        least as many as the text characters it covers): a text of N characters is at least
+        N / max_token_chars tokens, known without tokenizing it."""
+        return max(1, *(len(t) for t in self.backend.get_vocab(with_added_tokens=True)))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)

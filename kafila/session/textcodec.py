@@ -12,6 +12,7 @@ class TokenizerCodec:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.eos_ids = tuple(sorted(tokenizer.stop_ids))
+        self.max_token_chars = tokenizer.max_token_chars
 
     def encode_prompt(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True)

@@ -389,3 +389,70 @@ async def test_session_document_and_traces(served: Served) -> None:
         text = (await http.get(f"{served.head.url}/metrics")).text
         assert 'kafila_stage_compute_ms{member="m1",stage="1"}' in text
     json.dumps(doc)
+
+
+async def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(served: Served) -> None:
+    """A 4 MB message used to be tokenized on the member's event loop (seconds), stopping its
+    heartbeats: the ring broke for every user. Its characters alone say it cannot fit."""
+    huge = [{"role": "user", "content": "Paris is the capital of France. " * 125_000}]
+    async with httpx.AsyncClient(timeout=60) as http:
+        r = await http.post(
+            f"{served.member.url}/v1/chat/completions", json={"model": MODEL, "messages": huge}
+        )
+        done = await http.post(
+            f"{served.member.url}/v1/completions", json={"model": MODEL, "prompt": "Paris " * 400}
+        )
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "messages"
+    assert err["message"].startswith("the prompt's 4000000 characters are more than ")
+    assert done.status_code == 400 and done.json()["error"]["param"] == "prompt"  # (it said "messages")
+    assert served.ring.head.broken is None
+
+
+async def test_odd_but_valid_bodies_get_what_the_reference_servers_give(served: Served) -> None:
+    """Found by a helper driving the API as clients do: null where a default is meant, Ollama's
+    load and unload calls (no prompt), num_predict 0, and JSON nested past the decoder's depth."""
+    url = served.member.url
+    async with httpx.AsyncClient(timeout=120) as http:
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 3, "stream": None, "temperature": 0}
+        r = await http.post(f"{url}/v1/chat/completions", json=body)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+        raw = {"model": MODEL, "prompt": "Hi", "stream": False, "raw": None, "options": {"num_predict": 2}}
+        assert (await http.post(f"{url}/api/generate", json=raw)).json()["done"] is True
+        for path, field in (("/api/generate", "response"), ("/api/chat", "message")):
+            load = (await http.post(f"{url}{path}", json={"model": MODEL})).json()
+            unload = (await http.post(f"{url}{path}", json={"model": MODEL, "keep_alive": 0})).json()
+            assert (load["done"], load["done_reason"], unload["done_reason"]) == (True, "load", "unload")
+            assert field in load and not served.ring.head.schedule.active  # nothing was generated
+        zero = {"model": MODEL, "messages": QUESTION, "options": {"num_predict": 0}}
+        r = await http.post(f"{url}/api/chat", json=zero)  # streaming: the error used to come as a 200 line
+        assert r.status_code == 400 and "'options.num_predict' must be >= 1" in r.json()["error"]
+        deep = b'{"model": "smollm2-135m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        r = await http.post(f"{url}/v1/chat/completions", content=deep)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+async def test_a_client_leaving_a_non_streaming_request_is_not_a_server_error(served: Served) -> None:
+    """The cancelled answer's CancelledError reached uvicorn as "Exception in ASGI application"
+    with a traceback, one per client that gave up waiting."""
+    import logging
+
+    errors: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = errors.append  # type: ignore[method-assign]
+    uvicorn_log = logging.getLogger("uvicorn.error")  # (uvicorn's loggers do not reach the root's)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0}
+    uvicorn_log.addHandler(handler)
+    try:
+        async with httpx.AsyncClient(timeout=1.0) as http:
+            with pytest.raises(httpx.TimeoutException):
+                await http.post(f"{served.member.url}/v1/completions", json=body)
+        for _ in range(100):
+            if not served.ring.head.schedule.active:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
+    finally:
+        uvicorn_log.removeHandler(handler)
+    assert served.ring.head.schedule.active == ()
+    assert not errors, [r.getMessage() for r in errors]
