@@ -166,20 +166,29 @@ async def test_a_ring_of_two_on_one_channel_counts_each_direction(ckpt: Checkpoi
     assert there.bytes != back.bytes  # the frames coming back carry one more stage timing each
 
 
-async def test_a_lone_requests_queue_ends_before_the_heads_own_prefill(ckpt: Checkpoint) -> None:
-    """queue_s is the wait for a free slot; the head's computation of the first chunk is prefill.
-    The head is slowed (an emulated 5x slower device, kafila.engine.pace) so its share is clear."""
-    ring = build_ring(ckpt, [(0, 2), (2, 5)], chunk=CHUNK)
+async def with_a_slow_head(
+    ckpt: Checkpoint, splits: list[tuple[int, int]], max_tokens: int
+) -> tuple[RequestRecord, StageRecord]:
+    """PROMPT's request and head stage records with the head slowed (an emulated 5x slower device,
+    kafila.engine.pace), after a first request that compiles the kernels."""
+    ring = build_ring(ckpt, splits, chunk=CHUNK)
     logs = traced(ring)
     try:
-        await drain(await ring.head.submit(SHORT, Sampling(max_tokens=2)))  # first calls compile kernels
+        await drain(await ring.head.submit(SHORT, Sampling(max_tokens=2)))
         ring.head.stage.pace = Pace(0.2)
-        gen = await ring.head.submit(PROMPT, Sampling(max_tokens=3))
+        gen = await ring.head.submit(PROMPT, Sampling(max_tokens=max_tokens))
         await drain(gen)
         [req] = await records(logs[0], RequestRecord, gen.request_id)
         [head] = await records(logs[0], StageRecord, gen.request_id)
     finally:
         await ring.stop()
+    return req, head
+
+
+async def test_a_lone_requests_queue_ends_before_the_heads_own_prefill(ckpt: Checkpoint) -> None:
+    """queue_s is the wait for a free slot; the head's computation of the first chunk is prefill.
+    The head is slowed (an emulated 5x slower device, kafila.engine.pace) so its share is clear."""
+    req, head = await with_a_slow_head(ckpt, [(0, 2), (2, 5)], max_tokens=3)
     assert req.queue_s * 1e3 < head.prefill_ms[0] / 2  # a slot was free: no wait beyond a loop turn
     assert req.prefill_s * 1e3 >= sum(head.prefill_ms)  # every chunk the head computed is prefill
     assert req.ttft_s == pytest.approx(req.queue_s + req.prefill_s)
@@ -189,16 +198,7 @@ async def test_the_circuit_includes_the_heads_own_blocks(ckpt: Checkpoint) -> No
     """A decode step's circuit runs from the head's blocks to the sampled token, as the plan's
     circuit sums every stage: the head is slowed (an emulated 5x slower device) so its blocks are
     most of it. Transit (hops and waits) is the circuit less every stage's compute."""
-    ring = build_ring(ckpt, [(0, 3), (3, 5)], chunk=CHUNK)
-    logs = traced(ring)
-    try:
-        await drain(await ring.head.submit(SHORT, Sampling(max_tokens=2)))  # first calls compile kernels
-        ring.head.stage.pace = Pace(0.2)
-        gen = await ring.head.submit(PROMPT, Sampling(max_tokens=6))
-        await drain(gen)
-        [req] = await records(logs[0], RequestRecord, gen.request_id)
-    finally:
-        await ring.stop()
+    req, _ = await with_a_slow_head(ckpt, [(0, 3), (3, 5)], max_tokens=6)
     head, member = req.stages
     assert head.measured_ms > 3 * member.measured_ms  # (the head's blocks and its logits)
     assert req.circuit_ms > head.measured_ms + member.measured_ms
