@@ -27,7 +27,7 @@ from kafila.engine import PREFILL_CHUNK
 from kafila.engine.pace import Pace
 from kafila.net.edge import EdgeOptions, LinkNode, SignalRouter, connect_edge
 from kafila.net.endpoint import UdpEndpoint
-from kafila.net.errors import NatProbeError
+from kafila.net.errors import LinkError, NatProbeError
 from kafila.net.link import Link
 from kafila.net.signaling import SignalingClient, SignalingClosed
 from kafila.obs.log import get_logger
@@ -350,10 +350,19 @@ async def link_ring(node: LinkNode, plan: Plan, me: str, ids: dict[str, int], ho
             peer = server if client == me else client
             opts = EdgeOptions(predicted_direct=direct.get(pair, True))
             jobs[peer] = connect_edge(node, ids[peer], client == me, opts)
-    links = dict(zip(jobs, await asyncio.gather(*jobs.values()), strict=True))
+    links = dict(zip(jobs, await asyncio.gather(*(named(me, p, j) for p, j in jobs.items())), strict=True))
     for peer, link in links.items():
         say(f"link {me} <-> {peer}: {link.path}")
     return links
+
+
+async def named(me: str, peer: str, link: Awaitable[Link]) -> Link:
+    """`link`, its failure naming the two members (the link layer knows only their ids: "edge 2->3")."""
+    try:
+        return await link
+    except LinkError as exc:
+        exc.args = (f"link {me} <-> {peer}: {exc}", *exc.args[1:])
+        raise
 
 
 def session_record(plan: Plan, session: str, model: str, edges: dict[str, str]) -> SessionRecord:

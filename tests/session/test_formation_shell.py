@@ -303,3 +303,4 @@ async def test_a_member_with_a_wrong_secret_word_is_named_with_why(rdv, tmp_path
     for end in ends:  # each its own link's failure, or the one it was told of
         assert isinstance(end, SessionError | LinkError) and "did not prove the session secret" in str(end)
     assert "could not link: " in str(ends[0])
+    assert all("carol" in str(end) for end in ends), [str(e) for e in ends]  # by name, not only ids
