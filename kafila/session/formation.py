@@ -241,13 +241,13 @@ class HostFormation(_Machine):
     def refuse(self, reason: str, now: float) -> list[Output]:
         """The shell found no feasible plan: tell every other member why, and fail with it."""
         self._require(Step.PLANNING)
-        return self._fail(reason, [Send(m, payload("refused", reason=reason)) for m in self._others()])
+        return self._refuse(reason, self._others())
 
     def link_failed(self, reason: str, now: float) -> list[Output]:
         """The host's own links to the plan's members failed (a member with a wrong secret word):
         tell the others why, and fail with it."""
         self._require(Step.LINKING)
-        return self._fail(reason, [Send(m, payload("refused", reason=reason)) for m in self._others()])
+        return self._refuse(reason, self._others())
 
     def started(self, now: float) -> list[Output]:
         """The host's own ring role is running: wait (up to wait_s) for the others' `ready`."""
@@ -268,6 +268,10 @@ class HostFormation(_Machine):
     def _others(self) -> list[int]:
         return [m for m in self.ids.values() if m != self.host_id]
 
+    def _refuse(self, reason: str, members: list[int]) -> list[Output]:
+        """Fail with `reason`, telling `members` (so none waits out its own deadline)."""
+        return self._fail(reason, [Send(m, payload("refused", reason=reason)) for m in members])
+
     def _name(self, member: int) -> str:
         device = self.devices.get(member)
         return device.name if device else self.joined.get(member, f"member {member}")
@@ -280,7 +284,7 @@ class HostFormation(_Machine):
                 f"(joined: {names}); ask the others to run `kafila join` with the code"
             )
             came = [m for m in self.joined if m != self.host_id]
-            return self._fail(reason, [Send(m, payload("refused", reason=reason)) for m in came])
+            return self._refuse(reason, came)
         missing = ", ".join(self._name(m) for m in self._others() if m not in self.ready)
         return self._fail(
             f"only {len(self.ready)} of {self.members - 1} members became ready within {self.wait_s:.0f} s "
@@ -300,7 +304,7 @@ class HostFormation(_Machine):
         if event.member in self.ids.values() and self.step is not Step.GATHERING:
             reason = f"member {name} left ({event.reason}) before the session formed"
             others = [m for m in self._others() if m != event.member]
-            return self._fail(reason, [Send(m, payload("refused", reason=reason)) for m in others])
+            return self._refuse(reason, others)
         del self.joined[event.member]
         if self.devices.pop(event.member, None) is not None:
             del self.ids[name]
@@ -316,7 +320,7 @@ class HostFormation(_Machine):
         if op == "failed" and sender in self._others() and self.step in (Step.LINKING, Step.WAITING_READY):
             reason = f"member {self._name(sender)} {body.get('reason')}"
             others = [m for m in self._others() if m != sender]
-            return self._fail(reason, [Send(m, payload("refused", reason=reason)) for m in others])
+            return self._refuse(reason, others)
         return [Rejected(sender, f"unexpected '{op}' from {self._name(sender)}")]
 
     def _report(self, sender: int, body: dict[str, Any]) -> list[Output]:
