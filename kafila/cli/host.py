@@ -7,8 +7,9 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kafila.cli.argtypes import member_name, positive_int, positive_number
+from kafila.cli.argtypes import member_name, non_negative_int, positive_int, positive_number
 from kafila.engine import PREFILL_CHUNK
+from kafila.session.schedule import DEFAULT_QUEUE
 
 DEFAULT_RENDEZVOUS = "ws://127.0.0.1:8470/v1/signal"
 
@@ -115,6 +116,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "this load (default 1: the shortest circuit for one user)",
     )
     parser.add_argument(
+        "--queue",
+        type=non_negative_int,
+        default=DEFAULT_QUEUE,
+        help="requests that may wait for a slot, at every member's API together; more are refused "
+        f"with 429 busy (default {DEFAULT_QUEUE}; 0: none waits)",
+    )
+    parser.add_argument(
         "--division",
         default="kafila",
         choices=["kafila", "uniform", "memory"],
@@ -162,7 +170,17 @@ def options(args: argparse.Namespace) -> object:
         dead_after=args.dead_after,
         emulate_speed=args.emulate_speed,
     )
-    for key in ("model", "members", "context", "concurrency", "division", "objective", "dtype", "chunk"):
+    for key in (
+        "model",
+        "members",
+        "context",
+        "concurrency",
+        "division",
+        "objective",
+        "dtype",
+        "chunk",
+        "queue",
+    ):
         if hasattr(args, key):
             setattr(o, key, getattr(args, key))
     if hasattr(args, "wait"):

@@ -83,7 +83,7 @@ HOP_PREDICTED_RTT = Gauge(
 )
 REQUESTS = Counter(
     "kafila_requests",
-    "Requests ended at the head, by outcome (stop, length, cancelled, error)",
+    "Requests ended at the head, by outcome (stop, length, cancelled, error; refused: the queue was full)",
     ["finish"],
     registry=REGISTRY,
 )

@@ -38,6 +38,7 @@ from kafila.proto import signaling as sig
 from kafila.proto.codes import SessionCode, new_code, parse_code
 from kafila.session import formation as fm
 from kafila.session.formation import HostFormation, MemberFormation
+from kafila.session.schedule import DEFAULT_QUEUE
 
 log = get_logger("kafila.session.form")
 T = TypeVar("T")
@@ -71,6 +72,7 @@ class Options:
     division: str = "kafila"
     objective: str = "load"  # what the kafila division minimizes (kafila.planner.decide.OBJECTIVES)
     chunk: int = PREFILL_CHUNK  # prompt tokens per prefill step (as `kafila run`'s)
+    queue: int = DEFAULT_QUEUE  # requests that may wait for a slot at the head; more get 429
 
     def __post_init__(self) -> None:
         """Refuse what cannot work here before anything connects (ValueError, one line)."""

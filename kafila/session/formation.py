@@ -20,7 +20,7 @@ ends, instead of serving a ring that never formed.
 
 Session messages travel as signaling payloads `{"kafila_session": 1, "op": ...}` (see `payload`):
 `report` (member -> host: its DeviceReport), `plan` (host -> members: the Plan, member ids, model,
-prefill chunk, the session's dtype, compared divisions), `refused` (host -> members: the reason),
+prefill chunk, queue limit, the session's dtype, compared divisions), `refused` (host -> members: the reason),
 `ready` (member -> host), `formed` (host -> members: every member is ready), `failed` (member ->
 host: why it cannot go on, e.g. its links did not authenticate; the host ends the attempt with it).
 """
@@ -128,6 +128,7 @@ class LinkNow:
     host: str
     model: str
     chunk: int
+    queue: int  # requests that may wait for a slot at the head
     dtype: str  # the session's one dtype ("fp32", "bf16", "fp16"): every member computes in it
     alternatives: dict[str, Any] | None
 
@@ -441,6 +442,7 @@ class MemberFormation(_Machine):
         try:
             plan, ids = Plan.from_dict(body["plan"]), {str(k): int(v) for k, v in body["ids"].items()}
             model, chunk, dtype = str(body["model"]), int(body["chunk"]), str(body["dtype"])
+            queue = int(body["queue"])
             if dtype not in DTYPES:
                 raise ValueError(f"dtype {dtype!r} is none of {sorted(DTYPES)}")
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -457,4 +459,4 @@ class MemberFormation(_Machine):
         renamed = (
             [Say(f"this member is {me} in the session: {self.name} was taken")] if me != self.name else []
         )
-        return [*renamed, LinkNow(plan, ids, me, host, model, chunk, dtype, alternatives)]
+        return [*renamed, LinkNow(plan, ids, me, host, model, chunk, queue, dtype, alternatives)]

@@ -37,7 +37,7 @@ from kafila.proto import tensor as t
 from kafila.session import compute
 from kafila.session.channel import Channel, ChannelError, send_marked
 from kafila.session.generation import QueueGeneration, RequestIds, cancel_tasks, guarded, origin_of
-from kafila.session.schedule import Entry, Schedule, Step
+from kafila.session.schedule import Entry, QueueFull, Schedule, Step
 from kafila.session.service import STOP_STRING, GenerationError, Sampling, TokenEvent
 from kafila.session.stagetrace import StageTally, read_hop_report
 
@@ -116,12 +116,13 @@ class RingHead:
         chunk: int = PREFILL_CHUNK,
         traces: TraceLog | None = None,
         lanes: int = 1,  # decode groups in flight (schedule.lanes_for, from the plan)
+        max_queue: int | None = None,  # requests that may wait for a slot (None: no limit)
     ) -> None:
         self.stage, self.model, self.info = stage, model, info
         self.next, self.prev = next_ch, prev_ch  # both None: a ring of one
         self.eos_ids = tuple(eos_ids)
         merge = stage.batch_rows or 0  # prompts prefilled together: as many rows as stay exact
-        self.schedule = Schedule(concurrency=concurrency, chunk=chunk, lanes=lanes, merge=merge)
+        self.schedule = Schedule(concurrency, chunk, lanes, merge, max_queue)
         log.info("decode_lanes", lanes=self.schedule.lanes, concurrency=concurrency)
         self.traces = traces
         self.ids = RequestIds(0)
@@ -209,9 +210,14 @@ class RingHead:
             sampler = Sampler(params, self.eos_ids)
         except ValueError as exc:
             raise GenerationError("bad_request", str(exc)) from exc
+        try:
+            position = self.schedule.submit(rid, len(prompt), s.max_tokens)
+        except QueueFull as exc:
+            log.info("request_refused", request_id=rid, reason="queue full")
+            metrics.observe_no_token("refused")
+            raise GenerationError("busy", f"{exc}; try again later") from exc
         req = _Req(rid, prompt, sampler, gen, s.max_tokens)
         self._reqs[rid] = req
-        position = self.schedule.submit(rid, len(prompt), s.max_tokens)
         if position:
             self._told[rid] = position
             self._answer(req, TokenEvent(queue_position=position))

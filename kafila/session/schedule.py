@@ -1,8 +1,9 @@
 """The head's scheduling core (pure): which request's chunk or decode step enters the ring next.
 
 Requests are admitted up to the declared concurrency; more wait in a FIFO queue whose positions
-are reported. An admitted request first sends its prompt as prefill chunks (all of them at once:
-chunk k+1 can run at the head while chunk k runs further along the ring; links keep them in order).
+are reported, up to `max_queue` of them (more are refused: QueueFull). An admitted request first
+sends its prompt as prefill chunks (all of them at once: chunk k+1 can run at the head while chunk
+k runs further along the ring; links keep them in order).
 The last chunks of prompts admitted together travel as one step while their rows fit in `merge`
 rows (four users' short prompts: one forward pass per stage instead of four). `merge` defaults to
 a chunk; the head lowers it to the rows up to which its engine computes every row of a step
@@ -73,12 +74,20 @@ class _Request:
     cancelled: bool = False
 
 
+DEFAULT_QUEUE = 256  # requests that may wait for a slot before more are refused (`kafila host --queue`)
+
+
+class QueueFull(Exception):
+    """Every slot is taken and the queue holds `max_queue` requests: refuse (HTTP 429)."""
+
+
 @dataclass
 class Schedule:
     concurrency: int
     chunk: int = PREFILL_CHUNK  # prefill chunk, tokens
     lanes: int = 1  # decode groups in flight at once (see `lanes_for`)
     merge: int = 0  # rows up to which last prefill chunks of several prompts share a step (0: chunk)
+    max_queue: int | None = None  # requests that may wait for a slot (None: no limit)
     _reqs: dict[int, _Request] = field(default_factory=dict)
     _queue: deque[int] = field(default_factory=deque)
     _active: list[int] = field(default_factory=list)  # admission order
@@ -87,25 +96,39 @@ class Schedule:
     _busy: set[int] = field(default_factory=set)  # lanes with a decode step in the ring
 
     def __post_init__(self) -> None:
-        if self.concurrency < 1 or self.chunk < 1 or self.lanes < 1 or self.merge < 0:
+        if min(self.concurrency, self.chunk, self.lanes) < 1 or min(self.merge, self.max_queue or 0) < 0:
             raise ValueError(
                 f"concurrency {self.concurrency}, chunk {self.chunk} and lanes {self.lanes} "
-                f"must be at least 1, merge {self.merge} at least 0"
+                f"must be at least 1, merge {self.merge} and max_queue {self.max_queue} at least 0"
             )
         self.merge = min(self.merge or self.chunk, self.chunk)
 
     def submit(self, rid: int, prompt_len: int, max_tokens: int) -> int:
-        """Queue a request; returns its queue position (0: admitted now)."""
+        """Queue a request; returns its queue position (0: admitted now). QueueFull when it would
+        have to wait and `max_queue` requests already do."""
         if rid in self._reqs:
             raise ValueError(f"request {rid} is already scheduled")
         if prompt_len < 1 or max_tokens < 1:
             raise ValueError(
                 f"request {rid}: prompt of {prompt_len} and max_tokens {max_tokens} must be >= 1"
             )
+        if self._full():
+            slots = f"{self.concurrency} slot{'s' if self.concurrency != 1 else ''}"
+            if not self.max_queue:
+                raise QueueFull(f"all {slots} of this session are busy and it queues no request")
+            raise QueueFull(
+                f"the session's queue is full: {len(self._queue)} requests already wait for its {slots}"
+            )
         self._reqs[rid] = _Request(rid, prompt_len, max_tokens)
         self._queue.append(rid)
         self._admit()
         return self.queue_position(rid)
+
+    def _full(self) -> bool:
+        if self.max_queue is None:
+            return False
+        waiting = len(self._queue) + (len(self._active) >= self.concurrency)  # + this one, if it waits
+        return waiting > self.max_queue
 
     def queue_position(self, rid: int) -> int:
         return self._queue.index(rid) + 1 if rid in self._queue else 0

@@ -180,7 +180,8 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     except SessionError as exc:
         await drive.carry(core.refuse(str(exc), drive.now()))
         raise
-    extra = {"model": opts.model, "chunk": opts.chunk, "dtype": opts.dtype, "alternatives": alternatives}
+    extra = {"model": opts.model, "chunk": opts.chunk, "queue": opts.queue, "dtype": opts.dtype}
+    extra["alternatives"] = alternatives
     await drive.carry(core.planned(plan, drive.now(), **extra))
     ring = _host_ring(name, code, plan, folder, gathered.ids, node, client, opts, held, alternatives)
     try:
@@ -216,8 +217,8 @@ async def _host_ring(
     say(f"serving weights to {len(controls)} member(s)")
     await asyncio.gather(*(server.serve(c) for c in controls))
     return await _start_ring(
-        name, code, plan, folder, links, node, client, opts, opts.model, opts.chunk, alternatives,
-        held.api_socket,
+        name, code, plan, folder, links, node, client, opts, opts.model, (opts.chunk, opts.queue),
+        alternatives, held.api_socket,
     )  # fmt: skip
 
 
@@ -290,8 +291,8 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     shard = await drive.during(_fetch(got, links, opts))
     await drive.carry(core.fetched(drive.now()))
     ring = _start_ring(
-        got.me, code, got.plan, shard.path, links, node, client, opts, got.model, got.chunk, got.alternatives,
-        held.api_socket,
+        got.me, code, got.plan, shard.path, links, node, client, opts, got.model, (got.chunk, got.queue),
+        got.alternatives, held.api_socket,
     )  # fmt: skip
     formed = held.formed = await drive.during(ring)
     formed.tasks.append(pump)
@@ -334,7 +335,7 @@ async def _start_ring(
     client: SignalingClient,
     opts: Options,
     model: str,
-    chunk: int,
+    chunk_queue: tuple[int, int],  # prompt tokens per prefill step, requests that may wait (the host's)
     alternatives: dict[str, Any] | None = None,
     api_socket: socket.socket | None = None,
 ) -> Formed:
@@ -345,6 +346,7 @@ async def _start_ring(
     from kafila.session.head import RingHead
     from kafila.session.member import RingMember
 
+    chunk, queue = chunk_queue
     ckpt = Checkpoint.open(folder)  # a member's shard: its own tensors only
     tokenizer = Tokenizer.from_checkpoint(ckpt)
     a, b = plan.block_range(name)
@@ -380,6 +382,7 @@ async def _start_ring(
             chunk,
             traces,
             lanes,
+            queue,
         )
         traces.write(session_record(plan, code.public, model, info.edges))
     else:

@@ -78,6 +78,41 @@ async def test_waiting_ollama_stream_is_told_its_position(served: Served) -> Non
         assert lines[-1]["done"] and lines[-1]["done_reason"] == alone["done_reason"]
 
 
+async def test_a_request_past_a_full_queue_gets_429_busy_at_the_head_and_through_a_member(
+    served: Served,
+) -> None:
+    """This session queues nothing (as `kafila host --queue 0`) while its one slot is taken."""
+    chat = {"model": MODEL, "messages": QUESTION}
+    before = await refused_count(served)
+    served.ring.head.schedule.max_queue = 0
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+
+            async def refused() -> list[httpx.Response]:
+                return [
+                    await http.post(f"{served.head.url}/v1/chat/completions", json=chat | {"stream": True}),
+                    await http.post(f"{served.member.url}/v1/chat/completions", json=chat),
+                    await http.post(f"{served.member.url}/api/chat", json=chat | {"stream": False}),
+                ]
+
+            first_lines, answers = await running_then(served, refused)
+    finally:
+        served.ring.head.schedule.max_queue = None
+    assert [r.status_code for r in answers] == [429, 429, 429]
+    openai_error = answers[1].json()["error"]
+    assert openai_error["code"] == "busy" and "queues no request; try again later" in openai_error["message"]
+    assert "all 1 slot of this session are busy" in answers[2].json()["error"]
+    assert "Paris" in text(first_lines)  # the one being served was not disturbed
+    assert await refused_count(served) == before + 3  # one registry per process: counted from before
+
+
+async def refused_count(served: Served) -> float:
+    async with httpx.AsyncClient() as http:
+        exported = (await http.get(f"{served.head.url}/metrics")).text
+    line = 'kafila_requests_total{finish="refused"} '
+    return sum(float(x[len(line) :]) for x in exported.splitlines() if x.startswith(line))
+
+
 def client_stream(url: str) -> tuple[str, list[str], bool]:
     """The official client's streamed generate: (joined text, every chunk's text, last chunk done)."""
     with ollama.Client(host=url, timeout=120) as client:

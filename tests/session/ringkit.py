@@ -50,6 +50,7 @@ def build_ring(
     dead_after: float = 5.0,
     lanes: int | None = None,  # decode lanes at the head; default one per stage
     dtypes: list[str] | None = None,  # each stage's dtype; default fp32 everywhere
+    max_queue: int | None = None,
 ) -> Ring:
     names = tuple(f"m{i}" for i in range(len(splits)))
     info = RingInfo(
@@ -71,7 +72,7 @@ def build_ring(
     pairs = [MemoryChannel.pair(names[i], names[(i + 1) % n]) for i in range(n)] if n > 1 else []
     hb = [(beat(a, dead_after), beat(b, dead_after)) for a, b in pairs]
     eos = ckpt.config.eos_token_id
-    ways = {"concurrency": concurrency, "chunk": chunk, "lanes": lanes or n}
+    ways = {"concurrency": concurrency, "chunk": chunk, "lanes": lanes or n, "max_queue": max_queue}
     if n == 1:
         head = RingHead(stages[0], ModelThread(names[0]), info, None, None, eos, **ways)
         return Ring(head.start(), [], [])

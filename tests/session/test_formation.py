@@ -87,11 +87,14 @@ def test_host_gathers_plans_sends_and_forms() -> None:
     assert [d.name for d in plan_now.devices] == ["alpha", "beta", "gamma"]
     assert plan_now.ids == {"alpha": 1, "beta": 2, "gamma": 3}
     assert core.step is Step.PLANNING and core.deadline is None
-    sent = core.planned(plan_of(["alpha", "beta", "gamma"]), 102.0, model="m", chunk=64, dtype="bf16")
+    sent = core.planned(
+        plan_of(["alpha", "beta", "gamma"]), 102.0, model="m", chunk=64, queue=8, dtype="bf16"
+    )
     assert [s.to for s in sent] == [2, 3]
     body = sent[0].body
     assert body["op"] == "plan" and body["ids"] == {"alpha": 1, "beta": 2, "gamma": 3}
     assert body["model"] == "m" and body["chunk"] == 64 and body["dtype"] == "bf16" and body[fm.KEY] == 1
+    assert body["queue"] == 8
     assert core.step is Step.LINKING
     assert kinds(core.handle(fm.Message(2, fm.payload("ready")), 103.0)) == ["Say"]  # early ready counts
     assert core.started(104.0) == [] and core.deadline == 114.0
@@ -334,7 +337,7 @@ def member(wait_s: float = 10.0, link_s: float | None = 5.0, now: float = 50.0) 
 
 def plan_body(names: list[str], ids: dict[str, int], dtype: str = "bf16") -> dict[str, Any]:
     plan = plan_of(names).to_dict()
-    return fm.payload("plan", plan=plan, ids=ids, model="m", chunk=64, dtype=dtype, alternatives={})
+    return fm.payload("plan", plan=plan, ids=ids, model="m", chunk=64, queue=8, dtype=dtype, alternatives={})
 
 
 IDS = {"alpha": 1, "beta": 2, "gamma": 3}
@@ -344,7 +347,14 @@ def test_member_normal_flow() -> None:
     core = member()
     out = core.handle(fm.Message(HOST, plan_body(["alpha", "beta", "gamma"], IDS)), 51.0)
     got = only(out, fm.LinkNow)
-    assert (got.me, got.host, got.model, got.chunk, got.dtype) == ("gamma", "alpha", "m", 64, "bf16")
+    assert (got.me, got.host, got.model, got.chunk, got.queue, got.dtype) == (
+        "gamma",
+        "alpha",
+        "m",
+        64,
+        8,
+        "bf16",
+    )
     assert got.plan.block_range("gamma") == (8, 12)
     assert core.step is Step.LINKING and core.deadline == 56.0
     assert core.linked(52.0) == [] and core.deadline is None

@@ -213,6 +213,30 @@ async def test_cancel_frees_the_slot_for_the_next_request(ckpt: Checkpoint) -> N
         await ring.stop()
 
 
+async def test_a_request_past_a_full_queue_is_refused_as_busy_at_the_head_and_through_a_member(
+    ckpt: Checkpoint,
+) -> None:
+    ring = build_ring(ckpt, [(0, 2), (2, 5)], concurrency=1, max_queue=1)
+    try:
+        first = await ring.head.submit(PROMPTS[0], Sampling(max_tokens=30))
+        second = await ring.members[0].submit(PROMPTS[1], Sampling(max_tokens=4))  # waits: position 1
+        while not ring.head.schedule.queue_positions():  # forwarded to the head
+            await asyncio.sleep(0.01)
+        with pytest.raises(GenerationError, match="queue is full: 1 requests already wait") as err:
+            await ring.head.submit(PROMPTS[2], Sampling(max_tokens=4))
+        assert err.value.code == "busy"
+        with pytest.raises(GenerationError, match="queue is full") as err:  # refused by the head
+            await asyncio.wait_for(
+                collect(await ring.members[0].submit(PROMPTS[2], Sampling(max_tokens=4))), 10
+            )
+        assert err.value.code == "busy"
+        tokens, _ = await asyncio.wait_for(collect(second), 30)  # the waiting one is served
+        assert tokens == single_process(ckpt, PROMPTS[1], 4)
+        assert (await asyncio.wait_for(collect(first), 30))[0] == single_process(ckpt, PROMPTS[0], 30)
+    finally:
+        await ring.stop()
+
+
 async def test_prompt_past_the_context_is_refused(ckpt: Checkpoint) -> None:
     ring = build_ring(ckpt, [(0, 5)], context=16)
     try:

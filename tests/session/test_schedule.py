@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kafila.session.schedule import Entry, Schedule, Step, lanes_for
+from kafila.session.schedule import Entry, QueueFull, Schedule, Step, lanes_for
 
 
 def test_prefill_chunks_then_one_decode_step_at_a_time() -> None:
@@ -34,6 +34,25 @@ def test_prefill_chunks_then_one_decode_step_at_a_time() -> None:
     s.returned(d)
     assert s.sampled(1, stop=False) is True  # max_tokens = 3 reached
     assert s.pop_freed() == [1]
+
+
+def test_a_full_queue_refuses_naming_the_numbers_and_takes_again_once_one_leaves() -> None:
+    s = Schedule(concurrency=2, chunk=8, max_queue=2)
+    assert [s.submit(rid, 4, 4) for rid in (1, 2, 3, 4)] == [0, 0, 1, 2]
+    with pytest.raises(QueueFull, match="2 requests already wait for its 2 slots"):
+        s.submit(5, 4, 4)
+    assert s.queue_positions() == {3: 1, 4: 2}  # the refused one left nothing behind
+    s.cancel(3)
+    assert s.submit(5, 4, 4) == 2
+
+
+def test_a_session_without_a_queue_refuses_only_when_every_slot_is_taken() -> None:
+    s = Schedule(concurrency=1, chunk=8, max_queue=0)
+    assert s.submit(1, 4, 4) == 0
+    with pytest.raises(QueueFull, match="all 1 slot of this session are busy and it queues no request"):
+        s.submit(2, 4, 4)
+    s.cancel(1)
+    assert s.submit(2, 4, 4) == 0
 
 
 def test_queue_positions_and_admission_when_a_slot_frees() -> None:

@@ -53,7 +53,7 @@ def opts(rdv: RendezvousServer, name: str, tmp: Path, **kw) -> Options:
 async def form(rdv: RendezvousServer, tmp: Path, n: int, model: Path, division: str) -> list[Formed]:
     code: asyncio.Future = asyncio.get_running_loop().create_future()
     host_opts = opts(
-        rdv, NAMES[0], tmp, model=str(model), members=n, context=256, division=division, chunk=64
+        rdv, NAMES[0], tmp, model=str(model), members=n, context=256, division=division, chunk=64, queue=3
     )
     hosting = asyncio.ensure_future(host(host_opts, on_code=code.set_result))
     c = str(await code)
@@ -103,6 +103,7 @@ async def test_sessions_of_four_and_five_members(rdv, tiny_chat_model, tmp_path,
         tok = Tokenizer.from_checkpoint(ckpt)
         prompt = tok.encode_chat(PROMPT)
         want = await asyncio.to_thread(single_process, tiny_chat_model, prompt, 12)
+        assert by_name[plan.head].service.schedule.max_queue == 3  # the host's --queue, at the head
         asker = by_name[far[0]]  # a member that is neither the head's nor the host's neighbour
         events = await asker.service.submit(prompt, Sampling(max_tokens=12, seed=7))
         assert [t async for ev in events for t in ev.tokens] == want
