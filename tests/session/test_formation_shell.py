@@ -99,7 +99,9 @@ async def test_member_linking_is_cut_short_when_a_simulated_host_leaves(rdv, tmp
     joining = asyncio.ensure_future(join(code, opts(rdv, "beta", tmp_path, wait_s=60)))
     member = await next_report(client)
     ids = {"simulated-host": client.member, "beta": member}
-    body = payload("plan", plan=two_member_plan().to_dict(), ids=ids, model="tiny", chunk=4, queue=8, dtype="fp32")
+    body = payload(
+        "plan", plan=two_member_plan().to_dict(), ids=ids, model="tiny", chunk=4, queue=8, dtype="fp32"
+    )
     await client.signal(member, body)
     await asyncio.sleep(1.0)  # the member is linking now
     assert not joining.done()
