@@ -27,7 +27,7 @@ from kafila.engine import PREFILL_CHUNK
 from kafila.engine.pace import Pace
 from kafila.net.edge import EdgeOptions, LinkNode, SignalRouter, connect_edge
 from kafila.net.endpoint import UdpEndpoint
-from kafila.net.errors import LinkError, NatProbeError
+from kafila.net.errors import LinkAuthError, LinkError, NatProbeError
 from kafila.net.link import Link
 from kafila.net.signaling import SignalingClient, SignalingClosed
 from kafila.obs.log import get_logger
@@ -41,6 +41,7 @@ from kafila.session.formation import HostFormation, MemberFormation
 from kafila.session.schedule import DEFAULT_QUEUE
 
 log = get_logger("kafila.session.form")
+AUTH_VERDICT_S = 10.0  # a member whose link did not authenticate waits this long for its link to the host
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -346,16 +347,45 @@ async def link_ring(node: LinkNode, plan: Plan, me: str, ids: dict[str, int], ho
         if m != host:
             pairs.setdefault(frozenset((m, host)), (m, host))
     direct = {frozenset((e.src, e.dst)): e.direct for e in plan.edges}
-    jobs = {}
+    jobs: dict[str, asyncio.Future[Link]] = {}
     for pair, (client, server) in pairs.items():
         if me in pair:
             peer = server if client == me else client
             opts = EdgeOptions(predicted_direct=direct.get(pair, True))
-            jobs[peer] = connect_edge(node, ids[peer], client == me, opts)
-    links = dict(zip(jobs, await asyncio.gather(*(named(me, p, j) for p, j in jobs.items())), strict=True))
+            jobs[peer] = asyncio.ensure_future(
+                named(me, peer, connect_edge(node, ids[peer], client == me, opts))
+            )
+    try:
+        links = dict(zip(jobs, await asyncio.gather(*jobs.values()), strict=True))
+    except LinkAuthError as exc:
+        raise LinkAuthError(await whose_code(exc, me, host, jobs)) from exc
+    finally:
+        for job in jobs.values():
+            job.cancel()  # after a failure: the links still forming
     for peer, link in links.items():
         say(f"link {me} <-> {peer}: {link.path}")
     return links
+
+
+async def whose_code(exc: LinkAuthError, me: str, host: str, jobs: dict[str, asyncio.Future[Link]]) -> str:
+    """A link that did not authenticate joins two members whose session codes differ. The host's
+    code is the session's, so whichever of the two cannot authenticate with the host typed
+    another: the host knows at once, a member waits (up to AUTH_VERDICT_S) for its own link to
+    the host. `exc`'s text, for the record, after the verdict."""
+    peer = next(p for p, j in jobs.items() if j.done() and not j.cancelled() and j.exception() is exc)
+    wrong: str | None = peer
+    if host not in (me, peer):
+        done, _ = await asyncio.wait({jobs[host]}, timeout=AUTH_VERDICT_S)
+        verdict = jobs[host].exception() if done else None
+        wrong = me if isinstance(verdict, LinkAuthError) else peer if done and verdict is None else None
+    elif peer == host:
+        wrong = me
+    if wrong is None:
+        return f"{me} and {peer} hold different session codes ({exc})"
+    return (
+        f"{wrong}'s session code differs from the host's: join again with the exact code {host} "
+        f"printed ({exc})"
+    )
 
 
 async def named(me: str, peer: str, link: Awaitable[Link]) -> Link:

@@ -305,4 +305,44 @@ async def test_a_member_with_a_wrong_secret_word_is_named_with_why(rdv, tmp_path
     for end in ends:  # each its own link's failure, or the one it was told of
         assert isinstance(end, SessionError | LinkError) and "did not prove the session secret" in str(end)
     assert "could not link: " in str(ends[0])
-    assert all("carol" in str(end) for end in ends), [str(e) for e in ends]  # by name, not only ids
+    for end in ends:  # the one with the wrong code is named, whoever reported first
+        assert "carol's session code differs from the host's: join again with the exact code alpha" in str(
+            end
+        )
+
+
+def failed(exc: BaseException | None, pending: bool = False) -> asyncio.Future:
+    fut = asyncio.get_running_loop().create_future()
+    if pending:
+        return fut
+    fut.set_exception(exc) if exc is not None else fut.set_result(object())
+    return fut
+
+
+@pytest.mark.parametrize(
+    ("me", "jobs", "named"),
+    [  # whose_code(me, host "alpha", ...): the link to "x" did not authenticate
+        ("alpha", {"x": "auth", "y": "ok"}, "x's session code differs"),  # the host knows at once
+        ("beta", {"alpha": "ok", "x": "auth"}, "x's session code differs"),  # beta's link to the host held
+        ("beta", {"alpha": "auth", "x": "auth"}, "beta's session code differs"),  # ... did not: beta's
+        ("beta", {"alpha": "closed", "x": "auth"}, "beta and x hold different session codes"),
+        ("beta", {"x": "auth", "alpha": "pending"}, "beta and x hold different session codes"),  # no verdict
+    ],
+)
+async def test_a_link_that_did_not_authenticate_names_the_member_whose_code_differs(
+    monkeypatch, me, jobs, named
+) -> None:
+    from kafila.net.errors import LinkAuthError, LinkClosed
+    from kafila.session import form
+
+    monkeypatch.setattr(form, "AUTH_VERDICT_S", 0.05)
+    exc = LinkAuthError("link beta <-> x: the peer did not prove the session secret")
+    outcome = {"ok": None, "closed": LinkClosed("gone")}
+    futures = {
+        peer: failed(exc) if how == "auth" and peer == "x" else
+        failed(LinkAuthError("other")) if how == "auth" else
+        failed(None, pending=True) if how == "pending" else failed(outcome[how])
+        for peer, how in jobs.items()
+    }  # fmt: skip
+    why = await form.whose_code(exc, me, "alpha", futures)
+    assert why.startswith(named) and why.endswith(f"({exc})")
