@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -236,9 +237,14 @@ class LinkChannel:
         await self.link.close(reason)
 
 
+STALLED_S = 1.0  # a deadline that fires this late means this process itself did not run
+
+
 class Heartbeat:
     """Beats on `inner` every `interval` s; `recv` raises ChannelDead after `dead_after` s of silence.
-    Beats are consumed here and never returned to the caller."""
+    Beats are consumed here and never returned to the caller. A deadline that fired late (this
+    process was stopped, or its machine swapped: the peer's beats wait unread in the socket) gets
+    one more look of two beats before the silence is blamed, and then names the stall."""
 
     def __init__(
         self,
@@ -276,18 +282,32 @@ class Heartbeat:
         await self.inner.send(msg)
 
     async def recv(self, timeout: float | None = None) -> t.Message:
+        stalled = 0.0
         while True:
             limit = self.dead_after if self._heard else self.first_within
             wait = limit if timeout is None else min(timeout, limit)
+            if stalled:  # what arrived while this process did not run is still to be read
+                wait = min(wait, 2 * self.interval)
+            started = time.monotonic()
             try:
                 msg = await self.inner.recv(wait)
             except ChannelDead:
-                raise ChannelDead(
-                    f"member {self.peer} stopped answering (nothing for {limit:.0f} s)"
-                ) from None
+                late = time.monotonic() - started - wait
+                if late > STALLED_S and not stalled:
+                    stalled = late
+                    continue
+                raise ChannelDead(self._silence(limit, stalled)) from None
             self._heard = True
             if not (isinstance(msg, t.Control) and msg.op == BEAT):
                 return msg
+
+    def _silence(self, limit: float, stalled: float) -> str:
+        if stalled:  # the deadline passed while this member itself was stopped: the peer may be fine
+            return (
+                f"this member stalled for {stalled:.1f} s (its process did not run) and heard nothing "
+                f"from member {self.peer} since"
+            )
+        return f"member {self.peer} stopped answering (nothing for {limit:.0f} s)"
 
     def acknowledge(self) -> None:
         self.inner.acknowledge()

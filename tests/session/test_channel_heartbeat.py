@@ -1,0 +1,51 @@
+"""Heartbeat silence against a member that was itself stopped (in-process pair).
+
+A simulated stall: the event loop is blocked by `time.sleep` past the deadline while the peer's
+message "arrives" (a timer puts it in the channel, as the socket reader would on the loop's first
+turn after the stall). The real Heartbeat code decides what the silence means.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from kafila.proto import tensor as t
+from kafila.session.channel import ChannelDead, Heartbeat, MemoryChannel
+
+DEAD_AFTER = 0.5
+
+
+def listening() -> tuple[MemoryChannel, Heartbeat]:
+    a, b = MemoryChannel.pair("alpha", "beta")
+    return a, Heartbeat(b, DEAD_AFTER, interval=10.0, first_within=DEAD_AFTER)  # no beats of its own
+
+
+def stall(seconds: float, then_arrives: t.Message | None, a: MemoryChannel) -> None:
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.05, time.sleep, seconds)  # the whole process stops: nothing of it runs
+    if then_arrives is not None:  # sent by the peer during the stall, read on the first turn after it
+        loop.call_later(0.1, a._out.put_nowait, t.encode(then_arrives))
+
+
+async def test_simulated_stall_of_this_member_does_not_blame_a_peer_whose_message_waits_unread() -> None:
+    a, hb = listening()
+    stall(2.5, t.Control("hello"), a)
+    assert await asyncio.wait_for(hb.recv(), 10) == t.Control("hello")
+
+
+async def test_simulated_stall_then_real_silence_names_the_stall_not_only_the_peer() -> None:
+    a, hb = listening()
+    stall(2.5, None, a)
+    with pytest.raises(
+        ChannelDead, match=r"this member stalled for 2\.\d s .* heard nothing from member alpha"
+    ):
+        await asyncio.wait_for(hb.recv(), 10)
+
+
+async def test_a_silent_peer_without_a_stall_is_named() -> None:
+    _, hb = listening()
+    with pytest.raises(ChannelDead, match="member alpha stopped answering"):
+        await asyncio.wait_for(hb.recv(), 10)
