@@ -165,7 +165,13 @@ async def version(request: Request) -> Response:
 
 def _entry(api: Api) -> dict[str, Any]:
     size = api.facts.size_bytes
-    return {"name": api.model_id, "model": api.model_id, "size": size, "digest": "", "details": _details(api)}
+    return {
+        "name": api.model_id,
+        "model": api.model_id,
+        "size": size,
+        "digest": api.facts.digest,
+        "details": _details(api),
+    }
 
 
 def _details(api: Api) -> dict[str, Any]:

@@ -25,11 +25,13 @@ class ModelFacts:
     parameters: int
     size_bytes: int  # every weight in the session's dtype: all members' shares together
     dtype: str  # the session's, e.g. "F32"
+    digest: str = ""  # the checkpoint id (sha256 of its safetensors headers): the same at every member
 
     @classmethod
-    def of(cls, config: ModelConfig, dtype: str) -> ModelFacts:
+    def of(cls, config: ModelConfig, dtype: str, digest: str = "") -> ModelFacts:
         specs = specs_from_config(config, dtype)
-        return cls(config.model_type, sum(s.numel for s in specs), sum(s.nbytes() for s in specs), dtype)
+        numel, nbytes = sum(s.numel for s in specs), sum(s.nbytes() for s in specs)
+        return cls(config.model_type, numel, nbytes, dtype, digest)
 
 
 @dataclass

@@ -7,7 +7,7 @@ import contextlib
 import json
 import socket
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -209,17 +209,15 @@ async def _host_ring(
     alternatives: dict[str, Any],
 ) -> Formed:
     """The host's links, weight serving and ring role (a step the formation core waits on)."""
-    from kafila.session.weights import WeightServer
+    from kafila.session.weights import WeightServer, checkpoint_id
 
     links = held.links = await link_ring(node, plan, name, ids, name)
     server = WeightServer(folder, cache=opts.cache)
     controls = [LinkChannel(link, peer) for peer, link in links.items()]
     say(f"serving weights to {len(controls)} member(s)")
     await asyncio.gather(*(server.serve(c) for c in controls))
-    return await _start_ring(
-        name, code, plan, folder, links, node, client, opts, opts.model, (opts.chunk, opts.queue),
-        alternatives, held.api_socket,
-    )  # fmt: skip
+    serving = Serving(opts.model, opts.chunk, opts.queue, await off_loop(checkpoint_id, folder), alternatives)
+    return await _start_ring(name, code, plan, folder, links, node, client, opts, serving, held.api_socket)
 
 
 def in_session_dtype(opts: Options, capability: dict[str, Any]) -> Options:
@@ -290,10 +288,10 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     opts = replace(opts, dtype=got.dtype)  # compute in the host's choice, whatever the probe used
     shard = await drive.during(_fetch(got, links, opts))
     await drive.carry(core.fetched(drive.now()))
+    serving = Serving(got.model, got.chunk, got.queue, shard.checkpoint, got.alternatives)
     ring = _start_ring(
-        got.me, code, got.plan, shard.path, links, node, client, opts, got.model, (got.chunk, got.queue),
-        got.alternatives, held.api_socket,
-    )  # fmt: skip
+        got.me, code, got.plan, shard.path, links, node, client, opts, serving, held.api_socket
+    )
     formed = held.formed = await drive.during(ring)
     formed.tasks.append(pump)
     formed.shard = shard  # type: ignore[attr-defined]
@@ -325,6 +323,17 @@ def weights_source(shard: ShardResult) -> str:
     return fetched + (f", {cached} tensors from the local cache" if cached else "")
 
 
+@dataclass(frozen=True)
+class Serving:
+    """What the host decided for every member's ring role and API."""
+
+    model: str  # the model id clients ask for
+    chunk: int  # prompt tokens per prefill step
+    queue: int  # requests that may wait for a slot at the head
+    checkpoint: str  # the checkpoint id (its safetensors headers' digest): the Ollama digest
+    alternatives: dict[str, Any] | None = None  # the divisions compared, for /session
+
+
 async def _start_ring(
     name: str,
     code: SessionCode,
@@ -334,9 +343,7 @@ async def _start_ring(
     node: Any,
     client: SignalingClient,
     opts: Options,
-    model: str,
-    chunk_queue: tuple[int, int],  # prompt tokens per prefill step, requests that may wait (the host's)
-    alternatives: dict[str, Any] | None = None,
+    serving: Serving,
     api_socket: socket.socket | None = None,
 ) -> Formed:
     from kafila.api.state import ModelFacts
@@ -346,7 +353,7 @@ async def _start_ring(
     from kafila.session.head import RingHead
     from kafila.session.member import RingMember
 
-    chunk, queue = chunk_queue
+    model = serving.model
     ckpt = Checkpoint.open(folder)  # a member's shard: its own tensors only
     tokenizer = Tokenizer.from_checkpoint(ckpt)
     a, b = plan.block_range(name)
@@ -364,7 +371,7 @@ async def _start_ring(
         opts.pace,
     )
     nxt_name, prv_name = plan.successor(name), plan.predecessor(name)
-    info = _ring_info(name, code, plan, links, model, alternatives, stage.backend.dtype)
+    info = _ring_info(name, code, plan, links, model, serving.alternatives, stage.backend.dtype)
     nxt = _channel(links.get(nxt_name), nxt_name, opts)
     prv = _channel(links.get(prv_name), prv_name, opts) if len(order) > 2 or nxt is None else nxt
     traces = TraceLog(opts.trace)  # without a file: the last records for /traces only
@@ -379,10 +386,10 @@ async def _start_ring(
             prv,
             tuple(tokenizer.stop_ids),
             plan.concurrency,
-            chunk,
+            serving.chunk,
             traces,
             lanes,
-            queue,
+            serving.queue,
         )
         traces.write(session_record(plan, code.public, model, info.edges))
     else:
@@ -393,7 +400,7 @@ async def _start_ring(
         "end it (Ctrl-C) and form a new session"
     )
     service.start()
-    facts = ModelFacts.of(ckpt.config, stage.backend.wire_dtype)
+    facts = ModelFacts.of(ckpt.config, stage.backend.wire_dtype, serving.checkpoint)
     api = await _serve_api(service, tokenizer, model, facts, traces, api_socket) if api_socket else None
     if api is None:  # the API's line is the others' "ready"
         say(f"serving blocks [{a}, {b}){' + head' if head else ''}; no API on this member (--api off)")

@@ -159,6 +159,12 @@ def headers_digest(headers: dict[str, bytes]) -> str:
     return h.hexdigest()
 
 
+def checkpoint_id(folder: Path) -> str:
+    """The id of the checkpoint in `folder` (its headers' digest, as `describe` gives it)."""
+    ckpt = Checkpoint.open(folder, complete=True)
+    return headers_digest(_read_headers(ckpt.path, sorted({i.file.name for i in ckpt.tensors.values()})))
+
+
 def parse_header(file: str, raw: bytes) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
     """Header bytes (8-byte length + JSON) -> {name: (dtype, shape, start, end)}, absolute offsets,
     with the same checks as Checkpoint (known dtype, byte count = numel * itemsize)."""

@@ -23,6 +23,7 @@ from kafila.session.form import Formed, Options
 from kafila.session.service import Sampling
 from kafila.session.stagetrace import planned_rtt_ms
 from kafila.session.start import host, join
+from kafila.session.weights import checkpoint_id
 from tests.session.conftest import make_tiny_chat
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
@@ -129,6 +130,9 @@ async def test_sessions_of_four_and_five_members(rdv, tiny_chat_model, tmp_path,
                 links = {link["edge"]: link["path"] for link in doc["links"]}
                 assert set(links) == ring_edges | own_controls
                 assert set(links.values()) <= {"direct", "relay"}
+            tags = [(await client.get(f"{f.api.url}/api/tags")).json()["models"][0] for f in formed]
+        digests = {t["digest"] for t in tags}
+        assert digests == {checkpoint_id(tiny_chat_model)}  # every member names the host's checkpoint
     finally:
         for f in formed:
             await f.close()
