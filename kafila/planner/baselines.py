@@ -29,7 +29,7 @@ def proportional_counts(k: int, weights: Sequence[float]) -> tuple[int, ...]:
     while sum(counts) < k:
         i = by_remainder.pop(0) if by_remainder else counts.index(min(counts))
         counts[i] += 1
-    while sum(counts) > k:  # only when max(1, .) lifted a share
-        i = max(range(m), key=lambda j: (counts[j] - exact[j], counts[j]))
+    while sum(counts) > k:  # only when max(1, .) lifted a share; never below one
+        i = max((j for j in range(m) if counts[j] > 1), key=lambda j: (counts[j] - exact[j], counts[j]))
         counts[i] -= 1
     return tuple(counts)

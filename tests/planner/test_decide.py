@@ -138,6 +138,16 @@ def test_kafila_fits_where_the_baselines_are_refused():
     assert p.feasible and p.blocks()["laptop"] <= 5
 
 
+def test_memory_division_gives_every_member_a_block_however_unequal_their_memory():
+    """proportional_counts used to take the block it had lifted a tiny share to back from that
+    share: 0 blocks, "fits", and a zero-cost stage that divided by zero in the plan's figures."""
+    fleet = [gpu("big", 100, 10, overhead_s=5e-5), gpu("s1", 0.5, 10), gpu("s2", 0.5, 10)]
+    plans = plan_all(fleet, QWEN8, context=256)
+    for p in plans.values():
+        assert min(p.blocks().values()) >= 1, (p.division, p.blocks())
+    assert plans["memory"].blocks()["big"] == 34
+
+
 def test_no_division_names_the_device_that_cannot_hold_one_block():
     fleet = [gpu("desktop", 80, 900), gpu("phone", 0.3, 30)]
     p = plan(fleet, QWEN8, context=4096)
