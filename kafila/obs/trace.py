@@ -194,6 +194,24 @@ class TraceLog:
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
 
+    @staticmethod
+    def check(path: Path) -> None:
+        """ValueError (one line) when records could not be appended to `path`: named before a session
+        starts, not after its probe and load (a record that fails later is logged, never raised)."""
+        import os
+
+        try:
+            if path.is_dir():
+                raise IsADirectoryError(21, "Is a directory")
+            for folder in path.parents:
+                if folder.exists() and not folder.is_dir():
+                    raise NotADirectoryError(20, f"{folder} is a file, not a folder")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+                raise PermissionError(13, "Permission denied")
+        except OSError as exc:
+            raise ValueError(f"cannot write the trace to {path}: {exc.strerror or exc}") from None
+
     def write(self, record: Record) -> None:
         """Keep and append one record. A file that cannot be written is logged once, never raised:
         the ring loops that write records must not stop over a full disk."""

@@ -31,7 +31,7 @@ from kafila.net.errors import LinkAuthError, LinkError, NatProbeError
 from kafila.net.link import Link
 from kafila.net.signaling import SignalingClient, SignalingClosed
 from kafila.obs.log import get_logger
-from kafila.obs.trace import SessionRecord
+from kafila.obs.trace import SessionRecord, TraceLog
 from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan
 from kafila.proto import signaling as sig
@@ -83,6 +83,8 @@ class Options:
         self.pace.check_cpus(usable_cpus())
         if self.api is not None:
             parse_addr(self.api)  # a malformed --api is named before anything connects
+        if self.trace is not None:
+            TraceLog.check(self.trace)
 
     @property
     def pace(self) -> Pace:

@@ -86,6 +86,23 @@ def test_a_code_file_that_cannot_be_written_is_named_before_the_session_opens(tm
     assert "cannot reach the rendezvous" not in done.stderr  # before connecting
 
 
+@pytest.mark.parametrize("command", ["host", "join"])
+@pytest.mark.parametrize(
+    ("where", "named"), [("a-file/trace.jsonl", "a-file is a file, not a folder"), (".", "Is a directory")]
+)
+def test_a_trace_that_cannot_be_written_is_named_before_anything_starts(
+    tmp_path, command: str, where: str, named: str
+) -> None:
+    """It failed with a traceback after the probe and the stage load (a folder that cannot be
+    made), or the session ran without its trace (a directory)."""
+    (tmp_path / "a-file").write_text("")
+    code = ["4-k7m2-tiger-lamp-ocean"] if command == "join" else []
+    done = kafila_cli(command, *code, "--trace", str(tmp_path / where), "--rendezvous", "ws://127.0.0.1:1/x")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert f"cannot write the trace to {tmp_path / where}: " in done.stderr and named in done.stderr
+    assert "cannot reach the rendezvous" not in done.stderr  # before connecting
+
+
 def test_the_code_file_appears_only_with_the_code_in_it(tmp_path) -> None:
     """Scripts wait for the file to exist and then read the code: checking it may be written must
     not create it (an empty file made the NAT-lab members read a code of 0 parts)."""
