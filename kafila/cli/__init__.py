@@ -52,6 +52,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv_is_ours = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     only = argv[0] if argv and argv[0] in COMMANDS else None
     parser = build_parser(only)
@@ -67,9 +68,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     configure_logging()
     try:
-        return int(_load(args.command).main(args) or 0)
+        rc = int(_load(args.command).main(args) or 0)
     except KeyboardInterrupt:
-        return 130
+        rc = 130
+    if argv_is_ours and _off_loop_busy():  # the program, not a caller in this process
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)  # a probe or stage load still in torch aborted the interpreter's exit (rc 134)
+    return rc
+
+
+def _off_loop_busy() -> bool:
+    form = sys.modules.get("kafila.session.form")  # loaded only by commands that form sessions
+    return form is not None and bool(form.off_loop_busy())
 
 
 if __name__ == "__main__":

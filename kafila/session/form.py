@@ -150,8 +150,17 @@ async def off_loop(fn: Callable[..., R], *args: Any) -> R:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for it any more
             loop.call_soon_threadsafe(settle, outcome)
 
-    threading.Thread(target=run, name=f"kafila-{getattr(fn, '__name__', 'work')}", daemon=True).start()
+    name = f"{OFF_LOOP}{getattr(fn, '__name__', 'work')}"
+    threading.Thread(target=run, name=name, daemon=True).start()
     return await done
+
+
+OFF_LOOP = "kafila-off-loop-"  # the threads' names
+
+
+def off_loop_busy() -> bool:
+    """An `off_loop` call still runs (the member was stopped during its probe or stage load)."""
+    return any(t.name.startswith(OFF_LOOP) and t.is_alive() for t in threading.enumerate())
 
 
 def say(text: str) -> None:
