@@ -93,3 +93,46 @@ async def test_session_across_nats_with_a_relayed_edge(natlab: Lab, rdv, smollm2
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+
+
+async def test_a_direct_edge_cut_mid_session_goes_on_over_the_relay_before_the_ring_gives_up(
+    natlab: Lab, rdv, smollm2_path, tmp_path
+) -> None:
+    """Two members behind permissive routers link directly; then both routers drop the direct path
+    (simulated: nft rules, as a route or NAT change would). The link must fall back to the relay
+    within the ring's default --dead-after (5 s): it used to take 7.2 s and the request failed."""
+    sites = [natlab.add_site("permissive"), natlab.add_site("permissive")]
+    logs = [tmp_path / f"{n}.log" for n in ("alpha", "beta")]
+    code_file = tmp_path / "code"
+    common = ["--rendezvous", rdv.url, "--api", API]
+    procs = [spawn(sites[0].host, ["host", "--members", "2", "--name", "alpha", "--context", "512",
+                                   "--code-file", str(code_file), *common], logs[0])]  # fmt: skip
+    try:
+        await wait_for(code_file.exists, 120, "session code", procs)
+        procs.append(
+            spawn(sites[1].host, ["join", code_file.read_text().strip(), "--name", "beta", *common], logs[1])
+        )
+        await wait_for(lambda: "session ready" in logs[0].read_text(), 300, "session ready", procs)
+        assert "link alpha <-> beta: direct" in logs[0].read_text()
+        natlab.block_direct(sites[0], sites[1])
+        asked = await asyncio.to_thread(
+            subprocess.run,
+            ["ip", "netns", "exec", sites[1].host, sys.executable, "-c", ASK],
+            capture_output=True,
+            timeout=180,
+        )
+        answer = json.loads(asked.stdout)
+        assert "Paris" in answer["choices"][0]["message"]["content"], answer
+        text = "".join(log.read_text() for log in logs)
+        assert "direct path silent for" in text and "ring is broken" not in text
+    finally:
+        natlab.unblock_all()
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
