@@ -213,11 +213,13 @@ class LinkChannel:
         self.counters.sent(msg, len(record))
 
     async def recv(self, timeout: float | None = None) -> t.Message:
-        from kafila.net.errors import LinkError, LinkTimeout
+        from kafila.net.errors import LinkError, LinkTimeout, PeerSilent
 
         while True:
             try:
                 kind, payload = await self.link.recv(timeout)
+            except PeerSilent as exc:  # the link closed itself: its own reason, not this wait's
+                raise ChannelClosed(f"link to {self.peer}: {exc}") from exc
             except LinkTimeout:
                 raise ChannelDead(f"{self.peer}: no message within {timeout} s") from None
             except LinkError as exc:

@@ -49,3 +49,25 @@ async def test_a_silent_peer_without_a_stall_is_named() -> None:
     _, hb = listening()
     with pytest.raises(ChannelDead, match="member alpha stopped answering"):
         await asyncio.wait_for(hb.recv(), 10)
+
+
+async def test_a_link_closed_by_its_own_silence_check_is_named_as_such_not_as_the_rings_wait() -> None:
+    """The link gave up on a vanished peer after its peer_timeout; the ring's channel said "stopped
+    answering (nothing for 20 s)", the ring's --dead-after, which had not passed."""
+    from kafila.net.auth import EdgeContext
+    from kafila.net.link import LinkConfig
+    from kafila.session.channel import ChannelClosed, LinkChannel
+    from tests.net.conftest import direct_pair
+
+    ctx = EdgeContext("S", "alice", "bob", b"secret")
+    config = LinkConfig(keepalive=0.1, dead_after=0.3, peer_timeout=0.6)
+    client, server, a, b = await direct_pair(ctx, ctx, config)
+    try:
+        await asyncio.gather(client.wait_ready(), server.wait_ready())
+        hb = Heartbeat(LinkChannel(client, "bob"), dead_after=20.0, interval=10.0, first_within=20.0)
+        b.close()  # bob's machine is gone without a word
+        with pytest.raises(ChannelClosed, match=r"link to bob: .*nothing received on any path for 0\.\d s"):
+            await asyncio.wait_for(hb.recv(), 10)
+    finally:
+        a.close()
+        await server.close()
