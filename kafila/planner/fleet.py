@@ -83,6 +83,7 @@ _PROBE_NUMBERS: dict[str, _Range] = {
 }
 # Session counts: positions and request ids are 32-bit on the wire (kafila.proto.tensor).
 MAX_COUNT = 2**32 - 1
+_TOP_KEYS = {"session", "device"}
 _SESSION_KEYS = {"model", "context", "concurrency"}
 _DEVICE_KEYS = {
     "name", "memory_gb", "bandwidth_gb_s", "overhead_us", "tflops", "nat", "filtering", "rtt_ms", "probe",
@@ -97,6 +98,7 @@ def parse_fleet(text: str, source: str = "fleet", read_json: ReadJson | None = N
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise FleetError(f"{source}: not valid TOML: {exc}") from exc
+    _no_unknown(data, _TOP_KEYS, source, "top-level key(s)")
     session = data.get("session")
     if not isinstance(session, dict):
         raise FleetError(f"{source}: needs a [session] table with model, context, concurrency")
@@ -208,10 +210,10 @@ def _nat(t: dict[str, Any], where: str) -> Nat | None:
     return Nat(NatClass(cls), filtering=Behaviour(filtering) if filtering else None)
 
 
-def _no_unknown(t: dict[str, Any], allowed: set[str], where: str) -> None:
+def _no_unknown(t: dict[str, Any], allowed: set[str], where: str, what: str = "field(s)") -> None:
     extra = sorted(set(t) - allowed)
     if extra:
-        raise FleetError(f"{where}: unknown field(s) {extra}; allowed: {sorted(allowed)}")
+        raise FleetError(f"{where}: unknown {what} {extra}; allowed: {sorted(allowed)}")
 
 
 def _get(t: dict[str, Any], key: str, kind: type, where: str) -> Any:

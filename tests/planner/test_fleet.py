@@ -84,6 +84,16 @@ def test_errors_name_the_device_and_field(edit, message):
     assert message in str(err.value) and str(err.value).startswith("f.toml")
 
 
+def test_unknown_top_level_keys_and_tables_are_refused_by_name():
+    """A misspelled table or key at the top level was ignored: `[[devices]]` planned without its device."""
+    text = "sesion = 1\n" + GOOD + '[[devices]]\nname = "b"\nmemory_gb = 24\n'
+    with pytest.raises(FleetError) as err:
+        parse_fleet(text, "f.toml")
+    assert str(err.value) == (
+        "f.toml: unknown top-level key(s) ['devices', 'sesion']; allowed: ['device', 'session']"
+    )
+
+
 def test_rejects_a_file_without_devices_or_not_toml():
     with pytest.raises(FleetError, match="at least one"):
         parse_fleet('[session]\nmodel = "x"\ncontext = 1\n')
