@@ -98,6 +98,8 @@ def parse_fleet(text: str, source: str = "fleet", read_json: ReadJson | None = N
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise FleetError(f"{source}: not valid TOML: {exc}") from exc
+    except RecursionError:  # tomllib recurses into nested arrays and inline tables
+        raise FleetError(f"{source}: not valid TOML: nested too deeply") from None
     _no_unknown(data, _TOP_KEYS, source, "top-level key(s)")
     session = data.get("session")
     if not isinstance(session, dict):
@@ -176,6 +178,8 @@ def _probe_file(t: dict[str, Any], where: str, model: str, read_json: ReadJson |
         data = read_json(path)
     except (OSError, ValueError) as exc:
         raise FleetError(f"{where}: cannot read probe file {path!r}: {exc}") from exc
+    except RecursionError:  # json recurses into nested arrays and objects
+        raise FleetError(f"{where}: cannot read probe file {path!r}: nested too deeply") from None
     where = f"{where}: probe file {path!r}"
     if not isinstance(data, dict):
         raise FleetError(f"{where}: must hold a JSON object, got {type(data).__name__}")

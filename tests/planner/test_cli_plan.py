@@ -99,6 +99,22 @@ def test_non_finite_numbers_and_malformed_probe_files_are_named_errors(tmp_path,
         assert err.startswith(f"kafila plan: {tmp_path / 'f.toml'}: ") and message in err, err
 
 
+def test_fleet_and_probe_files_nested_too_deeply_are_named_errors(tmp_path, capsys):
+    """json and tomllib recurse into nested arrays: a deep file was a RecursionError traceback, exit 1."""
+    (tmp_path / "deep.json").write_text("[" * 100_000)
+    (tmp_path / "f.toml").write_text(TWO.replace("rtt_ms = 12", 'rtt_ms = 12\nprobe = "deep.json"'))
+    assert main(["plan", str(tmp_path / "f.toml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kafila plan: {tmp_path / 'f.toml'}: device 'b': ") and err.endswith(
+        ": cannot read probe file 'deep.json': nested too deeply\n"
+    )
+    (tmp_path / "f.toml").write_text("a = " + "[" * 100_000 + "]" * 100_000 + "\n" + TWO)
+    assert main(["plan", str(tmp_path / "f.toml")]) == 2
+    assert (
+        capsys.readouterr().err == f"kafila plan: {tmp_path / 'f.toml'}: not valid TOML: nested too deeply\n"
+    )
+
+
 def test_context_and_concurrency_below_1_are_refused_not_replaced_by_the_fleet(tmp_path, capsys):
     (tmp_path / "f.toml").write_text(TWO)
     for flag in ("--context", "--concurrency"):
