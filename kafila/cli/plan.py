@@ -79,9 +79,11 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         base = args.fleet.parent
-        fleet = parse_fleet(
-            args.fleet.read_text(), str(args.fleet), lambda p: json.loads((base / p).read_text())
-        )
+        try:
+            text = args.fleet.read_text(encoding="utf-8")  # TOML is UTF-8 whatever the locale
+        except UnicodeDecodeError as exc:
+            raise FleetError(f"{args.fleet}: not valid TOML: {exc}") from exc
+        fleet = parse_fleet(text, str(args.fleet), lambda p: json.loads((base / p).read_text()))
         model = fleet.model if args.model is None else args.model
         context = fleet.context if args.context is None else args.context
         concurrency = fleet.concurrency if args.concurrency is None else args.concurrency

@@ -99,6 +99,16 @@ def test_non_finite_numbers_and_malformed_probe_files_are_named_errors(tmp_path,
         assert err.startswith(f"kafila plan: {tmp_path / 'f.toml'}: ") and message in err, err
 
 
+def test_a_fleet_file_that_is_not_utf8_is_named(tmp_path, capsys):
+    """It was read outside parse_fleet, so the decode error named no file."""
+    (tmp_path / "bad.toml").write_bytes(b"\xff\xfe")
+    assert main(["plan", str(tmp_path / "bad.toml")]) == 2
+    assert capsys.readouterr().err == (
+        f"kafila plan: {tmp_path / 'bad.toml'}: not valid TOML: "
+        "'utf-8' codec can't decode byte 0xff in position 0: invalid start byte\n"
+    )
+
+
 def test_fleet_and_probe_files_nested_too_deeply_are_named_errors(tmp_path, capsys):
     """json and tomllib recurse into nested arrays: a deep file was a RecursionError traceback, exit 1."""
     (tmp_path / "deep.json").write_text("[" * 100_000)
