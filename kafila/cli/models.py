@@ -25,7 +25,7 @@ def main(args: argparse.Namespace) -> int:
     from kafila.models.default import DEFAULT_MODELS, DefaultModelUnavailable, ensure_default
     from kafila.models.registry import available, models_dir
 
-    if args.convert:
+    if args.convert is not None:  # "" too: an empty name is refused, not taken as no --convert
         if args.convert not in DEFAULT_MODELS:
             print(
                 f"kafila models: {args.convert!r} is not a default model ({', '.join(DEFAULT_MODELS)})",
