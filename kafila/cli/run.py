@@ -46,7 +46,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_threads_flag(parser)
     parser.add_argument(
         "--context",
-        type=int,
+        type=positive_int,
         default=2048,
         help="positions reserved in the KV cache (prompt + answer); a longer prompt is refused",
     )
