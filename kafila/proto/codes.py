@@ -103,6 +103,8 @@ def parse_public(text: str) -> str:
 def parse_code(text: str, words: int = SECRET_WORDS) -> SessionCode:
     """Split and normalize a full code as a person typed it."""
     tokens = _tokens(text)
+    if not tokens:
+        raise ProtocolError("session code is empty; it looks like '4-k7m2-tiger-lamp-ocean'", "bad_code")
     if len(tokens) != 2 + words:
         raise ProtocolError(
             f"session code has {len(tokens)} parts, expected {2 + words} like '4-k7m2-tiger-lamp-ocean'",

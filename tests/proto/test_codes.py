@@ -51,6 +51,15 @@ def test_bad_full_codes() -> None:
         codes.parse_code("4-k7m2-tiger-zzzz-ocean")
 
 
+@pytest.mark.parametrize("text", ["", "  ", "- -"])
+def test_an_empty_code_is_called_empty(text: str) -> None:
+    """It was "session code has 0 parts", which says neither that nothing was typed nor what to type."""
+    with pytest.raises(ProtocolError) as err:
+        codes.parse_code(text)
+    assert str(err.value) == "session code is empty; it looks like '4-k7m2-tiger-lamp-ocean'"
+    assert err.value.code == "bad_code"
+
+
 def test_secret_material_binds_public_and_secret() -> None:
     a = codes.SessionCode("4-k7m2", "tiger-lily-ocean")
     b = codes.SessionCode("5-k7m2", "tiger-lily-ocean")

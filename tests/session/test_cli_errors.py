@@ -30,6 +30,7 @@ def kafila_cli(*argv: str) -> subprocess.CompletedProcess[str]:
     [
         (["host", "--model", "no-such-model"], "unknown model 'no-such-model'"),
         (["join", "4-zzzz-bad"], "session code has 3 parts"),
+        (["join", ""], "error: session code is empty; it looks like '4-k7m2-tiger-lamp-ocean'"),
         (["host", "--context", "100000"], "--context 100000 is beyond the 8192 positions smollm2-135m was"),
     ],
 )
