@@ -30,6 +30,16 @@ non_negative_int = whole_number(0)
 port_number = whole_number(0, 65535)  # a TCP/UDP port; 0 asks for any free one
 
 
+def count(text: str) -> int:
+    """A context or concurrency: a whole number >= 1 that fits the wire's 32 bits, as in a fleet file."""
+    from kafila.planner.fleet import MAX_COUNT  # pure: the standard library only
+
+    value = positive_int(text)
+    if value > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_COUNT}, got {text!r}")
+    return value
+
+
 def positive_number(text: str) -> float:
     """A finite number > 0."""
     try:

@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kafila.cli.argtypes import member_name, non_negative_int, positive_int, positive_number
+from kafila.cli.argtypes import count, member_name, non_negative_int, positive_int, positive_number
 from kafila.engine import PREFILL_CHUNK
 from kafila.session.schedule import DEFAULT_QUEUE
 
@@ -103,14 +103,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--context",
-        type=positive_int,
+        type=count,
         default=2048,
         help="declared context: prompt plus answer tokens, at most the model's trained positions "
         "(default 2048)",
     )
     parser.add_argument(
         "--concurrency",
-        type=positive_int,
+        type=count,
         default=1,
         help="requests served at once (more wait in a queue); the kafila division is planned for "
         "this load (default 1: the shortest circuit for one user)",

@@ -9,20 +9,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kafila.cli.argtypes import positive_int
+from kafila.cli.argtypes import count
 from kafila.cli.host import add_objective_flag
 
 DIVISION_CHOICES = ("kafila", "uniform", "memory", "all")
-
-
-def count(text: str) -> int:
-    """A context or concurrency: a whole number >= 1 that fits the wire's 32 bits."""
-    from kafila.planner.fleet import MAX_COUNT  # pure: the standard library only
-
-    value = positive_int(text)
-    if value > MAX_COUNT:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_COUNT}, got {text!r}")
-    return value
 
 
 def non_empty(text: str) -> str:

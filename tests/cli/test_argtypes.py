@@ -4,7 +4,14 @@ import argparse
 
 import pytest
 
-from kafila.cli.argtypes import member_name, non_negative_int, port_number, positive_int, positive_number
+from kafila.cli.argtypes import (
+    count,
+    member_name,
+    non_negative_int,
+    port_number,
+    positive_int,
+    positive_number,
+)
 
 
 @pytest.mark.parametrize(
@@ -18,6 +25,8 @@ from kafila.cli.argtypes import member_name, non_negative_int, port_number, posi
         (positive_number, "0.25", 0.25),
         (positive_number, "1e3", 1000.0),
         (member_name, "laptop-2", "laptop-2"),
+        (count, "1", 1),
+        (count, "4294967295", 2**32 - 1),  # the wire's 32 bits, as a fleet file's
     ],
 )
 def test_accepts(parse, text, value):
@@ -41,6 +50,8 @@ def test_accepts(parse, text, value):
         (positive_number, "many", "must be a finite number > 0, got 'many'"),
         (member_name, "", "must be 1-64 printable characters, got ''"),
         (member_name, "a\nb", "must be 1-64 printable characters, got 'a\\nb'"),
+        (count, "0", "must be a whole number >= 1, got '0'"),
+        (count, "4294967296", "must be at most 4294967295, got '4294967296'"),
     ],
 )
 def test_refuses_naming_the_range(parse, text, message):
