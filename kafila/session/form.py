@@ -402,8 +402,8 @@ async def whose_code(exc: LinkAuthError, me: str, host: str, jobs: dict[str, asy
     if wrong is None:
         return f"{me} and {peer} hold different session codes ({exc})"
     return (
-        f"{wrong}'s session code differs from the host's: join again with the exact code {host} "
-        f"printed ({exc})"
+        f"{wrong}'s session code differs from the host's (a mistyped word?), so this attempt ends: "
+        f"{host} must open a new session and {wrong} join it with the exact code printed ({exc})"
     )
 
 

@@ -306,9 +306,8 @@ async def test_a_member_with_a_wrong_secret_word_is_named_with_why(rdv, tmp_path
         assert isinstance(end, SessionError | LinkError) and "did not prove the session secret" in str(end)
     assert "could not link: " in str(ends[0])
     for end in ends:  # the one with the wrong code is named, whoever reported first
-        assert "carol's session code differs from the host's: join again with the exact code alpha" in str(
-            end
-        )
+        why = "carol's session code differs from the host's (a mistyped word?), so this attempt ends: "
+        assert why + "alpha must open a new session and carol join it with the exact code" in str(end)
 
 
 def failed(exc: BaseException | None, pending: bool = False) -> asyncio.Future:
