@@ -7,7 +7,14 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kafila.cli.argtypes import count, member_name, non_negative_int, positive_int, positive_number
+from kafila.cli.argtypes import (
+    count,
+    member_name,
+    non_negative_int,
+    number_at_least,
+    positive_int,
+    positive_number,
+)
 from kafila.engine import PREFILL_CHUNK
 from kafila.session.schedule import DEFAULT_QUEUE
 
@@ -41,9 +48,11 @@ def add_member_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", help="append trace records (JSON lines) to this file")
     parser.add_argument(
         "--dead-after",
-        type=positive_number,
+        type=number_at_least(1.0),
         default=5.0,
-        help="seconds of silence after which a neighbour counts as gone (default 5)",
+        help="seconds of silence after which a neighbour counts as gone (default 5; at least 1, as the "
+        "ring beats every second; below about 4 a link whose direct path fails cannot move to the relay "
+        "in time)",
     )
     add_threads_flag(parser)
     parser.add_argument(

@@ -309,7 +309,7 @@ class Heartbeat:
                 f"this member stalled for {stalled:.1f} s (its process did not run) and heard nothing "
                 f"from member {self.peer} since"
             )
-        return f"member {self.peer} stopped answering (nothing for {limit:.0f} s)"
+        return f"member {self.peer} stopped answering (nothing for {limit:g} s)"
 
     def acknowledge(self) -> None:
         self.inner.acknowledge()

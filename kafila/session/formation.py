@@ -229,7 +229,7 @@ class HostFormation(_Machine):
         self.devices[self.host_id] = me
         self.ids[me.name] = self.host_id
         self.step, self.deadline = Step.GATHERING, now + self.wait_s
-        out: list[Output] = [Say(f"waiting for {self.members - 1} member(s) (up to {self.wait_s:.0f} s)")]
+        out: list[Output] = [Say(f"waiting for {self.members - 1} member(s) (up to {self.wait_s:g} s)")]
         return out + self._maybe_plan()
 
     def planned(self, plan: Plan, now: float, **extra: Any) -> list[Output]:
@@ -281,14 +281,14 @@ class HostFormation(_Machine):
         if self.step is Step.GATHERING:  # those who came are told, not left waiting for a plan
             names = ", ".join(d.name for d in self.devices.values())
             reason = (
-                f"only {len(self.devices)} of {self.members} members arrived within {self.wait_s:.0f} s "
+                f"only {len(self.devices)} of {self.members} members arrived within {self.wait_s:g} s "
                 f"(joined: {names}); ask the others to run `kafila join` with the code"
             )
             came = [m for m in self.joined if m != self.host_id]
             return self._refuse(reason, came)
         missing = ", ".join(self._name(m) for m in self._others() if m not in self.ready)
         return self._fail(
-            f"only {len(self.ready)} of {self.members - 1} members became ready within {self.wait_s:.0f} s "
+            f"only {len(self.ready)} of {self.members - 1} members became ready within {self.wait_s:g} s "
             f"(not ready: {missing})"
         )
 
@@ -409,12 +409,12 @@ class MemberFormation(_Machine):
 
     def _timed_out(self) -> list[Output]:
         if self.step is Step.AWAITING_PLAN:
-            return self._fail(f"no plan from the host within {self.wait_s:.0f} s")
+            return self._fail(f"no plan from the host within {self.wait_s:g} s")
         if self.step is Step.CONFIRMING:
             return self._fail(
-                f"the host did not confirm the session within {self.wait_s:.0f} s of this member's ready"
+                f"the host did not confirm the session within {self.wait_s:g} s of this member's ready"
             )
-        return self._fail(f"the links of this session were not up within {self.link_s:.0f} s")
+        return self._fail(f"the links of this session were not up within {self.link_s:g} s")
 
     def _left(self, event: Left) -> list[Output]:
         if event.member == self.host_id:

@@ -47,7 +47,6 @@ def test_bad_input_is_one_named_error(argv: list[str], named: str) -> None:
         ("host", "--memory-gb", "inf"),
         ("host", "--memory-gb", "nan"),
         ("host", "--memory-gb", "-1"),
-        ("host", "--dead-after", "0"),
         ("host", "--wait", "nan"),
         ("join", "--wait", "-5"),
     ],
@@ -57,6 +56,13 @@ def test_seconds_and_gigabytes_must_be_finite_and_positive(command: str, flag: s
     done = kafila_cli(command, *code, flag, value)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert f"argument {flag}: must be a finite number > 0, got '{value}'" in done.stderr
+
+
+@pytest.mark.parametrize("value", ["0.02", "0.999"])
+def test_a_dead_after_shorter_than_the_rings_beat_is_refused(value: str) -> None:
+    """--dead-after 0.02 broke the ring before any request ("stopped answering (nothing for 0 s)")."""
+    done = kafila_cli("host", "--dead-after", value)
+    assert done.returncode == 2 and f"argument --dead-after: must be at least 1, got '{value}'" in done.stderr
 
 
 @pytest.mark.parametrize(

@@ -57,7 +57,7 @@ def only(outputs: list[fm.Output], kind: type) -> Any:
 def host_with(n: int, wait_s: float = 10.0, now: float = 100.0) -> HostFormation:
     core = HostFormation(members=n, wait_s=wait_s, host_id=HOST)
     out = core.start(device("alpha"), now)
-    assert only(out, fm.Say).text == f"waiting for {n - 1} member(s) (up to {wait_s:.0f} s)"
+    assert only(out, fm.Say).text == f"waiting for {n - 1} member(s) (up to {wait_s:g} s)"
     return core
 
 
@@ -414,7 +414,7 @@ def test_a_ready_member_times_out_without_the_hosts_confirmation() -> None:
     core = ready_member()
     assert core.tick(61.0 + core.wait_s - 0.1) == []
     assert only(core.tick(61.0 + core.wait_s), fm.Failed).reason == (
-        f"the host did not confirm the session within {core.wait_s:.0f} s of this member's ready"
+        f"the host did not confirm the session within {core.wait_s:g} s of this member's ready"
     )
 
 
