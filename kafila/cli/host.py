@@ -43,7 +43,8 @@ def add_member_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--memory-gb",
         type=positive_number,
-        help="offer at most this much memory (GB) for weights and KV cache (default: the probe's figure)",
+        help="offer at most this much memory (GB) for weights and KV cache (default: the probe's figure; "
+        "more than that offers the probe's figure)",
     )
     parser.add_argument("--trace", help="append trace records (JSON lines) to this file")
     parser.add_argument(

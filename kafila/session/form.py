@@ -344,13 +344,25 @@ def probe_report(
     nat = node.nat.nat if node.nat else None
     rtt = node.nat.rtt_median if node.nat else None
     device = report.device_report(name, nat=nat, rtt_s=rtt)
-    if opts.memory_bytes is not None:
-        device = DeviceReport.from_dict({**device.to_dict(), "memory_bytes": opts.memory_bytes})
+    device = capped(device, opts.memory_bytes)
     say(
         f"{name}: {device.bandwidth_bytes_s / 1e9:.1f} GB/s, {device.memory_bytes / 1e9:.1f} GB for weights, "
         f"NAT {nat.cls if nat else 'unknown'}"
     )
     return device
+
+
+def capped(device: DeviceReport, offered: int | None) -> DeviceReport:
+    """The report offering at most `offered` bytes (--memory-gb): a cap, never more than measured."""
+    if offered is None:
+        return device
+    if offered > device.memory_bytes:
+        say(
+            f"{device.name}: --memory-gb {offered / 1e9:g} is more than this device has for weights "
+            f"({device.memory_bytes / 1e9:.1f} GB): offering {device.memory_bytes / 1e9:.1f} GB"
+        )
+        return device
+    return DeviceReport.from_dict({**device.to_dict(), "memory_bytes": offered})
 
 
 async def link_ring(node: LinkNode, plan: Plan, me: str, ids: dict[str, int], host: str) -> dict[str, Link]:
