@@ -63,6 +63,7 @@ def cold_note(keep_cold: bool, kept: list[str]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     from kafila.obs.trace import (
+        FINISHED,
         RequestRecord,
         StageRecord,
         format_stage_table,
@@ -90,10 +91,12 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(strict(out), allow_nan=False))
         return 0
     n_req = sum(isinstance(r, RequestRecord) for r in records)
+    ended = sum(isinstance(r, RequestRecord) and r.finish not in FINISHED for r in records)
     n_stage = sum(isinstance(r, StageRecord) for r in records)
     if table:
         cold = cold_note(args.keep_cold, [s.session for s in table if not s.cold_dropped])
-        print(f"Table IV from {n_req} request records (the head's whole-ring view; {cold}):")
+        left = f"{ended} cancelled or failed not counted; " if ended else ""
+        print(f"Table IV from {n_req} request records (the head's whole-ring view; {left}{cold}):")
         print(format_table(table))
     else:
         print(f"no request records: {args.file} is not the head's trace (Table IV needs the head's file)")

@@ -266,12 +266,16 @@ def _ratio(a: float, b: float) -> float | None:
     return r if math.isfinite(r) else None
 
 
+FINISHED = ("stop", "length")  # Table IV counts these; a cancelled or failed request's figures
+# stop part way (a request cancelled after 7 tokens decoded at positions the others passed fast)
+
+
 def summarize(records: Iterable[Record], drop_cold: bool = True) -> list[Summary]:
-    """Table IV per session from its request records of more than one token. Requests of one session
-    that pass different members' stages (or none) raise ValueError naming them: no stage is dropped."""
+    """Table IV per session from its finished request records of more than one token. Requests of
+    one session that pass different members' stages (or none) raise ValueError naming them."""
     by_session: dict[str, list[RequestRecord]] = {}
     for r in records:
-        if isinstance(r, RequestRecord) and r.completion_tokens > 1:
+        if isinstance(r, RequestRecord) and r.completion_tokens > 1 and r.finish in FINISHED:
             by_session.setdefault(r.session, []).append(r)
     return [_warm(reqs, ring_mismatch, drop_cold, _summarize_one) for reqs in by_session.values()]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,28 @@ def test_stage_summary_per_member() -> None:
     assert (b.bytes_in, b.bytes_out, b.rtt_ms, b.predicted_rtt_ms) == (3000, 4000, 25.0, 20.0)
     [b_all, _] = summarize_stages(recs, drop_cold=False)
     assert b_all.requests == 3
+
+
+def test_table_iv_counts_finished_requests_only() -> None:
+    """A cancelled request's 7 tokens (4.92 tok/s against 3.5) and a broken ring's failed one
+    widened the spread of a tester's three finished requests from 3.6 +-0.1 to +-1.1."""
+    finished = [request(i, (10, 10, 20), 1.0) for i in (1, 2, 3)]
+    cut = [
+        replace(request(4, (10, 10, 20), 0.2), finish="cancelled"),
+        replace(request(5, (90, 10, 20)), finish="error"),
+    ]
+    [s] = summarize([session(), *finished, *cut], drop_cold=False)
+    assert s.requests == 3 and s.tokens_per_s_spread == 0 and s.stage_ms["a"] == 10
+
+
+def test_cli_says_how_many_cancelled_or_failed_requests_it_left_out(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "trace.jsonl"
+    log = TraceLog(path)
+    for r in [session(), request(1, (10, 10, 20)), replace(request(2, (10, 10, 20)), finish="error")]:
+        log.write(r)
+    assert cli_main(["trace", "summarize", str(path), "--keep-cold"]) == 0
+    title = "Table IV from 2 request records (the head's whole-ring view; 1 cancelled or failed not counted;"
+    assert title in capsys.readouterr().out
 
 
 def test_summary_gives_table_iv_columns() -> None:
