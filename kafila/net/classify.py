@@ -126,6 +126,12 @@ async def classify(
         notes.append("one rendezvous address: address-dependent mapping reads as endpoint-independent")
         m2 = await p.mapped((server[0], alt_port))
     nat = decide(first.observed, m2, m3, other_addr_reply, other_port_reply)
+    if alt_host and m2 is None:  # unanswered is not "the same mapping": assume the worst
+        notes.append(
+            f"the rendezvous's second address {alt_host}:{server[1]} did not answer: mapping unknown, "
+            "taken as address- and port-dependent (the link still tries the direct path)"
+        )
+        nat = Nat(NatClass.RESTRICTIVE, APD, nat.filtering)
     rtt = statistics.median(b.rtt for b in answers)
     report = NatReport(nat, first.observed, rtt, p.sent, tuple(notes))
     log.info(
@@ -134,5 +140,6 @@ async def classify(
         mapped=report.to_json()["mapped"],
         rtt_ms=report.to_json()["rtt_ms"],
         probes=p.sent,
+        notes=list(notes),
     )
     return report

@@ -33,3 +33,29 @@ def test_candidate_addresses_round_trip_through_signaling_text() -> None:
     for addr in (("198.18.0.11", 5000), ("2001:db8::7", 443)):
         assert parse_address(format_address(addr)) == addr
     assert format_address(("2001:db8::7", 443)) == "[2001:db8::7]:443"
+
+
+@pytest.mark.network
+@pytest.mark.parametrize("alt_host", [None, "127.0.0.2"])
+async def test_a_second_rendezvous_address_that_does_not_answer_is_not_read_as_the_same_mapping(
+    alt_host: str | None,
+) -> None:
+    """A firewalled second address made a symmetric NAT read as "ordinary", with no note. On
+    loopback (no NAT) the real classifier asks a real rendezvous; 127.0.0.2 has nobody listening."""
+    from kafila.net.classify import classify
+    from kafila.net.endpoint import UdpEndpoint
+    from tests.net.harness import start_rendezvous
+
+    rdv = await start_rendezvous()
+    endpoint = await UdpEndpoint.open(local=("127.0.0.1", 0))
+    try:
+        server = ("127.0.0.1", rdv.udp.port)
+        report = await classify(endpoint, server, rdv.udp.alt_port, alt_host, timeout=0.1, attempts=1)
+    finally:
+        endpoint.close()
+        await rdv.stop()
+    if alt_host is None:  # one address: nothing to misread, as before
+        assert report.nat.cls is NatClass.ORDINARY and not any("did not answer" in n for n in report.notes)
+    else:
+        assert (report.nat.cls, report.nat.mapping) == (NatClass.RESTRICTIVE, APD)
+        assert any(n.startswith("the rendezvous's second address 127.0.0.2:") for n in report.notes)
