@@ -163,6 +163,20 @@ def off_loop_busy() -> bool:
     return any(t.name.startswith(OFF_LOOP) and t.is_alive() for t in threading.enumerate())
 
 
+async def while_signaling(work: Awaitable[R], pump: asyncio.Future[None]) -> R:
+    """`work` (the probe: 10-20 s), unless the rendezvous connection ends first: then at once,
+    not once the probe is done (SessionError naming it)."""
+    job = asyncio.ensure_future(work)
+    done, _ = await asyncio.wait({job, pump}, return_when=asyncio.FIRST_COMPLETED)
+    if job in done:
+        return job.result()
+    job.cancel()
+    why = None if pump.cancelled() else pump.exception()
+    if isinstance(why, SignalingClosed):
+        raise Driver._rendezvous_lost(why)
+    raise SessionError(f"lost the rendezvous while the session was forming: {why!r}")
+
+
 def say(text: str) -> None:
     """Progress for the person at the terminal (stderr; stdout stays for results)."""
     print(f"kafila: {text}", file=sys.stderr, flush=True)

@@ -37,6 +37,7 @@ from kafila.session.form import (
     probe_report,
     say,
     session_record,
+    while_signaling,
 )
 from kafila.session.formation import HostFormation, MemberFormation
 from kafila.session.schedule import lanes_for
@@ -171,7 +172,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     node = held.node = await connect_node(client, code, opts.rendezvous)
     pump = asyncio.ensure_future(node.signals.pump())
     held.tasks.append(pump)
-    me = await off_loop(probe_report, name, node, opts, config)
+    me = await while_signaling(off_loop(probe_report, name, node, opts, config), pump)
     core = HostFormation(members=opts.members, wait_s=opts.wait_s, host_id=node.member)
     drive = held.driver = Driver(core, client, node.signals)
     gathered = await drive.until(fm.PlanNow, core.start(me, drive.now()))
@@ -275,7 +276,8 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     held.tasks.append(pump)
     config = host_info.capability.get("config")  # the model's shape, for the block probe
     opts = in_session_dtype(opts, host_info.capability)  # probe as the session will compute
-    me = await off_loop(probe_report, name, node, opts, config if isinstance(config, dict) else None)
+    config = config if isinstance(config, dict) else None
+    me = await while_signaling(off_loop(probe_report, name, node, opts, config), pump)
     core = MemberFormation(host_id=host_info.id, me_id=node.member, wait_s=opts.wait_s, link_s=opts.wait_s)
     drive = held.driver = Driver(core, client, node.signals)
     got = await drive.until(fm.LinkNow, core.start(me, drive.now()))

@@ -345,3 +345,34 @@ async def test_a_link_that_did_not_authenticate_names_the_member_whose_code_diff
     }  # fmt: skip
     why = await form.whose_code(exc, me, "alpha", futures)
     assert why.startswith(named) and why.endswith(f"({exc})")
+
+
+async def test_losing_the_rendezvous_while_measuring_ends_at_once_not_after_the_probe(
+    rdv, tmp_path, monkeypatch
+) -> None:
+    """The probe (10-20 s on this machine) ran before anything watched the signaling connection:
+    a rendezvous gone meanwhile was named only once it ended. A simulated slow probe (it waits
+    until the test ends it, then measures for real) keeps the host measuring here."""
+    import threading
+
+    from kafila.session import start
+
+    measuring, release = threading.Event(), threading.Event()
+    real = start.probe_report
+
+    def slow_probe(*args, **kw):  # type: ignore[no-untyped-def]
+        measuring.set()
+        release.wait(60)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(start, "probe_report", slow_probe)
+    hosting = asyncio.ensure_future(host(opts(rdv, "alpha", tmp_path, members=2)))
+    try:
+        assert await asyncio.to_thread(measuring.wait, 60)
+        await rdv.stop()
+        started = time.monotonic()
+        with pytest.raises(SessionError, match=r"^lost the rendezvous while the session was forming: "):
+            await asyncio.wait_for(hosting, 30)
+        assert time.monotonic() - started < 10  # not the probe's end
+    finally:
+        release.set()
