@@ -247,10 +247,10 @@ class Driver:
             if task is not None:
                 task.cancel()  # an unconsumed event stays in the queue
 
-    async def serve_formed(self) -> None:
+    async def serve_formed(self, links: dict[str, Link] | None = None) -> None:
         """After forming (a task until the member ends): keep feeding the core, so the host refuses
         whoever joins the formed session, and say when the rendezvous is lost (the ring's direct
-        links do not need it)."""
+        links do not need it; this member's `links` on the relay do)."""
         self.close()
         lost = asyncio.ensure_future(self.client.lost())
         try:
@@ -260,12 +260,16 @@ class Driver:
                 if nxt not in done:
                     nxt.cancel()
                     why = lost.result().message
+                    relayed = sorted(p for p, link in (links or {}).items() if link.path == "relay")
                     say(
                         f"lost the rendezvous ({why}): the ring goes on serving on its direct links; a "
                         "relayed link and new sessions need it (this member does not reconnect)"
+                        + (f"; this member's links to {', '.join(relayed)} are relayed" if relayed else "")
                     )
                     return
                 event = self._translate(nxt.result())
+                if isinstance(event, fm.Left):  # the ring notices on its own links; logged above
+                    continue
                 if event is not None:
                     await self.carry(self.core.handle(event, self.now()))
         except SessionError as exc:  # a fatal error from the rendezvous, or a refusal it could not take

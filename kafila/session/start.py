@@ -192,7 +192,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
         raise
     formed.tasks.append(pump)
     await drive.until(fm.Formed, core.started(drive.now()))
-    formed.tasks.append(asyncio.ensure_future(drive.serve_formed()))
+    formed.tasks.append(asyncio.ensure_future(drive.serve_formed(formed.links)))
     say(f"session ready: {len(plan.order)} members, head {plan.head}, ring {' -> '.join(plan.order)}")
     return formed
 
@@ -298,7 +298,7 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     formed.tasks.append(pump)
     formed.shard = shard  # type: ignore[attr-defined]
     await drive.until(fm.Formed, core.started(drive.now()))  # refused / left / timeout: SessionError
-    formed.tasks.append(asyncio.ensure_future(drive.serve_formed()))
+    formed.tasks.append(asyncio.ensure_future(drive.serve_formed(formed.links)))
     return formed
 
 
