@@ -236,6 +236,10 @@ class SignalingClient:
             reply = await asyncio.wait_for(future, timeout)
         finally:
             self._pending.pop(ref, None)
+            if future.done() and not future.cancelled():
+                # the connection was lost while the request was being sent: `_read` failed the future,
+                # and the send raised that loss itself; retrieve it, or asyncio reports it at exit
+                future.exception()
         if isinstance(reply, sig.Error):
             raise SignalingError(reply.code, reply.message)
         if not isinstance(reply, want):
@@ -247,7 +251,9 @@ class SignalingClient:
             await asyncio.sleep(period)
             try:
                 await self.heartbeat(timeout=period * 2)
-            except (SignalingError, TimeoutError) as exc:
+            except TimeoutError:
+                log.warning("heartbeat_failed", error=f"no heartbeat_ack within {period * 2:.1f} s")
+            except SignalingError as exc:
                 log.warning("heartbeat_failed", error=str(exc))
                 if isinstance(exc, SignalingClosed):
                     return

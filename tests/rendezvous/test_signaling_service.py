@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
+from typing import Any
 
 import httpx
 import pytest
+import structlog
 from websockets.asyncio.client import connect
+from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from kafila.net.signaling import SignalingClient, SignalingClosed, SignalingError
@@ -135,6 +139,48 @@ async def test_fatal_close_reaches_the_client_as_signaling_closed(start_rendezvo
     with pytest.raises(SignalingClosed):
         await host.signal(1, {})
     await host.close()
+
+
+async def test_a_connection_refused_with_1013_fails_the_request_and_leaves_no_unretrieved_future(
+    start_rendezvous: Factory,
+) -> None:
+    # The rendezvous refuses a connection over its limit with close code 1013; a request sent on it
+    # failed twice (the send, and the reply's future set by the reader) and asyncio printed "Future
+    # exception was never retrieved ... SignalingClosed" for the second.
+    server = await start_rendezvous(max_connections=1)
+    host = await SignalingClient.connect(server.url)
+    opened = await host.open_session("m", 2, "host", CAP)
+    unhandled: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, context: unhandled.append(context))
+    for _ in range(3):
+        refused = await SignalingClient.connect(server.url)
+        with pytest.raises(SignalingClosed, match="1013"):
+            await refused.join(opened.session, "one too many", CAP)
+        await refused.close()
+        del refused
+        gc.collect()
+    assert [c.get("message") for c in unhandled] == []
+    await host.close()
+
+
+async def test_a_heartbeat_without_answer_is_logged_naming_the_timeout() -> None:
+    # A rendezvous that stops answering (a partition) made the heartbeat time out with a
+    # TimeoutError, whose text is empty: `heartbeat_failed error=` said nothing.
+    async def mute(ws: ServerConnection) -> None:
+        async for frame in ws:
+            msg = sig.decode_client(frame)
+            if isinstance(msg, sig.Open):
+                await ws.send(sig.encode(sig.Opened("2-abcd", 1, 600.0, 0.05, ref=msg.ref)))
+
+    async with serve(mute, "127.0.0.1", 0) as rdv:
+        port = rdv.sockets[0].getsockname()[1]
+        client = await SignalingClient.connect(f"ws://127.0.0.1:{port}/v1/signal")
+        with structlog.testing.capture_logs() as logs:
+            await client.open_session("m", 2, "host", CAP)
+            await asyncio.sleep(0.3)
+        await client.close()
+    failed = [e for e in logs if e["event"] == "heartbeat_failed"]
+    assert failed and failed[0]["error"] == "no heartbeat_ack within 0.1 s"
 
 
 async def test_healthz_and_metrics(start_rendezvous: Factory) -> None:
