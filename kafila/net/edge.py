@@ -129,8 +129,7 @@ class LinkNode:
         port = client.probe[0]
         if client.member is None or port is None:
             raise ValueError("open or join the session first: the rendezvous announces its probe port then")
-        infos = await asyncio.get_running_loop().getaddrinfo(rendezvous_host, port, type=socket.SOCK_DGRAM)
-        relay = (str(infos[0][4][0]), port)
+        relay = (await _rendezvous_address(rendezvous_host, endpoint.sock.family), port)
         return cls(endpoint, signals, code.public, client.member, code.secret_material(), relay)
 
     async def classify_nat(self, timeout: float = 0.3, attempts: int = 3) -> NatReport:
@@ -147,6 +146,25 @@ class LinkNode:
         if self.nat is not None and self.nat.mapped != local:
             found.append(self.nat.mapped)
         return found
+
+
+async def _rendezvous_address(host: str, family: int) -> str:
+    """`host`'s first address of the member socket's `family` (the socket is IPv4: an IPv6 address
+    first in the host's list could not be sent to, and every probe would be lost without a word)."""
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, None, family=family, type=socket.SOCK_DGRAM)
+    except socket.gaierror as exc:
+        try:
+            other = await loop.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+        except socket.gaierror:
+            raise NatProbeError(f"rendezvous host {host} does not resolve: {exc.strerror}") from None
+        found = ", ".join(dict.fromkeys(str(info[4][0]) for info in other))
+        raise NatProbeError(
+            f"rendezvous host {host} has no IPv4 address (only {found}): this member's UDP socket is "
+            "IPv4, and an IPv6-only rendezvous is not supported yet"
+        ) from None
+    return str(infos[0][4][0])
 
 
 def _route_source(dest: str) -> str:

@@ -327,7 +327,12 @@ async def connect_node(client: SignalingClient, code: SessionCode, url: str) -> 
     sock.bind(("0.0.0.0", 0))
     host = url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0].strip("[]")
     router = SignalRouter(client)
-    node = await LinkNode.joined(await UdpEndpoint.open(sock), router, code, host)
+    endpoint = await UdpEndpoint.open(sock)
+    try:
+        node = await LinkNode.joined(endpoint, router, code, host)
+    except NatProbeError as exc:  # the rendezvous's UDP address: not a firewall's fault
+        endpoint.close()
+        raise SessionError(f"cannot use the rendezvous's UDP ports: {exc}") from exc
     node.config = SESSION_LINKS
     try:
         await node.classify_nat()

@@ -8,10 +8,12 @@ import socket
 
 import pytest
 
-from kafila.net.edge import EdgeOptions, connect_edge
+from kafila.net.edge import EdgeOptions, LinkNode, connect_edge
+from kafila.net.errors import NatProbeError
 from kafila.net.link import PathKind
 from kafila.planner.reachability import NatClass
 from kafila.proto import udp
+from kafila.proto.codes import new_code
 from kafila.rendezvous.server import RendezvousServer
 from tests.net.harness import open_pair, start_rendezvous
 from tests.net.test_link_loopback import packet_size
@@ -105,3 +107,43 @@ async def test_no_punch_and_a_refused_relay_fail_with_a_clear_error_not_a_hang()
     finally:
         await pair.close()
         await server.stop()
+
+
+async def test_a_rendezvous_host_listed_ipv6_first_is_reached_at_its_ipv4_address(rdv, monkeypatch) -> None:
+    # The member's socket is IPv4; the rendezvous address was getaddrinfo(...)[0] of any family, so
+    # a host whose first address is IPv6 got every probe lost (and a firewall blamed for it).
+    pair = await open_pair(rdv, _sock(), _sock(), classify_nat=False)
+    loop = asyncio.get_running_loop()
+    real = loop.getaddrinfo
+
+    async def dual_stack(host, port, *, family=0, **kw):  # "dual.test": ::1 first, then 127.0.0.1
+        v6 = (socket.AF_INET6, socket.SOCK_DGRAM, 17, "", ("::1", port or 0, 0, 0))
+        v4 = (socket.AF_INET, socket.SOCK_DGRAM, 17, "", ("127.0.0.1", port or 0))
+        if host != "dual.test":
+            return await real(host, port, family=family, **kw)
+        return [v4] if family == socket.AF_INET else [v6, v4]
+
+    monkeypatch.setattr(loop, "getaddrinfo", dual_stack)
+    try:
+        client = pair.a.signals.client
+        assert client.session is not None
+        node = await LinkNode.joined(pair.a.endpoint, pair.a.signals, new_code(client.session), "dual.test")
+        assert node.relay == ("127.0.0.1", rdv.udp.port)
+        await node.classify_nat(timeout=0.3)  # raises NatProbeError when no probe is answered
+    finally:
+        await pair.close()
+
+
+async def test_an_ipv6_only_rendezvous_host_is_refused_in_one_line_naming_it(rdv) -> None:
+    pair = await open_pair(rdv, _sock(), _sock(), classify_nat=False)
+    try:
+        client = pair.a.signals.client
+        assert client.session is not None
+        with pytest.raises(NatProbeError) as caught:
+            await LinkNode.joined(pair.a.endpoint, pair.a.signals, new_code(client.session), "::1")
+        assert str(caught.value) == (
+            "rendezvous host ::1 has no IPv4 address (only ::1): this member's UDP socket is IPv4, "
+            "and an IPv6-only rendezvous is not supported yet"
+        )
+    finally:
+        await pair.close()
