@@ -213,13 +213,22 @@ async def connect_edge(
     )
     link.on_close.append(puncher.stop)
     timeout = opts.punch_timeout if peer_candidates else 0
+    punched = asyncio.Event()  # the first round of punching is over (succeeded or timed out)
     punch = asyncio.create_task(
-        _punch(link, puncher, timeout, opts.repunch_interval if peer_candidates else 0)
+        _punch(link, puncher, timeout, opts.repunch_interval if peer_candidates else 0, punched)
     )
     relay = asyncio.create_task(_relay(node, link, peer, is_client, opts)) if opts.use_relay else None
     link.tasks += [punch] + ([relay] if relay else [])
+    if not opts.use_direct:
+        unpunched = "the direct path is not used"
+    elif not peer_candidates:
+        unpunched = f"member {peer} sent no candidate address"
+    else:
+        unpunched = f"no answer within {timeout:g} s"
     try:
-        await _wait_for_a_path(link, punch, relay, opts.punch_wait if opts.predicted_direct else 0.0)
+        await _wait_for_a_path(
+            link, punched, relay, opts.punch_wait if opts.predicted_direct else 0.0, unpunched
+        )
         link.start()
         await link.wait_ready()
     except BaseException:
@@ -230,9 +239,15 @@ async def connect_edge(
     return link
 
 
-async def _punch(link: Link, puncher: Puncher, timeout: float, repunch_interval: float) -> None:
-    """Punch now; later, whenever the link is on the relay, try the direct path again."""
-    addr = await puncher.run(timeout)
+async def _punch(
+    link: Link, puncher: Puncher, timeout: float, repunch_interval: float, punched: asyncio.Event
+) -> None:
+    """Punch now (then set `punched`); later, whenever the link is on the relay, try the direct
+    path again."""
+    try:
+        addr = await puncher.run(timeout)
+    finally:
+        punched.set()
     if addr is not None and not link.closed:
         link.add_direct(addr)
     while repunch_interval > 0 and not link.closed:
@@ -267,28 +282,48 @@ async def _relay(node: LinkNode, link: Link, peer: int, is_client: bool, opts: E
 
 
 async def _wait_for_a_path(
-    link: Link, punch: asyncio.Task[None], relay: asyncio.Task[None] | None, punch_wait: float
+    link: Link,
+    punched: asyncio.Event,
+    relay: asyncio.Task[None] | None,
+    punch_wait: float,
+    unpunched: str,
 ) -> None:
-    """Until a punch succeeded, or `punch_wait` passed with the relay ready, or both gave up."""
+    """Until a punch succeeded, or `punch_wait` passed with the relay ready, or both gave up: the
+    first round of punching is over without a direct path and the relay could not be set up (the
+    punch task lives on to re-punch, so its end is not what is waited for). `unpunched`: why
+    punching found no path, for the error."""
     loop = asyncio.get_running_loop()
     start = loop.time()
-    tasks = [t for t in (punch, relay) if t is not None]
     while True:
         if link.direct_address is not None:
             return
         if link.path is not None and loop.time() - start >= punch_wait:
             return
-        pending = [t for t in tasks if not t.done()]
-        if not pending:
+        relay_over = relay is None or relay.done()
+        if punched.is_set() and relay_over:
             if link.path is not None:
                 return
-            errors = [str(t.exception()) for t in tasks if not t.cancelled() and t.exception()]
-            errors += [link.relay_error] if link.relay_error else []
-            raise LinkError(
-                f"link to member {link.peer_id}: punching failed and no relay is available "
-                f"({'; '.join(errors) or 'relay not used'})"
-            )
-        await asyncio.wait(pending, timeout=0.02)
+            raise LinkError(_no_path(link, relay, unpunched))
+        if relay is not None and not relay_over:
+            await asyncio.wait([relay], timeout=0.02)
+        else:
+            await asyncio.sleep(0.02)
+
+
+def _no_path(link: Link, relay: asyncio.Task[None] | None, unpunched: str) -> str:
+    """One line: why punching failed and why there is no relay."""
+    if relay is None:
+        why_relay = "the relay is not used"
+    elif relay.cancelled():
+        why_relay = "relay setup cancelled"
+    elif relay.exception() is not None:
+        why_relay = f"relay setup failed: {relay.exception()!r}"
+    else:
+        why_relay = link.relay_error or "relay unavailable"
+    return (
+        f"link to member {link.peer_id}: punching failed ({unpunched}) and no relay is available "
+        f"({why_relay})"
+    )
 
 
 async def connect_ring(

@@ -9,13 +9,14 @@ import itertools
 import os
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 
 from kafila.net.classify import classify
 from kafila.net.edge import EdgeOptions, connect_edge, connect_ring
 from kafila.net.endpoint import UdpEndpoint
-from kafila.net.errors import LinkAuthError
+from kafila.net.errors import LinkAuthError, LinkError
 from kafila.net.link import Link, LinkConfig, PathKind
 from kafila.planner.devices import DeviceReport
 from kafila.planner.order import order_ring
@@ -24,7 +25,7 @@ from kafila.proto import tensor
 from kafila.rendezvous.server import RendezvousServer
 from kafila.session.start import follow_paths
 from tests.natlab.lab import EXPECTED_CLASS, KINDS, RDV_ADDRS, Lab, Site, netns
-from tests.net.harness import Pair, open_pair, open_session, start_rendezvous
+from tests.net.harness import LAB_LIMITS, Pair, open_pair, open_session, start_rendezvous
 from tests.net.test_link_loopback import packet_size
 from tests.net.test_malicious_rendezvous import make_malicious
 
@@ -183,6 +184,34 @@ async def test_relayed_edge_shows_only_ciphertext_on_the_wire(natlab: Lab, sites
             assert marker not in wire and marker[:12] not in wire
         finally:
             capture.close()
+
+
+async def test_a_pair_that_cannot_punch_and_gets_no_relay_fails_in_one_error_instead_of_hanging(
+    natlab: Lab, sites
+) -> None:
+    # restrictive <-> ordinary never punches; with a rendezvous that does not relay, connect_edge
+    # hung (its re-punch loop never ends while the link is open) instead of raising.
+    with netns(natlab.rdv):
+        server = await start_rendezvous(RDV_ADDRS[0], RDV_ADDRS[1], replace(LAB_LIMITS, relay_channels=0))
+    try:
+        pair = await lab_pair(natlab, server, sites["restrictive"][0], sites["ordinary"][1])
+        opts = EdgeOptions(punch_timeout=1.0, signal_timeout=3)
+        try:
+            results = await asyncio.wait_for(
+                asyncio.gather(
+                    connect_edge(pair.a, pair.b.member, True, opts),
+                    connect_edge(pair.b, pair.a.member, False, opts),
+                    return_exceptions=True,
+                ),
+                timeout=20,
+            )
+        finally:
+            await pair.close()
+        assert all(isinstance(r, LinkError) for r in results), results
+        for r in results:
+            assert "punching failed (no answer within 1 s) and no relay is available" in str(r)
+    finally:
+        await server.stop()
 
 
 async def test_direct_path_that_stops_answering_falls_back_to_relay_without_loss_and_comes_back(

@@ -109,6 +109,44 @@ async def test_no_punch_and_a_refused_relay_fail_with_a_clear_error_not_a_hang()
         await server.stop()
 
 
+async def test_a_punch_that_finds_no_path_and_a_refused_relay_fail_within_the_punch_timeout(
+    monkeypatch,
+) -> None:
+    # Punching was tried (unlike above) but could not succeed: the punch task's re-punch loop never
+    # ends while the link is open, and connect_edge waited for it forever instead of raising.
+    from dataclasses import replace
+
+    from kafila.net.errors import LinkError
+    from tests.net.harness import LAB_LIMITS
+
+    server = await start_rendezvous(limits=replace(LAB_LIMITS, relay_channels_per_session=0))
+    pair = await open_pair(server, _sock(), _sock(), classify_nat=False)
+    nowhere = _sock()  # a bound socket that never answers: probes sent to it are lost
+    for node in (pair.a, pair.b):
+        monkeypatch.setattr(node, "candidates", lambda: [nowhere.getsockname()])
+    opts = EdgeOptions(punch_timeout=0.5, signal_timeout=3)
+    try:
+        started = asyncio.get_running_loop().time()
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                connect_edge(pair.a, pair.b.member, True, opts),
+                connect_edge(pair.b, pair.a.member, False, opts),
+                return_exceptions=True,
+            ),
+            timeout=15,
+        )
+        assert asyncio.get_running_loop().time() - started < 5
+        assert all(isinstance(r, LinkError) for r in results), results
+        for r in results:
+            assert "punching failed (no answer within 0.5 s) and no relay is available" in str(r)
+        assert "limit" in str(results[0])  # the client asked for the relay: the refusal is named
+        assert "no relay channel" in str(results[1])  # the server waited signal_timeout for a grant
+    finally:
+        nowhere.close()
+        await pair.close()
+        await server.stop()
+
+
 async def test_a_rendezvous_host_listed_ipv6_first_is_reached_at_its_ipv4_address(rdv, monkeypatch) -> None:
     # The member's socket is IPv4; the rendezvous address was getaddrinfo(...)[0] of any family, so
     # a host whose first address is IPv6 got every probe lost (and a firewall blamed for it).
