@@ -7,7 +7,9 @@ path are fed in as coming from the virtual address. The link starts on the relay
 moves to the direct path as soon as one is added (a punch succeeded), and goes back to the relay
 when the direct path has not answered for `dead_after` seconds; QUIC's loss recovery resends what
 was lost on the dead path, so no message is lost. PINGs every `keepalive` seconds hold the NAT
-mappings (<= 25 s: Linux forgets an unreplied UDP flow after 30 s).
+mappings (<= 25 s: Linux forgets an unreplied UDP flow after 30 s). The relay leg is re-bound
+every `relay_refresh` seconds, and at once when the relay path carries the link and has been
+silent for `relay_silent_keepalives` keepalives (a NAT mapping that changed: `relay_rebind_due`).
 
 Packet size: QUIC starts at 1200 bytes, which every path carries. Once the link is authenticated,
 it probes its current path (kafila.proto.udp PathProbe, don't-fragment; on the relay path inside
@@ -101,6 +103,10 @@ class LinkConfig:
     handshake_timeout: float = 10.0  # QUIC handshake plus authentication
     send_buffer: int = 16 * 1024 * 1024  # send() waits while more than this is unacknowledged
     relay_refresh: float = 20.0  # re-bind the relay leg this often (relay idle expiry, NAT mapping)
+    # on the relay path, nothing from it for this many keepalives: re-bind now (each keepalive while
+    # it stays silent): a NAT that forgot the mapping sends from a new port, which the relay drops
+    # until that port binds the leg, and peer_timeout would end the link before the next refresh
+    relay_silent_keepalives: float = 2.0
     # how long the ACK of a lone packet may wait (RFC 9000 13.2.1; aioquic advertises max_ack_delay
     # 25 ms and waits 1 ms). A ring stage receives one frame per step and ACKs it when its own output
     # has left (`acknowledge`); an ACK 1 ms after the frame would wake its loop in the middle of the
@@ -168,6 +174,7 @@ class Link:
         self._path: PathKind | None = None
         self._direct: Address | None = None
         self._relay: RelayLeg | None = None
+        self._relay_at = 0.0  # loop time the relay leg was set (the relay path's "last heard" until then)
         self._last_rx: dict[PathKind, float] = {}
         self._reader = framing.MessageReader()
         self._inbox: asyncio.Queue[tuple[int, bytes] | None] = asyncio.Queue()
@@ -212,6 +219,7 @@ class Link:
         """Make the relay available; it carries the link whenever no direct path works."""
         self.endpoint.route_relay_channel(leg.channel, self._datagram)
         self._relay = leg
+        self._relay_at = self._loop.time()
         if self._path is None:
             self._set_path(PathKind.RELAY, "no direct path yet")
 
@@ -594,13 +602,21 @@ class Link:
         interval = self.config.keepalive
         uid = 0
         refreshed = self._loop.time()
+        logged: float | None = None  # the relay path's "last heard" of the silence logged already
         while self._closed is None:
             await asyncio.sleep(min(interval, self.config.dead_after / 3))
-            if self._relay is not None and self._loop.time() - refreshed > self.config.relay_refresh:
-                refreshed = self._loop.time()
-                self.endpoint.send_control(
-                    udp.RelayBind(self._relay.channel, self._relay.token), self._relay.relay
-                )
+            now = self._loop.time()
+            if self._relay is not None:
+                heard = self._last_rx.get(PathKind.RELAY, self._relay_at)
+                why = relay_rebind_due(now, refreshed, heard, self._path is PathKind.RELAY, self.config)
+                if why is not None:
+                    refreshed = now
+                    self.endpoint.send_control(
+                        udp.RelayBind(self._relay.channel, self._relay.token), self._relay.relay
+                    )
+                    if why is RebindReason.SILENT and logged != heard:  # one event per silence
+                        logged = heard
+                        self._log.info("link_relay_rebind", reason=why.value, silent_s=round(now - heard, 1))
             if self._quic is None or self._closed is not None:
                 continue
             self._check_peer()
@@ -653,6 +669,27 @@ class Link:
                 task.cancel()
         for callback in self.on_close:
             callback()
+
+
+class RebindReason(StrEnum):
+    REFRESH = "refresh"  # every relay_refresh s: the channel's idle expiry, the NAT mapping
+    SILENT = "relay path silent"  # the relay path carries the link and has gone quiet
+
+
+def relay_rebind_due(
+    now: float, refreshed: float, heard: float, on_relay: bool, config: LinkConfig
+) -> RebindReason | None:
+    """Whether the relay leg is re-bound at this keepalive (pure): `refreshed` is when it was last
+    bound, `heard` when the relay path last carried anything from the peer. While the link is on
+    the relay, a path silent for `relay_silent_keepalives` keepalives is re-bound at once and then
+    once per keepalive until it answers (a NAT that lost the mapping sends from a new port, which
+    the relay takes only once it binds the leg); otherwise every `relay_refresh` seconds."""
+    if now - refreshed >= config.relay_refresh:
+        return RebindReason.REFRESH
+    silent_for = config.relay_silent_keepalives * config.keepalive
+    if on_relay and now - heard > silent_for and now - refreshed >= config.keepalive:
+        return RebindReason.SILENT
+    return None
 
 
 def _header(route: tuple[Address, int | None]) -> int:

@@ -279,6 +279,11 @@ class Lab:
         ):
             sh("ip", "netns", "exec", site.router, "sysctl", "-qw", f"net.netfilter.{name}={value}")
 
+    def flush_conntrack(self, site: Site) -> None:
+        """Make the router forget every flow (as a reboot or a full table would): its NAT mappings
+        change on the next packet (a restrictive router picks fresh random ports)."""
+        sh("ip", "netns", "exec", site.router, "conntrack", "-F")
+
     def set_wan_mtu(self, site: Site, mtu: int) -> None:
         """The MTU of the router's public link (1420: as through a WireGuard tunnel)."""
         sh("ip", "-n", site.router, "link", "set", "wan", "mtu", str(mtu))

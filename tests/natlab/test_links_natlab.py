@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import shutil
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -300,6 +301,31 @@ async def test_a_path_whose_mtu_grows_gets_the_larger_packets_back_at_the_next_r
         natlab.set_wan_mtu(a, 1500)
         await sized_and_carrying(client, server, 1452)
         assert client.path is PathKind.DIRECT and not client.path_changes[1:]
+
+
+async def test_a_relayed_link_whose_nat_mapping_changes_rebinds_its_relay_leg_and_lives(
+    natlab: Lab, rdv
+) -> None:
+    # The restrictive router forgets its flows just after the link's periodic relay refresh: its
+    # member's packets leave from a new random port, which the relay drops (not a bound leg) until
+    # a RelayBind from it moves the leg. Re-binding only every relay_refresh (20 s) let peer_timeout
+    # end the link first; a relay path silent for two keepalives now re-binds at once.
+    if shutil.which("conntrack") is None:
+        pytest.skip("needs `conntrack` (apt-get install conntrack)")
+    a, b = natlab.add_site("restrictive"), natlab.add_site("ordinary")
+    config = LinkConfig(keepalive=0.5, dead_after=1.5, peer_timeout=4.0)  # relay_refresh stays 20 s
+    async with lab_links(natlab, rdv, a, b, config, predicted_direct=False, repunch=0) as (client, server):
+        assert client.path is PathKind.RELAY and server.path is PathKind.RELAY
+        await client.send(16, b"before")
+        assert await server.recv(timeout=5) == (16, b"before")
+        natlab.flush_conntrack(a)
+        await asyncio.sleep(3 * config.peer_timeout)  # 12 s: well past peer_timeout, before a refresh
+        assert not client.closed and not server.closed
+        await client.send(16, b"after the mapping changed")
+        assert await server.recv(timeout=5) == (16, b"after the mapping changed")
+        await server.send(16, b"and back")
+        assert await client.recv(timeout=5) == (16, b"and back")
+        assert client.path is PathKind.RELAY and server.path is PathKind.RELAY
 
 
 async def test_keepalives_hold_nat_mappings_past_the_conntrack_timeout(natlab: Lab, rdv) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from kafila.net.auth import EdgeContext
 from kafila.net.errors import LinkAuthError, LinkClosed, LinkTimeout, PeerSilent
-from kafila.net.link import LinkConfig, PathKind
+from kafila.net.link import LinkConfig, PathKind, RebindReason, relay_rebind_due
 from tests.net.conftest import direct_pair
 
 pytestmark = pytest.mark.network
@@ -198,3 +198,21 @@ async def test_a_lone_message_waits_for_its_ack_until_asked_and_a_second_one_is_
         await server.close()
         a.close()
         b.close()
+
+
+def test_a_silent_relay_path_is_rebound_within_two_keepalives_not_at_the_next_refresh() -> None:
+    # A NAT that forgets the relay leg's mapping sends from a new port, which the relay drops until
+    # it binds; a re-bind only every relay_refresh (20 s) came after peer_timeout (15 s) had ended
+    # the link. Times in seconds: now, last bound, last heard on the relay path.
+    cfg = LinkConfig(keepalive=2.0, relay_refresh=20.0, peer_timeout=15.0)
+    assert relay_rebind_due(100.0, 90.0, 99.0, True, cfg) is None  # heard 1 s ago
+    assert relay_rebind_due(100.0, 90.0, 96.5, True, cfg) is None  # 3.5 s: under two keepalives
+    assert relay_rebind_due(100.0, 90.0, 95.5, True, cfg) is RebindReason.SILENT  # 4.5 s
+    assert relay_rebind_due(100.0, 99.0, 90.0, True, cfg) is None  # re-bound 1 s ago: once a keepalive
+    assert relay_rebind_due(100.0, 98.0, 90.0, True, cfg) is RebindReason.SILENT  # still silent
+    assert relay_rebind_due(100.0, 90.0, 80.0, False, cfg) is None  # the direct path carries the link
+    assert relay_rebind_due(100.0, 80.0, 99.9, True, cfg) is RebindReason.REFRESH  # every 20 s anyway
+    assert relay_rebind_due(100.0, 80.0, 99.9, False, cfg) is RebindReason.REFRESH
+    # the first silent re-bind comes long before peer_timeout with the defaults
+    defaults = LinkConfig()
+    assert defaults.relay_silent_keepalives * defaults.keepalive + defaults.keepalive < defaults.peer_timeout
