@@ -179,6 +179,17 @@ async def test_a_rendezvous_whose_udp_is_blocked_is_named_not_a_traceback() -> N
     assert "the rendezvous's UDP ports must be reachable from here" in stderr
 
 
+async def test_an_ipv6_only_rendezvous_is_named_as_such_not_blamed_on_a_firewall() -> None:
+    """Members reach the UDP ports over IPv4; the rendezvous given as [::1] lost every probe and the
+    member was told its firewall blocked them."""
+    server = await start_rendezvous("::1")
+    code, stderr = await kafila_against(server, "host", "--members", "1")
+    assert code == 1 and "Traceback" not in stderr
+    assert "rendezvous host ::1 has no IPv4 address (only ::1)" in stderr
+    assert "IPv6-only rendezvous is not supported yet" in stderr
+    assert "must be reachable" not in stderr
+
+
 @pytest.mark.parametrize(
     "failure",
     [
