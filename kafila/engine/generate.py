@@ -80,7 +80,9 @@ def _run(
     yield token
     start = time.perf_counter()
     try:
-        while (reason := sampler.stop_reason(token)) is None and pos < stage.context:
+        # prompt + answer tokens fit the context, as a session counts them (the API's max_tokens):
+        # the last token would need no KV position, but a session's answer stops before it too
+        while (reason := sampler.stop_reason(token)) is None and pos + 1 < stage.context:
             [hidden] = stage.forward([(rid, pos, stage.embed([token]))])
             token, pos = sampler.sample(stage.logits(hidden[-1])), pos + 1
             t.generated_tokens += 1

@@ -40,7 +40,7 @@ def test_stops_on_eos_and_records_timings(stage: Stage) -> None:
 def test_generation_stops_at_the_context_end(stage: Stage) -> None:
     t = Timings()
     out = list(generate(stage, PROMPT, SamplingParams(max_tokens=100), timings=t))
-    assert len(out) == 40 - len(PROMPT) + 1 and t.stop_reason == "length"
+    assert len(out) == 40 - len(PROMPT) and t.stop_reason == "length"  # prompt + answer = context
 
 
 def test_seeded_sampling_repeats(stage: Stage) -> None:

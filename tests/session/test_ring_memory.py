@@ -237,6 +237,20 @@ async def test_a_request_past_a_full_queue_is_refused_as_busy_at_the_head_and_th
         await ring.stop()
 
 
+async def test_at_the_context_end_the_ring_gives_what_kafila_run_gives(ckpt: Checkpoint) -> None:
+    """`kafila run` made one token more than a session can (its last token needs no KV position,
+    but a session counts prompt + answer within the context, as the API's max_tokens does)."""
+    ring = build_ring(ckpt, [(0, 2), (2, 5)], context=24)
+    prompt = PROMPTS[1]  # its answer has no EOS before the context's end
+    try:
+        ringed, _ = await collect(await ring.head.submit(prompt, Sampling(max_tokens=24 - len(prompt))))
+    finally:
+        await ring.stop()
+    stage = Stage.load(ckpt, range(5), True, backend="torch", dtype="fp32", context=24)
+    alone = list(generate(stage, prompt, SamplingParams(max_tokens=100), eos_ids=ckpt.config.eos_token_id))
+    assert ringed == alone and len(alone) == 24 - len(prompt)
+
+
 async def test_prompt_past_the_context_is_refused(ckpt: Checkpoint) -> None:
     ring = build_ring(ckpt, [(0, 5)], context=16)
     try:
