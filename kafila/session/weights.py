@@ -562,14 +562,18 @@ class _Member:
             es.sort(key=lambda e: e.start)
             jobs += _chunks(file, [(e.start, e.end) for e in es], m.max_request)
             index[file] = ([e.start for e in es], [_Pending(e, bytearray(e.nbytes), e.nbytes) for e in es])
-        writes: list[asyncio.Task[None]] = [
-            asyncio.ensure_future(asyncio.to_thread(self._store, p))
-            for _, parts in index.values()
-            for p in parts
-            if p.missing == 0  # empty tensors: nothing to fetch
-        ]
+        failed: list[BaseException] = []  # a store that failed stops the fetch at once
+
+        def store(p: _Pending) -> asyncio.Future[None]:
+            task = asyncio.ensure_future(asyncio.to_thread(self._store, p))
+            task.add_done_callback(lambda t: failed.append(t.exception()) if t.exception() else None)
+            return task
+
+        writes = [store(p) for _, parts in index.values() for p in parts if p.missing == 0]  # empty ones
 
         async def sink(job: _Job, data: bytes) -> None:
+            if failed:  # a full disk, a bad digest: not after the whole share has come
+                raise failed[0]
             starts, parts = index[job.file]
             i = max(0, bisect.bisect_right(starts, job.offset) - 1)
             a, b = job.offset, job.offset + len(data)
@@ -580,7 +584,7 @@ class _Member:
                     p.buf[lo - p.entry.start : hi - p.entry.start] = data[lo - a : hi - a]
                     p.missing -= hi - lo
                     if p.missing == 0:
-                        writes.append(asyncio.ensure_future(asyncio.to_thread(self._store, p)))
+                        writes.append(store(p))
                 i += 1
 
         try:
@@ -720,14 +724,26 @@ async def fetch_shard(
     shard tensors hash right is used as is, fetching nothing. `window`: requests in flight.
     The member owns the channel's receive side until this returns (other messages are skipped).
     """
+    root = _cache_root(cache)
     try:
-        return await _fetch_shard(
-            channel, blocks, head, _cache_root(cache), local, window, timeout, progress, label
+        return await _fetch_shard(channel, blocks, head, root, local, window, timeout, progress, label)
+    except OSError as exc:  # a full disk, a read-only folder: one line naming the cache
+        where = f" ({exc.filename})" if exc.filename else ""
+        err = WeightsError(
+            f"cannot use the weight cache under {root}: {exc.strerror or exc}{where}; free space there, "
+            "or set KAFILA_CACHE to another folder"
         )
+        await _stop_serving(channel, err)
+        raise err from exc
     except Exception as exc:  # any failure, a bug too: the host must not wait for a `done` never sent
-        with contextlib.suppress(ChannelError):  # tell the host to stop serving this member
-            await channel.send(t.Control(OP_DONE, {"error": str(exc)[:500]}))
+        await _stop_serving(channel, exc)
         raise
+
+
+async def _stop_serving(channel: Channel, why: Exception) -> None:
+    """Tell the host to stop serving this member, and why (it logs it)."""
+    with contextlib.suppress(ChannelError):
+        await channel.send(t.Control(OP_DONE, {"error": str(why)[:500]}))
 
 
 async def _fetch_shard(

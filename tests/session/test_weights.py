@@ -376,6 +376,38 @@ async def test_damaged_response_is_detected_and_not_cached(
     assert set(Checkpoint.open(retry.path).tensors) == set(names)
 
 
+async def test_a_damaged_tensor_stops_the_fetch_at_once_not_after_the_whole_share(
+    folder, full, tmp_path
+) -> None:
+    """A store that failed (a bad digest here, a full disk alike) was seen only once every request of
+    the share had been answered: on a slow link, a multi-GB wait for an error found at the start."""
+    names, nbytes = share(full, range(0, 4), True)
+    first = min((full.tensors[n] for n in names), key=lambda i: (i.file.name, i.start))
+    server = WeightServer(folder, max_request=4096, cache=tmp_path / "host")
+    member, host = MemoryChannel.pair("host", "m1")[::-1]
+    serving = asyncio.ensure_future(server.serve(host, timeout=2))
+    damaged = DamagingChannel(member, first.file.name, first.start, flip)
+    with pytest.raises(WeightsError, match="fetched bytes do not match the sha256"):
+        await fetch_shard(
+            damaged, range(0, 4), True, cache=tmp_path / "m1", local=[], progress=False, window=2
+        )
+    await asyncio.wait_for(serving, 10)
+    assert member.counters.bytes_received < nbytes / 4  # stopped early (4 KiB requests, 2 in flight)
+
+
+async def test_simulated_unwritable_cache_is_one_error_naming_the_cache(folder, tmp_path) -> None:
+    """A full or read-only disk was a raw OSError traceback; here the cache's blob folder is a file."""
+    server = WeightServer(folder, cache=tmp_path / "host")
+    cache = tmp_path / "m1"
+    cache.mkdir()
+    (cache / "blobs").write_text("not a folder")
+    member, host = MemoryChannel.pair("host", "m1")[::-1]
+    with pytest.raises(
+        WeightsError, match=rf"^cannot use the weight cache under {cache}: .*set KAFILA_CACHE"
+    ):
+        await fetch_via(server, member, host, range(0, 2), False, cache)
+
+
 async def test_a_file_changed_on_the_host_after_describing_is_refused(folder, tmp_path) -> None:
     """A host whose checkpoint file is rewritten mid-session (a new download over it) must not serve
     bytes whose digests the manifest does not hold: the member's fetch fails naming the change."""
