@@ -20,6 +20,7 @@ so a host hashes a checkpoint once, not once per session.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -89,6 +90,17 @@ class BlobStore:
         except (CheckpointError, OSError):
             return False
         return info is not None and (info.dtype, info.shape, info.nbytes) == (dtype, shape, nbytes)
+
+    def sweep(self, before: float) -> int:
+        """Remove the `.part` files of writes that ended without their rename (a member killed while
+        storing) last modified before `before` (epoch s; a write in progress is seconds old)."""
+        removed = 0
+        for part in self.root.glob("*/.*.part") if self.root.is_dir() else ():
+            with contextlib.suppress(OSError):  # gone meanwhile: another member's sweep
+                if part.stat().st_mtime < before:
+                    part.unlink()
+                    removed += 1
+        return removed
 
     def put(self, key: str, name: str, dtype: str, shape: tuple[int, ...], data: bytes | bytearray) -> Path:
         path = self.path(key)

@@ -33,6 +33,7 @@ import math
 import os
 import struct
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -494,6 +495,9 @@ def _chunks(file: str, spans: list[tuple[int, int]], max_request: int) -> list[_
     return jobs
 
 
+PART_AGE_S = 3600.0  # a blob's .part file this old is a write that was killed, not one in progress
+
+
 class _Member:
     def __init__(
         self, channel: Channel, cache: Path, window: int, timeout: float, progress: bool, label: str
@@ -553,6 +557,7 @@ class _Member:
 
     async def tensors(self, entries: list[TensorEntry], m: WeightManifest, fetch: _Fetch) -> None:
         """Fetch `entries`, verify each tensor's size and sha256, put it in the blob store."""
+        await asyncio.to_thread(self.blobs.sweep, time.time() - PART_AGE_S)
         by_file: dict[str, list[TensorEntry]] = {}
         for e in entries:
             by_file.setdefault(e.file, []).append(e)

@@ -467,3 +467,19 @@ async def test_a_damaged_cached_header_is_named_as_the_members_and_fetched_again
         await fetch_via(server, *MemoryChannel.pair("host", "m1")[::-1], range(0, 2), False, member)
     again = await fetch_via(server, *MemoryChannel.pair("host", "m1")[::-1], range(0, 2), False, member)
     assert set(again.tensors) == set(first.tensors)
+
+
+def test_a_killed_stores_part_file_is_swept_once_old_and_a_fresh_one_kept(tmp_path) -> None:
+    """kill -9 while a tensor was written left its .part in the cache for good."""
+    import os
+    import time
+
+    blobs = BlobStore(tmp_path / "blobs")
+    blob = blobs.put("ab" + "0" * 62, "w", "F32", (2,), bytes(8))
+    old, fresh = blob.parent / ".x.safetensors.a1.part", blob.parent / ".y.safetensors.b2.part"
+    for part in (old, fresh):
+        part.write_bytes(bytes(1024))
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    assert blobs.sweep(time.time() - 3600) == 1
+    assert not old.exists() and fresh.exists() and blob.exists()
+    assert BlobStore(tmp_path / "none").sweep(time.time()) == 0  # no cache yet
