@@ -495,6 +495,29 @@ def _chunks(file: str, spans: list[tuple[int, int]], max_request: int) -> list[_
     return jobs
 
 
+class LineProgress:
+    """Progress for a log file: `label: fetched 30% (64.8 of 216.0 MB)` at every tenth done."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label, self.n, self._said = total, label, 0, 0
+
+    def __enter__(self) -> LineProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def update(self, n: int) -> None:
+        self.n += n
+        tenth = min(10, int(10 * self.n / self.total)) if self.total else 10
+        if tenth > self._said:
+            self._said = tenth
+            done, total = self.n / 1e6, self.total / 1e6
+            print(
+                f"kafila: {self.label}: fetched {10 * tenth}% ({done:.1f} of {total:.1f} MB)", file=sys.stderr
+            )
+
+
 PART_AGE_S = 3600.0  # a blob's .part file this old is a write that was killed, not one in progress
 
 
@@ -519,8 +542,12 @@ class _Member:
                 raise WeightsError(f"host {self.channel.peer}: {msg.code}: {msg.message}")
 
     def bar(self, total: int) -> Any:
+        """A progress bar on a terminal; piped to a file, a line at every tenth (a tqdm bar there is
+        one endless line of carriage returns, ~7 updates a second)."""
         from tqdm import tqdm
 
+        if self.progress and total and not sys.stderr.isatty():
+            return LineProgress(total, self.label)
         return tqdm(
             total=total,
             unit="B",
