@@ -167,6 +167,7 @@ def build_app(
         finally:
             ticker.cancel()
             await asyncio.gather(ticker, return_exceptions=True)
+            log.info("rendezvous_stopped")  # also on SIGTERM (docker stop): uvicorn then re-raises it
 
     app = Starlette(
         routes=[

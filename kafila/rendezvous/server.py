@@ -141,7 +141,6 @@ class RendezvousServer:
             self._server.should_exit = True
             await self._task
         self.udp.close()
-        log.info("rendezvous_stopped")
 
     async def serve_forever(self) -> None:
         await self.start()

@@ -57,6 +57,7 @@ def test_process_serves_healthz_and_logs_json() -> None:
         _, err = proc.communicate(timeout=10)
     events = [json.loads(line)["event"] for line in err.splitlines() if line.startswith("{")]
     assert events[:2] == ["udp_listening", "rendezvous_started"]
+    assert events[-1] == "rendezvous_stopped"  # SIGTERM (docker stop) is logged as the stop it is
 
 
 def test_cert_without_key_is_refused() -> None:
