@@ -579,7 +579,11 @@ class _Member:
             bufs[name][job.offset : job.offset + len(data)] = data
 
         await fetch.run(jobs, sink)
-        await asyncio.to_thread(_check_and_keep_meta, m, files_dir, want, bufs, self.channel.peer)
+        try:
+            await asyncio.to_thread(_check_and_keep_meta, m, files_dir, want, bufs, self.channel.peer)
+        except CachedHeadersSuspect as exc:  # removed: this second pass fetches every header
+            log.warning("weights_cached_headers_refetched", reason=str(exc))
+            return await self.meta(m, ckdir, fetch)
         return {k: files_dir / k for k in m.files}
 
     async def tensors(self, entries: list[TensorEntry], m: WeightManifest, fetch: _Fetch) -> None:
@@ -639,6 +643,10 @@ class _Member:
         p.buf = bytearray()
 
 
+class CachedHeadersSuspect(WeightsError):
+    """The headers did not match the checkpoint id and some came from the cache (now removed)."""
+
+
 def _check_and_keep_meta(
     m: WeightManifest,
     files_dir: Path,
@@ -658,9 +666,9 @@ def _check_and_keep_meta(
             (files_dir / f"{k}.header").unlink(missing_ok=True)
         cached = [k for k in m.headers if f"{k}.header" not in bufs]
         if cached:
-            raise WeightsError(
+            raise CachedHeadersSuspect(
                 f"{exc}; {len(cached)} of the headers came from this member's cache and may be the "
-                "damaged ones: removed, so the next attempt fetches them all"
+                "damaged ones: removed and fetched again"
             ) from exc
         raise
     for name, buf in bufs.items():
