@@ -13,6 +13,7 @@ _LIMIT_HELP = {
     "max_message_bytes": "largest signaling frame accepted, in bytes",
     "max_bad_frames": "malformed frames in a row before a connection is closed",
     "max_connections": "signaling connections at once",
+    "max_connections_per_address": "signaling connections at once from one source address",
     "max_sessions": "open sessions at once",
     "max_members": "members in one session",
     "code_ttl_s": "seconds a session code keeps accepting joins after the last open/join",

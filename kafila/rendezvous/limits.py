@@ -18,6 +18,7 @@ class Limits:
     max_message_bytes: int = signaling.MAX_MESSAGE_BYTES  # one signaling frame
     max_bad_frames: int = 5  # malformed frames in a row before the connection is closed
     max_connections: int = 5000
+    max_connections_per_address: int = 256  # one source address (a campus NAT: many members)
     max_sessions: int = 1000
     max_members: int = 64  # per session
     code_ttl_s: float = 600.0  # a code with no join for this long stops working

@@ -86,6 +86,7 @@ class Conn:
     session: str | None = None
     member: int | None = None
     bad_frames: int = 0
+    idle_since: float | None = None  # when it was last without a session (None: in one)
 
 
 class Registry:
@@ -114,13 +115,22 @@ class Registry:
     # ------------------------------------------------------------ connections
 
     def connect(self, conn: ConnId, source: str, now: float) -> list[Event]:
-        if len(self.conns) >= self.limits.max_connections:
-            msg = f"rendezvous has {len(self.conns)} connections, the limit is {self.limits.max_connections}"
+        lim = self.limits
+        if len(self.conns) >= lim.max_connections:
+            msg = f"rendezvous has {len(self.conns)} connections, the limit is {lim.max_connections}"
             return [
                 Send(conn, sig.Error("limit", msg, fatal=True)),
                 Close(conn, 1013, "too many connections"),
             ]
-        self.conns[conn] = Conn(conn, source, now)
+        same, cap = sum(c.source == source for c in self.conns.values()), lim.max_connections_per_address
+        if same >= cap:
+            msg = f"{same} connections from {source}, the limit per address is {cap}"
+            return [
+                Send(conn, sig.Error("limit", msg, fatal=True)),
+                Close(conn, 1013, "too many connections from this address"),
+                Note("connection_refused", {"source": source, "connections": same}),
+            ]
+        self.conns[conn] = Conn(conn, source, now, idle_since=now)
         return []
 
     def disconnect(self, conn: ConnId, now: float) -> list[Event]:
@@ -303,7 +313,7 @@ class Registry:
         )
         member = Member(mid, state.id, info)
         session.members[mid] = member
-        state.session, state.member = session.code, mid
+        state.session, state.member, state.idle_since = session.code, mid, None
         return member
 
     # ------------------------------------------------------------ in-session requests
@@ -365,6 +375,7 @@ class Registry:
         session, member = self._member(state)
         del session.members[member.id]
         state.session = state.member = None
+        state.idle_since = now
         self.relay.release_member(session.code, member.id)
         out: list[Event] = [
             Note("member_left", {"session": session.code, "member": member.id, "reason": reason})
@@ -389,6 +400,11 @@ class Registry:
             silent = now - state.last_seen
             out.append(Send(state.id, sig.Error("timed_out", f"no message for {silent:.0f} s", fatal=True)))
             out.append(Close(state.id, 1001, "heartbeat timeout"))
+            del self.conns[state.id]
+        idle = now - self.limits.heartbeat_timeout_s  # heartbeats alone do not hold a place
+        for state in [c for c in self.conns.values() if c.idle_since is not None and c.idle_since <= idle]:
+            text = f"no open or join within {self.limits.heartbeat_timeout_s:g} s"
+            out += [Send(state.id, sig.Error("timed_out", text, fatal=True)), Close(state.id, 1001, text)]
             del self.conns[state.id]
         for session in [s for s in self.sessions.values() if now >= s.code_deadline and s.joins == 0]:
             (host,) = session.members.values()

@@ -267,6 +267,32 @@ def test_connection_cap() -> None:
     assert closes(events)[0].code == 1013
 
 
+def test_one_address_cannot_take_every_connection() -> None:
+    """Connections that only heartbeat locked everyone out of a rendezvous (max_connections)."""
+    reg = make(max_connections=10, max_connections_per_address=3)
+    for conn in (1, 2, 3):
+        assert reg.connect(conn, "203.0.113.7", 0.0) == []
+    events = reg.connect(4, "203.0.113.7", 0.0)
+    assert closes(events)[0].code == 1013
+    (err,) = sends(events, 4)
+    assert (
+        isinstance(err, sig.Error)
+        and err.message == "3 connections from 203.0.113.7, the limit per address is 3"
+    )
+    assert reg.connect(5, "198.51.100.1", 0.0) == []  # another address still gets in
+
+
+def test_a_connection_that_never_opens_or_joins_is_closed_however_often_it_beats() -> None:
+    reg = make(heartbeat_timeout_s=30.0)
+    reg.connect(1, "a", 0.0)
+    code = open_session(reg, 2, now=0.0)
+    for now in (10.0, 20.0, 29.0):
+        assert reg.receive(1, sig.Heartbeat(), now) and not closes(reg.tick(now))
+        reg.receive(2, sig.Heartbeat(), now)
+    assert [c.conn for c in closes(reg.tick(31.0))] == [1]  # the host, in its session, stays
+    assert code in reg.sessions and 2 in reg.conns
+
+
 @pytest.mark.parametrize("members", [2, 5])
 def test_sessions_are_isolated(members: int) -> None:
     reg = make()
