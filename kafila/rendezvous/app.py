@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import itertools
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -25,10 +26,21 @@ from kafila.obs.log import get_logger
 from kafila.proto import signaling as sig
 from kafila.proto.errors import ProtocolError
 from kafila.rendezvous.metrics import make_registry
+from kafila.rendezvous.ratelimit import TokenBuckets
 from kafila.rendezvous.registry import Close, ConnId, Event, Note, Registry, Send
 
 log = get_logger("kafila.rendezvous")
 SIGNAL_PATH = "/v1/signal"
+LOG_REFUSALS_PER_MINUTE = 10  # per event and source address; the metrics count every one
+
+
+def _refusal(note: Note) -> bool:
+    """A note of something refused (a join that failed, a malformed frame, a connection over a limit)."""
+    if note.event == "join":
+        return note.fields.get("outcome") != "ok"
+    return note.event in ("bad_frame", "connection_refused")
+
+
 OUTBOX_LIMIT = 1000  # queued frames before a connection that does not read is dropped
 _CloseReq = tuple[int, str]
 
@@ -39,6 +51,8 @@ class SignalingHub:
         self.clock = clock
         self._ids = itertools.count(1)
         self._outboxes: dict[ConnId, asyncio.Queue[str | _CloseReq]] = {}
+        self._log_budget = TokenBuckets(LOG_REFUSALS_PER_MINUTE / 60, LOG_REFUSALS_PER_MINUTE)
+        self._unlogged: Counter[str] = Counter()  # refusals sampled out, per event and source
 
     def apply(self, events: list[Event]) -> None:
         for event in events:
@@ -53,7 +67,21 @@ class SignalingHub:
             elif isinstance(event, Close):
                 self._enqueue(event.conn, (event.code, event.reason))
             elif isinstance(event, Note):
-                log.info(event.event, **event.fields)
+                self._log(event)
+
+    def _log(self, note: Note) -> None:
+        """One line per note; refusals per source address sampled (10 a minute, then the count of
+        those left out), so one client's attempts cannot write the log at 500 lines a second."""
+        fields = note.fields
+        if not _refusal(note):
+            log.info(note.event, **fields)
+            return
+        key = f"{note.event}:{fields.get('source')}"
+        if not self._log_budget.take(key, self.clock()):
+            self._unlogged[key] += 1
+            return
+        left_out = self._unlogged.pop(key, 0)
+        log.info(note.event, **fields, **({"not_logged_before": left_out} if left_out else {}))
 
     def _enqueue(self, conn: ConnId, item: str | _CloseReq) -> None:
         box = self._outboxes.get(conn)

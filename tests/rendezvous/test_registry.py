@@ -303,3 +303,26 @@ def test_sessions_are_isolated(members: int) -> None:
     events = join(reg, 200, b)
     assert [m.name for m in sends(events, 200)[0].members] == ["host100", "m200"]  # type: ignore[union-attr]
     assert all(e.conn in (100, 200) for e in events if isinstance(e, Send))
+
+
+def test_one_sources_refusals_are_logged_ten_a_minute_then_counted() -> None:
+    """300 wrong-code joins from one client wrote 300 log lines (500 a second with bad frames)."""
+    import structlog
+
+    from kafila.rendezvous.app import SignalingHub
+
+    clock = [0.0]
+    hub = SignalingHub(make(), lambda: clock[0])
+    refused = Note("join", {"outcome": "unknown_session", "source": "198.18.0.12", "session": "4-zzzz"})
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(300):
+            hub.apply([refused])
+        hub.apply([Note("join", {"outcome": "unknown_session", "source": "203.0.113.9", "session": "x"})])
+        hub.apply([Note("join", {"outcome": "ok", "source": "198.18.0.12", "session": "4-k7m2"})] * 20)
+        clock[0] = 60.0
+        hub.apply([refused])
+    joins = [e for e in logs if e["event"] == "join"]
+    from_one = [e for e in joins if e["source"] == "198.18.0.12" and e["outcome"] != "ok"]
+    assert len(from_one) == 11 and from_one[-1]["not_logged_before"] == 290
+    assert sum(e["source"] == "203.0.113.9" for e in joins) == 1  # another address has its own budget
+    assert sum(e["outcome"] == "ok" for e in joins) == 20  # what worked is never sampled
