@@ -198,14 +198,7 @@ async def test_a_pair_that_cannot_punch_and_gets_no_relay_fails_in_one_error_ins
         pair = await lab_pair(natlab, server, sites["restrictive"][0], sites["ordinary"][1])
         opts = EdgeOptions(punch_timeout=1.0, signal_timeout=3)
         try:
-            results = await asyncio.wait_for(
-                asyncio.gather(
-                    connect_edge(pair.a, pair.b.member, True, opts),
-                    connect_edge(pair.b, pair.a.member, False, opts),
-                    return_exceptions=True,
-                ),
-                timeout=20,
-            )
+            results = await pair.both_ends(opts, within=20)
         finally:
             await pair.close()
         assert all(isinstance(r, LinkError) for r in results), results

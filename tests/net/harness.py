@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
-from kafila.net.edge import LinkNode, SignalRouter
+from kafila.net.edge import EdgeOptions, LinkNode, SignalRouter, connect_edge
 from kafila.net.endpoint import UdpEndpoint
-from kafila.net.link import LinkConfig
+from kafila.net.link import Link, LinkConfig
 from kafila.net.signaling import SignalingClient
 from kafila.proto.codes import new_code
 from kafila.rendezvous.limits import Limits
@@ -56,6 +56,17 @@ class Pair:
     b: LinkNode
     clients: list[SignalingClient]
     pumps: list[asyncio.Task[None]] = field(default_factory=list)
+
+    async def both_ends(self, opts: EdgeOptions, within: float = 15.0) -> list[Link | BaseException]:
+        """connect_edge from both members at once (a the client): each end's link or its error."""
+        return await asyncio.wait_for(
+            asyncio.gather(
+                connect_edge(self.a, self.b.member, True, opts),
+                connect_edge(self.b, self.a.member, False, opts),
+                return_exceptions=True,
+            ),
+            timeout=within,
+        )
 
     async def close(self) -> None:
         for pump in self.pumps:

@@ -94,14 +94,7 @@ async def test_no_punch_and_a_refused_relay_fail_with_a_clear_error_not_a_hang()
     pair = await open_pair(server, _sock(), _sock(), classify_nat=False)
     opts = EdgeOptions(use_direct=False, signal_timeout=3)
     try:
-        results = await asyncio.wait_for(
-            asyncio.gather(
-                connect_edge(pair.a, pair.b.member, True, opts),
-                connect_edge(pair.b, pair.a.member, False, opts),
-                return_exceptions=True,
-            ),
-            timeout=15,
-        )
+        results = await pair.both_ends(opts, within=15)
         assert all(isinstance(r, LinkError) for r in results), results
         assert "limit" in str(results[0])  # the rendezvous's refusal is named
     finally:
@@ -127,14 +120,7 @@ async def test_a_punch_that_finds_no_path_and_a_refused_relay_fail_within_the_pu
     opts = EdgeOptions(punch_timeout=0.5, signal_timeout=3)
     try:
         started = asyncio.get_running_loop().time()
-        results = await asyncio.wait_for(
-            asyncio.gather(
-                connect_edge(pair.a, pair.b.member, True, opts),
-                connect_edge(pair.b, pair.a.member, False, opts),
-                return_exceptions=True,
-            ),
-            timeout=15,
-        )
+        results = await pair.both_ends(opts, within=15)
         assert asyncio.get_running_loop().time() - started < 5
         assert all(isinstance(r, LinkError) for r in results), results
         for r in results:

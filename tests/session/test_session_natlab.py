@@ -57,6 +57,30 @@ async def wait_for(check, timeout: float, what: str, procs) -> None:  # type: ig
         await asyncio.sleep(0.3)
 
 
+async def asks_paris(ns: str) -> None:
+    """The member in namespace `ns` answers the capital question through its own API."""
+    asked = await asyncio.to_thread(
+        subprocess.run,
+        ["ip", "netns", "exec", ns, sys.executable, "-c", ASK],
+        capture_output=True,
+        timeout=180,
+    )
+    answer = json.loads(asked.stdout)
+    assert "Paris" in answer["choices"][0]["message"]["content"], answer
+
+
+def stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)  # (SIGINT is ignored under a background shell)
+    for p in procs:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+
+
 async def test_session_across_nats_with_a_relayed_edge(natlab: Lab, rdv, smollm2_path, tmp_path) -> None:
     sites = [natlab.add_site("permissive"), natlab.add_site("restrictive"), natlab.add_site("restrictive")]
     names = ["alpha", "beta", "gamma"]
@@ -75,24 +99,9 @@ async def test_session_across_nats_with_a_relayed_edge(natlab: Lab, rdv, smollm2
         text = "".join(log.read_text() for log in logs)
         assert ": relay" in text, "no edge went through the relay"
         assert ": direct" in text
-        asked = await asyncio.to_thread(
-            subprocess.run,
-            ["ip", "netns", "exec", sites[1].host, sys.executable, "-c", ASK],
-            capture_output=True,
-            timeout=180,
-        )
-        answer = json.loads(asked.stdout)
-        assert "Paris" in answer["choices"][0]["message"]["content"], answer
+        await asks_paris(sites[1].host)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)  # (SIGINT is ignored under a background shell)
-        for p in procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+        stop(procs)
 
 
 async def test_a_direct_edge_cut_mid_session_goes_on_over_the_relay_before_the_ring_gives_up(
@@ -115,24 +124,9 @@ async def test_a_direct_edge_cut_mid_session_goes_on_over_the_relay_before_the_r
         await wait_for(lambda: "session ready" in logs[0].read_text(), 300, "session ready", procs)
         assert "link alpha <-> beta: direct" in logs[0].read_text()
         natlab.block_direct(sites[0], sites[1])
-        asked = await asyncio.to_thread(
-            subprocess.run,
-            ["ip", "netns", "exec", sites[1].host, sys.executable, "-c", ASK],
-            capture_output=True,
-            timeout=180,
-        )
-        answer = json.loads(asked.stdout)
-        assert "Paris" in answer["choices"][0]["message"]["content"], answer
+        await asks_paris(sites[1].host)
         text = "".join(log.read_text() for log in logs)
         assert "direct path silent for" in text and "ring is broken" not in text
     finally:
         natlab.unblock_all()
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+        stop(procs)
