@@ -44,6 +44,7 @@ log = get_logger("kafila.session.form")
 AUTH_VERDICT_S = 10.0  # a member whose link did not authenticate waits this long for its link to the host
 T = TypeVar("T")
 R = TypeVar("R")
+FIRST = asyncio.FIRST_COMPLETED
 
 
 class SessionError(RuntimeError):
@@ -163,18 +164,44 @@ def off_loop_busy() -> bool:
     return any(t.name.startswith(OFF_LOOP) and t.is_alive() for t in threading.enumerate())
 
 
-async def while_signaling(work: Awaitable[R], pump: asyncio.Future[None]) -> R:
-    """`work` (the probe: 10-20 s), unless the rendezvous connection ends first: then at once,
-    not once the probe is done (SessionError naming it)."""
+async def while_signaling(
+    work: Awaitable[R], pump: asyncio.Future[None], router: SignalRouter | None = None, host: int = 0
+) -> R:
+    """`work` (the probe: 10-20 s), unless the rendezvous connection ends first, or (with `router`)
+    the host refuses this member meanwhile (a formed session refuses a newcomer at once): then at
+    once, not once the probe is done (SessionError naming it). Events read meanwhile are put back,
+    in order, for the formation driver."""
     job = asyncio.ensure_future(work)
-    done, _ = await asyncio.wait({job, pump}, return_when=asyncio.FIRST_COMPLETED)
+    seen: list[sig.ServerMessage] = []
+    refusal = asyncio.ensure_future(_host_refusal(router, host, seen)) if router else None
+    try:
+        done, _ = await asyncio.wait({job, pump, *([refusal] if refusal else [])}, return_when=FIRST)
+    finally:
+        if refusal is not None and router is not None:
+            refusal.cancel()
+            while not router.others.empty():  # arrived after the watcher's last read: keep the order
+                seen.append(router.others.get_nowait())
+            for event in seen:
+                router.others.put_nowait(event)
     if job in done:
         return job.result()
     job.cancel()
+    if refusal is not None and refusal in done:
+        raise SessionError(f"the host refused the session: {refusal.result()}")
     why = None if pump.cancelled() else pump.exception()
     if isinstance(why, SignalingClosed):
         raise Driver._rendezvous_lost(why)
     raise SessionError(f"lost the rendezvous while the session was forming: {why!r}")
+
+
+async def _host_refusal(router: SignalRouter, host: int, seen: list[sig.ServerMessage]) -> str:
+    """The reason of the host's `refused`, once it comes (every event read is kept in `seen`)."""
+    while True:
+        event = await router.others.get()
+        seen.append(event)
+        body = event.payload if isinstance(event, sig.SignalFrom) and event.sender == host else {}
+        if body.get(fm.KEY) == 1 and body.get("op") == "refused":
+            return str(body.get("reason"))
 
 
 def say(text: str) -> None:

@@ -277,7 +277,9 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     config = host_info.capability.get("config")  # the model's shape, for the block probe
     opts = in_session_dtype(opts, host_info.capability)  # probe as the session will compute
     config = config if isinstance(config, dict) else None
-    me = await while_signaling(off_loop(probe_report, name, node, opts, config), pump)
+    me = await while_signaling(
+        off_loop(probe_report, name, node, opts, config), pump, node.signals, host_info.id
+    )
     core = MemberFormation(host_id=host_info.id, me_id=node.member, wait_s=opts.wait_s, link_s=opts.wait_s)
     drive = held.driver = Driver(core, client, node.signals)
     got = await drive.until(fm.LinkNow, core.start(me, drive.now()))

@@ -6,6 +6,7 @@ host's code, the test name says the host is simulated."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -236,23 +237,44 @@ async def test_a_ready_member_ends_when_another_fails_to_start(rdv, tmp_path, ti
     assert time.monotonic() - started < 10
 
 
+def slow_probe(monkeypatch, measuring: threading.Event | None = None) -> threading.Event:
+    """From now on a member's probe is simulated slow: it waits until the returned event is set
+    (at most 60 s), then ends without measuring (nobody waits for it by then)."""
+    from kafila.session import start
+
+    release = threading.Event()
+
+    def probe(*args, **kw):  # type: ignore[no-untyped-def]
+        if measuring is not None:
+            measuring.set()
+        release.wait(60)
+        raise RuntimeError("the simulated probe ends without measuring")
+
+    monkeypatch.setattr(start, "probe_report", probe)
+    return release
+
+
 async def test_joining_a_formed_session_is_refused_and_one_without_host_is_named(
-    rdv, tmp_path, tiny_chat_model
+    rdv, tmp_path, tiny_chat_model, monkeypatch
 ):
     """A member of a formed session has gone, so the rendezvous lets a newcomer in: the host refuses
-    it at once (it used to probe, report and wait out its --wait for a plan). With the host gone and
+    it at once (it used to probe, report and wait out its --wait for a plan; then it still probed
+    before reading the refusal). With the host gone and
     a member left, joining names that (it was a StopIteration traceback)."""
     model = str(tiny_chat_model)
     code, (hosting, beta) = await host_and(rdv, tmp_path, model, 2, ["beta"])
     formed = [await hosting, await beta]
     try:
         await formed[1].close()  # beta goes: the session has a free place
+        release = slow_probe(monkeypatch)  # the newcomer's probe waits until the test ends it
         started = time.monotonic()
         refused = "the host refused the session: this session has formed and takes no more members"
         with pytest.raises(SessionError, match=refused):
             await join(code, opts(rdv, "late", tmp_path, wait_s=60))
-        assert time.monotonic() - started < 30  # its probe, then the refusal waiting for it
+        assert time.monotonic() - started < 10  # not after its own probe
     finally:
+        release.set()
+        monkeypatch.undo()  # real probes again for the next session
         await formed[0].close()
     code, (hosting, beta) = await host_and(rdv, tmp_path, model, 2, ["beta"])
     formed = [await hosting, await beta]
@@ -353,18 +375,8 @@ async def test_losing_the_rendezvous_while_measuring_ends_at_once_not_after_the_
     """The probe (10-20 s on this machine) ran before anything watched the signaling connection:
     a rendezvous gone meanwhile was named only once it ended. A simulated slow probe (it waits
     until the test ends it) keeps the host measuring here."""
-    import threading
-
-    from kafila.session import start
-
-    measuring, release = threading.Event(), threading.Event()
-
-    def slow_probe(*args, **kw):  # type: ignore[no-untyped-def]
-        measuring.set()
-        release.wait(60)
-        raise RuntimeError("the simulated probe ends without measuring")  # nobody waits for it now
-
-    monkeypatch.setattr(start, "probe_report", slow_probe)
+    measuring = threading.Event()
+    release = slow_probe(monkeypatch, measuring)
     hosting = asyncio.ensure_future(host(opts(rdv, "alpha", tmp_path, members=2)))
     try:
         assert await asyncio.to_thread(measuring.wait, 60)
