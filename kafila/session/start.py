@@ -450,11 +450,13 @@ def _ring_info(
 
 def follow_paths(edges: dict[str, str], links: dict[str, Link]) -> None:
     """Keep `edges[key]` at the path `links[key]` is on ("direct" or "relay"), also after the link
-    falls back to the relay or returns to its direct path (what /session shows)."""
+    falls back to the relay or returns to its direct path, and "closed" once it is (what /session
+    shows; a closed link kept showing its last path)."""
     for key, link in links.items():
         if link.path is not None:
             edges[key] = link.path.value
         link.on_path_change.append(lambda change, key=key: edges.__setitem__(key, change.new.value))
+        link.on_close.append(lambda key=key: edges.__setitem__(key, "closed"))
 
 
 def _channel(link: Link | None, peer: str, opts: Options) -> Heartbeat | None:

@@ -1,6 +1,9 @@
-"""What a joining member takes from the host before it probes (kafila.session.start)."""
+"""kafila.session.start: what a joining member takes from the host, what a member offers, and
+what /session shows of its links."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
@@ -30,3 +33,23 @@ def test_memory_gb_caps_what_a_member_offers_and_never_raises_it(capsys) -> None
     assert (
         "laptop: --memory-gb 100 is more than this device has for weights (23.0 GB): offering 23.0 GB" in said
     )
+
+
+async def test_session_shows_a_closed_link_as_closed_not_its_last_path() -> None:
+    from kafila.net.auth import EdgeContext
+    from kafila.session.start import follow_paths
+    from tests.net.conftest import direct_pair
+
+    ctx = EdgeContext("S", "alice", "bob", b"secret")
+    client, server, a, b = await direct_pair(ctx, ctx)
+    try:
+        await asyncio.gather(client.wait_ready(), server.wait_ready())
+        shown: dict[str, str] = {}
+        follow_paths(shown, {"alice->bob": client})
+        assert shown == {"alice->bob": "direct"}
+        await client.close("gone")
+        assert shown == {"alice->bob": "closed"}
+    finally:
+        await server.close()
+        a.close()
+        b.close()
