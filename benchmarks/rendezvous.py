@@ -58,6 +58,7 @@ class Server:
             "--udp-port", str(self.udp_port), "--udp-alt-port", str(free_port(socket.SOCK_DGRAM)),
             "--join-burst-per-address", "1000000", "--open-burst-per-address", "1000000",
             "--join-burst-per-session", "1000000", "--max-connections", "100000",
+            "--max-connections-per-address", "100000",
             "--relay-session-bytes-per-s", "0", "--heartbeat-timeout-s", "600",
         ]  # fmt: skip
         env = {**os.environ, "KAFILA_LOG": "json", "KAFILA_LOG_LEVEL": "warning"}
