@@ -60,6 +60,7 @@ class RingInfo:
     plan: dict[str, Any] = field(default_factory=dict)
     edge_rtt_ms: dict[str, float] = field(default_factory=dict)  # "a->b": the plan's priced round trip
     dtype: str | None = None  # the session's ("fp32", "bf16", "fp16"): every member computes in it
+    weights: dict[str, Any] = field(default_factory=dict)  # this member's shard: source, bytes fetched
 
     def document(self, state: str, error: str | None) -> dict[str, Any]:
         """The part of a member's /session document every member shares."""
@@ -78,6 +79,7 @@ class RingInfo:
             "division": self.division,
             "dtype": self.dtype,
             "plan": self.plan,
+            "weights": self.weights,
         }
 
 

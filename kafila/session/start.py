@@ -217,7 +217,9 @@ async def _host_ring(
     controls = [LinkChannel(link, peer) for peer, link in links.items()]
     say(f"serving weights to {len(controls)} member(s)")
     await asyncio.gather(*(server.serve(c) for c in controls))
-    serving = Serving(opts.model, opts.chunk, opts.queue, await off_loop(checkpoint_id, folder), alternatives)
+    digest = await off_loop(checkpoint_id, folder)
+    own = {"source": "own files", "path": str(folder), "fetched_bytes": 0}  # the host serves them
+    serving = Serving(opts.model, opts.chunk, opts.queue, digest, alternatives, own)
     return await _start_ring(name, code, plan, folder, links, node, client, opts, serving, held.api_socket)
 
 
@@ -292,7 +294,7 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     opts = replace(opts, dtype=got.dtype)  # compute in the host's choice, whatever the probe used
     shard = await drive.during(_fetch(got, links, opts))
     await drive.carry(core.fetched(drive.now()))
-    serving = Serving(got.model, got.chunk, got.queue, shard.checkpoint, got.alternatives)
+    serving = Serving(got.model, got.chunk, got.queue, shard.checkpoint, got.alternatives, weights_doc(shard))
     ring = _start_ring(
         got.me, code, got.plan, shard.path, links, node, client, opts, serving, held.api_socket
     )
@@ -316,6 +318,18 @@ async def _fetch(got: fm.LinkNow, links: dict[str, Link], opts: Options) -> Any:
     return shard
 
 
+def weights_doc(shard: ShardResult) -> dict[str, Any]:
+    """Where a member's shard came from, for its /session: its own copy, the cache, or the host."""
+    source = "local copy" if shard.local else "fetched" if shard.fetched else "cache"
+    return {
+        "source": source,
+        "path": str(shard.path),
+        "tensors": len(shard.tensors),
+        "fetched_tensors": len(shard.fetched),
+        "fetched_bytes": shard.bytes_fetched,
+    }
+
+
 def weights_source(shard: ShardResult) -> str:
     """Where a member's shard came from, for the person watching."""
     if shard.local:
@@ -336,6 +350,7 @@ class Serving:
     queue: int  # requests that may wait for a slot at the head
     checkpoint: str  # the checkpoint id (its safetensors headers' digest): the Ollama digest
     alternatives: dict[str, Any] | None = None  # the divisions compared, for /session
+    weights: dict[str, Any] | None = None  # where this member's shard came from, for /session
 
 
 async def _start_ring(
@@ -376,6 +391,7 @@ async def _start_ring(
     )
     nxt_name, prv_name = plan.successor(name), plan.predecessor(name)
     info = _ring_info(name, code, plan, links, model, serving.alternatives, stage.backend.dtype)
+    info = replace(info, weights=serving.weights or {})
     nxt = _channel(links.get(nxt_name), nxt_name, opts)
     prv = _channel(links.get(prv_name), prv_name, opts) if len(order) > 2 or nxt is None else nxt
     traces = TraceLog(opts.trace)  # without a file: the last records for /traces only

@@ -123,6 +123,13 @@ async def test_sessions_of_four_and_five_members(rdv, tiny_chat_model, tmp_path,
             for name, own_controls in controls.items():  # the far member's and the host's view
                 doc = (await client.get(f"{by_name[name].api.url}/session")).json()
                 assert doc["state"] == "serving" and doc["ring"] == list(plan.order)
+                f = by_name[name]
+                want = (
+                    {"source": "own files", "fetched_bytes": 0}
+                    if name == NAMES[0]
+                    else {"source": "fetched", "fetched_bytes": f.shard.bytes_fetched}
+                )
+                assert {k: doc["weights"][k] for k in want} == want and doc["weights"]["path"]
                 assert [m["name"] for m in doc["members"]] == list(plan.order)
                 assert {m["name"]: tuple(m["blocks"]) for m in doc["members"]} == {
                     s.name: (s.start, s.stop) for s in plan.stages
