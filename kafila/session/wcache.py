@@ -46,10 +46,23 @@ def blob_key(name: str, dtype: str, shape: Iterable[int], sha256: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# read once, at import: setting the umask to read it is not safe once store threads write. Files
+# and folders of the cache get the permissions any file would (mkstemp/mkdtemp make them 0600/0700:
+# a cache shared by the users of one machine was unreadable to all but the first).
+UMASK = _umask()
+
+
 def write_atomic(path: Path, chunks: Iterable[bytes | bytearray | memoryview]) -> None:
     """Write `chunks` to `path` via a temporary file in the same folder and a rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    os.fchmod(fd, 0o666 & ~UMASK)
     try:
         with os.fdopen(fd, "wb") as f:
             for chunk in chunks:
@@ -124,6 +137,7 @@ def build_shard_folder(shard: ShardFolder) -> Path:
         return shard.path
     shard.path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=shard.path.parent, prefix=f".{shard.path.name}."))
+    tmp.chmod(0o777 & ~UMASK)
     try:
         for name, target in shard.files.items():
             (tmp / name).symlink_to(target.resolve())

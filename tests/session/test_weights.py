@@ -516,3 +516,13 @@ def test_progress_on_a_terminal_is_a_bar(monkeypatch) -> None:
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     with _Member(MemoryChannel.pair("a", "b")[0], Path("."), 1, 1.0, True, "beta").bar(100) as bar:
         assert isinstance(bar, tqdm)
+
+
+def test_cache_files_and_shard_folders_get_the_permissions_any_file_would(tmp_path) -> None:
+    """mkstemp/mkdtemp made them 0600/0700: a cache shared by a machine's users was unreadable."""
+    from kafila.session.wcache import UMASK, ShardFolder, build_shard_folder
+
+    blob = BlobStore(tmp_path / "blobs").put("cd" + "0" * 62, "w", "F32", (2,), bytes(8))
+    assert blob.stat().st_mode & 0o777 == 0o666 & ~UMASK
+    folder = build_shard_folder(ShardFolder(tmp_path / "shard", {}, {"w": blob}))
+    assert folder.stat().st_mode & 0o777 == 0o777 & ~UMASK
