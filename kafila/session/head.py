@@ -232,6 +232,9 @@ class RingHead:
             self._accept(msg.request_id, list(msg.prompt), s, None)
         except GenerationError as exc:
             self._outbox.put_nowait(t.Error(msg.request_id, exc.code, exc.message))
+            return
+        if not self.schedule.queue_position(msg.request_id):  # queued ones were told their place
+            self._outbox.put_nowait(t.Tokens(msg.request_id, ()))  # admitted: the member may answer 200
 
     def _cancel_local(self, rid: int, reason: str) -> None:
         self._cancel(rid, reason)

@@ -55,6 +55,7 @@ class RingMember:
         self.broken: str | None = None
         self.on_broken: Callable[[str], None] | None = None  # told once, e.g. the person at the terminal
         self._mine: dict[int, QueueGeneration] = {}
+        self._acks: dict[int, asyncio.Future[None]] = {}  # forwarded, the head's first answer awaited
         self._work: list[t.Hidden | t.Control] = []
         self._ready = asyncio.Event()
         self._outbox: asyncio.Queue[t.Message] = asyncio.Queue()
@@ -76,8 +77,16 @@ class RingMember:
         msg = t.Generate(
             rid, tuple(prompt), s.max_tokens, s.temperature, s.top_k, s.top_p, s.seed, s.stop_ids
         )
+        ack = self._acks[rid] = asyncio.get_running_loop().create_future()
         self._outbox.put_nowait(msg)
         log.info("request_forwarded", request_id=rid, head=self.info.order[0], prompt_tokens=len(prompt))
+        try:  # admitted, queued or refused: a refusal (a full queue) is raised here, before any answer
+            await ack
+        except asyncio.CancelledError:
+            gen.cancel("client gone")
+            raise
+        finally:
+            self._acks.pop(rid, None)
         return gen
 
     def describe(self) -> dict[str, Any]:
@@ -127,9 +136,16 @@ class RingMember:
         gen = self._mine.get(msg.request_id)
         if gen is None:
             return
+        ack = self._acks.pop(msg.request_id, None)
+        if ack is not None and not ack.done():
+            if isinstance(msg, t.Error):  # refused by the head: submit raises it
+                self._mine.pop(msg.request_id, None)
+                ack.set_exception(GenerationError(msg.code, msg.message))
+                return
+            ack.set_result(None)
         if isinstance(msg, t.Error):
             gen.push(GenerationError(msg.code, msg.message))
-        else:
+        elif msg.tokens or msg.finish or msg.queue_position:  # not the bare "admitted"
             gen.push(TokenEvent(msg.tokens, msg.finish, msg.queue_position, msg.prefill_s))
         if gen.finished:
             self._mine.pop(msg.request_id, None)
@@ -232,3 +248,7 @@ class RingMember:
         for gen in list(self._mine.values()):
             gen.push(GenerationError("member_lost", self.broken))
         self._mine.clear()
+        for ack in self._acks.values():  # forwarded, not answered yet
+            if not ack.done():
+                ack.set_exception(GenerationError("member_lost", self.broken))
+        self._acks.clear()

@@ -93,17 +93,20 @@ async def test_a_request_past_a_full_queue_gets_429_busy_at_the_head_and_through
                     await http.post(f"{served.head.url}/v1/chat/completions", json=chat | {"stream": True}),
                     await http.post(f"{served.member.url}/v1/chat/completions", json=chat),
                     await http.post(f"{served.member.url}/api/chat", json=chat | {"stream": False}),
+                    # streamed through a member: it used to send 200 and the refusal in the stream
+                    await http.post(f"{served.member.url}/v1/chat/completions", json=chat | {"stream": True}),
+                    await http.post(f"{served.member.url}/api/chat", json=chat),
                 ]
 
             first_lines, answers = await running_then(served, refused)
     finally:
         served.ring.head.schedule.max_queue = None
-    assert [r.status_code for r in answers] == [429, 429, 429]
+    assert [r.status_code for r in answers] == [429] * 5
     openai_error = answers[1].json()["error"]
     assert openai_error["code"] == "busy" and "queues no request; try again later" in openai_error["message"]
     assert "all 1 slot of this session are busy" in answers[2].json()["error"]
     assert "Paris" in text(first_lines)  # the one being served was not disturbed
-    assert await refused_count(served) == before + 3  # one registry per process: counted from before
+    assert await refused_count(served) == before + 5  # one registry per process: counted from before
 
 
 async def refused_count(served: Served) -> float:
