@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -108,8 +109,9 @@ async def _run(request: Request, api: Api, job: Job, chat: bool) -> Response:
     tally = Tally(len(job.prompt))
     stream = pieces(gen, api.codec, job, tally)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    created = int(time.time())  # this completion's, every chunk of it the same (not the API's start)
     if job.stream:
-        sse = _sse(stream, api, rid, chat, tally if job.usage else None)
+        sse = _sse(stream, api, (rid, created), chat, tally if job.usage else None)
         return ChunkStream(sse, gen, "text/event-stream", _sse_error)  # type: ignore[return-value]
     await collect(request, stream, gen)
     text = "".join(tally.text)
@@ -118,12 +120,15 @@ async def _run(request: Request, api: Api, job: Job, chat: bool) -> Response:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
-    return JSONResponse(_envelope(api, rid, chat, False) | {"choices": [choice], "usage": _usage(tally)})
+    body = {"choices": [choice], "usage": _usage(tally)}
+    return JSONResponse(_envelope(api, (rid, created), chat, False) | body)
 
 
-def _envelope(api: Api, rid: str, chat: bool, chunk: bool) -> dict[str, Any]:
+def _envelope(api: Api, made: tuple[str, int], chat: bool, chunk: bool) -> dict[str, Any]:
+    """The fields every answer and chunk carry; `made`: the completion's id and creation time."""
     kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
-    return {"id": rid, "object": kind, "created": api.created, "model": api.model_id}
+    rid, created = made
+    return {"id": rid, "object": kind, "created": created, "model": api.model_id}
 
 
 def _usage(t: Tally) -> dict[str, int]:
@@ -132,11 +137,11 @@ def _usage(t: Tally) -> dict[str, int]:
 
 
 async def _sse(
-    stream: AsyncIterator[Piece], api: Api, rid: str, chat: bool, usage: Tally | None
+    stream: AsyncIterator[Piece], api: Api, made: tuple[str, int], chat: bool, usage: Tally | None
 ) -> AsyncIterator[bytes]:
     """The chunks; with `usage` (stream_options.include_usage) every chunk carries `"usage": null`
     and one more, with no choices, carries the usage block before [DONE], as OpenAI sends them."""
-    head = _envelope(api, rid, chat, True) | ({"usage": None} if usage else {})
+    head = _envelope(api, made, chat, True) | ({"usage": None} if usage else {})
     if chat:
         yield _event(
             head | {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -55,7 +56,8 @@ async def test_openai_chat_through_a_member_that_is_not_the_head(served: Served)
 
 
 async def test_openai_streaming_equals_the_whole_answer(served: Served) -> None:
-    parts, finish = [], None
+    parts, finish, created = [], None, set()
+    asked = int(time.time())
     async with oai(served.member) as client:
         whole = await client.chat.completions.create(
             model=MODEL, messages=QUESTION, max_tokens=20, temperature=0
@@ -66,8 +68,11 @@ async def test_openai_streaming_equals_the_whole_answer(served: Served) -> None:
         async for chunk in stream:
             parts.append(chunk.choices[0].delta.content or "")
             finish = chunk.choices[0].finish_reason or finish
+            created.add(chunk.created)
     assert "".join(parts) == whole.choices[0].message.content
     assert finish == whole.choices[0].finish_reason
+    # each completion's own time, the same in every chunk (it was when the API started)
+    assert whole.created >= asked and len(created) == 1 and created.pop() >= whole.created
 
 
 async def test_openai_completions_and_models(served: Served) -> None:
