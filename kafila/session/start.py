@@ -390,8 +390,7 @@ async def _start_ring(
         opts.pace,
     )
     nxt_name, prv_name = plan.successor(name), plan.predecessor(name)
-    info = _ring_info(name, code, plan, links, model, serving.alternatives, stage.backend.dtype)
-    info = replace(info, weights=serving.weights or {})
+    info = _ring_info(name, code, plan, links, serving, stage.backend.dtype)
     nxt = _channel(links.get(nxt_name), nxt_name, opts)
     prv = _channel(links.get(prv_name), prv_name, opts) if len(order) > 2 or nxt is None else nxt
     traces = TraceLog(opts.trace)  # without a file: the last records for /traces only
@@ -432,8 +431,7 @@ def _ring_info(
     code: SessionCode,
     plan: Plan,
     links: dict[str, Link],
-    model: str,
-    alternatives: dict[str, Any] | None,
+    serving: Serving,
     dtype: str,
 ) -> RingInfo:
     """What /session and the traces say of the ring, from member `name`'s side: its edges follow
@@ -452,15 +450,16 @@ def _ring_info(
     follow_paths(edges, own)
     return RingInfo(
         session=code.public,
-        model=model,
+        model=serving.model,
         division=plan.division,
         order=tuple(plan.order),
         blocks={s.name: (s.start, s.stop) for s in plan.stages},
         predicted_ms={s.name: (s.cost_s or 0.0) * 1e3 for s in plan.stages},
         edges=edges,
-        plan={"chosen": plan.summary(), "divisions": alternatives or {}},
+        plan={"chosen": plan.summary(), "divisions": serving.alternatives or {}},
         edge_rtt_ms=planned_rtt_ms(plan.edges),
         dtype=dtype,
+        weights=serving.weights or {},
     )
 
 
