@@ -6,7 +6,7 @@ duplicate keys, NaN/Infinity and nesting deeper than `MAX_DEPTH` raise `Protocol
 message naming the field. Member-to-member payloads (`signal.payload`) and the capability/NAT
 reports are opaque JSON objects: the rendezvous forwards them without interpreting them.
 
-Client -> rendezvous: open, join, update, signal, relay_request, heartbeat, leave.
+Client -> rendezvous: open, join, update, signal, relay_request, heartbeat, leave, remove.
 Rendezvous -> client: opened, joined, member_joined, member_updated, signal, relay_allocated,
 heartbeat_ack, member_left, error. docs/protocol.md lists every field.
 """
@@ -136,6 +136,15 @@ class Leave:
     reason: str | None = field(default=None, metadata=_m(max_len=200))
 
 
+@dataclass(frozen=True, slots=True)
+class Remove:
+    """Host only: take `member` out of the session (it failed to authenticate); its place frees up."""
+
+    TYPE: ClassVar[str] = "remove"
+    member: int = field(metadata=_m(lo=1, hi=2**31))
+    reason: str = field(metadata=_m(max_len=200))
+
+
 # ------------------------------------------------------------------ rendezvous -> client
 
 
@@ -211,7 +220,7 @@ class HeartbeatAck:
 class MemberLeft:
     TYPE: ClassVar[str] = "member_left"
     member: int = field(metadata=_m(lo=1, hi=2**31))
-    reason: str = field(metadata=_m(max_len=32))  # "left", "timed_out", "disconnected"
+    reason: str = field(metadata=_m(max_len=32))  # "left", "timed_out", "disconnected", "removed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +234,7 @@ class Error:
     ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
 
 
-ClientMessage = Open | Join | Update | Signal | RelayRequest | Heartbeat | Leave
+ClientMessage = Open | Join | Update | Signal | RelayRequest | Heartbeat | Leave | Remove
 ServerMessage = (
     Opened
     | Joined
@@ -238,7 +247,7 @@ ServerMessage = (
     | Error
 )
 CLIENT_TYPES: dict[str, type] = {
-    c.TYPE: c for c in (Open, Join, Update, Signal, RelayRequest, Heartbeat, Leave)
+    c.TYPE: c for c in (Open, Join, Update, Signal, RelayRequest, Heartbeat, Leave, Remove)
 }
 SERVER_TYPES: dict[str, type] = {
     c.TYPE: c
