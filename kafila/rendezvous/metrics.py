@@ -23,6 +23,7 @@ JOIN_OUTCOMES = (
     "session_full",
     "already_in_session",
 )
+LEAVE_REASONS = ("left", "timed_out", "disconnected", "removed")
 
 
 class RendezvousCollector(Collector):
@@ -39,6 +40,12 @@ class RendezvousCollector(Collector):
         for outcome in sorted(set(JOIN_OUTCOMES) | set(reg.joins)):
             joins.add_metric([outcome], reg.joins.get(outcome, 0))
         yield joins
+        left = CounterMetricFamily(
+            PREFIX + "members_left", "Members gone from their session by reason", labels=["reason"]
+        )
+        for reason in sorted(set(LEAVE_REASONS) | set(reg.left)):
+            left.add_metric([reason], reg.left.get(reason, 0))
+        yield left
         yield GaugeMetricFamily(
             PREFIX + "relay_channels", "Allocated relay channels", value=len(relay.channels)
         )

@@ -3,12 +3,14 @@
 No sockets and no clock. The WebSocket shell calls `connect`, `receive`, `bad_frame`,
 `disconnect` and (about once a second) `tick`, each with `now`, and carries out the events
 returned: `Send` a message to a connection, `Close` a connection, `Note` something that happened
-(for the log). Counters for /metrics live here too (`joins`, `sessions`, `members`).
+(for the log). Counters for /metrics live here too (`joins`, `left`, `sessions`, `members`).
 
 Presence: any frame refreshes a member; `heartbeat_timeout_s` of silence times it out. A session
 dissolves when its last member is gone. Its code accepts joins while the session is not full and
 for `code_ttl_s` after the last open/join; a session still alone with its host when the code
-expires is dissolved (the host gets a fatal `code_expired`).
+expires is dissolved (the host gets a fatal `code_expired`). The host may `remove` another member
+(one that failed to authenticate): it leaves as "removed", gets a fatal `removed`, and its place
+frees up for another join.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ class Registry:
         self.sessions: dict[str, Session] = {}
         self.conns: dict[ConnId, Conn] = {}
         self.joins: Counter[str] = Counter()  # outcome -> count
+        self.left: Counter[str] = Counter()  # members gone from sessions: reason -> count
         self._join_by_addr = TokenBuckets(limits.join_rate_per_address, limits.join_burst_per_address)
         self._join_by_session = TokenBuckets(limits.join_rate_per_session, limits.join_burst_per_session)
         self._open_by_addr = TokenBuckets(limits.open_rate_per_address, limits.open_burst_per_address)
@@ -181,6 +184,8 @@ class Registry:
                 return self._relay(state, peer, ref, now)
             case sig.Leave():
                 return [*self._remove_member(state, "left", now), Close(conn, 1000, "left")]
+            case sig.Remove(target, reason):
+                return self._remove_by_host(state, target, reason, now)
         raise AssertionError(f"unhandled message {msg!r}")  # pragma: no cover
 
     # ------------------------------------------------------------ open / join
@@ -371,11 +376,33 @@ class Registry:
 
     # ------------------------------------------------------------ leaving and time
 
+    def _remove_by_host(self, state: Conn, target: int, reason: str, now: float) -> list[Event]:
+        """The host takes another member out: it leaves as "removed", its connection is closed with
+        a fatal `removed`, and the session can take a join in its place."""
+        session, member = self._member(state)
+        if not member.info.host:
+            text = f"member {member.id}: only the host of session {session.code} may remove members"
+            return [Send(state.id, sig.Error("not_host", text))]
+        other = session.members.get(target)
+        if other is None or other is member:
+            text = f"session {session.code} has no other member {target}"
+            return [Send(state.id, sig.Error("unknown_member", text))]
+        gone = self.conns.pop(other.conn)  # nothing it still sends counts (as for a timed-out member)
+        text = f"the host removed this member from session {session.code}" + (f": {reason}" if reason else "")
+        fields = {"session": session.code, "member": target, "by": member.id, "reason": reason}
+        return [
+            Note("member_removed", fields),
+            *self._remove_member(gone, "removed", now),
+            Send(gone.id, sig.Error("removed", text, fatal=True)),
+            Close(gone.id, 1000, "removed by the host"),
+        ]
+
     def _remove_member(self, state: Conn, reason: str, now: float) -> list[Event]:
         session, member = self._member(state)
         del session.members[member.id]
         state.session = state.member = None
         state.idle_since = now
+        self.left[reason] += 1
         self.relay.release_member(session.code, member.id)
         out: list[Event] = [
             Note("member_left", {"session": session.code, "member": member.id, "reason": reason})

@@ -32,6 +32,7 @@ CLIENT = [
     sig.RelayRequest(1, "r9"),
     sig.Heartbeat(),
     sig.Leave("done"),
+    sig.Remove(2, "failed to prove the secret word"),
 ]
 SERVER = [
     sig.Opened("4-k7m2", 1, 600.0, 10.0, 3478, 3479, "203.0.113.9", "r1"),
@@ -42,6 +43,7 @@ SERVER = [
     sig.RelayAllocated(99, 1, 0, "ab" * 16, "r4"),
     sig.HeartbeatAck("r2"),
     sig.MemberLeft(3, "timed_out"),
+    sig.MemberLeft(2, "removed"),
     sig.Error("session_full", "session 4-k7m2 already has its 3 members", True, "r3"),
 ]
 
@@ -85,6 +87,9 @@ def _frame(kind: str, **fields: Any) -> str:
         (_frame("join", session="4-k7m2", name="a\nb", capability={}), "bad_message", "control characters"),
         (_frame("update", candidates=["a"] * 17), "bad_message", "17 items, at most 16"),
         (_frame("update", candidates=[1]), "bad_message", "update.candidates[0]: expected string"),
+        (_frame("remove", member=0, reason="x"), "bad_message", "remove.member: 0 is below the minimum 1"),
+        (_frame("remove", member=2), "bad_message", "remove: missing field 'reason'"),
+        (_frame("remove", member=2, reason="x" * 201), "bad_message", "remove.reason: 201 characters"),
         ('{"v": 1, "v": 1, "type": "heartbeat"}', "bad_message", "duplicate key 'v'"),
         ('{"v": 1, "type": "open", "members_expected": NaN}', "bad_message", "NaN is not allowed"),
         # a number beyond a float reads as inf: the server could not send the message on to anyone

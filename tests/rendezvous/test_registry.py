@@ -326,3 +326,50 @@ def test_one_sources_refusals_are_logged_ten_a_minute_then_counted() -> None:
     assert len(from_one) == 11 and from_one[-1]["not_logged_before"] == 290
     assert sum(e["source"] == "203.0.113.9" for e in joins) == 1  # another address has its own budget
     assert sum(e["outcome"] == "ok" for e in joins) == 20  # what worked is never sampled
+
+
+def test_host_removes_a_member_whose_place_then_takes_another_join() -> None:
+    reg = make()
+    code = open_session(reg, expected=3)
+    join(reg, 2, code)
+    join(reg, 3, code)
+    reg.receive(2, sig.RelayRequest(1), 1.0)
+    (full,) = sends(join(reg, 4, code, 1.0))
+    assert isinstance(full, sig.Error) and full.code == "session_full"
+    events = reg.receive(1, sig.Remove(2, "wrong secret word"), 2.0)
+    assert sends(events, 1) == [sig.MemberLeft(2, "removed")]
+    assert sends(events, 3) == [sig.MemberLeft(2, "removed")]
+    (err,) = sends(events, 2)
+    assert err == sig.Error(
+        "removed", f"the host removed this member from session {code}: wrong secret word", fatal=True
+    )
+    assert [(c.conn, c.code) for c in closes(events)] == [(2, 1000)]
+    notes = {e.event: e.fields for e in events if isinstance(e, Note)}
+    assert notes["member_removed"] == {"session": code, "member": 2, "by": 1, "reason": "wrong secret word"}
+    assert notes["member_left"]["reason"] == "removed"
+    assert reg.relay.channels == {} and reg.member_count == 2 and reg.left == {"removed": 1}
+    assert reg.receive(2, sig.Join(code, "again", {}), 2.5) == []  # the removed connection counts no more
+    assert reg.disconnect(2, 3.0) == []  # nor does its socket closing
+    (joined,) = sends(join(reg, 5, code, 3.0), 5)
+    assert isinstance(joined, sig.Joined) and [m.id for m in joined.members] == [1, 3, 4]
+
+
+def test_only_the_host_may_remove_and_nothing_changes_when_refused() -> None:
+    reg = make()
+    code = open_session(reg)
+    join(reg, 2, code)
+    join(reg, 3, code)
+    events = reg.receive(2, sig.Remove(3, "you look suspicious"), 1.0)
+    assert len(events) == 1
+    (err,) = sends(events, 2)
+    assert isinstance(err, sig.Error) and err.code == "not_host" and not err.fatal and err.ref is None
+    assert f"only the host of session {code} may remove members" in err.message
+    for target in (1, 9):  # the host itself, a stranger
+        events = reg.receive(1, sig.Remove(target, "x"), 1.0)
+        assert len(events) == 1
+        (err,) = sends(events, 1)
+        assert isinstance(err, sig.Error) and err.code == "unknown_member" and not err.fatal
+    assert [sorted(s.members) for s in reg.sessions.values()] == [[1, 2, 3]] and reg.left == {}
+    reg.connect(7, "10.0.0.7", 1.0)
+    (err,) = sends(reg.receive(7, sig.Remove(2, "x"), 1.0))
+    assert isinstance(err, sig.Error) and err.code == "not_in_session"

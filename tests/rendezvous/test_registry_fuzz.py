@@ -37,6 +37,7 @@ def messages(codes: list[str]) -> st.SearchStrategy[sig.ClientMessage]:
         st.builds(sig.RelayRequest, MEMBER),
         st.builds(sig.Heartbeat),
         st.builds(sig.Leave),
+        st.builds(sig.Remove, MEMBER, st.just("fuzz")),
     )
 
 
