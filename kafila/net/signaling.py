@@ -4,6 +4,7 @@
     opened = await client.open_session("smollm2-135m", 3, "laptop", capability)  # host
     joined = await client.join("4-k7m2", "desktop", capability)                   # or a member
     await client.signal(peer_id, {"kind": "candidates", ...})                     # opaque payload
+    await client.remove(member_id, "failed authentication")                       # host only
     relay = await client.request_relay(peer_id)       # RelayAllocated: channel, leg token
     event = await client.next_event()                 # member_joined, signal, member_left, ...
     await client.close()                              # sends leave
@@ -12,6 +13,8 @@ Replies to requests are matched by `ref`; everything else (a peer's signal, memb
 going, a relay channel a peer asked for, errors not tied to a request) arrives through
 `next_event()`. Heartbeats are sent in the background every `heartbeat_s` the rendezvous asked
 for. Refusals raise `SignalingError(code, message)`; a lost connection raises `SignalingClosed`.
+A fatal error (the host removed this member, its code expired, ...) arrives as an `Error` event,
+and the `SignalingClosed` that follows names it too.
 
 TLS: `wss://` URLs verify the rendezvous certificate against the system trust store, or against
 `ca_file` only, or (`fingerprint`) pin the SHA-256 of its certificate instead of a CA.
@@ -81,6 +84,7 @@ class SignalingClient:
         self._reader = asyncio.create_task(self._read())
         self._heartbeat: asyncio.Task[None] | None = None
         self._closed: SignalingClosed | None = None
+        self._fatal: sig.Error | None = None  # the fatal error the rendezvous closed after, if any
         self.member: int | None = None
         self.session: str | None = None
         self.probe: tuple[int | None, int | None, str | None] = (None, None, None)
@@ -166,6 +170,10 @@ class SignalingClient:
 
     async def signal(self, to: int, payload: sig.JsonObject) -> None:
         await self._send(sig.Signal(to, payload))
+
+    async def remove(self, member: int, reason: str) -> None:
+        """Host only: take `member` out of the session (no reply; a refusal comes as an Error event)."""
+        await self._send(sig.Remove(member, reason))
 
     async def request_relay(self, peer: int, timeout: float = 10.0) -> sig.RelayAllocated:
         ref = self._ref()
@@ -265,7 +273,10 @@ class SignalingClient:
             reason = f"rendezvous closed the connection ({self._ws.close_code} {self._ws.close_reason or ''})"
         except ConnectionClosed as exc:
             reason = f"connection to the rendezvous lost: {exc}"
-        self._closed = SignalingClosed("closed", reason.strip())
+        reason = reason.strip()
+        if self._fatal is not None:
+            reason += f" after error {self._fatal.code}: {self._fatal.message}"
+        self._closed = SignalingClosed("closed", reason)
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(self._closed)
@@ -277,6 +288,8 @@ class SignalingClient:
         except ProtocolError as exc:
             log.warning("bad_frame_from_rendezvous", error=str(exc))
             return
+        if isinstance(msg, sig.Error) and msg.fatal:
+            self._fatal = msg
         ref = getattr(msg, "ref", None)
         future = self._pending.get(ref) if ref is not None else None
         if future is not None and not future.done():

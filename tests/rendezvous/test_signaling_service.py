@@ -225,3 +225,75 @@ async def test_a_bug_in_the_core_is_reported_and_the_connection_survives(
         assert isinstance(err, sig.Error) and err.code == "internal" and "'update'" in err.message
         await ws.send(sig.encode(sig.Heartbeat("still-here")))
         assert sig.decode_server(await ws.recv()) == sig.HeartbeatAck("still-here")
+
+
+async def test_host_removes_a_member_who_is_closed_and_whose_place_takes_a_new_join(
+    start_rendezvous: Factory,
+) -> None:
+    server = await start_rendezvous()
+    host = await SignalingClient.connect(server.url)
+    opened = await host.open_session("m", 3, "host", CAP)
+    honest = await SignalingClient.connect(server.url)
+    await honest.join(opened.session, "honest", CAP)
+    guesser = await SignalingClient.connect(server.url)
+    await guesser.join(opened.session, "guesser", CAP)
+    late = await SignalingClient.connect(server.url)
+    with pytest.raises(SignalingError, match="session_full"):
+        await late.join(opened.session, "late", CAP)
+    unhandled: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, context: unhandled.append(context))
+    for _ in range(2):
+        await host.next_event(2.0)  # member_joined
+    await honest.next_event(2.0)  # member_joined (the guesser)
+
+    await host.remove(3, "wrong secret word")
+    err = await guesser.next_event(2.0)
+    assert err == sig.Error(
+        "removed",
+        f"the host removed this member from session {opened.session}: wrong secret word",
+        fatal=True,
+    )
+    with pytest.raises(SignalingClosed, match="removed by the host"):
+        await guesser.next_event(2.0)
+    why = await asyncio.wait_for(guesser.lost(), 2.0)
+    assert "1000 removed by the host" in why.message and "wrong secret word" in why.message
+    with pytest.raises(SignalingClosed):
+        await guesser.signal(1, {})
+    assert await host.next_event(2.0) == sig.MemberLeft(3, "removed")
+    assert await honest.next_event(2.0) == sig.MemberLeft(3, "removed")
+
+    joined = await late.join(opened.session, "late", CAP)  # the same code, a place free again
+    assert [m.name for m in joined.members] == ["host", "honest", "late"]
+    base = f"http://127.0.0.1:{server.http_port}"
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(base + "/metrics")).text
+    assert 'kafila_rendezvous_members_left_total{reason="removed"} 1.0' in text
+    for client in (guesser, late, honest, host):
+        await client.close()
+    gc.collect()
+    assert unhandled == []
+
+
+async def test_only_the_host_may_remove_a_member(start_rendezvous: Factory) -> None:
+    server = await start_rendezvous()
+    host = await SignalingClient.connect(server.url)
+    opened = await host.open_session("m", 3, "host", CAP)
+    members = [await SignalingClient.connect(server.url) for _ in range(2)]
+    for i, member in enumerate(members):
+        await member.join(opened.session, f"m{i}", CAP)
+    await members[0].next_event(2.0)  # member_joined
+    for _ in range(2):
+        await host.next_event(2.0)
+
+    await members[0].remove(3, "not the host")
+    err = await members[0].next_event(2.0)
+    assert isinstance(err, sig.Error) and err.code == "not_host" and not err.fatal
+    for target in (1, 9):
+        await host.remove(target, "x")
+        err = await host.next_event(2.0)
+        assert isinstance(err, sig.Error) and err.code == "unknown_member" and not err.fatal
+    assert await members[1].heartbeat() < 2.0  # still connected
+    assert server.registry is not None
+    assert [sorted(s.members) for s in server.registry.sessions.values()] == [[1, 2, 3]]
+    for client in (*members, host):
+        await client.close()
