@@ -8,11 +8,17 @@ step to take (`PlanNow`, `LinkNow`), a message it ignored (`Rejected`, naming wh
 attempt (`Failed`) or success (`Formed`). Every input first checks the current deadline against
 `now`: an event that arrives at or after the deadline finds the attempt already timed out.
 
-    host:   start(own report) -> GATHERING --N reports--> PLANNING --planned--> LINKING
+    host:   start(own report) -> GATHERING --N reports, each admitted--> PLANNING --planned--> LINKING
             --started--> WAITING_READY --N-1 readies--> FORMED      (refuse / timeout / left: FAILED)
     member: start(own report) -> AWAITING_PLAN --plan--> LINKING --linked--> FETCHING
             --fetched--> STARTING --started--> CONFIRMING --formed--> FORMED
                                                                      (refused / timeout / left: FAILED)
+
+A member's report counts only once the member is admitted: the host links with it at once
+(`Admit`; the link that will carry its weights) and the link's authentication proves that the
+member holds the session code's secret words. One that does not (a mistyped word, or someone who
+found only the public part of the code) is refused and removed from the session at the rendezvous
+(`Remove`), so a right member can still join with the same code; the others do not notice.
 
 A member is formed only when the host says every member is ready (`formed`): a member that was
 ready while another failed to start is told (`refused`, or the host or that member leaving) and
@@ -134,13 +140,31 @@ class LinkNow:
 
 
 @dataclass(frozen=True)
+class Admit:
+    """Host: link with this member now (the control link its weights will come over); the link's
+    authentication proves it holds the session's secret words. Report back with `admitted` or
+    `not_admitted`."""
+
+    member: int
+    name: str  # its device name in the session
+
+
+@dataclass(frozen=True)
+class Remove:
+    """Host: remove this member from the session at the rendezvous (it was not admitted)."""
+
+    member: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Formed:
     """Every member is ready (host) / the host confirmed that every member is ready (member)."""
 
     members: tuple[str, ...]
 
 
-Output = Say | Send | Rejected | Failed | PlanNow | LinkNow | Formed
+Output = Say | Send | Rejected | Failed | PlanNow | LinkNow | Admit | Remove | Formed
 
 
 class Step(enum.Enum):
@@ -221,6 +245,8 @@ class HostFormation(_Machine):
     joined: dict[int, str] = field(default_factory=dict)  # member id -> name at the rendezvous
     devices: dict[int, DeviceReport] = field(default_factory=dict)  # member id -> its report
     ids: dict[str, int] = field(default_factory=dict)  # the plan's members: device name -> id
+    admitted_ids: set[int] = field(default_factory=set)  # reported members whose link authenticated
+    removed: set[int] = field(default_factory=set)  # not admitted: removed at the rendezvous
     ready: set[int] = field(default_factory=set)
 
     def start(self, me: DeviceReport, now: float) -> list[Output]:
@@ -231,6 +257,52 @@ class HostFormation(_Machine):
         self.step, self.deadline = Step.GATHERING, now + self.wait_s
         out: list[Output] = [Say(f"waiting for {self.members - 1} member(s) (up to {self.wait_s:g} s)")]
         return out + self._maybe_plan()
+
+    def admitted(self, member: int, now: float) -> list[Output]:
+        """The shell's link with `member` authenticated: its report counts."""
+        if (late := self._check_admission(member, now)) is not None:
+            return late
+        self.admitted_ids.add(member)
+        count = len(self.admitted_ids) + 1  # the host counts itself
+        return [Say(f"{self._name(member)} joined ({count}/{self.members})"), *self._maybe_plan()]
+
+    def not_admitted(self, member: int, why: str, now: float) -> list[Output]:
+        """The shell's link with `member` failed (its code's secret words differ from the host's,
+        or no path): refuse it and remove it from the session, and go on waiting for members."""
+        if (late := self._check_admission(member, now)) is not None:
+            return late
+        name = self._name(member)
+        self._forget(member)
+        self.removed.add(member)
+        reason = f"{name} was not admitted: {why}"
+        told = (
+            f"this member could not link with the host ({why}); join again with the exact code the "
+            "host printed"
+        )
+        waiting = f"{len(self.admitted_ids) + 1}/{self.members} members joined"
+        return [
+            Send(member, payload("refused", reason=told)),
+            Remove(member, reason),
+            Say(f"{reason}; removed from the session, {waiting}"),
+        ]
+
+    def _check_admission(self, member: int, now: float) -> list[Output] | None:
+        """None where `member`'s admission may be decided now, else what to return instead."""
+        self.now = now
+        if self._expired(now):
+            return self._timed_out()
+        if self.step is not Step.GATHERING or member not in self.devices or member in self.admitted_ids:
+            why = f"admission of member {member} while {self.step.value}"
+            return [Rejected(member, why + ("" if member in self.devices else ", after it left"))]
+        return None
+
+    def _forget(self, member: int) -> None:
+        """Drop `member`'s report (it left or was not admitted)."""
+        self.joined.pop(member, None)
+        self.admitted_ids.discard(member)
+        device = self.devices.pop(member, None)
+        if device is not None:
+            del self.ids[device.name]
 
     def planned(self, plan: Plan, now: float, **extra: Any) -> list[Output]:
         """The shell planned a feasible session: send it (and `extra`) to every other member."""
@@ -279,10 +351,15 @@ class HostFormation(_Machine):
 
     def _timed_out(self) -> list[Output]:
         if self.step is Step.GATHERING:  # those who came are told, not left waiting for a plan
-            names = ", ".join(d.name for d in self.devices.values())
+            names = ", ".join(self._name(m) for m in [self.host_id, *sorted(self.admitted_ids)])
+            checking = [
+                d.name for m, d in self.devices.items() if m not in self.admitted_ids | {self.host_id}
+            ]
+            still = f"; still linking with {', '.join(checking)}" if checking else ""
             reason = (
-                f"only {len(self.devices)} of {self.members} members arrived within {self.wait_s:g} s "
-                f"(joined: {names}); ask the others to run `kafila join` with the code"
+                f"only {len(self.admitted_ids) + 1} of {self.members} members arrived within "
+                f"{self.wait_s:g} s (joined: {names}{still}); ask the others to run `kafila join` "
+                "with the code"
             )
             came = [m for m in self.joined if m != self.host_id]
             return self._refuse(reason, came)
@@ -299,6 +376,9 @@ class HostFormation(_Machine):
         return [Say(f"{event.name} connected; waiting for its report")] if self.step is Step.GATHERING else []
 
     def _left(self, event: Left) -> list[Output]:
+        if event.member in self.removed:  # the rendezvous carried out our Remove
+            self.removed.discard(event.member)
+            return []
         if event.member not in self.joined:
             return [Rejected(event.member, f"member {event.member} left but never joined")]
         name = self._name(event.member)
@@ -306,10 +386,9 @@ class HostFormation(_Machine):
             reason = f"member {name} left ({event.reason}) before the session formed"
             others = [m for m in self._others() if m != event.member]
             return self._refuse(reason, others)
-        del self.joined[event.member]
-        if self.devices.pop(event.member, None) is not None:
-            del self.ids[name]
-        return [Say(f"{name} left ({event.reason}); {len(self.devices)}/{self.members} members reported")]
+        self._forget(event.member)
+        joined = len(self.admitted_ids) + 1
+        return [Say(f"{name} left ({event.reason}); {joined}/{self.members} members joined")]
 
     def _message(self, sender: int, op: str, body: dict[str, Any]) -> list[Output]:
         if sender not in self.joined:
@@ -337,10 +416,13 @@ class HostFormation(_Machine):
             device = DeviceReport.from_dict({**device.to_dict(), "name": f"{device.name}-{sender}"})
         self.devices[sender] = device
         self.ids[device.name] = sender
-        return [Say(f"{device.name} joined ({len(self.devices)}/{self.members})"), *self._maybe_plan()]
+        return [
+            Say(f"{device.name} reported; linking with it to check its session code"),
+            Admit(sender, device.name),
+        ]
 
     def _maybe_plan(self) -> list[Output]:
-        if len(self.devices) < self.members:
+        if len(self.devices) < self.members or len(self.admitted_ids) < self.members - 1:
             return []
         self.step, self.deadline = Step.PLANNING, None
         return [PlanNow(tuple(self.devices.values()), dict(self.ids))]

@@ -62,12 +62,21 @@ def host_with(n: int, wait_s: float = 10.0, now: float = 100.0) -> HostFormation
 
 
 def gathered(core: HostFormation, names: dict[int, str], now: float = 101.0) -> list[fm.Output]:
+    """`names` join, report, and are admitted (their links with the host authenticated)."""
     out: list[fm.Output] = []
     for member, name in names.items():
         out += core.handle(fm.Joined(member, name), now)
     for member, name in names.items():
-        out += core.handle(fm.Message(member, report(name)), now)
+        out += reported(core, member, name, now)
     return out
+
+
+def reported(core: HostFormation, member: int, name: str, now: float) -> list[fm.Output]:
+    """`member` reports and the host's shell admits it (as it does once their link authenticated)."""
+    out = core.handle(fm.Message(member, report(name)), now)
+    admit = only(out, fm.Admit)
+    assert admit.member == member
+    return out + core.admitted(member, now)
 
 
 # ------------------------------------------------------------------ host: normal flow
@@ -80,7 +89,9 @@ def test_host_gathers_plans_sends_and_forms() -> None:
     assert says == [
         "beta connected; waiting for its report",
         "gamma connected; waiting for its report",
+        "beta reported; linking with it to check its session code",
         "beta joined (2/3)",
+        "gamma reported; linking with it to check its session code",
         "gamma joined (3/3)",
     ]
     plan_now = only(out, fm.PlanNow)
@@ -140,9 +151,11 @@ def test_reports_in_any_order_and_joins_interleaved() -> None:
     out += core.handle(fm.Message(4, report("delta")), 100.6)
     out += core.handle(fm.Joined(2, "beta"), 100.7)
     out += core.handle(fm.Joined(3, "gamma"), 100.8)
-    out += core.handle(fm.Message(3, report("gamma")), 100.9)
-    assert not any(isinstance(o, fm.PlanNow) for o in out)
-    out = core.handle(fm.Message(2, report("beta")), 101.0)
+    out += reported(core, 3, "gamma", 100.9)
+    out += core.handle(fm.Message(2, report("beta")), 101.0)
+    out += core.admitted(2, 101.0)
+    assert not any(isinstance(o, fm.PlanNow) for o in out)  # delta reported, not yet admitted
+    out = core.admitted(4, 101.1)
     assert only(out, fm.PlanNow).ids == {"alpha": 1, "delta": 4, "gamma": 3, "beta": 2}
 
 
@@ -150,6 +163,64 @@ def test_two_members_of_one_name_are_told_apart_by_id() -> None:
     core = host_with(3)
     out = gathered(core, {2: "laptop", 3: "laptop"})
     assert only(out, fm.PlanNow).ids == {"alpha": 1, "laptop": 2, "laptop-3": 3}
+
+
+# ------------------------------------------------------------------ host: admission
+
+
+def test_a_member_that_does_not_prove_the_code_is_refused_removed_and_replaced() -> None:
+    """A mistyped word (or someone who found only the public code) costs only that member its
+    place: it is told, removed at the rendezvous, and a right member can still take the place."""
+    core = host_with(3)
+    gathered(core, {2: "beta"})
+    core.handle(fm.Joined(3, "mallory"), 101.0)
+    assert kinds(core.handle(fm.Message(3, report("mallory")), 101.1)) == ["Say", "Admit"]
+    why = "edge 3->1: the peer did not prove the session secret for this edge"
+    out = core.not_admitted(3, why, 101.5)
+    told = (
+        f"this member could not link with the host ({why}); join again with the exact code the host printed"
+    )
+    reason = f"mallory was not admitted: {why}"
+    assert out == [
+        fm.Send(3, fm.payload("refused", reason=told)),
+        fm.Remove(3, reason),
+        fm.Say(f"{reason}; removed from the session, 2/3 members joined"),
+    ]
+    assert core.step is Step.GATHERING and core.ids == {"alpha": 1, "beta": 2}
+    assert core.handle(fm.Left(3, "removed"), 101.6) == []  # the rendezvous carried out the Remove
+    assert only(core.handle(fm.Message(3, report("mallory")), 101.7), fm.Rejected)
+    out = gathered(core, {4: "gamma"}, now=102.0)
+    assert only(out, fm.PlanNow).ids == {"alpha": 1, "beta": 2, "gamma": 4}
+
+
+def test_admission_of_a_member_that_left_or_was_decided_is_rejected() -> None:
+    core = host_with(3)
+    core.handle(fm.Joined(2, "beta"), 100.1)
+    core.handle(fm.Message(2, report("beta")), 100.2)
+    core.handle(fm.Left(2, "disconnected"), 100.3)
+    assert only(core.admitted(2, 100.4), fm.Rejected).reason == (
+        "admission of member 2 while gathering reports, after it left"
+    )
+    assert only(core.not_admitted(2, "no path", 100.4), fm.Rejected)
+    gathered(core, {3: "gamma"})
+    assert (
+        only(core.admitted(3, 101.5), fm.Rejected).reason == "admission of member 3 while gathering reports"
+    )
+    assert core.admitted_ids == {3}
+
+
+def test_an_admission_at_the_deadline_finds_the_attempt_timed_out_naming_who_was_linking() -> None:
+    core = host_with(3, wait_s=30.0, now=100.0)
+    gathered(core, {2: "beta"}, now=110.0)
+    core.handle(fm.Joined(3, "gamma"), 120.0)
+    core.handle(fm.Message(3, report("gamma")), 125.0)
+    out = core.admitted(3, 130.0)
+    reason = (
+        "only 2 of 3 members arrived within 30 s (joined: alpha, beta; still linking with gamma); "
+        "ask the others to run `kafila join` with the code"
+    )
+    assert out[-1] == fm.Failed(reason)
+    assert [o.to for o in out if isinstance(o, fm.Send)] == [2, 3]
 
 
 # ------------------------------------------------------------------ host: what does not fit
@@ -176,7 +247,7 @@ def test_unreadable_report_is_rejected_and_the_member_may_report_again() -> None
     bad = fm.payload("report", device={"name": "beta", "memory_bytes": -5})
     rejected = only(core.handle(fm.Message(2, bad), 101.0), fm.Rejected)
     assert "unreadable report from member 2" in rejected.reason and "-5" in rejected.reason
-    assert kinds(core.handle(fm.Message(2, report("beta")), 101.5)) == ["Say", "PlanNow"]
+    assert kinds(reported(core, 2, "beta", 101.5)) == ["Say", "Admit", "Say", "PlanNow"]
 
 
 def test_ready_before_the_plan_is_out_of_order() -> None:
@@ -238,7 +309,7 @@ def test_member_leaving_before_the_plan_frees_its_place() -> None:
     core = host_with(3)
     gathered(core, {2: "beta"})
     out = core.handle(fm.Left(2, "disconnected"), 101.0)
-    assert only(out, fm.Say).text == "beta left (disconnected); 1/3 members reported"
+    assert only(out, fm.Say).text == "beta left (disconnected); 1/3 members joined"
     assert core.ids == {"alpha": 1}
     out = gathered(core, {3: "gamma", 4: "delta"}, now=102.0)
     assert only(out, fm.PlanNow).ids == {"alpha": 1, "gamma": 3, "delta": 4}
@@ -248,7 +319,7 @@ def test_member_leaving_before_it_reported() -> None:
     core = host_with(2)
     core.handle(fm.Joined(2, "beta"), 100.1)
     out = core.handle(fm.Left(2, "timed_out"), 100.2)
-    assert only(out, fm.Say).text == "beta left (timed_out); 1/2 members reported"
+    assert only(out, fm.Say).text == "beta left (timed_out); 1/2 members joined"
     assert only(core.handle(fm.Message(2, report("beta")), 100.3), fm.Rejected)
 
 
@@ -309,7 +380,7 @@ def test_a_report_at_the_deadline_finds_the_attempt_timed_out() -> None:
 def test_a_report_just_before_the_deadline_counts() -> None:
     core = host_with(2, wait_s=30.0, now=100.0)
     core.handle(fm.Joined(2, "beta"), 129.0)
-    assert kinds(core.handle(fm.Message(2, report("beta")), 129.999)) == ["Say", "PlanNow"]
+    assert kinds(reported(core, 2, "beta", 129.999)) == ["Say", "Admit", "Say", "PlanNow"]
     assert core.tick(1e9) == []  # no deadline while the shell plans
 
 
