@@ -172,8 +172,9 @@ class SignalingClient:
         await self._send(sig.Signal(to, payload))
 
     async def remove(self, member: int, reason: str) -> None:
-        """Host only: take `member` out of the session (no reply; a refusal comes as an Error event)."""
-        await self._send(sig.Remove(member, reason))
+        """Host only: take `member` out of the session (no reply; a refusal comes as an Error event).
+        A `reason` longer than the wire takes (200 characters) is cut there."""
+        await self._send(sig.Remove(member, reason if len(reason) <= 200 else reason[:199] + "…"))
 
     async def request_relay(self, peer: int, timeout: float = 10.0) -> sig.RelayAllocated:
         ref = self._ref()

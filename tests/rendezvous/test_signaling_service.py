@@ -295,5 +295,8 @@ async def test_only_the_host_may_remove_a_member(start_rendezvous: Factory) -> N
     assert await members[1].heartbeat() < 2.0  # still connected
     assert server.registry is not None
     assert [sorted(s.members) for s in server.registry.sessions.values()] == [[1, 2, 3]]
+    await host.remove(3, "a link error that names everything: " + "x" * 300)  # longer than the wire takes
+    err = await members[1].next_event(2.0)
+    assert isinstance(err, sig.Error) and err.code == "removed" and err.message.endswith("x…")
     for client in (*members, host):
         await client.close()
