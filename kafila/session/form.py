@@ -1,10 +1,11 @@
 """Forming a session: host and join, from the session code to a serving ring (asyncio shell).
 
     host: open the session at the rendezvous -> print the code -> classify NAT, probe itself ->
-          wait for N-1 members' reports -> plan (or refuse, naming the device) -> send the plan ->
-          link the plan's edges and a control link to every member -> serve weights -> ring
-    join: join with the code -> classify NAT, probe itself -> report -> receive the plan ->
-          link its edges and a control link to the host -> fetch its tensors -> ring
+          wait for N-1 members' reports, linking with each as it reports (the control link, whose
+          authentication admits it; kafila.session.admission) -> plan (or refuse, naming the
+          device) -> send the plan -> link the plan's other edges -> serve weights -> ring
+    join: join with the code -> classify NAT, probe itself -> report and link with the host ->
+          receive the plan -> link its ring edges -> fetch its tensors -> ring
 
 The steps and the session messages (`report`, `plan`, `refused`, `ready`: signaling payloads the
 rendezvous forwards unread) are decided by the pure state machines of kafila.session.formation;
@@ -27,7 +28,7 @@ from kafila.engine import PREFILL_CHUNK
 from kafila.engine.pace import Pace
 from kafila.net.edge import EdgeOptions, LinkNode, SignalRouter, connect_edge
 from kafila.net.endpoint import UdpEndpoint
-from kafila.net.errors import LinkAuthError, LinkError, NatProbeError
+from kafila.net.errors import LinkError, NatProbeError
 from kafila.net.link import Link, LinkConfig
 from kafila.net.signaling import SignalingClient, SignalingClosed
 from kafila.obs.log import get_logger
@@ -41,7 +42,6 @@ from kafila.session.formation import HostFormation, MemberFormation
 from kafila.session.schedule import DEFAULT_QUEUE
 
 log = get_logger("kafila.session.form")
-AUTH_VERDICT_S = 10.0  # a member whose link did not authenticate waits this long for its link to the host
 T = TypeVar("T")
 R = TypeVar("R")
 FIRST = asyncio.FIRST_COMPLETED
@@ -220,6 +220,10 @@ class Driver:
         self.core, self.client, self.router = core, client, router
         self._next: asyncio.Task[sig.ServerMessage] | None = None
         self._lost: asyncio.Task[SignalingClosed] | None = None
+        # the shell's own results for the core, as steps of it taking `now` (kafila.session.admission)
+        self.inbox: asyncio.Queue[Callable[[float], list[fm.Output]]] = asyncio.Queue()
+        self._inbox_next: asyncio.Task[Callable[[float], list[fm.Output]]] | None = None
+        self.on_admit: Callable[[fm.Admit], None] | None = None  # the host's: link with that member
 
     @staticmethod
     def now() -> float:
@@ -231,11 +235,10 @@ class Driver:
         for out in outputs:
             if isinstance(out, fm.Say):
                 say(out.text)
-            elif isinstance(out, fm.Send):
-                try:
-                    await self.client.signal(out.to, out.body)
-                except SignalingClosed as exc:
-                    raise self._rendezvous_lost(exc) from exc
+            elif isinstance(out, fm.Send | fm.Remove):
+                await self._tell_rendezvous(out)
+            elif isinstance(out, fm.Admit) and self.on_admit is not None:
+                self.on_admit(out)
             elif isinstance(out, fm.Rejected):
                 log.warning("session_message_rejected", member=out.member, reason=out.reason)
             elif isinstance(out, fm.Failed):
@@ -245,15 +248,29 @@ class Driver:
                 rest.append(out)
         return rest
 
-    async def until(self, want: type[T], first: list[fm.Output] | None = None) -> T:
+    async def _tell_rendezvous(self, out: fm.Send | fm.Remove) -> None:
+        try:
+            if isinstance(out, fm.Send):
+                await self.client.signal(out.to, out.body)
+            else:
+                await self.client.remove(out.member, out.reason)
+        except SignalingClosed as exc:
+            raise self._rendezvous_lost(exc) from exc
+
+    async def until(
+        self, want: type[T], first: list[fm.Output] | None = None, watch: asyncio.Future[Any] | None = None
+    ) -> T:
         """Carry out `first` (what a step of the core just returned), then feed events and ticks
-        until the core outputs a `want`."""
+        until the core outputs a `want`. A `watch` that fails meanwhile raises its error."""
         outputs = await self.carry(first or [])
         while True:
             for out in outputs:
                 if isinstance(out, want):
                     return out
-            outputs = await self._feed_one(None)
+            if watch is not None and watch.done():
+                watch.result()  # its failure, if it failed
+                watch = None
+            outputs = await self._feed_one(watch)
 
     async def during(self, work: Awaitable[R]) -> R:
         """Run one step of the shell's own (linking, fetching, loading) while still feeding the
@@ -270,7 +287,7 @@ class Driver:
                     await task
 
     def close(self) -> None:
-        for task in (self._next, self._lost):
+        for task in (self._next, self._lost, self._inbox_next):
             if task is not None:
                 task.cancel()  # an unconsumed event stays in the queue
 
@@ -309,14 +326,19 @@ class Driver:
             self._next = asyncio.ensure_future(self.router.others.get())
         if self._lost is None:
             self._lost = asyncio.ensure_future(self.client.lost())
+        if self._inbox_next is None:
+            self._inbox_next = asyncio.ensure_future(self.inbox.get())
         deadline = self.core.deadline
         timeout = None if deadline is None else max(0.0, deadline - self.now())
-        waiting = {self._next, self._lost} if work is None else {self._next, self._lost, work}
+        waiting = {self._next, self._lost, self._inbox_next, *([work] if work is not None else [])}
         done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         if self._lost in done and self._next not in done:
             # no member can join or signal any more: the session cannot form (a formed ring does
             # not need the rendezvous for its direct edges, so only forming fails on this)
             raise self._rendezvous_lost(self._lost.result())
+        if self._inbox_next in done:  # an event read meanwhile waits in self._next
+            step, self._inbox_next = self._inbox_next.result(), None
+            return await self.carry(step(self.now()))
         if self._next not in done:
             return await self.carry(self.core.tick(self.now()))
         event, self._next = self._next.result(), None
@@ -415,10 +437,18 @@ def capped(device: DeviceReport, offered: int | None) -> DeviceReport:
     return DeviceReport.from_dict({**device.to_dict(), "memory_bytes": offered})
 
 
-async def link_ring(node: LinkNode, plan: Plan, me: str, ids: dict[str, int], host: str) -> dict[str, Link]:
+async def link_ring(
+    node: LinkNode,
+    plan: Plan,
+    me: str,
+    ids: dict[str, int],
+    host: str,
+    formed: dict[int, Link] | None = None,
+) -> dict[str, Link]:
     """One authenticated link per pair of members that talk: ring neighbours, and the host with
     every member (the weight fetch). Returns this member's links by peer name. A link carries both
-    directions, so a ring of two and the host's control links reuse the ring edges."""
+    directions, so a ring of two and the host's control links reuse the ring edges, and a link in
+    `formed` (by peer id: the control links, formed before the plan) is used as it is."""
     pairs: dict[frozenset[str], tuple[str, str]] = {}  # pair -> (client, server)
     for m in plan.order:
         n = plan.successor(m)
@@ -429,44 +459,27 @@ async def link_ring(node: LinkNode, plan: Plan, me: str, ids: dict[str, int], ho
             pairs.setdefault(frozenset((m, host)), (m, host))
     direct = {frozenset((e.src, e.dst)): e.direct for e in plan.edges}
     jobs: dict[str, asyncio.Future[Link]] = {}
+    formed = formed or {}
     for pair, (client, server) in pairs.items():
         if me in pair:
             peer = server if client == me else client
+            if ids[peer] in formed:
+                jobs[peer] = asyncio.get_running_loop().create_future()
+                jobs[peer].set_result(formed[ids[peer]])
+                continue
             opts = EdgeOptions(predicted_direct=direct.get(pair, True))
             jobs[peer] = asyncio.ensure_future(
                 named(me, peer, connect_edge(node, ids[peer], client == me, opts))
             )
-    try:
+    try:  # every member proved the session's code to the host before the plan (admission.py), so
+        # a ring edge that does not authenticate means tampering: its error says so
         links = dict(zip(jobs, await asyncio.gather(*jobs.values()), strict=True))
-    except LinkAuthError as exc:
-        raise LinkAuthError(await whose_code(exc, me, host, jobs)) from exc
     finally:
         for job in jobs.values():
             job.cancel()  # after a failure: the links still forming
     for peer, link in links.items():
         say(f"link {me} <-> {peer}: {link.path}")
     return links
-
-
-async def whose_code(exc: LinkAuthError, me: str, host: str, jobs: dict[str, asyncio.Future[Link]]) -> str:
-    """A link that did not authenticate joins two members whose session codes differ. The host's
-    code is the session's, so whichever of the two cannot authenticate with the host typed
-    another: the host knows at once, a member waits (up to AUTH_VERDICT_S) for its own link to
-    the host. `exc`'s text, for the record, after the verdict."""
-    peer = next(p for p, j in jobs.items() if j.done() and not j.cancelled() and j.exception() is exc)
-    wrong: str | None = peer
-    if host not in (me, peer):
-        done, _ = await asyncio.wait({jobs[host]}, timeout=AUTH_VERDICT_S)
-        verdict = jobs[host].exception() if done else None
-        wrong = me if isinstance(verdict, LinkAuthError) else peer if done and verdict is None else None
-    elif peer == host:
-        wrong = me
-    if wrong is None:
-        return f"{me} and {peer} hold different session codes ({exc})"
-    return (
-        f"{wrong}'s session code differs from the host's (a mistyped word?), so this attempt ends: "
-        f"{host} must open a new session and {wrong} join it with the exact code printed ({exc})"
-    )
 
 
 async def named(me: str, peer: str, link: Awaitable[Link]) -> Link:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from kafila.engine.backend import DTYPES, checkpoint_dtype
 from kafila.models.checkpoint import Checkpoint
-from kafila.net.errors import LinkError
+from kafila.net.errors import LinkAuthError, LinkError
 from kafila.net.link import Link
 from kafila.net.signaling import SignalingClient, SignalingError
 from kafila.obs import metrics
@@ -23,6 +23,7 @@ from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan
 from kafila.proto.codes import SessionCode, new_code, parse_code
 from kafila.session import formation as fm
+from kafila.session.admission import WRONG_OWN_CODE, Admission
 from kafila.session.channel import Heartbeat, LinkChannel
 from kafila.session.form import (
     Driver,
@@ -58,12 +59,15 @@ class Held:
         self.tasks: list[asyncio.Task[Any]] = []
         self.links: dict[str, Link] = {}
         self.driver: Driver | None = None
+        self.admission: Admission | None = None  # the host's links with members that reported
         self.formed: Formed | None = None  # the ring role and API, once started
         self.api_socket: socket.socket | None = None  # the API's address, bound before anything else
 
     async def release(self) -> None:
         if self.driver is not None:
             self.driver.close()
+        if self.admission is not None:
+            await self.admission.close("session not formed")
         if self.formed is not None:  # e.g. the host's members never became ready
             self.formed.service.on_broken = None  # closing its links is not a ring breaking
             with contextlib.suppress(Exception):
@@ -175,7 +179,9 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     me = await while_signaling(off_loop(probe_report, name, node, opts, config), pump)
     core = HostFormation(members=opts.members, wait_s=opts.wait_s, host_id=node.member)
     drive = held.driver = Driver(core, client, node.signals)
+    admission = held.admission = Admission(node, name, drive)
     gathered = await drive.until(fm.PlanNow, core.start(me, drive.now()))
+    control = admission.take(gathered.ids.values())  # every other member's link, admitted
     try:
         plan, alternatives = _plan(list(gathered.devices), ckpt, opts)
     except SessionError as exc:
@@ -184,7 +190,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     extra = {"model": opts.model, "chunk": opts.chunk, "queue": opts.queue, "dtype": opts.dtype}
     extra["alternatives"] = alternatives
     await drive.carry(core.planned(plan, drive.now(), **extra))
-    ring = _host_ring(name, code, plan, folder, gathered.ids, node, client, opts, held, alternatives)
+    ring = _host_ring(name, code, plan, folder, gathered.ids, control, node, client, opts, held, alternatives)
     try:
         formed = held.formed = await drive.during(ring)
     except LinkError as exc:  # e.g. a member's wrong secret word: the members are told, not left
@@ -203,16 +209,18 @@ async def _host_ring(
     plan: Plan,
     folder: Path,
     ids: dict[str, int],
+    control: dict[int, Link],
     node: Any,
     client: SignalingClient,
     opts: Options,
     held: Held,
     alternatives: dict[str, Any],
 ) -> Formed:
-    """The host's links, weight serving and ring role (a step the formation core waits on)."""
+    """The host's links (its `control` links with every member, formed as they were admitted, are
+    its ring edges too), weight serving and ring role (a step the formation core waits on)."""
     from kafila.session.weights import WeightServer, checkpoint_id
 
-    links = held.links = await link_ring(node, plan, name, ids, name)
+    links = held.links = await link_ring(node, plan, name, ids, name, control)
     server = WeightServer(folder, cache=opts.cache)
     controls = [LinkChannel(link, peer) for peer, link in links.items()]
     say(f"serving weights to {len(controls)} member(s)")
@@ -221,6 +229,24 @@ async def _host_ring(
     own = {"source": "own files", "path": str(folder), "fetched_bytes": 0}  # the host serves them
     serving = Serving(opts.model, opts.chunk, opts.queue, digest, alternatives, own)
     return await _start_ring(name, code, plan, folder, links, node, client, opts, serving, held.api_socket)
+
+
+def _link_host(node: Any, name: str, host: Any, held: Held) -> asyncio.Future[Link]:
+    """A joining member's control link with the host, formed as it reports: the host admits the
+    member once the link authenticated (kafila.session.admission). Closed if forming fails."""
+    from kafila.net.edge import connect_edge
+    from kafila.session.form import named
+
+    def formed(job: asyncio.Future[Link]) -> None:
+        if job.cancelled() or job.exception() is not None:
+            return
+        held.links[host.name] = job.result()
+        say(f"linked with the host {host.name} ({job.result().path}); it checked this member's code")
+
+    job = asyncio.ensure_future(named(name, host.name, connect_edge(node, host.id, True)))
+    job.add_done_callback(formed)
+    held.tasks.append(job)
+    return job
 
 
 def in_session_dtype(opts: Options, capability: dict[str, Any]) -> Options:
@@ -241,6 +267,14 @@ async def tell_host_and_wait(drive: Driver, host_id: int, reason: str, within: f
     with contextlib.suppress(SignalingError, SessionError, TimeoutError):
         await drive.client.signal(host_id, fm.payload("failed", reason=reason))
         await asyncio.wait_for(drive.until(fm.Formed), within)  # ends with the host's refusal
+
+
+async def host_verdict(drive: Driver, within: float = 5.0) -> None:
+    """A member whose control link failed stays until the host's refusal comes (up to `within` s),
+    which ends the attempt with the host's reason (SessionError); the host, told first, names why
+    instead of reading only that the member left."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(drive.until(fm.Formed), within)
 
 
 def _plan(devices: list[DeviceReport], ckpt: Checkpoint, opts: Options) -> tuple[Plan, dict[str, Any]]:
@@ -284,9 +318,23 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     )
     core = MemberFormation(host_id=host_info.id, me_id=node.member, wait_s=opts.wait_s, link_s=opts.wait_s)
     drive = held.driver = Driver(core, client, node.signals)
-    got = await drive.until(fm.LinkNow, core.start(me, drive.now()))
+    first = core.start(me, drive.now())  # the report, sent before the link it asks the host for
+    control = _link_host(node, name, host_info, held)
     try:
-        links = held.links = await drive.during(link_ring(node, got.plan, got.me, got.ids, got.host))
+        got = await drive.until(fm.LinkNow, first, watch=control)
+        host_link = await drive.during(control)  # done by now: the host plans with admitted members
+    except LinkAuthError as exc:
+        await host_verdict(drive)  # the host's refusal names why, and it hears of this before the leaving
+        raise SessionError(
+            f"the host did not admit this member: {WRONG_OWN_CODE}; join "
+            f"again with the exact code the host printed ({exc})"
+        ) from exc
+    except LinkError as exc:
+        await host_verdict(drive)
+        raise SessionError(f"this member could not link with the host: {exc}") from exc
+    try:
+        ring_links = link_ring(node, got.plan, got.me, got.ids, got.host, {host_info.id: host_link})
+        links = held.links = await drive.during(ring_links)
     except LinkError as exc:  # e.g. a wrong secret word: the others would only see it leave
         await tell_host_and_wait(drive, host_info.id, f"could not link: {exc}")
         raise
