@@ -158,6 +158,7 @@ class RingHead:
 
     def describe(self) -> dict[str, Any]:
         return self.info.document(self.state, self.broken) | {
+            "me": self.info.order[0],  # the head, as a member's document names itself
             "active": list(self.schedule.active),
             "queued": len(self.schedule.queue_positions()),
             "lanes": self.schedule.lane_sizes(),  # admitted requests per decode lane

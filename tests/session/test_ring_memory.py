@@ -270,6 +270,7 @@ async def test_simulated_killed_member_fails_requests_quickly(ckpt: Checkpoint) 
         assert err.value.code == "member_lost"
         assert ring.head.describe()["state"] == "broken"
         assert ring.members[1].describe()["state"] == "broken"  # the others notice too
+        assert [m.describe()["me"] for m in (ring.head, *ring.members)] == ["m0", "m1", "m2"]
         with pytest.raises(GenerationError, match="m1"):
             await ring.members[1].submit(PROMPTS[1], Sampling(max_tokens=3))
     finally:
