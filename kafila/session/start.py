@@ -226,7 +226,7 @@ async def _host_ring(
     say(f"serving weights to {len(controls)} member(s)")
     await asyncio.gather(*(server.serve(c) for c in controls))
     digest = await off_loop(checkpoint_id, folder)
-    own = {"source": "own files", "path": str(folder), "fetched_bytes": 0}  # the host serves them
+    own = {"source": "own files", "path": str(folder), "fetched_bytes": 0, "fetched_tensor_bytes": 0}
     serving = Serving(opts.model, opts.chunk, opts.queue, digest, alternatives, own)
     return await _start_ring(name, code, plan, folder, links, node, client, opts, serving, held.api_socket)
 
@@ -374,7 +374,8 @@ def weights_doc(shard: ShardResult) -> dict[str, Any]:
         "path": str(shard.path),
         "tensors": len(shard.tensors),
         "fetched_tensors": len(shard.fetched),
-        "fetched_bytes": shard.bytes_fetched,
+        "fetched_bytes": shard.bytes_fetched,  # over the link: tensors, headers and small files
+        "fetched_tensor_bytes": shard.tensor_bytes,  # the tensors alone, as the console's "MB fetched"
     }
 
 

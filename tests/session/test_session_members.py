@@ -125,9 +125,13 @@ async def test_sessions_of_four_and_five_members(rdv, tiny_chat_model, tmp_path,
                 assert doc["state"] == "serving" and doc["ring"] == list(plan.order)
                 f = by_name[name]
                 want = (
-                    {"source": "own files", "fetched_bytes": 0}
+                    {"source": "own files", "fetched_bytes": 0, "fetched_tensor_bytes": 0}
                     if name == NAMES[0]
-                    else {"source": "fetched", "fetched_bytes": f.shard.bytes_fetched}
+                    else {
+                        "source": "fetched",
+                        "fetched_bytes": f.shard.bytes_fetched,
+                        "fetched_tensor_bytes": f.shard.tensor_bytes,
+                    }
                 )
                 assert {k: doc["weights"][k] for k in want} == want and doc["weights"]["path"]
                 assert [m["name"] for m in doc["members"]] == list(plan.order)
