@@ -134,8 +134,8 @@ def test_compiled_kernels_load_from_numba_cache_in_fresh_processes() -> None:
 @pytest.mark.parametrize("rows", [1, 2, 3, 16, 64])
 def test_few_row_product_equals_torch_for_any_output_width(out: int, rows: int, inner: int) -> None:
     """The kernel takes output rows four at a time; a width not divisible by four repeats the last
-    quadruple's first row for the rows past the end. It reads the input eight at a time; an input
-    width not divisible by eight ends one by one."""
+    quadruple's first row for the rows past the end. It reads the input VF (8 or 16) at a time; an
+    input width not divisible by VF ends one by one (40 and 43 leave tails at either width)."""
     import torch
 
     from kafila.models.torch import few_rows
@@ -164,6 +164,19 @@ def test_a_rows_product_is_the_same_bits_whatever_else_is_in_the_call(dtype: str
     for a in range(9):
         for b in range(a + 1, 10):  # rows [a, b) on their own: each lands elsewhere in a group
             assert torch.equal(few_rows.linear(x[a:b], w), every[a:b]), (a, b)
+
+
+def test_the_products_vectors_are_as_wide_as_the_cpus_registers() -> None:
+    """16 float32 lanes (512 bits) where the CPU has AVX-512F, 8 (AVX2) otherwise; this machine's
+    kernels were built for its own CPU."""
+    import llvmlite.binding as llvm
+
+    from kafila.models.torch import few_rows
+
+    assert few_rows.vector_lanes({"avx512f": True, "avx2": True}) == 16
+    assert few_rows.vector_lanes({"avx512f": False, "avx2": True}) == 8
+    assert few_rows.vector_lanes({}) == 8  # ARM: LLVM splits the 8 lanes into NEON registers
+    assert few_rows.vector_lanes(dict(llvm.get_host_cpu_features())) == few_rows.VF
 
 
 def test_the_decode_kernels_name_the_few_row_code_they_were_compiled_with() -> None:

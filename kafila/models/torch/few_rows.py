@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -105,7 +106,16 @@ def tiles(w: np.ndarray) -> int:  # pragma: no cover (compiled)
     return ((w.shape[0] + 3) // 4 + TILE - 1) // TILE
 
 
-VF = 8  # float32 lanes of one vector register (AVX2; LLVM splits it where vectors are narrower)
+def vector_lanes(features: dict[str, bool]) -> int:
+    """float32 lanes of the dot products' vectors on a CPU with these LLVM features: 16 (one
+    512-bit register) where it has AVX-512F, 8 otherwise (AVX2's 256 bits; LLVM splits a vector
+    where registers are narrower, as on ARM's 128-bit NEON). The width sets the order of each dot
+    product's additions, so the bits of a product depend on it: every row of a call, alone or in
+    a batch, uses the same width on one machine."""
+    return 16 if features.get("avx512f") else 8
+
+
+VF = vector_lanes(dict(llvm.get_host_cpu_features()))  # numba's cache is keyed on the host CPU too
 _F32, _I16, _I32 = ir.FloatType(), ir.IntType(16), ir.IntType(32)
 
 
@@ -130,8 +140,8 @@ def _load(builder: ir.IRBuilder, p: ir.Value, n: int, bf16: bool) -> ir.Value:
 
 
 def _lanes_sum(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
-    """The VF lanes of v added in one fixed tree: ((0+4)+(2+6)) + ((1+5)+(3+7))."""
-    for n in (VF // 2, VF // 4, 1):
+    """The VF lanes of v added in one fixed tree, halving: for VF = 8, ((0+4)+(2+6)) + ((1+5)+(3+7))."""
+    for n in [VF >> s for s in range(1, VF.bit_length())]:  # VF/2, VF/4, ..., 1
         lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
         hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
         v = builder.fadd(lo, hi)
