@@ -125,19 +125,13 @@ class Ops:
         a, b = self._random((n, n), 1.0), self._random((n, n), 1.0)
         return (lambda: self._done(a @ b)), 2.0 * n**3
 
-    def make_block(
-        self, config: ModelConfig, position: int, llc_bytes: int = 0, blocks: int | None = None
-    ) -> tuple[Run, int, int]:
-        """A stage's decode step (one token) through `n` distinct transformer blocks with this
+    def make_block(self, config: ModelConfig, position: int, blocks: int = 2) -> tuple[Run, int, int]:
+        """A stage's decode step (one token) through `blocks` distinct transformer blocks with this
         model's shapes and random weights, in one call of the engine's own model code, as a ring
-        member runs its stage. Returns (run, weight bytes of one block, n).
-
-        A real decode streams every block from memory, so `n` is large enough that the blocks fill
-        twice the last-level cache (at least 2, at most 32): no call finds its weights cached.
-        `blocks` sets n instead."""
+        member runs its stage. Returns (run, weight bytes of one block, blocks)."""
         specs = [s for s in specs_from_config(config, "F32") if block_index(s.name) == 0]
         nbytes = sum(s.numel for s in specs) * self.element_size()
-        n = blocks or min(32, max(2, -(-2 * llc_bytes // nbytes)))
+        n = blocks
         cls = self.backend.model_class(config.model_type)
         weights = {}
         for s in specs_from_config(replace(config, num_hidden_layers=n), "F32"):

@@ -56,16 +56,21 @@ def test_torch_probe_is_sane_and_quick():
     assert r.block_bytes == 4 * (256 * (256 + 2 * 128) + 256 * 256 + 3 * 256 * 512 + 2 * 256 + 2 * 64)
 
 
-def test_block_probe_runs_a_stage_of_blocks_that_outgrows_the_last_level_cache():
+def test_block_probe_cycles_stages_whose_weights_outgrow_the_last_level_cache():
+    import torch
+
     from kafila.engine.backend import resolve
+    from kafila.probe.measure import _cold_stage
     from kafila.probe.ops import Ops
 
     ops = Ops(resolve("torch", "fp32"))
-    run, nbytes, n = ops.make_block(TINY_QWEN3, 8, llc_bytes=10 * 2**20)
-    assert n == -(-2 * 10 * 2**20 // nbytes) and 1 < n <= 32  # n distinct blocks, one call
-    out = run()
-    assert tuple(out.shape) == (1, TINY_QWEN3.hidden_size)
-    assert ops.make_block(TINY_QWEN3, 8, llc_bytes=0)[2] == 2  # at least two blocks per stage
+    run, nbytes, copies = _cold_stage(ops, TINY_QWEN3, 8, 3, llc=10 * 2**20)
+    assert copies == -(-2 * 10 * 2**20 // (3 * nbytes)) and copies > 1  # distinct 3-block stages
+    outs = [run() for _ in range(copies + 1)]  # [1, H] each
+    assert tuple(outs[0].shape) == (1, TINY_QWEN3.hidden_size)
+    assert not torch.equal(outs[0], outs[1])  # the next call, another stage's weights
+    assert torch.equal(outs[0], outs[copies])  # after every stage once, the first again
+    assert _cold_stage(ops, TINY_QWEN3, 8, 3, llc=0)[2] == 1  # no cache known: one stage
 
 
 def test_a_stage_timed_at_three_block_counts_splits_into_per_step_and_per_block_parts():
@@ -83,7 +88,7 @@ def test_a_stage_timed_at_three_block_counts_splits_into_per_step_and_per_block_
     from kafila.engine.backend import resolve
     from kafila.probe.ops import Ops
 
-    assert Ops(resolve("torch", "fp32")).make_block(TINY_QWEN3, 8, llc_bytes=0, blocks=6)[2] == 6
+    assert Ops(resolve("torch", "fp32")).make_block(TINY_QWEN3, 8, blocks=6)[2] == 6
 
 
 def test_head_probe_unembeds_one_row_of_the_model_vocabulary():
