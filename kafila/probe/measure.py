@@ -6,8 +6,8 @@ Figures (each a median and spread over repetitions):
 - matvec_bandwidth: the same bytes streamed through a decode-shaped matrix-vector product.
 - overhead: a tiny op chain that reads ~nothing and ends in a host read, as a decode step pays it.
 - flops: an n x n matmul, for the degraded planning tier.
-- block (with a model): a stage's decode step through STAGE_BLOCKS transformer blocks of that
-  model's shapes (random weights allocated here, the engine's own model code), per block; each
+- block (with a model): a stage's decode step through a few (`stage_blocks`) transformer blocks of
+  that model's shapes (random weights allocated here, the engine's own model code), per block; each
   call goes through the next of enough such stages to fill twice the last-level cache, so its
   weights come from memory as a ring member's do.
 - head (with a model): the final norm and unembedding of one row, the head's share of a step.
@@ -55,7 +55,7 @@ FIGURES = (
 WINDOW_S = 0.04  # minimum time per repetition
 QUOTA_WINDOW_S = 0.25  # under a CFS quota: at least this long, in whole periods
 IDLE_RATIO = 2.0  # stage-shaped calls: idle this many times the call's length before the next
-STAGE_BLOCKS = 5  # blocks of the probe's stage (also timed at twice that and at one block)
+STAGE_BLOCKS = 5  # blocks of the probe's stage at most (also timed at twice that and at one block)
 STEPS = 24  # stage-shaped calls per repetition (with 12: +-15% between probes at a quarter core)
 POSITION = 256  # KV position of the timed decode steps: the planner's costs are a step's at this position
 
@@ -240,34 +240,41 @@ def probe(
 def _stage_blocks(
     ops: Ops, model: ModelConfig, position: int, repeats: int, pace: Pace, memory: int
 ) -> tuple[Figure, Figure | None, int]:
-    """(per block, per stage step, bytes of one block): a stage of STAGE_BLOCKS blocks timed
-    stage-shaped and, when twice the blocks' weights fit in a quarter of the memory, timed again with
-    twice the blocks and as a one-block stage, split by `fit_fixed`. Each is a `_cold_stage`."""
-    llc = system.llc_bytes() or 0
-    run, nbytes, _ = _cold_stage(ops, model, position, STAGE_BLOCKS, llc)
+    """(per block, per stage step, bytes of one block): a stage of `stage_blocks` blocks timed
+    stage-shaped and, when the second timing's stages fit in a quarter of the memory, timed again
+    with twice the blocks and as a one-block stage, split by `fit_fixed`. Each is a `_cold_stage`."""
+    llc, nbytes = system.llc_bytes() or 0, ops.block_bytes(model)
+    n = stage_blocks(llc, nbytes)
+    run, _ = _cold_stage(ops, model, position, n, llc)
     t_n = seconds_per_step(run, repeats, pace=pace)
     del run
-    if max(2 * llc, 2 * STAGE_BLOCKS * nbytes) > memory // 4:
-        return Figure.of([t / STAGE_BLOCKS for t in t_n], "s"), None, nbytes
-    times = {STAGE_BLOCKS: t_n}
-    for blocks in (2 * STAGE_BLOCKS, 1):
-        run, _, _ = _cold_stage(ops, model, position, blocks, llc)
+    if max(2 * llc, 2 * n * nbytes) > memory // 4:
+        return Figure.of([t / n for t in t_n], "s"), None, nbytes
+    times = {n: t_n}
+    for blocks in (2 * n, 1):
+        run, _ = _cold_stage(ops, model, position, blocks, llc)
         times[blocks] = seconds_per_step(run, repeats, pace=pace)
         del run
     fits = [fit_fixed(dict(zip(times, t, strict=True))) for t in zip(*times.values(), strict=True)]
     return Figure.of([per for _, per in fits], "s"), Figure.of([fixed for fixed, _ in fits], "s"), nbytes
 
 
-def _cold_stage(ops: Ops, model: ModelConfig, position: int, blocks: int, llc: int) -> tuple[Run, int, int]:
+def stage_blocks(llc: int, block_bytes: int) -> int:
+    """Blocks of the probe's timed stage: STAGE_BLOCKS, or fewer (at least 2) where fewer already
+    fill twice the last-level cache, so that a model of large blocks allocates no more than it must."""
+    return min(STAGE_BLOCKS, max(2, -(-2 * llc // block_bytes)))
+
+
+def _cold_stage(ops: Ops, model: ModelConfig, position: int, blocks: int, llc: int) -> tuple[Run, int]:
     """A `blocks`-block stage's decode step, each call through the next of enough distinct such
     stages (at least one) that their weights fill twice the last-level cache `llc`: no call finds its
     weights cached, as in a ring, where a member's stage streams from memory. A short stage keeps
     the probe short on a large cache (300 MB of L3: one stage of 32 blocks took a minute of idle
-    gaps). Returns (run, weight bytes of one block, stages cycled)."""
+    gaps). Returns (run, stages cycled)."""
     first, nbytes, _ = ops.make_block(model, position, blocks)
     copies = max(1, -(-2 * llc // (blocks * nbytes)))
     turn = itertools.cycle([first] + [ops.make_block(model, position, blocks)[0] for _ in range(copies - 1)])
-    return (lambda: next(turn)()), nbytes, copies
+    return (lambda: next(turn)()), copies
 
 
 def fit_fixed(times: dict[int, float]) -> tuple[float, float]:

@@ -129,19 +129,22 @@ class Ops:
         """A stage's decode step (one token) through `blocks` distinct transformer blocks with this
         model's shapes and random weights, in one call of the engine's own model code, as a ring
         member runs its stage. Returns (run, weight bytes of one block, blocks)."""
-        specs = [s for s in specs_from_config(config, "F32") if block_index(s.name) == 0]
-        nbytes = sum(s.numel for s in specs) * self.element_size()
-        n = blocks
         cls = self.backend.model_class(config.model_type)
         weights = {}
-        for s in specs_from_config(replace(config, num_hidden_layers=n), "F32"):
+        for s in specs_from_config(replace(config, num_hidden_layers=blocks), "F32"):
             if block_index(s.name) is not None:
                 weights[s.name] = self._random(s.shape, 0.02)
-        model = cls(config, weights, range(0, n), False, context=position + 1, **self.backend.model_kwargs())
+        kwargs = self.backend.model_kwargs()
+        model = cls(config, weights, range(blocks), False, context=position + 1, **kwargs)
         cache = model.new_cache(1)
         x = self._random((1, config.hidden_size), 1.0)  # [1, H]
         span = [Span(slot=0, start=position, length=1)]
-        return (lambda: self._done(model.forward(x, span, cache))), nbytes, n
+        return (lambda: self._done(model.forward(x, span, cache))), self.block_bytes(config), blocks
+
+    def block_bytes(self, config: ModelConfig) -> int:
+        """Weight bytes of one transformer block of this model in this backend's dtype."""
+        specs = [s for s in specs_from_config(config, "F32") if block_index(s.name) == 0]
+        return sum(s.numel for s in specs) * self.element_size()
 
     def make_head(self, config: ModelConfig) -> tuple[Run, int]:
         """The head's share of a decode step: final norm and unembedding of one row ([1, H] ->

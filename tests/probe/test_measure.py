@@ -64,13 +64,25 @@ def test_block_probe_cycles_stages_whose_weights_outgrow_the_last_level_cache():
     from kafila.probe.ops import Ops
 
     ops = Ops(resolve("torch", "fp32"))
-    run, nbytes, copies = _cold_stage(ops, TINY_QWEN3, 8, 3, llc=10 * 2**20)
+    run, copies = _cold_stage(ops, TINY_QWEN3, 8, 3, llc=10 * 2**20)
+    nbytes = ops.block_bytes(TINY_QWEN3)
     assert copies == -(-2 * 10 * 2**20 // (3 * nbytes)) and copies > 1  # distinct 3-block stages
     outs = [run() for _ in range(copies + 1)]  # [1, H] each
     assert tuple(outs[0].shape) == (1, TINY_QWEN3.hidden_size)
     assert not torch.equal(outs[0], outs[1])  # the next call, another stage's weights
     assert torch.equal(outs[0], outs[copies])  # after every stage once, the first again
-    assert _cold_stage(ops, TINY_QWEN3, 8, 3, llc=0)[2] == 1  # no cache known: one stage
+    assert _cold_stage(ops, TINY_QWEN3, 8, 3, llc=0)[1] == 1  # no cache known: one stage
+
+
+def test_the_probes_stage_has_at_most_five_blocks_and_no_more_than_fill_twice_the_cache():
+    from kafila.probe.measure import stage_blocks
+
+    mb = 2**20
+    assert stage_blocks(300 * mb, 14 * mb) == 5  # a large cache: five blocks, cycled through copies
+    assert stage_blocks(32 * mb, 14 * mb) == 5  # ceil(64 / 14)
+    assert stage_blocks(16 * mb, 14 * mb) == 3  # three already fill twice the cache
+    assert stage_blocks(32 * mb, 800 * mb) == 2  # large blocks: two, as few as the split needs
+    assert stage_blocks(0, 14 * mb) == 2  # no cache known
 
 
 def test_a_stage_timed_at_three_block_counts_splits_into_per_step_and_per_block_parts():
