@@ -271,9 +271,8 @@ def _cold_stage(ops: Ops, model: ModelConfig, position: int, blocks: int, llc: i
     weights cached, as in a ring, where a member's stage streams from memory. A short stage keeps
     the probe short on a large cache (300 MB of L3: one stage of 32 blocks took a minute of idle
     gaps). Returns (run, stages cycled)."""
-    first, nbytes, _ = ops.make_block(model, position, blocks)
-    copies = max(1, -(-2 * llc // (blocks * nbytes)))
-    turn = itertools.cycle([first] + [ops.make_block(model, position, blocks)[0] for _ in range(copies - 1)])
+    copies = max(1, -(-2 * llc // (blocks * ops.block_bytes(model))))
+    turn = itertools.cycle([ops.make_block(model, position, blocks)[0] for _ in range(copies)])
     return (lambda: next(turn)()), copies
 
 
