@@ -9,7 +9,7 @@ Figures (each a median and spread over repetitions):
 - block (with a model): a stage's decode step through a few (`stage_blocks`) transformer blocks of
   that model's shapes (random weights allocated here, the engine's own model code), per block; each
   call goes through the next of enough such stages to fill twice the last-level cache, so its
-  weights come from memory as a ring member's do.
+  weights come from memory as a ring member's do (a model that fits in the cache: its blocks once).
 - head (with a model): the final norm and unembedding of one row, the head's share of a step.
 - stage_fixed (with a model): the block figure's stage timed again with twice the blocks and as a
   one-block stage; what does not grow with the blocks (Python and dispatch around the kernels) is
@@ -267,11 +267,16 @@ def stage_blocks(llc: int, block_bytes: int) -> int:
 
 def _cold_stage(ops: Ops, model: ModelConfig, position: int, blocks: int, llc: int) -> tuple[Run, int]:
     """A `blocks`-block stage's decode step, each call through the next of enough distinct such
-    stages (at least one) that their weights fill twice the last-level cache `llc`: no call finds its
-    weights cached, as in a ring, where a member's stage streams from memory. A short stage keeps
-    the probe short on a large cache (300 MB of L3: one stage of 32 blocks took a minute of idle
-    gaps). Returns (run, stages cycled)."""
-    copies = max(1, -(-2 * llc // (blocks * ops.block_bytes(model))))
+    stages (at least one) that their weights fill twice the last-level cache `llc`: no call finds
+    its weights cached, as in a ring, where a member's stage streams from memory. A short stage
+    keeps the probe short on a large cache (300 MB of L3: one stage of 32 blocks took a minute of
+    idle gaps). A model whose blocks all fit in the cache stays cached in a ring too: its stages
+    hold its blocks once, no more (a 74 KB block needed 1600 copies of a 5-block stage to fill
+    600 MB, 18 s to build). Returns (run, stages cycled)."""
+    nbytes = ops.block_bytes(model)
+    whole = model.num_hidden_layers * nbytes
+    cold = whole if whole <= llc else 2 * llc
+    copies = max(1, -(-cold // (blocks * nbytes)))
     turn = itertools.cycle([ops.make_block(model, position, blocks)[0] for _ in range(copies)])
     return (lambda: next(turn)()), copies
 

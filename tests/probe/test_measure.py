@@ -57,6 +57,8 @@ def test_torch_probe_is_sane_and_quick():
 
 
 def test_block_probe_cycles_stages_whose_weights_outgrow_the_last_level_cache():
+    from dataclasses import replace
+
     import torch
 
     from kafila.engine.backend import resolve
@@ -64,14 +66,34 @@ def test_block_probe_cycles_stages_whose_weights_outgrow_the_last_level_cache():
     from kafila.probe.ops import Ops
 
     ops = Ops(resolve("torch", "fp32"))
-    run, copies = _cold_stage(ops, TINY_QWEN3, 8, 3, llc=10 * 2**20)
-    nbytes = ops.block_bytes(TINY_QWEN3)
+    deep = replace(TINY_QWEN3, num_hidden_layers=32)  # 32 blocks of 2.4 MB: more than twice 10 MiB
+    run, copies = _cold_stage(ops, deep, 8, 3, llc=10 * 2**20)
+    nbytes = ops.block_bytes(deep)
     assert copies == -(-2 * 10 * 2**20 // (3 * nbytes)) and copies > 1  # distinct 3-block stages
     outs = [run() for _ in range(copies + 1)]  # [1, H] each
-    assert tuple(outs[0].shape) == (1, TINY_QWEN3.hidden_size)
+    assert tuple(outs[0].shape) == (1, deep.hidden_size)
     assert not torch.equal(outs[0], outs[1])  # the next call, another stage's weights
     assert torch.equal(outs[0], outs[copies])  # after every stage once, the first again
     assert _cold_stage(ops, TINY_QWEN3, 8, 3, llc=0)[1] == 1  # no cache known: one stage
+
+
+def test_a_small_model_is_cycled_through_no_more_blocks_than_it_has():
+    """Its whole weights fit in the cache in a ring too: copies hold the model's blocks, no more;
+    a model larger than the cache is cycled through twice the cache as before."""
+    from dataclasses import replace
+
+    from kafila.engine.backend import resolve
+    from kafila.probe.measure import _cold_stage
+    from kafila.probe.ops import Ops
+
+    ops = Ops(resolve("torch", "fp32"))
+    six = replace(TINY_QWEN3, num_hidden_layers=6)
+    assert _cold_stage(ops, six, 8, 5, llc=300 * 2**20)[1] == 2  # ceil(6 / 5) stages of 5 blocks
+    assert _cold_stage(ops, six, 8, 1, llc=300 * 2**20)[1] == 6  # one-block stages: one per block
+    assert _cold_stage(ops, six, 8, 10, llc=300 * 2**20)[1] == 1
+    small_cache = 5 * ops.block_bytes(six)  # the six blocks do not fit: ten blocks' bytes cycled
+    assert _cold_stage(ops, six, 8, 5, llc=small_cache)[1] == 2
+    assert _cold_stage(ops, six, 8, 1, llc=small_cache)[1] == 10
 
 
 def test_the_probes_stage_has_at_most_five_blocks_and_no_more_than_fill_twice_the_cache():
