@@ -4,6 +4,7 @@ Layout under `registry.cache_dir()` (see docs/weights.md):
 
     blobs/<kk>/<key>.safetensors        one tensor as a one-tensor safetensors file; <key> is
                                         `blob_key(name, dtype, shape, sha256 of the data bytes)`
+    blobs/<kk>/<key>.stamp              the blob's (size, mtime_ns, inode) when it last hashed right
     weights/<ckpt16>/files/<name>       the checkpoint's small files (config.json, tokenizer.json, ...)
     weights/<ckpt16>/shard-<a>-<b>[-head]/
         config.json, tokenizer*.json... symlinks into files/
@@ -58,8 +59,9 @@ def _umask() -> int:
 UMASK = _umask()
 
 
-def write_atomic(path: Path, chunks: Iterable[bytes | bytearray | memoryview]) -> None:
-    """Write `chunks` to `path` via a temporary file in the same folder and a rename."""
+def write_atomic(path: Path, chunks: Iterable[bytes | bytearray | memoryview], durable: bool = True) -> None:
+    """Write `chunks` to `path` via a temporary file in the same folder and a rename (`durable`:
+    synced to disk first; a cache of something that can be recomputed need not be)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     os.fchmod(fd, 0o666 & ~UMASK)
@@ -68,7 +70,8 @@ def write_atomic(path: Path, chunks: Iterable[bytes | bytearray | memoryview]) -
             for chunk in chunks:
                 f.write(chunk)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -85,7 +88,12 @@ def one_tensor_header(name: str, dtype: str, shape: tuple[int, ...], nbytes: int
 
 
 class BlobStore:
-    """Content-addressed one-tensor safetensors files under `root` (e.g. cache_dir()/blobs)."""
+    """Content-addressed one-tensor safetensors files under `root` (e.g. cache_dir()/blobs).
+
+    Next to each blob, `<key>.stamp` holds the (size, mtime_ns, inode) it had when its bytes were
+    last known to hash right (written when stored, after the fetched bytes were checked). A blob
+    whose stamp differs (changed on disk since: overwritten in place, copied, restored) is hashed
+    again before it is used, and one that no longer hashes right is fetched again."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -93,16 +101,40 @@ class BlobStore:
     def path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}.safetensors"
 
-    def has(self, key: str, name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> bool:
-        """True when the blob exists and its header says exactly this tensor (cheap: header only)."""
+    def has(self, key: str, name: str, dtype: str, shape: tuple[int, ...], nbytes: int, sha256: str) -> bool:
+        """True when the blob exists, its header says exactly this tensor and its bytes hash to
+        `sha256` (hashed only when its stamp says it changed since it last did)."""
         path = self.path(key)
         if not path.is_file():
             return False
         try:
             info = read_header(path).get(name)
+            if info is None or (info.dtype, info.shape, info.nbytes) != (dtype, shape, nbytes):
+                return False
+            stamp = file_stamp(os.stat(path))
+            if self._stamp(key) == stamp:
+                return True
+            with open(path, "rb") as f:
+                good = sha256_range(f.fileno(), info.start, info.end) == sha256
         except (CheckpointError, OSError):
             return False
-        return info is not None and (info.dtype, info.shape, info.nbytes) == (dtype, shape, nbytes)
+        if not good:
+            log.warning("weights_blob_damaged", blob=str(path), tensor=name, nbytes=nbytes)
+            return False
+        self._remember(key, stamp)
+        return True
+
+    def _stamp(self, key: str) -> list[int] | None:
+        try:
+            saved = json.loads(self.path(key).with_suffix(".stamp").read_text())
+        except (OSError, ValueError):
+            return None
+        return saved if isinstance(saved, list) else None
+
+    def _remember(self, key: str, stamp: list[int]) -> None:
+        """Best effort: a stamp that cannot be written only costs a hash next time."""
+        with contextlib.suppress(OSError):
+            write_atomic(self.path(key).with_suffix(".stamp"), [json.dumps(stamp).encode()], durable=False)
 
     def sweep(self, before: float) -> int:
         """Remove the `.part` files of writes that ended without their rename (a member killed while
@@ -116,8 +148,10 @@ class BlobStore:
         return removed
 
     def put(self, key: str, name: str, dtype: str, shape: tuple[int, ...], data: bytes | bytearray) -> Path:
+        """Store a tensor whose bytes the caller checked against its digest."""
         path = self.path(key)
         write_atomic(path, [one_tensor_header(name, dtype, shape, len(data)), data])
+        self._remember(key, file_stamp(os.stat(path)))
         return path
 
 

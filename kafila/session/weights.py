@@ -813,7 +813,9 @@ async def _fetch_shard(
     ckdir = root / "weights" / m.checkpoint[:16]
     entries = [m.tensors[n] for n in names]
     todo = await asyncio.to_thread(
-        lambda: [e for e in entries if not member.blobs.has(e.key, e.name, e.dtype, e.shape, e.nbytes)]
+        lambda: [
+            e for e in entries if not member.blobs.has(e.key, e.name, e.dtype, e.shape, e.nbytes, e.sha256)
+        ]
     )
     with member.bar(sum(e.nbytes for e in todo)) as bar:
         fetch = _Fetch(channel, window, timeout, bar)

@@ -4,9 +4,11 @@ loopback: exact shares, the cache, local copies, refusals and damaged responses.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -163,6 +165,38 @@ async def test_restart_fetches_nothing_and_replan_fetches_only_the_moved_block(
     cached = len(moved.tensors) - len(block4)
     assert weights_source(moved).endswith(f"({len(block4)} tensors), {cached} tensors from the local cache")
     assert set(Checkpoint.open(moved.path).tensors) == set(full.names_for(range(2, 5), False))
+
+
+async def test_a_blob_damaged_on_disk_after_caching_is_fetched_again_and_a_touched_one_is_rehashed(
+    folder, full, tmp_path, capsys
+) -> None:
+    """A cached blob overwritten in place (same size, header intact) was loaded as it was; its stamp
+    now says it changed, it is hashed again and, not matching, fetched again. One only touched
+    (same bytes, new mtime) hashes right and is kept; an unchanged one is not even read."""
+    server = WeightServer(folder, cache=tmp_path / "host")
+    cache = tmp_path / "member"
+    first = await fetch_via(server, *MemoryChannel.pair("host", "m1")[::-1], range(2, 4), False, cache)
+    names = sorted(first.tensors)
+    blobs = BlobStore(cache / "blobs")
+    damaged, touched = ((first.path / _link(first.path, n)).resolve() for n in names[:2])
+    assert damaged.parent.parent == blobs.root
+    ((_, info),) = read_header(damaged).items()
+    with open(damaged, "r+b") as f:  # flip one data byte in place
+        f.seek(info.start)
+        byte = f.read(1)
+        f.seek(info.start)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(touched, ns=(time.time_ns(), time.time_ns() + 10**9))
+    again = await fetch_via(server, *MemoryChannel.pair("host", "m1")[::-1], range(2, 4), False, cache)
+    assert again.fetched == (names[0],) and again.tensor_bytes == full.tensors[names[0]].nbytes
+    assert damaged.read_bytes()[info.start : info.end] == bytes(full.read([names[0]])[names[0]][1])
+    said = capsys.readouterr()  # the log, wherever structlog writes it in this process
+    assert "weights_blob_damaged" in said.out + said.err and names[1] not in again.fetched
+    assert all(blobs._stamp(p.stem) is not None for p in (damaged, touched))  # both trusted again
+
+
+def _link(shard: Path, name: str) -> str:
+    return json.loads((shard / "model.safetensors.index.json").read_text())["weight_map"][name]
 
 
 async def test_head_shard_carries_tokenizer_chat_template_and_special_tokens(folder, tmp_path) -> None:
