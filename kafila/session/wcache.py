@@ -4,7 +4,7 @@ Layout under `registry.cache_dir()` (see docs/weights.md):
 
     blobs/<kk>/<key>.safetensors        one tensor as a one-tensor safetensors file; <key> is
                                         `blob_key(name, dtype, shape, sha256 of the data bytes)`
-    blobs/<kk>/<key>.stamp              the blob's (size, mtime_ns, inode) when it last hashed right
+    blobs/hashes/<path digest>.json     a blob's digest with its (size, mtime_ns, inode) when it hashed right
     weights/<ckpt16>/files/<name>       the checkpoint's small files (config.json, tokenizer.json, ...)
     weights/<ckpt16>/shard-<a>-<b>[-head]/
         config.json, tokenizer*.json... symlinks into files/
@@ -90,20 +90,21 @@ def one_tensor_header(name: str, dtype: str, shape: tuple[int, ...], nbytes: int
 class BlobStore:
     """Content-addressed one-tensor safetensors files under `root` (e.g. cache_dir()/blobs).
 
-    Next to each blob, `<key>.stamp` holds the (size, mtime_ns, inode) it had when its bytes were
-    last known to hash right (written when stored, after the fetched bytes were checked). A blob
-    whose stamp differs (changed on disk since: overwritten in place, copied, restored) is hashed
-    again before it is used, and one that no longer hashes right is fetched again."""
+    Each blob's digest is remembered in a `HashCache` under `root/hashes` with the (size, mtime_ns,
+    inode) the blob had when its bytes were known to hash right (when stored, after the fetched
+    bytes were checked). A blob changed on disk since (overwritten in place, copied, restored) is
+    hashed again before it is used, and one that no longer hashes right is fetched again."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
+        self.hashes = HashCache(self.root / "hashes")
 
     def path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}.safetensors"
 
     def has(self, key: str, name: str, dtype: str, shape: tuple[int, ...], nbytes: int, sha256: str) -> bool:
         """True when the blob exists, its header says exactly this tensor and its bytes hash to
-        `sha256` (hashed only when its stamp says it changed since it last did)."""
+        `sha256` (hashed only when the blob changed since it last did)."""
         path = self.path(key)
         if not path.is_file():
             return False
@@ -111,30 +112,12 @@ class BlobStore:
             info = read_header(path).get(name)
             if info is None or (info.dtype, info.shape, info.nbytes) != (dtype, shape, nbytes):
                 return False
-            stamp = file_stamp(os.stat(path))
-            if self._stamp(key) == stamp:
-                return True
-            with open(path, "rb") as f:
-                good = sha256_range(f.fileno(), info.start, info.end) == sha256
+            good = self.hashes.digests(path, [info])[name] == sha256
         except (CheckpointError, OSError):
             return False
         if not good:
             log.warning("weights_blob_damaged", blob=str(path), tensor=name, nbytes=nbytes)
-            return False
-        self._remember(key, stamp)
-        return True
-
-    def _stamp(self, key: str) -> list[int] | None:
-        try:
-            saved = json.loads(self.path(key).with_suffix(".stamp").read_text())
-        except (OSError, ValueError):
-            return None
-        return saved if isinstance(saved, list) else None
-
-    def _remember(self, key: str, stamp: list[int]) -> None:
-        """Best effort: a stamp that cannot be written only costs a hash next time."""
-        with contextlib.suppress(OSError):
-            write_atomic(self.path(key).with_suffix(".stamp"), [json.dumps(stamp).encode()], durable=False)
+        return good
 
     def sweep(self, before: float) -> int:
         """Remove the `.part` files of writes that ended without their rename (a member killed while
@@ -148,10 +131,8 @@ class BlobStore:
         return removed
 
     def put(self, key: str, name: str, dtype: str, shape: tuple[int, ...], data: bytes | bytearray) -> Path:
-        """Store a tensor whose bytes the caller checked against its digest."""
         path = self.path(key)
         write_atomic(path, [one_tensor_header(name, dtype, shape, len(data)), data])
-        self._remember(key, file_stamp(os.stat(path)))
         return path
 
 
@@ -254,8 +235,17 @@ class HashCache:
                 for t in missing:
                     known[t.name] = sha256_range(f.fileno(), t.start, t.end)
             if file_stamp(os.stat(file)) == stamp:  # the file did not change while we hashed it
-                try:  # remembering is a saving, not a need: a cache that cannot be written is said
-                    write_atomic(entry, [json.dumps({"stamp": stamp, "sha256": known}).encode()])
-                except OSError as exc:
-                    log.warning("hash_cache_not_written", folder=str(self.root), error=str(exc))
+                self._save(entry, stamp, known)
         return {t.name: known[t.name] for t in infos}
+
+    def remember(self, file: Path, digests: dict[str, str]) -> None:
+        """Digests of `file`'s tensors known without reading it (its writer checked them)."""
+        self._save(self._entry(file), file_stamp(os.stat(file)), digests)
+
+    def _save(self, entry: Path, stamp: list[int], digests: dict[str, str]) -> None:
+        """Remembering is a saving, not a need: not synced to disk, and a cache that cannot be
+        written is said, not raised."""
+        try:
+            write_atomic(entry, [json.dumps({"stamp": stamp, "sha256": digests}).encode()], durable=False)
+        except OSError as exc:
+            log.warning("hash_cache_not_written", folder=str(self.root), error=str(exc))

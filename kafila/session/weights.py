@@ -639,7 +639,8 @@ class _Member:
                 f"the host announced (its file, or its remembered digest under <cache>/weights/hashes, "
                 f"changed after hashing); not cached"
             )
-        self.blobs.put(e.key, e.name, e.dtype, e.shape, p.buf)
+        blob = self.blobs.put(e.key, e.name, e.dtype, e.shape, p.buf)
+        self.blobs.hashes.remember(blob, {e.name: e.sha256})  # checked above: not hashed again on reuse
         p.buf = bytearray()
 
 

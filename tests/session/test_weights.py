@@ -22,7 +22,7 @@ from kafila.planner.plan import Stage as PlanStage
 from kafila.proto import tensor as t
 from kafila.session.channel import Channel, LinkChannel, MemoryChannel
 from kafila.session.start import weights_source
-from kafila.session.wcache import BlobStore
+from kafila.session.wcache import BlobStore, file_stamp
 from kafila.session.weights import (
     ShardResult,
     WeightsError,
@@ -192,7 +192,10 @@ async def test_a_blob_damaged_on_disk_after_caching_is_fetched_again_and_a_touch
     assert damaged.read_bytes()[info.start : info.end] == bytes(full.read([names[0]])[names[0]][1])
     said = capsys.readouterr()  # the log, wherever structlog writes it in this process
     assert "weights_blob_damaged" in said.out + said.err and names[1] not in again.fetched
-    assert all(blobs._stamp(p.stem) is not None for p in (damaged, touched))  # both trusted again
+    for blob in (damaged, touched):  # both trusted again: their digests remembered as they are now
+        saved = json.loads(blobs.hashes._entry(blob).read_text())
+        assert saved["stamp"] == file_stamp(blob.stat())
+        assert list(saved["sha256"]) == list(read_header(blob))  # the blob's one tensor
 
 
 def _link(shard: Path, name: str) -> str:
