@@ -277,7 +277,7 @@ def _cold_stage(ops: Ops, model: ModelConfig, position: int, blocks: int, llc: i
     whole = model.num_hidden_layers * nbytes
     cold = whole if whole <= llc else 2 * llc
     copies = max(1, -(-cold // (blocks * nbytes)))
-    turn = itertools.cycle([ops.make_block(model, position, blocks)[0] for _ in range(copies)])
+    turn = itertools.cycle([ops.make_block(model, position, blocks) for _ in range(copies)])
     return (lambda: next(turn)()), copies
 
 

@@ -125,10 +125,10 @@ class Ops:
         a, b = self._random((n, n), 1.0), self._random((n, n), 1.0)
         return (lambda: self._done(a @ b)), 2.0 * n**3
 
-    def make_block(self, config: ModelConfig, position: int, blocks: int = 2) -> tuple[Run, int, int]:
+    def make_block(self, config: ModelConfig, position: int, blocks: int = 2) -> Run:
         """A stage's decode step (one token) through `blocks` distinct transformer blocks with this
         model's shapes and random weights, in one call of the engine's own model code, as a ring
-        member runs its stage. Returns (run, weight bytes of one block, blocks)."""
+        member runs its stage (`block_bytes` says what one block weighs)."""
         cls = self.backend.model_class(config.model_type)
         weights = {}
         for s in specs_from_config(replace(config, num_hidden_layers=blocks), "F32"):
@@ -139,7 +139,7 @@ class Ops:
         cache = model.new_cache(1)
         x = self._random((1, config.hidden_size), 1.0)  # [1, H]
         span = [Span(slot=0, start=position, length=1)]
-        return (lambda: self._done(model.forward(x, span, cache))), self.block_bytes(config), blocks
+        return lambda: self._done(model.forward(x, span, cache))  # -> [1, H]
 
     def block_bytes(self, config: ModelConfig) -> int:
         """Weight bytes of one transformer block of this model in this backend's dtype."""
@@ -163,8 +163,8 @@ class Ops:
         width 64, one KV head of width 16, the model's query/KV head ratio), run by the engine's own
         model code: the same op chain as a real block, reading a few KB, so its time is what the
         chain costs to dispatch, which bytes / bandwidth does not see. Returns (run, blocks per call)."""
-        run, _, n = self.make_block(tiny_shapes(config), position)
-        return run, n
+        blocks = 2
+        return self.make_block(tiny_shapes(config), position, blocks), blocks
 
     def memory_available(self) -> int | None:
         """Device memory free for weights (CUDA free memory; MLX's recommended working set); None
