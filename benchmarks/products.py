@@ -1,11 +1,14 @@
-"""Prefill-sized products: torch's `F.linear` against the few_rows kernel, weights read from memory.
+"""Products of few and prefill-sized rows: torch's `F.linear` against the few_rows kernel, weights
+read from memory, and the kernel against itself without its weight prefetch.
 
 A prefill chunk multiplies its N rows by every weight of a block once, so, as in a decode step,
 each weight comes from memory, not from cache. This script times one block's four products (the
 default model's shapes: wqkv, o, gate+up, down) over enough distinct blocks (~340 MB in fp32) that
 every product reads its weight cold, for several N, side by side in one run, and prints the time
-per block of each and the ratio. `kafila.models.torch.llama.KERNEL_ROWS` (up to which N the kernel
-is used, per dtype) comes from these figures.
+per block of each and the ratio; then the kernel without its software prefetch of the weight rows
+(`few_rows.PREFETCH_BYTES`), alternated with it, and that ratio (above 1: the prefetch helps).
+`kafila.models.torch.llama.KERNEL_ROWS` (up to which N the kernel is used, per dtype) comes from
+these figures.
 
     python3 benchmarks/products.py [--dtype fp32|bf16] [--threads T] [--rows 1,16,19,32,64,96,128]
 """
@@ -34,18 +37,29 @@ def main() -> int:
     from kafila.models.torch import few_rows
 
     torch.set_num_threads(args.threads)
+
+    def no_prefetch(x: Any, w: Any) -> Any:
+        return few_rows.linear(x, w, prefetch=False)
+
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M's [out, in]
     blocks = [[torch.randn(o, i).to(dtype) for o, i in shapes] for _ in range(args.blocks)]
     print(f"{args.dtype}, {args.threads} thread(s), {args.blocks} blocks of {shapes}")
-    print(f"{'rows':>5} {'torch ms':>9} {'kernel ms':>10} {'torch/kernel':>13}")
+    head = f"{'rows':>5} {'torch ms':>9} {'kernel ms':>10} {'torch/kernel':>13}"
+    print(f"{head} {'no prefetch ms':>15} {'ratio':>6}")
     for n in [int(r) for r in args.rows.split(",")]:
         x = {i: torch.randn(n, i).to(dtype) for i in (576, 1536)}  # [N, in]
 
         per_block(blocks, x, F.linear), per_block(blocks, x, few_rows.linear)  # warm up (and compile)
+        per_block(blocks, x, no_prefetch)
         t = min(per_block(blocks, x, F.linear) for _ in range(2))
-        k = min(per_block(blocks, x, few_rows.linear) for _ in range(2))
-        print(f"{n:>5} {t * 1e3:>9.2f} {k * 1e3:>10.2f} {t / k:>13.2f}")
+        k, u = [], []
+        for _ in range(4):  # alternated: the machine's drift falls on both alike
+            k.append(per_block(blocks, x, few_rows.linear))
+            u.append(per_block(blocks, x, no_prefetch))
+        kernel, plain = min(k), min(u)
+        row = f"{n:>5} {t * 1e3:>9.2f} {kernel * 1e3:>10.2f} {t / kernel:>13.2f}"
+        print(f"{row} {plain * 1e3:>15.2f} {plain / kernel:>6.2f}")
     return 0
 
 

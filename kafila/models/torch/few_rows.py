@@ -5,9 +5,10 @@ once, so its cost is reading the weights. torch's CPU products (MKL, oneDNN) pac
 a general matrix product first and, measured on this project's AMD EPYC CI machine with two
 threads, read it at 6-14 GB/s for one row and 2-5 GB/s for two to eight rows, against 17 GB/s for
 a plain streaming read. This kernel reads each weight row once from memory for up to three input
-rows at a time, held in registers, so one row streams at 12-17 GB/s and a product of two rows
-costs 2-9% more than one, of four rows 14-26% (`benchmarks/products.py`; figures in
-docs/engine.md): batching decode steps of several users then costs little more than one.
+rows at a time, held in registers, and prefetches them ahead of its loads in that pass, so one
+row streams at 12-17 GB/s and a product of two rows costs 2-4% more than one, of four rows 4-13%
+(`benchmarks/products.py`; figures in docs/engine.md): batching decode steps of several users
+then costs little more than one.
 
 Each output element is one dot product whose order of additions is written out (`_vector_dot`)
 and depends only on `in`, never on how many rows are in the call, so a request's result is
@@ -139,6 +140,26 @@ def _load(builder: ir.IRBuilder, p: ir.Value, n: int, bf16: bool) -> ir.Value:
     )
 
 
+# How far ahead of the vector step each weight row is prefetched into the cache (`llvm.prefetch`,
+# for reading, keep in all levels). The CPU's own prefetchers stream a row product of one input
+# row at close to the memory bandwidth, but with two to four rows in the pass (more arithmetic
+# between loads) they fall behind: measured on this project's 2-vCPU Xeon (one thread, 30 blocks
+# of the default model's shapes, 425 MB in fp32), two rows cost +8-9% over one without it and
+# +2-3.5% with 384-1024 bytes ahead, four rows +24-25% and +11-14%; one row and prefill-sized
+# calls (40 rows) the same within 2%, and bf16's one row 12% faster (benchmarks/products.py).
+# A prefetch reads past the row's end into the next one, or past the array (it never faults).
+PREFETCH_BYTES = 512
+
+
+def _prefetch(builder: ir.IRBuilder, p: ir.Value) -> None:
+    """A hint to bring the cache line holding `p` closer (no load, no fault)."""
+    i8p = ir.IntType(8).as_pointer()
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]), "llvm.prefetch.p0i8"
+    )
+    builder.call(fn, [builder.bitcast(p, i8p), _I32(0), _I32(3), _I32(1)])  # read, keep, data
+
+
 def _lanes_sum(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
     """The VF lanes of v added in one fixed tree, halving: for VF = 8, ((0+4)+(2+6)) + ((1+5)+(3+7))."""
     for n in [VF >> s for s in range(1, VF.bit_length())]:  # VF/2, VF/4, ..., 1
@@ -148,10 +169,10 @@ def _lanes_sum(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
     return builder.extract_element(v, _I32(0))
 
 
-def _vector_dot(nr: int):  # type: ignore[no-untyped-def]
+def _vector_dot(nr: int, prefetch: bool):  # type: ignore[no-untyped-def]
     """A compiled intrinsic `dot(x, r, w, o0, o1, o2, o3, y)`: y[r + a, o] = x[r + a] . w[o] for
     a < nr and the four weight rows o, in one pass over the inputs, each weight row read once for
-    all nr rows (four memory streams at once).
+    all nr rows (four memory streams at once); with `prefetch`, for the pass that reads them from memory.
 
     Written as LLVM IR so that the order of every dot product's additions is spelled out: each
     (row, weight row) pair accumulates in its own VF-lane vector by multiply-adds over the input in
@@ -160,7 +181,9 @@ def _vector_dot(nr: int):  # type: ignore[no-untyped-def]
     the same bits whichever nr computed it and whichever weight rows shared the pass, that is,
     whatever else is in the batch. (With fast-math, LLVM chose its own interleaving per loop, so one
     loop had to compute every row, and rows after the first re-read the weights from L1 one by one:
-    a second row cost 8-16% of the first, here 2-9%.)"""
+    a second row cost 8-16% of the first, here 2-9%.)
+    With `prefetch` each vector step also prefetches the weight rows PREFETCH_BYTES ahead (see
+    there); that moves no arithmetic, so the bits are the same with it and without."""
     vec = ir.VectorType(_F32, VF)
 
     @intrinsic
@@ -185,8 +208,13 @@ def _vector_dot(nr: int):  # type: ignore[no-untyped-def]
             zero = (ir.Constant(vec, [0.0] * VF), ir.Constant(_F32, 0.0))
             acc = [[[cgutils.alloca_once_value(builder, z) for z in zero] for _ in ws] for _ in xs]
 
+            ahead = intp(PREFETCH_BYTES // (2 if bf16 else 4))  # in weight elements
+
             def accumulate(i: ir.Value, lanes: int) -> None:  # acc[a][b] += x[a][i:i+lanes] * w[b][...]
                 slot = 0 if lanes > 1 else 1
+                if prefetch and lanes > 1:
+                    for wp in ws:
+                        _prefetch(builder, builder.gep(wp, [builder.add(i, ahead)]))
                 xv = [_load(builder, builder.gep(p, [i]), lanes, False) for p in xs]
                 for b, wp in enumerate(ws):
                     wv = _load(builder, builder.gep(wp, [i]), lanes, bf16)
@@ -211,17 +239,22 @@ def _vector_dot(nr: int):  # type: ignore[no-untyped-def]
     return dot
 
 
-# x rows three at a time (12 vector accumulators with four weight rows), then two or one
-_dot_3, _dot_2, _dot_1 = _vector_dot(3), _vector_dot(2), _vector_dot(1)
+# x rows three at a time (12 vector accumulators with four weight rows), then two or one; the first
+# pass over four weight rows reads them from memory (prefetching), the others from the L1 cache
+_dot_3, _dot_2, _dot_1 = _vector_dot(3, False), _vector_dot(2, False), _vector_dot(1, False)
+_first_3, _first_2, _first_1 = _vector_dot(3, True), _vector_dot(2, True), _vector_dot(1, True)
 
 
 @njit(cache=True, boundscheck=False, nogil=True)
-def product_tile(x: np.ndarray, w: np.ndarray, y: np.ndarray, tile: int) -> None:  # pragma: no cover
+def product_tile(  # pragma: no cover (compiled)
+    x: np.ndarray, w: np.ndarray, y: np.ndarray, tile: int, prefetch: bool = True
+) -> None:
     """One parallel task of y = x w^T (see `_product`): output rows o in [tile * TILE, (tile + 1) *
     TILE) of the first quarter together with rows o + q, o + 2q, o + 3q (q = out / 4), four memory
     streams at once (measured against two: 15-35% faster for one x row, 20-60% for four in fp32,
     10-18% for one row in bf16), each read once for three x rows at a time (`_vector_dot`: the
-    bits of a row's result do not depend on which rows share the pass).
+    bits of a row's result do not depend on which rows share the pass). The first pass over four
+    weight rows prefetches them (`prefetch=False`: not, for benchmarks/products.py's comparison).
     Compiled callers run `for tile in prange(tiles(w))`: a cached function must not call another
     parallel function (numba's cache then crashes on load), so the loop is written where it runs."""
     n = x.shape[0]
@@ -234,6 +267,15 @@ def product_tile(x: np.ndarray, w: np.ndarray, y: np.ndarray, tile: int) -> None
         o2 = o + 2 * q if o + 2 * q < out else o
         o3 = o + 3 * q if o + 3 * q < out else o
         r = 0
+        if prefetch and n >= 3:
+            _first_3(x, 0, w, o, o1, o2, o3, y)
+            r = 3
+        elif prefetch and n == 2:
+            _first_2(x, 0, w, o, o1, o2, o3, y)
+            r = 2
+        elif prefetch and n == 1:
+            _first_1(x, 0, w, o, o1, o2, o3, y)
+            r = 1
         while n - r >= 3:
             _dot_3(x, r, w, o, o1, o2, o3, y)
             r += 3
@@ -244,15 +286,15 @@ def product_tile(x: np.ndarray, w: np.ndarray, y: np.ndarray, tile: int) -> None
 
 
 @njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
-def _product(x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:  # pragma: no cover (compiled)
+def _product(x: np.ndarray, w: np.ndarray, y: np.ndarray, prefetch: bool) -> None:  # pragma: no cover
     """y[r, o] = sum_i x[r, i] w[o, i] for x [N, in] and y [N, out] float32, w [out, in] float32 or
     bfloat16 bits (widened as they are read)."""
     for tile in prange(tiles(w)):
-        product_tile(x, w, y, tile)
+        product_tile(x, w, y, tile, prefetch)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, prefetch: bool = True) -> torch.Tensor:
     """x [N, in] @ w[out, in]^T -> [N, out] in x's dtype: CPU, fp32 or bf16, w contiguous, few rows."""
     y = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)  # [N, out]
-    _product(x.float().contiguous().numpy(), numpy_view(w), y.numpy())
+    _product(x.float().contiguous().numpy(), numpy_view(w), y.numpy(), prefetch)
     return y.to(x.dtype)
