@@ -193,6 +193,14 @@ class Stage:
         rows = getattr(self.model, "batch_rows", None)
         return int(rows) if rows is not None else None
 
+    def prefill_path(self, starts: Sequence[int]) -> object:
+        """Which of the model's code paths a prefill step of chunks beginning at positions `starts`
+        takes (kafila.models.torch.llama.LlamaModel.prefill_path; one path for models without
+        one). Chunks that take different paths alone must not share a step: their bits would
+        change."""
+        path = getattr(self.model, "prefill_path", None)
+        return path(starts) if path is not None else None
+
     @property
     def wire_dtype(self) -> str:
         return self.backend.wire_dtype

@@ -124,7 +124,7 @@ class RingHead:
         self.next, self.prev = next_ch, prev_ch  # both None: a ring of one
         self.eos_ids = tuple(eos_ids)
         merge = stage.batch_rows or 0  # prompts prefilled together: as many rows as stay exact
-        self.schedule = Schedule(concurrency, chunk, lanes, merge, max_queue)
+        self.schedule = Schedule(concurrency, chunk, lanes, merge, max_queue, stage.prefill_path)
         log.info("decode_lanes", lanes=self.schedule.lanes, concurrency=concurrency)
         self.traces = traces
         self.ids = RequestIds(0)

@@ -166,9 +166,10 @@ class RingMember:
     def _take_batch(self) -> t.Control | list[t.Hidden]:
         """The next `free`, or the longest run of waiting frames whose requests are distinct, all
         decode or all prefill, within the rows the engine computes independently of each other
-        (`Stage.batch_rows`): a decode row batched with a prefill chunk, or prefill rows past
-        that, would take another kernel and come out in other bits than alone (a seeded answer
-        changed when another prompt prefilled alongside)."""
+        (`Stage.batch_rows`) and, for prefill, on the same code path (`Stage.prefill_path`): a
+        decode row batched with a prefill chunk, prefill rows past that, or a first chunk with a
+        later one would take another kernel and come out in other bits than alone (a seeded
+        answer changed when another prompt prefilled alongside)."""
         if isinstance(self._work[0], t.Control):
             return self._work.pop(0)  # type: ignore[return-value]
         batch: list[t.Hidden] = []
@@ -179,12 +180,17 @@ class RingMember:
             prefill = bool(nxt.flags & t.Flag.PREFILL)
             if batch and (rids & seen or prefill != bool(batch[0].flags & t.Flag.PREFILL)):
                 break
+            if batch and prefill and self._path(nxt) != self._path(batch[0]):
+                break
             if batch and limit is not None and rows + nxt.shape[0] > limit:
                 break
             seen |= rids
             rows += nxt.shape[0]
             batch.append(self._work.pop(0))  # type: ignore[arg-type]
         return batch
+
+    def _path(self, frame: t.Hidden) -> object:
+        return self.stage.prefill_path([e.position for e in frame.entries])
 
     async def _run(self, frames: list[t.Hidden]) -> None:
         started = time.perf_counter()

@@ -5,7 +5,9 @@ are reported, up to `max_queue` of them (more are refused: QueueFull). An admitt
 sends its prompt as prefill chunks (all of them at once: chunk k+1 can run at the head while chunk
 k runs further along the ring; links keep them in order).
 The last chunks of prompts admitted together travel as one step while their rows fit in `merge`
-rows (four users' short prompts: one forward pass per stage instead of four). `merge` defaults to
+rows (four users' short prompts: one forward pass per stage instead of four) and the engine
+computes them with the same code as alone (`prefill_path`: a first chunk does not share a step
+with a later one). `merge` defaults to
 a chunk; the head lowers it to the rows up to which its engine computes every row of a step
 independently of the others (`Stage.batch_rows`), so a prompt prefills to the same bits alone or
 with others. Then a request
@@ -32,6 +34,7 @@ on what they return.
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -88,6 +91,9 @@ class Schedule:
     lanes: int = 1  # decode groups in flight at once (see `lanes_for`)
     merge: int = 0  # rows up to which last prefill chunks of several prompts share a step (0: chunk)
     max_queue: int | None = None  # requests that may wait for a slot (None: no limit)
+    # the engine's code path for chunks beginning at these positions (Stage.prefill_path): last
+    # chunks share a step only when they take the same one (None: one path for all)
+    prefill_path: Callable[[Sequence[int]], object] | None = None
     _reqs: dict[int, _Request] = field(default_factory=dict)
     _queue: deque[int] = field(default_factory=deque)
     _active: list[int] = field(default_factory=list)  # admission order
@@ -179,15 +185,19 @@ class Schedule:
             self._lane[movable[-1].rid] = small
 
     def _merged(self, lasts: list[Step]) -> list[Step]:
-        """Last chunks of several requests as few steps of at most `merge` rows, in order."""
+        """Last chunks of several requests as few steps of at most `merge` rows, in order: each joins
+        the latest step on its code path (`prefill_path`) while the rows fit, else starts one."""
         out: list[Step] = []
         for c in lasts:
-            prev = out[-1] if out else None
-            if prev is not None and sum(e.n_tokens for e in prev.entries + c.entries) <= self.merge:
-                out[-1] = Step(True, prev.entries + c.entries, last_chunk=True)
+            same = [i for i, prev in enumerate(out) if self._path(prev) == self._path(c)]
+            if same and sum(e.n_tokens for e in out[same[-1]].entries + c.entries) <= self.merge:
+                out[same[-1]] = Step(True, out[same[-1]].entries + c.entries, last_chunk=True)
             else:
                 out.append(c)
         return out
+
+    def _path(self, step: Step) -> object:
+        return self.prefill_path([e.position for e in step.entries]) if self.prefill_path else None
 
     def _chunks(self, r: _Request) -> list[Step]:
         out = []

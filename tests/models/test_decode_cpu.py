@@ -214,6 +214,36 @@ def test_prefill_is_bit_identical_alone_or_with_other_prompts(tiny_checkpoint, d
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_first_prefill_chunk_runs_one_compiled_call_per_block_a_later_one_the_torch_ops(
+    tiny_checkpoint, dtype: str
+) -> None:
+    """A prompt's first chunk (from position 0, up to FUSED_PREFILL_ROWS rows) goes through
+    decode_cpu.block_step, one call per block with a row per position; its next chunk through the
+    torch ops. Both agree with the torch ops alone to 1e-5 of their scale (fp32)."""
+    path = tiny_checkpoint("llama-gqa3-tied")
+    fused, ops = _stage(path, fused=True, dtype=dtype), _stage(path, fused=False, dtype=dtype)
+    calls: list[int] = []
+    step = fused.model._block_step
+
+    def counted(x, *args):  # type: ignore[no-untyped-def]
+        calls.append(x.shape[0])
+        return step(x, *args)
+
+    fused.model._block_step = counted
+    prompt = [(5 * i + 3) % 250 for i in range(20)]
+    for stage in (fused, ops):
+        stage.open("a")
+    for start, stop, expected in ((0, 12, [12] * len(fused.model.blocks)), (12, 20, [])):
+        calls.clear()
+        [a] = fused.forward([("a", start, fused.embed(prompt[start:stop]))])
+        [b] = ops.forward([("a", start, ops.embed(prompt[start:stop]))])
+        assert calls == expected
+        a, b = a.float().numpy(), b.float().numpy()
+        if dtype == "fp32":
+            assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_twenty_users_decode_bit_identically_alone_or_batched(tiny_checkpoint, dtype: str) -> None:
     """A decode step of more than 16 rows (a lane of twenty users) takes the fused path too, up to
     KERNEL_ROWS, so every request's hidden state is the same bits as when it decodes alone."""

@@ -372,3 +372,40 @@ async def test_a_member_never_batches_a_decode_step_with_a_prefill_chunk(ckpt: C
         await ring.stop()
     assert any(all(b) for b in batches) and any(not any(b) for b in batches)
     assert all(len(set(b)) == 1 for b in batches), batches
+
+
+async def test_a_member_batches_first_prefill_chunks_only_with_first_chunks(ckpt: Checkpoint) -> None:
+    """A prompt's first chunk runs each block as one compiled call (decode_cpu), a later chunk the
+    torch ops: batched together they would run on the torch ops and the first chunk would come out
+    in other bits than alone. Waiting frames batch only with frames on the same path."""
+    ring = build_ring(ckpt, [(0, 2), (2, 5)], concurrency=4)
+    member = ring.members[0]
+    data = bytes(4 * 4 * 64)  # zero rows; only the batching is looked at
+
+    def chunk(rid: int, position: int) -> t.Hidden:
+        return t.Hidden(0, t.DType.F32, (4, 64), (t.Entry(rid, position, 4),), data, t.Flag.PREFILL)
+
+    try:
+        member._work[:] = [chunk(1, 4), chunk(2, 0), chunk(3, 0), chunk(4, 8)]
+        taken = [member._take_batch() for _ in range(3)]
+    finally:
+        await ring.stop()
+    positions = [[f.entries[0].position for f in batch] for batch in taken]  # type: ignore[union-attr]
+    assert positions == [[4], [0, 0], [8]]
+    assert member.stage.prefill_path([0, 0]) == "fused" and member.stage.prefill_path([0, 4]) == "ops"
+
+
+async def test_prompts_admitted_together_with_a_long_one_match_their_single_user_output(
+    ckpt: Checkpoint,
+) -> None:
+    """Short prompts' first chunks and a long prompt's last chunk (at position 12) prefill in
+    separate steps (their code paths differ), and every answer is the single-process one."""
+    ring = build_ring(ckpt, [(0, 2), (2, 5)], concurrency=3)
+    try:
+        prompts = [PROMPTS[2] + PROMPTS[1], PROMPTS[1], PROMPTS[0]]  # 16 rows: chunks at 0, 4, 8, 12
+        gens = [await ring.head.submit(p, Sampling(max_tokens=12)) for p in prompts]
+        answers = await asyncio.gather(*(collect(g) for g in gens))
+    finally:
+        await ring.stop()
+    for prompt, (tokens, _) in zip(prompts, answers, strict=True):
+        assert tokens == single_process(ckpt, prompt, 12)

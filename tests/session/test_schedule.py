@@ -91,6 +91,21 @@ def test_last_chunks_share_steps_only_up_to_the_merge_rows() -> None:
     assert Schedule(concurrency=1, chunk=8, merge=64).merge == 8  # never more than a chunk
 
 
+def test_last_chunks_share_a_step_only_on_the_same_code_path() -> None:
+    """A first chunk (position 0) and a later one run different code in the engine (first chunks:
+    one compiled call per block): they never share a step, and each joins the latest step on its
+    own path while the rows fit."""
+
+    def path(starts) -> str:
+        return "first" if all(p == 0 for p in starts) else "later"
+
+    s = Schedule(concurrency=5, chunk=8, prefill_path=path)
+    for rid, n in [(1, 3), (2, 12), (3, 4), (4, 10), (5, 2)]:
+        s.submit(rid, n, 5)
+    shapes = [[(e.request_id, e.position) for e in st.entries] for st in s.take() if st.last_chunk]
+    assert shapes == [[(1, 0), (3, 0)], [(2, 8), (4, 8)], [(5, 0)]]  # 7 rows, 6 rows, then 7 + 2 > 8
+
+
 def test_ready_decode_steps_leave_as_one_batch() -> None:
     s = Schedule(concurrency=3, chunk=16)
     for rid, n in [(1, 5), (2, 7), (3, 2)]:

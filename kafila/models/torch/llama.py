@@ -2,8 +2,9 @@
 
 Hugging Face weight names, rotate-half RoPE (see kafila.models.rope), no permutations. At load the
 q/k/v rows are fused into one `wqkv` and gate/up into one `w_gate_up`, so a block is four matmuls.
-On the CPU in fp32 and bf16, decode steps run each block as one compiled call (`decode_cpu`), and
-the products of prefill chunks go through the kernel in `few_rows`, both up to `KERNEL_ROWS` rows;
+On the CPU in fp32 and bf16, decode steps and prompts' first prefill chunks run each block as one
+compiled call (`decode_cpu`; up to `KERNEL_ROWS` and `FUSED_PREFILL_ROWS` rows), and the products
+of later prefill chunks go through the kernel in `few_rows` (up to `KERNEL_ROWS` rows);
 larger fp32 steps, other dtypes and other devices go through torch's ops. Weights keep the Hugging
 Face [out, in] layout for all of them.
 The model knows nothing about networks or requests: `forward` takes the hidden rows of several
@@ -39,6 +40,13 @@ Tensor = torch.Tensor
 # 128, and even or slower from 160 on; in bf16 it is 4.4-4.8x faster from 19 rows to 256 (torch
 # widens bf16 slowly here).
 KERNEL_ROWS: dict[torch.dtype, int | None] = {torch.float32: 128, torch.bfloat16: None}
+# A prompt's first prefill chunk (every span of the step from position 0) of at most this many rows
+# also runs each block as one compiled call (decode_cpu.block_step, one row per position: it writes
+# the step's keys first, so each row attends to the rows before it), where the torch ops cost their
+# dispatch per op: 19-128 rows through 13 blocks of the default model in 0.77-0.81x the time (one
+# thread, docs/engine.md). Later chunks stay on torch: block_step's attention is a loop per key, and
+# at a chunk's later positions it would cost more than SDPA saves the dispatch.
+FUSED_PREFILL_ROWS = 128
 
 
 @functools.cache
@@ -170,10 +178,20 @@ class LlamaModel:
 
     @property
     def batch_rows(self) -> int | None:
-        """Most rows one step may hold with every row's result the same bits as alone: the few-row
-        kernel's `KERNEL_ROWS` for this dtype on the CPU. None: no bound below a chunk (the kernel
-        takes any size, or no kernel runs here and torch's products promise nothing either way)."""
-        return KERNEL_ROWS.get(self.dtype) if _kernels_take(self.dtype, self.device) else None
+        """Most rows one step may hold with every row's result the same bits as alone: on the CPU
+        the fewer of the few-row kernel's `KERNEL_ROWS` for this dtype and FUSED_PREFILL_ROWS (a
+        first chunk past it takes the torch ops). None: no bound below a chunk (no kernel runs here,
+        and torch's products promise nothing either way)."""
+        if not _kernels_take(self.dtype, self.device):
+            return None
+        return min(KERNEL_ROWS.get(self.dtype) or FUSED_PREFILL_ROWS, FUSED_PREFILL_ROWS)
+
+    def prefill_path(self, starts: Sequence[int]) -> str:
+        """The code a prefill step whose chunks begin at positions `starts` runs (within
+        `batch_rows` rows): "fused" when they are all first chunks and the kernels run here, else
+        "ops". The two round differently, so chunks share a step only where they take the same path
+        alone (kafila.session.schedule, kafila.session.member)."""
+        return "fused" if self.fused_decode and all(p == 0 for p in starts) else "ops"
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -232,6 +250,11 @@ class LlamaModel:
         if self.fused_decode and not _too_many(len(spans), self.dtype) and all(s.length == 1 for s in spans):
             self._decode_fused(x, spans, cache)
             return x
+        if self._fused_prefill(spans):  # one span per row: block_step takes rows at any positions
+            self._decode_fused(
+                x, [Span(s.slot, s.start + t, 1) for s in spans for t in range(s.length)], cache
+            )
+            return x
         plan = _AttentionPlan(spans, self.device)
         if len(spans) == 1:  # one request: its positions are a slice, no gather
             rows = slice(spans[0].start, spans[0].end)
@@ -241,6 +264,10 @@ class LlamaModel:
         for blk, k_cache, v_cache in zip(self.blocks, cache.k, cache.v, strict=True):
             self._block(blk, x, cos, sin, plan, k_cache, v_cache)
         return x
+
+    def _fused_prefill(self, spans: Sequence[Span]) -> bool:
+        rows = sum(s.length for s in spans)
+        return self.prefill_path([s.start for s in spans]) == "fused" and rows <= FUSED_PREFILL_ROWS
 
     def _decode_fused(self, x: Tensor, spans: Sequence[Span], cache: KVCache) -> None:
         """One row per span (decode), every local block through decode_cpu.block_step, in place on x."""
