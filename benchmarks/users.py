@@ -94,7 +94,7 @@ def main() -> int:
         f"users: {args.users * step1 / stepn:.2f}x the tokens per second (prefill and HTTP left out)"
     )
     print(
-        f"ratio {args.users} users / 1 user: {ratio:.2f}   "
+        f"ratio {args.users} users / 1 user: {ratio:.3f}   "
         f"(target >= 3.5: {'met' if ratio >= 3.5 else 'NOT met'})"
     )
     print(load.report())
