@@ -398,14 +398,24 @@ async def test_a_member_batches_first_prefill_chunks_only_with_first_chunks(ckpt
 async def test_prompts_admitted_together_with_a_long_one_match_their_single_user_output(
     ckpt: Checkpoint,
 ) -> None:
-    """Short prompts' first chunks and a long prompt's last chunk (at position 12) prefill in
+    """A short prompt's only chunk and longer prompts' last chunks (at position 8) prefill in
     separate steps (their code paths differ), and every answer is the single-process one."""
-    ring = build_ring(ckpt, [(0, 2), (2, 5)], concurrency=3)
+    ring = build_ring(ckpt, [(0, 2), (2, 5)], concurrency=3, chunk=8)
+    starts: list[set[bool]] = []  # per prefill step the head sends: which of its chunks are first ones
+    take = ring.head.schedule.take
+
+    def recording():  # type: ignore[no-untyped-def]
+        steps = take()
+        starts.extend({e.position == 0 for e in s.entries} for s in steps if s.prefill)
+        return steps
+
+    ring.head.schedule.take = recording  # type: ignore[method-assign]
     try:
-        prompts = [PROMPTS[2] + PROMPTS[1], PROMPTS[1], PROMPTS[0]]  # 16 rows: chunks at 0, 4, 8, 12
+        prompts = [PROMPTS[2] + PROMPTS[1], PROMPTS[1], PROMPTS[0]]  # chunks at 0 and 8; at 0; at 0 and 8
         gens = [await ring.head.submit(p, Sampling(max_tokens=12)) for p in prompts]
         answers = await asyncio.gather(*(collect(g) for g in gens))
     finally:
         await ring.stop()
+    assert all(len(kinds) == 1 for kinds in starts) and {True} in starts and {False} in starts, starts
     for prompt, (tokens, _) in zip(prompts, answers, strict=True):
         assert tokens == single_process(ckpt, prompt, 12)
