@@ -37,7 +37,7 @@ from kafila.proto import tensor as t
 from kafila.session import compute
 from kafila.session.channel import Channel, ChannelError, send_marked
 from kafila.session.generation import QueueGeneration, RequestIds, cancel_tasks, guarded, origin_of
-from kafila.session.schedule import Entry, QueueFull, Schedule, Step
+from kafila.session.schedule import SEPARATE_PROMPTS, Entry, QueueFull, Schedule, Step
 from kafila.session.service import STOP_STRING, GenerationError, Sampling, TokenEvent
 from kafila.session.stagetrace import StageTally, read_hop_report
 
@@ -123,7 +123,9 @@ class RingHead:
         self.stage, self.model, self.info = stage, model, info
         self.next, self.prev = next_ch, prev_ch  # both None: a ring of one
         self.eos_ids = tuple(eos_ids)
-        merge = stage.batch_rows or 0  # prompts prefilled together: as many rows as stay exact
+        # prompts admitted together: in a ring of one, one step of as many rows as stay exact; in a
+        # longer ring one step each, so the stages overlap them (Schedule, SEPARATE_PROMPTS)
+        merge = SEPARATE_PROMPTS if next_ch is not None else stage.batch_rows or 0
         self.schedule = Schedule(concurrency, chunk, lanes, merge, max_queue, stage.prefill_path)
         log.info("decode_lanes", lanes=self.schedule.lanes, concurrency=concurrency)
         self.traces = traces

@@ -3,8 +3,10 @@
 From the previous member arrive hidden-state frames (run through this stage's blocks and passed
 on), `free` notices (drop those requests' KV caches, pass on), requests on their way to the head
 (pass on) and answers on their way back to the member that asked (deliver here, or pass on).
-Frames that are waiting when the model thread comes free run as one batch when they hold distinct
-requests. The member is also a GenerationService: its API's requests travel the ring to the head.
+Decode frames that are waiting when the model thread comes free run as one batch when they hold
+distinct requests; prefill frames run one at a time, as the head sends them (kafila.session.schedule:
+separate steps overlap along the ring, a merged one does not). The member is also a
+GenerationService: its API's requests travel the ring to the head.
 
 What it measures (kafila.session.stagetrace): per request, its stage's compute per decode step
 and per prefill chunk, and the bytes its links counted. When a request's `free` passes, the member
@@ -164,33 +166,30 @@ class RingMember:
                     await self._run(batch)  # a StageError is answered per request; others: guarded
 
     def _take_batch(self) -> t.Control | list[t.Hidden]:
-        """The next `free`, or the longest run of waiting frames whose requests are distinct, all
-        decode or all prefill, within the rows the engine computes independently of each other
-        (`Stage.batch_rows`) and, for prefill, on the same code path (`Stage.prefill_path`): a
-        decode row batched with a prefill chunk, prefill rows past that, or a first chunk with a
-        later one would take another kernel and come out in other bits than alone (a seeded
-        answer changed when another prompt prefilled alongside)."""
+        """The next `free`, a prefill frame alone, or the longest run of waiting decode frames whose
+        requests are distinct, within the rows the engine computes independently of each other
+        (`Stage.batch_rows`): a decode row batched with a prefill chunk, or rows past that, would
+        take another kernel and come out in other bits than alone (a seeded answer changed when
+        another prompt prefilled alongside). Prefill frames stay apart for the reason the head
+        sends prompts as separate steps (kafila.session.schedule): the next stage can start on one
+        while this one computes the next."""
         if isinstance(self._work[0], t.Control):
             return self._work.pop(0)  # type: ignore[return-value]
-        batch: list[t.Hidden] = []
-        seen: set[int] = set()
-        rows, limit = 0, self.stage.batch_rows
+        batch: list[t.Hidden] = [self._work.pop(0)]  # type: ignore[list-item]
+        if batch[0].flags & t.Flag.PREFILL:
+            return batch
+        seen = {e.request_id for e in batch[0].entries}
+        rows, limit = batch[0].shape[0], self.stage.batch_rows
         while self._work and isinstance(nxt := self._work[0], t.Hidden):
             rids = {e.request_id for e in nxt.entries}
-            prefill = bool(nxt.flags & t.Flag.PREFILL)
-            if batch and (rids & seen or prefill != bool(batch[0].flags & t.Flag.PREFILL)):
+            if rids & seen or nxt.flags & t.Flag.PREFILL:
                 break
-            if batch and prefill and self._path(nxt) != self._path(batch[0]):
-                break
-            if batch and limit is not None and rows + nxt.shape[0] > limit:
+            if limit is not None and rows + nxt.shape[0] > limit:
                 break
             seen |= rids
             rows += nxt.shape[0]
             batch.append(self._work.pop(0))  # type: ignore[arg-type]
         return batch
-
-    def _path(self, frame: t.Hidden) -> object:
-        return self.stage.prefill_path([e.position for e in frame.entries])
 
     async def _run(self, frames: list[t.Hidden]) -> None:
         started = time.perf_counter()

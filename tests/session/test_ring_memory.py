@@ -12,7 +12,7 @@ from kafila.engine.sampler import SamplingParams
 from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
 from kafila.proto import tensor as t
-from kafila.session.schedule import lanes_for
+from kafila.session.schedule import SEPARATE_PROMPTS, lanes_for
 from kafila.session.service import GenerationError, Sampling, TokenEvent
 from tests.session.ringkit import build_ring
 
@@ -184,9 +184,8 @@ async def test_four_users_travel_in_the_lanes_the_plan_allows_and_match_single_u
     ring = build_ring(ckpt, [(0, 2), (2, 3), (3, 5)], concurrency=4, lanes=lanes)
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], [9, 9, 9, 9]]
     try:
-        # prompts admitted together prefill in one step of at most 128 rows (the fp32 kernel's) and
-        # a chunk (4 rows here)
-        assert ring.head.stage.batch_rows == 128 and ring.head.schedule.merge == 4
+        # in a ring of several stages prompts admitted together prefill as separate steps
+        assert ring.head.schedule.merge == SEPARATE_PROMPTS
         gens = [await ring.head.submit(p, Sampling(max_tokens=9)) for p in prompts]
         assert ring.head.describe()["lanes"] == [2, 2]
         results = await asyncio.gather(*(collect(g) for g in gens))
@@ -374,25 +373,60 @@ async def test_a_member_never_batches_a_decode_step_with_a_prefill_chunk(ckpt: C
     assert all(len(set(b)) == 1 for b in batches), batches
 
 
-async def test_a_member_batches_first_prefill_chunks_only_with_first_chunks(ckpt: Checkpoint) -> None:
-    """A prompt's first chunk runs each block as one compiled call (decode_cpu), a later chunk the
-    torch ops: batched together they would run on the torch ops and the first chunk would come out
-    in other bits than alone. Waiting frames batch only with frames on the same path."""
+async def test_a_member_runs_waiting_prefill_chunks_one_at_a_time_and_batches_decode_steps(
+    ckpt: Checkpoint,
+) -> None:
+    """Prefill frames stay apart, so the next stage can start on one while this one computes the
+    next (kafila.session.schedule); waiting decode frames of distinct requests run as one batch."""
     ring = build_ring(ckpt, [(0, 2), (2, 5)], concurrency=4)
     member = ring.members[0]
     data = bytes(4 * 4 * 64)  # zero rows; only the batching is looked at
 
-    def chunk(rid: int, position: int) -> t.Hidden:
-        return t.Hidden(0, t.DType.F32, (4, 64), (t.Entry(rid, position, 4),), data, t.Flag.PREFILL)
+    def frame(rid: int, position: int, rows: int, flags: int) -> t.Hidden:
+        return t.Hidden(
+            0, t.DType.F32, (rows, 64), (t.Entry(rid, position, rows),), data[: rows * 256], flags
+        )
 
     try:
-        member._work[:] = [chunk(1, 4), chunk(2, 0), chunk(3, 0), chunk(4, 8)]
-        taken = [member._take_batch() for _ in range(3)]
+        member._work[:] = [frame(1, 4, 4, t.Flag.PREFILL), frame(2, 0, 4, t.Flag.PREFILL)]
+        member._work += [
+            frame(3, 7, 1, 0),
+            frame(4, 9, 1, 0),
+            frame(3, 8, 1, 0),
+            frame(5, 0, 4, t.Flag.PREFILL),
+        ]
+        taken = [member._take_batch() for _ in range(5)]
     finally:
         await ring.stop()
-    positions = [[f.entries[0].position for f in batch] for batch in taken]  # type: ignore[union-attr]
-    assert positions == [[4], [0, 0], [8]]
-    assert member.stage.prefill_path([0, 0]) == "fused" and member.stage.prefill_path([0, 4]) == "ops"
+    ids = [[f.entries[0].request_id for f in batch] for batch in taken]  # type: ignore[union-attr]
+    assert ids == [[1], [2], [3, 4], [3], [5]] and not member._work
+
+
+async def test_prompts_admitted_together_prefill_as_separate_steps_in_a_ring_as_one_step_alone(
+    ckpt: Checkpoint,
+) -> None:
+    """Through several stages separate steps overlap (the next stage starts on the first prompt
+    while the head computes the second); a head alone merges them into one forward pass. Either
+    way every answer is the single-process one."""
+    for splits, entries in (([(0, 2), (2, 3), (3, 5)], [1, 1, 1]), ([(0, 5)], [3])):
+        ring = build_ring(ckpt, splits, concurrency=3, chunk=32)  # one chunk for all three
+        sizes: list[int] = []  # entries per prefill step the head sends
+        take = ring.head.schedule.take
+
+        def recording():  # type: ignore[no-untyped-def]
+            steps = take()  # noqa: B023 (called while this ring runs)
+            sizes.extend(len(s.entries) for s in steps if s.prefill)  # noqa: B023
+            return steps
+
+        ring.head.schedule.take = recording  # type: ignore[method-assign]
+        try:
+            gens = [await ring.head.submit(p, Sampling(max_tokens=6)) for p in PROMPTS[:3]]
+            answers = await asyncio.gather(*(collect(g) for g in gens))
+        finally:
+            await ring.stop()
+        assert sizes == entries, (splits, sizes)
+        for prompt, (tokens, _) in zip(PROMPTS[:3], answers, strict=True):
+            assert tokens == single_process(ckpt, prompt, 6)
 
 
 async def test_prompts_admitted_together_with_a_long_one_match_their_single_user_output(
