@@ -432,9 +432,11 @@ async def test_prompts_admitted_together_prefill_as_separate_steps_in_a_ring_as_
 async def test_prompts_admitted_together_with_a_long_one_match_their_single_user_output(
     ckpt: Checkpoint,
 ) -> None:
-    """A short prompt's only chunk and longer prompts' last chunks (at position 8) prefill in
-    separate steps (their code paths differ), and every answer is the single-process one."""
-    ring = build_ring(ckpt, [(0, 2), (2, 5)], concurrency=3, chunk=8)
+    """At a head alone in its ring, which merges prompts admitted together, a short prompt's only
+    chunk and longer prompts' last chunks (at position 8) prefill in separate steps (their code
+    paths differ), and every answer is the single-process one. (In a longer ring every prompt
+    travels alone anyway.)"""
+    ring = build_ring(ckpt, [(0, 5)], concurrency=3, chunk=8)
     starts: list[set[bool]] = []  # per prefill step the head sends: which of its chunks are first ones
     take = ring.head.schedule.take
 
