@@ -245,7 +245,7 @@ _dot_3, _dot_2, _dot_1 = _vector_dot(3, False), _vector_dot(2, False), _vector_d
 _first_3, _first_2, _first_1 = _vector_dot(3, True), _vector_dot(2, True), _vector_dot(1, True)
 
 
-@njit(cache=True, boundscheck=False, nogil=True)
+@njit(cache=True, boundscheck=False, nogil=True, fastmath=False)  # set: see the docstring's end
 def product_tile(  # pragma: no cover (compiled)
     x: np.ndarray, w: np.ndarray, y: np.ndarray, tile: int, prefetch: bool = True
 ) -> None:
@@ -256,7 +256,12 @@ def product_tile(  # pragma: no cover (compiled)
     bits of a row's result do not depend on which rows share the pass). The first pass over four
     weight rows prefetches them (`prefetch=False`: not, for benchmarks/products.py's comparison).
     Compiled callers run `for tile in prange(tiles(w))`: a cached function must not call another
-    parallel function (numba's cache then crashes on load), so the loop is written where it runs."""
+    parallel function (numba's cache then crashes on load), so the loop is written where it runs.
+    `fastmath=False` is written out because numba compiles a function that does not set it with its
+    caller's: under `_product`'s and `block_step`'s fast-math the scalar tail (`in % VF`) and the
+    lanes' sum could be reordered differently in each pass variant, and on AMD Zen 4 a row from a
+    pass of one came out 1-2 ulps off the same row from a pass of three (widths not divisible by
+    16; tests/models/test_decode_cpu.py)."""
     n = x.shape[0]
     out = w.shape[0]
     q = (out + 3) // 4
