@@ -6,7 +6,8 @@ each weight comes from memory, not from cache. This script times one block's fou
 default model's shapes: wqkv, o, gate+up, down) over enough distinct blocks (~340 MB in fp32) that
 every product reads its weight cold, for several N, side by side in one run, and prints the time
 per block of each and the ratio; then the kernel without its software prefetch of the weight rows
-(`few_rows.PREFETCH_BYTES`), alternated with it, and that ratio (above 1: the prefetch helps).
+(`few_rows.PREFETCH`, which depends on the CPU), alternated with it, and that ratio (above 1:
+the prefetch helps).
 `kafila.models.torch.llama.KERNEL_ROWS` (up to which N the kernel is used, per dtype) comes from
 these figures.
 
@@ -33,6 +34,7 @@ def main() -> int:
 
     import torch
     import torch.nn.functional as F
+    from llvmlite import binding as llvm
 
     from kafila.models.torch import few_rows
 
@@ -45,6 +47,8 @@ def main() -> int:
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M's [out, in]
     blocks = [[torch.randn(o, i).to(dtype) for o, i in shapes] for _ in range(args.blocks)]
     print(f"{args.dtype}, {args.threads} thread(s), {args.blocks} blocks of {shapes}")
+    cpu, pf = llvm.get_host_cpu_name(), few_rows.PREFETCH
+    print(f"CPU {cpu}: the kernel prefetches {pf.ahead} bytes ahead, locality {pf.locality}")
     head = f"{'rows':>5} {'torch ms':>9} {'kernel ms':>10} {'torch/kernel':>13}"
     print(f"{head} {'no prefetch ms':>15} {'ratio':>6}")
     for n in [int(r) for r in args.rows.split(",")]:

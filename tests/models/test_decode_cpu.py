@@ -150,9 +150,9 @@ def test_few_row_product_equals_torch_for_any_output_width(out: int, rows: int, 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_rows_product_is_the_same_bits_whatever_else_is_in_the_call(dtype: str) -> None:
-    """The kernel takes input rows three at a time, then two or one: a row's result is the same bits
-    whether it was computed alone, first, second or third of a group, in any batch size (widths not
-    divisible by four or eight included)."""
+    """The kernel takes input rows four at a time (three without AVX-512), then three, two or one: a
+    row's result is the same bits whether it was computed alone or in any place of a group, in any
+    batch size (widths not divisible by four or eight included)."""
     import torch
 
     from kafila.models.torch import few_rows
@@ -160,10 +160,37 @@ def test_a_rows_product_is_the_same_bits_whatever_else_is_in_the_call(dtype: str
     gen = torch.Generator().manual_seed(11)
     w = torch.randn(13, 43, generator=gen).to(getattr(torch, dtype))
     x = torch.randn(9, 43, generator=gen)  # [9, in] float32 (a bf16 step widens its rows too)
-    every = few_rows.linear(x, w)  # [9, 13]: rows in groups (0, 1, 2), (3, 4, 5), (6, 7, 8)
+    every = few_rows.linear(x, w)  # [9, 13]: rows in groups (0, 1, 2, 3), (4, 5, 6), (7, 8)
     for a in range(9):
         for b in range(a + 1, 10):  # rows [a, b) on their own: each lands elsewhere in a group
             assert torch.equal(few_rows.linear(x[a:b], w), every[a:b]), (a, b)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_weight_prefetch_changes_no_bits(dtype: str) -> None:
+    """The first pass's prefetch (as this CPU has it, few_rows.PREFETCH) moves data, not arithmetic:
+    with it and without, every row count gives the same bits (widths with and without a tail)."""
+    import torch
+
+    from kafila.models.torch import few_rows
+
+    gen = torch.Generator().manual_seed(12)
+    for inner in (43, 576):
+        w = torch.randn(37, inner, generator=gen).to(getattr(torch, dtype))
+        for rows in range(1, 8):
+            x = torch.randn(rows, inner, generator=gen)
+            with_it, without = few_rows.linear(x, w), few_rows.linear(x, w, prefetch=False)
+            assert torch.equal(with_it, without), (inner, rows)
+
+
+def test_the_prefetch_is_the_one_measured_for_the_cpu() -> None:
+    """AMD Zen (LLVM's `znver*`) prefetches 2048 bytes ahead into L2, other CPUs 512 bytes into L1
+    (benchmarks/products.py's figures in docs/engine.md)."""
+    from kafila.models.torch.few_rows import Prefetch, prefetch_for
+
+    assert prefetch_for("znver4") == Prefetch(ahead=2048, locality=2)
+    assert prefetch_for("emeraldrapids") == Prefetch(ahead=512, locality=3)
+    assert prefetch_for("skylake-avx512") == Prefetch(ahead=512, locality=3)
 
 
 def test_the_products_vectors_are_as_wide_as_the_cpus_registers() -> None:

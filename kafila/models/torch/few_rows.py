@@ -4,11 +4,12 @@ A decode step multiplies a few hidden rows (one per request in the batch) by eve
 once, so its cost is reading the weights. torch's CPU products (MKL, oneDNN) pack the weight for
 a general matrix product first and, measured on this project's AMD EPYC CI machine with two
 threads, read it at 6-14 GB/s for one row and 2-5 GB/s for two to eight rows, against 17 GB/s for
-a plain streaming read. This kernel reads each weight row once from memory for up to three input
-rows at a time, held in registers, and prefetches them ahead of its loads in that pass, so one
-row streams at 12-17 GB/s and a product of two rows costs 2-4% more than one, of four rows 4-13%
-(`benchmarks/products.py`; figures in docs/engine.md): batching decode steps of several users
-then costs little more than one.
+a plain streaming read. This kernel reads each weight row once from memory for up to four input
+rows at a time (three without AVX-512), held in registers, and prefetches them ahead of its loads
+in that pass, so one row streams at 12-22 GB/s and a product of two rows costs 2-4% more than
+one on the Xeon and 10-17% on AMD Zen 4, of four rows 4-13% and 11-12% (`benchmarks/products.py`;
+figures in docs/engine.md): batching decode steps of several users then costs little more than
+one.
 
 Each output element is one dot product whose order of additions is written out (`_vector_dot`)
 and depends only on `in`, never on how many rows are in the call, so a request's result is
@@ -28,6 +29,7 @@ to the usable CPUs before the first import.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -140,15 +142,34 @@ def _load(builder: ir.IRBuilder, p: ir.Value, n: int, bf16: bool) -> ir.Value:
     )
 
 
-# How far ahead of the vector step each weight row is prefetched into the cache (`llvm.prefetch`,
-# for reading, keep in all levels). The CPU's own prefetchers stream a row product of one input
-# row at close to the memory bandwidth, but with two to four rows in the pass (more arithmetic
-# between loads) they fall behind: measured on this project's 2-vCPU Xeon (one thread, 30 blocks
-# of the default model's shapes, 425 MB in fp32), two rows cost +8-9% over one without it and
-# +2-3.5% with 384-1024 bytes ahead, four rows +24-25% and +11-14%; one row and prefill-sized
-# calls (40 rows) the same within 2%, and bf16's one row 12% faster (benchmarks/products.py).
+@dataclass(frozen=True)
+class Prefetch:
+    """How the first pass prefetches each weight row (`llvm.prefetch`, for reading): `ahead` bytes
+    ahead of the vector step, into the cache level `locality` names (3: every level, L1 included;
+    2: L2 and further out)."""
+
+    ahead: int
+    locality: int
+
+
+def prefetch_for(cpu: str) -> Prefetch:
+    """The prefetch measured best on a CPU that LLVM names `cpu` (benchmarks/products.py).
+
+    The CPU's own prefetchers stream a row product of one input row at close to the memory
+    bandwidth, but with two to four rows in the pass (more arithmetic between loads) they fall
+    behind. On the project's 2-vCPU Xeon (Emerald Rapids; one thread, 30 blocks of the default
+    model's shapes, 425 MB in fp32) two rows cost +8-9% over one without a prefetch and +2-3.5%
+    with 384-1024 bytes ahead into L1, four rows +24-25% and +11-14% (2048 bytes: slower); bf16's
+    one row 12% faster. On AMD Zen 4 (EPYC, 2 vCPUs) that L1 prefetch made fp32 products slower
+    than none (1.11-1.14x at 1-4 rows): there 2048 bytes ahead into L2 was the fastest of 512-4096
+    bytes and L1 or L2, 0.80-0.92x the L1 prefetch's time in fp32 and 0.81-1.04x in bf16
+    (docs/engine.md, "Weight prefetch on AMD"). Other CPUs keep the Xeon's setting. numba keys
+    its disk cache on the host CPU, so a kernel compiled with one setting never runs on another."""
+    return Prefetch(2048, 2) if cpu.startswith("znver") else Prefetch(512, 3)
+
+
 # A prefetch reads past the row's end into the next one, or past the array (it never faults).
-PREFETCH_BYTES = 512
+PREFETCH = prefetch_for(llvm.get_host_cpu_name())
 
 
 def _prefetch(builder: ir.IRBuilder, p: ir.Value) -> None:
@@ -157,7 +178,8 @@ def _prefetch(builder: ir.IRBuilder, p: ir.Value) -> None:
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]), "llvm.prefetch.p0i8"
     )
-    builder.call(fn, [builder.bitcast(p, i8p), _I32(0), _I32(3), _I32(1)])  # read, keep, data
+    locality = _I32(PREFETCH.locality)
+    builder.call(fn, [builder.bitcast(p, i8p), _I32(0), locality, _I32(1)])  # read, locality, data
 
 
 def _lanes_sum(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
@@ -182,8 +204,8 @@ def _vector_dot(nr: int, prefetch: bool):  # type: ignore[no-untyped-def]
     whatever else is in the batch. (With fast-math, LLVM chose its own interleaving per loop, so one
     loop had to compute every row, and rows after the first re-read the weights from L1 one by one:
     a second row cost 8-16% of the first, here 2-9%.)
-    With `prefetch` each vector step also prefetches the weight rows PREFETCH_BYTES ahead (see
-    there); that moves no arithmetic, so the bits are the same with it and without."""
+    With `prefetch` each vector step also prefetches the weight rows as `PREFETCH` says (see
+    `prefetch_for`); that moves no arithmetic, so the bits are the same with it and without."""
     vec = ir.VectorType(_F32, VF)
 
     @intrinsic
@@ -208,7 +230,7 @@ def _vector_dot(nr: int, prefetch: bool):  # type: ignore[no-untyped-def]
             zero = (ir.Constant(vec, [0.0] * VF), ir.Constant(_F32, 0.0))
             acc = [[[cgutils.alloca_once_value(builder, z) for z in zero] for _ in ws] for _ in xs]
 
-            ahead = intp(PREFETCH_BYTES // (2 if bf16 else 4))  # in weight elements
+            ahead = intp(PREFETCH.ahead // (2 if bf16 else 4))  # in weight elements
 
             def accumulate(i: ir.Value, lanes: int) -> None:  # acc[a][b] += x[a][i:i+lanes] * w[b][...]
                 slot = 0 if lanes > 1 else 1
@@ -239,10 +261,16 @@ def _vector_dot(nr: int, prefetch: bool):  # type: ignore[no-untyped-def]
     return dot
 
 
-# x rows three at a time (12 vector accumulators with four weight rows), then two or one; the first
-# pass over four weight rows reads them from memory (prefetching), the others from the L1 cache
+# The first pass over four weight rows reads them from memory (prefetching) for up to four x rows
+# where the CPU has 32 vector registers (AVX-512: 16 accumulators + 4 x + 4 w vectors; AVX2's 16
+# registers would spill), three otherwise; later passes read the weight rows from the L1 cache
+# three x rows at a time (12 accumulators), then two or one. One pass of four instead of three
+# and one: 4-8 rows 8-15% faster on AMD Zen 4, 19 rows 4% (docs/engine.md); later passes of four
+# were slower for prefill-sized calls on the Xeon (docs/benchmarks.md, session 22).
+FIRST_ROWS = 4 if VF == 16 else 3
 _dot_3, _dot_2, _dot_1 = _vector_dot(3, False), _vector_dot(2, False), _vector_dot(1, False)
-_first_3, _first_2, _first_1 = _vector_dot(3, True), _vector_dot(2, True), _vector_dot(1, True)
+_first_4, _first_3 = _vector_dot(4, True), _vector_dot(3, True)
+_first_2, _first_1 = _vector_dot(2, True), _vector_dot(1, True)
 
 
 @njit(cache=True, boundscheck=False, nogil=True, fastmath=False)  # set: see the docstring's end
@@ -252,8 +280,9 @@ def product_tile(  # pragma: no cover (compiled)
     """One parallel task of y = x w^T (see `_product`): output rows o in [tile * TILE, (tile + 1) *
     TILE) of the first quarter together with rows o + q, o + 2q, o + 3q (q = out / 4), four memory
     streams at once (measured against two: 15-35% faster for one x row, 20-60% for four in fp32,
-    10-18% for one row in bf16), each read once for three x rows at a time (`_vector_dot`: the
-    bits of a row's result do not depend on which rows share the pass). The first pass over four
+    10-18% for one row in bf16), each read from memory once for the first `FIRST_ROWS` x rows and
+    from L1 for three at a time after them (`_vector_dot`: the bits of a row's result do not
+    depend on which rows share the pass). The first pass over four
     weight rows prefetches them (`prefetch=False`: not, for benchmarks/products.py's comparison).
     Compiled callers run `for tile in prange(tiles(w))`: a cached function must not call another
     parallel function (numba's cache then crashes on load), so the loop is written where it runs.
@@ -272,7 +301,10 @@ def product_tile(  # pragma: no cover (compiled)
         o2 = o + 2 * q if o + 2 * q < out else o
         o3 = o + 3 * q if o + 3 * q < out else o
         r = 0
-        if prefetch and n >= 3:
+        if prefetch and n >= 4 and FIRST_ROWS == 4:
+            _first_4(x, 0, w, o, o1, o2, o3, y)
+            r = 4
+        elif prefetch and n >= 3:
             _first_3(x, 0, w, o, o1, o2, o3, y)
             r = 3
         elif prefetch and n == 2:
