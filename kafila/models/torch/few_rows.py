@@ -7,7 +7,7 @@ threads, read it at 6-14 GB/s for one row and 2-5 GB/s for two to eight rows, ag
 a plain streaming read. This kernel reads each weight row once from memory for up to four input
 rows at a time (three without AVX-512), held in registers, and prefetches them ahead of its loads
 in that pass, so one row streams at 12-22 GB/s and a product of two rows costs 2-4% more than
-one on the Xeon and 10-17% on AMD Zen 4, of four rows 4-13% and 11-12% (`benchmarks/products.py`;
+one on the Xeon and 10-17% on AMD Zen 4, of four rows 4-13% and 11-19% (`benchmarks/products.py`;
 figures in docs/engine.md): batching decode steps of several users then costs little more than
 one.
 
@@ -161,10 +161,11 @@ def prefetch_for(cpu: str) -> Prefetch:
     model's shapes, 425 MB in fp32) two rows cost +8-9% over one without a prefetch and +2-3.5%
     with 384-1024 bytes ahead into L1, four rows +24-25% and +11-14% (2048 bytes: slower); bf16's
     one row 12% faster. On AMD Zen 4 (EPYC, 2 vCPUs) that L1 prefetch made fp32 products slower
-    than none (1.11-1.14x at 1-4 rows): there 2048 bytes ahead into L2 was the fastest of 512-4096
-    bytes and L1 or L2, 0.80-0.92x the L1 prefetch's time in fp32 and 0.81-1.04x in bf16
-    (docs/engine.md, "Weight prefetch on AMD"). Other CPUs keep the Xeon's setting. numba keys
-    its disk cache on the host CPU, so a kernel compiled with one setting never runs on another."""
+    than none (1.05-1.19x at 1-8 rows): there 2048 bytes ahead into L2 was the fastest, or level
+    with the fastest, of 512-8192 bytes into L1 or L2, at 0.76-0.90x the L1 prefetch's time in
+    fp32 and 0.81-1.04x in bf16 (docs/engine.md, "Weight prefetch on AMD"). Other CPUs keep the
+    Xeon's setting. numba keys its disk cache on the host CPU, so a kernel compiled with one
+    setting never runs on another."""
     return Prefetch(2048, 2) if cpu.startswith("znver") else Prefetch(512, 3)
 
 
@@ -282,8 +283,8 @@ def product_tile(  # pragma: no cover (compiled)
     streams at once (measured against two: 15-35% faster for one x row, 20-60% for four in fp32,
     10-18% for one row in bf16), each read from memory once for the first `FIRST_ROWS` x rows and
     from L1 for three at a time after them (`_vector_dot`: the bits of a row's result do not
-    depend on which rows share the pass). The first pass over four
-    weight rows prefetches them (`prefetch=False`: not, for benchmarks/products.py's comparison).
+    depend on which rows share the pass). The first pass over four weight rows prefetches them
+    (`prefetch=False`: no prefetch and passes of three, for benchmarks/products.py's comparison).
     Compiled callers run `for tile in prange(tiles(w))`: a cached function must not call another
     parallel function (numba's cache then crashes on load), so the loop is written where it runs.
     `fastmath=False` is written out because numba compiles a function that does not set it with its
