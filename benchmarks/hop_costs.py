@@ -31,6 +31,7 @@ from kafila.obs.hopmarks import ENV
 from kafila.probe.system import THREADS_ENV
 
 Marks = dict[str, dict[str, int]]  # key "request:position:rows" -> tag -> perf_counter_ns
+Segments = dict[tuple[str, str], list[float]]  # (where, kind) -> microseconds, one per decode step
 
 # (first mark, second mark, kind): consecutive marks of one decode step at one process
 COMPUTE = [("submit", "start", "hand-off"), ("start", "end", "compute"), ("end", "back", "hand-off")]
@@ -116,6 +117,56 @@ def token_intervals(head: Marks) -> list[float]:
         marks.sort()
         out += [(b - a) / 1e3 for (p, a), (q, b) in itertools.pairwise(marks) if q == p + 1]
     return out
+
+
+def overlapping(head: Marks) -> dict[str, int]:
+    """Per request (its id at the head): how many other requests' marks overlap its own in time."""
+    times: dict[str, list[int]] = defaultdict(list)
+    for key, tags in head.items():
+        times[key.split(":")[0]] += tags.values()
+    span = {r: (min(ts), max(ts)) for r, ts in times.items()}
+    return {r: sum(c < b and d > a for q, (c, d) in span.items() if q != r) for r, (a, b) in span.items()}
+
+
+def by_load(ring: list[Marks], min_position: int = 30) -> dict[str, Segments]:
+    """Every segment's microseconds per decode step past `min_position` (the prompt's KV cache is
+    filled, steps are steady), split by whether its request ran "alone" or beside two or more
+    others ("loaded"); ("circuit", "circuit") is the head's submit to sampled."""
+    others = overlapping(ring[0])
+    out: dict[str, Segments] = {"alone": defaultdict(list), "loaded": defaultdict(list)}
+    for key, tags in ring[0].items():
+        rid, pos, _ = key.split(":")
+        segs = segments(ring, key) if int(pos) >= min_position and "sampled" in tags else None
+        if segs is None:
+            continue
+        split = out["loaded" if others[rid] >= 2 else "alone"]
+        for where, kind, us in segs:
+            split[(where, kind)].append(us)
+        split[("circuit", "circuit")].append((tags["sampled"] - tags["submit"]) / 1e3)
+    return out
+
+
+def report_by_load(split: dict[str, Segments]) -> None:
+    """Means in ms, alone against loaded: by kind (summed over the ring), then segment by segment."""
+    alone, loaded = split["alone"], split["loaded"]
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs) / 1e3 if xs else float("nan")
+
+    def kinds(part: Segments) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for (_, kind), xs in part.items():
+            out[kind] += mean(xs)
+        return out
+
+    n_alone, n_loaded = len(alone[("circuit", "circuit")]), len(loaded[("circuit", "circuit")])
+    print(f"\nwhere a decode step's time goes, mean ms: {n_alone} steps alone / {n_loaded} with others")
+    ka, kl = kinds(alone), kinds(loaded)
+    for kind in sorted(ka, key=lambda k: -ka[k]):
+        print(f"  {kind:>12} {ka[kind]:7.2f} {kl.get(kind, float('nan')):7.2f}")
+    for where, kind in alone:
+        if kind != "circuit":
+            print(f"  {where:46} {mean(alone[(where, kind)]):7.2f} {mean(loaded[(where, kind)]):7.2f}")
 
 
 def main() -> int:

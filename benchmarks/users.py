@@ -20,12 +20,20 @@ machines would not (benchmarks/contention.py measures by how much). Smaller shar
 ratios, e.g. --shares 0.25,0.125,0.0625, make such collisions rarer at the price of a slower run
 (docs/benchmarks.md, "Session 8").
 
-    python3 benchmarks/users.py [--tokens 48] [--rounds 3] [--shares 1,0.5,0.25]
+With --hop-marks every member writes hop marks (kafila.obs.hopmarks) and the script ends with
+where a decode step's time went, alone against beside the other users: compute, hand-offs, event
+loops, QUIC, per kind and segment by segment (benchmarks/hop_costs.py's segments). The marks cost
+a little time themselves.
+
+    python3 benchmarks/users.py [--tokens 48] [--rounds 3] [--shares 1,0.5,0.25] [--hop-marks]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from _session_common import (
@@ -39,6 +47,9 @@ from _session_common import (
     spread,
     wait_records,
 )
+from hop_costs import by_load, read_marks, report_by_load, ring_order
+
+from kafila.obs.hopmarks import ENV as HOP_MARKS
 
 
 def main() -> int:
@@ -47,9 +58,13 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="measured rounds of each (default 3)")
     p.add_argument("--users", type=int, default=4, help="concurrent users (default 4)")
     p.add_argument("--shares", default="1,0.5,0.25", help="CPU shares in cores, comma-separated")
+    p.add_argument("--hop-marks", action="store_true", help="also print where a decode step's time goes")
     add_slow_by(p)
     args = p.parse_args()
     shares = [float(x) for x in args.shares.split(",")]
+    marks = Path(tempfile.mkdtemp(prefix="kafila-hop-marks-")) if args.hop_marks else None
+    if marks is not None:
+        os.environ[HOP_MARKS] = str(marks)  # read by the members when they start
 
     load = Load()
     with LocalFleet(
@@ -98,6 +113,9 @@ def main() -> int:
         f"(target >= 3.5: {'met' if ratio >= 3.5 else 'NOT met'})"
     )
     print(load.report())
+    if marks is not None:  # the members wrote their last marks when they stopped
+        print(f"hop marks in {marks}")
+        report_by_load(by_load(ring_order(read_marks(marks), len(shares))))
     return 0
 
 
