@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import functools
 import os
+import platform
 import statistics
 import sys
 import threading
@@ -79,6 +80,21 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo; the platform's processor elsewhere) and LLVM's name for
+    it, which picks the kernels' settings (few_rows.prefetch_for): sessions run on different
+    machines, and a figure is a figure of one of them."""
+    name = platform.processor() or "unknown CPU"
+    with contextlib.suppress(OSError):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), name)
+    with contextlib.suppress(ImportError):
+        from llvmlite import binding as llvm
+
+        name += f", {llvm.get_host_cpu_name()}"
+    return name
+
+
 class Load:
     """Samples machine CPU use and our own (this process + fleets' processes) between start and stop."""
 
@@ -123,7 +139,8 @@ class Load:
         ours = sum(last - first for first, last in self._ours.values()) / TICK / max(wall, 1e-9)
         la0, la1 = self.loadavg_start[0], os.getloadavg()[0]
         return (
-            f"load: {self.cores} cores; {busy_cores:.2f} cores busy on average over {wall:.0f} s, "
+            f"load: {self.cores} cores ({cpu_model()}); {busy_cores:.2f} cores busy on average over "
+            f"{wall:.0f} s, "
             f"{ours:.2f} of them this benchmark's processes, {max(busy_cores - ours, 0):.2f} others'; "
             f"load average {la0:.2f} at start, {la1:.2f} at end"
         )
