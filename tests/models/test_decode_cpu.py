@@ -184,13 +184,16 @@ def test_the_weight_prefetch_changes_no_bits(dtype: str) -> None:
 
 
 def test_the_prefetch_is_the_one_measured_for_the_cpu() -> None:
-    """AMD Zen (LLVM's `znver*`) prefetches 2048 bytes ahead into L2, other CPUs 512 bytes into L1
+    """AMD Zen (LLVM's `znver*`) prefetches into L2, 1024 bytes ahead in passes of one to three rows
+    and 2048 in the four-row pass (bf16: from three rows); other CPUs 512 bytes into L1
     (benchmarks/products.py's figures in docs/engine.md)."""
     from kafila.models.torch.few_rows import Prefetch, prefetch_for
 
-    assert prefetch_for("znver4") == Prefetch(ahead=2048, locality=2)
-    assert prefetch_for("emeraldrapids") == Prefetch(ahead=512, locality=3)
-    assert prefetch_for("skylake-avx512") == Prefetch(ahead=512, locality=3)
+    assert prefetch_for("znver4") == Prefetch(
+        fp32=(1024, 1024, 1024, 2048), bf16=(1024, 1024, 2048, 2048), locality=2
+    )
+    assert prefetch_for("emeraldrapids") == Prefetch(fp32=(512,) * 4, bf16=(512,) * 4, locality=3)
+    assert prefetch_for("skylake-avx512") == Prefetch(fp32=(512,) * 4, bf16=(512,) * 4, locality=3)
 
 
 def test_the_products_vectors_are_as_wide_as_the_cpus_registers() -> None:

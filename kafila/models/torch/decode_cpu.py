@@ -35,7 +35,7 @@ from kafila.models.torch.few_rows import at, bf16_bits, bits_to_f32, product_til
 # calls in other files, so without this line a changed few_rows.py would leave the cached kernels
 # below running the old products. A test compares it with the file: update it with every change
 # there, which changes this file too and makes numba compile these kernels again.
-FEW_ROWS_SHA256 = "8c54a4e5a46104bf"
+FEW_ROWS_SHA256 = "569d1d6c9a0ce013"
 
 
 @njit(fastmath=True, cache=True, boundscheck=False, nogil=True, inline="always")

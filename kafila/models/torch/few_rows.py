@@ -144,12 +144,17 @@ def _load(builder: ir.IRBuilder, p: ir.Value, n: int, bf16: bool) -> ir.Value:
 
 @dataclass(frozen=True)
 class Prefetch:
-    """How the first pass prefetches each weight row (`llvm.prefetch`, for reading): `ahead` bytes
-    ahead of the vector step, into the cache level `locality` names (3: every level, L1 included;
-    2: L2 and further out)."""
+    """How a first pass prefetches each weight row (`llvm.prefetch`, for reading): `fp32[n - 1]`
+    (`bf16[n - 1]` for bfloat16 weights) bytes ahead of the vector step in a pass of n x rows
+    (1-4), into the cache level `locality` names (3: every level, L1 included; 2: L2 and further
+    out)."""
 
-    ahead: int
+    fp32: tuple[int, int, int, int]
+    bf16: tuple[int, int, int, int]
     locality: int
+
+    def bytes_ahead(self, rows: int, bf16: bool) -> int:
+        return (self.bf16 if bf16 else self.fp32)[rows - 1]
 
 
 def prefetch_for(cpu: str) -> Prefetch:
@@ -161,12 +166,16 @@ def prefetch_for(cpu: str) -> Prefetch:
     model's shapes, 425 MB in fp32) two rows cost +8-9% over one without a prefetch and +2-3.5%
     with 384-1024 bytes ahead into L1, four rows +24-25% and +11-14% (2048 bytes: slower); bf16's
     one row 12% faster. On AMD Zen 4 (EPYC, 2 vCPUs) that L1 prefetch made fp32 products slower
-    than none (1.05-1.19x at 1-8 rows): there 2048 bytes ahead into L2 was the fastest, or level
-    with the fastest, of 512-8192 bytes into L1 or L2, at 0.76-0.90x the L1 prefetch's time in
-    fp32 and 0.81-1.04x in bf16 (docs/engine.md, "Weight prefetch on AMD"). Other CPUs keep the
-    Xeon's setting. numba keys its disk cache on the host CPU, so a kernel compiled with one
-    setting never runs on another."""
-    return Prefetch(2048, 2) if cpu.startswith("znver") else Prefetch(512, 3)
+    than none (1.05-1.19x at 1-8 rows); into L2 is faster there, and how far ahead depends on the
+    rows in the pass and the dtype, measured side by side in one process (docs/engine.md, "Weight
+    prefetch on AMD"). fp32: 1024 bytes for passes of one to three rows (flat from 384 to 1024;
+    2048 cost +6% for one row, +13-21% for two, +6-8% for three), 2048 for the four-row pass
+    (1024: +12%; 2048-4096 level). bf16: 1024 for one and two rows (2048: +5-11%), 2048 for three
+    and four (1024: +26% and +28%). Other CPUs keep the Xeon's setting. numba keys its disk cache
+    on the host CPU, so a kernel compiled with one setting never runs on another."""
+    if cpu.startswith("znver"):
+        return Prefetch(fp32=(1024, 1024, 1024, 2048), bf16=(1024, 1024, 2048, 2048), locality=2)
+    return Prefetch(fp32=(512,) * 4, bf16=(512,) * 4, locality=3)
 
 
 # A prefetch reads past the row's end into the next one, or past the array (it never faults).
@@ -231,7 +240,7 @@ def _vector_dot(nr: int, prefetch: bool):  # type: ignore[no-untyped-def]
             zero = (ir.Constant(vec, [0.0] * VF), ir.Constant(_F32, 0.0))
             acc = [[[cgutils.alloca_once_value(builder, z) for z in zero] for _ in ws] for _ in xs]
 
-            ahead = intp(PREFETCH.ahead // (2 if bf16 else 4))  # in weight elements
+            ahead = intp(PREFETCH.bytes_ahead(nr, bf16) // (2 if bf16 else 4))  # in weight elements
 
             def accumulate(i: ir.Value, lanes: int) -> None:  # acc[a][b] += x[a][i:i+lanes] * w[b][...]
                 slot = 0 if lanes > 1 else 1
