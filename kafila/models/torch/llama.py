@@ -29,6 +29,7 @@ from kafila.models import rope
 from kafila.models.config import ModelConfig
 from kafila.models.manifest import EMBED, FINAL_NORM, LM_HEAD
 from kafila.models.span import Span
+from kafila.models.torch import hugepages
 
 Tensor = torch.Tensor
 
@@ -158,10 +159,11 @@ class LlamaModel:
         self.embed_w: Tensor | None = None  # [V, H]
         self.norm_w: Tensor | None = None
         self.unembed: Linear | None = None
+        self._pages = hugepages.for_device(self.device)  # the weight matrices' memory, where offered
         if head:  # first: the largest tensors load while little else is resident (lower peak memory)
             tied = config.tie_word_embeddings or LM_HEAD not in weights
-            self.embed_w = self._w(weights, EMBED)
-            self.unembed = Linear(self.embed_w if tied else self._w(weights, LM_HEAD))  # [V, H]
+            self.embed_w = self._matrix(weights, [EMBED])
+            self.unembed = Linear(self.embed_w if tied else self._matrix(weights, [LM_HEAD]))  # [V, H]
             self.norm_w = self._w(weights, FINAL_NORM)  # [H]
         self.blocks = [self._load_block(weights, i) for i in blocks]
         cos, sin = rope.tables(config, context)
@@ -198,6 +200,19 @@ class LlamaModel:
     def _w(self, weights: Mapping[str, Tensor], name: str) -> Tensor:
         return weights[name].to(self.device, self.dtype)
 
+    def _matrix(self, weights: Mapping[str, Tensor], names: Sequence[str]) -> Tensor:
+        """The named [out, in] weights stacked by rows in this model's dtype and device; on the
+        CPU in memory on huge pages where the system offers them (hugepages), converted as copied."""
+        if self._pages is None:
+            return self._cat(weights, names) if len(names) > 1 else self._w(weights, names[0])
+        parts = [weights[n] for n in names]  # each [out_i, in]
+        out = self._pages.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), self.dtype)
+        at = 0
+        for p in parts:
+            out[at : at + p.shape[0]].copy_(p)  # exact for a widening (bf16 -> fp32), rounds to nearest
+            at += p.shape[0]
+        return out
+
     def _cat(self, weights: Mapping[str, Tensor], names: Sequence[str]) -> Tensor:
         return torch.cat([weights[n].to(self.device, self.dtype) for n in names], dim=0)
 
@@ -213,12 +228,12 @@ class LlamaModel:
         bqkv = self._cat(w, bias) if self.config.attention_bias else None
         return Block(
             attn_norm=self._w(w, p + "input_layernorm.weight"),
-            wqkv=Linear(self._cat(w, [a + f"{n}_proj.weight" for n in "qkv"]), bqkv),
+            wqkv=Linear(self._matrix(w, [a + f"{n}_proj.weight" for n in "qkv"]), bqkv),
             qk_norm=qk_norm,
-            wo=Linear(self._w(w, a + "o_proj.weight")),
+            wo=Linear(self._matrix(w, [a + "o_proj.weight"])),
             mlp_norm=self._w(w, p + "post_attention_layernorm.weight"),
-            w_gate_up=Linear(self._cat(w, [m + "gate_proj.weight", m + "up_proj.weight"])),
-            w_down=Linear(self._w(w, m + "down_proj.weight")),
+            w_gate_up=Linear(self._matrix(w, [m + "gate_proj.weight", m + "up_proj.weight"])),
+            w_down=Linear(self._matrix(w, [m + "down_proj.weight"])),
         )
 
     def new_cache(self, slots: int) -> KVCache:
