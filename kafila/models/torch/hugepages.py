@@ -16,6 +16,7 @@ put them: the bits are the same either way, only the time to read them changes.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 from pathlib import Path
 
@@ -53,7 +54,8 @@ class _Slab:
         address = np.frombuffer(self.map, dtype=np.uint8).ctypes.data
         self.start = -address % HUGE_PAGE  # the first 2 MB boundary in the mapping
         self.size, self.used = nbytes, 0
-        self.map.madvise(mmap.MADV_HUGEPAGE, self.start, nbytes)
+        with contextlib.suppress(OSError):  # refused (a kernel built without THP): 4 KB pages, same bits
+            self.map.madvise(mmap.MADV_HUGEPAGE, self.start, nbytes)
 
     def take(self, nbytes: int) -> int | None:
         """The offset in the mapping of `nbytes` more bytes, or None if they do not fit."""
