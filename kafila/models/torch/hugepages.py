@@ -3,9 +3,11 @@
 A decode step reads every weight of a stage once, hundreds of MB, at close to the memory
 bandwidth (few_rows). With 4 KB pages that stream crosses a page every 4 KB: a TLB miss and a page
 walk each time, and the CPU's own prefetchers stop at page boundaries. With 2 MB pages it crosses
-one every 2 MB. Measured on the project's AMD EPYC (Zen 4) VM with `benchmarks/products.py
---huge-pages`, which alternates the two in one process: products of 1-8 rows took 0.91-0.97x the
-time of the same weights on 4 KB pages (docs/engine.md, "Weights on huge pages").
+one every 2 MB. Measured on the project's AMD EPYC (Zen 4) VM, the two alternated in one process
+(`benchmarks/products.py` prints this comparison): products of one and two rows took 0.91-0.95x
+the time of the same weights on 4 KB pages, four to nineteen rows 0.95-1.00x; a whole
+single-process decode ran 6-12% faster (docs/engine.md, "Prefetch distance per pass, weights on
+huge pages").
 
 Linux backs anonymous memory with huge pages where its transparent huge pages (THP) setting is
 `always`, or `madvise` and the region asks for them (`MADV_HUGEPAGE`). `HugePages` hands out
