@@ -81,7 +81,7 @@ class HugePages:
         torch.empty under SMALLEST bytes). The caller writes it at once (copy_, or cat's out=), so
         a weight never exists twice beyond the parts it is made from."""
         count = int(np.prod(shape))
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        nbytes = count * dtype.itemsize
         if nbytes < SMALLEST:
             return torch.empty(shape, dtype=dtype)
         slab, at = self._slab, None

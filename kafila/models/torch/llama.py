@@ -162,8 +162,8 @@ class LlamaModel:
         self._pages = hugepages.for_device(self.device)  # the weight matrices' memory, where offered
         if head:  # first: the largest tensors load while little else is resident (lower peak memory)
             tied = config.tie_word_embeddings or LM_HEAD not in weights
-            self.embed_w = self._matrix(weights, [EMBED])
-            self.unembed = Linear(self.embed_w if tied else self._matrix(weights, [LM_HEAD]))  # [V, H]
+            self.embed_w = self._stack(weights, [EMBED])
+            self.unembed = Linear(self.embed_w if tied else self._stack(weights, [LM_HEAD]))  # [V, H]
             self.norm_w = self._w(weights, FINAL_NORM)  # [H]
         self.blocks = [self._load_block(weights, i) for i in blocks]
         cos, sin = rope.tables(config, context)
@@ -200,21 +200,24 @@ class LlamaModel:
     def _w(self, weights: Mapping[str, Tensor], name: str) -> Tensor:
         return weights[name].to(self.device, self.dtype)
 
-    def _matrix(self, weights: Mapping[str, Tensor], names: Sequence[str]) -> Tensor:
-        """The named [out, in] weights stacked by rows in this model's dtype and device; on the
-        CPU in memory on huge pages where the system offers them (hugepages), converted as copied."""
+    def _stack(self, weights: Mapping[str, Tensor], names: Sequence[str]) -> Tensor:
+        """The named weights ([out_i, in] matrices, or [out_i] biases) stacked by rows in this
+        model's dtype and device, each converted as it is copied in (exact for a widening, to
+        nearest for a narrowing, as `.to()`): on the CPU into memory on huge pages where the
+        system offers them (hugepages), so a weight is never held twice."""
+        parts = [weights[n] for n in names]  # the checkpoint's reads
+        if self._pages is None and len(parts) == 1:
+            return parts[0].to(self.device, self.dtype)  # no copy where dtype and device already match
+        shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
         if self._pages is None:
-            return self._cat(weights, names) if len(names) > 1 else self._w(weights, names[0])
-        parts = [weights[n] for n in names]  # each [out_i, in]
-        out = self._pages.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), self.dtype)
+            out = torch.empty(shape, dtype=self.dtype, device=self.device)
+        else:
+            out = self._pages.empty(shape, self.dtype)
         at = 0
         for p in parts:
-            out[at : at + p.shape[0]].copy_(p)  # exact for a widening (bf16 -> fp32), rounds to nearest
+            out[at : at + p.shape[0]].copy_(p)
             at += p.shape[0]
         return out
-
-    def _cat(self, weights: Mapping[str, Tensor], names: Sequence[str]) -> Tensor:
-        return torch.cat([weights[n].to(self.device, self.dtype) for n in names], dim=0)
 
     def _load_block(self, w: Mapping[str, Tensor], i: int) -> Block:
         p = f"model.layers.{i}."
@@ -225,15 +228,15 @@ class LlamaModel:
             q_n, k_n = self._w(w, a + "q_norm.weight"), self._w(w, a + "k_norm.weight")  # [d]
             qk_norm = torch.cat([q_n.expand(nq, -1), k_n.expand(nkv, -1)]).contiguous()  # [nq+nkv, d]
         bias = [a + f"{n}_proj.bias" for n in "qkv"]
-        bqkv = self._cat(w, bias) if self.config.attention_bias else None
+        bqkv = self._stack(w, bias) if self.config.attention_bias else None
         return Block(
             attn_norm=self._w(w, p + "input_layernorm.weight"),
-            wqkv=Linear(self._matrix(w, [a + f"{n}_proj.weight" for n in "qkv"]), bqkv),
+            wqkv=Linear(self._stack(w, [a + f"{n}_proj.weight" for n in "qkv"]), bqkv),
             qk_norm=qk_norm,
-            wo=Linear(self._matrix(w, [a + "o_proj.weight"])),
+            wo=Linear(self._stack(w, [a + "o_proj.weight"])),
             mlp_norm=self._w(w, p + "post_attention_layernorm.weight"),
-            w_gate_up=Linear(self._matrix(w, [m + "gate_proj.weight", m + "up_proj.weight"])),
-            w_down=Linear(self._matrix(w, [m + "down_proj.weight"])),
+            w_gate_up=Linear(self._stack(w, [m + "gate_proj.weight", m + "up_proj.weight"])),
+            w_down=Linear(self._stack(w, [m + "down_proj.weight"])),
         )
 
     def new_cache(self, slots: int) -> KVCache:
