@@ -19,13 +19,15 @@ Stages that stream their weights at once share this machine's memory bus, which 
 machines would not (benchmarks/contention.py measures by how much). Smaller shares with the same
 ratios, e.g. --shares 0.25,0.125,0.0625, make such collisions rarer at the price of a slower run
 (docs/benchmarks.md, "Session 8").
+benchmarks/batch_rows.py measures what a step of two or four rows costs over one on this CPU
+and the bound that alone puts on this ratio (docs/benchmarks.md, "Session 25").
 
 With --hop-marks every member writes hop marks (kafila.obs.hopmarks) and the script ends with
 where a decode step's time went, alone against beside the other users: compute, hand-offs, event
 loops, QUIC, per kind and segment by segment (benchmarks/hop_costs.py's segments). The marks cost
 a little time themselves.
 
-    python3 benchmarks/users.py [--tokens 48] [--rounds 3] [--shares 1,0.5,0.25] [--hop-marks]
+    python3 benchmarks/users.py [--tokens 48] [--rounds 3] [--shares 1,0.5,0.25] [--dtype auto] [--hop-marks]
 """
 
 from __future__ import annotations
@@ -58,6 +60,12 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="measured rounds of each (default 3)")
     p.add_argument("--users", type=int, default=4, help="concurrent users (default 4)")
     p.add_argument("--shares", default="1,0.5,0.25", help="CPU shares in cores, comma-separated")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        help="the session's dtype (default auto)",
+    )
     p.add_argument("--hop-marks", action="store_true", help="also print where a decode step's time goes")
     add_slow_by(p)
     args = p.parse_args()
@@ -68,7 +76,12 @@ def main() -> int:
 
     load = Load()
     with LocalFleet(
-        shares, context=512, concurrency=args.users, require_shares=True, slow_by=args.slow_by
+        shares,
+        context=512,
+        concurrency=args.users,
+        dtype=args.dtype,
+        require_shares=True,
+        slow_by=args.slow_by,
     ) as fleet:
         load.watch_fleet(fleet)
         print(fleet_banner(fleet), flush=True)
@@ -89,7 +102,10 @@ def main() -> int:
             same = same and all(a.text == answers[0].text for a in group)
         load.sample()
     ratio = median(many) / median(one)
-    print(f"\nmodel smollm2-135m, greedy, {args.tokens} tokens per request, {args.rounds} rounds, via {url}")
+    print(
+        f"\nmodel smollm2-135m, dtype {args.dtype}, greedy, {args.tokens} tokens per request, "
+        f"{args.rounds} rounds, via {url}"
+    )
     print(f"1 user:  {median(one):5.2f} tok/s (±{spread(one):.2f})")
     print(f"{args.users} users: {median(many):5.2f} tok/s aggregate (±{spread(many):.2f})")
     print(f"each concurrent answer identical to the single user's: {same}")
