@@ -116,7 +116,7 @@ def _prepare_qkv(
 
 
 @njit(fastmath=True, cache=True, boundscheck=False, nogil=True, error_model="numpy")
-def _attend_head(
+def _attend_group(
     qkv: np.ndarray,  # [N, (nq + 2 nkv) d]: the rotated queries are read
     kc: np.ndarray,  # [slots, nkv, ctx, d]
     vc: np.ndarray,
@@ -124,34 +124,41 @@ def _attend_head(
     positions: np.ndarray,
     nq: int,
     out: np.ndarray,  # [N, nq d]
-    job: int,  # row * nq + query head: one parallel task
+    job: int,  # row * nkv + KV head: one parallel task
 ) -> None:  # pragma: no cover
-    """One row's query head against its cached keys 0..position (softmax in float32)."""
+    """One row's query heads that share a KV head (its group of g = nq / nkv) against their
+    cached keys 0..position, softmax in float32. The group's scores are one few-rows product,
+    queries [g, d] by keys [length, d] (`product_tile`: each key read once for the whole group,
+    four keys at a time, every sum in a fixed order); each value row is read once for the group."""
     nkv, d = kc.shape[1], kc.shape[3]
-    r, h = job // nq, job % nq
+    g = nq // nkv
+    r, kv = job // nkv, job % nkv
     s, length = slots[r], positions[r] + 1
-    kv = h // (nq // nkv)
-    q = qkv[r, h * d : (h + 1) * d]
-    keys, vals = kc[s, kv], vc[s, kv]  # [ctx, d]
+    q = qkv[r, kv * g * d : (kv + 1) * g * d].reshape(g, d)  # [g, d]
+    keys = kc[s, kv, :length]  # [length, d]
+    vals = vc[s, kv]  # [ctx, d]
+    scores = np.empty((g, length), np.float32)  # [g, length]
+    for tile in range(tiles(keys)):
+        product_tile(q, keys, scores, tile)
     scale = np.float32(1.0 / math.sqrt(d))
-    scores = np.empty(length, np.float32)
-    top = np.float32(-np.inf)
-    for j in range(length):
-        acc = np.float32(0.0)
-        for i in range(d):
-            acc += q[i] * at(keys, j, i)
-        scores[j] = acc * scale
-        top = max(top, scores[j])
-    total = np.float32(0.0)
-    for j in range(length):
-        scores[j] = _exp(scores[j] - top)
-        total += scores[j]
-    o = out[r, h * d : (h + 1) * d]
+    for h in range(g):
+        top = np.float32(-np.inf)
+        for j in range(length):
+            scores[h, j] *= scale
+            top = max(top, scores[h, j])
+        total = np.float32(0.0)
+        for j in range(length):
+            scores[h, j] = _exp(scores[h, j] - top)
+            total += scores[h, j]
+        for j in range(length):
+            scores[h, j] /= total
+    o = out[r, kv * g * d : (kv + 1) * g * d].reshape(g, d)  # [g, d]
     o[:] = 0.0
     for j in range(length):
-        wj = scores[j] / total
-        for i in range(d):
-            o[i] += wj * at(vals, j, i)
+        for h in range(g):
+            wj = scores[h, j]
+            for i in range(d):
+                o[h, i] += wj * at(vals, j, i)
 
 
 @njit(fastmath=True, cache=True, boundscheck=False, nogil=True)
@@ -215,8 +222,8 @@ def block_step(
             qkv[r] += bqkv
     _prepare_qkv(qkv, qk_norm, cos, sin, kc, vc, slots, positions, nq, nkv, eps)
     attn = np.empty((n, wo.shape[1]), np.float32)
-    for job in prange(n * nq):
-        _attend_head(qkv, kc, vc, slots, positions, nq, attn, job)
+    for job in prange(n * nkv):
+        _attend_group(qkv, kc, vc, slots, positions, nq, attn, job)
     y = np.empty((n, hidden), np.float32)
     for tile in prange(tiles(wo)):
         product_tile(attn, wo, y, tile)

@@ -45,8 +45,8 @@ KERNEL_ROWS: dict[torch.dtype, int | None] = {torch.float32: 128, torch.bfloat16
 # also runs each block as one compiled call (decode_cpu.block_step, one row per position: it writes
 # the step's keys first, so each row attends to the rows before it), where the torch ops cost their
 # dispatch per op: 19-128 rows through 13 blocks of the default model in 0.77-0.81x the time (one
-# thread, docs/engine.md). Later chunks stay on torch: block_step's attention is a loop per key, and
-# at a chunk's later positions it would cost more than SDPA saves the dispatch.
+# thread, docs/engine.md). Later chunks stay on torch: block_step attends row by row over every
+# cached key, and at a chunk's later positions that would cost more than SDPA saves the dispatch.
 FUSED_PREFILL_ROWS = 128
 
 
