@@ -29,6 +29,8 @@ _LIMIT_HELP = {
     "relay_channels_per_session": "relay channels one session may hold (0: no relay)",
     "relay_session_bytes_per_s": "bytes per second the relay forwards for one session (0: unlimited)",
     "relay_idle_s": "seconds without traffic after which a relay channel is removed",
+    "relay_recover_s": "seconds after a start in which relay channels from before it come back when "
+    "their legs re-bind (with --relay-secret-file; 0: never)",
 }
 
 
@@ -84,6 +86,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--forwarded-allow-ips",
         default=None,
         help="behind a TLS-terminating proxy: trust its X-Forwarded-For from these IPs ('*' for any)",
+    )
+    parser.add_argument(
+        "--relay-secret-file",
+        default=None,
+        metavar="PATH",
+        help="the relay's secret (hex), created (mode 0600) if missing: with the same file a restarted "
+        "rendezvous takes running sessions' relay channels back (default: a new secret each start)",
     )
     parser.add_argument(
         "--log-format",
@@ -158,6 +167,36 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
     return problems
 
 
+def relay_secret(path: str) -> tuple[bytes, bool]:
+    """The relay secret in file `path` (hex, at least 16 bytes), or a new one of 32 bytes written
+    there with mode 0600: (secret, whether it was created)."""
+    import os
+    import secrets
+
+    from kafila.rendezvous.relay import SECRET_BYTES
+
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return _read_secret(path), False
+    secret = secrets.token_bytes(SECRET_BYTES)
+    with os.fdopen(fd, "w", encoding="ascii") as f:
+        f.write(secret.hex() + "\n")
+    return secret, True
+
+
+def _read_secret(path: str) -> bytes:
+    with open(path, encoding="ascii", errors="replace") as f:
+        text = f.read().strip()
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        raise ValueError(f"{path} does not hold a hex secret") from None
+    if len(secret) < 16:
+        raise ValueError(f"{path} holds {len(secret)} bytes, at least 16 are needed")
+    return secret
+
+
 def main(args: argparse.Namespace) -> int:
     import asyncio
     import os
@@ -177,6 +216,14 @@ def main(args: argparse.Namespace) -> int:
     if problems:
         return 2
     limits = Limits(**{f.name: getattr(args, f"limit_{f.name}") for f in dataclasses.fields(Limits)})
+    secret = None
+    if args.relay_secret_file:
+        try:
+            secret, created = relay_secret(args.relay_secret_file)
+        except (OSError, ValueError) as exc:
+            log.error("relay_secret", path=args.relay_secret_file, error=str(exc))
+            return 2
+        log.info("relay_secret", path=args.relay_secret_file, created=created)
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -189,6 +236,7 @@ def main(args: argparse.Namespace) -> int:
         key=args.key,
         forwarded_allow_ips=args.forwarded_allow_ips,
         limits=limits,
+        relay_secret=secret,
     )
     try:
         asyncio.run(RendezvousServer(config, handle_signals=True).serve_forever())

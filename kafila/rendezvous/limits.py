@@ -9,7 +9,9 @@ from dataclasses import dataclass
 from kafila.proto import signaling
 
 # Limits where 0 is a setting of its own: no byte rate limit, or a rendezvous that does not relay.
-ZERO_ALLOWED = frozenset({"relay_session_bytes_per_s", "relay_channels", "relay_channels_per_session"})
+ZERO_ALLOWED = frozenset(
+    {"relay_session_bytes_per_s", "relay_channels", "relay_channels_per_session", "relay_recover_s"}
+)
 MIN_MESSAGE_BYTES = 1024  # a smaller frame limit would refuse ordinary open/join frames
 
 
@@ -34,6 +36,9 @@ class Limits:
     relay_channels_per_session: int = 32  # (0: no relay)
     relay_session_bytes_per_s: float = 100e6  # forwarded per session (0: unlimited)
     relay_idle_s: float = 60.0  # a channel with no bind or data for this long is removed
+    # for this long after a start, a bind of an unknown channel whose token the relay secret signed
+    # brings the channel back (a restart that kept the secret; 0: never)
+    relay_recover_s: float = 120.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -55,6 +55,11 @@ class RendezvousCollector(Collector):
         yield CounterMetricFamily(
             PREFIX + "relay_packets", "Datagrams forwarded by the relay", value=relay.totals.packets
         )
+        yield CounterMetricFamily(
+            PREFIX + "relay_channels_recovered",
+            "Relay channels from before a restart taken back from their signed tokens",
+            value=relay.totals.recovered,
+        )
         dropped = CounterMetricFamily(PREFIX + "relay_dropped", "Relay datagrams dropped", labels=["reason"])
         for why, count in relay.totals.dropped.items():
             dropped.add_metric([why.value], count)

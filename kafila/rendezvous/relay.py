@@ -3,10 +3,20 @@
 No sockets and no clock: the UDP shell passes `now`, the datagram's source address and the index
 of the local socket it arrived on (`endpoint`), and gets back where to send it. Datagrams are
 forwarded unchanged; the relay never looks past the 6-byte RelayData header.
+
+A leg's token is an HMAC of its channel id and leg index under the relay's secret (`leg_token`),
+so a relay that restarts with the same secret (`kafila rendezvous --relay-secret-file`) can take
+the channels of running sessions back without any stored state: within `relay_recover_s` of its
+start, a bind of a channel it does not know whose token the secret signed re-creates the channel
+(`Totals.recovered`), and the other leg's bind completes it. Links re-bind their relay leg on
+their own when the relay path falls silent (kafila.net.link), so a relayed ring edge carries on
+after a restart of a few seconds. Such a channel knows neither its session nor its members (the
+restarted registry has neither): it is rate-limited on its own and removed when idle.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import secrets
 from collections.abc import Callable
@@ -59,17 +69,33 @@ class Totals:
     dropped: dict[Drop, int] = field(default_factory=lambda: dict.fromkeys(Drop, 0))
     allocated: int = 0
     expired: int = 0
+    recovered: int = 0  # channels from before a restart, taken back from their tokens
+
+
+SECRET_BYTES = 32
+
+
+def leg_token(secret: bytes, channel: int, leg: int) -> bytes:
+    """The token of leg 0 or 1 of `channel` under the relay's secret (HMAC-SHA256, truncated)."""
+    message = b"kafila relay leg" + channel.to_bytes(4, "big") + bytes([leg])
+    return hmac.new(secret, message, hashlib.sha256).digest()[: udp.TOKEN_BYTES]
 
 
 class RelayTable:
     def __init__(
         self,
         limits: Limits,
-        token_bytes: Callable[[int], bytes] = secrets.token_bytes,
+        secret: bytes | None = None,
+        started: float = 0.0,
         random_id: Callable[[], int] = lambda: secrets.randbelow(udp.MAX_CHANNEL) + 1,
     ) -> None:
+        """`secret`: signs the leg tokens (None: a new random one, so nothing survives a restart);
+        `started`: the clock reading at start, from which `relay_recover_s` counts."""
+        if secret is not None and len(secret) < 16:
+            raise ValueError(f"relay secret has {len(secret)} bytes, at least 16 are needed")
         self.limits = limits
-        self._token_bytes = token_bytes
+        self._secret = secret if secret is not None else secrets.token_bytes(SECRET_BYTES)
+        self._recover_until = started + limits.relay_recover_s if secret is not None else started
         self._random_id = random_id
         self.channels: dict[int, Channel] = {}
         self._by_edge: dict[tuple[str, int, int], int] = {}
@@ -87,10 +113,7 @@ class RelayTable:
             return self.channels[existing]
         self._check_caps(session)
         cid = self._fresh_id()
-        legs = (
-            Leg(edge[1], self._token_bytes(udp.TOKEN_BYTES)),
-            Leg(edge[2], self._token_bytes(udp.TOKEN_BYTES)),
-        )
+        legs = (Leg(edge[1], leg_token(self._secret, cid, 0)), Leg(edge[2], leg_token(self._secret, cid, 1)))
         channel = Channel(cid, session, legs, now)
         self.channels[cid] = channel
         self._by_edge[edge] = cid
@@ -119,7 +142,7 @@ class RelayTable:
 
     def bind(self, msg: udp.RelayBind, src: Address, endpoint: int, now: float) -> udp.UdpMessage:
         """Bind (or refresh, or move) the leg whose token this is; returns the ack or error to send."""
-        channel = self.channels.get(msg.channel)
+        channel = self.channels.get(msg.channel) or self._recover(msg, now)
         if channel is None:
             return udp.RelayBindError(
                 msg.channel, ErrorCode.UNKNOWN_CHANNEL, f"no relay channel {msg.channel}"
@@ -131,6 +154,23 @@ class RelayTable:
         channel.last_active = now
         other = channel.legs[1] if leg is channel.legs[0] else channel.legs[0]
         return udp.RelayBindAck(msg.channel, other.addr is not None, src)
+
+    def _recover(self, msg: udp.RelayBind, now: float) -> Channel | None:
+        """The channel of a bind from before a restart, re-created from its signed token; None when
+        the token is not the secret's, the recovery window has passed, or the relay is full."""
+        if now >= self._recover_until or not 1 <= msg.channel <= udp.MAX_CHANNEL:
+            return None
+        tokens = (leg_token(self._secret, msg.channel, 0), leg_token(self._secret, msg.channel, 1))
+        if not any(hmac.compare_digest(t, msg.token) for t in tokens):
+            return None
+        if len(self.channels) >= self.limits.relay_channels:
+            return None
+        # its session and members are not known any more: its own rate-limit key, members -1 and -2
+        session = f"recovered-{msg.channel}"
+        channel = Channel(msg.channel, session, (Leg(-1, tokens[0]), Leg(-2, tokens[1])), now)
+        self.channels[msg.channel] = channel
+        self.totals.recovered += 1
+        return channel
 
     # ------------------------------------------------------------ forwarding
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from dataclasses import dataclass, field
 
 import uvicorn
@@ -71,14 +72,15 @@ class ServerConfig:
     forwarded_allow_ips: str | None = None  # trust X-Forwarded-For from these proxies
     limits: Limits = field(default_factory=Limits)
     tick_s: float = 1.0
+    relay_secret: bytes | None = None  # signs relay leg tokens; kept across restarts: channels too
 
 
 class RendezvousServer:
     def __init__(self, config: ServerConfig, handle_signals: bool = False) -> None:
         self.config = config
         self.handle_signals = handle_signals
-        self.relay = RelayTable(config.limits)
-        self.udp = UdpService(self.relay)
+        self.relay = RelayTable(config.limits, config.relay_secret, started=time.monotonic())
+        self.udp = UdpService(self.relay)  # the same clock: time.monotonic
         self.registry: Registry | None = None
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None

@@ -308,7 +308,12 @@ class Driver:
                     say(
                         f"lost the rendezvous ({why}): the ring goes on serving on its direct links; a "
                         "relayed link and new sessions need it (this member does not reconnect)"
-                        + (f"; this member's links to {', '.join(relayed)} are relayed" if relayed else "")
+                        + (
+                            f"; this member's links to {', '.join(relayed)} are relayed: they carry on "
+                            "if the rendezvous restarts soon with the same relay secret"
+                            if relayed
+                            else ""
+                        )
                     )
                     return
                 event = self._translate(nxt.result())

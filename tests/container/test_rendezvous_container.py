@@ -76,7 +76,7 @@ def compose_env() -> Iterator[dict[str, str]]:
         yield env
     finally:
         subprocess.run(
-            [*compose, "down", "--timeout", "5"], cwd=ROOT, env=env, capture_output=True, timeout=300
+            [*compose, "down", "-v", "--timeout", "5"], cwd=ROOT, env=env, capture_output=True, timeout=300
         )
 
 
@@ -111,6 +111,19 @@ def test_compose_up_healthy_then_signaling_and_udp_probe(compose_env: dict[str, 
     reply = udp.decode(data)
     assert isinstance(reply, udp.BindingResponse) and reply.txid == txid
     assert reply.answered_from[1] == udp_port
+
+
+def test_the_relay_secret_is_kept_in_its_volume_across_a_restart(compose_env: dict[str, str]) -> None:
+    # the first start writes the secret into the volume; a restart reads the same one back, which
+    # is what lets the relay take running sessions' channels back (docs/rendezvous.md, "Restarts")
+    compose = json.loads(compose_env["COMPOSE_CMD"])
+    wait_healthy(compose_env)
+    run(*compose, "restart", "-t", "5", "rendezvous", env=compose_env, timeout=120)
+    wait_healthy(compose_env)
+    logs = run(*compose, "logs", "--no-color", "rendezvous", env=compose_env)
+    events = [json.loads(line[line.index("{") :]) for line in logs.splitlines() if '"relay_secret"' in line]
+    assert [e["created"] for e in events] == [True, False]
+    assert {e["path"] for e in events} == {"/var/lib/kafila/relay.key"}
 
 
 async def signaling_round(url: str, udp_port: int) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import os
 import socket
 
+import httpx
 import pytest
 
 from kafila.net.edge import EdgeOptions, LinkNode, connect_edge
@@ -171,3 +172,41 @@ async def test_an_ipv6_only_rendezvous_host_is_refused_in_one_line_naming_it(rdv
         )
     finally:
         await pair.close()
+
+
+async def test_a_relayed_edge_carries_on_after_the_rendezvous_restarts_with_its_secret() -> None:
+    # The rendezvous process goes (an upgrade, a container restart) and comes back on the same UDP
+    # ports with the same relay secret: the links notice their relay path falling silent, re-bind
+    # their legs, and the new relay takes the channel back from the signed tokens.
+    from dataclasses import replace
+
+    from kafila.rendezvous.server import ServerConfig
+    from tests.net.harness import LAB_LIMITS
+
+    config = ServerConfig(
+        host="127.0.0.1", port=0, udp_port=0, udp_alt_port=0, limits=LAB_LIMITS, relay_secret=bytes(range(32))
+    )
+    first = RendezvousServer(config)
+    await first.start()
+    pair, (client, server) = await _link(first, EdgeOptions(use_direct=False))
+    again = RendezvousServer(replace(config, udp_port=first.udp.port, udp_alt_port=first.udp.alt_port))
+    try:
+        assert client.path is PathKind.RELAY and server.path is PathKind.RELAY
+        await client.send(16, b"before")
+        assert await server.recv(timeout=10) == (16, b"before")
+        await first.stop()
+        await asyncio.sleep(0.5)  # the restart's gap: datagrams to the relay go nowhere
+        await again.start()
+        await client.send(16, b"after")  # retransmitted by QUIC until the channel is back
+        assert await server.recv(timeout=12) == (16, b"after")
+        await server.send(17, b"and back")
+        assert await client.recv(timeout=10) == (17, b"and back")
+        assert again.relay.totals.recovered == 1 and not client.closed and not server.closed
+        async with httpx.AsyncClient() as http:
+            metrics = (await http.get(f"http://127.0.0.1:{again.http_port}/metrics")).text
+        assert "kafila_rendezvous_relay_channels_recovered_total 1.0" in metrics
+    finally:
+        await client.close()
+        await server.close()
+        await pair.close()
+        await again.stop()

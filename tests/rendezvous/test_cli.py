@@ -88,3 +88,27 @@ def test_a_port_in_use_is_named_in_one_error_event(taken: str) -> None:
     failed = [e for e in events if e["event"] == "listen_failed"]
     assert len(failed) == 1 and failed[0]["level"] == "error"
     assert failed[0]["error"] == f"cannot listen on {taken.upper()} 127.0.0.1:{busy}: Address already in use"
+
+
+def test_the_relay_secret_file_is_created_private_and_read_back(tmp_path) -> None:
+    from kafila.cli.rendezvous import relay_secret
+
+    path = str(tmp_path / "relay.key")
+    secret, created = relay_secret(path)
+    assert created and len(secret) == 32 and os.stat(path).st_mode & 0o777 == 0o600
+    assert relay_secret(path) == (secret, False)  # a restart reads the same secret
+    (tmp_path / "bad.key").write_text("not hex\n")
+    with pytest.raises(ValueError, match=r"bad\.key does not hold a hex secret"):
+        relay_secret(str(tmp_path / "bad.key"))
+    (tmp_path / "short.key").write_text("00ff\n")
+    with pytest.raises(ValueError, match=r"short\.key holds 2 bytes, at least 16 are needed"):
+        relay_secret(str(tmp_path / "short.key"))
+
+
+def test_a_bad_relay_secret_file_is_refused_in_one_error_event(tmp_path) -> None:
+    (tmp_path / "relay.key").write_text("zz\n")
+    cmd = [sys.executable, "-m", "kafila", "rendezvous", "--relay-secret-file", str(tmp_path / "relay.key")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    events = [json.loads(line) for line in (done.stdout + done.stderr).splitlines() if line.startswith("{")]
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert [e["event"] for e in events if e["level"] == "error"] == ["relay_secret"]

@@ -11,7 +11,7 @@ from kafila.proto import udp
 from kafila.proto.udp import ErrorCode
 from kafila.rendezvous.limits import Limits
 from kafila.rendezvous.ratelimit import TokenBuckets
-from kafila.rendezvous.relay import Drop, RelayLimitError, RelayTable
+from kafila.rendezvous.relay import Drop, RelayLimitError, RelayTable, leg_token
 
 A = ("198.51.100.1", 40001)
 B = ("203.0.113.2", 50002)
@@ -148,3 +148,67 @@ def test_a_relay_limit_of_0_says_the_rendezvous_does_not_relay() -> None:
             RelayLimitError, match="this rendezvous does not relay: its relay channel limit is 0"
         ):
             table(**{limit: 0}).allocate("s", 1, 2, 0.0)
+
+
+# -- channels back after a restart (the same secret) -------------------------------------------------
+
+SECRET = bytes(range(32))
+
+
+def test_tokens_are_the_secret_s_signature_of_channel_and_leg() -> None:
+    relay = RelayTable(Limits(), SECRET, random_id=lambda: 7)
+    ch = relay.allocate("4-k7m2", 1, 2, 0.0)
+    assert [leg.token for leg in ch.legs] == [leg_token(SECRET, 7, 0), leg_token(SECRET, 7, 1)]
+    assert len({leg_token(SECRET, 7, 0), leg_token(SECRET, 7, 1), leg_token(SECRET, 8, 0)}) == 3
+    assert leg_token(bytes(32), 7, 0) != leg_token(SECRET, 7, 0)
+
+
+def test_a_restarted_relay_with_the_same_secret_takes_a_channel_back_from_both_legs() -> None:
+    before = RelayTable(Limits(), SECRET, started=0.0, random_id=lambda: 41)
+    ch = before.allocate("4-k7m2", 1, 2, 0.0)
+    tokens = [leg.token for leg in ch.legs]
+    after = RelayTable(Limits(), SECRET, started=1000.0)  # a new process: nothing of `before` is left
+    ack = after.bind(udp.RelayBind(41, tokens[1]), B, 1, 1005.0)
+    assert ack == udp.RelayBindAck(41, False, B)  # back, waiting for the other leg
+    assert after.forward(41, B, 100, 1005.0) is Drop.PEER_UNBOUND
+    assert after.bind(udp.RelayBind(41, tokens[0]), A, 0, 1006.0) == udp.RelayBindAck(41, True, A)
+    assert after.forward(41, A, 1200, 1006.0) == (B, 1)
+    assert after.forward(41, B, 800, 1006.0) == (A, 0)
+    assert after.totals.recovered == 1 and len(after.channels) == 1
+    assert after.bind(udp.RelayBind(41, b"\0" * udp.TOKEN_BYTES), EVE, 0, 1007.0) == udp.RelayBindError(
+        41, ErrorCode.BAD_TOKEN, "token does not match either leg"
+    )
+    # a new allocation never takes the recovered id; the recovered channel expires when idle
+    assert after.allocate("5-abcd", 1, 2, 1008.0).id != 41
+    assert 41 not in {c.id for c in after.expire(1006.0 + Limits().relay_idle_s - 1)}
+    assert 41 in {c.id for c in after.expire(1006.0 + Limits().relay_idle_s)}
+
+
+@pytest.mark.parametrize(
+    "secret, now, why",
+    [
+        (bytes(32), 1005.0, "another secret"),
+        (SECRET, 1000.0 + Limits().relay_recover_s, "the recovery window has passed"),
+        (None, 1005.0, "no secret kept: a random one"),
+    ],
+)
+def test_an_unknown_channel_stays_unknown_without_the_secret_or_after_the_window(
+    secret: bytes | None, now: float, why: str
+) -> None:
+    token = leg_token(SECRET, 41, 0)
+    after = RelayTable(Limits(), secret, started=1000.0)
+    reply = after.bind(udp.RelayBind(41, token), A, 0, now)
+    assert isinstance(reply, udp.RelayBindError) and reply.code is ErrorCode.UNKNOWN_CHANNEL, why
+    assert after.channels == {} and after.totals.recovered == 0
+
+
+def test_recovery_respects_the_channel_limit_and_can_be_turned_off() -> None:
+    full = RelayTable(dataclasses.replace(Limits(), relay_channels=1), SECRET, started=0.0)
+    full.allocate("s", 1, 2, 0.0)
+    reply = full.bind(udp.RelayBind(41, leg_token(SECRET, 41, 0)), A, 0, 1.0)
+    assert isinstance(reply, udp.RelayBindError) and full.totals.recovered == 0
+    off = RelayTable(dataclasses.replace(Limits(), relay_recover_s=0.0), SECRET, started=0.0)
+    reply = off.bind(udp.RelayBind(41, leg_token(SECRET, 41, 0)), A, 0, 0.0)
+    assert isinstance(reply, udp.RelayBindError)
+    with pytest.raises(ValueError, match="relay secret has 8 bytes"):
+        RelayTable(Limits(), bytes(8))
