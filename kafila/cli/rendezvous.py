@@ -168,7 +168,7 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
 
 
 def relay_secret(path: str) -> tuple[bytes, bool]:
-    """The relay secret in file `path` (hex, at least 16 bytes), or a new one of 32 bytes written
+    """The relay secret in file `path` (hex, at least MIN_SECRET_BYTES), or a new one of 32 bytes written
     there with mode 0600: (secret, whether it was created)."""
     import os
     import secrets
@@ -186,14 +186,16 @@ def relay_secret(path: str) -> tuple[bytes, bool]:
 
 
 def _read_secret(path: str) -> bytes:
+    from kafila.rendezvous.relay import MIN_SECRET_BYTES
+
     with open(path, encoding="ascii", errors="replace") as f:
         text = f.read().strip()
     try:
         secret = bytes.fromhex(text)
     except ValueError:
         raise ValueError(f"{path} does not hold a hex secret") from None
-    if len(secret) < 16:
-        raise ValueError(f"{path} holds {len(secret)} bytes, at least 16 are needed")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"{path} holds {len(secret)} bytes, at least {MIN_SECRET_BYTES} are needed")
     return secret
 
 

@@ -72,7 +72,8 @@ class Totals:
     recovered: int = 0  # channels from before a restart, taken back from their tokens
 
 
-SECRET_BYTES = 32
+SECRET_BYTES = 32  # a new secret
+MIN_SECRET_BYTES = 16  # a secret given: HMAC keys shorter than this are refused
 
 
 def leg_token(secret: bytes, channel: int, leg: int) -> bytes:
@@ -91,8 +92,8 @@ class RelayTable:
     ) -> None:
         """`secret`: signs the leg tokens (None: a new random one, so nothing survives a restart);
         `started`: the clock reading at start, from which `relay_recover_s` counts."""
-        if secret is not None and len(secret) < 16:
-            raise ValueError(f"relay secret has {len(secret)} bytes, at least 16 are needed")
+        if secret is not None and len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"relay secret has {len(secret)} bytes, at least {MIN_SECRET_BYTES} are needed")
         self.limits = limits
         self._secret = secret if secret is not None else secrets.token_bytes(SECRET_BYTES)
         self._recover_until = started + limits.relay_recover_s if secret is not None else started
