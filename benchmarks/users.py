@@ -51,6 +51,7 @@ from _session_common import (
 )
 from hop_costs import by_load, read_marks, report_by_load, ring_order
 
+from kafila.engine import DTYPE_CHOICES
 from kafila.obs.hopmarks import ENV as HOP_MARKS
 
 
@@ -63,7 +64,7 @@ def main() -> int:
     p.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "fp32", "bf16", "fp16"],
+        choices=DTYPE_CHOICES,
         help="the session's dtype (default auto)",
     )
     p.add_argument("--hop-marks", action="store_true", help="also print where a decode step's time goes")

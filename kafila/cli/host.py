@@ -15,7 +15,7 @@ from kafila.cli.argtypes import (
     positive_int,
     positive_number,
 )
-from kafila.engine import PREFILL_CHUNK
+from kafila.engine import DTYPE_CHOICES, PREFILL_CHUNK
 from kafila.session.schedule import DEFAULT_QUEUE
 
 DEFAULT_RENDEZVOUS = "ws://127.0.0.1:8470/v1/signal"
@@ -143,7 +143,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "fp32", "bf16", "fp16"],
+        choices=DTYPE_CHOICES,
         help="the session's dtype, which every member computes in (default auto: the checkpoint's "
         "own, fp32 for the default model)",
     )

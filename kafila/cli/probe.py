@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from kafila.cli.argtypes import non_negative_int, positive_int
 from kafila.cli.host import add_threads_flag
 from kafila.cli.plan import non_empty
+from kafila.engine import DTYPE_CHOICES
 
 if TYPE_CHECKING:
     from kafila.models.config import ModelConfig
@@ -25,7 +26,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "fp32", "bf16", "fp16"],
+        choices=DTYPE_CHOICES,
         help="auto (bf16 on a GPU, fp32 on a CPU), fp32, bf16 or fp16",
     )
     parser.add_argument(

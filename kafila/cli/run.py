@@ -7,7 +7,7 @@ import sys
 
 from kafila.cli.argtypes import positive_int
 from kafila.cli.host import add_threads_flag
-from kafila.engine import PREFILL_CHUNK
+from kafila.engine import DTYPE_CHOICES, PREFILL_CHUNK
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +30,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "fp32", "bf16", "fp16"],
+        choices=DTYPE_CHOICES,
         help="compute and KV-cache dtype: auto = the checkpoint's own (fp32 for the default model, "
         "bf16 for a bf16 checkpoint), as a session's",
     )

@@ -3,3 +3,8 @@
 # Prompt tokens per prefill step, in `kafila run` and in a session alike (`--chunk` in both): a long
 # prompt then goes through the same products in the same steps, so greedy tokens agree between them.
 PREFILL_CHUNK = 256
+
+# The dtypes a model computes in, by their command-line names, with their safetensors names
+# (kafila.engine.backend); "auto" picks the checkpoint's own (bf16 on a GPU where none is given).
+DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
+DTYPE_CHOICES = ("auto", *DTYPES)

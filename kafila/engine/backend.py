@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from kafila.engine import DTYPES
+
 # user-facing dtype name -> safetensors/wire dtype name
-DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
 _ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _STORED = {v: k for k, v in DTYPES.items()}  # "F32" -> "fp32"
 # OpenMP threads sleep as soon as a parallel region ends instead of spinning. A member shares its

@@ -37,7 +37,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from kafila.engine.backend import DTYPES
+from kafila.engine import DTYPES
 from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan
 
