@@ -79,7 +79,8 @@ def main(args: argparse.Namespace) -> int:
             records = list(read_lines(f))
         table, stages = summarize(records, drop_cold=warm), summarize_stages(records, drop_cold=warm)
     except (OSError, ValueError) as exc:
-        print(f"kafila trace: {args.file}: {exc}", file=sys.stderr)
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        print(f"kafila trace: {args.file}: {why}", file=sys.stderr)
         return 1
     if not table and not stages:
         print(

@@ -286,3 +286,13 @@ def test_figures_of_huge_times_do_not_overflow(tmp_path: Path, capsys: pytest.Ca
     assert cli_main(["trace", "summarize", str(path), "--json", "--keep-cold"]) == 0
     [t] = json.loads(capsys.readouterr().out, parse_constant=reject_constant)["table_iv"]
     assert t["circuit_ms"] is None and t["stage_ms"]["c"] is None and t["bottleneck_ms"] is None
+
+
+def test_a_missing_or_unreadable_file_is_named_with_its_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing, folder = tmp_path / "gone.jsonl", tmp_path
+    for path, reason in ((missing, "No such file or directory"), (folder, "Is a directory")):
+        assert cli_main(["trace", "summarize", str(path)]) == 1
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err == f"kafila trace: {path}: {reason}\n"
