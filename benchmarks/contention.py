@@ -131,24 +131,34 @@ def after_idle(dec: Decoder, rounds: int, steps: int, gap_s: float) -> tuple[lis
 
 
 class HopPair:
-    """Two aioquic connections joined in memory, carrying kafila messages: what one hop runs."""
+    """Two QUIC connections joined in memory, carrying kafila messages: what one hop runs.
 
-    def __init__(self) -> None:
+    `stack` is the QUIC library: "aioquic" (what kafila.net.link drives), or "qh3", an aioquic fork
+    with the same connection API and a compiled core (benchmarks/quic_stacks.py compares them)."""
+
+    def __init__(self, stack: str = "aioquic") -> None:
+        import importlib
         import ssl
-
-        from aioquic.quic.configuration import QuicConfiguration
-        from aioquic.quic.connection import QuicConnection
 
         from kafila.net.certs import make_identity
 
+        configuration = importlib.import_module(f"{stack}.quic.configuration")
+        connection = importlib.import_module(f"{stack}.quic.connection")
+        self.events = importlib.import_module(f"{stack}.quic.events")
         ident = make_identity()
-        cfg = [QuicConfiguration(is_client=c, alpn_protocols=["x"], max_datagram_size=16000) for c in (1, 0)]
+        cfg = [
+            configuration.QuicConfiguration(is_client=c, alpn_protocols=["x"], max_datagram_size=16000)
+            for c in (True, False)
+        ]
         cfg[0].verify_mode = ssl.CERT_NONE
-        cfg[1].certificate, cfg[1].private_key = ident.certificate, ident.private_key
+        if stack == "aioquic":
+            cfg[1].certificate, cfg[1].private_key = ident.certificate, ident.private_key
+        else:  # qh3 takes PEM only
+            cfg[1].load_cert_chain(*_pem(ident))
         self.now, self.addr = 1.0, ("192.0.2.1", 4433)
-        self.tx = QuicConnection(configuration=cfg[0])
+        self.tx = connection.QuicConnection(configuration=cfg[0])
         self.tx.connect(self.addr, now=self.now)
-        self.rx = QuicConnection(
+        self.rx = connection.QuicConnection(
             configuration=cfg[1],
             original_destination_connection_id=self.tx.original_destination_connection_id,
         )
@@ -164,8 +174,6 @@ class HopPair:
 
     def hop(self, row: Any) -> tuple[float, float]:
         """Seconds to send and to receive one decode step's hidden row [1, H]; then the ACK."""
-        from aioquic.quic import events
-
         from kafila.net import framing
         from kafila.proto import tensor as t
 
@@ -180,7 +188,7 @@ class HopPair:
         for d in packets:
             self.rx.receive_datagram(d, self.addr, now=self.now)
         while (ev := self.rx.next_event()) is not None:
-            if isinstance(ev, events.StreamDataReceived):
+            if isinstance(ev, self.events.StreamDataReceived):
                 got += [t.decode(m) for _, m in reader.feed(ev.data)]
         t2 = time.perf_counter()
         if len(got) != 1 or got[0].data != data:
@@ -188,6 +196,14 @@ class HopPair:
         self.now += 0.03  # the receiver's ACK, due after its delay
         self._deliver(self.rx, self.tx)
         return t1 - t0, t2 - t1
+
+
+def _pem(ident: Any) -> tuple[bytes, bytes]:
+    from cryptography.hazmat.primitives import serialization as ser
+
+    cert = ident.certificate.public_bytes(ser.Encoding.PEM)
+    key = ident.private_key.private_bytes(ser.Encoding.PEM, ser.PrivateFormat.PKCS8, ser.NoEncryption())
+    return cert, key
 
 
 def hops(dec: Decoder, rounds: int, steps: int, gap_s: float) -> dict[str, list[tuple[float, float]]]:
