@@ -86,6 +86,6 @@ def create_app(api: Api) -> Starlette:
         405: wrong_method,
         Exception: internal_error,
     }
-    app = Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
+    app = Starlette(routes=routes, exception_handlers=handlers)
     app.state.api = api
     return app

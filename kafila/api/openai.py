@@ -151,7 +151,7 @@ async def _sse(
             yield f": queued, position {p.queue_position}\n\n".encode()
         if p.text or p.finish:
             body = {"content": p.text} if chat else None
-            choice = {"index": 0, "finish_reason": p.finish}
+            choice: dict[str, Any] = {"index": 0, "finish_reason": p.finish}
             choice |= {"delta": body if p.text else {}} if chat else {"text": p.text, "logprobs": None}
             yield _event(head | {"choices": [choice]})
     if usage is not None:

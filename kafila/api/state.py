@@ -77,4 +77,4 @@ class Api:
 
 
 def api_of(request: Request) -> Api:
-    return request.app.state.api  # type: ignore[no-any-return]
+    return request.app.state.api

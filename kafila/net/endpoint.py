@@ -207,13 +207,13 @@ class UdpEndpoint:
                 if not fut.done():
                     fut.set_result(msg)
             case udp.RelayBindAck(channel=ch) if ch in self._relay_waiters:
-                fut = self._relay_waiters.pop(ch)
-                if not fut.done():
-                    fut.set_result(msg)
+                bound = self._relay_waiters.pop(ch)
+                if not bound.done():
+                    bound.set_result(msg)
             case udp.RelayBindError(channel=ch) if ch in self._relay_waiters:
-                fut = self._relay_waiters.pop(ch)
-                if not fut.done():
-                    fut.set_exception(ConnectionError(f"relay channel {ch}: {msg.code.name} {msg.reason}"))
+                bound = self._relay_waiters.pop(ch)
+                if not bound.done():
+                    bound.set_exception(ConnectionError(f"relay channel {ch}: {msg.code.name} {msg.reason}"))
             case udp.PunchProbe() | udp.PunchAck():
                 for sink in list(self._punch_sinks):
                     sink(msg, src)
@@ -221,9 +221,9 @@ class UdpEndpoint:
                 ack = udp.encode(udp.PathAck(txid, size))
                 self.sendto(ack if channel is None else udp.relay_header(channel) + ack, src)
             case udp.PathAck(txid=txid, size=size) if txid in self._path_waiters:
-                fut = self._path_waiters.pop(txid)
-                if not fut.done():
-                    fut.set_result(size)
+                carried = self._path_waiters.pop(txid)
+                if not carried.done():
+                    carried.set_result(size)
             case _:
                 self.counters.dropped += 1
 

@@ -416,7 +416,7 @@ class Link:
         if self._quic is None:
             return
         self._quic._max_datagram_size = size
-        self._quic._loss._cc._max_datagram_size = size
+        self._quic._loss._cc._max_datagram_size = size  # type: ignore[attr-defined]  # each controller's own
         self._quic._loss._pacer._max_datagram_size = size
 
     def _arm_timer(self) -> None:

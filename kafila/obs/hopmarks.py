@@ -37,10 +37,15 @@ _lines: list[str] = []
 _lock = threading.Lock()  # the event loop and the model thread both mark
 
 
-class _Entry(Protocol):
-    request_id: int
-    position: int
-    n_tokens: int
+class _Entry(Protocol):  # read-only, as kafila.proto.tensor.Entry and kafila.engine.stage.Entry are
+    @property
+    def request_id(self) -> int: ...
+
+    @property
+    def position(self) -> int: ...
+
+    @property
+    def n_tokens(self) -> int: ...
 
 
 def mark(tag: str, entries: Sequence[_Entry], ns: int | None = None) -> None:

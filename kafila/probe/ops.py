@@ -109,14 +109,16 @@ class Ops:
             return run_torch
         import mlx.core as mx
 
-        ids = mx.array([7])
+        rows = mx.array([7])
 
         def run_mlx() -> int:
-            h = table[ids]  # [1, TINY]
+            h = table[rows]  # [1, TINY]
             h = mx.fast.rms_norm(h, norm, 1e-6)
             z = h @ proj.T
             h = h + z * mx.sigmoid(z)
-            return int(mx.argmax(mx.softmax(h.astype(mx.float32), axis=-1)).item())
+            token = mx.argmax(mx.softmax(h.astype(mx.float32), axis=-1)).item()  # an unsigned index
+            assert isinstance(token, int)
+            return token
 
         return run_mlx
 

@@ -327,7 +327,7 @@ def _decode_json(kind: Kind, body: memoryview) -> Message:
         _check_field(kind, d, name, types)
     for k in _INT_LISTS & d.keys():
         d[k] = tuple(d[k])
-    return cls(**d)  # type: ignore[no-any-return]
+    return cls(**d)
 
 
 def _check_field(kind: Kind, d: dict[str, Any], name: str, types: tuple[type, ...]) -> None:
@@ -340,7 +340,7 @@ def _check_field(kind: Kind, d: dict[str, Any], name: str, types: tuple[type, ..
         raise FrameError(f"{kind.name}.{name} is {type(value).__name__}, expected {types[0].__name__}")
     if isinstance(value, int) and value < 0 and name not in {"seed"}:
         raise FrameError(f"{kind.name}.{name} is negative ({value})")
-    if name in _INT_LISTS and not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if name in _INT_LISTS and not all(isinstance(t, int) and not isinstance(t, bool) for t in d[name]):
         raise FrameError(f"{kind.name}.{name} must be a list of token ids")
 
 

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 import uvicorn
+from starlette.applications import Starlette
 
 from kafila.net.tcp import bind_tcp
 from kafila.obs.log import get_logger
@@ -115,7 +116,7 @@ class RendezvousServer:
             await asyncio.sleep(0.01)
         log.info("rendezvous_started", url=self.url, udp_port=self.udp.port, udp_alt_port=self.udp.alt_port)
 
-    def _uvicorn_config(self, app: object) -> uvicorn.Config:
+    def _uvicorn_config(self, app: Starlette) -> uvicorn.Config:
         cfg = self.config
         return uvicorn.Config(
             app,

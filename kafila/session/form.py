@@ -175,7 +175,8 @@ async def while_signaling(
     seen: list[sig.ServerMessage] = []
     refusal = asyncio.ensure_future(_host_refusal(router, host, seen)) if router else None
     try:
-        done, _ = await asyncio.wait({job, pump, *([refusal] if refusal else [])}, return_when=FIRST)
+        waiting: set[asyncio.Future[Any]] = {job, pump, *([refusal] if refusal else [])}
+        done, _ = await asyncio.wait(waiting, return_when=FIRST)
     finally:
         if refusal is not None and router is not None:
             refusal.cancel()
@@ -231,7 +232,7 @@ class Driver:
 
     async def carry(self, outputs: list[fm.Output]) -> list[fm.Output]:
         """Carry out progress, sends, rejections and failure; return the steps left to the caller."""
-        rest = []
+        rest: list[fm.Output] = []
         for out in outputs:
             if isinstance(out, fm.Say):
                 say(out.text)
@@ -423,7 +424,7 @@ def probe_report(
     device = report.device_report(name, nat=nat, rtt_s=rtt)
     device = capped(device, opts.memory_bytes)
     say(
-        f"{name}: {device.bandwidth_bytes_s / 1e9:.1f} GB/s, {device.memory_bytes / 1e9:.1f} GB for weights, "
+        f"{name}: {report.bandwidth.median / 1e9:.1f} GB/s, {device.memory_bytes / 1e9:.1f} GB for weights, "
         f"NAT {nat.cls if nat else 'unknown'}"
     )
     return device

@@ -8,13 +8,15 @@ import json
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kafila.engine.backend import DTYPES, checkpoint_dtype
+from kafila.engine import DTYPES
+from kafila.engine.backend import checkpoint_dtype
 from kafila.models.checkpoint import Checkpoint
 from kafila.net.errors import LinkAuthError, LinkError
-from kafila.net.link import Link
+from kafila.net.link import Link, PathChange
 from kafila.net.signaling import SignalingClient, SignalingError
 from kafila.obs import metrics
 from kafila.obs.log import get_logger
@@ -359,7 +361,7 @@ async def _fetch(got: fm.LinkNow, links: dict[str, Link], opts: Options) -> Any:
 
     a, b = got.plan.block_range(got.me)
     head = got.plan.head == got.me
-    local = None if opts.use_local else []
+    local: list[Path] | None = None if opts.use_local else []
     channel = LinkChannel(links[got.host], got.host)
     shard = await fetch_shard(channel, range(a, b), head, cache=opts.cache, local=local, label=got.me)
     say(f"weights for blocks [{a}, {b}){' + head' if head else ''}: {weights_source(shard)}")
@@ -519,8 +521,12 @@ def follow_paths(edges: dict[str, str], links: dict[str, Link]) -> None:
     for key, link in links.items():
         if link.path is not None:
             edges[key] = link.path.value
-        link.on_path_change.append(lambda change, key=key: edges.__setitem__(key, change.new.value))
-        link.on_close.append(lambda key=key: edges.__setitem__(key, "closed"))
+        link.on_path_change.append(partial(_set_path, edges, key))
+        link.on_close.append(partial(edges.__setitem__, key, "closed"))
+
+
+def _set_path(edges: dict[str, str], key: str, change: PathChange) -> None:
+    edges[key] = change.new.value
 
 
 def _channel(link: Link | None, peer: str, opts: Options) -> Heartbeat | None:

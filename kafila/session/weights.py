@@ -473,10 +473,10 @@ class _Fetch:
             if not isinstance(msg, t.FetchData):
                 log.debug("weights_ignored_message", kind=msg.kind.name)
                 continue
-            job = pending.pop(msg.fetch_id, None)  # type: ignore[assignment]
-            if job is None:  # an answer to an earlier, abandoned fetch on this channel
+            if msg.fetch_id not in pending:  # an answer to an earlier, abandoned fetch on this channel
                 log.debug("weights_stale_answer", fetch_id=msg.fetch_id)
                 continue
+            job = pending.pop(msg.fetch_id)
             if len(msg.data) != job.length:
                 raise WeightsError(
                     f"{job.file} bytes [{job.offset}, {job.offset + job.length}): host {self.channel.peer} "
@@ -600,9 +600,13 @@ class _Member:
             index[file] = ([e.start for e in es], [_Pending(e, bytearray(e.nbytes), e.nbytes) for e in es])
         failed: list[BaseException] = []  # a store that failed stops the fetch at once
 
+        def note_failure(task: asyncio.Future[None]) -> None:
+            if (exc := task.exception()) is not None:
+                failed.append(exc)
+
         def store(p: _Pending) -> asyncio.Future[None]:
             task = asyncio.ensure_future(asyncio.to_thread(self._store, p))
-            task.add_done_callback(lambda t: failed.append(t.exception()) if t.exception() else None)
+            task.add_done_callback(note_failure)
             return task
 
         writes = [store(p) for _, parts in index.values() for p in parts if p.missing == 0]  # empty ones

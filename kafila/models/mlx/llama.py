@@ -154,7 +154,7 @@ class LlamaModel:
         qk = qkv[:, : (nq + nkv) * d].reshape(n, nq + nkv, d)  # [N, nq + nkv, d]
         if blk.qk_norm is not None:
             qk = mx.fast.rms_norm(qk, None, eps) * blk.qk_norm
-        qk = qk * cos + mx.roll(qk, d // 2, axis=-1) * sin  # rotate-half RoPE
+        qk = qk * cos + mx.roll(qk, d // 2, -1) * sin  # rotate-half RoPE
         v = qkv[:, (nq + nkv) * d :].reshape(n, nkv, d)  # [N, nkv, d]
         outs, row = [], 0
         for s, mask in zip(spans, masks, strict=True):

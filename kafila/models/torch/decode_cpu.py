@@ -43,7 +43,7 @@ def _exp(x: float) -> float:  # pragma: no cover
     """e**x in float32 from arithmetic alone (Cephes' expf: 2**n e**r with |r| <= ln 2 / 2 and a degree-7
     polynomial; within 5 float32 ulps, 1.5 on average), so that loops calling it vectorize, where
     libm's expf is a call per element. Clamped to [-87.3, 88.4]: 1.2e-38 below, 2.4e38 above."""
-    x = min(max(x, np.float32(-87.33654)), np.float32(88.37626))
+    x = min(max(x, np.float32(-87.33654)), np.float32(88.37626))  # type: ignore[assignment]  # numpy's stubs
     n = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))  # round(x / ln 2)
     r = x - n * np.float32(0.693359375) - n * np.float32(-2.12194440e-4)  # x - n ln 2, in two parts
     p = np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)
