@@ -191,7 +191,7 @@ class HopPair:
             if isinstance(ev, self.events.StreamDataReceived):
                 got += [t.decode(m) for _, m in reader.feed(ev.data)]
         t2 = time.perf_counter()
-        if len(got) != 1 or got[0].data != data:
+        if len(got) != 1 or not isinstance(got[0], t.Hidden) or got[0].data != data:
             raise RuntimeError("the hop lost or changed its message")
         self.now += 0.03  # the receiver's ACK, due after its delay
         self._deliver(self.rx, self.tx)

@@ -24,8 +24,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from kafila.engine import DTYPES as SAFETENSORS_DTYPES
 from kafila.engine.backend import configure_openmp
+
+if TYPE_CHECKING:
+    from kafila.engine.stage import Stage
 
 configure_openmp()  # as the engine sets it, for both systems
 import torch  # noqa: E402  (after configure_openmp: OpenMP reads its settings when torch loads it)
@@ -46,7 +51,7 @@ def measure_bandwidth(threads: int, mib: int = 1024, repeats: int = 5) -> float:
     return buf.numel() * 4 / best
 
 
-def kafila_run(stage, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+def kafila_run(stage: Stage, prompt: list[int], new_tokens: int) -> tuple[float, float]:
     from kafila.engine.generate import Timings, generate
     from kafila.engine.sampler import SamplingParams
 
@@ -56,7 +61,7 @@ def kafila_run(stage, prompt: list[int], new_tokens: int) -> tuple[float, float]
     return t.prefill_tps, t.decode_tps
 
 
-def hf_run(model, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+def hf_run(model: Any, prompt: list[int], new_tokens: int) -> tuple[float, float]:
     """Prefill tok/s from a 1-token generate; decode tok/s from the extra time of the rest."""
     ids = torch.tensor([prompt])
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -79,23 +84,27 @@ def speed(args: argparse.Namespace, path: Path, dtype: str, bandwidth: float) ->
 
     ckpt = Checkpoint.open(path)
     stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend="torch", dtype=dtype, context=args.context)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+    hf: Any = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    hf.eval()  # inference mode: no dropout
     prompt = [(i * 7919) % 40000 + 100 for i in range(args.prompt_tokens)]
     ours, theirs = [], []
     kafila_run(stage, prompt, 4), hf_run(hf, prompt, 4)  # warm-up
     for _ in range(args.repeats):
         ours.append(kafila_run(stage, prompt, args.new_tokens))
         theirs.append(hf_run(hf, prompt, args.new_tokens))
-    m = ckpt.manifest({"fp32": "F32", "bf16": "BF16", "fp16": "F16"}[dtype])
+    m = ckpt.manifest(SAFETENSORS_DTYPES[dtype])
     per_token = sum(m.block_bytes) + m.head_read_bytes
     return summarize(dtype, ours, theirs, per_token, bandwidth)
 
 
-def summarize(dtype: str, ours: list, theirs: list, per_token: int, bandwidth: float) -> dict[str, float]:
-    def med(runs: list, i: int) -> float:
+Runs = list[tuple[float, float]]  # (prefill tok/s, decode tok/s) per repeat
+
+
+def summarize(dtype: str, ours: Runs, theirs: Runs, per_token: int, bandwidth: float) -> dict[str, float]:
+    def med(runs: Runs, i: int) -> float:
         return statistics.median(r[i] for r in runs)
 
-    def spread(runs: list, i: int) -> str:
+    def spread(runs: Runs, i: int) -> str:
         return f"{min(r[i] for r in runs):.1f}-{max(r[i] for r in runs):.1f}"
 
     bound = bandwidth / per_token

@@ -214,8 +214,9 @@ async def main(args: argparse.Namespace) -> None:
             print(f"rendezvous: {'in this process' if args.in_process else 'kafila rendezvous, own process'}")
             await table_iii(lab, rdv, sites, args.trials)
             for probe in (False, True):
-                await link_figures(lab, rdv, *sites["ordinary"], "direct edge", args, probe)
-                await link_figures(lab, rdv, *sites["restrictive"], "relayed edge", args, probe)
+                for kind, label in (("ordinary", "direct edge"), ("restrictive", "relayed edge")):
+                    a, b = sites[kind]
+                    await link_figures(lab, rdv, a, b, label, args, probe)
 
 
 if __name__ == "__main__":

@@ -124,17 +124,17 @@ def exact_cells(folder: Path) -> list[Cell]:
                 )
             free = [replace(c, limit=w.n_blocks, limit_head=w.n_blocks) for c in costs]
             exact, exact_free = exact_division(w.n_blocks, costs), exact_division(w.n_blocks, free)
-            kw = {"context": fleet.context, "concurrency": fleet.concurrency, "objective": "bottleneck"}
-            k0 = plan(fleet.devices, manifest, mu=0.0, **kw)
-            k = plan(fleet.devices, manifest, **kw)
+            ctx, users, objective = fleet.context, fleet.concurrency, "bottleneck"
+            k0 = plan(fleet.devices, manifest, context=ctx, concurrency=users, mu=0.0, objective=objective)
+            k = plan(fleet.devices, manifest, context=ctx, concurrency=users, objective=objective)
             cells.append(
                 Cell(
                     fleet_name,
                     model,
                     lower_bound_s(fleet.devices, model),
                     relaxed_bound_s(fleet.devices, model, fleet.context, fleet.concurrency),
-                    exact_free and exact_free.bottleneck,
-                    exact and exact.bottleneck,
+                    exact_free.bottleneck if exact_free else None,
+                    exact.bottleneck if exact else None,
                     k0.bottleneck_s if k0.feasible else None,
                     k.bottleneck_s if k.feasible else None,
                 )
@@ -144,6 +144,10 @@ def exact_cells(folder: Path) -> list[Cell]:
 
 def ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or b is None or math.isinf(a) else f"{a / b:.3f}"
+
+
+def ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.2f}"
 
 
 def exact_table(cells: list[Cell]) -> None:
@@ -156,7 +160,6 @@ def exact_table(cells: list[Cell]) -> None:
         f"{'bound':>7} {'exact':>7} {'exact':>7} {'<=5%':>4}"
     )
     for c in cells:
-        ms = lambda x: "-" if x is None else f"{x * 1e3:.2f}"  # noqa: E731
         fits = "-" if c.exact is None else ("yes" if c.exact <= 1.05 * c.bound else "no")
         print(
             f"{c.fleet:<17} {c.model:<10} {ms(c.bound):>6} {ms(c.exact):>6} {ms(c.kafila):>6} | "
@@ -222,9 +225,9 @@ def main() -> None:
     cells = exact_cells(args.fleets)
     exact_table(cells)
     fit = [c for c in cells if c.kafila is not None]
-    gaps = [c.kafila / c.bound for c in fit]
-    best = [c.exact / c.bound for c in fit if c.exact is not None]
-    margin = [c.kafila / c.exact for c in fit if c.exact is not None]
+    gaps = [k / c.bound for c in fit if (k := c.kafila) is not None]
+    best = [e / c.bound for c in fit if (e := c.exact) is not None]
+    margin = [k / e for c in fit if (k := c.kafila) is not None and (e := c.exact) is not None]
     bad = [
         f"{c.fleet}/{c.model}"
         for c in fit

@@ -165,11 +165,11 @@ def main() -> None:
     for share, vals in per_share.items():
         meas = statistics.median(vals["meas"])
         cells = []
-        for k, v in vals.items():
-            err = "" if k == "meas" else f" ({rel_err(statistics.median(v), meas) * 100:.0f}%)"
+        for k, runs in vals.items():
+            err = "" if k == "meas" else f" ({rel_err(statistics.median(runs), meas) * 100:.0f}%)"
             if k != "meas":
-                member_errs[k].append(rel_err(statistics.median(v), meas))
-            cells.append(f"{k} {fig(v)}{err}")
+                member_errs[k].append(rel_err(statistics.median(runs), meas))
+            cells.append(f"{k} {fig(runs)}{err}")
         print(f"  share {share:.2f}: " + "  ".join(cells))
     print(
         "\nmedian relative error of the per-block prediction over member rounds (paper: 18%); "

@@ -20,7 +20,7 @@ from kafila.net.endpoint import UdpEndpoint
 from kafila.net.link import Link, LinkConfig
 from kafila.obs.log import configure_logging
 from kafila.session.channel import LinkChannel
-from kafila.session.weights import WeightServer, fetch_shard
+from kafila.session.weights import ShardResult, WeightServer, fetch_shard
 
 
 async def linked(config: LinkConfig) -> tuple[Link, Link, UdpEndpoint, UdpEndpoint]:
@@ -37,7 +37,9 @@ async def linked(config: LinkConfig) -> tuple[Link, Link, UdpEndpoint, UdpEndpoi
     return member, host, ea, eb
 
 
-async def fetch(ws: WeightServer, member: Link, host: Link, blocks: range, head: bool, cache: Path):
+async def fetch(
+    ws: WeightServer, member: Link, host: Link, blocks: range, head: bool, cache: Path
+) -> tuple[ShardResult, float]:
     serving = asyncio.ensure_future(ws.serve(LinkChannel(host, "member")))
     t0 = time.perf_counter()
     r = await fetch_shard(LinkChannel(member, "host"), blocks, head, cache=cache, local=[])

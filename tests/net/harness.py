@@ -57,7 +57,9 @@ class Pair:
     clients: list[SignalingClient]
     pumps: list[asyncio.Task[None]] = field(default_factory=list)
 
-    async def both_ends(self, opts: EdgeOptions, within: float = 15.0) -> list[Link | BaseException]:
+    async def both_ends(
+        self, opts: EdgeOptions, within: float = 15.0
+    ) -> tuple[Link | BaseException, Link | BaseException]:
         """connect_edge from both members at once (a the client): each end's link or its error."""
         return await asyncio.wait_for(
             asyncio.gather(
