@@ -28,15 +28,14 @@ import time
 from contention import Decoder, HopPair
 
 STACKS = ("aioquic", "qh3")
+Hops = dict[tuple[str, str], list[tuple[float, float]]]  # (stack, "warm" | "cold") -> (send, receive) s
 
 
-def measure(rounds: int, gap_s: float) -> dict[tuple[str, str], list[tuple[float, float]]]:
-    """(send, receive) seconds per (stack, "warm" | "cold"), the stacks alternated round by round."""
+def measure(rounds: int, gap_s: float) -> Hops:
+    """Each stack's hops warm and cold, the stacks alternated round by round."""
     dec = Decoder(0)
     pairs = {stack: HopPair(stack) for stack in STACKS}
-    out: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    for key in ((s, k) for s in STACKS for k in ("warm", "cold")):
-        out[key] = []
+    out: Hops = {(stack, kind): [] for stack in STACKS for kind in ("warm", "cold")}
     for _ in range(rounds):
         for stack, pair in pairs.items():
             pair.hop(dec.row)
@@ -47,7 +46,7 @@ def measure(rounds: int, gap_s: float) -> dict[tuple[str, str], list[tuple[float
     return out
 
 
-def report(out: dict[tuple[str, str], list[tuple[float, float]]], gap_ms: float) -> list[str]:
+def report(out: Hops, gap_ms: float) -> list[str]:
     us = {key: [statistics.median(x[i] for x in v) * 1e6 for i in (0, 1)] for key, v in out.items()}
     lines = []
     for kind, label in (("warm", "back to back"), ("cold", f"after a step and {gap_ms:.0f} ms")):
