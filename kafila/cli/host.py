@@ -16,9 +16,8 @@ from kafila.cli.argtypes import (
     positive_number,
 )
 from kafila.engine import DTYPE_CHOICES, PREFILL_CHUNK
+from kafila.session.form import DEFAULT_RENDEZVOUS
 from kafila.session.schedule import DEFAULT_QUEUE
-
-DEFAULT_RENDEZVOUS = "ws://127.0.0.1:8470/v1/signal"
 
 
 def add_member_flags(parser: argparse.ArgumentParser) -> None:

@@ -47,13 +47,16 @@ R = TypeVar("R")
 FIRST = asyncio.FIRST_COMPLETED
 
 
+DEFAULT_RENDEZVOUS = "ws://127.0.0.1:8470/v1/signal"  # a rendezvous on this machine (`kafila rendezvous`)
+
+
 class SessionError(RuntimeError):
     """Forming the session failed; the message says at which step and why."""
 
 
 @dataclass
 class Options:
-    rendezvous: str = "ws://127.0.0.1:8470/v1/signal"
+    rendezvous: str = DEFAULT_RENDEZVOUS
     name: str | None = None
     api: str | None = "127.0.0.1:11434"  # None: no API on this member
     backend: str = "auto"

@@ -28,6 +28,7 @@ from kafila.session import formation as fm
 from kafila.session.admission import WRONG_OWN_CODE, Admission
 from kafila.session.channel import Heartbeat, LinkChannel
 from kafila.session.form import (
+    DEFAULT_RENDEZVOUS,
     Driver,
     Formed,
     Options,
@@ -128,6 +129,12 @@ def reserve_api(opts: Options) -> socket.socket | None:
         ) from exc
 
 
+def join_command(code: SessionCode, rendezvous: str) -> str:
+    """What a member types to join: the rendezvous named unless it is the default."""
+    where = "" if rendezvous == DEFAULT_RENDEZVOUS else f" --rendezvous {rendezvous}"
+    return f"kafila join {code}{where}"
+
+
 async def reach_rendezvous(url: str) -> SignalingClient:
     """The signaling connection, or a SessionError naming the URL and why it failed."""
     from websockets.exceptions import WebSocketException
@@ -167,7 +174,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     with refused_by(opts.rendezvous, "open a session"):
         opened = await client.open_session(opts.model, opts.members, name, capability)
     code = new_code(opened.session)
-    say(f"session code: {code}   (members join with: kafila join {code})")
+    say(f"session code: {code}   (members join with: {join_command(code, opts.rendezvous)})")
     if opts.wait_s > opened.expires_in:  # the rendezvous's --code-ttl-s is shorter than --wait
         say(
             f"note: the rendezvous takes joins with this code for {opened.expires_in:.0f} s after it "

@@ -53,3 +53,31 @@ async def test_session_shows_a_closed_link_as_closed_not_its_last_path() -> None
         await server.close()
         a.close()
         b.close()
+
+
+def test_two_members_on_one_machine_cannot_both_reserve_the_api_port() -> None:
+    """A host and a member on one machine, both with the default --api: both bound 11434 (SO_REUSEADDR,
+    neither listening yet), and the host's server failed with a traceback once the session had formed."""
+    from kafila.session.start import reserve_api
+
+    first = reserve_api(Options(api="127.0.0.1:0"))
+    assert first is not None
+    try:
+        port = first.getsockname()[1]
+        taken = f"cannot serve the API on 127.0.0.1:{port}: Address already in use"
+        with pytest.raises(SessionError, match=taken):
+            reserve_api(Options(api=f"127.0.0.1:{port}"))
+    finally:
+        first.close()
+
+
+def test_the_join_line_names_the_rendezvous_unless_it_is_the_default() -> None:
+    from kafila.proto.codes import parse_code
+    from kafila.session.form import DEFAULT_RENDEZVOUS
+    from kafila.session.start import join_command
+
+    code = parse_code("4-k7m2-tiger-lamp-ocean")
+    assert join_command(code, DEFAULT_RENDEZVOUS) == "kafila join 4-k7m2-tiger-lamp-ocean"
+    assert join_command(code, "wss://rv.lab.example:8470/v1/signal") == (
+        "kafila join 4-k7m2-tiger-lamp-ocean --rendezvous wss://rv.lab.example:8470/v1/signal"
+    )
