@@ -372,8 +372,12 @@ class HostFormation(_Machine):
     def _joined(self, event: Joined) -> list[Output]:
         if event.member in self.joined:
             return [Rejected(event.member, f"member {event.member} ({event.name}) joined twice")]
+        taken = event.name in self.joined.values() or event.name in self.ids  # it will be renamed
         self.joined[event.member] = event.name
-        return [Say(f"{event.name} connected; waiting for its report")] if self.step is Step.GATHERING else []
+        if self.step is not Step.GATHERING:
+            return []
+        who = f"another member named {event.name} (member {event.member})" if taken else event.name
+        return [Say(f"{who} connected; waiting for its report")]
 
     def _left(self, event: Left) -> list[Output]:
         if event.member in self.removed:  # the rendezvous carried out our Remove
@@ -412,12 +416,14 @@ class HostFormation(_Machine):
             device = DeviceReport.from_dict(body["device"])
         except (KeyError, TypeError, ValueError) as exc:
             return [Rejected(sender, f"unreadable report from member {sender}: {exc!r}")]
+        renamed = ""
         if device.name in self.ids:  # two members of one name: the later one gets its id appended
+            renamed = f" (as {device.name} is taken)"
             device = DeviceReport.from_dict({**device.to_dict(), "name": f"{device.name}-{sender}"})
         self.devices[sender] = device
         self.ids[device.name] = sender
         return [
-            Say(f"{device.name} reported; linking with it to check its session code"),
+            Say(f"{device.name} reported{renamed}; linking with it to check its session code"),
             Admit(sender, device.name),
         ]
 

@@ -208,8 +208,13 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     formed.tasks.append(pump)
     await drive.until(fm.Formed, core.started(drive.now()))
     formed.tasks.append(asyncio.ensure_future(drive.serve_formed(formed.links)))
-    say(f"session ready: {len(plan.order)} members, head {plan.head}, ring {' -> '.join(plan.order)}")
+    say_ready(plan)
     return formed
+
+
+def say_ready(plan: Plan) -> None:
+    """Every member's last line of forming (the host's is what `kafila demo` waits for)."""
+    say(f"session ready: {len(plan.order)} members, head {plan.head}, ring {' -> '.join(plan.order)}")
 
 
 async def _host_ring(
@@ -360,6 +365,7 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     formed.shard = shard  # type: ignore[attr-defined]
     await drive.until(fm.Formed, core.started(drive.now()))  # refused / left / timeout: SessionError
     formed.tasks.append(asyncio.ensure_future(drive.serve_formed(formed.links)))
+    say_ready(got.plan)
     return formed
 
 

@@ -165,6 +165,17 @@ def test_two_members_of_one_name_are_told_apart_by_id() -> None:
     assert only(out, fm.PlanNow).ids == {"alpha": 1, "laptop": 2, "laptop-3": 3}
 
 
+def test_a_member_named_like_another_is_announced_as_another_not_as_it() -> None:
+    """Three members on one machine all take its host name: the host, "alpha", said "alpha
+    connected" of a member that joined under its own name, and then "alpha-2 reported"."""
+    core = host_with(2)
+    said = [o.text for o in gathered(core, {2: "alpha"}) if isinstance(o, fm.Say)]
+    assert said[:2] == [
+        "another member named alpha (member 2) connected; waiting for its report",
+        "alpha-2 reported (as alpha is taken); linking with it to check its session code",
+    ]
+
+
 # ------------------------------------------------------------------ host: admission
 
 

@@ -25,6 +25,11 @@ def fleet(smollm2_path, tmp_path):
 def test_killed_member_fails_the_request_within_10_s_and_the_others_notice(fleet: LocalFleet) -> None:
     doc = fleet.session()
     assert doc["state"] == "serving" and len(doc["ring"]) == 3
+    ready = f"kafila: session ready: 3 members, head {doc['head']}"  # every member says it, not only the host
+    deadline = time.monotonic() + 10
+    while not all(ready in m.log_text() for m in fleet.members) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [m.name for m in fleet.members if ready not in m.log_text()] == []
     others = [m for m in fleet.members if m.name != doc["head"]]
     asker, victim = others[0], others[1]
     assert victim.proc is not None
