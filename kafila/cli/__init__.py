@@ -29,18 +29,32 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+ENVIRONMENT = """environment:
+  KAFILA_LOG=console|json     how log lines on stderr look (default console; the rendezvous: json)
+  KAFILA_LOG_LEVEL=LEVEL      debug, info (default), warning or error; warning leaves only the
+                              progress lines ("kafila: ...") and what went wrong
+  KAFILA_CACHE=DIR            models and fetched weights (default $XDG_CACHE_HOME/kafila, else
+                              ~/.cache/kafila)"""
+
+
 def _load(name: str):  # type: ignore[no-untyped-def]
     return importlib.import_module(f"kafila.cli.{COMMANDS[name][0]}")
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    raw = argparse.RawDescriptionHelpFormatter  # keeps the environment table's lines
     parser = argparse.ArgumentParser(
-        prog="kafila", description="Kafila: one model server from trusted machines."
+        prog="kafila",
+        description="Kafila: one model server from trusted machines.",
+        epilog=ENVIRONMENT,
+        formatter_class=raw,
     )
     parser.add_argument("--version", action="version", version=f"kafila {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
-        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd = sub.add_parser(
+            name, help=help_text, description=help_text, epilog=ENVIRONMENT, formatter_class=raw
+        )
         if only is None or only == name:
             try:
                 _load(name).configure(cmd)
@@ -66,7 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ[THREADS_ENV] = str(args.threads)
     from kafila.obs.log import configure_logging
 
-    configure_logging()
+    try:
+        configure_logging()
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         rc = int(_load(args.command).main(args) or 0)
     except KeyboardInterrupt:

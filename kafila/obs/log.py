@@ -2,6 +2,7 @@
 
 `KAFILA_LOG=json` switches to JSON lines (containers); the default renders for a terminal.
 `KAFILA_LOG_LEVEL` sets the level (default `info`). Logs go to stderr so stdout stays for results.
+A value outside those (see FORMATS, LEVELS) is refused, naming the variable, not taken for the default.
 """
 
 from __future__ import annotations
@@ -12,10 +13,15 @@ import sys
 
 import structlog
 
+FORMATS = ("console", "json")
+LEVELS = ("debug", "info", "warning", "error")
+
 
 def configure_logging(fmt: str | None = None, level: str | None = None) -> None:
-    fmt = fmt or os.environ.get("KAFILA_LOG", "console")
-    level_name = (level or os.environ.get("KAFILA_LOG_LEVEL", "info")).upper()
+    """Logs in `fmt` (else $KAFILA_LOG, else console) from `level` up (else $KAFILA_LOG_LEVEL, else
+    info); ValueError naming the setting if either is not one of FORMATS or LEVELS."""
+    fmt = _setting("KAFILA_LOG", fmt, "console", FORMATS)
+    level_name = _setting("KAFILA_LOG_LEVEL", level, "info", LEVELS).upper()
     renderer: structlog.typing.Processor
     if fmt == "json":
         renderer = structlog.processors.JSONRenderer()
@@ -28,10 +34,17 @@ def configure_logging(fmt: str | None = None, level: str | None = None) -> None:
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level_name, logging.INFO)),
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level_name)),
         logger_factory=_StderrLogger,
         cache_logger_on_first_use=False,
     )
+
+
+def _setting(env: str, given: str | None, default: str, allowed: tuple[str, ...]) -> str:
+    value = (given or os.environ.get(env) or default).strip().lower()
+    if value not in allowed:
+        raise ValueError(f"{env}={value!r}: expected one of {', '.join(allowed)}")
+    return value
 
 
 class _StderrLogger:
