@@ -73,6 +73,8 @@ def main(args: argparse.Namespace) -> int:
             text = args.fleet.read_text(encoding="utf-8")  # TOML is UTF-8 whatever the locale
         except UnicodeDecodeError as exc:
             raise FleetError(f"{args.fleet}: not valid TOML: {exc}") from exc
+        except OSError as exc:  # the reason alone: OSError's text names the path a second time
+            raise FleetError(f"{args.fleet}: {exc.strerror or exc}") from exc
         fleet = parse_fleet(text, str(args.fleet), lambda p: json.loads((base / p).read_text()))
         model = fleet.model if args.model is None else args.model
         context = fleet.context if args.context is None else args.context

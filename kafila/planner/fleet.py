@@ -177,7 +177,8 @@ def _probe_file(t: dict[str, Any], where: str, model: str, read_json: ReadJson |
     try:
         data = read_json(path)
     except (OSError, ValueError) as exc:
-        raise FleetError(f"{where}: cannot read probe file {path!r}: {exc}") from exc
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc  # the path is named
+        raise FleetError(f"{where}: cannot read probe file {path!r}: {why}") from exc
     except RecursionError:  # json recurses into nested arrays and objects
         raise FleetError(f"{where}: cannot read probe file {path!r}: nested too deeply") from None
     where = f"{where}: probe file {path!r}"

@@ -109,6 +109,18 @@ def test_a_fleet_file_that_is_not_utf8_is_named(tmp_path, capsys):
     )
 
 
+def test_missing_fleet_and_probe_files_are_named_once_with_the_reason(tmp_path, capsys):
+    """The errno and the path came twice: "kafila plan: [Errno 2] No such file or directory: 'f'"."""
+    assert main(["plan", str(tmp_path / "none.toml")]) == 2
+    assert capsys.readouterr().err == f"kafila plan: {tmp_path / 'none.toml'}: No such file or directory\n"
+    (tmp_path / "f.toml").write_text(TWO.replace("rtt_ms = 12", 'rtt_ms = 12\nprobe = "gone.json"'))
+    assert main(["plan", str(tmp_path / "f.toml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kafila plan: {tmp_path / 'f.toml'}: device 'b': ") and err.endswith(
+        ": cannot read probe file 'gone.json': No such file or directory\n"
+    )
+
+
 def test_fleet_and_probe_files_nested_too_deeply_are_named_errors(tmp_path, capsys):
     """json and tomllib recurse into nested arrays: a deep file was a RecursionError traceback, exit 1."""
     (tmp_path / "deep.json").write_text("[" * 100_000)
