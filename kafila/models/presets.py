@@ -71,7 +71,7 @@ def resolve_config(spec: str) -> ModelConfig:
         return preset_config(spec)
     from kafila.models.checkpoint import Checkpoint
 
-    return Checkpoint.open(Path(spec).expanduser(), complete=True).config
+    return Checkpoint.open(_folder(spec), complete=True).config
 
 
 def resolve_manifest(spec: str, dtype: str = "bf16") -> Manifest:
@@ -88,10 +88,15 @@ def resolve_model(spec: str, dtype: str = "bf16") -> tuple[ModelConfig, Manifest
     if spec.lower() in PRESETS:
         config = preset_config(spec)
         return config, build_manifest(specs_from_config(config, st_dtype), config)
+    from kafila.models.checkpoint import Checkpoint
+
+    checkpoint = Checkpoint.open(_folder(spec), complete=True)
+    return checkpoint.config, checkpoint.manifest(st_dtype)
+
+
+def _folder(spec: str) -> Path:
+    """`spec` as a model folder; ValueError naming the presets when it is no folder either."""
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise ValueError(f"model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a folder")
-    from kafila.models.checkpoint import Checkpoint
-
-    checkpoint = Checkpoint.open(path, complete=True)
-    return checkpoint.config, checkpoint.manifest(st_dtype)
+    return path

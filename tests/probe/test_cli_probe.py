@@ -26,6 +26,14 @@ def test_bad_flags_are_refused_by_the_parser_naming_the_flag(argv, message, caps
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_model_that_is_neither_a_preset_nor_a_folder_is_named_with_the_presets(tmp_path, capsys):
+    """It said "/tmp/bogus: no such model folder", where `kafila plan --model bogus` listed the presets."""
+    assert main(["probe", "--model", str(tmp_path / "bogus")]) == 2
+    err = capsys.readouterr().err
+    presets = "qwen3-14b, qwen3-32b, qwen3-8b, smollm2-135m"
+    assert f"model '{tmp_path / 'bogus'}' is neither a preset ({presets}) nor a folder" in err
+
+
 def test_position_needs_a_model_and_a_position_it_was_trained_for(capsys):
     assert main(["probe", "--position", "5"]) == 2
     assert "--position sets where --model's block is timed; without --model" in capsys.readouterr().err
