@@ -372,7 +372,7 @@ class HostFormation(_Machine):
     def _joined(self, event: Joined) -> list[Output]:
         if event.member in self.joined:
             return [Rejected(event.member, f"member {event.member} ({event.name}) joined twice")]
-        taken = event.name in self.joined.values() or event.name in self.ids  # it will be renamed
+        taken = event.name in self.joined.values() or event.name in self.ids  # another member has it
         self.joined[event.member] = event.name
         if self.step is not Step.GATHERING:
             return []
