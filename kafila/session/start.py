@@ -401,7 +401,9 @@ def weights_source(shard: ShardResult) -> str:
     cached = len(shard.tensors) - len(shard.fetched)
     if not shard.fetched:
         return f"all {cached} tensors from the local cache, nothing fetched"
-    fetched = f"{shard.tensor_bytes / 1e6:.1f} MB fetched from the host ({len(shard.fetched)} tensors)"
+    # the whole of what the progress bar counted: tensors, and the headers and small files
+    fetched = f"{shard.bytes_fetched / 1e6:.1f} MB fetched from the host ({len(shard.fetched)} tensors"
+    fetched += f", {shard.meta_bytes / 1e6:.1f} MB of headers and files)" if shard.meta_bytes else ")"
     return fetched + (f", {cached} tensors from the local cache" if cached else "")
 
 

@@ -551,8 +551,7 @@ class _Member:
         return tqdm(
             total=total,
             unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
+            unit_scale=True,  # in MB (1e6), as every other figure of kafila's
             file=sys.stderr,
             desc=self.label,
             disable=not self.progress or total == 0,

@@ -157,9 +157,11 @@ async def test_restart_fetches_nothing_and_replan_fetches_only_the_moved_block(
     assert sorted(moved.fetched) == sorted(block4) and moved.tensor_bytes == nbytes
     assert moved.meta_bytes == 0
     # what the member says (kafila.session.start): fetched and cached counts of these real results
-    assert (
-        weights_source(first)
-        == f"{first.tensor_bytes / 1e6:.1f} MB fetched from the host ({len(first.tensors)} tensors)"
+    total, meta = (first.tensor_bytes + first.meta_bytes) / 1e6, first.meta_bytes / 1e6
+    assert first.meta_bytes > 0  # the headers and the tokenizer's files came too
+    assert weights_source(first) == (
+        f"{total:.1f} MB fetched from the host ({len(first.tensors)} tensors, "
+        f"{meta:.1f} MB of headers and files)"
     )
     assert weights_source(again) == f"all {len(again.tensors)} tensors from the local cache, nothing fetched"
     cached = len(moved.tensors) - len(block4)
