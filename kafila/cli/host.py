@@ -34,7 +34,10 @@ def add_member_flags(parser: argparse.ArgumentParser) -> None:
         "'off' serves no API",
     )
     parser.add_argument(
-        "--name", type=member_name, help="this member's name in the session (default: the host name)"
+        "--name",
+        type=member_name,
+        help="this member's name in the session (default: this machine's host name; a joining member "
+        "adds its member id, as laptop-2)",
     )
     parser.add_argument(
         "--backend", default="auto", choices=["auto", "torch", "mlx"], help="array library (default auto)"
