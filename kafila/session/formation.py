@@ -255,7 +255,9 @@ class HostFormation(_Machine):
         self.devices[self.host_id] = me
         self.ids[me.name] = self.host_id
         self.step, self.deadline = Step.GATHERING, now + self.wait_s
-        out: list[Output] = [Say(f"waiting for {self.members - 1} member(s) (up to {self.wait_s:g} s)")]
+        others = self.members - 1
+        wait = f"waiting for {others} member(s) (up to {self.wait_s:g} s)"
+        out: list[Output] = [Say(wait if others else "a session of one member: nobody to wait for")]
         return out + self._maybe_plan()
 
     def admitted(self, member: int, now: float) -> list[Output]:

@@ -66,7 +66,7 @@ DEFAULT_NAMES = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "t
 _CODE = re.compile(r"kafila: session code: (\S+)")
 _API = re.compile(r"kafila: API at (http://\S+)")
 _READY = re.compile(r"kafila: session ready")
-_HOST_PROBED = re.compile(r"kafila: waiting for \d+ member")
+_HOST_PROBED = re.compile(r"kafila: (waiting for \d+ member|a session of one member)")
 _JOIN_PROBED = re.compile(r"kafila: waiting for the host's plan")
 _PLANS = re.compile(r"kafila: plans for this session \(predicted\):\n((?:(?!kafila:|\d{4}-\d\d-\d\dT).*\n)+)")
 

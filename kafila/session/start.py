@@ -214,7 +214,8 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
 
 def say_ready(plan: Plan) -> None:
     """Every member's last line of forming (the host's is what `kafila demo` waits for)."""
-    say(f"session ready: {len(plan.order)} members, head {plan.head}, ring {' -> '.join(plan.order)}")
+    n = len(plan.order)
+    say(f"session ready: {n} member{'s' if n > 1 else ''}, head {plan.head}, ring {' -> '.join(plan.order)}")
 
 
 async def _host_ring(
@@ -237,7 +238,8 @@ async def _host_ring(
     links = held.links = await link_ring(node, plan, name, ids, name, control)
     server = WeightServer(folder, cache=opts.cache)
     controls = [LinkChannel(link, peer) for peer, link in links.items()]
-    say(f"serving weights to {len(controls)} member(s)")
+    if controls:
+        say(f"serving weights to {len(controls)} member(s)")
     await asyncio.gather(*(server.serve(c) for c in controls))
     digest = await off_loop(checkpoint_id, folder)
     own = {"source": "own files", "path": str(folder), "fetched_bytes": 0, "fetched_tensor_bytes": 0}

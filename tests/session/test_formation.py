@@ -141,6 +141,7 @@ def test_a_session_of_one_plans_at_once() -> None:
     core = HostFormation(members=1, wait_s=5.0, host_id=HOST)
     out = core.start(device("alpha"), 0.0)
     assert only(out, fm.PlanNow).ids == {"alpha": 1}
+    assert only(out, fm.Say).text == "a session of one member: nobody to wait for"  # not "waiting for 0"
     assert core.planned(plan_of(["alpha"]), 0.0) == []
     assert kinds(core.started(0.0)) == ["Formed"]
 
