@@ -59,16 +59,26 @@ def _limit_type(name: str, whole: bool) -> Callable[[str], float]:
 def configure(parser: argparse.ArgumentParser) -> None:
     from kafila.rendezvous.limits import Limits  # light: dataclass only
 
-    parser.add_argument("--host", default="0.0.0.0", help="address for signaling (HTTP/WebSocket)")
     parser.add_argument(
-        "--port", type=port_number, default=8470, help="TCP port for signaling, /healthz, /metrics"
+        "--host",
+        default="0.0.0.0",
+        help="address for signaling (HTTP/WebSocket) (default 0.0.0.0: every interface)",
+    )
+    parser.add_argument(
+        "--port",
+        type=port_number,
+        default=8470,
+        help="TCP port for signaling, /healthz, /metrics (default 8470)",
     )
     parser.add_argument("--udp-host", default=None, help="address for UDP probes and relay (default: --host)")
     parser.add_argument(
-        "--udp-port", type=port_number, default=3478, help="primary UDP port: probes and relay"
+        "--udp-port", type=port_number, default=3478, help="primary UDP port: probes and relay (default 3478)"
     )
     parser.add_argument(
-        "--udp-alt-port", type=port_number, default=3479, help="alternate UDP port for NAT probes"
+        "--udp-alt-port",
+        type=port_number,
+        default=3479,
+        help="alternate UDP port for NAT probes (default 3479)",
     )
     parser.add_argument(
         "--udp-alt-host",
