@@ -8,6 +8,7 @@ import socket
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.types import Receive, Scope, Send
 
 from kafila.net.tcp import bind_tcp
 from kafila.obs.log import get_logger
@@ -28,12 +29,25 @@ def parse_addr(text: str, default_port: int = 11434) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", number
 
 
+class _Switch:
+    """The ASGI app uvicorn serves: each request goes to whichever app is current when it comes."""
+
+    def __init__(self, app: Starlette) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+
 class ApiServer:
-    """uvicorn serving `app` on `sock` (bound before, `bind_tcp`; default: a free localhost port)."""
+    """uvicorn serving `app` on `sock` (bound before, `bind_tcp`; default: a free localhost port).
+    `switch(app)` serves another app from the next request on, on the same address (a forming
+    member's API becomes the session's)."""
 
     def __init__(self, app: Starlette, sock: socket.socket | None = None) -> None:
         self.sock = sock if sock is not None else bind_tcp("127.0.0.1", 0)
-        config = uvicorn.Config(app, log_level="warning", lifespan="off")
+        self._switch = _Switch(app)
+        config = uvicorn.Config(self._switch, log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
         self._task: asyncio.Task[None] | None = None
 
@@ -45,6 +59,9 @@ class ApiServer:
             await asyncio.sleep(0.01)
         log.info("api_listening", url=self.url)
         return self
+
+    def switch(self, app: Starlette) -> None:
+        self._switch.app = app
 
     @property
     def port(self) -> int:

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import socket
 import sys
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -155,7 +156,8 @@ async def off_loop(fn: Callable[..., R], *args: Any) -> R:
             loop.call_soon_threadsafe(settle, outcome)
 
     name = f"{OFF_LOOP}{getattr(fn, '__name__', 'work')}"
-    threading.Thread(target=run, name=name, daemon=True).start()
+    context = contextvars.copy_context()  # as asyncio.to_thread: the caller's progress hook
+    threading.Thread(target=context.run, args=(run,), name=name, daemon=True).start()
     return await done
 
 
@@ -208,9 +210,34 @@ async def _host_refusal(router: SignalRouter, host: int, seen: list[sig.ServerMe
             return str(body.get("reason"))
 
 
+# told every progress line of the host() or join() whose task (or a task or off_loop thread it
+# started) says it: the forming member's status, which its API's /session shows
+_progress: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar(
+    "kafila_progress", default=None
+)
+
+
 def say(text: str) -> None:
     """Progress for the person at the terminal (stderr; stdout stays for results)."""
     print(f"kafila: {text}", file=sys.stderr, flush=True)
+    note(text)
+
+
+def note(text: str) -> None:
+    """What this member is doing now, for its forming status only (no line at the terminal)."""
+    if (hook := _progress.get()) is not None:
+        hook(text)
+
+
+@contextlib.contextmanager
+def progress_to(hook: Callable[[str], None]) -> Iterator[None]:
+    """Within the block, tell `hook` every progress line of the calling task (and of the tasks and
+    off_loop threads it starts, which keep telling it)."""
+    token = _progress.set(hook)
+    try:
+        yield
+    finally:
+        _progress.reset(token)
 
 
 class Driver:

@@ -37,8 +37,10 @@ from kafila.session.form import (
     default_name,
     fmt_plans,
     link_ring,
+    note,
     off_loop,
     probe_report,
+    progress_to,
     say,
     session_record,
     while_signaling,
@@ -47,6 +49,7 @@ from kafila.session.formation import HostFormation, MemberFormation
 from kafila.session.schedule import lanes_for
 
 if TYPE_CHECKING:
+    from kafila.api.server import ApiServer
     from kafila.session.head import RingInfo
     from kafila.session.weights import ShardResult
 
@@ -56,7 +59,10 @@ log = get_logger("kafila.session")
 class Held:
     """What a member holds while its session forms, released if forming fails."""
 
-    def __init__(self) -> None:
+    def __init__(self, role: str) -> None:
+        from kafila.api.forming import FormingStatus
+
+        self.forming = FormingStatus(role)  # what its API's /session says until the ring serves
         self.client: SignalingClient | None = None
         self.node: Any = None
         self.tasks: list[asyncio.Task[Any]] = []
@@ -64,7 +70,7 @@ class Held:
         self.driver: Driver | None = None
         self.admission: Admission | None = None  # the host's links with members that reported
         self.formed: Formed | None = None  # the ring role and API, once started
-        self.api_socket: socket.socket | None = None  # the API's address, bound before anything else
+        self.api: ApiServer | None = None  # bound before anything else; 503 "forming" until the ring serves
 
     async def release(self) -> None:
         if self.driver is not None:
@@ -75,9 +81,6 @@ class Held:
             self.formed.service.on_broken = None  # closing its links is not a ring breaking
             with contextlib.suppress(Exception):
                 await self.formed.service.stop()
-            if self.formed.api is not None:
-                with contextlib.suppress(Exception):
-                    await self.formed.api.stop()
             self.formed.service.model.close()
         for link in self.links.values():
             with contextlib.suppress(Exception):
@@ -89,23 +92,26 @@ class Held:
                 await self.client.close("session not formed")
         if self.node is not None:
             self.node.endpoint.close()
-        if self.api_socket is not None:
-            self.api_socket.close()
+        if self.api is not None:
+            with contextlib.suppress(Exception):
+                await self.api.stop()
 
 
 async def host(opts: Options, on_code: Callable[[SessionCode], None] | None = None) -> Formed:
-    held = Held()
+    held = Held("host")
     try:
-        return await _host(opts, on_code, held)
+        with progress_to(held.forming.tell):
+            return await _host(opts, on_code, held)
     except BaseException:
         await asyncio.shield(held.release())
         raise
 
 
 async def join(code_text: str, opts: Options) -> Formed:
-    held = Held()
+    held = Held("member")
     try:
-        return await _join(code_text, opts, held)
+        with progress_to(held.forming.tell):
+            return await _join(code_text, opts, held)
     except BaseException:
         await asyncio.shield(held.release())
         raise
@@ -127,6 +133,28 @@ def reserve_api(opts: Options) -> socket.socket | None:
             f"cannot serve the API on {host}:{port}: {exc.strerror or exc} "
             "(choose another with --api HOST:PORT, or --api off)"
         ) from exc
+
+
+async def open_api(opts: Options, held: Held) -> ApiServer | None:
+    """This member's API (--api), serving from the start: while the session forms, /session says
+    what the member is doing and every other route answers 503 (kafila.api.forming)."""
+    from kafila.api.forming import forming_app
+    from kafila.api.server import ApiServer
+
+    sock = reserve_api(opts)
+    if sock is None:
+        return None
+    try:
+        return await ApiServer(forming_app(held.forming), sock).start()
+    except BaseException:
+        sock.close()
+        raise
+
+
+def say_forming_api(server: ApiServer | None) -> None:
+    if server is not None:
+        url = server.url
+        say(f"API at {url} (503 until the session is ready; {url}/session says how forming goes)")
 
 
 def join_command(code: SessionCode, rendezvous: str) -> str:
@@ -166,8 +194,9 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     ckpt.config.check_context(opts.context, opts.model)
     # one dtype for the whole session, decided here: every member probes and computes in it
     opts = replace(opts, dtype=checkpoint_dtype(opts.dtype, ckpt.stored_dtype))
-    name = opts.name or default_name()
-    held.api_socket = reserve_api(opts)
+    name = held.forming.name = opts.name or default_name()
+    held.forming.model = opts.model
+    held.api = await open_api(opts, held)
     client = held.client = await reach_rendezvous(opts.rendezvous)
     config = ckpt.config.raw if len(json.dumps(ckpt.config.raw)) < 12_000 else None
     capability = {"role": "host", "config": config, "dtype": opts.dtype}
@@ -175,6 +204,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
         opened = await client.open_session(opts.model, opts.members, name, capability)
     code = new_code(opened.session)
     say(f"session code: {code}   (members join with: {join_command(code, opts.rendezvous)})")
+    say_forming_api(held.api)
     if opts.wait_s > opened.expires_in:  # the rendezvous's --code-ttl-s is shorter than --wait
         say(
             f"note: the rendezvous takes joins with this code for {opened.expires_in:.0f} s after it "
@@ -244,7 +274,7 @@ async def _host_ring(
     digest = await off_loop(checkpoint_id, folder)
     own = {"source": "own files", "path": str(folder), "fetched_bytes": 0, "fetched_tensor_bytes": 0}
     serving = Serving(opts.model, opts.chunk, opts.queue, digest, alternatives, own)
-    return await _start_ring(name, code, plan, folder, links, node, client, opts, serving, held.api_socket)
+    return await _start_ring(name, code, plan, folder, links, node, client, opts, serving, held.api)
 
 
 def _link_host(node: Any, name: str, host: Any, held: Held) -> asyncio.Future[Link]:
@@ -314,7 +344,7 @@ def _plan(devices: list[DeviceReport], ckpt: Checkpoint, opts: Options) -> tuple
 
 async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     code = parse_code(code_text)
-    held.api_socket = reserve_api(opts)
+    held.api = await open_api(opts, held)
     client = held.client = await reach_rendezvous(opts.rendezvous)
     with refused_by(opts.rendezvous, f"join session {code.public}"):
         joined = await client.join(code.public, opts.name or default_name(), {"role": "member"})
@@ -322,7 +352,9 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     if host_info is None:  # its host left; members still in it keep the code alive
         raise SessionError(f"session {code.public} has no host any more; ask for a new session code")
     name = f"{opts.name or default_name()}-{joined.member}" if opts.name is None else opts.name
+    held.forming.name, held.forming.model = name, joined.model
     say(f"joined session {code.public} for model {joined.model} ({len(joined.members)} member(s) so far)")
+    say_forming_api(held.api)
     node = held.node = await connect_node(client, code, opts.rendezvous)
     pump = asyncio.ensure_future(node.signals.pump())
     held.tasks.append(pump)
@@ -359,9 +391,7 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     shard = await drive.during(_fetch(got, links, opts))
     await drive.carry(core.fetched(drive.now()))
     serving = Serving(got.model, got.chunk, got.queue, shard.checkpoint, got.alternatives, weights_doc(shard))
-    ring = _start_ring(
-        got.me, code, got.plan, shard.path, links, node, client, opts, serving, held.api_socket
-    )
+    ring = _start_ring(got.me, code, got.plan, shard.path, links, node, client, opts, serving, held.api)
     formed = held.formed = await drive.during(ring)
     formed.tasks.append(pump)
     formed.shard = shard  # type: ignore[attr-defined]
@@ -378,6 +408,7 @@ async def _fetch(got: fm.LinkNow, links: dict[str, Link], opts: Options) -> Any:
     head = got.plan.head == got.me
     local: list[Path] | None = None if opts.use_local else []
     channel = LinkChannel(links[got.host], got.host)
+    note(f"getting the weights of blocks [{a}, {b}){' + head' if head else ''}")
     shard = await fetch_shard(channel, range(a, b), head, cache=opts.cache, local=local, label=got.me)
     say(f"weights for blocks [{a}, {b}){' + head' if head else ''}: {weights_source(shard)}")
     return shard
@@ -431,7 +462,7 @@ async def _start_ring(
     client: SignalingClient,
     opts: Options,
     serving: Serving,
-    api_socket: socket.socket | None = None,
+    api: ApiServer | None = None,
 ) -> Formed:
     from kafila.api.state import ModelFacts
     from kafila.engine.stage import Stage
@@ -446,6 +477,7 @@ async def _start_ring(
     a, b = plan.block_range(name)
     index, order = plan.order.index(name), list(plan.order)
     head = plan.head == name
+    note(f"loading blocks [{a}, {b}){' + head' if head else ''} into memory")
     stage = await off_loop(
         Stage.load,
         ckpt,
@@ -488,8 +520,9 @@ async def _start_ring(
     )
     service.start()
     facts = ModelFacts.of(ckpt.config, stage.backend.wire_dtype, serving.checkpoint)
-    api = await _serve_api(service, tokenizer, model, facts, traces, api_socket) if api_socket else None
-    if api is None:  # the API's line is the others' "ready"
+    if api is not None:
+        _serve_api(api, service, tokenizer, model, facts, traces)
+    else:  # the API's line is the others' "ready"
         say(f"serving blocks [{a}, {b}){' + head' if head else ''}; no API on this member (--api off)")
     return Formed(name, code, plan, service, api, client, node, links)
 
@@ -550,15 +583,14 @@ def _channel(link: Link | None, peer: str, opts: Options) -> Heartbeat | None:
     return Heartbeat(LinkChannel(link, peer), opts.dead_after).start() if link is not None else None
 
 
-async def _serve_api(
-    service: Any, tokenizer: Any, model: str, facts: Any, traces: TraceLog | None, sock: socket.socket
-) -> Any:
+def _serve_api(
+    server: ApiServer, service: Any, tokenizer: Any, model: str, facts: Any, traces: TraceLog | None
+) -> None:
+    """The forming member's API becomes the session's: the next request gets the full app."""
     from kafila.api.app import create_app
-    from kafila.api.server import ApiServer
     from kafila.api.state import Api
     from kafila.session.textcodec import TokenizerCodec
 
     codec = TokenizerCodec(tokenizer)
-    server = await ApiServer(create_app(Api(service, codec, model, facts, traces)), sock).start()
+    server.switch(create_app(Api(service, codec, model, facts, traces)))
     say(f"API at {server.url} (OpenAI {server.url}/v1, Ollama {server.url}/api, {server.url}/session)")
-    return server

@@ -223,3 +223,50 @@ async def test_every_member_traces_its_hops_over_quic(rdv, tiny_chat_model, tmp_
         assert hop.path == "direct" and hop.rtt_ms is not None and 0 < hop.rtt_ms < 1000
         assert hop.predicted_rtt_ms == priced.get(hop.name)
     assert all(s.decode_steps == req.completion_tokens - 1 for s in stages.values())
+
+
+async def test_api_answers_while_the_session_forms_then_serves_on_the_same_address(
+    rdv, tiny_chat_model, tmp_path, capsys
+) -> None:
+    """The host's API is up from its start: while it waits for its member, /session says what it
+    is doing and an inference route answers 503 at once (it used to leave the client in the listen
+    backlog for as long as forming took); once formed, the same address answers the request."""
+    import re
+
+    code: asyncio.Future = asyncio.get_running_loop().create_future()
+    model = str(tiny_chat_model)
+    host_opts = opts(rdv, "alpha", tmp_path, model=model, members=2, context=256)
+    hosting = asyncio.ensure_future(host(host_opts, on_code=code.set_result))
+    c = str(await code)
+    said = ""
+    async with httpx.AsyncClient(timeout=5) as http:
+        for _ in range(600):  # the host probes itself first, then waits for its member
+            said += capsys.readouterr().err
+            url = re.search(r"kafila: API at (http://\S+)", said)
+            if url and (await http.get(f"{url.group(1)}/session")).json()["step"].startswith("waiting for 1"):
+                break
+            await asyncio.sleep(0.05)
+        assert url is not None, said
+        base = url.group(1)
+        doc = (await http.get(f"{base}/session")).json()
+        assert doc["state"] == "forming" and doc["role"] == "host" and doc["me"] == "alpha"
+        assert doc["model"] == model and doc["step"].startswith("waiting for 1 member")
+        assert (await http.get(f"{base}/healthz")).json() == {"ok": True, "state": "forming"}
+        chat = {"model": model, "messages": PROMPT, "max_tokens": 4}
+        r = await http.post(f"{base}/v1/chat/completions", json=chat)
+        assert r.status_code == 503 and r.headers["retry-after"] == "5"
+        assert (
+            r.json()["error"]["code"] == "forming"
+            and "forming: waiting for 1 member" in r.json()["error"]["message"]
+        )
+        r = await http.post(f"{base}/api/generate", json={"model": model, "prompt": "hi"})
+        assert r.status_code == 503 and "still forming" in r.json()["error"]  # Ollama's error shape
+        joining = asyncio.ensure_future(join(c, opts(rdv, "beta", tmp_path)))
+        formed = list(await asyncio.gather(hosting, joining))
+        try:
+            assert formed[0].api.url == base  # the same server, switched to the session's app
+            assert (await http.get(f"{base}/session")).json()["state"] == "serving"
+            r = await http.post(f"{base}/v1/chat/completions", json=chat)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        finally:
+            await close(formed)

@@ -1,0 +1,74 @@
+"""The API while the session forms. A member's address is bound when it starts, and forming takes
+minutes (probing, waiting for the others, fetching weights); a client that connected meanwhile used
+to wait in the listen backlog with no answer, unable to tell a forming member from a hung one.
+Now /session and /healthz say what the member is doing, and every other route answers 503 at once
+with the same text and a Retry-After. Once the ring serves, the server switches to the full app
+(kafila.api.server.ApiServer.switch)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kafila.api.errors import ApiError, render
+
+RETRY_AFTER_S = 5  # what a 503 while forming asks the client to wait before asking again
+METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+
+
+@dataclass
+class FormingStatus:
+    """What a forming member is doing: its last progress line (kafila.session.form.say)."""
+
+    role: str  # "host" or "member"
+    name: str | None = None  # known once the member has joined (a joining member's may change)
+    model: str | None = None
+    step: str = "starting"
+    started: float = field(default_factory=time.time)  # wall clock, as /session's other times
+
+    def tell(self, text: str) -> None:
+        self.step = text
+
+    def document(self, now: float) -> dict[str, Any]:
+        return {
+            "state": "forming",
+            "role": self.role,
+            "me": self.name,
+            "model": self.model,
+            "step": self.step,
+            "forming_s": round(max(0.0, now - self.started), 1),
+        }
+
+    def refusal(self) -> ApiError:
+        return ApiError(
+            503,
+            "forming",
+            f"the session is still forming: {self.step}. This member answers requests once it is "
+            'ready (GET /session says "serving")',
+        )
+
+
+def forming_app(status: FormingStatus) -> Starlette:
+    async def session(request: Request) -> Response:
+        return JSONResponse(status.document(time.time()))
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"ok": True, "state": "forming"})
+
+    async def not_yet(request: Request) -> Response:
+        response = render(request, status.refusal())
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
+
+    routes = [
+        Route("/session", session, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/{path:path}", not_yet, methods=METHODS),
+    ]
+    return Starlette(routes=routes)
