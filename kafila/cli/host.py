@@ -16,7 +16,7 @@ from kafila.cli.argtypes import (
     positive_number,
 )
 from kafila.engine import DTYPE_CHOICES, PREFILL_CHUNK
-from kafila.session.form import DEFAULT_RENDEZVOUS
+from kafila.session.form import DEFAULT_RENDEZVOUS, Formed
 from kafila.session.schedule import DEFAULT_QUEUE
 
 
@@ -200,13 +200,20 @@ def options(args: argparse.Namespace) -> object:
     return o
 
 
-async def serve_until_interrupted(formed: object) -> None:
+async def serve_until_interrupted(formed: Formed) -> None:
+    """Serve until cancelled (Ctrl-C, SIGTERM), or until the host ends the session (a member's
+    `formed.ended`), then close this member's part."""
     import asyncio
 
+    from kafila.session.form import say
+
     try:
-        await asyncio.Event().wait()
+        if formed.ended is None:
+            await asyncio.Event().wait()
+        else:
+            say(await formed.ended)
     finally:
-        await formed.close()  # type: ignore[attr-defined]
+        await formed.close()
 
 
 def main(args: argparse.Namespace) -> int:
@@ -263,8 +270,8 @@ def member_failures() -> tuple[type[Exception], ...]:
 
 def run_member(start: Callable[[], Awaitable[Any]]) -> int:
     """Form the session with `start`, serve until Ctrl-C or SIGTERM (`kill`, `docker stop`): either
-    closes the links and the API before the process ends (exit 130 or 143). A failure is one line
-    naming it, exit 1."""
+    closes the links and the API before the process ends (exit 130 or 143). A joining member also
+    ends when the host ends the session (exit 0). A failure is one line naming it, exit 1."""
     import asyncio
     import signal
 

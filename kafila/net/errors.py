@@ -11,6 +11,10 @@ class LinkClosed(LinkError):
     """The link is closed (by either side, or because its connection failed); the text says why."""
 
 
+class LinkEnded(LinkClosed):
+    """The peer closed the link because its person ended the session (the host stopped it)."""
+
+
 class LinkTimeout(LinkError):
     """An operation on the link did not complete within its deadline (the text names it)."""
 

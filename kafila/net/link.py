@@ -52,7 +52,7 @@ from kafila.net import framing
 from kafila.net.auth import EdgeContext, LinkAuth
 from kafila.net.certs import Identity, fingerprint
 from kafila.net.endpoint import Address, UdpEndpoint
-from kafila.net.errors import LinkAuthError, LinkClosed, LinkError, LinkTimeout, PeerSilent
+from kafila.net.errors import LinkAuthError, LinkClosed, LinkEnded, LinkError, LinkTimeout, PeerSilent
 from kafila.obs.log import get_logger
 from kafila.proto import udp
 
@@ -61,6 +61,7 @@ ALPN = "kafila-link/1"
 STREAM = 0  # the client's first bidirectional stream carries everything
 ERROR_AUTH = 0x1A  # application close code: authentication failed
 ERROR_CLOSED = 0x0  # normal close
+ERROR_ENDED = 0x1E  # application close code: the sender's person ended the session (LinkEnded)
 MAX_ACK_DELAY = 0.025  # the max_ack_delay aioquic 1.7 advertises: no ACK may wait longer
 
 
@@ -258,9 +259,12 @@ class Link:
             self._fail(err, ERROR_CLOSED, "handshake timeout")
             raise err from None
 
-    async def close(self, reason: str = "closed by this side") -> None:
+    async def close(self, reason: str = "closed by this side", ended: bool = False) -> None:
+        """Close the link, telling the peer `reason`; `ended`: because the session ends on purpose
+        (the peer's link then fails with LinkEnded rather than LinkClosed)."""
         if self._closed is None:
-            self._fail(LinkClosed(f"link to {self.peer_id}: {reason}"), ERROR_CLOSED, reason)
+            err = (LinkEnded if ended else LinkClosed)(f"link to {self.peer_id}: {reason}")
+            self._fail(err, ERROR_ENDED if ended else ERROR_CLOSED, reason)
 
     def _quic_config(self) -> QuicConfiguration:
         cfg = QuicConfiguration(
@@ -462,8 +466,8 @@ class Link:
         elif isinstance(event, events.StreamDataReceived):
             self._on_stream(event)
         elif isinstance(event, events.ConnectionTerminated):
-            auth = event.error_code == ERROR_AUTH
-            cls = LinkAuthError if auth else LinkClosed
+            codes = {ERROR_AUTH: LinkAuthError, ERROR_ENDED: LinkEnded}
+            cls = codes.get(event.error_code, LinkClosed)
             why = event.reason_phrase or "no reason"
             self._fail(cls(f"link to {self.peer_id} closed by the peer: {why}"))
 
@@ -595,6 +599,11 @@ class Link:
     @property
     def closed(self) -> bool:
         return self._closed is not None
+
+    @property
+    def error(self) -> LinkError | None:
+        """Why the link closed (None while it is open)."""
+        return self._closed
 
     # ------------------------------------------------------------------ liveness and failure
 

@@ -114,16 +114,22 @@ class Formed:
     client: SignalingClient
     node: LinkNode
     links: dict[str, Link]
+    host: str = ""  # the host's name: the host ending its session ends every member's
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    # a joining member's: done, with the line to say, when the host ended the session on purpose
+    ended: asyncio.Future[str] | None = None
 
     async def close(self) -> None:
+        """End this member's part: API, ring role, links. The host's links close as `ended`, so
+        every member learns that the session is over (rather than that its ring broke)."""
         if self.api is not None:
             await self.api.stop()
         await self.service.stop()
         self.service.model.close()
+        ended = self.name == self.host
         for link in self.links.values():
             with contextlib.suppress(Exception):
-                await link.close("session ended")
+                await link.close("the host ended the session" if ended else "session ended", ended)
         for task in self.tasks:
             task.cancel()
         with contextlib.suppress(Exception):

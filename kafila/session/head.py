@@ -133,6 +133,7 @@ class RingHead:
         self.state = "serving"
         self.broken: str | None = None
         self.on_broken: Callable[[str], None] | None = None  # told once, e.g. the person at the terminal
+        self.ending = False  # the host ended the session on purpose: its ring breaking is no fault
         self._reqs: dict[int, _Req] = {}
         self._outbox: asyncio.Queue[t.Message] = asyncio.Queue()
         self._wake = asyncio.Event()
@@ -499,7 +500,8 @@ class RingHead:
                 reason if reason.startswith("the ring is broken") else f"the ring is broken: {reason}"
             )
             self.state = "broken"
-            log.error("ring_broken", reason=reason, in_flight=len(self._reqs))
+            level = log.info if self.ending else log.error
+            level("ring_broken", reason=reason, in_flight=len(self._reqs), ending=self.ending)
             if self.on_broken is not None:
                 self.on_broken(self.broken)
             if self.next is not None:  # tell the members (those still reachable) why

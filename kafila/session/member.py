@@ -56,6 +56,7 @@ class RingMember:
         self.ids = RequestIds(index)
         self.broken: str | None = None
         self.on_broken: Callable[[str], None] | None = None  # told once, e.g. the person at the terminal
+        self.ending = False  # the host ended the session on purpose: its ring breaking is no fault
         self._mine: dict[int, QueueGeneration] = {}
         self._acks: dict[int, asyncio.Future[None]] = {}  # forwarded, the head's first answer awaited
         self._work: list[t.Hidden | t.Control] = []
@@ -245,7 +246,8 @@ class RingMember:
             self.broken = (
                 reason if reason.startswith("the ring is broken") else f"the ring is broken: {reason}"
             )
-            log.error("ring_broken", member=self.name, reason=reason, waiting=len(self._mine))
+            level = log.info if self.ending else log.error
+            level("ring_broken", member=self.name, reason=reason, waiting=len(self._mine), ending=self.ending)
             if self.on_broken is not None:
                 self.on_broken(self.broken)
             if tell:

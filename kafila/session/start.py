@@ -274,7 +274,9 @@ async def _host_ring(
     digest = await off_loop(checkpoint_id, folder)
     own = {"source": "own files", "path": str(folder), "fetched_bytes": 0, "fetched_tensor_bytes": 0}
     serving = Serving(opts.model, opts.chunk, opts.queue, digest, alternatives, own)
-    return await _start_ring(name, code, plan, folder, links, node, client, opts, serving, held.api)
+    formed = await _start_ring(name, code, plan, folder, links, node, client, opts, serving, held.api)
+    formed.host = name
+    return formed
 
 
 def _link_host(node: Any, name: str, host: Any, held: Held) -> asyncio.Future[Link]:
@@ -395,6 +397,8 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     formed = held.formed = await drive.during(ring)
     formed.tasks.append(pump)
     formed.shard = shard  # type: ignore[attr-defined]
+    formed.host = got.host
+    watch_host_ending(formed, links[got.host])
     await drive.until(fm.Formed, core.started(drive.now()))  # refused / left / timeout: SessionError
     formed.tasks.append(asyncio.ensure_future(drive.serve_formed(formed.links)))
     say_ready(got.plan)
@@ -525,6 +529,25 @@ async def _start_ring(
     else:  # the API's line is the others' "ready"
         say(f"serving blocks [{a}, {b}){' + head' if head else ''}; no API on this member (--api off)")
     return Formed(name, code, plan, service, api, client, node, links)
+
+
+def watch_host_ending(formed: Formed, link: Link) -> None:
+    """A joining member ends when the host ends the session on purpose (its link to the host closes
+    as LinkEnded): `formed.ended` gets the line to say, and the ring's "broken, answering 503" is not
+    said. A host that crashed or went silent still leaves the member answering 503."""
+    from kafila.net.errors import LinkEnded
+
+    formed.ended = asyncio.get_running_loop().create_future()
+
+    def closed() -> None:
+        assert formed.ended is not None
+        if isinstance(link.error, LinkEnded) and not formed.ended.done():
+            formed.service.on_broken, formed.service.ending = None, True
+            formed.ended.set_result(f"the host {formed.host} ended the session; this member stops")
+
+    link.on_close.append(closed)
+    if link.closed:  # closed before the member finished forming
+        closed()
 
 
 def _ring_info(

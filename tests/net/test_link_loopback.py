@@ -9,7 +9,7 @@ import time
 import pytest
 
 from kafila.net.auth import EdgeContext
-from kafila.net.errors import LinkAuthError, LinkClosed, LinkTimeout, PeerSilent
+from kafila.net.errors import LinkAuthError, LinkClosed, LinkEnded, LinkTimeout, PeerSilent
 from kafila.net.link import LinkConfig, PathKind, RebindReason, relay_rebind_due
 from tests.net.conftest import direct_pair
 
@@ -78,6 +78,23 @@ async def test_close_surfaces_as_link_closed_on_both_sides(linked) -> None:
         await server.send(16, b"after close")
     with pytest.raises(LinkClosed):
         await client.send(16, b"after close")
+
+
+async def test_a_close_that_ends_the_session_reaches_the_peer_as_link_ended(linked) -> None:
+    client, server = linked
+    assert server.error is None
+    await client.close("the host ended the session", ended=True)
+    with pytest.raises(LinkEnded, match="closed by the peer: the host ended the session"):
+        await server.recv(timeout=5)
+    assert isinstance(server.error, LinkEnded) and isinstance(client.error, LinkEnded)
+
+
+async def test_an_ordinary_close_is_not_an_ending(linked) -> None:
+    client, server = linked
+    await client.close("session ended")
+    with pytest.raises(LinkClosed):
+        await server.recv(timeout=5)
+    assert not isinstance(server.error, LinkEnded)
 
 
 async def test_recv_timeout_raises_link_timeout(linked) -> None:

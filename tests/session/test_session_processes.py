@@ -86,3 +86,18 @@ def test_a_member_sent_sigterm_closes_its_links_and_the_others_notice_at_once(fl
             assert state["state"] == "broken" and victim.name in state["error"], (m.name, state)
     noticed = time.monotonic() - sent
     assert noticed < 5, f"the others noticed {noticed:.1f} s after the member was terminated"
+
+
+def test_the_host_ending_the_session_ends_every_member(fleet: LocalFleet) -> None:
+    """The host stopped on purpose (SIGTERM, as Ctrl-C) closes its links as `ended`: every member
+    says so and exits 0 at once, rather than staying up answering 503 for a ring that broke."""
+    host = fleet.members[0]
+    assert host.proc is not None and fleet.session()["state"] == "serving"
+    host.proc.send_signal(signal.SIGTERM)
+    assert host.proc.wait(15) == 128 + signal.SIGTERM
+    for m in fleet.members[1:]:
+        assert m.proc is not None
+        assert m.proc.wait(10) == 0, m.log_text()[-2000:]
+        log = m.log_text()
+        assert f"kafila: the host {host.name} ended the session; this member stops" in log
+        assert "form a new session" not in log  # not told it answers 503 from now on
