@@ -2,7 +2,7 @@
 minutes (probing, waiting for the others, fetching weights); a client that connected meanwhile used
 to wait in the listen backlog with no answer, unable to tell a forming member from a hung one.
 Now /session and /healthz say what the member is doing, and every other route answers 503 at once
-with the same text and a Retry-After. Once the ring serves, the server switches to the full app
+with the same text and a Retry-After. Once every member is ready, the server switches to the full app
 (kafila.api.server.ApiServer.switch)."""
 
 from __future__ import annotations

@@ -115,6 +115,7 @@ class Formed:
     node: LinkNode
     links: dict[str, Link]
     host: str = ""  # the host's name: the host ending its session ends every member's
+    app: Any = None  # the session's API app, which `api` serves once the session has formed
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     # a joining member's: done, with the line to say, when the host ended the session on purpose
     ended: asyncio.Future[str] | None = None

@@ -238,6 +238,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     formed.tasks.append(pump)
     await drive.until(fm.Formed, core.started(drive.now()))
     formed.tasks.append(asyncio.ensure_future(drive.serve_formed(formed.links)))
+    serve_session_api(formed)
     say_ready(plan)
     return formed
 
@@ -401,6 +402,7 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     watch_host_ending(formed, links[got.host])
     await drive.until(fm.Formed, core.started(drive.now()))  # refused / left / timeout: SessionError
     formed.tasks.append(asyncio.ensure_future(drive.serve_formed(formed.links)))
+    serve_session_api(formed)
     say_ready(got.plan)
     return formed
 
@@ -524,11 +526,12 @@ async def _start_ring(
     )
     service.start()
     facts = ModelFacts.of(ckpt.config, stage.backend.wire_dtype, serving.checkpoint)
-    if api is not None:
-        _serve_api(api, service, tokenizer, model, facts, traces)
+    formed = Formed(name, code, plan, service, api, client, node, links)
+    if api is not None:  # served once the whole session has formed (serve_session_api)
+        formed.app = _session_app(service, tokenizer, model, facts, traces)
     else:  # the API's line is the others' "ready"
         say(f"serving blocks [{a}, {b}){' + head' if head else ''}; no API on this member (--api off)")
-    return Formed(name, code, plan, service, api, client, node, links)
+    return formed
 
 
 def watch_host_ending(formed: Formed, link: Link) -> None:
@@ -606,14 +609,18 @@ def _channel(link: Link | None, peer: str, opts: Options) -> Heartbeat | None:
     return Heartbeat(LinkChannel(link, peer), opts.dead_after).start() if link is not None else None
 
 
-def _serve_api(
-    server: ApiServer, service: Any, tokenizer: Any, model: str, facts: Any, traces: TraceLog | None
-) -> None:
-    """The forming member's API becomes the session's: the next request gets the full app."""
+def _session_app(service: Any, tokenizer: Any, model: str, facts: Any, traces: TraceLog | None) -> Any:
     from kafila.api.app import create_app
     from kafila.api.state import Api
     from kafila.session.textcodec import TokenizerCodec
 
-    codec = TokenizerCodec(tokenizer)
-    server.switch(create_app(Api(service, codec, model, facts, traces)))
-    say(f"API at {server.url} (OpenAI {server.url}/v1, Ollama {server.url}/api, {server.url}/session)")
+    return create_app(Api(service, TokenizerCodec(tokenizer), model, facts, traces))
+
+
+def serve_session_api(formed: Formed) -> None:
+    """Once every member is ready, the forming API becomes the session's: the next request gets the
+    full app, on the same address (/session says "serving" only now)."""
+    server = formed.api
+    if server is not None and formed.app is not None:
+        server.switch(formed.app)
+        say(f"API at {server.url} (OpenAI {server.url}/v1, Ollama {server.url}/api, {server.url}/session)")
