@@ -70,7 +70,8 @@ class Held:
         self.driver: Driver | None = None
         self.admission: Admission | None = None  # the host's links with members that reported
         self.formed: Formed | None = None  # the ring role and API, once started
-        self.api: ApiServer | None = None  # bound before anything else; 503 "forming" until the ring serves
+        self.api_socket: socket.socket | None = None  # the API's address, bound before anything else
+        self.api: ApiServer | None = None  # serving on it: 503 "forming" until the session formed
 
     async def release(self) -> None:
         if self.driver is not None:
@@ -95,6 +96,8 @@ class Held:
         if self.api is not None:
             with contextlib.suppress(Exception):
                 await self.api.stop()
+        if self.api_socket is not None:
+            self.api_socket.close()
 
 
 async def host(opts: Options, on_code: Callable[[SessionCode], None] | None = None) -> Formed:
@@ -135,26 +138,23 @@ def reserve_api(opts: Options) -> socket.socket | None:
         ) from exc
 
 
-async def open_api(opts: Options, held: Held) -> ApiServer | None:
-    """This member's API (--api), serving from the start: while the session forms, /session says
-    what the member is doing and every other route answers 503 (kafila.api.forming)."""
+async def open_api(held: Held) -> None:
+    """Serve this member's API on the address reserved at its start (--api; none with --api off):
+    while the session forms, /session says what the member is doing and every other route answers
+    503 (kafila.api.forming)."""
     from kafila.api.forming import forming_app
     from kafila.api.server import ApiServer
 
-    sock = reserve_api(opts)
-    if sock is None:
-        return None
+    if held.api_socket is None:
+        return
+    sock, held.api_socket = held.api_socket, None  # the server's from now on, closed with it
     try:
-        return await ApiServer(forming_app(held.forming), sock).start()
+        held.api = await ApiServer(forming_app(held.forming), sock).start()
     except BaseException:
         sock.close()
         raise
-
-
-def say_forming_api(server: ApiServer | None) -> None:
-    if server is not None:
-        url = server.url
-        say(f"API at {url} (503 until the session is ready; {url}/session says how forming goes)")
+    url = held.api.url
+    say(f"API at {url} (503 until the session is ready; {url}/session says how forming goes)")
 
 
 def join_command(code: SessionCode, rendezvous: str) -> str:
@@ -196,7 +196,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     opts = replace(opts, dtype=checkpoint_dtype(opts.dtype, ckpt.stored_dtype))
     name = held.forming.name = opts.name or default_name()
     held.forming.model = opts.model
-    held.api = await open_api(opts, held)
+    held.api_socket = reserve_api(opts)
     client = held.client = await reach_rendezvous(opts.rendezvous)
     config = ckpt.config.raw if len(json.dumps(ckpt.config.raw)) < 12_000 else None
     capability = {"role": "host", "config": config, "dtype": opts.dtype}
@@ -204,7 +204,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
         opened = await client.open_session(opts.model, opts.members, name, capability)
     code = new_code(opened.session)
     say(f"session code: {code}   (members join with: {join_command(code, opts.rendezvous)})")
-    say_forming_api(held.api)
+    await open_api(held)
     if opts.wait_s > opened.expires_in:  # the rendezvous's --code-ttl-s is shorter than --wait
         say(
             f"note: the rendezvous takes joins with this code for {opened.expires_in:.0f} s after it "
@@ -347,7 +347,7 @@ def _plan(devices: list[DeviceReport], ckpt: Checkpoint, opts: Options) -> tuple
 
 async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     code = parse_code(code_text)
-    held.api = await open_api(opts, held)
+    held.api_socket = reserve_api(opts)
     client = held.client = await reach_rendezvous(opts.rendezvous)
     with refused_by(opts.rendezvous, f"join session {code.public}"):
         joined = await client.join(code.public, opts.name or default_name(), {"role": "member"})
@@ -357,7 +357,7 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     name = f"{opts.name or default_name()}-{joined.member}" if opts.name is None else opts.name
     held.forming.name, held.forming.model = name, joined.model
     say(f"joined session {code.public} for model {joined.model} ({len(joined.members)} member(s) so far)")
-    say_forming_api(held.api)
+    await open_api(held)
     node = held.node = await connect_node(client, code, opts.rendezvous)
     pump = asyncio.ensure_future(node.signals.pump())
     held.tasks.append(pump)
