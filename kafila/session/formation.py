@@ -66,10 +66,23 @@ class Joined:
 
 @dataclass(frozen=True)
 class Left:
-    """A member left the session at the rendezvous ("left", "timed_out", "disconnected")."""
+    """A member left the session at the rendezvous ("left", "timed_out", "disconnected", "removed")."""
 
     member: int
     reason: str
+
+    @property
+    def went(self) -> str:
+        """How it went, for a sentence: "beta {went} before the session formed"."""
+        return _WENT.get(self.reason, f"left ({self.reason})")
+
+
+_WENT = {
+    "left": "left",
+    "disconnected": "lost its connection to the rendezvous",
+    "timed_out": "went silent at the rendezvous",
+    "removed": "was removed by the host",
+}
 
 
 @dataclass(frozen=True)
@@ -389,12 +402,12 @@ class HostFormation(_Machine):
             return [Rejected(event.member, f"member {event.member} left but never joined")]
         name = self._name(event.member)
         if event.member in self.ids.values() and self.step is not Step.GATHERING:
-            reason = f"member {name} left ({event.reason}) before the session formed"
+            reason = f"member {name} {event.went} before the session formed"
             others = [m for m in self._others() if m != event.member]
             return self._refuse(reason, others)
         self._forget(event.member)
         joined = len(self.admitted_ids) + 1
-        return [Say(f"{name} left ({event.reason}); {joined}/{self.members} members joined")]
+        return [Say(f"{name} {event.went}; {joined}/{self.members} members joined")]
 
     def _message(self, sender: int, op: str, body: dict[str, Any]) -> list[Output]:
         if sender not in self.joined:
@@ -508,10 +521,10 @@ class MemberFormation(_Machine):
 
     def _left(self, event: Left) -> list[Output]:
         if event.member == self.host_id:
-            return self._fail(f"the host left the session ({event.reason}) before it formed")
+            return self._fail(f"the host {event.went} before the session formed")
         names = {m: n for n, m in self.ids.items()}
         if event.member in names:
-            return self._fail(f"member {names[event.member]} left ({event.reason}) before the session formed")
+            return self._fail(f"member {names[event.member]} {event.went} before the session formed")
         return []
 
     def _message(self, sender: int, op: str, body: dict[str, Any]) -> list[Output]:

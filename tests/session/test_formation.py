@@ -321,7 +321,7 @@ def test_member_leaving_before_the_plan_frees_its_place() -> None:
     core = host_with(3)
     gathered(core, {2: "beta"})
     out = core.handle(fm.Left(2, "disconnected"), 101.0)
-    assert only(out, fm.Say).text == "beta left (disconnected); 1/3 members joined"
+    assert only(out, fm.Say).text == "beta lost its connection to the rendezvous; 1/3 members joined"
     assert core.ids == {"alpha": 1}
     out = gathered(core, {3: "gamma", 4: "delta"}, now=102.0)
     assert only(out, fm.PlanNow).ids == {"alpha": 1, "gamma": 3, "delta": 4}
@@ -331,7 +331,7 @@ def test_member_leaving_before_it_reported() -> None:
     core = host_with(2)
     core.handle(fm.Joined(2, "beta"), 100.1)
     out = core.handle(fm.Left(2, "timed_out"), 100.2)
-    assert only(out, fm.Say).text == "beta left (timed_out); 1/2 members joined"
+    assert only(out, fm.Say).text == "beta went silent at the rendezvous; 1/2 members joined"
     assert only(core.handle(fm.Message(2, report("beta")), 100.3), fm.Rejected)
 
 
@@ -340,7 +340,7 @@ def test_member_leaving_after_the_plan_ends_the_attempt_and_tells_the_others() -
     gathered(core, {2: "beta", 3: "gamma"})
     core.planned(plan_of(["alpha", "beta", "gamma"]), 102.0)
     out = core.handle(fm.Left(3, "disconnected"), 103.0)
-    reason = "member gamma left (disconnected) before the session formed"
+    reason = "member gamma lost its connection to the rendezvous before the session formed"
     assert kinds(out) == ["Send", "Failed"]
     assert out[0] == fm.Send(2, fm.payload("refused", reason=reason))
     assert out[1] == fm.Failed(reason)
@@ -475,13 +475,14 @@ def ready_member() -> MemberFormation:
     ("event", "reason"),
     [
         (
-            fm.Message(
-                HOST, fm.payload("refused", reason="member beta left (left) before the session formed")
-            ),
-            "the host refused the session: member beta left (left) before the session formed",
+            fm.Message(HOST, fm.payload("refused", reason="member beta left before the session formed")),
+            "the host refused the session: member beta left before the session formed",
         ),
-        (fm.Left(2, "disconnected"), "member beta left (disconnected) before the session formed"),
-        (fm.Left(HOST, "left"), "the host left the session (left) before it formed"),
+        (
+            fm.Left(2, "disconnected"),
+            "member beta lost its connection to the rendezvous before the session formed",
+        ),
+        (fm.Left(HOST, "left"), "the host left before the session formed"),
     ],
     ids=["refused", "member-left", "host-left"],
 )
@@ -584,13 +585,13 @@ def test_member_fails_when_the_host_or_a_plan_member_leaves() -> None:
     core = member()
     assert core.handle(fm.Left(2, "left"), 50.5) == []  # before the plan: not this member's concern
     assert core.handle(fm.Left(HOST, "disconnected"), 51.0) == [
-        fm.Failed("the host left the session (disconnected) before it formed")
+        fm.Failed("the host lost its connection to the rendezvous before the session formed")
     ]
     core = member()
     core.handle(fm.Message(HOST, plan_body(["alpha", "beta", "gamma"], IDS)), 51.0)
     core.linked(52.0)
     assert core.handle(fm.Left(2, "timed_out"), 53.0) == [
-        fm.Failed("member beta left (timed_out) before the session formed")
+        fm.Failed("member beta went silent at the rendezvous before the session formed")
     ]
 
 

@@ -62,13 +62,16 @@ async def test_member_gives_up_by_its_deadline_when_a_simulated_host_never_plans
         await client.close()
 
 
+HOST_GONE = r"^the host (left|lost its connection to the rendezvous) before the session formed$"
+
+
 async def test_member_stops_at_once_when_a_simulated_host_leaves(rdv, tmp_path) -> None:
     client, code = await simulated_host(rdv)
     joining = asyncio.ensure_future(join(code, opts(rdv, "beta", tmp_path, wait_s=60)))
     await next_report(client)
     started = time.monotonic()
     await client.close("going away")
-    with pytest.raises(SessionError, match=r"^the host left the session \(\w+\) before it formed$"):
+    with pytest.raises(SessionError, match=HOST_GONE):
         await joining
     assert time.monotonic() - started < 10  # not the 60 s wait
 
@@ -107,7 +110,7 @@ async def test_member_linking_is_cut_short_when_a_simulated_host_leaves(rdv, tmp
     assert not joining.done()
     started = time.monotonic()
     await client.close("going away")
-    with pytest.raises(SessionError, match=r"^the host left the session \(\w+\) before it formed$"):
+    with pytest.raises(SessionError, match=HOST_GONE):
         await joining
     assert time.monotonic() - started < 5
 
@@ -235,9 +238,10 @@ async def test_a_ready_member_ends_when_another_fails_to_start(rdv, tmp_path, ti
     assert not beta.done()  # ready is not formed
     started = time.monotonic()
     gamma.cancel()  # gamma gives up (Ctrl-C while fetching): it leaves the session
-    with pytest.raises(SessionError, match=r"member gamma left \(\w+\) before the session formed"):
+    gone = r"gamma (left|lost its connection to the rendezvous) before the session formed"
+    with pytest.raises(SessionError, match=f"member {gone}"):
         await hosting
-    with pytest.raises(SessionError, match=r"gamma left \(\w+\) before the session formed"):
+    with pytest.raises(SessionError, match=gone):
         await beta
     assert time.monotonic() - started < 10
 
