@@ -211,7 +211,7 @@ async def serve_until_interrupted(formed: Formed) -> None:
         if formed.ended is None:
             await asyncio.Event().wait()
         else:
-            say(await formed.ended)
+            say(await asyncio.shield(formed.ended))  # a Ctrl-C must not settle it (as cancelled)
     finally:
         await formed.close()
 

@@ -448,6 +448,9 @@ class Link:
         try:
             while (event := self._quic.next_event()) is not None:
                 self._on_event(event)
+            close = self._quic._close_event  # the peer's close: aioquic reports it after draining
+            if close is not None and self._closed is None:  # (3 PTOs, 0.1-0.7 s here); at once now
+                self._on_event(close)
         except LinkAuthError as exc:
             self._fail(exc, ERROR_AUTH, "authentication failed")
         except framing.FramingError as exc:

@@ -209,7 +209,7 @@ class LinkChannel:
         try:
             await self.link.send(LINK_KIND, record)
         except LinkError as exc:
-            raise ChannelClosed(f"link to {self.peer}: {exc}") from exc
+            raise ChannelClosed(self._named(exc)) from exc
         self.counters.sent(msg, len(record))
 
     async def recv(self, timeout: float | None = None) -> t.Message:
@@ -219,11 +219,11 @@ class LinkChannel:
             try:
                 kind, payload = await self.link.recv(timeout)
             except PeerSilent as exc:  # the link closed itself: its own reason, not this wait's
-                raise ChannelClosed(f"link to {self.peer}: {exc}") from exc
+                raise ChannelClosed(self._named(exc)) from exc
             except LinkTimeout:
                 raise ChannelDead(f"{self.peer}: no message within {timeout} s") from None
             except LinkError as exc:
-                raise ChannelClosed(f"link to {self.peer}: {exc}") from exc
+                raise ChannelClosed(self._named(exc)) from exc
             if kind == LINK_KIND:
                 msg = t.decode(payload)
                 if isinstance(msg, t.Hidden):
@@ -231,6 +231,14 @@ class LinkChannel:
                     hopmarks.mark("decoded", msg.entries)
                 self.counters.received(msg, len(payload))
                 return msg
+
+    def _named(self, exc: Exception) -> str:
+        """The link's error with the peer's name for its id: "link to vm closed by the peer: ...",
+        not "link to vm: link to 1 closed by the peer: ..."."""
+        text, own = str(exc), f"link to {self.link.peer_id}"
+        if text.startswith(own):
+            return f"link to {self.peer}{text[len(own) :]}"
+        return f"link to {self.peer}: {text}"
 
     def acknowledge(self) -> None:
         self.link.acknowledge()

@@ -120,14 +120,21 @@ class Formed:
     # a joining member's: done, with the line to say, when the host ended the session on purpose
     ended: asyncio.Future[str] | None = None
 
+    @property
+    def host_ended(self) -> bool:
+        """A joining member's: the host ended the session (not: this member was stopped)."""
+        return self.ended is not None and self.ended.done() and not self.ended.cancelled()
+
     async def close(self) -> None:
         """End this member's part: API, ring role, links. The host's links close as `ended`, so
-        every member learns that the session is over (rather than that its ring broke)."""
+        every member learns that the session is over (rather than that its ring broke), and so do
+        the links of a member that ends because the host did: whichever close reaches a member
+        first says the same."""
         if self.api is not None:
             await self.api.stop()
         await self.service.stop()
         self.service.model.close()
-        ended = self.name == self.host
+        ended = self.name == self.host or self.host_ended
         for link in self.links.values():
             with contextlib.suppress(Exception):
                 await link.close("the host ended the session" if ended else "session ended", ended)

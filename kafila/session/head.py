@@ -134,6 +134,7 @@ class RingHead:
         self.broken: str | None = None
         self.on_broken: Callable[[str], None] | None = None  # told once, e.g. the person at the terminal
         self.ending = False  # the host ended the session on purpose: its ring breaking is no fault
+        self.on_ended: Callable[[], None] | None = None  # told when a "broken" says the host ended it
         self._reqs: dict[int, _Req] = {}
         self._outbox: asyncio.Queue[t.Message] = asyncio.Queue()
         self._wake = asyncio.Event()
@@ -360,6 +361,8 @@ class RingHead:
                 elif isinstance(msg, t.Control) and msg.op == "free":
                     self._hop_reports(msg.body.get("hops", []))
                 elif isinstance(msg, t.Control) and msg.op == "broken":
+                    if msg.body.get("ended") is True and self.on_ended is not None:
+                        self.on_ended()
                     self._break(str(msg.body.get("reason")))
                 elif isinstance(msg, t.Control) and msg.op == "stage_error":
                     for rid in msg.body.get("request_ids", []):
@@ -505,7 +508,7 @@ class RingHead:
             if self.on_broken is not None:
                 self.on_broken(self.broken)
             if self.next is not None:  # tell the members (those still reachable) why
-                self._outbox.put_nowait(t.Control("broken", {"reason": self.broken}))
+                self._outbox.put_nowait(t.Control("broken", {"reason": self.broken, "ended": self.ending}))
         self._fail_all("member_lost", self.broken)
 
     # -- traces ----------------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ class RingMember:
         self.broken: str | None = None
         self.on_broken: Callable[[str], None] | None = None  # told once, e.g. the person at the terminal
         self.ending = False  # the host ended the session on purpose: its ring breaking is no fault
+        self.on_ended: Callable[[], None] | None = None  # told when a "broken" says the host ended it
         self._mine: dict[int, QueueGeneration] = {}
         self._acks: dict[int, asyncio.Future[None]] = {}  # forwarded, the head's first answer awaited
         self._work: list[t.Hidden | t.Control] = []
@@ -123,6 +124,8 @@ class RingMember:
 
     def _dispatch(self, msg: t.Message) -> None:
         if isinstance(msg, t.Control) and msg.op == "broken":
+            if msg.body.get("ended") is True and self.on_ended is not None:
+                self.on_ended()  # the host ended the session: its link's closing may come after this
             self._break(str(msg.body.get("reason")), tell=False)
             self._outbox.put_nowait(msg)
         elif isinstance(msg, t.Hidden) or (isinstance(msg, t.Control) and msg.op == "free"):
@@ -251,7 +254,7 @@ class RingMember:
             if self.on_broken is not None:
                 self.on_broken(self.broken)
             if tell:
-                self._outbox.put_nowait(t.Control("broken", {"reason": self.broken}))
+                self._outbox.put_nowait(t.Control("broken", {"reason": self.broken, "ended": self.ending}))
         for gen in list(self._mine.values()):
             gen.push(GenerationError("member_lost", self.broken))
         self._mine.clear()

@@ -399,7 +399,7 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     formed.tasks.append(pump)
     formed.shard = shard  # type: ignore[attr-defined]
     formed.host = got.host
-    watch_host_ending(formed, links[got.host])
+    watch_host_ending(formed)
     await drive.until(fm.Formed, core.started(drive.now()))  # refused / left / timeout: SessionError
     formed.tasks.append(asyncio.ensure_future(drive.serve_formed(formed.links)))
     serve_session_api(formed)
@@ -534,23 +534,31 @@ async def _start_ring(
     return formed
 
 
-def watch_host_ending(formed: Formed, link: Link) -> None:
-    """A joining member ends when the host ends the session on purpose (its link to the host closes
-    as LinkEnded): `formed.ended` gets the line to say, and the ring's "broken, answering 503" is not
-    said. A host that crashed or went silent still leaves the member answering 503."""
+def watch_host_ending(formed: Formed) -> None:
+    """A joining member ends when the host ends the session on purpose: one of its links closes as
+    LinkEnded (the host's, or a member's that ended because the host did), or a neighbour's
+    "broken" that says so arrives first. `formed.ended` gets the line to say, and the ring's
+    "broken, answering 503" is not said. A host that crashed or went silent still leaves the
+    member answering 503."""
     from kafila.net.errors import LinkEnded
 
     formed.ended = asyncio.get_running_loop().create_future()
 
-    def closed() -> None:
+    def end() -> None:
         assert formed.ended is not None
-        if isinstance(link.error, LinkEnded) and not formed.ended.done():
+        if not formed.ended.done():
             formed.service.on_broken, formed.service.ending = None, True
             formed.ended.set_result(f"the host {formed.host} ended the session; this member stops")
 
-    link.on_close.append(closed)
-    if link.closed:  # closed before the member finished forming
-        closed()
+    def closed(link: Link) -> None:
+        if isinstance(link.error, LinkEnded):
+            end()
+
+    formed.service.on_ended = end
+    for link in formed.links.values():
+        link.on_close.append(partial(closed, link))
+        if link.closed:  # closed before the member finished forming
+            closed(link)
 
 
 def _ring_info(

@@ -276,6 +276,42 @@ async def test_simulated_killed_member_fails_requests_quickly(ckpt: Checkpoint) 
         await ring.stop()
 
 
+async def test_a_member_that_saw_the_host_end_the_session_tells_the_ring_it_ended(ckpt: Checkpoint) -> None:
+    """m1's link to the host closed as ended (kafila.session.start.watch_host_ending sets `ending`;
+    simulated here, the in-memory ring has no QUIC links): its "broken" says the session ended, so
+    the members downstream end too even where their own link's closing comes later."""
+    ring = build_ring(ckpt, [(0, 2), (2, 3), (3, 5)])
+    told: list[str] = []
+    ring.members[1].on_ended = lambda: told.append("m2")
+    ring.head.on_ended = lambda: told.append("m0")
+    try:
+        ring.members[0].ending = True
+        ring.members[0]._break("link to m0 closed by the peer: the host ended the session")
+        for _ in range(100):
+            if ring.head.broken is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert told == ["m2", "m0"]
+        assert "the host ended the session" in (ring.members[1].broken or "")
+    finally:
+        await ring.stop()
+
+
+async def test_a_member_that_broke_otherwise_does_not_say_the_session_ended(ckpt: Checkpoint) -> None:
+    ring = build_ring(ckpt, [(0, 2), (2, 3), (3, 5)])
+    told: list[str] = []
+    ring.members[1].on_ended = lambda: told.append("m2")
+    try:
+        ring.members[0]._break("member m0 stopped answering")
+        for _ in range(100):
+            if ring.members[1].broken is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert ring.members[1].broken is not None and told == []
+    finally:
+        await ring.stop()
+
+
 @pytest.mark.parametrize(("where", "method"), [(1, "step"), (0, "step"), (0, "logits")])
 async def test_an_unexpected_error_on_a_model_thread_fails_requests_by_name_instead_of_hanging(
     ckpt: Checkpoint, where: int, method: str, monkeypatch: pytest.MonkeyPatch
