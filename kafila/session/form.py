@@ -400,14 +400,14 @@ class Driver:
         log.warning("session_not_formed", reason="rendezvous lost", error=str(why))
         return SessionError(f"lost the rendezvous while the session was forming: {why.message}")
 
-    @staticmethod
-    def _translate(event: sig.ServerMessage) -> fm.Event | None:
+    def _translate(self, event: sig.ServerMessage) -> fm.Event | None:
         if isinstance(event, sig.SignalFrom) and event.payload.get(fm.KEY) == 1:
             return fm.Message(event.sender, event.payload)
         if isinstance(event, sig.MemberJoined):
             return fm.Joined(event.member.id, event.member.name)
         if isinstance(event, sig.MemberLeft):
-            log.warning("member_left", member=event.member, reason=event.reason)
+            name = self.core.name_of(event.member)
+            log.warning("member_left", member=name, id=event.member, reason=event.reason)
             return fm.Left(event.member, event.reason)
         if isinstance(event, sig.Error) and event.fatal:
             raise SessionError(f"the rendezvous ended the session: {event.message}")

@@ -364,6 +364,10 @@ class HostFormation(_Machine):
         device = self.devices.get(member)
         return device.name if device else self.joined.get(member, f"member {member}")
 
+    def name_of(self, member: int) -> str:
+        """Member `member`'s name as far as the host knows it ("member 7" if not)."""
+        return self._name(member)
+
     def _timed_out(self) -> list[Output]:
         if self.step is Step.GATHERING:  # those who came are told, not left waiting for a plan
             names = ", ".join(self._name(m) for m in [self.host_id, *sorted(self.admitted_ids)])
@@ -480,6 +484,11 @@ class MemberFormation(_Machine):
     link_s: float | None = None  # how long linking may take (None: the links' own timeouts)
     ids: dict[str, int] = field(default_factory=dict)  # the plan's members, once it arrived
     name: str = ""  # the name this member reported (the host renames a second member of one name)
+
+    def name_of(self, member: int) -> str:
+        """Member `member`'s name once the plan named it; before, "the host" or "member 7"."""
+        names = {m: n for n, m in self.ids.items()}
+        return names.get(member, "the host" if member == self.host_id else f"member {member}")
 
     def start(self, me: DeviceReport, now: float) -> list[Output]:
         self._require(Step.NEW)

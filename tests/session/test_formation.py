@@ -426,6 +426,16 @@ def plan_body(names: list[str], ids: dict[str, int], dtype: str = "bf16") -> dic
 IDS = {"alpha": 1, "beta": 2, "gamma": 3}
 
 
+def test_each_core_names_a_member_by_what_it_knows() -> None:
+    host = host_with(3)
+    host.handle(fm.Joined(2, "beta"), 100.1)
+    assert (host.name_of(HOST), host.name_of(2), host.name_of(9)) == ("alpha", "beta", "member 9")
+    core = member()
+    assert (core.name_of(HOST), core.name_of(2)) == ("the host", "member 2")  # before the plan
+    core.handle(fm.Message(HOST, plan_body(["alpha", "beta", "gamma"], IDS)), 51.0)
+    assert (core.name_of(HOST), core.name_of(2)) == ("alpha", "beta")
+
+
 def test_member_normal_flow() -> None:
     core = member()
     out = core.handle(fm.Message(HOST, plan_body(["alpha", "beta", "gamma"], IDS)), 51.0)
