@@ -1,9 +1,9 @@
 """The API while the session forms. A member's address is bound when it starts, and forming takes
 minutes (probing, waiting for the others, fetching weights); a client that connected meanwhile used
 to wait in the listen backlog with no answer, unable to tell a forming member from a hung one.
-Now /session and /healthz say what the member is doing, and every other route answers 503 at once
-with the same text and a Retry-After. Once every member is ready, the server switches to the full app
-(kafila.api.server.ApiServer.switch)."""
+Now /session and /healthz say what the member is doing, /metrics serves as always, and every other
+route answers 503 at once with the same text and a Retry-After. Once every member is ready, the
+server switches to the full app (kafila.api.server.ApiServer.switch)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kafila.api.app import metrics_text
 from kafila.api.errors import ApiError, render
 
 RETRY_AFTER_S = 5  # what a 503 while forming asks the client to wait before asking again
@@ -69,6 +70,7 @@ def forming_app(status: FormingStatus) -> Starlette:
     routes = [
         Route("/session", session, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/metrics", metrics_text, methods=["GET"]),  # scraped whether or not the session formed
         Route("/{path:path}", not_yet, methods=METHODS),
     ]
     return Starlette(routes=routes)

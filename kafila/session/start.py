@@ -291,6 +291,7 @@ def _link_host(node: Any, name: str, host: Any, held: Held) -> asyncio.Future[Li
             return
         held.links[host.name] = job.result()
         say(f"linked with the host {host.name} ({job.result().path}); it checked this member's code")
+        note("waiting for the host's plan")  # the host plans once this link admitted the member
 
     job = asyncio.ensure_future(named(name, host.name, connect_edge(node, host.id, True)))
     job.add_done_callback(formed)

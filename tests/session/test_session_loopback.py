@@ -252,6 +252,7 @@ async def test_api_answers_while_the_session_forms_then_serves_on_the_same_addre
         assert doc["state"] == "forming" and doc["role"] == "host" and doc["me"] == "alpha"
         assert doc["model"] == model and doc["step"].startswith("waiting for 1 member")
         assert (await http.get(f"{base}/healthz")).json() == {"ok": True, "state": "forming"}
+        assert (await http.get(f"{base}/metrics")).status_code == 200  # Prometheus scrapes a forming member
         chat = {"model": model, "messages": PROMPT, "max_tokens": 4}
         r = await http.post(f"{base}/v1/chat/completions", json=chat)
         assert r.status_code == 503 and r.headers["retry-after"] == "5"
