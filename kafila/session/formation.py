@@ -531,9 +531,8 @@ class MemberFormation(_Machine):
     def _left(self, event: Left) -> list[Output]:
         if event.member == self.host_id:
             return self._fail(f"the host {event.went} before the session formed")
-        names = {m: n for n, m in self.ids.items()}
-        if event.member in names:
-            return self._fail(f"member {names[event.member]} {event.went} before the session formed")
+        if event.member in self.ids.values():
+            return self._fail(f"member {self.name_of(event.member)} {event.went} before the session formed")
         return []
 
     def _message(self, sender: int, op: str, body: dict[str, Any]) -> list[Output]:

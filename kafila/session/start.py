@@ -415,10 +415,16 @@ async def _fetch(got: fm.LinkNow, links: dict[str, Link], opts: Options) -> Any:
     head = got.plan.head == got.me
     local: list[Path] | None = None if opts.use_local else []
     channel = LinkChannel(links[got.host], got.host)
-    note(f"getting the weights of blocks [{a}, {b}){' + head' if head else ''}")
+    blocks = shard_text(a, b, head)
+    note(f"getting the weights of {blocks}")
     shard = await fetch_shard(channel, range(a, b), head, cache=opts.cache, local=local, label=got.me)
-    say(f"weights for blocks [{a}, {b}){' + head' if head else ''}: {weights_source(shard)}")
+    say(f"weights for {blocks}: {weights_source(shard)}")
     return shard
+
+
+def shard_text(a: int, b: int, head: bool) -> str:
+    """A member's share for the person watching: "blocks [0, 9) + head"."""
+    return f"blocks [{a}, {b})" + (" + head" if head else "")
 
 
 def weights_doc(shard: ShardResult) -> dict[str, Any]:
@@ -484,7 +490,7 @@ async def _start_ring(
     a, b = plan.block_range(name)
     index, order = plan.order.index(name), list(plan.order)
     head = plan.head == name
-    note(f"loading blocks [{a}, {b}){' + head' if head else ''} into memory")
+    note(f"loading {shard_text(a, b, head)} into memory")
     stage = await off_loop(
         Stage.load,
         ckpt,
@@ -531,7 +537,7 @@ async def _start_ring(
     if api is not None:  # served once the whole session has formed (serve_session_api)
         formed.app = _session_app(service, tokenizer, model, facts, traces)
     else:  # the API's line is the others' "ready"
-        say(f"serving blocks [{a}, {b}){' + head' if head else ''}; no API on this member (--api off)")
+        say(f"serving {shard_text(a, b, head)}; no API on this member (--api off)")
     return formed
 
 
