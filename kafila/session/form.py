@@ -336,11 +336,13 @@ class Driver:
             if task is not None:
                 task.cancel()  # an unconsumed event stays in the queue
 
-    async def serve_formed(self, links: dict[str, Link] | None = None) -> None:
+    async def serve_formed(self, formed: Formed) -> None:
         """After forming (a task until the member ends): keep feeding the core, so the host refuses
         whoever joins the formed session, and say when the rendezvous is lost (the ring's direct
-        links do not need it; this member's `links` on the relay do)."""
+        links do not need it; this member's links on the relay do), also on /session (its
+        "rendezvous" "state" becomes "lost", with the "reason")."""
         self.close()
+        links, status = formed.links, formed.service.info.rendezvous
         lost = asyncio.ensure_future(self.client.lost())
         try:
             while True:
@@ -349,7 +351,8 @@ class Driver:
                 if nxt not in done:
                     nxt.cancel()
                     why = lost.result().message
-                    relayed = sorted(p for p, link in (links or {}).items() if link.path == "relay")
+                    status.update(state="lost", reason=why)
+                    relayed = sorted(p for p, link in links.items() if link.path == "relay")
                     say(
                         f"lost the rendezvous ({why}): the ring goes on serving on its direct links; a "
                         "relayed link and new sessions need it (this member does not reconnect)"
@@ -367,6 +370,7 @@ class Driver:
                 if event is not None:
                     await self.carry(self.core.handle(event, self.now()))
         except SessionError as exc:  # a fatal error from the rendezvous, or a refusal it could not take
+            status.update(state="lost", reason=str(exc))
             say(f"the rendezvous: {exc}; the ring goes on serving on its direct links")
         finally:
             lost.cancel()

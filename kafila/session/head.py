@@ -61,6 +61,8 @@ class RingInfo:
     edge_rtt_ms: dict[str, float] = field(default_factory=dict)  # "a->b": the plan's priced round trip
     dtype: str | None = None  # the session's ("fp32", "bf16", "fp16"): every member computes in it
     weights: dict[str, Any] = field(default_factory=dict)  # this member's shard: source, bytes fetched
+    # this member's signaling connection: {"url", "state": "connected" | "lost", "reason" once lost}
+    rendezvous: dict[str, Any] = field(default_factory=dict)
 
     def document(self, state: str, error: str | None) -> dict[str, Any]:
         """The part of a member's /session document every member shares."""
@@ -80,6 +82,7 @@ class RingInfo:
             "dtype": self.dtype,
             "plan": self.plan,
             "weights": self.weights,
+            "rendezvous": self.rendezvous,
         }
 
 

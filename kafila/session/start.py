@@ -237,7 +237,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
         raise
     formed.tasks.append(pump)
     await drive.until(fm.Formed, core.started(drive.now()))
-    formed.tasks.append(asyncio.ensure_future(drive.serve_formed(formed.links)))
+    formed.tasks.append(asyncio.ensure_future(drive.serve_formed(formed)))
     serve_session_api(formed)
     say_ready(plan)
     return formed
@@ -402,7 +402,7 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     formed.host = got.host
     watch_host_ending(formed)
     await drive.until(fm.Formed, core.started(drive.now()))  # refused / left / timeout: SessionError
-    formed.tasks.append(asyncio.ensure_future(drive.serve_formed(formed.links)))
+    formed.tasks.append(asyncio.ensure_future(drive.serve_formed(formed)))
     serve_session_api(formed)
     say_ready(got.plan)
     return formed
@@ -504,6 +504,7 @@ async def _start_ring(
     )
     nxt_name, prv_name = plan.successor(name), plan.predecessor(name)
     info = _ring_info(name, code, plan, links, serving, stage.backend.dtype)
+    info.rendezvous.update(url=opts.rendezvous, state="connected")
     nxt = _channel(links.get(nxt_name), nxt_name, opts)
     prv = _channel(links.get(prv_name), prv_name, opts) if len(order) > 2 or nxt is None else nxt
     traces = TraceLog(opts.trace)  # without a file: the last records for /traces only

@@ -301,7 +301,7 @@ async def test_a_formed_ring_says_it_lost_the_rendezvous_and_goes_on_serving(
     rdv, tmp_path, tiny_chat_model, monkeypatch
 ):
     """The rendezvous going away after forming used to be one log line; each member now says so,
-    and the ring (direct links) still answers."""
+    on /session too, and the ring (direct links) still answers."""
     from kafila.session import form
     from kafila.session.service import Sampling
 
@@ -310,12 +310,18 @@ async def test_a_formed_ring_says_it_lost_the_rendezvous_and_goes_on_serving(
     _, (hosting, beta) = await host_and(rdv, tmp_path, str(tiny_chat_model), 2, ["beta"])
     formed = [await hosting, await beta]
     try:
+        for f in formed:
+            assert f.service.describe()["rendezvous"] == {"url": rdv.url, "state": "connected"}
         await rdv.stop()
         for _ in range(100):
             if sum(s.startswith("lost the rendezvous (") for s in said) == 2:
                 break
             await asyncio.sleep(0.05)
         assert sum(s.startswith("lost the rendezvous (") for s in said) == 2, said
+        for f in formed:
+            seen = f.service.describe()["rendezvous"]
+            assert (seen["url"], seen["state"]) == (rdv.url, "lost"), seen
+            assert seen["reason"].startswith("connection to the rendezvous lost"), seen
         gen = await formed[1].service.submit([1, 2, 3], Sampling(max_tokens=3))
         assert [ev async for ev in gen][-1].finish == "length"
     finally:
