@@ -31,13 +31,15 @@ def explain_no_division(devices: Sequence[DeviceReport], w: Workload) -> str:
         big = max(devices, key=lambda d: d.memory_bytes)
         return f"no member can hold the head: largest is {memory_shortfall(big, w, 1, head=True)}"
     limits = [w.limit(d.memory_bytes, head=False) for d in devices]
-    most = max(sum(limits) - limits[i] + w.limit(d.memory_bytes, head=True) for i, d in enumerate(devices))
-    per_device = ", ".join(
-        f"{d.name} {n} ({w.limit(d.memory_bytes, head=True)} with the head)"
-        for d, n in zip(devices, limits, strict=True)
-    )
+    with_head = [w.limit(d.memory_bytes, head=True) for d in devices]
+    # with each member that can hold the head (and a block of its own) holding it
+    rows = list(zip(devices, limits, with_head, strict=True))
+    holds = [(sum(limits) - n + h, d.name) for d, n, h in rows if h >= 1]
+    most, holder = max(holds, key=lambda most_name: most_name[0])  # ties: the first in ring order
+    per_device = ", ".join(f"{d.name} {n} ({h} with the head)" for d, n, h in rows)
     return (
-        f"the members hold at most {most} of {k} blocks with the head "
+        f"the members hold at most {most} of {k} blocks with the head ({holder} holding it): "
+        f"{k - most} blocks more need {fmt_bytes((k - most) * w.block_resident_bytes)} more memory "
         f"({fmt_bytes(w.block_resident_bytes)} per block at context {w.context} x concurrency "
         f"{w.concurrency}; limits: {per_device})"
     )

@@ -165,6 +165,24 @@ def test_fleet_too_small_for_the_model_lists_every_limit():
     )
 
 
+def test_a_fleet_short_of_memory_is_told_how_many_blocks_and_bytes_it_lacks():
+    """The laptop can hold 2 blocks but not the head with one of its own, so only the desktop can
+    hold the head: 13 + 2 = 15 blocks (the bound used to count the laptop holding the head with no
+    block: 19)."""
+    fleet = [gpu("desktop", 8, 900), gpu("laptop", 1.2, 100)]
+    w = Workload.of(QWEN8, 4096, 1)
+    per_block = w.block_resident_bytes
+    assert [w.limit(d.memory_bytes, head) for d in fleet for head in (False, True)] == [19, 13, 2, 0]
+    p = plan(fleet, QWEN8, context=4096)
+    assert not p.feasible
+    assert p.reason.startswith(
+        "the members hold at most 15 of 36 blocks with the head (desktop holding it): "
+        f"21 blocks more need {21 * per_block / 1e9:.1f} GB more memory "
+        f"({per_block / 1e6:.1f} MB per block at context 4096 x concurrency 1; "
+        "limits: desktop 19 (13 with the head), laptop 2 (0 with the head))"
+    ), p.reason
+
+
 def test_more_members_than_blocks_is_refused():
     p = plan([gpu(f"d{i}", 10, 100) for i in range(40)], QWEN8, context=128)
     assert not p.feasible and "40 members" in p.reason
