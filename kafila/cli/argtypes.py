@@ -70,3 +70,13 @@ def member_name(text: str) -> str:
     if not 1 <= len(text) <= MAX_NAME or not text.isprintable():
         raise argparse.ArgumentTypeError(f"must be 1-{MAX_NAME} printable characters, got {text!r}")
     return text
+
+
+def rendezvous_url(text: str) -> str:
+    """--rendezvous: a ws(s):// or http(s):// URL or HOST[:PORT], as the signaling URL."""
+    from kafila.proto.signaling import signal_url
+
+    try:
+        return signal_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

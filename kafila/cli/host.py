@@ -14,6 +14,7 @@ from kafila.cli.argtypes import (
     number_at_least,
     positive_int,
     positive_number,
+    rendezvous_url,
 )
 from kafila.engine import DTYPE_CHOICES, PREFILL_CHUNK
 from kafila.session.form import DEFAULT_RENDEZVOUS, Formed
@@ -24,8 +25,11 @@ def add_member_flags(parser: argparse.ArgumentParser) -> None:
     """Flags every member has (host and join)."""
     parser.add_argument(
         "--rendezvous",
+        type=rendezvous_url,
         default=DEFAULT_RENDEZVOUS,
-        help=f"signaling URL of the rendezvous (ws:// or wss://), default {DEFAULT_RENDEZVOUS}",
+        help="the rendezvous: its signaling URL (ws:// or wss://; http:// and https:// mean the "
+        "same), or HOST[:PORT] for ws://HOST:PORT/v1/signal (port 8470 if not given); "
+        f"default {DEFAULT_RENDEZVOUS}",
     )
     parser.add_argument(
         "--api",

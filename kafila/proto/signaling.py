@@ -19,10 +19,13 @@ import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Union
+from urllib.parse import urlsplit
 
 from kafila.proto.errors import ProtocolError
 
 VERSION = 1
+SIGNAL_PATH = "/v1/signal"  # the rendezvous's WebSocket endpoint
+DEFAULT_PORT = 8470  # the rendezvous's signaling (HTTP/WebSocket) port
 MAX_MESSAGE_BYTES = 64 * 1024  # what the rendezvous accepts from a member
 MAX_SERVER_MESSAGE_BYTES = 4 * 1024 * 1024  # what a member accepts from the rendezvous
 MAX_OBJECT_BYTES = 16 * 1024  # one capability or NAT report, serialized
@@ -465,3 +468,25 @@ def _jtype(value: Any) -> str:
     if isinstance(value, list):
         return "array"
     return "object"
+
+
+def signal_url(text: str) -> str:
+    """The signaling URL for what a person types for the rendezvous: a ws:// or wss:// URL, an
+    http:// or https:// one (its WebSocket twin), or HOST[:PORT] (ws://, port 8470); a URL without
+    a path gets the signaling path. ValueError names what is wrong."""
+    given, bad = text.strip(), f"{text!r} is not a rendezvous address"
+    parts = urlsplit(given if "://" in given else f"ws://{given}")
+    scheme = {"ws": "ws", "wss": "wss", "http": "ws", "https": "wss"}.get(parts.scheme.lower())
+    if scheme is None:
+        raise ValueError(f"{bad}: give a ws://, wss://, http:// or https:// URL, or HOST[:PORT]")
+    try:
+        port = parts.port
+    except ValueError as exc:  # a port that is not a number or past 65535
+        raise ValueError(f"{bad}: {exc}") from None
+    if not parts.hostname:
+        raise ValueError(f"{bad}: it names no host")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    port = port if port is not None else (DEFAULT_PORT if "://" not in given else None)
+    path = parts.path if parts.path not in ("", "/") else SIGNAL_PATH
+    query = f"?{parts.query}" if parts.query else ""
+    return f"{scheme}://{host}{'' if port is None else f':{port}'}{path}{query}"

@@ -30,7 +30,7 @@ from kafila.rendezvous.ratelimit import TokenBuckets
 from kafila.rendezvous.registry import Close, ConnId, Event, Note, Registry, Send
 
 log = get_logger("kafila.rendezvous")
-SIGNAL_PATH = "/v1/signal"
+SIGNAL_PATH = sig.SIGNAL_PATH
 LOG_REFUSALS_PER_MINUTE = 10  # per event and source address; the metrics count every one
 
 

@@ -11,6 +11,7 @@ from kafila.cli.argtypes import (
     port_number,
     positive_int,
     positive_number,
+    rendezvous_url,
 )
 
 
@@ -27,6 +28,13 @@ from kafila.cli.argtypes import (
         (member_name, "laptop-2", "laptop-2"),
         (count, "1", 1),
         (count, "4294967295", 2**32 - 1),  # the wire's 32 bits, as a fleet file's
+        (rendezvous_url, "ws://127.0.0.1:8470/v1/signal", "ws://127.0.0.1:8470/v1/signal"),
+        (rendezvous_url, "rdv.example.org", "ws://rdv.example.org:8470/v1/signal"),
+        (rendezvous_url, " 10.0.0.2:9000 ", "ws://10.0.0.2:9000/v1/signal"),
+        (rendezvous_url, "[fd00::2]:8470", "ws://[fd00::2]:8470/v1/signal"),
+        (rendezvous_url, "http://rdv.example.org:8470", "ws://rdv.example.org:8470/v1/signal"),
+        (rendezvous_url, "HTTPS://rdv.example.org/", "wss://rdv.example.org/v1/signal"),  # port 443
+        (rendezvous_url, "wss://rdv.example.org/kafila/v1/signal", "wss://rdv.example.org/kafila/v1/signal"),
     ],
 )
 def test_accepts(parse, text, value):
@@ -52,6 +60,15 @@ def test_accepts(parse, text, value):
         (member_name, "a\nb", "must be 1-64 printable characters, got 'a\\nb'"),
         (count, "0", "must be a whole number >= 1, got '0'"),
         (count, "4294967296", "must be at most 4294967295, got '4294967296'"),
+        (
+            rendezvous_url,
+            "ftp://rdv",
+            "'ftp://rdv' is not a rendezvous address: give a ws://, wss://, http:// or https:// URL, "
+            "or HOST[:PORT]",
+        ),
+        (rendezvous_url, "rdv:99999", "'rdv:99999' is not a rendezvous address: Port out of range 0-65535"),
+        (rendezvous_url, "http://", "'http://' is not a rendezvous address: it names no host"),
+        (rendezvous_url, "", "'' is not a rendezvous address: it names no host"),
     ],
 )
 def test_refuses_naming_the_range(parse, text, message):

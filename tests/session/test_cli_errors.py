@@ -18,10 +18,17 @@ from kafila.session.weights import WeightsError
 from tests.net.harness import start_rendezvous
 
 
+def with_api_off(argv: tuple[str, ...]) -> list[str]:
+    """`host` and `join` without an API unless the test gives one: the default port (11434, Ollama's)
+    may be taken on a developer's machine, and what these tests check comes after it is bound."""
+    member = argv[:1] in (("host",), ("join",))
+    return [*argv, "--api", "off"] if member and "--api" not in argv else list(argv)
+
+
 def kafila_cli(*argv: str) -> subprocess.CompletedProcess[str]:
     """`kafila ARGV` in a fresh process, as a person runs it."""
     return subprocess.run(
-        [sys.executable, "-m", "kafila", *argv], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "kafila", *with_api_off(argv)], capture_output=True, text=True, timeout=120
     )
 
 
@@ -72,6 +79,10 @@ def test_a_dead_after_shorter_than_the_rings_beat_is_refused(value: str) -> None
         (["host", "--name", "x" * 65], "argument --name: must be 1-64 printable characters"),
         (["join", "4-k7m2-tiger-lamp-ocean", "--name", "a\nb"], "argument --name: must be 1-64 printable"),
         (["host", "--backend", "cuda"], "argument --backend: invalid choice: 'cuda'"),
+        (
+            ["join", "4-k7m2-tiger-lamp-ocean", "--rendezvous", "ftp://rdv.example"],
+            "argument --rendezvous: 'ftp://rdv.example' is not a rendezvous address: give a ws://",
+        ),
     ],
 )
 def test_names_and_backends_are_checked_by_the_parser(argv: list[str], named: str) -> None:
@@ -144,12 +155,14 @@ def test_an_unreachable_rendezvous_is_named_with_the_reason() -> None:
     assert f"cannot reach the rendezvous at {url}: " in done.stderr and "Connect call failed" in done.stderr
 
 
-async def kafila_against(server: RendezvousServer, *argv: str) -> tuple[int | None, str]:
-    """`kafila ARGV --rendezvous URL` in a fresh process against `server` (running on this test's
-    loop), then the server stopped: the exit status and stderr."""
+async def kafila_against(
+    server: RendezvousServer, *argv: str, address: str | None = None
+) -> tuple[int | None, str]:
+    """`kafila ARGV --rendezvous URL` (or `address`, as a person may type it) in a fresh process
+    against `server` (running on this test's loop), then the server stopped: exit status, stderr."""
     try:
         proc = await asyncio.create_subprocess_exec(
-            *[sys.executable, "-m", "kafila", *argv, "--rendezvous", server.url],
+            *[sys.executable, "-m", "kafila", *with_api_off(argv), "--rendezvous", address or server.url],
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
@@ -165,6 +178,17 @@ async def test_a_code_the_rendezvous_does_not_know_is_refused_in_one_line() -> N
     assert code == 1 and "Traceback" not in stderr
     assert f"the rendezvous at {server.url} would not join session 4-k7m2: no open session" in stderr
     assert "(unknown_session)" in stderr
+
+
+@pytest.mark.parametrize("typed", ["127.0.0.1:{port}", "http://127.0.0.1:{port}", "ws://127.0.0.1:{port}/"])
+async def test_the_rendezvous_may_be_given_as_host_and_port_or_an_http_url(typed: str) -> None:
+    """`--rendezvous 127.0.0.1:8470` (or http://...) was refused as "scheme isn't ws or wss"."""
+    server = await start_rendezvous()
+    assert server.url.startswith("ws://127.0.0.1:") and server.url.endswith("/v1/signal")
+    typed = typed.format(port=server.http_port)
+    code, stderr = await kafila_against(server, "join", "4-k7m2-tiger-lamp-ocean", address=typed)
+    assert code == 1 and "Traceback" not in stderr
+    assert f"the rendezvous at {server.url} would not join session 4-k7m2: no open session" in stderr
 
 
 async def test_a_rendezvous_whose_udp_is_blocked_is_named_not_a_traceback() -> None:
