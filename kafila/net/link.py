@@ -201,6 +201,11 @@ class Link:
         return self._path
 
     @property
+    def relay_leg(self) -> RelayLeg | None:
+        """The relay channel this link falls back to (None until it is granted and bound)."""
+        return self._relay
+
+    @property
     def direct_address(self) -> Address | None:
         return self._direct
 
@@ -289,8 +294,16 @@ class Link:
             return
         now = self._loop.time()
         self._last_rx[PathKind(via)] = now
-        if via == PathKind.DIRECT and self._direct is None:
-            self.add_direct(src, "the peer reached us directly")  # src passed a punch check already
+        if via == PathKind.DIRECT and (self._direct is None or self._path is PathKind.RELAY):
+            # src passed a punch check already. On the relay: the peer's punch succeeded again (it
+            # proved both directions) and it sends on the direct path; follow it, or each side
+            # would find the other's path silent and the two swap paths every re-punch, forever
+            why = (
+                "the peer reached us directly"
+                if self._direct is None
+                else "the peer is back on the direct path"
+            )
+            self.add_direct(src, why)
         if self._quic is None and not self._accept_initial(data):
             return
         assert self._quic is not None

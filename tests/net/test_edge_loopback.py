@@ -11,7 +11,7 @@ import pytest
 
 from kafila.net.edge import EdgeOptions, LinkNode, connect_edge
 from kafila.net.errors import NatProbeError
-from kafila.net.link import PathKind
+from kafila.net.link import Link, PathKind
 from kafila.planner.reachability import NatClass
 from kafila.proto import udp
 from kafila.proto.codes import new_code
@@ -210,3 +210,63 @@ async def test_a_relayed_edge_carries_on_after_the_rendezvous_restarts_with_its_
         await server.close()
         await pair.close()
         await again.stop()
+
+
+def cut_direct(node: LinkNode, seconds: float) -> None:
+    """Simulated outage of the direct path at `node`: for `seconds` it drops every datagram that
+    does not come from the relay (the real endpoint and links around it)."""
+    endpoint, loop = node.endpoint, asyncio.get_running_loop()
+    until, receive = loop.time() + seconds, endpoint.datagram_received
+
+    def filtered(data: bytes, src: tuple[str, int]) -> None:
+        if loop.time() < until and src != node.relay:
+            return
+        receive(data, src)
+
+    endpoint.datagram_received = filtered  # type: ignore[method-assign]
+
+
+async def test_after_a_simulated_direct_outage_both_ends_return_to_the_direct_path_and_stay(rdv) -> None:
+    """Both ends fell to the relay; the client's re-punch took it back to the direct path while the
+    server, which had not re-punched (after a stall its timer runs late; here it never re-punches),
+    stayed on the relay: each found its direct path silent in turn and they swapped paths every
+    re-punch, for as long as the session lasted (seen after a SIGSTOP of a member). The server now
+    follows the client's direct datagrams."""
+    from kafila.net.link import LinkConfig
+
+    config = LinkConfig(keepalive=0.25, dead_after=1.0)
+    pair = await open_pair(rdv, _sock(), _sock(), config=config)
+    client, server = await asyncio.gather(
+        connect_edge(pair.a, pair.b.member, True, EdgeOptions(repunch_interval=1.0)),
+        connect_edge(pair.b, pair.a.member, False, EdgeOptions(repunch_interval=0)),
+    )
+    try:
+        both = (client, server)
+
+        def ready() -> bool:  # punched, and a relay to fall back to
+            return all(link.path is PathKind.DIRECT and link.relay_leg is not None for link in both)
+
+        await _until(ready, 10, *both)
+        cut_direct(pair.a, 2.0)
+        cut_direct(pair.b, 2.0)
+        await _until(lambda: all(link.path is PathKind.RELAY for link in both), 10, *both)
+        await _until(lambda: all(link.path is PathKind.DIRECT for link in both), 10, *both)
+        assert server.path_changes[-1].reason == "the peer is back on the direct path"
+        settled = (len(client.path_changes), len(server.path_changes))
+        await asyncio.sleep(4 * config.dead_after)  # several re-punch intervals, several deadlines
+        assert (len(client.path_changes), len(server.path_changes)) == settled, client.path_changes
+        await client.send(16, b"direct")
+        assert await server.recv(timeout=5) == (16, b"direct")
+    finally:
+        await client.close()
+        await server.close()
+        await pair.close()
+
+
+async def _until(ok, seconds: float, *links: Link) -> None:
+    """Until `ok()`; failing after `seconds` with the path changes of `links` so far."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not ok():
+        assert loop.time() < deadline, f"not within {seconds} s: {[link.path_changes for link in links]}"
+        await asyncio.sleep(0.02)
