@@ -250,6 +250,14 @@ class LinkChannel:
 STALLED_S = 1.0  # a deadline that fires this late means this process itself did not run
 
 
+SILENT = "member {member} stopped answering"  # a neighbour's beats stopped: how a ring's break says it
+
+
+def blames(reason: str, member: str) -> bool:
+    """Whether a ring's broken `reason` says that `member` stopped answering."""
+    return SILENT.format(member=member) in reason
+
+
 class Heartbeat:
     """Beats on `inner` every `interval` s; `recv` raises ChannelDead after `dead_after` s of silence.
     Beats are consumed here and never returned to the caller. A deadline that fired late (this
@@ -317,7 +325,7 @@ class Heartbeat:
                 f"this member stalled for {stalled:.1f} s (its process did not run) and heard nothing "
                 f"from member {self.peer} since"
             )
-        return f"member {self.peer} stopped answering (nothing for {limit:g} s)"
+        return f"{SILENT.format(member=self.peer)} (nothing for {limit:g} s)"
 
     def acknowledge(self) -> None:
         self.inner.acknowledge()

@@ -26,7 +26,7 @@ from kafila.planner.plan import Plan
 from kafila.proto.codes import SessionCode, new_code, parse_code
 from kafila.session import formation as fm
 from kafila.session.admission import WRONG_OWN_CODE, Admission
-from kafila.session.channel import Heartbeat, LinkChannel
+from kafila.session.channel import Heartbeat, LinkChannel, blames
 from kafila.session.form import (
     DEFAULT_RENDEZVOUS,
     Driver,
@@ -528,10 +528,7 @@ async def _start_ring(
     else:
         service = RingMember(index, stage, model_thread, info, nxt, prv, traces)  # type: ignore[arg-type]
     metrics.observe_session(session_record(plan, code.public, model, info.edges), ring_view=head)
-    service.on_broken = lambda why: say(
-        f"{why}. This member answers requests with 503 from now on; re-planning is not implemented: "
-        "end it (Ctrl-C) and form a new session"
-    )
+    service.on_broken = lambda why: say(broken_line(name, why))
     service.start()
     facts = ModelFacts.of(ckpt.config, stage.backend.wire_dtype, serving.checkpoint)
     formed = Formed(name, code, plan, service, api, client, node, links)
@@ -540,6 +537,19 @@ async def _start_ring(
     else:  # the API's line is the others' "ready"
         say(f"serving {shard_text(a, b, head)}; no API on this member (--api off)")
     return formed
+
+
+def broken_line(name: str, why: str) -> str:
+    """What member `name` says when its ring broke for `why`."""
+    if blames(why, name):  # the others' view of this member, which heard their "broken" on waking
+        why += (
+            ": that is this member, whose process did not run in time (stopped, asleep or swapping), "
+            "so the others counted it gone"
+        )
+    return (
+        f"{why}. This member answers requests with 503 from now on; re-planning is not implemented: "
+        "end it (Ctrl-C) and form a new session"
+    )
 
 
 def watch_host_ending(formed: Formed) -> None:
