@@ -246,7 +246,9 @@ async def test_direct_path_that_stops_answering_falls_back_to_relay_without_loss
                     break
                 await asyncio.sleep(0.05)
             assert client.path is PathKind.DIRECT and server.path is PathKind.DIRECT
-            assert client.path_changes[-1].reason == "punch succeeded again"
+            back = {link.path_changes[-1].reason for link in (client, server)}  # one punched, or both
+            assert "punch succeeded again" in back
+            assert back <= {"punch succeeded again", "the peer is back on the direct path"}
             await packet_size(client, 1452)  # probed again
             assert shown == {"a->b": "direct"}
             direct_before = client.stats().datagrams_direct
