@@ -34,6 +34,7 @@ from kafila.net.link import Link, LinkConfig
 from kafila.net.signaling import SignalingClient, SignalingClosed
 from kafila.obs.log import get_logger
 from kafila.obs.trace import SessionRecord, TraceLog
+from kafila.planner.cost import fmt_bytes
 from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan
 from kafila.proto import signaling as sig
@@ -472,7 +473,7 @@ def probe_report(
     device = report.device_report(name, nat=nat, rtt_s=rtt)
     device = capped(device, opts.memory_bytes)
     say(
-        f"{name}: {report.bandwidth.median / 1e9:.1f} GB/s, {device.memory_bytes / 1e9:.1f} GB for weights, "
+        f"{name}: {report.bandwidth.median / 1e9:.1f} GB/s, {fmt_bytes(device.memory_bytes)} for weights, "
         f"NAT {nat.cls if nat else 'unknown'}"
     )
     return device
