@@ -7,12 +7,14 @@ A code has two parts:
   by the host and shared with members out of band. It never reaches the rendezvous; members prove
   it to each other (kafila.net) from `SessionCode.secret_material()`.
 
-Parsing forgives case, spaces for hyphens and the Crockford look-alikes (o->0, i/l->1).
+Parsing forgives case, spaces or typographic dashes (en, em, minus) for hyphens and the Crockford
+look-alikes (o->0, i/l->1); a word not in the list is answered with the nearest ones.
 docs/rendezvous.md derives the online guessing bound.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 import secrets
@@ -86,7 +88,8 @@ def new_code(public: str, rand_below: RandomBelow = secrets.randbelow) -> Sessio
 
 
 def _tokens(text: str) -> list[str]:
-    return [t for t in re.split(r"[\s\-_]+", text.strip().lower()) if t]
+    # hyphens as chat apps and word processors rewrite them too: U+2010-2015 (en and em dash...), U+2212
+    return [t for t in re.split(r"[\s\-_\u2010-\u2015\u2212]+", text.strip().lower()) if t]
 
 
 def parse_public(text: str) -> str:
@@ -113,5 +116,12 @@ def parse_code(text: str, words: int = SECRET_WORDS) -> SessionCode:
     public = parse_public(" ".join(tokens[:2]))
     unknown = [w for w in tokens[2:] if w not in _WORD_SET]
     if unknown:
-        raise ProtocolError(f"session code words {unknown} are not in the word list", "bad_code")
+        near = [f"{w!r}: did you mean {' or '.join(map(repr, _near(w)))}?" for w in unknown if _near(w)]
+        hint = f" ({'; '.join(near)})" if near else ""
+        raise ProtocolError(f"session code words {unknown} are not in the word list{hint}", "bad_code")
     return SessionCode(public, "-".join(tokens[2:]))
+
+
+def _near(word: str) -> list[str]:
+    """Words of the list a mistyped `word` may have meant (at most two)."""
+    return difflib.get_close_matches(word, WORDS, n=2, cutoff=0.75)

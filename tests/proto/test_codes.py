@@ -47,8 +47,24 @@ def test_bad_public_parts(text: str) -> None:
 def test_bad_full_codes() -> None:
     with pytest.raises(ProtocolError, match="has 4 parts, expected 5"):
         codes.parse_code("4-k7m2-tiger-lamp")
-    with pytest.raises(ProtocolError, match=r"\['zzzz'\] are not in the word list"):
+    with pytest.raises(ProtocolError, match=r"\['zzzz'\] are not in the word list$"):
         codes.parse_code("4-k7m2-tiger-zzzz-ocean")
+
+
+def test_a_mistyped_word_is_answered_with_the_words_it_may_have_meant() -> None:
+    with pytest.raises(ProtocolError) as err:
+        codes.parse_code("4-k7m2-tigre-lamp-ocaen")
+    assert str(err.value) == (
+        "session code words ['tigre', 'ocaen'] are not in the word list "
+        "('tigre': did you mean 'tiger'?; 'ocaen': did you mean 'ocean'?)"
+    )
+
+
+@pytest.mark.parametrize("dash", ["\u2010", "\u2011", "\u2013", "\u2014", "\u2212", " \u2013 "])
+def test_dashes_that_chat_apps_and_word_processors_substitute_still_separate(dash: str) -> None:
+    """A code pasted from a chat whose hyphens became en dashes was "1 parts, expected 5"."""
+    code = codes.parse_code("4-k7m2-tiger-lamp-ocean")
+    assert codes.parse_code(dash.join(["4", "k7m2", "tiger", "lamp", "ocean"])) == code
 
 
 @pytest.mark.parametrize("text", ["", "  ", "- -"])
