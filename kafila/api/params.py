@@ -13,6 +13,7 @@ from typing import Any
 from starlette.requests import Request
 
 from kafila.api.errors import ApiError, invalid
+from kafila.api.state import api_of
 from kafila.session.service import Sampling
 
 
@@ -27,7 +28,7 @@ class Job:
 
 async def read_body(request: Request) -> dict[str, Any]:
     try:
-        body = json.loads(await request.body() or b"null")
+        body = json.loads(await _bounded_body(request) or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, "invalid_json", f"request body is not JSON: {exc}") from None
     except RecursionError:  # 100 000 nested arrays: the decoder's recursion, not a server fault
@@ -35,6 +36,32 @@ async def read_body(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "invalid_json", f"request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+async def _bounded_body(request: Request) -> bytes:
+    """The body, refused with 413 once it passes what a request that fits the context can need
+    (read and parsed on the event loop: a 300 MB body held it for over a second, and more would
+    stop the ring's heartbeats)."""
+    limit = api_of(request).body_limit
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:  # refused before reading any of it
+        raise _too_large(f"request body of {int(declared)} bytes", limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large("request body", limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(what: str, limit: int) -> ApiError:
+    return ApiError(
+        413,
+        "request_too_large",
+        f"{what} is over this session's limit of {limit} bytes, which any request that fits the "
+        "session's context stays within",
+    )
 
 
 # OpenAI parameters this server does not implement, with the values that mean "not used": a request

@@ -395,6 +395,31 @@ async def test_session_document_and_traces(served: Served) -> None:
     json.dumps(doc)
 
 
+async def test_a_body_far_past_any_request_that_fits_is_refused_unread_with_413(served: Served) -> None:
+    """A 300 MB body was read whole and parsed on the member's event loop (1.2 s here; a few GB would
+    stop the ring's heartbeats, and take as much memory)."""
+    limit = served.head_api.body_limit  # 16 MiB + 8 bytes a character that can fit 256 tokens
+    assert 16 * 2**20 < limit < 17 * 2**20
+    body = b'{"model": "%s", "prompt": "' % MODEL.encode() + b"a" * limit + b'"}'
+
+    async def chunked():  # no Content-Length: refused once the bytes read pass the limit
+        for i in range(0, len(body), 2**20):
+            yield body[i : i + 2**20]
+
+    async with httpx.AsyncClient(timeout=60) as http:
+        sized = await http.post(f"{served.member.url}/v1/completions", content=body)
+        streamed = await http.post(f"{served.member.url}/api/generate", content=chunked())
+    assert sized.status_code == 413 and sized.json()["error"]["code"] == "request_too_large"
+    assert sized.json()["error"]["message"] == (
+        f"request body of {len(body)} bytes is over this session's limit of {limit} bytes, which any "
+        "request that fits the session's context stays within"
+    )
+    assert streamed.status_code == 413 and streamed.json()["error"].startswith(
+        "request body is over this session's limit"
+    )  # Ollama's error shape
+    assert served.ring.head.broken is None
+
+
 async def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(served: Served) -> None:
     """A 4 MB message used to be tokenized on the member's event loop (seconds), stopping its
     heartbeats: the ring broke for every user. Its characters alone say it cannot fit."""
