@@ -33,12 +33,19 @@ def invalid(param: str, message: str) -> ApiError:
     return ApiError(400, "invalid_parameter", message, param)
 
 
+# a full queue frees a place whenever one of the requests served ends: ask again in the smallest
+# whole number of seconds (clients such as openai's honour it; a broken ring's 503 has none, as
+# asking again will not help)
+RETRY_BUSY_S = 1
+
+
 def render(request: Request, exc: ApiError) -> Response:
+    headers = {"Retry-After": str(RETRY_BUSY_S)} if exc.status == 429 else None
     if request.url.path.startswith("/api/"):
-        return JSONResponse({"error": exc.message}, status_code=exc.status)
+        return JSONResponse({"error": exc.message}, status_code=exc.status, headers=headers)
     kind = "invalid_request_error" if exc.status < 500 else "server_error"
     body = {"message": exc.message, "type": kind, "param": exc.param, "code": exc.code}
-    return JSONResponse({"error": body}, status_code=exc.status)
+    return JSONResponse({"error": body}, status_code=exc.status, headers=headers)
 
 
 async def handle_api_error(request: Request, exc: Exception) -> Response:

@@ -102,6 +102,7 @@ async def test_a_request_past_a_full_queue_gets_429_busy_at_the_head_and_through
     finally:
         served.ring.head.schedule.max_queue = None
     assert [r.status_code for r in answers] == [429] * 5
+    assert [r.headers.get("retry-after") for r in answers] == ["1"] * 5  # openai's client waits that long
     openai_error = answers[1].json()["error"]
     assert openai_error["code"] == "busy" and "queues no request; try again later" in openai_error["message"]
     assert "all 1 slot of this session are busy" in answers[2].json()["error"]
