@@ -33,7 +33,12 @@ async def metrics_text(request: Request) -> Response:
 
 
 async def healthz(request: Request) -> Response:
-    return JSONResponse({"ok": True, "state": api_of(request).service.describe().get("state")})
+    """200 while the member serves; 503 once its ring broke (every request would get 503, and the
+    session does not mend: a container's HEALTHCHECK or a monitor should see it as down)."""
+    doc = api_of(request).service.describe()
+    if doc.get("state") == "broken":
+        return JSONResponse({"ok": False, "state": "broken", "error": doc.get("error")}, status_code=503)
+    return JSONResponse({"ok": True, "state": doc.get("state")})
 
 
 async def not_found(request: Request, exc: Exception) -> Response:

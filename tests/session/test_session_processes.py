@@ -33,6 +33,7 @@ def test_killed_member_fails_the_request_within_10_s_and_the_others_notice(fleet
     others = [m for m in fleet.members if m.name != doc["head"]]
     asker, victim = others[0], others[1]
     assert victim.proc is not None
+    assert httpx.get(f"{asker.api_url}/healthz", timeout=5).json() == {"ok": True, "state": "serving"}
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
             "max_tokens": 400, "temperature": 0, "stream": True}  # fmt: skip
     lines, killed_at, error = 0, None, None
@@ -63,6 +64,9 @@ def test_killed_member_fails_the_request_within_10_s_and_the_others_notice(fleet
             assert state["state"] == "broken" and victim.name in state["error"], (m.name, state)
             told = "kafila: the ring is broken: " in m.log_text() and "form a new session" in m.log_text()
             assert told, f"{m.name} did not tell the person at its terminal"
+            health = httpx.get(f"{m.api_url}/healthz", timeout=5)  # a monitor sees the member down
+            assert health.status_code == 503 and health.json()["ok"] is False, health.text
+            assert victim.name in health.json()["error"]
 
 
 def test_a_member_sent_sigterm_closes_its_links_and_the_others_notice_at_once(fleet: LocalFleet) -> None:
