@@ -406,7 +406,10 @@ class HostFormation(_Machine):
             return [Rejected(event.member, f"member {event.member} left but never joined")]
         name = self._name(event.member)
         if event.member in self.ids.values() and self.step is not Step.GATHERING:
-            reason = f"member {name} {event.went} before the session formed"
+            reason = (
+                f"member {name} {event.went} before the session formed; the plan counted on it, so a "
+                "new session is needed (the host runs `kafila host` again, everyone joins its new code)"
+            )
             others = [m for m in self._others() if m != event.member]
             return self._refuse(reason, others)
         self._forget(event.member)

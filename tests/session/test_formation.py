@@ -340,7 +340,11 @@ def test_member_leaving_after_the_plan_ends_the_attempt_and_tells_the_others() -
     gathered(core, {2: "beta", 3: "gamma"})
     core.planned(plan_of(["alpha", "beta", "gamma"]), 102.0)
     out = core.handle(fm.Left(3, "disconnected"), 103.0)
-    reason = "member gamma lost its connection to the rendezvous before the session formed"
+    reason = (
+        "member gamma lost its connection to the rendezvous before the session formed; the plan "
+        "counted on it, so a new session is needed (the host runs `kafila host` again, everyone "
+        "joins its new code)"
+    )
     assert kinds(out) == ["Send", "Failed"]
     assert out[0] == fm.Send(2, fm.payload("refused", reason=reason))
     assert out[1] == fm.Failed(reason)
