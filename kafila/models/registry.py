@@ -63,6 +63,22 @@ def resolve(name_or_path: str | os.PathLike[str], progress: bool = True) -> Path
     )
 
 
+def served_name(name_or_path: str | os.PathLike[str]) -> str:
+    """The name a session serves a model under (the API's model id): a model name as given; a
+    folder by its own name, not this machine's path (clients elsewhere name the model), and a
+    Hugging Face cache snapshot (models--ORG--NAME/snapshots/REVISION) as ORG/NAME."""
+    from kafila.models.default import DEFAULT_MODELS
+
+    text = os.fspath(name_or_path)
+    path = Path(text).expanduser()
+    if text in DEFAULT_MODELS or not path.is_dir():
+        return text
+    path = path.resolve()
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return path.name or text
+
+
 def available() -> list[ModelEntry]:
     """Default models (converted or not) then every model folder in the cache."""
     from kafila.models.default import DEFAULT_MODELS

@@ -187,13 +187,14 @@ def refused_by(url: str, what: str) -> Iterator[None]:
 
 
 async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, held: Held) -> Formed:
-    from kafila.models.registry import resolve
+    from kafila.models.registry import resolve, served_name
 
     folder = resolve(opts.model)
     ckpt = Checkpoint.open(folder, complete=True)
     ckpt.config.check_context(opts.context, opts.model)
-    # one dtype for the whole session, decided here: every member probes and computes in it
-    opts = replace(opts, dtype=checkpoint_dtype(opts.dtype, ckpt.stored_dtype))
+    # one dtype for the whole session, decided here: every member probes and computes in it; and
+    # one model name, which clients anywhere use (a folder's own name, not this machine's path)
+    opts = replace(opts, dtype=checkpoint_dtype(opts.dtype, ckpt.stored_dtype), model=served_name(opts.model))
     name = held.forming.name = opts.name or default_name()
     held.forming.model = opts.model
     held.api_socket = reserve_api(opts)

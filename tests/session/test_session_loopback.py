@@ -250,7 +250,9 @@ async def test_api_answers_while_the_session_forms_then_serves_on_the_same_addre
         base = url.group(1)
         doc = (await http.get(f"{base}/session")).json()
         assert doc["state"] == "forming" and doc["role"] == "host" and doc["me"] == "alpha"
-        assert doc["model"] == model and doc["step"].startswith("waiting for 1 member")
+        assert doc["model"] == tiny_chat_model.name  # the folder's name, not the host's path
+        model = doc["model"]  # what clients name
+        assert doc["step"].startswith("waiting for 1 member")
         assert (await http.get(f"{base}/healthz")).json() == {"ok": True, "state": "forming"}
         assert (await http.get(f"{base}/metrics")).status_code == 200  # Prometheus scrapes a forming member
         chat = {"model": model, "messages": PROMPT, "max_tokens": 4}
