@@ -130,12 +130,30 @@ def reserve_api(opts: Options) -> socket.socket | None:
         return None
     host, port = parse_addr(opts.api)
     try:
-        return bind_tcp(host, port)
+        sock = bind_tcp(host, port)
     except OSError as exc:
         raise SessionError(
             f"cannot serve the API on {host}:{port}: {exc.strerror or exc} "
             "(choose another with --api HOST:PORT, or --api off)"
         ) from exc
+    if not _loopback(host):
+        say(
+            f"note: the API on {host}:{port} is open to other machines and has no authentication: "
+            "whoever reaches it uses this session (the default, 127.0.0.1, keeps it to this machine)"
+        )
+    return sock
+
+
+def _loopback(host: str) -> bool:
+    """Whether an --api host is this machine alone (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
 
 
 async def open_api(held: Held) -> None:

@@ -102,3 +102,17 @@ async def test_a_member_the_ring_counted_gone_is_told_that_the_silent_member_was
     )
     for other in ("hosty", "m1-5", "m"):
         assert broken_line(other, why) == f"{why}. {mine.split('. ', 1)[1]}"
+
+
+LOCAL_OR_OPEN = [("127.0.0.1:0", False), ("localhost:0", False), ("[::1]:0", False), ("0.0.0.0:0", True)]
+
+
+@pytest.mark.parametrize(("api", "open_"), LOCAL_OR_OPEN)
+def test_an_api_open_to_other_machines_is_said_to_be_unauthenticated(capsys, api: str, open_: bool) -> None:
+    from kafila.session.start import reserve_api
+
+    sock = reserve_api(Options(api=api))
+    assert sock is not None
+    sock.close()
+    said = capsys.readouterr().err
+    assert ("has no authentication: whoever reaches it uses this session" in said) is open_, said
