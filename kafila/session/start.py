@@ -210,6 +210,11 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     folder = resolve(opts.model)
     ckpt = Checkpoint.open(folder, complete=True)
     ckpt.config.check_context(opts.context, opts.model)
+    if opts.members > (blocks := ckpt.config.num_hidden_layers):  # known now, not after N joined
+        raise SessionError(
+            f"--members {opts.members} is more than the {blocks} blocks of {opts.model}: every member "
+            f"holds at least one; at most {blocks} members"
+        )
     # one dtype for the whole session, decided here: every member probes and computes in it; and
     # one model name, which clients anywhere use (a folder's own name, not this machine's path)
     opts = replace(opts, dtype=checkpoint_dtype(opts.dtype, ckpt.stored_dtype), model=served_name(opts.model))

@@ -39,6 +39,7 @@ def kafila_cli(*argv: str) -> subprocess.CompletedProcess[str]:
         (["join", "4-zzzz-bad"], "session code has 3 parts"),
         (["join", ""], "error: session code is empty; it looks like '4-k7m2-tiger-lamp-ocean'"),
         (["host", "--context", "100000"], "--context 100000 is beyond the 8192 positions smollm2-135m was"),
+        (["host", "--members", "31"], "--members 31 is more than the 30 blocks of smollm2-135m"),
     ],
 )
 def test_bad_input_is_one_named_error(argv: list[str], named: str) -> None:
