@@ -7,8 +7,9 @@ A code has two parts:
   by the host and shared with members out of band. It never reaches the rendezvous; members prove
   it to each other (kafila.net) from `SessionCode.secret_material()`.
 
-Parsing forgives case, spaces or typographic dashes (en, em, minus) for hyphens and the Crockford
-look-alikes (o->0, i/l->1); a word not in the list is answered with the nearest ones.
+Parsing forgives case, spaces or typographic dashes (en, em, minus) for hyphens, the quotes and
+full stop of a code copied out of a sentence, and the Crockford look-alikes (o->0, i/l->1); a word
+not in the list is answered with the nearest ones.
 docs/rendezvous.md derives the online guessing bound.
 """
 
@@ -88,8 +89,11 @@ def new_code(public: str, rand_below: RandomBelow = secrets.randbelow) -> Sessio
 
 
 def _tokens(text: str) -> list[str]:
-    # hyphens as chat apps and word processors rewrite them too: U+2010-2015 (en and em dash...), U+2212
-    return [t for t in re.split(r"[\s\-_\u2010-\u2015\u2212]+", text.strip().lower()) if t]
+    """The parts of a code as typed or pasted: without the quotes, brackets and full stop a code
+    copied out of a sentence brings along, split at hyphens also as chat apps and word processors
+    rewrite them (U+2010-2015: en and em dash among them, U+2212 minus)."""
+    text = text.strip().strip("\"'`\u2018\u2019\u201c\u201d()[]<>.,;:!?").lower()
+    return [t for t in re.split(r"[\s\-_\u2010-\u2015\u2212]+", text) if t]
 
 
 def parse_public(text: str) -> str:

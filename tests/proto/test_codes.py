@@ -91,3 +91,13 @@ def test_fuzz_parse_is_defined(text: str) -> None:
             parse(text)
         except ProtocolError as exc:
             assert exc.code == "bad_code"
+
+
+@pytest.mark.parametrize(
+    "pasted",
+    ["4-k7m2-tiger-lamp-ocean.", '"4-k7m2-tiger-lamp-ocean"', "(4-k7m2-tiger-lamp-ocean)",
+     "`4-k7m2-tiger-lamp-ocean`", "\u201c4-k7m2-tiger-lamp-ocean\u201d", " 4-k7m2-tiger-lamp-ocean!\n"],
+)  # fmt: skip
+def test_a_code_copied_out_of_a_sentence_parses_without_its_quotes_and_full_stop(pasted: str) -> None:
+    """'... join with 4-k7m2-tiger-lamp-ocean.' gave "words ['ocean.'] are not in the word list"."""
+    assert codes.parse_code(pasted) == codes.parse_code("4-k7m2-tiger-lamp-ocean")
