@@ -201,7 +201,12 @@ def refused_by(url: str, what: str) -> Iterator[None]:
     try:
         yield
     except SignalingError as exc:
-        raise SessionError(f"the rendezvous at {url} would not {what}: {exc.message} ({exc.code})") from exc
+        hint = ""
+        if exc.code == "unknown_session":  # a mistyped code, or another rendezvous than the host's
+            hint = "; the host printed the whole join command, with its --rendezvous unless the default"
+        raise SessionError(
+            f"the rendezvous at {url} would not {what}: {exc.message} ({exc.code}){hint}"
+        ) from exc
 
 
 async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, held: Held) -> Formed:

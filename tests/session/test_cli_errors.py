@@ -178,7 +178,7 @@ async def test_a_code_the_rendezvous_does_not_know_is_refused_in_one_line() -> N
     code, stderr = await kafila_against(server, "join", "4-k7m2-tiger-lamp-ocean")
     assert code == 1 and "Traceback" not in stderr
     assert f"the rendezvous at {server.url} would not join session 4-k7m2: no open session" in stderr
-    assert "(unknown_session)" in stderr
+    assert "(unknown_session); the host printed the whole join command, with its --rendezvous" in stderr
 
 
 @pytest.mark.parametrize("typed", ["127.0.0.1:{port}", "http://127.0.0.1:{port}", "ws://127.0.0.1:{port}/"])
