@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import socket
 from collections.abc import Callable, Iterator
@@ -146,8 +147,6 @@ def reserve_api(opts: Options) -> socket.socket | None:
 
 def _loopback(host: str) -> bool:
     """Whether an --api host is this machine alone (127.0.0.0/8, ::1, localhost)."""
-    import ipaddress
-
     if host.lower() == "localhost":
         return True
     try:
