@@ -56,20 +56,25 @@ class Api:
         return await asyncio.to_thread(self.codec.encode_prompt, text)
 
     @property
+    def most_chars(self) -> int:
+        """Characters of the longest text that can fit the context: every token at its longest."""
+        return self.service.context * self.codec.max_token_chars
+
+    @property
     def body_limit(self) -> int:
         """Bytes of a request body: 8 bytes a character of the longest text that can fit the context
         (an escaped non-ASCII character takes 6), plus 16 MiB, so a prompt a few times too long is
         still read and told by how much (`context_length_exceeded`), and only bodies far past any
         use (hundreds of MB, read and parsed on the event loop) are refused unread."""
-        return 16 * 2**20 + 8 * self.service.context * self.codec.max_token_chars
+        return 16 * 2**20 + 8 * self.most_chars
 
     def _check_chars(self, chars: int, key: str) -> None:
         context, per_token = self.service.context, self.codec.max_token_chars
-        if chars > context * per_token:
+        if chars > self.most_chars:
             raise ApiError(
                 400,
                 "context_length_exceeded",
-                f"the prompt's {chars} characters are more than {context * per_token} ({context} tokens "
+                f"the prompt's {chars} characters are more than {self.most_chars} ({context} tokens "
                 f"of at most {per_token} characters): it cannot fit the session's context of {context} "
                 "tokens; shorten it (Kafila never truncates it)",
                 key,

@@ -120,7 +120,7 @@ def parse_code(text: str, words: int = SECRET_WORDS) -> SessionCode:
     public = parse_public(" ".join(tokens[:2]))
     unknown = [w for w in tokens[2:] if w not in _WORD_SET]
     if unknown:
-        near = [f"{w!r}: did you mean {' or '.join(map(repr, _near(w)))}?" for w in unknown if _near(w)]
+        near = [f"{w!r}: did you mean {' or '.join(map(repr, m))}?" for w in unknown if (m := _near(w))]
         hint = f" ({'; '.join(near)})" if near else ""
         raise ProtocolError(f"session code words {unknown} are not in the word list{hint}", "bad_code")
     return SessionCode(public, "-".join(tokens[2:]))
