@@ -17,6 +17,7 @@ from kafila.cli.argtypes import (
     rendezvous_url,
 )
 from kafila.engine import DTYPE_CHOICES, PREFILL_CHUNK
+from kafila.proto.signaling import DEFAULT_PORT, SIGNAL_PATH
 from kafila.session.form import DEFAULT_RENDEZVOUS, Formed
 from kafila.session.schedule import DEFAULT_QUEUE
 
@@ -28,7 +29,7 @@ def add_member_flags(parser: argparse.ArgumentParser) -> None:
         type=rendezvous_url,
         default=DEFAULT_RENDEZVOUS,
         help="the rendezvous: its signaling URL (ws:// or wss://; http:// and https:// mean the "
-        "same), or HOST[:PORT] for ws://HOST:PORT/v1/signal (port 8470 if not given); "
+        f"same), or HOST[:PORT] for ws://HOST:PORT{SIGNAL_PATH} (port {DEFAULT_PORT} if not given); "
         f"default {DEFAULT_RENDEZVOUS}",
     )
     parser.add_argument(

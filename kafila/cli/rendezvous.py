@@ -8,6 +8,7 @@ import ipaddress
 from collections.abc import Callable
 
 from kafila.cli.argtypes import port_number, positive_int, positive_number
+from kafila.proto.signaling import DEFAULT_PORT
 
 _LIMIT_HELP = {
     "max_message_bytes": "largest signaling frame accepted, in bytes",
@@ -67,8 +68,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--port",
         type=port_number,
-        default=8470,
-        help="TCP port for signaling, /healthz, /metrics (default 8470)",
+        default=DEFAULT_PORT,
+        help=f"TCP port for signaling, /healthz, /metrics (default {DEFAULT_PORT})",
     )
     parser.add_argument("--udp-host", default=None, help="address for UDP probes and relay (default: --host)")
     parser.add_argument(

@@ -30,7 +30,6 @@ from kafila.rendezvous.ratelimit import TokenBuckets
 from kafila.rendezvous.registry import Close, ConnId, Event, Note, Registry, Send
 
 log = get_logger("kafila.rendezvous")
-SIGNAL_PATH = sig.SIGNAL_PATH
 LOG_REFUSALS_PER_MINUTE = 10  # per event and source address; the metrics count every one
 
 
@@ -160,7 +159,7 @@ async def _upgrade_required(request: Request) -> Response:
     url = request.url.replace(scheme="wss" if request.url.scheme == "https" else "ws", query="")
     body = {
         "error": "upgrade_required",
-        "message": f"{SIGNAL_PATH} is the rendezvous's WebSocket signaling endpoint: "
+        "message": f"{sig.SIGNAL_PATH} is the rendezvous's WebSocket signaling endpoint: "
         f"connect to {url} with a WebSocket client (ws://, or wss:// when served with TLS)",
     }
     return JSONResponse(body, status_code=426, headers={"Upgrade": "websocket"})
@@ -201,8 +200,8 @@ def build_app(
         routes=[
             Route("/healthz", healthz),
             Route("/metrics", metrics),
-            WebSocketRoute(SIGNAL_PATH, hub.serve),
-            Route(SIGNAL_PATH, _upgrade_required),  # plain HTTP on the same path (http scope only)
+            WebSocketRoute(sig.SIGNAL_PATH, hub.serve),
+            Route(sig.SIGNAL_PATH, _upgrade_required),  # plain HTTP on the same path (http scope only)
         ],
         lifespan=lifespan,
     )

@@ -18,7 +18,7 @@ from kafila.net.tcp import bind_tcp
 from kafila.obs.log import get_logger
 from kafila.proto import signaling
 from kafila.proto.udp import format_address
-from kafila.rendezvous.app import SIGNAL_PATH, build_app
+from kafila.rendezvous.app import build_app
 from kafila.rendezvous.limits import Limits
 from kafila.rendezvous.registry import ProbeInfo, Registry
 from kafila.rendezvous.relay import RelayTable
@@ -62,7 +62,7 @@ def check_tls(cert: str, key: str) -> None:
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "0.0.0.0"  # signaling (HTTP/WebSocket) address
-    port: int = 8470
+    port: int = signaling.DEFAULT_PORT
     udp_host: str | None = None  # probe/relay address; default: `host`
     udp_port: int = 3478
     udp_alt_port: int = 3479
@@ -137,7 +137,7 @@ class RendezvousServer:
     def url(self) -> str:
         scheme = "wss" if self.config.cert else "ws"
         host = self.config.host if self.config.host not in ("0.0.0.0", "::") else "127.0.0.1"
-        return f"{scheme}://{format_address((host, self.http_port))}{SIGNAL_PATH}"
+        return f"{scheme}://{format_address((host, self.http_port))}{signaling.SIGNAL_PATH}"
 
     async def stop(self) -> None:
         if self._server is not None and self._task is not None:

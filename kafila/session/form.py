@@ -49,7 +49,7 @@ R = TypeVar("R")
 FIRST = asyncio.FIRST_COMPLETED
 
 
-DEFAULT_RENDEZVOUS = "ws://127.0.0.1:8470/v1/signal"  # a rendezvous on this machine (`kafila rendezvous`)
+DEFAULT_RENDEZVOUS = f"ws://127.0.0.1:{sig.DEFAULT_PORT}{sig.SIGNAL_PATH}"  # `kafila rendezvous` here
 
 
 class SessionError(RuntimeError):
