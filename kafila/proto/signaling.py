@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Union
 from urllib.parse import urlsplit
 
 from kafila.proto.errors import ProtocolError
+from kafila.proto.udp import url_host
 
 VERSION = 1
 SIGNAL_PATH = "/v1/signal"  # the rendezvous's WebSocket endpoint
@@ -485,7 +486,7 @@ def signal_url(text: str) -> str:
         raise ValueError(f"{bad}: {exc}") from None
     if not parts.hostname:
         raise ValueError(f"{bad}: it names no host")
-    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    host = url_host(parts.hostname)
     port = port if port is not None else (DEFAULT_PORT if "://" not in given else None)
     path = parts.path if parts.path not in ("", "/") else SIGNAL_PATH
     query = f"?{parts.query}" if parts.query else ""

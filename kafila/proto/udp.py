@@ -54,10 +54,14 @@ _KNOWN_FLAGS = FLAG_CHANGE_PORT | FLAG_CHANGE_ADDRESS
 Address = tuple[str, int]
 
 
+def url_host(host: str) -> str:
+    """A host as a URL or HOST:PORT writes it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
+
+
 def format_address(addr: Address) -> str:
     """HOST:PORT as URLs, logs and candidates write it: an IPv6 address in brackets."""
-    host = f"[{addr[0]}]" if ":" in addr[0] else addr[0]
-    return f"{host}:{addr[1]}"
+    return f"{url_host(addr[0])}:{addr[1]}"
 
 
 def parse_address(text: str) -> Address:

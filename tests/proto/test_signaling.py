@@ -193,3 +193,34 @@ def test_fuzz_server_side_decoder(value: Any) -> None:
         obj = {"v": 1, "type": kind, "member": value, "payload": value, "members": value, "from": value}
         with contextlib.suppress(ProtocolError):
             sig.decode_server(json.dumps(obj))
+
+
+@pytest.mark.parametrize(
+    ("typed", "url"),
+    [
+        ("rdv.example.org", "ws://rdv.example.org:8470/v1/signal"),
+        ("  10.0.0.5:9000 ", "ws://10.0.0.5:9000/v1/signal"),
+        ("[2001:db8::1]", "ws://[2001:db8::1]:8470/v1/signal"),
+        ("[2001:db8::1]:9000", "ws://[2001:db8::1]:9000/v1/signal"),
+        ("http://rdv.example.org", "ws://rdv.example.org/v1/signal"),
+        ("HTTPS://rdv.example.org/", "wss://rdv.example.org/v1/signal"),
+        ("wss://[2001:db8::1]:443/custom?k=1", "wss://[2001:db8::1]:443/custom?k=1"),
+        ("ws://127.0.0.1:8470/v1/signal", "ws://127.0.0.1:8470/v1/signal"),
+    ],
+)
+def test_signal_url_accepts_what_a_person_types(typed: str, url: str) -> None:
+    assert sig.signal_url(typed) == url
+
+
+@pytest.mark.parametrize(
+    ("typed", "says"),
+    [
+        ("ftp://rdv.example.org", "give a ws://, wss://, http:// or https:// URL, or HOST[:PORT]"),
+        ("rdv.example.org:99999", "out of range"),
+        ("rdv.example.org:port", "'rdv.example.org:port' is not a rendezvous address"),
+        ("http://", "it names no host"),
+    ],
+)
+def test_signal_url_refuses_naming_what_is_wrong(typed: str, says: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(says)):
+        sig.signal_url(typed)
