@@ -73,15 +73,20 @@ def main(args: argparse.Namespace) -> int:
     )
     from kafila.obs.tracefile import read_lines
 
-    warm = not args.keep_cold
+    warm, cut = not args.keep_cold, list[int]()
     try:
         with args.file.open("rb") as f:  # bytes: a line that is not UTF-8 is named by its number
-            records = list(read_lines(f))
+            records = list(read_lines(f, cut))
         table, stages = summarize(records, drop_cold=warm), summarize_stages(records, drop_cold=warm)
     except (OSError, ValueError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         print(f"kafila trace: {args.file}: {why}", file=sys.stderr)
         return 1
+    for n in cut:  # the session may still be writing it
+        print(
+            f"kafila trace: {args.file}: line {n} is cut short (still being written?); left out",
+            file=sys.stderr,
+        )
     if not table and not stages:
         print(
             f"kafila trace: {args.file} holds no finished request with more than one token", file=sys.stderr

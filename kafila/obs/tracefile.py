@@ -270,6 +270,15 @@ def from_json(d: Any) -> Record:
         raise ValueError(f"{kind} record {exc}") from exc
 
 
+def _cut_short(line: str | bytes) -> bool:
+    """Whether an unterminated line is not (yet) a whole JSON value."""
+    try:
+        json.loads(line)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return True
+    return False
+
+
 def _loads(text: str) -> Any:
     try:
         return json.loads(text)
@@ -279,13 +288,19 @@ def _loads(text: str) -> Any:
         raise ValueError("not JSON this reader can hold: nested too deeply") from exc
 
 
-def read_lines(lines: Iterable[str | bytes]) -> Iterator[Record]:
+def read_lines(lines: Iterable[str | bytes], cut: list[int] | None = None) -> Iterator[Record]:
     """The records of JSON lines (blank lines skipped). A line that is not UTF-8, not JSON, not a
     record (see `from_json`), or not the ring an earlier line of its session described (another set
-    of stages, a member at another stage) raises ValueError naming its line number."""
+    of stages, a member at another stage) raises ValueError naming its line number. With `cut` given,
+    a last line that has no line end and is not JSON (a record still being written, or a writer
+    stopped mid-line) is left out and its number appended to `cut`."""
     rings: dict[str, tuple[int, RequestRecord]] = {}
     stages: dict[tuple[str, str], tuple[int, StageRecord]] = {}
     for n, line in enumerate(lines, 1):
+        ended = line.endswith(b"\n") if isinstance(line, bytes) else line.endswith("\n")
+        if cut is not None and not ended and _cut_short(line):
+            cut.append(n)
+            return
         try:
             try:
                 text = line.decode() if isinstance(line, bytes) else line

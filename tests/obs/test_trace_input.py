@@ -73,6 +73,24 @@ def test_a_line_that_is_not_json_is_named(
     assert refusal(tmp_path, capsys, [session(), line]).endswith(message)
 
 
+def test_a_last_line_still_being_written_is_left_out_and_said(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A live session appends records as requests end: a summary read meanwhile can find the last one
+    # half written (no line end yet). It is left out, said on stderr; the rest is summarized.
+    path = write(tmp_path, [session(), request(1, (10, 10, 20)), request(2, (10, 10, 20))])
+    whole = text(request(3, (10, 10, 20)))
+    path.write_bytes(path.read_bytes() + whole[: len(whole) // 2])
+    assert cli_main(["trace", "summarize", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == f"kafila trace: {path}: line 4 is cut short (still being written?); left out\n"
+    assert "Table IV from 2 request records" in captured.out
+    path.write_bytes(path.read_bytes() + whole[len(whole) // 2 :])  # whole now, still no line end: read
+    assert cli_main(["trace", "summarize", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and "Table IV from 3 request records" in captured.out
+
+
 def test_a_request_without_stages_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # The head writes a stage per member of the ring (at least itself): a request without one is not
     # a request this file's ring served, and a table without it would not say so. Refused, named.
