@@ -136,9 +136,10 @@ class Formed:
         await self.service.stop()
         self.service.model.close()
         ended = self.name == self.host or self.host_ended
+        why = "the host ended the session" if ended else f"{self.name} was stopped and left the session"
         for link in self.links.values():
             with contextlib.suppress(Exception):
-                await link.close("the host ended the session" if ended else "session ended", ended)
+                await link.close(why, ended)
         for task in self.tasks:
             task.cancel()
         with contextlib.suppress(Exception):
