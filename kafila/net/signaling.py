@@ -42,6 +42,29 @@ from kafila.proto.errors import ProtocolError
 log = get_logger("kafila.net.signaling")
 
 
+_CLOSES = {  # what the rendezvous's WebSocket close code says it did
+    1000: "closed the connection",
+    1001: "is going away (shutting down)",
+    1008: "closed the connection over a policy violation",
+    1011: "closed the connection after an internal error",
+    1012: "shut down or is restarting",
+}
+
+
+DROPPED = (
+    "the connection to the rendezvous dropped with no close from it (its process or the network went away)"
+)
+
+
+def closed_reason(code: int | None, reason: str) -> str:
+    """Why the signaling connection ended, for a person: from the close the rendezvous sent, or
+    its absence (1006: none came)."""
+    if code is None or code == 1006:
+        return DROPPED
+    said = f": {reason}" if reason else ""
+    return f"the rendezvous {_CLOSES.get(code, 'closed the connection')} (WebSocket close {code}{said})"
+
+
 class SignalingError(Exception):
     """The rendezvous refused a request (`code` as in docs/protocol.md)."""
 
@@ -271,10 +294,9 @@ class SignalingClient:
         try:
             async for frame in self._ws:
                 self._dispatch(frame)
-            reason = f"rendezvous closed the connection ({self._ws.close_code} {self._ws.close_reason or ''})"
+            reason = closed_reason(self._ws.close_code, self._ws.close_reason or "")
         except ConnectionClosed as exc:
-            reason = f"connection to the rendezvous lost: {exc}"
-        reason = reason.strip()
+            reason = closed_reason(*((exc.rcvd.code, exc.rcvd.reason) if exc.rcvd else (None, "")))
         if self._fatal is not None:
             reason += f" after error {self._fatal.code}: {self._fatal.message}"
         self._closed = SignalingClosed("closed", reason)

@@ -213,7 +213,7 @@ async def while_signaling(
     why = None if pump.cancelled() else pump.exception()
     if isinstance(why, SignalingClosed):
         raise Driver._rendezvous_lost(why)
-    raise SessionError(f"lost the rendezvous while the session was forming: {why!r}")
+    raise SessionError(f"the session could not form: lost the rendezvous: {why!r}")
 
 
 async def _host_refusal(router: SignalRouter, host: int, seen: list[sig.ServerMessage]) -> str:
@@ -356,7 +356,7 @@ class Driver:
                     status.update(state="lost", reason=why)
                     relayed = sorted(p for p, link in links.items() if link.path == "relay")
                     say(
-                        f"lost the rendezvous ({why}): the ring goes on serving on its direct links; a "
+                        f"lost the rendezvous: {why}. The ring goes on serving on its direct links; a "
                         "relayed link and new sessions need it (this member does not reconnect)"
                         + (
                             f"; this member's links to {', '.join(relayed)} are relayed: they carry on "
@@ -404,7 +404,7 @@ class Driver:
     @staticmethod
     def _rendezvous_lost(why: SignalingClosed) -> SessionError:
         log.warning("session_not_formed", reason="rendezvous lost", error=str(why))
-        return SessionError(f"lost the rendezvous while the session was forming: {why.message}")
+        return SessionError(f"the session could not form: {why.message}")
 
     def _translate(self, event: sig.ServerMessage) -> fm.Event | None:
         if isinstance(event, sig.SignalFrom) and event.payload.get(fm.KEY) == 1:
