@@ -99,12 +99,24 @@ def _tokens(text: str) -> list[str]:
 def parse_public(text: str) -> str:
     """Normalize a public part ("4 K7M2" -> "4-k7m2"); ProtocolError if it cannot be one."""
     tokens = _tokens(text)
-    if len(tokens) != 2:
-        raise ProtocolError(f"session code public part {text!r} should look like '4-k7m2'", "bad_code")
-    public = f"{tokens[0]}-{tokens[1].translate(_LOOKALIKE)}"
+    public = f"{tokens[0]}-{tokens[1].translate(_LOOKALIKE)}" if len(tokens) == 2 else ""
     if not _PUBLIC_RE.match(public):
-        raise ProtocolError(f"session code public part {text!r} should look like '4-k7m2'", "bad_code")
+        why = _public_problem(tokens)
+        raise ProtocolError(f"session code public part {text!r} should look like '4-k7m2'{why}", "bad_code")
     return public
+
+
+def _public_problem(tokens: list[str]) -> str:
+    """What makes the parts of a public part not one, for the error (empty if not one thing)."""
+    if len(tokens) != 2:
+        return ""
+    lead, tail = tokens[0], tokens[1].translate(_LOOKALIKE)
+    if lead not in PUBLIC_LEAD:
+        return f": it starts with one digit 2-9, not {lead!r}"
+    if len(tail) != PUBLIC_CHARS:
+        return f": {PUBLIC_CHARS} characters follow the digit, not {len(tail)} ({tokens[1]!r})"
+    bad = sorted({c for c in tail if c not in CROCKFORD})
+    return f": {', '.join(map(repr, bad))} cannot be in it (0-9 and the letters but i, l, o, u)"
 
 
 def parse_code(text: str, words: int = SECRET_WORDS) -> SessionCode:
@@ -117,7 +129,7 @@ def parse_code(text: str, words: int = SECRET_WORDS) -> SessionCode:
             f"session code has {len(tokens)} parts, expected {2 + words} like '4-k7m2-tiger-lamp-ocean'",
             "bad_code",
         )
-    public = parse_public(" ".join(tokens[:2]))
+    public = parse_public("-".join(tokens[:2]))
     unknown = [w for w in tokens[2:] if w not in _WORD_SET]
     if unknown:
         near = [f"{w!r}: did you mean {' or '.join(map(repr, m))}?" for w in unknown if (m := _near(w))]

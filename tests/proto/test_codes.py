@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -42,6 +43,30 @@ def test_parse_forgives_lookalikes_and_spacing() -> None:
 def test_bad_public_parts(text: str) -> None:
     with pytest.raises(ProtocolError):
         codes.parse_public(text)
+
+
+@pytest.mark.parametrize(
+    ("typed", "why"),
+    [
+        (
+            "1-abcd-tiger-lamp-ocean",
+            "'1-abcd' should look like '4-k7m2': it starts with one digit 2-9, not '1'",
+        ),
+        (
+            "44 k7m2 tiger lamp ocean",
+            "'44-k7m2' should look like '4-k7m2': it starts with one digit 2-9, not '44'",
+        ),
+        (
+            "4-k7m22-tiger-lamp-ocean",
+            "'4-k7m22' should look like '4-k7m2': 4 characters follow the digit, not 5",
+        ),
+        ("4-k7mu-tiger-lamp-ocean", "'4-k7mu' should look like '4-k7m2': 'u' cannot be in it"),
+    ],
+)
+def test_a_bad_public_part_says_what_is_wrong_as_typed(typed: str, why: str) -> None:
+    # it said only "should look like '4-k7m2'", and quoted "1 abcd" for "1-abcd"
+    with pytest.raises(ProtocolError, match=re.escape(f"session code public part {why}")):
+        codes.parse_code(typed)
 
 
 def test_bad_full_codes() -> None:
