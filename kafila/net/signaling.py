@@ -27,13 +27,14 @@ import contextlib
 import hashlib
 import hmac
 import itertools
+import socket
 import ssl
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from kafila.obs.log import get_logger
 from kafila.proto import signaling as sig
@@ -63,6 +64,24 @@ def closed_reason(code: int | None, reason: str) -> str:
         return DROPPED
     said = f": {reason}" if reason else ""
     return f"the rendezvous {_CLOSES.get(code, 'closed the connection')} (WebSocket close {code}{said})"
+
+
+def unreachable_reason(exc: BaseException, open_timeout: float = 10.0) -> str:
+    """Why connecting to the rendezvous failed, for a person."""
+    if isinstance(exc, InvalidStatus):
+        status = exc.response.status_code
+        return (
+            f"it answered HTTP {status} where a rendezvous takes the WebSocket (another server, or a proxy?)"
+        )
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused: nothing listens on that port"
+    if isinstance(exc, socket.gaierror):
+        return f"its host name could not be looked up ({exc.strerror or exc})"
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {open_timeout:g} s (a firewall, or the wrong address?)"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__
 
 
 class SignalingError(Exception):

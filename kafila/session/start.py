@@ -18,7 +18,7 @@ from kafila.engine.backend import checkpoint_dtype
 from kafila.models.checkpoint import Checkpoint
 from kafila.net.errors import LinkAuthError, LinkError
 from kafila.net.link import Link, PathChange
-from kafila.net.signaling import SignalingClient, SignalingError
+from kafila.net.signaling import SignalingClient, SignalingError, unreachable_reason
 from kafila.obs import metrics
 from kafila.obs.log import get_logger
 from kafila.obs.trace import TraceLog
@@ -187,7 +187,7 @@ async def reach_rendezvous(url: str) -> SignalingClient:
     try:
         return await SignalingClient.connect(url)
     except (OSError, TimeoutError, WebSocketException) as exc:
-        why = str(exc) or type(exc).__name__
+        why = unreachable_reason(exc)
         raise SessionError(
             f"cannot reach the rendezvous at {url}: {why} (is `kafila rendezvous` running there? "
             "choose another with --rendezvous URL)"

@@ -1,15 +1,20 @@
-"""The signaling client says why its connection to the rendezvous ended, in words a person reads:
-from the WebSocket close the rendezvous sent, or from its absence. Real WebSocket servers on
-loopback play a rendezvous that closes or drops the connection."""
+"""The signaling client says why its connection to the rendezvous failed or ended, in words a
+person reads: from the error connecting, the WebSocket close the rendezvous sent, or its absence.
+Real WebSocket servers on loopback play a rendezvous that closes or drops the connection, and a
+web server that is not a rendezvous."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 
 import pytest
 from websockets.asyncio.server import ServerConnection, serve
+from websockets.exceptions import InvalidStatus
+from websockets.http11 import Request, Response
 
-from kafila.net.signaling import DROPPED, SignalingClient, closed_reason
+from kafila.net.signaling import DROPPED, SignalingClient, closed_reason, unreachable_reason
 
 
 @pytest.mark.parametrize(
@@ -62,3 +67,35 @@ async def test_a_rendezvous_that_drops_the_connection_is_said_to_have_gone() -> 
         ws.transport.abort()  # as a killed process or a cut network: no close frame
 
     assert await lost_reason(drops) == DROPPED
+
+
+async def test_connecting_to_an_http_server_that_is_not_a_rendezvous_names_its_status() -> None:
+    async def not_found(connection: ServerConnection, request: Request) -> Response:
+        return connection.respond(HTTPStatus.NOT_FOUND, "no such page\n")
+
+    async with serve(lambda ws: ws.close(), "127.0.0.1", 0, process_request=not_found) as server:
+        port = server.sockets[0].getsockname()[1]
+        with pytest.raises(InvalidStatus) as err:
+            await SignalingClient.connect(f"ws://127.0.0.1:{port}/v1/signal")
+    assert unreachable_reason(err.value) == (
+        "it answered HTTP 404 where a rendezvous takes the WebSocket (another server, or a proxy?)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("exc", "said"),
+    [
+        (
+            ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 1)"),
+            "connection refused: nothing listens on that port",
+        ),
+        (
+            socket.gaierror(-2, "Name or service not known"),
+            "its host name could not be looked up (Name or service not known)",
+        ),
+        (TimeoutError(), "no answer within 10 s (a firewall, or the wrong address?)"),
+        (OSError(113, "No route to host"), "No route to host"),
+    ],
+)
+def test_unreachable_reason_names_the_cause(exc: BaseException, said: str) -> None:
+    assert unreachable_reason(exc) == said
