@@ -20,7 +20,7 @@ no head term (arithmetic throughput does not price the head's extra read).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from kafila.models.manifest import DTYPE_BYTES, Manifest
@@ -45,6 +45,7 @@ class Workload:
     params_per_block: float
     context: int
     concurrency: int
+    kv_position_bytes: int = 0  # one block's KV cache for one position of one request
 
     @classmethod
     def of(cls, manifest: Manifest, context: int, concurrency: int) -> Workload:
@@ -61,7 +62,15 @@ class Workload:
             params_per_block=mean_block / DTYPE_BYTES[manifest.dtype],
             context=context,
             concurrency=concurrency,
+            kv_position_bytes=manifest.kv_bytes_per_token_per_block,
         )
+
+    def at(self, context: int, concurrency: int) -> Workload:
+        """The same model at another declared context and concurrency."""
+        kv = self.kv_position_bytes
+        weights = self.block_resident_bytes - kv * self.context * self.concurrency
+        resident = weights + kv * context * concurrency
+        return replace(self, block_resident_bytes=resident, context=context, concurrency=concurrency)
 
     def resident_bytes(self, n: int, head: bool) -> int:
         return n * self.block_resident_bytes + (self.head_resident_bytes if head else 0)

@@ -9,6 +9,7 @@ import pytest
 
 from kafila.models.presets import resolve_manifest
 from kafila.planner import DeviceReport, Plan, plan, plan_all
+from kafila.planner.admission import fits
 from kafila.planner.cost import Workload
 from kafila.planner.fleet import parse_fleet
 
@@ -243,3 +244,21 @@ def test_the_paper_memory_walls():
     lan = parse_fleet((FLEETS / "lan.toml").read_text())
     plans = plan_all(lan.devices, resolve_manifest("qwen3-14b"), context=40960, concurrency=4)
     assert not plans["uniform"].feasible and plans["uniform"].reason.startswith("a40: 10 blocks")
+
+
+def test_a_fleet_short_of_memory_is_told_the_largest_context_and_concurrency_that_fit():
+    """The KV reservation grows with the declared context and concurrency: the refusal says how far
+    down either must go, each with the other as declared (the largest that fits, the next does not)."""
+    fleet = [gpu("a", 12, 500), gpu("b", 12, 500)]
+    p = plan(fleet, QWEN8, context=32768, concurrency=4)
+    w = Workload.of(QWEN8, 32768, 4)
+    assert not p.feasible and not fits(fleet, w)
+    c = next(c for c in range(32767, 0, -1) if fits(fleet, w.at(c, 4)))
+    assert 1000 < c < 32767 and fits(fleet, w.at(c, 4)) and not fits(fleet, w.at(c + 1, 4))
+    assert fits(fleet, w.at(32768, 1)) and not fits(fleet, w.at(32768, 2))
+    hint = f"; it fits with concurrency at most 1, or with context at most {c}"
+    assert p.reason.endswith(f"{hint} (--concurrency, --context)"), p.reason
+    assert plan(fleet, QWEN8, context=c, concurrency=4).feasible
+    weights_short = plan([gpu("a", 8, 900), gpu("b", 1.2, 100)], QWEN8, context=4096).reason
+    assert "it fits with" not in weights_short  # the weights alone do not fit: no context would
+    assert Workload.of(QWEN8, 777, 3) == w.at(777, 3)
