@@ -112,7 +112,8 @@ def _division(
         if isinstance(got, Infeasible):
             opener = memory_shortfall(ordered[0], w, 1, head=True) if tier is Tier.THROUGHPUT else None
             why = f"the head stays with the opener in this tier: {opener}" if opener else None
-            return _refused(name, ordered, ring, w, tier, why or explain_no_division(ordered, w))
+            head_at = 0 if tier is Tier.THROUGHPUT else None  # the opener's in this tier
+            return _refused(name, ordered, ring, w, tier, why or explain_no_division(ordered, w, head_at))
         head, counts = got.head, got.counts
         if isinstance(got, LoadChoice) and got.circuit_bound:
             load_note = (_load_note(got, w.concurrency, m),)

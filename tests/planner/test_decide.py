@@ -262,3 +262,21 @@ def test_a_fleet_short_of_memory_is_told_the_largest_context_and_concurrency_tha
     weights_short = plan([gpu("a", 8, 900), gpu("b", 1.2, 100)], QWEN8, context=4096).reason
     assert "it fits with" not in weights_short  # the weights alone do not fit: no context would
     assert Workload.of(QWEN8, 777, 3) == w.at(777, 3)
+
+
+def test_in_the_throughput_tier_only_the_opener_counts_as_the_heads_holder():
+    """The head stays with the opener in this tier: with `big` holding it these members would hold
+    all 36 blocks, and the refusal said "at most 36 of 36 blocks ... (big holding it): 0 blocks more
+    need 0 B" and a context that then did not fit either."""
+    fleet = [gpu("opener", 4.2, None, flops=1e12), gpu("big", 14.9, None, flops=9e12)]
+    p = plan(fleet, QWEN8, context=8192, concurrency=2)
+    assert p.tier == "throughput" and not p.feasible
+    assert p.reason.startswith(
+        "the members hold at most 35 of 36 blocks with the head (opener holding it): 1 block more"
+    )
+    assert p.reason.endswith(
+        "; it fits with concurrency at most 1, or with context at most 8010 (--concurrency, --context)"
+    )
+    assert plan(fleet, QWEN8, context=8010, concurrency=2).feasible
+    assert not plan(fleet, QWEN8, context=8011, concurrency=2).feasible
+    assert plan(fleet, QWEN8, context=8192, concurrency=1).feasible
