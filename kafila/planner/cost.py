@@ -45,7 +45,7 @@ class Workload:
     params_per_block: float
     context: int
     concurrency: int
-    kv_position_bytes: int = 0  # one block's KV cache for one position of one request
+    kv_position_bytes: int  # one block's KV cache for one position of one request
 
     @classmethod
     def of(cls, manifest: Manifest, context: int, concurrency: int) -> Workload:

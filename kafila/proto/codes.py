@@ -111,12 +111,14 @@ def _public_problem(tokens: list[str]) -> str:
     if len(tokens) != 2:
         return ""
     lead, tail = tokens[0], tokens[1].translate(_LOOKALIKE)
-    if lead not in PUBLIC_LEAD:
+    if len(lead) != 1 or lead not in PUBLIC_LEAD:
         return f": it starts with one digit 2-9, not {lead!r}"
     if len(tail) != PUBLIC_CHARS:
         return f": {PUBLIC_CHARS} characters follow the digit, not {len(tail)} ({tokens[1]!r})"
     bad = sorted({c for c in tail if c not in CROCKFORD})
-    return f": {', '.join(map(repr, bad))} cannot be in it (0-9 and the letters but i, l, o, u)"
+    return (
+        f": {', '.join(map(repr, bad))} cannot be in it (0-9 and the letters but i, l, o, u)" if bad else ""
+    )
 
 
 def parse_code(text: str, words: int = SECRET_WORDS) -> SessionCode:

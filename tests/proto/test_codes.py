@@ -56,6 +56,10 @@ def test_bad_public_parts(text: str) -> None:
             "44 k7m2 tiger lamp ocean",
             "'44-k7m2' should look like '4-k7m2': it starts with one digit 2-9, not '44'",
         ),
+        (  # "45" is in "23456789" as a substring: not a lead digit all the same
+            "45-k7m2-tiger-lamp-ocean",
+            "'45-k7m2' should look like '4-k7m2': it starts with one digit 2-9, not '45'",
+        ),
         (
             "4-k7m22-tiger-lamp-ocean",
             "'4-k7m22' should look like '4-k7m2': 4 characters follow the digit, not 5",
