@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import ipaddress
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kafila.cli.argtypes import port_number, positive_int, positive_number
 from kafila.proto.signaling import DEFAULT_PORT
+
+if TYPE_CHECKING:
+    from kafila.rendezvous.udp import ListenError
 
 _LIMIT_HELP = {
     "max_message_bytes": "largest signaling frame accepted, in bytes",
@@ -210,6 +215,19 @@ def _read_secret(path: str) -> bytes:
     return secret
 
 
+def listen_hint(exc: ListenError) -> str | None:
+    """What to do about a port or address that could not be bound, naming the flag that chose it."""
+    flag = f"--{exc.setting.replace('_', '-')}"
+    if exc.errno == errno.EADDRINUSE:
+        held = "another program holds it (a rendezvous running already?)"
+        return f"{held}: stop it, or choose another with {flag}"
+    if exc.errno == errno.EACCES:
+        return f"ports below 1024 need root (or CAP_NET_BIND_SERVICE): choose another with {flag}"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"this machine has no such address: choose one of its own with {flag}"
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     import asyncio
     import os
@@ -217,6 +235,7 @@ def main(args: argparse.Namespace) -> int:
     from kafila.obs.log import configure_logging, get_logger
     from kafila.rendezvous.limits import Limits
     from kafila.rendezvous.server import RendezvousServer, ServerConfig, TlsError
+    from kafila.rendezvous.udp import ListenError
 
     configure_logging(args.log_format or os.environ.get("KAFILA_LOG") or "json")
     log = get_logger("kafila.rendezvous")
@@ -257,6 +276,7 @@ def main(args: argparse.Namespace) -> int:
         log.error("tls_config", error=str(exc))
         return 2
     except OSError as exc:  # a port in use or not ours to bind: named, no traceback
-        log.error("listen_failed", error=exc.strerror or str(exc), errno=exc.errno)
+        hint = listen_hint(exc) if isinstance(exc, ListenError) else None
+        log.error("listen_failed", error=exc.strerror or str(exc), errno=exc.errno, hint=hint)
         return 1
     return 0

@@ -22,7 +22,7 @@ from kafila.rendezvous.app import build_app
 from kafila.rendezvous.limits import Limits
 from kafila.rendezvous.registry import ProbeInfo, Registry
 from kafila.rendezvous.relay import RelayTable
-from kafila.rendezvous.udp import UdpService
+from kafila.rendezvous.udp import ListenError, UdpService
 
 log = get_logger("kafila.rendezvous")
 
@@ -101,7 +101,7 @@ class RendezvousServer:
         except OSError as exc:
             self.udp.close()
             where = format_address((cfg.host, cfg.port))
-            raise OSError(exc.errno, f"cannot listen on TCP {where}: {exc.strerror}") from exc
+            raise ListenError(exc.errno, f"cannot listen on TCP {where}: {exc.strerror}", "port") from exc
         self.http_port = sock.getsockname()[1]
         self._server = uvicorn.Server(self._uvicorn_config(app))
         # uvicorn's serve() captures SIGINT/SIGTERM (wanted by the CLI); embedded servers (tests, demo)

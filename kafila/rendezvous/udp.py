@@ -37,6 +37,19 @@ class _Endpoint(asyncio.DatagramProtocol):
         self.service.stats["socket_errors"] += 1
 
 
+class ListenError(OSError):
+    """A port or address the rendezvous could not bind, with the setting (ServerConfig field, and
+    the CLI flag of the same name) that chose it."""
+
+    def __init__(self, errno: int | None, message: str, setting: str) -> None:
+        super().__init__(errno, message)
+        self.setting = setting
+
+
+# which setting chose each UDP endpoint: the two ports, then the same two on the alternate address
+_UDP_SETTINGS = {0: "udp_port", 1: "udp_alt_port", 2: "udp_alt_host", 3: "udp_alt_host"}
+
+
 class UdpService:
     def __init__(self, relay: RelayTable, clock: Callable[[], float] = time.monotonic) -> None:
         self.relay = relay
@@ -63,7 +76,8 @@ class UdpService:
         except OSError as exc:
             self.close()
             where = format_address((host, port))
-            raise OSError(exc.errno, f"cannot listen on UDP {where}: {exc.strerror or exc}") from exc
+            why = f"cannot listen on UDP {where}: {exc.strerror or exc}"
+            raise ListenError(exc.errno, why, _UDP_SETTINGS[index]) from exc
         self.transports[index] = transport
         sock = transport.get_extra_info("socket")
         for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):

@@ -70,24 +70,28 @@ def test_cert_without_key_is_refused() -> None:
     assert out.returncode == 2 and "--cert and --key go together" in out.stderr
 
 
-@pytest.mark.parametrize("taken", ["tcp", "udp"])
-def test_a_port_in_use_is_named_in_one_error_event(taken: str) -> None:
-    kind = socket.SOCK_STREAM if taken == "tcp" else socket.SOCK_DGRAM
+@pytest.mark.parametrize(
+    ("flag", "proto"), [("--port", "TCP"), ("--udp-port", "UDP"), ("--udp-alt-port", "UDP")]
+)
+def test_a_port_in_use_is_named_in_one_error_event_with_the_flag_that_chose_it(flag: str, proto: str) -> None:
+    kind = socket.SOCK_STREAM if proto == "TCP" else socket.SOCK_DGRAM
     with socket.socket(socket.AF_INET, kind) as holder:
         holder.bind(("127.0.0.1", 0))
-        if taken == "tcp":
+        if proto == "TCP":
             holder.listen()
         busy = holder.getsockname()[1]
-        ports = {"tcp": free_port(socket.SOCK_STREAM), "udp": free_port(socket.SOCK_DGRAM), taken: busy}
+        ports = {"--port": free_port(socket.SOCK_STREAM), "--udp-port": free_port(socket.SOCK_DGRAM)}
+        ports |= {"--udp-alt-port": free_port(socket.SOCK_DGRAM), flag: busy}
         cmd = [sys.executable, "-m", "kafila", "rendezvous", "--host", "127.0.0.1"]
-        alt = free_port(socket.SOCK_DGRAM)
-        cmd += ["--port", str(ports["tcp"]), "--udp-port", str(ports["udp"]), "--udp-alt-port", str(alt)]
+        cmd += [str(x) for pair in ports.items() for x in pair]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "Traceback" not in done.stderr + done.stdout
     events = [json.loads(line) for line in (done.stdout + done.stderr).splitlines() if line.startswith("{")]
     failed = [e for e in events if e["event"] == "listen_failed"]
     assert len(failed) == 1 and failed[0]["level"] == "error"
-    assert failed[0]["error"] == f"cannot listen on {taken.upper()} 127.0.0.1:{busy}: Address already in use"
+    assert failed[0]["error"] == f"cannot listen on {proto} 127.0.0.1:{busy}: Address already in use"
+    held = "another program holds it (a rendezvous running already?)"
+    assert failed[0]["hint"] == f"{held}: stop it, or choose another with {flag}"
 
 
 def test_the_relay_secret_file_is_created_private_and_read_back(tmp_path) -> None:
