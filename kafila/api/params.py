@@ -175,6 +175,11 @@ def _text(content: Any, i: int) -> str:
     return "\n".join(texts)
 
 
+def n_tokens(n: int, what: str = "token") -> str:
+    """'1 token', '2 tokens' (or of `what`)."""
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
 def fit(
     prompt: list[int], max_tokens: int | None, context: int, key: str, prompt_key: str = "messages"
 ) -> int:
@@ -187,7 +192,7 @@ def fit(
         raise ApiError(
             400,
             "context_length_exceeded",
-            f"prompt is {len(prompt)} tokens; the session's context is {context} tokens "
+            f"prompt is {n_tokens(len(prompt))}; the session's context is {context} tokens "
             f"(prompt plus answer); shorten the prompt (Kafila never truncates it)",
             prompt_key,
         )
@@ -195,8 +200,8 @@ def fit(
         raise ApiError(
             400,
             "context_length_exceeded",
-            f"prompt of {len(prompt)} tokens plus {key}={max_tokens} exceeds the session's context of "
-            f"{context} tokens; at most {room} answer tokens fit",
+            f"prompt of {n_tokens(len(prompt))} plus {key}={max_tokens} exceeds the session's context of "
+            f"{context} tokens; at most {n_tokens(room, 'answer token')} fit{'s' if room == 1 else ''}",
             key,
         )
     return max_tokens if max_tokens is not None else room
