@@ -316,8 +316,8 @@ class SignalingClient:
             reason = closed_reason(self._ws.close_code, self._ws.close_reason or "")
         except ConnectionClosed as exc:
             reason = closed_reason(*((exc.rcvd.code, exc.rcvd.reason) if exc.rcvd else (None, "")))
-        if self._fatal is not None:
-            reason += f" after error {self._fatal.code}: {self._fatal.message}"
+        if self._fatal is not None:  # the rendezvous said why before it closed: that is the reason
+            reason = f"{self._fatal.message} (the rendezvous closed the connection)"
         self._closed = SignalingClosed("closed", reason)
         for future in self._pending.values():
             if not future.done():

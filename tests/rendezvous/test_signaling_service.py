@@ -253,10 +253,16 @@ async def test_host_removes_a_member_who_is_closed_and_whose_place_takes_a_new_j
         f"the host removed this member from session {opened.session}: wrong secret word",
         fatal=True,
     )
-    with pytest.raises(SignalingClosed, match="removed by the host"):
+    with pytest.raises(SignalingClosed, match="the host removed this member"):
         await guesser.next_event(2.0)
     why = await asyncio.wait_for(guesser.lost(), 2.0)
-    assert "1000 removed by the host" in why.message and "wrong secret word" in why.message
+    assert (
+        why.message
+        == (  # it read "... (WebSocket close 1000: removed by the host) after error removed: ..."
+            f"the host removed this member from session {opened.session}: wrong secret word "
+            "(the rendezvous closed the connection)"
+        )
+    )
     with pytest.raises(SignalingClosed):
         await guesser.signal(1, {})
     assert await host.next_event(2.0) == sig.MemberLeft(3, "removed")
