@@ -68,7 +68,8 @@ def member_name(text: str) -> str:
     from kafila.proto.signaling import MAX_NAME
 
     if not 1 <= len(text) <= MAX_NAME or not text.isprintable():
-        raise argparse.ArgumentTypeError(f"must be 1-{MAX_NAME} printable characters, got {text!r}")
+        got = f"{len(text)} characters" if len(text) > MAX_NAME else repr(text)
+        raise argparse.ArgumentTypeError(f"must be 1-{MAX_NAME} printable characters, got {got}")
     return text
 
 

@@ -58,6 +58,7 @@ def test_accepts(parse, text, value):
         (positive_number, "many", "must be a finite number > 0, got 'many'"),
         (member_name, "", "must be 1-64 printable characters, got ''"),
         (member_name, "a\nb", "must be 1-64 printable characters, got 'a\\nb'"),
+        (member_name, "x" * 300, "must be 1-64 printable characters, got 300 characters"),
         (count, "0", "must be a whole number >= 1, got '0'"),
         (count, "4294967296", "must be at most 4294967295, got '4294967296'"),
         (
