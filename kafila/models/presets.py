@@ -58,6 +58,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# where each preset's weights are published (what to download to serve it, not only plan it)
+PRESET_SOURCES: dict[str, str] = {
+    "qwen3-8b": "Qwen/Qwen3-8B",
+    "qwen3-14b": "Qwen/Qwen3-14B",
+    "qwen3-32b": "Qwen/Qwen3-32B",
+    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+}
+
+
 def preset_config(name: str) -> ModelConfig:
     key = name.lower()
     if key not in PRESETS:

@@ -56,9 +56,27 @@ def resolve(name_or_path: str | os.PathLike[str], progress: bool = True) -> Path
     cached = models_dir() / text
     if os.sep not in text and (cached / "config.json").is_file():
         return cached
+    raise ModelNotFound(_not_found(text))
+
+
+def _not_found(text: str) -> str:
+    """Why `text` names no model here, and what would: a planning preset's source, a near name."""
+    import difflib
+
+    from kafila.models.presets import PRESET_SOURCES
+
     names = [e.name for e in available()]
-    raise ModelNotFound(
-        f"unknown model {text!r}: not a model name nor a folder; available: {', '.join(names)} "
+    source = PRESET_SOURCES.get(text.lower())
+    if source is not None:  # `kafila plan` knows its shapes; serving needs its weights
+        return (
+            f"model {text!r} is a planning preset (`kafila plan --model {text}`), and its weights are "
+            f"not here: download {source} (config.json, safetensors, tokenizer.json) and pass its "
+            f"folder, or put it at {models_dir() / text.lower()}"
+        )
+    near = difflib.get_close_matches(text, names, n=1, cutoff=0.6)
+    hint = f"did you mean {near[0]!r}? " if near else ""
+    return (
+        f"unknown model {text!r}: not a model name nor a folder; {hint}available: {', '.join(names)} "
         f"(or pass the path of a Hugging Face folder with config.json and safetensors)"
     )
 
