@@ -22,6 +22,7 @@ import math
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
+from difflib import get_close_matches
 from typing import Any
 
 from kafila.planner.devices import DeviceReport
@@ -218,7 +219,11 @@ def _nat(t: dict[str, Any], where: str) -> Nat | None:
 def _no_unknown(t: dict[str, Any], allowed: set[str], where: str, what: str = "field(s)") -> None:
     extra = sorted(set(t) - allowed)
     if extra:
-        raise FleetError(f"{where}: unknown {what} {extra}; allowed: {sorted(allowed)}")
+        near = [
+            f"{k!r}: did you mean {m[0]!r}?" for k in extra if (m := get_close_matches(k, allowed, 1, 0.75))
+        ]
+        hint = f" ({'; '.join(near)})" if near else ""
+        raise FleetError(f"{where}: unknown {what} {extra}{hint}; allowed: {sorted(allowed)}")
 
 
 def _get(t: dict[str, Any], key: str, kind: type, where: str) -> Any:

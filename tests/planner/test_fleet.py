@@ -51,6 +51,11 @@ def test_parses_a_fleet_in_si_units():
             "device 'laptop': 'memory_gb' must be a finite number > 0 and <= 1e+06, got -1",
         ),
         (("memory_gb = 16", "memory = 16"), "device 'laptop': unknown field(s) ['memory']"),
+        (
+            ("bandwidth_gb_s = 500", "bandwith_gb_s = 500"),
+            "device 'desk': unknown field(s) ['bandwith_gb_s'] "
+            "('bandwith_gb_s': did you mean 'bandwidth_gb_s'?)",
+        ),
         (('nat = "ordinary"', 'nat = "cone"'), "device 'desk': nat must be one of"),
         (
             ("bandwidth_gb_s = 500", 'bandwidth_gb_s = "fast"'),
@@ -90,7 +95,8 @@ def test_unknown_top_level_keys_and_tables_are_refused_by_name():
     with pytest.raises(FleetError) as err:
         parse_fleet(text, "f.toml")
     assert str(err.value) == (
-        "f.toml: unknown top-level key(s) ['devices', 'sesion']; allowed: ['device', 'session']"
+        "f.toml: unknown top-level key(s) ['devices', 'sesion'] ('devices': did you mean 'device'?; "
+        "'sesion': did you mean 'session'?); allowed: ['device', 'session']"
     )
 
 
