@@ -85,12 +85,15 @@ class Options:
         """Refuse what cannot work here before anything connects (ValueError, one line)."""
         from kafila.api.server import parse_addr
         from kafila.probe.system import usable_cpus
+        from kafila.session.weights import cache_problem
 
         self.pace.check_cpus(usable_cpus())
         if self.api is not None:
             parse_addr(self.api)  # a malformed --api is named before anything connects
         if self.trace is not None:
             TraceLog.check(self.trace)
+        if problem := cache_problem(self.cache):
+            raise ValueError(problem)
 
     @property
     def pace(self) -> Pace:

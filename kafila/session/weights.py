@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import errno
 import hashlib
 import itertools
 import json
@@ -238,6 +239,19 @@ def _cache_root(cache: Path | None) -> Path:
     from kafila.models.registry import cache_dir
 
     return cache_dir()
+
+
+def cache_problem(cache: Path | None) -> str | None:
+    """Why the weight cache cannot be used at all (a file where a folder must be), named before a
+    session starts rather than when the weights arrive; None if it may be."""
+    root = _cache_root(cache)
+    for folder in (root, *root.parents):
+        if folder.exists() and not folder.is_dir():
+            return (
+                f"cannot use the weight cache under {root}: {folder} is a file, not a folder; set "
+                "KAFILA_CACHE to another folder"
+            )
+    return None
 
 
 def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -773,9 +787,10 @@ async def fetch_shard(
         return await _fetch_shard(channel, blocks, head, root, local, window, timeout, progress, label)
     except OSError as exc:  # a full disk, a read-only folder: one line naming the cache
         where = f" ({exc.filename})" if exc.filename else ""
+        free = "free space there, or " if exc.errno == errno.ENOSPC else ""
         err = WeightsError(
-            f"cannot use the weight cache under {root}: {exc.strerror or exc}{where}; free space there, "
-            "or set KAFILA_CACHE to another folder"
+            f"cannot use the weight cache under {root}: {exc.strerror or exc}{where}; {free}set "
+            "KAFILA_CACHE to another folder"
         )
         await _stop_serving(channel, err)
         raise err from exc

@@ -105,6 +105,21 @@ def test_a_code_file_that_cannot_be_written_is_named_before_the_session_opens(tm
     assert "cannot reach the rendezvous" not in done.stderr  # before connecting
 
 
+def test_a_weight_cache_that_cannot_be_a_folder_is_named_before_anything_starts(tmp_path) -> None:
+    """It was named only once the plan came and the first weights arrived (probe, links, plan)."""
+    (tmp_path / "a-file").write_text("")
+    argv = [sys.executable, "-m", "kafila", "join", "4-k7m2-tiger-lamp-ocean", "--api", "off"]
+    argv += ["--rendezvous", "ws://127.0.0.1:1/x"]
+    env = os.environ | {"KAFILA_CACHE": str(tmp_path / "a-file" / "cache")}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    named = (
+        f"cannot use the weight cache under {tmp_path / 'a-file' / 'cache'}: {tmp_path / 'a-file'} is a file"
+    )
+    assert named in done.stderr and "set KAFILA_CACHE to another folder" in done.stderr
+    assert "cannot reach the rendezvous" not in done.stderr  # before connecting
+
+
 @pytest.mark.parametrize("command", ["host", "join"])
 @pytest.mark.parametrize(
     ("where", "named"), [("a-file/trace.jsonl", "a-file is a file, not a folder"), (".", "Is a directory")]
