@@ -299,7 +299,12 @@ async def _host_ring(
     controls = [LinkChannel(link, peer) for peer, link in links.items()]
     if controls:
         say(f"serving weights to {len(controls)} member(s)")
-    await asyncio.gather(*(server.serve(c) for c in controls))
+
+    async def serve(channel: LinkChannel) -> None:
+        if (await server.serve(channel)).error:  # the person at the host learns why it will leave
+            say(f"{channel.peer} could not take its weights: {server.stats[channel.peer].error}")
+
+    await asyncio.gather(*(serve(c) for c in controls))
     digest = await off_loop(checkpoint_id, folder)
     own = {"source": "own files", "path": str(folder), "fetched_bytes": 0, "fetched_tensor_bytes": 0}
     serving = Serving(opts.model, opts.chunk, opts.queue, digest, alternatives, own)

@@ -273,6 +273,7 @@ class ServeStats:
     requests: int = 0
     bytes_sent: int = 0
     refused: int = 0
+    error: str | None = None  # why the member stopped fetching, as it said in its weights.done
 
 
 class WeightServer:
@@ -343,8 +344,11 @@ class WeightServer:
             await self._answer(channel, msg)
             return True
         if isinstance(msg, t.Control) and msg.op == OP_DONE:
+            error = msg.body.get("error")
+            if error is not None:  # kept for the host to say (a member that fetched nothing has no stats)
+                self.stats.setdefault(channel.peer, ServeStats()).error = str(error)[:500]
             s = self.stats.get(channel.peer, ServeStats())
-            log.info(
+            (log.warning if error is not None else log.info)(
                 "weights_served",
                 peer=channel.peer,
                 requests=s.requests,

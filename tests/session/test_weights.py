@@ -444,8 +444,10 @@ async def test_simulated_unwritable_cache_is_one_error_naming_the_cache(folder, 
     member, host = MemoryChannel.pair("host", "m1")[::-1]
     with pytest.raises(
         WeightsError, match=rf"^cannot use the weight cache under {cache}: .*set KAFILA_CACHE"
-    ):
+    ) as err:
         await fetch_via(server, member, host, range(0, 2), False, cache)
+    assert "free space" not in str(err.value)  # the disk is not full: a file where a folder must be
+    assert server.stats["m1"].error == str(err.value)  # the host learns why (and says it: start.py)
 
 
 async def test_a_file_changed_on_the_host_after_describing_is_refused(folder, tmp_path) -> None:
