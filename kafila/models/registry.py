@@ -67,13 +67,13 @@ def _not_found(text: str) -> str:
 
     names = [e.name for e in available()]
     source = PRESET_SOURCES.get(text.lower())
-    if source is not None:  # `kafila plan` knows its shapes; serving needs its weights
+    if source is not None and text.lower() not in names:  # `kafila plan` knows only its shapes
         return (
             f"model {text!r} is a planning preset (`kafila plan --model {text}`), and its weights are "
             f"not here: download {source} (config.json, safetensors, tokenizer.json) and pass its "
             f"folder, or put it at {models_dir() / text.lower()}"
         )
-    near = difflib.get_close_matches(text, names, n=1, cutoff=0.6)
+    near = difflib.get_close_matches(text.lower(), names, n=1, cutoff=0.6)
     hint = f"did you mean {near[0]!r}? " if near else ""
     return (
         f"unknown model {text!r}: not a model name nor a folder; {hint}available: {', '.join(names)} "

@@ -48,6 +48,10 @@ def test_a_near_miss_is_answered_with_the_model_it_may_mean(tmp_path: Path, monk
     monkeypatch.setenv("KAFILA_CACHE", str(tmp_path))
     with pytest.raises(ModelNotFound, match=r"^unknown model 'smollm': .*; did you mean 'smollm2-135m'\? "):
         resolve("smollm", progress=False)
+    with pytest.raises(
+        ModelNotFound, match=r"^unknown model 'SmolLM2-135M': .*; did you mean 'smollm2-135m'\? "
+    ):
+        resolve("SmolLM2-135M", progress=False)  # a preset too, but one whose weights are here
     with pytest.raises(ModelNotFound) as err:
         resolve("zzz", progress=False)
     assert "did you mean" not in str(err.value)
