@@ -249,6 +249,27 @@ async def test_a_ready_member_ends_when_another_fails_to_start(rdv, tmp_path, ti
     assert time.monotonic() - started < 10
 
 
+async def test_a_member_that_cannot_store_its_weights_is_named_with_why_at_the_host(
+    rdv, tmp_path, tiny_chat_model, capsys
+):
+    """The host said only "member beta left before the session formed"; why was in a log line."""
+    (tmp_path / "beta").mkdir()
+    (tmp_path / "beta" / "weights").write_text("a file where the cache keeps a folder")
+    _, (hosting, beta) = await host_and(rdv, tmp_path, str(tiny_chat_model), 2, ["beta"])
+    from kafila.session.weights import WeightsError
+
+    with pytest.raises(WeightsError, match=f"cannot use the weight cache under {tmp_path / 'beta'}: "):
+        await beta
+    gone = r"member beta (left|lost its connection to the rendezvous) before"
+    with pytest.raises(SessionError, match=gone):
+        await hosting
+    said = capsys.readouterr().err
+    assert (
+        f"kafila: beta could not take its weights: cannot use the weight cache under {tmp_path / 'beta'}"
+        in said
+    )
+
+
 def slow_probe(monkeypatch, measuring: threading.Event | None = None) -> threading.Event:
     """From now on a member's probe is simulated slow: it waits until the returned event is set
     (at most 60 s), then ends without measuring (nobody waits for it by then)."""
