@@ -165,6 +165,24 @@ async def _upgrade_required(request: Request) -> Response:
     return JSONResponse(body, status_code=426, headers={"Upgrade": "websocket"})
 
 
+async def _index(request: Request) -> Response:
+    """What a person opening the rendezvous's address in a browser or with curl finds: what it is
+    and where its endpoints are (it answered a bare 404)."""
+    from kafila import __version__
+
+    url = request.url.replace(
+        scheme="wss" if request.url.scheme == "https" else "ws", path=sig.SIGNAL_PATH, query=""
+    )
+    body = {
+        "service": "kafila rendezvous",
+        "version": __version__,
+        "signaling": str(url),
+        "members": f"kafila host/join --rendezvous {request.url.netloc}",
+        "endpoints": ["/healthz", "/metrics", sig.SIGNAL_PATH],
+    }
+    return JSONResponse(body)
+
+
 def build_app(
     registry: Registry,
     udp_stats: dict[str, int] | None = None,
@@ -198,6 +216,7 @@ def build_app(
 
     app = Starlette(
         routes=[
+            Route("/", _index),
             Route("/healthz", healthz),
             Route("/metrics", metrics),
             WebSocketRoute(sig.SIGNAL_PATH, hub.serve),

@@ -1,5 +1,5 @@
-"""What the rendezvous's TCP side says: URLs with IPv6 hosts in brackets, and plain HTTP on the
-signaling path answered 426 with how to connect instead of a bare 404."""
+"""What the rendezvous's TCP side says: URLs with IPv6 hosts in brackets, plain HTTP on the
+signaling path answered 426 with how to connect instead of a bare 404, and its root what it is."""
 
 from __future__ import annotations
 
@@ -67,4 +67,25 @@ async def test_plain_http_on_the_signaling_path_says_to_use_a_websocket(start_re
     assert f"connect to {server.url} with a WebSocket client" in body["message"]
     assert other.status_code == 404
     async with await SignalingClient.connect(server.url) as client:  # the WebSocket route is unchanged
+        assert await client.heartbeat() < 2.0
+
+
+async def test_the_root_says_what_this_is_and_how_members_name_it(start_rendezvous: Factory) -> None:
+    # a browser or curl at http://HOST:PORT/ found a bare 404
+    from kafila import __version__
+
+    server = await start_rendezvous()
+    base = server.url.removesuffix("/v1/signal").replace("ws://", "http://")
+    async with httpx.AsyncClient() as http:
+        reply = await http.get(base + "/?x=1")
+    assert reply.status_code == 200
+    netloc = base.removeprefix("http://")
+    assert reply.json() == {
+        "service": "kafila rendezvous",
+        "version": __version__,
+        "signaling": server.url,
+        "members": f"kafila host/join --rendezvous {netloc}",
+        "endpoints": ["/healthz", "/metrics", "/v1/signal"],
+    }
+    async with await SignalingClient.connect(reply.json()["signaling"]) as client:  # the URL it names works
         assert await client.heartbeat() < 2.0
