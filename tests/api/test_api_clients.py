@@ -144,6 +144,16 @@ async def test_a_wrong_method_is_a_405_in_the_routes_own_error_shape(served: Ser
         assert r.status_code == 405 and r.json() == {"error": "/api/chat does not take GET; use POST"}
 
 
+async def test_the_root_answers_as_ollamas_does_on_every_member(served: Served) -> None:
+    # clients and monitors look for a running server at / before calling /api (it was a 404)
+    async with httpx.AsyncClient() as http:
+        for member in (served.head, served.member):
+            got = await http.get(f"{member.url}/")
+            assert got.status_code == 200 and got.text.startswith("Kafila is running (OpenAI API at /v1")
+            assert (await http.head(f"{member.url}/")).status_code == 200
+        assert (await http.get(f"{served.head.url}/v2/nothing")).status_code == 404
+
+
 def ollama_facts(url: str) -> tuple[ollama.ShowResponse, ollama.ProcessResponse, dict[str, str]]:
     with ollama.Client(host=url) as client:
         return client.show(MODEL), client.ps(), httpx.get(f"{url}/api/version").json()
