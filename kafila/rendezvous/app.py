@@ -154,9 +154,15 @@ class SignalingHub:
             self.apply(self.registry.tick(self.clock()))
 
 
+def _signal_url(request: Request) -> str:
+    """The signaling URL as this request reached the rendezvous: ws://, or wss:// behind TLS."""
+    scheme = "wss" if request.url.scheme == "https" else "ws"
+    return str(request.url.replace(scheme=scheme, path=sig.SIGNAL_PATH, query=""))
+
+
 async def _upgrade_required(request: Request) -> Response:
     """Plain HTTP on the signaling path: say it is a WebSocket endpoint (426, RFC 9110 15.5.22)."""
-    url = request.url.replace(scheme="wss" if request.url.scheme == "https" else "ws", query="")
+    url = _signal_url(request)
     body = {
         "error": "upgrade_required",
         "message": f"{sig.SIGNAL_PATH} is the rendezvous's WebSocket signaling endpoint: "
@@ -170,13 +176,10 @@ async def _index(request: Request) -> Response:
     and where its endpoints are (it answered a bare 404)."""
     from kafila import __version__
 
-    url = request.url.replace(
-        scheme="wss" if request.url.scheme == "https" else "ws", path=sig.SIGNAL_PATH, query=""
-    )
     body = {
         "service": "kafila rendezvous",
         "version": __version__,
-        "signaling": str(url),
+        "signaling": _signal_url(request),
         "members": f"kafila host/join --rendezvous {request.url.netloc}",
         "endpoints": ["/healthz", "/metrics", sig.SIGNAL_PATH],
     }

@@ -301,8 +301,8 @@ async def _host_ring(
         say(f"serving weights to {len(controls)} member(s)")
 
     async def serve(channel: LinkChannel) -> None:
-        if (await server.serve(channel)).error:  # the person at the host learns why it will leave
-            say(f"{channel.peer} could not take its weights: {server.stats[channel.peer].error}")
+        if (error := (await server.serve(channel)).error) is not None:  # the host says why it will leave
+            say(f"{channel.peer} could not take its weights: {error}")
 
     await asyncio.gather(*(serve(c) for c in controls))
     digest = await off_loop(checkpoint_id, folder)
