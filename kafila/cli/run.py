@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TextIO
 
 from kafila.cli.argtypes import positive_int
 from kafila.cli.host import add_threads_flag
@@ -12,7 +13,11 @@ from kafila.engine import DTYPE_CHOICES, PREFILL_CHUNK
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "prompt", metavar="PROMPT", help="the user's message (or the text to continue, with --raw)"
+        "prompt",
+        metavar="PROMPT",
+        nargs="?",
+        help="the user's message (or the text to continue, with --raw); '-' or none with a pipe: read "
+        "it from standard input (`echo Hi | kafila run`), its trailing line breaks left out",
     )
     parser.add_argument(
         "--model",
@@ -73,6 +78,7 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.max_tokens)
+        args.prompt = read_prompt(args.prompt, sys.stdin)
         return _run(args, params)
     except (ValueError, BackendError, StageError, TokenizerError, CheckpointError, ModelNotFound) as exc:
         print(f"kafila run: error: {exc}", file=sys.stderr)
@@ -101,6 +107,16 @@ def _run(args: argparse.Namespace, params) -> int:  # type: ignore[no-untyped-de
     sys.stdout.write(stream.flush() + "\n")
     print(_summary(timings, str(stage.backend), _length_limit(args, len(prompt))), file=sys.stderr)
     return 0
+
+
+def read_prompt(given: str | None, stdin: TextIO) -> str:
+    """PROMPT as typed, or standard input's text for '-' (or for no PROMPT where stdin is not a
+    terminal), without its trailing line breaks (`echo` adds one the model would continue after)."""
+    if given is not None and given != "-":
+        return given
+    if given is None and stdin.isatty():
+        raise ValueError("give a PROMPT, or '-' to read it from standard input (`echo Hi | kafila run`)")
+    return stdin.read().rstrip("\r\n")
 
 
 def _length_limit(args: argparse.Namespace, prompt_tokens: int) -> str:

@@ -99,9 +99,11 @@ def test_kafila_run_and_a_session_prefill_in_the_same_chunks() -> None:
 QUESTION = "What is the capital of France?"
 
 
-def cli(*argv: str) -> tuple[int, str, str]:
-    """`kafila ...` in a fresh process, as a person runs it."""
-    out = subprocess.run([sys.executable, "-m", "kafila", *argv], capture_output=True, text=True, timeout=600)
+def cli(*argv: str, stdin: str = "") -> tuple[int, str, str]:
+    """`kafila ...` in a fresh process, as a person runs it (`stdin` piped in)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kafila", *argv], input=stdin, capture_output=True, text=True, timeout=600
+    )
     return out.returncode, out.stdout, out.stderr
 
 
@@ -112,6 +114,16 @@ def test_kafila_run_answers_paris_on_torch(smollm2_path) -> None:
     )
     assert code == 0 and "Paris" in out
     assert "prefill: " in err and "tok/s" in err and "torch/cpu/fp32" in err
+
+
+@pytest.mark.slow
+def test_kafila_run_reads_a_piped_prompt(smollm2_path) -> None:
+    """`echo "The capital of France is" | kafila run --raw`: the pipe's text, without echo's line
+    break (which the model would otherwise continue after), is the prompt."""
+    code, out, _ = cli(
+        "run", "--model", str(smollm2_path), "--raw", "--max-tokens", "3", stdin="The capital of France is\n"
+    )
+    assert code == 0 and out.startswith(" Paris")
 
 
 @pytest.mark.slow
