@@ -1,8 +1,9 @@
-"""The host admits members one by one as they report (asyncio shell around HostFormation's `Admit`).
+"""The host admits members one by one as they join (asyncio shell around HostFormation's `Admit`).
 
-The host links with each member that reported, at once: that link is the control link the
-member's weights will come over, and its authentication (SPAKE2 on the session code's secret
-words, kafila.net.auth) proves the member holds the whole code. The outcome goes back to the core
+The host links with each member as it joins, while both still measure themselves: that link
+is the control link the member's weights will come over, and its authentication (SPAKE2 on the
+session code's secret words, kafila.net.auth) proves the member holds the whole code, within a
+second or so of joining rather than after both probes. The outcome goes back to the core
 (`admitted` / `not_admitted`, through the driver's inbox, with the `now` of when it is read): a
 member that cannot prove the code is refused and removed from the session at the rendezvous, and
 its place stays open for a right member, where it used to be planned and then end the session for
@@ -15,7 +16,7 @@ import asyncio
 import contextlib
 from collections.abc import Iterable
 
-from kafila.net.edge import LinkNode, connect_edge
+from kafila.net.edge import EdgeOptions, LinkNode, connect_edge
 from kafila.net.errors import LinkAuthError, LinkError
 from kafila.net.link import Link
 from kafila.obs.log import get_logger
@@ -27,10 +28,14 @@ log = get_logger("kafila.session.admission")
 
 WRONG_CODE = "its session code's secret words differ from the host's (a mistyped word?)"
 WRONG_OWN_CODE = "this member's session code's secret words differ from the host's (a mistyped word?)"
+# A member joins at the rendezvous before it can link: it then binds its API and its link node and
+# classifies its NAT (a second or so; more on a machine busy with other members' probes), so the host
+# waits longer for its link offer than an edge between members that are both ready does (10 s).
+ADMISSION = EdgeOptions(signal_timeout=20.0)
 
 
 class Admission:
-    """The host's links with the members that reported, by member id (see the module's doc)."""
+    """The host's links with the members that joined, by member id (see the module's doc)."""
 
     def __init__(self, node: LinkNode, me: str, drive: Driver) -> None:
         self.node, self.me, self.drive = node, me, drive
@@ -47,7 +52,7 @@ class Admission:
         core = self.drive.core
         assert isinstance(core, HostFormation)
         try:
-            link = await named(self.me, admit.name, connect_edge(self.node, admit.member, False))
+            link = await named(self.me, admit.name, connect_edge(self.node, admit.member, False, ADMISSION))
         except LinkError as exc:
             why = WRONG_CODE if isinstance(exc, LinkAuthError) else str(exc)
             log.warning("member_not_admitted", member=admit.member, name=admit.name, error=str(exc))

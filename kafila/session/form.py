@@ -189,44 +189,32 @@ def off_loop_busy() -> bool:
 
 
 async def while_signaling(
-    work: Awaitable[R], pump: asyncio.Future[None], router: SignalRouter | None = None, host: int = 0
+    work: Awaitable[R], pump: asyncio.Future[None], watch: asyncio.Future[Any] | None = None
 ) -> R:
-    """`work` (the probe: 10-20 s), unless the rendezvous connection ends first, or (with `router`)
-    the host refuses this member meanwhile (a formed session refuses a newcomer at once): then at
-    once, not once the probe is done (SessionError naming it). Events read meanwhile are put back,
-    in order, for the formation driver."""
+    """`work` (the probe: 10-20 s, run inside the formation driver, which hears the host's refusal
+    meanwhile), unless the rendezvous connection ends first, or `watch` (a joining member's control
+    link with the host, checking its code meanwhile) fails first: then at once with that error,
+    not once the probe is done."""
     job = asyncio.ensure_future(work)
-    seen: list[sig.ServerMessage] = []
-    refusal = asyncio.ensure_future(_host_refusal(router, host, seen)) if router else None
     try:
-        waiting: set[asyncio.Future[Any]] = {job, pump, *([refusal] if refusal else [])}
-        done, _ = await asyncio.wait(waiting, return_when=FIRST)
+        while not job.done():
+            waiting: set[asyncio.Future[Any]] = {job, pump}
+            if watch is not None and not watch.done():
+                waiting.add(watch)
+            await asyncio.wait(waiting, return_when=FIRST)
+            if watch is not None and watch.done() and not watch.cancelled() and watch.exception():
+                watch.result()  # its error
+            if pump.done():
+                break
     finally:
-        if refusal is not None and router is not None:
-            refusal.cancel()
-            while not router.others.empty():  # arrived after the watcher's last read: keep the order
-                seen.append(router.others.get_nowait())
-            for event in seen:
-                router.others.put_nowait(event)
-    if job in done:
+        if not job.done():
+            job.cancel()
+    if job.done():
         return job.result()
-    job.cancel()
-    if refusal is not None and refusal in done:
-        raise SessionError(f"the host refused the session: {refusal.result()}")
     why = None if pump.cancelled() else pump.exception()
     if isinstance(why, SignalingClosed):
         raise Driver._rendezvous_lost(why)
     raise SessionError(f"the session could not form: lost the rendezvous: {why!r}")
-
-
-async def _host_refusal(router: SignalRouter, host: int, seen: list[sig.ServerMessage]) -> str:
-    """The reason of the host's `refused`, once it comes (every event read is kept in `seen`)."""
-    while True:
-        event = await router.others.get()
-        seen.append(event)
-        body = event.payload if isinstance(event, sig.SignalFrom) and event.sender == host else {}
-        if body.get(fm.KEY) == 1 and body.get("op") == "refused":
-            return str(body.get("reason"))
 
 
 # told every progress line of the host() or join() whose task (or a task or off_loop thread it

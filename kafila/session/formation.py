@@ -8,17 +8,19 @@ step to take (`PlanNow`, `LinkNow`), a message it ignored (`Rejected`, naming wh
 attempt (`Failed`) or success (`Formed`). Every input first checks the current deadline against
 `now`: an event that arrives at or after the deadline finds the attempt already timed out.
 
-    host:   start(own report) -> GATHERING --N reports, each admitted--> PLANNING --planned--> LINKING
+    host:   NEW (measuring itself; members may join, be admitted and report) --start(own report)-->
+            GATHERING --N reports, each admitted--> PLANNING --planned--> LINKING
             --started--> WAITING_READY --N-1 readies--> FORMED      (refuse / timeout / left: FAILED)
     member: start(own report) -> AWAITING_PLAN --plan--> LINKING --linked--> FETCHING
             --fetched--> STARTING --started--> CONFIRMING --formed--> FORMED
                                                                      (refused / timeout / left: FAILED)
 
-A member's report counts only once the member is admitted: the host links with it at once
-(`Admit`; the link that will carry its weights) and the link's authentication proves that the
-member holds the session code's secret words. One that does not (a mistyped word, or someone who
-found only the public part of the code) is refused and removed from the session at the rendezvous
-(`Remove`), so a right member can still join with the same code; the others do not notice.
+A member's report counts only once the member is admitted: the host links with it as soon as it
+joins (`Admit`; the link that will carry its weights), while both still measure themselves, and
+the link's authentication proves that the member holds the session code's secret words. One that
+does not (a mistyped word, or someone who found only the public part of the code) is refused and
+removed from the session at the rendezvous (`Remove`) within a second or so of joining, not after
+its probe, so a right member can still join with the same code; the others do not notice.
 
 A member is formed only when the host says every member is ready (`formed`): a member that was
 ready while another failed to start is told (`refused`, or the host or that member leaving) and
@@ -159,7 +161,7 @@ class Admit:
     `not_admitted`."""
 
     member: int
-    name: str  # its device name in the session
+    name: str  # its name at the rendezvous (its report may rename it)
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,7 @@ class Step(enum.Enum):
 
 
 DONE = (Step.FORMED, Step.FAILED)
+GATHERS = (Step.NEW, Step.GATHERING)  # the host's steps that take members' joins, admissions and reports
 
 
 @dataclass
@@ -249,37 +252,61 @@ class _Machine:
 
 @dataclass
 class HostFormation(_Machine):
-    """The host's side: gathers N reports (its own first), has the shell plan, sends the plan or the
+    """The host's side: admits members as they join (also while it measures itself, before
+    `start`), gathers N reports (its own at `start`), has the shell plan, sends the plan or the
     refusal, and waits for every other member's `ready` after its own ring has started."""
 
     members: int = 1  # N, the host included
     wait_s: float = 300.0  # how long to wait for the reports, and again for the readies
     host_id: int = 1
+    host_name: str = ""  # known before its report: members that join meanwhile are named apart from it
     joined: dict[int, str] = field(default_factory=dict)  # member id -> name at the rendezvous
     devices: dict[int, DeviceReport] = field(default_factory=dict)  # member id -> its report
     ids: dict[str, int] = field(default_factory=dict)  # the plan's members: device name -> id
-    admitted_ids: set[int] = field(default_factory=set)  # reported members whose link authenticated
+    admitted_ids: set[int] = field(default_factory=set)  # members whose link authenticated
     removed: set[int] = field(default_factory=set)  # not admitted: removed at the rendezvous
     ready: set[int] = field(default_factory=set)
 
+    def __post_init__(self) -> None:
+        if self.host_name:
+            self.joined[self.host_id] = self.host_name
+            self.ids[self.host_name] = self.host_id
+
     def start(self, me: DeviceReport, now: float) -> list[Output]:
         self._require(Step.NEW)
+        if self.host_name and me.name != self.host_name:
+            raise FormationError(f"the host reported as {me.name!r}, not as {self.host_name!r}")
         self.joined[self.host_id] = me.name
         self.devices[self.host_id] = me
         self.ids[me.name] = self.host_id
-        self.step, self.deadline = Step.GATHERING, now + self.wait_s
-        others = self.members - 1
-        wait = f"waiting for {others} member(s) (up to {self.wait_s:g} s)"
-        out: list[Output] = [Say(wait if others else "a session of one member: nobody to wait for")]
-        return out + self._maybe_plan()
+        self.step, self.deadline, self.now = Step.GATHERING, now + self.wait_s, now
+        return [*self._waiting(), *self._maybe_plan()]
+
+    def _waiting(self) -> list[Output]:
+        """What the host says once it has measured itself: whom it waits for, if anyone."""
+        came, up_to = self._count(), f"up to {self.wait_s:g} s"
+        if self.members == 1:
+            return [Say("a session of one member: nobody to wait for")]
+        if came == 1:
+            return [Say(f"waiting for {self.members - 1} member(s) ({up_to})")]
+        if came < self.members:  # some joined and reported while the host measured itself
+            return [
+                Say(f"{came}/{self.members} members joined; waiting for {self.members - came} more ({up_to})")
+            ]
+        return []
 
     def admitted(self, member: int, now: float) -> list[Output]:
         """The shell's link with `member` authenticated: its report counts."""
         if (late := self._check_admission(member, now)) is not None:
             return late
         self.admitted_ids.add(member)
-        count = len(self.admitted_ids) + 1  # the host counts itself
-        return [Say(f"{self._name(member)} joined ({count}/{self.members})"), *self._maybe_plan()]
+        if member not in self.devices:  # still measuring itself
+            return [Say(f"{self._name(member)} holds the session code; waiting for its report")]
+        return [Say(f"{self._name(member)} joined ({self._count()}/{self.members})"), *self._maybe_plan()]
+
+    def _count(self) -> int:
+        """Members that reported and were admitted, the host included."""
+        return 1 + sum(m in self.admitted_ids for m in self.devices if m != self.host_id)
 
     def not_admitted(self, member: int, why: str, now: float) -> list[Output]:
         """The shell's link with `member` failed (its code's secret words differ from the host's,
@@ -294,7 +321,7 @@ class HostFormation(_Machine):
             f"this member could not link with the host ({why}); join again with the exact code the "
             "host printed"
         )
-        waiting = f"{len(self.admitted_ids) + 1}/{self.members} members joined"
+        waiting = f"{self._count()}/{self.members} members joined"
         return [
             Send(member, payload("refused", reason=told)),
             Remove(member, reason),
@@ -306,9 +333,9 @@ class HostFormation(_Machine):
         self.now = now
         if self._expired(now):
             return self._timed_out()
-        if self.step is not Step.GATHERING or member not in self.devices or member in self.admitted_ids:
+        if self.step not in GATHERS or member not in self.joined or member in self.admitted_ids:
             why = f"admission of member {member} while {self.step.value}"
-            return [Rejected(member, why + ("" if member in self.devices else ", after it left"))]
+            return [Rejected(member, why + ("" if member in self.joined else ", after it left"))]
         return None
 
     def _forget(self, member: int) -> None:
@@ -370,13 +397,15 @@ class HostFormation(_Machine):
 
     def _timed_out(self) -> list[Output]:
         if self.step is Step.GATHERING:  # those who came are told, not left waiting for a plan
-            names = ", ".join(self._name(m) for m in [self.host_id, *sorted(self.admitted_ids)])
-            checking = [
-                d.name for m, d in self.devices.items() if m not in self.admitted_ids | {self.host_id}
-            ]
+            arrived = [self.host_id, *(m for m in self.devices if m in self.admitted_ids - {self.host_id})]
+            names = ", ".join(self._name(m) for m in arrived)
+            others = [m for m in self.joined if m != self.host_id]
+            checking = [self._name(m) for m in others if m not in self.admitted_ids]
+            measuring = [self._name(m) for m in others if m in self.admitted_ids and m not in self.devices]
             still = f"; still linking with {', '.join(checking)}" if checking else ""
+            still += f"; still measuring itself: {', '.join(measuring)}" if measuring else ""
             reason = (
-                f"only {len(self.admitted_ids) + 1} of {self.members} members arrived within "
+                f"only {self._count()} of {self.members} members arrived within "
                 f"{self.wait_s:g} s (joined: {names}{still}); ask the others to run `kafila join` "
                 "with the code"
             )
@@ -392,11 +421,17 @@ class HostFormation(_Machine):
         if event.member in self.joined:
             return [Rejected(event.member, f"member {event.member} ({event.name}) joined twice")]
         taken = event.name in self.joined.values() or event.name in self.ids  # another member has it
+        if self.step in GATHERS and len(self.joined.keys() | {self.host_id}) >= self.members:
+            why = f"this session already has its {self.members} members"  # as the rendezvous says
+            return [Send(event.member, payload("refused", reason=why)), Rejected(event.member, why)]
         self.joined[event.member] = event.name
-        if self.step is not Step.GATHERING:
+        if self.step not in GATHERS:
             return []
         who = f"another member named {event.name} (member {event.member})" if taken else event.name
-        return [Say(f"{who} connected; waiting for its report")]
+        return [
+            Say(f"{who} connected; linking with it to check its session code"),
+            Admit(event.member, event.name),
+        ]
 
     def _left(self, event: Left) -> list[Output]:
         if event.member in self.removed:  # the rendezvous carried out our Remove
@@ -405,7 +440,7 @@ class HostFormation(_Machine):
         if event.member not in self.joined:
             return [Rejected(event.member, f"member {event.member} left but never joined")]
         name = self._name(event.member)
-        if event.member in self.ids.values() and self.step is not Step.GATHERING:
+        if event.member in self.ids.values() and self.step not in GATHERS:
             reason = (
                 f"member {name} {event.went} before the session formed; the plan counted on it, so a "
                 "new session is needed (the host runs `kafila host` again, everyone joins its new code)"
@@ -413,8 +448,7 @@ class HostFormation(_Machine):
             others = [m for m in self._others() if m != event.member]
             return self._refuse(reason, others)
         self._forget(event.member)
-        joined = len(self.admitted_ids) + 1
-        return [Say(f"{name} {event.went}; {joined}/{self.members} members joined")]
+        return [Say(f"{name} {event.went}; {self._count()}/{self.members} members joined")]
 
     def _message(self, sender: int, op: str, body: dict[str, Any]) -> list[Output]:
         if sender not in self.joined:
@@ -432,7 +466,7 @@ class HostFormation(_Machine):
     def _report(self, sender: int, body: dict[str, Any]) -> list[Output]:
         if sender in self.devices:
             return [Rejected(sender, f"duplicate report from {self._name(sender)}")]
-        if self.step is not Step.GATHERING:
+        if self.step not in GATHERS:
             return [Rejected(sender, f"report from {self._name(sender)} after the plan was made")]
         try:
             device = DeviceReport.from_dict(body["device"])
@@ -444,13 +478,15 @@ class HostFormation(_Machine):
             device = DeviceReport.from_dict({**device.to_dict(), "name": f"{device.name}-{sender}"})
         self.devices[sender] = device
         self.ids[device.name] = sender
+        if sender not in self.admitted_ids:
+            return [Say(f"{device.name} reported{renamed}; still linking with it to check its session code")]
         return [
-            Say(f"{device.name} reported{renamed}; linking with it to check its session code"),
-            Admit(sender, device.name),
+            Say(f"{device.name} reported{renamed}: joined ({self._count()}/{self.members})"),
+            *self._maybe_plan(),
         ]
 
     def _maybe_plan(self) -> list[Output]:
-        if len(self.devices) < self.members or len(self.admitted_ids) < self.members - 1:
+        if self.step is not Step.GATHERING or self._count() < self.members:
             return []
         self.step, self.deadline = Step.PLANNING, None
         return [PlanNow(tuple(self.devices.values()), dict(self.ids))]

@@ -243,10 +243,11 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     node = held.node = await connect_node(client, code, opts.rendezvous)
     pump = asyncio.ensure_future(node.signals.pump())
     held.tasks.append(pump)
-    me = await while_signaling(off_loop(probe_report, name, node, opts, config), pump)
-    core = HostFormation(members=opts.members, wait_s=opts.wait_s, host_id=node.member)
+    core = HostFormation(members=opts.members, wait_s=opts.wait_s, host_id=node.member, host_name=name)
     drive = held.driver = Driver(core, client, node.signals)
     admission = held.admission = Admission(node, name, drive)
+    # members that join meanwhile are linked with, and so their codes checked, while this host measures
+    me = await drive.during(while_signaling(off_loop(probe_report, name, node, opts, config), pump))
     gathered = await drive.until(fm.PlanNow, core.start(me, drive.now()))
     control = admission.take(gathered.ids.values())  # every other member's link, admitted
     try:
@@ -314,8 +315,9 @@ async def _host_ring(
 
 
 def _link_host(node: Any, name: str, host: Any, held: Held) -> asyncio.Future[Link]:
-    """A joining member's control link with the host, formed as it reports: the host admits the
-    member once the link authenticated (kafila.session.admission). Closed if forming fails."""
+    """A joining member's control link with the host, formed as it joins (the host links with
+    it as it hears of the join, while both measure themselves): the host admits the member once
+    the link authenticated (kafila.session.admission). Closed if forming fails."""
     from kafila.net.edge import connect_edge
     from kafila.session.form import named
 
@@ -323,8 +325,9 @@ def _link_host(node: Any, name: str, host: Any, held: Held) -> asyncio.Future[Li
         if job.cancelled() or job.exception() is not None:
             return
         held.links[host.name] = job.result()
+        doing = held.forming.step  # still measuring itself, or waiting for the host's plan
         say(f"linked with the host {host.name} ({job.result().path}); it checked this member's code")
-        note("waiting for the host's plan")  # the host plans once this link admitted the member
+        note(doing)
 
     job = asyncio.ensure_future(named(name, host.name, connect_edge(node, host.id, True)))
     job.add_done_callback(formed)
@@ -398,15 +401,13 @@ async def _join(code_text: str, opts: Options, held: Held) -> Formed:
     config = host_info.capability.get("config")  # the model's shape, for the block probe
     opts = in_session_dtype(opts, host_info.capability)  # probe as the session will compute
     config = config if isinstance(config, dict) else None
-    me = await while_signaling(
-        off_loop(probe_report, name, node, opts, config), pump, node.signals, host_info.id
-    )
     core = MemberFormation(host_id=host_info.id, me_id=node.member, wait_s=opts.wait_s, link_s=opts.wait_s)
     drive = held.driver = Driver(core, client, node.signals)
-    first = core.start(me, drive.now())  # the report, sent before the link it asks the host for
-    control = _link_host(node, name, host_info, held)
+    control = _link_host(node, name, host_info, held)  # the host checks this member's code meanwhile
     try:
-        got = await drive.until(fm.LinkNow, first, watch=control)
+        probing = while_signaling(off_loop(probe_report, name, node, opts, config), pump, control)
+        me = await drive.during(probing)  # the driver hears the host's refusal (or leaving) meanwhile
+        got = await drive.until(fm.LinkNow, core.start(me, drive.now()), watch=control)
         host_link = await drive.during(control)  # done by now: the host plans with admitted members
     except LinkAuthError as exc:
         await host_verdict(drive)  # the host's refusal names why, and it hears of this before the leaving

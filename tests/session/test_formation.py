@@ -62,20 +62,20 @@ def host_with(n: int, wait_s: float = 10.0, now: float = 100.0) -> HostFormation
 
 
 def gathered(core: HostFormation, names: dict[int, str], now: float = 101.0) -> list[fm.Output]:
-    """`names` join, report, and are admitted (their links with the host authenticated)."""
+    """`names` join, are admitted (their links with the host authenticated), and report."""
     out: list[fm.Output] = []
     for member, name in names.items():
-        out += core.handle(fm.Joined(member, name), now)
+        out += admitted(core, member, name, now)
     for member, name in names.items():
-        out += reported(core, member, name, now)
+        out += core.handle(fm.Message(member, report(name)), now)
     return out
 
 
-def reported(core: HostFormation, member: int, name: str, now: float) -> list[fm.Output]:
-    """`member` reports and the host's shell admits it (as it does once their link authenticated)."""
-    out = core.handle(fm.Message(member, report(name)), now)
+def admitted(core: HostFormation, member: int, name: str, now: float) -> list[fm.Output]:
+    """`member` joins and the host's shell admits it (as it does once their link authenticated)."""
+    out = core.handle(fm.Joined(member, name), now)
     admit = only(out, fm.Admit)
-    assert admit.member == member
+    assert (admit.member, admit.name) == (member, name)
     return out + core.admitted(member, now)
 
 
@@ -87,12 +87,12 @@ def test_host_gathers_plans_sends_and_forms() -> None:
     out = gathered(core, {2: "beta", 3: "gamma"})
     says = [o.text for o in out if isinstance(o, fm.Say)]
     assert says == [
-        "beta connected; waiting for its report",
-        "gamma connected; waiting for its report",
-        "beta reported; linking with it to check its session code",
-        "beta joined (2/3)",
-        "gamma reported; linking with it to check its session code",
-        "gamma joined (3/3)",
+        "beta connected; linking with it to check its session code",
+        "beta holds the session code; waiting for its report",
+        "gamma connected; linking with it to check its session code",
+        "gamma holds the session code; waiting for its report",
+        "beta reported: joined (2/3)",
+        "gamma reported: joined (3/3)",
     ]
     plan_now = only(out, fm.PlanNow)
     assert [d.name for d in plan_now.devices] == ["alpha", "beta", "gamma"]
@@ -149,15 +149,71 @@ def test_a_session_of_one_plans_at_once() -> None:
 def test_reports_in_any_order_and_joins_interleaved() -> None:
     core = host_with(4)
     out = core.handle(fm.Joined(4, "delta"), 100.5)
-    out += core.handle(fm.Message(4, report("delta")), 100.6)
+    out += core.handle(fm.Message(4, report("delta")), 100.6)  # before its link authenticated
     out += core.handle(fm.Joined(2, "beta"), 100.7)
-    out += core.handle(fm.Joined(3, "gamma"), 100.8)
-    out += reported(core, 3, "gamma", 100.9)
-    out += core.handle(fm.Message(2, report("beta")), 101.0)
+    out += admitted(core, 3, "gamma", 100.8)
+    out += core.handle(fm.Message(3, report("gamma")), 100.9)
     out += core.admitted(2, 101.0)
+    out += core.handle(fm.Message(2, report("beta")), 101.0)
     assert not any(isinstance(o, fm.PlanNow) for o in out)  # delta reported, not yet admitted
+    assert "delta reported; still linking with it to check its session code" in [
+        o.text for o in out if isinstance(o, fm.Say)
+    ]
     out = core.admitted(4, 101.1)
+    assert only(out, fm.Say).text == "delta joined (4/4)"
     assert only(out, fm.PlanNow).ids == {"alpha": 1, "delta": 4, "gamma": 3, "beta": 2}
+
+
+def test_members_are_admitted_and_report_while_the_host_measures_itself() -> None:
+    """The host links with a member as it joins, also while the host still probes itself: a
+    member's code is checked within a second of joining, not after both probes (20 s here)."""
+    core = HostFormation(members=3, wait_s=30.0, host_id=HOST, host_name="alpha")
+    out = admitted(core, 2, "beta", 5.0)
+    out += core.handle(fm.Message(2, report("beta")), 6.0)
+    out += admitted(core, 3, "alpha", 7.0)  # named like the host: told apart before its report
+    out += core.handle(fm.Message(3, report("alpha")), 8.0)
+    assert [o.text for o in out if isinstance(o, fm.Say)] == [
+        "beta connected; linking with it to check its session code",
+        "beta holds the session code; waiting for its report",
+        "beta reported: joined (2/3)",
+        "another member named alpha (member 3) connected; linking with it to check its session code",
+        "alpha holds the session code; waiting for its report",
+        "alpha-3 reported (as alpha is taken): joined (3/3)",
+    ]
+    assert core.step is Step.NEW and core.deadline is None  # no plan before the host's own report
+    out = core.start(device("alpha"), 20.0)
+    assert kinds(out) == ["PlanNow"]  # nobody left to wait for
+    assert only(out, fm.PlanNow).ids == {"alpha": 1, "beta": 2, "alpha-3": 3}
+    core = HostFormation(members=3, wait_s=30.0, host_id=HOST, host_name="alpha")
+    admitted(core, 2, "beta", 5.0)
+    core.handle(fm.Message(2, report("beta")), 6.0)
+    admitted(core, 3, "gamma", 7.0)  # still measuring itself when the host is done
+    out = core.start(device("alpha"), 20.0)
+    assert out == [fm.Say("2/3 members joined; waiting for 1 more (up to 30 s)")]
+    with pytest.raises(fm.FormationError, match="reported as 'gamma', not as 'alpha'"):
+        HostFormation(members=2, host_name="alpha").start(device("gamma"), 0.0)
+
+
+def test_a_member_beyond_the_declared_count_is_refused_not_linked_with() -> None:
+    """The rendezvous refuses it first (session_full); the core does not count on that."""
+    core = HostFormation(members=2, wait_s=30.0, host_id=HOST, host_name="alpha")
+    admitted(core, 2, "beta", 1.0)
+    why = "this session already has its 2 members"
+    assert core.handle(fm.Joined(3, "gamma"), 2.0) == [
+        fm.Send(3, fm.payload("refused", reason=why)),
+        fm.Rejected(3, why),
+    ]
+    assert 3 not in core.joined
+
+
+def test_a_member_leaving_while_the_host_measures_itself_frees_its_place() -> None:
+    core = HostFormation(members=2, wait_s=30.0, host_id=HOST, host_name="alpha")
+    admitted(core, 2, "beta", 1.0)
+    core.handle(fm.Message(2, report("beta")), 2.0)
+    out = core.handle(fm.Left(2, "disconnected"), 3.0)
+    assert out == [fm.Say("beta lost its connection to the rendezvous; 1/2 members joined")]
+    assert [o for o in core.start(device("alpha"), 20.0) if isinstance(o, fm.PlanNow)] == []
+    assert core.ids == {"alpha": 1}
 
 
 def test_two_members_of_one_name_are_told_apart_by_id() -> None:
@@ -171,9 +227,10 @@ def test_a_member_named_like_another_is_announced_as_another_not_as_it() -> None
     connected" of a member that joined under its own name, and then "alpha-2 reported"."""
     core = host_with(2)
     said = [o.text for o in gathered(core, {2: "alpha"}) if isinstance(o, fm.Say)]
-    assert said[:2] == [
-        "another member named alpha (member 2) connected; waiting for its report",
-        "alpha-2 reported (as alpha is taken); linking with it to check its session code",
+    assert said == [
+        "another member named alpha (member 2) connected; linking with it to check its session code",
+        "alpha holds the session code; waiting for its report",
+        "alpha-2 reported (as alpha is taken): joined (2/2)",
     ]
 
 
@@ -185,8 +242,7 @@ def test_a_member_that_does_not_prove_the_code_is_refused_removed_and_replaced()
     place: it is told, removed at the rendezvous, and a right member can still take the place."""
     core = host_with(3)
     gathered(core, {2: "beta"})
-    core.handle(fm.Joined(3, "mallory"), 101.0)
-    assert kinds(core.handle(fm.Message(3, report("mallory")), 101.1)) == ["Say", "Admit"]
+    assert kinds(core.handle(fm.Joined(3, "mallory"), 101.0)) == ["Say", "Admit"]
     why = "edge 3->1: the peer did not prove the session secret for this edge"
     out = core.not_admitted(3, why, 101.5)
     told = (
@@ -255,11 +311,11 @@ def test_report_from_an_unknown_member_is_rejected() -> None:
 
 def test_unreadable_report_is_rejected_and_the_member_may_report_again() -> None:
     core = host_with(2)
-    core.handle(fm.Joined(2, "beta"), 100.5)
+    admitted(core, 2, "beta", 100.5)
     bad = fm.payload("report", device={"name": "beta", "memory_bytes": -5})
     rejected = only(core.handle(fm.Message(2, bad), 101.0), fm.Rejected)
     assert "unreadable report from member 2" in rejected.reason and "-5" in rejected.reason
-    assert kinds(reported(core, 2, "beta", 101.5)) == ["Say", "Admit", "Say", "PlanNow"]
+    assert kinds(core.handle(fm.Message(2, report("beta")), 101.5)) == ["Say", "PlanNow"]
 
 
 def test_ready_before_the_plan_is_out_of_order() -> None:
@@ -375,11 +431,11 @@ def test_gathering_times_out_exactly_at_the_deadline() -> None:
     core = host_with(3, wait_s=30.0, now=100.0)
     gathered(core, {2: "beta"}, now=110.0)
     assert core.tick(129.999) == [] and core.step is Step.GATHERING
-    core.handle(fm.Joined(3, "gamma"), 120.0)  # joined, still measuring itself
+    admitted(core, 3, "gamma", 120.0)  # admitted, still measuring itself
     out = core.tick(130.0)
     reason = (
-        "only 2 of 3 members arrived within 30 s (joined: alpha, beta); "
-        "ask the others to run `kafila join` with the code"
+        "only 2 of 3 members arrived within 30 s (joined: alpha, beta; still measuring itself: "
+        "gamma); ask the others to run `kafila join` with the code"
     )
     refused = fm.payload("refused", reason=reason)
     assert out == [fm.Send(2, refused), fm.Send(3, refused), fm.Failed(reason)]
@@ -395,8 +451,8 @@ def test_a_report_at_the_deadline_finds_the_attempt_timed_out() -> None:
 
 def test_a_report_just_before_the_deadline_counts() -> None:
     core = host_with(2, wait_s=30.0, now=100.0)
-    core.handle(fm.Joined(2, "beta"), 129.0)
-    assert kinds(reported(core, 2, "beta", 129.999)) == ["Say", "Admit", "Say", "PlanNow"]
+    admitted(core, 2, "beta", 129.0)
+    assert kinds(core.handle(fm.Message(2, report("beta")), 129.999)) == ["Say", "PlanNow"]
     assert core.tick(1e9) == []  # no deadline while the shell plans
 
 
@@ -633,17 +689,19 @@ def test_a_plan_without_a_known_dtype_is_unreadable() -> None:
 
 @st.composite
 def interleavings(draw: st.DrawFn) -> tuple[int, list[tuple[str, int]]]:
-    """N, and every member's join -> report -> ready (now and then a duplicate, a leave or a
-    rejoin thrown in; sometimes one member too many) interleaved with the host's `started` and
-    clock ticks, in any order."""
+    """N, and every member's join -> admit (its link authenticated) -> report -> ready (now and
+    then a duplicate, a leave, a rejoin or a failed admission thrown in; sometimes one member too
+    many) interleaved with the host's own report (`start`, after which it no longer measures
+    itself), its `started` and clock ticks, in any order."""
     n = draw(st.integers(1, 4))
     scripts = []
+    extras = st.sampled_from(["join", "admit", "deny", "report", "ready", "leave"])
     for m in range(2, n + 1 + draw(st.integers(0, 1)) + 1):
-        script = ["join", "report", "ready"]
-        for extra in draw(st.lists(st.sampled_from(["join", "report", "ready", "leave"]), max_size=2)):
+        script = ["join", "admit", "report", "ready"]
+        for extra in draw(st.lists(extras, max_size=2)):
             script.insert(draw(st.integers(0, len(script))), extra)
         scripts.append([(kind, m) for kind in script])
-    scripts.append([("started", 0)] * draw(st.integers(1, 2)))
+    scripts.append([("start", 0), *[("started", 0)] * draw(st.integers(1, 2))])
     scripts.append([("tick", draw(st.integers(0, 8))) for _ in range(draw(st.integers(0, 3)))])
     merged: list[tuple[str, int]] = []
     scripts = [sc for sc in scripts if sc]
@@ -657,12 +715,13 @@ def interleavings(draw: st.DrawFn) -> tuple[int, list[tuple[str, int]]]:
 @settings(max_examples=150, deadline=None)
 @given(case=interleavings())
 def test_host_core_invariants_under_any_interleaving(case: tuple[int, list[tuple[str, int]]]) -> None:
-    """Whatever arrives in whatever order: one plan at most, over N distinct reporting members still
-    present; `Formed` only after the host started and every other plan member was ready; nothing
-    but rejections once the attempt is over, or once formed a refusal to a member joining."""
+    """Whatever arrives in whatever order: one plan at most, only after the host's own report, over N
+    distinct reporting members still present and admitted; `Formed` only after the host started
+    and every other plan member was ready; nothing but rejections once the attempt is over, or
+    once formed a refusal to a member joining."""
     n, actions = case
-    core = HostFormation(members=n, wait_s=30.0, host_id=HOST)
-    seen = {"planned": None, "started": False, "over": False, "present": {HOST}}
+    core = HostFormation(members=n, wait_s=30.0, host_id=HOST, host_name="alpha")
+    seen = {"planned": None, "started": False, "over": False, "present": {HOST}, "admitted": {HOST}}
 
     def check(outs: list[fm.Output], now: float) -> None:
         if seen["over"]:  # ... or, once formed, the refusal whoever joins is sent
@@ -678,20 +737,33 @@ def test_host_core_invariants_under_any_interleaving(case: tuple[int, list[tuple
             assert seen["planned"] is None
             plan_now = only(outs, fm.PlanNow)
             assert len(plan_now.devices) == n == len(set(plan_now.ids))
-            assert set(plan_now.ids.values()) <= seen["present"]
+            assert set(plan_now.ids.values()) <= seen["present"] & seen["admitted"]
+            assert core.step is Step.PLANNING and "alpha" in plan_now.ids
             seen["planned"] = plan_now.ids
             check(core.planned(plan_of(list(plan_now.ids)), now), now)
 
-    check(core.start(device("alpha"), 0.0), 0.0)
     for step, (kind, m) in enumerate(actions, start=1):
         now = float(step)
-        if kind == "tick":
+        if kind == "start":
+            check(core.start(device("alpha"), now), now)
+        elif kind == "admit":
+            out = core.admitted(m, now)
+            seen["admitted"] |= {m} if m in core.admitted_ids else set()
+            check(out, now)
+        elif kind == "deny":  # taken only while it is being linked with
+            out = core.not_admitted(m, "no path", now)
+            if not any(isinstance(o, fm.Rejected) for o in out):
+                seen["admitted"].discard(m)
+            check(out, now)
+        elif kind == "tick":
             check(core.tick(now + m * 5), now)
         elif kind == "started" and core.step is Step.LINKING:
             seen["started"] = True
             check(core.started(now), now)
         elif kind in ("join", "leave"):
             (seen["present"].add if kind == "join" else seen["present"].discard)(m)
+            if kind == "leave":
+                seen["admitted"].discard(m)
             happened = fm.Joined(m, f"m{m}") if kind == "join" else fm.Left(m, "left")
             check(core.handle(happened, now), now)
         elif kind in ("report", "ready"):

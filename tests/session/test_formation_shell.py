@@ -121,7 +121,8 @@ async def test_member_linking_is_cut_short_when_a_simulated_host_leaves(rdv, tmp
 async def test_host_timeout_names_who_came_and_tells_them(rdv, tmp_path, tiny_checkpoint) -> None:
     """beta joins at once; whether its report beats the host's 4 s gathering deadline depends on how
     fast it measures itself, so either count is right as long as the names match it, and beta is
-    told in both cases (a joined member still measuring itself is told too)."""
+    told in both cases (a joined member still measuring itself is told too, and named as such once
+    its link checked its code)."""
     code: asyncio.Future = asyncio.get_running_loop().create_future()
     hosting = asyncio.ensure_future(
         host(
@@ -131,7 +132,7 @@ async def test_host_timeout_names_who_came_and_tells_them(rdv, tmp_path, tiny_ch
     )
     joining = asyncio.ensure_future(join(str(await code), opts(rdv, "beta", tmp_path, wait_s=60)))
     arrived = (
-        r"only (1 of 3 members arrived within 4 s \(joined: alpha\)"
+        r"only (1 of 3 members arrived within 4 s \(joined: alpha(; still measuring itself: beta)?\)"
         r"|2 of 3 members arrived within 4 s \(joined: alpha, beta\))"
     )
     with pytest.raises(SessionError, match=f"^{arrived}; ask the others"):
@@ -391,6 +392,45 @@ async def test_a_member_with_a_wrong_secret_word_is_not_admitted_and_a_right_one
     finally:
         for f in formed:
             await f.close()
+
+
+async def test_a_wrong_secret_word_is_found_while_host_and_member_still_measure_themselves(
+    rdv, tmp_path, tiny_checkpoint, monkeypatch
+) -> None:
+    """The host links with a member as it joins, so carol's mistyped word ends her attempt within
+    seconds, while both probes still run (simulated slow here: they wait until the test ends
+    them). It used to come out only once both had measured themselves (10-20 s each here)."""
+    from kafila.proto.codes import WORDS
+    from kafila.session import form
+
+    said: list[str] = []
+    monkeypatch.setattr(form, "say", lambda text: said.append(text))
+    measuring = threading.Event()
+    release = slow_probe(monkeypatch, measuring)
+    code: asyncio.Future = asyncio.get_running_loop().create_future()
+    model = str(tiny_checkpoint(TINY))
+    hosting = asyncio.ensure_future(
+        host(opts(rdv, "alpha", tmp_path, model=model, members=2), on_code=code.set_result)
+    )
+    try:
+        *head, last = str(await code).split("-")
+        wrong = "-".join([*head, next(w for w in WORDS if w != last)])
+        started = time.monotonic()
+        with pytest.raises(SessionError) as carol:
+            await asyncio.wait_for(join(wrong, opts(rdv, "carol", tmp_path)), 30)
+        assert time.monotonic() - started < 15
+        assert "secret words differ from the host's (a mistyped word?)" in str(carol.value), carol.value
+        assert measuring.is_set() and not release.is_set() and not hosting.done()
+        why = "carol was not admitted: its session code's secret words differ from the host's"
+        for _ in range(100):  # the host's side of the link may end a moment after carol's
+            if any(s.startswith(why) for s in said):
+                break
+            await asyncio.sleep(0.1)
+        assert any(s.startswith(why) for s in said), said
+    finally:
+        release.set()
+        with pytest.raises(RuntimeError, match="the simulated probe ends without measuring"):
+            await asyncio.wait_for(hosting, 30)
 
 
 async def test_losing_the_rendezvous_while_measuring_ends_at_once_not_after_the_probe(
