@@ -264,7 +264,7 @@ class HostFormation(_Machine):
     devices: dict[int, DeviceReport] = field(default_factory=dict)  # member id -> its report
     ids: dict[str, int] = field(default_factory=dict)  # the plan's members: device name -> id
     admitted_ids: set[int] = field(default_factory=set)  # members whose link authenticated
-    removed: set[int] = field(default_factory=set)  # not admitted: removed at the rendezvous
+    removed: dict[int, str] = field(default_factory=dict)  # not admitted: removed at the rendezvous (names)
     ready: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -315,7 +315,7 @@ class HostFormation(_Machine):
             return late
         name = self._name(member)
         self._forget(member)
-        self.removed.add(member)
+        self.removed[member] = name
         reason = f"{name} was not admitted: {why}"
         told = (
             f"this member could not link with the host ({why}); join again with the exact code the "
@@ -389,7 +389,9 @@ class HostFormation(_Machine):
 
     def _name(self, member: int) -> str:
         device = self.devices.get(member)
-        return device.name if device else self.joined.get(member, f"member {member}")
+        return (
+            device.name if device else self.joined.get(member) or self.removed.get(member, f"member {member}")
+        )
 
     def name_of(self, member: int) -> str:
         """Member `member`'s name as far as the host knows it ("member 7" if not)."""
@@ -435,7 +437,7 @@ class HostFormation(_Machine):
 
     def _left(self, event: Left) -> list[Output]:
         if event.member in self.removed:  # the rendezvous carried out our Remove
-            self.removed.discard(event.member)
+            del self.removed[event.member]
             return []
         if event.member not in self.joined:
             return [Rejected(event.member, f"member {event.member} left but never joined")]

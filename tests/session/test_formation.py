@@ -255,6 +255,7 @@ def test_a_member_that_does_not_prove_the_code_is_refused_removed_and_replaced()
         fm.Say(f"{reason}; removed from the session, 2/3 members joined"),
     ]
     assert core.step is Step.GATHERING and core.ids == {"alpha": 1, "beta": 2}
+    assert core.name_of(3) == "mallory"  # as the shell logs the rendezvous's member_left for it
     assert core.handle(fm.Left(3, "removed"), 101.6) == []  # the rendezvous carried out the Remove
     assert only(core.handle(fm.Message(3, report("mallory")), 101.7), fm.Rejected)
     out = gathered(core, {4: "gamma"}, now=102.0)
