@@ -38,9 +38,6 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "context": (None, []),  # /api/generate's token context of an earlier answer (not returned here)
 }
 OPTIONS_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "repeat_penalty": (None, 1),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
     "mirostat": (None, 0),
     "typical_p": (None, 1),
     "min_p": (None, 0),
@@ -73,8 +70,23 @@ def job_from(body: dict[str, Any], prompt: list[int], context: int, prompt_key: 
         top_k=integer(opts, "top_k", 0, 40) or 0,
         top_p=number(opts, "top_p", 0.0, 1.0, 0.9),
         seed=_seed(opts),
+        **_penalties(opts, context),
     )
     return Job(prompt, sampling, stop_strings(opts.get("stop"), "options.stop"), flag(body, "stream", True))
+
+
+def _penalties(opts: dict[str, Any], context: int) -> dict[str, Any]:
+    """Ollama's penalty options (off unless given): repeat_last_n -1 means the whole context, 0 off."""
+    repeat = number(opts, "repeat_penalty", 0.0, 100.0, 1.0)
+    if repeat == 0:
+        raise invalid("options.repeat_penalty", "'options.repeat_penalty' must be > 0 (1 is off), got 0")
+    last_n = integer(opts, "repeat_last_n", -1, 64)
+    return {
+        "repeat_penalty": repeat,
+        "repeat_last_n": context if last_n == -1 else last_n,
+        "presence_penalty": number(opts, "presence_penalty", -2.0, 2.0, 0.0),
+        "frequency_penalty": number(opts, "frequency_penalty", -2.0, 2.0, 0.0),
+    }
 
 
 def _seed(opts: dict[str, Any]) -> int | None:

@@ -40,6 +40,8 @@ def job_from(body: dict[str, Any], prompt: list[int], context: int, prompt_key: 
         temperature=number(body, "temperature", 0.0, 2.0, 1.0),
         top_p=number(body, "top_p", 0.0, 1.0, 1.0),
         seed=integer(body, "seed", -(2**63), None),
+        presence_penalty=number(body, "presence_penalty", -2.0, 2.0, 0.0),
+        frequency_penalty=number(body, "frequency_penalty", -2.0, 2.0, 0.0),
     )
     return Job(
         prompt, sampling, stop_strings(body.get("stop")), flag(body, "stream", False), include_usage(body)

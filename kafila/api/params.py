@@ -71,8 +71,6 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "top_logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
     "logit_bias": (None, {}),
     "suffix": (None, ""),
     "tools": (None, []),

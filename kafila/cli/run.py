@@ -48,6 +48,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--top-p", type=float, default=1.0, help="sample among the most likely tokens holding P of the mass"
     )
     parser.add_argument("--seed", type=int, default=None, help="seed of the sampler (repeatable sampling)")
+    parser.add_argument(
+        "--repeat-penalty",
+        type=float,
+        default=1.0,
+        help="divide (multiply, where negative) the logits of the last --repeat-last-n tokens of prompt "
+        "and answer by this; > 1 discourages repeating (Ollama's repeat_penalty; default 1: off)",
+    )
+    parser.add_argument(
+        "--repeat-last-n", type=int, default=64, help="tokens --repeat-penalty looks back over (default 64)"
+    )
+    parser.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="subtract this from the logit of every token the answer already holds, -2 to 2 (OpenAI's)",
+    )
+    parser.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="subtract this times how often the answer holds a token from its logit, -2 to 2 (OpenAI's)",
+    )
     add_threads_flag(parser)
     parser.add_argument(
         "--context",
@@ -77,7 +99,11 @@ def main(args: argparse.Namespace) -> int:
     from kafila.models.registry import ModelNotFound
 
     try:
-        params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.max_tokens)
+        params = SamplingParams(
+            args.temperature, args.top_k, args.top_p, args.seed, args.max_tokens,
+            repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        )  # fmt: skip
         args.prompt = read_prompt(args.prompt, sys.stdin)
         return _run(args, params)
     except (ValueError, BackendError, StageError, TokenizerError, CheckpointError, ModelNotFound) as exc:

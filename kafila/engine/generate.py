@@ -60,7 +60,7 @@ def generate(
             "room to generate (raise --context or shorten the prompt)"
         )
     t = timings if timings is not None else Timings()
-    t.prompt_tokens, sampler = len(prompt_ids), Sampler(params, eos_ids)
+    t.prompt_tokens, sampler = len(prompt_ids), Sampler(params, eos_ids, prompt_ids)
     stage.open(rid)
     try:
         yield from _run(stage, list(prompt_ids), sampler, chunk, rid, t)

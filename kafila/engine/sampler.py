@@ -5,11 +5,21 @@ left); otherwise logits / temperature, then top-k, then top-p (the smallest set 
 probability reaches `top_p`, as transformers does), then a draw from the request's own generator,
 seeded by `seed` so a seeded request repeats exactly (any integer: a negative seed is read as the
 64-bit pattern it has, so -1 is one fixed seed, not "random").
+
+Penalties, applied to the logits before all of that (so greedy decoding takes them too), each off
+by default:
+- `repeat_penalty` (llama.cpp's and Ollama's, transformers' `repetition_penalty`): the logit of a
+  token among the last `repeat_last_n` tokens of prompt and answer is divided by it where
+  positive and multiplied by it where negative (> 1 discourages repeating).
+- `presence_penalty` and `frequency_penalty` (OpenAI's, as vLLM reads them): a token's logit
+  minus presence x (1 if the answer holds it) minus frequency x (how often the answer holds it).
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,6 +36,10 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
+    repeat_penalty: float = 1.0  # 1.0: off
+    repeat_last_n: int = 64  # the window repeat_penalty looks at (prompt and answer); 0: off
+    presence_penalty: float = 0.0  # OpenAI's range [-2, 2]; 0: off
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < math.inf:  # also refuses NaN
@@ -36,25 +50,66 @@ class SamplingParams:
             raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 < self.repeat_penalty < math.inf:
+            raise ValueError(f"repeat_penalty must be a finite number > 0, got {self.repeat_penalty}")
+        if self.repeat_last_n < 0:
+            raise ValueError(f"repeat_last_n must be >= 0, got {self.repeat_last_n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:  # also refuses NaN
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+
+    @property
+    def repeats(self) -> bool:
+        """repeat_penalty is on."""
+        return self.repeat_penalty != 1.0 and self.repeat_last_n > 0
 
 
 class Sampler:
-    """One request's sampler: its parameters, its generator and its stop rules."""
+    """One request's sampler: its parameters, its generator, what it has seen (for the penalties)
+    and its stop rules."""
 
-    def __init__(self, params: SamplingParams, eos_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, params: SamplingParams, eos_ids: tuple[int, ...] = (), prompt: Sequence[int] = ()
+    ) -> None:
         self.params = params
         self.stop_ids = frozenset(eos_ids) | frozenset(params.stop_token_ids)
         self.rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
         self.generated = 0
+        n = params.repeat_last_n if params.repeats else 0
+        self.recent: deque[int] = deque(prompt[-n:] if n else (), maxlen=n)  # repeat_penalty's window
+        self.answer: Counter[int] = Counter()  # the answer's tokens so far, for presence/frequency
 
     def sample(self, logits: np.ndarray) -> int:
         """logits [V] -> the next token id."""
         p = self.params
         self.generated += 1
+        logits = self.penalized(logits)
         if p.temperature == 0 or p.top_k == 1 or p.top_p == 0:
-            return int(np.argmax(logits))
-        probs = distribution(logits, p.temperature, p.top_k, p.top_p)
-        return int(self.rng.choice(probs.shape[0], p=probs))
+            token = int(np.argmax(logits))
+        else:
+            probs = distribution(logits, p.temperature, p.top_k, p.top_p)
+            token = int(self.rng.choice(probs.shape[0], p=probs))
+        if self.recent.maxlen:
+            self.recent.append(token)
+        if p.presence_penalty or p.frequency_penalty:
+            self.answer[token] += 1
+        return token
+
+    def penalized(self, logits: np.ndarray) -> np.ndarray:
+        """logits [V] with this request's penalties applied (the same array when none is on)."""
+        p = self.params
+        if not self.recent and not self.answer:
+            return logits
+        z = logits.astype(np.float32, copy=True)  # [V]
+        if self.recent:
+            ids = np.fromiter(set(self.recent), dtype=np.int64)
+            seen = z[ids]
+            z[ids] = np.where(seen > 0, seen / p.repeat_penalty, seen * p.repeat_penalty)
+        if self.answer:
+            ids = np.fromiter(self.answer.keys(), dtype=np.int64, count=len(self.answer))
+            times = np.fromiter(self.answer.values(), dtype=np.float32, count=len(self.answer))
+            z[ids] -= p.presence_penalty + p.frequency_penalty * times
+        return z
 
     def stop_reason(self, token: int) -> StopReason | None:
         """After `token` was sampled: "stop" on EOS/stop tokens, "length" at max_tokens, else None."""

@@ -120,6 +120,10 @@ class Generate:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[int, ...] = ()
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     kind: ClassVar[Kind] = Kind.GENERATE
 
@@ -184,6 +188,10 @@ _FIELDS: dict[type, dict[str, tuple[type, ...]]] = {
         "top_p": (float, int),
         "seed": (int, type(None)),
         "stop": (list,),
+        "repeat_penalty": (float, int),
+        "repeat_last_n": (int,),
+        "presence_penalty": (float, int),
+        "frequency_penalty": (float, int),
     },
     Tokens: {
         "request_id": (int,),
@@ -203,6 +211,10 @@ _OPTIONAL = {
     "top_p",
     "seed",
     "stop",
+    "repeat_penalty",
+    "repeat_last_n",
+    "presence_penalty",
+    "frequency_penalty",
     "finish",
     "queue_position",
     "prefill_s",

@@ -27,6 +27,10 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
     stop_ids: tuple[int, ...] = ()  # token ids that end the answer (EOS is added by the service)
+    repeat_penalty: float = 1.0  # penalties as kafila.engine.sampler reads them; these values: off
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -274,8 +274,8 @@ async def test_parameters_not_implemented_are_refused_by_name_unless_unused(serv
         with pytest.raises(openai.BadRequestError, match=refused) as err:
             await client.completions.create(model=MODEL, prompt="Paris", max_tokens=2, logprobs=2)
         assert err.value.body["param"] == "logprobs"
-        with pytest.raises(openai.BadRequestError, match="'presence_penalty' is not supported here"):
-            await client.chat.completions.create(model=MODEL, messages=QUESTION, presence_penalty=0.5)
+        with pytest.raises(openai.BadRequestError, match="'top_logprobs' is not supported here"):
+            await client.chat.completions.create(model=MODEL, messages=QUESTION, top_logprobs=3)
         with pytest.raises(openai.BadRequestError, match="'response_format' is not supported here"):
             fmt = {"type": "json_object"}
             await client.chat.completions.create(model=MODEL, messages=QUESTION, response_format=fmt)  # type: ignore[arg-type]
@@ -289,7 +289,7 @@ async def test_parameters_not_implemented_are_refused_by_name_unless_unused(serv
     with ollama.Client(host=served.member.url) as oclient:
         for kw, name in (
             ({"format": "json"}, "format"),
-            ({"options": {"repeat_penalty": 1.3}}, "options.repeat_penalty"),
+            ({"options": {"mirostat": 2}}, "options.mirostat"),
         ):
             with pytest.raises(ollama.ResponseError) as oerr:
                 await asyncio.to_thread(oclient.generate, model=MODEL, prompt="Hi", **kw)
@@ -297,6 +297,44 @@ async def test_parameters_not_implemented_are_refused_by_name_unless_unused(serv
         neutral = {"num_predict": 2, "repeat_penalty": 1.0, "min_p": 0.0}
         done = await asyncio.to_thread(oclient.generate, model=MODEL, prompt="Hi", options=neutral)
         assert done["done"] and done["eval_count"] == 2
+
+
+COUNT = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
+
+
+async def test_penalties_reach_the_sampler_through_both_apis_and_any_member(served: Served) -> None:
+    """OpenAI's frequency and presence penalties and Ollama's repeat penalty change a greedy answer
+    that repeats itself (a numbered list: "1. 1\n2. 2\n..."), alike through the head and a forwarding
+    member."""
+    async with oai(served.member) as member, oai(served.head) as head:
+        ask = {"model": MODEL, "messages": COUNT, "max_tokens": 24, "temperature": 0}
+        plain = (await member.chat.completions.create(**ask)).choices[0].message.content
+        penalized = {"frequency_penalty": 2.0, "presence_penalty": 0.5}
+        via_member = (await member.chat.completions.create(**ask, **penalized)).choices[0].message.content
+        via_head = (await head.chat.completions.create(**ask, **penalized)).choices[0].message.content
+    assert plain.count("\n") >= 4 and via_member != plain and via_member == via_head, (plain, via_member)
+    with ollama.Client(host=served.member.url) as m, ollama.Client(host=served.head.url) as h:
+        opts = {"num_predict": 24, "temperature": 0}
+        plain = (await asyncio.to_thread(m.chat, model=MODEL, messages=COUNT, options=opts))["message"][
+            "content"
+        ]
+        opts |= {"repeat_penalty": 1.5, "repeat_last_n": -1}
+        via_member = (await asyncio.to_thread(m.chat, model=MODEL, messages=COUNT, options=opts))["message"][
+            "content"
+        ]
+        via_head = (await asyncio.to_thread(h.chat, model=MODEL, messages=COUNT, options=opts))["message"][
+            "content"
+        ]
+    assert via_member != plain and via_member == via_head, (plain, via_member)
+    async with httpx.AsyncClient() as http:
+        body = {"model": MODEL, "prompt": "Hi", "stream": False, "options": {"repeat_penalty": 0}}
+        r = await http.post(f"{served.member.url}/api/generate", json=body)
+        assert r.status_code == 400 and "'options.repeat_penalty' must be > 0 (1 is off), got 0" in r.text
+        r = await http.post(
+            f"{served.member.url}/v1/chat/completions",
+            json={"model": MODEL, "messages": COUNT, "frequency_penalty": 3},
+        )
+        assert r.status_code == 400 and "'frequency_penalty' must be a number in [-2.0, 2.0], got 3" in r.text
 
 
 def ollama_refusals(url: str) -> dict[str, str]:

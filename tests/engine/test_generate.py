@@ -143,6 +143,8 @@ def test_kafila_run_says_which_limit_a_length_stop_ran_into(smollm2_path) -> Non
         (["--context", "100000"], "--context 100000 is beyond the 8192 positions"),
         (["--temperature", "nan"], "temperature must be a finite number >= 0, got nan"),
         (["--temperature", "inf"], "temperature must be a finite number >= 0, got inf"),
+        (["--repeat-penalty", "0"], "repeat_penalty must be a finite number > 0, got 0.0"),
+        (["--presence-penalty", "3"], "presence_penalty must be in [-2, 2], got 3.0"),
     ],
 )
 def test_kafila_run_refuses_what_it_would_ignore_or_break_on(

@@ -95,3 +95,57 @@ def test_top_p_zero_keeps_only_the_most_likely_token() -> None:
 def test_a_temperature_that_is_not_a_finite_number_at_least_zero_is_refused(temperature: float) -> None:
     with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
         SamplingParams(temperature=temperature)
+
+
+# ------------------------------------------------------------------ penalties
+
+
+def test_no_penalty_leaves_the_logits_untouched() -> None:
+    sampler = Sampler(SamplingParams(), prompt=[1, 2, 3])
+    assert sampler.penalized(LOGITS) is LOGITS  # not even copied: the default path costs nothing
+    sampler.sample(LOGITS)
+    assert sampler.penalized(LOGITS) is LOGITS
+
+
+def test_repeat_penalty_divides_positive_and_multiplies_negative_logits_of_recent_tokens() -> None:
+    """llama.cpp's and transformers' rule, over the last repeat_last_n tokens of prompt and answer."""
+    sampler = Sampler(SamplingParams(repeat_penalty=2.0, repeat_last_n=3), prompt=[0, 1, 5, 3])
+    z = sampler.penalized(LOGITS)  # window [1, 5, 3]: token 0 fell out of it
+    np.testing.assert_allclose(z, [1.0, 1.5, 2.0, 0.25, 2.9, -2.0])
+    assert sampler.sample(LOGITS) == 4  # greedy: 2.9 now beats token 1's 1.5
+    np.testing.assert_allclose(sampler.penalized(LOGITS), [1.0, 3.0, 2.0, 0.25, 1.45, -2.0])  # [5, 3, 4]
+
+
+def test_presence_and_frequency_penalties_count_the_answer_only() -> None:
+    """OpenAI's rule as vLLM reads it: logit - presence * [seen] - frequency * count, over the
+    answer's tokens (the prompt's are not counted)."""
+    sampler = Sampler(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), prompt=[4, 4, 4])
+    assert sampler.penalized(LOGITS) is LOGITS
+    assert sampler.sample(LOGITS) == 1
+    np.testing.assert_allclose(sampler.penalized(LOGITS), [1.0, 2.25, 2.0, 0.5, 2.9, -1.0])
+    assert sampler.sample(LOGITS) == 4
+    assert sampler.sample(LOGITS) == 1  # 2.25 beats 4's 2.15 and 2's 2.0
+    np.testing.assert_allclose(sampler.penalized(LOGITS), [1.0, 2.0, 2.0, 0.5, 2.15, -1.0])
+
+
+def test_a_negative_presence_penalty_favours_what_was_said() -> None:
+    sampler = Sampler(SamplingParams(presence_penalty=-2.0))
+    assert [sampler.sample(np.array([1.0, 0.0, 0.9], dtype=np.float32)) for _ in range(3)] == [0, 0, 0]
+    sampler = Sampler(SamplingParams(presence_penalty=2.0))
+    assert [sampler.sample(np.array([1.0, 0.0, 0.9], dtype=np.float32)) for _ in range(3)] == [0, 2, 1]
+
+
+@pytest.mark.parametrize(
+    ("kw", "named"),
+    [
+        ({"repeat_penalty": 0.0}, "repeat_penalty must be a finite number > 0, got 0.0"),
+        ({"repeat_penalty": float("nan")}, "repeat_penalty must be a finite number > 0"),
+        ({"repeat_last_n": -1}, "repeat_last_n must be >= 0, got -1"),
+        ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2], got 2.5"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty must be in [-2, 2], got nan"),
+    ],
+)
+def test_penalties_out_of_range_are_refused_by_name(kw, named) -> None:
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**kw)
+    assert named in str(err.value)

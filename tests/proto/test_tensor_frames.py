@@ -48,6 +48,10 @@ messages = st.one_of(
         top_p=st.floats(0, 1),
         seed=st.none() | st.integers(-(2**31), 2**31),
         stop=tokens,
+        repeat_penalty=st.floats(0.01, 10),
+        repeat_last_n=small,
+        presence_penalty=st.floats(-2, 2),
+        frequency_penalty=st.floats(-2, 2),
     ),
     st.builds(
         t.Tokens,

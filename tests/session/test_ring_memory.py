@@ -125,6 +125,33 @@ async def test_a_member_in_another_dtype_fails_the_request_by_name(ckpt: Checkpo
         await ring.stop()
 
 
+async def test_penalties_reach_the_heads_sampler_from_any_member_as_in_kafila_run(ckpt: Checkpoint) -> None:
+    """A repeat penalty over the whole answer (greedy): no token twice, at the head and through a
+    forwarding member alike, and the tokens single-process generation gives with the same penalties.
+    Without them this prompt's greedy answer repeats itself."""
+    ring = build_ring(ckpt, [(0, 1), (1, 4), (4, 5)])
+    penalties = {
+        "repeat_penalty": 50.0,
+        "repeat_last_n": 64,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.25,
+    }
+    stage = Stage.load(ckpt, range(5), True, backend="torch", dtype="fp32", context=64)
+    eos = ckpt.config.eos_token_id
+    alone = list(
+        generate(stage, PROMPTS[2], SamplingParams(max_tokens=24, **penalties), eos_ids=eos, chunk=4)
+    )
+    plain = single_process(ckpt, PROMPTS[2], 24)
+    assert len(set(plain)) < len(plain)  # the unpenalized answer repeats
+    assert len(set(alone)) == len(alone) and alone != plain
+    try:
+        for service in (ring.head, *ring.members):
+            tokens, _ = await collect(await service.submit(PROMPTS[2], Sampling(max_tokens=24, **penalties)))
+            assert tokens == [t for t in alone if t not in eos]
+    finally:
+        await ring.stop()
+
+
 async def test_request_from_a_member_that_is_not_the_head(ckpt: Checkpoint) -> None:
     ring = build_ring(ckpt, [(0, 1), (1, 4), (4, 5)])
     try:
