@@ -40,7 +40,6 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
 OPTIONS_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "mirostat": (None, 0),
     "typical_p": (None, 1),
-    "min_p": (None, 0),
     "tfs_z": (None, 1),
 }
 
@@ -69,6 +68,7 @@ def job_from(body: dict[str, Any], prompt: list[int], context: int, prompt_key: 
         temperature=number(opts, "temperature", 0.0, 2.0, 0.8),
         top_k=integer(opts, "top_k", 0, 40) or 0,
         top_p=number(opts, "top_p", 0.0, 1.0, 0.9),
+        min_p=number(opts, "min_p", 0.0, 1.0, 0.0),
         seed=_seed(opts),
         **_penalties(opts, context),
     )

@@ -39,6 +39,7 @@ def job_from(body: dict[str, Any], prompt: list[int], context: int, prompt_key: 
         max_tokens=max_tokens,
         temperature=number(body, "temperature", 0.0, 2.0, 1.0),
         top_p=number(body, "top_p", 0.0, 1.0, 1.0),
+        min_p=number(body, "min_p", 0.0, 1.0, 0.0),  # not OpenAI's: vLLM's and llama.cpp's extension
         seed=integer(body, "seed", -(2**63), None),
         presence_penalty=number(body, "presence_penalty", -2.0, 2.0, 0.0),
         frequency_penalty=number(body, "frequency_penalty", -2.0, 2.0, 0.0),

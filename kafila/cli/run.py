@@ -47,6 +47,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--top-p", type=float, default=1.0, help="sample among the most likely tokens holding P of the mass"
     )
+    parser.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="sample only among tokens at least P times as likely as the most likely one (default 0: off)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="seed of the sampler (repeatable sampling)")
     parser.add_argument(
         "--repeat-penalty",
@@ -103,6 +109,7 @@ def main(args: argparse.Namespace) -> int:
             args.temperature, args.top_k, args.top_p, args.seed, args.max_tokens,
             repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+            min_p=args.min_p,
         )  # fmt: skip
         args.prompt = read_prompt(args.prompt, sys.stdin)
         return _run(args, params)

@@ -2,9 +2,11 @@
 
 Greedy when `temperature == 0` (or `top_k == 1`, or `top_p == 0`: only the most likely token is
 left); otherwise logits / temperature, then top-k, then top-p (the smallest set of tokens whose
-probability reaches `top_p`, as transformers does), then a draw from the request's own generator,
-seeded by `seed` so a seeded request repeats exactly (any integer: a negative seed is read as the
-64-bit pattern it has, so -1 is one fixed seed, not "random").
+probability reaches `top_p`, as transformers does), then min-p (only tokens at least `min_p`
+times as likely as the most likely one stay, as llama.cpp and transformers do), then a draw
+from the request's own generator, seeded by `seed` so a seeded request repeats exactly (any
+integer: a negative seed is read as the 64-bit pattern it has, so -1 is one fixed seed, not
+"random").
 
 Penalties, applied to the logits before all of that (so greedy decoding takes them too), each off
 by default:
@@ -40,6 +42,7 @@ class SamplingParams:
     repeat_last_n: int = 64  # the window repeat_penalty looks at (prompt and answer); 0: off
     presence_penalty: float = 0.0  # OpenAI's range [-2, 2]; 0: off
     frequency_penalty: float = 0.0
+    min_p: float = 0.0  # 0.0: no min-p
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < math.inf:  # also refuses NaN
@@ -48,6 +51,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 <= self.top_p <= 1:
             raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0 < self.repeat_penalty < math.inf:
@@ -87,7 +92,7 @@ class Sampler:
         if p.temperature == 0 or p.top_k == 1 or p.top_p == 0:
             token = int(np.argmax(logits))
         else:
-            probs = distribution(logits, p.temperature, p.top_k, p.top_p)
+            probs = distribution(logits, p.temperature, p.top_k, p.top_p, p.min_p)
             token = int(self.rng.choice(probs.shape[0], p=probs))
         if self.recent.maxlen:
             self.recent.append(token)
@@ -120,7 +125,9 @@ class Sampler:
         return None
 
 
-def distribution(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+def distribution(
+    logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> np.ndarray:
     """The probabilities [V] (float64, summing to 1) that sampling draws from."""
     z = logits.astype(np.float64) / temperature  # [V]
     if 0 < top_k < z.shape[0]:
@@ -136,5 +143,8 @@ def distribution(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: 
         mask = np.zeros_like(probs, dtype=bool)
         mask[order[keep]] = True
         probs = np.where(mask, probs, 0.0)
+        probs /= probs.sum()
+    if min_p > 0.0:
+        probs = np.where(probs >= min_p * probs.max(), probs, 0.0)
         probs /= probs.sum()
     return probs

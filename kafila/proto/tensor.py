@@ -124,6 +124,7 @@ class Generate:
     repeat_last_n: int = 64
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_p: float = 0.0
 
     kind: ClassVar[Kind] = Kind.GENERATE
 
@@ -192,6 +193,7 @@ _FIELDS: dict[type, dict[str, tuple[type, ...]]] = {
         "repeat_last_n": (int,),
         "presence_penalty": (float, int),
         "frequency_penalty": (float, int),
+        "min_p": (float, int),
     },
     Tokens: {
         "request_id": (int,),
@@ -215,6 +217,7 @@ _OPTIONAL = {
     "repeat_last_n",
     "presence_penalty",
     "frequency_penalty",
+    "min_p",
     "finish",
     "queue_position",
     "prefill_s",

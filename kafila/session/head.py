@@ -217,7 +217,7 @@ class RingHead:
                 temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
                 max_tokens=s.max_tokens, stop_token_ids=s.stop_ids, repeat_penalty=s.repeat_penalty,
                 repeat_last_n=s.repeat_last_n, presence_penalty=s.presence_penalty,
-                frequency_penalty=s.frequency_penalty,
+                frequency_penalty=s.frequency_penalty, min_p=s.min_p,
             )  # fmt: skip
             sampler = Sampler(params, self.eos_ids, prompt)
         except ValueError as exc:
@@ -239,7 +239,7 @@ class RingHead:
     def _accept_remote(self, msg: t.Generate) -> None:
         s = Sampling(
             msg.max_tokens, msg.temperature, msg.top_k, msg.top_p, msg.seed, tuple(msg.stop),
-            msg.repeat_penalty, msg.repeat_last_n, msg.presence_penalty, msg.frequency_penalty,
+            msg.repeat_penalty, msg.repeat_last_n, msg.presence_penalty, msg.frequency_penalty, msg.min_p,
         )  # fmt: skip
         try:
             self._accept(msg.request_id, list(msg.prompt), s, None)

@@ -80,7 +80,7 @@ class RingMember:
         s = sampling
         msg = t.Generate(
             rid, tuple(prompt), s.max_tokens, s.temperature, s.top_k, s.top_p, s.seed, s.stop_ids,
-            s.repeat_penalty, s.repeat_last_n, s.presence_penalty, s.frequency_penalty,
+            s.repeat_penalty, s.repeat_last_n, s.presence_penalty, s.frequency_penalty, s.min_p,
         )  # fmt: skip
         ack = self._acks[rid] = asyncio.get_running_loop().create_future()
         self._outbox.put_nowait(msg)

@@ -31,6 +31,7 @@ class Sampling:
     repeat_last_n: int = 64
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_p: float = 0.0  # 0: off
 
 
 @dataclass(frozen=True)

@@ -294,7 +294,7 @@ async def test_parameters_not_implemented_are_refused_by_name_unless_unused(serv
             with pytest.raises(ollama.ResponseError) as oerr:
                 await asyncio.to_thread(oclient.generate, model=MODEL, prompt="Hi", **kw)
             assert oerr.value.status_code == 400 and f"'{name}' is not supported here" in oerr.value.error
-        neutral = {"num_predict": 2, "repeat_penalty": 1.0, "min_p": 0.0}
+        neutral = {"num_predict": 2, "repeat_penalty": 1.0, "typical_p": 1.0}
         done = await asyncio.to_thread(oclient.generate, model=MODEL, prompt="Hi", options=neutral)
         assert done["done"] and done["eval_count"] == 2
 
@@ -335,6 +335,12 @@ async def test_penalties_reach_the_sampler_through_both_apis_and_any_member(serv
             json={"model": MODEL, "messages": COUNT, "frequency_penalty": 3},
         )
         assert r.status_code == 400 and "'frequency_penalty' must be a number in [-2.0, 2.0], got 3" in r.text
+        body = {"model": MODEL, "prompt": "Hi", "stream": False, "options": {"min_p": 2, "num_predict": 2}}
+        r = await http.post(f"{served.member.url}/api/generate", json=body)
+        assert r.status_code == 400 and "'min_p' must be a number in [0.0, 1.0], got 2" in r.text
+        body["options"] |= {"min_p": 0.5, "temperature": 1.0, "seed": 7}
+        r = await http.post(f"{served.member.url}/api/generate", json=body)
+        assert r.status_code == 200 and r.json()["eval_count"] == 2
 
 
 def ollama_refusals(url: str) -> dict[str, str]:

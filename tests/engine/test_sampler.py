@@ -149,3 +149,19 @@ def test_penalties_out_of_range_are_refused_by_name(kw, named) -> None:
     with pytest.raises(ValueError) as err:
         SamplingParams(**kw)
     assert named in str(err.value)
+
+
+def test_min_p_keeps_the_tokens_at_least_p_times_as_likely_as_the_most_likely() -> None:
+    full = distribution(LOGITS, temperature=1.0)
+    p = distribution(LOGITS, temperature=1.0, min_p=0.3)
+    kept = set(np.flatnonzero(p))
+    assert kept == {i for i in range(len(LOGITS)) if full[i] >= 0.3 * full.max()} == {1, 2, 4}
+    np.testing.assert_allclose(p[[1, 2, 4]], full[[1, 2, 4]] / full[[1, 2, 4]].sum())
+    assert set(np.flatnonzero(distribution(LOGITS, temperature=1.0, min_p=1.0))) == {1}
+    with pytest.raises(ValueError, match=r"min_p must be in \[0, 1\], got 1.5"):
+        SamplingParams(min_p=1.5)
+
+
+def test_a_seeded_draw_with_min_p_only_picks_kept_tokens() -> None:
+    sampler = Sampler(SamplingParams(temperature=1.0, min_p=0.3, seed=3))
+    assert {sampler.sample(LOGITS) for _ in range(200)} == {1, 2, 4}

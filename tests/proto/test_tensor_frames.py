@@ -52,6 +52,7 @@ messages = st.one_of(
         repeat_last_n=small,
         presence_penalty=st.floats(-2, 2),
         frequency_penalty=st.floats(-2, 2),
+        min_p=st.floats(0, 1),
     ),
     st.builds(
         t.Tokens,

@@ -152,6 +152,30 @@ async def test_penalties_reach_the_heads_sampler_from_any_member_as_in_kafila_ru
         await ring.stop()
 
 
+async def test_seeded_sampling_with_min_p_through_a_member_is_what_kafila_run_draws(ckpt: Checkpoint) -> None:
+    """min_p, temperature and seed travel with a forwarded request: the same draws as single-process."""
+    ring = build_ring(ckpt, [(0, 2), (2, 5)])
+    sampled = {"temperature": 1.5, "seed": 11, "min_p": 0.2}
+    stage = Stage.load(ckpt, range(5), True, backend="torch", dtype="fp32", context=64)
+    eos = ckpt.config.eos_token_id
+    alone = [
+        t
+        for t in generate(stage, PROMPTS[2], SamplingParams(max_tokens=16, **sampled), eos_ids=eos, chunk=4)
+        if t not in eos
+    ]
+    try:
+        tokens, _ = await collect(
+            await ring.members[0].submit(PROMPTS[2], Sampling(max_tokens=16, **sampled))
+        )
+        assert tokens == alone
+        other, _ = await collect(
+            await ring.members[0].submit(PROMPTS[2], Sampling(max_tokens=16, **sampled | {"min_p": 0.0}))
+        )
+        assert other != alone  # min_p took part in the draws
+    finally:
+        await ring.stop()
+
+
 async def test_request_from_a_member_that_is_not_the_head(ckpt: Checkpoint) -> None:
     ring = build_ring(ckpt, [(0, 1), (1, 4), (4, 5)])
     try:
