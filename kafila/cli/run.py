@@ -10,6 +10,40 @@ from kafila.cli.argtypes import positive_int
 from kafila.cli.host import add_threads_flag
 from kafila.engine import DTYPE_CHOICES, PREFILL_CHUNK
 
+# kafila.engine.sampler's settings, as the API takes them per request: (flag, type, default, help)
+SAMPLING_FLAGS: list[tuple[str, type, float | int | None, str]] = [
+    ("--temperature", float, 0.0, "sampling temperature; 0 = greedy (the default)"),
+    ("--top-k", int, 0, "sample among the K most likely tokens; 0 = all"),
+    ("--top-p", float, 1.0, "sample among the most likely tokens holding P of the mass"),
+    (
+        "--min-p",
+        float,
+        0.0,
+        "sample only among tokens at least P times as likely as the most likely one (default 0: off)",
+    ),
+    ("--seed", int, None, "seed of the sampler (repeatable sampling)"),
+    (
+        "--repeat-penalty",
+        float,
+        1.0,
+        "divide (multiply, where negative) the logits of the last --repeat-last-n tokens of prompt and "
+        "answer by this; > 1 discourages repeating (Ollama's repeat_penalty; default 1: off)",
+    ),
+    ("--repeat-last-n", int, 64, "tokens --repeat-penalty looks back over (default 64)"),
+    (
+        "--presence-penalty",
+        float,
+        0.0,
+        "subtract this from the logit of every token the answer already holds, -2 to 2 (OpenAI's)",
+    ),
+    (
+        "--frequency-penalty",
+        float,
+        0.0,
+        "subtract this times how often the answer holds a token from its logit, -2 to 2 (OpenAI's)",
+    ),
+]
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -40,42 +74,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "bf16 for a bf16 checkpoint), as a session's",
     )
     parser.add_argument("--max-tokens", type=int, default=256, help="stop after this many generated tokens")
-    parser.add_argument(
-        "--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (the default)"
-    )
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens; 0 = all")
-    parser.add_argument(
-        "--top-p", type=float, default=1.0, help="sample among the most likely tokens holding P of the mass"
-    )
-    parser.add_argument(
-        "--min-p",
-        type=float,
-        default=0.0,
-        help="sample only among tokens at least P times as likely as the most likely one (default 0: off)",
-    )
-    parser.add_argument("--seed", type=int, default=None, help="seed of the sampler (repeatable sampling)")
-    parser.add_argument(
-        "--repeat-penalty",
-        type=float,
-        default=1.0,
-        help="divide (multiply, where negative) the logits of the last --repeat-last-n tokens of prompt "
-        "and answer by this; > 1 discourages repeating (Ollama's repeat_penalty; default 1: off)",
-    )
-    parser.add_argument(
-        "--repeat-last-n", type=int, default=64, help="tokens --repeat-penalty looks back over (default 64)"
-    )
-    parser.add_argument(
-        "--presence-penalty",
-        type=float,
-        default=0.0,
-        help="subtract this from the logit of every token the answer already holds, -2 to 2 (OpenAI's)",
-    )
-    parser.add_argument(
-        "--frequency-penalty",
-        type=float,
-        default=0.0,
-        help="subtract this times how often the answer holds a token from its logit, -2 to 2 (OpenAI's)",
-    )
+    for flag, kind, default, text in SAMPLING_FLAGS:
+        parser.add_argument(flag, type=kind, default=default, help=text)
     add_threads_flag(parser)
     parser.add_argument(
         "--context",
