@@ -237,12 +237,8 @@ class RingHead:
         self._wake.set()
 
     def _accept_remote(self, msg: t.Generate) -> None:
-        s = Sampling(
-            msg.max_tokens, msg.temperature, msg.top_k, msg.top_p, msg.seed, tuple(msg.stop),
-            msg.repeat_penalty, msg.repeat_last_n, msg.presence_penalty, msg.frequency_penalty, msg.min_p,
-        )  # fmt: skip
         try:
-            self._accept(msg.request_id, list(msg.prompt), s, None)
+            self._accept(msg.request_id, list(msg.prompt), Sampling.of(msg), None)
         except GenerationError as exc:
             self._outbox.put_nowait(t.Error(msg.request_id, exc.code, exc.message))
             return

@@ -77,11 +77,7 @@ class RingMember:
         rid = self.ids.next()
         gen = QueueGeneration(rid, self._cancel)
         self._mine[rid] = gen
-        s = sampling
-        msg = t.Generate(
-            rid, tuple(prompt), s.max_tokens, s.temperature, s.top_k, s.top_p, s.seed, s.stop_ids,
-            s.repeat_penalty, s.repeat_last_n, s.presence_penalty, s.frequency_penalty, s.min_p,
-        )  # fmt: skip
+        msg = sampling.forwarded(rid, prompt)
         ack = self._acks[rid] = asyncio.get_running_loop().create_future()
         self._outbox.put_nowait(msg)
         log.info("request_forwarded", request_id=rid, head=self.info.order[0], prompt_tokens=len(prompt))

@@ -15,8 +15,10 @@ EOS tokens are not included in `tokens`.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
+
+from kafila.proto import tensor as t
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,16 @@ class Sampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_p: float = 0.0  # 0: off
+
+    def forwarded(self, request_id: int, prompt: Sequence[int]) -> t.Generate:
+        """The message a member that is not the head sends for this request: Generate's fields
+        after the prompt are these, in this order."""
+        return t.Generate(request_id, tuple(prompt), *(getattr(self, f.name) for f in fields(self)))
+
+    @classmethod
+    def of(cls, msg: t.Generate) -> Sampling:
+        """The settings a forwarded request carries (the inverse of `forwarded`)."""
+        return cls(*(getattr(msg, f.name) for f in fields(msg)[2:]))
 
 
 @dataclass(frozen=True)

@@ -159,3 +159,21 @@ def test_reader_refuses_a_huge_length_before_buffering_it() -> None:
 def test_itemsizes_match_dtype_names() -> None:
     assert t.hidden_nbytes(t.DType.BF16, (3, 5)) == 30
     assert t.hidden_nbytes(t.DType.F32, ()) == 4 * math.prod(())
+
+
+def test_a_forwarded_request_carries_every_sampling_setting() -> None:
+    """Sampling.forwarded and Sampling.of rely on Generate's fields after the prompt being
+    Sampling's, in the same order: a field added to one and not the other fails here."""
+    from dataclasses import fields
+
+    from kafila.session.service import Sampling
+
+    names = ["stop" if f.name == "stop_ids" else f.name for f in fields(Sampling)]
+    assert [f.name for f in fields(t.Generate)][2:] == names
+    s = Sampling(
+        max_tokens=7, temperature=0.5, top_k=3, top_p=0.9, seed=-4, stop_ids=(5, 6), repeat_penalty=1.3,
+        repeat_last_n=9, presence_penalty=0.2, frequency_penalty=-0.1, min_p=0.05,
+    )  # fmt: skip
+    msg = s.forwarded(12, [1, 2, 3])
+    assert (msg.request_id, msg.prompt) == (12, (1, 2, 3))
+    assert Sampling.of(t.decode(t.encode(msg))) == s
