@@ -79,6 +79,10 @@ def main(args: argparse.Namespace) -> int:
         rows.append((f"head step ({args.model})", report.head, 1e3, "ms"))
     if report.block_dispatch:
         rows.append(("block dispatch (tiny shapes)", report.block_dispatch, 1e3, "ms"))
+    if report.stage_fixed:
+        rows.append(("stage step, per-step part", report.stage_fixed, 1e3, "ms"))
+    if report.wake:
+        rows.append((f"wake-up (tau {(report.wake_tau_s or 0) * 1e3:.1f} ms)", report.wake, 1e3, "ms"))
     print(f"backend {report.backend}, threads {report.threads}, cpu quota {report.cpu_quota or 'none'}")
     print(f"memory for weights: {report.memory_bytes / 1e9:.1f} GB")
     for label, fig, scale, unit in rows:

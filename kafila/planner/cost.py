@@ -10,6 +10,11 @@ Stage cost (full tier):  c_i = o_i + n_i * beta_block / b_i + [i = head] * beta_
   When the probe timed this model's final norm and unembedding on device i (head_s), that time
   replaces beta_head_read / b_i in the same way. When it also timed the synthetic stage at two
   block counts, the part that does not grow with the blocks (stage_fixed_s) replaces o_i.
+Wake-up (predictions only): a stage left idle for g seconds between steps pays
+wake_cost_s(W_i, tau_i, g) - wake_cost_s(W_i, tau_i, IDLE_RATIO c_i) more than c_i, the probe's
+figures having been timed after about IDLE_RATIO times the step (kafila.probe.measure). The
+division itself is chosen on c_i; the plan's stage times, circuit and figures include the wake-up
+at the gaps the division leaves (kafila.planner.decide).
 Capacity uses resident bytes: each block holds its weights plus the KV cache reserved for the
 session's declared context and concurrency; the head also holds embedding and unembedding.
 
@@ -19,12 +24,23 @@ no head term (arithmetic throughput does not price the head's extra read).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from kafila.models.manifest import DTYPE_BYTES, Manifest
 from kafila.planner.devices import DeviceReport
+
+WAKE_FLOOR_S = 0.001  # the shortest idle gap the probe's wake figure times; shorter ones count as it
+IDLE_RATIO = 2.0  # the probe times stage steps each after an idle gap of about this times the step
+
+
+def wake_cost_s(w: float, tau: float, gap_s: float) -> float:
+    """What a step after `gap_s` seconds of idle costs more than one after WAKE_FLOOR_S under the
+    probe's fit t(g) = t0 + W (1 - e^(-g/tau)) (kafila.probe.measure.fit_wake)."""
+    g = max(gap_s, WAKE_FLOOR_S)
+    return w * (math.exp(-WAKE_FLOOR_S / tau) - math.exp(-g / tau))
 
 
 class Tier(StrEnum):
@@ -91,6 +107,15 @@ class DeviceCost:
     head_s: float  # extra cost when this device holds the head (0 in the throughput tier)
     limit: int
     limit_head: int
+    wake_s: float = 0.0  # W of the probe's wake-up fit (0: none measured)
+    wake_tau_s: float = 1.0
+
+    def wake_extra_s(self, stage_s: float, gap_s: float) -> float:
+        """What a stage step of `stage_s` (as probed) costs more after `gap_s` idle, at least 0."""
+        if not self.wake_s:
+            return 0.0
+        timed = wake_cost_s(self.wake_s, self.wake_tau_s, IDLE_RATIO * stage_s)
+        return max(0.0, wake_cost_s(self.wake_s, self.wake_tau_s, gap_s) - timed)
 
     def fixed(self, head: bool) -> float:
         return self.overhead_s + (self.head_s if head else 0.0)
@@ -111,6 +136,13 @@ def choose_tier(devices: Sequence[DeviceReport]) -> Tier:
 
 
 def device_cost(d: DeviceReport, w: Workload, tier: Tier, use_block_probe: bool = True) -> DeviceCost:
+    cost = _device_cost(d, w, tier, use_block_probe)
+    if d.wake_s is None or d.wake_tau_s is None:
+        return cost
+    return replace(cost, wake_s=d.wake_s, wake_tau_s=d.wake_tau_s)
+
+
+def _device_cost(d: DeviceReport, w: Workload, tier: Tier, use_block_probe: bool) -> DeviceCost:
     lim, lim_head = w.limit(d.memory_bytes, False), w.limit(d.memory_bytes, True)
     overhead = d.overhead_s or 0.0
     if tier is Tier.FULL:

@@ -191,6 +191,9 @@ def _build(
         start += n
     edges = tuple(_edge(ordered[a], ordered[b], rule) for a, b in ring_edges(chain))
     reason = check_memory(ordered, counts, head, w)
+    if costs:
+        woken = _woken([s.cost_s or 0.0 for s in stages], [costs[p] for p in chain], edges, w.concurrency)
+        stages = [replace(s, cost_s=c) for s, c in zip(stages, woken, strict=True)]
     return _with_figures(
         Plan(
             division=name,
@@ -243,6 +246,17 @@ def _edge(a: DeviceReport, b: DeviceReport, rule: PairRule) -> Edge:
     direct = predicted_direct(a, b, rule)
     price = edge_price_s(a, b, direct)
     return Edge(a.name, b.name, direct, None if price is None else price / 2)
+
+
+def _woken(
+    stage_s: list[float], costs: Sequence[DeviceCost], edges: Sequence[Edge], concurrency: int
+) -> list[float]:
+    """Each stage's cost with its wake-up after the idle gap this division leaves it: the session's
+    time per token (max(bottleneck, circuit / concurrency), from the probed costs) less its own
+    step. One user on a ring of three: a small stage idles through most of a circuit."""
+    known = [e.latency_s for e in edges if e.latency_s is not None]
+    period = max(max(stage_s), (sum(stage_s) + sum(known)) / concurrency)
+    return [c + cost.wake_extra_s(c, period - c) for c, cost in zip(stage_s, costs, strict=True)]
 
 
 def _with_figures(p: Plan) -> Plan:

@@ -24,6 +24,9 @@ class DeviceReport:
         probe with the engine's own code (replaces head bytes / bandwidth, like block_s).
     stage_fixed_s: the part of a stage's decode step that does not grow with its blocks (the
         synthetic-block probe timed at two block counts); replaces overhead_s where block_s is used.
+    wake_s, wake_tau_s: a step after g seconds of idle costs wake_s (e^(-1 ms/tau) - e^(-g/tau))
+        more than one after 1 ms (the probe's fit, kafila.planner.cost.wake_cost_s): a core that
+        slept through most of a circuit comes back slower.
     nat: classified NAT (None: unknown, predicted as restrictive).
     rtt_s: round trip to the rendezvous.
     pair_rtt_s: measured round trips to other members, by name.
@@ -38,6 +41,8 @@ class DeviceReport:
     block_dispatch_s: float | None = None
     head_s: float | None = None
     stage_fixed_s: float | None = None
+    wake_s: float | None = None
+    wake_tau_s: float | None = None
     nat: Nat | None = None
     rtt_s: float | None = None
     pair_rtt_s: dict[str, float] = field(default_factory=dict)
@@ -47,11 +52,11 @@ class DeviceReport:
             raise ValueError("device name is empty")
         if self.memory_bytes < 0:
             raise ValueError(f"device {self.name}: memory_bytes {self.memory_bytes} is negative")
-        for key in ("bandwidth_bytes_s", "flops", "block_s", "head_s"):
+        for key in ("bandwidth_bytes_s", "flops", "block_s", "head_s", "wake_tau_s"):
             value = getattr(self, key)
             if value is not None and not value > 0:
                 raise ValueError(f"device {self.name}: {key} must be > 0, got {value}")
-        for key in ("overhead_s", "rtt_s", "block_dispatch_s", "stage_fixed_s"):
+        for key in ("overhead_s", "rtt_s", "block_dispatch_s", "stage_fixed_s", "wake_s"):
             value = getattr(self, key)
             if value is not None and value < 0:
                 raise ValueError(f"device {self.name}: {key} must be >= 0, got {value}")
@@ -67,6 +72,8 @@ class DeviceReport:
             "block_dispatch_s": self.block_dispatch_s,
             "head_s": self.head_s,
             "stage_fixed_s": self.stage_fixed_s,
+            "wake_s": self.wake_s,
+            "wake_tau_s": self.wake_tau_s,
             "nat": self.nat.to_dict() if self.nat else None,
             "rtt_s": self.rtt_s,
             "pair_rtt_s": dict(self.pair_rtt_s),
@@ -85,6 +92,8 @@ class DeviceReport:
             block_dispatch_s=d.get("block_dispatch_s"),
             head_s=d.get("head_s"),
             stage_fixed_s=d.get("stage_fixed_s"),
+            wake_s=d.get("wake_s"),
+            wake_tau_s=d.get("wake_tau_s"),
             nat=Nat.from_dict(nat) if nat else None,
             rtt_s=d.get("rtt_s"),
             pair_rtt_s={str(k): float(v) for k, v in (d.get("pair_rtt_s") or {}).items()},

@@ -81,6 +81,8 @@ _PROBE_NUMBERS: dict[str, _Range] = {
     "block_dispatch_s": _Range(0, 1e3),
     "head_s": _Range(1e-9, 1e3),
     "stage_fixed_s": _Range(0, 1e3),
+    "wake_s": _Range(0, 1e3),
+    "wake_tau_s": _Range(1e-9, 1e3),
 }
 # Session counts: positions and request ids are 32-bit on the wire (kafila.proto.tensor).
 MAX_COUNT = 2**32 - 1
@@ -155,13 +157,16 @@ def _device(t: Any, index: int, source: str, model: str, read_json: ReadJson | N
         block_dispatch_s=merged.get("block_dispatch_s"),
         head_s=merged.get("head_s"),
         stage_fixed_s=merged.get("stage_fixed_s"),
+        wake_s=merged.get("wake_s"),
+        wake_tau_s=merged.get("wake_tau_s"),
         nat=_nat(t, where),
         rtt_s=rtt,
     )
 
 
 _MEASURED = ("memory_bytes", "bandwidth_bytes_s", "overhead_s", "flops")
-_MODEL_TIMED = ("block_s", "block_dispatch_s", "head_s", "stage_fixed_s")  # valid for one model only
+# valid for one model only
+_MODEL_TIMED = ("block_s", "block_dispatch_s", "head_s", "stage_fixed_s", "wake_s", "wake_tau_s")
 
 
 def _probe_file(t: dict[str, Any], where: str, model: str, read_json: ReadJson | None) -> dict[str, Any]:

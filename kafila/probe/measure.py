@@ -15,6 +15,12 @@ Figures (each a median and spread over repetitions):
   one-block stage; what does not grow with the blocks (Python and dispatch around the kernels) is
   a stage's per-step part (a least-squares line through the three), and only the rest counts per
   block (without it a 5-block probe folded a fifth of that part into each block).
+- wake (with a model): what a stage step costs more after a long idle than after the short gaps
+  the figures above are timed with (`fit_wake`): the one-block stage timed after 1, 8 and 32 ms
+  of idle (WAKE_GAPS_S), fitted to t(g) = t0 + W (1 - e^(-g/tau)).
+  A ring leaves a small stage idle for most of a circuit (one request: everything but its own
+  step), and a core that slept that long comes back slower (a VM's halted vCPU, a laptop's
+  C-states and clocks): +0.25 ms on a 0.48 ms step after 25 ms idle here (docs/planner.md).
 Block and head are timed as a ring runs them: each call follows an idle gap twice its own length
 (the other stages of a ring of three computing), so caches, thread wake-ups and a CFS quota's
 refill behave as they will in the session.
@@ -28,13 +34,16 @@ import itertools
 import json
 import math
 import random
+import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kafila.engine.pace import FULL_SPEED, Pace
 from kafila.models.config import ModelConfig
 from kafila.obs.log import get_logger
+from kafila.planner.cost import IDLE_RATIO, WAKE_FLOOR_S
 from kafila.planner.devices import DeviceReport
 from kafila.planner.reachability import Nat
 from kafila.probe import system
@@ -51,12 +60,16 @@ FIGURES = (
     "block_dispatch",
     "head",
     "stage_fixed",
+    "wake",
 )
 WINDOW_S = 0.04  # minimum time per repetition
 QUOTA_WINDOW_S = 0.25  # under a CFS quota: at least this long, in whole periods
-IDLE_RATIO = 2.0  # stage-shaped calls: idle this many times the call's length before the next
 STAGE_BLOCKS = 5  # blocks of the probe's stage at most (also timed at twice that and at one block)
 STEPS = 24  # stage-shaped calls per repetition (with 12: +-15% between probes at a quarter core)
+WAKE_GAPS_S = (WAKE_FLOOR_S, 0.008, 0.032)  # the wake figure's idle gaps: short, middle, about a circuit
+WAKE_REPEATS = 3  # most repetitions of the wake timings (each about a second at full speed)
+WAKE_MAX_STEP_S = 0.01  # no wake figure for a one-block step longer than this
+WAKE_TAU_S = (0.0005, 0.032)  # the fitted time constant is kept within these
 POSITION = 256  # KV position of the timed decode steps: the planner's costs are a step's at this position
 
 
@@ -78,6 +91,8 @@ class ProbeReport:
     head: Figure | None = None  # s per decode step for the final norm and unembedding of one row
     emulated_speed: float = 1.0  # < 1: measured under an emulated pace (kafila.engine.pace)
     stage_fixed: Figure | None = None  # s per stage step that does not grow with its blocks
+    wake: Figure | None = None  # s a one-block step costs more after 32 ms idle than after 1 ms
+    wake_tau_s: float | None = None  # how fast that cost grows with the idle gap (fit_wake)
 
     def device_report(
         self, name: str, nat: Nat | None = None, rtt_s: float | None = None, use_block: bool = True
@@ -92,6 +107,8 @@ class ProbeReport:
             block_dispatch_s=self.block_dispatch.median if self.block_dispatch else None,
             head_s=self.head.median if (self.head and use_block) else None,
             stage_fixed_s=self.stage_fixed.median if (self.stage_fixed and use_block) else None,
+            wake_s=wake_w(self.wake.median, self.wake_tau_s) if self.wake and self.wake_tau_s else None,
+            wake_tau_s=self.wake_tau_s if self.wake else None,
             nat=nat,
             rtt_s=rtt_s,
         )
@@ -128,12 +145,17 @@ def seconds_per_call(run: Run, repeats: int, window_s: float, pace: Pace = FULL_
 
 
 def seconds_per_step(
-    run: Run, repeats: int, idle_ratio: float = IDLE_RATIO, pace: Pace = FULL_SPEED
+    run: Run,
+    repeats: int,
+    idle_ratio: float = IDLE_RATIO,
+    pace: Pace = FULL_SPEED,
+    gap_s: float | None = None,
 ) -> list[float]:
     """Warm up twice, then time `repeats` x STEPS single calls, each after an idle gap of about
-    `idle_ratio` times the previous call: seconds per call, the median of each repetition.
-    The gaps vary by +-50% (seeded): a fixed gap can lock onto a CFS quota's period and measure
-    the same phase every time, where a ring's stages start at every phase."""
+    `idle_ratio` times the previous call (or about `gap_s` seconds where given): seconds per call,
+    the median of each repetition. The gaps vary by +-50% (seeded): a fixed gap can lock onto a
+    CFS quota's period and measure the same phase every time, where a ring's stages start at every
+    phase."""
     jitter = random.Random(0)
     run()
     last = time.perf_counter()
@@ -143,7 +165,7 @@ def seconds_per_step(
     for _ in range(repeats):
         calls = []
         for _ in range(STEPS):
-            time.sleep(idle_ratio * last * jitter.uniform(0.5, 1.5))
+            time.sleep((idle_ratio * last if gap_s is None else gap_s) * jitter.uniform(0.5, 1.5))
             began = pace.mark()
             run()
             last = pace.finish(began)
@@ -193,7 +215,8 @@ def probe(
     overhead = Figure.of(seconds_per_call(ops.make_dispatch(), repeats, window, pace), "s")
     mm, flop = ops.make_matmul(512 if be.device == "cpu" else 4096)
     flops = Figure.of(rates(seconds_per_call(mm, repeats, window, pace), flop), "FLOP/s")
-    block = block_bytes = block_dispatch = head = stage_fixed = None
+    block = block_bytes = block_dispatch = head = stage_fixed = wake = None
+    wake_tau = None
     if model is not None:
         block, stage_fixed, block_bytes = _stage_blocks(ops, model, position, repeats, pace, memory)
         head_run, _ = ops.make_head(model)
@@ -201,6 +224,7 @@ def probe(
         del head_run
         dispatch, dn = ops.make_block_dispatch(model, position)
         block_dispatch = Figure.of([s / dn for s in seconds_per_call(dispatch, repeats, window, pace)], "s")
+        wake, wake_tau = _wake(ops, model, position, pace, min(repeats, WAKE_REPEATS))
     report = ProbeReport(
         backend=str(be),
         threads=threads,
@@ -218,6 +242,8 @@ def probe(
         head=head,
         emulated_speed=pace.speed,
         stage_fixed=stage_fixed,
+        wake=wake,
+        wake_tau_s=wake_tau,
     )
     log.info(
         "probed",
@@ -229,6 +255,8 @@ def probe(
         block_dispatch_ms=round(block_dispatch.median * 1e3, 3) if block_dispatch else None,
         head_ms=round(head.median * 1e3, 3) if head else None,
         stage_fixed_ms=round(stage_fixed.median * 1e3, 3) if stage_fixed else None,
+        wake_ms=round(wake.median * 1e3, 3) if wake else None,
+        wake_tau_ms=round(wake_tau * 1e3, 2) if wake_tau else None,
         memory_gb=round(memory / 1e9, 2),
         cpu_quota=quota,
         emulated_speed=pace.speed if pace.emulated else None,
@@ -298,6 +326,56 @@ def fit_fixed(times: dict[int, float]) -> tuple[float, float]:
     if fixed < 0:  # through the origin instead: t = blocks x per
         return 0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
     return fixed, per
+
+
+def _wake(
+    ops: Ops, model: ModelConfig, position: int, pace: Pace, repeats: int
+) -> tuple[Figure | None, float | None]:
+    """(rise, tau): the one-block `_cold_stage` timed after each of WAKE_GAPS_S, the three
+    interleaved per repetition so that a drift of the machine's speed shifts them alike; rise is
+    what a step after the longest gap costs more than after the shortest (a figure over the
+    repetitions), tau the `fit_wake` of the three timings' medians. (None, None) where the step is
+    longer than WAKE_MAX_STEP_S: the wake-up is lost in it, and the timings would take a minute."""
+    run, _ = _cold_stage(ops, model, position, 1, system.llc_bytes() or 0)
+    if seconds_per_step(run, 1, pace=pace, gap_s=WAKE_GAPS_S[0])[0] > WAKE_MAX_STEP_S:
+        return None, None
+    rows = [
+        tuple(seconds_per_step(run, 1, pace=pace, gap_s=g)[0] for g in WAKE_GAPS_S) for _ in range(repeats)
+    ]
+    _, tau = fit_wake(tuple(statistics.median(col) for col in zip(*rows, strict=True)))
+    return Figure.of([row[-1] - row[0] for row in rows], "s"), tau
+
+
+def fit_wake(steps: Sequence[float], gaps: Sequence[float] = WAKE_GAPS_S) -> tuple[float, float]:
+    """A stage step took steps[j] after gaps[j] seconds of idle (three gaps, shortest first):
+    (W, tau) of t(g) = t0 + W (1 - e^(-g/tau)) through the three, tau kept within WAKE_TAU_S (a
+    smaller one: a step that costs the same after any longer gap; a larger one would grow without
+    bound past the gaps timed). A step no slower after the longest gap: W = 0."""
+    (g0, g1, g2), (t0, t1, t2) = gaps, steps
+    rise = t2 - t0
+    lo, hi = WAKE_TAU_S
+    if rise <= 0:
+        return 0.0, hi
+    share = (t1 - t0) / rise  # how much of the rise the middle gap already shows
+
+    def shown(tau: float) -> float:  # that share under t(g) with this tau: falls as tau grows
+        return wake_rise(g0, g1, tau) / wake_rise(g0, g2, tau)
+
+    for _ in range(60):  # bisection on log tau
+        tau = math.sqrt(lo * hi)
+        lo, hi = (tau, hi) if shown(tau) > share else (lo, tau)
+    tau = math.sqrt(lo * hi)
+    return rise / wake_rise(g0, g2, tau), tau
+
+
+def wake_w(rise: float, tau: float) -> float:
+    """W of t(g) = t0 + W (1 - e^(-g/tau)) from the rise between the shortest and longest gap timed."""
+    return max(0.0, rise) / wake_rise(WAKE_GAPS_S[0], WAKE_GAPS_S[-1], tau)
+
+
+def wake_rise(g0: float, g: float, tau: float) -> float:
+    """(1 - e^(-g/tau)) - (1 - e^(-g0/tau)): how much of W a step after g idle pays over one after g0."""
+    return math.exp(-g0 / tau) - math.exp(-g / tau)
 
 
 def quota_window(limit: tuple[float, float] | None) -> float:

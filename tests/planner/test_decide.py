@@ -88,6 +88,47 @@ def test_probed_stage_fixed_part_replaces_the_dispatch_overhead_where_blocks_are
         gpu("b", 40, 100, stage_fixed_s=-1.0)
 
 
+def test_a_stage_idle_longer_than_the_probe_timed_it_is_predicted_with_its_wake_up():
+    """Each step after about twice its own length of idle, as the probe timed it, costs c_i; after
+    the gap the division leaves (time per token less its own step) it costs what the probe's wake
+    figure adds on top. The division is chosen on c_i alone."""
+    from kafila.planner.cost import wake_cost_s
+
+    w, tau = 0.0005, 0.008
+    fleet = [
+        gpu("big", 40, 100, block_s=0.001, head_s=0.002, stage_fixed_s=0.0, wake_s=w, wake_tau_s=tau),
+        gpu("small", 40, 100, block_s=0.004, stage_fixed_s=0.0, wake_s=w, wake_tau_s=tau),
+    ]
+    plain = plan([replace(d, wake_s=None, wake_tau_s=None) for d in fleet], QWEN8, context=4096)
+    woken = plan(fleet, QWEN8, context=4096)
+    assert woken.blocks() == plain.blocks()
+    per_token = plain.per_token_s  # one request: the circuit
+    for before, after in zip(plain.stages, woken.stages, strict=True):
+        c = before.cost_s
+        extra = wake_cost_s(w, tau, per_token - c) - wake_cost_s(w, tau, 2 * c)
+        assert after.cost_s == pytest.approx(c + max(0.0, extra))
+    small = woken.stage("small")
+    assert small.cost_s > plain.stage("small").cost_s + 0.2 * w  # idles through most of the circuit
+    assert woken.circuit_s == pytest.approx(sum(s.cost_s for s in woken.stages))
+    assert DeviceReport.from_json(fleet[0].to_json()) == fleet[0]
+    with pytest.raises(ValueError, match="wake_s must be >= 0"):
+        gpu("b", 40, 100, wake_s=-1.0)
+    with pytest.raises(ValueError, match="wake_tau_s must be > 0"):
+        gpu("b", 40, 100, wake_s=1e-4, wake_tau_s=0.0)
+
+
+def test_a_busy_ring_pays_no_wake_up():
+    """Enough requests in flight that every stage works through the bottleneck's period: the gaps
+    are no longer than the probe's, so the stage times are the probed costs."""
+    fleet = [
+        gpu(n, 40, 100, block_s=0.001, head_s=0.001, stage_fixed_s=0.0, wake_s=0.001, wake_tau_s=0.008)
+        for n in ("a", "b", "c")
+    ]
+    plain = plan([replace(d, wake_s=None) for d in fleet], QWEN8, context=4096, concurrency=8)
+    busy = plan(fleet, QWEN8, context=4096, concurrency=8)
+    assert [s.cost_s for s in busy.stages] == [s.cost_s for s in plain.stages]
+
+
 def test_throughput_tier_when_a_bandwidth_is_missing_keeps_the_head_with_the_opener():
     fleet = [gpu("opener", 40, None, flops=1e12), gpu("big", 40, 900, flops=9e12)]
     p = plan(fleet, QWEN8, context=4096)

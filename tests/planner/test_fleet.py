@@ -117,6 +117,8 @@ def test_probe_file_fills_measurements_and_explicit_fields_win():
             "block_s": 0.01,
             "block_dispatch_s": 0.002,
             "stage_fixed_s": 0.0,
+            "wake_s": 3e-4,
+            "wake_tau_s": 0.008,
         },
     }
     text = (
@@ -126,9 +128,11 @@ def test_probe_file_fills_measurements_and_explicit_fields_win():
     (d,) = parse_fleet(text, "f.toml", lambda path: data).devices
     assert d.memory_bytes == 4 * 10**9 and d.bandwidth_bytes_s == 1e10 and d.block_s == 0.01
     assert d.block_dispatch_s == 0.002 and d.stage_fixed_s == 0.0  # a measured zero is kept
+    assert (d.wake_s, d.wake_tau_s) == (3e-4, 0.008)
     other = text.replace('model = "qwen3-8b"', 'model = "qwen3-14b"')
     (o,) = parse_fleet(other, "f.toml", lambda path: data).devices
     assert o.block_s is None and o.block_dispatch_s is None and o.stage_fixed_s is None
+    assert o.wake_s is None and o.wake_tau_s is None  # timed with another model's one-block stage
     with pytest.raises(FleetError, match="only be read when the fleet is loaded from a file"):
         parse_fleet(text, "f.toml")
 

@@ -51,6 +51,9 @@ def test_torch_probe_is_sane_and_quick():
     assert r.head is not None and 1e-6 < r.head.median < 0.5
     assert r.stage_fixed is not None and 0.0 <= r.stage_fixed.median < 0.5
     assert r.device_report("x").stage_fixed_s == r.stage_fixed.median
+    assert r.wake is not None and r.wake.n == 2 and r.wake_tau_s is not None
+    dev = r.device_report("x")
+    assert dev.wake_s == pytest.approx(measure.wake_w(r.wake.median, r.wake_tau_s)) and dev.wake_s >= 0
     assert ProbeReport.from_dict(r.to_dict()) == r
     assert r.threads == usable_cpus()  # the count the engine should run with
     assert r.block_bytes == 4 * (256 * (256 + 2 * 128) + 256 * 256 + 3 * 256 * 512 + 2 * 256 + 2 * 64)
@@ -124,6 +127,28 @@ def test_a_stage_timed_at_three_block_counts_splits_into_per_step_and_per_block_
 
     run = Ops(resolve("torch", "fp32")).make_block(TINY_QWEN3, 8, blocks=6)
     assert tuple(run().shape) == (1, TINY_QWEN3.hidden_size)  # one row through the six blocks
+
+
+def test_a_step_timed_after_three_idle_gaps_fits_a_saturating_wake_up():
+    import math
+
+    from kafila.planner.cost import wake_cost_s
+    from kafila.probe.measure import WAKE_GAPS_S, WAKE_TAU_S, fit_wake, wake_w
+
+    def t(g: float, w: float, tau: float) -> float:  # t(g) = t0 + W (1 - e^(-g/tau)), t0 = 0.5 ms
+        return 0.0005 + w * (1 - math.exp(-g / tau))
+
+    for w, tau in ((0.0003, 0.007), (0.002, 0.02), (0.0001, 0.002)):
+        steps = [t(g, w, tau) for g in WAKE_GAPS_S]
+        fw, ftau = fit_wake(steps)
+        assert (fw, ftau) == (pytest.approx(w, rel=1e-6), pytest.approx(tau, rel=1e-6))
+        assert wake_w(steps[-1] - steps[0], ftau) == pytest.approx(w, rel=1e-6)
+        # the planner's curve: what a step after g costs over one after the shortest gap
+        assert wake_cost_s(fw, ftau, 0.02) == pytest.approx(t(0.02, w, tau) - steps[0])
+    assert fit_wake([0.0006, 0.0005, 0.0005])[0] == 0.0  # no slower after a long idle: nothing to add
+    # the whole rise already after the middle gap: the smallest tau; a straight line: the largest
+    assert fit_wake([0.0005, 0.0007, 0.0007])[1] == pytest.approx(WAKE_TAU_S[0], rel=1e-6)
+    assert fit_wake([0.0005, 0.00051, 0.0007])[1] == pytest.approx(WAKE_TAU_S[1], rel=1e-6)
 
 
 def test_head_probe_unembeds_one_row_of_the_model_vocabulary():
