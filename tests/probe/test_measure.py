@@ -116,11 +116,18 @@ def test_a_stage_timed_at_three_block_counts_splits_into_per_step_and_per_block_
     # t = 2 ms + blocks x 1 ms
     assert fit_fixed({1: 0.003, 5: 0.007, 10: 0.012}) == pytest.approx((0.002, 0.001))
     # noise on the long stages: the one-block stage keeps the per-step part near its 2 ms, where
-    # 2 t(5) - t(10) alone would say 2.6 ms
+    # 2 t(5) - t(10) alone would say 2.6 ms and an unweighted line 2.11 ms
     fixed, per = fit_fixed({1: 0.003, 5: 0.0073, 10: 0.012})
-    assert fixed == pytest.approx(0.00211, abs=1e-5) and per == pytest.approx(0.000998, abs=1e-6)
-    # a line that would cross below 0: through the origin instead (never a negative per-step part)
-    assert fit_fixed({1: 0.001, 5: 0.0055, 10: 0.011}) == pytest.approx((0.0, 0.1385 / 126))
+    assert fixed == pytest.approx(0.001994, abs=1e-6) and per == pytest.approx(0.001023, abs=1e-6)
+    # a line that would cross below 0: through the origin instead (never a negative per-step part),
+    # weighted alike: sum(x y / y^2) / sum(x^2 / y^2)
+    # 5% too long a ten-block step (1 ms of 19) barely moves the one-block stage's prediction:
+    # each point counts by its relative error (unweighted, the prediction fell 6.9%)
+    fixed, per = fit_fixed({1: 0.4 + 1.85, 5: 0.4 + 5 * 1.85, 10: (0.4 + 10 * 1.85) * 1.05})
+    assert fixed + per == pytest.approx(2.25, rel=0.005)
+    ts = {1: 0.001, 5: 0.0055, 10: 0.011}
+    through_origin = sum(x / y for x, y in ts.items()) / sum((x / y) ** 2 for x, y in ts.items())
+    assert fit_fixed(ts) == pytest.approx((0.0, through_origin))
     assert fit_fixed({1: 0.006, 5: 0.006, 10: 0.005}) == pytest.approx((0.0, 0.0005))  # not slower: no split
     from kafila.engine.backend import resolve
     from kafila.probe.ops import Ops
