@@ -270,3 +270,39 @@ async def _until(ok, seconds: float, *links: Link) -> None:
     while not ok():
         assert loop.time() < deadline, f"not within {seconds} s: {[link.path_changes for link in links]}"
         await asyncio.sleep(0.02)
+
+
+async def test_a_message_sent_into_a_cut_direct_path_arrives_over_the_relay_within_the_rings_liveness(
+    rdv,
+) -> None:
+    """A session's link (keepalive 1 s, fallback after 3 s of silence) whose direct path is cut for
+    good (simulated: both ends drop every datagram that does not come from the relay), with a
+    prefill's hidden states sent just after the cut: they must arrive over the relay before the
+    ring's liveness (--dead-after, 5 s) counts their sender gone. They used to arrive 6.9 s after
+    the cut: QUIC's loss recovery, backed off through the seconds of silence, waited for its probe
+    timer after the fallback (the NAT lab's edge-cut test failed so when the cut met a prefill)."""
+    from kafila.session.form import SESSION_LINKS
+
+    pair = await open_pair(rdv, _sock(), _sock(), config=SESSION_LINKS)
+    opts = EdgeOptions(repunch_interval=0)
+    client, server = await asyncio.gather(
+        connect_edge(pair.a, pair.b.member, True, opts), connect_edge(pair.b, pair.a.member, False, opts)
+    )
+    both, loop = (client, server), asyncio.get_running_loop()
+    prefill = b"h" * (37 * 576 * 4)  # 37 tokens' hidden states of the default model, float32
+    try:
+        await _until(lambda: all(lk.path is PathKind.DIRECT and lk.relay_leg is not None for lk in both), 10)
+        for i in range(20):  # traffic before the cut: an RTT estimate and acks, as a serving ring has
+            await client.send(16, b"decode %d" % i)
+            assert await server.recv(timeout=5) == (16, b"decode %d" % i)
+        cut_direct(pair.a, 60.0)
+        cut_direct(pair.b, 60.0)
+        cut = loop.time()
+        await client.send(16, prefill)
+        assert await server.recv(timeout=10) == (16, prefill)
+        assert loop.time() - cut < 5.0, client.path_changes
+        assert client.path is PathKind.RELAY and server.path is PathKind.RELAY
+    finally:
+        await client.close()
+        await server.close()
+        await pair.close()
