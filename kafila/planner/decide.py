@@ -102,7 +102,6 @@ def _division(
     k, m = w.n_blocks, len(ordered)
     if m > k:
         return _refused(name, ordered, ring, w, tier, explain_no_division(ordered, w))
-    load_note: tuple[str, ...] = ()
     if name == "uniform":
         head, counts = 0, uniform_counts(k, m)
     elif name == "memory" or costs is None:
@@ -116,8 +115,9 @@ def _division(
             return _refused(name, ordered, ring, w, tier, why or explain_no_division(ordered, w, head_at))
         head, counts = got.head, got.counts
         if isinstance(got, LoadChoice) and got.circuit_bound:
-            load_note = (_load_note(got, w.concurrency, m),)
-    return _build(name, ordered, ring, w, tier, costs, rule, head, counts, load_note)
+            built = _build(name, ordered, ring, w, tier, costs, rule, head, counts)
+            return replace(built, notes=(*built.notes, _load_note(built, got.tau_star_s, m)))
+    return _build(name, ordered, ring, w, tier, costs, rule, head, counts)
 
 
 def _solve(
@@ -175,7 +175,6 @@ def _build(
     rule: PairRule,
     head: int,
     counts: Sequence[int],
-    extra_notes: tuple[str, ...] = (),
 ) -> Plan:
     m = len(ordered)
     chain = [(head + j) % m for j in range(m)]  # ring positions, head first
@@ -201,7 +200,7 @@ def _build(
             reason=reason,
             tier=tier.value,
             ordering=ring.method,
-            notes=_notes(tier, ring) + extra_notes,
+            notes=_notes(tier, ring),
             order=tuple(ordered[p].name for p in chain),
             head=ordered[head].name,
             stages=tuple(stages),
@@ -233,12 +232,16 @@ def _notes(tier: Tier, ring: RingOrder) -> tuple[str, ...]:
     return tuple(n for n in (_TIER_NOTES[tier], order_note) if n)
 
 
-def _load_note(choice: LoadChoice, concurrency: int, m: int) -> str:
+def _load_note(p: Plan, tau_star_s: float, m: int) -> str:
+    """Why the plan's stages are uneven: its circuit and slowest stage as the plan predicts them
+    (wake-ups included), against the most even division's slowest stage (a busy ring's: none)."""
+    assert p.circuit_s is not None and p.bottleneck_s is not None
+    u = p.concurrency
     return (
-        f"{concurrency} request{'s' if concurrency != 1 else ''} in flight cannot keep {m} stages busy: "
-        f"blocks divided for a short circuit ({choice.circuit_s * 1e3:.1f} ms, slowest stage "
-        f"{choice.bottleneck_s * 1e3:.1f} ms) rather than the most even stages (slowest "
-        f"{choice.tau_star_s * 1e3:.1f} ms); a larger --concurrency evens them"
+        f"{u} request{'s' if u != 1 else ''} in flight cannot keep {m} stages busy: "
+        f"blocks divided for a short circuit ({p.circuit_s * 1e3:.1f} ms, slowest stage "
+        f"{p.bottleneck_s * 1e3:.1f} ms) rather than the most even stages (slowest "
+        f"{tau_star_s * 1e3:.1f} ms); a larger --concurrency evens them"
     )
 
 

@@ -110,6 +110,11 @@ def test_a_stage_idle_longer_than_the_probe_timed_it_is_predicted_with_its_wake_
     small = woken.stage("small")
     assert small.cost_s > plain.stage("small").cost_s + 0.2 * w  # idles through most of the circuit
     assert woken.circuit_s == pytest.approx(sum(s.cost_s for s in woken.stages))
+    [note] = [n for n in woken.notes if "cannot keep" in n]  # the plan's circuit, wake-ups included
+    assert (
+        f"short circuit ({woken.circuit_s * 1e3:.1f} ms, slowest stage {woken.bottleneck_s * 1e3:.1f} ms)"
+        in note
+    )
     assert DeviceReport.from_json(fleet[0].to_json()) == fleet[0]
     with pytest.raises(ValueError, match="wake_s must be >= 0"):
         gpu("b", 40, 100, wake_s=-1.0)
