@@ -36,11 +36,15 @@ WAKE_FLOOR_S = 0.001  # the shortest idle gap the probe's wake figure times; sho
 IDLE_RATIO = 2.0  # the probe times stage steps each after an idle gap of about this times the step
 
 
+def wake_rise(g0: float, g: float, tau: float) -> float:
+    """(1 - e^(-g/tau)) - (1 - e^(-g0/tau)): how much of W a step after g idle pays over one after g0."""
+    return math.exp(-g0 / tau) - math.exp(-g / tau)
+
+
 def wake_cost_s(w: float, tau: float, gap_s: float) -> float:
     """What a step after `gap_s` seconds of idle costs more than one after WAKE_FLOOR_S under the
     probe's fit t(g) = t0 + W (1 - e^(-g/tau)) (kafila.probe.measure.fit_wake)."""
-    g = max(gap_s, WAKE_FLOOR_S)
-    return w * (math.exp(-WAKE_FLOOR_S / tau) - math.exp(-g / tau))
+    return w * wake_rise(WAKE_FLOOR_S, max(gap_s, WAKE_FLOOR_S), tau)
 
 
 class Tier(StrEnum):

@@ -190,10 +190,7 @@ def _build(
         start += n
     edges = tuple(_edge(ordered[a], ordered[b], rule) for a, b in ring_edges(chain))
     reason = check_memory(ordered, counts, head, w)
-    if costs:
-        woken = _woken([s.cost_s or 0.0 for s in stages], [costs[p] for p in chain], edges, w.concurrency)
-        stages = [replace(s, cost_s=c) for s, c in zip(stages, woken, strict=True)]
-    return _with_figures(
+    probed = _with_figures(
         Plan(
             division=name,
             feasible=reason is None,
@@ -210,6 +207,7 @@ def _build(
             concurrency=w.concurrency,
         )
     )
+    return _woken(probed, [costs[p] for p in chain]) if costs else probed
 
 
 _TIER_NOTES = {
@@ -251,15 +249,17 @@ def _edge(a: DeviceReport, b: DeviceReport, rule: PairRule) -> Edge:
     return Edge(a.name, b.name, direct, None if price is None else price / 2)
 
 
-def _woken(
-    stage_s: list[float], costs: Sequence[DeviceCost], edges: Sequence[Edge], concurrency: int
-) -> list[float]:
-    """Each stage's cost with its wake-up after the idle gap this division leaves it: the session's
-    time per token (max(bottleneck, circuit / concurrency), from the probed costs) less its own
-    step. One user on a ring of three: a small stage idles through most of a circuit."""
-    known = [e.latency_s for e in edges if e.latency_s is not None]
-    period = max(max(stage_s), (sum(stage_s) + sum(known)) / concurrency)
-    return [c + cost.wake_extra_s(c, period - c) for c, cost in zip(stage_s, costs, strict=True)]
+def _woken(p: Plan, costs: Sequence[DeviceCost]) -> Plan:
+    """`p` (its figures from the probed costs) with each stage's wake-up after the idle gap the
+    division leaves it: the session's time per token (`per_token_s`) less its own step. One user
+    on a ring of three: a small stage idles through most of a circuit."""
+    if p.per_token_s is None:
+        return p
+    stages = []
+    for s, c in zip(p.stages, costs, strict=True):
+        assert s.cost_s is not None  # per_token_s exists only when every stage has a cost
+        stages.append(replace(s, cost_s=s.cost_s + c.wake_extra_s(s.cost_s, p.per_token_s - s.cost_s)))
+    return _with_figures(replace(p, stages=tuple(stages)))
 
 
 def _with_figures(p: Plan) -> Plan:

@@ -43,7 +43,7 @@ from typing import Any
 from kafila.engine.pace import FULL_SPEED, Pace
 from kafila.models.config import ModelConfig
 from kafila.obs.log import get_logger
-from kafila.planner.cost import IDLE_RATIO, WAKE_FLOOR_S
+from kafila.planner.cost import IDLE_RATIO, WAKE_FLOOR_S, wake_rise
 from kafila.planner.devices import DeviceReport
 from kafila.planner.reachability import Nat
 from kafila.probe import system
@@ -379,11 +379,6 @@ def fit_wake(steps: Sequence[float], gaps: Sequence[float] = WAKE_GAPS_S) -> tup
 def wake_w(rise: float, tau: float) -> float:
     """W of t(g) = t0 + W (1 - e^(-g/tau)) from the rise between the shortest and longest gap timed."""
     return max(0.0, rise) / wake_rise(WAKE_GAPS_S[0], WAKE_GAPS_S[-1], tau)
-
-
-def wake_rise(g0: float, g: float, tau: float) -> float:
-    """(1 - e^(-g/tau)) - (1 - e^(-g0/tau)): how much of W a step after g idle pays over one after g0."""
-    return math.exp(-g0 / tau) - math.exp(-g / tau)
 
 
 def quota_window(limit: tuple[float, float] | None) -> float:
