@@ -14,9 +14,16 @@ import sys
 import numpy as np
 import pytest
 
+from kafila.engine.backend import TorchBackend
 from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
 from tests.tiny_models import SHAPES
+
+
+def cpu(dtype: str) -> TorchBackend:
+    """The CPU, where these kernels run, also on a machine with a CUDA card (where "torch" is the card)."""
+    return TorchBackend("torch", "cpu", dtype)
+
 
 PROMPTS = {"a": [5, 17, 200, 33], "b": [9, 1, 250, 64, 7, 99, 128], "c": [42]}
 
@@ -24,7 +31,7 @@ PROMPTS = {"a": [5, 17, 200, 33], "b": [9, 1, 250, 64, 7, 99, 128], "c": [42]}
 def _stage(path, fused: bool, dtype: str = "fp32") -> Stage:
     ckpt = Checkpoint.open(path)
     stage = Stage.load(
-        ckpt, range(ckpt.n_blocks), True, backend="torch", dtype=dtype, context=32, concurrency=3
+        ckpt, range(ckpt.n_blocks), True, backend=cpu(dtype), dtype=dtype, context=32, concurrency=3
     )
     assert stage.model.fused_decode  # fp32 and bf16 on the CPU take the fused path by default
     stage.model.fused_decode = fused
@@ -93,7 +100,7 @@ def test_bf16_fused_decode_does_not_depend_on_the_division(tiny_checkpoint) -> N
     ckpt = Checkpoint.open(tiny_checkpoint("qwen3-gqa2-untied"))
 
     def load(blocks: range, head: bool) -> Stage:
-        return Stage.load(ckpt, blocks, head, backend="torch", dtype="bf16", context=32, concurrency=1)
+        return Stage.load(ckpt, blocks, head, backend=cpu("bf16"), dtype="bf16", context=32, concurrency=1)
 
     whole, first, second = load(range(5), True), load(range(2), True), load(range(2, 5), False)
     prompt, token = PROMPTS["b"], 3
@@ -279,7 +286,7 @@ def test_twenty_users_decode_bit_identically_alone_or_batched(tiny_checkpoint, d
     KERNEL_ROWS, so every request's hidden state is the same bits as when it decodes alone."""
     ckpt = Checkpoint.open(tiny_checkpoint("llama-gqa3-tied"))
     stage = Stage.load(
-        ckpt, range(ckpt.n_blocks), True, backend="torch", dtype=dtype, context=32, concurrency=20
+        ckpt, range(ckpt.n_blocks), True, backend=cpu(dtype), dtype=dtype, context=32, concurrency=20
     )
     prompts = {rid: [(11 * rid + 3 * i) % 250 for i in range(1 + rid % 5)] for rid in range(20)}
     for rid, prompt in prompts.items():
@@ -326,7 +333,7 @@ def test_without_numba_the_torch_ops_run_and_agree(tiny_checkpoint, monkeypatch)
     monkeypatch.setattr(llama, "kernels_available", lambda: False)
     ckpt = Checkpoint.open(path)
     stage = Stage.load(
-        ckpt, range(ckpt.n_blocks), True, backend="torch", dtype="fp32", context=32, concurrency=3
+        ckpt, range(ckpt.n_blocks), True, backend=cpu("fp32"), dtype="fp32", context=32, concurrency=3
     )
     assert not stage.model.fused_decode
     without = _decode(stage, steps=4, together=True)

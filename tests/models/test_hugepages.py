@@ -71,6 +71,7 @@ def test_a_slab_is_backed_by_huge_pages_where_the_system_offers_them() -> None:
 def test_a_model_on_huge_pages_computes_the_same_bits(tiny_checkpoint, monkeypatch, shape: str) -> None:
     """With every matrix placed by HugePages (SMALLEST lowered, as the tiny model's are small) and
     with none, a whole-model stage gives the same logits bit for bit, prefill and decode."""
+    from kafila.engine.backend import TorchBackend
     from kafila.engine.stage import Stage
     from kafila.models.checkpoint import Checkpoint
     from tests.models.reference import PROMPT, engine_logits
@@ -78,7 +79,8 @@ def test_a_model_on_huge_pages_computes_the_same_bits(tiny_checkpoint, monkeypat
     ckpt = Checkpoint.open(tiny_checkpoint(shape))
 
     def logits() -> tuple[np.ndarray, int]:
-        stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend="torch", dtype="fp32", context=64)
+        cpu = TorchBackend("torch", "cpu", "fp32")  # huge pages are the CPU's, also beside a CUDA card
+        stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend=cpu, dtype="fp32", context=64)
         pages = stage.model._pages
         return engine_logits(stage, PROMPT, prefill=9), 0 if pages is None else pages.bytes_placed
 
