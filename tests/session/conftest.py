@@ -13,8 +13,9 @@ from tests.tiny_models import make_tiny
 __all__ = ["make_tiny_chat", "natlab", "rdv"]
 
 
-def make_tiny_chat(folder: Path, smollm2_path: Path, blocks: int) -> Path:
-    """A tiny random Llama of `blocks` blocks with SmolLM2's vocabulary, tokenizer and template."""
+def make_tiny_chat(folder: Path, tokenizer: Path, blocks: int) -> Path:
+    """A tiny random Llama of `blocks` blocks with SmolLM2's vocabulary, and its tokenizer and
+    template from the folder `tokenizer` (the `smollm2_tokenizer` fixture)."""
     make_tiny(
         folder,
         "llama",
@@ -27,5 +28,5 @@ def make_tiny_chat(folder: Path, smollm2_path: Path, blocks: int) -> Path:
         tie_word_embeddings=True,
     )
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2_path / name, folder / name)
+        shutil.copy(tokenizer / name, folder / name)
     return folder

@@ -202,9 +202,9 @@ async def test_host_stops_at_once_when_the_rendezvous_goes_away_while_it_waits(
 
 
 @pytest.fixture(scope="module")
-def tiny_chat_model(tmp_path_factory, smollm2_path) -> Path:
+def tiny_chat_model(tmp_path_factory, smollm2_tokenizer) -> Path:
     """A tiny random Llama with the real SmolLM2 tokenizer: sessions that start their rings."""
-    return make_tiny_chat(tmp_path_factory.mktemp("tiny-chat"), smollm2_path, blocks=6)
+    return make_tiny_chat(tmp_path_factory.mktemp("tiny-chat"), smollm2_tokenizer, blocks=6)
 
 
 async def host_and(rdv, tmp_path, model: str, members: int, joiners: list[str]) -> tuple[str, list]:
@@ -434,14 +434,15 @@ async def test_a_wrong_secret_word_is_found_while_host_and_member_still_measure_
 
 
 async def test_losing_the_rendezvous_while_measuring_ends_at_once_not_after_the_probe(
-    rdv, tmp_path, monkeypatch
+    rdv, tmp_path, monkeypatch, tiny_checkpoint
 ) -> None:
     """The probe (10-20 s on this machine) ran before anything watched the signaling connection:
     a rendezvous gone meanwhile was named only once it ended. A simulated slow probe (it waits
     until the test ends it) keeps the host measuring here."""
     measuring = threading.Event()
     release = slow_probe(monkeypatch, measuring)
-    hosting = asyncio.ensure_future(host(opts(rdv, "alpha", tmp_path, members=2)))
+    model = str(tiny_checkpoint(TINY))  # not the default model: its package may be absent (a GPU machine)
+    hosting = asyncio.ensure_future(host(opts(rdv, "alpha", tmp_path, model=model, members=2)))
     try:
         assert await asyncio.to_thread(measuring.wait, 60)
         await rdv.stop()

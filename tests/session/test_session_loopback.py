@@ -29,10 +29,10 @@ PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def tiny_chat_model(tmp_path_factory, smollm2_path) -> Path:
+def tiny_chat_model(tmp_path_factory, smollm2_tokenizer) -> Path:
     """A tiny random Llama (6 blocks) with the real SmolLM2 tokenizer and chat template: every code
     path of a session at a fetch size the test can afford (the weight fetch is its slow part)."""
-    return make_tiny_chat(tmp_path_factory.mktemp("tiny-chat"), smollm2_path, blocks=6)
+    return make_tiny_chat(tmp_path_factory.mktemp("tiny-chat"), smollm2_tokenizer, blocks=6)
 
 
 def opts(rdv: RendezvousServer, name: str, tmp: Path, **kw) -> Options:

@@ -32,10 +32,10 @@ PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def tiny_chat_model(tmp_path_factory, smollm2_path) -> Path:
+def tiny_chat_model(tmp_path_factory, smollm2_tokenizer) -> Path:
     """A tiny random Llama (8 blocks: every member of five gets at least one) with the real
     SmolLM2 tokenizer and chat template."""
-    return make_tiny_chat(tmp_path_factory.mktemp("tiny-chat-8"), smollm2_path, blocks=8)
+    return make_tiny_chat(tmp_path_factory.mktemp("tiny-chat-8"), smollm2_tokenizer, blocks=8)
 
 
 def opts(rdv: RendezvousServer, name: str, tmp: Path, **kw) -> Options:
