@@ -373,12 +373,12 @@ def fit_wake(steps: Sequence[float], gaps: Sequence[float] = WAKE_GAPS_S) -> tup
         tau = math.sqrt(lo * hi)
         lo, hi = (tau, hi) if shown(tau) > share else (lo, tau)
     tau = math.sqrt(lo * hi)
-    return rise / wake_rise(g0, g2, tau), tau
+    return wake_w(rise, tau, gaps), tau
 
 
-def wake_w(rise: float, tau: float) -> float:
+def wake_w(rise: float, tau: float, gaps: Sequence[float] = WAKE_GAPS_S) -> float:
     """W of t(g) = t0 + W (1 - e^(-g/tau)) from the rise between the shortest and longest gap timed."""
-    return max(0.0, rise) / wake_rise(WAKE_GAPS_S[0], WAKE_GAPS_S[-1], tau)
+    return max(0.0, rise) / wake_rise(gaps[0], gaps[-1], tau)
 
 
 def quota_window(limit: tuple[float, float] | None) -> float:
