@@ -40,16 +40,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from aioquic import tls
 from aioquic.buffer import Buffer
 from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.congestion.base import create_congestion_control
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import QuicPacketType, pull_quic_header
-from aioquic.quic.recovery import QuicPacketSpace
 
-from kafila.net import framing
+from kafila.net import framing, quic_private
 from kafila.net.auth import EdgeContext, LinkAuth
 from kafila.net.certs import Identity, fingerprint
 from kafila.net.endpoint import Address, UdpEndpoint
@@ -63,7 +60,6 @@ STREAM = 0  # the client's first bidirectional stream carries everything
 ERROR_AUTH = 0x1A  # application close code: authentication failed
 ERROR_CLOSED = 0x0  # normal close
 ERROR_ENDED = 0x1E  # application close code: the sender's person ended the session (LinkEnded)
-MAX_ACK_DELAY = 0.025  # the max_ack_delay aioquic 1.7 advertises: no ACK may wait longer
 
 
 class PathKind(StrEnum):
@@ -312,11 +308,10 @@ class Link:
         if self._quic is None and not self._accept_initial(data):
             return
         assert self._quic is not None
-        space = self._ack_space()
-        pending = space is not None and space.ack_at is not None  # an ACK already waits
+        pending = quic_private.ack_waiting(self._quic)  # an ACK already waits
         self._quic.receive_datagram(data, self._virtual, now=now)
-        if space is not None and pending and space.ack_at is not None:
-            space.ack_at = now  # a second packet since our last ACK: acknowledge both now (13.2.2)
+        if pending:  # a second packet since our last ACK: acknowledge both now (13.2.2)
+            quic_private.send_waiting_ack_now(self._quic, now)
         self.endpoint.mark_dirty(self._flush)
 
     def _flush(self) -> None:
@@ -327,7 +322,7 @@ class Link:
         conn = QuicConnection(
             configuration=self._quic_config(), original_destination_connection_id=original_dcid
         )
-        conn._ack_delay = min(self.config.ack_delay, MAX_ACK_DELAY)
+        quic_private.set_ack_delay(conn, self.config.ack_delay)
         return conn
 
     def _accept_initial(self, data: bytes) -> bool:
@@ -428,7 +423,7 @@ class Link:
         return await self.endpoint.path_carries(route[0], size, timeout, attempts, channel=route[1])
 
     def _rtt(self) -> float:
-        return self._quic._loss._rtt_smoothed if self._quic is not None else 0.0
+        return quic_private.smoothed_rtt(self._quic) if self._quic is not None else 0.0
 
     def _resend_in_flight(self) -> None:
         """After the path in use fell silent: every packet in flight on it is lost; send its data
@@ -436,27 +431,15 @@ class Link:
         recovery would wait for its probe timer, which has backed off through the seconds of
         silence: 85 KB sent into a cut direct path arrived over the relay 6.9 s after the cut,
         where a ring gives a member 5 s (tests/net/test_edge_loopback.py)."""
-        if self._quic is None:
-            return
-        loss, now = self._quic._loss, self._loop.time()
-        for space in loss.spaces:
-            if space.sent_packets:
-                lost = list(space.sent_packets.values())
-                loss._on_packets_lost(congestion_event=False, now=now, packets=lost, space=space)
-        loss._pto_count = 0
-        algorithm = self._quic._configuration.congestion_control_algorithm
-        loss._cc = create_congestion_control(algorithm, max_datagram_size=self.datagram_size)
+        if self._quic is not None:
+            quic_private.declare_in_flight_lost(self._quic, self._loop.time(), self.datagram_size)
 
     def _use_datagram_size(self, size: int) -> None:
         """Build QUIC packets of up to `size` bytes from now on. aioquic fixes the size when the
-        connection is made; the connection, its congestion controller and its pacer each keep a
-        copy (aioquic 1.7, pinned), so all three change."""
+        connection is made (kafila.net.quic_private changes it)."""
         self.datagram_size, self._unconfirmed = size, 0
-        if self._quic is None:
-            return
-        self._quic._max_datagram_size = size
-        self._quic._loss._cc._max_datagram_size = size  # type: ignore[attr-defined]  # each controller's own
-        self._quic._loss._pacer._max_datagram_size = size
+        if self._quic is not None:
+            quic_private.set_datagram_size(self._quic, size)
 
     def _arm_timer(self) -> None:
         at = self._quic.get_timer() if self._quic is not None and self._closed is None else None
@@ -483,7 +466,7 @@ class Link:
         try:
             while (event := self._quic.next_event()) is not None:
                 self._on_event(event)
-            close = self._quic._close_event  # the peer's close: aioquic reports it after draining
+            close = quic_private.pending_close(self._quic)  # aioquic reports it after draining
             if close is not None and self._closed is None:  # (3 PTOs, 0.1-0.7 s here); at once now
                 self._on_event(close)
         except LinkAuthError as exc:
@@ -512,7 +495,7 @@ class Link:
     def _start_auth(self) -> None:
         assert self._quic is not None
         if self.is_client:
-            peer_cert = self._quic.tls._peer_certificate  # what TLS actually showed us
+            peer_cert = quic_private.peer_certificate(self._quic)  # what TLS actually showed us
             if peer_cert is None:
                 raise LinkAuthError(f"link to {self.peer_id}: the server presented no certificate")
             self._auth = LinkAuth(self.ctx, True, fingerprint(peer_cert))
@@ -595,22 +578,12 @@ class Link:
         """Send the ACK that waits for `ack_delay`, now. A ring stage calls it once its step's output
         is on its way: the member that sent the step's input is idle then, where the timer would
         have reached it, or this side, in the middle of a compute."""
-        if self._closed is not None:
-            return
-        space = self._ack_space()
-        if space is not None and space.ack_at is not None:
-            space.ack_at = self._loop.time()
+        quic = self._quic if self._closed is None else None
+        if quic is not None and quic_private.send_waiting_ack_now(quic, self._loop.time()):
             self._transmit()
 
-    def _ack_space(self) -> QuicPacketSpace | None:
-        """aioquic's application packet space (its `ack_at`: when the waiting ACK is due), once keys exist."""
-        return None if self._quic is None else self._quic._spaces.get(tls.Epoch.ONE_RTT)
-
     def unacknowledged(self) -> int:
-        if self._quic is None or STREAM not in self._quic._streams:
-            return 0
-        sender = self._quic._streams[STREAM].sender
-        return sender._buffer_stop - sender._buffer_start
+        return 0 if self._quic is None else quic_private.unacked_stream_bytes(self._quic, STREAM)
 
     def _update_drained(self) -> None:
         if self._closed is not None or self.unacknowledged() <= self.config.send_buffer:

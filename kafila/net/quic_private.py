@@ -1,0 +1,109 @@
+"""Every private aioquic attribute a link touches, in one place, for the one aioquic version it knows.
+
+aioquic's public API has no way to change a connection's packet size after it is made, to move
+the packets in flight on a dead path to a new one at once, to send a waiting ACK now, or to read
+its RTT estimate and unacknowledged stream bytes. A link needs all of them (kafila.net.link), so it
+reaches into the connection here and only here. Importing this module checks the installed aioquic
+against `AIOQUIC_VERSION`, and tests/net/test_quic_private.py drives every function below on a
+real connection pair, so an upgrade fails loudly in one place instead of misbehaving on a path
+change in the field.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+
+from aioquic import tls
+from aioquic.quic import events
+from aioquic.quic.congestion.base import create_congestion_control
+from aioquic.quic.connection import QuicConnection
+from aioquic.quic.recovery import QuicPacketSpace
+from cryptography import x509
+
+AIOQUIC_VERSION = "1.7.2"  # the version whose internals this module was written against (pyproject pin)
+MAX_ACK_DELAY = 0.025  # the max_ack_delay aioquic 1.7 advertises: no ACK may wait longer
+
+
+def check_version(installed: str) -> None:
+    """Refuse an aioquic whose internals this module was not checked against."""
+    if installed != AIOQUIC_VERSION:
+        raise ImportError(
+            f"kafila.net.quic_private was written for aioquic {AIOQUIC_VERSION}, found {installed}: "
+            "re-check every attribute it uses (tests/net/test_quic_private.py) and update the pin"
+        )
+
+
+check_version(version("aioquic"))
+
+
+def set_ack_delay(conn: QuicConnection, seconds: float) -> None:
+    """How long the ACK of a lone packet may wait; never past what aioquic advertises to the peer."""
+    conn._ack_delay = min(seconds, MAX_ACK_DELAY)
+
+
+def smoothed_rtt(conn: QuicConnection) -> float:
+    """QUIC's smoothed round-trip estimate in seconds (0 before the first sample)."""
+    return float(conn._loss._rtt_smoothed)
+
+
+def set_datagram_size(conn: QuicConnection, size: int) -> None:
+    """Build packets of up to `size` bytes from now on. aioquic fixes the size when the connection
+    is made; the connection, its congestion controller and its pacer each keep a copy."""
+    conn._max_datagram_size = size
+    conn._loss._cc._max_datagram_size = size  # type: ignore[attr-defined]  # each controller's own
+    conn._loss._pacer._max_datagram_size = size
+
+
+def declare_in_flight_lost(conn: QuicConnection, now: float, datagram_size: int) -> int:
+    """Treat every packet in flight as lost now, so its data is queued again at once, and start a
+    new congestion controller (a new path's window, RFC 9000 9.4). Returns how many packets."""
+    loss, count = conn._loss, 0
+    for space in loss.spaces:
+        if space.sent_packets:
+            lost = list(space.sent_packets.values())
+            count += len(lost)
+            loss._on_packets_lost(congestion_event=False, now=now, packets=lost, space=space)
+    loss._pto_count = 0
+    algorithm = conn._configuration.congestion_control_algorithm
+    loss._cc = create_congestion_control(algorithm, max_datagram_size=datagram_size)
+    return count
+
+
+def pending_close(conn: QuicConnection) -> events.ConnectionTerminated | None:
+    """The peer's close, which aioquic reports as an event only after draining (3 PTOs)."""
+    return conn._close_event
+
+
+def peer_certificate(conn: QuicConnection) -> x509.Certificate | None:
+    """The certificate the peer's TLS actually presented (None before the handshake)."""
+    return conn.tls._peer_certificate
+
+
+def _ack_space(conn: QuicConnection) -> QuicPacketSpace | None:
+    """The application packet space, whose `ack_at` says when the waiting ACK is due (None until
+    1-RTT keys exist)."""
+    return conn._spaces.get(tls.Epoch.ONE_RTT)
+
+
+def ack_waiting(conn: QuicConnection) -> bool:
+    """Whether an ACK of application data waits for its delay to run out."""
+    space = _ack_space(conn)
+    return space is not None and space.ack_at is not None
+
+
+def send_waiting_ack_now(conn: QuicConnection, now: float) -> bool:
+    """Make a delayed ACK due now; True when one was waiting (the caller then transmits)."""
+    space = _ack_space(conn)
+    if space is None or space.ack_at is None:
+        return False
+    space.ack_at = now
+    return True
+
+
+def unacked_stream_bytes(conn: QuicConnection, stream_id: int) -> int:
+    """Bytes written to a stream that the peer has not acknowledged yet (0 for no such stream)."""
+    stream = conn._streams.get(stream_id)
+    if stream is None:
+        return 0
+    sender = stream.sender
+    return int(sender._buffer_stop - sender._buffer_start)
