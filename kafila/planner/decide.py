@@ -279,3 +279,13 @@ def _with_figures(p: Plan) -> Plan:
         tokens_s=1.0 / circuit,
         per_token_s=max(bottleneck, circuit / p.concurrency),
     )
+
+
+def reprice(p: Plan, devices: Sequence[DeviceReport], rule: PairRule = DEFAULT_RULE) -> Plan:
+    """`p` with its ring's edges (direct or relayed, and their latency) priced again from `devices`,
+    e.g. after a punch failed where the NAT classes predicted it would succeed; the order and the
+    division stay as they are."""
+    by_name = {d.name: d for d in devices}
+    chain = range(len(p.order))
+    edges = tuple(_edge(by_name[p.order[a]], by_name[p.order[b]], rule) for a, b in ring_edges(chain))
+    return _with_figures(replace(p, edges=edges))

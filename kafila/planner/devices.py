@@ -30,6 +30,8 @@ class DeviceReport:
     nat: classified NAT (None: unknown, predicted as restrictive).
     rtt_s: round trip to the rendezvous.
     pair_rtt_s: measured round trips to other members, by name.
+    relayed_with: members this one was measured NOT to reach directly (a punch that failed where
+        its NAT classes predicted it would succeed): the planner prices those edges as relayed.
     """
 
     name: str
@@ -46,6 +48,7 @@ class DeviceReport:
     nat: Nat | None = None
     rtt_s: float | None = None
     pair_rtt_s: dict[str, float] = field(default_factory=dict)
+    relayed_with: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -77,6 +80,7 @@ class DeviceReport:
             "nat": self.nat.to_dict() if self.nat else None,
             "rtt_s": self.rtt_s,
             "pair_rtt_s": dict(self.pair_rtt_s),
+            "relayed_with": sorted(self.relayed_with),
         }
 
     @classmethod
@@ -97,6 +101,7 @@ class DeviceReport:
             nat=Nat.from_dict(nat) if nat else None,
             rtt_s=d.get("rtt_s"),
             pair_rtt_s={str(k): float(v) for k, v in (d.get("pair_rtt_s") or {}).items()},
+            relayed_with=frozenset(str(n) for n in d.get("relayed_with") or ()),
         )
 
     def to_json(self) -> str:

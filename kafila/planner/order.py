@@ -47,7 +47,10 @@ def nat_of(d: DeviceReport) -> Nat:
 
 
 def predicted_direct(a: DeviceReport, b: DeviceReport, rule: PairRule) -> bool:
-    """A measured pair RTT means the two already reached each other directly."""
+    """A measured failure to punch means relayed; a measured pair RTT means the two already reached
+    each other directly; otherwise the NAT classes decide."""
+    if b.name in a.relayed_with or a.name in b.relayed_with:
+        return False
     if b.name in a.pair_rtt_s or a.name in b.pair_rtt_s:
         return True
     return rule(nat_of(a), nat_of(b))

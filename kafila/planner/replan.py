@@ -1,0 +1,239 @@
+"""Membership that changes mid-session: what the host decides when a member is lost, arrives, or
+the network contradicts the plan (pure: inputs in, a decision out; the session shell acts on it).
+
+The host keeps every admitted member's probe (`DeviceReport`) for the whole session, so a re-plan
+runs the same planner (`kafila.planner.decide.plan`) over the members present now, with no new
+measurement. Each decision says what every member must fetch: only the blocks (and the head) its
+new share holds that its old share did not (`Fetch`), which is the minimum any division change
+needs; a member's cache may already hold some of them.
+
+Rules, in the order the host applies them:
+- The session host cannot leave: losing it ends the session (its member holds the rendezvous
+  registration and the weights' source).
+- A lost member: re-plan over everyone present, spares included. If that plan is refused (the
+  survivors cannot hold the model), the session ends with the planner's reason, which names the
+  device and its numbers, as forming's refusal does.
+- An arriving member (new or returning): re-plan to include it only when the predicted time per
+  token improves by more than `margin` (the head margin, 5%); otherwise it waits as a spare.
+- Measured paths that contradict the plan (an edge predicted direct that runs through the relay):
+  re-price the current ring with the measured paths; re-plan (which may re-order) only when that
+  improves the predicted time per token by more than `margin`; otherwise keep the ring and only
+  correct the plan's edges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from kafila.models.manifest import Manifest
+from kafila.planner.decide import plan, reprice
+from kafila.planner.devices import DeviceReport
+from kafila.planner.head import MU
+from kafila.planner.plan import Plan
+from kafila.planner.reachability import DEFAULT_RULE, PairRule
+
+
+@dataclass(frozen=True)
+class PlanTerms:
+    """The session's declared terms, which every re-plan keeps (plan()'s keyword arguments)."""
+
+    context: int
+    concurrency: int = 1
+    division: str = "kafila"
+    rule: PairRule = DEFAULT_RULE
+    mu: float = MU
+    use_block_probe: bool = True
+    objective: str = "load"
+
+
+@dataclass(frozen=True)
+class Membership:
+    """What the host knows: the plan serving now, its epoch, and every admitted member's probe.
+
+    `reports` is in admission order (the host first); a member in `reports` but not in the plan
+    is a spare. `present` is who is reachable now.
+    """
+
+    epoch: int
+    plan: Plan
+    reports: tuple[DeviceReport, ...]
+    present: frozenset[str]
+    host: str
+
+    def __post_init__(self) -> None:
+        names = [r.name for r in self.reports]
+        if len(set(names)) != len(names):
+            raise ValueError(f"member names must be unique, got {names}")
+        if self.host not in names:
+            raise ValueError(f"the host {self.host!r} has no report; members: {names}")
+        missing = set(self.plan.order) - set(names)
+        if missing:
+            raise ValueError(f"the plan names members without a report: {sorted(missing)}")
+
+    @property
+    def spares(self) -> tuple[str, ...]:
+        return tuple(r.name for r in self.reports if r.name in self.present and r.name not in self.plan.order)
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """What one member must load for its new share, and how many bytes that is at most."""
+
+    member: str
+    blocks: tuple[int, ...]  # block indices it did not hold before
+    head: bool  # the head's tensors (embedding, final norm, unembedding) it did not hold before
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Replan:
+    epoch: int
+    plan: Plan
+    cause: str
+    fetches: tuple[Fetch, ...]  # members with nothing to fetch are left out
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.bytes for f in self.fetches)
+
+
+@dataclass(frozen=True)
+class Keep:
+    """No re-plan: the ring serves as it is (a spare waits, or a change was not worth it)."""
+
+    reason: str
+    plan: Plan  # the plan serving, its edges corrected where paths were measured
+
+
+@dataclass(frozen=True)
+class End:
+    reason: str
+
+
+Decision = Replan | Keep | End
+
+
+def on_lost(m: Membership, name: str, cause: str, manifest: Manifest, terms: PlanTerms) -> Decision:
+    """Member `name` stopped answering (`cause`: what said so)."""
+    if name == m.host:
+        return End(f"the session host {name} left ({cause})")
+    present = m.present - {name}
+    if name not in m.plan.order:
+        return Keep(f"spare {name} left ({cause})", m.plan)
+    return _replan(replace(m, present=present), manifest, terms, f"{name} was lost ({cause})")
+
+
+def on_arrived(m: Membership, report: DeviceReport, manifest: Manifest, terms: PlanTerms) -> Decision:
+    """A member joined the serving session (a new one, or one that was lost and came back)."""
+    reports = (*(r for r in m.reports if r.name != report.name), report)
+    grown = replace(m, reports=reports, present=m.present | {report.name})
+    candidate = _plan_over(grown, manifest, terms)
+    if not candidate.feasible:
+        return Keep(f"{report.name} waits as a spare: {candidate.reason}", m.plan)
+    gain = _gain(m.plan, candidate)
+    if gain is None or gain <= terms.mu:
+        return Keep(f"{report.name} waits as a spare: {_why_not(gain, terms.mu)}", m.plan)
+    cause = f"{report.name} joined: time per token {_pct(gain)} better"
+    return _decided(grown, candidate, manifest, cause)
+
+
+def on_paths(
+    m: Membership, relayed: Sequence[tuple[str, str]], manifest: Manifest, terms: PlanTerms
+) -> Decision:
+    """Edges measured through the relay although the plan predicted them direct."""
+    measured = replace(m, reports=_with_relayed(m.reports, relayed))
+    repriced = reprice(m.plan, measured.reports, terms.rule)  # the ring as it runs now
+    candidate = _plan_over(measured, manifest, terms)
+    gain = _gain(repriced, candidate) if candidate.feasible else None
+    edges = ", ".join(f"{a}->{b}" for a, b in relayed)
+    if gain is None or gain <= terms.mu:
+        return Keep(f"{edges} run through the relay; {_why_not(gain, terms.mu)}", repriced)
+    cause = f"{edges} run through the relay: re-planned, {_pct(gain)} better"
+    return _decided(measured, candidate, manifest, cause)
+
+
+def fetches(old: Plan, new: Plan, manifest: Manifest) -> tuple[Fetch, ...]:
+    """What each member of `new` lacks from its share in `old` (a member new to the ring lacks all)."""
+    out = []
+    for stage in new.stages:
+        held: set[int] = set()
+        held_head = False
+        if stage.name in old.order:
+            before = old.stage(stage.name)
+            held, held_head = set(range(before.start, before.stop)), before.head
+        blocks = tuple(i for i in range(stage.start, stage.stop) if i not in held)
+        head = stage.head and not held_head
+        nbytes = sum(manifest.block_bytes[i] for i in blocks) + (manifest.head_resident_bytes if head else 0)
+        if blocks or head:
+            out.append(Fetch(stage.name, blocks, head, nbytes))
+    return tuple(out)
+
+
+def _replan(m: Membership, manifest: Manifest, terms: PlanTerms, cause: str) -> Decision:
+    new = _plan_over(m, manifest, terms)
+    if not new.feasible:
+        return End(f"{cause}; the members left cannot hold the model: {new.reason}")
+    return _decided(m, new, manifest, cause)
+
+
+def _decided(m: Membership, new: Plan, manifest: Manifest, cause: str) -> Replan:
+    return Replan(m.epoch + 1, new, cause, fetches(m.plan, new, manifest))
+
+
+def _present_reports(m: Membership) -> list[DeviceReport]:
+    return [r for r in m.reports if r.name in m.present]
+
+
+def _plan_over(m: Membership, manifest: Manifest, terms: PlanTerms) -> Plan:
+    """plan() over everyone present, in admission order, the host as the anchor."""
+    reports = _present_reports(m)
+    anchor = [r.name for r in reports].index(m.host)
+    return plan(
+        reports,
+        manifest,
+        context=terms.context,
+        concurrency=terms.concurrency,
+        division=terms.division,
+        rule=terms.rule,
+        mu=terms.mu,
+        use_block_probe=terms.use_block_probe,
+        anchor=anchor,
+        objective=terms.objective,
+    )
+
+
+def _with_relayed(
+    reports: Sequence[DeviceReport], relayed: Sequence[tuple[str, str]]
+) -> tuple[DeviceReport, ...]:
+    peers: dict[str, set[str]] = {}
+    for a, b in relayed:
+        peers.setdefault(a, set()).add(b)
+        peers.setdefault(b, set()).add(a)
+    return tuple(
+        replace(r, relayed_with=r.relayed_with | peers[r.name], pair_rtt_s=_drop(r.pair_rtt_s, peers[r.name]))
+        if r.name in peers
+        else r
+        for r in reports
+    )
+
+
+def _drop(rtts: Mapping[str, float], names: set[str]) -> dict[str, float]:
+    return {k: v for k, v in rtts.items() if k not in names}
+
+
+def _gain(old: Plan, new: Plan) -> float | None:
+    """How much lower the new predicted time per token is, as a share of the old (None: unknown)."""
+    if old.per_token_s is None or new.per_token_s is None or old.per_token_s <= 0:
+        return None
+    return (old.per_token_s - new.per_token_s) / old.per_token_s
+
+
+def _why_not(gain: float | None, mu: float) -> str:
+    if gain is None:
+        return "the time per token cannot be predicted without every member's measurements"
+    return f"time per token {_pct(gain)} better, not more than the {_pct(mu)} margin"
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.1f}%"

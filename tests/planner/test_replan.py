@@ -1,0 +1,186 @@
+"""The pure re-plan core: losses, arrivals and contradicted paths, against plan() itself."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kafila.models.presets import resolve_manifest
+from kafila.planner import DeviceReport, plan
+from kafila.planner.replan import (
+    End,
+    Keep,
+    Membership,
+    PlanTerms,
+    Replan,
+    fetches,
+    on_arrived,
+    on_lost,
+    on_paths,
+)
+
+QWEN8 = resolve_manifest("qwen3-8b")
+GB = 10**9
+TERMS = PlanTerms(context=4096, concurrency=1)
+
+
+def dev(name: str, mem_gb: float, bw_gb_s: float, **kw: object) -> DeviceReport:
+    return DeviceReport(name, int(mem_gb * GB), bw_gb_s * 1e9, overhead_s=1e-4, **kw)  # type: ignore[arg-type]
+
+
+def formed(reports: list[DeviceReport], terms: PlanTerms = TERMS) -> Membership:
+    p = plan(reports, QWEN8, context=terms.context, concurrency=terms.concurrency, anchor=0)
+    assert p.feasible, p.reason
+    return Membership(0, p, tuple(reports), frozenset(r.name for r in reports), reports[0].name)
+
+
+FLEET = [dev("host", 12, 100), dev("b", 12, 200), dev("c", 12, 150), dev("d", 12, 120)]
+
+
+def test_losing_a_member_replans_over_the_survivors_with_the_planner_itself() -> None:
+    m = formed(FLEET)
+    got = on_lost(m, "c", "silent for 3.0 s", QWEN8, TERMS)
+    assert isinstance(got, Replan)
+    survivors = [r for r in FLEET if r.name != "c"]
+    assert got.plan == plan(survivors, QWEN8, context=4096, concurrency=1, anchor=0)
+    assert got.epoch == 1 and got.cause == "c was lost (silent for 3.0 s)"
+    assert "c" not in got.plan.order
+
+
+def test_fetches_are_exactly_the_blocks_each_member_did_not_hold() -> None:
+    m = formed(FLEET)
+    got = on_lost(m, "c", "closed", QWEN8, TERMS)
+    assert isinstance(got, Replan)
+    for f in got.fetches:
+        old = set(range(*m.plan.block_range(f.member)))
+        new = set(range(*got.plan.block_range(f.member)))
+        assert set(f.blocks) == new - old
+        assert f.head == (got.plan.stage(f.member).head and not m.plan.stage(f.member).head)
+        assert f.bytes == sum(QWEN8.block_bytes[i] for i in f.blocks) + f.head * QWEN8.head_resident_bytes
+    lacking = {
+        s.name
+        for s in got.plan.stages
+        if set(range(s.start, s.stop)) - set(range(*m.plan.block_range(s.name)))
+    }
+    assert {f.member for f in got.fetches} >= lacking
+    # what the lost member held is fetched by someone: nothing of the model is missing
+    assert set(range(*m.plan.block_range("c"))) <= {i for f in got.fetches for i in f.blocks}
+
+
+def test_losing_the_host_ends_the_session_naming_it() -> None:
+    got = on_lost(formed(FLEET), "host", "its process ended", QWEN8, TERMS)
+    assert got == End("the session host host left (its process ended)")
+
+
+def test_survivors_that_cannot_hold_the_model_end_it_with_the_planners_reason() -> None:
+    tight = [dev("host", 6, 100), dev("b", 6, 100), dev("c", 6, 100)]
+    m = formed(tight)
+    got = on_lost(m, "b", "closed", QWEN8, TERMS)
+    assert isinstance(got, End)
+    refused = plan([tight[0], tight[2]], QWEN8, context=4096, anchor=0)
+    assert not refused.feasible and refused.reason
+    assert got.reason == f"b was lost (closed); the members left cannot hold the model: {refused.reason}"
+    assert "GB" in got.reason
+
+
+def test_a_fast_arrival_is_planned_in_and_a_slow_one_waits_as_a_spare() -> None:
+    m = formed(FLEET[:3])
+    fast = on_arrived(m, dev("e", 24, 800), QWEN8, TERMS)
+    assert isinstance(fast, Replan) and "e" in fast.plan.order and fast.epoch == 1
+    assert fast.plan == plan([*FLEET[:3], dev("e", 24, 800)], QWEN8, context=4096, anchor=0)
+    slow = on_arrived(m, dev("e", 24, 5), QWEN8, TERMS)
+    assert isinstance(slow, Keep) and slow.plan == m.plan
+    assert slow.reason.startswith("e waits as a spare: time per token")
+
+
+def test_a_spare_is_used_when_someone_is_lost() -> None:
+    m = formed(FLEET[:3])
+    spare = dev("e", 24, 5)
+    kept = on_arrived(m, spare, QWEN8, TERMS)
+    assert isinstance(kept, Keep)
+    m = replace(m, reports=(*m.reports, spare), present=m.present | {"e"})
+    assert m.spares == ("e",)
+    got = on_lost(m, "b", "closed", QWEN8, TERMS)
+    assert isinstance(got, Replan) and "e" in got.plan.order
+    assert on_lost(m, "e", "closed", QWEN8, TERMS) == Keep("spare e left (closed)", m.plan)
+
+
+def test_a_member_that_comes_back_is_planned_in_again() -> None:
+    fleet = [*FLEET[:3], dev("d", 24, 800)]  # the fastest member: the ring is worse without it
+    m = formed(fleet)
+    lost = on_lost(m, "d", "closed", QWEN8, TERMS)
+    assert isinstance(lost, Replan)
+    after = Membership(lost.epoch, lost.plan, m.reports, m.present - {"d"}, "host")
+    back = on_arrived(after, fleet[3], QWEN8, TERMS)
+    assert isinstance(back, Replan) and back.epoch == 2
+    assert back.plan == m.plan  # the same members and probes: the same plan
+    assert {f.member for f in back.fetches} >= {"d"}
+
+
+def _far_fleet() -> list[DeviceReport]:
+    """Four fast members far from the rendezvous (100 ms) but 2 ms from each other, measured."""
+    names = ["host", "b", "c", "d"]
+    return [dev(n, 24, 1000, rtt_s=0.1, pair_rtt_s={o: 0.002 for o in names if o != n}) for n in names]
+
+
+def test_a_contradicted_path_that_a_new_order_avoids_replans() -> None:
+    m = formed(_far_fleet())
+    edge = next(e for e in m.plan.edges if m.host not in (e.src, e.dst))
+    assert edge.direct
+    got = on_paths(m, [(edge.src, edge.dst)], QWEN8, TERMS)
+    assert isinstance(got, Replan), got
+    used = {frozenset((e.src, e.dst)) for e in got.plan.edges}
+    assert frozenset((edge.src, edge.dst)) not in used
+    assert all(e.direct for e in got.plan.edges)
+
+
+def test_a_contradicted_path_not_worth_a_replan_only_corrects_the_edges() -> None:
+    # close to the rendezvous: relaying the edge costs little next to the stages
+    near = [replace(r, rtt_s=0.002) for r in _far_fleet()]
+    slow = [replace(r, bandwidth_bytes_s=50e9) for r in near]
+    m = formed(slow)
+    edge = next(e for e in m.plan.edges if m.host not in (e.src, e.dst))
+    got = on_paths(m, [(edge.src, edge.dst)], QWEN8, TERMS)
+    assert isinstance(got, Keep), got
+    fixed = {(e.src, e.dst): e.direct for e in got.plan.edges}
+    assert fixed[(edge.src, edge.dst)] is False
+    assert got.plan.order == m.plan.order and got.plan.stages == m.plan.stages
+    assert got.plan.per_token_s is not None and m.plan.per_token_s is not None
+    assert got.plan.per_token_s >= m.plan.per_token_s
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    mems=st.lists(st.floats(4, 40), min_size=3, max_size=5),
+    bws=st.lists(st.floats(20, 800), min_size=5, max_size=5),
+    lost_at=st.integers(1, 4),
+)
+def test_any_loss_is_plan_over_the_survivors_or_its_refusal(
+    mems: list[float], bws: list[float], lost_at: int
+) -> None:
+    reports = [dev(f"m{i}", mem, bws[i]) for i, mem in enumerate(mems)]
+    full = plan(reports, QWEN8, context=4096, anchor=0)
+    if not full.feasible:
+        return
+    m = Membership(3, full, tuple(reports), frozenset(r.name for r in reports), "m0")
+    lost = reports[lost_at % len(reports)] if lost_at % len(reports) else reports[1]
+    got = on_lost(m, lost.name, "closed", QWEN8, TERMS)
+    want = plan([r for r in reports if r is not lost], QWEN8, context=4096, anchor=0)
+    if want.feasible:
+        assert isinstance(got, Replan) and got.plan == want and got.epoch == 4
+        assert got.fetches == fetches(full, want, QWEN8)
+        held = {i for s in full.stages if s.name != lost.name for i in range(s.start, s.stop)}
+        assert {i for f in got.fetches for i in f.blocks} | held >= set(range(QWEN8.n_blocks))
+    else:
+        assert isinstance(got, End) and want.reason is not None and want.reason in got.reason
+
+
+def test_membership_checks_its_inputs() -> None:
+    m = formed(FLEET)
+    with pytest.raises(ValueError, match="unique"):
+        replace(m, reports=(*m.reports, FLEET[0]))
+    with pytest.raises(ValueError, match="the host 'zz' has no report"):
+        replace(m, host="zz")
