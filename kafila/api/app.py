@@ -30,6 +30,11 @@ async def traces(request: Request) -> Response:
 
 
 async def metrics_text(request: Request) -> Response:
+    """The member's metrics, its state and queue read from its /session document first (a forming
+    member's app has no service yet: its series say what the session last set)."""
+    api = getattr(request.app.state, "api", None)
+    if api is not None:
+        metrics.observe_document(api.service.describe())
     return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
 
 

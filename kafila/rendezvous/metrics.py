@@ -49,6 +49,11 @@ class RendezvousCollector(Collector):
         yield GaugeMetricFamily(
             PREFIX + "relay_channels", "Allocated relay channels", value=len(relay.channels)
         )
+        yield GaugeMetricFamily(
+            PREFIX + "relay_channels_limit",
+            "Relay channels this rendezvous allocates at most, all sessions together (0: it does not relay)",
+            value=reg.limits.relay_channels,
+        )
         yield CounterMetricFamily(
             PREFIX + "relay_bytes", "Bytes forwarded by the relay", value=relay.totals.bytes
         )
