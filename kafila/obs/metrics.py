@@ -154,6 +154,12 @@ STAGE_COMPUTE = Histogram(
     buckets=STEP_BUCKETS,
     registry=REGISTRY,
 )
+STAGE_BLOCKS = Gauge(
+    "kafila_stage_blocks",
+    "Transformer blocks a stage holds, [first_block, last_block); stage 0 is the head",
+    ["member", "stage", "first_block", "last_block"],
+    registry=REGISTRY,
+)
 STAGE_MEASURED = Gauge(
     "kafila_stage_measured_seconds",
     "Median compute per decode step of a stage in the last request that decoded",
@@ -368,6 +374,10 @@ def observe_session(s: SessionRecord, ring_view: bool = True) -> None:
     if ring_view:
         for i, member in enumerate(s.order):
             STAGE_PREDICTED.labels(member, str(i)).set(s.predicted_stage_ms.get(member, 0.0) / 1000)
+    STAGE_BLOCKS.clear()
+    for i, member in enumerate(s.order):
+        first, last = s.blocks.get(member, (0, 0))
+        STAGE_BLOCKS.labels(member, str(i), str(first), str(last)).set(last - first)
     PREDICTED_BOTTLENECK.set(s.predicted_bottleneck_ms / 1000)
     PREDICTED_CIRCUIT.set(s.predicted_circuit_ms / 1000)
     with _lock:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -81,4 +81,5 @@ def make_registry(registry: Registry, udp_stats: dict[str, int] | None = None) -
     """A Prometheus registry of its own (several rendezvous apps can live in one process)."""
     prom = CollectorRegistry(auto_describe=False)
     prom.register(RendezvousCollector(registry, udp_stats))
+    ProcessCollector(registry=prom)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
     return prom

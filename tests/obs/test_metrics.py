@@ -37,6 +37,8 @@ def test_request_and_session_records_feed_the_request_series() -> None:
     assert value(text, "kafila_decode_tokens_per_second") == pytest.approx(5.0)
     assert value(text, "kafila_predicted_bottleneck_seconds") == pytest.approx(0.020)
     assert value(text, "kafila_ring_transit_seconds") == pytest.approx(0.003)
+    blocks = {"member": "b", "stage": "1", "first_block": "3", "last_block": "6"}
+    assert value(text, "kafila_stage_blocks", **blocks) == 3
 
     def grew(name: str, **labels: str) -> float:
         return value(text, name, **labels) - value(before, name, **labels)
@@ -189,3 +191,14 @@ def test_a_taken_port_is_named() -> None:
             serve_metrics(f"127.0.0.1:{first.port}")
     finally:
         first.close()
+
+
+def test_a_forming_members_metrics_say_forming() -> None:
+    from starlette.testclient import TestClient
+
+    from kafila.api.forming import FormingStatus, forming_app
+
+    metrics.observe_state("serving")
+    with TestClient(forming_app(FormingStatus("join"))) as client:
+        text = client.get("/metrics").text
+    assert value(text, "kafila_session_state", state="forming") == 1 and value(text, "kafila_ready") == 0

@@ -44,6 +44,7 @@ async def test_the_metrics_listener_serves_joins_by_outcome_and_promtool_finds_i
             == 1
         )
         assert value(text, "kafila_rendezvous_relay_channels_limit") == 4096
+        assert value(text, "process_resident_memory_bytes") > 0
         assert value(same, "kafila_rendezvous_sessions") == 1  # the signaling port's /metrics says the same
         if PROMTOOL is not None:
             assert check_metrics(exposed) == ""
