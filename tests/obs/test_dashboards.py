@@ -1,28 +1,17 @@
-"""The Grafana dashboards and the alert rules, proven against a real Prometheus scraping a real
-session: a rendezvous and three members on loopback (kafila.session.localfleet) and Debian's
-`prometheus` scraping them every second. After a few requests, every panel's and every rule's PromQL
-parses (promql-parser), names only metrics Kafila exports, and returns data. Grafana itself is in no
-registry here; the dashboards' JSON is what Grafana would send to this Prometheus."""
+"""The Grafana dashboards and the alert rules, offline: every panel's and rule's PromQL parses
+(promql-parser) and names only Kafila's metrics; the provisioning and the compose profile hold
+together. Against a real session and a real Prometheus: tests/obs/test_live_session.py."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import promql_parser as pp
-import pytest
 import yaml
-
-from tests.obs.conftest import LiveSession
-from tests.obs.promtool import PROMTOOL, check_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "grafana" / "dashboards").glob("*.json"))
@@ -115,141 +104,6 @@ def test_dashboards_use_the_provisioned_datasource() -> None:
         board = json.loads(path.read_text())
         assert {p["datasource"]["uid"] for p in board["panels"]} == {ds["uid"]}, path.name
         assert len({p["id"] for p in board["panels"]}) == len(board["panels"]), path.name
-
-
-# -- against a real session and a real Prometheus ----------------------------------------------------------
-
-
-@dataclass
-class Scraped:
-    prometheus: str  # base URL of the Prometheus API
-    exported: set[str]  # every metric name the session's processes expose
-    expositions: dict[str, bytes]  # target -> its /metrics text
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def prometheus_config(tmp: Path, rendezvous: str, members: dict[str, str]) -> Path:
-    """The repository's prometheus.yml, made local: a 1 s scrape, the fleet's own addresses."""
-    config = yaml.safe_load((ROOT / "prometheus" / "prometheus.yml").read_text())
-    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
-    config["rule_files"] = [str(RULES)]
-    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
-    jobs["kafila-rendezvous"]["static_configs"][0]["targets"] = [rendezvous]
-    targets = tmp / "targets"
-    targets.mkdir()
-    sd = [{"targets": [addr], "labels": {"site": "loopback", "host": name}} for name, addr in members.items()]
-    (targets / "members.yml").write_text(yaml.safe_dump(sd))
-    jobs["kafila-members"]["file_sd_configs"][0]["files"] = [str(targets / "*.yml")]
-    path = tmp / "prometheus.yml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def query(base: str, expr: str) -> list[dict[str, Any]]:
-    r = httpx.get(f"{base}/api/v1/query", params={"query": expr}, timeout=30)
-    body = r.json()
-    assert r.status_code == 200 and body["status"] == "success", f"{expr}: {body}"
-    return list(body["data"]["result"])
-
-
-def wait_for(what: str, ok: Any, within: float) -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if ok():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"{what} within {within:.0f} s")
-
-
-@pytest.fixture(scope="module")
-def scraped(tmp_path_factory: pytest.TempPathFactory, live_session: LiveSession) -> Iterator[Scraped]:
-    if PROMETHEUS is None:
-        pytest.skip("prometheus is not installed (apt-get install --no-install-recommends prometheus)")
-    tmp = tmp_path_factory.mktemp("prometheus")
-    live = live_session
-    port = free_port()
-    argv = [PROMETHEUS, f"--config.file={prometheus_config(tmp, live.rendezvous, live.members)}",
-            f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{port}"]  # fmt: skip
-    with (tmp / "prometheus.log").open("wb") as log:
-        server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            body = {"model": "smollm2-135m", "max_tokens": 8, "temperature": 0}
-            ask = {"messages": [{"role": "user", "content": "What is the capital of France?"}]}
-            for i, name in enumerate([*live.members, live.head]):  # at every member's API, one streamed
-                r = httpx.post(f"{live.url(name)}/v1/chat/completions", json=body | ask | {"stream": i == 0},
-                               timeout=120)  # fmt: skip
-                assert r.status_code == 200, r.text
-
-            def all_up() -> bool:
-                try:
-                    ups = query(base, "up")
-                except (httpx.HTTPError, AssertionError):
-                    return False
-                return len(ups) == 4 and all(u["value"][1] == "1" for u in ups)
-
-            wait_for("Prometheus scraping the rendezvous and three members", all_up, 60)
-            time.sleep(3)  # a few scrapes after the requests: rates over them
-            expositions = {
-                target: httpx.get(f"http://{target}/metrics", timeout=10).content
-                for target in [live.rendezvous, *live.members.values()]
-            }
-            exported = {
-                r["metric"]["__name__"] for r in query(base, 'count by (__name__) ({__name__=~".+"})')
-            }
-            yield Scraped(base, exported, expositions)
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
-            print(f"Prometheus's log: {tmp / 'prometheus.log'}")
-
-
-@pytest.mark.slow
-@pytest.mark.network
-def test_promtool_finds_every_member_and_the_rendezvous_clean(scraped: Scraped) -> None:
-    if PROMTOOL is None:
-        pytest.skip("promtool is not installed (apt-get install --no-install-recommends prometheus)")
-    for target, text in scraped.expositions.items():
-        assert check_metrics(text) == "", f"{target}: {check_metrics(text)}"
-
-
-@pytest.mark.slow
-@pytest.mark.network
-def test_every_panel_names_exported_metrics_and_returns_data(scraped: Scraped) -> None:
-    empty = []
-    for path in DASHBOARDS:
-        for where, expr in panel_queries(path):
-            expr = substitute(expr)
-            names = metric_names(expr)
-            unfed = names - scraped.exported
-            assert unfed <= AWAITING_SESSION_WIRING, f"{where}: {sorted(unfed)} not exported"
-            assert unfed <= defined_metrics(), (
-                f"{where}: {sorted(unfed)} defined nowhere in kafila.obs.metrics"
-            )
-            if not query(scraped.prometheus, expr):
-                empty.append((where, names))
-    unexplained = [(w, n) for w, n in empty if not n & AWAITING_SESSION_WIRING]
-    assert not unexplained, f"panels without data: {unexplained}"
-    print(f"panels awaiting the session's wiring: {[w for w, _ in empty]}")
-
-
-@pytest.mark.slow
-@pytest.mark.network
-def test_every_rule_names_exported_metrics_with_live_series(scraped: Scraped) -> None:
-    """A rule is silent on a healthy session, so its whole expression is rightly empty: each series
-    it selects must have data (with the rule's own label matchers where they select a live state)."""
-    for where, expr in rule_queries():
-        for vs in selectors(pp.parse(expr)):
-            assert vs.name in scraped.exported, f"{where}: {vs.name} not exported"
-            assert query(scraped.prometheus, f"{vs.name}"), f"{where}: no series {vs.name}"
-    alerts = httpx.get(f"{scraped.prometheus}/api/v1/rules", timeout=10).json()["data"]["groups"]
-    health = {r["name"]: r["health"] for g in alerts for r in g["rules"]}
-    assert set(health.values()) == {"ok"}, health  # every rule evaluated without error
 
 
 def test_the_compose_monitoring_profile_mounts_what_the_repository_holds() -> None:
