@@ -233,8 +233,8 @@ def test_the_page_in_a_real_browser_shows_the_ring_and_streams_an_answer(
         chunks = int(re.findall(r"streamed in (\d+) chunks", status)[0])
         assert "Paris" in answer and chunks > 1, (answer, status)  # streamed, chunk by chunk
         # the page re-reads /traces after the answer: this member measured its stage
-        browser.wait_for("[...document.querySelectorAll('#members tbody td')].some(td => /ms$/.test("
-                         "td.textContent) && td.cellIndex === 5)", 30)  # fmt: skip
+        mine = f"document.querySelector('#members tr[data-member=\"{member}\"] td.measured').textContent"
+        browser.wait_for(f"/ ms$/.test({mine})", 30)
         shot = browser.screenshot(tmp_path / "member-page.png")
     finally:
         browser.close()

@@ -65,8 +65,9 @@ function render(doc, traces) {
         cell(m.name + (m.name === doc.me ? " (this member)" : "")),
         cell(`${m.blocks[0]}–${m.blocks[1]} (${m.blocks[1] - m.blocks[0]})`),
         cell(m.name === doc.head ? "head" : "stage"),
+        cell(m.nat_class ? `${m.nat_class}${m.mapping ? ` (${m.mapping})` : ""}` : "–"),
         cell(ms(m.predicted_ms)),
-        cell(ms(got)),
+        cell(ms(got), "measured"),
         cell(ratio === null ? "–" : ratio.toFixed(2), ratio !== null && ratio > 1.25 ? "slow" : ""),
       ],
     };
@@ -74,8 +75,11 @@ function render(doc, traces) {
   const hops = hopsByEdge(traces);
   fill($("edges").tBodies[0], (doc.links || []).map((l) => {
     const h = hops[l.edge];
-    const runs = l.measured_path || (h && h.path !== "local" ? h.path : null) || l.path;
-    const by = l.measured_by ? ` (measured by ${l.measured_by})` : h ? " (measured)" : " (planned)";
+    // /session's link: "path" it runs, "planned_path", "measured_by" (a member; absent: predicted);
+    // without those fields, this member's traces measured the edges it owns
+    const measured = h && h.path !== "local" ? h.path : null;
+    const runs = l.measured_by ? l.path : measured || l.path;
+    const by = l.measured_by ? ` (measured by ${l.measured_by})` : measured ? " (measured)" : " (planned)";
     return {
       data: { edge: l.edge },
       cells: [
