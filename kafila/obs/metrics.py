@@ -450,12 +450,17 @@ def observe_edge(edge: str, planned: str, path: str, measured_by: str) -> None:
 
 def observe_document(doc: Mapping[str, Any]) -> None:
     """What a member's /session document says at scrape time: its state and, on the head, its queue
-    ("active" and "queued"). A document without a state (no session yet) changes nothing."""
+    ("active" and "queued") and KV-cache slots ("slots", its concurrency, where the document has it).
+    A document without a state (no session yet) changes nothing."""
     state = doc.get("state")
     if state in SESSION_STATES:
         observe_state(str(state))
-    if isinstance(doc.get("active"), list) and isinstance(doc.get("queued"), int):
-        observe_queue(len(doc["active"]), int(doc["queued"]))
+    active = doc.get("active")
+    if isinstance(active, list) and isinstance(doc.get("queued"), int):
+        observe_queue(len(active), int(doc["queued"]))
+        slots = doc.get("slots")  # the head's concurrency: one KV-cache slot per admitted request
+        if isinstance(slots, int) and 0 <= len(active) <= slots:
+            observe_kv_cache(len(active), slots)
 
 
 def exposition() -> bytes:

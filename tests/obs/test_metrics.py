@@ -125,6 +125,11 @@ def test_session_state_queue_cache_plan_and_nat() -> None:
     assert value(text, "kafila_session_state", state="broken") == 1 and value(text, "kafila_ready") == 0
     assert value(text, "kafila_session_members_present") == 0
     assert value(text, "kafila_num_requests_waiting") == 0
+    metrics.observe_document({"state": "serving", "active": [4, 5], "queued": 1, "slots": 8})
+    text = metrics.exposition().decode()
+    assert (
+        value(text, "kafila_kv_cache_slots_used") == 2 and value(text, "kafila_kv_cache_usage_perc") == 0.25
+    )
 
 
 def test_bad_state_and_cache_figures_are_refused_with_the_numbers() -> None:
