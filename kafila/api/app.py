@@ -1,15 +1,16 @@
 """The API every member serves (bound to localhost by default): OpenAI and Ollama routes,
-/session, /traces, /metrics, /healthz, and / saying it runs. Errors are rendered in one place
+/session, /traces, /metrics, /healthz, and / (the member page for a browser, a line saying it runs
+for other clients: kafila.api.page). Errors are rendered in one place
 (kafila.api.errors)."""
 
 from __future__ import annotations
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kafila.api import ollama, openai
+from kafila.api import ollama, openai, page
 from kafila.api.errors import ApiError, handle_api_error, handle_generation_error, render
 from kafila.api.state import Api, api_of
 from kafila.api.stream import ClientGone
@@ -30,6 +31,11 @@ async def traces(request: Request) -> Response:
 
 
 async def metrics_text(request: Request) -> Response:
+    """The member's metrics, its state and queue read from its /session document first (a forming
+    member's app has no service yet: its series say what the session last set)."""
+    api = getattr(request.app.state, "api", None)
+    if api is not None:
+        metrics.observe_document(api.service.describe())
     return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
 
 
@@ -40,14 +46,6 @@ async def healthz(request: Request) -> Response:
     if doc.get("state") == "broken":
         return JSONResponse({"ok": False, "state": "broken", "error": doc.get("error")}, status_code=503)
     return JSONResponse({"ok": True, "state": doc.get("state")})
-
-
-async def root(request: Request) -> Response:
-    """200 at / (and HEAD), as Ollama's server answers there: clients and monitors that look for a
-    running server before calling /api or /v1 find one."""
-    return PlainTextResponse(
-        "Kafila is running (OpenAI API at /v1, Ollama API at /api, this session at /session)\n"
-    )
 
 
 async def not_found(request: Request, exc: Exception) -> Response:
@@ -77,7 +75,8 @@ async def client_gone(request: Request, exc: Exception) -> Response:
 
 def create_app(api: Api) -> Starlette:
     routes = [
-        Route("/", root, methods=["GET"]),
+        Route("/", page.root, methods=["GET"]),
+        Route(page.ASSET_PATH, page.asset, methods=["GET"]),
         Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai.completions, methods=["POST"]),
         Route("/v1/models", openai.models, methods=["GET"]),

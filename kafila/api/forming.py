@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from kafila.api.app import metrics_text
 from kafila.api.errors import ApiError, render
+from kafila.obs import metrics
 
 RETRY_AFTER_S = 5  # what a 503 while forming asks the client to wait before asking again
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
@@ -62,6 +63,10 @@ def forming_app(status: FormingStatus) -> Starlette:
     async def healthz(request: Request) -> Response:
         return JSONResponse({"ok": True, "state": "forming"})
 
+    async def forming_metrics(request: Request) -> Response:
+        metrics.observe_document(status.document(time.time()))  # kafila_session_state{state="forming"}
+        return await metrics_text(request)
+
     async def not_yet(request: Request) -> Response:
         response = render(request, status.refusal())
         response.headers["Retry-After"] = str(RETRY_AFTER_S)
@@ -70,7 +75,7 @@ def forming_app(status: FormingStatus) -> Starlette:
     routes = [
         Route("/session", session, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
-        Route("/metrics", metrics_text, methods=["GET"]),  # scraped whether or not the session formed
+        Route("/metrics", forming_metrics, methods=["GET"]),  # scraped whether or not the session formed
         Route("/{path:path}", not_yet, methods=METHODS),
     ]
     return Starlette(routes=routes)

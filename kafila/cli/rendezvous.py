@@ -62,6 +62,17 @@ def _limit_type(name: str, whole: bool) -> Callable[[str], float]:
     return parse
 
 
+def metrics_address(text: str) -> str:
+    """--metrics HOST:PORT, checked when the flags are read."""
+    from kafila.obs.listener import parse_addr
+
+    try:
+        parse_addr(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     from kafila.rendezvous.limits import Limits  # light: dataclass only
 
@@ -75,6 +86,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=port_number,
         default=DEFAULT_PORT,
         help=f"TCP port for signaling, /healthz, /metrics (default {DEFAULT_PORT})",
+    )
+    parser.add_argument(
+        "--metrics",
+        type=metrics_address,
+        default=None,
+        metavar="HOST:PORT",
+        help="also serve /metrics on a listener of its own (e.g. 0.0.0.0:9465 for a Prometheus elsewhere, "
+        "with the signaling port kept private) (default: /metrics on --port only)",
     )
     parser.add_argument("--udp-host", default=None, help="address for UDP probes and relay (default: --host)")
     parser.add_argument(
@@ -269,6 +288,7 @@ def main(args: argparse.Namespace) -> int:
         forwarded_allow_ips=args.forwarded_allow_ips,
         limits=limits,
         relay_secret=secret,
+        metrics=args.metrics,
     )
     try:
         asyncio.run(RendezvousServer(config, handle_signals=True).serve_forever())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -49,6 +49,11 @@ class RendezvousCollector(Collector):
         yield GaugeMetricFamily(
             PREFIX + "relay_channels", "Allocated relay channels", value=len(relay.channels)
         )
+        yield GaugeMetricFamily(
+            PREFIX + "relay_channels_limit",
+            "Relay channels this rendezvous allocates at most, all sessions together (0: it does not relay)",
+            value=reg.limits.relay_channels,
+        )
         yield CounterMetricFamily(
             PREFIX + "relay_bytes", "Bytes forwarded by the relay", value=relay.totals.bytes
         )
@@ -76,4 +81,5 @@ def make_registry(registry: Registry, udp_stats: dict[str, int] | None = None) -
     """A Prometheus registry of its own (several rendezvous apps can live in one process)."""
     prom = CollectorRegistry(auto_describe=False)
     prom.register(RendezvousCollector(registry, udp_stats))
+    ProcessCollector(registry=prom)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
     return prom

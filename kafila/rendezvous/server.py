@@ -15,11 +15,13 @@ import uvicorn
 from starlette.applications import Starlette
 
 from kafila.net.tcp import bind_tcp
+from kafila.obs.listener import MetricsListener, serve_metrics
 from kafila.obs.log import get_logger
 from kafila.proto import signaling
 from kafila.proto.udp import format_address
 from kafila.rendezvous.app import build_app
 from kafila.rendezvous.limits import Limits
+from kafila.rendezvous.metrics import make_registry
 from kafila.rendezvous.registry import ProbeInfo, Registry
 from kafila.rendezvous.relay import RelayTable
 from kafila.rendezvous.udp import ListenError, UdpService
@@ -74,6 +76,7 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     tick_s: float = 1.0
     relay_secret: bytes | None = None  # signs relay leg tokens; kept across restarts: channels too
+    metrics: str | None = None  # HOST:PORT of a metrics listener of its own (besides /metrics on `port`)
 
 
 class RendezvousServer:
@@ -86,6 +89,7 @@ class RendezvousServer:
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
         self.http_port = 0
+        self.metrics: MetricsListener | None = None
 
     async def start(self) -> None:
         cfg = self.config
@@ -103,6 +107,13 @@ class RendezvousServer:
             where = format_address((cfg.host, cfg.port))
             raise ListenError(exc.errno, f"cannot listen on TCP {where}: {exc.strerror}", "port") from exc
         self.http_port = sock.getsockname()[1]
+        if cfg.metrics is not None:
+            try:
+                self.metrics = serve_metrics(cfg.metrics, make_registry(self.registry, self.udp.stats))
+            except OSError as exc:
+                sock.close()
+                self.udp.close()
+                raise ListenError(exc.errno, str(exc), "metrics") from exc
         self._server = uvicorn.Server(self._uvicorn_config(app))
         # uvicorn's serve() captures SIGINT/SIGTERM (wanted by the CLI); embedded servers (tests, demo)
         # leave signals to their host process.
@@ -143,7 +154,13 @@ class RendezvousServer:
         if self._server is not None and self._task is not None:
             self._server.should_exit = True
             await self._task
+        self._close_metrics()
         self.udp.close()
+
+    def _close_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
 
     async def serve_forever(self) -> None:
         await self.start()
@@ -151,4 +168,5 @@ class RendezvousServer:
             assert self._task is not None
             await self._task
         finally:
+            self._close_metrics()
             self.udp.close()

@@ -445,7 +445,7 @@ async def test_session_document_and_traces(served: Served) -> None:
         traces = (await http.get(f"{served.head.url}/traces")).json()["traces"]
         assert traces and traces[-1]["stages"][1]["measured_ms"] > 0
         text = (await http.get(f"{served.head.url}/metrics")).text
-        assert 'kafila_stage_compute_ms{member="m1",stage="1"}' in text
+        assert 'kafila_stage_measured_seconds{member="m1",stage="1"' in text
     json.dumps(doc)
 
 

@@ -1,4 +1,4 @@
-"""Trace records: JSON-lines round trip, Table IV summary arithmetic, the CLI, and metrics."""
+"""Trace records: JSON-lines round trip, Table IV summary arithmetic, the CLI (metrics: test_metrics)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from kafila.cli import main as cli_main
-from kafila.obs import metrics
 from kafila.obs.trace import (
     HopTrace,
     RequestRecord,
@@ -199,39 +198,6 @@ def test_cli_summarize_refuses_an_empty_file(tmp_path: Path, capsys: pytest.Capt
     (tmp_path / "empty.jsonl").write_text("")
     assert cli_main(["trace", "summarize", str(tmp_path / "empty.jsonl")]) == 1
     assert "no finished request" in capsys.readouterr().err
-
-
-def sample(text: str, series: str) -> float:
-    """The value of one exposition line (`name{labels}`), 0 when absent."""
-    for line in text.splitlines():
-        if line.startswith(series + " "):
-            return float(line.split()[-1])
-    return 0.0
-
-
-def test_metrics_are_fed_from_the_record() -> None:
-    metrics.observe_session(session())
-    metrics.observe_request(request(7, (10, 12, 21), 2.0))
-    text = metrics.exposition().decode()
-    assert 'kafila_stage_compute_ms{member="b",stage="1"} 12.0' in text
-    assert 'kafila_stage_predicted_ms{member="c",stage="2"} 20.0' in text
-    assert "kafila_decode_tokens_per_second 5.0" in text
-    assert "kafila_predicted_bottleneck_ms 20.0" in text
-    assert "kafila_ring_transit_ms 3.0" in text
-
-
-def test_stage_metrics_count_each_hop_at_its_sender() -> None:
-    hop = 'kafila_hop_bytes_total{hop="c->a",path="relay"}'
-    before = sample(metrics.exposition().decode(), hop)
-    metrics.observe_request(request(8, (10, 12, 21)))  # the head's ring view adds no hop bytes
-    metrics.observe_stage(stage(8, "c", 21.5, bytes_out=4096))
-    text = metrics.exposition().decode()
-    assert sample(text, hop) - before == 4096
-    assert 'kafila_stage_compute_ms{member="c",stage="2"} 21.5' in text
-    assert 'kafila_hop_rtt_ms{hop="c->a",path="relay"} 25.0' in text
-    assert 'kafila_stage_wait_ms{member="c",stage="2"} 2.15' in text
-    assert 'kafila_hop_predicted_rtt_ms{hop="c->a"} 20.0' in text
-    assert sample(text, 'kafila_stage_prefill_chunk_ms_count{member="c",stage="2"}') >= 2
 
 
 def test_a_file_that_cannot_be_written_does_not_raise(tmp_path: Path) -> None:

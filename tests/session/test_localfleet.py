@@ -72,8 +72,8 @@ def test_paced_fleet_pins_each_member_to_one_cpu_and_emulates_its_share(
         assert blocks["beta"] < blocks["alpha"]  # the probe saw the quarter-speed member as slower
         for url in fleet.api_urls.values():  # every member exports the plan's bottleneck, not 0
             text = httpx.get(f"{url}/metrics", timeout=10).text
-            [line] = [x for x in text.splitlines() if x.startswith("kafila_predicted_bottleneck_ms ")]
-            assert float(line.split()[1]) == pytest.approx(fleet.plan["bottleneck_ms"], abs=0.01)
+            [line] = [x for x in text.splitlines() if x.startswith("kafila_predicted_bottleneck_seconds{")]
+            assert float(line.split()[-1]) * 1000 == pytest.approx(fleet.plan["bottleneck_ms"], abs=0.01)
     assert all(m.proc is not None and m.proc.poll() is not None for m in fleet.members)
 
 

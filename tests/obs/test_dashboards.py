@@ -1,0 +1,122 @@
+"""The Grafana dashboards and the alert rules, offline: every panel's and rule's PromQL parses
+(promql-parser) and names only Kafila's metrics; the provisioning and the compose profile hold
+together. Against a real session and a real Prometheus: tests/obs/test_live_session.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import promql_parser as pp
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARDS = sorted((ROOT / "grafana" / "dashboards").glob("*.json"))
+RULES = ROOT / "prometheus" / "rules" / "kafila-alerts.yml"
+PROMETHEUS = shutil.which("prometheus")
+# Grafana's variables as the dashboards use them: every session, and a rate window of several scrapes
+VARIABLES = {"$session": ".*", "$__rate_interval": "1m"}
+# Series the session does not feed yet (kafila.obs.metrics.observe_member_nat: the session's wiring,
+# issue 46); their panels must parse and name exported metrics, but may be empty until it is done.
+AWAITING_SESSION_WIRING = {"kafila_member_nat_info"}
+
+
+def panel_queries(path: Path) -> Iterator[tuple[str, str]]:
+    """(where, PromQL) for every target of every panel, and every templating query, of a dashboard."""
+    board = json.loads(path.read_text())
+    for panel in board["panels"]:
+        for target in panel["targets"]:
+            yield f"{path.name}: panel {panel['title']!r} {target['refId']}", target["expr"]
+    for var in board["templating"]["list"]:
+        query = var["query"]["query"]
+        if query.startswith("label_values("):  # Grafana's own function over a series selector
+            yield f"{path.name}: variable {var['name']}", query[len("label_values(") :].rsplit(",", 1)[0]
+
+
+def rule_queries() -> Iterator[tuple[str, str]]:
+    for group in yaml.safe_load(RULES.read_text())["groups"]:
+        for rule in group["rules"]:
+            yield f"rule {rule.get('alert') or rule.get('record')}", rule["expr"]
+
+
+def substitute(expr: str) -> str:
+    for name, value in VARIABLES.items():
+        expr = expr.replace(name, value)
+    return expr
+
+
+def selectors(node: Any) -> Iterator[pp.VectorSelector]:
+    """Every vector selector in a parsed PromQL expression."""
+    if isinstance(node, pp.VectorSelector):
+        yield node
+    elif isinstance(node, pp.MatrixSelector):
+        yield node.vector_selector
+    elif isinstance(node, pp.BinaryExpr):
+        yield from selectors(node.lhs)
+        yield from selectors(node.rhs)
+    elif isinstance(node, pp.Call):
+        for arg in node.args:
+            yield from selectors(arg)
+    elif isinstance(node, pp.AggregateExpr):
+        yield from selectors(node.expr)
+        if node.param is not None:
+            yield from selectors(node.param)
+    elif isinstance(node, pp.ParenExpr | pp.UnaryExpr | pp.SubqueryExpr):
+        yield from selectors(node.expr)
+
+
+def metric_names(expr: str) -> set[str]:
+    names = set()
+    for vs in selectors(pp.parse(expr)):
+        assert vs.name, f"{expr}: a selector without a metric name"
+        names.add(vs.name)
+    return names
+
+
+def defined_metrics() -> set[str]:
+    """Every metric kafila.obs.metrics defines, series or not yet (names as Prometheus stores them)."""
+    from kafila.obs.metrics import REGISTRY
+
+    names = set()
+    for family in REGISTRY.collect():
+        names.add(family.name + ("_total" if family.type == "counter" else ""))
+        names.update(s.name for s in family.samples)
+    return names
+
+
+def test_every_query_parses_and_names_metrics_of_kafila_only() -> None:
+    """The offline half (no Prometheus needed): parse, and name only kafila_ series, the process
+    series and `up`."""
+    queries = [q for d in DASHBOARDS for q in panel_queries(d)] + list(rule_queries())
+    assert len(DASHBOARDS) == 3 and len(queries) > 40
+    for where, expr in queries:
+        for name in metric_names(substitute(expr)):
+            assert name.startswith(("kafila_", "process_")) or name == "up", f"{where}: {name}"
+
+
+def test_dashboards_use_the_provisioned_datasource() -> None:
+    provisioned = yaml.safe_load((ROOT / "grafana/provisioning/datasources/kafila.yml").read_text())
+    [ds] = provisioned["datasources"]
+    for path in DASHBOARDS:
+        board = json.loads(path.read_text())
+        assert {p["datasource"]["uid"] for p in board["panels"]} == {ds["uid"]}, path.name
+        assert len({p["id"] for p in board["panels"]}) == len(board["panels"]), path.name
+
+
+def test_the_compose_monitoring_profile_mounts_what_the_repository_holds() -> None:
+    compose = yaml.safe_load((ROOT / "compose" / "docker-compose.yml").read_text())
+    for name in ("prometheus", "grafana"):
+        service = compose["services"][name]
+        assert service["profiles"] == ["monitoring"]
+        for volume in service["volumes"]:
+            source = volume.split(":", 1)[0]
+            if source.startswith(".."):
+                assert (ROOT / "compose" / source).resolve().is_dir(), f"{name}: {source}"
+    config = yaml.safe_load((ROOT / "prometheus" / "prometheus.yml").read_text())
+    [static] = next(j for j in config["scrape_configs"] if j["job_name"] == "kafila-rendezvous")[
+        "static_configs"
+    ]
+    assert static["targets"][0].split(":")[0] in compose["services"]  # the rendezvous service by name

@@ -1,0 +1,209 @@
+"""Metrics fed from trace records and session state: names, units, labels, and promtool's lint."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kafila.obs import metrics
+from kafila.obs.listener import parse_addr, serve_metrics
+from tests.obs.promtool import check_metrics, needs_promtool
+from tests.obs.test_trace import request, session, stage
+
+
+def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample of an exposition by (name, labels without the session identity)."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = frozenset((k, v) for k, v in s.labels.items() if k not in ("session", "model"))
+            out[(s.name, labels)] = s.value
+    return out
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    return samples(text).get((name, frozenset(labels.items())), 0.0)
+
+
+def test_request_and_session_records_feed_the_request_series() -> None:
+    metrics.observe_session(session())
+    before = metrics.exposition().decode()
+    metrics.observe_request(request(7, (10, 12, 21), 2.0))
+    text = metrics.exposition().decode()
+    assert value(text, "kafila_stage_measured_seconds", member="b", stage="1") == pytest.approx(0.012)
+    assert value(text, "kafila_stage_predicted_seconds", member="c", stage="2") == pytest.approx(0.020)
+    assert value(text, "kafila_stage_prediction_ratio", member="c", stage="2") == pytest.approx(21 / 20)
+    assert value(text, "kafila_decode_tokens_per_second") == pytest.approx(5.0)
+    assert value(text, "kafila_predicted_bottleneck_seconds") == pytest.approx(0.020)
+    assert value(text, "kafila_ring_transit_seconds") == pytest.approx(0.003)
+    blocks = {"member": "b", "stage": "1", "first_block": "3", "last_block": "6"}
+    assert value(text, "kafila_stage_blocks", **blocks) == 3
+
+    def grew(name: str, **labels: str) -> float:
+        return value(text, name, **labels) - value(before, name, **labels)
+
+    assert grew("kafila_prompt_tokens_total") == 5 and grew("kafila_generation_tokens_total") == 11
+    assert grew("kafila_requests_total", finished_reason="stop") == 1
+    assert grew("kafila_time_to_first_token_seconds_sum") == pytest.approx(0.75)
+    assert grew("kafila_e2e_request_latency_seconds_sum") == pytest.approx(2.75)
+    assert grew("kafila_request_queue_time_seconds_count") == 1
+    # ten intervals between eleven tokens, each at the request's mean: 2 s / 10
+    assert grew("kafila_inter_token_latency_seconds_count") == 10
+    assert grew("kafila_inter_token_latency_seconds_sum") == pytest.approx(2.0)
+    assert grew("kafila_inter_token_latency_seconds_bucket", le="0.25") == 10
+
+
+def test_every_series_carries_the_session_and_the_model() -> None:
+    metrics.observe_session(session())
+    for family in text_string_to_metric_families(metrics.exposition().decode()):
+        for s in family.samples:
+            assert (s.labels.get("session"), s.labels.get("model")) == ("s1", "tiny"), s
+
+
+def test_stage_records_count_each_hop_at_its_sender_and_measure_the_edge_path() -> None:
+    metrics.observe_session(session())  # plans c->a direct
+    hop = {"hop": "c->a", "path": "relay"}
+    before = metrics.exposition().decode()
+    metrics.observe_request(request(8, (10, 12, 21)))  # the head's ring view adds no hop bytes
+    metrics.observe_stage(stage(8, "c", 21.5, bytes_out=4096))
+    text = metrics.exposition().decode()
+    assert (
+        value(text, "kafila_hop_bytes_total", **hop) - value(before, "kafila_hop_bytes_total", **hop) == 4096
+    )
+    assert value(text, "kafila_hop_rtt_seconds", **hop) == pytest.approx(0.025)
+    assert value(text, "kafila_hop_predicted_rtt_seconds", hop="c->a") == pytest.approx(0.020)
+    assert value(text, "kafila_stage_wait_seconds", member="c", stage="2") == pytest.approx(0.00215)
+    decode = {"member": "c", "stage": "2", "phase": "decode"}
+    prefill = {**decode, "phase": "prefill"}
+    assert (
+        value(text, "kafila_stage_compute_seconds_count", **decode)
+        - value(before, "kafila_stage_compute_seconds_count", **decode)
+        == 9
+    )  # one per decode step
+    assert (
+        value(text, "kafila_stage_compute_seconds_count", **prefill)
+        - value(before, "kafila_stage_compute_seconds_count", **prefill)
+        == 2
+    )  # one per prefill chunk
+    # the edge the plan made direct ran through the relay, as c (its sender) measured
+    relayed = {"edge": "c->a", "planned_path": "direct", "path": "relay", "measured_by": "c"}
+    assert value(text, "kafila_edge_info", **relayed) == 1
+    assert value(text, "kafila_edge_info", edge="a->b", planned_path="direct", path="direct",
+                 measured_by="predicted") == 1  # fmt: skip
+    assert not [k for k in samples(text) if k[0] == "kafila_edge_info" and ("edge", "c->a") in k[1]
+                and ("measured_by", "predicted") in k[1]]  # fmt: skip
+
+
+def test_session_state_queue_cache_plan_and_nat() -> None:
+    metrics.observe_state("replanning")
+    metrics.observe_plan(1)
+    before = metrics.exposition().decode()
+    metrics.observe_plan(2)
+    metrics.observe_plan(2)  # the same epoch again is no new plan
+    metrics.observe_queue(running=2, waiting=5)
+    metrics.observe_kv_cache(used=3, total=4)
+    metrics.observe_members(expected=3, present=2)
+    metrics.observe_member_nat("b", "ordinary", "endpoint-independent")
+    metrics.observe_member_nat("b", "restrictive", "endpoint-dependent")  # a later probe replaces it
+    text = metrics.exposition().decode()
+    assert value(text, "kafila_session_state", state="replanning") == 1
+    assert value(text, "kafila_session_state", state="serving") == 0 and value(text, "kafila_ready") == 0
+    assert value(text, "kafila_replans_total") - value(before, "kafila_replans_total") == 1
+    assert value(text, "kafila_plan_epoch") == 2
+    assert (value(text, "kafila_num_requests_running"), value(text, "kafila_num_requests_waiting")) == (2, 5)
+    assert value(text, "kafila_kv_cache_usage_perc") == 0.75 and value(text, "kafila_kv_cache_slots") == 4
+    assert (
+        value(text, "kafila_session_members_expected"),
+        value(text, "kafila_session_members_present"),
+    ) == (3, 2)
+    nat = [k for k in samples(text) if k[0] == "kafila_member_nat_info"]
+    assert nat == [("kafila_member_nat_info", frozenset({("member", "b"), ("nat_class", "restrictive"),
+                                                          ("mapping", "endpoint-dependent")}))]  # fmt: skip
+    metrics.observe_document({"state": "broken", "active": [], "queued": 0})
+    text = metrics.exposition().decode()
+    assert value(text, "kafila_session_state", state="broken") == 1 and value(text, "kafila_ready") == 0
+    assert value(text, "kafila_session_members_present") == 0
+    assert value(text, "kafila_num_requests_waiting") == 0
+    metrics.observe_document({"state": "serving", "active": [4, 5], "queued": 1, "slots": 8})
+    text = metrics.exposition().decode()
+    assert (
+        value(text, "kafila_kv_cache_slots_used") == 2 and value(text, "kafila_kv_cache_usage_perc") == 0.25
+    )
+
+
+def test_bad_state_and_cache_figures_are_refused_with_the_numbers() -> None:
+    with pytest.raises(ValueError, match="'starting' is not one of forming, serving"):
+        metrics.observe_state("starting")
+    with pytest.raises(ValueError, match="5 used of 4"):
+        metrics.observe_kv_cache(5, 4)
+
+
+def test_build_info_and_process_series() -> None:
+    metrics.observe_build("torch", "float32", "cpu")
+    text = metrics.exposition().decode()
+    builds = [k for k in samples(text) if k[0] == "kafila_build_info"]
+    assert [dict(k[1]) for k in builds] == [{"version": "0.1.0", "backend": "torch", "dtype": "float32",
+                                             "device": "cpu"}]  # fmt: skip
+    assert value(text, "process_resident_memory_bytes") > 0
+    assert "process_cpu_seconds_total" in text
+
+
+@needs_promtool
+def test_promtool_finds_the_fed_metrics_clean() -> None:
+    metrics.observe_session(session())
+    metrics.observe_request(request(9, (10, 12, 21)))
+    metrics.observe_stage(stage(9, "c", 21.5))
+    metrics.observe_queue(1, 0)
+    metrics.observe_kv_cache(1, 2)
+    assert check_metrics(metrics.exposition()) == ""
+
+
+def test_the_listener_serves_the_registry_on_its_own_port_while_the_session_reads_broken() -> None:
+    """No API, no event loop: the listener thread serves the registry, and a /session document
+    that says broken is read at every scrape (the ring's state reaches Prometheus)."""
+    metrics.set_source(lambda: {"state": "broken"})
+    listener = serve_metrics("127.0.0.1:0")
+    try:
+        text = httpx.get(listener.url, timeout=10).text
+        assert value(text, "kafila_session_state", state="broken") == 1
+        metrics.set_source(lambda: {"state": "serving"})
+        text = httpx.get(listener.url, timeout=10).text
+        assert value(text, "kafila_session_state", state="serving") == 1 and value(text, "kafila_ready") == 1
+        metrics.set_source(lambda: 1 / 0)  # type: ignore[arg-type,return-value]  # a failing source
+        assert httpx.get(listener.url, timeout=10).status_code == 200
+    finally:
+        metrics.set_source(None)
+        listener.close()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(listener.url, timeout=2)
+
+
+def test_metrics_addresses() -> None:
+    assert parse_addr("0.0.0.0:9464") == ("0.0.0.0", 9464)
+    assert parse_addr(":9464") == ("127.0.0.1", 9464) and parse_addr("9464") == ("127.0.0.1", 9464)
+    assert parse_addr("[::1]:9") == ("::1", 9)
+    with pytest.raises(ValueError, match="'host:x' is not HOST:PORT"):
+        parse_addr("host:x")
+    with pytest.raises(ValueError, match="port 70000"):
+        parse_addr("h:70000")
+
+
+def test_a_taken_port_is_named() -> None:
+    first = serve_metrics("127.0.0.1:0")
+    try:
+        with pytest.raises(OSError, match=f"cannot bind 127.0.0.1:{first.port}"):
+            serve_metrics(f"127.0.0.1:{first.port}")
+    finally:
+        first.close()
+
+
+def test_a_forming_members_metrics_say_forming() -> None:
+    from starlette.testclient import TestClient
+
+    from kafila.api.forming import FormingStatus, forming_app
+
+    metrics.observe_state("serving")
+    with TestClient(forming_app(FormingStatus("join"))) as client:
+        text = client.get("/metrics").text
+    assert value(text, "kafila_session_state", state="forming") == 1 and value(text, "kafila_ready") == 0
