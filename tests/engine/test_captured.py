@@ -194,3 +194,23 @@ def test_modes_resolve_per_device_and_graphs_on_the_cpu_fall_back(
         path.forward(stage.embed([1]), [Span(0, 0, 1)])
     assert isinstance(path, EagerDecode)
     assert [(e["event"], e["reason"]) for e in logs] == [("decode_graphs_unavailable", "device cpu")]
+
+
+def test_the_static_step_runs_on_the_meta_device_so_no_value_reaches_the_host() -> None:
+    """A captured step may not read a value on the host (`.item()`, a boolean mask's `nonzero`, a
+    shape taken from the data): on the meta device, which holds shapes without values, each of
+    those raises. The whole static step, buffers filled as a stage fills them, runs there."""
+    from dataclasses import replace
+
+    from kafila.models.manifest import block_index, specs_from_config
+    from kafila.models.torch.qwen3 import Qwen3Model
+    from tests.probe.test_measure import TINY_QWEN3
+
+    specs = specs_from_config(replace(TINY_QWEN3, num_hidden_layers=2), "F32")
+    weights = {s.name: torch.zeros(s.shape) for s in specs if block_index(s.name) is not None}
+    model = Qwen3Model(TINY_QWEN3, weights, range(2), False, device="meta", context=64)
+    decoder = StaticDecoder(model, slots=3)
+    out = decoder.forward(torch.empty(2, TINY_QWEN3.hidden_size), [Span(0, 5, 1), Span(2, 9, 1)])
+    assert (out.device.type, tuple(out.shape), decoder.recorded) == ("meta", (2, 256), [(2, 64)])
+    with pytest.raises(RuntimeError, match="meta"):
+        out.sum().item()  # what a host read in the step would have met
