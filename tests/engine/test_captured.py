@@ -214,3 +214,29 @@ def test_the_static_step_runs_on_the_meta_device_so_no_value_reaches_the_host() 
     assert (out.device.type, tuple(out.shape), decoder.recorded) == ("meta", (2, 256), [(2, 64)])
     with pytest.raises(RuntimeError, match="meta"):
         out.sum().item()  # what a host read in the step would have met
+
+
+@pytest.mark.slow
+def test_the_cuda_decode_benchmark_runs_on_the_cpu_with_a_tiny_config(tmp_path) -> None:
+    """benchmarks/cuda_decode.py end to end where no card is: its checkpoint, both paths (static for
+    graph), the two-process ring; the figures themselves are the card's to judge."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, str(root / "benchmarks" / "cuda_decode.py"), "--device", "cpu", "--small"]
+    cmd += ["--rounds", "1", "--steps", "2", "--rows", "1", "3", "--ring-tokens", "4"]
+    cmd += ["--dir", str(tmp_path / "ckpt"), "--json", str(tmp_path / "out.json")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads((tmp_path / "out.json").read_text())
+    assert [(r["path"], r["rows"]) for r in figures["steps"]] == [
+        ("eager", 1),
+        ("static", 1),
+        ("eager", 3),
+        ("static", 3),
+    ]
+    assert all(r["ms_step"] > 0 and r["of_bound"] > 0 for r in figures["steps"])
+    assert figures["ring"]["ratio"] > 0 and "of bound" in done.stdout
