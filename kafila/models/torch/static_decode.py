@@ -153,7 +153,8 @@ def run_eagerly(step: Step) -> Step:
 class CudaGraphCapture:
     """Records a step as a CUDA graph: WARMUP runs on a side stream first, then the capture, into a
     memory pool shared by every bucket's graph (they never run at the same time, and each keeps
-    its output in its bucket's own buffer)."""
+    its output in its bucket's own buffer). The capture is thread-local: another thread of the
+    process (another stage's model thread) may use the card meanwhile."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -168,7 +169,7 @@ class CudaGraphCapture:
                 step()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             step()
         self.graphs.append(graph)
         return graph.replay
