@@ -186,7 +186,12 @@ def time_steps(folder: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
                 f"{row['bound_ms']:>9.3f} {row['of_bound']:>8.0%}"
             )
         eager, fast = (statistics.median(times[n]) for n in paths)
-        print(f"{'':>6} {rows:>5} {fast_mode} {eager / fast:.2f}x eager")
+        ran = paths[fast_mode].name  # "eager" where a capture raised (logged as decode_capture_failed)
+        print(
+            f"{'':>6} {rows:>5} {fast_mode} {eager / fast:.2f}x eager"
+            + ("" if ran == fast_mode else f" (ran {ran}!)")
+        )
+        out[-1]["ran"] = ran
     return out
 
 

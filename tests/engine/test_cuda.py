@@ -209,3 +209,4 @@ def test_the_probe_on_the_card_times_the_captured_step() -> None:
         r = probe("torch", "auto", repeats=1, model=TINY_QWEN3, model_name="tiny-qwen3")
     [probed] = [e for e in logs if e["event"] == "probed"]
     assert probed["decode"] == "graph" and r.block is not None
+    assert not [e for e in logs if e["event"] == "decode_capture_failed"]  # graphs timed, not eager
