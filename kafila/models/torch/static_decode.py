@@ -98,6 +98,8 @@ class StaticInputs:
         """The step's rows (hidden [n, H], one span each), then padding rows."""
         n, pad = len(spans), self.rows - len(spans)
         self.x[:n].copy_(hidden)  # to the model's dtype and device
+        if pad:  # zeros, not what the last steps left there (a residual growing step after step)
+            self.x[n:].zero_()
         host = [[s.start for s in spans] + [0] * pad, [s.slot for s in spans] + [pad_slot] * pad]
         self.index.copy_(torch.tensor(host, dtype=torch.long))
 
