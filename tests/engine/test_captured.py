@@ -240,3 +240,26 @@ def test_the_cuda_decode_benchmark_runs_on_the_cpu_with_a_tiny_config(tmp_path) 
     ]
     assert all(r["ms_step"] > 0 and r["of_bound"] > 0 for r in figures["steps"])
     assert figures["ring"]["ratio"] > 0 and "of bound" in done.stdout
+
+
+def test_the_probes_block_timing_runs_the_path_a_stage_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kafila probe` times a block through `decode_path`, as a stage steps: with the static path
+    selected its decode step is the static step (counted as it runs), eager otherwise."""
+    from kafila.models.torch import static_decode
+    from kafila.probe.ops import Ops
+    from tests.probe.test_measure import TINY_QWEN3
+
+    calls: list[int] = []
+    real = static_decode.static_step
+
+    def counted(*args: object, **kw: object) -> None:
+        calls.append(1)
+        real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(static_decode, "static_step", counted)
+    for mode, want in (("eager", 0), ("static", 2)):
+        monkeypatch.setenv(DECODE_ENV, mode)
+        run = Ops(CPU32).make_block(TINY_QWEN3, position=70, blocks=1)
+        run()
+        run()
+        assert len(calls) == want, mode
