@@ -13,7 +13,7 @@ allocation sized by the data). So a decode step of n rows runs in a bucket of B 
 - keys and values are written with `index_copy_` at rows computed on the device; attention reads the
   first L positions of each row's slot, masked on the device to the positions <= the row's.
 
-Padding rows read slot 0 at position 0 and their outputs are dropped. The block's arithmetic is
+Padding rows read the last slot at position 0 and their outputs are dropped. The block's arithmetic is
 `LlamaModel._block`'s, so norms, products, RoPE and the MLP are the eager path's own ops; only
 attention is this module's `_StaticAttention`.
 
@@ -118,7 +118,7 @@ class _StaticAttention:
         real = (slots[:, None] * nkv + heads) * c + positions[:, None]  # [B, nkv] flat rows
         spare = s * nkv * c + heads  # [nkv]: the padding rows' rows
         self.write_rows = torch.where(slots[:, None] < s, real, spare).reshape(-1)  # [B nkv]
-        self.read_slots = slots.clamp(max=s - 1)  # [B]: padding rows read slot 0 (s - 1 >= 0)
+        self.read_slots = slots.clamp(max=s - 1)  # [B]: padding rows read the last slot
         visible = torch.arange(keys, device=dev)[None, :] <= positions[:, None]  # [B, L]
         bias = torch.zeros(visible.shape, device=dev).masked_fill_(~visible, float("-inf"))
         self.bias = bias[:, None, None, :]  # [B, 1, 1, L]
