@@ -26,6 +26,9 @@ from tests.engine.test_cuda import PROMPT, _greedy
 CPU32 = TorchBackend("torch", "cpu", "fp32")
 CPU16 = TorchBackend("torch", "cpu", "bf16")
 SPLITS = {1: [(0, 5)], 2: [(0, 3), (3, 5)]}
+# fp32 logits of the static step (torch's ops) against eager (on the CPU the compiled kernel, which
+# sums in another order): test_cuda.py's bound; seen up to 2.5e-5 on logits of magnitude 3
+FP32_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -48,17 +51,23 @@ def test_buckets_of_rows_and_keys() -> None:
     assert keys_bucket(300, 257) == 257  # never past the context
 
 
-@pytest.mark.parametrize("split", sorted(SPLITS))
-def test_static_steps_give_the_eager_tokens_and_logits_in_fp32(ckpt: Checkpoint, split: int) -> None:
+@pytest.mark.parametrize(
+    ("shape", "split"), [("qwen3-gqa4-tied", 1), ("qwen3-gqa4-tied", 2), ("llama-mqa-headdim", 2)]
+)
+def test_static_steps_give_the_eager_tokens_and_logits_in_fp32(
+    tiny_checkpoint, shape: str, split: int
+) -> None:
     """One stage, and two passing hidden states as wire bytes: the static step (torch's ops over a
-    masked window of the cache) against the eager path (the compiled CPU kernel) for 8 tokens."""
+    masked window of the cache) against the eager path (the compiled CPU kernel) for 8 tokens; a
+    Qwen3 (norms on q and k) and a Llama of one KV head of width 24 (not hidden / heads)."""
+    ckpt = Checkpoint.open(tiny_checkpoint(shape))
     want, want_logits = _greedy(_stages(ckpt, 1, "eager"))
     stages = _stages(ckpt, split, "static")
     assert all(s.decode.name == "static" for s in stages)
     got, got_logits = _greedy(stages)
     assert got == want
     for ours, ref in zip(got_logits, want_logits, strict=True):
-        np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-5)
+        np.testing.assert_allclose(ours, ref, rtol=0, atol=FP32_ATOL)
     assert stages[0].decode.decoder.recorded == [(1, 32)]  # type: ignore[attr-defined]
 
 
@@ -82,7 +91,7 @@ def test_static_steps_over_a_window_shorter_than_the_context(ckpt: Checkpoint) -
     got, got_logits, stage = run("static")
     assert got == want and stage.decode.decoder.recorded == [(1, 128)]  # type: ignore[attr-defined]
     for ours, ref in zip(got_logits, want_logits, strict=True):
-        np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-5)
+        np.testing.assert_allclose(ours, ref, rtol=0, atol=FP32_ATOL)
 
 
 def _forced(stages: list[Stage], tokens: list[int]) -> list[np.ndarray]:
