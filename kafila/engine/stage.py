@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from kafila.engine.backend import Backend, checkpoint_dtype, resolve
+from kafila.engine.captured import decode_path
 from kafila.engine.pace import FULL_SPEED, Pace
 from kafila.models.manifest import LM_HEAD, block_index
 from kafila.models.span import Span
@@ -99,11 +100,14 @@ class Stage:
         concurrency: int,
         bytes_loaded: int = 0,
         pace: Pace = FULL_SPEED,
+        decode: str = "auto",
     ) -> None:
         self.model, self.backend, self.blocks, self.head = model, backend, blocks, head
         self.pace = pace  # an emulated slower device: the shell idles after each computation
         self.context, self.concurrency, self.bytes_loaded = context, concurrency, bytes_loaded
-        self.cache = model.new_cache(concurrency)
+        where = f"[{blocks.start}, {blocks.stop})"  # decode steps: kafila.engine.captured (eager, graph)
+        self.decode = decode_path(model, backend, concurrency, decode, where)
+        self.cache = self.decode.cache
         self._slots: dict[RequestId, int] = {}
         self._length: dict[RequestId, int] = {}
         self._free = list(range(concurrency - 1, -1, -1))
@@ -119,6 +123,7 @@ class Stage:
         context: int = 2048,
         concurrency: int = 1,
         pace: Pace = FULL_SPEED,
+        decode: str = "auto",
     ) -> Stage:
         """Read exactly blocks [a, b) (and the head's tensors) from a kafila Checkpoint."""
         be = backend
@@ -135,7 +140,7 @@ class Stage:
             raise StageError(
                 f"checkpoint tensors not used by the {ckpt.config.model_type} model: {sorted(unread)[:3]}"
             )
-        stage = cls(model, be, blocks, head, context, concurrency, weights.bytes_read, pace)
+        stage = cls(model, be, blocks, head, context, concurrency, weights.bytes_read, pace, decode)
         log.info(
             "stage_loaded",
             blocks=f"[{blocks.start}, {blocks.stop})",
@@ -145,6 +150,7 @@ class Stage:
             kv_bytes=stage.kv_bytes,
             context=context,
             concurrency=concurrency,
+            decode=stage.decode.name,
         )
         return stage
 
@@ -254,7 +260,7 @@ class Stage:
                 f"entries cover {sum(e.n_tokens for e in entries)} rows, hidden has {hidden.shape[0]}"
             )
         spans = [Span(self._slots[e.rid], e.start, e.n_tokens) for e in entries]
-        out = self.model.forward(hidden, spans, self.cache)
+        out = self.decode.forward(hidden, spans)
         for e in entries:
             self._length[e.rid] = e.start + e.n_tokens
         return out

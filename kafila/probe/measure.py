@@ -198,6 +198,7 @@ def probe(
     if position < 0:
         raise ValueError(f"probe position must be at least 0, got {position}")
     from kafila.engine.backend import resolve
+    from kafila.engine.captured import resolve_mode
 
     be = resolve(backend, dtype)
     t0 = time.perf_counter()  # after the backend import, which the member pays once anyway
@@ -248,6 +249,7 @@ def probe(
     log.info(
         "probed",
         backend=report.backend,
+        decode=resolve_mode("auto", be),  # the path the block figures timed (kafila.engine.captured)
         bandwidth_gb_s=round(bandwidth.median / 1e9, 2),
         overhead_us=round(overhead.median * 1e6, 1),
         tflops=round(flops.median / 1e12, 4),

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kafila.engine.captured import decode_path
 from kafila.models.config import ModelConfig
 from kafila.models.manifest import block_index, specs_from_config
 from kafila.models.span import Span
@@ -138,10 +139,10 @@ class Ops:
                 weights[s.name] = self._random(s.shape, 0.02)
         kwargs = self.backend.model_kwargs()
         model = cls(config, weights, range(blocks), False, context=position + 1, **kwargs)
-        cache = model.new_cache(1)
+        path = decode_path(model, self.backend, 1, where="probe")  # what a stage runs: a CUDA graph on a card
         x = self._random((1, config.hidden_size), 1.0)  # [1, H]
         span = [Span(slot=0, start=position, length=1)]
-        return lambda: self._done(model.forward(x, span, cache))  # -> [1, H]
+        return lambda: self._done(path.forward(x, span))  # -> [1, H]
 
     def block_bytes(self, config: ModelConfig) -> int:
         """Weight bytes of one transformer block of this model in this backend's dtype."""

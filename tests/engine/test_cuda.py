@@ -120,3 +120,93 @@ def test_the_probe_on_the_card_reads_its_free_memory_and_a_bandwidth_no_cpu_reac
     dev = r.device_report("card")
     assert dev.memory_bytes == r.memory_bytes
     assert dev.bandwidth_bytes_s is not None and dev.bandwidth_bytes_s > 500e9
+
+
+# -- captured decode steps (kafila.engine.captured): "auto" on the card is "graph" ---------------
+
+
+def test_graph_decode_on_the_card_gives_the_cards_eager_and_the_cpus_tokens(ckpt: Checkpoint) -> None:
+    """Two card stages replaying one CUDA graph each per decode step, hidden states crossing as
+    wire bytes, against the card's eager path and the CPU's, fp32: logits within 1e-4."""
+    want, want_logits = _greedy([_load(ckpt, range(5), True, CPU32)])
+    eager, eager_logits = _greedy([Stage.load(ckpt, range(5), True, CUDA32, "fp32", 32, decode="eager")])
+    ring = [_load(ckpt, range(0, 3), True, CUDA32), _load(ckpt, range(3, 5), False, CUDA32)]
+    assert [s.decode.name for s in ring] == ["graph", "graph"]
+    got, got_logits = _greedy(ring)
+    assert got == eager == want
+    for ours, ref, card in zip(got_logits, want_logits, eager_logits, strict=True):
+        np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(ours, card, rtol=0, atol=1e-4)
+    decoder = ring[1].decode.decoder  # type: ignore[attr-defined]
+    assert decoder.recorded == [(1, 32)] and len(decoder.capture.graphs) == 1
+
+
+def test_graph_decode_in_bf16_stays_as_close_to_fp32_as_the_cards_eager(ckpt: Checkpoint) -> None:
+    from tests.engine.test_captured import _forced
+
+    cuda16 = TorchBackend("torch", "cuda", "bf16")
+    tokens, _ = _greedy([_load(ckpt, range(5), True, CPU32)])
+    fp32 = _forced([_load(ckpt, range(5), True, CPU32)], tokens[:-1])
+    eager = _forced([Stage.load(ckpt, range(5), True, cuda16, "bf16", 32, decode="eager")], tokens[:-1])
+    graph = _forced(
+        [_load(ckpt, range(0, 2), True, cuda16), _load(ckpt, range(2, 5), False, cuda16)], tokens[:-1]
+    )
+    err_eager = max(float(np.abs(a - b).max()) for a, b in zip(eager, fp32, strict=True))
+    err_graph = max(float(np.abs(a - b).max()) for a, b in zip(graph, fp32, strict=True))
+    print(f"bf16 logits off fp32 by at most: card graph {err_graph:.4f}, card eager {err_eager:.4f}")
+    assert [int(x.argmax()) for x in graph] == [int(x.argmax()) for x in eager]
+    assert err_graph < 2 * err_eager + 0.02, (err_graph, err_eager)
+
+
+def test_graph_buckets_on_the_card_share_one_pool_and_pad_without_touching_slots(ckpt: Checkpoint) -> None:
+    """Three requests decode in one step (bucket 4), then one alone (bucket 1): two graphs in one
+    pool, each row as the card's eager path computes it, the free slots untouched."""
+    stages = [Stage.load(ckpt, range(5), True, CUDA32, "fp32", 32, 5, decode=m) for m in ("eager", "graph")]
+    prompts = {"a": PROMPT[:3], "b": PROMPT[:7], "c": PROMPT}
+    outs = []
+    for stage in stages:
+        for rid, ids in prompts.items():
+            stage.open(rid)
+            stage.forward([(rid, 0, stage.embed(ids))])
+        three = stage.forward([(rid, len(ids), stage.embed([ids[-1]])) for rid, ids in prompts.items()])
+        [one] = stage.forward([("a", 4, stage.embed([1]))])
+        outs.append([*three, one])
+    for ours, ref in zip(outs[1], outs[0], strict=True):
+        torch.testing.assert_close(ours, ref, rtol=0, atol=1e-5)
+    decoder = stages[1].decode.decoder  # type: ignore[attr-defined]
+    assert decoder.recorded == [(1, 32), (4, 32)] and len(decoder.capture.graphs) == 2
+    for k in stages[1].cache.k + stages[1].cache.v:
+        assert not k[3:].any()
+
+
+def test_a_capture_that_syncs_with_the_host_raises_and_the_card_captures_after_it() -> None:
+    from kafila.models.torch.static_decode import CudaGraphCapture
+
+    capture = CudaGraphCapture(torch.device("cuda"))
+    x = torch.ones(4, device="cuda")
+
+    def syncs() -> None:
+        x.add_(float(x.sum().item()))  # .item() waits for the card: not capturable
+
+    def doubles() -> None:
+        x.mul_(2.0)
+
+    with pytest.raises(RuntimeError):
+        capture(syncs)
+    x.fill_(1.0)
+    replay = capture(doubles)  # warm-up twice (x = 4), recorded (not run), then replayed once
+    replay()
+    torch.cuda.synchronize()
+    assert x.tolist() == [8.0] * 4
+
+
+def test_the_probe_on_the_card_times_the_captured_step() -> None:
+    from structlog.testing import capture_logs
+
+    from tests.probe.test_measure import TINY_QWEN3
+
+    with capture_logs() as logs:
+        r = probe("torch", "auto", repeats=1, model=TINY_QWEN3, model_name="tiny-qwen3")
+    [probed] = [e for e in logs if e["event"] == "probed"]
+    assert probed["decode"] == "graph" and r.block is not None
+    assert not [e for e in logs if e["event"] == "decode_capture_failed"]  # graphs timed, not eager

@@ -20,6 +20,7 @@ import functools
 import importlib.util
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -70,6 +71,12 @@ def _too_many(rows: int, dtype: torch.dtype) -> bool:
     """Whether a product or decode step of `rows` rows in `dtype` is past KERNEL_ROWS (torch takes it)."""
     limit = KERNEL_ROWS.get(dtype)
     return limit is not None and rows > limit
+
+
+class Attention(Protocol):
+    """What `LlamaModel._block` attends with: `_AttentionPlan`, or static_decode's for captured steps."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor) -> Tensor: ...
 
 
 @dataclass
@@ -302,7 +309,7 @@ class LlamaModel:
             x.copy_(xf)  # exact: every block rounded the rows to bf16 values
 
     def _block(
-        self, blk: Block, x: Tensor, cos: Tensor, sin: Tensor, plan: _AttentionPlan, kc: Tensor, vc: Tensor
+        self, blk: Block, x: Tensor, cos: Tensor, sin: Tensor, plan: Attention, kc: Tensor, vc: Tensor
     ) -> None:
         c, eps = self.config, self.config.rms_norm_eps
         n, nq, nkv, d = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
