@@ -5,12 +5,14 @@
 from __future__ import annotations
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from kafila.api import ollama, openai
 from kafila.api.errors import ApiError, handle_api_error, handle_generation_error, render
+from kafila.api.security import NO_SECURITY, ApiGuard, ApiSecurity
 from kafila.api.state import Api, api_of
 from kafila.api.stream import ClientGone
 from kafila.obs import metrics
@@ -75,7 +77,9 @@ async def client_gone(request: Request, exc: Exception) -> Response:
     return Response(status_code=499)
 
 
-def create_app(api: Api) -> Starlette:
+def create_app(api: Api, security: ApiSecurity = NO_SECURITY) -> Starlette:
+    """The session's API behind the guard of `security` (kafila.api.security: keys, Host, Origin,
+    JSON bodies; without keys the Host, Origin and JSON checks still hold)."""
     routes = [
         Route("/", root, methods=["GET"]),
         Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
@@ -101,6 +105,7 @@ def create_app(api: Api) -> Starlette:
         405: wrong_method,
         Exception: internal_error,
     }
-    app = Starlette(routes=routes, exception_handlers=handlers)
+    guard = [Middleware(ApiGuard, security=security)]
+    app = Starlette(routes=routes, exception_handlers=handlers, middleware=guard)
     app.state.api = api
     return app
