@@ -398,7 +398,11 @@ class Registry:
             self._backoff.fail(guesser, now)
             self._failed_by_session.take(session.code, now)
             self._failed_all.take("all", now)
-            return err("wrong_secret", f"that is not session {session.code}'s code: its secret words differ")
+            text = (
+                f"that is not session {session.code}'s code: its secret words differ (a mistyped word?); "
+                "join again with the exact code the host printed"
+            )
+            return err("wrong_secret", text)
         if self._full(session):
             return err(
                 "session_full", f"session {session.code} already has its {session.members_expected} members"

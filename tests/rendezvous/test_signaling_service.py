@@ -307,3 +307,25 @@ async def test_only_the_host_may_remove_a_member(start_rendezvous: Factory) -> N
     assert isinstance(err, sig.Error) and err.code == "removed" and err.message.endswith("x…")
     for client in (*members, host):
         await client.close()
+
+
+async def test_a_member_of_signaling_version_1_is_told_in_its_own_version_to_upgrade(
+    start_rendezvous: Factory,
+) -> None:
+    server = await start_rendezvous()
+    async with connect(server.url) as ws:
+        await ws.send(
+            json.dumps(
+                {"v": 1, "type": "join", "session": "4-k7m2", "name": "old", "capability": {}, "ref": "r1"}
+            )
+        )
+        said = json.loads(await ws.recv())
+        with pytest.raises(ConnectionClosed) as closed:
+            await ws.recv()
+    assert said["v"] == 1 and said["type"] == "error" and said["code"] == "unsupported_version"
+    assert said["fatal"] and said["ref"] == "r1"
+    assert (
+        "version 1 is not supported: this side speaks version 2; upgrade kafila on the member"
+        in said["message"]
+    )
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1002
