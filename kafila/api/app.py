@@ -12,7 +12,7 @@ from starlette.routing import Route
 
 from kafila.api import ollama, openai
 from kafila.api.errors import ApiError, handle_api_error, handle_generation_error, render
-from kafila.api.security import NO_SECURITY, ApiGuard, ApiSecurity
+from kafila.api.security import ApiGuard, ApiSecurity
 from kafila.api.state import Api, api_of
 from kafila.api.stream import ClientGone
 from kafila.obs import metrics
@@ -77,9 +77,10 @@ async def client_gone(request: Request, exc: Exception) -> Response:
     return Response(status_code=499)
 
 
-def create_app(api: Api, security: ApiSecurity = NO_SECURITY) -> Starlette:
-    """The session's API behind the guard of `security` (kafila.api.security: keys, Host, Origin,
-    JSON bodies; without keys the Host, Origin and JSON checks still hold)."""
+def create_app(api: Api, security: ApiSecurity | None = None) -> Starlette:
+    """The session's API; with `security`, behind its guard (kafila.api.security: keys, Host,
+    Origin, JSON bodies). A member serves it through `ApiServer`, which guards every app it serves
+    (the forming app before this one included): give `security` to one of the two, not both."""
     routes = [
         Route("/", root, methods=["GET"]),
         Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
@@ -105,7 +106,7 @@ def create_app(api: Api, security: ApiSecurity = NO_SECURITY) -> Starlette:
         405: wrong_method,
         Exception: internal_error,
     }
-    guard = [Middleware(ApiGuard, security=security)]
+    guard = [Middleware(ApiGuard, security=security)] if security is not None else []
     app = Starlette(routes=routes, exception_handlers=handlers, middleware=guard)
     app.state.api = api
     return app

@@ -270,6 +270,7 @@ class _KeyGuard:
                 return ApiError(
                     415,
                     "unsupported_media_type",
-                    f"{path} takes a JSON body: send 'Content-Type: application/json' (got {shown})",
+                    f"{path} takes a JSON body: send 'Content-Type: application/json' (got {shown}; "
+                    "with curl: -H 'Content-Type: application/json')",
                 )
         return None

@@ -218,7 +218,7 @@ async def test_a_fault_of_the_server_is_a_named_json_500(served: Served, monkeyp
     monkeypatch.setattr(openai_routes, "models", broken)  # a route with a bug, in a fresh app
     app = create_app(served.head_api)
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
+    async with httpx.AsyncClient(transport=transport, base_url="http://kafila") as http:
         r = await http.get("/v1/models")
     assert r.status_code == 500
     assert r.json()["error"] == {

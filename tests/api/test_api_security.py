@@ -35,7 +35,7 @@ async def serve(served: Served, security: ApiSecurity, member: bool = False) -> 
     """Another API server on the ring's head (or its other member, which forwards to the head)."""
     head = served.head_api
     api = Api(served.ring.members[0], head.codec, MODEL, head.facts) if member else head
-    return await ApiServer(create_app(api, security)).start()
+    return await ApiServer(create_app(api), security=security).start()  # as a member serves it
 
 
 def oai(server: ApiServer, key: str) -> openai.AsyncOpenAI:
