@@ -6,8 +6,9 @@
 enforces it in front of the API app (and of the forming app before it):
 
 - Host: an IP literal (any: DNS rebinding needs a name the attacker controls), `localhost`, or a
-  name given with `--allow-host`; anything else is a 421, so a page whose name was rebound to this
-  member's address cannot read its answers.
+  name given with `--allow-host`; anything else is a 421 (but `GET /healthz`, which a monitor may
+  call by any name and which tells nothing), so a page whose name was rebound to this member's
+  address cannot read its answers.
 - Origin: a browser sends one on cross-origin requests; one that is not this API's own origin
   (`http://` + the Host) nor allowed with `--allow-origin` is a 403 before anything runs. Allowed
   origins get CORS answers, preflights included (Starlette's CORSMiddleware).
@@ -213,7 +214,8 @@ class ApiGuard:
         host = _header(scope, b"host")
         name = _host_name(host) if host else ""
         local = name == "localhost" or name.endswith(".localhost")
-        if not (local or _ip_literal(name) or name in self.hosts):
+        health = scope["path"] == "/healthz" and scope["method"] in ("GET", "HEAD")  # monitors by any name
+        if not (local or health or _ip_literal(name) or name in self.hosts):
             shown = (host or "")[:80]
             return ApiError(
                 421,

@@ -111,6 +111,8 @@ async def test_browsers_cross_origin_and_rebound_hosts_are_refused(served: Serve
         assert r.status_code == 421 and r.json()["error"]["code"] == "host_not_allowed"
         r = await http.get(f"{served.head.url}/session", headers={"Host": "attacker.example:11434"})
         assert r.status_code == 421
+        r = await http.get(f"{served.head.url}/healthz", headers={"Host": "member-3.internal:11434"})
+        assert r.status_code == 200  # a monitor may call it by any name
         r = await http.post(url, content=body, headers={"Content-Type": "text/plain"})
         assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
         r = await http.post(url, content=body)  # a fetch of a Blob sends no type at all
