@@ -23,6 +23,7 @@ which an address that never failed is not held to.
 from __future__ import annotations
 
 import ipaddress
+import math
 import secrets
 from collections import Counter
 from collections.abc import Callable
@@ -393,7 +394,7 @@ class Registry:
         guesser = guesser_key(state.source)
         wait = self._proof_wait(guesser, session.code, now)
         if wait > 0:  # refused untested: an address that failed waits out its back-off and budgets
-            return err("rate_limited", f"too many wrong codes tried; retry in {wait:.0f} s")
+            return err("rate_limited", f"too many wrong codes tried; retry in {math.ceil(wait)} s")
         if not _proof_ok(session, msg.proof, challenge[1]):
             self._backoff.fail(guesser, now)
             self._failed_by_session.take(session.code, now)
