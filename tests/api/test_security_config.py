@@ -65,3 +65,40 @@ def test_keys_are_compared_whole() -> None:
     sec = ApiSecurity(("alpha-0123456789abcdef", "beta-0123456789abcdef"))
     assert sec.key_matches("beta-0123456789abcdef")
     assert not sec.key_matches("alpha-0123456789abcde") and not sec.key_matches("")
+
+
+def refusal(security: ApiSecurity, headers: dict[str, str], path: str = "/v1/models") -> str | None:
+    """The guard's answer to a GET with `headers` (None: let through)."""
+    from kafila.api.security import ApiGuard
+
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": path,
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+    }
+    found = ApiGuard(lambda *a: None, security)._refusal(scope)  # type: ignore[arg-type]
+    return None if found is None else found.code
+
+
+def test_hosts_a_rebinding_page_cannot_name_and_origins_that_are_not_this_api() -> None:
+    open_ = ApiSecurity(allowed_hosts=("Kafila.LAN",), allowed_origins=("https://app.example",))
+    for host in (
+        "127.0.0.1:11434",
+        "[::1]:11434",
+        "192.168.1.5",
+        "localhost:11434",
+        "kafila.lan:8080",
+        "ui.localhost",
+    ):
+        assert refusal(open_, {"Host": host}) is None, host
+    for host in ("attacker.example", "attacker.example:11434", "127.0.0.1.nip.io", ""):
+        assert refusal(open_, {"Host": host}) == "host_not_allowed", host
+    assert refusal(open_, {}) == "host_not_allowed"  # HTTP/1.0 without a Host
+    assert refusal(open_, {}, "/healthz") is None
+    same = {"Host": "127.0.0.1:11434", "Origin": "http://127.0.0.1:11434"}
+    assert refusal(open_, same) is None
+    for origin in ("null", "http://127.0.0.1:9999", "https://127.0.0.1:11434", "https://evil.example"):
+        assert refusal(open_, same | {"Origin": origin}) == "origin_not_allowed", origin
+    assert refusal(open_, same | {"Origin": "https://app.example"}) is None
+    assert refusal(ApiSecurity(allowed_origins=("*",)), same | {"Origin": "https://any.example"}) is None
