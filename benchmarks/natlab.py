@@ -166,7 +166,7 @@ async def link_figures(lab: Lab, rdv, a: Site, b: Site, label: str, args, probe:
 RDV_PORT = 8470
 RELAXED = [
     "--join-rate-per-address", "100", "--join-burst-per-address", "1000",
-    "--join-rate-per-session", "100", "--join-burst-per-session", "1000",
+    "--failed-proof-rate-per-session", "100", "--failed-proof-burst-per-session", "1000",
     "--open-rate-per-address", "100", "--open-burst-per-address", "1000",
 ]  # fmt: skip
 

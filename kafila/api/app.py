@@ -6,12 +6,14 @@ for other clients: kafila.api.page). Errors are rendered in one place
 from __future__ import annotations
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kafila.api import ollama, openai, page
 from kafila.api.errors import ApiError, handle_api_error, handle_generation_error, render
+from kafila.api.security import ApiGuard, ApiSecurity
 from kafila.api.state import Api, api_of
 from kafila.api.stream import ClientGone
 from kafila.obs import metrics
@@ -73,7 +75,10 @@ async def client_gone(request: Request, exc: Exception) -> Response:
     return Response(status_code=499)
 
 
-def create_app(api: Api) -> Starlette:
+def create_app(api: Api, security: ApiSecurity | None = None) -> Starlette:
+    """The session's API; with `security`, behind its guard (kafila.api.security: keys, Host,
+    Origin, JSON bodies). A member serves it through `ApiServer`, which guards every app it serves
+    (the forming app before this one included): give `security` to one of the two, not both."""
     routes = [
         Route("/", page.root, methods=["GET"]),
         Route(page.ASSET_PATH, page.asset, methods=["GET"]),
@@ -100,6 +105,7 @@ def create_app(api: Api) -> Starlette:
         405: wrong_method,
         Exception: internal_error,
     }
-    app = Starlette(routes=routes, exception_handlers=handlers)
+    guard = [Middleware(ApiGuard, security=security)] if security is not None else []
+    app = Starlette(routes=routes, exception_handlers=handlers, middleware=guard)
     app.state.api = api
     return app

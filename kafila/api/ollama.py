@@ -50,7 +50,7 @@ def job_from(body: dict[str, Any], prompt: list[int], context: int, prompt_key: 
         raise invalid("options", "'options' must be an object")
     params.refuse_not_implemented(body, NOT_IMPLEMENTED)
     params.refuse_not_implemented(opts, OPTIONS_NOT_IMPLEMENTED, "options.")
-    num_predict = integer(opts, "num_predict", -2, None)
+    num_predict = integer(opts, "num_predict", -2, None, "options.")
     if num_predict == 0:  # (the head would refuse it as max_tokens, after the request was accepted)
         raise invalid(
             "options.num_predict",
@@ -65,10 +65,10 @@ def job_from(body: dict[str, Any], prompt: list[int], context: int, prompt_key: 
     )
     sampling = Sampling(
         max_tokens=max_tokens,
-        temperature=number(opts, "temperature", 0.0, 2.0, 0.8),
-        top_k=integer(opts, "top_k", 0, 40) or 0,
-        top_p=number(opts, "top_p", 0.0, 1.0, 0.9),
-        min_p=number(opts, "min_p", 0.0, 1.0, 0.0),
+        temperature=number(opts, "temperature", 0.0, 2.0, 0.8, "options."),
+        top_k=integer(opts, "top_k", 0, 40, "options.") or 0,
+        top_p=number(opts, "top_p", 0.0, 1.0, 0.9, "options."),
+        min_p=number(opts, "min_p", 0.0, 1.0, 0.0, "options."),
         seed=_seed(opts),
         **_penalties(opts, context),
     )
@@ -77,22 +77,22 @@ def job_from(body: dict[str, Any], prompt: list[int], context: int, prompt_key: 
 
 def _penalties(opts: dict[str, Any], context: int) -> dict[str, Any]:
     """Ollama's penalty options (off unless given): repeat_last_n -1 means the whole context, 0 off."""
-    repeat = number(opts, "repeat_penalty", 0.0, 100.0, 1.0)
+    repeat = number(opts, "repeat_penalty", 0.0, 100.0, 1.0, "options.")
     if repeat == 0:
         raise invalid("options.repeat_penalty", "'options.repeat_penalty' must be > 0 (1 is off), got 0")
-    last_n = integer(opts, "repeat_last_n", -1, 64)
+    last_n = integer(opts, "repeat_last_n", -1, 64, "options.")
     return {
         "repeat_penalty": repeat,
         "repeat_last_n": context if last_n == -1 else last_n,
-        "presence_penalty": number(opts, "presence_penalty", -2.0, 2.0, 0.0),
-        "frequency_penalty": number(opts, "frequency_penalty", -2.0, 2.0, 0.0),
+        "presence_penalty": number(opts, "presence_penalty", -2.0, 2.0, 0.0, "options."),
+        "frequency_penalty": number(opts, "frequency_penalty", -2.0, 2.0, 0.0, "options."),
     }
 
 
 def _seed(opts: dict[str, Any]) -> int | None:
     """Ollama's default seed is -1, which means a random one (as in llama.cpp): any negative seed
     draws from a fresh generator; 0 and up repeat."""
-    seed = integer(opts, "seed", -(2**63), None)
+    seed = integer(opts, "seed", -(2**63), None, "options.")
     return None if seed is None or seed < 0 else seed
 
 
@@ -121,11 +121,10 @@ async def generate(request: Request) -> Response:
     text = body.get("prompt")
     if text in (None, ""):
         return _load_or_unload(api, body, chat=False)
-    if not isinstance(text, str):
-        raise invalid("prompt", "'prompt' must be a string")
+    text = params.text_field(text, "prompt")
     system = body.get("system")
-    if system is not None and not isinstance(system, str):
-        raise invalid("system", "'system' must be a string")
+    if system is not None:
+        system = params.text_field(system, "system")
     if flag(body, "raw", False):
         if system:
             raise invalid("system", "'system' has no place in a raw prompt: the prompt is sent as it is")

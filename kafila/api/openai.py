@@ -23,6 +23,7 @@ from kafila.api.params import (
     read_body,
     refuse_not_implemented,
     stop_strings,
+    text_field,
 )
 from kafila.api.state import Api, api_of
 from kafila.api.stream import ChunkStream, Piece, Tally, collect, pieces, start
@@ -69,7 +70,7 @@ def include_usage(body: dict[str, Any]) -> bool:
 async def chat_completions(request: Request) -> Response:
     api, body = api_of(request), await read_body(request)
     check_model(body, api.model_id)
-    prompt = await api.chat_ids(messages(body))
+    prompt = await api.chat_ids(messages(body, tool_ids=True))
     return await _run(request, api, job_from(body, prompt, api.service.context), chat=True)
 
 
@@ -86,7 +87,7 @@ async def _prompt_ids(api: Api, prompt: Any) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return await api.prompt_ids(prompt)
+        return await api.prompt_ids(text_field(prompt, "prompt"))
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
     raise invalid("prompt", "'prompt' must be a string or a list of token ids (one prompt per request)")

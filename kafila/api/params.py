@@ -106,21 +106,39 @@ def check_model(body: dict[str, Any], served: str) -> None:
         )
 
 
-def number(d: dict[str, Any], key: str, lo: float, hi: float, default: float) -> float:
+def number(d: dict[str, Any], key: str, lo: float, hi: float, default: float, where: str = "") -> float:
+    """`d[key]` in [lo, hi]; errors name the field as the client sent it (`where`: "options.")."""
     v = d.get(key)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
-        raise invalid(key, f"{key!r} must be a number in [{lo}, {hi}], got {v!r}")
+        name = where + key
+        raise invalid(name, f"{name!r} must be a number in [{lo}, {hi}], got {v!r}")
     return float(v)
 
 
-def integer(d: dict[str, Any], key: str, lo: int, default: int | None) -> int | None:
+def integer(d: dict[str, Any], key: str, lo: int, default: int | None, where: str = "") -> int | None:
     v = d.get(key)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise invalid(key, f"{key!r} must be an integer >= {lo}, got {v!r}")
+        name = where + key
+        raise invalid(name, f"{name!r} must be an integer >= {lo}, got {v!r}")
+    return v
+
+
+def text_field(v: Any, name: str) -> str:
+    """A string the tokenizer can take: JSON may carry a lone UTF-16 surrogate ("\\ud800"), which
+    no UTF-8 text holds; refused here by name (the tokenizer raised a TypeError: a 500)."""
+    if not isinstance(v, str):
+        raise invalid(name, f"{name!r} must be a string")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = f"\\u{ord(v[exc.start]):04x}"
+        raise invalid(
+            name, f"{name!r} holds a lone UTF-16 surrogate ({bad} at character {exc.start}), which is no text"
+        ) from None
     return v
 
 
@@ -128,9 +146,9 @@ def stop_strings(v: Any, key: str = "stop") -> tuple[str, ...]:
     if v is None:
         return ()
     if isinstance(v, str):
-        return (v,)
+        return (text_field(v, key),)
     if isinstance(v, list) and all(isinstance(s, str) for s in v) and len(v) <= 16:
-        return tuple(v)
+        return tuple(text_field(s, f"{key}[{i}]") for i, s in enumerate(v))
     raise invalid(key, f"{key!r} must be a string or a list of up to 16 strings")
 
 
@@ -144,9 +162,14 @@ def flag(d: dict[str, Any], key: str, default: bool) -> bool:
     return v
 
 
-def messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+ROLES = ("system", "user", "assistant", "tool")  # what the chat templates served here render
+
+
+def messages(body: dict[str, Any], tool_ids: bool = False) -> list[dict[str, Any]]:
     """The chat as the template takes it: each content a string (OpenAI's text parts joined by
-    newlines, as other servers join them), OpenAI's `developer` role under its older name `system`."""
+    newlines, as other servers join them), OpenAI's `developer` role under its older name `system`.
+    Roles are those of `ROLES`; with `tool_ids` (OpenAI's routes) a tool message names the call it
+    answers (`tool_call_id`), as OpenAI requires."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise invalid("messages", "'messages' must be a non-empty list")
@@ -155,13 +178,28 @@ def messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise invalid("messages", f"messages[{i}] must be an object with a 'role'")
         role = "system" if m["role"] == "developer" else m["role"]
+        if role not in ROLES:
+            shown = text_field(m["role"], f"messages[{i}].role")[:40]
+            names = ", ".join(map(repr, (*ROLES, "developer")))
+            where = f"messages[{i}].role"
+            raise invalid(where, f"{where} {shown!r} is not a role served here; use one of {names}")
+        if role == "tool" and tool_ids:
+            call = m.get("tool_call_id")
+            if not isinstance(call, str) or not call:
+                raise invalid(
+                    f"messages[{i}].tool_call_id",
+                    f"messages[{i}] has role 'tool' and needs 'tool_call_id' (the call it answers)",
+                )
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None:
+                text_field(m[key], f"messages[{i}].{key}")
         out.append(m | {"role": role, "content": _text(m.get("content", ""), i)})
     return out
 
 
 def _text(content: Any, i: int) -> str:
     if isinstance(content, str):
-        return content
+        return text_field(content, f"messages[{i}].content")
     if not isinstance(content, list):
         raise invalid("messages", f"messages[{i}].content must be a string or a list of text parts")
     texts = []
@@ -169,7 +207,7 @@ def _text(content: Any, i: int) -> str:
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise invalid("messages", f"messages[{i}].content[{j}]: only text parts are served, got {kind!r}")
-        texts.append(part["text"])
+        texts.append(text_field(part["text"], f"messages[{i}].content[{j}].text"))
     return "\n".join(texts)
 
 

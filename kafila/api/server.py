@@ -8,8 +8,9 @@ import socket
 
 import uvicorn
 from starlette.applications import Starlette
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kafila.api.security import NO_SECURITY, ApiGuard, ApiSecurity
 from kafila.net.tcp import bind_tcp
 from kafila.obs.log import get_logger
 from kafila.proto.udp import format_address
@@ -42,12 +43,16 @@ class _Switch:
 class ApiServer:
     """uvicorn serving `app` on `sock` (bound before, `bind_tcp`; default: a free localhost port).
     `switch(app)` serves another app from the next request on, on the same address (a forming
-    member's API becomes the session's)."""
+    member's API becomes the session's). `security` guards every app it serves (keys, Host, Origin,
+    JSON bodies: kafila.api.security); without keys the Host, Origin and JSON checks still hold."""
 
-    def __init__(self, app: Starlette, sock: socket.socket | None = None) -> None:
+    def __init__(
+        self, app: Starlette, sock: socket.socket | None = None, security: ApiSecurity = NO_SECURITY
+    ) -> None:
         self.sock = sock if sock is not None else bind_tcp("127.0.0.1", 0)
         self._switch = _Switch(app)
-        config = uvicorn.Config(self._switch, log_level="warning", lifespan="off")
+        guarded: ASGIApp = ApiGuard(self._switch, security)
+        config = uvicorn.Config(guarded, log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
         self._task: asyncio.Task[None] | None = None
 

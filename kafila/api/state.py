@@ -53,7 +53,7 @@ class Api:
     async def prompt_ids(self, text: str, key: str = "prompt") -> list[int]:
         """A plain prompt tokenized on a worker thread, refused first when it cannot fit."""
         self._check_chars(len(text), key)
-        return await asyncio.to_thread(self.codec.encode_prompt, text)
+        return await asyncio.to_thread(self._encode_prompt, text, key)
 
     @property
     def most_chars(self) -> int:
@@ -79,6 +79,12 @@ class Api:
                 "tokens; shorten it (Kafila never truncates it)",
                 key,
             )
+
+    def _encode_prompt(self, text: str, key: str) -> list[int]:
+        try:
+            return self.codec.encode_prompt(text)
+        except (ValueError, TypeError) as exc:  # text the tokenizer cannot take is the client's
+            raise ApiError(400, "invalid_parameter", f"{key!r} cannot be tokenized: {exc}", key) from exc
 
     def _encode_chat(self, msgs: list[dict[str, Any]]) -> list[int]:
         try:

@@ -1,13 +1,18 @@
 """Member-side signaling client: one WebSocket to the rendezvous (asyncio).
 
     client = await SignalingClient.connect("wss://rv.example:8470/v1/signal", ca_file="ca.pem")
-    opened = await client.open_session("smollm2-135m", 3, "laptop", capability)  # host
-    joined = await client.join("4-k7m2", "desktop", capability)                   # or a member
+    opened = await client.open_session("smollm2-135m", 3, "laptop", capability)  # host...
+    await client.protect(new_code(opened.session))    # ...registers the code's join verifier
+    joined = await client.join(parse_code("4-k7m2-tiger-lamp-ocean"), "desktop", capability)  # member
     await client.signal(peer_id, {"kind": "candidates", ...})                     # opaque payload
     await client.remove(member_id, "failed authentication")                       # host only
     relay = await client.request_relay(peer_id)       # RelayAllocated: channel, leg token
     event = await client.next_event()                 # member_joined, signal, member_left, ...
     await client.close()                              # sends leave
+
+A join proves the code's secret part to the rendezvous without sending it: it asks for a nonce
+(`join_challenge`) and answers it with an HMAC under `codes.join_key(code, salt)`, which the host
+registered with `protect` (docs/rendezvous.md, "Proof of the secret").
 
 Replies to requests are matched by `ref`; everything else (a peer's signal, members coming and
 going, a relay channel a peer asked for, errors not tied to a request) arrives through
@@ -27,6 +32,7 @@ import contextlib
 import hashlib
 import hmac
 import itertools
+import secrets
 import socket
 import ssl
 import time
@@ -37,7 +43,9 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from kafila.obs.log import get_logger
+from kafila.proto import codes
 from kafila.proto import signaling as sig
+from kafila.proto.codes import SessionCode
 from kafila.proto.errors import ProtocolError
 
 log = get_logger("kafila.net.signaling")
@@ -117,6 +125,19 @@ def _normalize_fingerprint(text: str) -> bytes:
     return raw
 
 
+def _whole_code(code: SessionCode | str) -> SessionCode:
+    if isinstance(code, SessionCode):
+        return code
+    try:
+        return codes.parse_code(code)
+    except ProtocolError as exc:
+        raise SignalingError(
+            "bad_code",
+            f"{exc}; a join proves the code's secret words to the rendezvous, so it needs the whole "
+            "code, not only its public part",
+        ) from None
+
+
 class SignalingClient:
     def __init__(self, ws: ClientConnection) -> None:
         self._ws = ws
@@ -186,17 +207,32 @@ class SignalingClient:
         self.probe = (opened.probe_port, opened.probe_alt_port, opened.probe_alt_host)
         return opened
 
+    async def protect(self, code: SessionCode, timeout: float = 10.0) -> None:
+        """Host, right after `open_session`: register the join verifier of `code` (its secret part
+        never leaves this machine); the session takes joins from then on."""
+        salt = secrets.token_bytes(codes.JOIN_SALT_BYTES)
+        key = await asyncio.to_thread(codes.join_key, code, salt)  # scrypt: about 50 ms of CPU
+        ref = self._ref()
+        await self._request(sig.Protect(salt.hex(), key.hex(), ref), ref, sig.Protected, timeout)
+
     async def join(
         self,
-        session: str,
+        code: SessionCode | str,
         name: str,
         capability: sig.JsonObject,
         nat: sig.JsonObject | None = None,
         candidates: Sequence[str] = (),
         timeout: float = 10.0,
     ) -> sig.Joined:
+        """Join the session of `code` (a SessionCode, or the whole code as typed), proving its secret
+        part. A wrong secret is refused `wrong_secret`; repeated wrong ones are held back."""
+        code = _whole_code(code)
         ref = self._ref()
-        msg = sig.Join(session, name, capability, nat, list(candidates), ref)
+        challenge = await self._request(sig.JoinChallenge(code.public, ref), ref, sig.Challenge, timeout)
+        key = await asyncio.to_thread(codes.join_key, code, bytes.fromhex(challenge.salt))
+        proof = codes.join_proof(key, challenge.session, bytes.fromhex(challenge.nonce))
+        ref = self._ref()
+        msg = sig.Join(code.public, proof.hex(), name, capability, nat, list(candidates), ref)
         joined = await self._request(msg, ref, sig.Joined, timeout)
         self._entered(joined.session, joined.member, joined.heartbeat_s)
         self.probe = (joined.probe_port, joined.probe_alt_port, joined.probe_alt_host)

@@ -10,12 +10,17 @@ A code has two parts:
 Parsing forgives case, spaces or typographic dashes (en, em, minus) for hyphens, the quotes and
 full stop of a code copied out of a sentence, and the Crockford look-alikes (o->0, i/l->1); a word
 not in the list is answered with the nearest ones.
-docs/rendezvous.md derives the online guessing bound.
+A joiner proves the secret part to the rendezvous without sending it (`join_key`, `join_proof`):
+the host registers `join_key(code, salt)` (the verifier) when it opens the session, and a join
+carries an HMAC of a fresh server nonce under the same key, derived by the joiner from the code.
+docs/rendezvous.md derives the online guessing bound and says what the verifier gives away.
 """
 
 from __future__ import annotations
 
 import difflib
+import hashlib
+import hmac
 import math
 import re
 import secrets
@@ -143,3 +148,34 @@ def parse_code(text: str, words: int = SECRET_WORDS) -> SessionCode:
 def _near(word: str) -> list[str]:
     """Words of the list a mistyped `word` may have meant (at most two)."""
     return difflib.get_close_matches(word, WORDS, n=2, cutoff=0.75)
+
+
+# scrypt parameters of the join key: 16 MiB and about 50 ms a derivation, paid once by the host and
+# once by each joiner, and by anyone holding a verifier (the rendezvous) for each secret it tests
+JOIN_KDF_N, JOIN_KDF_R, JOIN_KDF_P = 2**14, 8, 1
+JOIN_SALT_BYTES = 16
+JOIN_NONCE_BYTES = 16
+JOIN_KEY_BYTES = 32
+
+
+def join_key(code: SessionCode, salt: bytes) -> bytes:
+    """The key a join proves the secret part with: scrypt of the code (public and secret parts) under
+    the session's random salt. The rendezvous holds it as the session's verifier; it does not
+    authenticate ring links (those run SPAKE2 on the secret itself, kafila.net.auth)."""
+    return hashlib.scrypt(
+        b"kafila-join-v2|" + code.secret_material(),
+        salt=salt,
+        n=JOIN_KDF_N,
+        r=JOIN_KDF_R,
+        p=JOIN_KDF_P,
+        dklen=JOIN_KEY_BYTES,
+    )
+
+
+def join_proof(key: bytes, public: str, nonce: bytes) -> bytes:
+    """HMAC-SHA256 of the rendezvous's fresh nonce and the session's public part under `key`."""
+    return hmac.new(key, b"kafila-join-proof-v2|" + public.encode() + b"|" + nonce, hashlib.sha256).digest()
+
+
+def proof_matches(key: bytes, public: str, nonce: bytes, proof: bytes) -> bool:
+    return hmac.compare_digest(join_proof(key, public, nonce), proof)

@@ -1,14 +1,21 @@
 """Signaling messages: JSON text frames over the rendezvous WebSocket (pure, no I/O).
 
-Every frame is one JSON object `{"v": 1, "type": "<name>", ...fields}`. Decoding is strict:
+Every frame is one JSON object `{"v": 2, "type": "<name>", ...fields}`. Decoding is strict:
 unknown types, unknown or missing fields, wrong JSON types, out-of-range numbers, oversized text,
 duplicate keys, NaN/Infinity and nesting deeper than `MAX_DEPTH` raise `ProtocolError` with a
 message naming the field. Member-to-member payloads (`signal.payload`) and the capability/NAT
 reports are opaque JSON objects: the rendezvous forwards them without interpreting them.
 
-Client -> rendezvous: open, join, update, signal, relay_request, heartbeat, leave, remove.
-Rendezvous -> client: opened, joined, member_joined, member_updated, signal, relay_allocated,
-heartbeat_ack, member_left, error. docs/protocol.md lists every field.
+Client -> rendezvous: open, protect, join_challenge, join, update, signal, relay_request,
+heartbeat, leave, remove.
+Rendezvous -> client: opened, protected, challenge, joined, member_joined, member_updated, signal,
+relay_allocated, heartbeat_ack, member_left, error. docs/protocol.md lists every field.
+
+Version 2 (this one) added the proof of the code's secret part a join carries (protect,
+join_challenge/challenge, join.proof: docs/rendezvous.md). A frame of another version is answered
+with an `error` (code `unsupported_version`) in that version's envelope where its `error` has the
+same fields, so an older member reads why; `decode_server` reads such an error from an older
+rendezvous the same way.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ from urllib.parse import urlsplit
 from kafila.proto.errors import ProtocolError
 from kafila.proto.udp import url_host
 
-VERSION = 1
+VERSION = 2
+OLD_VERSIONS = frozenset({1})  # versions whose `error` message reads as this one's
 SIGNAL_PATH = "/v1/signal"  # the rendezvous's WebSocket endpoint
 DEFAULT_PORT = 8470  # the rendezvous's signaling (HTTP/WebSocket) port
 MAX_MESSAGE_BYTES = 64 * 1024  # what the rendezvous accepts from a member
@@ -88,11 +96,34 @@ class Open:
 
 
 @dataclass(frozen=True, slots=True)
+class Protect:
+    """Host only, once, right after `opened`: the session's join verifier (hex), i.e.
+    `codes.join_key(code, salt)`, and its salt (hex). Joins are refused until it came."""
+
+    TYPE: ClassVar[str] = "protect"
+    salt: str = field(metadata=_m(max_len=2 * 64))
+    verifier: str = field(metadata=_m(max_len=2 * 64))
+    ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
+
+
+@dataclass(frozen=True, slots=True)
+class JoinChallenge:
+    """Ask for a fresh nonce to prove the code's secret part on (answered with `challenge`)."""
+
+    TYPE: ClassVar[str] = "join_challenge"
+    session: str = field(metadata=_m(max_len=32))
+    ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
+
+
+@dataclass(frozen=True, slots=True)
 class Join:
-    """Join a session by the public part of its code (the secret part never travels here)."""
+    """Join a session by the public part of its code, proving the secret part without sending it:
+    `proof` (hex) is `codes.join_proof(join_key(code, salt), public, nonce)` over this connection's
+    last `challenge`, which it uses up."""
 
     TYPE: ClassVar[str] = "join"
     session: str = field(metadata=_m(max_len=32))
+    proof: str = field(metadata=_m(max_len=2 * 64))
     name: str = field(metadata=_m(max_len=MAX_NAME))
     capability: JsonObject = field(metadata=_m(max_bytes=MAX_OBJECT_BYTES))
     nat: JsonObject | None = field(default=None, metadata=_m(max_bytes=MAX_OBJECT_BYTES))
@@ -162,6 +193,26 @@ class Opened:
     probe_port: int | None = field(default=None, metadata=_m(lo=1, hi=65535))  # UDP probes and relay
     probe_alt_port: int | None = field(default=None, metadata=_m(lo=1, hi=65535))
     probe_alt_host: str | None = field(default=None, metadata=_m(max_len=64))
+    ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
+
+
+@dataclass(frozen=True, slots=True)
+class Protected:
+    TYPE: ClassVar[str] = "protected"
+    session: str = field(metadata=_m(max_len=32))
+    ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge:
+    """A nonce (hex) for one join on `session`, and the session's salt (hex) to derive the key with;
+    it says nothing about the host."""
+
+    TYPE: ClassVar[str] = "challenge"
+    session: str = field(metadata=_m(max_len=32))
+    salt: str = field(metadata=_m(max_len=2 * 64))
+    nonce: str = field(metadata=_m(max_len=2 * 64))
+    expires_in: float = field(metadata=_m(lo=0))  # seconds the nonce stays good for a join
     ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
 
 
@@ -238,9 +289,13 @@ class Error:
     ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
 
 
-ClientMessage = Open | Join | Update | Signal | RelayRequest | Heartbeat | Leave | Remove
+ClientMessage = (
+    Open | Protect | JoinChallenge | Join | Update | Signal | RelayRequest | Heartbeat | Leave | Remove
+)
 ServerMessage = (
     Opened
+    | Protected
+    | Challenge
     | Joined
     | MemberJoined
     | MemberUpdated
@@ -251,12 +306,15 @@ ServerMessage = (
     | Error
 )
 CLIENT_TYPES: dict[str, type] = {
-    c.TYPE: c for c in (Open, Join, Update, Signal, RelayRequest, Heartbeat, Leave, Remove)
+    c.TYPE: c
+    for c in (Open, Protect, JoinChallenge, Join, Update, Signal, RelayRequest, Heartbeat, Leave, Remove)
 }
 SERVER_TYPES: dict[str, type] = {
     c.TYPE: c
     for c in (
         Opened,
+        Protected,
+        Challenge,
         Joined,
         MemberJoined,
         MemberUpdated,
@@ -271,9 +329,12 @@ SERVER_TYPES: dict[str, type] = {
 # ------------------------------------------------------------------ encode
 
 
-def encode(msg: ClientMessage | ServerMessage) -> str:
-    """One JSON text frame for a message (compact, stable key order)."""
-    body = {"v": VERSION, "type": type(msg).TYPE, **_to_json(msg)}
+def encode(msg: ClientMessage | ServerMessage, version: int = VERSION) -> str:
+    """One JSON text frame for a message (compact, stable key order); `version` only for an `error`
+    answering a peer of an older version (see the module doc)."""
+    if version != VERSION and not (isinstance(msg, Error) and version in OLD_VERSIONS):
+        raise ValueError(f"only an error can be encoded for version {version}, not {type(msg).TYPE}")
+    body = {"v": version, "type": type(msg).TYPE, **_to_json(msg)}
     return json.dumps(body, separators=(",", ":"), allow_nan=False)
 
 
@@ -320,13 +381,26 @@ def _decode(text: str | bytes, max_bytes: int, table: dict[str, type]) -> Any:
 def _typed(obj: dict[str, Any], table: dict[str, type]) -> Any:
     version = obj.pop("v", None)
     kind = obj.pop("type", None)
-    if version != VERSION or isinstance(version, bool):
-        raise ProtocolError(
-            f"protocol version {version!r} not supported (this side speaks {VERSION})", "unsupported_version"
+    old_error = table is SERVER_TYPES and kind == "error" and version in OLD_VERSIONS
+    if (version != VERSION and not old_error) or isinstance(version, bool):
+        exc = ProtocolError(
+            f"signaling protocol version {version!r} is not supported: this side speaks version "
+            f"{VERSION}{_upgrade(version)}",
+            "unsupported_version",
         )
+        exc.version = version if isinstance(version, int) and not isinstance(version, bool) else None
+        raise exc
     if not isinstance(kind, str) or kind not in table:
         raise ProtocolError(f"unknown message type {kind!r}; expected one of {sorted(table)}", "unknown_type")
     return _build(table[kind], obj, kind)
+
+
+def _upgrade(version: Any) -> str:
+    if isinstance(version, int) and not isinstance(version, bool) and version < VERSION:
+        return "; upgrade kafila on the member (joins now prove the code's secret to the rendezvous)"
+    if isinstance(version, int) and not isinstance(version, bool) and version > VERSION:
+        return "; upgrade this side of kafila"
+    return ""
 
 
 def _parse_json(raw: bytes) -> Any:

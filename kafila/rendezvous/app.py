@@ -57,7 +57,7 @@ class SignalingHub:
         for event in events:
             if isinstance(event, Send):
                 try:
-                    text = sig.encode(event.message)
+                    text = sig.encode(event.message, event.version)
                 except (ValueError, TypeError) as exc:  # a bug: drop this message, not the connection
                     kind = event.message.TYPE
                     log.error("message_not_encoded", conn=event.conn, message=kind, error=str(exc))

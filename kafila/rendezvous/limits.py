@@ -26,10 +26,18 @@ class Limits:
     code_ttl_s: float = 600.0  # a code with no join for this long stops working
     heartbeat_s: float = 10.0  # interval members are told to keep
     heartbeat_timeout_s: float = 30.0  # silence after which a member is timed out
-    join_rate_per_address: float = 10 / 60  # join attempts per second per source address...
+    join_rate_per_address: float = 10 / 60  # join challenges per second per source address...
     join_burst_per_address: int = 10  # ...with this burst
-    join_rate_per_session: float = 20 / 60  # join attempts per second on one session's code...
-    join_burst_per_session: int = 20
+    # wrong proofs of a code's secret, tested only while these allow it once an address has failed
+    # (an address that has not is always tested: a member with the right code never waits)
+    failed_proof_rate_per_session: float = 10 / 60  # per second on one session's code...
+    failed_proof_burst_per_session: int = 10
+    failed_proof_rate: float = 1.0  # per second on the whole rendezvous...
+    failed_proof_burst: int = 60
+    failed_proof_backoff_s: float = 2.0  # an address's first wait after a wrong proof, doubling...
+    failed_proof_backoff_max_s: float = 300.0  # ...up to this
+    failed_proof_memory_s: float = 3600.0  # an address that failed is remembered this long
+    challenge_s: float = 30.0  # a join nonce stays good this long
     open_rate_per_address: float = 6 / 60  # sessions opened per second per source address
     open_burst_per_address: int = 6
     relay_channels: int = 4096  # all sessions together (0: no relay)

@@ -1,4 +1,5 @@
-"""Token buckets keyed by a string (source address, session code); pure: callers pass `now`."""
+"""Token buckets keyed by a string (source address, session code), and the exponential back-off of
+addresses that failed; pure: callers pass `now`."""
 
 from __future__ import annotations
 
@@ -55,3 +56,46 @@ class TokenBuckets:
 
     def __len__(self) -> int:
         return len(self._buckets)
+
+
+@dataclass(slots=True)
+class _Failures:
+    count: int
+    last: float
+
+
+class Backoff:
+    """Addresses that failed (a wrong proof), each waiting `base * 2^(n-1)` seconds (at most `cap`)
+    after its n-th failure; one forgotten `memory` seconds after its last failure."""
+
+    def __init__(self, base: float, cap: float, memory: float, max_keys: int = 100_000) -> None:
+        self.base, self.cap, self.memory, self.max_keys = base, cap, memory, max_keys
+        self._failed: dict[str, _Failures] = {}
+
+    def failed_before(self, key: str, now: float) -> bool:
+        entry = self._failed.get(key)
+        return entry is not None and now - entry.last < self.memory
+
+    def wait(self, key: str, now: float) -> float:
+        """Seconds until `key` may be tried again (0 for one that never failed)."""
+        entry = self._failed.get(key)
+        if entry is None or now - entry.last >= self.memory:
+            return 0.0
+        return max(0.0, entry.last + min(self.cap, self.base * 2 ** (entry.count - 1)) - now)
+
+    def fail(self, key: str, now: float) -> None:
+        entry = self._failed.get(key)
+        if entry is None or now - entry.last >= self.memory:
+            if len(self._failed) >= self.max_keys:
+                self.prune(now)
+            if len(self._failed) < self.max_keys:  # memory stays bounded under any number of sources
+                self._failed[key] = _Failures(1, now)
+        else:
+            entry.count, entry.last = min(entry.count + 1, 64), now
+
+    def prune(self, now: float) -> None:
+        for key in [k for k, e in self._failed.items() if now - e.last >= self.memory]:
+            del self._failed[key]
+
+    def __len__(self) -> int:
+        return len(self._failed)

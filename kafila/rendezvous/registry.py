@@ -11,10 +11,19 @@ for `code_ttl_s` after the last open/join; a session still alone with its host w
 expires is dissolved (the host gets a fatal `code_expired`). The host may `remove` another member
 (one that failed to authenticate): it leaves as "removed", gets a fatal `removed`, and its place
 frees up for another join.
+
+Joins prove the code's secret part (docs/rendezvous.md, "Proof of the secret"): the host registers
+the session's verifier (`protect`); a joiner asks for a nonce (`join_challenge`), and its `join`
+carries an HMAC of that nonce under the verifier. Until a join proves it, it takes no place, learns
+nothing about the session's members and counts against no budget of theirs; a wrong proof is
+counted against the address's back-off and the session's and the rendezvous's failed-proof budgets,
+which an address that never failed is not held to.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import math
 import secrets
 from collections import Counter
 from collections.abc import Callable
@@ -25,7 +34,7 @@ from kafila.proto import codes, signaling
 from kafila.proto import signaling as sig
 from kafila.proto.errors import ProtocolError
 from kafila.rendezvous.limits import Limits
-from kafila.rendezvous.ratelimit import TokenBuckets
+from kafila.rendezvous.ratelimit import Backoff, TokenBuckets
 from kafila.rendezvous.relay import RelayLimitError, RelayTable
 
 ConnId = int
@@ -35,6 +44,7 @@ ConnId = int
 class Send:
     conn: ConnId
     message: sig.ServerMessage
+    version: int = sig.VERSION  # an older one only for the error answering a member of that version
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +88,8 @@ class Session:
     members: dict[int, Member] = field(default_factory=dict)
     next_id: int = 1
     joins: int = 0  # successful joins (the host's open excluded)
+    salt: bytes | None = None  # the join verifier's salt and the verifier, once the host sent them
+    verifier: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -89,6 +101,7 @@ class Conn:
     member: int | None = None
     bad_frames: int = 0
     idle_since: float | None = None  # when it was last without a session (None: in one)
+    challenge: tuple[str, bytes, float] | None = None  # (session, nonce, expiry) of its next join
 
 
 class Registry:
@@ -108,7 +121,13 @@ class Registry:
         self.joins: Counter[str] = Counter()  # outcome -> count
         self.left: Counter[str] = Counter()  # members gone from sessions: reason -> count
         self._join_by_addr = TokenBuckets(limits.join_rate_per_address, limits.join_burst_per_address)
-        self._join_by_session = TokenBuckets(limits.join_rate_per_session, limits.join_burst_per_session)
+        self._failed_by_session = TokenBuckets(
+            limits.failed_proof_rate_per_session, limits.failed_proof_burst_per_session
+        )
+        self._failed_all = TokenBuckets(limits.failed_proof_rate, limits.failed_proof_burst)
+        self._backoff = Backoff(
+            limits.failed_proof_backoff_s, limits.failed_proof_backoff_max_s, limits.failed_proof_memory_s
+        )
         self._open_by_addr = TokenBuckets(limits.open_rate_per_address, limits.open_burst_per_address)
 
     @property
@@ -149,14 +168,18 @@ class Registry:
             return []
         state.last_seen = now
         state.bad_frames += 1
-        fatal = state.bad_frames >= self.limits.max_bad_frames
+        # a member of another version cannot go on: told once, in its own envelope where it can be
+        old = error.version if error.version in sig.OLD_VERSIONS else None
+        fatal = state.bad_frames >= self.limits.max_bad_frames or error.code == "unsupported_version"
         out: list[Event] = [
-            Send(conn, sig.Error(error.code, str(error), fatal=fatal, ref=error.ref)),
+            Send(conn, sig.Error(error.code, str(error), fatal=fatal, ref=error.ref), old or sig.VERSION),
             Note(
                 "bad_frame", {"conn": conn, "source": state.source, "code": error.code, "error": str(error)}
             ),
         ]
-        if fatal:
+        if error.code == "unsupported_version":
+            out.append(Close(conn, 1002, "signaling protocol version not supported"))
+        elif fatal:
             out.append(Close(conn, 1008, f"{state.bad_frames} malformed messages in a row"))
         return out
 
@@ -169,6 +192,8 @@ class Registry:
         match msg:
             case sig.Open():
                 return self._open(state, msg, now)
+            case sig.JoinChallenge():
+                return self._challenge(state, msg, now)
             case sig.Join():
                 return self._join(state, msg, now)
             case sig.Heartbeat(ref):
@@ -186,6 +211,8 @@ class Registry:
                 return [*self._remove_member(state, "left", now), Close(conn, 1000, "left")]
             case sig.Remove(target, reason):
                 return self._remove_by_host(state, target, reason, now)
+            case sig.Protect():
+                return self._protect(state, msg)
         raise AssertionError(f"unhandled message {msg!r}")  # pragma: no cover
 
     # ------------------------------------------------------------ open / join
@@ -271,19 +298,59 @@ class Registry:
         ]
         return out
 
-    def _try_join(
-        self, state: Conn, msg: sig.Join, now: float
-    ) -> tuple[str, sig.Error | tuple[Session, Member]]:
-        def err(outcome: str, text: str) -> tuple[str, sig.Error]:
-            return outcome, sig.Error(outcome, text, ref=msg.ref)
+    def _protect(self, state: Conn, msg: sig.Protect) -> list[Event]:
+        session, member = self._member(state)
+
+        def err(code: str, text: str) -> list[Event]:
+            return [Send(state.id, sig.Error(code, text, ref=msg.ref))]
+
+        if not member.info.host:
+            return err("not_host", f"only the host of session {session.code} registers its verifier")
+        if session.verifier is not None:
+            return err("already_protected", f"session {session.code}'s verifier is already registered")
+        try:
+            salt, verifier = bytes.fromhex(msg.salt), bytes.fromhex(msg.verifier)
+        except ValueError:
+            return err("bad_message", "protect: 'salt' and 'verifier' must be hex")
+        if len(salt) < codes.JOIN_SALT_BYTES or len(verifier) != codes.JOIN_KEY_BYTES:
+            return err(
+                "bad_message",
+                f"protect: a salt of at least {codes.JOIN_SALT_BYTES} bytes and a verifier of "
+                f"{codes.JOIN_KEY_BYTES} bytes, got {len(salt)} and {len(verifier)}",
+            )
+        session.salt, session.verifier = salt, verifier
+        return [Send(state.id, sig.Protected(session.code, msg.ref))]
+
+    def _challenge(self, state: Conn, msg: sig.JoinChallenge, now: float) -> list[Event]:
+        """A nonce for one join, once the code names a live session that takes joins; the answer
+        carries the session's salt and nothing about its members."""
+        outcome, found = self._joinable(state, msg.session, msg.ref, now)
+        if isinstance(found, sig.Error):
+            self.joins[outcome] += 1
+            note = Note("join", {"outcome": outcome, "source": state.source, "session": msg.session})
+            return [Send(state.id, found), note]
+        assert found.salt is not None
+        nonce = secrets.token_bytes(codes.JOIN_NONCE_BYTES)
+        state.challenge = (found.code, nonce, now + self.limits.challenge_s)
+        reply = sig.Challenge(found.code, found.salt.hex(), nonce.hex(), self.limits.challenge_s, msg.ref)
+        return [Send(state.id, reply)]
+
+    def _joinable(
+        self, state: Conn, text: str, ref: str | None, now: float
+    ) -> tuple[str, sig.Error | Session]:
+        """The session a challenge may be given for, or why not (the per-address limit first)."""
+
+        def err(outcome: str, message: str) -> tuple[str, sig.Error]:
+            return outcome, sig.Error(outcome, message, ref=ref)
 
         if state.session is not None:
             return err("already_in_session", f"this connection is already in session {state.session}")
-        if not self._join_by_addr.take(state.source, now):
-            wait = self._join_by_addr.retry_after(state.source, now)
+        guesser = guesser_key(state.source)
+        if not self._join_by_addr.take(guesser, now):
+            wait = self._join_by_addr.retry_after(guesser, now)
             return err("rate_limited", f"too many join attempts from {state.source}; retry in {wait:.0f} s")
         try:
-            code = codes.parse_public(msg.session)
+            code = codes.parse_public(text)
         except ProtocolError as exc:
             return err("bad_code", str(exc))
         session = self.sessions.get(code)
@@ -296,13 +363,65 @@ class Registry:
                 f"session {code}'s code expired: it takes joins for {ttl:.0f} s after it opened or "
                 "was last joined; ask the host for a new session",
             )
-        if not self._join_by_session.take(code, now):
-            return err("rate_limited", f"too many join attempts on session {code}; retry later")
-        if len(session.members) >= min(session.members_expected, self.limits.max_members):
+        if session.verifier is None:
+            return err(
+                "not_ready", f"session {code} takes no joins yet (its host is still opening it); retry"
+            )
+        if self._full(session):
             return err("session_full", f"session {code} already has its {session.members_expected} members")
+        return "ok", session
+
+    def _full(self, session: Session) -> bool:
+        return len(session.members) >= min(session.members_expected, self.limits.max_members)
+
+    def _try_join(
+        self, state: Conn, msg: sig.Join, now: float
+    ) -> tuple[str, sig.Error | tuple[Session, Member]]:
+        def err(outcome: str, text: str) -> tuple[str, sig.Error]:
+            return outcome, sig.Error(outcome, text, ref=msg.ref)
+
+        if state.session is not None:
+            return err("already_in_session", f"this connection is already in session {state.session}")
+        challenge, state.challenge = state.challenge, None  # one join per nonce, right or wrong
+        code = challenge[0] if challenge is not None else None
+        if challenge is None or code != _normal(msg.session) or now >= challenge[2]:
+            return err(
+                "no_challenge", "ask for a join_challenge on this session first (a nonce serves one join)"
+            )
+        session = self.sessions.get(challenge[0])
+        if session is None or session.verifier is None or now >= session.code_deadline:
+            return err("unknown_session", f"session {challenge[0]} no longer takes joins")
+        guesser = guesser_key(state.source)
+        wait = self._proof_wait(guesser, session.code, now)
+        if wait > 0:  # refused untested: an address that failed waits out its back-off and budgets
+            return err("rate_limited", f"too many wrong codes tried; retry in {math.ceil(wait)} s")
+        if not _proof_ok(session, msg.proof, challenge[1]):
+            self._backoff.fail(guesser, now)
+            self._failed_by_session.take(session.code, now)
+            self._failed_all.take("all", now)
+            text = (
+                f"that is not session {session.code}'s code: its secret words differ (a mistyped word?); "
+                "join again with the exact code the host printed"
+            )
+            return err("wrong_secret", text)
+        if self._full(session):
+            return err(
+                "session_full", f"session {session.code} already has its {session.members_expected} members"
+            )
         session.joins += 1
         session.code_deadline = now + self.limits.code_ttl_s
         return "ok", (session, self._add_member(session, state, msg, host=False))
+
+    def _proof_wait(self, guesser: str, code: str, now: float) -> float:
+        """Seconds before a proof from `guesser` is tested: 0 for an address that never failed,
+        else its back-off and the failed-proof budgets of the session and of the rendezvous."""
+        if not self._backoff.failed_before(guesser, now):
+            return 0.0
+        return max(
+            self._backoff.wait(guesser, now),
+            self._failed_by_session.retry_after(code, now),
+            self._failed_all.retry_after("all", now),
+        )
 
     def _add_member(self, session: Session, state: Conn, msg: sig.Open | sig.Join, host: bool) -> Member:
         mid = session.next_id
@@ -444,6 +563,38 @@ class Registry:
             out += self._dissolve(session, "code expired")
         self.relay.expire(now)
         self._join_by_addr.prune(now)
-        self._join_by_session.prune(now)
+        self._failed_by_session.prune(now)
+        self._failed_all.prune(now)
+        self._backoff.prune(now)
         self._open_by_addr.prune(now)
         return out
+
+
+def guesser_key(source: str) -> str:
+    """Whom a join's limits count against: an IPv4 address, or an IPv6 address's /48 (one site's
+    allocation: a /64 each costs an attacker nothing)."""
+    try:
+        ip = ipaddress.ip_address(source)
+    except ValueError:
+        return source
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/48", strict=False))
+    return str(ip)
+
+
+def _normal(text: str) -> str | None:
+    try:
+        return codes.parse_public(text)
+    except ProtocolError:
+        return None
+
+
+def _proof_ok(session: Session, proof_hex: str, nonce: bytes) -> bool:
+    assert session.verifier is not None
+    try:
+        proof = bytes.fromhex(proof_hex)
+    except ValueError:
+        return False
+    return codes.proof_matches(session.verifier, session.code, nonce, proof)

@@ -264,7 +264,11 @@ async def test_errors_are_clear_4xx_json(served: Served) -> None:
         await asyncio.to_thread(oclient.chat, model="nope", messages=QUESTION)
     assert oerr.value.status_code == 404 and "not served here" in oerr.value.error
     async with httpx.AsyncClient() as http:
-        r = await http.post(f"{served.head.url}/v1/chat/completions", content=b"{not json")
+        r = await http.post(
+            f"{served.head.url}/v1/chat/completions",
+            content=b"{not json",
+            headers={"Content-Type": "application/json"},
+        )
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
 
 
@@ -337,7 +341,7 @@ async def test_penalties_reach_the_sampler_through_both_apis_and_any_member(serv
         assert r.status_code == 400 and "'frequency_penalty' must be a number in [-2.0, 2.0], got 3" in r.text
         body = {"model": MODEL, "prompt": "Hi", "stream": False, "options": {"min_p": 2, "num_predict": 2}}
         r = await http.post(f"{served.member.url}/api/generate", json=body)
-        assert r.status_code == 400 and "'min_p' must be a number in [0.0, 1.0], got 2" in r.text
+        assert r.status_code == 400 and "'options.min_p' must be a number in [0.0, 1.0], got 2" in r.text
         body["options"] |= {"min_p": 0.5, "temperature": 1.0, "seed": 7}
         r = await http.post(f"{served.member.url}/api/generate", json=body)
         assert r.status_code == 200 and r.json()["eval_count"] == 2
@@ -461,8 +465,9 @@ async def test_a_body_far_past_any_request_that_fits_is_refused_unread_with_413(
             yield body[i : i + 2**20]
 
     async with httpx.AsyncClient(timeout=60) as http:
-        sized = await http.post(f"{served.member.url}/v1/completions", content=body)
-        streamed = await http.post(f"{served.member.url}/api/generate", content=chunked())
+        json_body = {"Content-Type": "application/json"}
+        sized = await http.post(f"{served.member.url}/v1/completions", content=body, headers=json_body)
+        streamed = await http.post(f"{served.member.url}/api/generate", content=chunked(), headers=json_body)
     assert sized.status_code == 413 and sized.json()["error"]["code"] == "request_too_large"
     assert sized.json()["error"]["message"] == (
         f"request body of {len(body)} bytes is over this session's limit of {limit} bytes, which any "
@@ -511,7 +516,9 @@ async def test_odd_but_valid_bodies_get_what_the_reference_servers_give(served: 
         r = await http.post(f"{url}/api/chat", json=zero)  # streaming: the error used to come as a 200 line
         assert r.status_code == 400 and "'options.num_predict' must be >= 1" in r.json()["error"]
         deep = b'{"model": "smollm2-135m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-        r = await http.post(f"{url}/v1/chat/completions", content=deep)
+        r = await http.post(
+            f"{url}/v1/chat/completions", content=deep, headers={"Content-Type": "application/json"}
+        )
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
 
 

@@ -54,8 +54,9 @@ async def test_identity_swapping_rendezvous_makes_both_ends_fail_closed() -> Non
     clients = [await SignalingClient.connect(rdv.url) for _ in range(3)]
     opened = await clients[0].open_session("tiny", 3, "alice", {})
     code = new_code(opened.session)
+    await clients[0].protect(code)
     for client, name in zip(clients[1:], ("bob", "carol"), strict=True):
-        await client.join(code.public, name, {})
+        await client.join(code, name, {})
     nodes = []
     for client in clients:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)

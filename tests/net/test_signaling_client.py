@@ -5,6 +5,7 @@ web server that is not a rendezvous."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
@@ -99,3 +100,51 @@ async def test_connecting_to_an_http_server_that_is_not_a_rendezvous_names_its_s
 )
 def test_unreachable_reason_names_the_cause(exc: BaseException, said: str) -> None:
     assert unreachable_reason(exc) == said
+
+
+async def test_a_join_needs_the_whole_code_and_a_wrong_secret_is_refused_by_the_rendezvous(rdv) -> None:
+    """The rendezvous checks the proof of the secret words before the joiner takes a place."""
+    from kafila.net.signaling import SignalingError
+    from kafila.proto.codes import SessionCode, new_code
+
+    host = await SignalingClient.connect(rdv.url)
+    opened = await host.open_session("m", 2, "h", {})
+    code = new_code(opened.session)
+    await host.protect(code)
+    member = await SignalingClient.connect(rdv.url)
+    with pytest.raises(SignalingError, match="it needs the whole code, not only its public part"):
+        await member.join(code.public, "j", {})
+    others = [w for w in ("tiger-lamp-ocean", "wolf-yacht-zebra") if w != code.secret]
+    with pytest.raises(SignalingError, match="secret words differ") as wrong:
+        await member.join(SessionCode(code.public, others[0]), "j", {})
+    assert wrong.value.code == "wrong_secret"
+    with pytest.raises(SignalingError, match=r"retry in 2 s") as held:  # a mistyped code backs off
+        await member.join(code, "j", {})
+    assert held.value.code == "rate_limited"
+    await asyncio.sleep(2.1)
+    joined = await member.join(str(code), "j", {})  # the whole code as typed also reads
+    assert [m.name for m in joined.members] == ["h", "j"]
+    await member.close()
+    await host.close()
+
+
+async def test_an_older_rendezvous_says_in_its_own_version_why_it_cannot_serve_this_member() -> None:
+    """A version 1 rendezvous answers a version 2 frame with a v1 error: it reads, by its ref."""
+    import json
+
+    from kafila.net.signaling import SignalingError
+
+    async def old_rendezvous(ws: ServerConnection) -> None:
+        async for frame in ws:
+            ref = json.loads(frame).get("ref")
+            message = f"protocol version {json.loads(frame)['v']} not supported (this side speaks 1)"
+            error = {"v": 1, "type": "error", "code": "unsupported_version", "message": message, "ref": ref}
+            await ws.send(json.dumps(error))
+
+    async with serve(old_rendezvous, "127.0.0.1", 0) as server:
+        port = server.sockets[0].getsockname()[1]
+        client = await SignalingClient.connect(f"ws://127.0.0.1:{port}/v1/signal")
+        with pytest.raises(SignalingError, match="protocol version 2 not supported") as info:
+            await client.open_session("m", 2, "h", {}, timeout=5)
+        assert info.value.code == "unsupported_version"
+        await client.close()

@@ -25,7 +25,9 @@ INFO = sig.MemberInfo(
 )
 CLIENT = [
     sig.Open("smollm2-135m", 3, "laptop", {"mem_gb": 16}, {"class": "ordinary"}, ["192.168.1.5:4000"], "r1"),
-    sig.Join("4-k7m2", "desk", {}, None, [], None),
+    sig.Protect("00" * 16, "ab" * 32, "r0"),
+    sig.JoinChallenge("4-k7m2", "r5"),
+    sig.Join("4-k7m2", "cd" * 32, "desk", {}, None, [], None),
     sig.Update(nat={"class": "restrictive"}),
     sig.Update(),
     sig.Signal(3, {"kind": "offer", "nested": {"a": [1, 2.5, None, True]}}),
@@ -36,6 +38,8 @@ CLIENT = [
 ]
 SERVER = [
     sig.Opened("4-k7m2", 1, 600.0, 10.0, 3478, 3479, "203.0.113.9", "r1"),
+    sig.Protected("4-k7m2", "r0"),
+    sig.Challenge("4-k7m2", "00" * 16, "ef" * 16, 30.0, "r5"),
     sig.Joined("4-k7m2", 2, "smollm2-135m", 3, [INFO], 10.0),
     sig.MemberJoined(INFO),
     sig.MemberUpdated(INFO),
@@ -65,7 +69,7 @@ def test_signal_sender_travels_as_from() -> None:
 
 
 def _frame(kind: str, **fields: Any) -> str:
-    return json.dumps({"v": 1, "type": kind, **fields})
+    return json.dumps({"v": sig.VERSION, "type": kind, **fields})
 
 
 @pytest.mark.parametrize(
@@ -73,34 +77,76 @@ def _frame(kind: str, **fields: Any) -> str:
     [
         ("not json", "bad_message", "not valid JSON"),
         ("[1]", "bad_message", "must be a JSON object, got array"),
-        ('{"type": "heartbeat"}', "unsupported_version", "version None not supported"),
+        ('{"type": "heartbeat"}', "unsupported_version", "version None is not supported"),
         ('{"v": true, "type": "heartbeat"}', "unsupported_version", "version True"),
-        ('{"v": 1, "type": "dance"}', "unknown_type", "unknown message type 'dance'"),
-        ('{"v": 1, "type": "opened"}', "unknown_type", "unknown message type 'opened'"),
+        (
+            '{"v": 1, "type": "heartbeat"}',
+            "unsupported_version",
+            "version 1 is not supported: this side speaks version 2; upgrade kafila",
+        ),
+        ('{"v": 2, "type": "dance"}', "unknown_type", "unknown message type 'dance'"),
+        ('{"v": 2, "type": "opened"}', "unknown_type", "unknown message type 'opened'"),
         (_frame("heartbeat", extra=1), "bad_message", "heartbeat: unknown field(s) ['extra']"),
         (_frame("join", name="x", capability={}), "bad_message", "join: missing field 'session'"),
+        (
+            _frame("join", session="4-k7m2", name="x", capability={}),
+            "bad_message",
+            "join: missing field 'proof'",
+        ),
         (_frame("signal", to="3", payload={}), "bad_message", "signal.to: expected integer, got string"),
         (_frame("signal", to=True, payload={}), "bad_message", "signal.to: expected integer, got boolean"),
         (_frame("signal", to=0, payload={}), "bad_message", "signal.to: 0 is below the minimum 1"),
         (_frame("signal", to=2, payload=[]), "bad_message", "signal.payload: expected object, got array"),
-        (_frame("join", session="4-k7m2", name="x" * 65, capability={}), "bad_message", "65 characters"),
-        (_frame("join", session="4-k7m2", name="a\nb", capability={}), "bad_message", "control characters"),
+        (
+            _frame("join", session="4-k7m2", proof="", name="x" * 65, capability={}),
+            "bad_message",
+            "65 characters",
+        ),
+        (
+            _frame("join", session="4-k7m2", proof="", name="a\nb", capability={}),
+            "bad_message",
+            "control characters",
+        ),
         (_frame("update", candidates=["a"] * 17), "bad_message", "17 items, at most 16"),
         (_frame("update", candidates=[1]), "bad_message", "update.candidates[0]: expected string"),
         (_frame("remove", member=0, reason="x"), "bad_message", "remove.member: 0 is below the minimum 1"),
         (_frame("remove", member=2), "bad_message", "remove: missing field 'reason'"),
         (_frame("remove", member=2, reason="x" * 201), "bad_message", "remove.reason: 201 characters"),
-        ('{"v": 1, "v": 1, "type": "heartbeat"}', "bad_message", "duplicate key 'v'"),
-        ('{"v": 1, "type": "open", "members_expected": NaN}', "bad_message", "NaN is not allowed"),
+        ('{"v": 2, "v": 2, "type": "heartbeat"}', "bad_message", "duplicate key 'v'"),
+        ('{"v": 2, "type": "open", "members_expected": NaN}', "bad_message", "NaN is not allowed"),
         # a number beyond a float reads as inf: the server could not send the message on to anyone
-        ('{"v":1,"type":"signal","to":2,"payload":{"x":1e400}}', "bad_message", "number 1e400 is beyond"),
-        ('{"v":1,"type":"update","nat":{"rtt":-1e999}}', "bad_message", "number -1e999 is beyond"),
+        ('{"v":2,"type":"signal","to":2,"payload":{"x":1e400}}', "bad_message", "number 1e400 is beyond"),
+        ('{"v":2,"type":"update","nat":{"rtt":-1e999}}', "bad_message", "number -1e999 is beyond"),
     ],
 )
 def test_bad_frames_name_the_problem(text: str, code: str, words: str) -> None:
     with pytest.raises(ProtocolError, match=re.escape(words)) as info:
         sig.decode_client(text)
     assert info.value.code == code
+
+
+def test_a_member_and_a_rendezvous_of_different_versions_read_why_they_cannot_talk() -> None:
+    """An error is the one message both versions share: a v1 member gets the refusal in v1's
+    envelope (same fields), and a v2 member reads a v1 rendezvous's refusal of its frames."""
+    with pytest.raises(ProtocolError) as info:
+        sig.decode_client('{"v": 1, "type": "join", "session": "4-k7m2", "name": "x", "capability": {}}')
+    assert info.value.code == "unsupported_version" and info.value.version == 1
+    err = sig.Error("unsupported_version", str(info.value), fatal=True)
+    old = json.loads(sig.encode(err, version=1))
+    assert old["v"] == 1 and old["message"].startswith("signaling protocol version 1 is not supported")
+    from_old_rendezvous = json.dumps(
+        {
+            "v": 1,
+            "type": "error",
+            "code": "unsupported_version",
+            "message": "protocol version 2 not supported",
+        }
+    )
+    assert sig.decode_server(from_old_rendezvous).code == "unsupported_version"  # type: ignore[union-attr]
+    with pytest.raises(ProtocolError, match="version 1"):
+        sig.decode_server('{"v": 1, "type": "heartbeat_ack"}')
+    with pytest.raises(ValueError, match="only an error"):
+        sig.encode(sig.HeartbeatAck(), version=1)
 
 
 def test_a_bad_request_keeps_its_readable_ref_for_the_error_reply() -> None:
@@ -136,7 +182,7 @@ def test_depth_limits() -> None:
 
 
 def test_lone_surrogates_in_payload_survive_encoding() -> None:
-    msg = sig.decode_client('{"v":1,"type":"signal","to":2,"payload":{"s":"\\ud800"}}')
+    msg = sig.decode_client('{"v":2,"type":"signal","to":2,"payload":{"s":"\\ud800"}}')
     assert sig.decode_client(sig.encode(msg)) == msg
 
 
@@ -190,7 +236,8 @@ def test_fuzz_raw(data: str | bytes) -> None:
 @given(JSON)
 def test_fuzz_server_side_decoder(value: Any) -> None:
     for kind in sig.SERVER_TYPES:
-        obj = {"v": 1, "type": kind, "member": value, "payload": value, "members": value, "from": value}
+        obj = {"v": sig.VERSION, "type": kind, "member": value, "payload": value}
+        obj |= {"members": value, "from": value}
         with contextlib.suppress(ProtocolError):
             sig.decode_server(json.dumps(obj))
 

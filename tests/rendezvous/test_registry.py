@@ -1,4 +1,6 @@
-"""The pure session core: open/join/leave/expiry, wrong codes, rate limits, caps, presence."""
+"""The pure session core: open/join/leave/expiry, wrong codes, proofs of the secret, rate limits,
+caps, presence. The verifier here is a fixed key (the registry never derives one: members do, from
+the code, kafila.proto.codes.join_key)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import random
 import pytest
 
 from kafila.proto import signaling as sig
+from kafila.proto.codes import join_proof
 from kafila.proto.errors import ProtocolError
 from kafila.rendezvous.limits import Limits
 from kafila.rendezvous.registry import Close, Event, Note, ProbeInfo, Registry, Send
@@ -26,16 +29,31 @@ def make(**overrides: float) -> Registry:
     return Registry(limits, probe=ProbeInfo(3478, 3479, None), rand_below=random.Random(1).randrange)
 
 
+KEY, WRONG_KEY, SALT = bytes(range(32)), bytes(32), bytes(range(16))
+
+
 def open_session(reg: Registry, conn: int = 1, now: float = 0.0, expected: int = 3) -> str:
     reg.connect(conn, f"10.0.0.{conn}", now)
     (opened,) = sends(reg.receive(conn, sig.Open("m", expected, f"host{conn}", {"bw": 1}), now))
     assert isinstance(opened, sig.Opened)
+    (protected,) = sends(reg.receive(conn, sig.Protect(SALT.hex(), KEY.hex(), "p"), now))
+    assert protected == sig.Protected(opened.session, "p")
     return opened.session
 
 
-def join(reg: Registry, conn: int, code: str, now: float = 0.0, source: str | None = None) -> list[Event]:
-    reg.connect(conn, source or f"10.0.0.{conn}", now)
-    return reg.receive(conn, sig.Join(code, f"m{conn}", {"bw": conn}), now)
+def join(
+    reg: Registry, conn: int, code: str, now: float = 0.0, source: str | None = None, key: bytes = KEY
+) -> list[Event]:
+    """A join as a member makes it: a challenge, then the proof of `key` over its nonce."""
+    if conn not in reg.conns:
+        reg.connect(conn, source or f"10.0.0.{conn}", now)
+    events = reg.receive(conn, sig.JoinChallenge(code), now)
+    challenge = sends(events, conn)[0]
+    if not isinstance(challenge, sig.Challenge):
+        return events
+    assert challenge.salt == SALT.hex()
+    proof = join_proof(key, challenge.session, bytes.fromhex(challenge.nonce))
+    return reg.receive(conn, sig.Join(code, proof.hex(), f"m{conn}", {"bw": conn}), now)
 
 
 def test_open_then_join_introduces_members_both_ways() -> None:
@@ -119,12 +137,85 @@ def test_join_rate_limited_per_source_address() -> None:
     assert sends(join(reg, 21, "9-zzzz", 11.0, source="203.0.113.5"))[0].code == "unknown_session"  # type: ignore[union-attr]
 
 
-def test_join_rate_limited_per_session() -> None:
-    reg = make(join_burst_per_session=2, join_rate_per_session=0.01)
+def test_a_wrong_secret_takes_no_place_and_learns_nothing_about_the_host() -> None:
+    reg = make()
+    code = open_session(reg, expected=2)
+    reg.connect(2, "203.0.113.9", 1.0)
+    events = reg.receive(2, sig.JoinChallenge(code, "c"), 1.0)
+    (challenge,) = sends(events)
+    assert isinstance(challenge, sig.Challenge) and challenge.ref == "c"
+    assert sends(events, 1) == []  # the host hears of no one
+    proof = join_proof(WRONG_KEY, code, bytes.fromhex(challenge.nonce))
+    events = reg.receive(2, sig.Join(code, proof.hex(), "guesser", {}), 1.0)
+    (err,) = sends(events)
+    assert isinstance(err, sig.Error) and err.code == "wrong_secret" and sends(events, 1) == []
+    said = repr(events)
+    assert "host1" not in said and "10.0.0.1" not in said and "bw" not in said
+    assert reg.member_count == 1 and reg.joins["wrong_secret"] == 1
+    (joined,) = sends(join(reg, 3, code, 1.0), 3)  # the one place is still there
+    assert isinstance(joined, sig.Joined)
+
+
+def test_a_join_needs_a_fresh_challenge_that_serves_one_join() -> None:
+    reg = make(challenge_s=5.0)
+    code = open_session(reg, expected=5)
+    reg.connect(2, "10.0.0.2", 0.0)
+    (err,) = sends(reg.receive(2, sig.Join(code, "00" * 32, "m2", {}), 0.0))
+    assert isinstance(err, sig.Error) and err.code == "no_challenge"
+    (challenge,) = sends(reg.receive(2, sig.JoinChallenge(code), 0.0))
+    assert isinstance(challenge, sig.Challenge)
+    proof = join_proof(KEY, code, bytes.fromhex(challenge.nonce)).hex()
+    (late,) = sends(reg.receive(2, sig.Join(code, proof, "m2", {}), 6.0))  # the nonce expired
+    assert isinstance(late, sig.Error) and late.code == "no_challenge"
+    (challenge,) = sends(reg.receive(2, sig.JoinChallenge(code), 7.0))
+    assert isinstance(challenge, sig.Challenge)
+    stale = sig.Join(code, proof, "m2", {})  # a proof over an earlier nonce
+    assert sends(reg.receive(2, stale, 7.0))[0].code == "wrong_secret"  # type: ignore[union-attr]
+    assert sends(reg.receive(2, stale, 7.0))[0].code == "no_challenge"  # type: ignore[union-attr]
+
+
+def test_only_the_host_protects_once_and_joins_wait_for_it() -> None:
+    reg = make()
+    reg.connect(1, "10.0.0.1", 0.0)
+    (opened,) = sends(reg.receive(1, sig.Open("m", 3, "host", {}), 0.0))
+    assert isinstance(opened, sig.Opened)
+    reg.connect(2, "10.0.0.2", 0.0)
+    (err,) = sends(reg.receive(2, sig.JoinChallenge(opened.session), 0.0))
+    assert isinstance(err, sig.Error) and err.code == "not_ready"
+    (err,) = sends(reg.receive(1, sig.Protect("zz", KEY.hex()), 0.0))
+    assert isinstance(err, sig.Error) and err.code == "bad_message"
+    (err,) = sends(reg.receive(1, sig.Protect(SALT.hex(), KEY.hex()[:-2]), 0.0))
+    assert isinstance(err, sig.Error) and "verifier of 32 bytes" in err.message
+    assert isinstance(sends(reg.receive(1, sig.Protect(SALT.hex(), KEY.hex()), 0.0))[0], sig.Protected)
+    (err,) = sends(reg.receive(1, sig.Protect(SALT.hex(), WRONG_KEY.hex()), 0.0))
+    assert isinstance(err, sig.Error) and err.code == "already_protected"
+    join(reg, 2, opened.session)
+    (err,) = sends(reg.receive(2, sig.Protect(SALT.hex(), WRONG_KEY.hex()), 0.0))
+    assert isinstance(err, sig.Error) and err.code == "not_host"
+
+
+def test_wrong_proofs_back_off_but_never_hold_up_an_address_with_the_right_code() -> None:
+    reg = make(
+        failed_proof_burst_per_session=3,
+        failed_proof_rate_per_session=0.01,
+        failed_proof_backoff_s=2.0,
+        join_burst_per_address=100,
+    )
     code = open_session(reg, expected=10)
-    results = [sends(join(reg, 10 + i, code, 1.0), 10 + i)[0] for i in range(4)]
-    assert [type(r).__name__ for r in results] == ["Joined", "Joined", "Error", "Error"]
-    assert all(r.code == "rate_limited" for r in results[2:])  # type: ignore[union-attr]
+    outcome = lambda conn, now, source, key=WRONG_KEY: sends(  # noqa: E731
+        join(reg, conn, code, now, source, key), conn
+    )[0]
+    first = [outcome(10 + i, 1.0, f"198.51.100.{i}") for i in range(6)]  # six addresses, one guess each
+    assert [e.code for e in first] == ["wrong_secret"] * 6  # type: ignore[union-attr]
+    again = outcome(20, 1.5, "198.51.100.0")  # a failed address: back-off, then the spent budget
+    assert again.code == "rate_limited" and "retry in 0 s" not in again.message  # type: ignore[union-attr]
+    assert outcome(21, 4.0, "198.51.100.0").code == "rate_limited"  # type: ignore[union-attr]
+    for i in range(3):  # the legitimate members never failed: tested, joined, budgets spent or not
+        assert isinstance(outcome(30 + i, 4.0, f"192.0.2.{i}", KEY), sig.Joined)
+    assert reg.joins["rate_limited"] == 2 and reg.joins["wrong_secret"] == 6 and reg.member_count == 4
+    # a whole IPv6 /48 counts as one address
+    assert outcome(40, 5.0, "2001:db8:1:1::5").code == "wrong_secret"  # type: ignore[union-attr]
+    assert outcome(41, 5.0, "2001:db8:1:2::9").code == "rate_limited"  # type: ignore[union-attr]
 
 
 def test_open_rate_limited_per_source_address() -> None:
@@ -348,7 +439,7 @@ def test_host_removes_a_member_whose_place_then_takes_another_join() -> None:
     assert notes["member_removed"] == {"session": code, "member": 2, "by": 1, "reason": "wrong secret word"}
     assert notes["member_left"]["reason"] == "removed"
     assert reg.relay.channels == {} and reg.member_count == 2 and reg.left == {"removed": 1}
-    assert reg.receive(2, sig.Join(code, "again", {}), 2.5) == []  # the removed connection counts no more
+    assert reg.receive(2, sig.JoinChallenge(code), 2.5) == []  # the removed connection counts no more
     assert reg.disconnect(2, 3.0) == []  # nor does its socket closing
     (joined,) = sends(join(reg, 5, code, 3.0), 5)
     assert isinstance(joined, sig.Joined) and [m.id for m in joined.members] == [1, 3, 4]

@@ -31,7 +31,11 @@ def messages(codes: list[str]) -> st.SearchStrategy[sig.ClientMessage]:
     code = st.sampled_from([*codes, "9-zzzz", "bad"]) if codes else st.sampled_from(["9-zzzz", "bad"])
     return st.one_of(
         st.builds(sig.Open, st.just("m"), st.integers(1, 5), st.just("h"), st.just({})),
-        st.builds(sig.Join, code, st.just("j"), st.just({})),
+        st.builds(sig.JoinChallenge, code),
+        st.builds(sig.Join, code, st.text("0123456789abcdef", max_size=64), st.just("j"), st.just({})),
+        st.builds(
+            sig.Protect, st.text("0123456789abcdef", max_size=64), st.text("0123456789abcdef", max_size=64)
+        ),
         st.builds(sig.Update, nat=st.just({"class": "ordinary"})),
         st.builds(sig.Signal, MEMBER, st.just({"k": 1})),
         st.builds(sig.RelayRequest, MEMBER),

@@ -12,7 +12,7 @@ from kafila.proto import udp
 from kafila.proto.signaling import RelayAllocated
 from kafila.proto.udp import ErrorCode
 from kafila.rendezvous.server import RendezvousServer
-from tests.rendezvous.conftest import Factory
+from tests.rendezvous.conftest import Factory, open_protected
 
 pytestmark = pytest.mark.network
 
@@ -43,9 +43,9 @@ async def nothing_arrives(sock: socket.socket, wait: float = 0.3) -> bool:
 
 async def two_members(server: RendezvousServer) -> tuple[SignalingClient, SignalingClient, int, bytes, bytes]:
     host = await SignalingClient.connect(server.url)
-    opened = await host.open_session("m", 2, "a", {})
+    _opened, code = await open_protected(host, "m", 2, "a", {})
     guest = await SignalingClient.connect(server.url)
-    await guest.join(opened.session, "b", {})
+    await guest.join(code, "b", {})
     await host.next_event(2.0)  # member_joined
     mine = await guest.request_relay(1)
     theirs = await host.next_event(2.0)

@@ -17,7 +17,7 @@ from websockets.exceptions import ConnectionClosed
 
 from kafila.net.signaling import SignalingClient, SignalingClosed, SignalingError
 from kafila.proto import signaling as sig
-from tests.rendezvous.conftest import Factory
+from tests.rendezvous.conftest import Factory, open_protected, raw_join
 
 pytestmark = pytest.mark.network
 CAP = {"bandwidth_gbs": 20.0, "memory_gb": 16}
@@ -26,11 +26,11 @@ CAP = {"bandwidth_gbs": 20.0, "memory_gb": 16}
 async def test_open_join_signal_update_leave(start_rendezvous: Factory) -> None:
     server = await start_rendezvous()
     host = await SignalingClient.connect(server.url)
-    opened = await host.open_session("smollm2-135m", 2, "laptop", CAP, nat={"class": "ordinary"})
+    opened, code = await open_protected(host, "smollm2-135m", 2, "laptop", CAP, nat={"class": "ordinary"})
     assert opened.member == 1 and opened.probe_port == server.udp.port
     assert opened.probe_alt_host == "127.0.0.2"
     member = await SignalingClient.connect(server.url)
-    joined = await member.join(opened.session, "desktop", {"memory_gb": 8})
+    joined = await member.join(code, "desktop", {"memory_gb": 8})
     assert [(m.id, m.name, m.nat) for m in joined.members] == [
         (1, "laptop", {"class": "ordinary"}),
         (2, "desktop", None),
@@ -58,9 +58,9 @@ async def test_wrong_code_and_rate_limit_surface_as_errors(start_rendezvous: Fac
     client = await SignalingClient.connect(server.url)
     for _ in range(2):
         with pytest.raises(SignalingError, match="unknown_session: no open session with code 9-zzzz"):
-            await client.join("9-zzzz", "guesser", {})
+            await client.join("9-zzzz-tiger-lamp-ocean", "guesser", {})
     with pytest.raises(SignalingError, match="rate_limited") as info:
-        await client.join("9-zzzz", "guesser", {})
+        await client.join("9-zzzz-tiger-lamp-ocean", "guesser", {})
     assert info.value.code == "rate_limited"
     await client.close()
 
@@ -71,7 +71,9 @@ async def test_malformed_and_oversized_frames_get_clear_errors(start_rendezvous:
         await ws.send("{not json")
         err = sig.decode_server(await ws.recv())
         assert isinstance(err, sig.Error) and err.code == "bad_message" and not err.fatal
-        await ws.send(json.dumps({"v": 1, "type": "signal", "to": 1, "payload": {"x": "y" * 70_000}}))
+        await ws.send(
+            json.dumps({"v": sig.VERSION, "type": "signal", "to": 1, "payload": {"x": "y" * 70_000}})
+        )
         err = sig.decode_server(await ws.recv())
         assert isinstance(err, sig.Error) and err.code == "too_large" and "65536" in err.message
         await ws.send(b"\x00binary")
@@ -102,10 +104,9 @@ async def test_a_request_the_rendezvous_cannot_read_fails_at_once_not_by_timeout
 async def test_member_whose_socket_dies_is_reported_disconnected(start_rendezvous: Factory) -> None:
     server = await start_rendezvous()
     host = await SignalingClient.connect(server.url)
-    opened = await host.open_session("m", 3, "host", CAP)
+    _opened, code = await open_protected(host, "m", 3, "host", CAP)
     ws = await connect(server.url)
-    await ws.send(sig.encode(sig.Join(opened.session, "doomed", {})))
-    assert isinstance(sig.decode_server(await ws.recv()), sig.Joined)
+    assert isinstance(await raw_join(ws, code, "doomed"), sig.Joined)
     ws.transport.abort()  # no close frame, no leave
     await host.next_event(2.0)  # member_joined
     assert await host.next_event(5.0) == sig.MemberLeft(2, "disconnected")
@@ -113,13 +114,13 @@ async def test_member_whose_socket_dies_is_reported_disconnected(start_rendezvou
 
 
 async def test_member_that_goes_silent_is_timed_out(start_rendezvous: Factory) -> None:
-    server = await start_rendezvous(heartbeat_s=0.1, heartbeat_timeout_s=1.0)  # the client beats every 0.1 s
+    # the client beats every 0.1 s; 2 s leave the raw member time for its join key (scrypt)
+    server = await start_rendezvous(heartbeat_s=0.1, heartbeat_timeout_s=2.0)
     host = await SignalingClient.connect(server.url)
-    opened = await host.open_session("m", 3, "host", CAP)
+    _opened, code = await open_protected(host, "m", 3, "host", CAP)
     # a raw member that never sends another frame (its TCP connection stays up)
     async with connect(server.url) as ws:
-        await ws.send(sig.encode(sig.Join(opened.session, "silent", {})))
-        assert isinstance(sig.decode_server(await ws.recv()), sig.Joined)
+        assert isinstance(await raw_join(ws, code, "silent"), sig.Joined)
         await host.next_event(2.0)  # member_joined
         left = await host.next_event(5.0)
         assert left == sig.MemberLeft(2, "timed_out")
@@ -149,13 +150,13 @@ async def test_a_connection_refused_with_1013_fails_the_request_and_leaves_no_un
     # exception was never retrieved ... SignalingClosed" for the second.
     server = await start_rendezvous(max_connections=1)
     host = await SignalingClient.connect(server.url)
-    opened = await host.open_session("m", 2, "host", CAP)
+    _opened, code = await open_protected(host, "m", 2, "host", CAP)
     unhandled: list[dict[str, Any]] = []
     asyncio.get_running_loop().set_exception_handler(lambda _loop, context: unhandled.append(context))
     for _ in range(3):
         refused = await SignalingClient.connect(server.url)
         with pytest.raises(SignalingClosed, match="1013"):
-            await refused.join(opened.session, "one too many", CAP)
+            await refused.join(code, "one too many", CAP)
         await refused.close()
         del refused
         gc.collect()
@@ -186,11 +187,11 @@ async def test_a_heartbeat_without_answer_is_logged_naming_the_timeout() -> None
 async def test_healthz_and_metrics(start_rendezvous: Factory) -> None:
     server = await start_rendezvous()
     host = await SignalingClient.connect(server.url)
-    opened = await host.open_session("m", 3, "h", CAP)
+    _opened, code = await open_protected(host, "m", 3, "h", CAP)
     guest = await SignalingClient.connect(server.url)
-    await guest.join(opened.session, "g", CAP)
+    await guest.join(code, "g", CAP)
     with pytest.raises(SignalingError):
-        await SignalingClient.join(guest, "9-zzzz", "g2", CAP)  # already in a session
+        await SignalingClient.join(guest, "9-zzzz-tiger-lamp-ocean", "g2", CAP)  # already in a session
     base = f"http://127.0.0.1:{server.http_port}"
     async with httpx.AsyncClient() as http:
         health = (await http.get(base + "/healthz")).json()
@@ -232,14 +233,14 @@ async def test_host_removes_a_member_who_is_closed_and_whose_place_takes_a_new_j
 ) -> None:
     server = await start_rendezvous()
     host = await SignalingClient.connect(server.url)
-    opened = await host.open_session("m", 3, "host", CAP)
+    opened, code = await open_protected(host, "m", 3, "host", CAP)
     honest = await SignalingClient.connect(server.url)
-    await honest.join(opened.session, "honest", CAP)
+    await honest.join(code, "honest", CAP)
     guesser = await SignalingClient.connect(server.url)
-    await guesser.join(opened.session, "guesser", CAP)
+    await guesser.join(code, "guesser", CAP)
     late = await SignalingClient.connect(server.url)
     with pytest.raises(SignalingError, match="session_full"):
-        await late.join(opened.session, "late", CAP)
+        await late.join(code, "late", CAP)
     unhandled: list[dict[str, Any]] = []
     asyncio.get_running_loop().set_exception_handler(lambda _loop, context: unhandled.append(context))
     for _ in range(2):
@@ -268,7 +269,7 @@ async def test_host_removes_a_member_who_is_closed_and_whose_place_takes_a_new_j
     assert await host.next_event(2.0) == sig.MemberLeft(3, "removed")
     assert await honest.next_event(2.0) == sig.MemberLeft(3, "removed")
 
-    joined = await late.join(opened.session, "late", CAP)  # the same code, a place free again
+    joined = await late.join(code, "late", CAP)  # the same code, a place free again
     assert [m.name for m in joined.members] == ["host", "honest", "late"]
     base = f"http://127.0.0.1:{server.http_port}"
     async with httpx.AsyncClient() as http:
@@ -283,10 +284,10 @@ async def test_host_removes_a_member_who_is_closed_and_whose_place_takes_a_new_j
 async def test_only_the_host_may_remove_a_member(start_rendezvous: Factory) -> None:
     server = await start_rendezvous()
     host = await SignalingClient.connect(server.url)
-    opened = await host.open_session("m", 3, "host", CAP)
+    _opened, code = await open_protected(host, "m", 3, "host", CAP)
     members = [await SignalingClient.connect(server.url) for _ in range(2)]
     for i, member in enumerate(members):
-        await member.join(opened.session, f"m{i}", CAP)
+        await member.join(code, f"m{i}", CAP)
     await members[0].next_event(2.0)  # member_joined
     for _ in range(2):
         await host.next_event(2.0)
@@ -306,3 +307,25 @@ async def test_only_the_host_may_remove_a_member(start_rendezvous: Factory) -> N
     assert isinstance(err, sig.Error) and err.code == "removed" and err.message.endswith("x…")
     for client in (*members, host):
         await client.close()
+
+
+async def test_a_member_of_signaling_version_1_is_told_in_its_own_version_to_upgrade(
+    start_rendezvous: Factory,
+) -> None:
+    server = await start_rendezvous()
+    async with connect(server.url) as ws:
+        await ws.send(
+            json.dumps(
+                {"v": 1, "type": "join", "session": "4-k7m2", "name": "old", "capability": {}, "ref": "r1"}
+            )
+        )
+        said = json.loads(await ws.recv())
+        with pytest.raises(ConnectionClosed) as closed:
+            await ws.recv()
+    assert said["v"] == 1 and said["type"] == "error" and said["code"] == "unsupported_version"
+    assert said["fatal"] and said["ref"] == "r1"
+    assert (
+        "version 1 is not supported: this side speaks version 2; upgrade kafila on the member"
+        in said["message"]
+    )
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1002
