@@ -22,6 +22,9 @@ JOIN_OUTCOMES = (
     "rate_limited",
     "session_full",
     "already_in_session",
+    "wrong_secret",  # signaling v2: a proof of the secret that did not match
+    "no_challenge",
+    "not_ready",
 )
 LEAVE_REASONS = ("left", "timed_out", "disconnected", "removed")
 
