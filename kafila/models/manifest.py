@@ -193,9 +193,9 @@ def build_manifest(
     by_name = {s.name: s for s in specs}
     size = priced(by_name.values(), dtype, quant)
     for n in list(size):  # a packed matrix's scales and minimums count with it
-        if n.endswith((SCALES, MINS)) and (base := n.removesuffix(SCALES).removesuffix(MINS)) + "weight" in size:
-            if packed_format(base + "weight", by_name) != "none":
-                size[base + "weight"] += size.pop(n)
+        base = n.removesuffix(SCALES).removesuffix(MINS) + "weight"
+        if n.endswith((SCALES, MINS)) and base in size and packed_format(base, by_name) != "none":
+            size[base] += size.pop(n)
     blocks = [0] * config.num_hidden_layers
     for name, nbytes in size.items():
         i = block_index(name)

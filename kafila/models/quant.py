@@ -54,7 +54,9 @@ class Packed:
     def rows(self, index: np.ndarray | slice) -> Packed:
         """The packed rows `index` (a permutation, a slice)."""
         mins = None if self.mins is None else np.ascontiguousarray(self.mins[index])
-        return Packed(self.fmt, np.ascontiguousarray(self.data[index]), np.ascontiguousarray(self.scales[index]), mins)
+        return Packed(
+            self.fmt, np.ascontiguousarray(self.data[index]), np.ascontiguousarray(self.scales[index]), mins
+        )
 
 
 def quantize(w: np.ndarray, fmt: str) -> Packed:
@@ -110,11 +112,11 @@ def from_ggml(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> Packed
     blocks = np.asarray(raw, dtype=np.uint8).reshape(out, cols // GROUP, size)
     scales = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).reshape(out, -1)
     if fmt == "int8":
-        data = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(out, cols)
-        return Packed("int8", data, scales)
+        values = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(out, cols)
+        return Packed("int8", values, scales)
     mins = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16).reshape(out, -1)
-    data = np.ascontiguousarray(blocks[..., 4:]).reshape(out, cols // 2)
-    return Packed("q4", data, scales, mins)
+    nibbles = np.ascontiguousarray(blocks[..., 4:]).reshape(out, cols // 2)
+    return Packed("q4", nibbles, scales, mins)
 
 
 def from_entries(fmt: str, data: np.ndarray, scales: np.ndarray, mins: np.ndarray | None) -> Packed:
@@ -122,9 +124,13 @@ def from_entries(fmt: str, data: np.ndarray, scales: np.ndarray, mins: np.ndarra
     want = PACKED_DTYPES[fmt]
     kind = {"I8": np.int8, "U8": np.uint8}[want]
     if data.dtype != kind or data.ndim != 2 or scales.dtype != np.float16:
-        raise ValueError(f"{fmt} matrix: data {data.dtype}{list(data.shape)}, scales {scales.dtype}: not {want} + F16")
+        raise ValueError(
+            f"{fmt} matrix: data {data.dtype}{list(data.shape)}, scales {scales.dtype}: not {want} + F16"
+        )
     p = Packed(fmt, data, scales, mins)
     out, cols = p.shape
     if scales.shape != (out, cols // GROUP) or (mins is not None and mins.shape != scales.shape):
-        raise ValueError(f"{fmt} matrix [{out}, {cols}]: scales {list(scales.shape)}, want [{out}, {cols // GROUP}]")
+        raise ValueError(
+            f"{fmt} matrix [{out}, {cols}]: scales {list(scales.shape)}, want [{out}, {cols // GROUP}]"
+        )
     return p

@@ -239,11 +239,13 @@ class LlamaModel:
             at += p.shape[0]
         return out
 
-    def _linear(self, weights: Mapping[str, Tensor], names: Sequence[str], bias: Tensor | None = None) -> AnyLinear:
+    def _linear(
+        self, weights: Mapping[str, Tensor], names: Sequence[str], bias: Tensor | None = None
+    ) -> AnyLinear:
         """The named matrices stacked by rows as one product in the session's format: float
         (`_stack`, packed ones widened) for "none", else packed (float ones packed here)."""
         stored = [n.removesuffix("weight") + SCALES in weights for n in names]
-        if self.quant == "none" or not any(stored) and linear_format(names[0], self.quant) == "none":
+        if self.quant == "none" or (not any(stored) and linear_format(names[0], self.quant) == "none"):
             if any(stored):
                 wide = {n: self._packed(weights, n).dequantized(slice(None), torch.float32) for n in names}
                 return Linear(self._stack(wide, names), bias)

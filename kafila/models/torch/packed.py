@@ -72,6 +72,7 @@ class PackedLinear:
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         """numpy views for quant_cpu: (data, scale bits) or (data, scale bits, min bits)."""
+
         def bits(t: Tensor) -> np.ndarray:
             return t.view(torch.int16).numpy().view(np.uint16)
 

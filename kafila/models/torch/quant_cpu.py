@@ -16,9 +16,11 @@ of the call (no fast-math: LLVM may vectorize across lanes, not reorder a lane's
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
-from numba import njit, prange, types
 from llvmlite import ir
+from numba import njit, prange, types
 from numba.core.extending import intrinsic
 from numba.extending import overload
 
@@ -61,11 +63,19 @@ def _group_decoder(q4: bool):  # type: ignore[no-untyped-def]
             intp = row_.type
             src = builder.gep(
                 da.data,
-                [builder.add(builder.mul(row_, builder.extract_value(da.shape, 1)), builder.mul(g_, intp(n)))],
+                [
+                    builder.add(
+                        builder.mul(row_, builder.extract_value(da.shape, 1)), builder.mul(g_, intp(n))
+                    )
+                ],
             )
             dst = builder.gep(
                 wa.data,
-                [builder.add(builder.mul(a_, builder.extract_value(wa.shape, 1)), builder.mul(g_, intp(GROUP)))],
+                [
+                    builder.add(
+                        builder.mul(a_, builder.extract_value(wa.shape, 1)), builder.mul(g_, intp(GROUP))
+                    )
+                ],
             )
             i8v = ir.VectorType(ir.IntType(8), n)
             fv = ir.VectorType(ir.FloatType(), HALF)
@@ -74,7 +84,9 @@ def _group_decoder(q4: bool):  # type: ignore[no-untyped-def]
             def splat(v: ir.Value) -> ir.Value:
                 undef = ir.Constant(fv, ir.Undefined)
                 one = builder.insert_element(undef, v, ir.IntType(32)(0))
-                return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(ir.IntType(32), HALF), [0] * HALF))
+                return builder.shuffle_vector(
+                    one, undef, ir.Constant(ir.VectorType(ir.IntType(32), HALF), [0] * HALF)
+                )
 
             dd, mm = splat(dv), splat(mv)
             if q4:
@@ -84,7 +96,10 @@ def _group_decoder(q4: bool):  # type: ignore[no-untyped-def]
                 halves = [builder.fadd(builder.fmul(h, dd), mm) for h in halves]
             else:
                 wide = builder.sitofp(raw, ir.VectorType(ir.FloatType(), GROUP))
-                idx = [ir.Constant(ir.VectorType(ir.IntType(32), HALF), list(range(k, k + HALF))) for k in (0, HALF)]
+                idx = [
+                    ir.Constant(ir.VectorType(ir.IntType(32), HALF), list(range(k, k + HALF)))
+                    for k in (0, HALF)
+                ]
                 halves = [builder.fmul(builder.shuffle_vector(wide, wide, i), dd) for i in idx]
             for k, h in enumerate(halves):
                 p = builder.gep(dst, [intp(k * HALF)])
@@ -101,7 +116,9 @@ _decode_q4, _decode_i8 = _group_decoder(True), _group_decoder(False)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _q4_rows(data: np.ndarray, scales: np.ndarray, mins: np.ndarray, o: int, ws: np.ndarray) -> None:  # pragma: no cover
+def _q4_rows(
+    data: np.ndarray, scales: np.ndarray, mins: np.ndarray, o: int, ws: np.ndarray
+) -> None:  # pragma: no cover
     """ws [4, in] float32 = rows o..o+3 of a q4 matrix (rows past the end repeat the last one)."""
     out = data.shape[0]
     for a in range(4):
@@ -121,7 +138,9 @@ def _i8_rows(data: np.ndarray, scales: np.ndarray, o: int, ws: np.ndarray) -> No
 
 
 @njit(cache=True, nogil=True, boundscheck=False, fastmath=False)
-def _dot_four(x: np.ndarray, ws: np.ndarray, ys: np.ndarray, y: np.ndarray, o: int) -> None:  # pragma: no cover
+def _dot_four(
+    x: np.ndarray, ws: np.ndarray, ys: np.ndarray, y: np.ndarray, o: int
+) -> None:  # pragma: no cover
     """y[:, o:o+4] = x [N, in] ws [4, in]^T through few_rows' dot passes (each row's sums in one
     fixed order whatever N is), the four weight rows read from L1 for every pass."""
     n = x.shape[0]
@@ -152,7 +171,9 @@ def q4_tile(
 
 
 @njit(cache=True, nogil=True, boundscheck=False, fastmath=False)
-def i8_tile(x: np.ndarray, data: np.ndarray, scales: np.ndarray, y: np.ndarray, t: int) -> None:  # pragma: no cover
+def i8_tile(
+    x: np.ndarray, data: np.ndarray, scales: np.ndarray, y: np.ndarray, t: int
+) -> None:  # pragma: no cover
     """Rows [t QTILE, (t + 1) QTILE) of y [N, out] = x [N, in] W^T, W int8 (as q4_tile)."""
     ws = np.empty((4, x.shape[1]), np.float32)
     ys = np.empty((x.shape[0], 4), np.float32)
@@ -161,22 +182,22 @@ def i8_tile(x: np.ndarray, data: np.ndarray, scales: np.ndarray, y: np.ndarray, 
         _dot_four(x, ws, ys, y, o)
 
 
-def tiles(w):  # type: ignore[no-untyped-def]
+def tiles(w: Any) -> int:
     """Parallel tasks of a product with weight `w` (any format; compiled only)."""
     raise NotImplementedError("compiled only")
 
 
-def tile(x, w, y, t):  # type: ignore[no-untyped-def]
+def tile(x: np.ndarray, w: Any, y: np.ndarray, t: int) -> None:
     """Task `t` of y = x w^T (any format; compiled only)."""
     raise NotImplementedError("compiled only")
 
 
-def rows_of(w):  # type: ignore[no-untyped-def]
+def rows_of(w: Any) -> int:
     """Output features of weight `w` (compiled only)."""
     raise NotImplementedError("compiled only")
 
 
-def cols_of(w):  # type: ignore[no-untyped-def]
+def cols_of(w: Any) -> int:
     """Input features of weight `w` (compiled only)."""
     raise NotImplementedError("compiled only")
 
@@ -235,7 +256,7 @@ def _cols_of(w):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
 
 
 @njit(parallel=True, cache=True, boundscheck=False, nogil=True)
-def product(x: np.ndarray, w, y: np.ndarray) -> None:  # type: ignore[no-untyped-def]  # pragma: no cover
+def product(x: np.ndarray, w: Any, y: np.ndarray) -> None:  # pragma: no cover
     """y [N, out] = x [N, in] w^T for a packed weight tuple (or a float weight)."""
     for t in prange(tiles(w)):
         tile(x, w, y, t)
