@@ -73,6 +73,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="compute and KV-cache dtype: auto = the checkpoint's own (fp32 for the default model, "
         "bf16 for a bf16 checkpoint), as a session's",
     )
+    parser.add_argument(
+        "--quant",
+        default="auto",
+        choices=["auto", "none", "int8", "q4"],
+        help="weight format: int8 (8-bit, groups of 32) or q4 (4-bit with scale and minimum per group of "
+        "32; the default model is then served from its GGUF's own blocks); none = floats; auto = the "
+        "checkpoint's own (docs/weights.md)",
+    )
     parser.add_argument("--max-tokens", type=int, default=256, help="stop after this many generated tokens")
     for flag, kind, default, text in SAMPLING_FLAGS:
         parser.add_argument(flag, type=kind, default=default, help=text)
@@ -125,12 +133,18 @@ def _run(args: argparse.Namespace, params) -> int:  # type: ignore[no-untyped-de
     from kafila.models.checkpoint import Checkpoint
     from kafila.models.registry import resolve
 
-    ckpt = Checkpoint.open(resolve(args.model), complete=True)
+    ckpt = Checkpoint.open(resolve(args.model, quant=args.quant), complete=True)
     ckpt.config.check_context(args.context, args.model)
     tok = Tokenizer.from_checkpoint(ckpt)
     prompt = _prompt_ids(tok, args)
     stage = Stage.load(
-        ckpt, range(ckpt.n_blocks), True, backend=args.backend, dtype=args.dtype, context=args.context
+        ckpt,
+        range(ckpt.n_blocks),
+        True,
+        backend=args.backend,
+        dtype=args.dtype,
+        context=args.context,
+        quant=args.quant,
     )
     timings, stream = Timings(), tok.stream()
     steps = generate(stage, prompt, params, eos_ids=tuple(tok.stop_ids), chunk=args.chunk, timings=timings)

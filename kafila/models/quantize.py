@@ -96,7 +96,7 @@ def write_safetensors(file: Path, entries: list[Entry], progress: bool = True, d
                 raise ValueError(
                     f"{spec.name}: made {a.dtype}{list(a.shape)}, header says {spec.dtype}{list(spec.shape)}"
                 )
-            f.write(memoryview(a).cast("B"))
+            f.write(a.tobytes())  # one tensor at a time: at most one copy
             bar.update(a.nbytes)
     return offset
 
