@@ -63,7 +63,9 @@ def test_packed_products_match_the_dequantized_matrix_and_rows_do_not_depend_on_
     torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-5)
     for r in range(7):
         assert torch.equal(lin(x[r : r + 1])[0], y[r])  # the same bits alone as in a batch of 7
-    torch.testing.assert_close(lin.dequantized(slice(None), torch.float32), torch.from_numpy(quant.dequantize(p)))
+    torch.testing.assert_close(
+        lin.dequantized(slice(None), torch.float32), torch.from_numpy(quant.dequantize(p))
+    )
 
 
 def _dequantized_copy(src: Path, dst: Path) -> Path:
@@ -84,7 +86,11 @@ def _dequantized_copy(src: Path, dst: Path) -> Path:
             parts = ckpt.read([n for n in (base + "scales", base + "mins") if n in specs])
             data = np.frombuffer(raw, dtype=np.int8 if fmt == "int8" else np.uint8).reshape(info.shape)
             scales = np.frombuffer(parts[base + "scales"][1], np.float16).reshape(info.shape[0], -1)
-            mins = np.frombuffer(parts[base + "mins"][1], np.float16).reshape(scales.shape) if fmt == "q4" else None
+            mins = (
+                np.frombuffer(parts[base + "mins"][1], np.float16).reshape(scales.shape)
+                if fmt == "q4"
+                else None
+            )
             w = quant.dequantize(quant.from_entries(fmt, data, scales, mins))
         else:
             w = np.frombuffer(raw, np.float32).reshape(info.shape)
@@ -104,7 +110,9 @@ def packed(tiny_checkpoint, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_a_packed_folder_is_priced_exactly_as_the_float_folder_in_that_format(tiny_checkpoint, packed, fmt) -> None:
+def test_a_packed_folder_is_priced_exactly_as_the_float_folder_in_that_format(
+    tiny_checkpoint, packed, fmt
+) -> None:
     """The manifest of the written folder (its headers' bytes), the pricing of the float folder in
     the format (quantize on load), the bytes a stage loads and the bytes the model holds agree."""
     src = Checkpoint.open(tiny_checkpoint("llama-gqa3-tied"))
@@ -112,7 +120,10 @@ def test_a_packed_folder_is_priced_exactly_as_the_float_folder_in_that_format(ti
     assert ckpt.stored_format == fmt
     stored, priced = ckpt.manifest(), src.manifest("F32", fmt)
     assert stored == priced and stored.quant == fmt
-    assert build_manifest(specs_from_config(src.config, "F32"), src.config, quant=fmt).block_bytes == stored.block_bytes
+    assert (
+        build_manifest(specs_from_config(src.config, "F32"), src.config, quant=fmt).block_bytes
+        == stored.block_bytes
+    )
     stage = Stage.load(ckpt, range(1, 4), False, backend="torch", dtype="fp32", context=16)
     assert stage.bytes_loaded == sum(stored.block_bytes[1:4])  # norms included, as the manifest
     held = sum(
@@ -194,3 +205,42 @@ def test_the_default_models_own_gguf_blocks_are_served_packed_and_priced_as_llam
     # Q4_1 blocks (20 bytes per 32 weights) and norms; the Q8_0 embedding read as one row per token
     assert sum(m.block_bytes) == 66_493_440
     assert sum(m.block_bytes) + m.head_read_bytes == 96_577_380  # llama.cpp: 96.6 MB per token
+
+
+PERPLEXITY_TEXT = Path(__file__).parent.parent / "data" / "perplexity.txt"
+# Measured on the default model (docs/weights.md): none 8.72, int8 8.79, q4 8.72 (the GGUF's own blocks,
+# the same values as the F32 folder); each format may be at most this much above the F32 model's.
+PERPLEXITY_MARGIN = {"none": 1.0, "int8": 1.02, "q4": 1.01}
+
+
+def perplexity(stage: Stage, ids: list[int]) -> float:
+    """exp of the mean negative log-likelihood of ids[1:] given the ids before (one prefill)."""
+    stage.open("p")
+    [h] = stage.forward([("p", 0, stage.embed(ids[:-1]))])
+    logits = torch.from_numpy(stage.logits(h))  # [T-1, V]
+    stage.close("p")
+    nll = torch.nn.functional.cross_entropy(logits.double(), torch.tensor(ids[1:]))
+    return float(torch.exp(nll))
+
+
+@pytest.mark.slow
+def test_the_default_model_keeps_its_perplexity_and_its_answer_in_every_format(smollm2_path) -> None:
+    from kafila.engine.generate import generate
+    from kafila.engine.sampler import SamplingParams
+    from kafila.engine.tokenizer import Tokenizer
+    from kafila.models.registry import resolve
+
+    base = Checkpoint.open(smollm2_path)
+    tok = Tokenizer.from_checkpoint(base)
+    text = tok.encode(PERPLEXITY_TEXT.read_text())
+    question = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}], True)
+    ppl: dict[str, float] = {}
+    for fmt in ("none", "int8", "q4"):
+        ckpt = Checkpoint.open(resolve("smollm2-135m", progress=False, quant=fmt))
+        stage = Stage.load(ckpt, range(30), True, backend="torch", dtype="fp32", context=512, quant=fmt)
+        ppl[fmt] = perplexity(stage, text)
+        answer = generate(stage, question, SamplingParams(0.0, 0, 1.0, None, 12), eos_ids=tuple(tok.stop_ids))
+        assert "Paris" in tok.decode(list(answer)), fmt
+    print("perplexity", {k: round(v, 3) for k, v in ppl.items()})
+    for fmt, margin in PERPLEXITY_MARGIN.items():
+        assert ppl[fmt] <= ppl["none"] * margin, ppl
