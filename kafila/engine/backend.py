@@ -43,7 +43,8 @@ def configure_openmp() -> None:
     os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
 
 
-_NP = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # bf16 travels as raw uint16
+# bf16 travels as raw uint16; I8/U8: packed weights (kafila.models.quant)
+_NP = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I8": np.int8, "U8": np.uint8}
 
 
 class BackendError(ValueError):

@@ -244,3 +244,49 @@ def test_the_default_model_keeps_its_perplexity_and_its_answer_in_every_format(s
     print("perplexity", {k: round(v, 3) for k, v in ppl.items()})
     for fmt, margin in PERPLEXITY_MARGIN.items():
         assert ppl[fmt] <= ppl["none"] * margin, ppl
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_mlx_serves_a_packed_folder_with_its_quantized_matmul_as_torch_does(packed, fmt) -> None:
+    """MLX (mlx[cpu] here) runs the same packed numbers through mx.quantized_matmul: its logits
+    match torch's packed model within float32 summation order, and its split stages match its own
+    single stage exactly through the wire bytes."""
+    pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'kafila[mlx]')")
+    ckpt = Checkpoint.open(packed[fmt])
+
+    def run(backend: str, splits: list[tuple[int, int]]) -> list[np.ndarray]:
+        stages = [
+            Stage.load(ckpt, range(a, b), i == 0, backend=backend, dtype="fp32", context=32)
+            for i, (a, b) in enumerate(splits)
+        ]
+        for s in stages:
+            s.open("r")
+        out = []
+        for start, ids in ((0, [5, 9, 1, 77]), (4, [120, 3]), (6, [64])):
+            h = stages[0].embed(ids)
+            for s in stages:
+                h = s.from_bytes(stages[0].to_bytes(h), tuple(h.shape))
+                [h] = s.forward([("r", start, h)])
+            out.append(stages[0].logits(h[-1]))
+        return out
+
+    mlx_full = run("mlx", [(0, 5)])
+    for a, b in zip(mlx_full, run("torch", [(0, 5)]), strict=True):
+        np.testing.assert_allclose(a, b, atol=LOGIT_ATOL, rtol=0)
+    for a, b in zip(run("mlx", [(0, 3), (3, 5)]), mlx_full, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_products_past_the_kernels_rows_take_dequantized_tiles_and_torch_matmul(fmt, monkeypatch) -> None:
+    """The path CUDA and large prefill chunks take (torch ops only; tiles of TILE_ROWS output rows)."""
+    from kafila.models.torch import packed as packed_mod
+
+    monkeypatch.setattr(packed_mod, "TILE_ROWS", 16)  # several tiles and a partial one
+    rng = np.random.default_rng(3)
+    p = quant.quantize(rng.standard_normal((40, 2 * GROUP)).astype(np.float32), fmt)
+    lin = packed_mod.PackedLinear.from_packed(p, torch.device("cpu"))
+    x = torch.from_numpy(rng.standard_normal((packed_mod.KERNEL_ROWS + 3, 2 * GROUP)).astype(np.float32))
+    ref = x.double() @ torch.from_numpy(quant.dequantize(p)).double().T
+    torch.testing.assert_close(lin(x).double(), ref, atol=1e-4, rtol=1e-5)
+    assert lin(x.bfloat16()).dtype == torch.bfloat16
