@@ -27,7 +27,7 @@ from numba.extending import overload
 from kafila.models.torch.few_rows import _dot_1 as dot_1
 from kafila.models.torch.few_rows import _dot_2 as dot_2
 from kafila.models.torch.few_rows import _dot_3 as dot_3
-from kafila.models.torch.few_rows import bits_to_f32, product_tile
+from kafila.models.torch.few_rows import product_tile
 from kafila.models.torch.few_rows import tiles as float_tiles
 
 GROUP = 32
@@ -35,32 +35,37 @@ HALF = 16
 QTILE = 32  # output rows per parallel task (a multiple of 4)
 
 
-@njit(cache=True, nogil=True, inline="always")
-def f16(h: np.uint16) -> np.float32:  # pragma: no cover (compiled)
-    """float16 bits -> the float32 of the same value (exact for every finite one: the exponent
-    rebased by multiplying by 2**112, which also turns subnormals into normal float32s)."""
-    u = np.uint32(h)
-    mag = bits_to_f32((u & np.uint32(0x7FFF)) << np.uint32(13)) * np.float32(5.192296858534828e33)
-    return -mag if u & np.uint32(0x8000) else mag
-
-
 def _group_decoder(q4: bool):  # type: ignore[no-untyped-def]
-    """A compiled intrinsic `decode(data, row, g, d, m, ws, a)`: ws[a, 32 g : 32 g + 32] = the 32
-    weights of group g of packed row `row`, as float32 (q4: d * q + m from 16 bytes' low then high
-    nibbles; int8: d * q from 32 bytes, m unused). Written as LLVM IR on whole vectors (one load,
-    one convert, one multiply-add, one store per half), which numba's loops did not vectorize."""
+    """A compiled intrinsic `decode(data, row, g, scales, mins, ws, a)`: ws[a, 32 g : 32 g + 32] =
+    the 32 weights of group g of packed row `row`, as float32 (q4: d * q + m from 16 bytes' low
+    then high nibbles; int8: d * q from 32 bytes, `mins` unused), d = scales[row, g] and
+    m = mins[row, g] float16 bits widened by LLVM's `fpext` (one vcvtph2ps on x86 with F16C, every
+    x86-64 CPU since 2012; a native conversion on ARM). Written as LLVM IR on whole vectors (one
+    load, one convert, one multiply-add, one store per half), which numba's loops did not vectorize."""
     n = HALF if q4 else GROUP
 
     @intrinsic
-    def decode(typingctx, data, row, g, d, m, ws, a):  # type: ignore[no-untyped-def]
-        if not all(isinstance(t, types.Array) and t.layout == "C" and t.ndim == 2 for t in (data, ws)):
+    def decode(typingctx, data, row, g, scales, mins, ws, a):  # type: ignore[no-untyped-def]
+        if not all(
+            isinstance(t, types.Array) and t.layout == "C" and t.ndim == 2 for t in (data, ws, scales, mins)
+        ):
             return None
 
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
             da = context.make_array(signature.args[0])(context, builder, args[0])
             wa = context.make_array(signature.args[5])(context, builder, args[5])
-            row_, g_, dv, mv, a_ = args[1], args[2], args[3], args[4], args[6]
+            row_, g_, a_ = args[1], args[2], args[6]
             intp = row_.type
+
+            def half(i: int) -> ir.Value:  # scales/mins[row, g] as float32
+                arr = context.make_array(signature.args[i])(context, builder, args[i])
+                at_ = builder.add(builder.mul(row_, builder.extract_value(arr.shape, 1)), g_)
+                bits = builder.load(
+                    builder.gep(builder.bitcast(arr.data, ir.IntType(16).as_pointer()), [at_])
+                )
+                return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
+
+            dv, mv = half(3), half(4)
             src = builder.gep(
                 da.data,
                 [
@@ -79,7 +84,6 @@ def _group_decoder(q4: bool):  # type: ignore[no-untyped-def]
             )
             i8v = ir.VectorType(ir.IntType(8), n)
             fv = ir.VectorType(ir.FloatType(), HALF)
-            raw = builder.load(builder.bitcast(src, i8v.as_pointer()), align=1)
 
             def splat(v: ir.Value) -> ir.Value:
                 undef = ir.Constant(fv, ir.Undefined)
@@ -90,23 +94,24 @@ def _group_decoder(q4: bool):  # type: ignore[no-untyped-def]
 
             dd, mm = splat(dv), splat(mv)
             if q4:
+                raw = builder.load(builder.bitcast(src, i8v.as_pointer()), align=1)
                 lo = builder.and_(raw, ir.Constant(i8v, [15] * n))
                 hi = builder.lshr(raw, ir.Constant(i8v, [4] * n))
                 halves = [builder.uitofp(lo, fv), builder.uitofp(hi, fv)]
                 halves = [builder.fadd(builder.fmul(h, dd), mm) for h in halves]
-            else:
-                wide = builder.sitofp(raw, ir.VectorType(ir.FloatType(), GROUP))
-                idx = [
-                    ir.Constant(ir.VectorType(ir.IntType(32), HALF), list(range(k, k + HALF)))
+            else:  # two 16-byte halves, each widened to 16 floats
+                half_v = ir.VectorType(ir.IntType(8), HALF)
+                loads = [
+                    builder.load(builder.bitcast(builder.gep(src, [intp(k)]), half_v.as_pointer()), align=1)
                     for k in (0, HALF)
                 ]
-                halves = [builder.fmul(builder.shuffle_vector(wide, wide, i), dd) for i in idx]
+                halves = [builder.fmul(builder.sitofp(v, fv), dd) for v in loads]
             for k, h in enumerate(halves):
                 p = builder.gep(dst, [intp(k * HALF)])
                 builder.store(h, builder.bitcast(p, fv.as_pointer()), align=4)
             return context.get_dummy_value()
 
-        sig = types.void(data, row, g, types.float32, types.float32, ws, a)
+        sig = types.void(data, row, g, scales, mins, ws, a)
         return sig, codegen
 
     return decode
@@ -124,7 +129,7 @@ def _q4_rows(
     for a in range(4):
         row = min(o + a, out - 1)
         for g in range(scales.shape[1]):
-            _decode_q4(data, row, g, f16(scales[row, g]), f16(mins[row, g]), ws, a)
+            _decode_q4(data, row, g, scales, mins, ws, a)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -134,7 +139,7 @@ def _i8_rows(data: np.ndarray, scales: np.ndarray, o: int, ws: np.ndarray) -> No
     for a in range(4):
         row = min(o + a, out - 1)
         for g in range(scales.shape[1]):
-            _decode_i8(data, row, g, f16(scales[row, g]), np.float32(0.0), ws, a)
+            _decode_i8(data, row, g, scales, scales, ws, a)
 
 
 @njit(cache=True, nogil=True, boundscheck=False, fastmath=False)
