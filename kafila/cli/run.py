@@ -153,7 +153,9 @@ def _run(args: argparse.Namespace, params) -> int:  # type: ignore[no-untyped-de
         sys.stdout.write(stream.push(token))
         sys.stdout.flush()
     sys.stdout.write(stream.flush() + "\n")
-    print(_summary(timings, str(stage.backend), _length_limit(args, len(prompt))), file=sys.stderr)
+    weights = getattr(stage.model, "quant", "none")
+    backend = str(stage.backend) + ("" if weights == "none" else f", {weights} weights")
+    print(_summary(timings, backend, _length_limit(args, len(prompt))), file=sys.stderr)
     return 0
 
 
