@@ -11,6 +11,7 @@ from typing import Any
 
 from kafila.cli.argtypes import count
 from kafila.cli.host import add_objective_flag
+from kafila.engine import QUANT_CHOICES
 
 DIVISION_CHOICES = ("kafila", "uniform", "memory", "all")
 
@@ -51,7 +52,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quant",
         default="auto",
-        choices=["auto", "none", "int8", "q4"],
+        choices=QUANT_CHOICES,
         help="weight format the blocks are priced in: int8 (1.06 bytes per weight) or q4 (0.625), the "
         "embedding/unembedding in int8 (docs/weights.md); auto = as the folder stores them (floats "
         "for a preset)",

@@ -8,7 +8,7 @@ from typing import TextIO
 
 from kafila.cli.argtypes import positive_int
 from kafila.cli.host import add_threads_flag
-from kafila.engine import DTYPE_CHOICES, PREFILL_CHUNK
+from kafila.engine import DTYPE_CHOICES, PREFILL_CHUNK, QUANT_CHOICES
 
 # kafila.engine.sampler's settings, as the API takes them per request: (flag, type, default, help)
 SAMPLING_FLAGS: list[tuple[str, type, float | int | None, str]] = [
@@ -76,7 +76,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quant",
         default="auto",
-        choices=["auto", "none", "int8", "q4"],
+        choices=QUANT_CHOICES,
         help="weight format: int8 (8-bit, groups of 32) or q4 (4-bit with scale and minimum per group of "
         "32; the default model is then served from its GGUF's own blocks); none = floats; auto = the "
         "checkpoint's own (docs/weights.md)",

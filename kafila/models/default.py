@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import struct
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -399,30 +398,21 @@ def _dequantized(gf: GGUFFile, tensor: GGUFTensor, name: str, config: dict[str, 
 
 
 def _write_safetensors(gf: GGUFFile, config: dict[str, Any], file: Path, progress: bool, desc: str) -> None:
-    """Stream one tensor at a time: header from the GGUF shapes, then each dequantized tensor,
-    sorted by Hugging Face name as safetensors writes them."""
-    from tqdm import tqdm
+    """Stream one tensor at a time (kafila.models.quantize.write_safetensors): header from the
+    GGUF shapes, then each tensor dequantized to F32, sorted by Hugging Face name."""
+    from kafila.models import quantize
+    from kafila.models.manifest import TensorSpec
 
-    tensors = sorted((hf_name(t.name), t) for t in gf.tensors if t.name != "rope_freqs.weight")
+    tensors = [(hf_name(t.name), t) for t in gf.tensors if t.name != "rope_freqs.weight"]
     config["tie_word_embeddings"] = all(name != "lm_head.weight" for name, _ in tensors)
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, t in tensors:
-        header[name] = {
-            "dtype": "F32",
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + 4 * t.numel],
-        }
-        offset += 4 * t.numel
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
-    bar = tqdm(total=offset, unit="B", unit_scale=True, desc=desc, file=sys.stderr, disable=not progress)
-    with open(file, "wb") as f, bar:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        for name, t in tensors:
-            w = _dequantized(gf, t, name, config)
-            f.write(memoryview(w).cast("B"))
-            bar.update(w.nbytes)
+    entries: list[quantize.Entry] = [
+        (TensorSpec(name, "F32", t.shape), _f32_dequantizer(gf, t, name, config)) for name, t in tensors
+    ]
+    quantize.write_safetensors(file, entries, progress, desc)
+
+
+def _f32_dequantizer(gf: GGUFFile, t: GGUFTensor, name: str, config: dict[str, Any]) -> Any:
+    return lambda: _dequantized(gf, t, name, config)
 
 
 def _write_packed(gf: GGUFFile, config: dict[str, Any], file: Path, progress: bool, desc: str) -> None:

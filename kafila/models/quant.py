@@ -36,12 +36,11 @@ class Packed:
 
     @property
     def shape(self) -> tuple[int, int]:
-        out, cols = self.data.shape
-        return (out, cols * 2 if self.fmt == "q4" else cols)
+        return matrix_shape(self.fmt, self.data.shape)
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes + self.scales.nbytes + (0 if self.mins is None else self.mins.nbytes)
+        return sum(a.nbytes for a in (self.data, self.scales, self.mins) if a is not None)
 
     def entries(self, name: str) -> dict[str, np.ndarray]:
         """Safetensors entries for a matrix named `name` (ending in "weight")."""
@@ -57,6 +56,12 @@ class Packed:
         return Packed(
             self.fmt, np.ascontiguousarray(self.data[index]), np.ascontiguousarray(self.scales[index]), mins
         )
+
+
+def matrix_shape(fmt: str, data_shape: tuple[int, ...]) -> tuple[int, int]:
+    """The [out, in] a packed `data` array of this shape stands for (two q4 values per byte)."""
+    out, cols = data_shape
+    return (out, cols * 2 if fmt == "q4" else cols)
 
 
 def quantize(w: np.ndarray, fmt: str) -> Packed:

@@ -22,35 +22,18 @@ def test_quantize_writes_a_packed_folder_that_kafila_run_serves(tiny_checkpoint,
     from kafila.models.checkpoint import Checkpoint
 
     out = tmp_path / "tiny-q4"
-    assert (
-        main(
-            [
-                "models",
-                "--quantize",
-                "q4",
-                "--model",
-                str(tiny_checkpoint("llama-gqa3-tied")),
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    args = [
+        "models",
+        "--quantize",
+        "q4",
+        "--model",
+        str(tiny_checkpoint("llama-gqa3-tied")),
+        "--out",
+        str(out),
+    ]
+    assert main(args) == 0
     ckpt = Checkpoint.open(out, complete=True)
     assert ckpt.stored_format == "q4" and ckpt.manifest().quant == "q4"
     capsys.readouterr()
-    assert (
-        main(
-            [
-                "models",
-                "--quantize",
-                "q4",
-                "--model",
-                str(tiny_checkpoint("llama-gqa3-tied")),
-                "--out",
-                str(out),
-            ]
-        )
-        == 2
-    )
+    assert main(args) == 2
     assert "already exists" in capsys.readouterr().err

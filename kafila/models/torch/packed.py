@@ -62,13 +62,11 @@ class PackedLinear:
 
     @property
     def shape(self) -> tuple[int, int]:
-        out, cols = self.data.shape
-        return (out, cols * 2 if self.fmt == "q4" else cols)
+        return quant.matrix_shape(self.fmt, tuple(self.data.shape))
 
     @property
     def nbytes(self) -> int:
-        parts = [self.data, self.scales] + ([] if self.mins is None else [self.mins])
-        return sum(t.numel() * t.element_size() for t in parts)
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.mins) if t is not None)
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         """numpy views for quant_cpu: (data, scale bits) or (data, scale bits, min bits)."""
