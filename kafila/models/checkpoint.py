@@ -31,11 +31,7 @@ from typing import Any
 from kafila.models.config import ConfigError, ModelConfig
 from kafila.models.manifest import (
     DTYPE_BYTES,
-    EMBED,
-    FINAL_NORM,
     LM_HEAD,
-    MINS,
-    SCALES,
     Manifest,
     TensorSpec,
     block_index,
@@ -43,6 +39,7 @@ from kafila.models.manifest import (
     logical_shape,
     packed_format,
     specs_from_config,
+    stage_tensors,
 )
 
 SINGLE_FILE = "model.safetensors"
@@ -172,13 +169,7 @@ class Checkpoint:
                 f"{self.path}: block range [{blocks.start}, {blocks.stop}) step {blocks.step} "
                 f"is not inside the model's {self.n_blocks} blocks"
             )
-        wanted = {EMBED, FINAL_NORM, LM_HEAD} if head else set()
-        wanted |= {n.removesuffix("weight") + part for n in wanted for part in (SCALES, MINS)}
-        names = [
-            t.name
-            for t in self.tensors.values()
-            if t.name in wanted or ((i := block_index(t.name)) is not None and i in blocks)
-        ]
+        names = stage_tensors(self.tensors, blocks, head)
         return sorted(names, key=lambda n: (str(self.tensors[n].file), self.tensors[n].start))
 
     def read(self, names: list[str] | tuple[str, ...] | set[str]) -> dict[str, tuple[TensorInfo, bytearray]]:

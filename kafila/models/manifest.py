@@ -116,6 +116,14 @@ def block_index(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def stage_tensors(names: Iterable[str], blocks: range, head: bool) -> list[str]:
+    """The tensors among `names` a stage of blocks [a, b) (and the head) reads: its blocks' and,
+    with `head`, the embedding, final norm and lm_head with their packed scales and minimums."""
+    wanted = {EMBED, FINAL_NORM, LM_HEAD} if head else set()
+    wanted |= {n.removesuffix("weight") + part for n in wanted for part in (SCALES, MINS)}
+    return [n for n in names if n in wanted or ((i := block_index(n)) is not None and i in blocks)]
+
+
 def packed_bytes(fmt: str, rows: int, cols: int) -> int:
     """Bytes of a [rows, cols] matrix in weight format `fmt` ("int8" or "q4"), scales included."""
     if cols % GROUP:

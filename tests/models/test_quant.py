@@ -290,3 +290,14 @@ def test_products_past_the_kernels_rows_take_dequantized_tiles_and_torch_matmul(
     ref = x.double() @ torch.from_numpy(quant.dequantize(p)).double().T
     torch.testing.assert_close(lin(x).double(), ref, atol=1e-4, rtol=1e-5)
     assert lin(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_the_head_stage_reads_the_packed_embeddings_scales_with_it(packed) -> None:
+    """manifest.stage_tensors, which Checkpoint.names_for uses (and session.weights.shard_names
+    should: see docs/engine-quant.md), lists a packed head matrix's scales with it."""
+    from kafila.models.manifest import stage_tensors
+
+    ckpt = Checkpoint.open(packed["q4"])
+    names = stage_tensors(ckpt.tensors, range(0, 0), True)
+    assert sorted(names) == ["model.embed_tokens.scales", "model.embed_tokens.weight", "model.norm.weight"]
+    assert ckpt.names_for(range(0, 0), True) == sorted(names, key=lambda n: ckpt.tensors[n].start)
