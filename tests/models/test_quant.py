@@ -142,10 +142,12 @@ def test_a_member_holding_some_blocks_of_a_packed_folder_reads_only_their_packed
     assert ckpt.bytes_read == m.block_bytes[2] == sum(m.block_bytes) // 5
 
 
-def _logits(ckpt: Checkpoint, quant_fmt: str, splits: list[tuple[int, int]], wire: bool) -> list[np.ndarray]:
+def _logits(
+    ckpt: Checkpoint, quant_fmt: str, splits: list[tuple[int, int]], wire: bool, dtype: str = "fp32"
+) -> list[np.ndarray]:
     """Prefill a prompt in two chunks, then greedy decode 4 steps through stages `splits`."""
     stages = [
-        Stage.load(ckpt, range(a, b), i == 0, backend="torch", dtype="fp32", context=32, quant=quant_fmt)
+        Stage.load(ckpt, range(a, b), i == 0, backend="torch", dtype=dtype, context=32, quant=quant_fmt)
         for i, (a, b) in enumerate(splits)
     ]
     out: list[np.ndarray] = []
@@ -176,11 +178,12 @@ def test_packed_logits_match_the_dequantized_fp32_reference(packed, tmp_path, fm
         np.testing.assert_allclose(g, w, atol=LOGIT_ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_split_stages_through_wire_bytes_give_exactly_the_single_stage_logits(packed, fmt) -> None:
+def test_split_stages_through_wire_bytes_give_exactly_the_single_stage_logits(packed, fmt, dtype) -> None:
     ckpt = Checkpoint.open(packed[fmt])
-    full = _logits(ckpt, fmt, [(0, 5)], False)
-    split = _logits(ckpt, fmt, [(0, 2), (2, 4), (4, 5)], True)
+    full = _logits(ckpt, fmt, [(0, 5)], False, dtype)
+    split = _logits(ckpt, fmt, [(0, 2), (2, 4), (4, 5)], True, dtype)
     for a, b in zip(full, split, strict=True):
         np.testing.assert_array_equal(a, b)
 
