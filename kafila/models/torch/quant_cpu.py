@@ -1,17 +1,22 @@
 """Few-row products with packed weights (int8, q4) on the CPU, compiled by numba.
 
 `tile(x, w, y, t)` computes output rows [t * QTILE, (t + 1) * QTILE) of y = x W^T for x [N, in]
-float32, reading each packed weight byte once for all N rows: a group of 32 weights is decoded
-into float32 (scale * q (+ min), in registers) and multiplied into every row's accumulators before
-the next group is read. `w` is a tuple of numpy arrays, as `weight_arrays` makes them: (data int8
-[out, in], scales) for int8 or (data uint8 [out, in/2], scales, mins) for q4, scales and minimums
-as float16 bits (uint16), widened exactly as they are read. A float weight (float32 array, or bf16
-bits) goes to few_rows.product_tile, so `decode_cpu.block_step` takes any format through these
-generic `tiles`/`tile`/`rows_of`/`cols_of`.
+float32, reading each packed weight byte once per call for all N rows: four weight rows at a time,
+each group of 32 weights is decoded into float32 vectors (scale * q (+ min), in registers) and
+multiplied into the first pass's rows' accumulators (`_fused_dot`); later passes, for batches of
+more rows, read the decoded rows back from L1. `w` is a tuple of numpy arrays (PackedLinear.arrays):
+(data int8 [out, in], scales) for int8 or (data uint8 [out, in/2], scales, mins) for q4, scales
+and minimums as float16 bits (uint16), widened exactly as they are read. A float weight (float32
+array, or bf16 bits) goes to few_rows.product_tile, so `decode_cpu.block_step` takes any format
+through these generic `tiles`/`tile`/`rows_of`/`cols_of`.
 
 Each row accumulates in 16 lanes (lane l: inputs l, l + 16 of every group, in group order), then
-adds its lanes in order: a row's bits depend on nothing but its own input, never on the other rows
-of the call (no fast-math: LLVM may vectorize across lanes, not reorder a lane's additions).
+adds its lanes in one fixed tree: a row's bits depend on nothing but its own input, never on the
+other rows of the call or the pass that computed it (tests/models/test_quant.py).
+
+Measured on one thread of this loaded 2-core machine (best of 15, a 1536 x 576 matrix, cached):
+1 row q4 97 us / int8 80 us (the decode-to-L1-then-dot version before it: 130 / 133), 4 rows
+117 / 115 (153 / 177), 7 rows 180 / 157 (203 / 227).
 """
 
 from __future__ import annotations
@@ -21,170 +26,215 @@ from typing import Any
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.core.extending import intrinsic
 from numba.extending import overload
 
-from kafila.models.torch.few_rows import _dot_1 as dot_1
-from kafila.models.torch.few_rows import _dot_2 as dot_2
-from kafila.models.torch.few_rows import _dot_3 as dot_3
-from kafila.models.torch.few_rows import product_tile
+from kafila.models.torch.few_rows import VF, product_tile
 from kafila.models.torch.few_rows import tiles as float_tiles
 
 GROUP = 32
 HALF = 16
+_F32 = ir.FloatType()
+_V = ir.VectorType(_F32, HALF)
+_I32 = ir.IntType(32)
 QTILE = 32  # output rows per parallel task (a multiple of 4)
 
 
-def _group_decoder(q4: bool):  # type: ignore[no-untyped-def]
-    """A compiled intrinsic `decode(data, row, g, scales, mins, ws, a)`: ws[a, 32 g : 32 g + 32] =
-    the 32 weights of group g of packed row `row`, as float32 (q4: d * q + m from 16 bytes' low
-    then high nibbles; int8: d * q from 32 bytes, `mins` unused), d = scales[row, g] and
-    m = mins[row, g] float16 bits widened by LLVM's `fpext` (one vcvtph2ps on x86 with F16C, every
-    x86-64 CPU since 2012; a native conversion on ARM). Written as LLVM IR on whole vectors (one
-    load, one convert, one multiply-add, one store per half), which numba's loops did not vectorize."""
-    n = HALF if q4 else GROUP
+def _fused_dot(nr: int, q4: bool, mode: str):  # type: ignore[no-untyped-def]
+    """A compiled intrinsic `dot(x, r, data, scales, mins, o0, o1, o2, o3, ys, ws)`: ys[r + a, b]
+    = x[r + a] . W[o_b] for a < nr and four packed weight rows o_b, in one pass over the groups.
+    Per group of 32 and weight row: the scale (and minimum) widened from float16 by `fpext`, the
+    16 bytes (q4: low then high nibbles; int8: two halves) converted to two float32 vectors of 16
+    as d * q (+ m) (the values quant.dequantize gives), and multiply-added (`llvm.fmuladd`) into
+    that (row, weight row)'s 16-lane accumulator: inputs 32 g + l and 32 g + 16 + l go to lane l,
+    groups in order; the lanes are added in one fixed halving tree. No fast-math: the additions
+    of a row never depend on nr or on the other rows. mode "decode" decodes from the packed
+    bytes; "keep" also stores the decoded rows into ws [4, in] (b-th row); "load" reads them from
+    ws (an earlier pass's): the same values, the same additions, the same bits."""
 
     @intrinsic
-    def decode(typingctx, data, row, g, scales, mins, ws, a):  # type: ignore[no-untyped-def]
-        if not all(
-            isinstance(t, types.Array) and t.layout == "C" and t.ndim == 2 for t in (data, ws, scales, mins)
-        ):
-            return None
-
+    def dot(typingctx, x, r, data, scales, mins, o0, o1, o2, o3, ys, wsbuf):  # type: ignore[no-untyped-def]
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            da = context.make_array(signature.args[0])(context, builder, args[0])
-            wa = context.make_array(signature.args[5])(context, builder, args[5])
-            row_, g_, a_ = args[1], args[2], args[6]
-            intp = row_.type
-
-            def half(i: int) -> ir.Value:  # scales/mins[row, g] as float32
-                arr = context.make_array(signature.args[i])(context, builder, args[i])
-                at_ = builder.add(builder.mul(row_, builder.extract_value(arr.shape, 1)), g_)
-                bits = builder.load(
-                    builder.gep(builder.bitcast(arr.data, ir.IntType(16).as_pointer()), [at_])
-                )
-                return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
-
-            dv, mv = half(3), half(4)
-            src = builder.gep(
-                da.data,
-                [
-                    builder.add(
-                        builder.mul(row_, builder.extract_value(da.shape, 1)), builder.mul(g_, intp(n))
-                    )
-                ],
+            arr = [
+                context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 3, 4, 9, 10)
+            ]
+            xa, da, sa, ma, ya, wa = arr
+            r0, outs = args[1], args[5:9]
+            intp = r0.type
+            k = builder.extract_value(xa.shape, 1)
+            dcols = builder.extract_value(da.shape, 1)
+            groups = builder.extract_value(sa.shape, 1)
+            mad = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_V, [_V] * 3), "llvm.fmuladd.v16f32"
             )
-            dst = builder.gep(
-                wa.data,
-                [
-                    builder.add(
-                        builder.mul(a_, builder.extract_value(wa.shape, 1)), builder.mul(g_, intp(GROUP))
+            zero = ir.Constant(_V, [0.0] * HALF)
+            acc = [[cgutils.alloca_once_value(builder, zero) for _ in outs] for _ in range(nr)]
+            xrows = [builder.gep(xa.data, [builder.mul(builder.add(r0, intp(a)), k)]) for a in range(nr)]
+            i16p = ir.IntType(16).as_pointer()
+
+            def half(a_: Any, o: ir.Value, g: ir.Value) -> ir.Value:  # scales/mins[o, g] as float32
+                at = builder.add(builder.mul(o, groups), g)
+                bits = builder.load(builder.gep(builder.bitcast(a_.data, i16p), [at]))
+                return builder.fpext(builder.bitcast(bits, ir.HalfType()), _F32)
+
+            def splat(v: ir.Value) -> ir.Value:  # v in all 16 lanes
+                u = ir.Constant(_V, ir.Undefined)
+                one = builder.insert_element(u, v, _I32(0))
+                return builder.shuffle_vector(one, u, ir.Constant(ir.VectorType(_I32, HALF), [0] * HALF))
+
+            with cgutils.for_range(builder, groups, intp=intp) as loop:
+                g = loop.index
+                xs = []
+                for a in range(nr):
+                    p = builder.gep(xrows[a], [builder.mul(g, intp(GROUP))])
+                    lo = builder.load(builder.bitcast(p, _V.as_pointer()), align=4)
+                    hi = builder.load(builder.bitcast(builder.gep(p, [intp(HALF)]), _V.as_pointer()), align=4)
+                    xs.append((lo, hi))
+                for b, o in enumerate(outs):
+                    wrow = builder.gep(
+                        wa.data, [builder.add(builder.mul(intp(b), k), builder.mul(g, intp(GROUP)))]
                     )
-                ],
-            )
-            i8v = ir.VectorType(ir.IntType(8), n)
-            fv = ir.VectorType(ir.FloatType(), HALF)
-
-            def splat(v: ir.Value) -> ir.Value:
-                undef = ir.Constant(fv, ir.Undefined)
-                one = builder.insert_element(undef, v, ir.IntType(32)(0))
-                return builder.shuffle_vector(
-                    one, undef, ir.Constant(ir.VectorType(ir.IntType(32), HALF), [0] * HALF)
-                )
-
-            dd, mm = splat(dv), splat(mv)
-            if q4:
-                raw = builder.load(builder.bitcast(src, i8v.as_pointer()), align=1)
-                lo = builder.and_(raw, ir.Constant(i8v, [15] * n))
-                hi = builder.lshr(raw, ir.Constant(i8v, [4] * n))
-                halves = [builder.uitofp(lo, fv), builder.uitofp(hi, fv)]
-                halves = [builder.fadd(builder.fmul(h, dd), mm) for h in halves]
-            else:  # two 16-byte halves, each widened to 16 floats
-                half_v = ir.VectorType(ir.IntType(8), HALF)
-                loads = [
-                    builder.load(builder.bitcast(builder.gep(src, [intp(k)]), half_v.as_pointer()), align=1)
-                    for k in (0, HALF)
-                ]
-                halves = [builder.fmul(builder.sitofp(v, fv), dd) for v in loads]
-            for k, h in enumerate(halves):
-                p = builder.gep(dst, [intp(k * HALF)])
-                builder.store(h, builder.bitcast(p, fv.as_pointer()), align=4)
+                    wp = [builder.bitcast(builder.gep(wrow, [intp(j)]), _V.as_pointer()) for j in (0, HALF)]
+                    if mode == "load":
+                        ws = [builder.load(p, align=4) for p in wp]
+                        for a in range(nr):
+                            cell = acc[a][b]
+                            v = builder.call(mad, [xs[a][0], ws[0], builder.load(cell)])
+                            builder.store(builder.call(mad, [xs[a][1], ws[1], v]), cell)
+                        continue
+                    d = splat(half(sa, o, g))
+                    src = builder.gep(
+                        da.data,
+                        [builder.add(builder.mul(o, dcols), builder.mul(g, intp(HALF if q4 else GROUP)))],
+                    )
+                    v8 = ir.VectorType(ir.IntType(8), HALF)
+                    if q4:
+                        m = splat(half(ma, o, g))
+                        raw = builder.load(builder.bitcast(src, v8.as_pointer()), align=1)
+                        ql = builder.uitofp(builder.and_(raw, ir.Constant(v8, [15] * HALF)), _V)
+                        qh = builder.uitofp(builder.lshr(raw, ir.Constant(v8, [4] * HALF)), _V)
+                        ws = [builder.fadd(builder.fmul(q, d), m) for q in (ql, qh)]
+                    else:
+                        raws = [
+                            builder.load(
+                                builder.bitcast(builder.gep(src, [intp(j)]), v8.as_pointer()), align=1
+                            )
+                            for j in (0, HALF)
+                        ]
+                        ws = [builder.fmul(builder.sitofp(v, _V), d) for v in raws]
+                    if mode == "keep":
+                        for v, p in zip(ws, wp, strict=True):
+                            builder.store(v, p, align=4)
+                    for a in range(nr):
+                        cell = acc[a][b]
+                        v = builder.call(mad, [xs[a][0], ws[0], builder.load(cell)])
+                        builder.store(builder.call(mad, [xs[a][1], ws[1], v]), cell)
+            for a in range(nr):
+                yrow = builder.gep(ya.data, [builder.mul(builder.add(r0, intp(a)), intp(4))])
+                for b in range(4):
+                    v = builder.load(acc[a][b])
+                    n = HALF
+                    while n > 1:
+                        n //= 2
+                        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+                        hi = builder.shuffle_vector(
+                            v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n)))
+                        )
+                        v = builder.fadd(lo, hi)
+                    builder.store(builder.extract_element(v, _I32(0)), builder.gep(yrow, [intp(b)]))
             return context.get_dummy_value()
 
-        sig = types.void(data, row, g, scales, mins, ws, a)
-        return sig, codegen
+        return types.void(x, r, data, scales, mins, o0, o1, o2, o3, ys, wsbuf), codegen
 
-    return decode
-
-
-_decode_q4, _decode_i8 = _group_decoder(True), _group_decoder(False)
+    return dot
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
-def _q4_rows(
-    data: np.ndarray, scales: np.ndarray, mins: np.ndarray, o: int, ws: np.ndarray
-) -> None:  # pragma: no cover
-    """ws [4, in] float32 = rows o..o+3 of a q4 matrix (rows past the end repeat the last one)."""
-    out = data.shape[0]
-    for a in range(4):
-        row = min(o + a, out - 1)
-        for g in range(scales.shape[1]):
-            _decode_q4(data, row, g, scales, mins, ws, a)
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def _i8_rows(data: np.ndarray, scales: np.ndarray, o: int, ws: np.ndarray) -> None:  # pragma: no cover
-    """ws [4, in] float32 = rows o..o+3 of an int8 matrix (rows past the end repeat the last one)."""
-    out = data.shape[0]
-    for a in range(4):
-        row = min(o + a, out - 1)
-        for g in range(scales.shape[1]):
-            _decode_i8(data, row, g, scales, scales, ws, a)
+_Q4 = {(n, m): _fused_dot(n, True, m) for n in (1, 2, 3, 4) for m in ("decode", "keep")}
+_I8 = {(n, m): _fused_dot(n, False, m) for n in (1, 2, 3, 4) for m in ("decode", "keep")}
+_LOAD = {n: _fused_dot(n, True, "load") for n in (1, 2, 3)}
+q4d1, q4d2, q4d3, q4d4 = (_Q4[(n, "decode")] for n in (1, 2, 3, 4))
+q4k3, q4k4 = _Q4[(3, "keep")], _Q4[(4, "keep")]
+i8d1, i8d2, i8d3, i8d4 = (_I8[(n, "decode")] for n in (1, 2, 3, 4))
+i8k3, i8k4 = _I8[(3, "keep")], _I8[(4, "keep")]
+ld1, ld2, ld3 = _LOAD[1], _LOAD[2], _LOAD[3]
+# x rows of the first (decoding) pass: four where the CPU has 32 vector registers (16 accumulators),
+# three otherwise, as few_rows.FIRST_ROWS.
+FIRST = 4 if VF == 16 else 3
 
 
 @njit(cache=True, nogil=True, boundscheck=False, fastmath=False)
-def _dot_four(
-    x: np.ndarray, ws: np.ndarray, ys: np.ndarray, y: np.ndarray, o: int
-) -> None:  # pragma: no cover
-    """y[:, o:o+4] = x [N, in] ws [4, in]^T through few_rows' dot passes (each row's sums in one
-    fixed order whatever N is), the four weight rows read from L1 for every pass."""
-    n = x.shape[0]
-    r = 0
-    while n - r >= 3:
-        dot_3(x, r, ws, 0, 1, 2, 3, ys)
-        r += 3
-    if n - r == 2:
-        dot_2(x, r, ws, 0, 1, 2, 3, ys)
-    elif n - r == 1:
-        dot_1(x, r, ws, 0, 1, 2, 3, ys)
-    for b in range(min(4, y.shape[1] - o)):
-        for r in range(n):
-            y[r, o + b] = ys[r, b]
-
-
-@njit(cache=True, nogil=True, boundscheck=False, fastmath=False)
-def q4_tile(
+def q4_tile(  # pragma: no cover (compiled)
     x: np.ndarray, data: np.ndarray, scales: np.ndarray, mins: np.ndarray, y: np.ndarray, t: int
-) -> None:  # pragma: no cover (compiled)
-    """Rows [t QTILE, (t + 1) QTILE) of y [N, out] = x [N, in] W^T, W q4: four rows at a time
-    decoded into float32 (in L1), then multiplied into every x row."""
+) -> None:
+    """Rows [t QTILE, (t + 1) QTILE) of y [N, out] = x [N, in] W^T, W q4, four weight rows at a
+    time: the first pass (up to FIRST x rows) decodes them from the packed bytes in registers, and
+    where more rows follow keeps the decoded rows in ws (L1) for the later passes of three."""
+    n = x.shape[0]
+    out = data.shape[0]
+    ys = np.empty((n, 4), np.float32)
     ws = np.empty((4, x.shape[1]), np.float32)
-    ys = np.empty((x.shape[0], 4), np.float32)
-    for o in range(t * QTILE, min(data.shape[0], (t + 1) * QTILE), 4):
-        _q4_rows(data, scales, mins, o, ws)
-        _dot_four(x, ws, ys, y, o)
+    for o in range(t * QTILE, min(out, (t + 1) * QTILE), 4):
+        o1, o2, o3 = min(o + 1, out - 1), min(o + 2, out - 1), min(o + 3, out - 1)
+        if n == 1:
+            q4d1(x, 0, data, scales, mins, o, o1, o2, o3, ys, ws)
+        elif n == 2:
+            q4d2(x, 0, data, scales, mins, o, o1, o2, o3, ys, ws)
+        elif n == 3:
+            q4d3(x, 0, data, scales, mins, o, o1, o2, o3, ys, ws)
+        elif n == 4 and FIRST == 4:
+            q4d4(x, 0, data, scales, mins, o, o1, o2, o3, ys, ws)
+        elif FIRST == 4:
+            q4k4(x, 0, data, scales, mins, o, o1, o2, o3, ys, ws)
+        else:
+            q4k3(x, 0, data, scales, mins, o, o1, o2, o3, ys, ws)
+        r = min(n, FIRST)
+        while n - r >= 3:
+            ld3(x, r, data, scales, mins, o, o1, o2, o3, ys, ws)
+            r += 3
+        if n - r == 2:
+            ld2(x, r, data, scales, mins, o, o1, o2, o3, ys, ws)
+        elif n - r == 1:
+            ld1(x, r, data, scales, mins, o, o1, o2, o3, ys, ws)
+        for b in range(min(4, out - o)):
+            for rr in range(n):
+                y[rr, o + b] = ys[rr, b]
 
 
 @njit(cache=True, nogil=True, boundscheck=False, fastmath=False)
-def i8_tile(
+def i8_tile(  # pragma: no cover (compiled)
     x: np.ndarray, data: np.ndarray, scales: np.ndarray, y: np.ndarray, t: int
-) -> None:  # pragma: no cover
-    """Rows [t QTILE, (t + 1) QTILE) of y [N, out] = x [N, in] W^T, W int8 (as q4_tile)."""
+) -> None:
+    """As q4_tile, for an int8 matrix."""
+    n = x.shape[0]
+    out = data.shape[0]
+    ys = np.empty((n, 4), np.float32)
     ws = np.empty((4, x.shape[1]), np.float32)
-    ys = np.empty((x.shape[0], 4), np.float32)
-    for o in range(t * QTILE, min(data.shape[0], (t + 1) * QTILE), 4):
-        _i8_rows(data, scales, o, ws)
-        _dot_four(x, ws, ys, y, o)
+    for o in range(t * QTILE, min(out, (t + 1) * QTILE), 4):
+        o1, o2, o3 = min(o + 1, out - 1), min(o + 2, out - 1), min(o + 3, out - 1)
+        if n == 1:
+            i8d1(x, 0, data, scales, scales, o, o1, o2, o3, ys, ws)
+        elif n == 2:
+            i8d2(x, 0, data, scales, scales, o, o1, o2, o3, ys, ws)
+        elif n == 3:
+            i8d3(x, 0, data, scales, scales, o, o1, o2, o3, ys, ws)
+        elif n == 4 and FIRST == 4:
+            i8d4(x, 0, data, scales, scales, o, o1, o2, o3, ys, ws)
+        elif FIRST == 4:
+            i8k4(x, 0, data, scales, scales, o, o1, o2, o3, ys, ws)
+        else:
+            i8k3(x, 0, data, scales, scales, o, o1, o2, o3, ys, ws)
+        r = min(n, FIRST)
+        while n - r >= 3:
+            ld3(x, r, data, scales, scales, o, o1, o2, o3, ys, ws)
+            r += 3
+        if n - r == 2:
+            ld2(x, r, data, scales, scales, o, o1, o2, o3, ys, ws)
+        elif n - r == 1:
+            ld1(x, r, data, scales, scales, o, o1, o2, o3, ys, ws)
+        for b in range(min(4, out - o)):
+            for rr in range(n):
+                y[rr, o + b] = ys[rr, b]
 
 
 def tiles(w: Any) -> int:
