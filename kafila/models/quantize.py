@@ -13,7 +13,7 @@ import json
 import shutil
 import struct
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -152,7 +152,3 @@ def _quantizer(ckpt: Any, name: str, fmt: str) -> Callable[[], quant.Packed]:
         return quant.quantize(w, fmt)
 
     return make
-
-
-def specs_in(entries: Iterable[Entry]) -> list[TensorSpec]:
-    return [spec for spec, _ in entries]
