@@ -64,12 +64,27 @@ def matrix_shape(fmt: str, data_shape: tuple[int, ...]) -> tuple[int, int]:
     return (out, cols * 2 if fmt == "q4" else cols)
 
 
+CHUNK_ROWS = 2048  # rows quantized at once: the float temporaries stay a few MB for any matrix
+
+
 def quantize(w: np.ndarray, fmt: str) -> Packed:
     """A float matrix [out, in] (in divisible by 32) in format `fmt`, each value to the nearest
     level of its group. The scale is rounded to float16 first and the values quantized with it,
-    so dequantize(quantize(w)) is within half a (float16) step of w."""
+    so dequantize(quantize(w)) is within half a (float16) step of w. Done `CHUNK_ROWS` rows at a
+    time into the packed arrays, so a large matrix (an embedding) never has float copies made whole."""
     out, cols = w.shape
     packed_bytes(fmt, out, cols)  # checks the format and the group size
+    if out <= CHUNK_ROWS:
+        return _quantize_rows(w, fmt)
+    parts = [_quantize_rows(w[a : a + CHUNK_ROWS], fmt) for a in range(0, out, CHUNK_ROWS)]
+    mins = None if fmt == "int8" else np.concatenate([p.mins for p in parts if p.mins is not None])
+    return Packed(
+        fmt, np.concatenate([p.data for p in parts]), np.concatenate([p.scales for p in parts]), mins
+    )
+
+
+def _quantize_rows(w: np.ndarray, fmt: str) -> Packed:
+    out, cols = w.shape
     g = w.astype(np.float32).reshape(out, cols // GROUP, GROUP)  # [out, groups, 32]
     if fmt == "int8":
         scale = (np.abs(g).max(axis=2) / 127).astype(np.float16)  # [out, groups]

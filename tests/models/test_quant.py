@@ -304,3 +304,13 @@ def test_the_head_stage_reads_the_packed_embeddings_scales_with_it(packed) -> No
     names = stage_tensors(ckpt.tensors, range(0, 0), True)
     assert sorted(names) == ["model.embed_tokens.scales", "model.embed_tokens.weight", "model.norm.weight"]
     assert ckpt.names_for(range(0, 0), True) == sorted(names, key=lambda n: ckpt.tensors[n].start)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_large_matrix_is_quantized_in_chunks_of_rows_to_the_same_bytes(fmt, monkeypatch) -> None:
+    w = np.random.default_rng(4).standard_normal((50, GROUP)).astype(np.float32)
+    whole = quant.quantize(w, fmt)
+    monkeypatch.setattr(quant, "CHUNK_ROWS", 16)  # four chunks, the last partial
+    chunked = quant.quantize(w, fmt)
+    np.testing.assert_array_equal(quant.dequantize(chunked), quant.dequantize(whole))
+    assert chunked.nbytes == whole.nbytes
