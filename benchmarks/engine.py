@@ -84,6 +84,9 @@ def hf_run(model: Any, prompt: list[int], new_tokens: int) -> tuple[float, float
     return len(prompt) / prefill_s, (new_tokens - 1) / max((t2 - t1) - prefill_s, 1e-9)
 
 
+Runs = list[tuple[float, float]]  # (prefill tok/s, decode tok/s) per repeat
+
+
 def speed(
     args: argparse.Namespace, path: Path, dtype: str, bandwidth: float, quant: str = "none"
 ) -> dict[str, float]:
@@ -100,17 +103,20 @@ def speed(
     hf: Any = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     hf.eval()  # inference mode: no dropout
     prompt = [(i * 7919) % 40000 + 100 for i in range(args.prompt_tokens)]
-    ours, theirs = [], []
+    ours, theirs, llama = [], [], []
+    gguf = llama_gguf(args, quant) if quant != "none" and Path(args.llama_bench).is_file() else None
     kafila_run(stage, prompt, 4), hf_run(hf, prompt, 4)  # warm-up
-    for _ in range(args.repeats):
+    for _ in range(args.repeats):  # alternated, so that all systems see the same load
         ours.append(kafila_run(stage, prompt, args.new_tokens))
         theirs.append(hf_run(hf, prompt, args.new_tokens))
+        if gguf is not None:
+            llama.append(llama_bench(args, gguf))
     m = ckpt.manifest(SAFETENSORS_DTYPES[dtype], quant)
     per_token = sum(m.block_bytes) + m.head_read_bytes
     label = dtype if quant == "none" else f"{quant} weights, {dtype} compute"
     row = summarize(label, ours, theirs, per_token, bandwidth)
     if quant != "none":
-        row |= llama_cpp(args, quant, row, bandwidth / per_token)
+        row |= llama_cpp(args, quant, gguf, llama, row, bandwidth / per_token)
     return row
 
 
@@ -137,32 +143,38 @@ def llama_gguf(args: argparse.Namespace, quant: str) -> Path | None:
     return q8 if q8.is_file() else None
 
 
-def llama_cpp(args: argparse.Namespace, quant: str, ours: dict[str, float], bound: float) -> dict[str, float]:
-    """llama-bench on the same numbers (`llama_gguf`): prefill of --prompt-tokens and decode of
-    --new-tokens, --repeats runs, --threads threads; its averages, our ratio to them."""
-    bench = Path(args.llama_bench)
-    gguf = llama_gguf(args, quant) if bench.is_file() else None
-    if gguf is None:
+def llama_bench(args: argparse.Namespace, gguf: Path) -> tuple[float, float]:
+    """One llama-bench run on `gguf`: (prefill tok/s of --prompt-tokens, decode tok/s of
+    --new-tokens) with --threads threads."""
+    cmd = [args.llama_bench, "-m", str(gguf), "-t", str(args.threads), "-p", str(args.prompt_tokens)]
+    cmd += ["-n", str(args.new_tokens), "-r", "1", "-o", "json"]
+    runs = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    prefill = next(r["avg_ts"] for r in runs if r["n_prompt"] > 0)
+    return prefill, next(r["avg_ts"] for r in runs if r["n_gen"] > 0)
+
+
+def llama_cpp(
+    args: argparse.Namespace, quant: str, gguf: Path | None, runs: Runs, ours: dict[str, float], bound: float
+) -> dict[str, float]:
+    """llama.cpp's medians over the runs alternated with ours (`llama_bench` on `llama_gguf`'s
+    file: the same numbers), our ratio to them, its fraction of the bandwidth bound."""
+    if gguf is None or not runs:
         print(
-            f"  llama.cpp: not run ({bench} or its {quant} GGUF is missing; "
+            f"  llama.cpp: not run ({args.llama_bench} or its {quant} GGUF is missing; "
             "docs/engine.md says how to build it)"
         )
         return {}
-    cmd = [str(bench), "-m", str(gguf), "-t", str(args.threads), "-p", str(args.prompt_tokens)]
-    cmd += ["-n", str(args.new_tokens), "-r", str(args.repeats), "-o", "json"]
-    runs = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-    prefill = next(r["avg_ts"] for r in runs if r["n_prompt"] > 0)
-    decode = next(r["avg_ts"] for r in runs if r["n_gen"] > 0)
+    prefill = statistics.median(r[0] for r in runs)
+    decode = statistics.median(r[1] for r in runs)
+    spread = f"{min(r[1] for r in runs):.1f}-{max(r[1] for r in runs):.1f}"
     row = {"llama_prefill": prefill, "llama_decode": decode, "llama_ratio": ours["kafila_decode"] / decode}
     print(
-        f"  {'llama.cpp':12}{prefill:>10.1f} {'':13}{decode:>10.1f}  ({gguf.name}, {args.threads} threads)\n"
+        f"  {'llama.cpp':12}{prefill:>10.1f} {'':13}{decode:>10.1f} ({spread:>11})  ({gguf.name}, "
+        f"{args.threads} threads)\n"
         f"  kafila/llama.cpp decode {row['llama_ratio']:.2f}x (target >= 1.0), prefill "
         f"{ours['kafila_prefill'] / prefill:.2f}x; llama.cpp at {decode / bound:.0%} of the bandwidth bound"
     )
     return row
-
-
-Runs = list[tuple[float, float]]  # (prefill tok/s, decode tok/s) per repeat
 
 
 def summarize(dtype: str, ours: Runs, theirs: Runs, per_token: int, bandwidth: float) -> dict[str, float]:
