@@ -41,7 +41,7 @@ _I32 = ir.IntType(32)
 QTILE = 32  # output rows per parallel task (a multiple of 4)
 
 
-def _fused_dot(nr: int, q4: bool, mode: str):  # type: ignore[no-untyped-def]
+def _fused_dot(nr: int, mode: str):  # type: ignore[no-untyped-def]
     """A compiled intrinsic `dot(x, r, data, scales, mins, o0, o1, o2, o3, ys, ws)`: ys[r + a, b]
     = x[r + a] . W[o_b] for a < nr and four packed weight rows o_b, in one pass over the groups.
     Per group of 32 and weight row: the scale (and minimum) widened from float16 by `fpext`, the
@@ -55,6 +55,8 @@ def _fused_dot(nr: int, q4: bool, mode: str):  # type: ignore[no-untyped-def]
 
     @intrinsic
     def dot(typingctx, x, r, data, scales, mins, o0, o1, o2, o3, ys, wsbuf):  # type: ignore[no-untyped-def]
+        q4 = data.dtype == types.uint8  # q4 packs two values a byte; int8 is int8 (mins unused)
+
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
             arr = [
                 context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 3, 4, 9, 10)
@@ -150,13 +152,11 @@ def _fused_dot(nr: int, q4: bool, mode: str):  # type: ignore[no-untyped-def]
     return dot
 
 
-_Q4 = {(n, m): _fused_dot(n, True, m) for n in (1, 2, 3, 4) for m in ("decode", "keep")}
-_I8 = {(n, m): _fused_dot(n, False, m) for n in (1, 2, 3, 4) for m in ("decode", "keep")}
-_LOAD = {n: _fused_dot(n, True, "load") for n in (1, 2, 3)}
-q4d1, q4d2, q4d3, q4d4 = (_Q4[(n, "decode")] for n in (1, 2, 3, 4))
-q4k3, q4k4 = _Q4[(3, "keep")], _Q4[(4, "keep")]
-i8d1, i8d2, i8d3, i8d4 = (_I8[(n, "decode")] for n in (1, 2, 3, 4))
-i8k3, i8k4 = _I8[(3, "keep")], _I8[(4, "keep")]
+_DECODE = {n: _fused_dot(n, "decode") for n in (1, 2, 3, 4)}
+_KEEP = {n: _fused_dot(n, "keep") for n in (3, 4)}
+_LOAD = {n: _fused_dot(n, "load") for n in (1, 2, 3)}
+d1, d2, d3, d4 = (_DECODE[n] for n in (1, 2, 3, 4))
+k3, k4 = _KEEP[3], _KEEP[4]
 ld1, ld2, ld3 = _LOAD[1], _LOAD[2], _LOAD[3]
 # x rows of the first (decoding) pass: four where the CPU has 32 vector registers (16 accumulators),
 # three otherwise, as few_rows.FIRST_ROWS.
@@ -164,12 +164,13 @@ FIRST = 4 if VF == 16 else 3
 
 
 @njit(cache=True, nogil=True, boundscheck=False, fastmath=False)
-def q4_tile(  # pragma: no cover (compiled)
+def packed_tile(  # pragma: no cover (compiled)
     x: np.ndarray, data: np.ndarray, scales: np.ndarray, mins: np.ndarray, y: np.ndarray, t: int
 ) -> None:
-    """Rows [t QTILE, (t + 1) QTILE) of y [N, out] = x [N, in] W^T, W q4, four weight rows at a
-    time: the first pass (up to FIRST x rows) decodes them from the packed bytes in registers, and
-    where more rows follow keeps the decoded rows in ws (L1) for the later passes of three."""
+    """Rows [t QTILE, (t + 1) QTILE) of y [N, out] = x [N, in] W^T, W q4 (data uint8) or int8
+    (data int8, `mins` unused), four weight rows at a time: the first pass (up to FIRST x rows)
+    decodes them from the packed bytes in registers, and where more rows follow keeps the decoded
+    rows in ws (L1) for the later passes of three."""
     n = x.shape[0]
     out = data.shape[0]
     ys = np.empty((n, 4), np.float32)
@@ -177,17 +178,17 @@ def q4_tile(  # pragma: no cover (compiled)
     for o in range(t * QTILE, min(out, (t + 1) * QTILE), 4):
         o1, o2, o3 = min(o + 1, out - 1), min(o + 2, out - 1), min(o + 3, out - 1)
         if n == 1:
-            q4d1(x, 0, data, scales, mins, o, o1, o2, o3, ys, ws)
+            d1(x, 0, data, scales, mins, o, o1, o2, o3, ys, ws)
         elif n == 2:
-            q4d2(x, 0, data, scales, mins, o, o1, o2, o3, ys, ws)
+            d2(x, 0, data, scales, mins, o, o1, o2, o3, ys, ws)
         elif n == 3:
-            q4d3(x, 0, data, scales, mins, o, o1, o2, o3, ys, ws)
+            d3(x, 0, data, scales, mins, o, o1, o2, o3, ys, ws)
         elif n == 4 and FIRST == 4:
-            q4d4(x, 0, data, scales, mins, o, o1, o2, o3, ys, ws)
+            d4(x, 0, data, scales, mins, o, o1, o2, o3, ys, ws)
         elif FIRST == 4:
-            q4k4(x, 0, data, scales, mins, o, o1, o2, o3, ys, ws)
+            k4(x, 0, data, scales, mins, o, o1, o2, o3, ys, ws)
         else:
-            q4k3(x, 0, data, scales, mins, o, o1, o2, o3, ys, ws)
+            k3(x, 0, data, scales, mins, o, o1, o2, o3, ys, ws)
         r = min(n, FIRST)
         while n - r >= 3:
             ld3(x, r, data, scales, mins, o, o1, o2, o3, ys, ws)
@@ -196,42 +197,6 @@ def q4_tile(  # pragma: no cover (compiled)
             ld2(x, r, data, scales, mins, o, o1, o2, o3, ys, ws)
         elif n - r == 1:
             ld1(x, r, data, scales, mins, o, o1, o2, o3, ys, ws)
-        for b in range(min(4, out - o)):
-            for rr in range(n):
-                y[rr, o + b] = ys[rr, b]
-
-
-@njit(cache=True, nogil=True, boundscheck=False, fastmath=False)
-def i8_tile(  # pragma: no cover (compiled)
-    x: np.ndarray, data: np.ndarray, scales: np.ndarray, y: np.ndarray, t: int
-) -> None:
-    """As q4_tile, for an int8 matrix."""
-    n = x.shape[0]
-    out = data.shape[0]
-    ys = np.empty((n, 4), np.float32)
-    ws = np.empty((4, x.shape[1]), np.float32)
-    for o in range(t * QTILE, min(out, (t + 1) * QTILE), 4):
-        o1, o2, o3 = min(o + 1, out - 1), min(o + 2, out - 1), min(o + 3, out - 1)
-        if n == 1:
-            i8d1(x, 0, data, scales, scales, o, o1, o2, o3, ys, ws)
-        elif n == 2:
-            i8d2(x, 0, data, scales, scales, o, o1, o2, o3, ys, ws)
-        elif n == 3:
-            i8d3(x, 0, data, scales, scales, o, o1, o2, o3, ys, ws)
-        elif n == 4 and FIRST == 4:
-            i8d4(x, 0, data, scales, scales, o, o1, o2, o3, ys, ws)
-        elif FIRST == 4:
-            i8k4(x, 0, data, scales, scales, o, o1, o2, o3, ys, ws)
-        else:
-            i8k3(x, 0, data, scales, scales, o, o1, o2, o3, ys, ws)
-        r = min(n, FIRST)
-        while n - r >= 3:
-            ld3(x, r, data, scales, scales, o, o1, o2, o3, ys, ws)
-            r += 3
-        if n - r == 2:
-            ld2(x, r, data, scales, scales, o, o1, o2, o3, ys, ws)
-        elif n - r == 1:
-            ld1(x, r, data, scales, scales, o, o1, o2, o3, ys, ws)
         for b in range(min(4, out - o)):
             for rr in range(n):
                 y[rr, o + b] = ys[rr, b]
@@ -282,9 +247,9 @@ def _tile(x, w, y, t):  # type: ignore[no-untyped-def]  # pragma: no cover (comp
     if kind == 0:
         return lambda x, w, y, t: product_tile(x, w, y, t)
     if kind == 2:
-        return lambda x, w, y, t: i8_tile(x, w[0], w[1], y, t)
+        return lambda x, w, y, t: packed_tile(x, w[0], w[1], w[1], y, t)
     if kind == 3:
-        return lambda x, w, y, t: q4_tile(x, w[0], w[1], w[2], y, t)
+        return lambda x, w, y, t: packed_tile(x, w[0], w[1], w[2], y, t)
     return None
 
 
