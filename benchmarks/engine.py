@@ -9,6 +9,14 @@ subprocess per dtype, peak memory of the engine against its weights + KV cache.
 
     python3 benchmarks/engine.py                       # default model, fp32 and bf16
     python3 benchmarks/engine.py --dtypes fp32 --repeats 5 --new-tokens 128
+    python3 benchmarks/engine.py --dtypes fp32 --quant q4 int8   # packed weights, with llama.cpp
+
+With `--quant int8|q4` the engine runs packed weights (the default model in q4: its GGUF's own
+blocks), transformers the float model in the same dtype (it has no such format here), and
+llama.cpp's `llama-bench` (when built: `--llama-bench`, default ~/.cache/kafila/llama.cpp/...,
+see docs/engine.md) the same numbers: the default GGUF (Q4_1 blocks, Q8_0 embedding) for q4, and
+that file requantized to Q8_0 by `llama-quantize` for int8, with the same threads, prompt and token
+count; the decode ratio to llama.cpp and both systems' fraction of the bandwidth bound are printed.
 
 The figures are medians over `--repeats` runs with the spread (min-max) beside them; on a shared
 machine the spread is the honest part.
@@ -76,28 +84,97 @@ def hf_run(model: Any, prompt: list[int], new_tokens: int) -> tuple[float, float
     return len(prompt) / prefill_s, (new_tokens - 1) / max((t2 - t1) - prefill_s, 1e-9)
 
 
-def speed(args: argparse.Namespace, path: Path, dtype: str, bandwidth: float) -> dict[str, float]:
+Runs = list[tuple[float, float]]  # (prefill tok/s, decode tok/s) per repeat
+
+
+def speed(
+    args: argparse.Namespace, path: Path, dtype: str, bandwidth: float, quant: str = "none"
+) -> dict[str, float]:
     import transformers
 
     from kafila.engine.stage import Stage
     from kafila.models.checkpoint import Checkpoint
+    from kafila.models.registry import resolve
 
-    ckpt = Checkpoint.open(path)
-    stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend="torch", dtype=dtype, context=args.context)
+    ckpt = Checkpoint.open(resolve(args.model, progress=False, quant=quant))
+    stage = Stage.load(
+        ckpt, range(ckpt.n_blocks), True, backend="torch", dtype=dtype, context=args.context, quant=quant
+    )
     hf: Any = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     hf.eval()  # inference mode: no dropout
     prompt = [(i * 7919) % 40000 + 100 for i in range(args.prompt_tokens)]
-    ours, theirs = [], []
+    ours, theirs, llama = [], [], []
+    gguf = llama_gguf(args, quant) if quant != "none" and Path(args.llama_bench).is_file() else None
     kafila_run(stage, prompt, 4), hf_run(hf, prompt, 4)  # warm-up
-    for _ in range(args.repeats):
+    for _ in range(args.repeats):  # alternated, so that all systems see the same load
         ours.append(kafila_run(stage, prompt, args.new_tokens))
         theirs.append(hf_run(hf, prompt, args.new_tokens))
-    m = ckpt.manifest(SAFETENSORS_DTYPES[dtype])
+        if gguf is not None:
+            llama.append(llama_bench(args, gguf))
+    m = ckpt.manifest(SAFETENSORS_DTYPES[dtype], quant)
     per_token = sum(m.block_bytes) + m.head_read_bytes
-    return summarize(dtype, ours, theirs, per_token, bandwidth)
+    label = dtype if quant == "none" else f"{quant} weights, {dtype} compute"
+    row = summarize(label, ours, theirs, per_token, bandwidth)
+    if quant != "none":
+        row |= llama_cpp(args, quant, gguf, llama, row, bandwidth / per_token)
+    return row
 
 
-Runs = list[tuple[float, float]]  # (prefill tok/s, decode tok/s) per repeat
+LLAMA_CACHE = Path.home() / ".cache" / "kafila" / "llama.cpp"
+LLAMA_BIN = LLAMA_CACHE / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin"
+
+
+def llama_gguf(args: argparse.Namespace, quant: str) -> Path | None:
+    """The GGUF llama.cpp runs for `quant`: the default model's own file for q4, and that file
+    requantized to Q8_0 (made once, cached) for int8; None where it cannot be had."""
+    from kafila.models.default import DEFAULT_MODELS, locate_gguf
+
+    if args.model not in DEFAULT_MODELS:
+        return None
+    source = locate_gguf(DEFAULT_MODELS[args.model])
+    if quant == "q4":
+        return source
+    q8 = LLAMA_CACHE / f"{args.model}.Q8_0.gguf"
+    tool = Path(args.llama_bench).parent / "llama-quantize"
+    if not q8.is_file() and tool.is_file():
+        subprocess.run(
+            [str(tool), "--allow-requantize", str(source), str(q8), "Q8_0"], capture_output=True, check=True
+        )
+    return q8 if q8.is_file() else None
+
+
+def llama_bench(args: argparse.Namespace, gguf: Path) -> tuple[float, float]:
+    """One llama-bench run on `gguf`: (prefill tok/s of --prompt-tokens, decode tok/s of
+    --new-tokens) with --threads threads."""
+    cmd = [args.llama_bench, "-m", str(gguf), "-t", str(args.threads), "-p", str(args.prompt_tokens)]
+    cmd += ["-n", str(args.new_tokens), "-r", "1", "-o", "json"]
+    runs = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    prefill = next(r["avg_ts"] for r in runs if r["n_prompt"] > 0)
+    return prefill, next(r["avg_ts"] for r in runs if r["n_gen"] > 0)
+
+
+def llama_cpp(
+    args: argparse.Namespace, quant: str, gguf: Path | None, runs: Runs, ours: dict[str, float], bound: float
+) -> dict[str, float]:
+    """llama.cpp's medians over the runs alternated with ours (`llama_bench` on `llama_gguf`'s
+    file: the same numbers), our ratio to them, its fraction of the bandwidth bound."""
+    if gguf is None or not runs:
+        print(
+            f"  llama.cpp: not run ({args.llama_bench} or its {quant} GGUF is missing; "
+            "docs/engine.md says how to build it)"
+        )
+        return {}
+    prefill = statistics.median(r[0] for r in runs)
+    decode = statistics.median(r[1] for r in runs)
+    spread = f"{min(r[1] for r in runs):.1f}-{max(r[1] for r in runs):.1f}"
+    row = {"llama_prefill": prefill, "llama_decode": decode, "llama_ratio": ours["kafila_decode"] / decode}
+    print(
+        f"  {'llama.cpp':12}{prefill:>10.1f} {'':13}{decode:>10.1f} ({spread:>11})  ({gguf.name}, "
+        f"{args.threads} threads)\n"
+        f"  kafila/llama.cpp decode {row['llama_ratio']:.2f}x (target >= 1.0), prefill "
+        f"{ours['kafila_prefill'] / prefill:.2f}x; llama.cpp at {decode / bound:.0%} of the bandwidth bound"
+    )
+    return row
 
 
 def summarize(dtype: str, ours: Runs, theirs: Runs, per_token: int, bandwidth: float) -> dict[str, float]:
@@ -132,7 +209,9 @@ def summarize(dtype: str, ours: Runs, theirs: Runs, per_token: int, bandwidth: f
     return row
 
 
-def memory_child(path: str, dtype: str, context: int, prompt_tokens: int, new_tokens: int) -> dict[str, int]:
+def memory_child(
+    path: str, dtype: str, context: int, prompt_tokens: int, new_tokens: int, quant: str = "none"
+) -> dict[str, int]:
     """Runs in a fresh process: peak RSS growth while loading and generating vs weights + KV.
     The baseline is taken after the libraries are loaded: torch, and on the CPU numba with the
     compiled kernels (about 130 MiB, the same for every model size). (VmHWM, not ru_maxrss:
@@ -147,11 +226,15 @@ def memory_child(path: str, dtype: str, context: int, prompt_tokens: int, new_to
         from kafila.models.torch import decode_cpu
 
         decode_cpu.warm_up()
+        if quant != "none":
+            from kafila.models.torch import quant_cpu
+
+            quant_cpu.warm_up()
     base = _proc_status_bytes("VmRSS")
-    stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend=backend, context=context)
+    stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend=backend, context=context, quant=quant)
     kafila_run(stage, list(range(100, 100 + prompt_tokens)), new_tokens)
     peak = _proc_status_bytes("VmHWM")
-    m = ckpt.manifest({"fp32": "F32", "bf16": "BF16", "fp16": "F16"}[dtype])
+    m = ckpt.manifest({"fp32": "F32", "bf16": "BF16", "fp16": "F16"}[dtype], quant)
     return {"peak_growth": peak - base, "weights": m.total_bytes, "kv": stage.kv_bytes}
 
 
@@ -162,9 +245,9 @@ def _proc_status_bytes(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def memory(args: argparse.Namespace, path: Path, dtype: str) -> dict[str, int]:
+def memory(args: argparse.Namespace, path: Path, dtype: str, quant: str = "none") -> dict[str, int]:
     root = str(Path(__file__).resolve().parents[1])
-    call = f"memory_child({str(path)!r}, {dtype!r}, {args.context}, {args.prompt_tokens}, 16)"
+    call = f"memory_child({str(path)!r}, {dtype!r}, {args.context}, {args.prompt_tokens}, 16, {quant!r})"
     code = f"import json, sys; sys.path.insert(0, {root!r}); from benchmarks.engine import memory_child; "
     code += f"print(json.dumps({call}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -190,6 +273,14 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3, help="runs per system per dtype (median reported)")
     p.add_argument("--context", type=int, default=2048, help="engine KV-cache context (counted in memory)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads for both")
+    p.add_argument(
+        "--quant",
+        nargs="+",
+        default=["none"],
+        choices=["none", "int8", "q4"],
+        help="weight formats to run (int8, q4: packed weights, side by side with llama.cpp)",
+    )
+    p.add_argument("--llama-bench", default=str(LLAMA_BIN / "llama-bench"), help="llama.cpp's llama-bench")
     args = p.parse_args()
     from kafila.models.registry import resolve
     from kafila.obs.log import configure_logging
@@ -202,9 +293,10 @@ def main() -> int:
         f"GOMP_SPINCOUNT={os.environ['GOMP_SPINCOUNT']}  "
         f"streaming read bandwidth {bandwidth / 1e9:.1f} GB/s (torch sum)"
     )
-    for dtype in args.dtypes:
-        speed(args, path, dtype, bandwidth)
-        memory(args, path, dtype)
+    for quant in args.quant:
+        for dtype in args.dtypes:
+            speed(args, path, dtype, bandwidth, quant)
+            memory(args, path if quant == "none" else resolve(args.model, quant=quant), dtype, quant)
     return 0
 
 

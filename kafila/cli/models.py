@@ -19,6 +19,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="convert this default model now (normally done on first use) and then list",
     )
+    parser.add_argument(
+        "--quantize",
+        metavar="FORMAT",
+        choices=["int8", "q4"],
+        help="write a packed copy of --model in FORMAT (int8 or q4; docs/weights.md) to --out, then list",
+    )
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="the model --quantize packs: a default model's name or a Hugging Face folder",
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="the folder --quantize writes (default: the model cache, NAME-FORMAT)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -37,6 +53,10 @@ def main(args: argparse.Namespace) -> int:
         except DefaultModelUnavailable as exc:
             print(f"kafila models: {exc}", file=sys.stderr)
             return 1
+    if args.quantize is not None:
+        code = _quantize(args)
+        if code:
+            return code
     entries = available()
     if args.json:
         for e in entries:
@@ -58,6 +78,25 @@ def main(args: argparse.Namespace) -> int:
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
     print(f"\ncache: {models_dir()}  (--model takes a name above or a Hugging Face folder)")
+    return 0
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kafila.models.checkpoint import CheckpointError
+    from kafila.models.default import DefaultModelUnavailable
+    from kafila.models.quantize import quantize_folder
+    from kafila.models.registry import ModelNotFound, models_dir, resolve
+
+    try:
+        src = resolve(args.model)
+        out = Path(args.out).expanduser() if args.out else models_dir() / f"{src.name}-{args.quantize}"
+        written = quantize_folder(src, args.quantize, out)
+    except (ValueError, CheckpointError, ModelNotFound, DefaultModelUnavailable, OSError) as exc:
+        print(f"kafila models: --quantize: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {written} ({args.quantize})", file=sys.stderr)
     return 0
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from kafila.cli.argtypes import count
 from kafila.cli.host import add_objective_flag
+from kafila.engine import QUANT_CHOICES
 
 DIVISION_CHOICES = ("kafila", "uniform", "memory", "all")
 
@@ -49,6 +50,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_objective_flag(parser)
     parser.add_argument("--dtype", default="bf16", help="weight dtype the model is priced in (default bf16)")
     parser.add_argument(
+        "--quant",
+        default="auto",
+        choices=QUANT_CHOICES,
+        help="weight format the blocks are priced in: int8 (1.06 bytes per weight) or q4 (0.625), the "
+        "embedding/unembedding in int8 (docs/weights.md); auto = as the folder stores them (floats "
+        "for a preset)",
+    )
+    parser.add_argument(
         "--rule",
         choices=("linux", "paper"),
         default="linux",
@@ -82,7 +91,7 @@ def main(args: argparse.Namespace) -> int:
         devices = fleet.devices
         if model != fleet.model:  # probed block times were for the fleet's model
             devices = tuple(replace(d, block_s=None, block_dispatch_s=None, head_s=None) for d in devices)
-        config, manifest = resolve_model(model, args.dtype)
+        config, manifest = resolve_model(model, args.dtype, args.quant)
         given = "--context" if args.context is not None else f"{args.fleet}: [session] context"
         config.check_context(context, model, given)  # as `kafila host` refuses it
         divisions = DIVISIONS if args.division == "all" else (args.division,)

@@ -8,3 +8,5 @@ PREFILL_CHUNK = 256
 # (kafila.engine.backend); "auto" picks the checkpoint's own (bf16 on a GPU where none is given).
 DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
 DTYPE_CHOICES = ("auto", *DTYPES)
+# Weight formats (kafila.models.manifest.QUANT_FORMATS, docs/engine-quant.md); "auto": the checkpoint's own.
+QUANT_CHOICES = ("auto", "none", "int8", "q4")

@@ -43,7 +43,8 @@ def configure_openmp() -> None:
     os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
 
 
-_NP = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # bf16 travels as raw uint16
+# bf16 travels as raw uint16; I8/U8: packed weights (kafila.models.quant)
+_NP = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I8": np.int8, "U8": np.uint8}
 
 
 class BackendError(ValueError):
@@ -171,9 +172,10 @@ class TorchBackend(Backend):
     def tensor(self, dtype: str, shape: Sequence[int], data: bytes) -> Any:
         import torch
 
-        wanted = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(dtype)
+        kinds = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+        wanted = (kinds | {"I8": torch.int8, "U8": torch.uint8}).get(dtype)  # packed weights: I8, U8
         if wanted is None:
-            raise BackendError(f"tensor dtype {dtype} is not a float Kafila can run (F32, F16, BF16)")
+            raise BackendError(f"tensor dtype {dtype} is not one Kafila can run (F32, F16, BF16, I8, U8)")
         with warnings.catch_warnings():  # weights are never written: a read-only buffer is fine
             warnings.simplefilter("ignore", UserWarning)
             t = torch.frombuffer(data, dtype=wanted) if data else torch.empty(0, dtype=wanted)

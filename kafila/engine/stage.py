@@ -124,8 +124,10 @@ class Stage:
         concurrency: int = 1,
         pace: Pace = FULL_SPEED,
         decode: str = "auto",
+        quant: str = "auto",
     ) -> Stage:
-        """Read exactly blocks [a, b) (and the head's tensors) from a kafila Checkpoint."""
+        """Read exactly blocks [a, b) (and the head's tensors) from a kafila Checkpoint. `quant`
+        is the weight format ("none", "int8", "q4"; "auto": the checkpoint's own, `resolve_quant`)."""
         be = backend
         if isinstance(be, str):  # dtype "auto": the checkpoint's own precision
             be = resolve(be, checkpoint_dtype(dtype, ckpt.stored_dtype))
@@ -134,7 +136,9 @@ class Stage:
         names = ckpt.names_for(blocks, head)
         weights = _Weights(ckpt, be, names)
         model_cls = be.model_class(ckpt.config.model_type)
-        model = model_cls(ckpt.config, weights, blocks, head, context=context, **be.model_kwargs())
+        fmt = resolve_quant(quant, ckpt.stored_format)
+        kwargs = be.model_kwargs() | ({"quant": fmt} if fmt != "none" or ckpt.stored_format != "none" else {})
+        model = model_cls(ckpt.config, weights, blocks, head, context=context, **kwargs)
         unread = weights.names - weights.read_names - {LM_HEAD}
         if unread:
             raise StageError(
@@ -146,6 +150,7 @@ class Stage:
             blocks=f"[{blocks.start}, {blocks.stop})",
             head=head,
             backend=str(be),
+            quant=fmt,
             weight_bytes=weights.bytes_read,
             kv_bytes=stage.kv_bytes,
             context=context,
@@ -288,6 +293,19 @@ class Stage:
     def from_bytes(self, data: bytes, shape: Sequence[int]) -> Any:
         """Raw bytes in `wire_dtype` of `shape` ([T, H]) -> hidden on this stage's backend."""
         return self.backend.from_bytes(data, shape)
+
+
+def resolve_quant(requested: str, stored: str) -> str:
+    """The weight format a stage computes with: `requested` ("none", "int8", "q4"), or for "auto"
+    the checkpoint's own (`stored`: "none" for floats). Like the dtype, it depends on the checkpoint
+    alone, so every member of a session resolves the same format."""
+    from kafila.models.manifest import QUANT_FORMATS
+
+    if requested == "auto":
+        return stored
+    if requested not in QUANT_FORMATS:
+        raise StageError(f"unknown weight format {requested!r}; choose auto, {', '.join(QUANT_FORMATS)}")
+    return requested
 
 
 def blocks_of(names: Sequence[str]) -> set[int]:

@@ -31,14 +31,15 @@ from typing import Any
 from kafila.models.config import ConfigError, ModelConfig
 from kafila.models.manifest import (
     DTYPE_BYTES,
-    EMBED,
-    FINAL_NORM,
     LM_HEAD,
     Manifest,
     TensorSpec,
     block_index,
     build_manifest,
+    logical_shape,
+    packed_format,
     specs_from_config,
+    stage_tensors,
 )
 
 SINGLE_FILE = "model.safetensors"
@@ -143,13 +144,20 @@ class Checkpoint:
             by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.nbytes
         return max(by_dtype, key=lambda d: by_dtype[d]) if by_dtype else "F32"
 
+    @property
+    def stored_format(self) -> str:
+        """The weight format most of the blocks' matrices are stored in: "none" (floats), "int8"
+        or "q4" (a packed checkpoint, kafila.models.quant)."""
+        return _format_of(self)
+
     def specs(self) -> list[TensorSpec]:
         return [t.spec for t in self.tensors.values()]
 
-    def manifest(self, dtype: str | None = None) -> Manifest:
-        """Byte sizes from the headers; `dtype` ("BF16", "F32", ...) prices floats as if cast."""
+    def manifest(self, dtype: str | None = None, quant: str | None = None) -> Manifest:
+        """Byte sizes from the headers; `dtype` ("BF16", "F32", ...) prices floats as if cast,
+        `quant` ("none", "int8", "q4") prices the weights in that format (exact bytes)."""
         try:
-            return build_manifest(self.specs(), self.config, dtype)
+            return build_manifest(self.specs(), self.config, dtype, quant)
         except (ValueError, KeyError) as exc:
             raise CheckpointError(f"{self.path}: {exc}") from exc
 
@@ -161,12 +169,7 @@ class Checkpoint:
                 f"{self.path}: block range [{blocks.start}, {blocks.stop}) step {blocks.step} "
                 f"is not inside the model's {self.n_blocks} blocks"
             )
-        wanted = {EMBED, FINAL_NORM, LM_HEAD} if head else set()
-        names = [
-            t.name
-            for t in self.tensors.values()
-            if t.name in wanted or ((i := block_index(t.name)) is not None and i in blocks)
-        ]
+        names = stage_tensors(self.tensors, blocks, head)
         return sorted(names, key=lambda n: (str(self.tensors[n].file), self.tensors[n].start))
 
     def read(self, names: list[str] | tuple[str, ...] | set[str]) -> dict[str, tuple[TensorInfo, bytearray]]:
@@ -238,6 +241,7 @@ def _check_tensors(folder: Path, config: ModelConfig, tensors: dict[str, TensorI
     num_hidden_layers (a smaller count would run the model short, silently wrong), a shape other
     than the config's sizes give, or (`complete`) a tensor the config names that is missing."""
     want = {s.name: s.shape for s in specs_from_config(config)}
+    specs = {n: t.spec for n, t in tensors.items()}
     for name, info in tensors.items():
         i = block_index(name)
         if i is not None and i >= config.num_hidden_layers:
@@ -245,8 +249,9 @@ def _check_tensors(folder: Path, config: ModelConfig, tensors: dict[str, TensorI
                 f"{folder}: tensor {name} is past config.json's num_hidden_layers={config.num_hidden_layers}"
             )
         shape = want.get(name)
-        if shape is not None and tuple(info.shape) != tuple(shape):
-            has, given = list(info.shape), list(shape)
+        has_shape = logical_shape(info.spec, specs)
+        if shape is not None and tuple(has_shape) != tuple(shape):
+            has, given = list(has_shape), list(shape)
             raise CheckpointError(f"{folder}: tensor {name} has shape {has}; config.json gives {given}")
     missing = [n for n in want if n not in tensors] if complete else []
     if missing:
@@ -254,6 +259,13 @@ def _check_tensors(folder: Path, config: ModelConfig, tensors: dict[str, TensorI
             f"{folder}: {len(missing)} tensor(s) that config.json describes are not in the checkpoint, "
             f"e.g. {', '.join(missing[:3])}"
         )
+
+
+def _format_of(ckpt: Checkpoint) -> str:
+    """The stored format of a member's shard without the head (its blocks' matrices)."""
+    specs = {s.name: s for s in ckpt.specs()}
+    formats = [packed_format(n, specs) for n in specs if n.endswith("_proj.weight")]
+    return max(set(formats), key=formats.count) if formats else "none"
 
 
 def _read_json(file: Path) -> dict[str, Any] | None:

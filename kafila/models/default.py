@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import struct
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -126,11 +125,16 @@ def is_converted(name: str) -> bool:
     return True
 
 
-def ensure_default(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
-    """The Hugging Face folder of a default model, converting it on first use."""
+PACKED_SUFFIX = "-gguf"  # the folder of a default model's own packed blocks: smollm2-135m-gguf
+
+
+def ensure_default(name: str = DEFAULT_MODEL, progress: bool = True, packed: bool = False) -> Path:
+    """The Hugging Face folder of a default model, converting it on first use: every tensor
+    widened to F32, or with `packed` the GGUF's own Q4_1 and Q8_0 blocks repacked as q4 and int8
+    entries (kafila.models.quantize; the same numbers and bytes, nothing widened)."""
     model = DEFAULT_MODELS[name]
-    folder = default_folder(name)
-    if is_converted(name):
+    folder = default_folder(name + PACKED_SUFFIX if packed else name)
+    if is_converted(folder.name):
         return folder
     gguf_file = locate_gguf(model)
     try:
@@ -143,7 +147,7 @@ def ensure_default(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
     started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
     try:
-        convert_gguf(gguf_file, tmp, progress=progress, desc=f"converting {name}")
+        convert_gguf(gguf_file, tmp, progress=progress, desc=f"converting {folder.name}", packed=packed)
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the final folder gets normal permissions
@@ -190,11 +194,17 @@ def hf_name(gguf_name: str) -> str:
     return f"model.layers.{int(index)}.{_BLOCK_NAMES[leaf]}"
 
 
-def convert_gguf(gguf_file: Path, out: Path, progress: bool = True, desc: str = "converting") -> None:
-    """Write a Hugging Face folder for a Llama GGUF into `out` (which must exist)."""
+def convert_gguf(
+    gguf_file: Path, out: Path, progress: bool = True, desc: str = "converting", packed: bool = False
+) -> None:
+    """Write a Hugging Face folder for a Llama GGUF into `out` (which must exist): F32 tensors, or
+    with `packed` its Q4_1/Q8_0 matrices repacked (`_write_packed`)."""
     gf = GGUFFile.open(gguf_file)
     config = _llama_config(gf.meta)
-    _write_safetensors(gf, config, out / "model.safetensors", progress, desc)
+    if packed:
+        _write_packed(gf, config, out / "model.safetensors", progress, desc)
+    else:
+        _write_safetensors(gf, config, out / "model.safetensors", progress, desc)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", _generation_config(gf.meta))
     _write_tokenizer(gf.meta, out)
@@ -388,30 +398,76 @@ def _dequantized(gf: GGUFFile, tensor: GGUFTensor, name: str, config: dict[str, 
 
 
 def _write_safetensors(gf: GGUFFile, config: dict[str, Any], file: Path, progress: bool, desc: str) -> None:
-    """Stream one tensor at a time: header from the GGUF shapes, then each dequantized tensor,
-    sorted by Hugging Face name as safetensors writes them."""
-    from tqdm import tqdm
+    """Stream one tensor at a time (kafila.models.quantize.write_safetensors): header from the
+    GGUF shapes, then each tensor dequantized to F32, sorted by Hugging Face name."""
+    from kafila.models import quantize
+    from kafila.models.manifest import TensorSpec
 
-    tensors = sorted((hf_name(t.name), t) for t in gf.tensors if t.name != "rope_freqs.weight")
+    tensors = [(hf_name(t.name), t) for t in gf.tensors if t.name != "rope_freqs.weight"]
     config["tie_word_embeddings"] = all(name != "lm_head.weight" for name, _ in tensors)
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, t in tensors:
-        header[name] = {
-            "dtype": "F32",
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + 4 * t.numel],
-        }
-        offset += 4 * t.numel
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
-    bar = tqdm(total=offset, unit="B", unit_scale=True, desc=desc, file=sys.stderr, disable=not progress)
-    with open(file, "wb") as f, bar:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        for name, t in tensors:
-            w = _dequantized(gf, t, name, config)
-            f.write(memoryview(w).cast("B"))
-            bar.update(w.nbytes)
+    entries: list[quantize.Entry] = [
+        (TensorSpec(name, "F32", t.shape), _f32_dequantizer(gf, t, name, config)) for name, t in tensors
+    ]
+    quantize.write_safetensors(file, entries, progress, desc)
+
+
+def _f32_dequantizer(gf: GGUFFile, t: GGUFTensor, name: str, config: dict[str, Any]) -> Any:
+    return lambda: _dequantized(gf, t, name, config)
+
+
+def _write_packed(gf: GGUFFile, config: dict[str, Any], file: Path, progress: bool, desc: str) -> None:
+    """The GGUF's tensors as a packed checkpoint: Q4_1 matrices as q4 entries and Q8_0 ones as int8
+    (their blocks' bytes copied, kafila.models.quant.from_ggml), q/k rows put back in Hugging
+    Face's order (a row permutation of the packed rows), F32 tensors as they are; config.json
+    names the format most blocks hold."""
+    from kafila.models import quant, quantize
+    from kafila.models.manifest import GROUP, TensorSpec
+
+    entries: list[quantize.Entry] = []
+    formats: list[str] = []
+    for t in gf.tensors:
+        if t.name == "rope_freqs.weight":
+            continue
+        name = hf_name(t.name)
+        if t.ggml_type in (quant.GGML_Q4_1, quant.GGML_Q8_0):
+            fmt = "q4" if t.ggml_type == quant.GGML_Q4_1 else "int8"
+            if block_index_of(name) is not None:
+                formats.append(fmt)
+            entries += quantize.packed_entries(name, fmt, t.shape, _repacker(gf, t, name, config))
+        elif t.ggml_type == 0:  # F32
+            entries.append((TensorSpec(name, "F32", t.shape), _f32_reader(gf, t)))
+        else:
+            raise ValueError(f"GGUF tensor {t.name} has ggml type {t.ggml_type}: only F32, Q4_1, Q8_0 repack")
+    config["tie_word_embeddings"] = all(spec.name != "lm_head.weight" for spec, _ in entries)
+    fmt = max(set(formats), key=formats.count) if formats else "none"
+    config["quantization_config"] = {"quant_method": "kafila", "format": fmt, "group_size": GROUP}
+    quantize.write_safetensors(file, entries, progress, desc)
+
+
+def block_index_of(name: str) -> int | None:
+    from kafila.models.manifest import block_index
+
+    return block_index(name)
+
+
+def _repacker(gf: GGUFFile, t: GGUFTensor, name: str, config: dict[str, Any]) -> Any:
+    def make() -> Any:
+        import numpy as np
+
+        from kafila.models import quant
+
+        p = quant.from_ggml(gf.raw(t), t.ggml_type, (t.shape[0], t.shape[1]))
+        heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+        for proj, n_head in heads.items():
+            if name.endswith(f"self_attn.{proj}.weight"):
+                p = p.rows(unpermute_qk(np.arange(t.shape[0]), n_head))
+        return p
+
+    return make
+
+
+def _f32_reader(gf: GGUFFile, t: GGUFTensor) -> Any:
+    return lambda: gf.dequantize(t)
 
 
 def _write_json(file: Path, data: dict[str, Any]) -> None:

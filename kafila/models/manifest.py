@@ -9,6 +9,16 @@ a real checkpoint (kafila.models.checkpoint) or synthesized from a config for pl
 - `head_read_bytes`: what one decoded token reads at the head: unembedding + final norm + one
   embedding row.
 - `kv_bytes_per_token_per_block`: K and V for one position in one block at the KV dtype.
+
+Weight formats (`QUANT_FORMATS`; docs/weights.md): "none" keeps floats; "int8" stores a matrix
+[out, in] as int8 values [out, in] plus one float16 scale per group of `GROUP` = 32 inputs
+([out, in/32], llama.cpp's Q8_0: 34 bytes per 32 weights); "q4" as 4-bit values packed two to a
+byte [out, in/2] plus a float16 scale and a float16 minimum per group ([out, in/32] each, Q4_1: 20
+bytes per 32). A packed checkpoint stores them as ordinary safetensors entries `X.weight` (I8 or
+U8), `X.scales` (F16) and, for q4, `X.mins` (F16): a block's bytes are its entries' bytes, exact.
+Policy: the linear layers of the blocks take the session's format; the embedding/unembedding
+matrix is int8 in either quantized format (the default GGUF's own Q8_0 embedding, kept); norms and
+biases stay in the compute dtype.
 """
 
 from __future__ import annotations
@@ -42,6 +52,11 @@ RUNTIME_DTYPES = {
     "bfloat16": "BF16",
 }
 
+QUANT_FORMATS = ("none", "int8", "q4")
+GROUP = 32  # inputs per scale (and minimum) in both packed formats
+SCALES, MINS = "scales", "mins"  # sibling entries of a packed `X.weight`: `X.scales`, `X.mins`
+PACKED_DTYPES = {"int8": "I8", "q4": "U8"}
+
 EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
@@ -71,6 +86,7 @@ class Manifest:
     head_read_bytes: int
     kv_bytes_per_token_per_block: int
     dtype: str  # the dtype the sizes are given in
+    quant: str = "none"  # the weight format the blocks are priced in (QUANT_FORMATS; None: as stored)
 
     @property
     def block_bytes_max(self) -> int:
@@ -100,13 +116,94 @@ def block_index(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def build_manifest(specs: Iterable[TensorSpec], config: ModelConfig, dtype: str | None = None) -> Manifest:
-    """Sizes from tensor specs. `dtype` (e.g. "BF16") prices floating tensors as if cast to it,
-    as the engine does when asked for another dtype; None keeps each tensor's stored dtype."""
+def stage_tensors(names: Iterable[str], blocks: range, head: bool) -> list[str]:
+    """The tensors among `names` a stage of blocks [a, b) (and the head) reads: its blocks' and,
+    with `head`, the embedding, final norm and lm_head with their packed scales and minimums."""
+    wanted = {EMBED, FINAL_NORM, LM_HEAD} if head else set()
+    wanted |= {n.removesuffix("weight") + part for n in wanted for part in (SCALES, MINS)}
+    return [n for n in names if n in wanted or ((i := block_index(n)) is not None and i in blocks)]
+
+
+def packed_bytes(fmt: str, rows: int, cols: int) -> int:
+    """Bytes of a [rows, cols] matrix in weight format `fmt` ("int8" or "q4"), scales included."""
+    if cols % GROUP:
+        raise ValueError(f"a {fmt} matrix needs inputs in groups of {GROUP}; [{rows}, {cols}] has {cols}")
+    groups = rows * (cols // GROUP)
+    if fmt == "int8":
+        return rows * cols + 2 * groups
+    if fmt == "q4":
+        return rows * cols // 2 + 4 * groups
+    raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(QUANT_FORMATS)}")
+
+
+def is_linear(name: str) -> bool:
+    """Whether `name` is a matrix a quantized session packs: a block's projections and the head's
+    embedding/unembedding (not norms, not biases)."""
+    return name in (EMBED, LM_HEAD) or (block_index(name) is not None and name.endswith("_proj.weight"))
+
+
+def linear_format(name: str, quant: str) -> str:
+    """The format weight `name` takes in a session of format `quant` (the module docstring's policy)."""
+    if quant == "none" or not is_linear(name):
+        return "none"
+    return "int8" if name in (EMBED, LM_HEAD) else quant
+
+
+def packed_format(name: str, by_name: dict[str, TensorSpec]) -> str:
+    """The format a checkpoint stores matrix `name` in: "int8"/"q4" where its `scales` sibling is
+    present, else "none"."""
+    base = name.removesuffix("weight")
+    if not name.endswith(".weight") or base + SCALES not in by_name:
+        return "none"
+    return "q4" if base + MINS in by_name else "int8"
+
+
+def logical_shape(spec: TensorSpec, by_name: dict[str, TensorSpec]) -> tuple[int, ...]:
+    """The unpacked shape of `spec` ([out, in] for a q4 matrix stored as [out, in/2])."""
+    if packed_format(spec.name, by_name) == "q4":
+        return (spec.shape[0], spec.shape[1] * 2)
+    return spec.shape
+
+
+def priced(specs: Iterable[TensorSpec], dtype: str | None = None, quant: str | None = None) -> dict[str, int]:
+    """Bytes per tensor name as a stage holds them. Floats are priced in `dtype` where given. With
+    `quant` ("none", "int8", "q4") a float matrix takes its format under the policy above and a
+    packed one (with its scales and minimums) is kept as stored, or widened to `dtype` (or F32) for
+    "none"; None keeps every tensor as stored."""
     by_name = {s.name: s for s in specs}
-    size = {
-        n: s.nbytes(dtype if dtype and s.dtype.startswith(("F", "BF")) else None) for n, s in by_name.items()
-    }
+    size: dict[str, int] = {}
+    for n, s in by_name.items():
+        base = n.removesuffix(SCALES).removesuffix(MINS)
+        if n.endswith((SCALES, MINS)) and packed_format(base + "weight", by_name) != "none":
+            size[n] = 0 if quant == "none" else s.nbytes()  # part of its matrix's price
+            continue
+        stored = packed_format(n, by_name)
+        if stored != "none":
+            shape = logical_shape(s, by_name)
+            wide = TensorSpec(n, dtype or "F32", shape)
+            size[n] = wide.nbytes() if quant == "none" else s.nbytes()
+            continue
+        floating = s.dtype.startswith(("F", "BF"))
+        fmt = linear_format(n, quant or "none") if floating and len(s.shape) == 2 else "none"
+        if fmt != "none":
+            size[n] = packed_bytes(fmt, s.shape[0], s.shape[1])
+        else:
+            size[n] = s.nbytes(dtype if dtype and floating else None)
+    return size
+
+
+def build_manifest(
+    specs: Iterable[TensorSpec], config: ModelConfig, dtype: str | None = None, quant: str | None = None
+) -> Manifest:
+    """Sizes from tensor specs. `dtype` (e.g. "BF16") prices floating tensors as if cast to it,
+    as the engine does when asked for another dtype; None keeps each tensor's stored dtype.
+    `quant` prices the weights in a format (`priced`); the KV cache stays in `dtype`."""
+    by_name = {s.name: s for s in specs}
+    size = priced(by_name.values(), dtype, quant)
+    for n in list(size):  # a packed matrix's scales and minimums count with it
+        base = n.removesuffix(SCALES).removesuffix(MINS) + "weight"
+        if n.endswith((SCALES, MINS)) and base in size and packed_format(base, by_name) != "none":
+            size[base] += size.pop(n)
     blocks = [0] * config.num_hidden_layers
     for name, nbytes in size.items():
         i = block_index(name)
@@ -120,7 +217,7 @@ def build_manifest(specs: Iterable[TensorSpec], config: ModelConfig, dtype: str 
     tied = LM_HEAD not in by_name
     unembed = size[EMBED] if tied else size[LM_HEAD]
     embed_row = size[EMBED] // by_name[EMBED].shape[0]
-    kv_dtype = dtype or by_name[EMBED].dtype
+    kv_dtype = dtype or _float_dtype(by_name)
     return Manifest(
         model_type=config.model_type,
         n_blocks=config.num_hidden_layers,
@@ -129,7 +226,21 @@ def build_manifest(specs: Iterable[TensorSpec], config: ModelConfig, dtype: str 
         head_read_bytes=unembed + size[FINAL_NORM] + embed_row,
         kv_bytes_per_token_per_block=2 * config.num_key_value_heads * config.head_dim * DTYPE_BYTES[kv_dtype],
         dtype=kv_dtype,
+        quant=quant or _stored_format(by_name),
     )
+
+
+def _stored_format(by_name: dict[str, TensorSpec]) -> str:
+    """The format most block matrices are stored in ("none" for a float checkpoint)."""
+    formats = [packed_format(n, by_name) for n in by_name if is_linear(n) and n not in (EMBED, LM_HEAD)]
+    return max(set(formats), key=formats.count) if formats else "none"
+
+
+def _float_dtype(by_name: dict[str, TensorSpec]) -> str:
+    """The float dtype a checkpoint computes in without a `dtype`: its embedding's, or for a packed
+    embedding F32 (a packed checkpoint stores its norms in F32)."""
+    spec = by_name[EMBED]
+    return spec.dtype if spec.dtype.startswith(("F", "BF")) else by_name[FINAL_NORM].dtype
 
 
 def specs_from_config(config: ModelConfig, dtype: str = "BF16") -> list[TensorSpec]:

@@ -88,19 +88,21 @@ def resolve_manifest(spec: str, dtype: str = "bf16") -> Manifest:
     return resolve_model(spec, dtype)[1]
 
 
-def resolve_model(spec: str, dtype: str = "bf16") -> tuple[ModelConfig, Manifest]:
+def resolve_model(spec: str, dtype: str = "bf16", quant: str = "auto") -> tuple[ModelConfig, Manifest]:
     """A preset name or a local Hugging Face folder -> its ModelConfig and Manifest priced at `dtype`
+    in weight format `quant` ("none", "int8", "q4"; "auto": as stored, floats for a preset)
     (a folder is opened once)."""
+    fmt = None if quant == "auto" else quant
     st_dtype = RUNTIME_DTYPES.get(dtype.lower())
     if st_dtype is None:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(RUNTIME_DTYPES)}")
     if spec.lower() in PRESETS:
         config = preset_config(spec)
-        return config, build_manifest(specs_from_config(config, st_dtype), config)
+        return config, build_manifest(specs_from_config(config, st_dtype), config, quant=fmt)
     from kafila.models.checkpoint import Checkpoint
 
     checkpoint = Checkpoint.open(_folder(spec), complete=True)
-    return checkpoint.config, checkpoint.manifest(st_dtype)
+    return checkpoint.config, checkpoint.manifest(st_dtype, fmt)
 
 
 def _folder(spec: str) -> Path:

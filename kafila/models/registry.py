@@ -43,13 +43,15 @@ def models_dir() -> Path:
     return cache_dir() / "models"
 
 
-def resolve(name_or_path: str | os.PathLike[str], progress: bool = True) -> Path:
-    """A default model's name (converted on first use), a model folder, or a folder name in the cache."""
+def resolve(name_or_path: str | os.PathLike[str], progress: bool = True, quant: str = "none") -> Path:
+    """A default model's name (converted on first use), a model folder, or a folder name in the cache.
+    A default model in `quant` "q4" is its GGUF's own packed blocks (default.ensure_default's
+    `packed`); in the other formats its F32 folder (packed on load for "int8")."""
     from kafila.models.default import DEFAULT_MODELS, ensure_default
 
     text = os.fspath(name_or_path)
     if text in DEFAULT_MODELS:
-        return ensure_default(text, progress=progress)
+        return ensure_default(text, progress=progress, packed=quant == "q4")
     path = Path(text).expanduser()
     if path.is_dir():
         return path.resolve()

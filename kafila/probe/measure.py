@@ -189,10 +189,12 @@ def probe(
     position: int = POSITION,
     stream_bytes: int | None = None,
     pace: Pace = FULL_SPEED,
+    quant: str = "none",
 ) -> ProbeReport:
     """Measure this device. `stream_bytes` overrides the bandwidth buffer (default: 8x the LLC,
     at least 256 MiB on a CPU, 1 GiB on a GPU). `pace` emulates a slower device: every timed
-    workload idles after it as the member's stage steps will (kafila.engine.pace)."""
+    workload idles after it as the member's stage steps will (kafila.engine.pace). `quant` is the
+    session's weight format: the synthetic blocks and head are packed in it and priced as packed."""
     if repeats is not None and repeats < 1:
         raise ValueError(f"probe repeats must be at least 1, got {repeats}")
     if position < 0:
@@ -206,7 +208,7 @@ def probe(
     threads = _set_threads(be) if be.name == "torch" and be.device == "cpu" else None
     window = quota_window(system.cfs_limit())
     repeats = (3 if quota else 5) if repeats is None else repeats
-    ops = Ops(be)
+    ops = Ops(be, quant if be.name == "torch" else "none")
     memory = _memory(ops)
     buf = ops.make_buffer(stream_bytes or _stream_bytes(ops, memory))
     nbytes = ops.nbytes(buf)

@@ -12,7 +12,7 @@ from typing import Any
 
 from kafila.engine.captured import decode_path
 from kafila.models.config import ModelConfig
-from kafila.models.manifest import block_index, specs_from_config
+from kafila.models.manifest import GROUP, block_index, priced, specs_from_config
 from kafila.models.span import Span
 
 Run = Callable[[], object]
@@ -22,6 +22,15 @@ TINY = 64  # width of the dispatch-overhead chain: it reads a few KB, far below 
 @dataclass(frozen=True)
 class Ops:
     backend: Any  # kafila.engine.backend.Backend
+    quant: str = "none"  # the session's weight format: the synthetic blocks and head are packed in it
+
+    def _model_kwargs(self, config: ModelConfig) -> dict[str, Any]:
+        """The model's keyword arguments: the backend's, and the weight format where it applies
+        (every matrix's inputs in groups of 32; the dispatch chain's tiny widths may not be)."""
+        kwargs: dict[str, Any] = self.backend.model_kwargs()
+        if self.quant != "none" and _groups_fit(config):
+            kwargs["quant"] = self.quant
+        return kwargs
 
     @property
     def is_torch(self) -> bool:
@@ -137,17 +146,19 @@ class Ops:
         for s in specs_from_config(replace(config, num_hidden_layers=blocks), "F32"):
             if block_index(s.name) is not None:
                 weights[s.name] = self._random(s.shape, 0.02)
-        kwargs = self.backend.model_kwargs()
-        model = cls(config, weights, range(blocks), False, context=position + 1, **kwargs)
+        model = cls(config, weights, range(blocks), False, context=position + 1, **self._model_kwargs(config))
         path = decode_path(model, self.backend, 1, where="probe")  # what a stage runs: a CUDA graph on a card
         x = self._random((1, config.hidden_size), 1.0)  # [1, H]
         span = [Span(slot=0, start=position, length=1)]
         return lambda: self._done(path.forward(x, span))  # -> [1, H]
 
     def block_bytes(self, config: ModelConfig) -> int:
-        """Weight bytes of one transformer block of this model in this backend's dtype."""
+        """Weight bytes of one transformer block of this model in this backend's dtype and the
+        session's weight format (kafila.models.manifest.priced: what the model holds)."""
         specs = [s for s in specs_from_config(config, "F32") if block_index(s.name) == 0]
-        return sum(s.numel for s in specs) * self.element_size()
+        dtype = {4: "F32", 2: "BF16"}.get(self.element_size(), "F32")
+        quant = self.quant if _groups_fit(config) else "none"
+        return sum(priced(specs, dtype, quant).values())
 
     def make_head(self, config: ModelConfig) -> tuple[Run, int]:
         """The head's share of a decode step: final norm and unembedding of one row ([1, H] ->
@@ -156,9 +167,12 @@ class Ops:
         specs = [s for s in specs_from_config(config, "F32") if block_index(s.name) is None]
         weights = {s.name: self._random(s.shape, 0.02) for s in specs}
         cls = self.backend.model_class(config.model_type)
-        model = cls(config, weights, range(0, 0), True, context=1, **self.backend.model_kwargs())
+        model = cls(config, weights, range(0, 0), True, context=1, **self._model_kwargs(config))
         x = self._random((1, config.hidden_size), 1.0)  # [1, H]
         nbytes = config.vocab_size * config.hidden_size * self.element_size()
+        if "quant" in self._model_kwargs(config):  # the unembedding is int8 in a packed session
+            sizes = priced([s for s in specs if s.name != "model.norm.weight"], None, self.quant)
+            nbytes = sizes["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
         return (lambda: self._done(model.logits(x))), nbytes
 
     def make_block_dispatch(self, config: ModelConfig, position: int) -> tuple[Run, int]:
@@ -182,6 +196,12 @@ class Ops:
             info = mx.device_info()
             return int(info.get("max_recommended_working_set_size") or info.get("memory_size") or 0) or None
         return None
+
+
+def _groups_fit(config: ModelConfig) -> bool:
+    """Whether every matrix of this config has its inputs in groups of 32 (packable)."""
+    widths = (config.hidden_size, config.num_attention_heads * config.head_dim, config.intermediate_size)
+    return all(w % GROUP == 0 for w in widths)
 
 
 def tiny_shapes(config: ModelConfig) -> ModelConfig:

@@ -231,6 +231,20 @@ def test_the_decode_kernels_name_the_few_row_code_they_were_compiled_with() -> N
     )
 
 
+def test_the_decode_kernels_name_the_packed_product_code_they_were_compiled_with() -> None:
+    """As above, for quant_cpu.py: block_step compiles its packed products into itself."""
+    import hashlib
+    from pathlib import Path
+
+    from kafila.models.torch import decode_cpu, quant_cpu
+
+    digest = hashlib.sha256(Path(quant_cpu.__file__).read_bytes()).hexdigest()[:16]
+    assert digest == decode_cpu.QUANT_CPU_SHA256, (
+        f"quant_cpu.py changed: set QUANT_CPU_SHA256 = {digest!r} in decode_cpu.py, or numba keeps running "
+        "the old packed products inside the cached decode kernels"
+    )
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_prefill_is_bit_identical_alone_or_with_other_prompts(tiny_checkpoint, dtype: str) -> None:
     """Prefill chunks of up to KERNEL_ROWS rows take the few-row kernel, whose rows do not depend

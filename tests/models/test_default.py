@@ -172,12 +172,13 @@ def test_conversion_is_atomic_then_reused(tmp_path: Path, monkeypatch: pytest.Mo
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
 
 
-def copying_conversion(converted: Path) -> Callable[[Path, Path, bool, str], None]:
+def copying_conversion(converted: Path) -> Callable[[Path, Path, bool, str, bool], None]:
     """A stand-in for the GGUF conversion that copies an already converted folder (the weights
     linked), to keep the tests of what surrounds the conversion fast."""
     import shutil
 
-    def convert(gguf_file: Path, out: Path, progress: bool, desc: str) -> None:
+    def convert(gguf_file: Path, out: Path, progress: bool, desc: str, packed: bool = False) -> None:
+        assert not packed, "the packed conversion is tested for real in tests/models/test_quant.py"
         for f in converted.iterdir():
             (out / f.name).symlink_to(f) if f.name == "model.safetensors" else shutil.copy(f, out / f.name)
 

@@ -244,3 +244,14 @@ def test_host_flags_carry_the_objective_into_the_session_options():
     assert options(parser.parse_args([])).objective == "load"  # type: ignore[attr-defined]
     o = options(parser.parse_args(["--objective", "bottleneck", "--concurrency", "4"]))
     assert (o.objective, o.concurrency) == ("bottleneck", 4)  # type: ignore[attr-defined]
+
+
+def test_a_packed_format_fits_a_model_the_fleet_cannot_hold_in_bf16(capsys):
+    """qwen3-32b does not fit the LAN fleet in bf16 (see above); in q4 its blocks weigh 0.625/2 as
+    much and the plan is feasible, priced in the packed bytes."""
+    args = ["plan", str(FLEETS / "lan.toml"), "--model", "qwen3-32b", "--division", "kafila", "--json"]
+    assert main([*args, "--quant", "none"]) == 1
+    capsys.readouterr()
+    assert main([*args, "--quant", "q4"]) == 0
+    plan = json.loads(capsys.readouterr().out)["divisions"]["kafila"]
+    assert plan["feasible"] and sum(plan["blocks"].values()) == 64

@@ -15,23 +15,76 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
+from kafila.models import quant as formats
 from kafila.models import rope
 from kafila.models.config import ModelConfig
-from kafila.models.manifest import EMBED, FINAL_NORM, LM_HEAD
+from kafila.models.manifest import (
+    EMBED,
+    FINAL_NORM,
+    GROUP,
+    LM_HEAD,
+    MINS,
+    QUANT_FORMATS,
+    SCALES,
+    linear_format,
+)
 from kafila.models.span import Span
+
+
+@dataclass
+class Packed:
+    """A packed matrix [out, in] in MLX's affine layout (w = scale * u + bias per group of 32, u
+    unsigned, `bits` per value packed into uint32 words low bits first): q4 is ours as it is
+    (scale, min); int8's signed q becomes u = q + 128 with bias -128 scale."""
+
+    wq: mx.array  # uint32 [out, in * bits / 32]
+    scales: mx.array  # [out, in / 32]
+    biases: mx.array  # [out, in / 32]
+    bits: int
+
+    @classmethod
+    def of(cls, p: formats.Packed, dtype: mx.Dtype) -> Packed:
+        bits = 4 if p.fmt == "q4" else 8
+        u = formats.levels(p).astype(np.uint32) + (128 if p.fmt == "int8" else 0)  # [out, in]
+        per = 32 // bits
+        u = u.reshape(u.shape[0], -1, per) << (np.arange(per, dtype=np.uint32) * bits)
+        words = np.bitwise_or.reduce(u, axis=2)  # [out, in / per]
+        scales = p.scales.astype(np.float32)
+        biases = p.mins.astype(np.float32) if p.mins is not None else -128 * scales
+        return cls(mx.array(words), mx.array(scales).astype(dtype), mx.array(biases).astype(dtype), bits)
+
+    def __call__(self, x: mx.array) -> mx.array:  # [N, in] -> [N, out]
+        return mx.quantized_matmul(
+            x, self.wq, self.scales, self.biases, transpose=True, group_size=GROUP, bits=self.bits
+        )
+
+    def rows(self, ids: mx.array) -> mx.array:
+        """Rows `ids` dequantized ([N, in]): an embedding lookup."""
+        return mx.dequantize(
+            self.wq[ids], self.scales[ids], self.biases[ids], group_size=GROUP, bits=self.bits
+        )
+
+
+Weight = mx.array | Packed
+
+
+def _mm(x: mx.array, w: Weight) -> mx.array:
+    """x [N, in] w^T -> [N, out] for a float or packed weight."""
+    return w(x) if isinstance(w, Packed) else x @ w.T
 
 
 @dataclass
 class Block:
     attn_norm: mx.array  # [H]
-    wqkv: mx.array  # [(nq + 2 nkv) d, H]: q rows, then k, then v
+    wqkv: Weight  # [(nq + 2 nkv) d, H]: q rows, then k, then v
     bqkv: mx.array | None  # [(nq + 2 nkv) d]
     qk_norm: mx.array | None  # [nq + nkv, d]: q_norm per q head, then k_norm per kv head (qwen3)
-    wo: mx.array  # [H, nq d]
+    wo: Weight  # [H, nq d]
     mlp_norm: mx.array  # [H]
-    w_gate_up: mx.array  # [2F, H]
-    w_down: mx.array  # [H, F]
+    w_gate_up: Weight  # [2F, H]
+    w_down: Weight  # [H, F]
 
 
 @dataclass
@@ -58,25 +111,60 @@ class LlamaModel:
         *,
         dtype: mx.Dtype = mx.float32,
         context: int = 2048,
+        quant: str = "none",
     ) -> None:
+        if quant not in QUANT_FORMATS:
+            raise ValueError(f"unknown weight format {quant!r}; choose one of {', '.join(QUANT_FORMATS)}")
         self.config, self.blocks_range, self.has_head = config, blocks, head
-        self.dtype, self.context = dtype, context
-        self.embed_w = self.norm_w = self.unembed_w = None
+        self.dtype, self.context, self.quant = dtype, context, quant
+        self.embed_w: Weight | None = None
+        self.unembed_w: Weight | None = None
+        self.norm_w: mx.array | None = None
         if head:  # first: the largest tensors load while little else is resident (lower peak memory)
-            self.embed_w = self._w(weights, EMBED)  # [V, H]
+            self.embed_w = self._cat(weights, [EMBED])  # [V, H]
             self.norm_w = self._w(weights, FINAL_NORM)  # [H]
             tied = config.tie_word_embeddings or LM_HEAD not in weights
-            self.unembed_w = self.embed_w if tied else self._w(weights, LM_HEAD)  # [V, H]
+            self.unembed_w = self.embed_w if tied else self._cat(weights, [LM_HEAD])  # [V, H]
         self.blocks = [self._load_block(weights, i) for i in blocks]
         cos, sin = rope.tables(config, context)
         self.cos, self.sin = mx.array(cos).astype(dtype), mx.array(sin).astype(dtype)  # [context, d]
-        mx.eval([self.cos, self.sin, *(vars(b) for b in self.blocks), self.embed_w, self.unembed_w])
+        mx.eval([self.cos, self.sin, *(_arrays(vars(b)) for b in self.blocks), *_arrays(vars(self))])
 
     def _w(self, weights: Mapping[str, mx.array], name: str) -> mx.array:
         return weights[name].astype(self.dtype)
 
-    def _cat(self, weights: Mapping[str, mx.array], names: Sequence[str]) -> mx.array:
+    def _cat(self, weights: Mapping[str, mx.array], names: Sequence[str]) -> Weight:
+        """The named matrices stacked by rows: floats in the compute dtype for "none" (packed ones
+        widened), else packed (float ones packed as the torch model packs them)."""
+        stored = [n.removesuffix("weight") + SCALES in weights for n in names]
+        if self.quant == "none" or (not any(stored) and linear_format(names[0], self.quant) == "none"):
+            if any(stored):
+                wide = [formats.dequantize(self._packed(weights, n)) for n in names]
+                return mx.concatenate([mx.array(w).astype(self.dtype) for w in wide], axis=0)
+            return self._floats(weights, names)
+        parts = [self._packed(weights, n) for n in names]
+        mins = (
+            None if parts[0].mins is None else np.concatenate([p.mins for p in parts if p.mins is not None])
+        )
+        stacked = formats.Packed(
+            parts[0].fmt,
+            np.concatenate([p.data for p in parts]),
+            np.concatenate([p.scales for p in parts]),
+            mins,
+        )
+        return Packed.of(stacked, self.dtype)
+
+    def _floats(self, weights: Mapping[str, mx.array], names: Sequence[str]) -> mx.array:
         return mx.concatenate([self._w(weights, n) for n in names], axis=0)
+
+    def _packed(self, weights: Mapping[str, mx.array], name: str) -> formats.Packed:
+        base = name.removesuffix("weight")
+        if base + SCALES in weights:
+            mins = np.array(weights[base + MINS]) if base + MINS in weights else None
+            fmt = "q4" if mins is not None else "int8"
+            return formats.from_entries(fmt, np.array(weights[name]), np.array(weights[base + SCALES]), mins)
+        w = np.array(weights[name].astype(mx.float32))
+        return formats.quantize(w, linear_format(name, self.quant))
 
     def _load_block(self, w: Mapping[str, mx.array], i: int) -> Block:
         p = f"model.layers.{i}."
@@ -91,12 +179,14 @@ class LlamaModel:
         return Block(
             attn_norm=self._w(w, p + "input_layernorm.weight"),
             wqkv=self._cat(w, [a + f"{n}_proj.weight" for n in "qkv"]),
-            bqkv=self._cat(w, [a + f"{n}_proj.bias" for n in "qkv"]) if self.config.attention_bias else None,
+            bqkv=self._floats(w, [a + f"{n}_proj.bias" for n in "qkv"])
+            if self.config.attention_bias
+            else None,
             qk_norm=qk_norm,
-            wo=self._w(w, a + "o_proj.weight"),
+            wo=self._cat(w, [a + "o_proj.weight"]),
             mlp_norm=self._w(w, p + "post_attention_layernorm.weight"),
             w_gate_up=self._cat(w, [m + "gate_proj.weight", m + "up_proj.weight"]),
-            w_down=self._w(w, m + "down_proj.weight"),
+            w_down=self._cat(w, [m + "down_proj.weight"]),
         )
 
     def new_cache(self, slots: int) -> KVCache:
@@ -112,7 +202,11 @@ class LlamaModel:
     def embed(self, ids: mx.array) -> mx.array:
         """ids [N] int -> hidden [N, H]."""
         assert self.embed_w is not None, "embed() needs the head"
-        out = self.embed_w[ids]
+        out = (
+            self.embed_w.rows(ids).astype(self.dtype)
+            if isinstance(self.embed_w, Packed)
+            else self.embed_w[ids]
+        )
         mx.eval(out)
         return out
 
@@ -120,7 +214,7 @@ class LlamaModel:
         """hidden [B, H] -> logits [B, V] float32 (final norm + unembedding)."""
         assert self.unembed_w is not None, "logits() needs the head"
         h = mx.fast.rms_norm(x.astype(self.dtype), self.norm_w, self.config.rms_norm_eps)
-        out = (h @ self.unembed_w.T).astype(mx.float32)
+        out = _mm(h, self.unembed_w).astype(mx.float32)
         mx.eval(out)
         return out
 
@@ -148,7 +242,7 @@ class LlamaModel:
     ) -> mx.array:
         c, eps = self.config, self.config.rms_norm_eps
         n, nq, nkv, d = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qkv = mx.fast.rms_norm(x, blk.attn_norm, eps) @ blk.wqkv.T  # [N, (nq + 2 nkv) d]
+        qkv = _mm(mx.fast.rms_norm(x, blk.attn_norm, eps), blk.wqkv)  # [N, (nq + 2 nkv) d]
         if blk.bqkv is not None:
             qkv = qkv + blk.bqkv
         qk = qkv[:, : (nq + nkv) * d].reshape(n, nq + nkv, d)  # [N, nq + nkv, d]
@@ -162,9 +256,9 @@ class LlamaModel:
             outs.append(self._attend(s, mask, qk[rows, :nq], qk[rows, nq:], v[rows], cache, i))
             row += s.length
         attn = mx.concatenate(outs) if len(outs) > 1 else outs[0]  # [N, nq d]
-        x = x + attn @ blk.wo.T
-        gate, up = mx.split(mx.fast.rms_norm(x, blk.mlp_norm, eps) @ blk.w_gate_up.T, 2, axis=-1)  # [N, F]
-        return x + (gate * mx.sigmoid(gate) * up) @ blk.w_down.T
+        x = x + _mm(attn, blk.wo)
+        gate, up = mx.split(_mm(mx.fast.rms_norm(x, blk.mlp_norm, eps), blk.w_gate_up), 2, axis=-1)  # [N, F]
+        return x + _mm(gate * mx.sigmoid(gate) * up, blk.w_down)
 
     def _attend(
         self, s: Span, mask: mx.array | None, q: mx.array, k: mx.array, v: mx.array, cache: KVCache, i: int
@@ -179,6 +273,17 @@ class LlamaModel:
             q.transpose(1, 0, 2)[None], keys, vals, scale=d**-0.5, mask=mask
         )  # [1, nq, T, d]
         return out[0].transpose(1, 0, 2).reshape(t, nq * d)
+
+
+def _arrays(fields: dict[str, object]) -> list[mx.array]:
+    """Every array among `fields`' values, packed weights' parts included (for one mx.eval)."""
+    out: list[mx.array] = []
+    for v in fields.values():
+        if isinstance(v, Packed):
+            out += [v.wq, v.scales, v.biases]
+        elif isinstance(v, mx.array):
+            out.append(v)
+    return out
 
 
 def _causal_mask(s: Span) -> mx.array | None:

@@ -28,6 +28,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from kafila.models.torch import quant_cpu
 from kafila.models.torch.few_rows import at, bf16_bits, bits_to_f32, product_tile, store_row, tiles
 
 # The contents of few_rows.py these kernels were compiled with (its sha256, first 16 hex digits).
@@ -36,6 +37,8 @@ from kafila.models.torch.few_rows import at, bf16_bits, bits_to_f32, product_til
 # below running the old products. A test compares it with the file: update it with every change
 # there, which changes this file too and makes numba compile these kernels again.
 FEW_ROWS_SHA256 = "569d1d6c9a0ce013"
+# The same for quant_cpu.py, whose packed products block_step runs for int8 and q4 weights.
+QUANT_CPU_SHA256 = "b3e6be19fc2b0587"
 
 
 @njit(fastmath=True, cache=True, boundscheck=False, nogil=True, inline="always")
@@ -191,7 +194,7 @@ def _swiglu(gate_up: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover
 def block_step(
     x: np.ndarray,  # [N, H], updated in place
     attn_norm: np.ndarray,  # [H]
-    wqkv: np.ndarray,  # [(nq + 2 nkv) d, H]; weights: float32, or uint16 bfloat16 bits
+    wqkv: np.ndarray,  # [(nq + 2 nkv) d, H]; weights: float32, uint16 bfloat16 bits, or packed tuples
     bqkv: np.ndarray,  # [(nq + 2 nkv) d], or [0] without attention bias
     qk_norm: np.ndarray,  # [nq + nkv, d], or [0, 0]
     wo: np.ndarray,  # [H, nq d]
@@ -209,33 +212,34 @@ def block_step(
     bf16: bool,  # round the residual stream to bf16 at the end
 ) -> None:  # pragma: no cover
     """One block's decode step for N rows, in place on x (float32 in both dtypes). The products and
-    attention are `prange` loops over tasks written here (see few_rows.product_tile for why)."""
+    attention are `prange` loops over tasks written here (see few_rows.product_tile for why).
+    A weight is a float array or a packed tuple (quant_cpu: int8, q4); each compiles its own."""
     n, hidden = x.shape
     nkv = kc.shape[1]
     h = np.empty((n, hidden), np.float32)
     _rms_norm(x, attn_norm, eps, h)
-    qkv = np.empty((n, wqkv.shape[0]), np.float32)
-    for tile in prange(tiles(wqkv)):
-        product_tile(h, wqkv, qkv, tile)
+    qkv = np.empty((n, quant_cpu.rows_of(wqkv)), np.float32)
+    for tile in prange(quant_cpu.tiles(wqkv)):
+        quant_cpu.tile(h, wqkv, qkv, tile)
     if bqkv.shape[0] > 0:
         for r in range(n):
             qkv[r] += bqkv
     _prepare_qkv(qkv, qk_norm, cos, sin, kc, vc, slots, positions, nq, nkv, eps)
-    attn = np.empty((n, wo.shape[1]), np.float32)
+    attn = np.empty((n, quant_cpu.cols_of(wo)), np.float32)
     for job in prange(n * nkv):
         _attend_group(qkv, kc, vc, slots, positions, nq, attn, job)
     y = np.empty((n, hidden), np.float32)
-    for tile in prange(tiles(wo)):
-        product_tile(attn, wo, y, tile)
+    for tile in prange(quant_cpu.tiles(wo)):
+        quant_cpu.tile(attn, wo, y, tile)
     _add_into(x, y)
     _rms_norm(x, mlp_norm, eps, h)
-    gate_up = np.empty((n, w_gate_up.shape[0]), np.float32)
-    for tile in prange(tiles(w_gate_up)):
-        product_tile(h, w_gate_up, gate_up, tile)
-    act = np.empty((n, w_down.shape[1]), np.float32)
+    gate_up = np.empty((n, quant_cpu.rows_of(w_gate_up)), np.float32)
+    for tile in prange(quant_cpu.tiles(w_gate_up)):
+        quant_cpu.tile(h, w_gate_up, gate_up, tile)
+    act = np.empty((n, quant_cpu.cols_of(w_down)), np.float32)
     _swiglu(gate_up, act)
-    for tile in prange(tiles(w_down)):
-        product_tile(act, w_down, y, tile)
+    for tile in prange(quant_cpu.tiles(w_down)):
+        quant_cpu.tile(act, w_down, y, tile)
     _add_into(x, y)
     if bf16:
         _round_to_bf16(x)

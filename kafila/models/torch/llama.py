@@ -20,17 +20,19 @@ import functools
 import importlib.util
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kafila.models import quant as formats
 from kafila.models import rope
 from kafila.models.config import ModelConfig
-from kafila.models.manifest import EMBED, FINAL_NORM, LM_HEAD
+from kafila.models.manifest import EMBED, FINAL_NORM, LM_HEAD, MINS, QUANT_FORMATS, SCALES, linear_format
 from kafila.models.span import Span
 from kafila.models.torch import hugepages
+from kafila.models.torch.packed import PackedLinear
 
 Tensor = torch.Tensor
 
@@ -95,33 +97,42 @@ class Linear:
         return y if self.bias is None else y.add_(self.bias)
 
 
+AnyLinear = Linear | PackedLinear
+
+
+def _kernel_arrays(lin: AnyLinear) -> np.ndarray | tuple[np.ndarray, ...]:
+    """A weight as decode_cpu.block_step takes it: a float view, or a packed tuple (quant_cpu)."""
+    from kafila.models.torch.few_rows import numpy_view
+
+    return lin.arrays() if isinstance(lin, PackedLinear) else numpy_view(lin.w)
+
+
 @dataclass
 class Block:
     attn_norm: Tensor  # [H]
-    wqkv: Linear  # [(nq + 2 nkv) d, H]: q rows, then k, then v
+    wqkv: AnyLinear  # [(nq + 2 nkv) d, H]: q rows, then k, then v
     qk_norm: Tensor | None  # [nq + nkv, d]: q_norm per q head, then k_norm per kv head (qwen3)
-    wo: Linear  # [H, nq d]
+    wo: AnyLinear  # [H, nq d]
     mlp_norm: Tensor  # [H]
-    w_gate_up: Linear  # [2F, H]: gate rows, then up
-    w_down: Linear  # [H, F]
+    w_gate_up: AnyLinear  # [2F, H]: gate rows, then up
+    w_down: AnyLinear  # [H, F]
 
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        """The weights in `decode_cpu.block_step`'s order: matrices as views (float32, or bf16 bits),
-        norms and biases as float32."""
-        from kafila.models.torch.few_rows import numpy_view
+    def arrays(self) -> tuple[Any, ...]:
+        """The weights in `decode_cpu.block_step`'s order: matrices as views (float32, or bf16 bits,
+        or packed tuples), norms and biases as float32."""
 
         def f32(t: Tensor | None, empty: tuple[int, ...]) -> np.ndarray:
             return np.empty(empty, np.float32) if t is None else t.float().contiguous().numpy()
 
         return (
             f32(self.attn_norm, (0,)),
-            numpy_view(self.wqkv.w),
+            _kernel_arrays(self.wqkv),
             f32(self.wqkv.bias, (0,)),
             f32(self.qk_norm, (0, 0)),
-            numpy_view(self.wo.w),
+            _kernel_arrays(self.wo),
             f32(self.mlp_norm, (0,)),
-            numpy_view(self.w_gate_up.w),
-            numpy_view(self.w_down.w),
+            _kernel_arrays(self.w_gate_up),
+            _kernel_arrays(self.w_down),
         )
 
 
@@ -148,7 +159,11 @@ class KVCache:
 
 class LlamaModel:
     """Blocks [a, b) of a Llama-family model, plus the head (embedding, final norm, unembedding)
-    when `head` is set. `weights` maps Hugging Face names to tensors (any float dtype)."""
+    when `head` is set. `weights` maps Hugging Face names to tensors (any float dtype, or a packed
+    matrix's entries: `X.weight` int8/uint8 with `X.scales` (and `X.mins`), kafila.models.quant).
+    `quant` is the session's weight format: "none" computes with float matrices (widening packed
+    ones), "int8"/"q4" packs float matrices as kafila.models.manifest's policy says and keeps
+    packed ones as stored."""
 
     def __init__(
         self,
@@ -160,17 +175,21 @@ class LlamaModel:
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
         context: int = 2048,
+        quant: str = "none",
     ) -> None:
+        if quant not in QUANT_FORMATS:
+            raise ValueError(f"unknown weight format {quant!r}; choose one of {', '.join(QUANT_FORMATS)}")
         self.config, self.blocks_range, self.has_head = config, blocks, head
-        self.dtype, self.device, self.context = dtype, torch.device(device), context
-        self.embed_w: Tensor | None = None  # [V, H]
+        self.dtype, self.device, self.context, self.quant = dtype, torch.device(device), context, quant
+        self.embed_w: Tensor | PackedLinear | None = None  # [V, H]
         self.norm_w: Tensor | None = None
-        self.unembed: Linear | None = None
+        self.unembed: AnyLinear | None = None
         self._pages = hugepages.for_device(self.device)  # the weight matrices' memory, where offered
         if head:  # first: the largest tensors load while little else is resident (lower peak memory)
             tied = config.tie_word_embeddings or LM_HEAD not in weights
-            self.embed_w = self._stack(weights, [EMBED])
-            self.unembed = Linear(self.embed_w if tied else self._stack(weights, [LM_HEAD]))  # [V, H]
+            embed = self._linear(weights, [EMBED])
+            self.embed_w = embed.w if isinstance(embed, Linear) else embed
+            self.unembed = embed if tied else self._linear(weights, [LM_HEAD])  # [V, H]
             self.norm_w = self._w(weights, FINAL_NORM)  # [H]
         self.blocks = [self._load_block(weights, i) for i in blocks]
         cos, sin = rope.tables(config, context)
@@ -226,6 +245,33 @@ class LlamaModel:
             at += p.shape[0]
         return out
 
+    def _linear(
+        self, weights: Mapping[str, Tensor], names: Sequence[str], bias: Tensor | None = None
+    ) -> AnyLinear:
+        """The named matrices stacked by rows as one product in the session's format: float
+        (`_stack`, packed ones widened) for "none", else packed (float ones packed here)."""
+        stored = [n.removesuffix("weight") + SCALES in weights for n in names]
+        if self.quant == "none" or (not any(stored) and linear_format(names[0], self.quant) == "none"):
+            if any(stored):
+                wide = {n: self._packed(weights, n).dequantized(slice(None), torch.float32) for n in names}
+                return Linear(self._stack(wide, names), bias)
+            return Linear(self._stack(weights, names), bias)
+        parts = [self._packed(weights, n) for n in names]
+        out = PackedLinear.stack(parts)
+        out.bias = bias
+        return out
+
+    def _packed(self, weights: Mapping[str, Tensor], name: str) -> PackedLinear:
+        """Matrix `name` packed: as stored, or a float one packed in its format (on the CPU)."""
+        base = name.removesuffix("weight")
+        if base + SCALES in weights:
+            mins = weights[base + MINS].to(self.device) if base + MINS in weights else None
+            fmt = "q4" if mins is not None else "int8"
+            data, scales = weights[name].to(self.device), weights[base + SCALES].to(self.device)
+            return PackedLinear(fmt, data, scales, mins)
+        w = weights[name].float().cpu().numpy()  # [out, in]
+        return PackedLinear.from_packed(formats.quantize(w, linear_format(name, self.quant)), self.device)
+
     def _load_block(self, w: Mapping[str, Tensor], i: int) -> Block:
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
@@ -238,12 +284,12 @@ class LlamaModel:
         bqkv = self._stack(w, bias) if self.config.attention_bias else None
         return Block(
             attn_norm=self._w(w, p + "input_layernorm.weight"),
-            wqkv=Linear(self._stack(w, [a + f"{n}_proj.weight" for n in "qkv"]), bqkv),
+            wqkv=self._linear(w, [a + f"{n}_proj.weight" for n in "qkv"], bqkv),
             qk_norm=qk_norm,
-            wo=Linear(self._stack(w, [a + "o_proj.weight"])),
+            wo=self._linear(w, [a + "o_proj.weight"]),
             mlp_norm=self._w(w, p + "post_attention_layernorm.weight"),
-            w_gate_up=Linear(self._stack(w, [m + "gate_proj.weight", m + "up_proj.weight"])),
-            w_down=Linear(self._stack(w, [m + "down_proj.weight"])),
+            w_gate_up=self._linear(w, [m + "gate_proj.weight", m + "up_proj.weight"]),
+            w_down=self._linear(w, [m + "down_proj.weight"]),
         )
 
     def new_cache(self, slots: int) -> KVCache:
@@ -259,6 +305,8 @@ class LlamaModel:
     def embed(self, ids: Tensor) -> Tensor:
         """ids [N] int64 -> hidden [N, H]."""
         assert self.embed_w is not None, "embed() needs the head"
+        if isinstance(self.embed_w, PackedLinear):
+            return self.embed_w.embedding(ids.to(self.device), self.dtype)
         return F.embedding(ids.to(self.device), self.embed_w)
 
     @torch.inference_mode()

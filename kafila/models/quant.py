@@ -1,0 +1,156 @@
+"""The packed weight formats in numpy: quantize, dequantize, repack llama.cpp blocks (no widening).
+
+Formats (kafila.models.manifest: `packed_bytes`, the policy of which matrix takes which):
+
+- int8: `data` int8 [out, in], `scales` float16 [out, in/32]; w = scale * q, q in [-127, 127]
+  (llama.cpp's Q8_0, the same numbers in another order).
+- q4: `data` uint8 [out, in/2], `scales` and `mins` float16 [out, in/32]; w = scale * q + min,
+  q in [0, 15]. In group g of a row, byte j (0-15) holds element 32 g + j in its low nibble and
+  element 32 g + 16 + j in its high nibble: llama.cpp's Q4_1 block, whose 16 bytes are copied.
+
+Packed rows are independent, so a fused matrix (q, k, v rows) is its parts' rows stacked, and a row
+permutation (llama.cpp's q/k order) permutes the packed rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kafila.models.manifest import GROUP, MINS, PACKED_DTYPES, SCALES, packed_bytes
+
+# ggml block types Kafila repacks: type id -> (our format, bytes per block of 32)
+GGML_Q8_0, GGML_Q4_1 = 8, 3
+_GGML_BLOCKS = {GGML_Q8_0: ("int8", 34), GGML_Q4_1: ("q4", 20)}
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A matrix [out, in] in a packed format (numpy arrays, see the module docstring)."""
+
+    fmt: str  # "int8" | "q4"
+    data: np.ndarray  # int8 [out, in] | uint8 [out, in/2]
+    scales: np.ndarray  # float16 [out, in/32]
+    mins: np.ndarray | None = None  # float16 [out, in/32] (q4)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return matrix_shape(self.fmt, self.data.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.data, self.scales, self.mins) if a is not None)
+
+    def entries(self, name: str) -> dict[str, np.ndarray]:
+        """Safetensors entries for a matrix named `name` (ending in "weight")."""
+        base = name.removesuffix("weight")
+        out = {name: self.data, base + SCALES: self.scales}
+        if self.mins is not None:
+            out[base + MINS] = self.mins
+        return out
+
+    def rows(self, index: np.ndarray | slice) -> Packed:
+        """The packed rows `index` (a permutation, a slice)."""
+        mins = None if self.mins is None else np.ascontiguousarray(self.mins[index])
+        return Packed(
+            self.fmt, np.ascontiguousarray(self.data[index]), np.ascontiguousarray(self.scales[index]), mins
+        )
+
+
+def matrix_shape(fmt: str, data_shape: tuple[int, ...]) -> tuple[int, int]:
+    """The [out, in] a packed `data` array of this shape stands for (two q4 values per byte)."""
+    out, cols = data_shape
+    return (out, cols * 2 if fmt == "q4" else cols)
+
+
+CHUNK_ROWS = 2048  # rows quantized at once: the float temporaries stay a few MB for any matrix
+
+
+def quantize(w: np.ndarray, fmt: str) -> Packed:
+    """A float matrix [out, in] (in divisible by 32) in format `fmt`, each value to the nearest
+    level of its group. The scale is rounded to float16 first and the values quantized with it,
+    so dequantize(quantize(w)) is within half a (float16) step of w. Done `CHUNK_ROWS` rows at a
+    time into the packed arrays, so a large matrix (an embedding) never has float copies made whole."""
+    out, cols = w.shape
+    packed_bytes(fmt, out, cols)  # checks the format and the group size
+    if out <= CHUNK_ROWS:
+        return _quantize_rows(w, fmt)
+    parts = [_quantize_rows(w[a : a + CHUNK_ROWS], fmt) for a in range(0, out, CHUNK_ROWS)]
+    mins = None if fmt == "int8" else np.concatenate([p.mins for p in parts if p.mins is not None])
+    return Packed(
+        fmt, np.concatenate([p.data for p in parts]), np.concatenate([p.scales for p in parts]), mins
+    )
+
+
+def _quantize_rows(w: np.ndarray, fmt: str) -> Packed:
+    out, cols = w.shape
+    g = w.astype(np.float32).reshape(out, cols // GROUP, GROUP)  # [out, groups, 32]
+    if fmt == "int8":
+        scale = (np.abs(g).max(axis=2) / 127).astype(np.float16)  # [out, groups]
+        s32 = scale.astype(np.float32)[..., None]
+        q = np.where(s32 > 0, np.rint(g / np.where(s32 > 0, s32, 1)), 0)
+        data = np.clip(q, -127, 127).astype(np.int8).reshape(out, cols)
+        return Packed("int8", data, scale)
+    lo, hi = g.min(axis=2), g.max(axis=2)  # [out, groups]
+    mins = lo.astype(np.float16)
+    scale = ((hi - mins.astype(np.float32)) / 15).astype(np.float16)
+    s32, m32 = scale.astype(np.float32)[..., None], mins.astype(np.float32)[..., None]
+    q = np.where(s32 > 0, np.rint((g - m32) / np.where(s32 > 0, s32, 1)), 0)
+    q = np.clip(q, 0, 15).astype(np.uint8)  # [out, groups, 32]
+    data = (q[..., :16] | (q[..., 16:] << 4)).reshape(out, cols // 2)
+    return Packed("q4", data, scale, mins)
+
+
+def levels(p: Packed) -> np.ndarray:
+    """The quantized integers [out, in] (int8: -127..127, q4: 0..15) as int16."""
+    if p.fmt == "int8":
+        return p.data.astype(np.int16)
+    out, half = p.data.shape
+    b = p.data.reshape(out, half // 16, 16)
+    return np.concatenate([b & 15, b >> 4], axis=2).reshape(out, half * 2).astype(np.int16)
+
+
+def dequantize(p: Packed) -> np.ndarray:
+    """The float32 matrix [out, in] the packed one stands for (each value scale * q (+ min),
+    computed in float32: the reference every kernel is tested against)."""
+    out, cols = p.shape
+    q = levels(p).astype(np.float32).reshape(out, cols // GROUP, GROUP)
+    w = q * p.scales.astype(np.float32)[..., None]
+    if p.mins is not None:
+        w = w + p.mins.astype(np.float32)[..., None]
+    return w.reshape(out, cols)
+
+
+def from_ggml(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> Packed:
+    """llama.cpp blocks (uint8 [out, blocks * block bytes]) of a Q8_0 or Q4_1 matrix [out, in]
+    repacked: the same numbers, bytes copied, nothing widened."""
+    if ggml_type not in _GGML_BLOCKS:
+        raise ValueError(f"ggml type {ggml_type} is not repacked (Q8_0 = 8 and Q4_1 = 3 are)")
+    fmt, size = _GGML_BLOCKS[ggml_type]
+    out, cols = shape
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(out, cols // GROUP, size)
+    scales = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).reshape(out, -1)
+    if fmt == "int8":
+        values = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(out, cols)
+        return Packed("int8", values, scales)
+    mins = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16).reshape(out, -1)
+    nibbles = np.ascontiguousarray(blocks[..., 4:]).reshape(out, cols // 2)
+    return Packed("q4", nibbles, scales, mins)
+
+
+def from_entries(fmt: str, data: np.ndarray, scales: np.ndarray, mins: np.ndarray | None) -> Packed:
+    """A Packed from a checkpoint's entries, checked: the names' dtypes and shapes must agree."""
+    want = PACKED_DTYPES[fmt]
+    kind = {"I8": np.int8, "U8": np.uint8}[want]
+    if data.dtype != kind or data.ndim != 2 or scales.dtype != np.float16:
+        raise ValueError(
+            f"{fmt} matrix: data {data.dtype}{list(data.shape)}, scales {scales.dtype}: not {want} + F16"
+        )
+    p = Packed(fmt, data, scales, mins)
+    out, cols = p.shape
+    if scales.shape != (out, cols // GROUP) or (mins is not None and mins.shape != scales.shape):
+        raise ValueError(
+            f"{fmt} matrix [{out}, {cols}]: scales {list(scales.shape)}, want [{out}, {cols // GROUP}]"
+        )
+    return p
