@@ -109,8 +109,13 @@ def docker_run(fleet: FleetFile, host: Host, image: str, args: list[str]) -> str
 
 
 def native_start(fleet: FleetFile, host: Host, args: list[str]) -> str:
-    """A native member through the host's service manager (never a backgrounded shell)."""
+    """A native member through the host's service manager (never a backgrounded shell); the session
+    host's old code file goes first, so that `up` never reads a previous session's code."""
     kafila = [host.python, "-m", "kafila", *args]
+    fresh = 'mkdir -p "$HOME"/.cache/kafila-ops'
+    if host.device == fleet.session_host:
+        fresh += ' && rm -f "$HOME"/.cache/kafila-ops/session-code'
+
     if host.os == "linux":
         name = unit(fleet, host)
         stop = f"systemctl --user stop {shlex.quote(name)}.service >/dev/null 2>&1;"
@@ -120,8 +125,7 @@ def native_start(fleet: FleetFile, host: Host, args: list[str]) -> str:
             "--setenv", "KAFILA_LOG=json", "--setenv", "PYTHONUNBUFFERED=1",
             "--description", f"kafila member {host.device} of fleet {fleet.name}",
         ]  # fmt: skip
-        code_dir = 'mkdir -p "$HOME"/.cache/kafila-ops && rm -f "$HOME"/.cache/kafila-ops/session-code;'
-        return f"{stop} {reset} {code_dir} {shlex.join(run)} {_words(kafila)}"
+        return f"{stop} {reset} {fresh} && {shlex.join(run)} {_words(kafila)}"
     label = launchd_label(fleet, host)
     log = f'"$HOME"/Library/Logs/kafila/{shlex.quote(fleet.name + "-" + host.device)}.log'
     script = f"exec {_words(kafila)} >>{log} 2>&1"
@@ -136,8 +140,7 @@ def native_start(fleet: FleetFile, host: Host, args: list[str]) -> str:
     ).decode()
     path = f'"$HOME"/Library/LaunchAgents/{shlex.quote(label)}.plist'
     return (
-        f'mkdir -p "$HOME"/Library/LaunchAgents "$HOME"/Library/Logs/kafila "$HOME"/.cache/kafila-ops'
-        f' && rm -f "$HOME"/.cache/kafila-ops/session-code'
+        f'mkdir -p "$HOME"/Library/LaunchAgents "$HOME"/Library/Logs/kafila && {fresh}'
         f" && launchctl bootout gui/$(id -u)/{shlex.quote(label)} >/dev/null 2>&1;"
         f" printf %s {shlex.quote(plist)} > {path} && launchctl bootstrap gui/$(id -u) {path}"
     )
@@ -209,6 +212,8 @@ def rendezvous_start(fleet: FleetFile) -> Step | None:
         "rendezvous", "--host", "0.0.0.0", "--port", str(r.port), "--udp-port", str(r.udp_port),
         "--udp-alt-port", str(r.udp_alt_port),
     ]  # fmt: skip
+    if r.alt_address:  # two public addresses: NAT filtering is classified (RFC 5780's other address)
+        args += ["--udp-host", r.address, "--udp-alt-host", r.alt_address]
     h = r.host
     if h.runtime == "docker":
         name = unit(fleet, h)

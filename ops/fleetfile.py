@@ -11,6 +11,7 @@ url = "wss://rdv.example.org:8470/v1/signal"
 # ... or one the fleet starts (a container of `image`, default kafila/rendezvous:latest):
 # ssh = "ops@rdv.example.org"      # where it runs
 # address = "203.0.113.7"          # the address members reach it at
+# alt_address = "203.0.113.8"      # optional second public address: NAT filtering is classified
 # port = 8470
 
 [session] / [[device]]             # as `kafila plan` reads them (kafila/planner/fleet.py)
@@ -49,7 +50,19 @@ DEFAULT_RDV_PORT = 8470
 DEFAULT_RDV_IMAGE = "kafila/rendezvous:latest"
 
 _FLEET_KEYS = {"name", "image", "session_host", "ssh_config"}
-_RDV_KEYS = {"url", "ssh", "address", "port", "udp_port", "udp_alt_port", "image", "runtime", "python", "os"}
+_RDV_KEYS = {
+    "url",
+    "ssh",
+    "address",
+    "alt_address",
+    "port",
+    "udp_port",
+    "udp_alt_port",
+    "image",
+    "runtime",
+    "python",
+    "os",
+}
 _SITE_KEYS = {"name", "host"}
 _HOST_KEYS = {"device", "ssh", "runtime", "gpus", "python", "venv", "os", "api", "metrics_port", "args"}
 
@@ -88,6 +101,8 @@ class Rendezvous:
     port: int
     udp_port: int
     udp_alt_port: int
+    address: str = ""  # the address members reach a rendezvous the fleet starts at
+    alt_address: str | None = None  # its second public address, if it has one
 
 
 @dataclass(frozen=True)
@@ -270,7 +285,8 @@ def _rendezvous(t: Any, source: str) -> Rendezvous:
         metrics_port=port,
         args=(),
     )
-    return Rendezvous(f"ws://{address}:{port}/v1/signal", host, image, port, udp, alt)
+    alt_address = _text(t, "alt_address", where) if "alt_address" in t else None
+    return Rendezvous(f"ws://{address}:{port}/v1/signal", host, image, port, udp, alt, address, alt_address)
 
 
 def _no_unknown(t: dict[str, Any], allowed: set[str], where: str) -> None:
