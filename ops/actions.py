@@ -34,24 +34,28 @@ class Step:
         return f"[{self.host.site}/{self.host.device} {self.host.ssh}] {self.what}: {self.remote}"
 
 
-def ssh_argv(
-    target: str, remote: str, control_dir: Path, config: str | None = None, tty: bool = False
-) -> list[str]:
-    """The system ssh, never asking (BatchMode), sharing one connection per host (ControlMaster)."""
+def ssh_options(control_dir: Path | None, config: str | None = None) -> list[str]:
+    """The system ssh, never asking (BatchMode), sharing one connection per host (ControlMaster);
+    `control_dir` None: a connection of its own (tunnels, which must end with their process)."""
     argv = ["ssh"]
     if config:
         argv += ["-F", config]
-    argv += [
-        "-o", "BatchMode=yes",
-        "-o", "ControlMaster=auto",
-        "-o", f"ControlPath={control_dir}/%C",
-        "-o", "ControlPersist=120",
-        "-o", "ConnectTimeout=10",
-        "-o", "ServerAliveInterval=15",
-    ]  # fmt: skip
-    if tty:
-        argv.append("-t")
-    return [*argv, "--", target, remote]
+    argv += ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=15"]
+    if control_dir is None:
+        return [*argv, "-o", "ControlMaster=no", "-o", "ControlPath=none"]
+    return [
+        *argv,
+        "-o",
+        "ControlMaster=auto",
+        "-o",
+        f"ControlPath={control_dir}/%C",
+        "-o",
+        "ControlPersist=120",
+    ]
+
+
+def ssh_argv(target: str, remote: str, control_dir: Path, config: str | None = None) -> list[str]:
+    return [*ssh_options(control_dir, config), "--", target, remote]
 
 
 def unit(fleet: FleetFile, host: Host) -> str:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from ops.actions import Step, ssh_argv
+from ops.actions import Step, ssh_argv, ssh_options
 from ops.fleetfile import FleetFile, Host
 
 
@@ -74,8 +74,7 @@ class Remote:
             if h.ssh in seen:
                 continue
             seen.add(h.ssh)
-            argv = ssh_argv(h.ssh, "", control_dir(), self.fleet.ssh_config)
-            argv = [*argv[:-3], "-O", "exit", h.ssh]
+            argv = [*ssh_options(control_dir(), self.fleet.ssh_config), "-O", "exit", h.ssh]
             subprocess.run(argv, capture_output=True, timeout=10, stdin=subprocess.DEVNULL)
 
 
@@ -157,7 +156,7 @@ def free_port() -> int:
 
 def tunnel_argv(remote: Remote, host: Host, local_port: int, target: str) -> list[str]:
     """`ssh -N -L 127.0.0.1:PORT:TARGET HOST`: a member's listener, reached from this machine."""
-    argv = ssh_argv(host.ssh, "", control_dir(), remote.fleet.ssh_config)[:-3]
+    argv = ssh_options(None, remote.fleet.ssh_config)
     return [*argv, "-o", "ExitOnForwardFailure=yes", "-N", "-L", f"127.0.0.1:{local_port}:{target}", host.ssh]
 
 

@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -85,6 +86,10 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
             r"^h3\s.*\bactive\b", status, re.M
         )
 
+        watched = monitor_scrapes(fleet, tmp_path / "targets.json")
+        assert sorted(watched) == ["h1", "h2", "h3"]
+        assert {g["labels"]["site"] for g in watched.values()} == {"site1", "site2", "site3"}
+
         bench_file = tmp_path / "bench.txt"
         bench = ok(
             ops(fleet, "bench", "--out", str(bench_file), "--requests", "2", "--max-tokens", "8", timeout=900)
@@ -134,6 +139,29 @@ def prometheus_answers(tsdb: Path, metric: str) -> int:
                 pass
             assert time.monotonic() < deadline, "prometheus did not answer within 60 s"
             time.sleep(0.5)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def monitor_scrapes(fleet: Path, targets: Path) -> dict[str, Any]:
+    """`kafila-ops monitor` writes file_sd targets whose tunnels answer /metrics; returns them by member."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ops", "monitor", str(fleet), "--targets", str(targets)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while not targets.exists() or len(json.loads(targets.read_text())) < 3:
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert time.monotonic() < deadline, "monitor wrote no targets within 90 s"
+            time.sleep(0.5)
+        groups = {g["labels"]["member"]: g for g in json.loads(targets.read_text())}
+        for g in groups.values():
+            metrics = httpx.get(f"http://{g['targets'][0]}/metrics", timeout=10)
+            assert metrics.status_code == 200 and "kafila_" in metrics.text
+        return groups
     finally:
         proc.terminate()
         proc.wait(timeout=30)
