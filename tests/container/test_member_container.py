@@ -92,6 +92,7 @@ def test_a_containerized_member_joins_a_native_host_and_serves(
             stderr=subprocess.STDOUT,
         )
     )
+    logs["rdv"].close()  # the child has its own descriptor
     code_file = tmp_path / "code"
     processes.append(
         subprocess.Popen(
@@ -120,6 +121,7 @@ def test_a_containerized_member_joins_a_native_host_and_serves(
             stderr=subprocess.STDOUT,
         )
     )
+    logs["host"].close()
     deadline = time.monotonic() + 180
     while not code_file.exists():
         assert time.monotonic() < deadline, (tmp_path / "host.log").read_text()[-3000:]
