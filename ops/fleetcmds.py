@@ -166,9 +166,11 @@ def status(remote: Remote, fleet: FleetFile) -> dict[str, Any]:
         state = remote.run(actions.state(fleet, h), timeout=30, check=False).strip() or "absent"
         doc = session_doc(remote, fleet, h) if h.device != "rendezvous" else None
         rows[h.device] = {"site": h.site, "ssh": h.ssh, "runtime": h.runtime, "state": state, "session": doc}
+    any_doc = next((r["session"] for r in rows.values() if r["session"]), None) or {}
+    measured = measured_ms(remote, fleet, any_doc)
     print(
         f"{'member':<14} {'site':<14} {'runtime':<8} {'process':<10} {'session':<10} {'blocks':<8}"
-        f" {'predicted ms':>12}"
+        f" {'predicted ms':>12} {'measured ms':>11}"
     )
     for name, r in rows.items():
         doc = r["session"] or {}
@@ -178,7 +180,7 @@ def status(remote: Remote, fleet: FleetFile) -> dict[str, Any]:
         print(
             f"{name:<14} {r['site']:<14} {r['runtime']:<8} {r['state']:<10} {doc.get('state', '-'):<10}"
             f" {blocks:<8} "
-            f"{'-' if pred is None else f'{pred:.2f}':>12}"
+            f"{'-' if pred is None else f'{pred:.2f}':>12} {_ms(measured.get(name)):>11}"
         )
     head = rows.get(fleet.hosts[0].device, {}).get("session") or {}
     for link in head.get("links", []):
@@ -186,8 +188,43 @@ def status(remote: Remote, fleet: FleetFile) -> dict[str, Any]:
     return rows
 
 
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def member_traces(remote: Remote, fleet: FleetFile, host: Host) -> list[dict[str, Any]]:
+    step = actions.Step(host, "collect /traces", actions.fetch(fleet, host, "/traces"))
+    text = remote.run(step, timeout=60)
+    try:
+        records = json.loads(text)["traces"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise OpsError(f"{Remote.where(step)}: not a /traces document: {text[:200]!r}") from exc
+    return list(records)
+
+
+def measured_ms(remote: Remote, fleet: FleetFile, doc: dict[str, Any]) -> dict[str, float]:
+    """Each stage's measured ms per decode step (median over the head's recent requests); empty
+    before any request was served."""
+    from kafila.obs.trace import summarize
+    from kafila.obs.tracefile import from_json
+
+    head = doc.get("head")
+    if not isinstance(head, str) or head not in [h.device for h in fleet.hosts]:
+        return {}
+    try:
+        records = [from_json(r) for r in member_traces(remote, fleet, fleet.host(head))]
+    except (OpsError, ValueError):
+        return {}
+    ours = [s for s in summarize(records, drop_cold=False) if s.session == doc.get("session")]
+    return dict(ours[-1].stage_ms) if ours else {}
+
+
 def logs(remote: Remote, fleet: FleetFile, member: str | None, lines: int) -> None:
-    hosts = [fleet.host(member)] if member else everyone(fleet)
+    rdv = fleet.rendezvous.host
+    if member == "rendezvous" and rdv is not None:
+        hosts = [rdv]
+    else:
+        hosts = [fleet.host(member)] if member else everyone(fleet)
     for h in hosts:
         print(f"== {h.device} ({h.ssh}, site {h.site})")
         print(remote.run(actions.logs(fleet, h, lines), timeout=60, check=False).rstrip())

@@ -12,22 +12,11 @@ from typing import Any
 
 import httpx
 
-from ops import actions
-from ops.fleetcmds import say
-from ops.fleetfile import FleetFile, Host
+from ops.fleetcmds import member_traces, say
+from ops.fleetfile import FleetFile
 from ops.remote import OpsError, Remote, Tunnel
 
 BENCH_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-
-
-def member_traces(remote: Remote, fleet: FleetFile, host: Host) -> list[dict[str, Any]]:
-    step = actions.Step(host, "collect /traces", actions.fetch(fleet, host, "/traces"))
-    text = remote.run(step, timeout=60)
-    try:
-        records = json.loads(text)["traces"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise OpsError(f"{Remote.where(step)}: not a /traces document: {text[:200]!r}") from exc
-    return list(records)
 
 
 def openmetrics(fleet: FleetFile, records: dict[str, list[dict[str, Any]]], at: float) -> str:
