@@ -157,6 +157,7 @@ class FleetLab:
              "--bridge=none", "--iptables=false"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
+        log.close()  # dockerd has its own descriptor
 
     def _wait_dockerd(self, h: LabHost) -> None:
         deadline = time.monotonic() + 60
