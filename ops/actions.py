@@ -8,6 +8,7 @@ member printed it.
 
 from __future__ import annotations
 
+import hashlib
 import plistlib
 import shlex
 from dataclasses import dataclass
@@ -34,28 +35,34 @@ class Step:
         return f"[{self.host.site}/{self.host.device} {self.host.ssh}] {self.what}: {self.remote}"
 
 
-def ssh_options(control_dir: Path | None, config: str | None = None) -> list[str]:
+def ssh_options(control_dir: Path | None, config: str | None = None, target: str = "") -> list[str]:
     """The system ssh, never asking (BatchMode), sharing one connection per host (ControlMaster);
-    `control_dir` None: a connection of its own (tunnels, which must end with their process)."""
+    `control_dir` None: a connection of its own (tunnels, which must end with their process).
+
+    The shared connection is named for the destination as written (and the ssh config): ssh's own
+    %C hashes the resolved address, user and port, which several config aliases can share (jump
+    hosts and ProxyCommands: the lab's hosts are all 127.0.0.1:22 behind their own ProxyCommand),
+    and one alias's commands would then run on another's machine."""
     argv = ["ssh"]
     if config:
         argv += ["-F", config]
     argv += ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=15"]
     if control_dir is None:
         return [*argv, "-o", "ControlMaster=no", "-o", "ControlPath=none"]
-    return [
-        *argv,
+    name = hashlib.sha256(f"{config or ''}\0{target}".encode()).hexdigest()[:24]  # short: socket paths
+    shared = [
         "-o",
         "ControlMaster=auto",
         "-o",
-        f"ControlPath={control_dir}/%C",
+        f"ControlPath={control_dir}/{name}",
         "-o",
         "ControlPersist=120",
     ]
+    return [*argv, *shared]
 
 
 def ssh_argv(target: str, remote: str, control_dir: Path, config: str | None = None) -> list[str]:
-    return [*ssh_options(control_dir, config), "--", target, remote]
+    return [*ssh_options(control_dir, config, target), "--", target, remote]
 
 
 def unit(fleet: FleetFile, host: Host) -> str:

@@ -61,12 +61,33 @@ def session_doc(remote: Remote, fleet: FleetFile, host: Host) -> dict[str, Any] 
     return doc if isinstance(doc, dict) else None
 
 
-def wait_for(remote: Remote, fleet: FleetFile, host: Host, what: str, timeout: float, probe: Any) -> Any:
+GONE = ("exited", "dead", "absent", "inactive", "failed", "removing")
+
+
+def wait_for(
+    remote: Remote,
+    fleet: FleetFile,
+    host: Host,
+    what: str,
+    timeout: float,
+    probe: Any,
+    watch: tuple[Host, ...] = (),
+) -> Any:
+    """Poll `probe` until it returns something; a watched member whose container or service ended
+    fails at once, with its last log lines."""
     deadline = time.monotonic() + timeout
     while True:
         got = probe()
         if got:
             return got
+        for h in watch:
+            state = remote.run(actions.state(fleet, h), timeout=30, check=False).strip() or "absent"
+            if state in GONE:
+                raise OpsError(
+                    f"host {h.device} ({h.ssh}, site {h.site}): {what}: the member's "
+                    f"{'container' if h.runtime == 'docker' else 'service'} is {state}; its last log lines:\n"
+                    f"{last_lines(remote, fleet, h)}"
+                )
         if time.monotonic() > deadline:
             raise OpsError(
                 f"host {host.device} ({host.ssh}, site {host.site}): {what}: not within {timeout:.0f} s; "
@@ -91,13 +112,27 @@ def up(remote: Remote, fleet: FleetFile, wait_s: float = 900.0) -> dict[str, Any
         say(remote, f"starting the rendezvous on {rdv.host.ssh}")
         remote.run(rdv)
         health = actions.Step(rdv.host, "wait until the rendezvous answers", actions.rendezvous_health(fleet))
-        wait_for(remote, fleet, rdv.host, health.what, 60, lambda: '"ok"' in remote.run(health, check=False))
+        wait_for(
+            remote,
+            fleet,
+            rdv.host,
+            health.what,
+            60,
+            lambda: '"ok"' in remote.run(health, check=False),
+            (rdv.host,),
+        )
     head = fleet.hosts[0]
     say(remote, f"starting the session host {head.device} on {head.ssh}")
     remote.run(actions.start(fleet, head, image_ids.get(fleet.image, fleet.image), ""))
     read = actions.read_code(fleet, head)
     code = wait_for(
-        remote, fleet, head, "read the session code", wait_s, lambda: remote.run(read, check=False).strip()
+        remote,
+        fleet,
+        head,
+        "read the session code",
+        wait_s,
+        lambda: remote.run(read, check=False).strip(),
+        (head,),
     )
     say(remote, f"session code {code}")
     for h in fleet.joiners:
@@ -114,7 +149,8 @@ def up(remote: Remote, fleet: FleetFile, wait_s: float = 900.0) -> dict[str, Any
         return doc if doc and doc.get("state") == "serving" and len(doc.get("ring", ())) == n else None
 
     try:
-        doc = wait_for(remote, fleet, head, f"wait until the session serves ({n} members)", wait_s, serving)
+        what = f"wait until the session serves ({n} members)"
+        doc = wait_for(remote, fleet, head, what, wait_s, serving, fleet.hosts)
     except OpsError as exc:
         late = [
             h

@@ -74,7 +74,7 @@ class Remote:
             if h.ssh in seen:
                 continue
             seen.add(h.ssh)
-            argv = [*ssh_options(control_dir(), self.fleet.ssh_config), "-O", "exit", h.ssh]
+            argv = [*ssh_options(control_dir(), self.fleet.ssh_config, h.ssh), "-O", "exit", h.ssh]
             subprocess.run(argv, capture_output=True, timeout=10, stdin=subprocess.DEVNULL)
 
 
