@@ -36,11 +36,10 @@ import re
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
-from difflib import get_close_matches
 from pathlib import Path
 from typing import Any
 
-from kafila.planner.fleet import Fleet, FleetError, parse_fleet
+from kafila.planner.fleet import Fleet, FleetError, no_unknown, parse_fleet
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 RUNTIMES = ("docker", "native")
@@ -290,13 +289,7 @@ def _rendezvous(t: Any, source: str) -> Rendezvous:
 
 
 def _no_unknown(t: dict[str, Any], allowed: set[str], where: str) -> None:
-    extra = sorted(set(t) - allowed)
-    if extra:
-        near = [
-            f"{k!r}: did you mean {m[0]!r}?" for k in extra if (m := get_close_matches(k, allowed, 1, 0.6))
-        ]
-        hint = f" ({'; '.join(near)})" if near else ""
-        raise FleetError(f"{where}: unknown field(s) {extra}{hint}; allowed: {sorted(allowed)}")
+    no_unknown(t, allowed, where, cutoff=0.6)  # short names: 'shh' is 0.67 like 'ssh'
 
 
 def _text(t: dict[str, Any], key: str, where: str) -> str:

@@ -108,7 +108,7 @@ def parse_fleet(text: str, source: str = "fleet", read_json: ReadJson | None = N
         raise FleetError(f"{source}: not valid TOML: {exc}") from exc
     except RecursionError:  # tomllib recurses into nested arrays and inline tables
         raise FleetError(f"{source}: not valid TOML: nested too deeply") from None
-    _no_unknown(data, _TOP_KEYS | set(_OPS_TABLES), source, "top-level key(s)")
+    no_unknown(data, _TOP_KEYS | set(_OPS_TABLES), source, "top-level key(s)")
     for key, kind in _OPS_TABLES.items():
         if key in data and not isinstance(data[key], kind):
             shape = f"[{key}]" if kind is dict else f"[[{key}]]"
@@ -116,7 +116,7 @@ def parse_fleet(text: str, source: str = "fleet", read_json: ReadJson | None = N
     session = data.get("session")
     if not isinstance(session, dict):
         raise FleetError(f"{source}: needs a [session] table with model, context, concurrency")
-    _no_unknown(session, _SESSION_KEYS, f"{source}: [session]")
+    no_unknown(session, _SESSION_KEYS, f"{source}: [session]")
     tables = data.get("device")
     if not isinstance(tables, list) or not tables:
         raise FleetError(f"{source}: needs at least one [[device]] table")
@@ -156,7 +156,7 @@ def _device(t: Any, index: int, source: str, model: str, read_json: ReadJson | N
         raise FleetError(f"{where}: must be a table")
     name = _get(t, "name", str, where)
     where = f"{source}: device {name!r}"
-    _no_unknown(t, _DEVICE_KEYS, where)
+    no_unknown(t, _DEVICE_KEYS, where)
     measured = _probe_file(t, where, model, read_json)
     if "memory_gb" not in t and "memory_bytes" not in measured:
         hint = f" (its probe file {t['probe']!r} has no 'memory_bytes')" if "probe" in t else ""
@@ -246,11 +246,14 @@ def _nat(t: dict[str, Any], where: str) -> Nat | None:
     return Nat(NatClass(cls), filtering=Behaviour(filtering) if filtering else None)
 
 
-def _no_unknown(t: dict[str, Any], allowed: set[str], where: str, what: str = "field(s)") -> None:
+def no_unknown(
+    t: dict[str, Any], allowed: set[str], where: str, what: str = "field(s)", cutoff: float = 0.75
+) -> None:
+    """FleetError naming keys of `t` outside `allowed`, with the nearest allowed key as a hint."""
     extra = sorted(set(t) - allowed)
     if extra:
         near = [
-            f"{k!r}: did you mean {m[0]!r}?" for k in extra if (m := get_close_matches(k, allowed, 1, 0.75))
+            f"{k!r}: did you mean {m[0]!r}?" for k in extra if (m := get_close_matches(k, allowed, 1, cutoff))
         ]
         hint = f" ({'; '.join(near)})" if near else ""
         raise FleetError(f"{where}: unknown {what} {extra}{hint}; allowed: {sorted(allowed)}")
