@@ -2,8 +2,9 @@
 # Build ./wheelhouse: the kafila wheel plus its dependencies, on the host, so the images build with
 # no package index inside containers (containers here do not trust the host's CA, and there is no
 # Docker Hub). Dependency wheels are cached outside the repository and kept between runs (and between
-# worktrees); the kafila wheel is always rebuilt. ./wheelhouse (the build context's copy) is
-# hard-linked from the cache.
+# worktrees); the kafila wheel is always rebuilt, into ./wheelhouse/kafila/, apart from its
+# dependencies, so that an image build reinstalls them only when they change (Dockerfile.cuda).
+# ./wheelhouse (the build context's copy) is hard-linked from the cache.
 #
 #   KAFILA_WHEELHOUSE        output folder inside the repository (default: wheelhouse)
 #   KAFILA_WHEELHOUSE_CACHE  cache of dependency wheels (default /var/cache/kafila/wheelhouse when
@@ -22,16 +23,18 @@ if [[ -z "$cache" ]]; then
         cache="$HOME/.cache/kafila/wheelhouse"
     fi
 fi
-mkdir -p "$out" "$cache"
-rm -f "$out"/kafila-*.whl "$cache"/kafila-*.whl
+mkdir -p "$out/kafila" "$cache"
+rm -f "$out"/kafila-*.whl "$out"/kafila/*.whl "$cache"/kafila-*.whl
 target="."
 [[ -n "${KAFILA_EXTRAS:-}" ]] && target=".[${KAFILA_EXTRAS}]"
 echo "wheelhouse: building kafila${KAFILA_EXTRAS:+[$KAFILA_EXTRAS]} and its dependencies into $cache" >&2
-python3 -m pip wheel --quiet --wheel-dir "$cache" --find-links "$cache" "$target"
+SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-315532800} \
+    python3 -m pip wheel --quiet --wheel-dir "$cache" --find-links "$cache" "$target"
 if [[ -n "${KAFILA_EXTRA_WHEELS:-}" ]]; then
     # shellcheck disable=SC2086
     python3 -m pip wheel --quiet --no-deps --wheel-dir "$cache" --find-links "$cache" $KAFILA_EXTRA_WHEELS
 fi
+mv "$cache"/kafila-*.whl "$out/kafila/"
 for whl in "$cache"/*.whl; do
     name=$(basename "$whl")
     [[ -e "$out/$name" ]] || ln "$whl" "$out/$name" 2>/dev/null || cp "$whl" "$out/$name"

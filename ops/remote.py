@@ -109,7 +109,7 @@ def ship_image(remote: Remote, host: Host, image: str, image_id: str) -> float:
         remote.argv(host, "docker load"),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     assert save.stdout is not None and load.stdin is not None
     sent, shown = 0, 0.0
@@ -129,14 +129,14 @@ def ship_image(remote: Remote, host: Host, image: str, image_id: str) -> float:
         load.stdin.close()
     except BrokenPipeError:
         pass
-    out, err = load.communicate(timeout=600)
+    assert load.stdout is not None
+    said = load.stdout.read().decode(errors="replace")  # docker load's few lines, until it ends
+    load.wait(timeout=600)
     save.wait(timeout=60)
     if save.returncode != 0:
         raise OpsError(f"{where}: docker save exited {save.returncode}")
     if load.returncode != 0:
-        raise OpsError(
-            f"{where}: image load failed: {Remote.why(load.returncode, err.decode() or out.decode())}"
-        )
+        raise OpsError(f"{where}: image load failed: {Remote.why(load.returncode, said)}")
     took = time.monotonic() - started
     print(f"kafila-ops: {host.device}: image loaded, {sent / 1e6:.0f} MB in {took:.1f} s", file=remote.out)
     return took
