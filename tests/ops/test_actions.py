@@ -188,3 +188,31 @@ def test_a_bad_fleet_file_exits_2_naming_it(capsys: object, tmp_path: Path) -> N
     assert ops_main(["fleet", "up", str(path)]) == 2
     err = capsys.readouterr().err  # type: ignore[attr-defined]
     assert err.startswith(f"kafila-ops: {path}: site 'home' host #1 (mac): 'runtime' must be one of")
+
+
+def test_an_unreachable_host_is_named_with_its_step(tmp_path: Path) -> None:
+    """The real ssh against a port nothing listens on: the error names the host, site and step."""
+    import socket
+
+    import pytest
+
+    from ops.remote import OpsError, Remote
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again when the block ends: nothing listens there
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Host gpu-box\n  HostName 127.0.0.1\n  Port {port}\n  User nobody\n")
+    text = (
+        fleet_text()
+        .replace('ssh = "ops@gpu"', 'ssh = "gpu-box"')
+        .replace('image = "kafila/member:cuda"', f'image = "kafila/member:cuda"\nssh_config = "{config}"')
+    )
+    fleet = parse(text, "f.toml")
+    step = actions.checks(fleet, fleet.host("gpu"), fleet.image)[0]
+    with pytest.raises(OpsError) as err:
+        Remote(fleet).run(step, timeout=30)
+    assert str(err.value).startswith(
+        "host gpu (gpu-box, site lab): check Docker: ssh could not reach the host:"
+    )
+    assert "Connection refused" in str(err.value)
