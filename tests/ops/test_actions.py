@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import plistlib
 import shlex
+import socket
 import subprocess
 from pathlib import Path
+
+import pytest
 
 from ops import actions
 from ops.cli import main as ops_main
 from ops.fleetfile import parse
+from ops.remote import OpsError, Remote
 
 FLEET = """
 [fleet]
@@ -192,12 +196,6 @@ def test_a_bad_fleet_file_exits_2_naming_it(capsys: object, tmp_path: Path) -> N
 
 def test_an_unreachable_host_is_named_with_its_step(tmp_path: Path) -> None:
     """The real ssh against a port nothing listens on: the error names the host, site and step."""
-    import socket
-
-    import pytest
-
-    from ops.remote import OpsError, Remote
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again when the block ends: nothing listens there
