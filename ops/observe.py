@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from ops.fleetcmds import member_traces, say
+from ops.fleetcmds import member_traces, say, session_doc
 from ops.fleetfile import FleetFile
 from ops.remote import OpsError, Remote, Tunnel
 
@@ -126,7 +126,12 @@ def bench(remote: Remote, fleet: FleetFile, out: Path, requests: int = 4, max_to
     from kafila.obs.trace import format_table, summarize
     from kafila.obs.tracefile import from_json
 
-    head = fleet.hosts[0]
+    doc = session_doc(remote, fleet, fleet.hosts[0]) or {}
+    if doc.get("state") != "serving":
+        raise OpsError(
+            f"fleet {fleet.name}: the session is not serving (state {doc.get('state', 'unknown')})"
+        )
+    head = fleet.host(doc["head"])  # the ring's head keeps the request records (Table IV)
     tunnel = Tunnel(remote, head, head.local_api)
     parts = [
         f"fleet {fleet.name}: Table IV through {head.device}'s API ({requests} rounds, {max_tokens} tokens)"

@@ -101,7 +101,10 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
         assert {p.name for p in traces.glob("*.jsonl")} == {"h1.jsonl", "h2.jsonl", "h3.jsonl"}
         assert prometheus_answers(traces / "tsdb", "kafila_trace_request_tokens_per_second") >= 1
 
-        calls = [json.loads(line) for line in (fleet_lab.hosts["lab-h3"].dir / "shim" / "calls.jsonl").open()]
+        calls = [
+            json.loads(line)
+            for line in (fleet_lab.hosts["lab-h3"].dir / "shim" / "calls.jsonl").read_text().splitlines()
+        ]
         assert [c["args"][:4] for c in calls if c["tool"] == "systemd-run"] == [
             ["--user", "--unit", "kafila-lab-h3", "--collect"]
         ]
@@ -110,7 +113,10 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
     ok(first)
     ok(ops(fleet, "down", timeout=300))  # idempotent: nothing left is not an error
     assert fleet_lab.leftovers() == []
-    calls = [json.loads(line) for line in (fleet_lab.hosts["lab-rdv"].dir / "shim" / "calls.jsonl").open()]
+    calls = [
+        json.loads(line)
+        for line in (fleet_lab.hosts["lab-rdv"].dir / "shim" / "calls.jsonl").read_text().splitlines()
+    ]
     assert ["stop", "kafila-lab-rendezvous.service"] in [
         [a for a in c["args"] if a != "--user"][:2] for c in calls
     ]
