@@ -168,6 +168,11 @@ class FleetLab:
                 )
             time.sleep(0.5)
 
+    def mounts(self) -> list[str]:
+        with open("/proc/mounts") as f:
+            points = [line.split()[1] for line in f]
+        return sorted((p for p in points if p.startswith(f"{self.dir}/")), reverse=True)
+
     def leftovers(self) -> list[str]:
         """Containers of any lab dockerd and processes started under the simulated service manager."""
         left = []
@@ -199,6 +204,8 @@ class FleetLab:
             if pid.exists():
                 with contextlib.suppress(OSError, ValueError):
                     os.kill(int(pid.read_text()), signal.SIGTERM)
+        for mount in self.mounts():  # dockerd leaves its namespace bound at exec-root/netns/default
+            subprocess.run(["umount", "-l", mount], capture_output=True, timeout=60)
         for h in self.hosts.values():
             if (h.dir / "data").exists():
                 subprocess.run(["rm", "-rf", str(h.dir / "data")], capture_output=True, timeout=300)

@@ -42,6 +42,7 @@ def fleet_lab(member_image: str) -> Iterator[FleetLab]:
             yield fl
         finally:
             fl.close()
+        assert not fl.dir.exists() and fl.mounts() == [], "the lab left files or mounts behind"
 
 
 def ops(fleet: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -79,6 +80,7 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
             assert re.search(rf"^{name}\s+site\d\s+\d+-\d+", out, re.M), out
 
         status = ok(ops(fleet, "status"))
+        print(status)
         for name in ("h1", "h2", "h3"):
             row = next(line for line in status.splitlines() if line.startswith(name + " "))
             assert "serving" in row, status
@@ -94,6 +96,7 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
         bench = ok(
             ops(fleet, "bench", "--out", str(bench_file), "--requests", "2", "--max-tokens", "8", timeout=900)
         )
+        print(bench)
         assert "1 user:" in bench and "4 users:" in bench and bench_file.read_text().strip() == bench.strip()
 
         traces = tmp_path / "traces"
@@ -171,3 +174,5 @@ def monitor_scrapes(fleet: Path, targets: Path) -> dict[str, Any]:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        if proc.stderr:
+            proc.stderr.close()
