@@ -68,8 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     remote = Remote(fleet, verbose=args.verbose)
     try:
         if args.command == "monitor":
+            import signal
+
             from ops.observe import monitor
 
+            # SIGTERM ends it as Ctrl-C does: its tunnels' ssh processes end with it
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
             monitor(remote, fleet, args.targets)
             return 0
         return run(args, remote)

@@ -182,7 +182,22 @@ class FleetLab:
                 left += [f"{h.alias}: container {i}" for i in ids]
             for pid_file in (h.dir / "shim").glob("*.pid"):
                 left.append(f"{h.alias}: service {pid_file.stem} (pid {pid_file.read_text()})")
-        return left
+        deadline = time.monotonic() + 10  # ssh connections (and their ProxyCommand) close in a moment
+        while (relays := self.ssh_connections()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return left + [f"ssh connection through {pid}" for pid in relays]
+
+    def ssh_connections(self) -> list[int]:
+        """Processes carrying an ssh connection into the lab (the ProxyCommand of each one)."""
+        relay = f"{self.dir}/relay.py".encode()
+        pids = []
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and relay in (proc / "cmdline").read_bytes():
+                    pids.append(int(proc.name))
+            except OSError:
+                continue
+        return pids
 
     def close(self) -> None:
         for h in self.hosts.values():
