@@ -14,6 +14,10 @@ tflops = 362              # optional: matmul throughput (the degraded tier)
 nat = "ordinary"          # optional: permissive | ordinary | restrictive
 filtering = "address-dependent"   # optional RFC 4787 filtering detail
 rtt_ms = 12               # optional: round trip to the rendezvous
+
+`kafila-ops` fleet files add where things run: [fleet] (its `session_host` names the device that
+opens the session: it is planned as the anchor, as if it came first), [rendezvous] and [[site]].
+The planner checks only that they are tables (kafila-ops checks their fields: ops/fleetfile.py).
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ _PROBE_NUMBERS: dict[str, _Range] = {
 # Session counts: positions and request ids are 32-bit on the wire (kafila.proto.tensor).
 MAX_COUNT = 2**32 - 1
 _TOP_KEYS = {"session", "device"}
+_OPS_TABLES = {"fleet": dict, "rendezvous": dict, "site": list}  # read by kafila-ops (ops/fleetfile.py)
 _SESSION_KEYS = {"model", "context", "concurrency"}
 _DEVICE_KEYS = {
     "name", "memory_gb", "bandwidth_gb_s", "overhead_us", "tflops", "nat", "filtering", "rtt_ms", "probe",
@@ -103,11 +108,15 @@ def parse_fleet(text: str, source: str = "fleet", read_json: ReadJson | None = N
         raise FleetError(f"{source}: not valid TOML: {exc}") from exc
     except RecursionError:  # tomllib recurses into nested arrays and inline tables
         raise FleetError(f"{source}: not valid TOML: nested too deeply") from None
-    _no_unknown(data, _TOP_KEYS, source, "top-level key(s)")
+    no_unknown(data, _TOP_KEYS | set(_OPS_TABLES), source, "top-level key(s)")
+    for key, kind in _OPS_TABLES.items():
+        if key in data and not isinstance(data[key], kind):
+            shape = f"[{key}]" if kind is dict else f"[[{key}]]"
+            raise FleetError(f"{source}: '{key}' must be a {shape} table, got {data[key]!r}")
     session = data.get("session")
     if not isinstance(session, dict):
         raise FleetError(f"{source}: needs a [session] table with model, context, concurrency")
-    _no_unknown(session, _SESSION_KEYS, f"{source}: [session]")
+    no_unknown(session, _SESSION_KEYS, f"{source}: [session]")
     tables = data.get("device")
     if not isinstance(tables, list) or not tables:
         raise FleetError(f"{source}: needs at least one [[device]] table")
@@ -117,6 +126,7 @@ def parse_fleet(text: str, source: str = "fleet", read_json: ReadJson | None = N
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise FleetError(f"{source}: device names must be unique, repeated: {dup}")
+    devices = _anchor_first(devices, data.get("fleet", {}), source)
     return Fleet(
         model=model,
         context=_positive_int(session, "context", f"{source}: [session]"),
@@ -125,13 +135,28 @@ def parse_fleet(text: str, source: str = "fleet", read_json: ReadJson | None = N
     )
 
 
+def _anchor_first(
+    devices: tuple[DeviceReport, ...], fleet: dict[str, Any], source: str
+) -> tuple[DeviceReport, ...]:
+    """The devices with [fleet] session_host (the one that opens the session) first."""
+    host = fleet.get("session_host")
+    if host is None:
+        return devices
+    names = [d.name for d in devices]
+    if host not in names:
+        raise FleetError(
+            f"{source}: [fleet] session_host {host!r} is not a [[device]] name; devices: {names}"
+        )
+    return tuple(sorted(devices, key=lambda d: d.name != host))
+
+
 def _device(t: Any, index: int, source: str, model: str, read_json: ReadJson | None) -> DeviceReport:
     where = f"{source}: device #{index + 1}"
     if not isinstance(t, dict):
         raise FleetError(f"{where}: must be a table")
     name = _get(t, "name", str, where)
     where = f"{source}: device {name!r}"
-    _no_unknown(t, _DEVICE_KEYS, where)
+    no_unknown(t, _DEVICE_KEYS, where)
     measured = _probe_file(t, where, model, read_json)
     if "memory_gb" not in t and "memory_bytes" not in measured:
         hint = f" (its probe file {t['probe']!r} has no 'memory_bytes')" if "probe" in t else ""
@@ -221,11 +246,14 @@ def _nat(t: dict[str, Any], where: str) -> Nat | None:
     return Nat(NatClass(cls), filtering=Behaviour(filtering) if filtering else None)
 
 
-def _no_unknown(t: dict[str, Any], allowed: set[str], where: str, what: str = "field(s)") -> None:
+def no_unknown(
+    t: dict[str, Any], allowed: set[str], where: str, what: str = "field(s)", cutoff: float = 0.75
+) -> None:
+    """FleetError naming keys of `t` outside `allowed`, with the nearest allowed key as a hint."""
     extra = sorted(set(t) - allowed)
     if extra:
         near = [
-            f"{k!r}: did you mean {m[0]!r}?" for k in extra if (m := get_close_matches(k, allowed, 1, 0.75))
+            f"{k!r}: did you mean {m[0]!r}?" for k in extra if (m := get_close_matches(k, allowed, 1, cutoff))
         ]
         hint = f" ({'; '.join(near)})" if near else ""
         raise FleetError(f"{where}: unknown {what} {extra}{hint}; allowed: {sorted(allowed)}")

@@ -1,4 +1,5 @@
-"""The rendezvous image with the real Docker engine: build, `docker-compose up`, healthy, used, down.
+"""The rendezvous image with the real Docker engine: build, `docker compose up` from the repository
+root (Compose v2; Debian's docker-compose v1 from compose/ where v2 is missing), healthy, used, down.
 
 No Docker Hub and no index inside containers here: the base image comes from
 compose/build-base-image.sh (debootstrap, cached by the engine) and the wheels from
@@ -43,9 +44,17 @@ def free_port(kind: int) -> int:
         return int(sock.getsockname()[1])
 
 
+def compose_cmd(project: str) -> list[str]:
+    """`docker compose` (v2) reads compose.yaml at the root; v1 needs the file named."""
+    v2 = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=60).returncode == 0
+    if v2:
+        return ["docker", "compose", "-p", project]
+    return ["docker-compose", "-f", "compose/docker-compose.yml", "-p", project]
+
+
 def require_engine() -> None:
-    if shutil.which("docker") is None or shutil.which("docker-compose") is None:
-        pytest.skip("docker and docker-compose are not installed (CI installs docker.io and docker-compose)")
+    if shutil.which("docker") is None:
+        pytest.skip("docker is not installed (CI installs docker.io and the compose v2 plugin)")
     info = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=60)
     if info.returncode != 0:
         pytest.skip(f"no running Docker engine (CI starts dockerd): {info.stderr.strip()[:200]}")
@@ -68,7 +77,7 @@ def compose_env() -> Iterator[dict[str, str]]:
         "KAFILA_UDP_PORT": str(free_port(socket.SOCK_DGRAM)),
         "KAFILA_UDP_ALT_PORT": str(free_port(socket.SOCK_DGRAM)),
     }
-    compose = ["docker-compose", "-f", "compose/docker-compose.yml", "-p", f"kafilatest{os.getpid()}"]
+    compose = compose_cmd(f"kafilatest{os.getpid()}")
     env["COMPOSE_CMD"] = json.dumps(compose)
     try:
         run(*compose, "build", "rendezvous", env=env, timeout=900)

@@ -96,7 +96,7 @@ def test_unknown_top_level_keys_and_tables_are_refused_by_name():
         parse_fleet(text, "f.toml")
     assert str(err.value) == (
         "f.toml: unknown top-level key(s) ['devices', 'sesion'] ('devices': did you mean 'device'?; "
-        "'sesion': did you mean 'session'?); allowed: ['device', 'session']"
+        "'sesion': did you mean 'session'?); allowed: ['device', 'fleet', 'rendezvous', 'session', 'site']"
     )
 
 

@@ -1,0 +1,266 @@
+"""`kafila-ops fleet up|down|status|logs`: the fleet's containers and services over ssh."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from ops import actions
+from ops.fleetfile import FleetFile, Host
+from ops.remote import OpsError, Remote, local_image_id, ship_image
+
+POLL_S = 2.0
+
+
+def say(remote: Remote, text: str) -> None:
+    print(f"kafila-ops: {text}", file=remote.out, flush=True)
+
+
+def everyone(fleet: FleetFile) -> list[Host]:
+    return ([fleet.rendezvous.host] if fleet.rendezvous.host else []) + list(fleet.hosts)
+
+
+def check_hosts(remote: Remote, fleet: FleetFile, image_ids: dict[str, str]) -> list[Host]:
+    """Every host reachable with what its runtime needs; returns the docker hosts lacking their image."""
+    lacking: list[Host] = []
+    for h in everyone(fleet):
+        image = actions.images_for(fleet, h)
+        for step in actions.checks(fleet, h, image):
+            if step.what.startswith("check image"):
+                have = remote.run(step, check=False).strip()
+                if have != image_ids[image]:
+                    lacking.append(h)
+                continue
+            out = remote.run(step)
+            if step.what == "check the NVIDIA runtime" and "nvidia" not in out:
+                raise OpsError(
+                    f"{Remote.where(step)}: no GPU runtime: docker info lists runtimes {out.strip()} without "
+                    'nvidia (install nvidia-container-toolkit, or set gpus = "none" for this host)'
+                )
+    return lacking
+
+
+def last_lines(remote: Remote, fleet: FleetFile, host: Host, n: int = 15) -> str:
+    try:
+        return remote.run(actions.logs(fleet, host, n), timeout=30, check=False).strip()
+    except OpsError as exc:
+        return f"(no logs: {exc})"
+
+
+def session_doc(remote: Remote, fleet: FleetFile, host: Host) -> dict[str, Any] | None:
+    try:
+        text = remote.run(
+            actions.Step(host, "read /session", actions.fetch(fleet, host, "/session")),
+            timeout=30,
+            check=False,
+        )
+        doc = json.loads(text)
+    except (OpsError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+GONE = ("exited", "dead", "absent", "inactive", "failed", "removing")
+
+
+def wait_for(
+    remote: Remote,
+    fleet: FleetFile,
+    host: Host,
+    what: str,
+    timeout: float,
+    probe: Any,
+    watch: tuple[Host, ...] = (),
+) -> Any:
+    """Poll `probe` until it returns something; a watched member whose container or service ended
+    fails at once, with its last log lines."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = probe()
+        if got:
+            return got
+        for h in watch:
+            state = remote.run(actions.state(fleet, h), timeout=30, check=False).strip() or "absent"
+            if state in GONE:
+                raise OpsError(
+                    f"host {h.device} ({h.ssh}, site {h.site}): {what}: the member's "
+                    f"{'container' if h.runtime == 'docker' else 'service'} is {state}; its last log lines:\n"
+                    f"{last_lines(remote, fleet, h)}"
+                )
+        if time.monotonic() > deadline:
+            raise OpsError(
+                f"host {host.device} ({host.ssh}, site {host.site}): {what}: not within {timeout:.0f} s; "
+                f"its last log lines:\n{last_lines(remote, fleet, host)}"
+            )
+        time.sleep(POLL_S)
+
+
+def up(remote: Remote, fleet: FleetFile, wait_s: float = 900.0) -> dict[str, Any]:
+    """Bring the fleet up; returns the head's /session document and timings."""
+    started = time.monotonic()
+    images = {actions.images_for(fleet, h) for h in actions.docker_hosts(fleet)}
+    image_ids = {image: local_image_id(image) for image in images}
+    say(remote, f"fleet {fleet.name}: checking {len(everyone(fleet))} host(s) over ssh")
+    lacking = check_hosts(remote, fleet, image_ids)
+    transfer_s = 0.0
+    for h in lacking:
+        image = actions.images_for(fleet, h)
+        transfer_s += ship_image(remote, h, image, image_ids[image])
+    rdv = actions.rendezvous_start(fleet)
+    if rdv is not None:
+        say(remote, f"starting the rendezvous on {rdv.host.ssh}")
+        remote.run(rdv)
+        health = actions.Step(rdv.host, "wait until the rendezvous answers", actions.rendezvous_health(fleet))
+        wait_for(
+            remote,
+            fleet,
+            rdv.host,
+            health.what,
+            60,
+            lambda: '"ok"' in remote.run(health, check=False),
+            (rdv.host,),
+        )
+    head = fleet.hosts[0]
+    say(remote, f"starting the session host {head.device} on {head.ssh}")
+    remote.run(actions.start(fleet, head, image_ids.get(fleet.image, fleet.image), ""))
+    read = actions.read_code(fleet, head)
+    code = wait_for(
+        remote,
+        fleet,
+        head,
+        "read the session code",
+        wait_s,
+        lambda: remote.run(read, check=False).strip(),
+        (head,),
+    )
+    say(remote, f"session code {code}")
+    for h in fleet.joiners:
+        say(remote, f"starting member {h.device} on {h.ssh} ({h.runtime})")
+        remote.run(actions.start(fleet, h, image_ids.get(fleet.image, fleet.image), code))
+    n = len(fleet.hosts)
+
+    def serving() -> dict[str, Any] | None:
+        doc = session_doc(remote, fleet, head)
+        if doc and doc.get("state") == "broken":
+            raise OpsError(
+                f"host {head.device} ({head.ssh}): the session broke while forming: {doc.get('error')}"
+            )
+        return doc if doc and doc.get("state") == "serving" and len(doc.get("ring", ())) == n else None
+
+    try:
+        what = f"wait until the session serves ({n} members)"
+        doc = wait_for(remote, fleet, head, what, wait_s, serving, fleet.hosts)
+    except OpsError as exc:
+        late = [
+            h
+            for h in fleet.joiners
+            if (d := session_doc(remote, fleet, h)) is None or d.get("state") != "serving"
+        ]
+        tails = "\n".join(f"-- {h.device} ({h.ssh}):\n{last_lines(remote, fleet, h)}" for h in late)
+        raise OpsError(f"{exc}\nmembers not serving: {[h.device for h in late]}\n{tails}") from None
+    took = time.monotonic() - started
+    print(describe_plan(fleet, doc))
+    print(f"fleet {fleet.name} serving after {took:.1f} s (image transfer {transfer_s:.1f} s)")
+    return {"session": doc, "up_s": took, "transfer_s": transfer_s, "code": code}
+
+
+def describe_plan(fleet: FleetFile, doc: dict[str, Any]) -> str:
+    lines = [
+        f"session {doc.get('session')} model {doc.get('model')} division {doc.get('division')},"
+        f" head {doc.get('head')}"
+    ]
+    lines.append(f"{'member':<14} {'site':<14} {'blocks':<10} {'predicted ms':>12}  API (on its host)")
+    for m in doc.get("members", []):
+        h = fleet.host(m["name"])
+        a, b = m["blocks"]
+        pred = m.get("predicted_ms")
+        lines.append(
+            f"{m['name']:<14} {h.site:<14} {f'{a}-{b}':<10} {pred if pred is None else f'{pred:.2f}':>12}  http://{h.api}/v1"
+        )
+    for link in doc.get("links", []):
+        lines.append(f"link {link['edge']}: {link['path']}")
+    return "\n".join(lines)
+
+
+def down(remote: Remote, fleet: FleetFile) -> None:
+    for step in actions.down_steps(fleet):
+        try:
+            out = remote.run(step, timeout=60)
+        except OpsError as exc:
+            if "ssh could not reach" in str(exc):
+                say(remote, f"{exc} (skipped: nothing removed there)")
+                continue
+            raise
+        say(remote, f"{step.host.ssh}: {step.what}: {out.strip() or 'done'}")
+
+
+def status(remote: Remote, fleet: FleetFile) -> dict[str, Any]:
+    """Each member's container or service state and its /session view; prints a table."""
+    rows: dict[str, Any] = {}
+    for h in everyone(fleet):
+        state = remote.run(actions.state(fleet, h), timeout=30, check=False).strip() or "absent"
+        doc = session_doc(remote, fleet, h) if h.device != "rendezvous" else None
+        rows[h.device] = {"site": h.site, "ssh": h.ssh, "runtime": h.runtime, "state": state, "session": doc}
+    any_doc = next((r["session"] for r in rows.values() if r["session"]), None) or {}
+    measured = measured_ms(remote, fleet, any_doc)
+    print(
+        f"{'member':<14} {'site':<14} {'runtime':<8} {'process':<10} {'session':<10} {'blocks':<8}"
+        f" {'predicted ms':>12} {'measured ms':>11}"
+    )
+    for name, r in rows.items():
+        doc = r["session"] or {}
+        me: dict[str, Any] = next((m for m in doc.get("members", []) if m["name"] == name), {})
+        blocks = "-".join(map(str, me.get("blocks", []))) or "-"
+        pred = me.get("predicted_ms")
+        print(
+            f"{name:<14} {r['site']:<14} {r['runtime']:<8} {r['state']:<10} {doc.get('state', '-'):<10}"
+            f" {blocks:<8} "
+            f"{'-' if pred is None else f'{pred:.2f}':>12} {_ms(measured.get(name)):>11}"
+        )
+    head = rows.get(fleet.hosts[0].device, {}).get("session") or {}
+    for link in head.get("links", []):
+        print(f"link {link['edge']}: {link['path']}")
+    return rows
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def member_traces(remote: Remote, fleet: FleetFile, host: Host) -> list[dict[str, Any]]:
+    step = actions.Step(host, "collect /traces", actions.fetch(fleet, host, "/traces"))
+    text = remote.run(step, timeout=60)
+    try:
+        records = json.loads(text)["traces"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise OpsError(f"{Remote.where(step)}: not a /traces document: {text[:200]!r}") from exc
+    return list(records)
+
+
+def measured_ms(remote: Remote, fleet: FleetFile, doc: dict[str, Any]) -> dict[str, float]:
+    """Each stage's measured ms per decode step (median over the head's recent requests); empty
+    before any request was served."""
+    from kafila.obs.trace import summarize
+    from kafila.obs.tracefile import from_json
+
+    head = doc.get("head")
+    if not isinstance(head, str) or head not in [h.device for h in fleet.hosts]:
+        return {}
+    try:
+        records = [from_json(r) for r in member_traces(remote, fleet, fleet.host(head))]
+    except (OpsError, ValueError):
+        return {}
+    ours = [s for s in summarize(records, drop_cold=False) if s.session == doc.get("session")]
+    return dict(ours[-1].stage_ms) if ours else {}
+
+
+def logs(remote: Remote, fleet: FleetFile, member: str | None, lines: int) -> None:
+    rdv = fleet.rendezvous.host
+    if member == "rendezvous" and rdv is not None:
+        hosts = [rdv]
+    else:
+        hosts = [fleet.host(member)] if member else everyone(fleet)
+    for h in hosts:
+        print(f"== {h.device} ({h.ssh}, site {h.site})")
+        print(remote.run(actions.logs(fleet, h, lines), timeout=60, check=False).rstrip())

@@ -1,0 +1,324 @@
+"""Fleet files for `kafila-ops`: the planner's [session] and [[device]] plus where each member runs.
+
+[fleet]
+name = "uscentral"                 # labels containers and services: dev.kafila.fleet=NAME
+image = "kafila/member:cuda"       # the member image (Dockerfile.cuda) for docker hosts
+session_host = "a100"              # the device that opens the session (default: the first [[device]])
+ssh_config = "ssh_config"          # optional: an ssh config file (-F), relative to the fleet file
+
+[rendezvous]                       # either an existing one ...
+url = "wss://rdv.example.org:8470/v1/signal"
+# ... or one the fleet starts (a container of `image`, default kafila/rendezvous:latest):
+# ssh = "ops@rdv.example.org"      # where it runs
+# address = "203.0.113.7"          # the address members reach it at
+# alt_address = "203.0.113.8"      # optional second public address: NAT filtering is classified
+# port = 8470
+
+[session] / [[device]]             # as `kafila plan` reads them (kafila/planner/fleet.py)
+
+[[site]]
+name = "des-moines"
+[[site.host]]
+device = "a100"                    # the [[device]] this host runs (its member name)
+ssh = "ops@a100.example.org"       # ssh destination (a Host of ssh_config, user@host, ...)
+runtime = "docker"                 # docker | native
+gpus = "all"                       # docker: --gpus value; "none" for CPU hosts (default all)
+python = "~/kafila/bin/python"     # native: the interpreter with kafila installed (or venv = DIR)
+os = "linux"                       # native: linux (systemd-run --user) | macos (launchd user agent)
+api = "0.0.0.0:11434"              # the member's API address (default 127.0.0.1:11434)
+metrics_port = 11434               # what `monitor` tunnels to (default: the API's port, /metrics)
+args = ["--threads", "2"]          # extra `kafila host|join` flags
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kafila.planner.fleet import Fleet, FleetError, no_unknown, parse_fleet
+
+NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+RUNTIMES = ("docker", "native")
+OSES = ("linux", "macos")
+DEFAULT_API = "127.0.0.1:11434"
+DEFAULT_RDV_PORT = 8470
+DEFAULT_RDV_IMAGE = "kafila/rendezvous:latest"
+
+_FLEET_KEYS = {"name", "image", "session_host", "ssh_config"}
+_RDV_KEYS = {
+    "url",
+    "ssh",
+    "address",
+    "alt_address",
+    "port",
+    "udp_port",
+    "udp_alt_port",
+    "image",
+    "runtime",
+    "python",
+    "os",
+}
+_SITE_KEYS = {"name", "host"}
+_HOST_KEYS = {"device", "ssh", "runtime", "gpus", "python", "venv", "os", "api", "metrics_port", "args"}
+
+
+@dataclass(frozen=True)
+class Host:
+    """One machine of a site and the member it runs."""
+
+    site: str
+    device: str  # the member's name
+    ssh: str
+    runtime: str  # docker | native
+    gpus: str  # docker: --gpus value, "none" for none
+    python: str  # native: the interpreter
+    os: str  # native: linux | macos
+    api: str  # HOST:PORT the member's API listens on, on that machine
+    metrics_port: int
+    args: tuple[str, ...]
+
+    @property
+    def api_port(self) -> int:
+        return int(self.api.rsplit(":", 1)[1])
+
+    @property
+    def local_api(self) -> str:
+        """The API as seen from the machine itself (a wildcard listener answers on loopback)."""
+        addr, port = self.api.rsplit(":", 1)
+        return f"{'127.0.0.1' if addr in ('0.0.0.0', '::', '[::]', '') else addr}:{port}"
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    url: str  # the signaling URL members are given
+    host: Host | None  # set when the fleet starts it
+    image: str
+    port: int
+    udp_port: int
+    udp_alt_port: int
+    address: str = ""  # the address members reach a rendezvous the fleet starts at
+    alt_address: str | None = None  # its second public address, if it has one
+
+
+@dataclass(frozen=True)
+class FleetFile:
+    name: str
+    image: str
+    session_host: str
+    ssh_config: str | None
+    rendezvous: Rendezvous
+    plan: Fleet  # the planner's view: [session] and [[device]] (session host first)
+    hosts: tuple[Host, ...]  # session host first, then in file order
+
+    @property
+    def joiners(self) -> tuple[Host, ...]:
+        return self.hosts[1:]
+
+    def host(self, member: str) -> Host:
+        for h in self.hosts:
+            if h.device == member:
+                return h
+        raise FleetError(
+            f"fleet {self.name}: no member {member!r}; members: {[h.device for h in self.hosts]}"
+        )
+
+
+ReadJson = Callable[[str], Any]
+
+
+def load(path: Path) -> FleetFile:
+    """Read a fleet file; probe files and ssh_config are relative to it."""
+    import json
+
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise FleetError(f"cannot read fleet file {path}: {exc.strerror or exc}") from None
+    fleet = parse(text, str(path), lambda p: json.loads((path.parent / p).read_text()))
+    if fleet.ssh_config is not None and not Path(fleet.ssh_config).is_absolute():
+        from dataclasses import replace
+
+        fleet = replace(fleet, ssh_config=str(path.parent / fleet.ssh_config))
+    return fleet
+
+
+def parse(text: str, source: str = "fleet", read_json: ReadJson | None = None) -> FleetFile:
+    plan = parse_fleet(text, source, read_json)  # [session] and [[device]], with its own clear errors
+    data = tomllib.loads(text)
+    fleet = data.get("fleet")
+    if fleet is None:
+        raise FleetError(f"{source}: needs a [fleet] table with name and image (kafila-ops fleet files)")
+    where = f"{source}: [fleet]"
+    _no_unknown(fleet, _FLEET_KEYS, where)
+    name = _name(fleet, "name", where)
+    image = _text(fleet, "image", where)
+    ssh_config = _text(fleet, "ssh_config", where) if "ssh_config" in fleet else None
+    devices = [d.name for d in plan.devices]
+    hosts = _hosts(data.get("site"), source, devices)
+    session_host = plan.devices[0].name  # parse_fleet put [fleet] session_host first
+    hosts = sorted(hosts, key=lambda h: h.device != session_host)
+    return FleetFile(
+        name=name,
+        image=image,
+        session_host=session_host,
+        ssh_config=ssh_config,
+        rendezvous=_rendezvous(data.get("rendezvous"), source),
+        plan=plan,
+        hosts=tuple(hosts),
+    )
+
+
+def _hosts(sites: Any, source: str, devices: list[str]) -> list[Host]:
+    if not isinstance(sites, list) or not sites:
+        raise FleetError(f"{source}: needs at least one [[site]] with [[site.host]] tables")
+    hosts: list[Host] = []
+    site_names: list[str] = []
+    for i, site in enumerate(sites):
+        where = f"{source}: site #{i + 1}"
+        if not isinstance(site, dict):
+            raise FleetError(f"{where}: must be a table")
+        _no_unknown(site, _SITE_KEYS, where)
+        sname = _name(site, "name", where)
+        if sname in site_names:
+            raise FleetError(f"{source}: site names must be unique, repeated: {sname!r}")
+        site_names.append(sname)
+        tables = site.get("host")
+        if not isinstance(tables, list) or not tables:
+            raise FleetError(f"{source}: site {sname!r}: needs at least one [[site.host]] table")
+        hosts += [
+            _host(t, f"{source}: site {sname!r} host #{j + 1}", sname, devices) for j, t in enumerate(tables)
+        ]
+    ran = [h.device for h in hosts]
+    twice = sorted({d for d in ran if ran.count(d) > 1})
+    if twice:
+        raise FleetError(f"{source}: a device runs on one host only, given twice: {twice}")
+    missing = [d for d in devices if d not in ran]
+    if missing:
+        raise FleetError(
+            f"{source}: no [[site.host]] runs device(s) {missing}: add `device = NAME` to a host"
+        )
+    return hosts
+
+
+def _host(t: Any, where: str, site: str, devices: list[str]) -> Host:
+    if not isinstance(t, dict):
+        raise FleetError(f"{where}: must be a table")
+    _no_unknown(t, _HOST_KEYS, where)
+    device = _text(t, "device", where)
+    if device not in devices:
+        raise FleetError(f"{where}: device {device!r} is not a [[device]] name; devices: {devices}")
+    where = f"{where} ({device})"
+    runtime = _choice(t, "runtime", RUNTIMES, where, "docker")
+    os_name = _choice(t, "os", OSES, where, "linux")
+    if runtime == "docker" and os_name != "linux":
+        raise FleetError(f"{where}: runtime 'docker' runs on linux hosts; macOS members run natively")
+    if "python" in t and "venv" in t:
+        raise FleetError(f"{where}: give 'python' or 'venv', not both")
+    python = _text(t, "python", where) if "python" in t else "python3"
+    if "venv" in t:
+        python = _text(t, "venv", where).rstrip("/") + "/bin/python"
+    api = _text(t, "api", where) if "api" in t else DEFAULT_API
+    if (
+        not re.fullmatch(r"[^\s:]*:\d{1,5}|\[[0-9a-fA-F:]+\]:\d{1,5}", api)
+        or not 0 < int(api.rsplit(":", 1)[1]) < 65536
+    ):
+        raise FleetError(f"{where}: 'api' must be HOST:PORT with a port 1-65535, got {api!r}")
+    port = int(api.rsplit(":", 1)[1])
+    metrics_port = _port(t, "metrics_port", where, port)
+    args = t.get("args", [])
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise FleetError(f"{where}: 'args' must be a list of strings, got {args!r}")
+    return Host(
+        site=site,
+        device=device,
+        ssh=_text(t, "ssh", where),
+        runtime=runtime,
+        gpus=_text(t, "gpus", where) if "gpus" in t else "all",
+        python=python,
+        os=os_name,
+        api=api,
+        metrics_port=metrics_port,
+        args=tuple(args),
+    )
+
+
+def _rendezvous(t: Any, source: str) -> Rendezvous:
+    where = f"{source}: [rendezvous]"
+    if not isinstance(t, dict):
+        raise FleetError(
+            f"{where}: missing: give `url` (an existing rendezvous) or `ssh` (one the fleet starts)"
+        )
+    _no_unknown(t, _RDV_KEYS, where)
+    if ("url" in t) == ("ssh" in t):
+        raise FleetError(
+            f"{where}: give exactly one of `url` (an existing rendezvous) or `ssh` (one the fleet starts)"
+        )
+    port = _port(t, "port", where, DEFAULT_RDV_PORT)
+    udp, alt = _port(t, "udp_port", where, 3478), _port(t, "udp_alt_port", where, 3479)
+    image = _text(t, "image", where) if "image" in t else DEFAULT_RDV_IMAGE
+    if "url" in t:
+        url = _text(t, "url", where)
+        if not re.match(r"^(wss?|https?)://", url):
+            raise FleetError(
+                f"{where}: 'url' must start with ws://, wss://, http:// or https://, got {url!r}"
+            )
+        return Rendezvous(url, None, image, port, udp, alt)
+    address = _text(t, "address", where) if "address" in t else None
+    ssh = _text(t, "ssh", where)
+    if address is None:
+        raise FleetError(f"{where}: 'address' (where members reach the rendezvous {ssh!r} starts) is missing")
+    runtime = _choice(t, "runtime", RUNTIMES, where, "docker")
+    host = Host(
+        site="rendezvous",
+        device="rendezvous",
+        ssh=ssh,
+        runtime=runtime,
+        gpus="none",
+        python=_text(t, "python", where) if "python" in t else "python3",
+        os=_choice(t, "os", OSES, where, "linux"),
+        api=f"{address}:{port}",
+        metrics_port=port,
+        args=(),
+    )
+    alt_address = _text(t, "alt_address", where) if "alt_address" in t else None
+    return Rendezvous(f"ws://{address}:{port}/v1/signal", host, image, port, udp, alt, address, alt_address)
+
+
+def _no_unknown(t: dict[str, Any], allowed: set[str], where: str) -> None:
+    no_unknown(t, allowed, where, cutoff=0.6)  # short names: 'shh' is 0.67 like 'ssh'
+
+
+def _text(t: dict[str, Any], key: str, where: str) -> str:
+    v = t.get(key)
+    if v is None:
+        raise FleetError(f"{where}: missing '{key}'")
+    if not isinstance(v, str) or not v.strip():
+        raise FleetError(f"{where}: '{key}' must be a non-empty string, got {v!r}")
+    return v
+
+
+def _name(t: dict[str, Any], key: str, where: str) -> str:
+    v = _text(t, key, where)
+    if not NAME.match(v):
+        raise FleetError(
+            f"{where}: '{key}' must be lower-case letters, digits, '.', '_' or '-' (at most 63), got {v!r}"
+        )
+    return v
+
+
+def _choice(t: dict[str, Any], key: str, choices: tuple[str, ...], where: str, default: str) -> str:
+    v = t.get(key, default)
+    if v not in choices:
+        raise FleetError(f"{where}: '{key}' must be one of {list(choices)}, got {v!r}")
+    return str(v)
+
+
+def _port(t: dict[str, Any], key: str, where: str, default: int) -> int:
+    v = t.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 65536:
+        raise FleetError(f"{where}: '{key}' must be a port 1-65535, got {v!r}")
+    return v

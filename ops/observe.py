@@ -1,0 +1,200 @@
+"""`kafila-ops fleet traces|bench` and `kafila-ops monitor`: what the members measured, from afar."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from ops.fleetcmds import member_traces, say, session_doc
+from ops.fleetfile import FleetFile
+from ops.remote import OpsError, Remote, Tunnel
+
+BENCH_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def openmetrics(fleet: FleetFile, records: dict[str, list[dict[str, Any]]], at: float) -> str:
+    """The trace records as OpenMetrics gauges, every sample stamped `at` (the collection time: the
+    records carry no clock of their own), one series per request (and stage)."""
+    from kafila.obs.trace import RequestRecord, StageRecord
+    from kafila.obs.tracefile import from_json
+
+    families: dict[str, list[str]] = {
+        "kafila_trace_request_tokens_per_second": [],
+        "kafila_trace_request_ttft_seconds": [],
+        "kafila_trace_request_circuit_ms": [],
+        "kafila_trace_request_transit_ms": [],
+        "kafila_trace_stage_decode_ms": [],
+        "kafila_trace_stage_predicted_ms": [],
+    }
+    helps = {
+        "kafila_trace_request_tokens_per_second": "decode tokens per second of one request",
+        "kafila_trace_request_ttft_seconds": "queue plus prefill of one request",
+        "kafila_trace_request_circuit_ms": "median time around the ring per decode step",
+        "kafila_trace_request_transit_ms": "median circuit less every stage's compute per decode step",
+        "kafila_trace_stage_decode_ms": "median compute per decode step at one stage",
+        "kafila_trace_stage_predicted_ms": "the plan's predicted ms per decode step at one stage",
+    }
+
+    def sample(name: str, labels: dict[str, str], value: float) -> None:
+        text = ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items())
+        families[name].append(f"{name}{{{text}}} {value:.6g} {at:.3f}")
+
+    for member, recs in records.items():
+        for d in recs:
+            r = from_json(d)
+            base = {"fleet": fleet.name, "collected_from": member, "session": r.session}
+            if isinstance(r, RequestRecord):
+                labels = base | {"member": r.member, "request": str(r.request_id)}
+                sample("kafila_trace_request_tokens_per_second", labels, r.tokens_per_s)
+                sample("kafila_trace_request_ttft_seconds", labels, r.ttft_s)
+                sample("kafila_trace_request_circuit_ms", labels, r.circuit_ms)
+                sample("kafila_trace_request_transit_ms", labels, r.transit_ms)
+            elif isinstance(r, StageRecord):
+                labels = base | {"member": r.member, "request": str(r.request_id)}
+                sample("kafila_trace_stage_decode_ms", labels, r.decode_ms)
+                sample("kafila_trace_stage_predicted_ms", labels, r.predicted_ms)
+    out = []
+    for name, lines in families.items():
+        out += [f"# HELP {name} {helps[name]}", f"# TYPE {name} gauge", *sorted(set(lines))]
+    return "\n".join([*out, "# EOF", ""])
+
+
+def _esc(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def traces(remote: Remote, fleet: FleetFile, out: Path) -> Path:
+    """Every member's /traces as DIR/MEMBER.jsonl, then Prometheus TSDB blocks in DIR/tsdb."""
+    out.mkdir(parents=True, exist_ok=True)
+    records: dict[str, list[dict[str, Any]]] = {}
+    for h in fleet.hosts:
+        records[h.device] = member_traces(remote, fleet, h)
+        (out / f"{h.device}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[h.device]))
+        say(remote, f"{h.device}: {len(records[h.device])} trace records")
+    om = out / "traces.om.txt"
+    om.write_text(openmetrics(fleet, records, time.time()))
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        raise OpsError(
+            "this machine: promtool is not installed (apt-get install --no-install-recommends prometheus)"
+        )
+    tsdb = out / "tsdb"
+    done = subprocess.run(
+        [promtool, "tsdb", "create-blocks-from", "openmetrics", str(om), str(tsdb)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise OpsError(
+            f"this machine: promtool tsdb create-blocks-from openmetrics: {done.stderr.strip()[-800:]}"
+        )
+    say(
+        remote,
+        f"TSDB blocks in {tsdb} (start a Prometheus with --storage.tsdb.path={tsdb}, or copy them into one)",
+    )
+    return tsdb
+
+
+async def _users(base: str, model: str, users: int, requests: int, max_tokens: int) -> list[float]:
+    async def one(client: httpx.AsyncClient) -> float:
+        started = time.perf_counter()
+        r = await client.post(
+            f"{base}/v1/chat/completions",
+            json={"model": model, "messages": [{"role": "user", "content": BENCH_PROMPT}],
+                  "max_tokens": max_tokens, "temperature": 0},
+        )  # fmt: skip
+        if r.status_code != 200:
+            raise OpsError(f"the head's API answered {r.status_code}: {r.text[:300]}")
+        return time.perf_counter() - started
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        times: list[float] = []
+        for _ in range(requests):
+            times += await asyncio.gather(*(one(client) for _ in range(users)))
+        return times
+
+
+def bench(remote: Remote, fleet: FleetFile, out: Path, requests: int = 4, max_tokens: int = 32) -> str:
+    """The paper's Table IV through the head's API: one user, then four at once."""
+    from kafila.obs.trace import format_table, summarize
+    from kafila.obs.tracefile import from_json
+
+    doc = session_doc(remote, fleet, fleet.hosts[0]) or {}
+    if doc.get("state") != "serving":
+        raise OpsError(
+            f"fleet {fleet.name}: the session is not serving (state {doc.get('state', 'unknown')})"
+        )
+    head = fleet.host(doc["head"])  # the ring's head keeps the request records (Table IV)
+    tunnel = Tunnel(remote, head, head.local_api)
+    parts = [
+        f"fleet {fleet.name}: Table IV through {head.device}'s API ({requests} rounds, {max_tokens} tokens)"
+    ]
+    try:
+        base = f"http://127.0.0.1:{tunnel.port}"
+        seen = {json.dumps(r, sort_keys=True) for r in member_traces(remote, fleet, head)}
+        for users in (1, 4):
+            say(remote, f"bench: {users} user(s), {requests} round(s)")
+            asyncio.run(_users(base, fleet.plan.model, users, requests, max_tokens))
+            now = member_traces(remote, fleet, head)
+            fresh = [r for r in now if json.dumps(r, sort_keys=True) not in seen]
+            seen |= {json.dumps(r, sort_keys=True) for r in fresh}
+            table = summarize((from_json(r) for r in fresh), drop_cold=users == 1)
+            parts.append(f"\n{users} user{'s' if users > 1 else ''}:\n{format_table(table)}")
+    finally:
+        tunnel.close()
+    text = "\n".join(parts)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
+    print(text)
+    say(remote, f"kept in {out}")
+    return text
+
+
+def monitor(remote: Remote, fleet: FleetFile, targets: Path, once: bool = False) -> None:
+    """SSH tunnels to every member's metrics listener, and a Prometheus file_sd file naming them
+    with their site and host; re-opens a tunnel whose ssh exited."""
+    tunnels: dict[str, Tunnel] = {}
+
+    def write() -> None:
+        groups = [
+            {"targets": [f"127.0.0.1:{t.port}"],
+             "labels": {"fleet": fleet.name, "site": t.host.site, "host": t.host.ssh,
+                        "member": t.host.device}}
+            for t in tunnels.values()
+        ]  # fmt: skip
+        tmp = targets.with_suffix(".tmp")
+        tmp.write_text(json.dumps(groups, indent=2) + "\n")
+        tmp.replace(targets)  # Prometheus sees the whole file or the old one
+
+    targets.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        while True:
+            changed = False
+            for h in fleet.hosts:
+                t = tunnels.get(h.device)
+                if t is None or t.proc.poll() is not None:
+                    port = t.port if t else None
+                    try:
+                        tunnels[h.device] = Tunnel(
+                            remote, h, f"{h.local_api.rsplit(':', 1)[0]}:{h.metrics_port}", port
+                        )
+                        changed = True
+                    except OpsError as exc:
+                        say(remote, str(exc))
+            if changed:
+                write()
+                say(remote, f"{len(tunnels)} target(s) in {targets}")
+            if once:
+                return
+            time.sleep(5)
+    finally:
+        if not once:
+            for t in tunnels.values():
+                t.close()

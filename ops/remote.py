@@ -1,0 +1,191 @@
+"""Running `actions.Step`s over the system ssh, and shipping images to hosts that lack them."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from ops.actions import Step, ssh_argv, ssh_options
+from ops.fleetfile import FleetFile, Host
+
+
+class OpsError(RuntimeError):
+    """A step failed: the message names the host and the step."""
+
+
+def control_dir() -> Path:
+    """Where ssh keeps its shared connections: short, as a socket path has at most 104 bytes."""
+    base = Path(os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kafila-ops-{os.getuid()}")
+    d = base / "kafila-ops-ssh"
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return d
+
+
+@dataclass
+class Remote:
+    fleet: FleetFile
+    verbose: bool = False
+    out: IO[str] = sys.stderr
+
+    def argv(self, host: Host, remote: str) -> list[str]:
+        return ssh_argv(host.ssh, remote, control_dir(), self.fleet.ssh_config)
+
+    def run(self, step: Step, timeout: float = 120.0, check: bool = True) -> str:
+        if self.verbose:
+            print(f"kafila-ops: {step.describe()}", file=self.out)
+        try:
+            done = subprocess.run(
+                self.argv(step.host, step.remote),
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                stdin=subprocess.DEVNULL,
+            )
+        except subprocess.TimeoutExpired:
+            raise OpsError(f"{self.where(step)}: no answer within {timeout:.0f} s") from None
+        if check and done.returncode != 0:
+            raise OpsError(f"{self.where(step)}: {self.why(done.returncode, done.stderr or done.stdout)}")
+        return done.stdout
+
+    @staticmethod
+    def where(step: Step) -> str:
+        return f"host {step.host.device} ({step.host.ssh}, site {step.host.site}): {step.what}"
+
+    @staticmethod
+    def why(rc: int, text: str) -> str:
+        text = text.strip()
+        if rc == 255:
+            return f"ssh could not reach the host: {text.splitlines()[-1] if text else 'exit 255'}"
+        if "command not found" in text or ("not found" in text.lower() and rc == 127):
+            return f"not installed there: {text}"
+        return f"exited {rc}: {text[-800:] or '(no output)'}"
+
+    def close(self) -> None:
+        """End the shared connections this run opened (`ssh -O exit` on each host)."""
+        seen: set[str] = set()
+        hosts = list(self.fleet.hosts) + ([self.fleet.rendezvous.host] if self.fleet.rendezvous.host else [])
+        for h in hosts:
+            if h.ssh in seen:
+                continue
+            seen.add(h.ssh)
+            argv = [*ssh_options(control_dir(), self.fleet.ssh_config, h.ssh), "-O", "exit", h.ssh]
+            subprocess.run(argv, capture_output=True, timeout=10, stdin=subprocess.DEVNULL)
+
+
+def local_image_id(image: str) -> str:
+    done = subprocess.run(
+        ["docker", "image", "inspect", "--format", "{{.Id}}", image], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise OpsError(
+            f"this machine: image {image} is not in the local Docker engine (build it: docker build"
+            f" -f Dockerfile.cuda -t {image} .): {done.stderr.strip()}"
+        )
+    return done.stdout.strip()
+
+
+def ship_image(remote: Remote, host: Host, image: str, image_id: str) -> float:
+    """`docker save IMAGE | ssh HOST docker load`, with progress; returns the seconds it took."""
+    size = int(
+        subprocess.run(
+            ["docker", "image", "inspect", "--format", "{{.Size}}", image], capture_output=True, text=True
+        ).stdout.strip()
+        or 0
+    )
+    where = f"host {host.device} ({host.ssh}, site {host.site}): ship image {image}"
+    print(
+        f"kafila-ops: {host.device}: sending {image} ({image_id[:19]}, about {size / 1e6:.0f} MB)",
+        file=remote.out,
+    )
+    started = time.monotonic()
+    save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
+    load = subprocess.Popen(
+        remote.argv(host, "docker load"),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    assert save.stdout is not None and load.stdin is not None
+    sent, shown = 0, 0.0
+    try:
+        while chunk := save.stdout.read(1 << 20):
+            load.stdin.write(chunk)
+            sent += len(chunk)
+            now = time.monotonic()
+            if now - shown >= 2.0:
+                shown = now
+                pct = f" ({100 * sent / size:.0f}%)" if size else ""
+                rate = sent / max(now - started, 1e-3) / 1e6
+                print(
+                    f"kafila-ops: {host.device}: {sent / 1e6:.0f} MB sent{pct}, {rate:.0f} MB/s",
+                    file=remote.out,
+                )
+        load.stdin.close()
+    except BrokenPipeError:
+        pass
+    assert load.stdout is not None
+    said = load.stdout.read().decode(errors="replace")  # docker load's few lines, until it ends
+    load.wait(timeout=600)
+    save.wait(timeout=60)
+    if save.returncode != 0:
+        raise OpsError(f"{where}: docker save exited {save.returncode}")
+    if load.returncode != 0:
+        raise OpsError(f"{where}: image load failed: {Remote.why(load.returncode, said)}")
+    took = time.monotonic() - started
+    print(f"kafila-ops: {host.device}: image loaded, {sent / 1e6:.0f} MB in {took:.1f} s", file=remote.out)
+    return took
+
+
+def quote(argv: list[str]) -> str:
+    return shlex.join(argv)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tunnel_argv(remote: Remote, host: Host, local_port: int, target: str) -> list[str]:
+    """`ssh -N -L 127.0.0.1:PORT:TARGET HOST`: a member's listener, reached from this machine."""
+    argv = ssh_options(None, remote.fleet.ssh_config)
+    return [*argv, "-o", "ExitOnForwardFailure=yes", "-N", "-L", f"127.0.0.1:{local_port}:{target}", host.ssh]
+
+
+class Tunnel:
+    """A running `ssh -N -L` to one member, until closed."""
+
+    def __init__(self, remote: Remote, host: Host, target: str, local_port: int | None = None) -> None:
+        import socket
+
+        self.host, self.port = host, local_port or free_port()
+        self.proc = subprocess.Popen(
+            tunnel_argv(remote, host, self.port, target), stdin=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                raise OpsError(
+                    f"host {host.device} ({host.ssh}): tunnel to {target}: ssh exited: {err.strip()}"
+                )
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.2)
+        self.close()
+        raise OpsError(f"host {host.device} ({host.ssh}): tunnel to {target}: not up within 20 s")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)

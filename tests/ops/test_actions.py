@@ -1,0 +1,216 @@
+"""The per-host action list: what `fleet up` and `down` run, in order, every remote word quoted."""
+
+from __future__ import annotations
+
+import plistlib
+import shlex
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ops import actions
+from ops.cli import main as ops_main
+from ops.fleetfile import parse
+from ops.remote import OpsError, Remote
+
+FLEET = """
+[fleet]
+name = "f1"
+image = "kafila/member:cuda"
+[rendezvous]
+url = "ws://rdv.example:8470/v1/signal"
+[session]
+model = "smollm2-135m"
+context = 512
+concurrency = 2
+[[device]]
+name = "gpu"
+memory_gb = 24
+[[device]]
+name = "cpu-box"
+memory_gb = 8
+[[device]]
+name = "mac"
+memory_gb = 18
+[[site]]
+name = "lab"
+[[site.host]]
+device = "gpu"
+ssh = "ops@gpu"
+api = "0.0.0.0:11434"
+[[site.host]]
+device = "cpu-box"
+ssh = "cpu"
+gpus = "none"
+args = ["--threads", "2", "--trace", "/tmp/it's here.jsonl"]
+[[site]]
+name = "home"
+[[site.host]]
+device = "mac"
+ssh = "me@mac"
+runtime = "native"
+os = "macos"
+venv = "~/kafila venv"
+[[site.host]]
+device = "linux-native"
+ssh = "me@nat"
+runtime = "native"
+"""
+
+
+def fleet_text() -> str:
+    return FLEET.replace(
+        '[[site.host]]\ndevice = "linux-native"', '[[site.host]]\ndevice = "penguin"'
+    ).replace(
+        '[[device]]\nname = "mac"', '[[device]]\nname = "penguin"\nmemory_gb = 4\n[[device]]\nname = "mac"'
+    )
+
+
+def sh_words(remote: str) -> list[str]:
+    """How the remote sh splits the command (shlex follows POSIX sh quoting)."""
+    return shlex.split(remote)
+
+
+def test_up_checks_ships_starts_the_host_reads_the_code_then_starts_joiners_and_waits() -> None:
+    fleet = parse(fleet_text(), "f.toml")
+    steps = actions.up_steps(fleet)
+    whats = [(s.host.device, s.what) for s in steps]
+    assert whats == [
+        ("gpu", "check Docker"),
+        ("gpu", "check the NVIDIA runtime"),
+        ("gpu", "check image kafila/member:cuda"),
+        ("cpu-box", "check Docker"),
+        ("cpu-box", "check image kafila/member:cuda"),
+        ("mac", "check launchctl"),
+        ("mac", "check kafila in ~/kafila venv/bin/python"),
+        ("penguin", "check systemd-run"),
+        ("penguin", "check kafila in python3"),
+        ("gpu", "ship image kafila/member:cuda if missing (docker save | ssh)"),
+        ("cpu-box", "ship image kafila/member:cuda if missing (docker save | ssh)"),
+        ("gpu", "start the session host member gpu (container)"),
+        ("gpu", "read the session code"),
+        ("cpu-box", "start joining member cpu-box (container)"),
+        ("mac", "start joining member mac (native service)"),
+        ("penguin", "start joining member penguin (native service)"),
+        ("gpu", "wait until the session serves"),
+    ]
+
+
+def test_containers_are_labelled_host_networked_and_get_gpus_only_on_nvidia_hosts() -> None:
+    fleet = parse(fleet_text(), "f.toml")
+    gpu, cpu = fleet.host("gpu"), fleet.host("cpu-box")
+    head = actions.start(fleet, gpu, "sha256:abc", "")
+    run = sh_words(head.remote.split(";", 1)[1])
+    assert run[:4] == ["docker", "run", "-d", "--name"] and run[4] == "kafila-f1-gpu"
+    assert "dev.kafila.fleet=f1" in run and "dev.kafila.member=gpu" in run
+    assert run[run.index("--network") + 1] == "host" and run[run.index("--gpus") + 1] == "all"
+    assert run[run.index("sha256:abc") + 1 :] == [
+        "host", "--model", "smollm2-135m", "--members", "4", "--context", "512", "--concurrency", "2",
+        "--code-file", actions.CONTAINER_CODE_FILE, "--name", "gpu", "--rendezvous",
+        "ws://rdv.example:8470/v1/signal", "--api", "0.0.0.0:11434",
+    ]  # fmt: skip
+    join = sh_words(
+        actions.start(fleet, cpu, "sha256:abc", "4-k7m2-tiger-lamp-ocean").remote.split(";", 1)[1]
+    )
+    assert "--gpus" not in join
+    assert join[join.index("sha256:abc") + 1 :][:2] == ["join", "4-k7m2-tiger-lamp-ocean"]
+    assert join[-2:] == [
+        "--trace",
+        "/tmp/it's here.jsonl",
+    ]  # a quote in an argument survives the remote shell
+
+
+def test_a_linux_native_member_runs_under_systemd_run_user_never_backgrounded() -> None:
+    fleet = parse(fleet_text(), "f.toml")
+    remote = actions.start(fleet, fleet.host("penguin"), "img", "CODE").remote
+    assert "&" not in remote.replace("&&", "").replace("2>&1", "")  # no backgrounded shell
+    run = remote[remote.index("systemd-run") :]
+    words = sh_words(run)
+    assert words[:5] == ["systemd-run", "--user", "--unit", "kafila-f1-penguin", "--collect"]
+    assert words[words.index("python3") :][:5] == ["python3", "-m", "kafila", "join", "CODE"]
+
+
+def test_a_macos_member_is_a_launchd_user_agent_with_its_home_expanded_remotely() -> None:
+    fleet = parse(fleet_text(), "f.toml")
+    remote = actions.start(fleet, fleet.host("mac"), "img", "CODE").remote
+    assert "launchctl bootstrap gui/$(id -u)" in remote
+    quoted = remote[remote.index("printf %s ") + len("printf %s ") : remote.index(" > ")]
+    plist = plistlib.loads(sh_words(quoted)[0].encode())
+    assert plist["Label"] == "dev.kafila.f1.mac" and plist["KeepAlive"] is False
+    script = plist["ProgramArguments"][2]
+    assert script.startswith("exec \"$HOME\"/'kafila venv/bin/python' -m kafila join CODE --name mac")
+
+
+def test_remote_commands_survive_a_real_shell(tmp_path: Path) -> None:
+    """Every start command parses in sh (`sh -n`), hostile characters included."""
+    fleet = parse(fleet_text().replace('name = "f1"', 'name = "f1"'), "f.toml")
+    for step in [*actions.up_steps(fleet, "4-code"), *actions.down_steps(fleet)]:
+        done = subprocess.run(["sh", "-n", "-c", step.remote], capture_output=True, text=True)
+        assert done.returncode == 0, (step.what, step.remote, done.stderr)
+
+
+def test_down_removes_by_label_once_per_docker_host_joiners_first_and_is_idempotent_in_shape() -> None:
+    fleet = parse(fleet_text(), "f.toml")
+    steps = actions.down_steps(fleet)
+    assert [(s.host.device, s.what) for s in steps] == [
+        ("penguin", "stop service kafila-f1-penguin"),
+        ("mac", "stop launchd agent dev.kafila.f1.mac"),
+        ("cpu-box", "remove the fleet's containers"),
+        ("gpu", "remove the fleet's containers"),
+    ]
+    assert "label=dev.kafila.fleet=f1" in steps[2].remote and '[ -z "$ids" ] ||' in steps[2].remote
+
+
+def test_ssh_is_batch_mode_with_connection_sharing(tmp_path: Path) -> None:
+    argv = actions.ssh_argv("ops@gpu", "docker ps", tmp_path, "cfg")
+    assert argv[:3] == ["ssh", "-F", "cfg"]
+    opts = [argv[i + 1] for i, a in enumerate(argv) if a == "-o"]
+    assert {"BatchMode=yes", "ControlMaster=auto", "ControlPersist=120"} <= set(opts)
+    path = next(o for o in opts if o.startswith("ControlPath="))
+    assert path.startswith(f"ControlPath={tmp_path}/")
+    # one shared connection per destination as written: two aliases of one address never share one
+    other = actions.ssh_argv("ops@cpu", "docker ps", tmp_path, "cfg")
+    assert path not in other
+    assert argv[-3:] == ["--", "ops@gpu", "docker ps"]
+
+
+def test_fleet_plan_prints_divisions_and_every_command(capsys: object, tmp_path: Path) -> None:
+    path = tmp_path / "f.toml"
+    path.write_text(fleet_text())
+    assert ops_main(["fleet", "plan", str(path)]) == 0
+    out = capsys.readouterr().out  # type: ignore[attr-defined]
+    assert "division" in out and "kafila" in out and "uniform" in out
+    assert "commands `up` runs, in order:" in out
+    assert " 17. [lab/gpu ops@gpu] wait until the session serves" in out
+
+
+def test_a_bad_fleet_file_exits_2_naming_it(capsys: object, tmp_path: Path) -> None:
+    path = tmp_path / "f.toml"
+    path.write_text(fleet_text().replace('runtime = "native"', 'runtime = "nativ"', 1))
+    assert ops_main(["fleet", "up", str(path)]) == 2
+    err = capsys.readouterr().err  # type: ignore[attr-defined]
+    assert err.startswith(f"kafila-ops: {path}: site 'home' host #1 (mac): 'runtime' must be one of")
+
+
+def test_an_unreachable_host_is_named_with_its_step(tmp_path: Path) -> None:
+    """The real ssh against a port nothing listens on: the error names the host, site and step."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again when the block ends: nothing listens there
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Host gpu-box\n  HostName 127.0.0.1\n  Port {port}\n  User nobody\n")
+    text = (
+        fleet_text()
+        .replace('ssh = "ops@gpu"', 'ssh = "gpu-box"')
+        .replace('image = "kafila/member:cuda"', f'image = "kafila/member:cuda"\nssh_config = "{config}"')
+    )
+    fleet = parse(text, "f.toml")
+    step = actions.checks(fleet, fleet.host("gpu"), fleet.image)[0]
+    with pytest.raises(OpsError) as err:
+        Remote(fleet).run(step, timeout=30)
+    assert str(err.value).startswith(
+        "host gpu (gpu-box, site lab): check Docker: ssh could not reach the host:"
+    )
+    assert "Connection refused" in str(err.value)

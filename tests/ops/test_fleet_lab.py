@@ -1,0 +1,178 @@
+"""`kafila-ops` end to end on the fleet lab (tests/ops/fleetlab.py): three sites behind real netfilter
+NATs in network namespaces, each host with its own sshd, two with their own dockerd and one native
+host whose service manager is SIMULATED (a shim that records what it is asked and runs the member).
+`fleet up` forms a real session across the namespaces, `status` shows it serving, `bench` prints its
+table, `traces` backfills blocks that a real Prometheus answers from, `down` leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.container.test_member_container import member_image
+from tests.natlab.lab import Lab
+from tests.ops.fleetlab import ROOT, FleetLab, missing_requirements
+
+__all__ = ["member_image"]
+pytestmark = [pytest.mark.root, pytest.mark.docker, pytest.mark.slow, pytest.mark.network]
+
+
+@pytest.fixture
+def fleet_lab(member_image: str) -> Iterator[FleetLab]:
+    why = missing_requirements()
+    if why:
+        pytest.skip(why)
+    with Lab() as lab:
+        fl = FleetLab(lab, Path(f"/tmp/kfl{os.getpid()}"))
+        try:
+            fl.start()
+            yield fl
+        finally:
+            fl.close()
+        assert not fl.dir.exists() and fl.mounts() == [], "the lab left files or mounts behind"
+
+
+def ops(fleet: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KAFILA_LOG_LEVEL": "warning"}
+    return subprocess.run(
+        [sys.executable, "-m", "ops", "fleet", args[0], str(fleet), *args[1:]],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=fleet.parent,
+    )  # fmt: skip
+
+
+def ok(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
+    return done.stdout
+
+
+def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_manager(
+    fleet_lab: FleetLab, tmp_path: Path
+) -> None:
+    fleet = tmp_path / "lab.toml"
+    shutil.copy(ROOT / "fleets" / "lab.toml", fleet)
+    (tmp_path / "lab-ssh_config").write_text(fleet_lab.ssh_config())
+    try:
+        started = time.monotonic()
+        up = ops(fleet, "up", "--wait", "900", timeout=1500)
+        took = time.monotonic() - started
+        out = ok(up)
+        m = re.search(r"serving after ([\d.]+) s \(image transfer ([\d.]+) s\)", out)
+        assert m, out
+        print(
+            f"\nfleet up: {took:.1f} s from nothing to serving; image transfer {m.group(2)} s\n"
+            + up.stderr[-1500:]
+        )
+        assert "image loaded" in up.stderr  # shipped to both docker hosts, which had no image
+        for name in ("h1", "h2", "h3"):
+            assert re.search(rf"^{name}\s+site\d\s+\d+-\d+", out, re.M), out
+
+        status = ok(ops(fleet, "status"))
+        print(status)
+        for name in ("h1", "h2", "h3"):
+            row = next(line for line in status.splitlines() if line.startswith(name + " "))
+            assert "serving" in row, status
+        assert re.search(r"^h1\s.*\brunning\b", status, re.M) and re.search(
+            r"^h3\s.*\bactive\b", status, re.M
+        )
+
+        watched = monitor_scrapes(fleet, tmp_path / "targets.json")
+        assert sorted(watched) == ["h1", "h2", "h3"]
+        assert {g["labels"]["site"] for g in watched.values()} == {"site1", "site2", "site3"}
+
+        bench_file = tmp_path / "bench.txt"
+        bench = ok(
+            ops(fleet, "bench", "--out", str(bench_file), "--requests", "2", "--max-tokens", "8", timeout=900)
+        )
+        print(bench)
+        assert "1 user:" in bench and "4 users:" in bench and bench_file.read_text().strip() == bench.strip()
+
+        traces = tmp_path / "traces"
+        ok(ops(fleet, "traces", str(traces)))
+        assert {p.name for p in traces.glob("*.jsonl")} == {"h1.jsonl", "h2.jsonl", "h3.jsonl"}
+        assert prometheus_answers(traces / "tsdb", "kafila_trace_request_tokens_per_second") >= 1
+
+        calls = [
+            json.loads(line)
+            for line in (fleet_lab.hosts["lab-h3"].dir / "shim" / "calls.jsonl").read_text().splitlines()
+        ]
+        assert [c["args"][:4] for c in calls if c["tool"] == "systemd-run"] == [
+            ["--user", "--unit", "kafila-lab-h3", "--collect"]
+        ]
+    finally:
+        first = ops(fleet, "down", timeout=300)
+    ok(first)
+    ok(ops(fleet, "down", timeout=300))  # idempotent: nothing left is not an error
+    assert fleet_lab.leftovers() == []
+    calls = [
+        json.loads(line)
+        for line in (fleet_lab.hosts["lab-rdv"].dir / "shim" / "calls.jsonl").read_text().splitlines()
+    ]
+    assert ["stop", "kafila-lab-rendezvous.service"] in [
+        [a for a in c["args"] if a != "--user"][:2] for c in calls
+    ]
+
+
+def prometheus_answers(tsdb: Path, metric: str) -> int:
+    """Start a real Prometheus on the backfilled blocks and count the series a query returns."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tsdb.parent / "prometheus.yml"
+    config.write_text("global:\n  scrape_interval: 1h\n")
+    proc = subprocess.Popen(
+        ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tsdb}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": metric}, timeout=5)
+                if r.status_code == 200:
+                    return len(r.json()["data"]["result"])
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "prometheus did not answer within 60 s"
+            time.sleep(0.5)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def monitor_scrapes(fleet: Path, targets: Path) -> dict[str, Any]:
+    """`kafila-ops monitor` writes file_sd targets whose tunnels answer /metrics; returns them by member."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ops", "monitor", str(fleet), "--targets", str(targets)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while not targets.exists() or len(json.loads(targets.read_text())) < 3:
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert time.monotonic() < deadline, "monitor wrote no targets within 90 s"
+            time.sleep(0.5)
+        groups = {g["labels"]["member"]: g for g in json.loads(targets.read_text())}
+        for g in groups.values():
+            metrics = httpx.get(f"http://{g['targets'][0]}/metrics", timeout=10)
+            assert metrics.status_code == 200 and "kafila_" in metrics.text
+        return groups
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        if proc.stderr:
+            proc.stderr.close()
