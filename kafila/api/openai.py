@@ -24,9 +24,9 @@ from kafila.api.params import (
     refuse_not_implemented,
     stop_strings,
 )
+from kafila.api.service import Sampling
 from kafila.api.state import Api, api_of
 from kafila.api.stream import ChunkStream, Piece, Tally, collect, pieces, start
-from kafila.session.service import Sampling
 
 
 def job_from(body: dict[str, Any], prompt: list[int], context: int, prompt_key: str = "messages") -> Job:

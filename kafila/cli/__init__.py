@@ -108,8 +108,8 @@ def _innermost(parser: argparse.ArgumentParser, args: argparse.Namespace) -> arg
 
 
 def _off_loop_busy() -> bool:
-    form = sys.modules.get("kafila.session.form")  # loaded only by commands that form sessions
-    return form is not None and bool(form.off_loop_busy())
+    progress = sys.modules.get("kafila.session.progress")  # loaded only by commands that form sessions
+    return progress is not None and bool(progress.off_loop_busy())
 
 
 if __name__ == "__main__":

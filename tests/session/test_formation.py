@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan, Stage
-from kafila.session import formation as fm
-from kafila.session.formation import HostFormation, MemberFormation, Step
+from kafila.session.forming import core as fm
+from kafila.session.forming.core import HostFormation, MemberFormation, Step
 
 HOST = 1
 
@@ -834,7 +834,7 @@ def test_member_core_invariants_under_any_inputs(inputs: list[str]) -> None:
 def test_the_host_prints_each_plan_note_once_under_the_plans():
     from kafila.models.presets import resolve_manifest
     from kafila.planner import plan_all
-    from kafila.session.form import fmt_plans
+    from kafila.session.forming.plans import fmt_plans
 
     fleet = [
         DeviceReport("fast", 40 * 10**9, 400e9, overhead_s=1e-4),

@@ -7,13 +7,13 @@ import threading
 
 import pytest
 
+from kafila.api.service import GenerationError, Sampling, TokenEvent
 from kafila.engine.generate import generate
 from kafila.engine.sampler import SamplingParams
 from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
 from kafila.proto import tensor as t
-from kafila.session.schedule import SEPARATE_PROMPTS, lanes_for
-from kafila.session.service import GenerationError, Sampling, TokenEvent
+from kafila.session.ring.schedule import SEPARATE_PROMPTS, lanes_for
 from tests.session.ringkit import build_ring
 
 PROMPTS = [
@@ -394,7 +394,7 @@ async def test_many_waiting_clients_leaving_at_once_send_few_queue_updates(ckpt:
     the whole queue and every waiting request was told at once, a message around the ring each
     (about 150**2 / 2 here; 400 such clients broke a real ring). Positions now go out at most every
     QUEUE_REPORT_S, only those that changed: the running request is not disturbed."""
-    from kafila.session.head import QUEUE_REPORT_S
+    from kafila.session.ring.head import QUEUE_REPORT_S
 
     ring = build_ring(ckpt, [(0, 2), (2, 5)], concurrency=1)
     link = ring.head.next
@@ -464,7 +464,7 @@ async def test_a_member_runs_waiting_prefill_chunks_one_at_a_time_and_batches_de
     ckpt: Checkpoint,
 ) -> None:
     """Prefill frames stay apart, so the next stage can start on one while this one computes the
-    next (kafila.session.schedule); waiting decode frames of distinct requests run as one batch."""
+    next (kafila.session.ring.schedule); waiting decode frames of distinct requests run as one batch."""
     ring = build_ring(ckpt, [(0, 2), (2, 5)], concurrency=4)
     member = ring.members[0]
     data = bytes(4 * 4 * 64)  # zero rows; only the batching is looked at

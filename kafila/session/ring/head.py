@@ -11,7 +11,7 @@ next member goes through one outbox, so frees, frames and tokens keep their orde
 breaks fails every request within the heartbeat's window with a `member_lost` error that names the
 member.
 
-Traces: the head writes its own `StageRecord` as every member does (kafila.session.stagetrace) and,
+Traces: the head writes its own `StageRecord` as every member does (kafila.session.ring.stagetrace) and,
 once the request's `free` notice has come back around the ring carrying every member's hop
 figures, the `RequestRecord` with the whole ring's view (a ring of one writes it at once; a broken
 ring writes what it has). Metrics are fed from the same records.
@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kafila.api.service import STOP_STRING, GenerationError, Sampling, TokenEvent
 from kafila.engine import PREFILL_CHUNK
 from kafila.engine.sampler import Sampler, SamplingParams, StopReason
 from kafila.engine.stage import Stage, StageError
@@ -34,56 +35,16 @@ from kafila.obs import hopmarks, metrics
 from kafila.obs.log import get_logger
 from kafila.obs.trace import HopTrace, RequestRecord, StageRecord, StageTrace, TraceLog
 from kafila.proto import tensor as t
-from kafila.session import compute
 from kafila.session.channel import Channel, ChannelError, send_marked
-from kafila.session.generation import QueueGeneration, RequestIds, cancel_tasks, guarded, origin_of
-from kafila.session.schedule import SEPARATE_PROMPTS, Entry, QueueFull, Schedule, Step
-from kafila.session.service import STOP_STRING, GenerationError, Sampling, TokenEvent
-from kafila.session.stagetrace import StageTally, read_hop_report
+from kafila.session.ring import compute
+from kafila.session.ring.generation import QueueGeneration, RequestIds, cancel_tasks, guarded, origin_of
+from kafila.session.ring.info import RingInfo
+from kafila.session.ring.schedule import SEPARATE_PROMPTS, Entry, QueueFull, Schedule, Step
+from kafila.session.ring.stagetrace import StageTally, read_hop_report
 
-log = get_logger("kafila.session.head")
+log = get_logger("kafila.session.ring.head")
 
 QUEUE_REPORT_S = 0.25  # queue positions are sent at most this often (only those that changed)
-
-
-@dataclass(frozen=True)
-class RingInfo:
-    """Who is where: ring order (head first), block ranges, predicted ms per decode step, edge paths."""
-
-    session: str
-    model: str
-    division: str
-    order: tuple[str, ...]
-    blocks: dict[str, tuple[int, int]]
-    predicted_ms: dict[str, float]
-    edges: dict[str, str] = field(default_factory=dict)  # "a->b": "direct" | "relay" | "local"
-    plan: dict[str, Any] = field(default_factory=dict)
-    edge_rtt_ms: dict[str, float] = field(default_factory=dict)  # "a->b": the plan's priced round trip
-    dtype: str | None = None  # the session's ("fp32", "bf16", "fp16"): every member computes in it
-    weights: dict[str, Any] = field(default_factory=dict)  # this member's shard: source, bytes fetched
-    # this member's signaling connection: {"url", "state": "connected" | "lost", "reason" once lost}
-    rendezvous: dict[str, Any] = field(default_factory=dict)
-
-    def document(self, state: str, error: str | None) -> dict[str, Any]:
-        """The part of a member's /session document every member shares."""
-        return {
-            "session": self.session,
-            "model": self.model,
-            "state": state if error is None else "broken",
-            "error": error,
-            "head": self.order[0],
-            "ring": list(self.order),
-            "members": [
-                {"name": m, "blocks": list(self.blocks[m]), "predicted_ms": self.predicted_ms.get(m)}
-                for m in self.order
-            ],
-            "links": [{"edge": e, "path": p} for e, p in self.edges.items()],
-            "division": self.division,
-            "dtype": self.dtype,
-            "plan": self.plan,
-            "weights": self.weights,
-            "rendezvous": self.rendezvous,
-        }
 
 
 @dataclass

@@ -4,11 +4,11 @@ From the previous member arrive hidden-state frames (run through this stage's bl
 on), `free` notices (drop those requests' KV caches, pass on), requests on their way to the head
 (pass on) and answers on their way back to the member that asked (deliver here, or pass on).
 Decode frames that are waiting when the model thread comes free run as one batch when they hold
-distinct requests; prefill frames run one at a time, as the head sends them (kafila.session.schedule:
+distinct requests; prefill frames run one at a time, as the head sends them (kafila.session.ring.schedule:
 separate steps overlap along the ring, a merged one does not). The member is also a
 GenerationService: its API's requests travel the ring to the head.
 
-What it measures (kafila.session.stagetrace): per request, its stage's compute per decode step
+What it measures (kafila.session.ring.stagetrace): per request, its stage's compute per decode step
 and per prefill chunk, and the bytes its links counted. When a request's `free` passes, the member
 writes its `StageRecord` (trace file, /traces, metrics) and adds its hop figures to the `free`, so
 the head, which the notice reaches last, records the whole ring.
@@ -21,19 +21,19 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kafila.api.service import GenerationError, Sampling, TokenEvent
 from kafila.engine.stage import Stage, StageError
 from kafila.obs import hopmarks, metrics
 from kafila.obs.log import get_logger
 from kafila.obs.trace import TraceLog
 from kafila.proto import tensor as t
-from kafila.session import compute
 from kafila.session.channel import Channel, ChannelError, send_marked
-from kafila.session.generation import QueueGeneration, RequestIds, cancel_tasks, guarded, origin_of
-from kafila.session.head import RingInfo
-from kafila.session.service import GenerationError, Sampling, TokenEvent
-from kafila.session.stagetrace import StageTally, hop_report
+from kafila.session.ring import compute
+from kafila.session.ring.generation import QueueGeneration, RequestIds, cancel_tasks, guarded, origin_of
+from kafila.session.ring.info import RingInfo
+from kafila.session.ring.stagetrace import StageTally, hop_report
 
-log = get_logger("kafila.session.member")
+log = get_logger("kafila.session.ring.member")
 
 
 class RingMember:
@@ -172,7 +172,7 @@ class RingMember:
         (`Stage.batch_rows`): a decode row batched with a prefill chunk, or rows past that, would
         take another kernel and come out in other bits than alone (a seeded answer changed when
         another prompt prefilled alongside). Prefill frames stay apart for the reason the head
-        sends prompts as separate steps (kafila.session.schedule): the next stage can start on one
+        sends prompts as separate steps (kafila.session.ring.schedule): the next stage can start on one
         while this one computes the next."""
         if isinstance(self._work[0], t.Control):
             return self._work.pop(0)  # type: ignore[return-value]

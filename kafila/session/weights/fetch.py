@@ -12,7 +12,7 @@ The host answers only files of its checkpoint, only ranges inside a safetensors 
 tensor data, or inside one of the small files (config.json, tokenizer.json, ...), at most
 `max_request` bytes each; reads run on a worker thread. The member checks every safetensors header
 it fetched against the manifest (names, dtypes, shapes, byte ranges), every response's size, and
-every tensor's sha256 before caching it (kafila.session.wcache), then builds a shard folder that
+every tensor's sha256 before caching it (kafila.session.weights.cache), then builds a shard folder that
 `Checkpoint.open` / `Stage.load` read unchanged. See docs/weights.md.
 
     server = WeightServer(folder)                       # host, once per session
@@ -45,12 +45,13 @@ from kafila.models.manifest import DTYPE_BYTES
 from kafila.obs.log import get_logger
 from kafila.proto import tensor as t
 from kafila.session.channel import Channel, ChannelError
-from kafila.session.wcache import (
+from kafila.session.weights.cache import (
     BlobStore,
     HashCache,
     ShardFolder,
     blob_key,
     build_shard_folder,
+    cache_root,
     file_stamp,
     write_atomic,
 )
@@ -205,7 +206,7 @@ def describe(
 ) -> WeightManifest:
     """The host's manifest of a checkpoint folder (blocking: hashes tensors not hashed before)."""
     ckpt = Checkpoint.open(folder, complete=True)
-    hashes = HashCache(_cache_root(cache) / "weights" / "hashes")
+    hashes = HashCache(cache_root(cache) / "weights" / "hashes")
     by_file: dict[Path, list[Any]] = {}
     for info in ckpt.tensors.values():
         by_file.setdefault(info.file, []).append(info)
@@ -231,27 +232,6 @@ def describe(
         tensors=tensors,
         n_blocks=ckpt.n_blocks,
     )
-
-
-def _cache_root(cache: Path | None) -> Path:
-    if cache is not None:
-        return Path(cache)
-    from kafila.models.registry import cache_dir
-
-    return cache_dir()
-
-
-def cache_problem(cache: Path | None) -> str | None:
-    """Why the weight cache cannot be used at all (a file where a folder must be), named before a
-    session starts rather than when the weights arrive; None if it may be."""
-    root = _cache_root(cache)
-    for folder in (root, *root.parents):
-        if folder.exists() and not folder.is_dir():
-            return (
-                f"cannot use the weight cache under {root}: {folder} is a file, not a folder; set "
-                "KAFILA_CACHE to another folder"
-            )
-    return None
 
 
 def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -786,7 +766,7 @@ async def fetch_shard(
     shard tensors hash right is used as is, fetching nothing. `window`: requests in flight.
     The member owns the channel's receive side until this returns (other messages are skipped).
     """
-    root = _cache_root(cache)
+    root = cache_root(cache)
     try:
         return await _fetch_shard(channel, blocks, head, root, local, window, timeout, progress, label)
     except OSError as exc:  # a full disk, a read-only folder: one line naming the cache
