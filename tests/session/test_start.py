@@ -87,22 +87,25 @@ def test_the_join_line_names_the_rendezvous_unless_it_is_the_default() -> None:
 async def test_a_member_the_ring_counted_gone_is_told_that_the_silent_member_was_itself() -> None:
     """A member stopped for 9 s (SIGSTOP) woke to the head's "broken" and said "the ring is broken:
     member m1 stopped answering" as m1, as if about another member."""
+    from kafila.proto.ring import Cause
     from kafila.session.channel import ChannelDead, Heartbeat, MemoryChannel
     from kafila.session.ring.build import broken_line
 
     _, hb = MemoryChannel.pair("m1", "hosty")  # hosty listens for m1's beats; m1 sends none
     with pytest.raises(ChannelDead) as silent:
         await Heartbeat(hb, dead_after=0.2, interval=10.0, first_within=0.2).recv()
-    why = f"the ring is broken: {silent.value}"  # what the head's "broken" carries round the ring
+    broken = silent.value.broken()  # what the head's "broken" carries round the ring
+    assert (broken.member, broken.cause) == ("m1", Cause.SILENT)
+    why = broken.text()
     assert why == "the ring is broken: member m1 stopped answering (nothing for 0.2 s)"
-    mine = broken_line("m1", why)
+    mine = broken_line("m1", broken)
     assert mine.startswith(f"{why}: that is this member, whose process did not run in time")
     assert mine.endswith(
         "This member answers requests with 503 from now on; re-planning is not "
         "implemented: end it (Ctrl-C) and form a new session"
     )
     for other in ("hosty", "m1-5", "m"):
-        assert broken_line(other, why) == f"{why}. {mine.split('. ', 1)[1]}"
+        assert broken_line(other, broken) == f"{why}. {mine.split('. ', 1)[1]}"
 
 
 LOCAL_OR_OPEN = [("127.0.0.1:0", False), ("localhost:0", False), ("[::1]:0", False), ("0.0.0.0:0", True)]

@@ -21,7 +21,8 @@ from kafila.obs import metrics
 from kafila.obs.trace import SessionRecord, TraceLog
 from kafila.planner.plan import Plan
 from kafila.proto.codes import SessionCode
-from kafila.session.channel import Heartbeat, LinkChannel, blames
+from kafila.proto.ring import RingBroken
+from kafila.session.channel import Heartbeat, LinkChannel
 from kafila.session.progress import note, off_loop, say
 from kafila.session.ring.compute import ModelThread
 from kafila.session.ring.head import RingHead
@@ -123,9 +124,10 @@ async def start_role(
     return role, create_app(Api(role, TokenizerCodec(tokenizer), model, facts, traces))
 
 
-def broken_line(name: str, why: str) -> str:
-    """What member `name` says when its ring broke for `why`."""
-    if blames(why, name):  # the others' view of this member, which heard their "broken" on waking
+def broken_line(name: str, broken: RingBroken) -> str:
+    """What member `name` says at its console when its ring broke."""
+    why = broken.text()
+    if broken.blames(name):  # the others' view of this member, which heard their "broken" on waking
         why += (
             ": that is this member, whose process did not run in time (stopped, asleep or swapping), "
             "so the others counted it gone"
