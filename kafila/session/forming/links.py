@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import socket
 from collections.abc import Awaitable
 
-from kafila.net.edge import EdgeOptions, LinkNode, SignalRouter, connect_edge
+from kafila.net.edge import EdgeOptions, LinkNode, SignalRouter, link_edges
 from kafila.net.endpoint import UdpEndpoint
 from kafila.net.errors import LinkError, NatProbeError
 from kafila.net.link import Link, LinkConfig
@@ -67,25 +66,17 @@ async def link_ring(
         if m != host:
             pairs.setdefault(frozenset((m, host)), (m, host))
     direct = {frozenset((e.src, e.dst)): e.direct for e in plan.edges}
-    jobs: dict[str, asyncio.Future[Link]] = {}
-    formed = formed or {}
+    edges: dict[int, tuple[bool, EdgeOptions]] = {}
     for pair, (client, server) in pairs.items():
         if me in pair:
             peer = server if client == me else client
-            if ids[peer] in formed:
-                jobs[peer] = asyncio.get_running_loop().create_future()
-                jobs[peer].set_result(formed[ids[peer]])
-                continue
-            opts = EdgeOptions(predicted_direct=direct.get(pair, True))
-            jobs[peer] = asyncio.ensure_future(
-                named(me, peer, connect_edge(node, ids[peer], client == me, opts))
-            )
-    try:  # every member proved the session's code to the host before the plan (admission.py), so
-        # a ring edge that does not authenticate means tampering: its error says so
-        links = dict(zip(jobs, await asyncio.gather(*jobs.values()), strict=True))
-    finally:
-        for job in jobs.values():
-            job.cancel()  # after a failure: the links still forming
+            edges[ids[peer]] = (client == me, EdgeOptions(predicted_direct=direct.get(pair, True)))
+    names = {i: n for n, i in ids.items()}
+    # every member proved the session's code to the host before the plan (admission.py), so a ring
+    # edge that does not authenticate means tampering: its error says so. One that fails closes the
+    # others this member opened, so those peers hear it at once.
+    linked = await link_edges(node, edges, formed, label=lambda peer: f"link {me} <-> {names[peer]}")
+    links = {names[peer]: link for peer, link in linked.items()}
     for peer, link in links.items():
         say(f"link {me} <-> {peer}: {link.path}")
     return links
