@@ -22,7 +22,7 @@ import numpy as np
 
 from kafila.engine.backend import Backend, checkpoint_dtype, resolve
 from kafila.engine.pace import FULL_SPEED, Pace
-from kafila.models.manifest import LM_HEAD, block_index
+from kafila.models.manifest import LM_HEAD
 from kafila.models.span import Span
 from kafila.obs.log import get_logger
 
@@ -282,8 +282,3 @@ class Stage:
     def from_bytes(self, data: bytes, shape: Sequence[int]) -> Any:
         """Raw bytes in `wire_dtype` of `shape` ([T, H]) -> hidden on this stage's backend."""
         return self.backend.from_bytes(data, shape)
-
-
-def blocks_of(names: Sequence[str]) -> set[int]:
-    """Block indices named by tensor names (for tests and checks)."""
-    return {i for n in names if (i := block_index(n)) is not None}

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kafila.engine import DTYPES
 from kafila.net.edge import LinkNode, connect_edge
@@ -33,9 +33,7 @@ from kafila.session.progress import note, off_loop, progress_to, say
 from kafila.session.ring.build import Serving, shard_text, start_role
 from kafila.session.runtime import MemberRuntime, reserve_api
 from kafila.session.terms import Options
-
-if TYPE_CHECKING:
-    from kafila.session.weights.fetch import ShardResult
+from kafila.session.weights.fetch import ShardResult, fetch_shard
 
 
 async def join(code_text: str, opts: Options) -> MemberRuntime:
@@ -159,8 +157,6 @@ async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
 
 
 async def _fetch(got: fm.LinkNow, links: dict[str, Link], opts: Options) -> ShardResult:
-    from kafila.session.weights.fetch import fetch_shard
-
     a, b = got.plan.block_range(got.me)
     head = got.plan.head == got.me
     local: list[Path] | None = None if opts.use_local else []

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from kafila.models.config import ConfigError, ModelConfig
 from kafila.net.edge import LinkNode
 from kafila.planner.cost import fmt_bytes
 from kafila.planner.devices import DeviceReport
+from kafila.probe.measure import probe
 from kafila.session.progress import say
 from kafila.session.terms import Options
 
@@ -16,9 +18,6 @@ def probe_report(
 ) -> DeviceReport:
     """This member measured (E3's probe). With the session model's config.json the probe also
     times one decode step of one synthetic block of that model, which the planner prefers."""
-    from kafila.models.config import ConfigError, ModelConfig
-    from kafila.probe.measure import probe
-
     say("measuring this device (memory bandwidth, dispatch overhead, memory, one block of the model)")
     try:
         model = ModelConfig.from_dict(config) if config else None

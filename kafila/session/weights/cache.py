@@ -32,8 +32,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kafila.models.cache import cache_dir
 from kafila.models.checkpoint import INDEX_FILE, CheckpointError, TensorInfo, read_header
-from kafila.models.registry import cache_dir
 from kafila.obs.log import get_logger
 
 HASH_CHUNK = 8 << 20  # bytes hashed per read

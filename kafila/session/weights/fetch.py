@@ -40,8 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kafila.models.cache import models_dir
 from kafila.models.checkpoint import MAX_HEADER_BYTES, Checkpoint, CheckpointError
-from kafila.models.manifest import DTYPE_BYTES
+from kafila.models.manifest import DTYPE_BYTES, EMBED, FINAL_NORM, LM_HEAD, block_index
 from kafila.obs.log import get_logger
 from kafila.proto import tensor as t
 from kafila.session.channel import Channel, ChannelError
@@ -704,8 +705,6 @@ def _valid(path: Path, size: int, sha: str | None) -> bool:
 
 def shard_names(m: WeightManifest, blocks: range, head: bool) -> list[str]:
     """The tensors of blocks [a, b) (+ the head's) in the manifest, as Checkpoint.names_for picks them."""
-    from kafila.models.manifest import EMBED, FINAL_NORM, LM_HEAD, block_index
-
     if blocks.step != 1 or blocks.start < 0 or blocks.stop > m.n_blocks or blocks.start > blocks.stop:
         raise WeightsError(
             f"block range [{blocks.start}, {blocks.stop}) is not inside the {m.n_blocks} blocks"
@@ -740,8 +739,6 @@ def _local_match(
 
 
 def _default_local() -> list[Path]:
-    from kafila.models.registry import models_dir
-
     root = models_dir()
     return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
 
