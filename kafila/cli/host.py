@@ -272,7 +272,7 @@ def member_failures() -> tuple[type[Exception], ...]:
     from kafila.net.signaling import SignalingError
     from kafila.session.channel import ChannelError
     from kafila.session.errors import SessionError
-    from kafila.session.weights.fetch import WeightsError
+    from kafila.session.weights.manifest import WeightsError
 
     return (SessionError, ValueError, SignalingError, LinkError, ChannelError, WeightsError, NatProbeError)
 

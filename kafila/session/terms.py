@@ -11,6 +11,7 @@ from kafila.engine.pace import Pace
 from kafila.obs.trace import TraceLog
 from kafila.probe.system import usable_cpus
 from kafila.proto import signaling as sig
+from kafila.proto.session import SessionTerms
 from kafila.session.weights.cache import cache_problem
 
 DEFAULT_QUEUE = 256  # requests that may wait for a slot before more are refused (`kafila host --queue`)
@@ -55,6 +56,12 @@ class Options:
             TraceLog.check(self.trace)
         if problem := cache_problem(self.cache):
             raise ValueError(problem)
+
+    def terms(self) -> SessionTerms:
+        """The host's: the session's terms from these flags (the model and dtype as resolved)."""
+        return SessionTerms(
+            self.model, self.chunk, self.queue, self.dtype, self.context, self.concurrency, self.division
+        )
 
     @property
     def pace(self) -> Pace:

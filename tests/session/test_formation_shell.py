@@ -17,6 +17,7 @@ from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan, Stage
 from kafila.proto import signaling as sig
 from kafila.proto.codes import new_code, parse_code
+from kafila.proto.session import SessionTerms
 from kafila.rendezvous.server import RendezvousServer
 from kafila.session.errors import SessionError
 from kafila.session.forming.core import KEY, payload
@@ -107,9 +108,8 @@ async def test_member_linking_is_cut_short_when_a_simulated_host_leaves(rdv, tmp
     joining = asyncio.ensure_future(join(code, opts(rdv, "beta", tmp_path, wait_s=60)))
     member = await next_report(client)
     ids = {"simulated-host": client.member, "beta": member}
-    body = payload(
-        "plan", plan=two_member_plan().to_dict(), ids=ids, model="tiny", chunk=4, queue=8, dtype="fp32"
-    )
+    terms = SessionTerms("tiny", 4, 8, "fp32", 64, 1, "kafila").to_dict()
+    body = payload("plan", plan=two_member_plan().to_dict(), ids=ids, terms=terms)
     await client.signal(member, body)
     await asyncio.sleep(1.0)  # the member is linking now
     assert not joining.done()
@@ -259,7 +259,7 @@ async def test_a_member_that_cannot_store_its_weights_is_named_with_why_at_the_h
     (tmp_path / "beta").mkdir()
     (tmp_path / "beta" / "weights").write_text("a file where the cache keeps a folder")
     _, (hosting, beta) = await host_and(rdv, tmp_path, str(tiny_chat_model), 2, ["beta"])
-    from kafila.session.weights.fetch import WeightsError
+    from kafila.session.weights.manifest import WeightsError
 
     with pytest.raises(WeightsError, match=f"cannot use the weight cache under {tmp_path / 'beta'}: "):
         await beta

@@ -25,7 +25,7 @@ from kafila.session.forming.join import join
 from kafila.session.ring.stagetrace import planned_rtt_ms
 from kafila.session.runtime import MemberRuntime
 from kafila.session.terms import Options
-from kafila.session.weights.fetch import checkpoint_id
+from kafila.session.weights.manifest import checkpoint_id
 from tests.session.conftest import make_tiny_chat
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]

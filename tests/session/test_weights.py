@@ -23,13 +23,9 @@ from kafila.proto import tensor as t
 from kafila.session.channel import Channel, LinkChannel, MemoryChannel
 from kafila.session.forming.join import weights_source
 from kafila.session.weights.cache import BlobStore, file_stamp
-from kafila.session.weights.fetch import (
-    ShardResult,
-    WeightsError,
-    WeightServer,
-    fetch_for_plan,
-    fetch_shard,
-)
+from kafila.session.weights.fetch import ShardResult, fetch_for_plan, fetch_shard
+from kafila.session.weights.manifest import WeightsError
+from kafila.session.weights.server import WeightServer
 
 MODEL = "llama-mha-untied"  # untied lm_head: the head's share has three head tensors
 SPLITS = {"m0": (0, 2), "m1": (2, 4), "m2": (4, 5)}

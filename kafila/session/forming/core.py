@@ -39,9 +39,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from kafila.engine import DTYPES
 from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan
+from kafila.proto.session import SessionTerms
 
 KEY = "kafila_session"
 
@@ -147,11 +147,8 @@ class LinkNow:
     ids: dict[str, int]
     me: str
     host: str
-    model: str
-    chunk: int
-    queue: int  # requests that may wait for a slot at the head
-    dtype: str  # the session's one dtype ("fp32", "bf16", "fp16"): every member computes in it
-    alternatives: dict[str, Any] | None
+    terms: SessionTerms  # what the host decided: model, dtype, chunk, queue, ...
+    alternatives: dict[str, Any] | None  # the divisions the host compared, for /session
 
 
 @dataclass(frozen=True)
@@ -342,14 +339,18 @@ class HostFormation(_Machine):
         """Drop `member`'s report (it left or was not admitted)."""
         self.joined.pop(member, None)
         self.admitted_ids.discard(member)
+        self.ready.discard(member)
         device = self.devices.pop(member, None)
         if device is not None:
             del self.ids[device.name]
 
-    def planned(self, plan: Plan, now: float, **extra: Any) -> list[Output]:
-        """The shell planned a feasible session: send it (and `extra`) to every other member."""
+    def planned(
+        self, plan: Plan, now: float, terms: SessionTerms, alternatives: dict[str, Any] | None = None
+    ) -> list[Output]:
+        """The shell planned a feasible session: send it, with its terms, to every other member."""
         self._require(Step.PLANNING)
-        body = payload("plan", plan=plan.to_dict(), ids=self.ids, **extra)
+        plan_doc, terms_doc = plan.to_dict(), terms.to_dict()
+        body = payload("plan", plan=plan_doc, ids=self.ids, terms=terms_doc, alternatives=alternatives)
         self.step, self.deadline = Step.LINKING, None
         return [Send(m, body) for m in self._others()]
 
@@ -495,7 +496,7 @@ class HostFormation(_Machine):
 
     def _ready(self, sender: int) -> list[Output]:
         name = self._name(sender)
-        if self.step in (Step.GATHERING, Step.PLANNING):
+        if self.step in (*GATHERS, Step.PLANNING):  # NEW too: the host is still measuring itself
             return [Rejected(sender, f"ready from {name} before the plan was sent")]
         if sender not in self._others():
             return [Rejected(sender, f"ready from {name}, which is not in the plan")]
@@ -593,11 +594,8 @@ class MemberFormation(_Machine):
     def _plan(self, body: dict[str, Any]) -> list[Output]:
         try:
             plan, ids = Plan.from_dict(body["plan"]), {str(k): int(v) for k, v in body["ids"].items()}
-            model, chunk, dtype = str(body["model"]), int(body["chunk"]), str(body["dtype"])
-            queue = int(body["queue"])
-            if dtype not in DTYPES:
-                raise ValueError(f"dtype {dtype!r} is none of {sorted(DTYPES)}")
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            terms = SessionTerms.from_dict(body["terms"])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # TermsError is a ValueError
             return self._fail(f"the host's plan is unreadable: {exc!r}")
         names = {m: n for n, m in ids.items()}
         if self.me_id not in names or self.host_id not in names:
@@ -611,4 +609,4 @@ class MemberFormation(_Machine):
         renamed = (
             [Say(f"this member is {me} in the session: {self.name} was taken")] if me != self.name else []
         )
-        return [*renamed, LinkNow(plan, ids, me, host, model, chunk, queue, dtype, alternatives)]
+        return [*renamed, LinkNow(plan, ids, me, host, terms, alternatives)]

@@ -22,6 +22,7 @@ from kafila.net.errors import LinkError
 from kafila.net.link import Link
 from kafila.obs.log import get_logger
 from kafila.proto.codes import SessionCode, new_code
+from kafila.proto.session import SessionTerms
 from kafila.session.channel import LinkChannel
 from kafila.session.errors import SessionError
 from kafila.session.forming import core as fm
@@ -36,7 +37,8 @@ from kafila.session.progress import off_loop, progress_to, say
 from kafila.session.ring.build import Serving, start_role
 from kafila.session.runtime import MemberRuntime, reserve_api
 from kafila.session.terms import Options
-from kafila.session.weights.fetch import WeightServer, checkpoint_id
+from kafila.session.weights.manifest import checkpoint_id
+from kafila.session.weights.server import WeightServer
 
 log = get_logger("kafila.session")
 
@@ -94,17 +96,16 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     me = await drive.during(while_signaling(off_loop(probe_report, name, node, opts, config), pump))
     gathered = await drive.until(fm.PlanNow, core.start(me, drive.now()))
     control = admission.take(gathered.ids.values())  # every other member's link, admitted
+    terms = opts.terms()
     try:
         plan, alternatives = choose_plan(list(gathered.devices), ckpt, opts)
     except SessionError as exc:
         await drive.carry(core.refuse(str(exc), drive.now()))
         raise
-    extra = {"model": opts.model, "chunk": opts.chunk, "queue": opts.queue, "dtype": opts.dtype}
-    extra["alternatives"] = alternatives
     held.plan = plan
-    await drive.carry(core.planned(plan, drive.now(), **extra))
+    await drive.carry(core.planned(plan, drive.now(), terms, alternatives))
     try:
-        await drive.during(_host_ring(folder, gathered.ids, control, opts, held, alternatives))
+        await drive.during(_host_ring(folder, gathered.ids, control, opts, terms, held, alternatives))
     except LinkError as exc:  # e.g. a member's wrong secret word: the members are told, not left
         await drive.carry(core.link_failed(f"the host could not link: {exc}", drive.now()))
         raise
@@ -120,6 +121,7 @@ async def _host_ring(
     ids: dict[str, int],
     control: dict[int, Link],
     opts: Options,
+    terms: SessionTerms,
     held: MemberRuntime,
     alternatives: dict[str, Any],
 ) -> None:
@@ -140,6 +142,6 @@ async def _host_ring(
     await asyncio.gather(*(serve(c) for c in controls))
     digest = await off_loop(checkpoint_id, folder)
     own = {"source": "own files", "path": str(folder), "fetched_bytes": 0, "fetched_tensor_bytes": 0}
-    serving = Serving(opts.model, opts.chunk, opts.queue, digest, alternatives, own)
+    serving = Serving(terms, digest, alternatives, own)
     with_api = held.api is not None
     held.role, held.app = await start_role(name, code, plan, folder, links, opts, serving, with_api)

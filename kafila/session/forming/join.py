@@ -142,11 +142,11 @@ async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
         await tell_host_and_wait(drive, host_info.id, f"could not link: {exc}")
         raise
     await drive.carry(core.linked(drive.now()))
-    opts = replace(opts, dtype=got.dtype)  # compute in the host's choice, whatever the probe used
+    opts = replace(opts, dtype=got.terms.dtype)  # compute in the host's choice, whatever the probe used
     shard = await drive.during(_fetch(got, links, opts))
     held.shard = shard
     await drive.carry(core.fetched(drive.now()))
-    serving = Serving(got.model, got.chunk, got.queue, shard.checkpoint, got.alternatives, weights_doc(shard))
+    serving = Serving(got.terms, shard.checkpoint, got.alternatives, weights_doc(shard))
     ring = start_role(got.me, code, got.plan, shard.path, links, opts, serving, held.api is not None)
     held.role, held.app = await drive.during(ring)
     held.watch_host_ending()

@@ -22,6 +22,7 @@ from kafila.obs.trace import SessionRecord, TraceLog
 from kafila.planner.plan import Plan
 from kafila.proto.codes import SessionCode
 from kafila.proto.ring import RingBroken
+from kafila.proto.session import SessionTerms
 from kafila.session.channel import Heartbeat, LinkChannel
 from kafila.session.progress import note, off_loop, say
 from kafila.session.ring.compute import ModelThread
@@ -48,9 +49,7 @@ def shard_text(a: int, b: int, head: bool) -> str:
 class Serving:
     """What the host decided for every member's ring role and API."""
 
-    model: str  # the model id clients ask for
-    chunk: int  # prompt tokens per prefill step
-    queue: int  # requests that may wait for a slot at the head
+    terms: SessionTerms  # model, chunk, queue, dtype, ...
     checkpoint: str  # the checkpoint id (its safetensors headers' digest): the Ollama digest
     alternatives: dict[str, Any] | None = None  # the divisions compared, for /session
     weights: dict[str, Any] | None = None  # where this member's shard came from, for /session
@@ -68,7 +67,7 @@ async def start_role(
 ) -> tuple[RingRole, Starlette | None]:
     """Member `name`'s ring role for `plan`, started on `links` with its stage loaded from
     `folder`, and (`with_api`) the session's API app over it, served once the session formed."""
-    model = serving.model
+    model = serving.terms.model
     ckpt = Checkpoint.open(folder)  # a member's shard: its own tensors only
     tokenizer = Tokenizer.from_checkpoint(ckpt)
     a, b = plan.block_range(name)
@@ -104,10 +103,10 @@ async def start_role(
             prv,
             tuple(tokenizer.stop_ids),
             plan.concurrency,
-            serving.chunk,
+            serving.terms.chunk,
             traces,
             lanes,
-            serving.queue,
+            serving.terms.queue,
         )
         traces.write(session_record(plan, code.public, model, info.edges))
     else:
@@ -159,7 +158,7 @@ def _ring_info(
     follow_paths(edges, own)
     return RingInfo(
         session=code.public,
-        model=serving.model,
+        model=serving.terms.model,
         division=plan.division,
         order=tuple(plan.order),
         blocks={s.name: (s.start, s.stop) for s in plan.stages},
