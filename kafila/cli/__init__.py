@@ -2,7 +2,9 @@
 
 Each subcommand module defines `configure(parser)` (flags only, no heavy imports at module
 level) and `main(args) -> int`. The table below is the whole dispatch; modules are imported
-only when their command runs or when help is printed.
+only when their command runs or when help is printed. The imports inside the commands' functions
+are there for start-up time (`kafila --help` must not load torch or aioquic), not to dodge import
+cycles: tests/test_package_graph.py checks that there are none.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import ipaddress
 import socket
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -25,7 +26,7 @@ from kafila.net.tcp import bind_tcp
 from kafila.planner.plan import Plan
 from kafila.proto.codes import SessionCode
 from kafila.session.errors import SessionError
-from kafila.session.progress import say
+from kafila.session.progress import progress_to, say
 from kafila.session.ring.build import RingRole
 from kafila.session.terms import Options
 
@@ -173,6 +174,19 @@ class MemberRuntime:
             link.on_close.append(partial(closed, link))
             if link.closed:  # closed before the member finished forming
                 closed(link)
+
+
+async def formed_by(kind: str, steps: Callable[[MemberRuntime], Awaitable[None]]) -> MemberRuntime:
+    """A new runtime ("host" or "member") that `steps` fill until the session formed; if they fail
+    or are cancelled, everything acquired so far is given back before the error goes on."""
+    runtime = MemberRuntime(kind)
+    try:
+        with progress_to(runtime.forming.tell):
+            await steps(runtime)
+        return runtime
+    except BaseException:
+        await asyncio.shield(runtime.close())
+        raise
 
 
 def reserve_api(opts: Options) -> socket.socket | None:

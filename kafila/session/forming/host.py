@@ -12,6 +12,7 @@ import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,9 @@ from kafila.session.forming.links import connect_node, link_ring
 from kafila.session.forming.measure import probe_report
 from kafila.session.forming.plans import choose_plan, say_ready
 from kafila.session.forming.signaling import default_name, join_command, reach_rendezvous, refused_by
-from kafila.session.progress import off_loop, progress_to, say
+from kafila.session.progress import off_loop, say
 from kafila.session.ring.build import Serving, start_role
-from kafila.session.runtime import MemberRuntime, reserve_api
+from kafila.session.runtime import MemberRuntime, formed_by, reserve_api
 from kafila.session.terms import Options
 from kafila.session.weights.manifest import checkpoint_id
 from kafila.session.weights.server import WeightServer
@@ -46,14 +47,7 @@ log = get_logger("kafila.session")
 async def host(opts: Options, on_code: Callable[[SessionCode], None] | None = None) -> MemberRuntime:
     """Open a session and form its ring; the runtime it returns serves until closed."""
     opts.check()
-    held = MemberRuntime("host")
-    try:
-        with progress_to(held.forming.tell):
-            await _host(opts, on_code, held)
-            return held
-    except BaseException:
-        await asyncio.shield(held.close())
-        raise
+    return await formed_by("host", partial(_host, opts, on_code))
 
 
 async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, held: MemberRuntime) -> None:

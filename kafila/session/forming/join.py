@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,9 @@ from kafila.session.forming.links import connect_node, link_ring, named
 from kafila.session.forming.measure import probe_report
 from kafila.session.forming.plans import say_ready
 from kafila.session.forming.signaling import default_name, reach_rendezvous, refused_by
-from kafila.session.progress import note, off_loop, progress_to, say
+from kafila.session.progress import note, off_loop, say
 from kafila.session.ring.build import Serving, shard_text, start_role
-from kafila.session.runtime import MemberRuntime, reserve_api
+from kafila.session.runtime import MemberRuntime, formed_by, reserve_api
 from kafila.session.terms import Options
 from kafila.session.weights.fetch import ShardResult, fetch_shard
 
@@ -40,14 +41,7 @@ async def join(code_text: str, opts: Options) -> MemberRuntime:
     """Join the session of `code_text` and take this member's place in its ring; the runtime it
     returns serves until closed."""
     opts.check()
-    held = MemberRuntime("member")
-    try:
-        with progress_to(held.forming.tell):
-            await _join(code_text, opts, held)
-            return held
-    except BaseException:
-        await asyncio.shield(held.close())
-        raise
+    return await formed_by("member", partial(_join, code_text, opts))
 
 
 def _link_host(node: LinkNode, name: str, host: MemberInfo, held: MemberRuntime) -> asyncio.Future[Link]:

@@ -16,9 +16,9 @@ from kafila.session.errors import SessionError
 from kafila.session.progress import say
 
 # A session's links notice a silent direct path well inside the ring's liveness (--dead-after,
-# 5 s by default) and go on over the relay: silence for 3 s, checked every second, with a PING every
-# second to tell silence from an idle link. (The link's defaults, 6 s checked every 2 s, let the
-# ring break first: the request failed 4.4 s after the path was cut, the relay took over 3 s later.)
+# 5 s by default) and go on over the relay before the ring gives up: silence for 3 s, checked every
+# second, with a PING every second to tell silence from an idle link (docs/links.md has the run
+# that showed the link's own defaults were too slow for a ring).
 SESSION_LINKS = LinkConfig(keepalive=1.0, dead_after=3.0)
 
 
