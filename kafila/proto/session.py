@@ -66,3 +66,161 @@ class SessionTerms:
             if not isinstance(body[key], int) or isinstance(body[key], bool):
                 raise TermsError(f"{key} must be an integer, got {type(body[key]).__name__}")
         return cls(**{k: body[k] for k in want})
+
+
+# ------------------------------------------------------------------ forming messages
+
+KEY = "kafila_session"  # marks a signaling payload as a session message; its value is the version
+SESSION_VERSION = 1
+MAX_REASON = 4096
+
+
+class SessionMessageError(ValueError):
+    """A forming message that does not parse; the message names the field."""
+
+
+def payload(op: str, **body: Any) -> dict[str, Any]:
+    """A session message as a signaling payload (the rendezvous forwards it unread)."""
+    return {KEY: SESSION_VERSION, "op": op, **body}
+
+
+@dataclass(frozen=True)
+class Report:
+    """member -> host: what this member offers (a DeviceReport's dict, read by the planner)."""
+
+    device: dict[str, Any]
+    OP = "report"
+
+    def body(self) -> dict[str, Any]:
+        return payload(self.OP, device=self.device)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Report:
+        _check(body, cls.OP, {"device"})
+        return cls(_object(body, "device"))
+
+
+@dataclass(frozen=True)
+class PlanMessage:
+    """host -> members: the plan (a Plan's dict), member ids by name, the terms, the divisions
+    compared (for /session)."""
+
+    plan: dict[str, Any]
+    ids: dict[str, int]
+    terms: SessionTerms
+    alternatives: dict[str, Any] | None = None
+    OP = "plan"
+
+    def body(self) -> dict[str, Any]:
+        terms = self.terms.to_dict()
+        return payload(self.OP, plan=self.plan, ids=self.ids, terms=terms, alternatives=self.alternatives)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> PlanMessage:
+        _check(body, cls.OP, {"plan", "ids", "terms", "alternatives"}, optional={"alternatives"})
+        ids = _object(body, "ids")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in ids.values()):
+            raise SessionMessageError("plan: ids must map names to member ids")
+        alternatives = body.get("alternatives")
+        if alternatives is not None and not isinstance(alternatives, dict):
+            raise SessionMessageError("plan: alternatives must be an object")
+        try:
+            terms = SessionTerms.from_dict(body["terms"])
+        except TermsError as exc:
+            raise SessionMessageError(f"plan: {exc}") from None
+        return cls(_object(body, "plan"), dict(ids), terms, alternatives)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """host -> members: the session will not form, and why."""
+
+    reason: str
+    OP = "refused"
+
+    def body(self) -> dict[str, Any]:
+        return payload(self.OP, reason=self.reason)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Refused:
+        _check(body, cls.OP, {"reason"})
+        return cls(_reason(body))
+
+
+@dataclass(frozen=True)
+class Failed:
+    """member -> host: why this member cannot go on (the host ends the attempt with it)."""
+
+    reason: str
+    OP = "failed"
+
+    def body(self) -> dict[str, Any]:
+        return payload(self.OP, reason=self.reason)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Failed:
+        _check(body, cls.OP, {"reason"})
+        return cls(_reason(body))
+
+
+@dataclass(frozen=True)
+class Ready:
+    """member -> host: linked, weights here, ring role started."""
+
+    OP = "ready"
+
+    def body(self) -> dict[str, Any]:
+        return payload(self.OP)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Ready:
+        _check(body, cls.OP, set())
+        return cls()
+
+
+@dataclass(frozen=True)
+class AllReady:
+    """host -> members (`formed`): every member is ready; the session serves."""
+
+    OP = "formed"
+
+    def body(self) -> dict[str, Any]:
+        return payload(self.OP)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> AllReady:
+        _check(body, cls.OP, set())
+        return cls()
+
+
+def _check(
+    body: Mapping[str, Any], op: str, want: set[str], optional: frozenset[str] | set[str] = frozenset()
+) -> None:
+    if not isinstance(body, Mapping):
+        raise SessionMessageError(f"{op}: the message is not an object")
+    version = body.get(KEY)
+    if version != SESSION_VERSION or isinstance(version, bool):
+        raise SessionMessageError(
+            f"{op}: session message version {version!r}, this member speaks {SESSION_VERSION}"
+        )
+    if body.get("op") != op:
+        raise SessionMessageError(f"{op}: the message's op is {body.get('op')!r}")
+    keys = set(body) - {KEY, "op"}
+    if missing := want - set(optional) - keys:
+        raise SessionMessageError(f"{op}: missing {sorted(missing)}")
+    if extra := keys - want:
+        raise SessionMessageError(f"{op}: unknown {sorted(extra)}")
+
+
+def _object(body: Mapping[str, Any], key: str) -> dict[str, Any]:
+    value = body[key]
+    if not isinstance(value, dict):
+        raise SessionMessageError(f"{key} must be an object, got {type(value).__name__}")
+    return value
+
+
+def _reason(body: Mapping[str, Any]) -> str:
+    value = body["reason"]
+    if not isinstance(value, str):
+        raise SessionMessageError(f"reason must be text, got {type(value).__name__}")
+    return value[:MAX_REASON]

@@ -18,6 +18,7 @@ from kafila.net.edge import LinkNode, connect_edge
 from kafila.net.errors import LinkAuthError, LinkError
 from kafila.net.link import Link
 from kafila.net.signaling import SignalingError
+from kafila.proto import session as sm
 from kafila.proto.codes import parse_code
 from kafila.proto.signaling import MemberInfo
 from kafila.session.channel import LinkChannel
@@ -79,7 +80,7 @@ async def tell_host_and_wait(drive: Driver, host_id: int, reason: str, within: f
     `within` s): the rendezvous may tell the host that this member left before it forwards the
     message, and the host would then name only the leaving."""
     with contextlib.suppress(SignalingError, SessionError, TimeoutError):
-        await drive.client.signal(host_id, fm.payload("failed", reason=reason))
+        await drive.client.signal(host_id, sm.Failed(reason).body())
         await asyncio.wait_for(drive.until(fm.Formed), within)  # ends with the host's refusal
 
 

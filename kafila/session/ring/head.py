@@ -41,7 +41,7 @@ from kafila.session.channel import Channel, ChannelError
 from kafila.session.ring import compute
 from kafila.session.ring.generation import QueueGeneration, RequestIds, cancel_tasks, guarded, origin_of
 from kafila.session.ring.info import RingInfo
-from kafila.session.ring.role import RingRole
+from kafila.session.ring.role import RoleBase
 from kafila.session.ring.schedule import SEPARATE_PROMPTS, Entry, QueueFull, Schedule, Step
 from kafila.session.ring.stagetrace import StageTally, read_hop_report
 
@@ -72,7 +72,7 @@ class _Req:
     finish: str = "stop"
 
 
-class RingHead(RingRole):
+class RingHead(RoleBase):
     def __init__(
         self,
         stage: Stage,

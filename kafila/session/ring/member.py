@@ -33,13 +33,13 @@ from kafila.session.channel import Channel, ChannelError
 from kafila.session.ring import compute
 from kafila.session.ring.generation import QueueGeneration, RequestIds, cancel_tasks, guarded, origin_of
 from kafila.session.ring.info import RingInfo
-from kafila.session.ring.role import RingRole
+from kafila.session.ring.role import RoleBase
 from kafila.session.ring.stagetrace import StageTally, hop_report
 
 log = get_logger("kafila.session.ring.member")
 
 
-class RingMember(RingRole):
+class RingMember(RoleBase):
     def __init__(
         self,
         index: int,

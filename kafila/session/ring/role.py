@@ -20,7 +20,7 @@ from kafila.session.channel import Channel, ChannelError, send_marked
 log = get_logger("kafila.session.ring")
 
 
-class RingRole:
+class RoleBase:
     """The shared part of RingHead and RingMember; subclasses say what a break fails (`_lost`)."""
 
     def __init__(self, name: str, next_ch: Channel | None, prev_ch: Channel | None) -> None:
