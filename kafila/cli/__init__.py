@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     if getattr(args, "threads", None):  # before any backend loads: OpenMP and numba read it once
-        from kafila.probe.system import THREADS_ENV
+        from kafila.engine.system import THREADS_ENV
 
         os.environ[THREADS_ENV] = str(args.threads)
     from kafila.obs.log import configure_logging

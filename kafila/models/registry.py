@@ -26,6 +26,7 @@ from kafila.models.default import (
     is_converted,
     locate_gguf,
 )
+from kafila.models.presets import PRESET_SOURCES
 
 
 class ModelNotFound(ValueError):
@@ -61,8 +62,6 @@ def resolve(name_or_path: str | os.PathLike[str], progress: bool = True) -> Path
 def _not_found(text: str) -> str:
     """Why `text` names no model here, and what would: a planning preset's source, a near name."""
     import difflib
-
-    from kafila.models.presets import PRESET_SOURCES
 
     names = [e.name for e in available()]
     source = PRESET_SOURCES.get(text.lower())

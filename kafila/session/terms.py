@@ -8,8 +8,8 @@ from pathlib import Path
 from kafila.api.server import parse_addr
 from kafila.engine import PREFILL_CHUNK
 from kafila.engine.pace import Pace
+from kafila.engine.system import usable_cpus
 from kafila.obs.trace import TraceLog
-from kafila.probe.system import usable_cpus
 from kafila.proto import signaling as sig
 from kafila.proto.session import SessionTerms
 from kafila.session.weights.cache import cache_problem
