@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar, Self
 
 TERMS_VERSION = 1
 SESSION_DTYPES = ("fp32", "bf16", "fp16")  # kafila.engine.DTYPES' keys (a test keeps them equal)
@@ -89,7 +89,7 @@ class Report:
     """member -> host: what this member offers (a DeviceReport's dict, read by the planner)."""
 
     device: dict[str, Any]
-    OP = "report"
+    OP: ClassVar[str] = "report"
 
     def body(self) -> dict[str, Any]:
         return payload(self.OP, device=self.device)
@@ -109,7 +109,7 @@ class PlanMessage:
     ids: dict[str, int]
     terms: SessionTerms
     alternatives: dict[str, Any] | None = None
-    OP = "plan"
+    OP: ClassVar[str] = "plan"
 
     def body(self) -> dict[str, Any]:
         terms = self.terms.to_dict()
@@ -132,65 +132,62 @@ class PlanMessage:
 
 
 @dataclass(frozen=True)
-class Refused:
+class _Reasoned:
+    """A message that carries only why (the base of `refused` and `failed`)."""
+
+    reason: str
+    OP: ClassVar[str] = ""
+
+    def body(self) -> dict[str, Any]:
+        return payload(self.OP, reason=self.reason)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Self:
+        _check(body, cls.OP, {"reason"})
+        return cls(_reason(body))
+
+
+@dataclass(frozen=True)
+class _Bare:
+    """A message that carries nothing but its op (the base of `ready` and `formed`)."""
+
+    OP: ClassVar[str] = ""
+
+    def body(self) -> dict[str, Any]:
+        return payload(self.OP)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Self:
+        _check(body, cls.OP, set())
+        return cls()
+
+
+@dataclass(frozen=True)
+class Refused(_Reasoned):
     """host -> members: the session will not form, and why."""
 
-    reason: str
-    OP = "refused"
-
-    def body(self) -> dict[str, Any]:
-        return payload(self.OP, reason=self.reason)
-
-    @classmethod
-    def parse(cls, body: Mapping[str, Any]) -> Refused:
-        _check(body, cls.OP, {"reason"})
-        return cls(_reason(body))
+    OP: ClassVar[str] = "refused"
 
 
 @dataclass(frozen=True)
-class Failed:
+class Failed(_Reasoned):
     """member -> host: why this member cannot go on (the host ends the attempt with it)."""
 
-    reason: str
-    OP = "failed"
-
-    def body(self) -> dict[str, Any]:
-        return payload(self.OP, reason=self.reason)
-
-    @classmethod
-    def parse(cls, body: Mapping[str, Any]) -> Failed:
-        _check(body, cls.OP, {"reason"})
-        return cls(_reason(body))
+    OP: ClassVar[str] = "failed"
 
 
 @dataclass(frozen=True)
-class Ready:
+class Ready(_Bare):
     """member -> host: linked, weights here, ring role started."""
 
-    OP = "ready"
-
-    def body(self) -> dict[str, Any]:
-        return payload(self.OP)
-
-    @classmethod
-    def parse(cls, body: Mapping[str, Any]) -> Ready:
-        _check(body, cls.OP, set())
-        return cls()
+    OP: ClassVar[str] = "ready"
 
 
 @dataclass(frozen=True)
-class AllReady:
+class AllReady(_Bare):
     """host -> members (`formed`): every member is ready; the session serves."""
 
-    OP = "formed"
-
-    def body(self) -> dict[str, Any]:
-        return payload(self.OP)
-
-    @classmethod
-    def parse(cls, body: Mapping[str, Any]) -> AllReady:
-        _check(body, cls.OP, set())
-        return cls()
+    OP: ClassVar[str] = "formed"
 
 
 def _check(
