@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from kafila.session.localfleet import LocalFleet as LocalFleet  # noqa: E402  (the scripts import it from here)
+from kafila.demo.fleet import LocalFleet as LocalFleet  # noqa: E402  (the scripts import it from here)
 
 MODEL = "smollm2-135m"
 # A plain continuation rarely ends early, so greedy answers run to max_tokens on every system.

@@ -47,7 +47,7 @@ def main() -> int:
     if args.blocks < 1 or args.position < 1 or args.rounds < 1 or args.threads < 1:
         p.error("--blocks, --position, --rounds and --threads must be at least 1")
 
-    from kafila.probe.system import THREADS_ENV
+    from kafila.engine.system import THREADS_ENV
 
     os.environ[THREADS_ENV] = str(args.threads)  # before torch and numba load
     stage, hidden = load_stage(args.blocks, args.position)

@@ -43,7 +43,7 @@ BLOCKS = 10
 
 def load_stage(first: int) -> tuple[Any, Any]:
     """A stage of BLOCKS blocks from `first`, one thread, with one request prefilled: (stage, row)."""
-    from kafila.probe.system import THREADS_ENV
+    from kafila.engine.system import THREADS_ENV
 
     os.environ[THREADS_ENV] = "1"  # before torch and numba load
     import torch

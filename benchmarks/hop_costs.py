@@ -27,8 +27,8 @@ from pathlib import Path
 
 from _session_common import Load, LocalFleet, SingleProcess, complete, fleet_banner, median
 
+from kafila.engine.system import THREADS_ENV
 from kafila.obs.hopmarks import ENV
-from kafila.probe.system import THREADS_ENV
 
 Marks = dict[str, dict[str, int]]  # key "request:position:rows" -> tag -> perf_counter_ns
 Segments = dict[tuple[str, str], list[float]]  # (where, kind) -> microseconds, one per decode step

@@ -35,7 +35,7 @@ from _session_common import (
     wait_records,
 )
 
-from kafila.probe.system import THREADS_ENV
+from kafila.engine.system import THREADS_ENV
 
 
 def main() -> int:

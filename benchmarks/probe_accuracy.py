@@ -66,7 +66,7 @@ def engine_step_s(ckpt: object, prompt: int, steps: int) -> tuple[float, float, 
     import torch
 
     from kafila.engine.stage import Entry, Stage
-    from kafila.probe.system import usable_cpus
+    from kafila.engine.system import usable_cpus
 
     torch.set_num_threads(usable_cpus())
     n = ckpt.config.num_hidden_layers  # type: ignore[attr-defined]

@@ -20,7 +20,8 @@ from kafila.net.endpoint import UdpEndpoint
 from kafila.net.link import Link, LinkConfig
 from kafila.obs.log import configure_logging
 from kafila.session.channel import LinkChannel
-from kafila.session.weights import ShardResult, WeightServer, fetch_shard
+from kafila.session.weights.fetch import ShardResult, fetch_shard
+from kafila.session.weights.server import WeightServer
 
 
 async def linked(config: LinkConfig) -> tuple[Link, Link, UdpEndpoint, UdpEndpoint]:

@@ -14,11 +14,11 @@ from starlette.routing import Route
 from kafila.api import ollama, openai, page
 from kafila.api.errors import ApiError, handle_api_error, handle_generation_error, render
 from kafila.api.security import ApiGuard, ApiSecurity
+from kafila.api.service import GenerationError
 from kafila.api.state import Api, api_of
 from kafila.api.stream import ClientGone
 from kafila.obs import metrics
 from kafila.obs.log import get_logger
-from kafila.session.service import GenerationError
 
 log = get_logger("kafila.api")
 

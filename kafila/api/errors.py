@@ -6,7 +6,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kafila.session.service import GenerationError
+from kafila.api.service import GenerationError
 
 # GenerationError.code -> HTTP status
 _STATUS = {

@@ -22,9 +22,9 @@ from kafila import __version__
 from kafila.api import params
 from kafila.api.errors import ApiError, invalid
 from kafila.api.params import Job, check_model, fit, flag, integer, messages, number, read_body, stop_strings
+from kafila.api.service import Sampling
 from kafila.api.state import Api, api_of
 from kafila.api.stream import ChunkStream, Piece, Tally, collect, pieces, start
-from kafila.session.service import Sampling
 
 # the request's `format` and the sampling options this server does not implement (refused by name
 # unless unused, as kafila.api.params.NOT_IMPLEMENTED for OpenAI's; other options are ignored)

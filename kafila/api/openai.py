@@ -25,9 +25,9 @@ from kafila.api.params import (
     stop_strings,
     text_field,
 )
+from kafila.api.service import Sampling
 from kafila.api.state import Api, api_of
 from kafila.api.stream import ChunkStream, Piece, Tally, collect, pieces, start
-from kafila.session.service import Sampling
 
 
 def job_from(body: dict[str, Any], prompt: list[int], context: int, prompt_key: str = "messages") -> Job:

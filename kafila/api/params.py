@@ -13,8 +13,8 @@ from typing import Any
 from starlette.requests import Request
 
 from kafila.api.errors import ApiError, invalid
+from kafila.api.service import Sampling
 from kafila.api.state import api_of
-from kafila.session.service import Sampling
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,11 @@ from typing import Any
 from starlette.requests import Request
 
 from kafila.api.errors import ApiError
+from kafila.api.service import GenerationService
 from kafila.api.text import TextCodec
 from kafila.models.config import ModelConfig
 from kafila.models.manifest import specs_from_config
 from kafila.obs.trace import TraceLog
-from kafila.session.service import GenerationService
 
 
 @dataclass(frozen=True)

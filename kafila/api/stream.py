@@ -16,9 +16,9 @@ from starlette.types import Receive, Scope, Send
 
 from kafila.api.errors import ApiError
 from kafila.api.params import Job
+from kafila.api.service import STOP_STRING, Generation, GenerationError, GenerationService
 from kafila.api.text import Detokenizer, TextCodec
 from kafila.obs.log import get_logger
-from kafila.session.service import STOP_STRING, Generation, GenerationError, GenerationService
 
 log = get_logger("kafila.api")
 

@@ -2,7 +2,9 @@
 
 Each subcommand module defines `configure(parser)` (flags only, no heavy imports at module
 level) and `main(args) -> int`. The table below is the whole dispatch; modules are imported
-only when their command runs or when help is printed.
+only when their command runs or when help is printed. The imports inside the commands' functions
+are there for start-up time (`kafila --help` must not load torch or aioquic), not to dodge import
+cycles: tests/test_package_graph.py checks that there are none.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     if getattr(args, "threads", None):  # before any backend loads: OpenMP and numba read it once
-        from kafila.probe.system import THREADS_ENV
+        from kafila.engine.system import THREADS_ENV
 
         os.environ[THREADS_ENV] = str(args.threads)
     from kafila.obs.log import configure_logging
@@ -108,8 +110,8 @@ def _innermost(parser: argparse.ArgumentParser, args: argparse.Namespace) -> arg
 
 
 def _off_loop_busy() -> bool:
-    form = sys.modules.get("kafila.session.form")  # loaded only by commands that form sessions
-    return form is not None and bool(form.off_loop_busy())
+    progress = sys.modules.get("kafila.session.progress")  # loaded only by commands that form sessions
+    return progress is not None and bool(progress.off_loop_busy())
 
 
 if __name__ == "__main__":

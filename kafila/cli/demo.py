@@ -11,11 +11,11 @@ from typing import IO, TYPE_CHECKING, Any
 from kafila.cli.argtypes import positive_int
 
 if TYPE_CHECKING:
-    from kafila.session.localfleet import FleetError
+    from kafila.demo.fleet import FleetError
 
 PROMPT = "What is the capital of France? Answer in one sentence."
 CONTEXT = 512  # the demo session's context: prompt plus answer tokens
-MAX_MEMBERS = 8  # one per name in kafila.session.localfleet.DEFAULT_NAMES
+MAX_MEMBERS = 8  # one per name in kafila.demo.fleet.DEFAULT_NAMES
 MIN_SHARE = 0.01  # a hundredth of one CPU; slower members would outlast the fleet's wait to start
 WORKDIR = "/tmp/kafila-demo"
 DESCRIPTION = (
@@ -118,7 +118,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kafila.session.localfleet import FleetError
+    from kafila.demo.fleet import FleetError
 
     try:
         return _demo(args)
@@ -134,7 +134,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     import httpx
 
-    from kafila.session.localfleet import LocalFleet
+    from kafila.demo.fleet import LocalFleet
 
     shares: tuple[float, ...] = args.shares
     workdir = prepare_workdir(Path(args.workdir))
@@ -194,7 +194,7 @@ def prepare_workdir(workdir: Path) -> Path:
     traces are appended to, so runs would mix); DemoError naming --workdir when it cannot be used."""
     import tempfile
 
-    from kafila.session.localfleet import DEFAULT_NAMES
+    from kafila.demo.fleet import DEFAULT_NAMES
 
     if workdir.exists() and not workdir.is_dir():
         raise DemoError(f"--workdir {str(workdir)!r} is not a folder")

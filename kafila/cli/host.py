@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kafila.cli.argtypes import (
     count,
@@ -18,8 +18,10 @@ from kafila.cli.argtypes import (
 )
 from kafila.engine import DTYPE_CHOICES, PREFILL_CHUNK
 from kafila.proto.signaling import DEFAULT_PORT, SIGNAL_PATH
-from kafila.session.form import DEFAULT_RENDEZVOUS, Formed
-from kafila.session.schedule import DEFAULT_QUEUE
+from kafila.session.terms import DEFAULT_QUEUE, DEFAULT_RENDEZVOUS
+
+if TYPE_CHECKING:  # the runtime loads the engine: only the commands that form a session import it
+    from kafila.session.runtime import MemberRuntime
 
 
 def add_member_flags(parser: argparse.ArgumentParser) -> None:
@@ -175,7 +177,7 @@ def options(args: argparse.Namespace) -> object:
     """The member's Options from its flags; ValueError (one line) for flags that cannot work here."""
     from pathlib import Path
 
-    from kafila.session.form import Options
+    from kafila.session.terms import Options
 
     o = Options(
         rendezvous=args.rendezvous,
@@ -202,15 +204,16 @@ def options(args: argparse.Namespace) -> object:
             setattr(o, key, getattr(args, key))
     if hasattr(args, "wait"):
         o.wait_s = args.wait
+    o.check()
     return o
 
 
-async def serve_until_interrupted(formed: Formed) -> None:
+async def serve_until_interrupted(formed: MemberRuntime) -> None:
     """Serve until cancelled (Ctrl-C, SIGTERM), or until the host ends the session (a member's
     `formed.ended`), then close this member's part."""
     import asyncio
 
-    from kafila.session.form import say
+    from kafila.session.progress import say
 
     try:
         if formed.ended is None:
@@ -224,9 +227,10 @@ async def serve_until_interrupted(formed: Formed) -> None:
 def main(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kafila.session.form import SessionError, say
-    from kafila.session.start import host
-    from kafila.session.wcache import write_atomic
+    from kafila.session.errors import SessionError
+    from kafila.session.forming.host import host
+    from kafila.session.progress import say
+    from kafila.session.weights.cache import write_atomic
 
     def on_code(code: object) -> None:
         if args.code_file:
@@ -267,8 +271,8 @@ def member_failures() -> tuple[type[Exception], ...]:
     from kafila.net.errors import LinkError, NatProbeError
     from kafila.net.signaling import SignalingError
     from kafila.session.channel import ChannelError
-    from kafila.session.form import SessionError
-    from kafila.session.weights import WeightsError
+    from kafila.session.errors import SessionError
+    from kafila.session.weights.manifest import WeightsError
 
     return (SessionError, ValueError, SignalingError, LinkError, ChannelError, WeightsError, NatProbeError)
 
@@ -280,7 +284,7 @@ def run_member(start: Callable[[], Awaitable[Any]]) -> int:
     import asyncio
     import signal
 
-    from kafila.session.form import say
+    from kafila.session.progress import say
 
     formed = False
 

@@ -22,6 +22,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from kafila.cli.host import options, run_member
-    from kafila.session.start import join
+    from kafila.session.forming.join import join
 
     return run_member(lambda: join(args.code, options(args)))  # type: ignore[arg-type]

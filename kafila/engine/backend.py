@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from kafila.engine import DTYPES
+from kafila.engine.system import usable_cpus
 
 # user-facing dtype name -> safetensors/wire dtype name
 _ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -147,8 +148,6 @@ class TorchBackend(Backend):
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cpu":  # as many threads as the probe measured with: affinity capped by a CFS quota
-            from kafila.probe.system import usable_cpus
-
             torch.set_num_threads(usable_cpus())
             if "numba" not in sys.modules:  # the few-row kernel's pool, read once when numba loads
                 os.environ.setdefault("NUMBA_NUM_THREADS", str(usable_cpus()))

@@ -23,7 +23,7 @@ import numpy as np
 from kafila.engine.backend import Backend, checkpoint_dtype, resolve
 from kafila.engine.captured import decode_path
 from kafila.engine.pace import FULL_SPEED, Pace
-from kafila.models.manifest import LM_HEAD, block_index
+from kafila.models.manifest import LM_HEAD, QUANT_FORMATS
 from kafila.models.span import Span
 from kafila.obs.log import get_logger
 
@@ -299,15 +299,8 @@ def resolve_quant(requested: str, stored: str) -> str:
     """The weight format a stage computes with: `requested` ("none", "int8", "q4"), or for "auto"
     the checkpoint's own (`stored`: "none" for floats). Like the dtype, it depends on the checkpoint
     alone, so every member of a session resolves the same format."""
-    from kafila.models.manifest import QUANT_FORMATS
-
     if requested == "auto":
         return stored
     if requested not in QUANT_FORMATS:
         raise StageError(f"unknown weight format {requested!r}; choose auto, {', '.join(QUANT_FORMATS)}")
     return requested
-
-
-def blocks_of(names: Sequence[str]) -> set[int]:
-    """Block indices named by tensor names (for tests and checks)."""
-    return {i for n in names if (i := block_index(n)) is not None}

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kafila.models.cache import models_dir
 from kafila.obs.log import get_logger
 
 log = get_logger(__name__)
@@ -98,8 +99,6 @@ def locate_gguf(model: DefaultModel) -> Path:
 
 
 def default_folder(name: str) -> Path:
-    from kafila.models.registry import models_dir
-
     return models_dir() / name
 
 

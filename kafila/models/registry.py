@@ -15,6 +15,19 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kafila.models.cache import cache_dir as cache_dir
+from kafila.models.cache import models_dir as models_dir
+from kafila.models.default import (
+    DEFAULT_MODELS,
+    DefaultModelUnavailable,
+    GGUFFile,
+    default_folder,
+    ensure_default,
+    is_converted,
+    locate_gguf,
+)
+from kafila.models.presets import PRESET_SOURCES
+
 
 class ModelNotFound(ValueError):
     """A --model value that is neither a known name nor a model folder."""
@@ -31,23 +44,10 @@ class ModelEntry:
     description: str = ""
 
 
-def cache_dir() -> Path:
-    if os.environ.get("KAFILA_CACHE"):
-        return Path(os.environ["KAFILA_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "kafila"
-    return Path.home() / ".cache" / "kafila"
-
-
-def models_dir() -> Path:
-    return cache_dir() / "models"
-
-
 def resolve(name_or_path: str | os.PathLike[str], progress: bool = True, quant: str = "none") -> Path:
     """A default model's name (converted on first use), a model folder, or a folder name in the cache.
     A default model in `quant` "q4" is its GGUF's own packed blocks (default.ensure_default's
     `packed`); in the other formats its F32 folder (packed on load for "int8")."""
-    from kafila.models.default import DEFAULT_MODELS, ensure_default
 
     text = os.fspath(name_or_path)
     if text in DEFAULT_MODELS:
@@ -64,8 +64,6 @@ def resolve(name_or_path: str | os.PathLike[str], progress: bool = True, quant: 
 def _not_found(text: str) -> str:
     """Why `text` names no model here, and what would: a planning preset's source, a near name."""
     import difflib
-
-    from kafila.models.presets import PRESET_SOURCES
 
     names = [e.name for e in available()]
     source = PRESET_SOURCES.get(text.lower())
@@ -87,7 +85,6 @@ def served_name(name_or_path: str | os.PathLike[str]) -> str:
     """The name a session serves a model under (the API's model id): a model name as given; a
     folder by its own name, not this machine's path (clients elsewhere name the model), and a
     Hugging Face cache snapshot (models--ORG--NAME/snapshots/REVISION) as ORG/NAME."""
-    from kafila.models.default import DEFAULT_MODELS
 
     text = os.fspath(name_or_path)
     path = Path(text).expanduser()
@@ -101,7 +98,6 @@ def served_name(name_or_path: str | os.PathLike[str]) -> str:
 
 def available() -> list[ModelEntry]:
     """Default models (converted or not) then every model folder in the cache."""
-    from kafila.models.default import DEFAULT_MODELS
 
     entries = [_default_entry(name) for name in DEFAULT_MODELS]
     root = models_dir()
@@ -116,7 +112,6 @@ def available() -> list[ModelEntry]:
 
 
 def _default_entry(name: str) -> ModelEntry:
-    from kafila.models.default import DEFAULT_MODELS, default_folder, is_converted
 
     model = DEFAULT_MODELS[name]
     folder = default_folder(name)
@@ -130,7 +125,6 @@ def _default_entry(name: str) -> ModelEntry:
 
 def _gguf_summary(name: str) -> tuple[str, int, int]:
     """(architecture, blocks, F32 bytes) from the GGUF's header; zeros if the package is missing."""
-    from kafila.models.default import DEFAULT_MODELS, DefaultModelUnavailable, GGUFFile, locate_gguf
 
     try:
         file = locate_gguf(DEFAULT_MODELS[name])

@@ -16,8 +16,10 @@ tokens and, on a relayed edge, ciphertext; the link authenticates with the secre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -341,24 +343,59 @@ async def connect_ring(
     i = ring.index(node.member)
     n = len(ring)
     succ, pred = ring[(i + 1) % n], ring[(i - 1) % n]
-    edges: dict[int, bool] = {}  # peer -> this member is the QUIC client of the edge
+    clients: dict[int, bool] = {}  # peer -> this member is the QUIC client of the edge
     if n == 2:
-        edges = {succ: i == 0}
+        clients = {succ: i == 0}
     elif n > 2:
-        edges = {succ: True, pred: False}
+        clients = {succ: True, pred: False}
     base = options or EdgeOptions()
     guesses = predicted_direct or {}
-    results = await asyncio.gather(
-        *(
-            connect_edge(node, peer, is_client, replace(base, predicted_direct=guesses.get(peer, True)))
-            for peer, is_client in edges.items()
-        ),
-        return_exceptions=True,
-    )
-    failed = [r for r in results if isinstance(r, BaseException)]
-    if failed:  # no half-formed ring: close what did connect, raise what did not
-        for r in results:
-            if isinstance(r, Link):
-                await r.close("the other ring edge failed")
-        raise failed[0]
-    return {peer: r for peer, r in zip(edges, results, strict=True) if isinstance(r, Link)}
+    edges = {p: (c, replace(base, predicted_direct=guesses.get(p, True))) for p, c in clients.items()}
+    return await link_edges(node, edges)
+
+
+async def link_edges(
+    node: LinkNode,
+    edges: Mapping[int, tuple[bool, EdgeOptions]],
+    formed: Mapping[int, Link] | None = None,
+    label: Callable[[int], str] | None = None,
+) -> dict[int, Link]:
+    """This member's links on `edges` (peer id -> (this member is the QUIC client, options)), all
+    formed at once; a peer in `formed` keeps the link it has. All or nothing: when one edge fails
+    (or the caller is cancelled), the edges still forming stop and every link this call opened
+    closes, so its peer hears it at once instead of at its liveness timeout, and the first error is
+    raised, prefixed with `label(peer)` when given. The links in `formed` stay open: their owner
+    closes them."""
+    formed = formed or {}
+    jobs = {
+        peer: asyncio.ensure_future(connect_edge(node, peer, is_client, opts))
+        for peer, (is_client, opts) in edges.items()
+        if peer not in formed
+    }
+    complete = False
+    try:
+        if jobs:
+            await asyncio.wait(jobs.values(), return_when=asyncio.FIRST_EXCEPTION)
+        for peer, job in jobs.items():
+            if job.done() and (error := job.exception()) is not None:
+                if label is not None and isinstance(error, LinkError):
+                    error.args = (f"{label(peer)}: {error}", *error.args[1:])
+                raise error
+        complete = True
+        return {peer: formed[peer] if peer in formed else jobs[peer].result() for peer in edges}
+    finally:
+        if not complete:
+            await _abandon(list(jobs.values()), f"another link of member {node.member} failed")
+
+
+async def _abandon(jobs: Sequence[asyncio.Future[Link]], why: str) -> None:
+    """Stop the links still forming and close those that formed, telling their peers `why`."""
+    for job in jobs:
+        job.cancel()  # a done job ignores it
+    for job in jobs:
+        if not job.done():
+            await asyncio.wait([job])  # its cancellation has run (a link it had formed is closed by it)
+        if job.cancelled() or job.exception() is not None:
+            continue
+        with contextlib.suppress(Exception):
+            await job.result().close(why)

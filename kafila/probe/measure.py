@@ -40,13 +40,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kafila.engine import system
 from kafila.engine.pace import FULL_SPEED, Pace
 from kafila.models.config import ModelConfig
 from kafila.obs.log import get_logger
 from kafila.planner.cost import IDLE_RATIO, WAKE_FLOOR_S, wake_rise
 from kafila.planner.devices import DeviceReport
 from kafila.planner.reachability import Nat
-from kafila.probe import system
 from kafila.probe.ops import Ops, Run
 from kafila.probe.stats import Figure, rates
 

@@ -51,9 +51,6 @@ class Channel:
     packets: int = 0
     dropped: int = 0
 
-    def leg_of(self, member: int) -> Leg:
-        return self.legs[0] if self.legs[0].member == member else self.legs[1]
-
 
 class Drop(Enum):
     UNKNOWN_CHANNEL = "unknown_channel"

@@ -20,23 +20,39 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kafila.net.errors import LinkError, LinkTimeout, PeerSilent
+from kafila.net.link import Link
 from kafila.obs import hopmarks
 from kafila.proto import tensor as t
+from kafila.proto.ring import Cause, RingBroken
 
 LINK_KIND = 32  # link message kind that carries session messages (kinds < 16 are the link's own)
 BEAT = "beat"
 
 
 class ChannelError(Exception):
-    """The peer is gone or the channel broke; the message names the peer."""
+    """The peer is gone or the channel broke; the message names the peer, and `peer` and `cause`
+    say it for the ring's "broken" notice (kafila.proto.ring.RingBroken)."""
+
+    cause: Cause = Cause.ERROR
+
+    def __init__(self, message: str, peer: str = "", cause: Cause | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+        if cause is not None:
+            self.cause = cause
+
+    def broken(self, detail: str | None = None) -> RingBroken:
+        """The ring's break this error makes: about `peer`, said as `detail` (default: this error)."""
+        return RingBroken(self.peer, self.cause, str(self) if detail is None else detail)
 
 
 class ChannelClosed(ChannelError):
-    pass
+    cause = Cause.CLOSED
 
 
 class ChannelDead(ChannelError):
-    pass
+    cause = Cause.SILENT
 
 
 @dataclass
@@ -153,7 +169,7 @@ class MemoryChannel:
 
     async def send(self, msg: t.Message) -> None:
         if self._closed:
-            raise ChannelClosed(f"channel to {self.peer} is closed")
+            raise ChannelClosed(f"channel to {self.peer} is closed", self.peer)
         record = t.encode(msg)
         self.counters.sent(msg, len(record))
         self._out.put_nowait(record)
@@ -163,10 +179,10 @@ class MemoryChannel:
             async with asyncio.timeout(timeout):
                 record = await self._in.get()
         except TimeoutError:
-            raise ChannelDead(f"{self.peer}: no message within {timeout} s") from None
+            raise ChannelDead(f"{self.peer}: no message within {timeout} s", self.peer) from None
         if record is None:
             self._in.put_nowait(None)
-            raise ChannelClosed(f"{self.peer} closed the channel")
+            raise ChannelClosed(f"{self.peer} closed the channel", self.peer)
         msg = t.decode(record)
         self.counters.received(msg, len(record))
         return msg
@@ -183,10 +199,7 @@ class MemoryChannel:
 class LinkChannel:
     """Session messages on a kafila.net Link (one message kind, in order)."""
 
-    def __init__(self, link: object, peer: str) -> None:
-        from kafila.net.link import Link
-
-        assert isinstance(link, Link)
+    def __init__(self, link: Link, peer: str) -> None:
         self.link, self.peer = link, peer
         self.counters = Counters()
 
@@ -201,29 +214,25 @@ class LinkChannel:
         return rtt * 1e3 if rtt > 0 else None
 
     async def send(self, msg: t.Message) -> None:
-        from kafila.net.errors import LinkError
-
         record = t.encode(msg)
         if isinstance(msg, t.Hidden):
             hopmarks.mark("encoded", msg.entries)
         try:
             await self.link.send(LINK_KIND, record)
         except LinkError as exc:
-            raise ChannelClosed(self._named(exc)) from exc
+            raise ChannelClosed(self._named(exc), self.peer) from exc
         self.counters.sent(msg, len(record))
 
     async def recv(self, timeout: float | None = None) -> t.Message:
-        from kafila.net.errors import LinkError, LinkTimeout, PeerSilent
-
         while True:
             try:
                 kind, payload = await self.link.recv(timeout)
             except PeerSilent as exc:  # the link closed itself: its own reason, not this wait's
-                raise ChannelClosed(self._named(exc)) from exc
+                raise ChannelClosed(self._named(exc), self.peer) from exc
             except LinkTimeout:
-                raise ChannelDead(f"{self.peer}: no message within {timeout} s") from None
+                raise ChannelDead(f"{self.peer}: no message within {timeout} s", self.peer) from None
             except LinkError as exc:
-                raise ChannelClosed(self._named(exc)) from exc
+                raise ChannelClosed(self._named(exc), self.peer) from exc
             if kind == LINK_KIND:
                 msg = t.decode(payload)
                 if isinstance(msg, t.Hidden):
@@ -248,14 +257,6 @@ class LinkChannel:
 
 
 STALLED_S = 1.0  # a deadline that fires this late means this process itself did not run
-
-
-SILENT = "member {member} stopped answering"  # a neighbour's beats stopped: how a ring's break says it
-
-
-def blames(reason: str, member: str) -> bool:
-    """Whether a ring's broken `reason` says that `member` stopped answering."""
-    return SILENT.format(member=member) in reason
 
 
 class Heartbeat:
@@ -314,7 +315,9 @@ class Heartbeat:
                 if late > STALLED_S and not stalled:
                     stalled = late
                     continue
-                raise ChannelDead(self._silence(limit, stalled)) from None
+                # a stall is this member's own: the peer's silence is not blamed on it
+                cause = Cause.ERROR if stalled else Cause.SILENT
+                raise ChannelDead(self._silence(limit, stalled), self.peer, cause) from None
             self._heard = True
             if not (isinstance(msg, t.Control) and msg.op == BEAT):
                 return msg
@@ -325,7 +328,7 @@ class Heartbeat:
                 f"this member stalled for {stalled:.1f} s (its process did not run) and heard nothing "
                 f"from member {self.peer} since"
             )
-        return f"{SILENT.format(member=self.peer)} (nothing for {limit:g} s)"
+        return f"member {self.peer} stopped answering (nothing for {limit:g} s)"
 
     def acknowledge(self) -> None:
         self.inner.acknowledge()

@@ -15,7 +15,7 @@ from kafila.api.state import Api, ModelFacts
 from kafila.engine.tokenizer import Tokenizer
 from kafila.models.checkpoint import Checkpoint
 from kafila.obs.trace import TraceLog
-from kafila.session.textcodec import TokenizerCodec
+from kafila.session.ring.textcodec import TokenizerCodec
 from tests.session.ringkit import Ring, build_ring
 
 MODEL = "smollm2-135m"

@@ -22,9 +22,9 @@ import kafila
 from kafila.api import openai as openai_routes
 from kafila.api.app import create_app
 from kafila.api.server import ApiServer
+from kafila.api.service import GenerationError, Sampling
 from kafila.engine.tokenizer import Tokenizer
 from kafila.models.checkpoint import Checkpoint
-from kafila.session.service import GenerationError, Sampling
 from tests.api.served import MODEL, Served, serve_ring
 
 pytestmark = [pytest.mark.network, pytest.mark.asyncio(loop_scope="module")]

@@ -66,7 +66,7 @@ def test_torch_cpu_runs_as_many_threads_as_the_probe_measured_with() -> None:
     import torch
 
     from kafila.engine.backend import TorchBackend
-    from kafila.probe.system import usable_cpus
+    from kafila.engine.system import usable_cpus
 
     torch.set_num_threads(max(1, usable_cpus() * 2 + 1))
     backend = TorchBackend.create("fp32")

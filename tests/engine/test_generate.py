@@ -74,11 +74,11 @@ def test_kafila_run_and_a_session_prefill_in_the_same_chunks() -> None:
     import inspect
 
     from kafila.cli import host, run
+    from kafila.demo.fleet import LocalFleet
     from kafila.engine import PREFILL_CHUNK
-    from kafila.session.form import Options
-    from kafila.session.head import RingHead
-    from kafila.session.localfleet import LocalFleet
-    from kafila.session.schedule import Schedule
+    from kafila.session.ring.head import RingHead
+    from kafila.session.ring.schedule import Schedule
+    from kafila.session.terms import Options
 
     defaults = []
     for command in (host, run):

@@ -24,7 +24,7 @@ from kafila.planner.order import order_ring
 from kafila.planner.reachability import DEFAULT_RULE, Behaviour
 from kafila.proto import tensor
 from kafila.rendezvous.server import RendezvousServer
-from kafila.session.start import follow_paths
+from kafila.session.ring.build import follow_paths
 from tests.natlab.lab import EXPECTED_CLASS, KINDS, RDV_ADDRS, Lab, Site, netns
 from tests.net.harness import LAB_LIMITS, Pair, open_pair, open_session, start_rendezvous
 from tests.net.test_link_loopback import packet_size

@@ -281,7 +281,7 @@ async def test_a_message_sent_into_a_cut_direct_path_arrives_over_the_relay_with
     ring's liveness (--dead-after, 5 s) counts their sender gone. They used to arrive 6.9 s after
     the cut: QUIC's loss recovery, backed off through the seconds of silence, waited for its probe
     timer after the fallback (the NAT lab's edge-cut test failed so when the cut met a prefill)."""
-    from kafila.session.form import SESSION_LINKS
+    from kafila.session.forming.links import SESSION_LINKS
 
     pair = await open_pair(rdv, _sock(), _sock(), config=SESSION_LINKS)
     opts = EdgeOptions(repunch_interval=0)

@@ -91,6 +91,36 @@ async def test_two_member_ring_is_one_link_used_both_ways() -> None:
         await rdv.stop()
 
 
+async def test_a_failed_edge_closes_the_links_that_formed_and_their_peers_hear_it_at_once() -> None:
+    """m1 links with m2 (fine) and m3, which never answers (simulated: m3 does not take part), in
+    one call. The edge to m3 fails, so m1 closes its link with m2: m2 learns at once that the link
+    closed, well inside the link's idle timeout (30 s), not when that runs out."""
+    import time
+
+    from kafila.net.edge import link_edges
+    from kafila.net.errors import LinkClosed, LinkError
+
+    rdv = await start_rendezvous()
+    session = await open_session(rdv, [_bound() for _ in range(3)], classify_nat=False)
+    m1, m2, m3 = session.nodes
+    try:
+        silent = EdgeOptions(signal_timeout=1.0, use_relay=False)
+        edges = {m2.member: (True, EdgeOptions()), m3.member: (True, silent)}
+        named = {m2.member: "m2", m3.member: "m3"}
+        peer_side = asyncio.ensure_future(connect_edge(m2, m1.member, False))
+        with pytest.raises(LinkError, match="link m1 <-> m3"):
+            await link_edges(m1, edges, label=lambda peer: f"link m1 <-> {named[peer]}")
+        failed_at = time.monotonic()
+        link = await peer_side
+        with pytest.raises(LinkClosed, match="another link of member"):
+            await link.recv(timeout=10)
+        assert time.monotonic() - failed_at < 3.0, "m2 learned of it by a timeout"
+        assert link.closed and m1.links[m2.member].closed
+    finally:
+        await session.close()
+        await rdv.stop()
+
+
 def _bound() -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind(("127.0.0.1", 0))

@@ -10,12 +10,12 @@ import pytest
 
 from kafila.cli import main
 from kafila.engine.backend import resolve
+from kafila.engine.system import usable_cpus
 from kafila.models.config import ModelConfig
 from kafila.planner import plan
 from kafila.planner.devices import DeviceReport
 from kafila.probe import measure
 from kafila.probe.measure import ProbeReport, probe
-from kafila.probe.system import usable_cpus
 
 TINY_QWEN3 = ModelConfig.from_dict(
     {

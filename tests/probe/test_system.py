@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kafila.probe import system
+from kafila.engine import system
 from kafila.probe.stats import Figure
 
 

@@ -166,7 +166,7 @@ def test_a_forwarded_request_carries_every_sampling_setting() -> None:
     Sampling's, in the same order: a field added to one and not the other fails here."""
     from dataclasses import fields
 
-    from kafila.session.service import Sampling
+    from kafila.api.service import Sampling
 
     names = ["stop" if f.name == "stop_ids" else f.name for f in fields(Sampling)]
     assert [f.name for f in fields(t.Generate)][2:] == names

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
 from kafila.session.channel import Heartbeat, MemoryChannel
-from kafila.session.compute import ModelThread
-from kafila.session.head import RingHead, RingInfo
-from kafila.session.member import RingMember
+from kafila.session.ring.compute import ModelThread
+from kafila.session.ring.head import RingHead, RingInfo
+from kafila.session.ring.member import RingMember
 
 
 @dataclass

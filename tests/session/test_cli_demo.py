@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kafila.cli import demo
-from kafila.session.localfleet import DEFAULT_NAMES
+from kafila.demo.fleet import DEFAULT_NAMES
 from tests.api.served import MODEL, serve_ring
 
 

@@ -14,7 +14,7 @@ from kafila.net.errors import LinkTimeout
 from kafila.net.signaling import SignalingError
 from kafila.rendezvous.server import RendezvousServer
 from kafila.session.channel import ChannelClosed
-from kafila.session.weights import WeightsError
+from kafila.session.weights.manifest import WeightsError
 from tests.net.harness import start_rendezvous
 
 

@@ -1,4 +1,4 @@
-"""The model thread's step functions on wire frames (kafila.session.compute)."""
+"""The model thread's step functions on wire frames (kafila.session.ring.compute)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from kafila.engine.stage import Stage, StageError
 from kafila.models.checkpoint import Checkpoint
 from kafila.proto import tensor as t
-from kafila.session import compute
+from kafila.session.ring import compute
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,12 @@ from hypothesis import strategies as st
 
 from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan, Stage
-from kafila.session import formation as fm
-from kafila.session.formation import HostFormation, MemberFormation, Step
+from kafila.proto.session import SessionTerms
+from kafila.session.forming import core as fm
+from kafila.session.forming.core import HostFormation, MemberFormation, Step
 
 HOST = 1
+TERMS = SessionTerms("m", 64, 8, "bf16", 2048, 1, "kafila")
 
 
 def device(name: str, gb: float = 8.0) -> DeviceReport:
@@ -98,14 +100,11 @@ def test_host_gathers_plans_sends_and_forms() -> None:
     assert [d.name for d in plan_now.devices] == ["alpha", "beta", "gamma"]
     assert plan_now.ids == {"alpha": 1, "beta": 2, "gamma": 3}
     assert core.step is Step.PLANNING and core.deadline is None
-    sent = core.planned(
-        plan_of(["alpha", "beta", "gamma"]), 102.0, model="m", chunk=64, queue=8, dtype="bf16"
-    )
+    sent = core.planned(plan_of(["alpha", "beta", "gamma"]), 102.0, TERMS)
     assert [s.to for s in sent] == [2, 3]
     body = sent[0].body
     assert body["op"] == "plan" and body["ids"] == {"alpha": 1, "beta": 2, "gamma": 3}
-    assert body["model"] == "m" and body["chunk"] == 64 and body["dtype"] == "bf16" and body[fm.KEY] == 1
-    assert body["queue"] == 8
+    assert SessionTerms.from_dict(body["terms"]) == TERMS and body[fm.KEY] == 1
     assert core.step is Step.LINKING
     assert kinds(core.handle(fm.Message(2, fm.payload("ready")), 103.0)) == ["Say"]  # early ready counts
     assert core.started(104.0) == [] and core.deadline == 114.0
@@ -120,7 +119,7 @@ def test_a_member_that_could_not_link_ends_the_attempt_naming_why() -> None:
     the host and the others used to read only that it left."""
     core = host_with(3)
     gathered(core, {2: "beta", 3: "gamma"})
-    core.planned(plan_of(["alpha", "beta", "gamma"]), 102.0)
+    core.planned(plan_of(["alpha", "beta", "gamma"]), 102.0, TERMS)
     why = "could not link: edge 3->2: the peer did not prove the session secret for this edge"
     out = core.handle(fm.Message(3, fm.payload("failed", reason=why)), 103.0)
     reason = f"member gamma {why}"
@@ -132,7 +131,7 @@ def test_a_member_that_could_not_link_ends_the_attempt_naming_why() -> None:
 def test_host_forms_at_start_when_every_ready_came_before() -> None:
     core = host_with(2)
     gathered(core, {2: "beta"})
-    core.planned(plan_of(["alpha", "beta"]), 102.0)
+    core.planned(plan_of(["alpha", "beta"]), 102.0, TERMS)
     core.handle(fm.Message(2, fm.payload("ready")), 103.0)
     assert only(core.started(104.0), fm.Formed).members == ("alpha", "beta")
 
@@ -142,7 +141,7 @@ def test_a_session_of_one_plans_at_once() -> None:
     out = core.start(device("alpha"), 0.0)
     assert only(out, fm.PlanNow).ids == {"alpha": 1}
     assert only(out, fm.Say).text == "a session of one member: nobody to wait for"  # not "waiting for 0"
-    assert core.planned(plan_of(["alpha"]), 0.0) == []
+    assert core.planned(plan_of(["alpha"]), 0.0, TERMS) == []
     assert kinds(core.started(0.0)) == ["Formed"]
 
 
@@ -342,7 +341,7 @@ def test_duplicate_ready_and_ready_from_outside_the_plan() -> None:
     core = host_with(2)
     gathered(core, {2: "beta"})
     core.handle(fm.Joined(3, "late"), 101.0)
-    core.planned(plan_of(["alpha", "beta"]), 102.0)
+    core.planned(plan_of(["alpha", "beta"]), 102.0, TERMS)
     core.handle(fm.Message(2, fm.payload("ready")), 103.0)
     assert only(core.handle(fm.Message(2, fm.payload("ready")), 103.1), fm.Rejected).reason == (
         "duplicate ready from beta"
@@ -366,7 +365,7 @@ def test_joined_twice_and_left_without_joining_are_rejected() -> None:
 def test_steps_out_of_order_are_a_caller_bug() -> None:
     core = host_with(3)
     with pytest.raises(fm.FormationError, match="while gathering reports; it needs planning"):
-        core.planned(plan_of(["alpha"]), 101.0)
+        core.planned(plan_of(["alpha"]), 101.0, TERMS)
     with pytest.raises(fm.FormationError, match="it needs new"):
         core.start(device("alpha"), 101.0)
 
@@ -395,7 +394,7 @@ def test_member_leaving_before_it_reported() -> None:
 def test_member_leaving_after_the_plan_ends_the_attempt_and_tells_the_others() -> None:
     core = host_with(3)
     gathered(core, {2: "beta", 3: "gamma"})
-    core.planned(plan_of(["alpha", "beta", "gamma"]), 102.0)
+    core.planned(plan_of(["alpha", "beta", "gamma"]), 102.0, TERMS)
     out = core.handle(fm.Left(3, "disconnected"), 103.0)
     reason = (
         "member gamma lost its connection to the rendezvous before the session formed; the plan "
@@ -460,7 +459,7 @@ def test_a_report_just_before_the_deadline_counts() -> None:
 def test_waiting_for_ready_times_out_naming_who_is_missing() -> None:
     core = host_with(3, wait_s=20.0)
     gathered(core, {2: "beta", 3: "gamma"})
-    core.planned(plan_of(["alpha", "beta", "gamma"]), 102.0)
+    core.planned(plan_of(["alpha", "beta", "gamma"]), 102.0, TERMS)
     assert core.tick(1e6) == []  # linking and serving weights have no deadline of their own here
     core.started(200.0)
     core.handle(fm.Message(3, fm.payload("ready")), 210.0)
@@ -481,7 +480,8 @@ def member(wait_s: float = 10.0, link_s: float | None = 5.0, now: float = 50.0) 
 
 def plan_body(names: list[str], ids: dict[str, int], dtype: str = "bf16") -> dict[str, Any]:
     plan = plan_of(names).to_dict()
-    return fm.payload("plan", plan=plan, ids=ids, model="m", chunk=64, queue=8, dtype=dtype, alternatives={})
+    terms = TERMS.to_dict() | {"dtype": dtype}
+    return fm.payload("plan", plan=plan, ids=ids, terms=terms, alternatives={})
 
 
 IDS = {"alpha": 1, "beta": 2, "gamma": 3}
@@ -501,14 +501,7 @@ def test_member_normal_flow() -> None:
     core = member()
     out = core.handle(fm.Message(HOST, plan_body(["alpha", "beta", "gamma"], IDS)), 51.0)
     got = only(out, fm.LinkNow)
-    assert (got.me, got.host, got.model, got.chunk, got.queue, got.dtype) == (
-        "gamma",
-        "alpha",
-        "m",
-        64,
-        8,
-        "bf16",
-    )
+    assert (got.me, got.host, got.terms) == ("gamma", "alpha", TERMS)
     assert got.plan.block_range("gamma") == (8, 12)
     assert core.step is Step.LINKING and core.deadline == 56.0
     assert core.linked(52.0) == [] and core.deadline is None
@@ -578,7 +571,7 @@ def test_a_formed_host_refuses_whoever_joins_at_once() -> None:
     for a plan until its --wait ran out; the host now refuses it when it joins."""
     core = host_with(2)
     gathered(core, {2: "beta"})
-    core.planned(plan_of(["alpha", "beta"]), 102.0)
+    core.planned(plan_of(["alpha", "beta"]), 102.0, TERMS)
     core.handle(fm.Message(2, fm.payload("ready")), 103.0)
     assert kinds(core.started(104.0)) == ["Send", "Formed"]
     out = core.handle(fm.Joined(5, "late"), 200.0)
@@ -679,7 +672,8 @@ def test_a_plan_without_a_known_dtype_is_unreadable() -> None:
     """Every member computes in the host's dtype; a plan that names none (or an unknown one) would
     leave the members to disagree, so it fails here, naming the field."""
     unknown = plan_body(["alpha", "beta", "gamma"], IDS, dtype="int4")
-    missing = {k: v for k, v in plan_body(["alpha", "beta", "gamma"], IDS).items() if k != "dtype"}
+    missing = plan_body(["alpha", "beta", "gamma"], IDS)
+    del missing["terms"]["dtype"]
     for body in (unknown, missing):
         out = member().handle(fm.Message(HOST, body), 51.0)
         assert kinds(out) == ["Failed"] and "unreadable" in out[0].reason and "dtype" in out[0].reason
@@ -741,7 +735,7 @@ def test_host_core_invariants_under_any_interleaving(case: tuple[int, list[tuple
             assert set(plan_now.ids.values()) <= seen["present"] & seen["admitted"]
             assert core.step is Step.PLANNING and "alpha" in plan_now.ids
             seen["planned"] = plan_now.ids
-            check(core.planned(plan_of(list(plan_now.ids)), now), now)
+            check(core.planned(plan_of(list(plan_now.ids)), now, TERMS), now)
 
     for step, (kind, m) in enumerate(actions, start=1):
         now = float(step)
@@ -834,7 +828,7 @@ def test_member_core_invariants_under_any_inputs(inputs: list[str]) -> None:
 def test_the_host_prints_each_plan_note_once_under_the_plans():
     from kafila.models.presets import resolve_manifest
     from kafila.planner import plan_all
-    from kafila.session.form import fmt_plans
+    from kafila.session.forming.plans import fmt_plans
 
     fleet = [
         DeviceReport("fast", 40 * 10**9, 400e9, overhead_s=1e-4),

@@ -1,4 +1,4 @@
-"""The asyncio shell around the formation cores (start.py's host/join with form.Driver) on a real
+"""The asyncio shell around the formation cores (kafila.session.forming's host/join with its Driver) on a real
 rendezvous: deadlines and departures end an attempt promptly, with the core's message, and the
 members who came are told. Where the other side is a bare signaling client that does not run the
 host's code, the test name says the host is simulated."""
@@ -17,10 +17,13 @@ from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan, Stage
 from kafila.proto import signaling as sig
 from kafila.proto.codes import new_code, parse_code
+from kafila.proto.session import SessionTerms
 from kafila.rendezvous.server import RendezvousServer
-from kafila.session.form import Options, SessionError
-from kafila.session.formation import KEY, payload
-from kafila.session.start import host, join
+from kafila.session.errors import SessionError
+from kafila.session.forming.core import KEY, payload
+from kafila.session.forming.host import host
+from kafila.session.forming.join import join
+from kafila.session.terms import Options
 from tests.session.conftest import make_tiny_chat
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
@@ -105,9 +108,8 @@ async def test_member_linking_is_cut_short_when_a_simulated_host_leaves(rdv, tmp
     joining = asyncio.ensure_future(join(code, opts(rdv, "beta", tmp_path, wait_s=60)))
     member = await next_report(client)
     ids = {"simulated-host": client.member, "beta": member}
-    body = payload(
-        "plan", plan=two_member_plan().to_dict(), ids=ids, model="tiny", chunk=4, queue=8, dtype="fp32"
-    )
+    terms = SessionTerms("tiny", 4, 8, "fp32", 64, 1, "kafila").to_dict()
+    body = payload("plan", plan=two_member_plan().to_dict(), ids=ids, terms=terms)
     await client.signal(member, body)
     await asyncio.sleep(1.0)  # the member is linking now
     assert not joining.done()
@@ -150,10 +152,10 @@ async def test_a_simulated_member_that_never_links_is_removed_and_its_place_take
     the host. The host does not plan with it (it used to, and the session then failed for everyone
     when gamma left): once their link times out gamma is refused and removed at the rendezvous, and
     delta, a real member, takes the place with the same code."""
-    from kafila.session import form
+    from kafila.session.forming import driver
 
     said: list[str] = []
-    monkeypatch.setattr(form, "say", lambda text: said.append(text))
+    monkeypatch.setattr(driver, "say", lambda text: said.append(text))
     c, (hosting, beta) = await host_and(rdv, tmp_path, str(tiny_chat_model), 3, ["beta"])
     gamma = await SignalingClient.connect(rdv.url)
     joined = await gamma.join(parse_code(c).public, "gamma", {"role": "member"})
@@ -221,18 +223,18 @@ async def test_a_ready_member_ends_when_another_fails_to_start(rdv, tmp_path, ti
     """beta is ready while gamma is still fetching (its fetch simulated slow: it waits until the
     test ends it); gamma leaving then ends every side. beta used to count itself formed at its own
     ready and serve a ring that never formed, until someone killed it."""
-    from kafila.session import form, start
+    from kafila.session.forming import driver, join
 
     said: list[str] = []
-    monkeypatch.setattr(form, "say", lambda text: said.append(text))
-    real_fetch = start._fetch
+    monkeypatch.setattr(driver, "say", lambda text: said.append(text))
+    real_fetch = join._fetch
 
     async def fetch(got, links, o):
         if got.me == "gamma":
             await asyncio.Event().wait()  # the simulated slow fetch: until cancelled
         return await real_fetch(got, links, o)
 
-    monkeypatch.setattr(start, "_fetch", fetch)
+    monkeypatch.setattr(join, "_fetch", fetch)
     _, (hosting, beta, gamma) = await host_and(rdv, tmp_path, str(tiny_chat_model), 3, ["beta", "gamma"])
     for _ in range(600):  # beta is ready once the host has said so
         if "beta ready (1/2)" in said:
@@ -257,7 +259,7 @@ async def test_a_member_that_cannot_store_its_weights_is_named_with_why_at_the_h
     (tmp_path / "beta").mkdir()
     (tmp_path / "beta" / "weights").write_text("a file where the cache keeps a folder")
     _, (hosting, beta) = await host_and(rdv, tmp_path, str(tiny_chat_model), 2, ["beta"])
-    from kafila.session.weights import WeightsError
+    from kafila.session.weights.manifest import WeightsError
 
     with pytest.raises(WeightsError, match=f"cannot use the weight cache under {tmp_path / 'beta'}: "):
         await beta
@@ -274,7 +276,7 @@ async def test_a_member_that_cannot_store_its_weights_is_named_with_why_at_the_h
 def slow_probe(monkeypatch, measuring: threading.Event | None = None) -> threading.Event:
     """From now on a member's probe is simulated slow: it waits until the returned event is set
     (at most 60 s), then ends without measuring (nobody waits for it by then)."""
-    from kafila.session import start
+    from kafila.session.forming import host, join
 
     release = threading.Event()
 
@@ -284,7 +286,8 @@ def slow_probe(monkeypatch, measuring: threading.Event | None = None) -> threadi
         release.wait(60)
         raise RuntimeError("the simulated probe ends without measuring")
 
-    monkeypatch.setattr(start, "probe_report", probe)
+    monkeypatch.setattr(host, "probe_report", probe)
+    monkeypatch.setattr(join, "probe_report", probe)
     return release
 
 
@@ -327,16 +330,16 @@ async def test_a_formed_ring_says_it_lost_the_rendezvous_and_goes_on_serving(
 ):
     """The rendezvous going away after forming used to be one log line; each member now says so,
     on /session too, and the ring (direct links) still answers."""
-    from kafila.session import form
-    from kafila.session.service import Sampling
+    from kafila.api.service import Sampling
+    from kafila.session.forming import driver
 
     said: list[str] = []
-    monkeypatch.setattr(form, "say", lambda text: said.append(text))
+    monkeypatch.setattr(driver, "say", lambda text: said.append(text))
     _, (hosting, beta) = await host_and(rdv, tmp_path, str(tiny_chat_model), 2, ["beta"])
     formed = [await hosting, await beta]
     try:
         for f in formed:
-            assert f.service.describe()["rendezvous"] == {"url": rdv.url, "state": "connected"}
+            assert f.role.describe()["rendezvous"] == {"url": rdv.url, "state": "connected"}
         await rdv.stop()
         for _ in range(100):
             if sum(s.startswith("lost the rendezvous: the rendezvous shut down") for s in said) == 2:
@@ -344,10 +347,10 @@ async def test_a_formed_ring_says_it_lost_the_rendezvous_and_goes_on_serving(
             await asyncio.sleep(0.05)
         assert sum(s.startswith("lost the rendezvous: the rendezvous shut down") for s in said) == 2, said
         for f in formed:
-            seen = f.service.describe()["rendezvous"]
+            seen = f.role.describe()["rendezvous"]
             assert (seen["url"], seen["state"]) == (rdv.url, "lost"), seen
             assert seen["reason"] == "the rendezvous shut down or is restarting (WebSocket close 1012)", seen
-        gen = await formed[1].service.submit([1, 2, 3], Sampling(max_tokens=3))
+        gen = await formed[1].role.submit([1, 2, 3], Sampling(max_tokens=3))
         assert [ev async for ev in gen][-1].finish == "length"
     finally:
         for f in formed:
@@ -362,10 +365,10 @@ async def test_a_member_with_a_wrong_secret_word_is_not_admitted_and_a_right_one
     used to end the attempt for every member (the host planned with carol, then the ring's links
     failed)."""
     from kafila.proto.codes import WORDS
-    from kafila.session import form
+    from kafila.session.forming import driver
 
     said: list[str] = []
-    monkeypatch.setattr(form, "say", lambda text: said.append(text))
+    monkeypatch.setattr(driver, "say", lambda text: said.append(text))
     code, (hosting, beta) = await host_and(rdv, tmp_path, str(tiny_chat_model), 3, ["beta"])
     *head, last = code.split("-")
     wrong = "-".join([*head, next(w for w in WORDS if w != last)])
@@ -401,10 +404,10 @@ async def test_a_wrong_secret_word_is_found_while_host_and_member_still_measure_
     seconds, while both probes still run (simulated slow here: they wait until the test ends
     them). It used to come out only once both had measured themselves (10-20 s each here)."""
     from kafila.proto.codes import WORDS
-    from kafila.session import form
+    from kafila.session.forming import driver
 
     said: list[str] = []
-    monkeypatch.setattr(form, "say", lambda text: said.append(text))
+    monkeypatch.setattr(driver, "say", lambda text: said.append(text))
     measuring = threading.Event()
     release = slow_probe(monkeypatch, measuring)
     code: asyncio.Future = asyncio.get_running_loop().create_future()

@@ -7,13 +7,14 @@ import threading
 
 import pytest
 
+from kafila.api.service import GenerationError, Sampling, TokenEvent
 from kafila.engine.generate import generate
 from kafila.engine.sampler import SamplingParams
 from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
 from kafila.proto import tensor as t
-from kafila.session.schedule import SEPARATE_PROMPTS, lanes_for
-from kafila.session.service import GenerationError, Sampling, TokenEvent
+from kafila.proto.ring import Cause, RingBroken
+from kafila.session.ring.schedule import SEPARATE_PROMPTS, lanes_for
 from tests.session.ringkit import build_ring
 
 PROMPTS = [
@@ -328,7 +329,7 @@ async def test_simulated_killed_member_fails_requests_quickly(ckpt: Checkpoint) 
 
 
 async def test_a_member_that_saw_the_host_end_the_session_tells_the_ring_it_ended(ckpt: Checkpoint) -> None:
-    """m1's link to the host closed as ended (kafila.session.start.watch_host_ending sets `ending`;
+    """m1's link to the host closed as ended (MemberRuntime.watch_host_ending sets `ending`;
     simulated here, the in-memory ring has no QUIC links): its "broken" says the session ended, so
     the members downstream end too even where their own link's closing comes later."""
     ring = build_ring(ckpt, [(0, 2), (2, 3), (3, 5)])
@@ -337,13 +338,15 @@ async def test_a_member_that_saw_the_host_end_the_session_tells_the_ring_it_ende
     ring.head.on_ended = lambda: told.append("m0")
     try:
         ring.members[0].ending = True
-        ring.members[0]._break("link to m0 closed by the peer: the host ended the session")
+        detail = "link to m0 closed by the peer: the host ended the session"
+        ring.members[0]._break(RingBroken("m0", Cause.CLOSED, detail))
         for _ in range(100):
             if ring.head.broken is not None:
                 break
             await asyncio.sleep(0.02)
         assert told == ["m2", "m0"]
-        assert "the host ended the session" in (ring.members[1].broken or "")
+        assert "the host ended the session" in (ring.members[1].broken_text or "")
+        assert ring.members[0].broken is not None and ring.members[0].broken.cause is Cause.ENDED
     finally:
         await ring.stop()
 
@@ -353,7 +356,7 @@ async def test_a_member_that_broke_otherwise_does_not_say_the_session_ended(ckpt
     told: list[str] = []
     ring.members[1].on_ended = lambda: told.append("m2")
     try:
-        ring.members[0]._break("member m0 stopped answering")
+        ring.members[0]._break(RingBroken("m0", Cause.SILENT, "member m0 stopped answering"))
         for _ in range(100):
             if ring.members[1].broken is not None:
                 break
@@ -394,7 +397,7 @@ async def test_many_waiting_clients_leaving_at_once_send_few_queue_updates(ckpt:
     the whole queue and every waiting request was told at once, a message around the ring each
     (about 150**2 / 2 here; 400 such clients broke a real ring). Positions now go out at most every
     QUEUE_REPORT_S, only those that changed: the running request is not disturbed."""
-    from kafila.session.head import QUEUE_REPORT_S
+    from kafila.session.ring.head import QUEUE_REPORT_S
 
     ring = build_ring(ckpt, [(0, 2), (2, 5)], concurrency=1)
     link = ring.head.next
@@ -464,7 +467,7 @@ async def test_a_member_runs_waiting_prefill_chunks_one_at_a_time_and_batches_de
     ckpt: Checkpoint,
 ) -> None:
     """Prefill frames stay apart, so the next stage can start on one while this one computes the
-    next (kafila.session.schedule); waiting decode frames of distinct requests run as one batch."""
+    next (kafila.session.ring.schedule); waiting decode frames of distinct requests run as one batch."""
     ring = build_ring(ckpt, [(0, 2), (2, 5)], concurrency=4)
     member = ring.members[0]
     data = bytes(4 * 4 * 64)  # zero rows; only the batching is looked at

@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from kafila.api.service import Sampling
 from kafila.engine.pace import Pace
 from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
@@ -16,10 +17,9 @@ from kafila.obs.trace import RequestRecord, StageRecord, TraceLog, summarize_sta
 from kafila.obs.tracefile import from_json
 from kafila.proto import tensor as t
 from kafila.session.channel import MemoryChannel
-from kafila.session.compute import ModelThread
-from kafila.session.head import RingHead, RingInfo
-from kafila.session.member import RingMember
-from kafila.session.service import Sampling
+from kafila.session.ring.compute import ModelThread
+from kafila.session.ring.head import RingHead, RingInfo
+from kafila.session.ring.member import RingMember
 from tests.session.ringkit import Ring, beat, build_ring
 
 PROMPT = list(range(1, 14))  # 13 tokens: prefill chunks of 4, 4, 4, 1; the tiny model's answer has no EOS
@@ -209,8 +209,8 @@ async def test_the_circuit_includes_the_heads_own_blocks(ckpt: Checkpoint) -> No
 async def test_cancelled_and_stopped_requests_are_recorded_as_such(ckpt: Checkpoint) -> None:
     """A request cancelled mid-answer crossed every hop: the head records it ("cancelled"), as the
     members record their stages; one the API ends on a stop string is a finished "stop"."""
+    from kafila.api.service import STOP_STRING
     from kafila.obs import metrics
-    from kafila.session.service import STOP_STRING
 
     ring = build_ring(ckpt, [(0, 2), (2, 5)], chunk=CHUNK)
     logs = traced(ring)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kafila.session.schedule import Entry, QueueFull, Schedule, Step, lanes_for
+from kafila.session.ring.schedule import Entry, QueueFull, Schedule, Step, lanes_for
 
 
 def test_prefill_chunks_then_one_decode_step_at_a_time() -> None:

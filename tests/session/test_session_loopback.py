@@ -12,15 +12,18 @@ import httpx
 import openai
 import pytest
 
+from kafila.api.service import Sampling
 from kafila.engine.generate import generate
 from kafila.engine.sampler import SamplingParams
 from kafila.engine.stage import Stage
 from kafila.engine.tokenizer import Tokenizer
 from kafila.models.checkpoint import Checkpoint
 from kafila.rendezvous.server import RendezvousServer
-from kafila.session.form import Formed, Options, SessionError
-from kafila.session.service import Sampling
-from kafila.session.start import host, join
+from kafila.session.errors import SessionError
+from kafila.session.forming.host import host
+from kafila.session.forming.join import join
+from kafila.session.runtime import MemberRuntime
+from kafila.session.terms import Options
 from tests.session.conftest import make_tiny_chat
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
@@ -49,7 +52,7 @@ async def form(
     model: str = MODEL,
     host_kw: dict | None = None,
     **kw,
-) -> list[Formed]:
+) -> list[MemberRuntime]:
     code: asyncio.Future = asyncio.get_running_loop().create_future()
     hosting = asyncio.ensure_future(
         host(
@@ -73,7 +76,7 @@ async def form(
     return list(await asyncio.gather(hosting, *members))
 
 
-async def close(formed: list[Formed]) -> None:
+async def close(formed: list[MemberRuntime]) -> None:
     for f in formed:
         await f.close()
 
@@ -87,7 +90,7 @@ def single_process(path: Path, prompt: list[int], n: int, dtype: str = "fp32") -
     ]
 
 
-def service_of(formed: list[Formed], not_head: bool = True):
+def service_of(formed: list[MemberRuntime], not_head: bool = True):
     for f in formed:
         if (f.plan.head != f.name) == not_head:
             return f
@@ -104,9 +107,7 @@ async def test_three_members_give_the_single_process_tokens(rdv, tiny_chat_model
         prompt = tok.encode_chat(PROMPT)
         want = await asyncio.to_thread(single_process, tiny_chat_model, prompt, 16)
         member = service_of(formed)
-        got = [
-            t async for ev in await member.service.submit(prompt, Sampling(max_tokens=16)) for t in ev.tokens
-        ]
+        got = [t async for ev in await member.role.submit(prompt, Sampling(max_tokens=16)) for t in ev.tokens]
         assert got == want
         ckpt = Checkpoint.open(tiny_chat_model)
         for f in formed[1:]:  # each joiner fetched exactly its share of tensors, nothing more
@@ -125,15 +126,13 @@ async def test_every_member_computes_in_the_hosts_dtype(rdv, tiny_chat_model, tm
     member_kw = {n: {"dtype": "fp32"} for n in ("beta", "gamma")}
     formed = await form(rdv, tmp_path, model=str(tiny_chat_model), host_kw={"dtype": "bf16"}, **member_kw)
     try:
-        assert [f.service.stage.backend.dtype for f in formed] == ["bf16"] * 3
-        assert {f.service.describe()["dtype"] for f in formed} == {"bf16"}  # /session says so
+        assert [f.role.stage.backend.dtype for f in formed] == ["bf16"] * 3
+        assert {f.role.describe()["dtype"] for f in formed} == {"bf16"}  # /session says so
         tok = Tokenizer.from_checkpoint(Checkpoint.open(tiny_chat_model))
         prompt = tok.encode_chat(PROMPT)
         want = await asyncio.to_thread(single_process, tiny_chat_model, prompt, 12, "bf16")
         member = service_of(formed)
-        got = [
-            t async for ev in await member.service.submit(prompt, Sampling(max_tokens=12)) for t in ev.tokens
-        ]
+        got = [t async for ev in await member.role.submit(prompt, Sampling(max_tokens=12)) for t in ev.tokens]
         assert got == want
     finally:
         await close(formed)
@@ -148,7 +147,7 @@ async def test_openai_client_through_a_member_that_is_not_the_head(rdv, tmp_path
                 model=MODEL, messages=PROMPT, max_tokens=20, temperature=0
             )
         assert "Paris" in r.choices[0].message.content
-        doc = member.service.describe()
+        doc = member.role.describe()
         assert doc["state"] == "serving" and len(doc["ring"]) == 3
         # no --trace file: /traces still serves what each member measured (it used to be empty)
         for _ in range(100):  # the records follow the answer, with the request's free notice
@@ -188,14 +187,14 @@ async def test_every_member_traces_its_hops_over_quic(rdv, tiny_chat_model, tmp_
     the links' measured round trips next to the ones the plan priced."""
     from kafila.obs.trace import RequestRecord, StageRecord, TraceLog
     from kafila.obs.tracefile import from_json
-    from kafila.session.stagetrace import planned_rtt_ms
+    from kafila.session.ring.stagetrace import planned_rtt_ms
 
     formed = await form(rdv, tmp_path, model=str(tiny_chat_model))
     try:
         for f in formed:  # as `--trace FILE` would (the plan's priced round trips are wired already)
-            f.service.traces = TraceLog(tmp_path / f"{f.name}.jsonl")
+            f.role.traces = TraceLog(tmp_path / f"{f.name}.jsonl")
         prompt = Tokenizer.from_checkpoint(Checkpoint.open(tiny_chat_model)).encode_chat(PROMPT)
-        gen = await service_of(formed).service.submit(prompt, Sampling(max_tokens=12))
+        gen = await service_of(formed).role.submit(prompt, Sampling(max_tokens=12))
 
         async def answer() -> list:
             return [ev async for ev in gen]
@@ -203,12 +202,12 @@ async def test_every_member_traces_its_hops_over_quic(rdv, tiny_chat_model, tmp_
         await asyncio.wait_for(answer(), 60)
         head = service_of(formed, not_head=False)
         for _ in range(200):  # the request record follows the free notice around the ring
-            recs = [from_json(d) for d in head.service.traces.recent()]
+            recs = [from_json(d) for d in head.role.traces.recent()]
             if any(isinstance(r, RequestRecord) for r in recs):
                 break
             await asyncio.sleep(0.05)
         stages = {
-            f.name: next(r for r in map(from_json, f.service.traces.recent()) if isinstance(r, StageRecord))
+            f.name: next(r for r in map(from_json, f.role.traces.recent()) if isinstance(r, StageRecord))
             for f in formed
         }
     finally:

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kafila.api.service import Sampling
 from kafila.engine.generate import generate
 from kafila.engine.sampler import SamplingParams
 from kafila.engine.stage import Stage
@@ -19,11 +20,12 @@ from kafila.models.checkpoint import Checkpoint
 from kafila.obs.trace import StageRecord
 from kafila.obs.tracefile import from_json
 from kafila.rendezvous.server import RendezvousServer
-from kafila.session.form import Formed, Options
-from kafila.session.service import Sampling
-from kafila.session.stagetrace import planned_rtt_ms
-from kafila.session.start import host, join
-from kafila.session.weights import checkpoint_id
+from kafila.session.forming.host import host
+from kafila.session.forming.join import join
+from kafila.session.ring.stagetrace import planned_rtt_ms
+from kafila.session.runtime import MemberRuntime
+from kafila.session.terms import Options
+from kafila.session.weights.manifest import checkpoint_id
 from tests.session.conftest import make_tiny_chat
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
@@ -51,7 +53,7 @@ def opts(rdv: RendezvousServer, name: str, tmp: Path, **kw) -> Options:
     return Options(**(base | kw))
 
 
-async def form(rdv: RendezvousServer, tmp: Path, n: int, model: Path, division: str) -> list[Formed]:
+async def form(rdv: RendezvousServer, tmp: Path, n: int, model: Path, division: str) -> list[MemberRuntime]:
     code: asyncio.Future = asyncio.get_running_loop().create_future()
     host_opts = opts(
         rdv, NAMES[0], tmp, model=str(model), members=n, context=256, division=division, chunk=64, queue=3
@@ -70,8 +72,8 @@ def single_process(path: Path, prompt: list[int], n: int) -> list[int]:
     return [t for t in generate(stage, prompt, params, eos_ids=tuple(stop)) if t not in stop]
 
 
-def stage_records(f: Formed) -> list[StageRecord]:
-    return [r for r in map(from_json, f.service.traces.recent()) if isinstance(r, StageRecord)]
+def stage_records(f: MemberRuntime) -> list[StageRecord]:
+    return [r for r in map(from_json, f.role.traces.recent()) if isinstance(r, StageRecord)]
 
 
 def far_from_host(order: tuple[str, ...], host_name: str) -> list[str]:
@@ -104,9 +106,9 @@ async def test_sessions_of_four_and_five_members(rdv, tiny_chat_model, tmp_path,
         tok = Tokenizer.from_checkpoint(ckpt)
         prompt = tok.encode_chat(PROMPT)
         want = await asyncio.to_thread(single_process, tiny_chat_model, prompt, 12)
-        assert by_name[plan.head].service.schedule.max_queue == 3  # the host's --queue, at the head
+        assert by_name[plan.head].role.schedule.max_queue == 3  # the host's --queue, at the head
         asker = by_name[far[0]]  # a member that is neither the head's nor the host's neighbour
-        events = await asker.service.submit(prompt, Sampling(max_tokens=12, seed=7))
+        events = await asker.role.submit(prompt, Sampling(max_tokens=12, seed=7))
         assert [t async for ev in events for t in ev.tokens] == want
 
         for _ in range(200):  # every member writes its stage record once the request is freed
@@ -115,7 +117,7 @@ async def test_sessions_of_four_and_five_members(rdv, tiny_chat_model, tmp_path,
             await asyncio.sleep(0.05)
         for f in formed:  # host/join --trace reach every member, with the plan's priced round trips
             assert stage_records(f) and (tmp_path / f"{f.name}.jsonl").stat().st_size > 0
-            assert f.service.info.edge_rtt_ms == planned_rtt_ms(plan.edges)
+            assert f.role.info.edge_rtt_ms == planned_rtt_ms(plan.edges)
 
         ring_edges = {f"{a}->{plan.successor(a)}" for a in plan.order}
         controls = {asker.name: {f"{asker.name}<->{NAMES[0]}"}, NAMES[0]: {f"{NAMES[0]}<->{m}" for m in far}}

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from kafila.session.localfleet import LocalFleet
+from kafila.demo.fleet import LocalFleet
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 MODEL = "smollm2-135m"

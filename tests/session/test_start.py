@@ -7,8 +7,9 @@ import asyncio
 
 import pytest
 
-from kafila.session.form import Options, SessionError
-from kafila.session.start import in_session_dtype
+from kafila.session.errors import SessionError
+from kafila.session.forming.join import in_session_dtype
+from kafila.session.terms import Options
 
 
 def test_a_member_probes_in_the_hosts_dtype_whatever_it_was_given() -> None:
@@ -23,7 +24,7 @@ def test_a_member_probes_in_the_hosts_dtype_whatever_it_was_given() -> None:
 def test_memory_gb_caps_what_a_member_offers_and_never_raises_it(capsys) -> None:
     """--memory-gb 100 on a machine with 23 GB offered 100 GB, and the planner trusted it."""
     from kafila.planner.devices import DeviceReport
-    from kafila.session.form import capped
+    from kafila.session.forming.measure import capped
 
     measured = DeviceReport("laptop", 23 * 10**9, 5e9)
     assert capped(measured, None) == measured
@@ -37,7 +38,7 @@ def test_memory_gb_caps_what_a_member_offers_and_never_raises_it(capsys) -> None
 
 async def test_session_shows_a_closed_link_as_closed_not_its_last_path() -> None:
     from kafila.net.auth import EdgeContext
-    from kafila.session.start import follow_paths
+    from kafila.session.ring.build import follow_paths
     from tests.net.conftest import direct_pair
 
     ctx = EdgeContext("S", "alice", "bob", b"secret")
@@ -58,7 +59,7 @@ async def test_session_shows_a_closed_link_as_closed_not_its_last_path() -> None
 def test_two_members_on_one_machine_cannot_both_reserve_the_api_port() -> None:
     """A host and a member on one machine, both with the default --api: both bound 11434 (SO_REUSEADDR,
     neither listening yet), and the host's server failed with a traceback once the session had formed."""
-    from kafila.session.start import reserve_api
+    from kafila.session.runtime import reserve_api
 
     first = reserve_api(Options(api="127.0.0.1:0"))
     assert first is not None
@@ -73,8 +74,8 @@ def test_two_members_on_one_machine_cannot_both_reserve_the_api_port() -> None:
 
 def test_the_join_line_names_the_rendezvous_unless_it_is_the_default() -> None:
     from kafila.proto.codes import parse_code
-    from kafila.session.form import DEFAULT_RENDEZVOUS
-    from kafila.session.start import join_command
+    from kafila.session.forming.signaling import join_command
+    from kafila.session.terms import DEFAULT_RENDEZVOUS
 
     code = parse_code("4-k7m2-tiger-lamp-ocean")
     assert join_command(code, DEFAULT_RENDEZVOUS) == "kafila join 4-k7m2-tiger-lamp-ocean"
@@ -86,22 +87,25 @@ def test_the_join_line_names_the_rendezvous_unless_it_is_the_default() -> None:
 async def test_a_member_the_ring_counted_gone_is_told_that_the_silent_member_was_itself() -> None:
     """A member stopped for 9 s (SIGSTOP) woke to the head's "broken" and said "the ring is broken:
     member m1 stopped answering" as m1, as if about another member."""
+    from kafila.proto.ring import Cause
     from kafila.session.channel import ChannelDead, Heartbeat, MemoryChannel
-    from kafila.session.start import broken_line
+    from kafila.session.ring.build import broken_line
 
     _, hb = MemoryChannel.pair("m1", "hosty")  # hosty listens for m1's beats; m1 sends none
     with pytest.raises(ChannelDead) as silent:
         await Heartbeat(hb, dead_after=0.2, interval=10.0, first_within=0.2).recv()
-    why = f"the ring is broken: {silent.value}"  # what the head's "broken" carries round the ring
+    broken = silent.value.broken()  # what the head's "broken" carries round the ring
+    assert (broken.member, broken.cause) == ("m1", Cause.SILENT)
+    why = broken.text()
     assert why == "the ring is broken: member m1 stopped answering (nothing for 0.2 s)"
-    mine = broken_line("m1", why)
+    mine = broken_line("m1", broken)
     assert mine.startswith(f"{why}: that is this member, whose process did not run in time")
     assert mine.endswith(
         "This member answers requests with 503 from now on; re-planning is not "
         "implemented: end it (Ctrl-C) and form a new session"
     )
     for other in ("hosty", "m1-5", "m"):
-        assert broken_line(other, why) == f"{why}. {mine.split('. ', 1)[1]}"
+        assert broken_line(other, broken) == f"{why}. {mine.split('. ', 1)[1]}"
 
 
 LOCAL_OR_OPEN = [("127.0.0.1:0", False), ("localhost:0", False), ("[::1]:0", False), ("0.0.0.0:0", True)]
@@ -109,7 +113,7 @@ LOCAL_OR_OPEN = [("127.0.0.1:0", False), ("localhost:0", False), ("[::1]:0", Fal
 
 @pytest.mark.parametrize(("api", "open_"), LOCAL_OR_OPEN)
 def test_an_api_open_to_other_machines_is_said_to_be_unauthenticated(capsys, api: str, open_: bool) -> None:
-    from kafila.session.start import reserve_api
+    from kafila.session.runtime import reserve_api
 
     sock = reserve_api(Options(api=api))
     assert sock is not None

@@ -1,4 +1,4 @@
-"""Per-shard weight fetch (kafila.session.weights) over in-memory channels and real QUIC links on
+"""Per-shard weight fetch (kafila.session.weights.fetch) over in-memory channels and real QUIC links on
 loopback: exact shares, the cache, local copies, refusals and damaged responses."""
 
 from __future__ import annotations
@@ -21,15 +21,11 @@ from kafila.planner.plan import Plan
 from kafila.planner.plan import Stage as PlanStage
 from kafila.proto import tensor as t
 from kafila.session.channel import Channel, LinkChannel, MemoryChannel
-from kafila.session.start import weights_source
-from kafila.session.wcache import BlobStore, file_stamp
-from kafila.session.weights import (
-    ShardResult,
-    WeightsError,
-    WeightServer,
-    fetch_for_plan,
-    fetch_shard,
-)
+from kafila.session.forming.join import weights_source
+from kafila.session.weights.cache import BlobStore, file_stamp
+from kafila.session.weights.fetch import ShardResult, fetch_for_plan, fetch_shard
+from kafila.session.weights.manifest import WeightsError
+from kafila.session.weights.server import WeightServer
 
 MODEL = "llama-mha-untied"  # untied lm_head: the head's share has three head tensors
 SPLITS = {"m0": (0, 2), "m1": (2, 4), "m2": (4, 5)}
@@ -536,7 +532,7 @@ def test_a_killed_stores_part_file_is_swept_once_old_and_a_fresh_one_kept(tmp_pa
 
 def test_progress_piped_to_a_file_is_a_line_at_every_tenth(capsys) -> None:
     """Under a log file, tqdm's bar was one endless line of carriage returns."""
-    from kafila.session.weights import LineProgress, _Member
+    from kafila.session.weights.fetch import LineProgress, _Member
 
     bar = _Member(MemoryChannel.pair("a", "b")[0], Path("."), 1, 1.0, True, "beta").bar(20_000_000)
     assert isinstance(bar, LineProgress)  # stderr is not a terminal under pytest
@@ -552,7 +548,7 @@ def test_progress_piped_to_a_file_is_a_line_at_every_tenth(capsys) -> None:
 def test_progress_on_a_terminal_is_a_bar(monkeypatch) -> None:
     from tqdm import tqdm
 
-    from kafila.session.weights import _Member
+    from kafila.session.weights.fetch import _Member
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     with _Member(MemoryChannel.pair("a", "b")[0], Path("."), 1, 1.0, True, "beta").bar(100) as bar:
@@ -561,7 +557,7 @@ def test_progress_on_a_terminal_is_a_bar(monkeypatch) -> None:
 
 def test_cache_files_and_shard_folders_get_the_permissions_any_file_would(tmp_path) -> None:
     """mkstemp/mkdtemp made them 0600/0700: a cache shared by a machine's users was unreadable."""
-    from kafila.session.wcache import UMASK, ShardFolder, build_shard_folder
+    from kafila.session.weights.cache import UMASK, ShardFolder, build_shard_folder
 
     blob = BlobStore(tmp_path / "blobs").put("cd" + "0" * 62, "w", "F32", (2,), bytes(8))
     assert blob.stat().st_mode & 0o777 == 0o666 & ~UMASK

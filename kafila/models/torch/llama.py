@@ -218,7 +218,7 @@ class LlamaModel:
         """The code a prefill step whose chunks begin at positions `starts` runs (within
         `batch_rows` rows): "fused" when they are all first chunks and the kernels run here, else
         "ops". The two round differently, so chunks share a step only where they take the same path
-        alone (kafila.session.schedule)."""
+        alone (kafila.session.ring.schedule)."""
         return "fused" if self.fused_decode and all(p == 0 for p in starts) else "ops"
 
     # -- loading ---------------------------------------------------------------------------------

@@ -1,25 +1,5 @@
-"""Per-shard weight fetch: a member fetches exactly its tensors from the host's safetensors files.
-
-Over a session Channel (kafila.session.channel; an authenticated QUIC link or an in-process pair):
-
-    member -> host   CONTROL  weights.get_manifest
-    host -> member   CONTROL  weights.manifest {checkpoint, max_request, files, headers, tensors}
-    member -> host   FETCH_REQUEST {fetch_id, file, offset, length}     (several in flight)
-    host -> member   FETCH_DATA fetch_id | bytes     or   ERROR {request_id: fetch_id, code, message}
-    member -> host   CONTROL  weights.done {bytes, tensors}
-
-The host answers only files of its checkpoint, only ranges inside a safetensors header, inside
-tensor data, or inside one of the small files (config.json, tokenizer.json, ...), at most
-`max_request` bytes each; reads run on a worker thread. The member checks every safetensors header
-it fetched against the manifest (names, dtypes, shapes, byte ranges), every response's size, and
-every tensor's sha256 before caching it (kafila.session.wcache), then builds a shard folder that
-`Checkpoint.open` / `Stage.load` read unchanged. See docs/weights.md.
-
-    server = WeightServer(folder)                       # host, once per session
-    await server.serve(channel)                         # per member, until it says done
-    shard = await fetch_shard(channel, range(4, 9), head=False)   # member
-    stage = Stage.load(Checkpoint.open(shard.path), range(4, 9), False)
-"""
+"""A member fetches its shard: manifest, ranged requests in flight, checks, the cache, a shard folder
+that `Checkpoint.open` reads unchanged (the protocol: kafila.session.weights.manifest)."""
 
 from __future__ import annotations
 
@@ -29,10 +9,6 @@ import contextlib
 import errno
 import hashlib
 import itertools
-import json
-import math
-import os
-import struct
 import sys
 import time
 from collections.abc import Sequence
@@ -40,386 +16,41 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kafila.models.checkpoint import MAX_HEADER_BYTES, Checkpoint, CheckpointError
-from kafila.models.manifest import DTYPE_BYTES
+from kafila.models.cache import models_dir
+from kafila.models.checkpoint import Checkpoint, CheckpointError
+from kafila.models.manifest import EMBED, FINAL_NORM, LM_HEAD, block_index
 from kafila.obs.log import get_logger
 from kafila.proto import tensor as t
 from kafila.session.channel import Channel, ChannelError
-from kafila.session.wcache import (
+from kafila.session.weights.cache import (
     BlobStore,
     HashCache,
     ShardFolder,
-    blob_key,
     build_shard_folder,
-    file_stamp,
+    cache_root,
     write_atomic,
+)
+from kafila.session.weights.manifest import (
+    OP_DONE,
+    OP_GET_MANIFEST,
+    OP_MANIFEST,
+    U32_MAX,
+    TensorEntry,
+    WeightManifest,
+    WeightsError,
+    headers_digest,
+    parse_header,
+    read_headers,
+    runs,
 )
 
 log = get_logger(__name__)
 
-OP_GET_MANIFEST = "weights.get_manifest"
-OP_MANIFEST = "weights.manifest"
-OP_DONE = "weights.done"
-# Small files a member needs besides tensors (those present are offered, whole).
-SMALL_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-)
-MAX_SMALL_FILE = 64 << 20  # a "small" file larger than this is not offered
-DEFAULT_MAX_REQUEST = 1 << 20  # bytes per FETCH_REQUEST the host accepts (window x this = bytes queued)
+
 DEFAULT_WINDOW = 8  # requests a member keeps in flight
-_U32_MAX = (1 << 32) - 1  # FETCH_DATA carries the fetch id as a u32
+
+
 _FETCH_IDS = itertools.count()
-
-
-class WeightsError(RuntimeError):
-    """The fetch failed (refused, truncated, corrupt, or a checkpoint mismatch); the text says which."""
-
-
-class FetchRefused(ValueError):
-    """A host-side refusal of one FETCH_REQUEST (becomes an ERROR reply)."""
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    name: str
-    file: str  # safetensors file name inside the checkpoint folder
-    dtype: str
-    shape: tuple[int, ...]
-    start: int  # absolute offsets in `file`
-    end: int
-    sha256: str
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
-
-    @property
-    def key(self) -> str:
-        return blob_key(self.name, self.dtype, self.shape, self.sha256)
-
-
-@dataclass(frozen=True)
-class WeightManifest:
-    """What a host offers: its checkpoint id (the digest of its safetensors headers), the request
-    size limit, small files (size, sha256), header lengths and every tensor with its sha256."""
-
-    checkpoint: str
-    max_request: int
-    files: dict[str, tuple[int, str]]  # small file -> (size, sha256)
-    headers: dict[str, int]  # safetensors file -> header bytes (8 + N)
-    tensors: dict[str, TensorEntry]
-    n_blocks: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "checkpoint": self.checkpoint,
-            "max_request": self.max_request,
-            "n_blocks": self.n_blocks,
-            "files": {k: list(v) for k, v in self.files.items()},
-            "headers": self.headers,
-            "tensors": [
-                [e.name, e.file, e.dtype, list(e.shape), e.start, e.end, e.sha256]
-                for e in self.tensors.values()
-            ],
-        }
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> WeightManifest:
-        try:
-            tensors = {}
-            for name, file, dtype, shape, start, end, sha in d["tensors"]:
-                tensors[str(name)] = TensorEntry(
-                    str(name),
-                    str(file),
-                    str(dtype),
-                    tuple(int(x) for x in shape),
-                    int(start),
-                    int(end),
-                    str(sha),
-                )
-            files = {str(k): (int(v[0]), str(v[1])) for k, v in d["files"].items()}
-            headers = {str(k): int(v) for k, v in d["headers"].items()}
-            m = cls(str(d["checkpoint"]), int(d["max_request"]), files, headers, tensors, int(d["n_blocks"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise WeightsError(f"host sent a malformed weights manifest: {exc!r}") from None
-        if m.max_request < 1 or any(Path(f).name != f or f in (".", "..") for f in [*files, *headers]):
-            raise WeightsError("host sent a weights manifest with a bad file name or request size")
-        return m
-
-
-def headers_digest(headers: dict[str, bytes]) -> str:
-    """The checkpoint id: sha256 over each safetensors file's name and header bytes, by name."""
-    h = hashlib.sha256()
-    for name in sorted(headers):
-        raw = headers[name]
-        h.update(name.encode() + b"\0" + struct.pack("<Q", len(raw)) + raw)
-    return h.hexdigest()
-
-
-def checkpoint_id(folder: Path) -> str:
-    """The id of the checkpoint in `folder` (its headers' digest, as `describe` gives it)."""
-    ckpt = Checkpoint.open(folder, complete=True)
-    return headers_digest(_read_headers(ckpt.path, sorted({i.file.name for i in ckpt.tensors.values()})))
-
-
-def parse_header(file: str, raw: bytes) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
-    """Header bytes (8-byte length + JSON) -> {name: (dtype, shape, start, end)}, absolute offsets,
-    with the same checks as Checkpoint (known dtype, byte count = numel * itemsize)."""
-    if len(raw) < 8 or struct.unpack_from("<Q", raw)[0] != len(raw) - 8 or len(raw) - 8 > MAX_HEADER_BYTES:
-        raise WeightsError(f"{file}: header of {len(raw)} bytes does not match its length prefix")
-    try:
-        header = json.loads(raw[8:].decode("utf-8"))
-        header.pop("__metadata__", None)
-        out = {}
-        for name, e in header.items():
-            dtype, shape, (a, b) = e["dtype"], tuple(int(x) for x in e["shape"]), e["data_offsets"]
-            if dtype not in DTYPE_BYTES or int(b) - int(a) != math.prod(shape) * DTYPE_BYTES[dtype] or a < 0:
-                raise WeightsError(f"{file}: tensor {name} {dtype}{list(shape)} has byte range [{a}, {b})")
-            out[name] = (dtype, shape, len(raw) + int(a), len(raw) + int(b))
-    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as exc:
-        raise WeightsError(f"{file}: corrupt safetensors header: {exc!r}") from None
-    return out
-
-
-def _read_headers(folder: Path, files: Sequence[str]) -> dict[str, bytes]:
-    out = {}
-    for name in files:
-        with open(folder / name, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{folder / name}: shorter than a safetensors header")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES:
-                raise CheckpointError(f"{folder / name}: header length {n} is corrupt")
-            out[name] = head + f.read(n)
-    return out
-
-
-def describe(
-    folder: Path, max_request: int = DEFAULT_MAX_REQUEST, cache: Path | None = None
-) -> WeightManifest:
-    """The host's manifest of a checkpoint folder (blocking: hashes tensors not hashed before)."""
-    ckpt = Checkpoint.open(folder, complete=True)
-    hashes = HashCache(_cache_root(cache) / "weights" / "hashes")
-    by_file: dict[Path, list[Any]] = {}
-    for info in ckpt.tensors.values():
-        by_file.setdefault(info.file, []).append(info)
-    tensors = {}
-    for file, infos in sorted(by_file.items()):
-        digests = hashes.digests(file, infos)
-        for i in infos:
-            tensors[i.name] = TensorEntry(
-                i.name, file.name, i.dtype, i.shape, i.start, i.end, digests[i.name]
-            )
-    header_bytes = _read_headers(ckpt.path, sorted(f.name for f in by_file))
-    files = {}
-    for name in SMALL_FILES:
-        p = ckpt.path / name
-        if p.is_file() and p.stat().st_size <= MAX_SMALL_FILE:
-            data = p.read_bytes()
-            files[name] = (len(data), hashlib.sha256(data).hexdigest())
-    return WeightManifest(
-        checkpoint=headers_digest(header_bytes),
-        max_request=max_request,
-        files=files,
-        headers={k: len(v) for k, v in header_bytes.items()},
-        tensors=tensors,
-        n_blocks=ckpt.n_blocks,
-    )
-
-
-def _cache_root(cache: Path | None) -> Path:
-    if cache is not None:
-        return Path(cache)
-    from kafila.models.registry import cache_dir
-
-    return cache_dir()
-
-
-def cache_problem(cache: Path | None) -> str | None:
-    """Why the weight cache cannot be used at all (a file where a folder must be), named before a
-    session starts rather than when the weights arrive; None if it may be."""
-    root = _cache_root(cache)
-    for folder in (root, *root.parents):
-        if folder.exists() and not folder.is_dir():
-            return (
-                f"cannot use the weight cache under {root}: {folder} is a file, not a folder; set "
-                "KAFILA_CACHE to another folder"
-            )
-    return None
-
-
-def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted [start, end) spans -> maximal runs of touching spans."""
-    out: list[tuple[int, int]] = []
-    for a, b in sorted(spans):
-        if out and out[-1][1] == a:
-            out[-1] = (out[-1][0], b)
-        elif b > a:
-            out.append((a, b))
-    return out
-
-
-# ---------------------------------------------------------------------------------------- host
-
-
-@dataclass
-class ServeStats:
-    requests: int = 0
-    bytes_sent: int = 0
-    refused: int = 0
-    error: str | None = None  # why the member stopped fetching, as it said in its weights.done
-
-
-class WeightServer:
-    """The host's side: answers weight fetches of one checkpoint folder on any number of channels."""
-
-    def __init__(
-        self,
-        folder: str | os.PathLike[str],
-        max_request: int = DEFAULT_MAX_REQUEST,
-        cache: Path | None = None,
-    ) -> None:
-        self.folder = Path(folder).expanduser().resolve()
-        self.max_request, self.cache = max_request, cache
-        self.stats: dict[str, ServeStats] = {}
-        self._manifest: WeightManifest | None = None
-        self._allowed: dict[str, list[tuple[int, int]]] = {}
-        self._stamps: dict[str, list[int] | None] = {}  # each served file as it was described
-        self._lock = asyncio.Lock()
-
-    async def prepare(self) -> WeightManifest:
-        """Describe the checkpoint (on a thread; hashes are remembered across sessions)."""
-        async with self._lock:
-            if self._manifest is None:
-                stamps = await asyncio.to_thread(_stamps, self.folder)  # before hashing: see _pread
-                m = await asyncio.to_thread(describe, self.folder, self.max_request, self.cache)
-                allowed = {name: [(0, size)] for name, (size, _) in m.files.items() if size}
-                for file, hlen in m.headers.items():
-                    spans = [(e.start, e.end) for e in m.tensors.values() if e.file == file]
-                    allowed[file] = _runs([(0, hlen), *spans])
-                self._manifest, self._allowed = m, allowed
-                self._stamps = {name: stamps.get(name) for name in allowed}
-                log.info(
-                    "weights_prepared",
-                    folder=str(self.folder),
-                    checkpoint=m.checkpoint[:16],
-                    tensors=len(m.tensors),
-                )
-            return self._manifest
-
-    def check(self, req: t.FetchRequest) -> tuple[Path, int, int]:
-        """The file, offset and length a request may read; FetchRefused saying why not."""
-        runs = self._allowed.get(req.file)
-        if runs is None:
-            raise FetchRefused(f"file {req.file!r} is not part of the checkpoint being served")
-        if req.fetch_id > _U32_MAX:
-            raise FetchRefused(f"fetch id {req.fetch_id} does not fit the u32 of FETCH_DATA")
-        if req.length < 1 or req.length > self.max_request:
-            raise FetchRefused(
-                f"{req.file}: request of {req.length} bytes; requests must be 1..{self.max_request} bytes"
-            )
-        a, b = req.offset, req.offset + req.length
-        i = bisect.bisect_right(runs, (a, math.inf)) - 1
-        if i < 0 or b > runs[i][1]:
-            raise FetchRefused(
-                f"{req.file}: bytes [{a}, {b}) are not inside its header or tensor data "
-                f"(allowed runs: {runs[:4]}{' ...' if len(runs) > 4 else ''})"
-            )
-        return self.folder / req.file, a, req.length
-
-    async def handle(self, channel: Channel, msg: t.Message) -> bool:
-        """Answer `msg` if it is a weights message (True), else leave it to the caller (False).
-        For a host whose receive loop owns the channel; `serve` does the same in its own loop."""
-        if isinstance(msg, t.Control) and msg.op == OP_GET_MANIFEST:
-            m = await self.prepare()
-            await channel.send(t.Control(OP_MANIFEST, m.to_json()))
-            return True
-        if isinstance(msg, t.FetchRequest):
-            await self._answer(channel, msg)
-            return True
-        if isinstance(msg, t.Control) and msg.op == OP_DONE:
-            error = msg.body.get("error")
-            if error is not None:  # kept for the host to say (a member that fetched nothing has no stats)
-                self.stats.setdefault(channel.peer, ServeStats()).error = str(error)[:500]
-            s = self.stats.get(channel.peer, ServeStats())
-            (log.warning if error is not None else log.info)(
-                "weights_served",
-                peer=channel.peer,
-                requests=s.requests,
-                bytes=s.bytes_sent,
-                refused=s.refused,
-                member_bytes=msg.body.get("bytes"),
-                error=msg.body.get("error"),
-            )
-            return True
-        return False
-
-    async def serve(self, channel: Channel, timeout: float | None = None) -> ServeStats:
-        """Serve one member until it sends weights.done (or closes); returns what was sent."""
-        await self.prepare()
-        while True:
-            try:
-                msg = await channel.recv(timeout)
-            except ChannelError:
-                break
-            await self.handle(channel, msg)
-            if isinstance(msg, t.Control) and msg.op == OP_DONE:
-                break
-        return self.stats.get(channel.peer, ServeStats())
-
-    async def _answer(self, channel: Channel, req: t.FetchRequest) -> None:
-        await self.prepare()
-        stats = self.stats.setdefault(channel.peer, ServeStats())
-        stats.requests += 1
-        try:
-            path, offset, length = self.check(req)
-            data = await asyncio.to_thread(_pread, path, offset, length, self._stamps.get(req.file))
-        except FetchRefused as exc:
-            stats.refused += 1
-            log.warning("weights_fetch_refused", peer=channel.peer, reason=str(exc))
-            await channel.send(t.Error(req.fetch_id, "fetch_refused", str(exc)))
-            return
-        except OSError as exc:
-            await channel.send(t.Error(req.fetch_id, "fetch_failed", f"{req.file}: read failed: {exc}"))
-            return
-        stats.bytes_sent += len(data)
-        await channel.send(t.FetchData(req.fetch_id, data))
-
-
-def _stamps(folder: Path) -> dict[str, list[int]]:
-    return {p.name: file_stamp(p.stat()) for p in folder.iterdir() if p.is_file()}
-
-
-def _pread(path: Path, offset: int, length: int, stamp: list[int] | None) -> bytes:
-    """Bytes [offset, offset + length) of `path`, as long as the file is the one the manifest
-    described (the digests members check were taken of it)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        now = file_stamp(os.fstat(fd))
-        if now != stamp:
-            raise OSError(
-                f"the file changed on the host after the session described it (size, mtime_ns, inode: "
-                f"{stamp} -> {now}); restart the host to serve the new contents"
-            )
-        parts, at = [], offset
-        while at < offset + length:
-            chunk = os.pread(fd, offset + length - at, at)
-            if not chunk:
-                break
-            parts.append(chunk)
-            at += len(chunk)
-        return b"".join(parts)
-    finally:
-        os.close(fd)
-
-
-# -------------------------------------------------------------------------------------- member
 
 
 @dataclass
@@ -473,7 +104,7 @@ class _Fetch:
         while queue or pending:
             while queue and len(pending) < self.window:
                 job = queue.pop()
-                fid = next(_FETCH_IDS) % _U32_MAX + 1  # unique in this process: stale answers are known
+                fid = next(_FETCH_IDS) % U32_MAX + 1  # unique in this process: stale answers are known
                 pending[fid] = job
                 await self.channel.send(t.FetchRequest(fid, job.file, job.offset, job.length))
             try:
@@ -508,7 +139,7 @@ class _Fetch:
 
 def _chunks(file: str, spans: list[tuple[int, int]], max_request: int) -> list[_Job]:
     jobs = []
-    for a, b in _runs(spans):
+    for a, b in runs(spans):
         jobs += [_Job(file, o, min(max_request, b - o)) for o in range(a, b, max_request)]
     return jobs
 
@@ -724,8 +355,6 @@ def _valid(path: Path, size: int, sha: str | None) -> bool:
 
 def shard_names(m: WeightManifest, blocks: range, head: bool) -> list[str]:
     """The tensors of blocks [a, b) (+ the head's) in the manifest, as Checkpoint.names_for picks them."""
-    from kafila.models.manifest import EMBED, FINAL_NORM, LM_HEAD, block_index
-
     if blocks.step != 1 or blocks.start < 0 or blocks.stop > m.n_blocks or blocks.start > blocks.stop:
         raise WeightsError(
             f"block range [{blocks.start}, {blocks.stop}) is not inside the {m.n_blocks} blocks"
@@ -742,7 +371,7 @@ def _local_match(
         try:
             if not (folder / "config.json").is_file():
                 continue
-            if headers_digest(_read_headers(folder, sorted(m.headers))) != m.checkpoint:
+            if headers_digest(read_headers(folder, sorted(m.headers))) != m.checkpoint:
                 continue
             ckpt = Checkpoint.open(folder)
             infos = [ckpt.tensors[n] for n in names]
@@ -760,8 +389,6 @@ def _local_match(
 
 
 def _default_local() -> list[Path]:
-    from kafila.models.registry import models_dir
-
     root = models_dir()
     return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
 
@@ -786,7 +413,7 @@ async def fetch_shard(
     shard tensors hash right is used as is, fetching nothing. `window`: requests in flight.
     The member owns the channel's receive side until this returns (other messages are skipped).
     """
-    root = _cache_root(cache)
+    root = cache_root(cache)
     try:
         return await _fetch_shard(channel, blocks, head, root, local, window, timeout, progress, label)
     except OSError as exc:  # a full disk, a read-only folder: one line naming the cache

@@ -26,7 +26,8 @@ A member is formed only when the host says every member is ready (`formed`): a m
 ready while another failed to start is told (`refused`, or the host or that member leaving) and
 ends, instead of serving a ring that never formed.
 
-Session messages travel as signaling payloads `{"kafila_session": 1, "op": ...}` (see `payload`):
+Session messages travel as signaling payloads `{"kafila_session": 1, "op": ...}`, typed and parsed
+strictly in kafila.proto.session:
 `report` (member -> host: its DeviceReport), `plan` (host -> members: the Plan, member ids, model,
 prefill chunk, queue limit, the session's dtype, compared divisions), `refused` (host -> members: the reason),
 `ready` (member -> host), `formed` (host -> members: every member is ready), `failed` (member ->
@@ -39,16 +40,12 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from kafila.engine import DTYPES
 from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan
-
-KEY = "kafila_session"
-
-
-def payload(op: str, **body: Any) -> dict[str, Any]:
-    """A session message as a signaling payload (the rendezvous forwards it unread)."""
-    return {KEY: 1, "op": op, **body}
+from kafila.proto import session as sm
+from kafila.proto.session import KEY as KEY
+from kafila.proto.session import SessionMessageError
+from kafila.proto.session import payload as payload
 
 
 class FormationError(RuntimeError):
@@ -147,11 +144,8 @@ class LinkNow:
     ids: dict[str, int]
     me: str
     host: str
-    model: str
-    chunk: int
-    queue: int  # requests that may wait for a slot at the head
-    dtype: str  # the session's one dtype ("fp32", "bf16", "fp16"): every member computes in it
-    alternatives: dict[str, Any] | None
+    terms: sm.SessionTerms  # what the host decided: model, dtype, chunk, queue, ...
+    alternatives: dict[str, Any] | None  # the divisions the host compared, for /session
 
 
 @dataclass(frozen=True)
@@ -323,7 +317,7 @@ class HostFormation(_Machine):
         )
         waiting = f"{self._count()}/{self.members} members joined"
         return [
-            Send(member, payload("refused", reason=told)),
+            Send(member, sm.Refused(told).body()),
             Remove(member, reason),
             Say(f"{reason}; removed from the session, {waiting}"),
         ]
@@ -342,14 +336,17 @@ class HostFormation(_Machine):
         """Drop `member`'s report (it left or was not admitted)."""
         self.joined.pop(member, None)
         self.admitted_ids.discard(member)
+        self.ready.discard(member)
         device = self.devices.pop(member, None)
         if device is not None:
             del self.ids[device.name]
 
-    def planned(self, plan: Plan, now: float, **extra: Any) -> list[Output]:
-        """The shell planned a feasible session: send it (and `extra`) to every other member."""
+    def planned(
+        self, plan: Plan, now: float, terms: sm.SessionTerms, alternatives: dict[str, Any] | None = None
+    ) -> list[Output]:
+        """The shell planned a feasible session: send it, with its terms, to every other member."""
         self._require(Step.PLANNING)
-        body = payload("plan", plan=plan.to_dict(), ids=self.ids, **extra)
+        body = sm.PlanMessage(plan.to_dict(), self.ids, terms, alternatives).body()
         self.step, self.deadline = Step.LINKING, None
         return [Send(m, body) for m in self._others()]
 
@@ -377,7 +374,7 @@ class HostFormation(_Machine):
         if self.step is Step.FORMED and isinstance(event, Joined) and event.member not in self.joined:
             reason = "this session has formed and takes no more members; ask the host for a new session"
             told = f"{event.name} tried to join the formed session; told it takes no more members"
-            return [Send(event.member, payload("refused", reason=reason)), Say(told)]
+            return [Send(event.member, sm.Refused(reason).body()), Say(told)]
         return super().handle(event, now)
 
     def _others(self) -> list[int]:
@@ -385,7 +382,7 @@ class HostFormation(_Machine):
 
     def _refuse(self, reason: str, members: list[int]) -> list[Output]:
         """Fail with `reason`, telling `members` (so none waits out its own deadline)."""
-        return self._fail(reason, [Send(m, payload("refused", reason=reason)) for m in members])
+        return self._fail(reason, [Send(m, sm.Refused(reason).body()) for m in members])
 
     def _name(self, member: int) -> str:
         device = self.devices.get(member)
@@ -425,7 +422,7 @@ class HostFormation(_Machine):
         taken = event.name in self.joined.values() or event.name in self.ids  # another member has it
         if self.step in GATHERS and len(self.joined.keys() | {self.host_id}) >= self.members:
             why = f"this session already has its {self.members} members"  # as the rendezvous says
-            return [Send(event.member, payload("refused", reason=why)), Rejected(event.member, why)]
+            return [Send(event.member, sm.Refused(why).body()), Rejected(event.member, why)]
         self.joined[event.member] = event.name
         if self.step not in GATHERS:
             return []
@@ -458,9 +455,17 @@ class HostFormation(_Machine):
         if op == "report":
             return self._report(sender, body)
         if op == "ready":
+            try:
+                sm.Ready.parse(body)
+            except SessionMessageError as exc:
+                return [Rejected(sender, f"unreadable ready from {self._name(sender)}: {exc}")]
             return self._ready(sender)
         if op == "failed" and sender in self._others() and self.step in (Step.LINKING, Step.WAITING_READY):
-            reason = f"member {self._name(sender)} {body.get('reason')}"
+            try:
+                why = sm.Failed.parse(body).reason
+            except SessionMessageError as exc:
+                why = f"failed (its reason unreadable: {exc})"
+            reason = f"member {self._name(sender)} {why}"
             others = [m for m in self._others() if m != sender]
             return self._refuse(reason, others)
         return [Rejected(sender, f"unexpected '{op}' from {self._name(sender)}")]
@@ -471,7 +476,7 @@ class HostFormation(_Machine):
         if self.step not in GATHERS:
             return [Rejected(sender, f"report from {self._name(sender)} after the plan was made")]
         try:
-            device = DeviceReport.from_dict(body["device"])
+            device = DeviceReport.from_dict(sm.Report.parse(body).device)
         except (KeyError, TypeError, ValueError) as exc:
             return [Rejected(sender, f"unreadable report from member {sender}: {exc!r}")]
         renamed = ""
@@ -495,7 +500,7 @@ class HostFormation(_Machine):
 
     def _ready(self, sender: int) -> list[Output]:
         name = self._name(sender)
-        if self.step in (Step.GATHERING, Step.PLANNING):
+        if self.step in (*GATHERS, Step.PLANNING):  # NEW too: the host is still measuring itself
             return [Rejected(sender, f"ready from {name} before the plan was sent")]
         if sender not in self._others():
             return [Rejected(sender, f"ready from {name}, which is not in the plan")]
@@ -509,7 +514,7 @@ class HostFormation(_Machine):
         if self.step is not Step.WAITING_READY or len(self.ready) < len(self._others()):
             return []
         self.step, self.deadline = Step.FORMED, None
-        return [*(Send(m, payload("formed")) for m in self._others()), Formed(tuple(self.ids))]
+        return [*(Send(m, sm.AllReady().body()) for m in self._others()), Formed(tuple(self.ids))]
 
 
 @dataclass
@@ -535,7 +540,7 @@ class MemberFormation(_Machine):
         self._require(Step.NEW)
         self.name = me.name
         self.step, self.deadline = Step.AWAITING_PLAN, now + self.wait_s
-        report = payload("report", device=me.to_dict())
+        report = sm.Report(me.to_dict()).body()
         return [Send(self.host_id, report), Say("waiting for the host's plan")]
 
     def linked(self, now: float) -> list[Output]:
@@ -549,7 +554,7 @@ class MemberFormation(_Machine):
         out = self._advance(Step.STARTING, Step.CONFIRMING, now)
         if self.step is Step.CONFIRMING:
             self.deadline = now + self.wait_s
-            out += [Send(self.host_id, payload("ready")), Say("ready; waiting for the other members")]
+            out += [Send(self.host_id, sm.Ready().body()), Say("ready; waiting for the other members")]
         return out
 
     def _advance(self, here: Step, to: Step, now: float) -> list[Output]:
@@ -580,8 +585,16 @@ class MemberFormation(_Machine):
         if sender != self.host_id:
             return [Rejected(sender, f"'{op}' from member {sender}, which is not the host")]
         if op == "refused":
-            return self._fail(f"the host refused the session: {body.get('reason')}")
+            try:
+                why = sm.Refused.parse(body).reason
+            except SessionMessageError as exc:
+                why = f"(its reason unreadable: {exc})"
+            return self._fail(f"the host refused the session: {why}")
         if op == "formed" and self.step is Step.CONFIRMING:
+            try:
+                sm.AllReady.parse(body)
+            except SessionMessageError as exc:
+                return [Rejected(sender, f"an unreadable 'formed' from the host: {exc}")]
             self.step, self.deadline = Step.FORMED, None
             return [Formed(tuple(self.ids))]
         if op != "plan":
@@ -592,12 +605,9 @@ class MemberFormation(_Machine):
 
     def _plan(self, body: dict[str, Any]) -> list[Output]:
         try:
-            plan, ids = Plan.from_dict(body["plan"]), {str(k): int(v) for k, v in body["ids"].items()}
-            model, chunk, dtype = str(body["model"]), int(body["chunk"]), str(body["dtype"])
-            queue = int(body["queue"])
-            if dtype not in DTYPES:
-                raise ValueError(f"dtype {dtype!r} is none of {sorted(DTYPES)}")
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            msg = sm.PlanMessage.parse(body)
+            plan, ids, terms = Plan.from_dict(msg.plan), msg.ids, msg.terms
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # SessionMessageError: a ValueError
             return self._fail(f"the host's plan is unreadable: {exc!r}")
         names = {m: n for n, m in ids.items()}
         if self.me_id not in names or self.host_id not in names:
@@ -606,9 +616,9 @@ class MemberFormation(_Machine):
         self.ids = ids
         self.step = Step.LINKING
         self.deadline = None if self.link_s is None else self.now + self.link_s
-        alternatives = body.get("alternatives")
+        alternatives = msg.alternatives
         me, host = names[self.me_id], names[self.host_id]
         renamed = (
             [Say(f"this member is {me} in the session: {self.name} was taken")] if me != self.name else []
         )
-        return [*renamed, LinkNow(plan, ids, me, host, model, chunk, queue, dtype, alternatives)]
+        return [*renamed, LinkNow(plan, ids, me, host, terms, alternatives)]

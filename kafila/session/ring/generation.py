@@ -12,10 +12,10 @@ import asyncio
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from kafila.api.service import GenerationError, TokenEvent
 from kafila.obs.log import get_logger
-from kafila.session.service import GenerationError, TokenEvent
 
-log = get_logger("kafila.session.generation")
+log = get_logger("kafila.session.ring.generation")
 
 ORIGIN_SHIFT = 24
 

@@ -4,11 +4,11 @@ From the previous member arrive hidden-state frames (run through this stage's bl
 on), `free` notices (drop those requests' KV caches, pass on), requests on their way to the head
 (pass on) and answers on their way back to the member that asked (deliver here, or pass on).
 Decode frames that are waiting when the model thread comes free run as one batch when they hold
-distinct requests; prefill frames run one at a time, as the head sends them (kafila.session.schedule:
+distinct requests; prefill frames run one at a time, as the head sends them (kafila.session.ring.schedule:
 separate steps overlap along the ring, a merged one does not). The member is also a
 GenerationService: its API's requests travel the ring to the head.
 
-What it measures (kafila.session.stagetrace): per request, its stage's compute per decode step
+What it measures (kafila.session.ring.stagetrace): per request, its stage's compute per decode step
 and per prefill chunk, and the bytes its links counted. When a request's `free` passes, the member
 writes its `StageRecord` (trace file, /traces, metrics) and adds its hop figures to the `free`, so
 the head, which the notice reaches last, records the whole ring.
@@ -18,25 +18,28 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from kafila.api.service import GenerationError, Sampling, TokenEvent
 from kafila.engine.stage import Stage, StageError
 from kafila.obs import hopmarks, metrics
 from kafila.obs.log import get_logger
 from kafila.obs.trace import TraceLog
+from kafila.proto import ring as rc
 from kafila.proto import tensor as t
-from kafila.session import compute
-from kafila.session.channel import Channel, ChannelError, send_marked
-from kafila.session.generation import QueueGeneration, RequestIds, cancel_tasks, guarded, origin_of
-from kafila.session.head import RingInfo
-from kafila.session.service import GenerationError, Sampling, TokenEvent
-from kafila.session.stagetrace import StageTally, hop_report
+from kafila.proto.ring import Cause, RingBroken
+from kafila.session.channel import Channel, ChannelError
+from kafila.session.ring import compute
+from kafila.session.ring.generation import QueueGeneration, RequestIds, cancel_tasks, guarded, origin_of
+from kafila.session.ring.info import RingInfo
+from kafila.session.ring.role import RoleBase
+from kafila.session.ring.stagetrace import StageTally, hop_report
 
-log = get_logger("kafila.session.member")
+log = get_logger("kafila.session.ring.member")
 
 
-class RingMember:
+class RingMember(RoleBase):
     def __init__(
         self,
         index: int,
@@ -47,22 +50,18 @@ class RingMember:
         prev_ch: Channel,
         traces: TraceLog | None = None,
     ) -> None:
+        super().__init__(info.order[index], next_ch, prev_ch)
+        self.next: Channel = next_ch
+        self.prev: Channel = prev_ch
         self.index, self.stage, self.model, self.info = index, stage, model, info
-        self.name = info.order[index]
-        self.next, self.prev = next_ch, prev_ch
         self.traces = traces  # this member's own records (its stage, its hops); None: metrics only
         self.tally = StageTally(info, index, next_ch, prev_ch)
         self._arrived: dict[int, float] = {}  # id of a waiting frame -> when it arrived
         self.ids = RequestIds(index)
-        self.broken: str | None = None
-        self.on_broken: Callable[[str], None] | None = None  # told once, e.g. the person at the terminal
-        self.ending = False  # the host ended the session on purpose: its ring breaking is no fault
-        self.on_ended: Callable[[], None] | None = None  # told when a "broken" says the host ended it
         self._mine: dict[int, QueueGeneration] = {}
         self._acks: dict[int, asyncio.Future[None]] = {}  # forwarded, the head's first answer awaited
-        self._work: list[t.Hidden | t.Control] = []
+        self._work: list[t.Hidden | rc.Free] = []
         self._ready = asyncio.Event()
-        self._outbox: asyncio.Queue[t.Message] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- GenerationService -----------------------------------------------------------------------------
@@ -73,7 +72,7 @@ class RingMember:
 
     async def submit(self, prompt: Sequence[int], sampling: Sampling) -> QueueGeneration:
         if self.broken is not None:
-            raise GenerationError("member_lost", self.broken)
+            raise GenerationError("member_lost", self.broken.text())
         rid = self.ids.next()
         gen = QueueGeneration(rid, self._cancel)
         self._mine[rid] = gen
@@ -91,7 +90,7 @@ class RingMember:
         return gen
 
     def describe(self) -> dict[str, Any]:
-        return self.info.document("serving", self.broken) | {"me": self.name}
+        return self.info.document("serving", self.broken_text) | {"me": self.name}
 
     def _cancel(self, rid: int, reason: str) -> None:
         self._mine.pop(rid, None)
@@ -104,7 +103,7 @@ class RingMember:
         loops = [self._receive, self._compute, self._send_out]
         if self.next is not self.prev:
             loops.append(self._watch_next)
-        self._tasks = [guarded(c, self.name, self._break) for c in loops]
+        self._tasks = [guarded(c, self.name, self._internal_error) for c in loops]
         return self
 
     async def stop(self) -> None:
@@ -117,18 +116,22 @@ class RingMember:
             while True:
                 self._dispatch(await self.prev.recv())
         except ChannelError as exc:
-            self._break(str(exc))
+            self._break(exc.broken())
 
     def _dispatch(self, msg: t.Message) -> None:
-        if isinstance(msg, t.Control) and msg.op == "broken":
-            if msg.body.get("ended") is True and self.on_ended is not None:
-                self.on_ended()  # the host ended the session: its link's closing may come after this
-            self._break(str(msg.body.get("reason")), tell=False)
-            self._outbox.put_nowait(msg)
-        elif isinstance(msg, t.Hidden) or (isinstance(msg, t.Control) and msg.op == "free"):
+        if isinstance(msg, t.Control) and msg.op == rc.RingBroken.OP:
+            self._heard_broken(msg, tell=False)
+            self._outbox.put_nowait(msg)  # on round the ring as it came
+        elif isinstance(msg, t.Control) and msg.op == rc.Free.OP:
+            try:
+                self._work.append(rc.Free.parse(msg.body))
+            except rc.RingMessageError as exc:
+                self._break(RingBroken(self.prev.peer, Cause.ERROR, f"member {self.prev.peer}: {exc}"))
+                return
+            self._ready.set()
+        elif isinstance(msg, t.Hidden):
             self._work.append(msg)
-            if isinstance(msg, t.Hidden):
-                self._arrived[id(msg)] = time.perf_counter()
+            self._arrived[id(msg)] = time.perf_counter()
             self._ready.set()
         elif isinstance(msg, t.Tokens | t.Error) and origin_of(msg.request_id) == self.index:
             self._deliver(msg)
@@ -159,24 +162,25 @@ class RingMember:
             self._ready.clear()
             while self._work:
                 batch = self._take_batch()
-                if isinstance(batch, t.Control):
-                    ids = [int(r) for r in batch.body.get("request_ids", [])]
+                if isinstance(batch, rc.Free):
+                    ids = list(batch.request_ids)
                     await self.model.run(compute.close_slots, self.stage, ids)
-                    self._outbox.put_nowait(self._traced_free(batch, ids))
+                    self._outbox.put_nowait(rc.control(self._traced_free(batch)))
                 else:
                     await self._run(batch)  # a StageError is answered per request; others: guarded
 
-    def _take_batch(self) -> t.Control | list[t.Hidden]:
+    def _take_batch(self) -> rc.Free | list[t.Hidden]:
         """The next `free`, a prefill frame alone, or the longest run of waiting decode frames whose
         requests are distinct, within the rows the engine computes independently of each other
         (`Stage.batch_rows`): a decode row batched with a prefill chunk, or rows past that, would
         take another kernel and come out in other bits than alone (a seeded answer changed when
         another prompt prefilled alongside). Prefill frames stay apart for the reason the head
-        sends prompts as separate steps (kafila.session.schedule): the next stage can start on one
+        sends prompts as separate steps (kafila.session.ring.schedule): the next stage can start on one
         while this one computes the next."""
-        if isinstance(self._work[0], t.Control):
-            return self._work.pop(0)  # type: ignore[return-value]
-        batch: list[t.Hidden] = [self._work.pop(0)]  # type: ignore[list-item]
+        first = self._work.pop(0)
+        if isinstance(first, rc.Free):
+            return first
+        batch: list[t.Hidden] = [first]
         if batch[0].flags & t.Flag.PREFILL:
             return batch
         seen = {e.request_id for e in batch[0].entries}
@@ -189,7 +193,8 @@ class RingMember:
                 break
             seen |= rids
             rows += nxt.shape[0]
-            batch.append(self._work.pop(0))  # type: ignore[arg-type]
+            batch.append(nxt)
+            self._work.pop(0)
         return batch
 
     async def _run(self, frames: list[t.Hidden]) -> None:
@@ -201,8 +206,8 @@ class RingMember:
             hopmarks.mark("back", frames[0].entries)
         except StageError as exc:
             rids = [e.request_id for f in frames for e in f.entries]
-            body = {"request_ids": rids, "message": f"member {self.name}: {exc}"}
-            self._outbox.put_nowait(t.Control("stage_error", body))  # to the head, which answers
+            failed = rc.StageFailed(tuple(rids), f"member {self.name}: {exc}")
+            self._outbox.put_nowait(rc.control(failed))  # to the head, which answers
             return
         wire = compute.wire_dtype(self.stage)
         for f, data, wait in zip(frames, datas, waited, strict=True):
@@ -210,11 +215,10 @@ class RingMember:
             out = t.Hidden(f.step, wire, f.shape, f.entries, data, f.flags, (*f.timings_us, us))
             self._outbox.put_nowait(out)
 
-    def _traced_free(self, free: t.Control, ids: list[int]) -> t.Control:
+    def _traced_free(self, free: rc.Free) -> rc.Free:
         """Record the freed requests here; the notice carries on with this member's hop figures."""
-        before = free.body.get("hops")
-        reports = list(before) if isinstance(before, list) else []
-        for rid in ids:
+        reports = list(free.hops)
+        for rid in free.request_ids:
             rec = self.tally.finish(rid)
             if rec is None:
                 continue  # never reached this stage (cancelled while queued)
@@ -222,40 +226,18 @@ class RingMember:
                 self.traces.write(rec)
             metrics.observe_stage(rec)
             reports.append(hop_report(rec))
-        return t.Control("free", free.body | {"hops": reports})
+        return rc.Free(free.request_ids, tuple(reports))
 
-    async def _watch_next(self) -> None:
-        """The next member sends nothing on this link but its beats: hearing them (or not) tells
-        whether it is alive, so a dead successor is noticed here too."""
-        try:
-            while True:
-                await self.next.recv()
-        except ChannelError as exc:
-            self._break(str(exc))
+    def _in_flight(self) -> int:
+        return len(self._mine)
 
-    async def _send_out(self) -> None:
-        try:
-            while True:
-                await send_marked(self.next, await self._outbox.get(), self.prev)
-        except ChannelError as exc:
-            self._break(f"member {self.next.peer}: {exc}")
-
-    def _break(self, reason: str, tell: bool = True) -> None:
-        """Fail this member's requests; tell the members downstream (and so the head) why."""
-        if self.broken is None:
-            self.broken = (
-                reason if reason.startswith("the ring is broken") else f"the ring is broken: {reason}"
-            )
-            level = log.info if self.ending else log.error
-            level("ring_broken", member=self.name, reason=reason, waiting=len(self._mine), ending=self.ending)
-            if self.on_broken is not None:
-                self.on_broken(self.broken)
-            if tell:
-                self._outbox.put_nowait(t.Control("broken", {"reason": self.broken, "ended": self.ending}))
+    def _lost(self, broken: RingBroken) -> None:
+        """Fail this member's own requests; the notice went downstream (and so to the head)."""
+        why = broken.text()
         for gen in list(self._mine.values()):
-            gen.push(GenerationError("member_lost", self.broken))
+            gen.push(GenerationError("member_lost", why))
         self._mine.clear()
         for ack in self._acks.values():  # forwarded, not answered yet
             if not ack.done():
-                ack.set_exception(GenerationError("member_lost", self.broken))
+                ack.set_exception(GenerationError("member_lost", why))
         self._acks.clear()

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kafila.models.cache import cache_dir
 from kafila.models.checkpoint import INDEX_FILE, CheckpointError, TensorInfo, read_header
 from kafila.obs.log import get_logger
 
@@ -249,3 +250,22 @@ class HashCache:
             write_atomic(entry, [json.dumps({"stamp": stamp, "sha256": digests}).encode()], durable=False)
         except OSError as exc:
             log.warning("hash_cache_not_written", folder=str(self.root), error=str(exc))
+
+
+def cache_root(cache: Path | None) -> Path:
+    if cache is not None:
+        return Path(cache)
+    return cache_dir()
+
+
+def cache_problem(cache: Path | None) -> str | None:
+    """Why the weight cache cannot be used at all (a file where a folder must be), named before a
+    session starts rather than when the weights arrive; None if it may be."""
+    root = cache_root(cache)
+    for folder in (root, *root.parents):
+        if folder.exists() and not folder.is_dir():
+            return (
+                f"cannot use the weight cache under {root}: {folder} is a file, not a folder; set "
+                "KAFILA_CACHE to another folder"
+            )
+    return None

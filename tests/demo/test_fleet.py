@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kafila.session import localfleet
-from kafila.session.localfleet import CGROUP_CPU, PERIOD_US, FleetError, LocalFleet
+from kafila.demo import fleet as localfleet
+from kafila.demo.fleet import CGROUP_CPU, PERIOD_US, FleetError, LocalFleet
 
 needs_cgroups = pytest.mark.skipif(
     localfleet.cgroup_unavailable() is not None,
@@ -132,7 +132,7 @@ def test_closing_ignores_a_second_ctrl_c_or_kill_until_everything_is_stopped() -
 
 OWNER = """
 import json, sys, time
-from kafila.session.localfleet import LocalFleet
+from kafila.demo.fleet import LocalFleet
 with LocalFleet([None], context=128, workdir=sys.argv[1], wait_s=240) as fleet:
     pids = [m.proc.pid for m in fleet.members] + [fleet._rendezvous.pid]
     print("PIDS", json.dumps(pids), flush=True)

@@ -5,7 +5,7 @@ ran (the microseconds the model thread measured, the same figure the frame carri
 and, when the request ends here, takes from the member's two channels the bytes and messages they
 counted for it. It returns a `StageRecord` (kafila.obs.trace). `hop_report` / `read_hop_report`
 turn a record's hops into the JSON a `free` notice carries around the ring to the head, which
-then records every hop of the request as counted on the links (kafila.session.head).
+then records every hop of the request as counted on the links (kafila.session.ring.head).
 """
 
 from __future__ import annotations
@@ -13,15 +13,13 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kafila.obs.trace import HopTrace, StageRecord
 from kafila.planner.plan import Edge
 from kafila.proto import tensor as t
 from kafila.session.channel import Channel
-
-if TYPE_CHECKING:
-    from kafila.session.head import RingInfo
+from kafila.session.ring.info import RingInfo
 
 
 @dataclass

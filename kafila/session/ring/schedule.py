@@ -83,7 +83,6 @@ class _Request:
 
 
 SEPARATE_PROMPTS = 1  # `merge` rows for a ring of several stages: prompts never share a step
-DEFAULT_QUEUE = 256  # requests that may wait for a slot before more are refused (`kafila host --queue`)
 
 
 class QueueFull(Exception):

@@ -11,7 +11,7 @@ next member goes through one outbox, so frees, frames and tokens keep their orde
 breaks fails every request within the heartbeat's window with a `member_lost` error that names the
 member.
 
-Traces: the head writes its own `StageRecord` as every member does (kafila.session.stagetrace) and,
+Traces: the head writes its own `StageRecord` as every member does (kafila.session.ring.stagetrace) and,
 once the request's `free` notice has come back around the ring carrying every member's hop
 figures, the `RequestRecord` with the whole ring's view (a ring of one writes it at once; a broken
 ring writes what it has). Metrics are fed from the same records.
@@ -23,67 +23,31 @@ import asyncio
 import functools
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kafila.api.service import STOP_STRING, GenerationError, Sampling, TokenEvent
 from kafila.engine import PREFILL_CHUNK
 from kafila.engine.sampler import Sampler, SamplingParams, StopReason
 from kafila.engine.stage import Stage, StageError
 from kafila.obs import hopmarks, metrics
 from kafila.obs.log import get_logger
 from kafila.obs.trace import HopTrace, RequestRecord, StageRecord, StageTrace, TraceLog
+from kafila.proto import ring as rc
 from kafila.proto import tensor as t
-from kafila.session import compute
-from kafila.session.channel import Channel, ChannelError, send_marked
-from kafila.session.generation import QueueGeneration, RequestIds, cancel_tasks, guarded, origin_of
-from kafila.session.schedule import SEPARATE_PROMPTS, Entry, QueueFull, Schedule, Step
-from kafila.session.service import STOP_STRING, GenerationError, Sampling, TokenEvent
-from kafila.session.stagetrace import StageTally, read_hop_report
+from kafila.proto.ring import RingBroken
+from kafila.session.channel import Channel, ChannelError
+from kafila.session.ring import compute
+from kafila.session.ring.generation import QueueGeneration, RequestIds, cancel_tasks, guarded, origin_of
+from kafila.session.ring.info import RingInfo
+from kafila.session.ring.role import RoleBase
+from kafila.session.ring.schedule import SEPARATE_PROMPTS, Entry, QueueFull, Schedule, Step
+from kafila.session.ring.stagetrace import StageTally, read_hop_report
 
-log = get_logger("kafila.session.head")
+log = get_logger("kafila.session.ring.head")
 
 QUEUE_REPORT_S = 0.25  # queue positions are sent at most this often (only those that changed)
-
-
-@dataclass(frozen=True)
-class RingInfo:
-    """Who is where: ring order (head first), block ranges, predicted ms per decode step, edge paths."""
-
-    session: str
-    model: str
-    division: str
-    order: tuple[str, ...]
-    blocks: dict[str, tuple[int, int]]
-    predicted_ms: dict[str, float]
-    edges: dict[str, str] = field(default_factory=dict)  # "a->b": "direct" | "relay" | "local"
-    plan: dict[str, Any] = field(default_factory=dict)
-    edge_rtt_ms: dict[str, float] = field(default_factory=dict)  # "a->b": the plan's priced round trip
-    dtype: str | None = None  # the session's ("fp32", "bf16", "fp16"): every member computes in it
-    weights: dict[str, Any] = field(default_factory=dict)  # this member's shard: source, bytes fetched
-    # this member's signaling connection: {"url", "state": "connected" | "lost", "reason" once lost}
-    rendezvous: dict[str, Any] = field(default_factory=dict)
-
-    def document(self, state: str, error: str | None) -> dict[str, Any]:
-        """The part of a member's /session document every member shares."""
-        return {
-            "session": self.session,
-            "model": self.model,
-            "state": state if error is None else "broken",
-            "error": error,
-            "head": self.order[0],
-            "ring": list(self.order),
-            "members": [
-                {"name": m, "blocks": list(self.blocks[m]), "predicted_ms": self.predicted_ms.get(m)}
-                for m in self.order
-            ],
-            "links": [{"edge": e, "path": p} for e, p in self.edges.items()],
-            "division": self.division,
-            "dtype": self.dtype,
-            "plan": self.plan,
-            "weights": self.weights,
-            "rendezvous": self.rendezvous,
-        }
 
 
 @dataclass
@@ -108,7 +72,7 @@ class _Req:
     finish: str = "stop"
 
 
-class RingHead:
+class RingHead(RoleBase):
     def __init__(
         self,
         stage: Stage,
@@ -123,8 +87,8 @@ class RingHead:
         lanes: int = 1,  # decode groups in flight (schedule.lanes_for, from the plan)
         max_queue: int | None = None,  # requests that may wait for a slot (None: no limit)
     ) -> None:
+        super().__init__(info.order[0], next_ch, prev_ch)
         self.stage, self.model, self.info = stage, model, info
-        self.next, self.prev = next_ch, prev_ch  # both None: a ring of one
         self.eos_ids = tuple(eos_ids)
         # prompts admitted together: in a ring of one, one step of as many rows as stay exact; in a
         # longer ring one step each, so the stages overlap them (Schedule, SEPARATE_PROMPTS)
@@ -134,12 +98,7 @@ class RingHead:
         self.traces = traces
         self.ids = RequestIds(0)
         self.state = "serving"
-        self.broken: str | None = None
-        self.on_broken: Callable[[str], None] | None = None  # told once, e.g. the person at the terminal
-        self.ending = False  # the host ended the session on purpose: its ring breaking is no fault
-        self.on_ended: Callable[[], None] | None = None  # told when a "broken" says the host ended it
         self._reqs: dict[int, _Req] = {}
-        self._outbox: asyncio.Queue[t.Message] = asyncio.Queue()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.tally = StageTally(info, 0, next_ch, prev_ch)
@@ -164,7 +123,7 @@ class RingHead:
         return gen
 
     def describe(self) -> dict[str, Any]:
-        return self.info.document(self.state, self.broken) | {
+        return self.info.document(self.state, self.broken_text) | {
             "me": self.info.order[0],  # the head, as a member's document names itself
             "active": list(self.schedule.active),
             "queued": len(self.schedule.queue_positions()),
@@ -179,17 +138,8 @@ class RingHead:
             loops += [self._send_out, self._receive]
         if self.next is not None and self.next is not self.prev:
             loops.append(self._watch_next)
-        self._tasks = [guarded(c, self.info.order[0], self._break) for c in loops]
+        self._tasks = [guarded(c, self.name, self._internal_error) for c in loops]
         return self
-
-    async def _watch_next(self) -> None:
-        """Drain the next member's beats on its link; silence there means it is gone."""
-        assert self.next is not None
-        try:
-            while True:
-                await self.next.recv()
-        except ChannelError as exc:
-            self._break(str(exc))
 
     async def stop(self) -> None:
         if self._queue_report is not None:
@@ -202,7 +152,7 @@ class RingHead:
 
     def _accept(self, rid: int, prompt: list[int], s: Sampling, gen: QueueGeneration | None) -> None:
         if self.broken is not None:
-            raise GenerationError("member_lost", self.broken)
+            raise GenerationError("member_lost", self.broken.text())
         if not prompt or len(prompt) + s.max_tokens > self.context:
             raise GenerationError(
                 "too_long",
@@ -287,7 +237,7 @@ class RingHead:
                     self._record(ended)
                 self.tally.discard(rid)  # (a finished request's counts were taken at its last token)
             if self.next is not None:
-                self._outbox.put_nowait(t.Control("free", {"request_ids": freed}))
+                self._outbox.put_nowait(rc.control(rc.Free(tuple(freed))))
             self._report_queue()
         steps = self.schedule.take()
         ahead, self._ahead = self._ahead, None  # run for one of these steps, or stale
@@ -341,14 +291,6 @@ class RingHead:
             return [0] * e.n_tokens
         return req.prompt[e.position : e.position + e.n_tokens] if prefill else [req.last_token]
 
-    async def _send_out(self) -> None:
-        assert self.next is not None
-        try:
-            while True:
-                await send_marked(self.next, await self._outbox.get(), self.prev)
-        except ChannelError as exc:
-            self._break(f"member {self.next.peer}: {exc}")
-
     # -- what comes back -------------------------------------------------------------------------------
 
     async def _receive(self) -> None:
@@ -362,17 +304,25 @@ class RingHead:
                     self._accept_remote(msg)
                 elif isinstance(msg, t.Cancel):
                     self._cancel(msg.request_id, msg.reason)
-                elif isinstance(msg, t.Control) and msg.op == "free":
-                    self._hop_reports(msg.body.get("hops", []))
-                elif isinstance(msg, t.Control) and msg.op == "broken":
-                    if msg.body.get("ended") is True and self.on_ended is not None:
-                        self.on_ended()
-                    self._break(str(msg.body.get("reason")))
-                elif isinstance(msg, t.Control) and msg.op == "stage_error":
-                    for rid in msg.body.get("request_ids", []):
-                        self._fail_request(int(rid), "internal", str(msg.body.get("message")))
+                elif isinstance(msg, t.Control) and msg.op == rc.RingBroken.OP:
+                    self._heard_broken(msg, tell=True)
+                elif isinstance(msg, t.Control) and msg.op in rc.OPS:
+                    self._control(msg)
         except ChannelError as exc:
-            self._break(str(exc))
+            self._break(exc.broken())
+
+    def _control(self, frame: t.Control) -> None:
+        """A `free` come back round the ring, or a member's `stage_error`."""
+        try:
+            msg = rc.parse(frame)
+        except rc.RingMessageError as exc:
+            log.warning("ring_control_ignored", op=frame.op, reason=str(exc))
+            return
+        if isinstance(msg, rc.Free):
+            self._hop_reports(msg.hops)
+        elif isinstance(msg, rc.StageFailed):
+            for rid in msg.request_ids:
+                self._fail_request(rid, "internal", msg.message)
 
     async def _returned(self, frame: t.Hidden) -> None:
         step = Step(
@@ -501,19 +451,12 @@ class RingHead:
             self._record(self._ending.pop(rid))
         self._flush_pending()
 
-    def _break(self, reason: str) -> None:
-        if self.broken is None:
-            self.broken = (
-                reason if reason.startswith("the ring is broken") else f"the ring is broken: {reason}"
-            )
-            self.state = "broken"
-            level = log.info if self.ending else log.error
-            level("ring_broken", reason=reason, in_flight=len(self._reqs), ending=self.ending)
-            if self.on_broken is not None:
-                self.on_broken(self.broken)
-            if self.next is not None:  # tell the members (those still reachable) why
-                self._outbox.put_nowait(t.Control("broken", {"reason": self.broken, "ended": self.ending}))
-        self._fail_all("member_lost", self.broken)
+    def _in_flight(self) -> int:
+        return len(self._reqs)
+
+    def _lost(self, broken: RingBroken) -> None:
+        self.state = "broken"
+        self._fail_all("member_lost", broken.text())
 
     # -- traces ----------------------------------------------------------------------------------------
 
@@ -533,10 +476,10 @@ class RingHead:
         else:
             self._pending[req.rid] = pending
 
-    def _hop_reports(self, reports: Any) -> None:
+    def _hop_reports(self, reports: Sequence[dict[str, Any]]) -> None:
         """A `free` notice came back: every member's hops for those requests; write their records."""
         done: set[int] = set()
-        for d in reports if isinstance(reports, list) else []:
+        for d in reports:
             try:
                 rid, member, hop_in, hop_out = read_hop_report(d)
             except ValueError as exc:

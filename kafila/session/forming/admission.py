@@ -20,11 +20,12 @@ from kafila.net.edge import EdgeOptions, LinkNode, connect_edge
 from kafila.net.errors import LinkAuthError, LinkError
 from kafila.net.link import Link
 from kafila.obs.log import get_logger
-from kafila.session import formation as fm
-from kafila.session.form import Driver, named
-from kafila.session.formation import HostFormation
+from kafila.session.forming import core as fm
+from kafila.session.forming.core import HostFormation
+from kafila.session.forming.driver import Driver
+from kafila.session.forming.links import named
 
-log = get_logger("kafila.session.admission")
+log = get_logger("kafila.session.forming.admission")
 
 WRONG_CODE = "its session code's secret words differ from the host's (a mistyped word?)"
 WRONG_OWN_CODE = "this member's session code's secret words differ from the host's (a mistyped word?)"

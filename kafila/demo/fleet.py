@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -43,8 +44,13 @@ from typing import Any
 
 from kafila.engine import PREFILL_CHUNK
 from kafila.obs.log import get_logger
+from kafila.proto.signaling import SIGNAL_PATH
 
-log = get_logger("kafila.session.localfleet")
+# children run the installed (or PYTHONPATH's) kafila: -P keeps the current directory off sys.path,
+# so a folder named kafila where `kafila demo` was started (the clone's parent) cannot shadow it
+_PYTHON = (sys.executable, "-P")
+
+log = get_logger("kafila.demo.fleet")
 
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 # A short CFS period: the kernel grants the quota per period, and a member of a ring computes in
@@ -301,7 +307,7 @@ class LocalFleet:
             return
         code = "from kafila.models.torch import decode_cpu; decode_cpu.warm_up()"
         start = time.monotonic()
-        argv = [sys.executable, "-c", code]
+        argv = [*_PYTHON, "-c", code]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=self.wait_s)
         if done.returncode != 0:  # the members will compile for themselves
             log.warning("kernel_warm_up_failed", rc=done.returncode, stderr=done.stderr[-500:])
@@ -335,15 +341,16 @@ class LocalFleet:
     def _start_rendezvous(self) -> None:
         assert self.workdir is not None
         self._rdv_log = self.workdir / "rendezvous.log"
-        cmd = [sys.executable, "-m", "kafila", "rendezvous", "--host", "127.0.0.1", "--port", "0"]
+        port = _free_tcp_port()
+        cmd = [*_PYTHON, "-m", "kafila", "rendezvous", "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--udp-port", "0", "--udp-alt-port", "0", "--log-format", "json"]
         self._rendezvous = _spawn(cmd, self._rdv_log)
+        # ready once it answers its health check: whatever its log level lets it write
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline:
-            for line in self._rdv_log.read_text(errors="replace").splitlines():
-                if '"rendezvous_started"' in line:
-                    self.rendezvous_url = str(json.loads(line)["url"])
-                    return
+            if _healthy(f"http://127.0.0.1:{port}/healthz"):
+                self.rendezvous_url = f"ws://127.0.0.1:{port}{SIGNAL_PATH}"
+                return
             if self._rendezvous.poll() is not None:
                 break
             time.sleep(0.1)
@@ -380,7 +387,7 @@ class LocalFleet:
         else:
             assert self.code is not None
             cmd = ["join", self.code]
-        argv = [sys.executable, "-m", "kafila", *cmd, *common]
+        argv = [*_PYTHON, "-m", "kafila", *cmd, *common]
         if m.name in self.cpus:
             assert m.share is not None
             cpu = self.cpus[m.name]
@@ -547,6 +554,22 @@ def _stop(procs: list[subprocess.Popen[bytes]], sig: int, grace_s: float) -> Non
             with contextlib.suppress(ProcessLookupError):
                 p.kill()
             p.wait()
+
+
+def _free_tcp_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a child that must be found there (the rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _get_json(url: str) -> dict[str, Any]:

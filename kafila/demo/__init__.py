@@ -1,0 +1,1 @@
+"""The one-machine process harness behind `kafila demo` and the session benchmarks."""

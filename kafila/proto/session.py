@@ -1,0 +1,223 @@
+"""The terms of a session: what the host decided and every member follows (pure, no I/O).
+
+The host sends them inside its `plan` message (a signaling payload the rendezvous forwards
+unread; kafila.session.forming.core). Parsing is strict and versioned like the signaling
+messages: a missing or unknown field, a wrong type or a value out of range raises
+`TermsError` naming it. Every member of a session runs the same kafila.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, Self
+
+TERMS_VERSION = 1
+SESSION_DTYPES = ("fp32", "bf16", "fp16")  # kafila.engine.DTYPES' keys (a test keeps them equal)
+MAX_MODEL = 200
+DIVISIONS = ("kafila", "uniform", "memory")
+
+
+class TermsError(ValueError):
+    """Session terms that do not parse; the message names the field."""
+
+
+@dataclass(frozen=True)
+class SessionTerms:
+    model: str  # the model id clients ask for
+    chunk: int  # prompt tokens per prefill step
+    queue: int  # requests that may wait for a slot at the head; more get 429
+    dtype: str  # the session's one dtype: every member computes in it
+    context: int  # tokens per request
+    concurrency: int  # requests served at once
+    division: str  # how the blocks were divided
+
+    def __post_init__(self) -> None:
+        if not self.model or len(self.model) > MAX_MODEL:
+            raise TermsError(f"model must be 1 to {MAX_MODEL} characters, got {len(self.model)}")
+        for key, lo in (("chunk", 1), ("queue", 0), ("context", 1), ("concurrency", 1)):
+            if getattr(self, key) < lo:
+                raise TermsError(f"{key} must be at least {lo}, got {getattr(self, key)}")
+        if self.dtype not in SESSION_DTYPES:
+            raise TermsError(f"dtype {self.dtype!r} is none of {list(SESSION_DTYPES)}")
+        if self.division not in DIVISIONS:
+            raise TermsError(f"division {self.division!r} is none of {list(DIVISIONS)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"v": TERMS_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, body: Any) -> SessionTerms:
+        if not isinstance(body, Mapping):
+            raise TermsError("the terms are not an object")
+        version = body.get("v")
+        if version != TERMS_VERSION or isinstance(version, bool):
+            raise TermsError(f"terms version {version!r}, this member speaks {TERMS_VERSION}")
+        want = {"model", "chunk", "queue", "dtype", "context", "concurrency", "division"}
+        keys = set(body) - {"v"}
+        if missing := want - keys:
+            raise TermsError(f"terms: missing {sorted(missing)}")
+        if extra := keys - want:
+            raise TermsError(f"terms: unknown {sorted(extra)}")
+        for key in ("model", "dtype", "division"):
+            if not isinstance(body[key], str):
+                raise TermsError(f"{key} must be text, got {type(body[key]).__name__}")
+        for key in ("chunk", "queue", "context", "concurrency"):
+            if not isinstance(body[key], int) or isinstance(body[key], bool):
+                raise TermsError(f"{key} must be an integer, got {type(body[key]).__name__}")
+        return cls(**{k: body[k] for k in want})
+
+
+# ------------------------------------------------------------------ forming messages
+
+KEY = "kafila_session"  # marks a signaling payload as a session message; its value is the version
+SESSION_VERSION = 1
+MAX_REASON = 4096
+
+
+class SessionMessageError(ValueError):
+    """A forming message that does not parse; the message names the field."""
+
+
+def payload(op: str, **body: Any) -> dict[str, Any]:
+    """A session message as a signaling payload (the rendezvous forwards it unread)."""
+    return {KEY: SESSION_VERSION, "op": op, **body}
+
+
+@dataclass(frozen=True)
+class Report:
+    """member -> host: what this member offers (a DeviceReport's dict, read by the planner)."""
+
+    device: dict[str, Any]
+    OP: ClassVar[str] = "report"
+
+    def body(self) -> dict[str, Any]:
+        return payload(self.OP, device=self.device)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Report:
+        _check(body, cls.OP, {"device"})
+        return cls(_object(body, "device"))
+
+
+@dataclass(frozen=True)
+class PlanMessage:
+    """host -> members: the plan (a Plan's dict), member ids by name, the terms, the divisions
+    compared (for /session)."""
+
+    plan: dict[str, Any]
+    ids: dict[str, int]
+    terms: SessionTerms
+    alternatives: dict[str, Any] | None = None
+    OP: ClassVar[str] = "plan"
+
+    def body(self) -> dict[str, Any]:
+        terms = self.terms.to_dict()
+        return payload(self.OP, plan=self.plan, ids=self.ids, terms=terms, alternatives=self.alternatives)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> PlanMessage:
+        _check(body, cls.OP, {"plan", "ids", "terms", "alternatives"}, optional={"alternatives"})
+        ids = _object(body, "ids")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in ids.values()):
+            raise SessionMessageError("plan: ids must map names to member ids")
+        alternatives = body.get("alternatives")
+        if alternatives is not None and not isinstance(alternatives, dict):
+            raise SessionMessageError("plan: alternatives must be an object")
+        try:
+            terms = SessionTerms.from_dict(body["terms"])
+        except TermsError as exc:
+            raise SessionMessageError(f"plan: {exc}") from None
+        return cls(_object(body, "plan"), dict(ids), terms, alternatives)
+
+
+@dataclass(frozen=True)
+class _Reasoned:
+    """A message that carries only why (the base of `refused` and `failed`)."""
+
+    reason: str
+    OP: ClassVar[str] = ""
+
+    def body(self) -> dict[str, Any]:
+        return payload(self.OP, reason=self.reason)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Self:
+        _check(body, cls.OP, {"reason"})
+        return cls(_reason(body))
+
+
+@dataclass(frozen=True)
+class _Bare:
+    """A message that carries nothing but its op (the base of `ready` and `formed`)."""
+
+    OP: ClassVar[str] = ""
+
+    def body(self) -> dict[str, Any]:
+        return payload(self.OP)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Self:
+        _check(body, cls.OP, set())
+        return cls()
+
+
+@dataclass(frozen=True)
+class Refused(_Reasoned):
+    """host -> members: the session will not form, and why."""
+
+    OP: ClassVar[str] = "refused"
+
+
+@dataclass(frozen=True)
+class Failed(_Reasoned):
+    """member -> host: why this member cannot go on (the host ends the attempt with it)."""
+
+    OP: ClassVar[str] = "failed"
+
+
+@dataclass(frozen=True)
+class Ready(_Bare):
+    """member -> host: linked, weights here, ring role started."""
+
+    OP: ClassVar[str] = "ready"
+
+
+@dataclass(frozen=True)
+class AllReady(_Bare):
+    """host -> members (`formed`): every member is ready; the session serves."""
+
+    OP: ClassVar[str] = "formed"
+
+
+def _check(
+    body: Mapping[str, Any], op: str, want: set[str], optional: frozenset[str] | set[str] = frozenset()
+) -> None:
+    if not isinstance(body, Mapping):
+        raise SessionMessageError(f"{op}: the message is not an object")
+    version = body.get(KEY)
+    if version != SESSION_VERSION or isinstance(version, bool):
+        raise SessionMessageError(
+            f"{op}: session message version {version!r}, this member speaks {SESSION_VERSION}"
+        )
+    if body.get("op") != op:
+        raise SessionMessageError(f"{op}: the message's op is {body.get('op')!r}")
+    keys = set(body) - {KEY, "op"}
+    if missing := want - set(optional) - keys:
+        raise SessionMessageError(f"{op}: missing {sorted(missing)}")
+    if extra := keys - want:
+        raise SessionMessageError(f"{op}: unknown {sorted(extra)}")
+
+
+def _object(body: Mapping[str, Any], key: str) -> dict[str, Any]:
+    value = body[key]
+    if not isinstance(value, dict):
+        raise SessionMessageError(f"{key} must be an object, got {type(value).__name__}")
+    return value
+
+
+def _reason(body: Mapping[str, Any]) -> str:
+    value = body["reason"]
+    if not isinstance(value, str):
+        raise SessionMessageError(f"reason must be text, got {type(value).__name__}")
+    return value[:MAX_REASON]

@@ -1,0 +1,1 @@
+"""Forming a session: the pure formation cores, their driver, host and join steps, the links."""

@@ -1,0 +1,141 @@
+"""host: open a session, gather the members, plan, link, serve the weights and start the ring.
+
+open the session at the rendezvous -> print the code -> classify NAT, probe itself -> wait for
+N-1 members' reports, linking with each as it reports (the control link, whose authentication
+admits it; kafila.session.forming.admission) -> plan (or refuse, naming the device) -> send the
+plan -> link the plan's other edges -> serve weights -> ring
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from kafila.engine.backend import checkpoint_dtype
+from kafila.models.checkpoint import Checkpoint
+from kafila.models.registry import resolve, served_name
+from kafila.net.errors import LinkError
+from kafila.net.link import Link
+from kafila.obs.log import get_logger
+from kafila.proto.codes import SessionCode, new_code
+from kafila.proto.session import SessionTerms
+from kafila.session.channel import LinkChannel
+from kafila.session.errors import SessionError
+from kafila.session.forming import core as fm
+from kafila.session.forming.admission import Admission
+from kafila.session.forming.core import HostFormation
+from kafila.session.forming.driver import Driver, while_signaling
+from kafila.session.forming.links import connect_node, link_ring
+from kafila.session.forming.measure import probe_report
+from kafila.session.forming.plans import choose_plan, say_ready
+from kafila.session.forming.signaling import default_name, join_command, reach_rendezvous, refused_by
+from kafila.session.progress import off_loop, say
+from kafila.session.ring.build import Serving, start_role
+from kafila.session.runtime import MemberRuntime, formed_by, reserve_api
+from kafila.session.terms import Options
+from kafila.session.weights.manifest import checkpoint_id
+from kafila.session.weights.server import WeightServer
+
+log = get_logger("kafila.session")
+
+
+async def host(opts: Options, on_code: Callable[[SessionCode], None] | None = None) -> MemberRuntime:
+    """Open a session and form its ring; the runtime it returns serves until closed."""
+    opts.check()
+    return await formed_by("host", partial(_host, opts, on_code))
+
+
+async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, held: MemberRuntime) -> None:
+    folder = resolve(opts.model)
+    ckpt = Checkpoint.open(folder, complete=True)
+    ckpt.config.check_context(opts.context, opts.model)
+    if opts.members > (blocks := ckpt.config.num_hidden_layers):  # known now, not after N joined
+        raise SessionError(
+            f"--members {opts.members} is more than the {blocks} blocks of {opts.model}: every member "
+            f"holds at least one; at most {blocks} members"
+        )
+    # one dtype for the whole session, decided here: every member probes and computes in it; and
+    # one model name, which clients anywhere use (a folder's own name, not this machine's path)
+    opts = replace(opts, dtype=checkpoint_dtype(opts.dtype, ckpt.stored_dtype), model=served_name(opts.model))
+    name = held.name = held.host = held.forming.name = opts.name or default_name()
+    held.forming.model = opts.model
+    held.api_socket = reserve_api(opts)
+    client = held.client = await reach_rendezvous(opts.rendezvous)
+    config = ckpt.config.raw if len(json.dumps(ckpt.config.raw)) < 12_000 else None
+    capability = {"role": "host", "config": config, "dtype": opts.dtype}
+    with refused_by(opts.rendezvous, "open a session"):
+        opened = await client.open_session(opts.model, opts.members, name, capability)
+    code = held.code = new_code(opened.session)
+    say(f"session code: {code}   (members join with: {join_command(code, opts.rendezvous)})")
+    await held.open_api()
+    if opts.wait_s > opened.expires_in:  # the rendezvous's --code-ttl-s is shorter than --wait
+        say(
+            f"note: the rendezvous takes joins with this code for {opened.expires_in:.0f} s after it "
+            f"opened or was last joined, less than --wait {opts.wait_s:.0f} s: members must join within that"
+        )
+    if on_code:
+        on_code(code)
+    node = held.node = await connect_node(client, code, opts.rendezvous)
+    pump = asyncio.ensure_future(node.signals.pump())
+    held.tasks.append(pump)
+    core = HostFormation(members=opts.members, wait_s=opts.wait_s, host_id=node.member, host_name=name)
+    drive = held.driver = Driver(core, client, node.signals)
+    admission = held.admission = Admission(node, name, drive)
+    # members that join meanwhile are linked with, and so their codes checked, while this host measures
+    me = await drive.during(while_signaling(off_loop(probe_report, name, node, opts, config), pump))
+    gathered = await drive.until(fm.PlanNow, core.start(me, drive.now()))
+    control = admission.take(gathered.ids.values())  # every other member's link, admitted
+    terms = opts.terms()
+    try:
+        plan, alternatives = choose_plan(list(gathered.devices), ckpt, opts)
+    except SessionError as exc:
+        await drive.carry(core.refuse(str(exc), drive.now()))
+        raise
+    held.plan = plan
+    await drive.carry(core.planned(plan, drive.now(), terms, alternatives))
+    try:
+        await drive.during(_host_ring(folder, gathered.ids, control, opts, terms, held, alternatives))
+    except LinkError as exc:  # e.g. a member's wrong secret word: the members are told, not left
+        await drive.carry(core.link_failed(f"the host could not link: {exc}", drive.now()))
+        raise
+    await drive.until(fm.Formed, core.started(drive.now()))
+    role = held.ring()
+    held.tasks.append(asyncio.ensure_future(drive.serve_formed(held.links, role.info.rendezvous)))
+    held.serve_session_api()
+    say_ready(plan)
+
+
+async def _host_ring(
+    folder: Path,
+    ids: dict[str, int],
+    control: dict[int, Link],
+    opts: Options,
+    terms: SessionTerms,
+    held: MemberRuntime,
+    alternatives: dict[str, Any],
+) -> None:
+    """The host's links (its `control` links with every member, formed as they were admitted, are
+    its ring edges too), weight serving and ring role (a step the formation core waits on)."""
+    name, plan, node, code = held.name, held.plan, held.node, held.code
+    assert plan is not None and node is not None and code is not None  # set before the plan was sent
+    links = held.links = await link_ring(node, plan, name, ids, name, control)
+    server = WeightServer(folder, cache=opts.cache)
+    controls = [LinkChannel(link, peer) for peer, link in links.items()]
+    if controls:
+        say(f"serving weights to {len(controls)} member(s)")
+
+    async def serve(channel: LinkChannel) -> None:
+        if (error := (await server.serve(channel)).error) is not None:  # the host says why it will leave
+            say(f"{channel.peer} could not take its weights: {error}")
+
+    await asyncio.gather(*(serve(c) for c in controls))
+    digest = await off_loop(checkpoint_id, folder)
+    own = {"source": "own files", "path": str(folder), "fetched_bytes": 0, "fetched_tensor_bytes": 0}
+    serving = Serving(terms, digest, alternatives, own)
+    with_api = held.api is not None
+    held.role, held.app = await start_role(name, code, plan, folder, links, opts, serving, with_api)

@@ -1,0 +1,91 @@
+"""A member's UDP node and the authenticated links of its ring."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Awaitable
+
+from kafila.net.edge import EdgeOptions, LinkNode, SignalRouter, link_edges
+from kafila.net.endpoint import UdpEndpoint
+from kafila.net.errors import LinkError, NatProbeError
+from kafila.net.link import Link, LinkConfig
+from kafila.net.signaling import SignalingClient
+from kafila.planner.plan import Plan
+from kafila.proto.codes import SessionCode
+from kafila.session.errors import SessionError
+from kafila.session.progress import say
+
+# A session's links notice a silent direct path well inside the ring's liveness (--dead-after,
+# 5 s by default) and go on over the relay before the ring gives up: silence for 3 s, checked every
+# second, with a PING every second to tell silence from an idle link (docs/links.md has the run
+# that showed the link's own defaults were too slow for a ring).
+SESSION_LINKS = LinkConfig(keepalive=1.0, dead_after=3.0)
+
+
+async def connect_node(client: SignalingClient, code: SessionCode, url: str) -> LinkNode:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("0.0.0.0", 0))
+    host = url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0].strip("[]")
+    router = SignalRouter(client)
+    endpoint = await UdpEndpoint.open(sock)
+    try:
+        node = await LinkNode.joined(endpoint, router, code, host)
+    except NatProbeError as exc:  # the rendezvous's UDP address: not a firewall's fault
+        endpoint.close()
+        raise SessionError(f"cannot use the rendezvous's UDP ports: {exc}") from exc
+    node.config = SESSION_LINKS
+    try:
+        await node.classify_nat()
+    except NatProbeError as exc:
+        node.endpoint.close()
+        raise SessionError(
+            f"cannot classify this member's NAT: {exc} (the rendezvous's UDP ports must be reachable "
+            "from here: a firewall in between, or a container without its UDP ports published?)"
+        ) from exc
+    return node
+
+
+async def link_ring(
+    node: LinkNode,
+    plan: Plan,
+    me: str,
+    ids: dict[str, int],
+    host: str,
+    formed: dict[int, Link] | None = None,
+) -> dict[str, Link]:
+    """One authenticated link per pair of members that talk: ring neighbours, and the host with
+    every member (the weight fetch). Returns this member's links by peer name. A link carries both
+    directions, so a ring of two and the host's control links reuse the ring edges, and a link in
+    `formed` (by peer id: the control links, formed before the plan) is used as it is."""
+    pairs: dict[frozenset[str], tuple[str, str]] = {}  # pair -> (client, server)
+    for m in plan.order:
+        n = plan.successor(m)
+        if m != n:
+            pairs.setdefault(frozenset((m, n)), (m, n))
+    for m in plan.order:
+        if m != host:
+            pairs.setdefault(frozenset((m, host)), (m, host))
+    direct = {frozenset((e.src, e.dst)): e.direct for e in plan.edges}
+    edges: dict[int, tuple[bool, EdgeOptions]] = {}
+    for pair, (client, server) in pairs.items():
+        if me in pair:
+            peer = server if client == me else client
+            edges[ids[peer]] = (client == me, EdgeOptions(predicted_direct=direct.get(pair, True)))
+    names = {i: n for n, i in ids.items()}
+    # every member proved the session's code to the host before the plan (admission.py), so a ring
+    # edge that does not authenticate means tampering: its error says so. One that fails closes the
+    # others this member opened, so those peers hear it at once.
+    linked = await link_edges(node, edges, formed, label=lambda peer: f"link {me} <-> {names[peer]}")
+    links = {names[peer]: link for peer, link in linked.items()}
+    for peer, link in links.items():
+        say(f"link {me} <-> {peer}: {link.path}")
+    return links
+
+
+async def named(me: str, peer: str, link: Awaitable[Link]) -> Link:
+    """`link`, its failure naming the two members (the link layer knows only their ids: "edge 2->3")."""
+    try:
+        return await link
+    except LinkError as exc:
+        exc.args = (f"link {me} <-> {peer}: {exc}", *exc.args[1:])
+        raise

@@ -1,0 +1,205 @@
+"""Building a member's ring role from the plan, its links and its loaded stage.
+
+The forming steps (kafila.session.forming) call `start_role` once every edge is linked and the
+weights are here; what it returns is all the runtime (kafila.session.runtime) holds of the ring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kafila.api.app import create_app
+from kafila.api.state import Api, ModelFacts
+from kafila.engine.stage import Stage
+from kafila.engine.tokenizer import Tokenizer
+from kafila.models.checkpoint import Checkpoint
+from kafila.net.link import Link, PathChange
+from kafila.obs import metrics
+from kafila.obs.trace import SessionRecord, TraceLog
+from kafila.planner.plan import Plan
+from kafila.proto.codes import SessionCode
+from kafila.proto.ring import RingBroken
+from kafila.proto.session import SessionTerms
+from kafila.session.channel import Heartbeat, LinkChannel
+from kafila.session.progress import note, off_loop, say
+from kafila.session.ring.compute import ModelThread
+from kafila.session.ring.head import RingHead
+from kafila.session.ring.info import RingInfo
+from kafila.session.ring.member import RingMember
+from kafila.session.ring.schedule import lanes_for
+from kafila.session.ring.stagetrace import planned_rtt_ms
+from kafila.session.ring.textcodec import TokenizerCodec
+from kafila.session.terms import Options
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
+RingRole = RingHead | RingMember  # what a member runs in the ring: the head, or any other member
+
+
+def shard_text(a: int, b: int, head: bool) -> str:
+    """A member's share for the person watching: "blocks [0, 9) + head"."""
+    return f"blocks [{a}, {b})" + (" + head" if head else "")
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What the host decided for every member's ring role and API."""
+
+    terms: SessionTerms  # model, chunk, queue, dtype, ...
+    checkpoint: str  # the checkpoint id (its safetensors headers' digest): the Ollama digest
+    alternatives: dict[str, Any] | None = None  # the divisions compared, for /session
+    weights: dict[str, Any] | None = None  # where this member's shard came from, for /session
+
+
+async def start_role(
+    name: str,
+    code: SessionCode,
+    plan: Plan,
+    folder: Path,
+    links: dict[str, Link],
+    opts: Options,
+    serving: Serving,
+    with_api: bool,
+) -> tuple[RingRole, Starlette | None]:
+    """Member `name`'s ring role for `plan`, started on `links` with its stage loaded from
+    `folder`, and (`with_api`) the session's API app over it, served once the session formed."""
+    model = serving.terms.model
+    ckpt = Checkpoint.open(folder)  # a member's shard: its own tensors only
+    tokenizer = Tokenizer.from_checkpoint(ckpt)
+    a, b = plan.block_range(name)
+    index, order = plan.order.index(name), list(plan.order)
+    head = plan.head == name
+    note(f"loading {shard_text(a, b, head)} into memory")
+    stage = await off_loop(
+        Stage.load,
+        ckpt,
+        range(a, b),
+        head,
+        opts.backend,
+        opts.dtype,
+        plan.context,
+        plan.concurrency,
+        opts.pace,
+    )
+    nxt_name, prv_name = plan.successor(name), plan.predecessor(name)
+    info = _ring_info(name, code, plan, links, serving, stage.backend.dtype)
+    info.rendezvous.update(url=opts.rendezvous, state="connected")
+    nxt = _channel(links.get(nxt_name), nxt_name, opts)
+    prv = _channel(links.get(prv_name), prv_name, opts) if len(order) > 2 or nxt is None else nxt
+    traces = TraceLog(opts.trace)  # without a file: the last records for /traces only
+    model_thread = ModelThread(name)
+    role: RingRole
+    if head:
+        lanes = lanes_for(plan.circuit_s, plan.bottleneck_s, len(order))
+        role = RingHead(
+            stage,
+            model_thread,
+            info,
+            nxt,
+            prv,
+            tuple(tokenizer.stop_ids),
+            plan.concurrency,
+            serving.terms.chunk,
+            traces,
+            lanes,
+            serving.terms.queue,
+        )
+        traces.write(session_record(plan, code.public, model, info.edges))
+    else:
+        if nxt is None or prv is None:  # a plan puts a member that is not the head in a ring of 2+
+            raise ValueError(f"member {name} has no ring neighbour in the plan {plan.order}")
+        role = RingMember(index, stage, model_thread, info, nxt, prv, traces)
+    metrics.observe_session(session_record(plan, code.public, model, info.edges), ring_view=head)
+    role.on_broken = lambda why: say(broken_line(name, why))
+    role.start()
+    if not with_api:  # the API's line is the others' "ready"
+        say(f"serving {shard_text(a, b, head)}; no API on this member (--api off)")
+        return role, None
+    facts = ModelFacts.of(ckpt.config, stage.backend.wire_dtype, serving.checkpoint)
+    return role, create_app(Api(role, TokenizerCodec(tokenizer), model, facts, traces))
+
+
+def broken_line(name: str, broken: RingBroken) -> str:
+    """What member `name` says at its console when its ring broke."""
+    why = broken.text()
+    if broken.blames(name):  # the others' view of this member, which heard their "broken" on waking
+        why += (
+            ": that is this member, whose process did not run in time (stopped, asleep or swapping), "
+            "so the others counted it gone"
+        )
+    return (
+        f"{why}. This member answers requests with 503 from now on; re-planning is not implemented: "
+        "end it (Ctrl-C) and form a new session"
+    )
+
+
+def _ring_info(
+    name: str,
+    code: SessionCode,
+    plan: Plan,
+    links: dict[str, Link],
+    serving: Serving,
+    dtype: str,
+) -> RingInfo:
+    """What /session and the traces say of the ring, from member `name`'s side: its edges follow
+    the path this member's own links are on now (ring and control), the others the plan's."""
+    nxt_name, prv_name = plan.successor(name), plan.predecessor(name)
+    edges = {f"{e.src}->{e.dst}": ("direct" if e.direct else "relay") for e in plan.edges}
+    own = {
+        f"{src}->{dst}": links[peer]
+        for src, dst, peer in ((name, nxt_name, nxt_name), (prv_name, name, prv_name))
+        if peer in links
+    }
+    own |= {f"{name}<->{peer}": link for peer, link in links.items() if peer not in (nxt_name, prv_name)}
+    follow_paths(edges, own)
+    return RingInfo(
+        session=code.public,
+        model=serving.terms.model,
+        division=plan.division,
+        order=tuple(plan.order),
+        blocks={s.name: (s.start, s.stop) for s in plan.stages},
+        predicted_ms={s.name: (s.cost_s or 0.0) * 1e3 for s in plan.stages},
+        edges=edges,
+        plan={"chosen": plan.summary(), "divisions": serving.alternatives or {}},
+        edge_rtt_ms=planned_rtt_ms(plan.edges),
+        dtype=dtype,
+        weights=serving.weights or {},
+    )
+
+
+def follow_paths(edges: dict[str, str], links: dict[str, Link]) -> None:
+    """Keep `edges[key]` at the path `links[key]` is on ("direct" or "relay"), also after the link
+    falls back to the relay or returns to its direct path, and "closed" once it is (what /session
+    shows; a closed link kept showing its last path)."""
+    for key, link in links.items():
+        if link.path is not None:
+            edges[key] = link.path.value
+        link.on_path_change.append(partial(_set_path, edges, key))
+        link.on_close.append(partial(edges.__setitem__, key, "closed"))
+
+
+def _set_path(edges: dict[str, str], key: str, change: PathChange) -> None:
+    edges[key] = change.new.value
+
+
+def _channel(link: Link | None, peer: str, opts: Options) -> Heartbeat | None:
+    return Heartbeat(LinkChannel(link, peer), opts.dead_after).start() if link is not None else None
+
+
+def session_record(plan: Plan, session: str, model: str, edges: dict[str, str]) -> SessionRecord:
+    return SessionRecord(
+        session=session,
+        model=model,
+        division=plan.division,
+        order=tuple(plan.order),
+        head=plan.head or plan.order[0],
+        blocks={s.name: (s.start, s.stop) for s in plan.stages},
+        predicted_stage_ms={s.name: (s.cost_s or 0.0) * 1e3 for s in plan.stages},
+        predicted_bottleneck_ms=(plan.bottleneck_s or 0.0) * 1e3,
+        predicted_circuit_ms=(plan.circuit_s or 0.0) * 1e3,
+        edges=edges,
+    )

@@ -1,0 +1,46 @@
+"""What every member knows of its ring, and the part of its /session document all members share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RingInfo:
+    """Who is where: ring order (head first), block ranges, predicted ms per decode step, edge paths."""
+
+    session: str
+    model: str
+    division: str
+    order: tuple[str, ...]
+    blocks: dict[str, tuple[int, int]]
+    predicted_ms: dict[str, float]
+    edges: dict[str, str] = field(default_factory=dict)  # "a->b": "direct" | "relay" | "local"
+    plan: dict[str, Any] = field(default_factory=dict)
+    edge_rtt_ms: dict[str, float] = field(default_factory=dict)  # "a->b": the plan's priced round trip
+    dtype: str | None = None  # the session's ("fp32", "bf16", "fp16"): every member computes in it
+    weights: dict[str, Any] = field(default_factory=dict)  # this member's shard: source, bytes fetched
+    # this member's signaling connection: {"url", "state": "connected" | "lost", "reason" once lost}
+    rendezvous: dict[str, Any] = field(default_factory=dict)
+
+    def document(self, state: str, error: str | None) -> dict[str, Any]:
+        """The part of a member's /session document every member shares."""
+        return {
+            "session": self.session,
+            "model": self.model,
+            "state": state if error is None else "broken",
+            "error": error,
+            "head": self.order[0],
+            "ring": list(self.order),
+            "members": [
+                {"name": m, "blocks": list(self.blocks[m]), "predicted_ms": self.predicted_ms.get(m)}
+                for m in self.order
+            ],
+            "links": [{"edge": e, "path": p} for e, p in self.edges.items()],
+            "division": self.division,
+            "dtype": self.dtype,
+            "plan": self.plan,
+            "weights": self.weights,
+            "rendezvous": self.rendezvous,
+        }

@@ -1,0 +1,104 @@
+"""What the head and every other member share in the ring: liveness and the way a ring breaks.
+
+A role sends everything to its next member through one outbox (so frames, frees and notices keep
+their order), drains the next member's heartbeats where that link carries nothing else, and, when a
+channel fails or a "broken" notice arrives, breaks once: it remembers why (a `RingBroken`), tells
+whoever listens (`on_broken`), passes the notice on, and fails what it holds (`_lost`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from kafila.obs.log import get_logger
+from kafila.proto import ring as rc
+from kafila.proto import tensor as t
+from kafila.proto.ring import Cause, RingBroken
+from kafila.session.channel import Channel, ChannelError, send_marked
+
+log = get_logger("kafila.session.ring")
+
+
+class RoleBase:
+    """The shared part of RingHead and RingMember; subclasses say what a break fails (`_lost`)."""
+
+    def __init__(self, name: str, next_ch: Channel | None, prev_ch: Channel | None) -> None:
+        self.name = name
+        self.next, self.prev = next_ch, prev_ch  # both None: the head of a ring of one
+        self.broken: RingBroken | None = None
+        self.on_broken: Callable[[RingBroken], None] | None = None  # told once, e.g. the console
+        self.ending = False  # the host ended the session on purpose: its ring breaking is no fault
+        self.on_ended: Callable[[], None] | None = None  # told when a "broken" says the host ended it
+        self._outbox: asyncio.Queue[t.Message] = asyncio.Queue()
+
+    @property
+    def broken_text(self) -> str | None:
+        """Why the ring is broken, as people read it (None: it is not)."""
+        return None if self.broken is None else self.broken.text()
+
+    def _in_flight(self) -> int:
+        """Requests a break fails here (for the log line)."""
+        return 0
+
+    def _lost(self, broken: RingBroken) -> None:
+        """Fail what this role holds because the ring broke."""
+
+    def _break(self, broken: RingBroken, tell: bool = True) -> None:
+        """Break the ring once (a later break keeps the first reason); fail what is held either way."""
+        if self.broken is None:
+            # "ended" is the view of a member that ends on purpose (the host ended the session): one
+            # that is not ending passes on a closed link, so the notice goes round once, not again
+            if self.ending:
+                broken = RingBroken(broken.member, Cause.ENDED, broken.detail)
+            elif broken.cause is Cause.ENDED:
+                broken = RingBroken(broken.member, Cause.CLOSED, broken.detail)
+            self.broken = broken
+            level = log.info if self.ending else log.error
+            level(
+                "ring_broken",
+                member=self.name,
+                about=broken.member,
+                cause=broken.cause.value,
+                reason=broken.detail,
+                in_flight=self._in_flight(),
+                ending=self.ending,
+            )
+            if self.on_broken is not None:
+                self.on_broken(broken)
+            if tell and self.next is not None:  # tell the members (those still reachable) why
+                self._outbox.put_nowait(rc.control(broken))
+        self._lost(self.broken)
+
+    def _heard_broken(self, notice: t.Control, tell: bool) -> None:
+        """A neighbour's "broken" notice: the ring is broken for the reason it gives."""
+        try:
+            broken = rc.RingBroken.parse(notice.body)
+        except rc.RingMessageError as exc:
+            peer = self.prev.peer if self.prev is not None else ""
+            broken = RingBroken(peer, Cause.ERROR, f"an unreadable 'broken' notice from member {peer}: {exc}")
+        if broken.cause is Cause.ENDED and self.on_ended is not None:
+            self.on_ended()  # the host ended the session: its link's closing may come after this
+        self._break(broken, tell)
+
+    def _internal_error(self, detail: str) -> None:
+        """A loop of this role failed (kafila.session.ring.generation.guarded)."""
+        self._break(RingBroken(self.name, Cause.ERROR, detail))
+
+    async def _send_out(self) -> None:
+        assert self.next is not None
+        try:
+            while True:
+                await send_marked(self.next, await self._outbox.get(), self.prev)
+        except ChannelError as exc:
+            self._break(exc.broken(f"member {self.next.peer}: {exc}"))
+
+    async def _watch_next(self) -> None:
+        """The next member sends nothing on this link but its beats: hearing them (or not) tells
+        whether it is alive, so a dead successor is noticed here too."""
+        assert self.next is not None
+        try:
+            while True:
+                await self.next.recv()
+        except ChannelError as exc:
+            self._break(exc.broken())

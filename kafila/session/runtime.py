@@ -1,0 +1,220 @@
+"""One member's resources from its start to its end, and the one way they are given back.
+
+`host()` and `join()` (kafila.session.forming) fill a `MemberRuntime` as they acquire things (the
+API's socket, the signaling connection, the UDP node, links, the ring role); whether forming fails
+or the member ends after serving, `close()` releases exactly what was acquired, in one order. The
+ring role sits in one attribute so that a later re-plan can swap it for the next epoch's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import socket
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kafila.api.forming import FormingStatus, forming_app
+from kafila.api.server import ApiServer, parse_addr
+from kafila.net.edge import LinkNode
+from kafila.net.errors import LinkEnded
+from kafila.net.link import Link
+from kafila.net.signaling import SignalingClient
+from kafila.net.tcp import bind_tcp
+from kafila.planner.plan import Plan
+from kafila.proto.codes import SessionCode
+from kafila.session.errors import SessionError
+from kafila.session.progress import progress_to, say
+from kafila.session.ring.build import RingRole
+from kafila.session.terms import Options
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
+    from kafila.session.weights.fetch import ShardResult
+
+NOT_FORMED = "session not formed"
+
+
+class Stops(Protocol):
+    """The formation driver (kafila.session.forming.driver), as the runtime stops it."""
+
+    def close(self) -> None: ...
+
+
+class Drops(Protocol):
+    """The host's admission of reporting members (kafila.session.forming.admission): its links."""
+
+    async def close(self, why: str) -> None: ...
+
+
+class MemberRuntime:
+    """Everything a member holds: what it acquired while forming, then its ring role and API."""
+
+    def __init__(self, kind: str) -> None:
+        self.forming = FormingStatus(kind)  # what its API's /session says until the ring serves
+        self.name = ""
+        self.host = ""  # the host's name: the host ending its session ends every member's
+        self.code: SessionCode | None = None
+        self.plan: Plan | None = None
+        self.api_socket: socket.socket | None = None  # the API's address, bound before anything else
+        self.api: ApiServer | None = None  # serving on it: 503 "forming" until the session formed
+        self.client: SignalingClient | None = None
+        self.node: LinkNode | None = None
+        self.driver: Stops | None = None
+        self.admission: Drops | None = None  # the host's links with members that reported
+        self.links: dict[str, Link] = {}
+        self.tasks: list[asyncio.Task[Any]] = []
+        self.role: RingRole | None = None  # the ring role, once its stage is loaded
+        self.app: Starlette | None = None  # the session's API app, served once the session formed
+        self.shard: ShardResult | None = None  # a joining member's weights, as fetched
+        self.formed = False  # every member is ready and this one serves
+        # a joining member's: done, with the line to say, when the host ended the session on purpose
+        self.ended: asyncio.Future[str] | None = None
+
+    @property
+    def host_ended(self) -> bool:
+        """A joining member's: the host ended the session (not: this member was stopped)."""
+        return self.ended is not None and self.ended.done() and not self.ended.cancelled()
+
+    def ring(self) -> RingRole:
+        """The ring role (a runtime asked for it before forming has started one is a bug)."""
+        if self.role is None:
+            raise RuntimeError(f"{self.name or 'this member'} has no ring role yet")
+        return self.role
+
+    async def close(self) -> None:
+        """End this member's part, whatever it got to. After serving, the host's links close as
+        `ended`, so every member learns that the session is over (rather than that its ring broke),
+        and so do the links of a member that ends because the host did: whichever close reaches a
+        member first says the same. Before that, everything closes as "session not formed"."""
+        if self.driver is not None:
+            self.driver.close()
+        if self.admission is not None and not self.formed:  # once formed, its links are the ring's
+            await self.admission.close(NOT_FORMED)
+        if self.formed and self.api is not None:  # no new request reaches a role that stops
+            with contextlib.suppress(Exception):
+                await self.api.stop()
+        if self.role is not None:
+            if not self.formed:  # e.g. the host's members never became ready
+                self.role.on_broken = None  # closing its links is not a ring breaking
+            with contextlib.suppress(Exception):
+                await self.role.stop()
+            self.role.model.close()
+        await self._close_links()
+        for task in self.tasks:
+            task.cancel()
+        if self.client is not None:
+            with contextlib.suppress(Exception):
+                await self.client.close("session ended" if self.formed else NOT_FORMED)
+        if self.node is not None:
+            self.node.endpoint.close()
+        if not self.formed and self.api is not None:
+            with contextlib.suppress(Exception):
+                await self.api.stop()
+        if self.api_socket is not None:
+            self.api_socket.close()
+
+    async def _close_links(self) -> None:
+        why, ended = NOT_FORMED, False
+        if self.formed:
+            ended = self.name == self.host or self.host_ended
+            why = "the host ended the session" if ended else f"{self.name} was stopped and left the session"
+        for link in self.links.values():
+            with contextlib.suppress(Exception):
+                await (link.close(why, ended) if self.formed else link.close(why))
+
+    async def open_api(self) -> None:
+        """Serve this member's API on the address reserved at its start (--api; none with --api
+        off): while the session forms, /session says what the member is doing and every other
+        route answers 503 (kafila.api.forming)."""
+        if self.api_socket is None:
+            return
+        sock, self.api_socket = self.api_socket, None  # the server's from now on, closed with it
+        try:
+            self.api = await ApiServer(forming_app(self.forming), sock).start()
+        except BaseException:
+            sock.close()
+            raise
+        url = self.api.url
+        say(f"API at {url} (503 until the session is ready; {url}/session says how forming goes)")
+
+    def serve_session_api(self) -> None:
+        """Once every member is ready, the forming API becomes the session's: the next request gets
+        the full app, on the same address (/session says "serving" only now)."""
+        self.formed = True
+        server = self.api
+        if server is not None and self.app is not None:
+            server.switch(self.app)
+            url = server.url
+            say(f"API at {url} (OpenAI {url}/v1, Ollama {url}/api, {url}/session)")
+
+    def watch_host_ending(self) -> None:
+        """A joining member ends when the host ends the session on purpose: one of its links closes
+        as LinkEnded (the host's, or a member's that ended because the host did), or a neighbour's
+        "broken" that says so arrives first. `ended` gets the line to say, and the ring's "broken,
+        answering 503" is not said. A host that crashed or went silent still leaves the member
+        answering 503."""
+        role = self.ring()
+        ended = self.ended = asyncio.get_running_loop().create_future()
+
+        def end() -> None:
+            if not ended.done():
+                role.on_broken, role.ending = None, True
+                ended.set_result(f"the host {self.host} ended the session; this member stops")
+
+        def closed(link: Link) -> None:
+            if isinstance(link.error, LinkEnded):
+                end()
+
+        role.on_ended = end
+        for link in self.links.values():
+            link.on_close.append(partial(closed, link))
+            if link.closed:  # closed before the member finished forming
+                closed(link)
+
+
+async def formed_by(kind: str, steps: Callable[[MemberRuntime], Awaitable[None]]) -> MemberRuntime:
+    """A new runtime ("host" or "member") that `steps` fill until the session formed; if they fail
+    or are cancelled, everything acquired so far is given back before the error goes on."""
+    runtime = MemberRuntime(kind)
+    try:
+        with progress_to(runtime.forming.tell):
+            await steps(runtime)
+        return runtime
+    except BaseException:
+        await asyncio.shield(runtime.close())
+        raise
+
+
+def reserve_api(opts: Options) -> socket.socket | None:
+    """This member's API address (--api), bound before the session forms: a taken port or an
+    address this machine does not have is named now, not after probing, planning and loading."""
+    if opts.api is None:
+        return None
+    host, port = parse_addr(opts.api)
+    try:
+        sock = bind_tcp(host, port)
+    except OSError as exc:
+        raise SessionError(
+            f"cannot serve the API on {host}:{port}: {exc.strerror or exc} "
+            "(choose another with --api HOST:PORT, or --api off)"
+        ) from exc
+    if not _loopback(host):
+        say(
+            f"note: the API on {host}:{port} is open to other machines and has no authentication: "
+            "whoever reaches it uses this session (the default, 127.0.0.1, keeps it to this machine)"
+        )
+    return sock
+
+
+def _loopback(host: str) -> bool:
+    """Whether an --api host is this machine alone (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False

@@ -1,0 +1,68 @@
+"""What a member is started with: its own settings and, for the host, the session's terms."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kafila.api.server import parse_addr
+from kafila.engine import PREFILL_CHUNK
+from kafila.engine.pace import Pace
+from kafila.engine.system import usable_cpus
+from kafila.obs.trace import TraceLog
+from kafila.proto import signaling as sig
+from kafila.proto.session import SessionTerms
+from kafila.session.weights.cache import cache_problem
+
+DEFAULT_QUEUE = 256  # requests that may wait for a slot before more are refused (`kafila host --queue`)
+DEFAULT_RENDEZVOUS = f"ws://127.0.0.1:{sig.DEFAULT_PORT}{sig.SIGNAL_PATH}"  # `kafila rendezvous` here
+
+
+@dataclass
+class Options:
+    """A member's settings from its flags; the host's also carry the session's terms (model on)."""
+
+    rendezvous: str = DEFAULT_RENDEZVOUS
+    name: str | None = None
+    api: str | None = "127.0.0.1:11434"  # None: no API on this member
+    backend: str = "auto"
+    dtype: str = "auto"  # host: the session's (auto: the checkpoint's); a member takes the host's
+    memory_bytes: int | None = None  # cap on what this member offers (default: the probe's figure)
+    probe_repeats: int = 2
+    wait_s: float = 300.0  # host: how long to wait for the members
+    trace: Path | None = None
+    cache: Path | None = None
+    use_local: bool = True  # a member that holds the same checkpoint loads it instead of fetching
+    dead_after: float = 5.0
+    emulate_speed: float = 1.0  # < 1: emulate a slower device (kafila.engine.pace)
+    # host only
+    model: str = "smollm2-135m"
+    members: int = 1
+    context: int = 2048
+    concurrency: int = 1
+    division: str = "kafila"
+    objective: str = "load"  # what the kafila division minimizes (kafila.planner.decide.OBJECTIVES)
+    chunk: int = PREFILL_CHUNK  # prompt tokens per prefill step (as `kafila run`'s)
+    queue: int = DEFAULT_QUEUE  # requests that may wait for a slot at the head; more get 429
+
+    def check(self) -> None:
+        """Refuse what cannot work here before anything connects (ValueError, one line). Its own
+        step rather than construction's: it reads the machine (CPUs, the trace file's and the
+        cache's folders), which a value should not do as it is made."""
+        self.pace.check_cpus(usable_cpus())
+        if self.api is not None:
+            parse_addr(self.api)  # a malformed --api is named before anything connects
+        if self.trace is not None:
+            TraceLog.check(self.trace)
+        if problem := cache_problem(self.cache):
+            raise ValueError(problem)
+
+    def terms(self) -> SessionTerms:
+        """The host's: the session's terms from these flags (the model and dtype as resolved)."""
+        return SessionTerms(
+            self.model, self.chunk, self.queue, self.dtype, self.context, self.concurrency, self.division
+        )
+
+    @property
+    def pace(self) -> Pace:
+        return Pace(self.emulate_speed)

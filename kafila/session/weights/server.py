@@ -1,0 +1,181 @@
+"""The host serves its checkpoint's bytes to members: only what the manifest names, by range, off the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kafila.obs.log import get_logger
+from kafila.proto import tensor as t
+from kafila.session.channel import Channel, ChannelError
+from kafila.session.weights.cache import (
+    file_stamp,
+)
+from kafila.session.weights.manifest import (
+    DEFAULT_MAX_REQUEST,
+    OP_DONE,
+    OP_GET_MANIFEST,
+    OP_MANIFEST,
+    U32_MAX,
+    FetchRefused,
+    WeightManifest,
+    describe,
+    runs,
+)
+
+log = get_logger("kafila.session.weights")
+
+
+@dataclass
+class ServeStats:
+    requests: int = 0
+    bytes_sent: int = 0
+    refused: int = 0
+    error: str | None = None  # why the member stopped fetching, as it said in its weights.done
+
+
+class WeightServer:
+    """The host's side: answers weight fetches of one checkpoint folder on any number of channels."""
+
+    def __init__(
+        self,
+        folder: str | os.PathLike[str],
+        max_request: int = DEFAULT_MAX_REQUEST,
+        cache: Path | None = None,
+    ) -> None:
+        self.folder = Path(folder).expanduser().resolve()
+        self.max_request, self.cache = max_request, cache
+        self.stats: dict[str, ServeStats] = {}
+        self._manifest: WeightManifest | None = None
+        self._allowed: dict[str, list[tuple[int, int]]] = {}
+        self._stamps: dict[str, list[int] | None] = {}  # each served file as it was described
+        self._lock = asyncio.Lock()
+
+    async def prepare(self) -> WeightManifest:
+        """Describe the checkpoint (on a thread; hashes are remembered across sessions)."""
+        async with self._lock:
+            if self._manifest is None:
+                stamps = await asyncio.to_thread(_stamps, self.folder)  # before hashing: see _pread
+                m = await asyncio.to_thread(describe, self.folder, self.max_request, self.cache)
+                allowed = {name: [(0, size)] for name, (size, _) in m.files.items() if size}
+                for file, hlen in m.headers.items():
+                    spans = [(e.start, e.end) for e in m.tensors.values() if e.file == file]
+                    allowed[file] = runs([(0, hlen), *spans])
+                self._manifest, self._allowed = m, allowed
+                self._stamps = {name: stamps.get(name) for name in allowed}
+                log.info(
+                    "weights_prepared",
+                    folder=str(self.folder),
+                    checkpoint=m.checkpoint[:16],
+                    tensors=len(m.tensors),
+                )
+            return self._manifest
+
+    def check(self, req: t.FetchRequest) -> tuple[Path, int, int]:
+        """The file, offset and length a request may read; FetchRefused saying why not."""
+        runs = self._allowed.get(req.file)
+        if runs is None:
+            raise FetchRefused(f"file {req.file!r} is not part of the checkpoint being served")
+        if req.fetch_id > U32_MAX:
+            raise FetchRefused(f"fetch id {req.fetch_id} does not fit the u32 of FETCH_DATA")
+        if req.length < 1 or req.length > self.max_request:
+            raise FetchRefused(
+                f"{req.file}: request of {req.length} bytes; requests must be 1..{self.max_request} bytes"
+            )
+        a, b = req.offset, req.offset + req.length
+        i = bisect.bisect_right(runs, (a, math.inf)) - 1
+        if i < 0 or b > runs[i][1]:
+            raise FetchRefused(
+                f"{req.file}: bytes [{a}, {b}) are not inside its header or tensor data "
+                f"(allowed runs: {runs[:4]}{' ...' if len(runs) > 4 else ''})"
+            )
+        return self.folder / req.file, a, req.length
+
+    async def handle(self, channel: Channel, msg: t.Message) -> bool:
+        """Answer `msg` if it is a weights message (True), else leave it to the caller (False).
+        For a host whose receive loop owns the channel; `serve` does the same in its own loop."""
+        if isinstance(msg, t.Control) and msg.op == OP_GET_MANIFEST:
+            m = await self.prepare()
+            await channel.send(t.Control(OP_MANIFEST, m.to_json()))
+            return True
+        if isinstance(msg, t.FetchRequest):
+            await self._answer(channel, msg)
+            return True
+        if isinstance(msg, t.Control) and msg.op == OP_DONE:
+            error = msg.body.get("error")
+            if error is not None:  # kept for the host to say (a member that fetched nothing has no stats)
+                self.stats.setdefault(channel.peer, ServeStats()).error = str(error)[:500]
+            s = self.stats.get(channel.peer, ServeStats())
+            (log.warning if error is not None else log.info)(
+                "weights_served",
+                peer=channel.peer,
+                requests=s.requests,
+                bytes=s.bytes_sent,
+                refused=s.refused,
+                member_bytes=msg.body.get("bytes"),
+                error=msg.body.get("error"),
+            )
+            return True
+        return False
+
+    async def serve(self, channel: Channel, timeout: float | None = None) -> ServeStats:
+        """Serve one member until it sends weights.done (or closes); returns what was sent."""
+        await self.prepare()
+        while True:
+            try:
+                msg = await channel.recv(timeout)
+            except ChannelError:
+                break
+            await self.handle(channel, msg)
+            if isinstance(msg, t.Control) and msg.op == OP_DONE:
+                break
+        return self.stats.get(channel.peer, ServeStats())
+
+    async def _answer(self, channel: Channel, req: t.FetchRequest) -> None:
+        await self.prepare()
+        stats = self.stats.setdefault(channel.peer, ServeStats())
+        stats.requests += 1
+        try:
+            path, offset, length = self.check(req)
+            data = await asyncio.to_thread(_pread, path, offset, length, self._stamps.get(req.file))
+        except FetchRefused as exc:
+            stats.refused += 1
+            log.warning("weights_fetch_refused", peer=channel.peer, reason=str(exc))
+            await channel.send(t.Error(req.fetch_id, "fetch_refused", str(exc)))
+            return
+        except OSError as exc:
+            await channel.send(t.Error(req.fetch_id, "fetch_failed", f"{req.file}: read failed: {exc}"))
+            return
+        stats.bytes_sent += len(data)
+        await channel.send(t.FetchData(req.fetch_id, data))
+
+
+def _stamps(folder: Path) -> dict[str, list[int]]:
+    return {p.name: file_stamp(p.stat()) for p in folder.iterdir() if p.is_file()}
+
+
+def _pread(path: Path, offset: int, length: int, stamp: list[int] | None) -> bytes:
+    """Bytes [offset, offset + length) of `path`, as long as the file is the one the manifest
+    described (the digests members check were taken of it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        now = file_stamp(os.fstat(fd))
+        if now != stamp:
+            raise OSError(
+                f"the file changed on the host after the session described it (size, mtime_ns, inode: "
+                f"{stamp} -> {now}); restart the host to serve the new contents"
+            )
+        parts, at = [], offset
+        while at < offset + length:
+            chunk = os.pread(fd, offset + length - at, at)
+            if not chunk:
+                break
+            parts.append(chunk)
+            at += len(chunk)
+        return b"".join(parts)
+    finally:
+        os.close(fd)

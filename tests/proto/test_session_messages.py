@@ -1,0 +1,110 @@
+"""Session terms and forming messages (kafila.proto.session): they parse back as sent, and
+anything else is refused with TermsError or SessionMessageError naming the field, never another
+exception."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kafila.engine import DTYPES
+from kafila.planner.decide import DIVISIONS
+from kafila.proto import session
+from kafila.proto.session import SessionTerms, TermsError
+
+TERMS = st.builds(
+    SessionTerms,
+    st.text(min_size=1, max_size=session.MAX_MODEL),
+    st.integers(1, 4096),
+    st.integers(0, 1000),
+    st.sampled_from(session.SESSION_DTYPES),
+    st.integers(1, 1 << 20),
+    st.integers(1, 64),
+    st.sampled_from(session.DIVISIONS),
+)
+KEYS = ["model", "chunk", "queue", "dtype", "context", "concurrency", "division", "v"]
+JSON = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
+
+
+@settings(max_examples=150, deadline=None)
+@given(TERMS)
+def test_terms_parse_back_as_sent(terms: SessionTerms) -> None:
+    assert SessionTerms.from_dict(terms.to_dict()) == terms
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    TERMS,
+    st.sampled_from(["model", "chunk", "queue", "dtype", "context", "concurrency", "division", "v"]),
+    JSON,
+)
+def test_any_other_value_is_refused_with_a_terms_error(terms: SessionTerms, key: str, value: Any) -> None:
+    with contextlib.suppress(TermsError):  # and only that: anything else fails the test
+        SessionTerms.from_dict(terms.to_dict() | {key: value})
+
+
+def test_a_missing_or_unknown_field_is_named() -> None:
+    body = SessionTerms("m", 64, 8, "bf16", 2048, 1, "kafila").to_dict()
+    with pytest.raises(TermsError, match="missing \\['queue'\\]"):
+        SessionTerms.from_dict({k: v for k, v in body.items() if k != "queue"})
+    with pytest.raises(TermsError, match="unknown \\['objective'\\]"):
+        SessionTerms.from_dict(body | {"objective": "load"})
+    with pytest.raises(TermsError, match="terms version 2"):
+        SessionTerms.from_dict(body | {"v": 2})
+
+
+def test_the_wire_names_agree_with_the_engine_and_the_planner() -> None:
+    """proto imports neither; the values it accepts are theirs."""
+    assert tuple(DTYPES) == session.SESSION_DTYPES and tuple(DIVISIONS) == session.DIVISIONS
+
+
+FORMING = st.one_of(
+    st.builds(session.Report, st.dictionaries(st.text(max_size=10), JSON, max_size=4)),
+    st.builds(
+        session.PlanMessage,
+        st.dictionaries(st.text(max_size=10), JSON, max_size=4),
+        st.dictionaries(st.text(max_size=10), st.integers(0, 1000), max_size=4),
+        TERMS,
+        st.none() | st.dictionaries(st.text(max_size=10), JSON, max_size=3),
+    ),
+    st.builds(session.Refused, st.text(max_size=100)),
+    st.builds(session.Failed, st.text(max_size=100)),
+    st.just(session.Ready()),
+    st.just(session.AllReady()),
+)
+KINDS = {
+    c.OP: c for c in (session.Report, session.PlanMessage, session.Refused, session.Failed, session.Ready)
+}
+KINDS["formed"] = session.AllReady
+
+
+@settings(max_examples=150, deadline=None)
+@given(FORMING)
+def test_forming_messages_parse_back_as_sent(msg: Any) -> None:
+    body = msg.body()
+    assert body[session.KEY] == session.SESSION_VERSION and body["op"] == msg.OP
+    assert type(msg).parse(body) == msg
+
+
+@settings(max_examples=200, deadline=None)
+@given(FORMING, st.text(max_size=12), JSON)
+def test_a_forming_message_with_any_field_changed_is_refused_or_parsed(
+    msg: Any, key: str, value: Any
+) -> None:
+    """Only SessionMessageError ever comes out of a parser, whatever a peer sends."""
+    with contextlib.suppress(session.SessionMessageError):
+        type(msg).parse(msg.body() | {key: value})
+
+
+def test_a_forming_message_names_what_is_wrong() -> None:
+    with pytest.raises(session.SessionMessageError, match="ready: unknown \\['extra'\\]"):
+        session.Ready.parse(session.payload("ready", extra=1))
+    with pytest.raises(session.SessionMessageError, match="version 2"):
+        session.Refused.parse(session.Refused("no").body() | {session.KEY: 2})
+    with pytest.raises(session.SessionMessageError, match="reason must be text"):
+        session.Failed.parse(session.payload("failed", reason=3))
+    assert set(KINDS) == {"report", "plan", "refused", "failed", "ready", "formed"}
