@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import socket
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kafila.api.forming import FormingStatus, forming_app
+from kafila.api.security import ApiSecurity, ApiSecurityError, check_exposure
 from kafila.api.server import ApiServer, parse_addr
 from kafila.net.edge import LinkNode
 from kafila.net.errors import LinkEnded
@@ -126,7 +126,7 @@ class MemberRuntime:
             with contextlib.suppress(Exception):
                 await (link.close(why, ended) if self.formed else link.close(why))
 
-    async def open_api(self) -> None:
+    async def open_api(self, security: ApiSecurity) -> None:
         """Serve this member's API on the address reserved at its start (--api; none with --api
         off): while the session forms, /session says what the member is doing and every other
         route answers 503 (kafila.api.forming)."""
@@ -134,7 +134,7 @@ class MemberRuntime:
             return
         sock, self.api_socket = self.api_socket, None  # the server's from now on, closed with it
         try:
-            self.api = await ApiServer(forming_app(self.forming), sock).start()
+            self.api = await ApiServer(forming_app(self.forming), sock, security=security).start()
         except BaseException:
             sock.close()
             raise
@@ -196,25 +196,14 @@ def reserve_api(opts: Options) -> socket.socket | None:
         return None
     host, port = parse_addr(opts.api)
     try:
+        check_exposure(host, port, opts.api_security)  # open to other machines: a key, or said insecure
+    except ApiSecurityError as exc:
+        raise SessionError(str(exc)) from None
+    try:
         sock = bind_tcp(host, port)
     except OSError as exc:
         raise SessionError(
             f"cannot serve the API on {host}:{port}: {exc.strerror or exc} "
             "(choose another with --api HOST:PORT, or --api off)"
         ) from exc
-    if not _loopback(host):
-        say(
-            f"note: the API on {host}:{port} is open to other machines and has no authentication: "
-            "whoever reaches it uses this session (the default, 127.0.0.1, keeps it to this machine)"
-        )
     return sock
-
-
-def _loopback(host: str) -> bool:
-    """Whether an --api host is this machine alone (127.0.0.0/8, ::1, localhost)."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # a host name: it may resolve to anything
-        return False

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from kafila.api.security import NO_SECURITY, ApiSecurity
 from kafila.api.server import parse_addr
 from kafila.engine import PREFILL_CHUNK
 from kafila.engine.pace import Pace
@@ -25,6 +26,7 @@ class Options:
     rendezvous: str = DEFAULT_RENDEZVOUS
     name: str | None = None
     api: str | None = "127.0.0.1:11434"  # None: no API on this member
+    api_security: ApiSecurity = NO_SECURITY  # keys, allowed hosts and origins (kafila.api.security)
     backend: str = "auto"
     dtype: str = "auto"  # host: the session's (auto: the checkpoint's); a member takes the host's
     memory_bytes: int | None = None  # cap on what this member offers (default: the probe's figure)

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from kafila.net.signaling import SignalingClient, SignalingError
+from kafila.proto.codes import WORDS, new_code
 from kafila.rendezvous.server import RendezvousServer, ServerConfig
 from tests.obs.promtool import PROMTOOL, check_metrics, needs_promtool
 from tests.obs.test_metrics import value
@@ -24,10 +25,14 @@ async def test_the_metrics_listener_serves_joins_by_outcome_and_promtool_finds_i
         assert server.metrics is not None
         host = await SignalingClient.connect(server.url)
         opened = await host.open_session("m", 3, "h", CAP)
+        code = new_code(opened.session)
+        await host.protect(code)
         guest = await SignalingClient.connect(server.url)
-        await guest.join(opened.session, "g", CAP)
-        with pytest.raises(SignalingError):
-            await SignalingClient.join(await SignalingClient.connect(server.url), "9-zzzz", "g2", CAP)
+        await guest.join(code, "g", CAP)
+        *words, last = str(code).split("-")
+        wrong = "-".join([*words, next(w for w in WORDS if w != last)])
+        with pytest.raises(SignalingError, match="wrong_secret"):
+            await SignalingClient.join(await SignalingClient.connect(server.url), wrong, "g2", CAP)
         async with httpx.AsyncClient() as http:
             exposed = (await http.get(server.metrics.url)).content
             same = (await http.get(f"http://127.0.0.1:{server.http_port}/metrics")).text
@@ -39,7 +44,7 @@ async def test_the_metrics_listener_serves_joins_by_outcome_and_promtool_finds_i
         assert (
             sum(
                 value(text, "kafila_rendezvous_joins_total", outcome=o)
-                for o in ("bad_code", "unknown_session")
+                for o in ("wrong_secret", "bad_code", "unknown_session")
             )
             == 1
         )

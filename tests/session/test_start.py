@@ -112,11 +112,17 @@ LOCAL_OR_OPEN = [("127.0.0.1:0", False), ("localhost:0", False), ("[::1]:0", Fal
 
 
 @pytest.mark.parametrize(("api", "open_"), LOCAL_OR_OPEN)
-def test_an_api_open_to_other_machines_is_said_to_be_unauthenticated(capsys, api: str, open_: bool) -> None:
+def test_an_api_open_to_other_machines_needs_a_key_or_insecure_no_key(api: str, open_: bool) -> None:
+    from kafila.api.security import ApiSecurity
     from kafila.session.runtime import reserve_api
 
-    sock = reserve_api(Options(api=api))
-    assert sock is not None
-    sock.close()
-    said = capsys.readouterr().err
-    assert ("has no authentication: whoever reaches it uses this session" in said) is open_, said
+    if open_:
+        with pytest.raises(SessionError, match="would be open to other machines with no key"):
+            reserve_api(Options(api=api))
+    for security in ([ApiSecurity()] if not open_ else []) + [
+        ApiSecurity(keys=("k" * 16,)),
+        ApiSecurity(insecure=True),
+    ]:
+        sock = reserve_api(Options(api=api, api_security=security))
+        assert sock is not None
+        sock.close()

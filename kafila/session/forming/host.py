@@ -70,9 +70,10 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     capability = {"role": "host", "config": config, "dtype": opts.dtype}
     with refused_by(opts.rendezvous, "open a session"):
         opened = await client.open_session(opts.model, opts.members, name, capability)
-    code = held.code = new_code(opened.session)
+        code = held.code = new_code(opened.session)
+        await client.protect(code)  # joins prove the code's secret to the rendezvous from now on
     say(f"session code: {code}   (members join with: {join_command(code, opts.rendezvous)})")
-    await held.open_api()
+    await held.open_api(opts.api_security)
     if opts.wait_s > opened.expires_in:  # the rendezvous's --code-ttl-s is shorter than --wait
         say(
             f"note: the rendezvous takes joins with this code for {opened.expires_in:.0f} s after it "

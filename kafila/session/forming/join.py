@@ -97,7 +97,7 @@ async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
     held.api_socket = reserve_api(opts)
     client = held.client = await reach_rendezvous(opts.rendezvous)
     with refused_by(opts.rendezvous, f"join session {code.public}"):
-        joined = await client.join(code.public, opts.name or default_name(), {"role": "member"})
+        joined = await client.join(code, opts.name or default_name(), {"role": "member"})
     host_info = next((m for m in joined.members if m.host), None)
     if host_info is None:  # its host left; members still in it keep the code alive
         raise SessionError(f"session {code.public} has no host any more; ask for a new session code")
@@ -105,7 +105,7 @@ async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
     held.name = held.forming.name = name
     held.forming.model = joined.model
     say(f"joined session {code.public} for model {joined.model} ({len(joined.members)} member(s) so far)")
-    await held.open_api()
+    await held.open_api(opts.api_security)
     node = held.node = await connect_node(client, code, opts.rendezvous)
     pump = asyncio.ensure_future(node.signals.pump())
     held.tasks.append(pump)
