@@ -196,14 +196,15 @@ def reserve_api(opts: Options) -> socket.socket | None:
         return None
     host, port = parse_addr(opts.api)
     try:
-        check_exposure(host, port, opts.api_security)  # open to other machines: a key, or said insecure
-    except ApiSecurityError as exc:
-        raise SessionError(str(exc)) from None
-    try:
         sock = bind_tcp(host, port)
     except OSError as exc:
         raise SessionError(
             f"cannot serve the API on {host}:{port}: {exc.strerror or exc} "
             "(choose another with --api HOST:PORT, or --api off)"
         ) from exc
+    try:
+        check_exposure(host, port, opts.api_security)  # open to other machines: a key, or said insecure
+    except ApiSecurityError as exc:
+        sock.close()
+        raise SessionError(str(exc)) from None
     return sock

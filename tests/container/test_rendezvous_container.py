@@ -22,6 +22,7 @@ import pytest
 
 from kafila.net.signaling import SignalingClient
 from kafila.proto import udp
+from kafila.proto.codes import new_code
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,8 +140,10 @@ async def signaling_round(url: str, udp_port: int) -> None:
     async with await SignalingClient.connect(url) as host:
         opened = await host.open_session("smollm2-135m", 2, "container-test-host", {"memory_gb": 1})
         assert opened.probe_port == udp_port
+        code = new_code(opened.session)
+        await host.protect(code)  # joins prove the code's secret (signaling v2)
         async with await SignalingClient.connect(url) as guest:
-            joined = await guest.join(opened.session, "container-test-guest", {})
+            joined = await guest.join(code, "container-test-guest", {})
             assert [m.name for m in joined.members] == ["container-test-host", "container-test-guest"]
             await guest.signal(1, {"hello": "through the container"})
             await host.next_event(5.0)  # member_joined

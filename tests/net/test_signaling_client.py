@@ -16,6 +16,8 @@ from websockets.exceptions import InvalidStatus
 from websockets.http11 import Request, Response
 
 from kafila.net.signaling import DROPPED, SignalingClient, closed_reason, unreachable_reason
+from kafila.rendezvous.server import RendezvousServer
+from tests.net.harness import start_rendezvous
 
 
 @pytest.mark.parametrize(
@@ -102,8 +104,19 @@ def test_unreachable_reason_names_the_cause(exc: BaseException, said: str) -> No
     assert unreachable_reason(exc) == said
 
 
-async def test_a_join_needs_the_whole_code_and_a_wrong_secret_is_refused_by_the_rendezvous(rdv) -> None:
-    """The rendezvous checks the proof of the secret words before the joiner takes a place."""
+async def test_a_join_needs_the_whole_code_and_a_wrong_secret_is_refused_by_the_rendezvous() -> None:
+    """The rendezvous checks the proof of the secret words before the joiner takes a place (with
+    the default limits: the lab's `rdv` backs off only 10 ms, shorter than a join takes)."""
+    from kafila.rendezvous.limits import Limits
+
+    rdv = await start_rendezvous(limits=Limits())
+    try:
+        await _join_checks(rdv)
+    finally:
+        await rdv.stop()
+
+
+async def _join_checks(rdv: RendezvousServer) -> None:
     from kafila.net.signaling import SignalingError
     from kafila.proto.codes import SessionCode, new_code
 
