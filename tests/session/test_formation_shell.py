@@ -484,14 +484,16 @@ async def test_a_members_metrics_listener_serves_while_forming_and_serving_and_s
             text = (await http.get(url)).text
             assert 'state="serving"} 1.0' in text and "kafila_plan_epoch{" in text
             assert 'kafila_build_info{backend="torch"' in text
-        head = formed[0].role.describe()
+        alpha, beta_doc = (f.role.describe() for f in formed)
+        head = alpha if alpha["head"] == "alpha" else beta_doc  # the plan chooses the head
         assert head["slots"] == 1  # the schedule's concurrency: the KV-cache gauges' total
-        for link in head["links"]:  # the host's links are all its own: measured by it
+        for link in alpha["links"]:  # the host's links are all its own: measured by it
             assert link["measured_by"] == "alpha" and link["path"] in ("direct", "relay"), link
-        assert head["links"][0]["planned_path"] in ("direct", "relay")
-        assert all(m["nat_class"] is not None for m in head["members"])  # the host has every report
-        beta_sees = formed[1].role.describe()["members"]  # another member knows its own NAT only
-        assert [m["nat_class"] is not None for m in beta_sees] == [False, True]
+            assert link["planned_path"] in ("direct", "relay"), link
+        nat = {m["name"]: m["nat_class"] is not None for m in alpha["members"]}
+        assert nat == {"alpha": True, "beta": True}  # the host has every member's report
+        nat = {m["name"]: m["nat_class"] is not None for m in beta_doc["members"]}
+        assert nat == {"alpha": False, "beta": True}  # another member knows its own NAT only
         await formed.pop().close()
         with pytest.raises(httpx.ConnectError):
             async with httpx.AsyncClient() as http:
