@@ -77,6 +77,8 @@ def launchd_label(fleet: FleetFile, host: Host) -> str:
 def member_args(fleet: FleetFile, host: Host, code: str, code_file: str) -> list[str]:
     """`kafila host ...` for the session host, `kafila join CODE ...` for every other member."""
     common = ["--name", host.device, "--rendezvous", fleet.rendezvous.url, "--api", host.api]
+    if host.metrics is not None:  # a listener of its own, up while forming or broken
+        common += ["--metrics", host.metrics]
     if host.device == fleet.session_host:
         p = fleet.plan
         return [

@@ -26,7 +26,8 @@ gpus = "all"                       # docker: --gpus value; "none" for CPU hosts 
 python = "~/kafila/bin/python"     # native: the interpreter with kafila installed (or venv = DIR)
 os = "linux"                       # native: linux (systemd-run --user) | macos (launchd user agent)
 api = "0.0.0.0:11434"              # the member's API address (default 127.0.0.1:11434)
-metrics_port = 11434               # what `monitor` tunnels to (default: the API's port, /metrics)
+metrics_port = 9464                # the member's --metrics listener, on the API's address, which `monitor`
+                                   # tunnels to (default 9464; the API's port: no listener, its /metrics)
 args = ["--threads", "2"]          # extra `kafila host|join` flags
 """
 
@@ -45,6 +46,7 @@ NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 RUNTIMES = ("docker", "native")
 OSES = ("linux", "macos")
 DEFAULT_API = "127.0.0.1:11434"
+DEFAULT_METRICS_PORT = 9464  # a member's `--metrics` listener (Prometheus's port range for exporters)
 DEFAULT_RDV_PORT = 8470
 DEFAULT_RDV_IMAGE = "kafila/rendezvous:latest"
 
@@ -78,7 +80,7 @@ class Host:
     python: str  # native: the interpreter
     os: str  # native: linux | macos
     api: str  # HOST:PORT the member's API listens on, on that machine
-    metrics_port: int
+    metrics_port: int  # the --metrics listener's, on the API's address (the API's own port: none)
     args: tuple[str, ...]
 
     @property
@@ -90,6 +92,14 @@ class Host:
         """The API as seen from the machine itself (a wildcard listener answers on loopback)."""
         addr, port = self.api.rsplit(":", 1)
         return f"{'127.0.0.1' if addr in ('0.0.0.0', '::', '[::]', '') else addr}:{port}"
+
+    @property
+    def metrics(self) -> str | None:
+        """The member's `--metrics` address: the API's host at `metrics_port` (None: the API's port,
+        whose /metrics `monitor` then reads)."""
+        if self.metrics_port == self.api_port:
+            return None
+        return f"{self.api.rsplit(':', 1)[0]}:{self.metrics_port}"
 
 
 @dataclass(frozen=True)
@@ -227,8 +237,7 @@ def _host(t: Any, where: str, site: str, devices: list[str]) -> Host:
         or not 0 < int(api.rsplit(":", 1)[1]) < 65536
     ):
         raise FleetError(f"{where}: 'api' must be HOST:PORT with a port 1-65535, got {api!r}")
-    port = int(api.rsplit(":", 1)[1])
-    metrics_port = _port(t, "metrics_port", where, port)
+    metrics_port = _port(t, "metrics_port", where, DEFAULT_METRICS_PORT)
     args = t.get("args", [])
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
         raise FleetError(f"{where}: 'args' must be a list of strings, got {args!r}")

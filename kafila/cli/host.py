@@ -17,6 +17,7 @@ from kafila.cli.argtypes import (
     positive_number,
     rendezvous_url,
 )
+from kafila.cli.rendezvous import metrics_address
 from kafila.engine import DTYPE_CHOICES, PREFILL_CHUNK
 from kafila.proto.signaling import DEFAULT_PORT, SIGNAL_PATH
 from kafila.session.terms import DEFAULT_QUEUE, DEFAULT_RENDEZVOUS
@@ -41,6 +42,14 @@ def add_member_flags(parser: argparse.ArgumentParser) -> None:
         default="127.0.0.1:11434",
         help="this member's OpenAI/Ollama API address HOST:PORT (default 127.0.0.1:11434, localhost only); "
         "'off' serves no API",
+    )
+    parser.add_argument(
+        "--metrics",
+        type=metrics_address,
+        metavar="HOST:PORT",
+        help="also serve /metrics on a listener of its own, up from the start (while forming, and while "
+        "the ring is broken) and independent of --api (e.g. 0.0.0.0:9464 for a Prometheus elsewhere, "
+        "with the API kept on localhost) (default: /metrics on the API's address only)",
     )
     parser.add_argument(
         "--name",
@@ -186,6 +195,7 @@ def options(args: argparse.Namespace) -> object:
         name=args.name,
         api=None if args.api == "off" else args.api,
         api_security=security_from_args(args),
+        metrics=args.metrics,
         backend=args.backend,
         memory_bytes=int(args.memory_gb * 1e9) if args.memory_gb is not None else None,
         trace=Path(args.trace) if args.trace else None,

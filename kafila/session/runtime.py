@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -23,6 +24,8 @@ from kafila.net.errors import LinkEnded
 from kafila.net.link import Link
 from kafila.net.signaling import SignalingClient
 from kafila.net.tcp import bind_tcp
+from kafila.obs import metrics
+from kafila.obs.listener import MetricsListener, serve_metrics
 from kafila.planner.plan import Plan
 from kafila.proto.codes import SessionCode
 from kafila.session.errors import SessionError
@@ -61,6 +64,8 @@ class MemberRuntime:
         self.plan: Plan | None = None
         self.api_socket: socket.socket | None = None  # the API's address, bound before anything else
         self.api: ApiServer | None = None  # serving on it: 503 "forming" until the session formed
+        self.metrics: MetricsListener | None = None  # --metrics: /metrics from the start to the end
+        self._source: Callable[[], Mapping[str, Any]] | None = None  # what its scrapes read (/session)
         self.client: SignalingClient | None = None
         self.node: LinkNode | None = None
         self.driver: Stops | None = None
@@ -116,6 +121,40 @@ class MemberRuntime:
                 await self.api.stop()
         if self.api_socket is not None:
             self.api_socket.close()
+        self._close_metrics()
+
+    def _serving_document(self) -> dict[str, Any]:
+        """The role's /session document for the metrics, "ended" once the host ended the session
+        (its ring's breaking then is not a fault)."""
+        doc = self.ring().describe()
+        return doc | {"state": "ended"} if self.ring().ending else doc
+
+    def _close_metrics(self) -> None:
+        if (self.formed and self.name == self.host) or self.host_ended:
+            metrics.observe_state("ended")  # the session is over, not broken (on_ended says it first)
+        if self._source is not None and metrics.REGISTRY.source is self._source:
+            metrics.set_source(None)  # the process's registry no longer reads a closed member
+        self._source = None
+        if self.metrics is not None:
+            listener, self.metrics = self.metrics, None
+            listener.close()
+
+    def open_metrics(self, addr: str | None) -> None:
+        """Serve /metrics on a listener of its own (--metrics; none without), from now until
+        `close()`: up while the session forms, serves, or its ring is broken. Its scrapes read the
+        forming status until the session formed, then the ring role's /session document."""
+        self._read_by_metrics(lambda: self.forming.document(time.time()))
+        if addr is None:
+            return
+        try:
+            self.metrics = serve_metrics(addr)
+        except (OSError, ValueError) as exc:
+            raise SessionError(f"{exc} (choose another with --metrics HOST:PORT)") from None
+        say(f"metrics at {self.metrics.url}")
+
+    def _read_by_metrics(self, source: Callable[[], Mapping[str, Any]]) -> None:
+        self._source = source
+        metrics.set_source(source)
 
     async def _close_links(self) -> None:
         why, ended = NOT_FORMED, False
@@ -145,6 +184,7 @@ class MemberRuntime:
         """Once every member is ready, the forming API becomes the session's: the next request gets
         the full app, on the same address (/session says "serving" only now)."""
         self.formed = True
+        self._read_by_metrics(self._serving_document)  # the role's state, queue and KV-cache slots
         server = self.api
         if server is not None and self.app is not None:
             server.switch(self.app)
@@ -161,6 +201,7 @@ class MemberRuntime:
         ended = self.ended = asyncio.get_running_loop().create_future()
 
         def end() -> None:
+            metrics.observe_state("ended")
             if not ended.done():
                 role.on_broken, role.ending = None, True
                 ended.set_result(f"the host {self.host} ended the session; this member stops")

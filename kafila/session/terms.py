@@ -10,6 +10,7 @@ from kafila.api.server import parse_addr
 from kafila.engine import PREFILL_CHUNK
 from kafila.engine.pace import Pace
 from kafila.engine.system import usable_cpus
+from kafila.obs.listener import parse_addr as metrics_addr
 from kafila.obs.trace import TraceLog
 from kafila.proto import signaling as sig
 from kafila.proto.session import SessionTerms
@@ -27,6 +28,7 @@ class Options:
     name: str | None = None
     api: str | None = "127.0.0.1:11434"  # None: no API on this member
     api_security: ApiSecurity = NO_SECURITY  # keys, allowed hosts and origins (kafila.api.security)
+    metrics: str | None = None  # --metrics HOST:PORT: /metrics on a listener of its own (None: none)
     backend: str = "auto"
     dtype: str = "auto"  # host: the session's (auto: the checkpoint's); a member takes the host's
     memory_bytes: int | None = None  # cap on what this member offers (default: the probe's figure)
@@ -54,6 +56,8 @@ class Options:
         self.pace.check_cpus(usable_cpus())
         if self.api is not None:
             parse_addr(self.api)  # a malformed --api is named before anything connects
+        if self.metrics is not None:
+            metrics_addr(self.metrics)
         if self.trace is not None:
             TraceLog.check(self.trace)
         if problem := cache_problem(self.cache):

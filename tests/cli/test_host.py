@@ -16,3 +16,18 @@ def test_counts_past_the_wires_32_bits_are_refused_before_anything_runs(capsys, 
             parser.parse_args(["host", flag, value])
         assert exit_.value.code == 2
         assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["host"], ["join", "4-k7m2-tiger-lamp-ocean"]])
+def test_a_members_metrics_address_is_checked_by_the_parser_and_reaches_its_options(capsys, command):
+    from kafila.cli.host import options
+
+    parser = build_parser(command[0])
+    args = parser.parse_args([*command, "--metrics", "0.0.0.0:9464"])
+    assert options(args).metrics == "0.0.0.0:9464"  # type: ignore[attr-defined]
+    assert options(parser.parse_args(command)).metrics is None  # type: ignore[attr-defined]
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args([*command, "--metrics", "0.0.0.0:99999"])
+    assert exit_.value.code == 2
+    refused = "argument --metrics: metrics address '0.0.0.0:99999': port 99999 is not 0-65535"
+    assert refused in capsys.readouterr().err

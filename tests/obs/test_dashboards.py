@@ -19,9 +19,9 @@ RULES = ROOT / "prometheus" / "rules" / "kafila-alerts.yml"
 PROMETHEUS = shutil.which("prometheus")
 # Grafana's variables as the dashboards use them: every session, and a rate window of several scrapes
 VARIABLES = {"$session": ".*", "$__rate_interval": "1m"}
-# Series the session does not feed yet (kafila.obs.metrics.observe_member_nat: the session's wiring,
-# issue 46); their panels must parse and name exported metrics, but may be empty until it is done.
-AWAITING_SESSION_WIRING = {"kafila_member_nat_info"}
+# Series the session does not feed yet: their panels must parse and name exported metrics, but may be
+# empty until it does (none now: the session feeds every series its dashboards read).
+AWAITING_SESSION_WIRING: frozenset[str] = frozenset()
 
 
 def panel_queries(path: Path) -> Iterator[tuple[str, str]]:

@@ -1,5 +1,6 @@
 """Observability against a real session: a rendezvous and three members on loopback
-(kafila.session.localfleet), started once for this module and stopped when it ends.
+(kafila.demo.fleet), started once for this module and stopped when it ends. Prometheus scrapes each
+member on its own metrics listener (`kafila host|join --metrics`), as a fleet's `monitor` does.
 
 - The Grafana dashboards and the alert rules, proven against Debian's `prometheus` scraping the
   session every second: after a few requests every panel's and every rule's PromQL parses
@@ -46,6 +47,7 @@ from tests.obs.test_dashboards import (
 class LiveSession:
     rendezvous: str  # HOST:PORT of its signaling port (which serves /metrics)
     members: dict[str, str]  # name -> HOST:PORT of its API (which serves /metrics and the page)
+    metrics: dict[str, str]  # name -> HOST:PORT of its own metrics listener (--metrics)
     head: str
     workdir: Path
 
@@ -55,14 +57,17 @@ class LiveSession:
 
 @pytest.fixture(scope="module")
 def live_session(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Iterator[LiveSession]:
-    from kafila.session.localfleet import LocalFleet  # the one import of the harness (it may move)
+    from kafila.demo.fleet import LocalFleet  # the one import of the harness (it may move)
 
     workdir = tmp_path_factory.mktemp("live-session")
-    with LocalFleet([None, None, None], context=256, workdir=workdir, wait_s=240) as fleet:
+    listeners = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    member_args = [["--metrics", addr] for addr in listeners]
+    with LocalFleet([None] * 3, context=256, workdir=workdir, wait_s=240, member_args=member_args) as fleet:
         assert fleet.rendezvous_url is not None
         rendezvous = fleet.rendezvous_url.split("://", 1)[1].split("/", 1)[0]
         members = {name: url.split("://", 1)[1] for name, url in fleet.api_urls.items()}
-        yield LiveSession(rendezvous, members, fleet.head, workdir)
+        metrics = {m.name: addr for m, addr in zip(fleet.members, listeners, strict=True)}
+        yield LiveSession(rendezvous, members, metrics, fleet.head, workdir)
 
 
 @dataclass
@@ -118,7 +123,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory, live_session: LiveSession)
     tmp = tmp_path_factory.mktemp("prometheus")
     live = live_session
     port = free_port()
-    argv = [PROMETHEUS, f"--config.file={prometheus_config(tmp, live.rendezvous, live.members)}",
+    argv = [PROMETHEUS, f"--config.file={prometheus_config(tmp, live.rendezvous, live.metrics)}",
             f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{port}"]  # fmt: skip
     with (tmp / "prometheus.log").open("wb") as log:
         server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
@@ -142,7 +147,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory, live_session: LiveSession)
             time.sleep(3)  # a few scrapes after the requests: rates over them
             expositions = {
                 target: httpx.get(f"http://{target}/metrics", timeout=10).content
-                for target in [live.rendezvous, *live.members.values()]
+                for target in [live.rendezvous, *live.metrics.values(), *live.members.values()]
             }
             exported = {
                 r["metric"]["__name__"] for r in query(base, 'count by (__name__) ({__name__=~".+"})')

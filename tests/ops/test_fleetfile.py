@@ -61,8 +61,9 @@ def test_a_fleet_file_names_hosts_sites_and_puts_the_session_host_first() -> Non
     assert [d.name for d in f.plan.devices] == ["b", "a"]  # the planner anchors on it too
     b, a = f.hosts
     assert (b.site, b.runtime, b.gpus, b.api, b.local_api, b.metrics_port) == (
-        "office", "docker", "none", "0.0.0.0:11500", "127.0.0.1:11500", 11500,
+        "office", "docker", "none", "0.0.0.0:11500", "127.0.0.1:11500", 9464,
     )  # fmt: skip
+    assert b.metrics == "0.0.0.0:9464"  # `kafila host|join --metrics`, on the API's address
     assert b.args == ("--threads", "1")
     assert (a.runtime, a.python, a.os, a.api) == ("native", "~/kafila/bin/python", "linux", "127.0.0.1:11434")
     assert f.rendezvous.url == "ws://198.18.0.2:8470/v1/signal"

@@ -443,3 +443,64 @@ async def test_losing_the_rendezvous_while_measuring_ends_at_once_not_after_the_
         assert time.monotonic() - started < 10  # not the probe's end
     finally:
         release.set()
+
+
+async def test_a_members_metrics_listener_serves_while_forming_and_serving_and_stops_on_close(
+    rdv, tmp_path, tiny_chat_model, monkeypatch
+):
+    """`--metrics` (Options.metrics): beta's own /metrics port answers from before the ring forms
+    (state forming, while its fetch is held: simulated slow) to its close, and the formed session's
+    series and /session document carry what the obs wiring adds (build, plan epoch, NAT, edges, slots)."""
+    import httpx
+
+    from kafila.session import runtime
+    from kafila.session.forming import join as joining
+
+    said: list[str] = []
+    monkeypatch.setattr(runtime, "say", lambda text: said.append(text))
+    fetching, go_on = asyncio.Event(), asyncio.Event()
+    real_fetch = joining._fetch
+
+    async def fetch(got, links, o):
+        fetching.set()
+        await go_on.wait()  # the simulated slow fetch: until the test scraped the forming member
+        return await real_fetch(got, links, o)
+
+    monkeypatch.setattr(joining, "_fetch", fetch)
+    code: asyncio.Future = asyncio.get_running_loop().create_future()
+    hosting = asyncio.ensure_future(
+        host(opts(rdv, "alpha", tmp_path, model=str(tiny_chat_model), members=2), on_code=code.set_result)
+    )
+    beta = asyncio.ensure_future(join(str(await code), opts(rdv, "beta", tmp_path, metrics="127.0.0.1:0")))
+    formed = []
+    try:
+        await asyncio.wait_for(fetching.wait(), 60)
+        url = next(s.removeprefix("metrics at ") for s in said if s.startswith("metrics at "))
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(url)).text
+            assert 'state="forming"} 1.0' in text and 'state="serving"} 0.0' in text
+            go_on.set()
+            formed = [await hosting, await beta]
+            text = (await http.get(url)).text
+            assert 'state="serving"} 1.0' in text and "kafila_plan_epoch{" in text
+            assert 'kafila_build_info{backend="torch"' in text
+        alpha, beta_doc = (f.role.describe() for f in formed)
+        head = alpha if alpha["head"] == "alpha" else beta_doc  # the plan chooses the head
+        assert head["slots"] == 1  # the schedule's concurrency: the KV-cache gauges' total
+        for link in alpha["links"]:  # the host's links are all its own: measured by it
+            assert link["measured_by"] == "alpha" and link["path"] in ("direct", "relay"), link
+            assert link["planned_path"] in ("direct", "relay"), link
+        nat = {m["name"]: m["nat_class"] is not None for m in alpha["members"]}
+        assert nat == {"alpha": True, "beta": True}  # the host has every member's report
+        nat = {m["name"]: m["nat_class"] is not None for m in beta_doc["members"]}
+        assert nat == {"alpha": False, "beta": True}  # another member knows its own NAT only
+        await formed.pop().close()
+        with pytest.raises(httpx.ConnectError):
+            async with httpx.AsyncClient() as http:
+                await http.get(url)
+    finally:
+        go_on.set()
+        for f in formed:
+            await f.close()
+        for task in (hosting, beta):
+            task.cancel()

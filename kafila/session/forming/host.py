@@ -31,7 +31,7 @@ from kafila.session.forming.admission import Admission
 from kafila.session.forming.core import HostFormation
 from kafila.session.forming.driver import Driver, while_signaling
 from kafila.session.forming.links import connect_node, link_ring
-from kafila.session.forming.measure import probe_report
+from kafila.session.forming.measure import observe_nats, probe_report
 from kafila.session.forming.plans import choose_plan, say_ready
 from kafila.session.forming.signaling import default_name, join_command, reach_rendezvous, refused_by
 from kafila.session.progress import off_loop, say
@@ -65,6 +65,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     name = held.name = held.host = held.forming.name = opts.name or default_name()
     held.forming.model = opts.model
     held.api_socket = reserve_api(opts)
+    held.open_metrics(opts.metrics)
     client = held.client = await reach_rendezvous(opts.rendezvous)
     config = ckpt.config.raw if len(json.dumps(ckpt.config.raw)) < 12_000 else None
     capability = {"role": "host", "config": config, "dtype": opts.dtype}
@@ -91,6 +92,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     me = await drive.during(while_signaling(off_loop(probe_report, name, node, opts, config), pump))
     gathered = await drive.until(fm.PlanNow, core.start(me, drive.now()))
     control = admission.take(gathered.ids.values())  # every other member's link, admitted
+    nats = observe_nats(gathered.devices)
     terms = opts.terms()
     try:
         plan, alternatives = choose_plan(list(gathered.devices), ckpt, opts)
@@ -100,7 +102,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     held.plan = plan
     await drive.carry(core.planned(plan, drive.now(), terms, alternatives))
     try:
-        await drive.during(_host_ring(folder, gathered.ids, control, opts, terms, held, alternatives))
+        await drive.during(_host_ring(folder, gathered.ids, control, opts, terms, held, alternatives, nats))
     except LinkError as exc:  # e.g. a member's wrong secret word: the members are told, not left
         await drive.carry(core.link_failed(f"the host could not link: {exc}", drive.now()))
         raise
@@ -119,6 +121,7 @@ async def _host_ring(
     terms: SessionTerms,
     held: MemberRuntime,
     alternatives: dict[str, Any],
+    nats: dict[str, tuple[str, str | None]],
 ) -> None:
     """The host's links (its `control` links with every member, formed as they were admitted, are
     its ring edges too), weight serving and ring role (a step the formation core waits on)."""
@@ -137,6 +140,6 @@ async def _host_ring(
     await asyncio.gather(*(serve(c) for c in controls))
     digest = await off_loop(checkpoint_id, folder)
     own = {"source": "own files", "path": str(folder), "fetched_bytes": 0, "fetched_tensor_bytes": 0}
-    serving = Serving(terms, digest, alternatives, own)
+    serving = Serving(terms, digest, alternatives, own, nats)
     with_api = held.api is not None
     held.role, held.app = await start_role(name, code, plan, folder, links, opts, serving, with_api)

@@ -28,7 +28,7 @@ from kafila.session.forming.admission import WRONG_OWN_CODE
 from kafila.session.forming.core import MemberFormation
 from kafila.session.forming.driver import Driver, while_signaling
 from kafila.session.forming.links import connect_node, link_ring, named
-from kafila.session.forming.measure import probe_report
+from kafila.session.forming.measure import observe_nats, probe_report
 from kafila.session.forming.plans import say_ready
 from kafila.session.forming.signaling import default_name, reach_rendezvous, refused_by
 from kafila.session.progress import note, off_loop, say
@@ -95,6 +95,7 @@ async def host_verdict(drive: Driver, within: float = 5.0) -> None:
 async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
     code = held.code = parse_code(code_text)
     held.api_socket = reserve_api(opts)
+    held.open_metrics(opts.metrics)
     client = held.client = await reach_rendezvous(opts.rendezvous)
     with refused_by(opts.rendezvous, f"join session {code.public}"):
         joined = await client.join(code, opts.name or default_name(), {"role": "member"})
@@ -130,6 +131,7 @@ async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
         await host_verdict(drive)
         raise SessionError(f"this member could not link with the host: {exc}") from exc
     held.name, held.host, held.plan = got.me, got.host, got.plan
+    nats = observe_nats([replace(me, name=got.me)])  # its own: the host knows the others'
     try:
         ring_links = link_ring(node, got.plan, got.me, got.ids, got.host, {host_info.id: host_link})
         links = held.links = await drive.during(ring_links)
@@ -141,7 +143,7 @@ async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
     shard = await drive.during(_fetch(got, links, opts))
     held.shard = shard
     await drive.carry(core.fetched(drive.now()))
-    serving = Serving(got.terms, shard.checkpoint, got.alternatives, weights_doc(shard))
+    serving = Serving(got.terms, shard.checkpoint, got.alternatives, weights_doc(shard), nats)
     ring = start_role(got.me, code, got.plan, shard.path, links, opts, serving, held.api is not None)
     held.role, held.app = await drive.during(ring)
     held.watch_host_ending()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from kafila.models.config import ConfigError, ModelConfig
 from kafila.net.edge import LinkNode
+from kafila.obs import metrics
 from kafila.planner.cost import fmt_bytes
 from kafila.planner.devices import DeviceReport
 from kafila.probe.measure import probe
@@ -51,3 +53,16 @@ def capped(device: DeviceReport, offered: int | None) -> DeviceReport:
         )
         return device
     return DeviceReport.from_dict({**device.to_dict(), "memory_bytes": offered})
+
+
+def observe_nats(devices: Iterable[DeviceReport]) -> dict[str, tuple[str, str | None]]:
+    """The NAT class and mapping behaviour of every device whose report has them (what /session
+    shows), each also exported as kafila_member_nat_info."""
+    known: dict[str, tuple[str, str | None]] = {}
+    for device in devices:
+        if device.nat is None:
+            continue
+        mapping = device.nat.mapping.value if device.nat.mapping else None
+        metrics.observe_member_nat(device.name, device.nat.cls.value, mapping or "unknown")
+        known[device.name] = (device.nat.cls.value, mapping)
+    return known

@@ -6,7 +6,7 @@ weights are here; what it returns is all the runtime (kafila.session.runtime) ho
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,6 +53,7 @@ class Serving:
     checkpoint: str  # the checkpoint id (its safetensors headers' digest): the Ollama digest
     alternatives: dict[str, Any] | None = None  # the divisions compared, for /session
     weights: dict[str, Any] | None = None  # where this member's shard came from, for /session
+    nats: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # member -> NAT class, mapping
 
 
 async def start_role(
@@ -85,6 +86,7 @@ async def start_role(
         plan.concurrency,
         opts.pace,
     )
+    metrics.observe_build(stage.backend.name, stage.backend.dtype, stage.backend.device)
     nxt_name, prv_name = plan.successor(name), plan.predecessor(name)
     info = _ring_info(name, code, plan, links, serving, stage.backend.dtype)
     info.rendezvous.update(url=opts.rendezvous, state="connected")
@@ -113,7 +115,11 @@ async def start_role(
         if nxt is None or prv is None:  # a plan puts a member that is not the head in a ring of 2+
             raise ValueError(f"member {name} has no ring neighbour in the plan {plan.order}")
         role = RingMember(index, stage, model_thread, info, nxt, prv, traces)
-    metrics.observe_session(session_record(plan, code.public, model, info.edges), ring_view=head)
+    metrics.observe_session(session_record(plan, code.public, model, info.planned), ring_view=head)
+    metrics.observe_plan(1)  # the plan the session formed with (re-planning is not implemented)
+    for edge, by in info.measured_by.items():  # this member's own links, as they run now
+        if edge in info.planned and info.edges[edge] in metrics.PATHS:
+            metrics.observe_edge(edge, info.planned[edge], info.edges[edge], measured_by=by)
     role.on_broken = lambda why: say(broken_line(name, why))
     role.start()
     if not with_api:  # the API's line is the others' "ready"
@@ -148,14 +154,15 @@ def _ring_info(
     """What /session and the traces say of the ring, from member `name`'s side: its edges follow
     the path this member's own links are on now (ring and control), the others the plan's."""
     nxt_name, prv_name = plan.successor(name), plan.predecessor(name)
-    edges = {f"{e.src}->{e.dst}": ("direct" if e.direct else "relay") for e in plan.edges}
+    planned = {f"{e.src}->{e.dst}": ("direct" if e.direct else "relay") for e in plan.edges}
+    edges = dict(planned)
     own = {
         f"{src}->{dst}": links[peer]
         for src, dst, peer in ((name, nxt_name, nxt_name), (prv_name, name, prv_name))
         if peer in links
     }
     own |= {f"{name}<->{peer}": link for peer, link in links.items() if peer not in (nxt_name, prv_name)}
-    follow_paths(edges, own)
+    follow_paths(edges, own, name, planned)
     return RingInfo(
         session=code.public,
         model=serving.terms.model,
@@ -164,6 +171,9 @@ def _ring_info(
         blocks={s.name: (s.start, s.stop) for s in plan.stages},
         predicted_ms={s.name: (s.cost_s or 0.0) * 1e3 for s in plan.stages},
         edges=edges,
+        planned=planned,
+        measured_by=dict.fromkeys(own, name),
+        nat=dict(serving.nats),
         plan={"chosen": plan.summary(), "divisions": serving.alternatives or {}},
         edge_rtt_ms=planned_rtt_ms(plan.edges),
         dtype=dtype,
@@ -171,19 +181,30 @@ def _ring_info(
     )
 
 
-def follow_paths(edges: dict[str, str], links: dict[str, Link]) -> None:
+def follow_paths(
+    edges: dict[str, str],
+    links: dict[str, Link],
+    measured_by: str | None = None,
+    planned: dict[str, str] | None = None,
+) -> None:
     """Keep `edges[key]` at the path `links[key]` is on ("direct" or "relay"), also after the link
     falls back to the relay or returns to its direct path, and "closed" once it is (what /session
-    shows; a closed link kept showing its last path)."""
+    shows; a closed link kept showing its last path). With `measured_by` (the member whose links
+    these are), a ring edge's change (one `planned` has) is exported as kafila_edge_info too."""
     for key, link in links.items():
         if link.path is not None:
             edges[key] = link.path.value
-        link.on_path_change.append(partial(_set_path, edges, key))
+        plan_path = (planned or {}).get(key) if measured_by is not None else None
+        link.on_path_change.append(partial(_set_path, edges, key, plan_path, measured_by))
         link.on_close.append(partial(edges.__setitem__, key, "closed"))
 
 
-def _set_path(edges: dict[str, str], key: str, change: PathChange) -> None:
+def _set_path(
+    edges: dict[str, str], key: str, planned: str | None, measured_by: str | None, change: PathChange
+) -> None:
     edges[key] = change.new.value
+    if planned is not None and measured_by is not None:
+        metrics.observe_edge(key, planned, change.new.value, measured_by=measured_by)
 
 
 def _channel(link: Link | None, peer: str, opts: Options) -> Heartbeat | None:

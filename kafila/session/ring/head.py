@@ -127,6 +127,7 @@ class RingHead(RoleBase):
             "me": self.info.order[0],  # the head, as a member's document names itself
             "active": list(self.schedule.active),
             "queued": len(self.schedule.queue_positions()),
+            "slots": self.schedule.concurrency,  # KV-cache slots: requests admitted at once
             "lanes": self.schedule.lane_sizes(),  # admitted requests per decode lane
         }
 

@@ -16,7 +16,14 @@ class RingInfo:
     order: tuple[str, ...]
     blocks: dict[str, tuple[int, int]]
     predicted_ms: dict[str, float]
-    edges: dict[str, str] = field(default_factory=dict)  # "a->b": "direct" | "relay" | "local"
+    # "a->b": the path it runs ("direct" | "relay" | "local" | "closed"): measured on this member's own
+    # links (`measured_by`), the plan's on the others' edges
+    edges: dict[str, str] = field(default_factory=dict)
+    planned: dict[str, str] = field(default_factory=dict)  # "a->b": the path the plan chose
+    measured_by: dict[str, str] = field(default_factory=dict)  # "a->b": the member whose link it is
+    # member -> (NAT class, mapping behaviour or None), as this member knows them (the host: every
+    # member's report; another member: its own)
+    nat: dict[str, tuple[str, str | None]] = field(default_factory=dict)
     plan: dict[str, Any] = field(default_factory=dict)
     edge_rtt_ms: dict[str, float] = field(default_factory=dict)  # "a->b": the plan's priced round trip
     dtype: str | None = None  # the session's ("fp32", "bf16", "fp16"): every member computes in it
@@ -33,14 +40,29 @@ class RingInfo:
             "error": error,
             "head": self.order[0],
             "ring": list(self.order),
-            "members": [
-                {"name": m, "blocks": list(self.blocks[m]), "predicted_ms": self.predicted_ms.get(m)}
-                for m in self.order
+            "members": [self._member(m) for m in self.order],
+            "links": [
+                {
+                    "edge": e,
+                    "path": p,
+                    "planned_path": self.planned.get(e),
+                    "measured_by": self.measured_by.get(e),  # None: the plan's path, not measured here
+                }
+                for e, p in self.edges.items()
             ],
-            "links": [{"edge": e, "path": p} for e, p in self.edges.items()],
             "division": self.division,
             "dtype": self.dtype,
             "plan": self.plan,
             "weights": self.weights,
             "rendezvous": self.rendezvous,
+        }
+
+    def _member(self, m: str) -> dict[str, Any]:
+        nat_class, mapping = self.nat.get(m, (None, None))
+        return {
+            "name": m,
+            "blocks": list(self.blocks[m]),
+            "predicted_ms": self.predicted_ms.get(m),
+            "nat_class": nat_class,
+            "mapping": mapping,
         }
