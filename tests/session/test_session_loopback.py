@@ -138,6 +138,42 @@ async def test_every_member_computes_in_the_hosts_dtype(rdv, tiny_chat_model, tm
         await close(formed)
 
 
+async def test_a_q4_session_of_a_packed_folder_gives_the_single_process_tokens(
+    rdv, tiny_chat_model, tmp_path
+) -> None:
+    """`kafila models --quantize q4`'s folder hosted with --quant auto: the host resolves the
+    session's format from the folder, the terms carry it, every member loads its blocks packed, each
+    joiner fetched exactly its share of the packed bytes, and the tokens are a single process's of
+    the same folder."""
+    from kafila.models.quantize import quantize_folder
+
+    packed = quantize_folder(tiny_chat_model, "q4", tmp_path / "tiny-q4", progress=False)
+    formed = await form(rdv, tmp_path, model=str(packed))
+    try:
+        assert [f.role.stage.model.quant for f in formed] == ["q4"] * 3
+        assert {f.role.describe()["quant"] for f in formed} == {"q4"}  # /session says so
+        ckpt, floats = Checkpoint.open(packed), Checkpoint.open(tiny_chat_model)
+        prompt = Tokenizer.from_checkpoint(ckpt).encode_chat(PROMPT)
+        want = await asyncio.to_thread(single_process, packed, prompt, 12)
+        got = [
+            t
+            async for ev in await service_of(formed).role.submit(prompt, Sampling(max_tokens=12))
+            for t in ev.tokens
+        ]
+        assert got == want
+        for f in formed[1:]:
+            a, b = f.plan.block_range(f.name)
+            names = ckpt.names_for(range(a, b), f.plan.head == f.name)
+            assert f.shard.tensor_bytes == sum(ckpt.tensors[n].nbytes for n in names)  # packed bytes
+            assert set(f.shard.tensors) == set(names)
+            float_share = sum(
+                floats.tensors[n].nbytes for n in floats.names_for(range(a, b), f.plan.head == f.name)
+            )
+            assert f.shard.tensor_bytes < float_share / 3  # q4 of fp32: about a sixth
+    finally:
+        await close(formed)
+
+
 async def test_openai_client_through_a_member_that_is_not_the_head(rdv, tmp_path) -> None:
     formed = await form(rdv, tmp_path)
     try:

@@ -8,17 +8,25 @@ import asyncio
 import pytest
 
 from kafila.session.errors import SessionError
-from kafila.session.forming.join import in_session_dtype
+from kafila.session.forming.join import in_session_formats
 from kafila.session.terms import Options
 
 
 def test_a_member_probes_in_the_hosts_dtype_whatever_it_was_given() -> None:
     mine = Options(dtype="fp32", name="beta")
-    took = in_session_dtype(mine, {"role": "host", "dtype": "bf16"})
+    took = in_session_formats(mine, {"role": "host", "dtype": "bf16"})
     assert (took.dtype, took.name, mine.dtype) == ("bf16", "beta", "fp32")  # a copy; the rest kept
-    assert in_session_dtype(mine, {"role": "host"}).dtype == "auto"  # a host that names none
+    assert in_session_formats(mine, {"role": "host"}).dtype == "auto"  # a host that names none
     with pytest.raises(SessionError, match="dtype 'int4'"):
-        in_session_dtype(mine, {"dtype": "int4"})
+        in_session_formats(mine, {"dtype": "int4"})
+
+
+def test_a_member_probes_in_the_hosts_weight_format() -> None:
+    mine = Options(quant="int8", name="beta")
+    assert in_session_formats(mine, {"role": "host", "dtype": "fp32", "quant": "q4"}).quant == "q4"
+    assert in_session_formats(mine, {"role": "host", "dtype": "fp32"}).quant == "auto"  # names none
+    with pytest.raises(SessionError, match="weight format 'q3'"):
+        in_session_formats(mine, {"quant": "q3"})
 
 
 def test_memory_gb_caps_what_a_member_offers_and_never_raises_it(capsys) -> None:

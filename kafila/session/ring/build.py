@@ -74,17 +74,9 @@ async def start_role(
     index, order = plan.order.index(name), list(plan.order)
     head = plan.head == name
     note(f"loading {shard_text(a, b, head)} into memory")
-    stage = await off_loop(
-        Stage.load,
-        ckpt,
-        range(a, b),
-        head,
-        opts.backend,
-        opts.dtype,
-        plan.context,
-        plan.concurrency,
-        opts.pace,
-    )
+    load = partial(Stage.load, pace=opts.pace, quant=serving.terms.quant)  # the session's weight format
+    blocks, backend = range(a, b), opts.backend
+    stage = await off_loop(load, ckpt, blocks, head, backend, opts.dtype, plan.context, plan.concurrency)
     nxt_name, prv_name = plan.successor(name), plan.predecessor(name)
     info = _ring_info(name, code, plan, links, serving, stage.backend.dtype)
     info.rendezvous.update(url=opts.rendezvous, state="connected")
@@ -167,6 +159,7 @@ def _ring_info(
         plan={"chosen": plan.summary(), "divisions": serving.alternatives or {}},
         edge_rtt_ms=planned_rtt_ms(plan.edges),
         dtype=dtype,
+        quant=serving.terms.quant,
         weights=serving.weights or {},
     )
 
