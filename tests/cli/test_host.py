@@ -16,3 +16,24 @@ def test_counts_past_the_wires_32_bits_are_refused_before_anything_runs(capsys, 
             parser.parse_args(["host", flag, value])
         assert exit_.value.code == 2
         assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+def test_quant_is_a_documented_host_flag_that_reaches_the_sessions_options(capsys):
+    """`kafila host --quant` chooses the session's weight format (auto by default); the options
+    the session is formed with carry it, and a format that is none is refused at parse time."""
+    from kafila.cli import main
+    from kafila.cli.host import options
+    from kafila.engine import QUANT_CHOICES
+
+    with pytest.raises(SystemExit) as done:
+        main(["host", "--help"])
+    assert done.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "--quant {auto,none,int8,q4}" in shown and "members fetch the packed bytes" in shown
+    parser = build_parser("host")
+    assert parser.parse_args(["host"]).quant == "auto"
+    for fmt in QUANT_CHOICES:
+        assert options(parser.parse_args(["host", "--quant", fmt, "--api", "off"])).quant == fmt  # type: ignore[attr-defined]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["host", "--quant", "q3"])
+    assert "argument --quant: invalid choice: 'q3'" in capsys.readouterr().err
