@@ -111,7 +111,7 @@ async def start_role(
     if not with_api:  # the API's line is the others' "ready"
         say(f"serving {shard_text(a, b, head)}; no API on this member (--api off)")
         return role, None
-    facts = ModelFacts.of(ckpt.config, stage.backend.wire_dtype, serving.checkpoint)
+    facts = ModelFacts.of(ckpt.config, stage.backend.wire_dtype, serving.checkpoint, serving.terms.quant)
     return role, create_app(Api(role, TokenizerCodec(tokenizer), model, facts, traces))
 
 
