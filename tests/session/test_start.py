@@ -29,6 +29,26 @@ def test_a_member_probes_in_the_hosts_weight_format() -> None:
         in_session_formats(mine, {"quant": "q3"})
 
 
+def test_the_host_resolves_the_sessions_weight_format_from_the_folder(tiny_checkpoint, tmp_path) -> None:
+    """auto is the folder's own; a packed folder is served as packed or widened, never repacked in
+    another format (its matrices would stay as stored while the session said otherwise)."""
+    from kafila.models.checkpoint import Checkpoint
+    from kafila.models.quantize import quantize_folder
+    from kafila.session.forming.host import session_quant
+
+    floats = Checkpoint.open(tiny_checkpoint("llama-gqa3-tied"))
+    packed = Checkpoint.open(quantize_folder(floats.path, "q4", tmp_path / "q4", progress=False))
+    assert [session_quant(q, floats) for q in ("auto", "none", "int8", "q4")] == [
+        "none",
+        "none",
+        "int8",
+        "q4",
+    ]
+    assert [session_quant(q, packed) for q in ("auto", "none", "q4")] == ["q4", "none", "q4"]
+    with pytest.raises(SessionError, match=r"packed in q4: serve them as q4 .* not repacked in int8"):
+        session_quant("int8", packed)
+
+
 def test_memory_gb_caps_what_a_member_offers_and_never_raises_it(capsys) -> None:
     """--memory-gb 100 on a machine with 23 GB offered 100 GB, and the planner trusted it."""
     from kafila.planner.devices import DeviceReport
