@@ -192,7 +192,7 @@ def _details(api: Api) -> dict[str, Any]:
         "family": f.architecture,
         "families": [f.architecture],
         "parameter_size": _count(f.parameters),
-        "quantization_level": f.dtype,
+        "quantization_level": f.level,
     }
 
 

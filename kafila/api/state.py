@@ -13,7 +13,7 @@ from kafila.api.errors import ApiError
 from kafila.api.service import GenerationService
 from kafila.api.text import TextCodec
 from kafila.models.config import ModelConfig
-from kafila.models.manifest import specs_from_config
+from kafila.models.manifest import priced, specs_from_config
 from kafila.obs.trace import TraceLog
 
 
@@ -23,15 +23,22 @@ class ModelFacts:
 
     architecture: str  # config.json's model_type, e.g. "llama"
     parameters: int
-    size_bytes: int  # every weight in the session's dtype: all members' shares together
+    size_bytes: int  # every weight in the session's dtype and format: all members' shares together
     dtype: str  # the session's, e.g. "F32"
     digest: str = ""  # the checkpoint id (sha256 of its safetensors headers): the same at every member
+    quant: str = "none"  # the session's weight format ("none", "int8", "q4")
 
     @classmethod
-    def of(cls, config: ModelConfig, dtype: str, digest: str = "") -> ModelFacts:
+    def of(cls, config: ModelConfig, dtype: str, digest: str = "", quant: str = "none") -> ModelFacts:
         specs = specs_from_config(config, dtype)
-        numel, nbytes = sum(s.numel for s in specs), sum(s.nbytes() for s in specs)
-        return cls(config.model_type, numel, nbytes, dtype, digest)
+        numel, nbytes = sum(s.numel for s in specs), sum(priced(specs, dtype, quant).values())
+        return cls(config.model_type, numel, nbytes, dtype, digest, quant)
+
+    @property
+    def level(self) -> str:
+        """Ollama's `quantization_level`: the dtype for floats, else the GGUF type with the same
+        layout (int8: 8-bit, one fp16 scale per 32 = Q8_0; q4: scale and minimum per 32 = Q4_1)."""
+        return {"int8": "Q8_0", "q4": "Q4_1"}.get(self.quant, self.dtype)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from kafila.cli.argtypes import (
     rendezvous_url,
 )
 from kafila.cli.rendezvous import metrics_address
-from kafila.engine import DTYPE_CHOICES, PREFILL_CHUNK
+from kafila.engine import DTYPE_CHOICES, PREFILL_CHUNK, QUANT_CHOICES
 from kafila.proto.signaling import DEFAULT_PORT, SIGNAL_PATH
 from kafila.session.terms import DEFAULT_QUEUE, DEFAULT_RENDEZVOUS
 
@@ -168,6 +168,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "own, fp32 for the default model)",
     )
     parser.add_argument(
+        "--quant",
+        default="auto",
+        choices=QUANT_CHOICES,
+        help="the session's weight format, which every member loads and is priced in: int8 (8-bit, "
+        "groups of 32), q4 (4-bit with scale and minimum per group of 32; the default model is then "
+        "served from its GGUF's own blocks) or none (floats); members fetch the packed bytes "
+        "(default auto: the checkpoint's own, floats for the default model; docs/engine-quant.md)",
+    )
+    parser.add_argument(
         "--chunk",
         type=positive_int,
         default=PREFILL_CHUNK,
@@ -210,6 +219,7 @@ def options(args: argparse.Namespace) -> object:
         "division",
         "objective",
         "dtype",
+        "quant",
         "chunk",
         "queue",
     ):

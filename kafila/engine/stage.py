@@ -303,4 +303,10 @@ def resolve_quant(requested: str, stored: str) -> str:
         return stored
     if requested not in QUANT_FORMATS:
         raise StageError(f"unknown weight format {requested!r}; choose auto, {', '.join(QUANT_FORMATS)}")
+    if stored != "none" and requested not in ("none", stored):  # its packed matrices would stay as stored
+        raise StageError(
+            f"the checkpoint's weights are packed in {stored}: serve them as {stored} (or auto) or widened "
+            f"to floats (none), not repacked in {requested}; `kafila models --quantize {requested}` of "
+            "the float folder writes a folder in that format"
+        )
     return requested

@@ -12,8 +12,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Self
 
-TERMS_VERSION = 1
+TERMS_VERSION = 2  # 2: the weight format (quant)
 SESSION_DTYPES = ("fp32", "bf16", "fp16")  # kafila.engine.DTYPES' keys (a test keeps them equal)
+SESSION_QUANTS = ("none", "int8", "q4")  # kafila.models.manifest.QUANT_FORMATS (a test keeps them equal)
 MAX_MODEL = 200
 DIVISIONS = ("kafila", "uniform", "memory")
 
@@ -31,6 +32,7 @@ class SessionTerms:
     context: int  # tokens per request
     concurrency: int  # requests served at once
     division: str  # how the blocks were divided
+    quant: str = "none"  # the session's weight format: every member loads its blocks in it
 
     def __post_init__(self) -> None:
         if not self.model or len(self.model) > MAX_MODEL:
@@ -42,6 +44,8 @@ class SessionTerms:
             raise TermsError(f"dtype {self.dtype!r} is none of {list(SESSION_DTYPES)}")
         if self.division not in DIVISIONS:
             raise TermsError(f"division {self.division!r} is none of {list(DIVISIONS)}")
+        if self.quant not in SESSION_QUANTS:
+            raise TermsError(f"quant {self.quant!r} is none of {list(SESSION_QUANTS)}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"v": TERMS_VERSION, **asdict(self)}
@@ -53,13 +57,13 @@ class SessionTerms:
         version = body.get("v")
         if version != TERMS_VERSION or isinstance(version, bool):
             raise TermsError(f"terms version {version!r}, this member speaks {TERMS_VERSION}")
-        want = {"model", "chunk", "queue", "dtype", "context", "concurrency", "division"}
+        want = {"model", "chunk", "queue", "dtype", "context", "concurrency", "division", "quant"}
         keys = set(body) - {"v"}
         if missing := want - keys:
             raise TermsError(f"terms: missing {sorted(missing)}")
         if extra := keys - want:
             raise TermsError(f"terms: unknown {sorted(extra)}")
-        for key in ("model", "dtype", "division"):
+        for key in ("model", "dtype", "division", "quant"):
             if not isinstance(body[key], str):
                 raise TermsError(f"{key} must be text, got {type(body[key]).__name__}")
         for key in ("chunk", "queue", "context", "concurrency"):

@@ -31,6 +31,7 @@ class Options:
     metrics: str | None = None  # --metrics HOST:PORT: /metrics on a listener of its own (None: none)
     backend: str = "auto"
     dtype: str = "auto"  # host: the session's (auto: the checkpoint's); a member takes the host's
+    quant: str = "auto"  # weight format, as dtype: "none", "int8", "q4" (kafila.engine.QUANT_CHOICES)
     memory_bytes: int | None = None  # cap on what this member offers (default: the probe's figure)
     probe_repeats: int = 2
     wait_s: float = 300.0  # host: how long to wait for the members
@@ -64,9 +65,16 @@ class Options:
             raise ValueError(problem)
 
     def terms(self) -> SessionTerms:
-        """The host's: the session's terms from these flags (the model and dtype as resolved)."""
+        """The host's: the session's terms from these flags (the model, dtype and quant as resolved)."""
         return SessionTerms(
-            self.model, self.chunk, self.queue, self.dtype, self.context, self.concurrency, self.division
+            self.model,
+            self.chunk,
+            self.queue,
+            self.dtype,
+            self.context,
+            self.concurrency,
+            self.division,
+            self.quant,
         )
 
     @property

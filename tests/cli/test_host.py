@@ -31,3 +31,24 @@ def test_a_members_metrics_address_is_checked_by_the_parser_and_reaches_its_opti
     assert exit_.value.code == 2
     refused = "argument --metrics: metrics address '0.0.0.0:99999': port 99999 is not 0-65535"
     assert refused in capsys.readouterr().err
+
+
+def test_quant_is_a_documented_host_flag_that_reaches_the_sessions_options(capsys):
+    """`kafila host --quant` chooses the session's weight format (auto by default); the options
+    the session is formed with carry it, and a format that is none is refused at parse time."""
+    from kafila.cli import main
+    from kafila.cli.host import options
+    from kafila.engine import QUANT_CHOICES
+
+    with pytest.raises(SystemExit) as done:
+        main(["host", "--help"])
+    assert done.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "--quant {auto,none,int8,q4}" in shown and "members fetch the packed bytes" in shown
+    parser = build_parser("host")
+    assert parser.parse_args(["host"]).quant == "auto"
+    for fmt in QUANT_CHOICES:
+        assert options(parser.parse_args(["host", "--quant", fmt, "--api", "off"])).quant == fmt  # type: ignore[attr-defined]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["host", "--quant", "q3"])
+    assert "argument --quant: invalid choice: 'q3'" in capsys.readouterr().err

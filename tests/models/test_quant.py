@@ -296,8 +296,8 @@ def test_products_past_the_kernels_rows_take_dequantized_tiles_and_torch_matmul(
 
 
 def test_the_head_stage_reads_the_packed_embeddings_scales_with_it(packed) -> None:
-    """manifest.stage_tensors, which Checkpoint.names_for uses (and session.weights.shard_names
-    should: see docs/engine-quant.md), lists a packed head matrix's scales with it."""
+    """manifest.stage_tensors, which Checkpoint.names_for and the session's weights fetch
+    (kafila.session.weights.fetch.shard_names) use, lists a packed head matrix's scales with it."""
     from kafila.models.manifest import stage_tensors
 
     ckpt = Checkpoint.open(packed["q4"])

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kafila.engine import DTYPES
+from kafila.engine import DTYPES, QUANT_CHOICES
+from kafila.models.manifest import QUANT_FORMATS
 from kafila.planner.decide import DIVISIONS
 from kafila.proto import session
 from kafila.proto.session import SessionTerms, TermsError
@@ -25,8 +26,9 @@ TERMS = st.builds(
     st.integers(1, 1 << 20),
     st.integers(1, 64),
     st.sampled_from(session.DIVISIONS),
+    st.sampled_from(session.SESSION_QUANTS),
 )
-KEYS = ["model", "chunk", "queue", "dtype", "context", "concurrency", "division", "v"]
+KEYS = ["model", "chunk", "queue", "dtype", "context", "concurrency", "division", "quant", "v"]
 JSON = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
 
 
@@ -39,7 +41,7 @@ def test_terms_parse_back_as_sent(terms: SessionTerms) -> None:
 @settings(max_examples=200, deadline=None)
 @given(
     TERMS,
-    st.sampled_from(["model", "chunk", "queue", "dtype", "context", "concurrency", "division", "v"]),
+    st.sampled_from(KEYS),
     JSON,
 )
 def test_any_other_value_is_refused_with_a_terms_error(terms: SessionTerms, key: str, value: Any) -> None:
@@ -48,18 +50,24 @@ def test_any_other_value_is_refused_with_a_terms_error(terms: SessionTerms, key:
 
 
 def test_a_missing_or_unknown_field_is_named() -> None:
-    body = SessionTerms("m", 64, 8, "bf16", 2048, 1, "kafila").to_dict()
+    body = SessionTerms("m", 64, 8, "bf16", 2048, 1, "kafila", "q4").to_dict()
     with pytest.raises(TermsError, match="missing \\['queue'\\]"):
         SessionTerms.from_dict({k: v for k, v in body.items() if k != "queue"})
+    with pytest.raises(TermsError, match="missing \\['quant'\\]"):  # a version-1 host's terms
+        SessionTerms.from_dict({k: v for k, v in body.items() if k != "quant"} | {"v": 2})
+    with pytest.raises(TermsError, match="quant 'q3' is none of"):
+        SessionTerms.from_dict(body | {"quant": "q3"})
     with pytest.raises(TermsError, match="unknown \\['objective'\\]"):
         SessionTerms.from_dict(body | {"objective": "load"})
-    with pytest.raises(TermsError, match="terms version 2"):
-        SessionTerms.from_dict(body | {"v": 2})
+    with pytest.raises(TermsError, match="terms version 1, this member speaks 2"):
+        SessionTerms.from_dict(body | {"v": 1})
 
 
 def test_the_wire_names_agree_with_the_engine_and_the_planner() -> None:
     """proto imports neither; the values it accepts are theirs."""
     assert tuple(DTYPES) == session.SESSION_DTYPES and tuple(DIVISIONS) == session.DIVISIONS
+    assert QUANT_FORMATS == session.SESSION_QUANTS
+    assert ("auto", *session.SESSION_QUANTS) == QUANT_CHOICES  # a host resolves "auto" before sending
 
 
 FORMING = st.one_of(

@@ -81,9 +81,13 @@ async def close(formed: list[MemberRuntime]) -> None:
         await f.close()
 
 
-def single_process(path: Path, prompt: list[int], n: int, dtype: str = "fp32") -> list[int]:
+def single_process(
+    path: Path, prompt: list[int], n: int, dtype: str = "fp32", quant: str = "auto"
+) -> list[int]:
     ckpt = Checkpoint.open(path)
-    stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend="torch", dtype=dtype, context=256)
+    stage = Stage.load(
+        ckpt, range(ckpt.n_blocks), True, backend="torch", dtype=dtype, context=256, quant=quant
+    )
     stop = Tokenizer.from_checkpoint(ckpt).stop_ids
     return [
         t for t in generate(stage, prompt, SamplingParams(max_tokens=n), eos_ids=tuple(stop)) if t not in stop
@@ -133,6 +137,60 @@ async def test_every_member_computes_in_the_hosts_dtype(rdv, tiny_chat_model, tm
         want = await asyncio.to_thread(single_process, tiny_chat_model, prompt, 12, "bf16")
         member = service_of(formed)
         got = [t async for ev in await member.role.submit(prompt, Sampling(max_tokens=12)) for t in ev.tokens]
+        assert got == want
+    finally:
+        await close(formed)
+
+
+async def test_a_q4_session_of_a_packed_folder_gives_the_single_process_tokens(
+    rdv, tiny_chat_model, tmp_path
+) -> None:
+    """`kafila models --quantize q4`'s folder hosted with --quant auto: the host resolves the
+    session's format from the folder, the terms carry it, every member loads its blocks packed, each
+    joiner fetched exactly its share of the packed bytes, and the tokens are a single process's of
+    the same folder."""
+    from kafila.models.quantize import quantize_folder
+
+    packed = quantize_folder(tiny_chat_model, "q4", tmp_path / "tiny-q4", progress=False)
+    formed = await form(rdv, tmp_path, model=str(packed))
+    try:
+        assert [f.role.stage.model.quant for f in formed] == ["q4"] * 3
+        assert {f.role.describe()["quant"] for f in formed} == {"q4"}  # /session says so
+        ckpt, floats = Checkpoint.open(packed), Checkpoint.open(tiny_chat_model)
+        prompt = Tokenizer.from_checkpoint(ckpt).encode_chat(PROMPT)
+        want = await asyncio.to_thread(single_process, packed, prompt, 12)
+        got = [
+            t
+            async for ev in await service_of(formed).role.submit(prompt, Sampling(max_tokens=12))
+            for t in ev.tokens
+        ]
+        assert got == want
+        for f in formed[1:]:
+            a, b = f.plan.block_range(f.name)
+            names = ckpt.names_for(range(a, b), f.plan.head == f.name)
+            assert f.shard.tensor_bytes == sum(ckpt.tensors[n].nbytes for n in names)  # packed bytes
+            assert set(f.shard.tensors) == set(names)
+            float_share = sum(
+                floats.tensors[n].nbytes for n in floats.names_for(range(a, b), f.plan.head == f.name)
+            )
+            assert f.shard.tensor_bytes < float_share / 3  # q4 of fp32: about a sixth
+    finally:
+        await close(formed)
+
+
+async def test_host_quant_int8_packs_a_float_folder_on_every_member(rdv, tiny_chat_model, tmp_path) -> None:
+    """`kafila host --quant int8` of a float folder: members that asked for nothing (auto) load
+    their fetched float blocks packed in int8, and the tokens are a single int8 process's."""
+    formed = await form(rdv, tmp_path, model=str(tiny_chat_model), host_kw={"quant": "int8"})
+    try:
+        assert [f.role.stage.model.quant for f in formed] == ["int8"] * 3
+        prompt = Tokenizer.from_checkpoint(Checkpoint.open(tiny_chat_model)).encode_chat(PROMPT)
+        want = await asyncio.to_thread(single_process, tiny_chat_model, prompt, 12, "fp32", "int8")
+        got = [
+            t
+            async for ev in await service_of(formed).role.submit(prompt, Sampling(max_tokens=12))
+            for t in ev.tokens
+        ]
         assert got == want
     finally:
         await close(formed)

@@ -8,17 +8,45 @@ import asyncio
 import pytest
 
 from kafila.session.errors import SessionError
-from kafila.session.forming.join import in_session_dtype
+from kafila.session.forming.join import in_session_formats
 from kafila.session.terms import Options
 
 
 def test_a_member_probes_in_the_hosts_dtype_whatever_it_was_given() -> None:
     mine = Options(dtype="fp32", name="beta")
-    took = in_session_dtype(mine, {"role": "host", "dtype": "bf16"})
+    took = in_session_formats(mine, {"role": "host", "dtype": "bf16"})
     assert (took.dtype, took.name, mine.dtype) == ("bf16", "beta", "fp32")  # a copy; the rest kept
-    assert in_session_dtype(mine, {"role": "host"}).dtype == "auto"  # a host that names none
+    assert in_session_formats(mine, {"role": "host"}).dtype == "auto"  # a host that names none
     with pytest.raises(SessionError, match="dtype 'int4'"):
-        in_session_dtype(mine, {"dtype": "int4"})
+        in_session_formats(mine, {"dtype": "int4"})
+
+
+def test_a_member_probes_in_the_hosts_weight_format() -> None:
+    mine = Options(quant="int8", name="beta")
+    assert in_session_formats(mine, {"role": "host", "dtype": "fp32", "quant": "q4"}).quant == "q4"
+    assert in_session_formats(mine, {"role": "host", "dtype": "fp32"}).quant == "auto"  # names none
+    with pytest.raises(SessionError, match="weight format 'q3'"):
+        in_session_formats(mine, {"quant": "q3"})
+
+
+def test_the_host_resolves_the_sessions_weight_format_from_the_folder(tiny_checkpoint, tmp_path) -> None:
+    """auto is the folder's own; a packed folder is served as packed or widened, never repacked in
+    another format (its matrices would stay as stored while the session said otherwise)."""
+    from kafila.models.checkpoint import Checkpoint
+    from kafila.models.quantize import quantize_folder
+    from kafila.session.forming.host import session_quant
+
+    floats = Checkpoint.open(tiny_checkpoint("llama-gqa3-tied"))
+    packed = Checkpoint.open(quantize_folder(floats.path, "q4", tmp_path / "q4", progress=False))
+    assert [session_quant(q, floats) for q in ("auto", "none", "int8", "q4")] == [
+        "none",
+        "none",
+        "int8",
+        "q4",
+    ]
+    assert [session_quant(q, packed) for q in ("auto", "none", "q4")] == ["q4", "none", "q4"]
+    with pytest.raises(SessionError, match=r"packed in q4: serve them as q4 .* not repacked in int8"):
+        session_quant("int8", packed)
 
 
 def test_memory_gb_caps_what_a_member_offers_and_never_raises_it(capsys) -> None:

@@ -563,3 +563,35 @@ def test_cache_files_and_shard_folders_get_the_permissions_any_file_would(tmp_pa
     assert blob.stat().st_mode & 0o777 == 0o666 & ~UMASK
     folder = build_shard_folder(ShardFolder(tmp_path / "shard", {}, {"w": blob}))
     assert folder.stat().st_mode & 0o777 == 0o777 & ~UMASK
+
+
+async def test_a_packed_head_shard_brings_its_embedding_scales_and_loads_packed(
+    tiny_checkpoint, tmp_path
+) -> None:
+    """A q4 folder (`kafila models --quantize q4`): the head's share is the packed embedding with
+    its scales (manifest.stage_tensors), fetched as packed bytes, and the shard loads in q4 to the
+    logits of the whole packed folder."""
+    from kafila.models.quantize import quantize_folder
+
+    packed = quantize_folder(tiny_checkpoint("llama-gqa3-tied"), "q4", tmp_path / "q4", progress=False)
+    full = Checkpoint.open(packed)
+    member, host = MemoryChannel.pair("host", "m0")
+    server = WeightServer(packed, cache=tmp_path / "host")
+    r = await fetch_via(server, host, member, range(0, 1), True, tmp_path / "m0")
+    names, nbytes = share(full, range(0, 1), True)
+    assert "model.embed_tokens.scales" in r.fetched and sorted(r.fetched) == sorted(names)
+    assert (
+        r.tensor_bytes
+        == nbytes
+        < sum(
+            i.nbytes
+            for i in Checkpoint.open(tiny_checkpoint("llama-gqa3-tied")).tensors.values()
+            if i.name in names
+        )
+    )
+    shard = Stage.load(
+        Checkpoint.open(r.path), range(0, 1), True, backend="torch", dtype="fp32", context=32, quant="q4"
+    )
+    whole = Stage.load(full, range(0, 1), True, backend="torch", dtype="fp32", context=32, quant="q4")
+    assert shard.model.quant == "q4"
+    np.testing.assert_array_equal(chained_logits([shard], [5, 9, 1]), chained_logits([whole], [5, 9, 1]))

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kafila.engine.backend import checkpoint_dtype
+from kafila.engine.stage import StageError, resolve_quant
 from kafila.models.checkpoint import Checkpoint
 from kafila.models.registry import resolve, served_name
 from kafila.net.errors import LinkError
@@ -51,7 +52,7 @@ async def host(opts: Options, on_code: Callable[[SessionCode], None] | None = No
 
 
 async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, held: MemberRuntime) -> None:
-    folder = resolve(opts.model)
+    folder = resolve(opts.model, quant=opts.quant)  # the default model in q4: its GGUF's packed blocks
     ckpt = Checkpoint.open(folder, complete=True)
     ckpt.config.check_context(opts.context, opts.model)
     if opts.members > (blocks := ckpt.config.num_hidden_layers):  # known now, not after N joined
@@ -59,16 +60,18 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
             f"--members {opts.members} is more than the {blocks} blocks of {opts.model}: every member "
             f"holds at least one; at most {blocks} members"
         )
-    # one dtype for the whole session, decided here: every member probes and computes in it; and
-    # one model name, which clients anywhere use (a folder's own name, not this machine's path)
-    opts = replace(opts, dtype=checkpoint_dtype(opts.dtype, ckpt.stored_dtype), model=served_name(opts.model))
+    # one dtype and one weight format for the whole session, decided here: every member probes,
+    # loads and computes in them; and one model name, which clients anywhere use (a folder's own
+    # name, not this machine's path)
+    dtype, quant = checkpoint_dtype(opts.dtype, ckpt.stored_dtype), session_quant(opts.quant, ckpt)
+    opts = replace(opts, dtype=dtype, quant=quant, model=served_name(opts.model))
     name = held.name = held.host = held.forming.name = opts.name or default_name()
     held.forming.model = opts.model
     held.api_socket = reserve_api(opts)
     held.open_metrics(opts.metrics)
     client = held.client = await reach_rendezvous(opts.rendezvous)
     config = ckpt.config.raw if len(json.dumps(ckpt.config.raw)) < 12_000 else None
-    capability = {"role": "host", "config": config, "dtype": opts.dtype}
+    capability = {"role": "host", "config": config, "dtype": opts.dtype, "quant": opts.quant}
     with refused_by(opts.rendezvous, "open a session"):
         opened = await client.open_session(opts.model, opts.members, name, capability)
         code = held.code = new_code(opened.session)
@@ -111,6 +114,14 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     held.tasks.append(asyncio.ensure_future(drive.serve_formed(held.links, role.info.rendezvous)))
     held.serve_session_api()
     say_ready(plan)
+
+
+def session_quant(requested: str, ckpt: Checkpoint) -> str:
+    """The session's weight format: `requested` (--quant), or for "auto" the checkpoint's own."""
+    try:
+        return resolve_quant(requested, ckpt.stored_format)
+    except StageError as exc:
+        raise SessionError(str(exc)) from None
 
 
 async def _host_ring(

@@ -64,15 +64,16 @@ def _link_host(node: LinkNode, name: str, host: MemberInfo, held: MemberRuntime)
     return job
 
 
-def in_session_dtype(opts: Options, capability: dict[str, Any]) -> Options:
-    """A joining member's options with the session's dtype from the host's capability (what it
-    probes in; the plan repeats it for the stage). A host that names none leaves "auto"."""
-    dtype = capability.get("dtype")
-    if dtype is None:
-        return replace(opts, dtype="auto")
-    if dtype not in DTYPES:
+def in_session_formats(opts: Options, capability: dict[str, Any]) -> Options:
+    """A joining member's options with the session's dtype and weight format from the host's
+    capability (what it probes in; the plan's terms repeat them for the stage). A host that names
+    none leaves "auto"."""
+    dtype, quant = capability.get("dtype"), capability.get("quant")
+    if dtype is not None and dtype not in DTYPES:
         raise SessionError(f"the host asks for dtype {dtype!r}, none of {sorted(DTYPES)}")
-    return replace(opts, dtype=dtype)
+    if quant is not None and quant not in sm.SESSION_QUANTS:
+        raise SessionError(f"the host asks for weight format {quant!r}, none of {list(sm.SESSION_QUANTS)}")
+    return replace(opts, dtype=dtype or "auto", quant=quant or "auto")
 
 
 async def tell_host_and_wait(drive: Driver, host_id: int, reason: str, within: float = 5.0) -> None:
@@ -111,7 +112,7 @@ async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
     pump = asyncio.ensure_future(node.signals.pump())
     held.tasks.append(pump)
     config = host_info.capability.get("config")  # the model's shape, for the block probe
-    opts = in_session_dtype(opts, host_info.capability)  # probe as the session will compute
+    opts = in_session_formats(opts, host_info.capability)  # probe as the session will compute
     config = config if isinstance(config, dict) else None
     core = MemberFormation(host_id=host_info.id, me_id=node.member, wait_s=opts.wait_s, link_s=opts.wait_s)
     drive = held.driver = Driver(core, client, node.signals)
@@ -139,7 +140,7 @@ async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
         await tell_host_and_wait(drive, host_info.id, f"could not link: {exc}")
         raise
     await drive.carry(core.linked(drive.now()))
-    opts = replace(opts, dtype=got.terms.dtype)  # compute in the host's choice, whatever the probe used
+    opts = replace(opts, dtype=got.terms.dtype, quant=got.terms.quant)  # the host's, whatever the probe used
     shard = await drive.during(_fetch(got, links, opts))
     held.shard = shard
     await drive.carry(core.fetched(drive.now()))

@@ -29,7 +29,13 @@ def probe_report(
     if pace.emulated:
         say(f"{name}: emulating a slower device, {pace.speed:g} of this machine's speed (--emulate-speed)")
     report = probe(
-        opts.backend, opts.dtype, repeats=opts.probe_repeats, model=model, model_name=opts.model, pace=pace
+        opts.backend,
+        opts.dtype,
+        repeats=opts.probe_repeats,
+        model=model,
+        model_name=opts.model,
+        pace=pace,
+        quant="none" if opts.quant == "auto" else opts.quant,  # a member of an older host: floats
     )
     nat = node.nat.nat if node.nat else None
     rtt = node.nat.rtt_median if node.nat else None

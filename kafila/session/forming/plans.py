@@ -39,7 +39,7 @@ def say_ready(plan: Plan) -> None:
 
 
 def choose_plan(devices: list[DeviceReport], ckpt: Checkpoint, opts: Options) -> tuple[Plan, dict[str, Any]]:
-    manifest = ckpt.manifest(DTYPES[opts.dtype])  # priced in the session's dtype
+    manifest = ckpt.manifest(DTYPES[opts.dtype], opts.quant)  # priced in the session's dtype and format
     plans = plan_all(
         devices,
         manifest,

@@ -75,17 +75,9 @@ async def start_role(
     index, order = plan.order.index(name), list(plan.order)
     head = plan.head == name
     note(f"loading {shard_text(a, b, head)} into memory")
-    stage = await off_loop(
-        Stage.load,
-        ckpt,
-        range(a, b),
-        head,
-        opts.backend,
-        opts.dtype,
-        plan.context,
-        plan.concurrency,
-        opts.pace,
-    )
+    load = partial(Stage.load, pace=opts.pace, quant=serving.terms.quant)  # the session's weight format
+    blocks, backend = range(a, b), opts.backend
+    stage = await off_loop(load, ckpt, blocks, head, backend, opts.dtype, plan.context, plan.concurrency)
     metrics.observe_build(stage.backend.name, stage.backend.dtype, stage.backend.device)
     nxt_name, prv_name = plan.successor(name), plan.predecessor(name)
     info = _ring_info(name, code, plan, links, serving, stage.backend.dtype)
@@ -125,7 +117,7 @@ async def start_role(
     if not with_api:  # the API's line is the others' "ready"
         say(f"serving {shard_text(a, b, head)}; no API on this member (--api off)")
         return role, None
-    facts = ModelFacts.of(ckpt.config, stage.backend.wire_dtype, serving.checkpoint)
+    facts = ModelFacts.of(ckpt.config, stage.backend.wire_dtype, serving.checkpoint, serving.terms.quant)
     return role, create_app(Api(role, TokenizerCodec(tokenizer), model, facts, traces))
 
 
@@ -177,6 +169,7 @@ def _ring_info(
         plan={"chosen": plan.summary(), "divisions": serving.alternatives or {}},
         edge_rtt_ms=planned_rtt_ms(plan.edges),
         dtype=dtype,
+        quant=serving.terms.quant,
         weights=serving.weights or {},
     )
 

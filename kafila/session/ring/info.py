@@ -27,6 +27,7 @@ class RingInfo:
     plan: dict[str, Any] = field(default_factory=dict)
     edge_rtt_ms: dict[str, float] = field(default_factory=dict)  # "a->b": the plan's priced round trip
     dtype: str | None = None  # the session's ("fp32", "bf16", "fp16"): every member computes in it
+    quant: str | None = None  # the session's weight format ("none", "int8", "q4"): every member's
     weights: dict[str, Any] = field(default_factory=dict)  # this member's shard: source, bytes fetched
     # this member's signaling connection: {"url", "state": "connected" | "lost", "reason" once lost}
     rendezvous: dict[str, Any] = field(default_factory=dict)
@@ -52,6 +53,7 @@ class RingInfo:
             ],
             "division": self.division,
             "dtype": self.dtype,
+            "quant": self.quant,
             "plan": self.plan,
             "weights": self.weights,
             "rendezvous": self.rendezvous,

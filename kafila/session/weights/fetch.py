@@ -18,7 +18,7 @@ from typing import Any
 
 from kafila.models.cache import models_dir
 from kafila.models.checkpoint import Checkpoint, CheckpointError
-from kafila.models.manifest import EMBED, FINAL_NORM, LM_HEAD, block_index
+from kafila.models.manifest import stage_tensors
 from kafila.obs.log import get_logger
 from kafila.proto import tensor as t
 from kafila.session.channel import Channel, ChannelError
@@ -354,13 +354,13 @@ def _valid(path: Path, size: int, sha: str | None) -> bool:
 
 
 def shard_names(m: WeightManifest, blocks: range, head: bool) -> list[str]:
-    """The tensors of blocks [a, b) (+ the head's) in the manifest, as Checkpoint.names_for picks them."""
+    """The tensors of blocks [a, b) (+ the head's) in the manifest, as Checkpoint.names_for picks them
+    (stage_tensors: in a packed folder, the head's embedding scales and minimums too)."""
     if blocks.step != 1 or blocks.start < 0 or blocks.stop > m.n_blocks or blocks.start > blocks.stop:
         raise WeightsError(
             f"block range [{blocks.start}, {blocks.stop}) is not inside the {m.n_blocks} blocks"
         )
-    wanted = {EMBED, FINAL_NORM, LM_HEAD} if head else set()
-    return [n for n in m.tensors if n in wanted or ((i := block_index(n)) is not None and i in blocks)]
+    return stage_tensors(m.tensors, blocks, head)
 
 
 def _local_match(
