@@ -25,7 +25,7 @@ runtime = "docker"                 # docker | native
 gpus = "all"                       # docker: --gpus value; "none" for CPU hosts (default all)
 python = "~/kafila/bin/python"     # native: the interpreter with kafila installed (or venv = DIR)
 os = "linux"                       # native: linux (systemd-run --user) | macos (launchd user agent)
-api = "0.0.0.0:11434"              # the member's API address (default 127.0.0.1:11434)
+api = "127.0.0.1:11434"            # the member's API address (default; another needs args' --insecure-no-key)
 metrics_port = 9464                # the member's --metrics listener, on the API's address, which `monitor`
                                    # tunnels to (default 9464; the API's port: no listener, its /metrics)
 args = ["--threads", "2"]          # extra `kafila host|join` flags
@@ -33,6 +33,7 @@ args = ["--threads", "2"]          # extra `kafila host|join` flags
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import tomllib
 from collections.abc import Callable
@@ -214,6 +215,32 @@ def _hosts(sites: Any, source: str, devices: list[str]) -> list[Host]:
     return hosts
 
 
+def _check_api_exposure(api: str, args: list[str], where: str) -> None:
+    """A member refuses an API open to other machines without a key (kafila.api.security), and
+    kafila-ops does not hand out keys yet: say so here, before anything starts on any host. kafila-ops
+    itself reaches every member's API over ssh, on the member's own machine."""
+    host = api.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost" or _loopback_ip(host) or "--insecure-no-key" in args:
+        return
+    if "--api-key-file" in args:
+        raise FleetError(
+            f"{where}: kafila-ops does not pass API keys to its own requests yet, so a member with "
+            f"--api-key-file cannot be watched; serve 127.0.0.1 (the default) or add '--insecure-no-key'"
+        )
+    raise FleetError(
+        f"{where}: api {api} is open to other machines, which a member refuses without an API key: "
+        f"serve 127.0.0.1 (the default; kafila-ops reaches members over ssh), or add '--insecure-no-key' "
+        f"to 'args' to serve it open on purpose"
+    )
+
+
+def _loopback_ip(text: str) -> bool:
+    try:
+        return ipaddress.ip_address(text).is_loopback
+    except ValueError:  # a name: it may resolve to anything
+        return False
+
+
 def _host(t: Any, where: str, site: str, devices: list[str]) -> Host:
     if not isinstance(t, dict):
         raise FleetError(f"{where}: must be a table")
@@ -241,6 +268,7 @@ def _host(t: Any, where: str, site: str, devices: list[str]) -> Host:
     args = t.get("args", [])
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
         raise FleetError(f"{where}: 'args' must be a list of strings, got {args!r}")
+    _check_api_exposure(api, args, where)
     return Host(
         site=site,
         device=device,

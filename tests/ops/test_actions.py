@@ -40,6 +40,7 @@ name = "lab"
 device = "gpu"
 ssh = "ops@gpu"
 api = "0.0.0.0:11434"
+args = ["--insecure-no-key"]
 [[site.host]]
 device = "cpu-box"
 ssh = "cpu"
@@ -110,6 +111,7 @@ def test_containers_are_labelled_host_networked_and_get_gpus_only_on_nvidia_host
         "host", "--model", "smollm2-135m", "--members", "4", "--context", "512", "--concurrency", "2",
         "--code-file", actions.CONTAINER_CODE_FILE, "--name", "gpu", "--rendezvous",
         "ws://rdv.example:8470/v1/signal", "--api", "0.0.0.0:11434", "--metrics", "0.0.0.0:9464",
+        "--insecure-no-key",
     ]  # fmt: skip
     join = sh_words(
         actions.start(fleet, cpu, "sha256:abc", "4-k7m2-tiger-lamp-ocean").remote.split(";", 1)[1]

@@ -50,7 +50,7 @@ device = "b"
 ssh = "b-host"
 gpus = "none"
 api = "0.0.0.0:11500"
-args = ["--threads", "1"]
+args = ["--threads", "1", "--insecure-no-key"]
 """
 
 
@@ -64,7 +64,7 @@ def test_a_fleet_file_names_hosts_sites_and_puts_the_session_host_first() -> Non
         "office", "docker", "none", "0.0.0.0:11500", "127.0.0.1:11500", 9464,
     )  # fmt: skip
     assert b.metrics == "0.0.0.0:9464"  # `kafila host|join --metrics`, on the API's address
-    assert b.args == ("--threads", "1")
+    assert b.args == ("--threads", "1", "--insecure-no-key")
     assert (a.runtime, a.python, a.os, a.api) == ("native", "~/kafila/bin/python", "linux", "127.0.0.1:11434")
     assert f.rendezvous.url == "ws://198.18.0.2:8470/v1/signal"
     assert f.rendezvous.host is not None and f.rendezvous.host.ssh == "rdv"
@@ -83,6 +83,14 @@ def test_a_fleet_file_names_hosts_sites_and_puts_the_session_host_first() -> Non
         (('name = "two"', 'name = "Two Fleet"'), "[fleet]: 'name' must be lower-case"),
         (('api = "0.0.0.0:11500"', 'api = "0.0.0.0:99999"'), "'api' must be HOST:PORT with a port 1-65535"),
         (
+            ('"--insecure-no-key"]', '"--api-key-file", "/k"]'),
+            "kafila-ops does not pass API keys to its own requests yet",
+        ),
+        (
+            (', "--insecure-no-key"]', "]"),
+            "api 0.0.0.0:11500 is open to other machines, which a member refuses without an API key",
+        ),
+        (
             ('address = "198.18.0.2"', ""),
             "'address' (where members reach the rendezvous 'rdv' starts) is missing",
         ),
@@ -93,7 +101,10 @@ def test_a_fleet_file_names_hosts_sites_and_puts_the_session_host_first() -> Non
         ),
         (('runtime = "native"', 'runtime = "docker"\nos = "macos"'), "macOS members run natively"),
         (('device = "b"', 'device = "a"'), "a device runs on one host only, given twice: ['a']"),
-        (('args = ["--threads", "1"]', "args = [1]"), "'args' must be a list of strings"),
+        (
+            ('args = ["--threads", "1", "--insecure-no-key"]', "args = [1]"),
+            "'args' must be a list of strings",
+        ),
     ],
 )
 def test_mistakes_are_named_with_the_site_host_and_field(change: tuple[str, str], message: str) -> None:
