@@ -33,7 +33,6 @@ args = ["--threads", "2"]          # extra `kafila host|join` flags
 
 from __future__ import annotations
 
-import ipaddress
 import re
 import tomllib
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kafila.api.security import is_loopback
 from kafila.planner.fleet import Fleet, FleetError, no_unknown, parse_fleet
 
 NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
@@ -219,8 +219,7 @@ def _check_api_exposure(api: str, args: list[str], where: str) -> None:
     """A member refuses an API open to other machines without a key (kafila.api.security), and
     kafila-ops does not hand out keys yet: say so here, before anything starts on any host. kafila-ops
     itself reaches every member's API over ssh, on the member's own machine."""
-    host = api.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost" or _loopback_ip(host) or "--insecure-no-key" in args:
+    if is_loopback(api.rsplit(":", 1)[0]) or "--insecure-no-key" in args:
         return
     if "--api-key-file" in args:
         raise FleetError(
@@ -232,13 +231,6 @@ def _check_api_exposure(api: str, args: list[str], where: str) -> None:
         f"serve 127.0.0.1 (the default; kafila-ops reaches members over ssh), or add '--insecure-no-key' "
         f"to 'args' to serve it open on purpose"
     )
-
-
-def _loopback_ip(text: str) -> bool:
-    try:
-        return ipaddress.ip_address(text).is_loopback
-    except ValueError:  # a name: it may resolve to anything
-        return False
 
 
 def _host(t: Any, where: str, site: str, devices: list[str]) -> Host:
