@@ -2,7 +2,8 @@
 NATs in network namespaces, each host with its own sshd, two with their own dockerd and one native
 host whose service manager is SIMULATED (a shim that records what it is asked and runs the member).
 `fleet up` forms a real session across the namespaces, `status` shows it serving, `bench` prints its
-table, `traces` backfills blocks that a real Prometheus answers from, `down` leaves nothing behind.
+table, `traces` backfills blocks from which a real Prometheus answers every Bench run panel's
+queries, `down` leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +24,7 @@ import pytest
 
 from tests.container.test_member_container import member_image
 from tests.natlab.lab import Lab
+from tests.ops.backfill import bench_run_answers
 from tests.ops.fleetlab import ROOT, FleetLab, missing_requirements
 
 __all__ = ["member_image"]
@@ -102,7 +103,8 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
         traces = tmp_path / "traces"
         ok(ops(fleet, "traces", str(traces)))
         assert {p.name for p in traces.glob("*.jsonl")} == {"h1.jsonl", "h2.jsonl", "h3.jsonl"}
-        assert prometheus_answers(traces / "tsdb", "kafila_trace_request_tokens_per_second") >= 1
+        answers = bench_run_answers(traces / "tsdb")  # the Bench run dashboard on the backfilled blocks
+        assert answers and all(answers.values()), answers
 
         calls = [
             json.loads(line)
@@ -123,34 +125,6 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
     assert ["stop", "kafila-lab-rendezvous.service"] in [
         [a for a in c["args"] if a != "--user"][:2] for c in calls
     ]
-
-
-def prometheus_answers(tsdb: Path, metric: str) -> int:
-    """Start a real Prometheus on the backfilled blocks and count the series a query returns."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = tsdb.parent / "prometheus.yml"
-    config.write_text("global:\n  scrape_interval: 1h\n")
-    proc = subprocess.Popen(
-        ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tsdb}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                r = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": metric}, timeout=5)
-                if r.status_code == 200:
-                    return len(r.json()["data"]["result"])
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "prometheus did not answer within 60 s"
-            time.sleep(0.5)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def monitor_scrapes(fleet: Path, targets: Path) -> dict[str, Any]:
