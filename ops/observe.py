@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from ops.fleetcmds import member_traces, say, session_doc
-from ops.fleetfile import FleetFile
+from ops.fleetfile import FleetFile, api_key
 from ops.remote import OpsError, Remote, Tunnel
 
 BENCH_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -135,7 +135,9 @@ def traces(remote: Remote, fleet: FleetFile, out: Path) -> Path:
     return tsdb
 
 
-async def _users(base: str, model: str, users: int, requests: int, max_tokens: int) -> list[float]:
+async def _users(
+    base: str, model: str, users: int, requests: int, max_tokens: int, key: str | None
+) -> list[float]:
     async def one(client: httpx.AsyncClient) -> float:
         started = time.perf_counter()
         r = await client.post(
@@ -147,7 +149,8 @@ async def _users(base: str, model: str, users: int, requests: int, max_tokens: i
             raise OpsError(f"the head's API answered {r.status_code}: {r.text[:300]}")
         return time.perf_counter() - started
 
-    async with httpx.AsyncClient(timeout=600) as client:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with httpx.AsyncClient(timeout=600, headers=headers) as client:
         times: list[float] = []
         for _ in range(requests):
             times += await asyncio.gather(*(one(client) for _ in range(users)))
@@ -161,8 +164,9 @@ def bench(remote: Remote, fleet: FleetFile, out: Path, requests: int = 4, max_to
 
     doc = session_doc(remote, fleet, fleet.hosts[0]) or {}
     if doc.get("state") != "serving":
+        why = f": {doc['error']}" if doc.get("error") else ""  # e.g. the API refused the key
         raise OpsError(
-            f"fleet {fleet.name}: the session is not serving (state {doc.get('state', 'unknown')})"
+            f"fleet {fleet.name}: the session is not serving (state {doc.get('state', 'unknown')}){why}"
         )
     head = fleet.host(doc["head"])  # the ring's head keeps the request records (Table IV)
     tunnel = Tunnel(remote, head, head.local_api)
@@ -174,7 +178,7 @@ def bench(remote: Remote, fleet: FleetFile, out: Path, requests: int = 4, max_to
         seen = {json.dumps(r, sort_keys=True) for r in member_traces(remote, fleet, head)}
         for users in (1, 4):
             say(remote, f"bench: {users} user(s), {requests} round(s)")
-            asyncio.run(_users(base, fleet.plan.model, users, requests, max_tokens))
+            asyncio.run(_users(base, fleet.plan.model, users, requests, max_tokens, api_key(head)))
             now = member_traces(remote, fleet, head)
             fresh = [r for r in now if json.dumps(r, sort_keys=True) not in seen]
             seen |= {json.dumps(r, sort_keys=True) for r in fresh}

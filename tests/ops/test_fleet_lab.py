@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
+import secrets
+import stat
 import subprocess
 import sys
 import time
@@ -63,8 +64,12 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
     fleet_lab: FleetLab, tmp_path: Path
 ) -> None:
     fleet = tmp_path / "lab.toml"
-    shutil.copy(ROOT / "fleets" / "lab.toml", fleet)
+    # the members' APIs ask for a key, which `up` ships and every kafila-ops request sends
+    text = (ROOT / "fleets" / "lab.toml").read_text()
+    fleet.write_text(text.replace('session_host = "h1"', 'session_host = "h1"\napi_key_file = "lab-api.key"'))
+    (tmp_path / "lab-api.key").write_text(f"{secrets.token_urlsafe(24)}\n")
     (tmp_path / "lab-ssh_config").write_text(fleet_lab.ssh_config())
+    keys = Path.home() / ".config" / "kafila-ops" / "lab"  # every lab host logs in as this machine's root
     try:
         started = time.monotonic()
         up = ops(fleet, "up", "--wait", "900", timeout=1500)
@@ -79,6 +84,10 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
         assert "image loaded" in up.stderr  # shipped to both docker hosts, which had no image
         for name in ("h1", "h2", "h3"):
             assert re.search(rf"^{name}\s+site\d\s+\d+-\d+", out, re.M), out
+        assert stat.S_IMODE((keys / "h3.api-key").stat().st_mode) == 0o600  # native
+        assert stat.S_IMODE((keys / "h1.api-key").stat().st_mode) == 0o644  # bind-mounted, in 0700 folders
+        assert stat.S_IMODE(keys.stat().st_mode) == 0o700
+        assert unauthenticated_status(fleet_lab.hosts["lab-h3"].ns, "/session") == 401
 
         status = ok(ops(fleet, "status"))
         print(status)
@@ -118,6 +127,7 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
     ok(first)
     ok(ops(fleet, "down", timeout=300))  # idempotent: nothing left is not an error
     assert fleet_lab.leftovers() == []
+    assert not keys.exists()
     calls = [
         json.loads(line)
         for line in (fleet_lab.hosts["lab-rdv"].dir / "shim" / "calls.jsonl").read_text().splitlines()
@@ -125,6 +135,20 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
     assert ["stop", "kafila-lab-rendezvous.service"] in [
         [a for a in c["args"] if a != "--user"][:2] for c in calls
     ]
+
+
+def unauthenticated_status(ns: str, path: str) -> int:
+    """The HTTP status a request without a key gets from the member's API in namespace `ns`."""
+    code = (
+        "import urllib.request, urllib.error\n"
+        f"try: print(urllib.request.urlopen('http://127.0.0.1:11434{path}', timeout=10).status)\n"
+        "except urllib.error.HTTPError as e: print(e.code)"
+    )
+    done = subprocess.run(
+        ["nsenter", f"--net=/var/run/netns/{ns}", sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    return int(done.stdout.strip())
 
 
 def monitor_scrapes(fleet: Path, targets: Path) -> dict[str, Any]:
