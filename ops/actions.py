@@ -323,7 +323,7 @@ def rendezvous_health(fleet: FleetFile) -> str:
 def stop(fleet: FleetFile, host: Host) -> Step:
     """Remove what `up` started on the host, and the fleet's key files there; idempotent (nothing
     there is not an error)."""
-    keys = f" rm -rf {word(f'{KEY_DIR}/{fleet.name}')};"
+    keys = f" rm -rf {word(f'{KEY_DIR}/{fleet.name}')}; rmdir {word(KEY_DIR)} >/dev/null 2>&1;"
     if host.runtime == "docker":
         label = shlex.quote(f"label={LABEL_FLEET}={fleet.name}")
         remote = (

@@ -254,7 +254,8 @@ def test_with_an_api_key_up_ships_it_before_any_member_starts_and_members_read_i
     penguin = actions.start(fleet, fleet.host("penguin"), "img", "CODE").remote
     assert '--api-key-file "$HOME"/.config/kafila-ops/f1/penguin.api-key' in penguin
     down = {s.host.device: s.remote for s in actions.down_steps(fleet)}
-    assert all('rm -rf "$HOME"/.config/kafila-ops/f1;' in r for r in down.values())
+    gone = 'rm -rf "$HOME"/.config/kafila-ops/f1; rmdir "$HOME"/.config/kafila-ops >/dev/null 2>&1;'
+    assert all(gone in r for r in down.values())  # the folder too, once no fleet's keys are left
 
 
 def test_the_key_reaches_the_host_with_safe_modes_and_every_request_sends_it(tmp_path: Path) -> None:

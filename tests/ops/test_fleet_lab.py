@@ -127,7 +127,7 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
     ok(first)
     ok(ops(fleet, "down", timeout=300))  # idempotent: nothing left is not an error
     assert fleet_lab.leftovers() == []
-    assert not keys.exists()
+    assert not keys.exists() and not keys.parent.exists()
     calls = [
         json.loads(line)
         for line in (fleet_lab.hosts["lab-rdv"].dir / "shim" / "calls.jsonl").read_text().splitlines()
