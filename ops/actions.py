@@ -21,6 +21,10 @@ CONTAINER_CODE_FILE = "/tmp/kafila-session-code"  # inside the host member's con
 LABEL_FLEET = "dev.kafila.fleet"
 LABEL_MEMBER = "dev.kafila.member"
 CACHE_VOLUME = "kafila-cache"
+# A member's API keys on its host: one folder per fleet in the ssh user's 0700 folder (a shell word:
+# $HOME expands remotely); inside a member's container, the file bind-mounted read-only.
+KEY_DIR = "~/.config/kafila-ops"
+CONTAINER_KEY_FILE = "/run/kafila/api-key"
 
 
 @dataclass(frozen=True)
@@ -74,11 +78,38 @@ def launchd_label(fleet: FleetFile, host: Host) -> str:
     return f"dev.kafila.{fleet.name}.{host.device}"
 
 
+def key_file(fleet: FleetFile, host: Host) -> str:
+    """Where `up` puts the member's API keys on its host (`~/` is the remote user's home)."""
+    return f"{KEY_DIR}/{fleet.name}/{host.device}.api-key"
+
+
+def member_key_file(fleet: FleetFile, host: Host) -> str:
+    """The key file as the member sees it: in its container, or on its host."""
+    return CONTAINER_KEY_FILE if host.runtime == "docker" else key_file(fleet, host)
+
+
+def ship_key(fleet: FleetFile, host: Host) -> Step:
+    """Write the key file (on the remote's standard input, never in a command line) with umask 077 in
+    a 0700 folder; 0600 for a native member. A container's user (another uid) reads it through a
+    read-only bind mount, which checks only the file's own mode: 0644 there, still unreachable for
+    the host's other users behind the 0700 folders."""
+    path = word(key_file(fleet, host))
+    folder = word(f"{KEY_DIR}/{fleet.name}")
+    mode = "644" if host.runtime == "docker" else "600"
+    remote = (
+        f"umask 077 && mkdir -p {folder} && chmod 700 {word(KEY_DIR)} {folder}"
+        f" && cat > {path}.tmp && chmod {mode} {path}.tmp && mv -f {path}.tmp {path}"
+    )
+    return Step(host, f"ship the API key file (mode {mode})", remote)
+
+
 def member_args(fleet: FleetFile, host: Host, code: str, code_file: str) -> list[str]:
     """`kafila host ...` for the session host, `kafila join CODE ...` for every other member."""
     common = ["--name", host.device, "--rendezvous", fleet.rendezvous.url, "--api", host.api]
     if host.metrics is not None:  # a listener of its own, up while forming or broken
         common += ["--metrics", host.metrics]
+    if host.api_key_file is not None:
+        common += ["--api-key-file", member_key_file(fleet, host)]
     if host.device == fleet.session_host:
         p = fleet.plan
         return [
@@ -117,8 +148,11 @@ def docker_run(fleet: FleetFile, host: Host, image: str, args: list[str]) -> str
     ]  # fmt: skip
     if host.gpus != "none":
         argv += ["--gpus", host.gpus]
+    mount = ""
+    if host.api_key_file is not None:  # one word whose ~/ the remote shell expands
+        mount = f" -v {word(f'{key_file(fleet, host)}:{CONTAINER_KEY_FILE}:ro')}"
     remove_old = f"docker rm -f {shlex.quote(name)} >/dev/null 2>&1;"
-    return f"{remove_old} {shlex.join([*argv, image, *args])}"
+    return f"{remove_old} {shlex.join(argv)}{mount} {shlex.join([image, *args])}"
 
 
 def native_start(fleet: FleetFile, host: Host, args: list[str]) -> str:
@@ -175,11 +209,19 @@ def python_in(fleet: FleetFile, host: Host, code: str) -> str:
 
 
 def fetch(fleet: FleetFile, host: Host, path: str, address: str | None = None) -> str:
-    """Print GET http://ADDRESS/PATH as seen from the member's machine (its API is on loopback)."""
+    """Print GET http://ADDRESS/PATH as seen from the member's machine (its API is on loopback), with
+    the first key of the member's key file where its API asks for one (read there: the key is never
+    in a command line)."""
     url = f"http://{address or host.local_api}{path}"
+    keys = member_key_file(fleet, host) if host.api_key_file is not None and address is None else None
     snippet = (
-        "import sys, urllib.request, urllib.error\n"
-        f"try: r = urllib.request.urlopen({url!r}, timeout=5); sys.stdout.write(r.read().decode())\n"
+        "import os, sys, urllib.request, urllib.error\n"
+        f"q = urllib.request.Request({url!r})\n"
+        f"k = {keys!r}\n"
+        "if k:\n"
+        "    lines = (s for line in open(os.path.expanduser(k)) if (s := line.strip()))\n"
+        "    q.add_header('Authorization', 'Bearer ' + next(s for s in lines if not s.startswith('#')))\n"
+        "try: r = urllib.request.urlopen(q, timeout=5); sys.stdout.write(r.read().decode())\n"
         "except urllib.error.HTTPError as e: sys.stdout.write(e.read().decode())"
     )
     return python_in(fleet, host, snippet)
@@ -261,6 +303,7 @@ def up_steps(fleet: FleetFile, code: str = CODE_PLACEHOLDER) -> list[Step]:
         Step(h, f"ship image {images_for(fleet, h)} if missing (docker save | ssh)", load_image())
         for h in docker_hosts(fleet)
     ]
+    steps += [ship_key(fleet, h) for h in fleet.hosts if h.api_key_file is not None]
     rdv = rendezvous_start(fleet)
     if rdv is not None:
         steps += [rdv, Step(rdv.host, "wait until the rendezvous answers", rendezvous_health(fleet))]
@@ -278,12 +321,14 @@ def rendezvous_health(fleet: FleetFile) -> str:
 
 
 def stop(fleet: FleetFile, host: Host) -> Step:
-    """Remove what `up` started on the host; idempotent (nothing there is not an error)."""
+    """Remove what `up` started on the host, and the fleet's key files there; idempotent (nothing
+    there is not an error)."""
+    keys = f" rm -rf {word(f'{KEY_DIR}/{fleet.name}')}; rmdir {word(KEY_DIR)} >/dev/null 2>&1;"
     if host.runtime == "docker":
         label = shlex.quote(f"label={LABEL_FLEET}={fleet.name}")
         remote = (
             f"ids=$(docker ps -aq --filter {label});"
-            ' [ -z "$ids" ] || docker rm -f $ids >/dev/null; echo removed $ids'
+            f' [ -z "$ids" ] || docker rm -f $ids >/dev/null;{keys} echo removed $ids'
         )
         return Step(host, "remove the fleet's containers", remote)
     if host.os == "linux":
@@ -291,14 +336,14 @@ def stop(fleet: FleetFile, host: Host) -> Step:
         remote = (
             f"systemctl --user stop {name} >/dev/null 2>&1;"
             f" systemctl --user reset-failed {name} >/dev/null 2>&1;"
-            ' rm -f "$HOME"/.cache/kafila-ops/session-code; echo stopped'
+            f' rm -f "$HOME"/.cache/kafila-ops/session-code;{keys} echo stopped'
         )
         return Step(host, f"stop service {unit(fleet, host)}", remote)
     label = shlex.quote(launchd_label(fleet, host))
     remote = (
         f"launchctl bootout gui/$(id -u)/{label} >/dev/null 2>&1;"
         f' rm -f "$HOME"/Library/LaunchAgents/{label}.plist "$HOME"/.cache/kafila-ops/session-code;'
-        " echo stopped"
+        f"{keys} echo stopped"
     )
     return Step(host, f"stop launchd agent {launchd_label(fleet, host)}", remote)
 

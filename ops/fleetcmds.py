@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 from ops import actions
-from ops.fleetfile import FleetFile, Host
+from ops.fleetfile import FleetFile, Host, api_key
 from ops.remote import OpsError, Remote, local_image_id, ship_image
 
 POLL_S = 2.0
@@ -39,6 +40,17 @@ def check_hosts(remote: Remote, fleet: FleetFile, image_ids: dict[str, str]) -> 
                     'nvidia (install nvidia-container-toolkit, or set gpus = "none" for this host)'
                 )
     return lacking
+
+
+def ship_keys(remote: Remote, fleet: FleetFile) -> None:
+    """Every member's API key file to its host, through ssh's standard input."""
+    for h in fleet.hosts:
+        if h.api_key_file is None:
+            continue
+        api_key(h)  # readable and valid, else a FleetError naming the host
+        step = actions.ship_key(fleet, h)
+        remote.run(step, stdin=Path(h.api_key_file).read_text(encoding="utf-8"))
+        say(remote, f"{h.device}: API key file in {actions.key_file(fleet, h)} on {h.ssh}")
 
 
 def last_lines(remote: Remote, fleet: FleetFile, host: Host, n: int = 15) -> str:
@@ -107,6 +119,7 @@ def up(remote: Remote, fleet: FleetFile, wait_s: float = 900.0) -> dict[str, Any
     for h in lacking:
         image = actions.images_for(fleet, h)
         transfer_s += ship_image(remote, h, image, image_ids[image])
+    ship_keys(remote, fleet)
     rdv = actions.rendezvous_start(fleet)
     if rdv is not None:
         say(remote, f"starting the rendezvous on {rdv.host.ssh}")

@@ -5,6 +5,10 @@ name = "uscentral"                 # labels containers and services: dev.kafila.
 image = "kafila/member:cuda"       # the member image (Dockerfile.cuda) for docker hosts
 session_host = "a100"              # the device that opens the session (default: the first [[device]])
 ssh_config = "ssh_config"          # optional: an ssh config file (-F), relative to the fleet file
+api_key_file = "keys/fleet.key"    # optional: API keys (one a line) every member's API asks for; a
+                                   # local file, relative to the fleet file. `up` ships it to each host
+                                   # (0600) and starts members with --api-key-file; kafila-ops sends
+                                   # its first key with every request it makes to a member's API
 
 [rendezvous]                       # either an existing one ...
 url = "wss://rdv.example.org:8470/v1/signal"
@@ -18,6 +22,7 @@ url = "wss://rdv.example.org:8470/v1/signal"
 
 [[site]]
 name = "des-moines"
+api_key_file = "keys/des-moines.key"  # optional: this site's members' keys instead of [fleet]'s
 [[site.host]]
 device = "a100"                    # the [[device]] this host runs (its member name)
 ssh = "ops@a100.example.org"       # ssh destination (a Host of ssh_config, user@host, ...)
@@ -25,7 +30,8 @@ runtime = "docker"                 # docker | native
 gpus = "all"                       # docker: --gpus value; "none" for CPU hosts (default all)
 python = "~/kafila/bin/python"     # native: the interpreter with kafila installed (or venv = DIR)
 os = "linux"                       # native: linux (systemd-run --user) | macos (launchd user agent)
-api = "127.0.0.1:11434"            # the member's API address (default; another needs args' --insecure-no-key)
+api = "127.0.0.1:11434"            # the member's API address (default; another needs an api_key_file,
+                                   # or args' --insecure-no-key to serve it open on purpose)
 metrics_port = 9464                # the member's --metrics listener, on the API's address, which `monitor`
                                    # tunnels to (default 9464; the API's port: no listener, its /metrics)
 args = ["--threads", "2"]          # extra `kafila host|join` flags
@@ -51,7 +57,7 @@ DEFAULT_METRICS_PORT = 9464  # a member's `--metrics` listener (Prometheus's por
 DEFAULT_RDV_PORT = 8470
 DEFAULT_RDV_IMAGE = "kafila/rendezvous:latest"
 
-_FLEET_KEYS = {"name", "image", "session_host", "ssh_config"}
+_FLEET_KEYS = {"name", "image", "session_host", "ssh_config", "api_key_file"}
 _RDV_KEYS = {
     "url",
     "ssh",
@@ -65,7 +71,7 @@ _RDV_KEYS = {
     "python",
     "os",
 }
-_SITE_KEYS = {"name", "host"}
+_SITE_KEYS = {"name", "host", "api_key_file"}
 _HOST_KEYS = {"device", "ssh", "runtime", "gpus", "python", "venv", "os", "api", "metrics_port", "args"}
 
 
@@ -83,6 +89,7 @@ class Host:
     api: str  # HOST:PORT the member's API listens on, on that machine
     metrics_port: int  # the --metrics listener's, on the API's address (the API's own port: none)
     args: tuple[str, ...]
+    api_key_file: str | None = None  # local file of the keys the member's API asks for (None: no key)
 
     @property
     def api_port(self) -> int:
@@ -149,12 +156,35 @@ def load(path: Path) -> FleetFile:
         text = path.read_text()
     except OSError as exc:
         raise FleetError(f"cannot read fleet file {path}: {exc.strerror or exc}") from None
+    from dataclasses import replace
+
     fleet = parse(text, str(path), lambda p: json.loads((path.parent / p).read_text()))
     if fleet.ssh_config is not None and not Path(fleet.ssh_config).is_absolute():
-        from dataclasses import replace
-
         fleet = replace(fleet, ssh_config=str(path.parent / fleet.ssh_config))
-    return fleet
+    hosts = []
+    for h in fleet.hosts:
+        if h.api_key_file is not None:
+            key_file = path.parent / h.api_key_file  # an absolute path stays itself
+            api_key(replace(h, api_key_file=str(key_file)), f"{path}: site {h.site!r} ({h.device})")
+            h = replace(h, api_key_file=str(key_file))
+        hosts.append(h)
+    return replace(fleet, hosts=tuple(hosts))
+
+
+def api_key(host: Host, where: str = "") -> str | None:
+    """The key kafila-ops sends to the member's API (the first of its key file), read and checked as
+    the member checks it (kafila.api.security); None when the API asks for none."""
+    from kafila.api.security import ApiSecurity, ApiSecurityError, load_keys
+
+    if host.api_key_file is None:
+        return None
+    where = where or f"host {host.device} (site {host.site})"
+    try:
+        keys = load_keys(host.api_key_file)
+        ApiSecurity(keys)  # each key long enough, no spaces
+    except ApiSecurityError as exc:
+        raise FleetError(f"{where}: api_key_file: {exc}") from None
+    return keys[0]
 
 
 def parse(text: str, source: str = "fleet", read_json: ReadJson | None = None) -> FleetFile:
@@ -169,7 +199,8 @@ def parse(text: str, source: str = "fleet", read_json: ReadJson | None = None) -
     image = _text(fleet, "image", where)
     ssh_config = _text(fleet, "ssh_config", where) if "ssh_config" in fleet else None
     devices = [d.name for d in plan.devices]
-    hosts = _hosts(data.get("site"), source, devices)
+    key_file = _text(fleet, "api_key_file", where) if "api_key_file" in fleet else None
+    hosts = _hosts(data.get("site"), source, devices, key_file)
     session_host = plan.devices[0].name  # parse_fleet put [fleet] session_host first
     hosts = sorted(hosts, key=lambda h: h.device != session_host)
     return FleetFile(
@@ -183,7 +214,7 @@ def parse(text: str, source: str = "fleet", read_json: ReadJson | None = None) -
     )
 
 
-def _hosts(sites: Any, source: str, devices: list[str]) -> list[Host]:
+def _hosts(sites: Any, source: str, devices: list[str], fleet_key_file: str | None) -> list[Host]:
     if not isinstance(sites, list) or not sites:
         raise FleetError(f"{source}: needs at least one [[site]] with [[site.host]] tables")
     hosts: list[Host] = []
@@ -200,8 +231,10 @@ def _hosts(sites: Any, source: str, devices: list[str]) -> list[Host]:
         tables = site.get("host")
         if not isinstance(tables, list) or not tables:
             raise FleetError(f"{source}: site {sname!r}: needs at least one [[site.host]] table")
+        key_file = _text(site, "api_key_file", where) if "api_key_file" in site else fleet_key_file
         hosts += [
-            _host(t, f"{source}: site {sname!r} host #{j + 1}", sname, devices) for j, t in enumerate(tables)
+            _host(t, f"{source}: site {sname!r} host #{j + 1}", sname, devices, key_file)
+            for j, t in enumerate(tables)
         ]
     ran = [h.device for h in hosts]
     twice = sorted({d for d in ran if ran.count(d) > 1})
@@ -215,25 +248,29 @@ def _hosts(sites: Any, source: str, devices: list[str]) -> list[Host]:
     return hosts
 
 
-def _check_api_exposure(api: str, args: list[str], where: str) -> None:
-    """A member refuses an API open to other machines without a key (kafila.api.security), and
-    kafila-ops does not hand out keys yet: say so here, before anything starts on any host. kafila-ops
-    itself reaches every member's API over ssh, on the member's own machine."""
-    if is_loopback(api.rsplit(":", 1)[0]) or "--insecure-no-key" in args:
-        return
+def _check_api_exposure(api: str, args: list[str], key_file: str | None, where: str) -> None:
+    """A member refuses an API open to other machines without a key (kafila.api.security): say so
+    here, before anything starts on any host. Keys come from the fleet file's `api_key_file`, which
+    kafila-ops ships to the hosts and sends with its own requests, never from a member's `args`."""
     if "--api-key-file" in args:
         raise FleetError(
-            f"{where}: kafila-ops does not pass API keys to its own requests yet, so a member with "
-            f"--api-key-file cannot be watched; serve 127.0.0.1 (the default) or add '--insecure-no-key'"
+            f'{where}: give the member\'s API keys as `api_key_file = "FILE"` in [fleet] or in its '
+            f"[[site]] (a local file: `up` ships it to the host and kafila-ops sends the key with its "
+            f"own requests), not --api-key-file in 'args'"
         )
+    if key_file is not None and "--insecure-no-key" in args:
+        raise FleetError(f"{where}: api_key_file and '--insecure-no-key' in 'args' contradict each other")
+    if key_file is not None or is_loopback(api.rsplit(":", 1)[0]) or "--insecure-no-key" in args:
+        return
     raise FleetError(
         f"{where}: api {api} is open to other machines, which a member refuses without an API key: "
-        f"serve 127.0.0.1 (the default; kafila-ops reaches members over ssh), or add '--insecure-no-key' "
-        f"to 'args' to serve it open on purpose"
+        f"give `api_key_file` in [fleet] or the host's [[site]], serve 127.0.0.1 (the default; "
+        f"kafila-ops reaches members over ssh), or add '--insecure-no-key' to 'args' to serve it open "
+        f"on purpose"
     )
 
 
-def _host(t: Any, where: str, site: str, devices: list[str]) -> Host:
+def _host(t: Any, where: str, site: str, devices: list[str], key_file: str | None) -> Host:
     if not isinstance(t, dict):
         raise FleetError(f"{where}: must be a table")
     _no_unknown(t, _HOST_KEYS, where)
@@ -260,7 +297,12 @@ def _host(t: Any, where: str, site: str, devices: list[str]) -> Host:
     args = t.get("args", [])
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
         raise FleetError(f"{where}: 'args' must be a list of strings, got {args!r}")
-    _check_api_exposure(api, args, where)
+    _check_api_exposure(api, args, key_file, where)
+    if key_file is not None and metrics_port == int(api.rsplit(":", 1)[1]):
+        raise FleetError(
+            f"{where}: with an API key, 'metrics_port' must differ from the API's port: the API's "
+            f"/metrics needs the key, which the Prometheus targets `monitor` writes cannot carry"
+        )
     return Host(
         site=site,
         device=device,
@@ -272,6 +314,7 @@ def _host(t: Any, where: str, site: str, devices: list[str]) -> Host:
         api=api,
         metrics_port=metrics_port,
         args=tuple(args),
+        api_key_file=key_file,
     )
 
 

@@ -13,36 +13,52 @@ from typing import Any
 import httpx
 
 from ops.fleetcmds import member_traces, say, session_doc
-from ops.fleetfile import FleetFile
+from ops.fleetfile import FleetFile, api_key
 from ops.remote import OpsError, Remote, Tunnel
 
 BENCH_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
+# The series `fleet traces` backfills, in base units (seconds, bytes), by name: what each one means.
+# Every sample is one request (and stage, or hop) of a run, stamped with the collection time; labels
+# `fleet`, `collected_from` (the member whose /traces held the record), `session`, `request`, and
+# `member` (requests: the member whose API took the request; stages: the stage's member), `stage`
+# (ring position, 0 = the head) or `hop` ("src->dst") and `path` (direct or relay).
+BACKFILL: dict[str, str] = {
+    "kafila_trace_request_queue_seconds": "time one request waited in the queue before its prefill",
+    "kafila_trace_request_prefill_seconds": "one request's prompt through the ring until its first token",
+    "kafila_trace_request_ttft_seconds": "time to first token of one request: queue plus prefill",
+    "kafila_trace_request_decode_seconds": "one request's first token to its last",
+    "kafila_trace_request_decode_tokens_per_second": "decode tokens per second of one request",
+    "kafila_trace_request_prompt_tokens": "prompt tokens of one request",
+    "kafila_trace_request_generation_tokens": "tokens one request generated",
+    "kafila_trace_request_circuit_seconds": "median time around the ring per decode step of one request",
+    "kafila_trace_request_transit_seconds": (
+        "median circuit less every stage's compute per decode step of one request: hops and waits"
+    ),
+    "kafila_trace_stage_decode_seconds": "median compute per decode step of one request at one stage",
+    "kafila_trace_stage_predicted_seconds": "the plan's predicted compute per decode step at one stage",
+    "kafila_trace_stage_prefill_seconds": "compute of all of one request's prefill chunks at one stage",
+    "kafila_trace_stage_wait_seconds": (
+        "median wait per decode step of one request at one stage: frame arrived to its batch started"
+    ),
+    "kafila_trace_hop_bytes": "bytes a stage sent to the next member for one request, counted on the link",
+    "kafila_trace_hop_rtt_seconds": "the link's smoothed round trip when one request ended (QUIC links)",
+    "kafila_trace_hop_predicted_rtt_seconds": "the round trip the plan priced for the edge",
+}
+
+
 def openmetrics(fleet: FleetFile, records: dict[str, list[dict[str, Any]]], at: float) -> str:
-    """The trace records as OpenMetrics gauges, every sample stamped `at` (the collection time: the
-    records carry no clock of their own), one series per request (and stage)."""
+    """The trace records as OpenMetrics gauges (BACKFILL), every sample stamped `at` (the collection
+    time: the records carry no clock of their own), one series per request (and stage, or hop)."""
     from kafila.obs.trace import RequestRecord, StageRecord
     from kafila.obs.tracefile import from_json
 
-    families: dict[str, list[str]] = {
-        "kafila_trace_request_tokens_per_second": [],
-        "kafila_trace_request_ttft_seconds": [],
-        "kafila_trace_request_circuit_ms": [],
-        "kafila_trace_request_transit_ms": [],
-        "kafila_trace_stage_decode_ms": [],
-        "kafila_trace_stage_predicted_ms": [],
-    }
-    helps = {
-        "kafila_trace_request_tokens_per_second": "decode tokens per second of one request",
-        "kafila_trace_request_ttft_seconds": "queue plus prefill of one request",
-        "kafila_trace_request_circuit_ms": "median time around the ring per decode step",
-        "kafila_trace_request_transit_ms": "median circuit less every stage's compute per decode step",
-        "kafila_trace_stage_decode_ms": "median compute per decode step at one stage",
-        "kafila_trace_stage_predicted_ms": "the plan's predicted ms per decode step at one stage",
-    }
+    families: dict[str, list[str]] = {name: [] for name in BACKFILL}
 
-    def sample(name: str, labels: dict[str, str], value: float) -> None:
+    def sample(name: str, labels: dict[str, str], value: float | None) -> None:
+        if value is None:
+            return
         text = ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items())
         families[name].append(f"{name}{{{text}}} {value:.6g} {at:.3f}")
 
@@ -52,18 +68,35 @@ def openmetrics(fleet: FleetFile, records: dict[str, list[dict[str, Any]]], at: 
             base = {"fleet": fleet.name, "collected_from": member, "session": r.session}
             if isinstance(r, RequestRecord):
                 labels = base | {"member": r.member, "request": str(r.request_id)}
-                sample("kafila_trace_request_tokens_per_second", labels, r.tokens_per_s)
+                sample("kafila_trace_request_queue_seconds", labels, r.queue_s)
+                sample("kafila_trace_request_prefill_seconds", labels, r.prefill_s)
                 sample("kafila_trace_request_ttft_seconds", labels, r.ttft_s)
-                sample("kafila_trace_request_circuit_ms", labels, r.circuit_ms)
-                sample("kafila_trace_request_transit_ms", labels, r.transit_ms)
+                sample("kafila_trace_request_decode_seconds", labels, r.decode_s)
+                sample("kafila_trace_request_decode_tokens_per_second", labels, r.tokens_per_s)
+                sample("kafila_trace_request_prompt_tokens", labels, r.prompt_tokens)
+                sample("kafila_trace_request_generation_tokens", labels, r.completion_tokens)
+                sample("kafila_trace_request_circuit_seconds", labels, r.circuit_ms / 1000)
+                sample("kafila_trace_request_transit_seconds", labels, r.transit_ms / 1000)
             elif isinstance(r, StageRecord):
-                labels = base | {"member": r.member, "request": str(r.request_id)}
-                sample("kafila_trace_stage_decode_ms", labels, r.decode_ms)
-                sample("kafila_trace_stage_predicted_ms", labels, r.predicted_ms)
+                labels = base | {"member": r.member, "stage": str(r.index), "request": str(r.request_id)}
+                sample("kafila_trace_stage_decode_seconds", labels, r.decode_ms / 1000)
+                sample("kafila_trace_stage_predicted_seconds", labels, r.predicted_ms / 1000)
+                sample("kafila_trace_stage_prefill_seconds", labels, sum(r.prefill_ms) / 1000)
+                sample("kafila_trace_stage_wait_seconds", labels, r.wait_ms / 1000)
+                if r.hop_out is not None:  # each hop once in the fleet: its sender's record
+                    h = r.hop_out
+                    hop = base | {"hop": h.name, "path": h.path, "request": str(r.request_id)}
+                    sample("kafila_trace_hop_bytes", hop, h.bytes)
+                    sample("kafila_trace_hop_rtt_seconds", hop, _seconds(h.rtt_ms))
+                    sample("kafila_trace_hop_predicted_rtt_seconds", hop, _seconds(h.predicted_rtt_ms))
     out = []
     for name, lines in families.items():
-        out += [f"# HELP {name} {helps[name]}", f"# TYPE {name} gauge", *sorted(set(lines))]
+        out += [f"# HELP {name} {BACKFILL[name]}", f"# TYPE {name} gauge", *sorted(set(lines))]
     return "\n".join([*out, "# EOF", ""])
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000
 
 
 def _esc(v: str) -> str:
@@ -102,7 +135,9 @@ def traces(remote: Remote, fleet: FleetFile, out: Path) -> Path:
     return tsdb
 
 
-async def _users(base: str, model: str, users: int, requests: int, max_tokens: int) -> list[float]:
+async def _users(
+    base: str, model: str, users: int, requests: int, max_tokens: int, key: str | None
+) -> list[float]:
     async def one(client: httpx.AsyncClient) -> float:
         started = time.perf_counter()
         r = await client.post(
@@ -114,7 +149,8 @@ async def _users(base: str, model: str, users: int, requests: int, max_tokens: i
             raise OpsError(f"the head's API answered {r.status_code}: {r.text[:300]}")
         return time.perf_counter() - started
 
-    async with httpx.AsyncClient(timeout=600) as client:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with httpx.AsyncClient(timeout=600, headers=headers) as client:
         times: list[float] = []
         for _ in range(requests):
             times += await asyncio.gather(*(one(client) for _ in range(users)))
@@ -128,8 +164,9 @@ def bench(remote: Remote, fleet: FleetFile, out: Path, requests: int = 4, max_to
 
     doc = session_doc(remote, fleet, fleet.hosts[0]) or {}
     if doc.get("state") != "serving":
+        why = f": {doc['error']}" if doc.get("error") else ""  # e.g. the API refused the key
         raise OpsError(
-            f"fleet {fleet.name}: the session is not serving (state {doc.get('state', 'unknown')})"
+            f"fleet {fleet.name}: the session is not serving (state {doc.get('state', 'unknown')}){why}"
         )
     head = fleet.host(doc["head"])  # the ring's head keeps the request records (Table IV)
     tunnel = Tunnel(remote, head, head.local_api)
@@ -141,7 +178,7 @@ def bench(remote: Remote, fleet: FleetFile, out: Path, requests: int = 4, max_to
         seen = {json.dumps(r, sort_keys=True) for r in member_traces(remote, fleet, head)}
         for users in (1, 4):
             say(remote, f"bench: {users} user(s), {requests} round(s)")
-            asyncio.run(_users(base, fleet.plan.model, users, requests, max_tokens))
+            asyncio.run(_users(base, fleet.plan.model, users, requests, max_tokens, api_key(head)))
             now = member_traces(remote, fleet, head)
             fresh = [r for r in now if json.dumps(r, sort_keys=True) not in seen]
             seen |= {json.dumps(r, sort_keys=True) for r in fresh}

@@ -36,7 +36,9 @@ class Remote:
     def argv(self, host: Host, remote: str) -> list[str]:
         return ssh_argv(host.ssh, remote, control_dir(), self.fleet.ssh_config)
 
-    def run(self, step: Step, timeout: float = 120.0, check: bool = True) -> str:
+    def run(self, step: Step, timeout: float = 120.0, check: bool = True, stdin: str | None = None) -> str:
+        """The step's remote command over ssh; `stdin` is written to it (a secret stays out of the
+        command line), else it reads nothing."""
         if self.verbose:
             print(f"kafila-ops: {step.describe()}", file=self.out)
         try:
@@ -45,7 +47,7 @@ class Remote:
                 capture_output=True,
                 text=True,
                 timeout=timeout,
-                stdin=subprocess.DEVNULL,
+                **({"input": stdin} if stdin is not None else {"stdin": subprocess.DEVNULL}),
             )
         except subprocess.TimeoutExpired:
             raise OpsError(f"{self.where(step)}: no answer within {timeout:.0f} s") from None

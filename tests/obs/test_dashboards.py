@@ -1,6 +1,9 @@
 """The Grafana dashboards and the alert rules, offline: every panel's and rule's PromQL parses
-(promql-parser) and names only Kafila's metrics; the provisioning and the compose profile hold
-together. Against a real session and a real Prometheus: tests/obs/test_live_session.py."""
+(promql-parser) and names only Kafila's metrics: the live dashboards and the rules the series
+kafila.obs.metrics defines, the Bench run dashboard the series `kafila-ops fleet traces` backfills
+(ops.observe.BACKFILL); the provisioning and the compose profile hold together. Against a real session
+and a real Prometheus: tests/obs/test_live_session.py; against backfilled blocks: tests/ops/test_observe.py
+and the fleet lab (tests/ops/test_fleet_lab.py)."""
 
 from __future__ import annotations
 
@@ -15,10 +18,14 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "grafana" / "dashboards").glob("*.json"))
+# Dashboards that read the series `kafila-ops fleet traces` backfills, not a live session's
+BACKFILLED_DASHBOARDS = [d for d in DASHBOARDS if d.name == "bench-run.json"]
+LIVE_DASHBOARDS = [d for d in DASHBOARDS if d not in BACKFILLED_DASHBOARDS]
 RULES = ROOT / "prometheus" / "rules" / "kafila-alerts.yml"
 PROMETHEUS = shutil.which("prometheus")
 # Grafana's variables as the dashboards use them: every session, and a rate window of several scrapes
-VARIABLES = {"$session": ".*", "$__rate_interval": "1m"}
+# ($__range: the dashboard's time range, over which the Bench run finds the backfilled samples)
+VARIABLES = {"$session": ".*", "$fleet": ".*", "$__rate_interval": "1m", "$__range": "6h"}
 # Series the session does not feed yet: their panels must parse and name exported metrics, but may be
 # empty until it does (none now: the session feeds every series its dashboards read).
 AWAITING_SESSION_WIRING: frozenset[str] = frozenset()
@@ -95,6 +102,32 @@ def test_every_query_parses_and_names_metrics_of_kafila_only() -> None:
     for where, expr in queries:
         for name in metric_names(substitute(expr)):
             assert name.startswith(("kafila_", "process_")) or name == "up", f"{where}: {name}"
+
+
+def test_the_bench_run_reads_exactly_the_backfilled_series_and_the_others_only_live_ones() -> None:
+    """The Bench run dashboard shows every series `fleet traces` backfills and nothing else; the live
+    dashboards and the rules never name a backfilled one (that they name exported series is checked
+    against a live session: tests/obs/test_live_session.py)."""
+    from ops.observe import BACKFILL
+
+    assert [d.name for d in BACKFILLED_DASHBOARDS] == ["bench-run.json"]
+    queries = [q for d in BACKFILLED_DASHBOARDS for _, q in panel_queries(d)]
+    bench = {name for q in queries for name in metric_names(substitute(q))}
+    assert bench == set(BACKFILL)
+    assert not defined_metrics() & set(BACKFILL)
+    for where, expr in [q for d in LIVE_DASHBOARDS for q in panel_queries(d)] + list(rule_queries()):
+        for name in metric_names(substitute(expr)):
+            assert not name.startswith("kafila_trace_"), f"{where}: {name} is backfilled, not live"
+
+
+def test_backfilled_series_are_named_in_base_units() -> None:
+    """Prometheus's naming: base units as the last word (seconds, bytes), no abbreviated units."""
+    from ops.observe import BACKFILL
+
+    for name in BACKFILL:
+        assert name.startswith("kafila_trace_"), name
+        assert not any(f"_{unit}" in name for unit in ("ms", "us", "kb", "mb", "secs")), name
+        assert name.endswith(("_seconds", "_bytes", "_tokens", "_per_second")), name
 
 
 def test_dashboards_use_the_provisioned_datasource() -> None:

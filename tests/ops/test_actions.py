@@ -12,7 +12,7 @@ import pytest
 
 from ops import actions
 from ops.cli import main as ops_main
-from ops.fleetfile import parse
+from ops.fleetfile import FleetFile, parse
 from ops.remote import OpsError, Remote
 
 FLEET = """
@@ -216,3 +216,92 @@ def test_an_unreachable_host_is_named_with_its_step(tmp_path: Path) -> None:
         "host gpu (gpu-box, site lab): check Docker: ssh could not reach the host:"
     )
     assert "Connection refused" in str(err.value)
+
+
+KEY = "s3cret-key-" + "x" * 16
+
+
+def keyed_fleet(api: str = "127.0.0.1:11434", python: str = "python3") -> FleetFile:
+    """fleet_text with [fleet] api_key_file: every member's API asks for a key."""
+    image = 'image = "kafila/member:cuda"'
+    text = fleet_text().replace(image, f'{image}\napi_key_file = "k"')
+    text = text.replace('args = ["--insecure-no-key"]', "")  # the gpu's open API now has a key
+    text = text.replace(
+        'device = "penguin"\nssh = "me@nat"\nruntime = "native"',
+        f'device = "penguin"\nssh = "me@nat"\nruntime = "native"\napi = "{api}"\npython = "{python}"',
+    )
+    return parse(text, "f.toml")
+
+
+def test_with_an_api_key_up_ships_it_before_any_member_starts_and_members_read_it_from_a_file() -> None:
+    fleet = keyed_fleet()
+    steps = actions.up_steps(fleet)
+    whats = [(s.host.device, s.what) for s in steps]
+    ships = [w for w in whats if w[1].startswith("ship the API key")]
+    assert ships == [
+        ("gpu", "ship the API key file (mode 644)"),  # a container's user reads it through a bind mount
+        ("cpu-box", "ship the API key file (mode 644)"),
+        ("mac", "ship the API key file (mode 600)"),
+        ("penguin", "ship the API key file (mode 600)"),
+    ]
+    first_start = next(i for i, w in enumerate(whats) if w[1].startswith("start"))
+    assert max(whats.index(w) for w in ships) < first_start
+    gpu = sh_words(actions.start(fleet, fleet.host("gpu"), "img", "").remote.split(";", 1)[1])
+    mounts = [gpu[i + 1] for i, w in enumerate(gpu) if w == "-v"]
+    # (sh_words does not expand $HOME, the remote shell does)
+    assert "$HOME/.config/kafila-ops/f1/gpu.api-key:/run/kafila/api-key:ro" in mounts
+    assert gpu[gpu.index("--api-key-file") + 1] == "/run/kafila/api-key"
+    penguin = actions.start(fleet, fleet.host("penguin"), "img", "CODE").remote
+    assert '--api-key-file "$HOME"/.config/kafila-ops/f1/penguin.api-key' in penguin
+    down = {s.host.device: s.remote for s in actions.down_steps(fleet)}
+    gone = 'rm -rf "$HOME"/.config/kafila-ops/f1; rmdir "$HOME"/.config/kafila-ops >/dev/null 2>&1;'
+    assert all(gone in r for r in down.values())  # the folder too, once no fleet's keys are left
+
+
+def test_the_key_reaches_the_host_with_safe_modes_and_every_request_sends_it(tmp_path: Path) -> None:
+    """ship_key and fetch run in a real sh with HOME in tmp_path (as ssh would run them), against a
+    real HTTP server that asks for the key: the key travels on standard input and in a file, never in
+    a command line."""
+    import http.server
+    import os
+    import stat
+    import sys
+    import threading
+
+    seen: list[str | None] = []
+
+    class Api(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization"))
+            ok = self.headers.get("Authorization") == f"Bearer {KEY}"
+            body = b'{"state": "serving"}' if ok else b'{"error": "needs a key"}'
+            self.send_response(200 if ok else 401)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Api)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        fleet = keyed_fleet(f"127.0.0.1:{server.server_port}", sys.executable)
+        host = fleet.host("penguin")
+        env = {**os.environ, "HOME": str(tmp_path)}
+        ship = actions.ship_key(fleet, host)
+        assert KEY not in ship.remote
+        done = subprocess.run(["sh", "-c", ship.remote], input=f"# ops\n{KEY}\n", text=True, env=env)
+        assert done.returncode == 0
+        path = tmp_path / ".config" / "kafila-ops" / "f1" / "penguin.api-key"
+        assert path.read_text() == f"# ops\n{KEY}\n"
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        for folder in (path.parent, path.parent.parent):
+            assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+        fetch = actions.fetch(fleet, host, "/session")
+        assert KEY not in fetch
+        out = subprocess.run(["sh", "-c", fetch], capture_output=True, text=True, env=env, timeout=30)
+        assert out.stdout == '{"state": "serving"}', out.stderr
+        assert seen == [f"Bearer {KEY}"]
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -2,7 +2,8 @@
 NATs in network namespaces, each host with its own sshd, two with their own dockerd and one native
 host whose service manager is SIMULATED (a shim that records what it is asked and runs the member).
 `fleet up` forms a real session across the namespaces, `status` shows it serving, `bench` prints its
-table, `traces` backfills blocks that a real Prometheus answers from, `down` leaves nothing behind.
+table, `traces` backfills blocks from which a real Prometheus answers every Bench run panel's
+queries, `down` leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import socket
+import secrets
+import stat
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ import pytest
 
 from tests.container.test_member_container import member_image
 from tests.natlab.lab import Lab
+from tests.ops.backfill import bench_run_answers
 from tests.ops.fleetlab import ROOT, FleetLab, missing_requirements
 
 __all__ = ["member_image"]
@@ -62,8 +64,12 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
     fleet_lab: FleetLab, tmp_path: Path
 ) -> None:
     fleet = tmp_path / "lab.toml"
-    shutil.copy(ROOT / "fleets" / "lab.toml", fleet)
+    # the members' APIs ask for a key, which `up` ships and every kafila-ops request sends
+    text = (ROOT / "fleets" / "lab.toml").read_text()
+    fleet.write_text(text.replace('session_host = "h1"', 'session_host = "h1"\napi_key_file = "lab-api.key"'))
+    (tmp_path / "lab-api.key").write_text(f"{secrets.token_urlsafe(24)}\n")
     (tmp_path / "lab-ssh_config").write_text(fleet_lab.ssh_config())
+    keys = Path.home() / ".config" / "kafila-ops" / "lab"  # every lab host logs in as this machine's root
     try:
         started = time.monotonic()
         up = ops(fleet, "up", "--wait", "900", timeout=1500)
@@ -78,6 +84,10 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
         assert "image loaded" in up.stderr  # shipped to both docker hosts, which had no image
         for name in ("h1", "h2", "h3"):
             assert re.search(rf"^{name}\s+site\d\s+\d+-\d+", out, re.M), out
+        assert stat.S_IMODE((keys / "h3.api-key").stat().st_mode) == 0o600  # native
+        assert stat.S_IMODE((keys / "h1.api-key").stat().st_mode) == 0o644  # bind-mounted, in 0700 folders
+        assert stat.S_IMODE(keys.stat().st_mode) == 0o700
+        assert unauthenticated_status(fleet_lab.hosts["lab-h3"].ns, "/session") == 401
 
         status = ok(ops(fleet, "status"))
         print(status)
@@ -102,7 +112,8 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
         traces = tmp_path / "traces"
         ok(ops(fleet, "traces", str(traces)))
         assert {p.name for p in traces.glob("*.jsonl")} == {"h1.jsonl", "h2.jsonl", "h3.jsonl"}
-        assert prometheus_answers(traces / "tsdb", "kafila_trace_request_tokens_per_second") >= 1
+        answers = bench_run_answers(traces / "tsdb")  # the Bench run dashboard on the backfilled blocks
+        assert answers and all(answers.values()), answers
 
         calls = [
             json.loads(line)
@@ -116,6 +127,7 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
     ok(first)
     ok(ops(fleet, "down", timeout=300))  # idempotent: nothing left is not an error
     assert fleet_lab.leftovers() == []
+    assert not keys.exists() and not keys.parent.exists()
     calls = [
         json.loads(line)
         for line in (fleet_lab.hosts["lab-rdv"].dir / "shim" / "calls.jsonl").read_text().splitlines()
@@ -125,32 +137,18 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
     ]
 
 
-def prometheus_answers(tsdb: Path, metric: str) -> int:
-    """Start a real Prometheus on the backfilled blocks and count the series a query returns."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = tsdb.parent / "prometheus.yml"
-    config.write_text("global:\n  scrape_interval: 1h\n")
-    proc = subprocess.Popen(
-        ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tsdb}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+def unauthenticated_status(ns: str, path: str) -> int:
+    """The HTTP status a request without a key gets from the member's API in namespace `ns`."""
+    code = (
+        "import urllib.request, urllib.error\n"
+        f"try: print(urllib.request.urlopen('http://127.0.0.1:11434{path}', timeout=10).status)\n"
+        "except urllib.error.HTTPError as e: print(e.code)"
+    )
+    done = subprocess.run(
+        ["nsenter", f"--net=/var/run/netns/{ns}", sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                r = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": metric}, timeout=5)
-                if r.status_code == 200:
-                    return len(r.json()["data"]["result"])
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "prometheus did not answer within 60 s"
-            time.sleep(0.5)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    return int(done.stdout.strip())
 
 
 def monitor_scrapes(fleet: Path, targets: Path) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kafila.planner.fleet import FleetError, parse_fleet
-from ops.fleetfile import load, parse
+from ops.fleetfile import api_key, load, parse
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,7 +84,11 @@ def test_a_fleet_file_names_hosts_sites_and_puts_the_session_host_first() -> Non
         (('api = "0.0.0.0:11500"', 'api = "0.0.0.0:99999"'), "'api' must be HOST:PORT with a port 1-65535"),
         (
             ('"--insecure-no-key"]', '"--api-key-file", "/k"]'),
-            "kafila-ops does not pass API keys to its own requests yet",
+            'give the member\'s API keys as `api_key_file = "FILE"` in [fleet] or in its [[site]]',
+        ),
+        (
+            ('name = "office"', 'name = "office"\napi_key_file = "k"'),
+            "api_key_file and '--insecure-no-key' in 'args' contradict each other",
         ),
         (
             (', "--insecure-no-key"]', "]"),
@@ -112,6 +116,62 @@ def test_mistakes_are_named_with_the_site_host_and_field(change: tuple[str, str]
         parse(BASE.replace(*change, 1), "two.toml")
     assert message in str(err.value)
     assert str(err.value).startswith("two.toml")
+
+
+KEY = "k" * 16 + "-first"
+
+
+def keyed(tmp_path: Path, text: str) -> Path:
+    """BASE with keys: [fleet]'s for every site, the office site's own, a keyed open API."""
+    (tmp_path / "keys").mkdir()
+    (tmp_path / "keys" / "fleet.key").write_text(f"# the fleet's\n\n{KEY}\n{'x' * 20}\n")
+    (tmp_path / "office.key").write_text("o" * 24 + "\n")
+    path = tmp_path / "two.toml"
+    path.write_text(text)
+    return path
+
+
+def test_an_api_key_file_per_fleet_or_site_is_read_relative_to_the_fleet_file(tmp_path: Path) -> None:
+    text = (
+        BASE.replace('session_host = "b"', 'session_host = "b"\napi_key_file = "keys/fleet.key"')
+        .replace('name = "office"', 'name = "office"\napi_key_file = "office.key"')
+        .replace(', "--insecure-no-key"]', "]")  # an open API with a key: allowed
+    )
+    f = load(keyed(tmp_path, text))
+    b, a = f.hosts
+    assert a.api_key_file == str(tmp_path / "keys" / "fleet.key")
+    assert b.api_key_file == str(tmp_path / "office.key")  # the site's own
+    assert api_key(a) == KEY  # the first key, past comments and blank lines
+    assert api_key(b) == "o" * 24
+    assert parse(BASE, "two.toml").hosts[0].api_key_file is None
+
+
+@pytest.mark.parametrize(
+    ("key_text", "message"),
+    [
+        ("short\n", "an API key must be at least 16 characters"),
+        ("# nothing\n", "holds no key"),
+        (None, "cannot read it"),
+    ],
+)
+def test_a_bad_key_file_is_named_when_the_fleet_is_loaded(
+    tmp_path: Path, key_text: str | None, message: str
+) -> None:
+    path = keyed(tmp_path, BASE.replace('name = "office"', 'name = "office"\napi_key_file = "bad.key"'))
+    if key_text is not None:
+        (tmp_path / "bad.key").write_text(key_text)
+    path.write_text(path.read_text().replace(', "--insecure-no-key"]', "]"))
+    with pytest.raises(FleetError) as err:
+        load(path)
+    assert message in str(err.value) and "site 'office' (b): api_key_file" in str(err.value)
+
+
+def test_with_a_key_the_metrics_need_a_port_of_their_own() -> None:
+    text = BASE.replace('name = "office"', 'name = "office"\napi_key_file = "k"').replace(
+        'args = ["--threads", "1", "--insecure-no-key"]', "metrics_port = 11500"
+    )
+    with pytest.raises(FleetError, match="'metrics_port' must differ from the API's port"):
+        parse(text, "two.toml")
 
 
 def test_a_device_no_host_runs_is_named() -> None:

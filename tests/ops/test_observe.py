@@ -1,4 +1,5 @@
-"""Traces to Prometheus blocks: the OpenMetrics text `fleet traces` writes, checked by the real promtool."""
+"""Traces to Prometheus blocks: the OpenMetrics text `fleet traces` writes, checked by the real promtool
+(metric lint, blocks), and a real Prometheus on those blocks answering every Bench run query."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 
 from ops.fleetfile import parse
 from ops.observe import openmetrics
+from tests.obs.promtool import check_metrics, needs_promtool
 from tests.obs.test_trace import request, session, stage
+from tests.ops.backfill import PROMETHEUS, bench_run_answers
 from tests.ops.test_actions import fleet_text
 
 
@@ -27,13 +30,37 @@ def test_every_request_and_stage_is_one_series_stamped_with_the_collection_time(
     text = openmetrics(fleet, records(), 1_700_000_000.0)
     assert text.endswith("# EOF\n")
     lines = [line for line in text.splitlines() if line and not line.startswith("#")]
-    tps = [line for line in lines if line.startswith("kafila_trace_request_tokens_per_second{")]
+    tps = [line for line in lines if line.startswith("kafila_trace_request_decode_tokens_per_second{")]
     assert tps == [
-        'kafila_trace_request_tokens_per_second{fleet="f1",collected_from="gpu",session="s1",member="b",'
-        'request="1"} 10 1700000000.000'
+        'kafila_trace_request_decode_tokens_per_second{fleet="f1",collected_from="gpu",session="s1",'
+        'member="b",request="1"} 10 1700000000.000'
     ]  # 10 tokens after the first over 1 s of decode
-    decode = sorted(line.split("} ")[1] for line in lines if line.startswith("kafila_trace_stage_decode_ms{"))
-    assert decode == ["11 1700000000.000", "12.5 1700000000.000"]
+
+    def values(name: str) -> list[str]:
+        return sorted(line.split("} ")[1] for line in lines if line.startswith(name + "{"))
+
+    # base units: the records' milliseconds as seconds
+    assert values("kafila_trace_stage_decode_seconds") == ["0.011 1700000000.000", "0.0125 1700000000.000"]
+    assert values("kafila_trace_request_circuit_seconds") == ["0.044 1700000000.000"]
+    assert values("kafila_trace_stage_prefill_seconds") == ["0.01 1700000000.000"] * 2  # 4 + 6 ms
+    assert values("kafila_trace_request_ttft_seconds") == ["0.75 1700000000.000"]
+    assert values("kafila_trace_hop_bytes") == ["4000 1700000000.000"] * 2  # each hop once: its sender's
+    hops = [line for line in lines if line.startswith("kafila_trace_hop_rtt_seconds{")]
+    assert hops[0].startswith(
+        'kafila_trace_hop_rtt_seconds{fleet="f1",collected_from="cpu-box",session="s1",hop="b->c",'
+        'path="relay",request="1"} 0.025 '
+    )
+    waits = [line for line in lines if line.startswith("kafila_trace_stage_wait_seconds{")]
+    assert any('member="a",stage="0",request="1"} 0.0011 ' in line for line in waits), waits
+
+
+@needs_promtool
+def test_the_backfill_passes_promtools_metric_lint() -> None:
+    """promtool's `check metrics` (Prometheus's naming conventions) on the backfill's families: the
+    text format without the OpenMetrics timestamps and end marker, which it does not read."""
+    text = openmetrics(parse(fleet_text(), "f.toml"), records(), 1_700_000_000.0)
+    plain = [line.rsplit(" ", 1)[0] if not line.startswith("#") else line for line in text.splitlines()]
+    assert check_metrics("\n".join(line for line in plain if line != "# EOF").encode() + b"\n") == ""
 
 
 @pytest.mark.skipif(
@@ -49,3 +76,7 @@ def test_promtool_turns_it_into_tsdb_blocks(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert list((tmp_path / "tsdb").glob("*/meta.json")), done.stdout
+    if PROMETHEUS is None:
+        pytest.skip("prometheus is not installed (apt-get install --no-install-recommends prometheus)")
+    answers = bench_run_answers(tmp_path / "tsdb")
+    assert answers and all(answers.values()), answers  # every Bench run query returns data
