@@ -42,9 +42,11 @@ if TYPE_CHECKING:
     from kafila.session.weights.fetch import ShardResult
 
 NOT_FORMED = "session not formed"
-# after the rendezvous says a member left, its link must stay silent this long (three of its PINGs)
-# for the ring to break: a member that lost only its rendezvous connection still answers on it
-LEFT_CONFIRM_S = 3 * LINK_KEEPALIVE_S
+# after the rendezvous says a member left, its link must stay silent for this many of its PINGs
+# (0.75 s on a session's links) for the ring to break: a member that lost only its rendezvous
+# connection still answers on it
+LEFT_CONFIRM_PINGS = 3
+LEFT_CONFIRM_S = LEFT_CONFIRM_PINGS * LINK_KEEPALIVE_S
 log = get_logger("kafila.session.runtime")
 
 
@@ -209,7 +211,7 @@ class MemberRuntime:
     async def _confirm_left(self, member: str, reason: str) -> None:
         """The rendezvous says `member` left the session (`reason`: "left", "disconnected", ...):
         the ring breaks naming it (RoleBase.lose) once its link has heard nothing from it for
-        LEFT_CONFIRM_S, so requests get the broken answer at once instead of failing once the
+        LEFT_CONFIRM_PINGS of its PINGs, so requests get the broken answer at once instead of failing once the
         heartbeat's bound has passed. A link that still hears it means only its rendezvous
         connection went: the ring goes on. A member with no link to it leaves it to those with one,
         whose "broken" goes round the ring."""
@@ -219,11 +221,12 @@ class MemberRuntime:
         if link is None:
             log.info("member_left_elsewhere", member=member, reason=reason)
             return
-        since = asyncio.get_running_loop().time()
+        since, ping = asyncio.get_running_loop().time(), link.config.keepalive
+        wait = LEFT_CONFIRM_PINGS * ping
         if not link.closed:
-            await asyncio.sleep(LEFT_CONFIRM_S)
+            await asyncio.sleep(wait)
             heard = link.last_heard
-            if not link.closed and heard is not None and heard > since + LINK_KEEPALIVE_S:
+            if not link.closed and heard is not None and heard > since + ping:
                 log.warning("member_left_but_linked", member=member, reason=reason)
                 say(
                     f"the rendezvous says member {member} {reason}, but its link still answers: only its "
@@ -236,7 +239,7 @@ class MemberRuntime:
             member,
             cause,
             f"member {member} {said}, the rendezvous says, and its link heard nothing from it for "
-            f"{LEFT_CONFIRM_S:g} s since",
+            f"{wait:g} s since",
         )
 
     def watch_host_ending(self) -> None:
