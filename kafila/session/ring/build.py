@@ -65,9 +65,11 @@ async def start_role(
     opts: Options,
     serving: Serving,
     with_api: bool,
+    epoch: int = 1,
 ) -> tuple[RingRole, Starlette | None]:
-    """Member `name`'s ring role for `plan`, started on `links` with its stage loaded from
-    `folder`, and (`with_api`) the session's API app over it, served once the session formed."""
+    """Member `name`'s ring role for `plan` (plan epoch `epoch`: its channels carry that epoch's
+    messages only), started on `links` with its stage loaded from `folder`, and (`with_api`) the
+    session's API app over it, served once the session formed."""
     model = serving.terms.model
     ckpt = Checkpoint.open(folder)  # a member's shard: its own tensors only
     tokenizer = Tokenizer.from_checkpoint(ckpt)
@@ -82,8 +84,8 @@ async def start_role(
     nxt_name, prv_name = plan.successor(name), plan.predecessor(name)
     info = _ring_info(name, code, plan, links, serving, stage.backend.dtype)
     info.rendezvous.update(url=opts.rendezvous, state="connected")
-    nxt = _channel(links.get(nxt_name), nxt_name, opts)
-    prv = _channel(links.get(prv_name), prv_name, opts) if len(order) > 2 or nxt is None else nxt
+    nxt = _channel(links.get(nxt_name), nxt_name, opts, epoch)
+    prv = _channel(links.get(prv_name), prv_name, opts, epoch) if len(order) > 2 or nxt is None else nxt
     traces = TraceLog(opts.trace)  # without a file: the last records for /traces only
     model_thread = ModelThread(name)
     role: RingRole
@@ -108,7 +110,7 @@ async def start_role(
             raise ValueError(f"member {name} has no ring neighbour in the plan {plan.order}")
         role = RingMember(index, stage, model_thread, info, nxt, prv, traces)
     metrics.observe_session(session_record(plan, code.public, model, info.planned), ring_view=head)
-    metrics.observe_plan(1)  # the plan the session formed with (re-planning is not implemented)
+    metrics.observe_plan(epoch)
     for edge, by in info.measured_by.items():  # this member's own links, as they run now
         if edge in info.planned and info.edges[edge] in metrics.PATHS:
             metrics.observe_edge(edge, info.planned[edge], info.edges[edge], measured_by=by)
@@ -124,7 +126,9 @@ async def start_role(
 def broken_line(name: str, broken: RingBroken) -> str:
     """What member `name` says at its console when its ring broke."""
     why = broken.text()
-    if broken.blames(name):  # the others' view of this member, which heard their "broken" on waking
+    # the others' view of this member, which heard their "broken" on waking (its own view of its
+    # stall says so itself: kafila.session.ring.role, `_counted_lost`)
+    if broken.blames(name) and not broken.detail.startswith(f"this member ({name})"):
         why += (
             ": that is this member, whose process did not run in time (stopped, asleep or swapping), "
             "so the others counted it gone"
@@ -200,8 +204,10 @@ def _set_path(
         metrics.observe_edge(key, planned, change.new.value, measured_by=measured_by)
 
 
-def _channel(link: Link | None, peer: str, opts: Options) -> Heartbeat | None:
-    return Heartbeat(LinkChannel(link, peer), opts.dead_after).start() if link is not None else None
+def _channel(link: Link | None, peer: str, opts: Options, epoch: int) -> Heartbeat | None:
+    if link is None:
+        return None
+    return Heartbeat(LinkChannel(link, peer, epoch), opts.dead_after).start()
 
 
 def session_record(plan: Plan, session: str, model: str, edges: dict[str, str]) -> SessionRecord:

@@ -123,7 +123,7 @@ class RingHead(RoleBase):
         return gen
 
     def describe(self) -> dict[str, Any]:
-        return self.info.document(self.state, self.broken_text) | {
+        return self.info.document(self.state, self.broken_text, self.broken_fields) | {
             "me": self.info.order[0],  # the head, as a member's document names itself
             "active": list(self.schedule.active),
             "queued": len(self.schedule.queue_positions()),
@@ -136,7 +136,7 @@ class RingHead(RoleBase):
     def start(self) -> RingHead:
         loops = [self._pump]
         if self.next is not None and self.prev is not None:
-            loops += [self._send_out, self._receive]
+            loops += [self._send_out, self._receive, self._watch_stall]
         if self.next is not None and self.next is not self.prev:
             loops.append(self._watch_next)
         self._tasks = [guarded(c, self.name, self._internal_error) for c in loops]

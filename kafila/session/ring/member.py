@@ -90,7 +90,7 @@ class RingMember(RoleBase):
         return gen
 
     def describe(self) -> dict[str, Any]:
-        return self.info.document("serving", self.broken_text) | {"me": self.name}
+        return self.info.document("serving", self.broken_text, self.broken_fields) | {"me": self.name}
 
     def _cancel(self, rid: int, reason: str) -> None:
         self._mine.pop(rid, None)
@@ -100,7 +100,7 @@ class RingMember(RoleBase):
     # -- lifecycle -------------------------------------------------------------------------------------
 
     def start(self) -> RingMember:
-        loops = [self._receive, self._compute, self._send_out]
+        loops = [self._receive, self._compute, self._send_out, self._watch_stall]
         if self.next is not self.prev:
             loops.append(self._watch_next)
         self._tasks = [guarded(c, self.name, self._internal_error) for c in loops]
