@@ -14,6 +14,15 @@ parameter. Two rules ship:
 A member whose NAT is unknown is predicted as restrictive: the rule then errs towards a relay,
 which costs nothing if the edge connects anyway.
 
+A router whose own stack takes unsolicited packets on its WAN address (`Nat.open_input`, no input
+firewall) lets the peer's first punch probe, when it arrives before this member's first one has
+left, create a conntrack entry (peer -> router:mapped port) of its own; the member's flow to that
+peer must then leave from another port, so the peer's probes land in the router and the member's
+come from a port the peer never contacted. Measured in the NAT lab (docs/links.md): with a
+port-restricted peer that relays every time. The rule therefore predicts such a member direct only
+with a peer that takes any port of its address: permissive, or address-restricted without the
+same flaw.
+
 E5 (links) may edit `_LINUX_TABLE` and `DEFAULT_RULE` after measuring in its NAT lab.
 """
 
@@ -22,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 
 class NatClass(StrEnum):
@@ -45,21 +55,26 @@ class Nat:
     cls: NatClass
     mapping: Behaviour | None = None
     filtering: Behaviour | None = None
+    # the router's own stack took an unsolicited packet on the mapped port, which then moved the
+    # mapping to that sender (classify.decide: (A',P') mapped elsewhere than (A,P) and (A',P'))
+    open_input: bool = False
 
-    def to_dict(self) -> dict[str, str | None]:
+    def to_dict(self) -> dict[str, str | bool | None]:
         return {
             "cls": self.cls.value,
             "mapping": self.mapping.value if self.mapping else None,
             "filtering": self.filtering.value if self.filtering else None,
+            "open_input": self.open_input,
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, str | None]) -> Nat:
+    def from_dict(cls, d: dict[str, Any]) -> Nat:
         mapping, filtering = d.get("mapping"), d.get("filtering")
         return cls(
             NatClass(str(d["cls"])),
             Behaviour(mapping) if mapping else None,
             Behaviour(filtering) if filtering else None,
+            bool(d.get("open_input", False)),
         )
 
     @classmethod
@@ -83,9 +98,10 @@ def _linux_kind(n: Nat) -> str:
     """Collapse a NAT into the rows of the measured table."""
     if n.cls is not NatClass.ORDINARY:
         return n.cls.value
+    open_input = "-open" if n.open_input else ""
     if n.filtering in (Behaviour.ADDRESS_DEPENDENT, Behaviour.ENDPOINT_INDEPENDENT):
-        return "ordinary-address"
-    return "ordinary-port"  # plain MASQUERADE filters on address and port; unknown counts as that
+        return "ordinary-address" + open_input
+    return "ordinary-port" + open_input  # plain MASQUERADE filters on address and port; unknown too
 
 
 # unordered pairs predicted direct; every other pair is predicted relayed
@@ -100,6 +116,11 @@ _LINUX_TABLE: frozenset[frozenset[str]] = frozenset(
         ("ordinary-address", "ordinary-port"),
         ("ordinary-port", "ordinary-port"),
         ("ordinary-address", "restrictive"),
+        # a router with open input (see the module docstring): only a peer that takes any port
+        ("permissive", "ordinary-port-open"),
+        ("permissive", "ordinary-address-open"),
+        ("ordinary-address", "ordinary-port-open"),
+        ("ordinary-address", "ordinary-address-open"),
     ]
 )
 

@@ -11,7 +11,9 @@ OA = Nat(NatClass.ORDINARY, Behaviour.ENDPOINT_INDEPENDENT, Behaviour.ADDRESS_DE
 OP = Nat(NatClass.ORDINARY, Behaviour.ENDPOINT_INDEPENDENT, Behaviour.ADDRESS_AND_PORT_DEPENDENT)
 ORD = Nat(NatClass.ORDINARY)
 R = Nat(NatClass.RESTRICTIVE)
-ALL = [P, OA, OP, ORD, R]
+OPEN = Nat(NatClass.ORDINARY, Behaviour.ENDPOINT_INDEPENDENT, Behaviour.ADDRESS_AND_PORT_DEPENDENT, True)
+OA_OPEN = Nat(NatClass.ORDINARY, Behaviour.ENDPOINT_INDEPENDENT, Behaviour.ADDRESS_DEPENDENT, True)
+ALL = [P, OA, OP, ORD, R, OPEN, OA_OPEN]
 
 
 def test_paper_rule_direct_iff_one_endpoint_permissive():
@@ -26,6 +28,16 @@ def test_linux_rule_matches_the_measured_punching_outcomes():
     assert not LINUX_RULE(OP, R) and not LINUX_RULE(R, OP)
     assert not LINUX_RULE(ORD, R)  # unknown filtering counts as port-dependent (plain MASQUERADE)
     assert not LINUX_RULE(R, R)
+
+
+def test_a_router_with_open_input_is_direct_only_with_a_peer_that_takes_any_port():
+    """The peer's probe can claim the open router's mapping, so the member's own flow leaves from
+    another port: only a permissive or an address-restricted (not open) peer takes that."""
+    for n in (OPEN, OA_OPEN):
+        assert LINUX_RULE(n, P) and LINUX_RULE(n, OA) and LINUX_RULE(OA, n)
+        assert not any(LINUX_RULE(n, x) or LINUX_RULE(x, n) for x in (OP, ORD, R, OPEN, OA_OPEN))
+    assert Nat.from_dict(OPEN.to_dict()) == OPEN
+    assert Nat.from_dict({"cls": "ordinary", "mapping": None, "filtering": None}).open_input is False
 
 
 def test_rules_are_symmetric_and_unknown_is_restrictive():
