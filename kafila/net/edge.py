@@ -215,7 +215,7 @@ async def connect_edge(
     )
     link.on_close.append(puncher.stop)
     timeout = opts.punch_timeout if peer_candidates else 0
-    punched = asyncio.Event()  # the first round of punching is over (succeeded or timed out)
+    punched = link.punch_over  # the first round of punching is over (succeeded or timed out)
     punch = asyncio.create_task(
         _punch(link, puncher, timeout, opts.repunch_interval if peer_candidates else 0, punched)
     )
