@@ -248,6 +248,8 @@ def _gain(old: Plan, new: Plan) -> float | None:
 def _why_not(gain: float | None, mu: float) -> str:
     if gain is None:
         return "the time per token cannot be predicted without every member's measurements"
+    if gain <= 0:
+        return f"time per token {_pct(-gain)} worse with a new plan"
     return f"time per token {_pct(gain)} better, not more than the {_pct(mu)} margin"
 
 

@@ -247,3 +247,13 @@ def test_measured_relays_keep_the_ring_or_replan_exactly_as_the_margin_says(
         assert isinstance(got, Replan) and gain > TERMS.mu
         assert got.plan == best and got.epoch == 1
         assert all(not e.direct for e in got.plan.edges if frozenset((e.src, e.dst)) in pairs)
+
+
+def test_a_keep_says_how_the_alternative_compares_in_plain_words() -> None:
+    near = [replace(r, rtt_s=0.002, bandwidth_bytes_s=50e9) for r in _far_fleet()]
+    m = formed(near)
+    edge = next(e for e in m.plan.edges if m.host in (e.src, e.dst))
+    got = on_paths(m, [(edge.src, edge.dst)], QWEN8, TERMS)
+    assert isinstance(got, Keep)
+    assert got.reason.startswith(f"{edge.src}->{edge.dst} run through the relay; ")
+    assert "-" not in got.reason.split("; ", 1)[1]  # never "-0.8% better"
