@@ -47,6 +47,10 @@ class NatReport:
     rtt_median: float  # seconds to the rendezvous
     probes: int  # binding requests sent, retries included
     notes: tuple[str, ...] = field(default=())
+    # open input (decide, step 4): the mapping (A', P') was moved to, which this socket's later
+    # flows reuse (Linux maps a new flow as the latest one from the same source): a second
+    # server-reflexive candidate
+    moved: Address | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The object members publish as their `nat` in signaling."""
@@ -140,7 +144,8 @@ async def classify(
         )
         nat = Nat(NatClass.RESTRICTIVE, APD, nat.filtering)
     rtt = statistics.median(b.rtt for b in answers)
-    report = NatReport(nat, first.observed, rtt, p.sent, tuple(notes))
+    moved = m3 if nat.open_input else None
+    report = NatReport(nat, first.observed, rtt, p.sent, tuple(notes), moved)
     log.info(
         "nat_classified",
         **nat.to_dict(),

@@ -145,8 +145,8 @@ class LinkNode:
         if local[0] in ("0.0.0.0", ""):
             local = (_route_source(self.relay[0]), local[1])
         found = [local]
-        if self.nat is not None and self.nat.mapped != local:
-            found.append(self.nat.mapped)
+        if self.nat is not None:
+            found += [a for a in (self.nat.mapped, self.nat.moved) if a is not None and a not in found]
         return found
 
 
@@ -181,6 +181,7 @@ class EdgeOptions:
     predicted_direct: bool = True  # from the pair rule; False starts on the relay right away
     punch_wait: float = 0.4  # seconds to wait for a punch before starting on the relay
     punch_timeout: float = 5.0  # total punching time (continues on the relay, upgrading on success)
+    open_first_wait: float = 1.0  # behind a router with open input: wait this long for the peer's offer
     repunch_interval: float = 10.0  # while on the relay, try the direct path again this often (0: never)
     use_relay: bool = True
     use_direct: bool = True
@@ -201,10 +202,12 @@ async def connect_edge(
     edge = edge_name(client, server)
     nonce = os.urandom(16)
     mine = [format_address(a) for a in node.candidates()] if opts.use_direct else []
-    await node.signals.client.signal(
-        peer, {SIGNAL_KEY: SIGNAL_VERSION, "edge": edge, "nonce": nonce.hex(), "candidates": mine}
-    )
-    theirs = await node.signals.offer(peer, edge, opts.signal_timeout)
+    offer = {SIGNAL_KEY: SIGNAL_VERSION, "edge": edge, "nonce": nonce.hex(), "candidates": mine}
+    open_input = opts.use_direct and node.nat is not None and node.nat.nat.open_input
+    early = await _offer_first(node, peer, edge, opts.open_first_wait) if open_input else None
+    if early is None:
+        await node.signals.client.signal(peer, offer)
+    theirs = early or await node.signals.offer(peer, edge, opts.signal_timeout)
     peer_nonce = bytes.fromhex(str(theirs["nonce"]))
     ctx = EdgeContext(node.session, str(client), str(server), node.secret)
     link = Link(node.endpoint, ctx, node.identity, is_client, node.config)
@@ -214,6 +217,9 @@ async def connect_edge(
         node.endpoint, key, "client" if is_client else "server", peer_candidates, link.accept_from
     )
     link.on_close.append(puncher.stop)
+    if early is not None:  # our flow to the peer exists before its probes can reach our router
+        puncher.probe_once()
+        await node.signals.client.signal(peer, offer)
     timeout = opts.punch_timeout if peer_candidates else 0
     punched = link.punch_over  # the first round of punching is over (succeeded or timed out)
     punch = asyncio.create_task(
@@ -239,6 +245,18 @@ async def connect_edge(
     node.links[peer] = link
     log.info("edge_connected", edge=edge, path=link.path, probes=puncher.probes_sent)
     return link
+
+
+async def _offer_first(node: LinkNode, peer: int, edge: str, wait: float) -> dict[str, Any] | None:
+    """A member behind a router with open input (classify.decide, step 4; docs/links.md) waits up to
+    `wait` seconds for the peer's offer before sending its own, so that it can probe first: a peer
+    probe that reached its router before its own flow to the peer existed would be taken by the
+    router's own stack and move that flow to yet another port. None: no offer yet (the peer may
+    wait the same way), so send ours now and go on as usual."""
+    try:
+        return await node.signals.offer(peer, edge, wait)
+    except LinkTimeout:
+        return None
 
 
 async def _punch(

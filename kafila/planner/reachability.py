@@ -15,15 +15,14 @@ A member whose NAT is unknown is predicted as restrictive: the rule then errs to
 which costs nothing if the edge connects anyway.
 
 A router whose own stack takes unsolicited packets on its WAN address (`Nat.open_input`, no input
-firewall) lets the peer's first punch probe, when it arrives before this member's first one has
-left, create a conntrack entry (peer -> router:mapped port) of its own; the member's flow to that
-peer must then leave from another port, so the peer's probes land in the router and the member's
-come from a port the peer never contacted. Measured in the NAT lab (docs/links.md): with a
-port-restricted peer that relays every time. The rule therefore predicts such a member direct only
-with a peer that takes any port of its address: permissive, or address-restricted without the
-same flaw.
-
-E5 (links) may edit `_LINUX_TABLE` and `DEFAULT_RULE` after measuring in its NAT lab.
+firewall) keeps every unsolicited packet to a member's mapped port as a flow of its own, which
+moves the member's later flows to another port (measured in the NAT lab, docs/links.md). Such a
+member publishes that port too and probes before its peer can (kafila.net.edge), which punches
+with a peer that takes any port of its address (permissive, address-restricted) and with a
+port-restricted one; two such routers, or one with a restrictive peer, relay. The address-
+restricted variant with open input is not built in the lab: it is predicted as measured for the
+port-restricted one where that is safe (direct with permissive and address-restricted peers) and
+relayed otherwise.
 """
 
 from __future__ import annotations
@@ -116,8 +115,9 @@ _LINUX_TABLE: frozenset[frozenset[str]] = frozenset(
         ("ordinary-address", "ordinary-port"),
         ("ordinary-port", "ordinary-port"),
         ("ordinary-address", "restrictive"),
-        # a router with open input (see the module docstring): only a peer that takes any port
+        # a router with open input (see the module docstring)
         ("permissive", "ordinary-port-open"),
+        ("ordinary-port", "ordinary-port-open"),
         ("permissive", "ordinary-address-open"),
         ("ordinary-address", "ordinary-port-open"),
         ("ordinary-address", "ordinary-address-open"),

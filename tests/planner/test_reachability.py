@@ -30,12 +30,14 @@ def test_linux_rule_matches_the_measured_punching_outcomes():
     assert not LINUX_RULE(R, R)
 
 
-def test_a_router_with_open_input_is_direct_only_with_a_peer_that_takes_any_port():
-    """The peer's probe can claim the open router's mapping, so the member's own flow leaves from
-    another port: only a permissive or an address-restricted (not open) peer takes that."""
+def test_a_router_with_open_input_punches_as_measured_in_the_nat_lab():
+    """It probes first and publishes its moved port (kafila.net.edge), so permissive, address- and
+    port-restricted peers punch; another open router or a restrictive peer relay."""
     for n in (OPEN, OA_OPEN):
         assert LINUX_RULE(n, P) and LINUX_RULE(n, OA) and LINUX_RULE(OA, n)
-        assert not any(LINUX_RULE(n, x) or LINUX_RULE(x, n) for x in (OP, ORD, R, OPEN, OA_OPEN))
+        assert not any(LINUX_RULE(n, x) or LINUX_RULE(x, n) for x in (R, OPEN, OA_OPEN))
+    assert LINUX_RULE(OPEN, OP) and LINUX_RULE(ORD, OPEN)
+    assert not LINUX_RULE(OA_OPEN, OP)  # not built in the lab: predicted relayed
     assert Nat.from_dict(OPEN.to_dict()) == OPEN
     assert Nat.from_dict({"cls": "ordinary", "mapping": None, "filtering": None}).open_input is False
 
