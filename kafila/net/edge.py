@@ -181,7 +181,8 @@ class EdgeOptions:
     predicted_direct: bool = True  # from the pair rule; False starts on the relay right away
     punch_wait: float = 0.4  # seconds to wait for a punch before starting on the relay
     punch_timeout: float = 5.0  # total punching time (continues on the relay, upgrading on success)
-    open_first_wait: float = 1.0  # behind a router with open input: wait this long for the peer's offer
+    # a peer behind a router with open input probes first: wait this long, plus both rendezvous rtts
+    open_first_wait: float = 0.2
     repunch_interval: float = 10.0  # while on the relay, try the direct path again this often (0: never)
     use_relay: bool = True
     use_direct: bool = True
@@ -202,12 +203,21 @@ async def connect_edge(
     edge = edge_name(client, server)
     nonce = os.urandom(16)
     mine = [format_address(a) for a in node.candidates()] if opts.use_direct else []
-    offer = {SIGNAL_KEY: SIGNAL_VERSION, "edge": edge, "nonce": nonce.hex(), "candidates": mine}
+    offer: dict[str, Any] = {
+        SIGNAL_KEY: SIGNAL_VERSION,
+        "edge": edge,
+        "nonce": nonce.hex(),
+        "candidates": mine,
+    }
     open_input = opts.use_direct and node.nat is not None and node.nat.nat.open_input
-    early = await _offer_first(node, peer, edge, opts.open_first_wait) if open_input else None
-    if early is None:
-        await node.signals.client.signal(peer, offer)
-    theirs = early or await node.signals.offer(peer, edge, opts.signal_timeout)
+    own_rtt = node.nat.rtt_median if node.nat is not None else 0.0
+    if open_input:  # the peer waits for our first probe (see _punch), our signaling's time included
+        offer["probe_first"] = round(own_rtt, 4)
+    await node.signals.client.signal(peer, offer)
+    theirs = await node.signals.offer(peer, edge, opts.signal_timeout)
+    delay = 0.0
+    if not open_input and isinstance(first := theirs.get("probe_first"), int | float) and 0 <= first < 10:
+        delay = opts.open_first_wait + own_rtt + float(first)
     peer_nonce = bytes.fromhex(str(theirs["nonce"]))
     ctx = EdgeContext(node.session, str(client), str(server), node.secret)
     link = Link(node.endpoint, ctx, node.identity, is_client, node.config)
@@ -217,13 +227,10 @@ async def connect_edge(
         node.endpoint, key, "client" if is_client else "server", peer_candidates, link.accept_from
     )
     link.on_close.append(puncher.stop)
-    if early is not None:  # our flow to the peer exists before its probes can reach our router
-        puncher.probe_once()
-        await node.signals.client.signal(peer, offer)
     timeout = opts.punch_timeout if peer_candidates else 0
     punched = link.punch_over  # the first round of punching is over (succeeded or timed out)
     punch = asyncio.create_task(
-        _punch(link, puncher, timeout, opts.repunch_interval if peer_candidates else 0, punched)
+        _punch(link, puncher, timeout, opts.repunch_interval if peer_candidates else 0, punched, delay)
     )
     relay = asyncio.create_task(_relay(node, link, peer, is_client, opts)) if opts.use_relay else None
     link.tasks += [punch] + ([relay] if relay else [])
@@ -235,7 +242,7 @@ async def connect_edge(
         unpunched = f"no answer within {timeout:g} s"
     try:
         await _wait_for_a_path(
-            link, punched, relay, opts.punch_wait if opts.predicted_direct else 0.0, unpunched
+            link, punched, relay, opts.punch_wait + delay if opts.predicted_direct else 0.0, unpunched
         )
         link.start()
         await link.wait_ready()
@@ -247,24 +254,23 @@ async def connect_edge(
     return link
 
 
-async def _offer_first(node: LinkNode, peer: int, edge: str, wait: float) -> dict[str, Any] | None:
-    """A member behind a router with open input (classify.decide, step 4; docs/links.md) waits up to
-    `wait` seconds for the peer's offer before sending its own, so that it can probe first: a peer
-    probe that reached its router before its own flow to the peer existed would be taken by the
-    router's own stack and move that flow to yet another port. None: no offer yet (the peer may
-    wait the same way), so send ours now and go on as usual."""
-    try:
-        return await node.signals.offer(peer, edge, wait)
-    except LinkTimeout:
-        return None
-
-
 async def _punch(
-    link: Link, puncher: Puncher, timeout: float, repunch_interval: float, punched: asyncio.Event
+    link: Link,
+    puncher: Puncher,
+    timeout: float,
+    repunch_interval: float,
+    punched: asyncio.Event,
+    delay: float = 0.0,
 ) -> None:
-    """Punch now (then set `punched`); later, whenever the link is on the relay, try the direct
-    path again."""
+    """Punch after `delay` (then set `punched`); later, whenever the link is on the relay, try the
+    direct path again.
+
+    `delay`: the peer's router takes unsolicited input (its offer says `probe_first`; docs/links.md):
+    a probe of ours that reached it before the peer's own flow to us existed would be taken by the
+    router's stack and move that flow to yet another port, so the peer, which probes as soon as it
+    has our offer, goes first."""
     try:
+        await asyncio.sleep(delay)
         addr = await puncher.run(timeout)
     finally:
         punched.set()
