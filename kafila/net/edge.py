@@ -215,9 +215,7 @@ async def connect_edge(
         offer["probe_first"] = round(own_rtt, 4)
     await node.signals.client.signal(peer, offer)
     theirs = await node.signals.offer(peer, edge, opts.signal_timeout)
-    delay = 0.0
-    if not open_input and isinstance(first := theirs.get("probe_first"), int | float) and 0 <= first < 10:
-        delay = opts.open_first_wait + own_rtt + float(first)
+    delay = 0.0 if open_input else probe_delay(theirs.get("probe_first"), own_rtt, opts.open_first_wait)
     peer_nonce = bytes.fromhex(str(theirs["nonce"]))
     ctx = EdgeContext(node.session, str(client), str(server), node.secret)
     link = Link(node.endpoint, ctx, node.identity, is_client, node.config)
@@ -252,6 +250,17 @@ async def connect_edge(
     node.links[peer] = link
     log.info("edge_connected", edge=edge, path=link.path, probes=puncher.probes_sent)
     return link
+
+
+def probe_delay(probe_first: Any, own_rtt: float, wait: float) -> float:
+    """How long to hold our first probe for a peer whose offer says `probe_first` (its rendezvous
+    round trip, seconds): `wait` plus both round trips. 0 for an offer without it (or with a value
+    that is not a round trip: a peer's bad offer must not stall the link)."""
+    if isinstance(probe_first, bool) or not isinstance(probe_first, int | float):
+        return 0.0
+    if not 0 <= probe_first < 10:
+        return 0.0
+    return wait + own_rtt + float(probe_first)
 
 
 async def _punch(

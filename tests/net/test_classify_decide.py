@@ -79,3 +79,15 @@ async def test_a_second_rendezvous_address_that_does_not_answer_is_not_read_as_t
     else:
         assert (report.nat.cls, report.nat.mapping) == (NatClass.RESTRICTIVE, APD)
         assert any(n.startswith("the rendezvous's second address 127.0.0.2:") for n in report.notes)
+
+
+@pytest.mark.parametrize(
+    ("probe_first", "expected"),
+    [(None, 0.0), (0.004, 0.2 + 0.002 + 0.004), (0, 0.202), (True, 0.0), ("0.1", 0.0), (-1, 0.0), (1e9, 0.0)],
+)
+def test_a_peer_behind_an_open_router_is_given_the_first_probe_and_a_bad_offer_stalls_nothing(
+    probe_first: object, expected: float
+) -> None:
+    from kafila.net.edge import probe_delay
+
+    assert probe_delay(probe_first, 0.002, 0.2) == pytest.approx(expected)
