@@ -1,7 +1,8 @@
 """NAT lab benchmark (root): Table III equivalent and link figures, through real Linux netfilter.
 
 Builds the NAT lab (tests/natlab/lab.py: a rendezvous with two public addresses, members behind
-permissive / ordinary (port- and address-restricted) / restrictive routers), starts the real
+permissive / ordinary (port- and address-restricted, and port-restricted with open WAN input) /
+restrictive routers), starts the real
 rendezvous inside it (`kafila rendezvous` in its own process, or `--in-process`), and for every
 ordered class pair forms an edge `--trials` times from a fresh socket: the classes each member
 measured, the pair rule's prediction (paper rule and Linux rule), the path achieved and the time
@@ -18,7 +19,7 @@ throughput is a floor and figures are noisy; MB per CPU-second of this process i
 as a figure less sensitive to other load (it covers both link ends, and the relay too with
 --in-process).
 
-    sudo python3 benchmarks/natlab.py [--trials N] [--count-8k N] [--count-1m N]
+    sudo python3 benchmarks/natlab.py [--trials N] [--table-only] [--count-8k N] [--count-1m N]
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from kafila.net.edge import EdgeOptions, connect_edge
 from kafila.net.link import Link, LinkConfig
 from kafila.planner.reachability import LINUX_RULE, PAPER_RULE
 from kafila.rendezvous.server import RendezvousServer
-from tests.natlab.lab import KINDS, RDV_ADDRS, Lab, Site, missing_requirements, netns
+from tests.natlab.lab import KINDS, OPEN_KIND, RDV_ADDRS, Lab, Site, missing_requirements, netns
 from tests.net.harness import Pair, RendezvousAt, open_pair, start_rendezvous
 
 PROBE_TIMEOUT = 0.1
@@ -78,7 +79,7 @@ async def table_iii(lab: Lab, rdv, sites: dict[str, list[Site]], trials: int) ->
         f"{'achieved':<14} {'link s (median)':>15}"
     )
     wrong_way = 0
-    for ka, kb in itertools.product(KINDS, KINDS):
+    for ka, kb in itertools.product((*KINDS, OPEN_KIND), (*KINDS, OPEN_KIND)):
         achieved, times, classes = [], [], ""
         paper = linux = False
         for _ in range(trials):
@@ -110,8 +111,9 @@ ABBREV = {"endpoint-independent": "EI", "address-dependent": "AD", "address-and-
 
 
 def _short(nat) -> str:  # type: ignore[no-untyped-def]
-    """class[mapping/filtering], e.g. ordi[EI/APD]."""
-    return f"{nat.cls.value[:4]}[{ABBREV.get(nat.mapping or '', '?')}/{ABBREV.get(nat.filtering or '', '?')}]"
+    """class[mapping/filtering], e.g. ordi[EI/APD]; `+open` when the router takes unsolicited input."""
+    behaviour = f"{ABBREV.get(nat.mapping or '', '?')}/{ABBREV.get(nat.filtering or '', '?')}"
+    return f"{nat.cls.value[:4]}[{behaviour}]{'+open' if nat.open_input else ''}"
 
 
 def _dr(direct: bool) -> str:
@@ -209,11 +211,11 @@ async def _wait_listening(lab: Lab, proc: subprocess.Popen[bytes]) -> None:
 
 async def main(args: argparse.Namespace) -> None:
     with Lab() as lab:
-        sites = {kind: [lab.add_site(kind), lab.add_site(kind)] for kind in KINDS}
+        sites = {kind: [lab.add_site(kind), lab.add_site(kind)] for kind in (*KINDS, OPEN_KIND)}
         async with rendezvous(lab, not args.in_process) as rdv:
             print(f"rendezvous: {'in this process' if args.in_process else 'kafila rendezvous, own process'}")
             await table_iii(lab, rdv, sites, args.trials)
-            for probe in (False, True):
+            for probe in () if args.table_only else (False, True):
                 for kind, label in (("ordinary", "direct edge"), ("restrictive", "relayed edge")):
                     a, b = sites[kind]
                     await link_figures(lab, rdv, a, b, label, args, probe)
@@ -227,6 +229,7 @@ if __name__ == "__main__":
         action="store_true",
         help="run the rendezvous in this process's event loop instead of `kafila rendezvous` in its own",
     )
+    parser.add_argument("--table-only", action="store_true", help="the class-pair table, no link figures")
     parser.add_argument("--count-8k", type=int, default=400, help="8 KiB messages in the throughput run")
     parser.add_argument("--count-1m", type=int, default=20, help="1 MiB messages in the throughput run")
     reason = missing_requirements()

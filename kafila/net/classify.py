@@ -13,6 +13,11 @@ binding requests (each retried) from the member's one socket:
    address-dependent behaviour reads as endpoint-independent (noted in the report).
 Classes: endpoint-independent mapping and filtering -> permissive; endpoint-independent mapping ->
 ordinary; any other mapping -> restrictive.
+4. open input: with endpoint-independent mapping and a filter that dropped the replies of step 2,
+   (A', P') mapped to another port than (A, P) and (A', P) did means the router's own stack took
+   the unsolicited reply from (A', P') (no WAN input firewall): conntrack kept that flow, and this
+   socket's own flow to (A', P') had to leave from another port. A peer's punch probe that arrives
+   first does the same to the punch (docs/links.md), so the NAT is marked `open_input`.
 """
 
 from __future__ import annotations
@@ -42,6 +47,10 @@ class NatReport:
     rtt_median: float  # seconds to the rendezvous
     probes: int  # binding requests sent, retries included
     notes: tuple[str, ...] = field(default=())
+    # open input (decide, step 4): the mapping (A', P') was moved to, which this socket's later
+    # flows reuse (Linux maps a new flow as the latest one from the same source): a second
+    # server-reflexive candidate
+    moved: Address | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The object members publish as their `nat` in signaling."""
@@ -55,7 +64,8 @@ class NatReport:
 def decide(
     m1: Address, m2: Address | None, m3: Address | None, other_addr_reply: bool, other_port_reply: bool
 ) -> Nat:
-    """Mapping from the mapped addresses seen by (A,P), (A',P), (A',P'); filtering from the replies."""
+    """Mapping from the mapped addresses seen by (A,P), (A',P), (A',P'); filtering from the replies;
+    open input from (A',P') alone moving an otherwise endpoint-independent mapping (step 4)."""
     if m2 is None or m2 == m1:
         mapping = EI
     elif m3 is not None and m3 == m2:
@@ -69,7 +79,8 @@ def decide(
         cls = NatClass.PERMISSIVE
     else:
         cls = NatClass.ORDINARY
-    return Nat(cls, mapping, filtering)
+    open_input = cls is NatClass.ORDINARY and m2 is not None and m3 is not None and m3 != m1
+    return Nat(cls, mapping, filtering, open_input)
 
 
 class _Prober:
@@ -133,7 +144,8 @@ async def classify(
         )
         nat = Nat(NatClass.RESTRICTIVE, APD, nat.filtering)
     rtt = statistics.median(b.rtt for b in answers)
-    report = NatReport(nat, first.observed, rtt, p.sent, tuple(notes))
+    moved = m3 if nat.open_input else None
+    report = NatReport(nat, first.observed, rtt, p.sent, tuple(notes), moved)
     log.info(
         "nat_classified",
         **nat.to_dict(),

@@ -145,8 +145,8 @@ class LinkNode:
         if local[0] in ("0.0.0.0", ""):
             local = (_route_source(self.relay[0]), local[1])
         found = [local]
-        if self.nat is not None and self.nat.mapped != local:
-            found.append(self.nat.mapped)
+        if self.nat is not None:
+            found += [a for a in (self.nat.mapped, self.nat.moved) if a is not None and a not in found]
         return found
 
 
@@ -181,6 +181,8 @@ class EdgeOptions:
     predicted_direct: bool = True  # from the pair rule; False starts on the relay right away
     punch_wait: float = 0.4  # seconds to wait for a punch before starting on the relay
     punch_timeout: float = 5.0  # total punching time (continues on the relay, upgrading on success)
+    # a peer behind a router with open input probes first: wait this long, plus both rendezvous rtts
+    open_first_wait: float = 0.2
     repunch_interval: float = 10.0  # while on the relay, try the direct path again this often (0: never)
     use_relay: bool = True
     use_direct: bool = True
@@ -201,10 +203,19 @@ async def connect_edge(
     edge = edge_name(client, server)
     nonce = os.urandom(16)
     mine = [format_address(a) for a in node.candidates()] if opts.use_direct else []
-    await node.signals.client.signal(
-        peer, {SIGNAL_KEY: SIGNAL_VERSION, "edge": edge, "nonce": nonce.hex(), "candidates": mine}
-    )
+    offer: dict[str, Any] = {
+        SIGNAL_KEY: SIGNAL_VERSION,
+        "edge": edge,
+        "nonce": nonce.hex(),
+        "candidates": mine,
+    }
+    open_input = opts.use_direct and node.nat is not None and node.nat.nat.open_input
+    own_rtt = node.nat.rtt_median if node.nat is not None else 0.0
+    if open_input:  # the peer waits for our first probe (see _punch), our signaling's time included
+        offer["probe_first"] = round(own_rtt, 4)
+    await node.signals.client.signal(peer, offer)
     theirs = await node.signals.offer(peer, edge, opts.signal_timeout)
+    delay = 0.0 if open_input else probe_delay(theirs.get("probe_first"), own_rtt, opts.open_first_wait)
     peer_nonce = bytes.fromhex(str(theirs["nonce"]))
     ctx = EdgeContext(node.session, str(client), str(server), node.secret)
     link = Link(node.endpoint, ctx, node.identity, is_client, node.config)
@@ -215,9 +226,9 @@ async def connect_edge(
     )
     link.on_close.append(puncher.stop)
     timeout = opts.punch_timeout if peer_candidates else 0
-    punched = asyncio.Event()  # the first round of punching is over (succeeded or timed out)
+    punched = link.punch_over  # the first round of punching is over (succeeded or timed out)
     punch = asyncio.create_task(
-        _punch(link, puncher, timeout, opts.repunch_interval if peer_candidates else 0, punched)
+        _punch(link, puncher, timeout, opts.repunch_interval if peer_candidates else 0, punched, delay)
     )
     relay = asyncio.create_task(_relay(node, link, peer, is_client, opts)) if opts.use_relay else None
     link.tasks += [punch] + ([relay] if relay else [])
@@ -229,7 +240,7 @@ async def connect_edge(
         unpunched = f"no answer within {timeout:g} s"
     try:
         await _wait_for_a_path(
-            link, punched, relay, opts.punch_wait if opts.predicted_direct else 0.0, unpunched
+            link, punched, relay, opts.punch_wait + delay if opts.predicted_direct else 0.0, unpunched
         )
         link.start()
         await link.wait_ready()
@@ -241,12 +252,34 @@ async def connect_edge(
     return link
 
 
+def probe_delay(probe_first: Any, own_rtt: float, wait: float) -> float:
+    """How long to hold our first probe for a peer whose offer says `probe_first` (its rendezvous
+    round trip, seconds): `wait` plus both round trips. 0 for an offer without it (or with a value
+    that is not a round trip: a peer's bad offer must not stall the link)."""
+    if isinstance(probe_first, bool) or not isinstance(probe_first, int | float):
+        return 0.0
+    if not 0 <= probe_first < 10:
+        return 0.0
+    return wait + own_rtt + float(probe_first)
+
+
 async def _punch(
-    link: Link, puncher: Puncher, timeout: float, repunch_interval: float, punched: asyncio.Event
+    link: Link,
+    puncher: Puncher,
+    timeout: float,
+    repunch_interval: float,
+    punched: asyncio.Event,
+    delay: float = 0.0,
 ) -> None:
-    """Punch now (then set `punched`); later, whenever the link is on the relay, try the direct
-    path again."""
+    """Punch after `delay` (then set `punched`); later, whenever the link is on the relay, try the
+    direct path again.
+
+    `delay`: the peer's router takes unsolicited input (its offer says `probe_first`; docs/links.md):
+    a probe of ours that reached it before the peer's own flow to us existed would be taken by the
+    router's stack and move that flow to yet another port, so the peer, which probes as soon as it
+    has our offer, goes first."""
     try:
+        await asyncio.sleep(delay)
         addr = await puncher.run(timeout)
     finally:
         punched.set()

@@ -166,6 +166,9 @@ class Link:
         self.on_close: list[Callable[[], None]] = []
         self.tasks: list[asyncio.Task[None]] = []  # helpers (punching, relay setup) ended on close
         self.relay_error: str | None = None  # why no relay leg could be set up, if so
+        # set once the first round of punching is over (succeeded or timed out): from then on a
+        # link on the relay is a measured failure to punch, no longer a punch still under way
+        self.punch_over = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         self._virtual = ("kafila-peer", self.peer_id)
         self._quic: QuicConnection | None = None

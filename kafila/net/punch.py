@@ -78,6 +78,14 @@ class Puncher:
         if src not in self.targets:
             self.targets.append(src)  # peer-reflexive
 
+    def probe_once(self) -> None:
+        """One probe to every target, now."""
+        for target in list(self.targets):
+            txid = os.urandom(udp.TXID_BYTES)
+            self._mine.add(txid)
+            self.endpoint.send_control(udp.PunchProbe(txid, self._auth(b"probe", self.role, txid)), target)
+            self.probes_sent += 1
+
     @property
     def succeeded(self) -> Address | None:
         return self._success.result() if self._success.done() else None
@@ -87,13 +95,7 @@ class Puncher:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while not self._success.done() and loop.time() < deadline:
-            for target in list(self.targets):
-                txid = os.urandom(udp.TXID_BYTES)
-                self._mine.add(txid)
-                self.endpoint.send_control(
-                    udp.PunchProbe(txid, self._auth(b"probe", self.role, txid)), target
-                )
-                self.probes_sent += 1
+            self.probe_once()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._success), self.interval)
         return self.succeeded

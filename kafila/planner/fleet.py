@@ -13,6 +13,7 @@ overhead_us = 40          # optional: per-token dispatch overhead
 tflops = 362              # optional: matmul throughput (the degraded tier)
 nat = "ordinary"          # optional: permissive | ordinary | restrictive
 filtering = "address-dependent"   # optional RFC 4787 filtering detail
+open_input = true         # optional: its router's own stack takes unsolicited input (docs/links.md)
 rtt_ms = 12               # optional: round trip to the rendezvous
 
 `kafila-ops` fleet files add where things run: [fleet] (its `session_host` names the device that
@@ -94,7 +95,8 @@ _TOP_KEYS = {"session", "device"}
 _OPS_TABLES = {"fleet": dict, "rendezvous": dict, "site": list}  # read by kafila-ops (ops/fleetfile.py)
 _SESSION_KEYS = {"model", "context", "concurrency"}
 _DEVICE_KEYS = {
-    "name", "memory_gb", "bandwidth_gb_s", "overhead_us", "tflops", "nat", "filtering", "rtt_ms", "probe",
+    "name", "memory_gb", "bandwidth_gb_s", "overhead_us", "tflops", "nat", "filtering", "open_input",
+    "rtt_ms", "probe",
 }  # fmt: skip
 ReadJson = Callable[[str], Any]
 
@@ -232,18 +234,21 @@ def _probe_file(t: dict[str, Any], where: str, model: str, read_json: ReadJson |
 
 
 def _nat(t: dict[str, Any], where: str) -> Nat | None:
-    cls, filtering = t.get("nat"), t.get("filtering")
+    cls, filtering, open_input = t.get("nat"), t.get("filtering"), t.get("open_input", False)
     choices = [c.value for c in NatClass]
     if cls is None:
-        if filtering is not None:
-            raise FleetError(f"{where}: 'filtering' given without 'nat'")
+        for key in ("filtering", "open_input"):
+            if key in t:
+                raise FleetError(f"{where}: '{key}' given without 'nat'")
         return None
+    if not isinstance(open_input, bool):
+        raise FleetError(f"{where}: open_input must be true or false, got {open_input!r}")
     if cls not in choices:
         raise FleetError(f"{where}: nat must be one of {choices}, got {cls!r}")
     behaviours = [b.value for b in Behaviour]
     if filtering is not None and filtering not in behaviours:
         raise FleetError(f"{where}: filtering must be one of {behaviours}, got {filtering!r}")
-    return Nat(NatClass(cls), filtering=Behaviour(filtering) if filtering else None)
+    return Nat(NatClass(cls), filtering=Behaviour(filtering) if filtering else None, open_input=open_input)
 
 
 def no_unknown(

@@ -14,7 +14,15 @@ parameter. Two rules ship:
 A member whose NAT is unknown is predicted as restrictive: the rule then errs towards a relay,
 which costs nothing if the edge connects anyway.
 
-E5 (links) may edit `_LINUX_TABLE` and `DEFAULT_RULE` after measuring in its NAT lab.
+A router whose own stack takes unsolicited packets on its WAN address (`Nat.open_input`, no input
+firewall) keeps every unsolicited packet to a member's mapped port as a flow of its own, which
+moves the member's later flows to another port (measured in the NAT lab, docs/links.md). Such a
+member publishes that port too and probes before its peer can (kafila.net.edge), which punches
+with a peer that takes any port of its address (permissive, address-restricted) and with a
+port-restricted one; two such routers, or one with a restrictive peer, relay. The address-
+restricted variant with open input is not built in the lab: it is predicted as measured for the
+port-restricted one where that is safe (direct with permissive and address-restricted peers) and
+relayed otherwise.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 
 class NatClass(StrEnum):
@@ -45,21 +54,26 @@ class Nat:
     cls: NatClass
     mapping: Behaviour | None = None
     filtering: Behaviour | None = None
+    # the router's own stack took an unsolicited packet on the mapped port, which then moved the
+    # mapping to that sender (classify.decide: (A',P') mapped elsewhere than (A,P) and (A',P'))
+    open_input: bool = False
 
-    def to_dict(self) -> dict[str, str | None]:
+    def to_dict(self) -> dict[str, str | bool | None]:
         return {
             "cls": self.cls.value,
             "mapping": self.mapping.value if self.mapping else None,
             "filtering": self.filtering.value if self.filtering else None,
+            "open_input": self.open_input,
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, str | None]) -> Nat:
+    def from_dict(cls, d: dict[str, Any]) -> Nat:
         mapping, filtering = d.get("mapping"), d.get("filtering")
         return cls(
             NatClass(str(d["cls"])),
             Behaviour(mapping) if mapping else None,
             Behaviour(filtering) if filtering else None,
+            bool(d.get("open_input", False)),
         )
 
     @classmethod
@@ -83,9 +97,10 @@ def _linux_kind(n: Nat) -> str:
     """Collapse a NAT into the rows of the measured table."""
     if n.cls is not NatClass.ORDINARY:
         return n.cls.value
+    open_input = "-open" if n.open_input else ""
     if n.filtering in (Behaviour.ADDRESS_DEPENDENT, Behaviour.ENDPOINT_INDEPENDENT):
-        return "ordinary-address"
-    return "ordinary-port"  # plain MASQUERADE filters on address and port; unknown counts as that
+        return "ordinary-address" + open_input
+    return "ordinary-port" + open_input  # plain MASQUERADE filters on address and port; unknown too
 
 
 # unordered pairs predicted direct; every other pair is predicted relayed
@@ -100,6 +115,12 @@ _LINUX_TABLE: frozenset[frozenset[str]] = frozenset(
         ("ordinary-address", "ordinary-port"),
         ("ordinary-port", "ordinary-port"),
         ("ordinary-address", "restrictive"),
+        # a router with open input (see the module docstring)
+        ("permissive", "ordinary-port-open"),
+        ("ordinary-port", "ordinary-port-open"),
+        ("permissive", "ordinary-address-open"),
+        ("ordinary-address", "ordinary-port-open"),
+        ("ordinary-address", "ordinary-address-open"),
     ]
 )
 

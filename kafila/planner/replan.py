@@ -30,6 +30,7 @@ from kafila.models.manifest import Manifest
 from kafila.planner.decide import plan, reprice
 from kafila.planner.devices import DeviceReport
 from kafila.planner.head import MU
+from kafila.planner.order import predicted_direct
 from kafila.planner.plan import Plan
 from kafila.planner.reachability import DEFAULT_RULE, PairRule
 
@@ -153,6 +154,21 @@ def on_paths(
     return _decided(measured, candidate, manifest, cause)
 
 
+def contradicted(
+    reports: Sequence[DeviceReport], measured: Mapping[tuple[str, str], bool], rule: PairRule = DEFAULT_RULE
+) -> tuple[tuple[str, str], ...]:
+    """The measured pairs (`measured[(a, b)]`: True when the link runs direct) that run through the
+    relay although `reports` and `rule` predict them direct, in `measured`'s order: what `on_paths`
+    takes. A pair predicted relayed that punched is not a contradiction the plan must fix (the
+    prediction errs toward the relay, and the link moves to the direct path by itself)."""
+    by_name = {r.name: r for r in reports}
+    return tuple(
+        (a, b)
+        for (a, b), direct in measured.items()
+        if not direct and a in by_name and b in by_name and predicted_direct(by_name[a], by_name[b], rule)
+    )
+
+
 def fetches(old: Plan, new: Plan, manifest: Manifest) -> tuple[Fetch, ...]:
     """What each member of `new` lacks from its share in `old` (a member new to the ring lacks all)."""
     out = []
@@ -232,6 +248,8 @@ def _gain(old: Plan, new: Plan) -> float | None:
 def _why_not(gain: float | None, mu: float) -> str:
     if gain is None:
         return "the time per token cannot be predicted without every member's measurements"
+    if gain <= 0:
+        return f"time per token {_pct(-gain)} worse with a new plan"
     return f"time per token {_pct(gain)} better, not more than the {_pct(mu)} margin"
 
 

@@ -14,6 +14,9 @@ Router kinds (the netfilter recipes checked in shared/notes/facts.md):
 - ordinary-address: as permissive, but the DNAT needs the (remote address, mapped port) pair to be in
   a set of contacted pairs: address-dependent filtering (restricted cone).
 - restrictive: MASQUERADE fully-random: endpoint-dependent mapping (symmetric NAT).
+- ordinary-open: as ordinary, but the router's own stack accepts unsolicited input on its WAN
+  address (no WAN input drop, as on a router that answers on its public address or runs no input
+  firewall). Not in `KINDS` (the all-pairs tests): see `OPEN_KIND`.
 
 Sockets are created inside a namespace from this process (`Lab.udp_socket`), so one asyncio loop
 can drive every member: the socket stays in the namespace it was created in.
@@ -34,12 +37,14 @@ CLONE_NEWNET = 0x40000000
 SO_RCVBUFFORCE = 33  # Linux; not exported by Python's socket module
 RDV_ADDRS = ("198.18.0.2", "198.18.0.3")
 KINDS = ("permissive", "ordinary", "ordinary-address", "restrictive")
+OPEN_KIND = "ordinary-open"
 # The class each router kind must be classified as (the fine-grained kind is kept alongside).
 EXPECTED_CLASS = {
     "permissive": "permissive",
     "ordinary": "ordinary",
     "ordinary-address": "ordinary",
     "restrictive": "restrictive",
+    OPEN_KIND: "ordinary",
 }
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -118,6 +123,7 @@ def _router_rules(kind: str) -> str:
         if cone
         else ""
     )
+    input_drop = "" if kind == OPEN_KIND else 'iifname "wan" drop'
     return f"""
 table ip natlab {{
   map portmap {{
@@ -141,7 +147,7 @@ table ip natlab {{
   chain input {{
     type filter hook input priority filter; policy accept;
     iifname "wan" ct state established,related accept
-    iifname "wan" drop
+    {input_drop}
   }}
   chain forward {{
     type filter hook forward priority filter; policy accept;
@@ -207,8 +213,8 @@ class Lab:
         sh("ip", "-n", ns, "link", "set", ifname, "up")
 
     def add_site(self, kind: str) -> Site:
-        if kind not in KINDS:
-            raise ValueError(f"router kind {kind!r} is not one of {KINDS}")
+        if kind not in (*KINDS, OPEN_KIND):
+            raise ValueError(f"router kind {kind!r} is not one of {(*KINDS, OPEN_KIND)}")
         i = len(self.sites) + 1
         site = Site(
             i, kind, f"{self.prefix}-r{i}", f"{self.prefix}-h{i}", f"198.18.0.{10 + i}", f"10.{i}.0.2"

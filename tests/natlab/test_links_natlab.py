@@ -25,7 +25,7 @@ from kafila.planner.reachability import DEFAULT_RULE, Behaviour
 from kafila.proto import tensor
 from kafila.rendezvous.server import RendezvousServer
 from kafila.session.ring.build import follow_paths
-from tests.natlab.lab import EXPECTED_CLASS, KINDS, RDV_ADDRS, Lab, Site, netns
+from tests.natlab.lab import EXPECTED_CLASS, KINDS, OPEN_KIND, RDV_ADDRS, Lab, Site, netns, sh
 from tests.net.harness import LAB_LIMITS, Pair, open_pair, open_session, start_rendezvous
 from tests.net.test_link_loopback import packet_size
 from tests.net.test_malicious_rendezvous import make_malicious
@@ -38,6 +38,7 @@ EXPECTED_BEHAVIOUR = {
     "ordinary": (EI, APD),
     "ordinary-address": (EI, AD),
     "restrictive": (APD, APD),
+    OPEN_KIND: (EI, APD),
 }
 PROBE_TIMEOUT = 0.1  # lab round trips are well under a millisecond
 
@@ -45,7 +46,7 @@ PROBE_TIMEOUT = 0.1  # lab round trips are well under a millisecond
 @pytest.fixture(scope="module")
 def sites(natlab: Lab) -> dict[str, list[Site]]:
     """Two member sites behind each router kind (a pair of one kind needs two routers)."""
-    return {kind: [natlab.add_site(kind), natlab.add_site(kind)] for kind in KINDS}
+    return {kind: [natlab.add_site(kind), natlab.add_site(kind)] for kind in (*KINDS, OPEN_KIND)}
 
 
 @pytest.fixture
@@ -112,7 +113,7 @@ async def sized_and_carrying(client: Link, server: Link, size: int) -> None:
     assert await client.recv(timeout=10) == (17, payload)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", (*KINDS, OPEN_KIND))
 async def test_classifier_names_each_router_kind(natlab: Lab, sites, rdv, kind: str) -> None:
     site = sites[kind][0]
     endpoint = await UdpEndpoint.open(natlab.udp_socket(site.host, site.lan))
@@ -124,6 +125,7 @@ async def test_classifier_names_each_router_kind(natlab: Lab, sites, rdv, kind: 
         endpoint.close()
     assert report.nat.cls.value == EXPECTED_CLASS[kind]
     assert (report.nat.mapping, report.nat.filtering) == EXPECTED_BEHAVIOUR[kind]
+    assert report.nat.open_input is (kind == OPEN_KIND)  # its own stack took the unsolicited replies
     assert report.mapped[0] == site.wan  # seen from outside: the router's public address
     assert report.probes <= 3 + 2 * 3 + 2 * 3  # a constant number of probes, retries included
     assert 0 < report.rtt_median < 0.1
@@ -153,6 +155,41 @@ async def test_class_pair_links_moves_data_and_prediction_errs_only_toward_relay
         if predicted:  # the prediction may only err toward the relay
             assert achieved_direct, f"{client_kind}->{server_kind} predicted direct, linked {client.path}"
         assert elapsed < (0.5 if achieved_direct and predicted else 2.0) * 4  # generous: shared CPUs
+    finally:
+        await client.close()
+        await server.close()
+        await pair.close()
+
+
+def _mapped_ports_to(site: Site, peer: Site) -> set[int]:
+    """The public ports `site`'s router gave its member's flows to `peer` (conntrack reply tuples)."""
+    listing = sh(
+        "ip", "netns", "exec", site.router, "conntrack", "-L", "-p", "udp", "-s", site.lan, "-d", peer.wan
+    )
+    return {int([f for f in line.split() if f.startswith("dport=")][1][6:]) for line in listing.splitlines()}
+
+
+@pytest.mark.parametrize("other", (*KINDS, OPEN_KIND))
+async def test_a_router_with_open_input_links_as_predicted(natlab: Lab, sites, rdv, other: str) -> None:
+    """A port-restricted router whose own stack takes unsolicited input on its WAN address: the
+    classifier's filtering replies made conntrack entries there, and the member's later flows leave
+    from the port its last probe was moved to, not the one it published first. It publishes that
+    port too and probes before its peer (kafila.net.edge), so it punches with every peer but
+    another such router and a restrictive one; before, a port-restricted peer relayed 6 of 6."""
+    a, b = sites[OPEN_KIND][0], sites[other][1]
+    pair = await lab_pair(natlab, rdv, a, b)
+    assert pair.a.nat is not None and pair.b.nat is not None and pair.a.nat.nat.open_input
+    assert pair.a.nat.moved is not None and pair.a.nat.moved != pair.a.nat.mapped
+    predicted = DEFAULT_RULE(pair.a.nat.nat, pair.b.nat.nat)
+    client, server = await link_pair(pair, predicted_direct=True)  # always try the punch in full
+    try:
+        await client.send(16, b"across")
+        assert await server.recv(timeout=10) == (16, b"across")
+        assert (client.path is PathKind.DIRECT) == predicted == (other not in ("restrictive", OPEN_KIND))
+        ports = _mapped_ports_to(a, b)
+        assert pair.a.nat.mapped[1] not in ports  # the cause: its flows left from another port
+        if predicted:
+            assert pair.a.nat.moved[1] in ports  # the one it also published
     finally:
         await client.close()
         await server.close()

@@ -27,6 +27,26 @@ def test_decide(m2, m3, other_addr: bool, other_port: bool, expected) -> None:
     assert (nat.cls, nat.mapping, nat.filtering) == expected
 
 
+@pytest.mark.parametrize(
+    ("m3", "other_addr", "other_port", "open_input"),
+    [
+        (M1_THIRD, False, False, True),  # port-restricted; the unsolicited reply moved (A',P')'s mapping
+        (M1_THIRD, False, True, True),  # address-restricted, the same
+        (M1, False, False, False),  # the router dropped the reply: (A',P') keeps the mapping
+        (M1_THIRD, True, True, False),  # full cone: the reply reached the member, nothing to claim
+        (None, False, False, False),  # (A',P') unanswered: nothing measured
+    ],
+)
+def test_decide_marks_a_router_whose_own_stack_took_the_unsolicited_reply(
+    m3, other_addr: bool, other_port: bool, open_input: bool
+) -> None:
+    """(A',P) keeps the mapping of (A,P) but (A',P'), the sender of the unsolicited filtering reply,
+    gets another port: the router's conntrack kept that reply's flow (docs/links.md)."""
+    nat = decide(M1, M1, m3, other_addr, other_port)
+    assert nat.mapping is EI and nat.open_input is open_input
+    assert nat.cls is (NatClass.PERMISSIVE if other_addr else NatClass.ORDINARY)
+
+
 def test_candidate_addresses_round_trip_through_signaling_text() -> None:
     from kafila.net.edge import format_address, parse_address
 
@@ -59,3 +79,15 @@ async def test_a_second_rendezvous_address_that_does_not_answer_is_not_read_as_t
     else:
         assert (report.nat.cls, report.nat.mapping) == (NatClass.RESTRICTIVE, APD)
         assert any(n.startswith("the rendezvous's second address 127.0.0.2:") for n in report.notes)
+
+
+@pytest.mark.parametrize(
+    ("probe_first", "expected"),
+    [(None, 0.0), (0.004, 0.2 + 0.002 + 0.004), (0, 0.202), (True, 0.0), ("0.1", 0.0), (-1, 0.0), (1e9, 0.0)],
+)
+def test_a_peer_behind_an_open_router_is_given_the_first_probe_and_a_bad_offer_stalls_nothing(
+    probe_first: object, expected: float
+) -> None:
+    from kafila.net.edge import probe_delay
+
+    assert probe_delay(probe_first, 0.002, 0.2) == pytest.approx(expected)

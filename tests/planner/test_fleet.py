@@ -41,6 +41,16 @@ def test_parses_a_fleet_in_si_units():
     assert desk.overhead_s == pytest.approx(40e-6) and desk.flops == 100e12 and desk.rtt_s == 0.02
     assert desk.nat.cls is NatClass.ORDINARY and desk.nat.filtering is Behaviour.ADDRESS_DEPENDENT
     assert laptop.bandwidth_bytes_s is None and laptop.nat is None
+    assert desk.nat.open_input is False
+
+
+def test_a_router_with_open_input_is_declared_in_the_fleet_file():
+    fleet = parse_fleet(GOOD.replace('filtering = "address-dependent"', "open_input = true"))
+    assert fleet.devices[0].nat is not None and fleet.devices[0].nat.open_input is True
+    with pytest.raises(FleetError, match="device 'desk': open_input must be true or false, got 'yes'"):
+        parse_fleet(GOOD.replace('filtering = "address-dependent"', 'open_input = "yes"'))
+    with pytest.raises(FleetError, match="device 'laptop': 'open_input' given without 'nat'"):
+        parse_fleet(GOOD + "open_input = true\n")
 
 
 @pytest.mark.parametrize(

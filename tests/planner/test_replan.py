@@ -5,17 +5,20 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kafila.models.presets import resolve_manifest
 from kafila.planner import DeviceReport, plan
+from kafila.planner.decide import reprice
+from kafila.planner.reachability import Behaviour, Nat, NatClass
 from kafila.planner.replan import (
     End,
     Keep,
     Membership,
     PlanTerms,
     Replan,
+    contradicted,
     fetches,
     on_arrived,
     on_lost,
@@ -184,3 +187,73 @@ def test_membership_checks_its_inputs() -> None:
         replace(m, reports=(*m.reports, FLEET[0]))
     with pytest.raises(ValueError, match="the host 'zz' has no report"):
         replace(m, host="zz")
+
+
+def test_contradicted_names_only_pairs_predicted_direct_that_run_through_the_relay() -> None:
+    nat = Nat(NatClass.ORDINARY, Behaviour.ENDPOINT_INDEPENDENT, Behaviour.ADDRESS_AND_PORT_DEPENDENT)
+    reports = [dev("host", 12, 100, nat=nat), dev("b", 12, 100, nat=nat), dev("c", 12, 100)]  # c: unknown
+    measured = {("host", "b"): False, ("host", "c"): False, ("b", "c"): True, ("host", "zz"): False}
+    # host-c was predicted relayed (an unknown NAT counts as restrictive): no contradiction; zz has no report
+    assert contradicted(reports, measured) == (("host", "b"),)
+    assert contradicted(reports, {("host", "b"): True}) == ()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    bws=st.lists(st.floats(50, 1000), min_size=4, max_size=4),
+    rtts=st.lists(st.floats(0.001, 0.15), min_size=4, max_size=4),
+    near=st.floats(0.05, 1.0),
+    cut=st.sets(st.integers(0, 3), min_size=1, max_size=2),
+)
+def test_measured_relays_keep_the_ring_or_replan_exactly_as_the_margin_says(
+    bws: list[float], rtts: list[float], near: float, cut: set[int]
+) -> None:
+    """Against plan() itself: a contradicted edge either keeps the ring (same order and division,
+    the edge now relayed and priced so, no faster than before) or re-plans to plan() over the
+    measured reports, only when that beats the re-priced ring by more than the margin."""
+    names = ["host", "b", "c", "d"]
+    pair_rtt = near * min(rtts)  # members nearer each other than the relay: a relay never costs less
+    reports = [
+        dev(n, 24, bws[i], rtt_s=rtts[i], pair_rtt_s={o: pair_rtt for o in names if o != n})
+        for i, n in enumerate(names)
+    ]
+    m = formed(reports)
+    relayed = [(m.plan.edges[i].src, m.plan.edges[i].dst) for i in sorted(cut)]
+    got = on_paths(m, relayed, QWEN8, TERMS)
+    pairs = {frozenset(p) for p in relayed}
+
+    def peers(name: str) -> frozenset[str]:
+        return frozenset(o for p in pairs if name in p for o in p if o != name)
+
+    measured = [  # a relayed pair has no direct round trip any more
+        replace(
+            r,
+            relayed_with=peers(r.name),
+            pair_rtt_s={o: t for o, t in r.pair_rtt_s.items() if o not in peers(r.name)},
+        )
+        for r in reports
+    ]
+    repriced = reprice(m.plan, measured)
+    best = plan(measured, QWEN8, context=TERMS.context, anchor=0)
+    assert repriced.per_token_s is not None and m.plan.per_token_s is not None
+    assert repriced.per_token_s >= m.plan.per_token_s
+    gain = (repriced.per_token_s - (best.per_token_s or 0)) / repriced.per_token_s
+    event(type(got).__name__)
+    if isinstance(got, Keep):
+        assert gain <= TERMS.mu
+        assert got.plan == repriced and got.plan.order == m.plan.order and got.plan.stages == m.plan.stages
+        assert all(not e.direct for e in got.plan.edges if frozenset((e.src, e.dst)) in pairs)
+    else:
+        assert isinstance(got, Replan) and gain > TERMS.mu
+        assert got.plan == best and got.epoch == 1
+        assert all(not e.direct for e in got.plan.edges if frozenset((e.src, e.dst)) in pairs)
+
+
+def test_a_keep_says_how_the_alternative_compares_in_plain_words() -> None:
+    near = [replace(r, rtt_s=0.002, bandwidth_bytes_s=50e9) for r in _far_fleet()]
+    m = formed(near)
+    edge = next(e for e in m.plan.edges if m.host in (e.src, e.dst))
+    got = on_paths(m, [(edge.src, edge.dst)], QWEN8, TERMS)
+    assert isinstance(got, Keep)
+    assert got.reason.startswith(f"{edge.src}->{edge.dst} run through the relay; ")
+    assert "-" not in got.reason.split("; ", 1)[1]  # never "-0.8% better"

@@ -31,9 +31,9 @@ from kafila.session.forming import core as fm
 from kafila.session.forming.admission import Admission
 from kafila.session.forming.core import HostFormation
 from kafila.session.forming.driver import Driver, while_signaling
-from kafila.session.forming.links import connect_node, link_ring
+from kafila.session.forming.links import connect_node, link_ring, measured_paths
 from kafila.session.forming.measure import observe_nats, probe_report
-from kafila.session.forming.plans import choose_plan, say_ready
+from kafila.session.forming.plans import choose_plan, say_ready, session_manifest, with_measured_paths
 from kafila.session.forming.signaling import default_name, join_command, reach_rendezvous, refused_by
 from kafila.session.progress import off_loop, say
 from kafila.session.ring.build import Serving, start_role
@@ -97,8 +97,11 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     control = admission.take(gathered.ids.values())  # every other member's link, admitted
     nats = observe_nats(gathered.devices)
     terms = opts.terms()
+    measured = await measured_paths(name, {n: control[i] for n, i in gathered.ids.items() if i in control})
     try:
         plan, alternatives = choose_plan(list(gathered.devices), ckpt, opts)
+        plan = with_measured_paths(plan, gathered.devices, measured, session_manifest(ckpt, opts), opts, name)
+        alternatives[opts.division] = plan.summary()  # /session's divisions show the plan as corrected
     except SessionError as exc:
         await drive.carry(core.refuse(str(exc), drive.now()))
         raise

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 
 from kafila.net.edge import EdgeOptions, LinkNode, SignalRouter, link_edges
 from kafila.net.endpoint import UdpEndpoint
 from kafila.net.errors import LinkError, NatProbeError
-from kafila.net.link import Link, LinkConfig
+from kafila.net.link import Link, LinkConfig, PathKind
 from kafila.net.signaling import SignalingClient
 from kafila.planner.plan import Plan
 from kafila.proto.codes import SessionCode
@@ -90,3 +92,20 @@ async def named(me: str, peer: str, link: Awaitable[Link]) -> Link:
     except LinkError as exc:
         exc.args = (f"link {me} <-> {peer}: {exc}", *exc.args[1:])
         raise
+
+
+async def measured_paths(
+    me: str, links: Mapping[str, Link], within: float = EdgeOptions().punch_timeout
+) -> dict[tuple[str, str], bool]:
+    """(me, peer) -> whether that link runs direct, for each open link whose first round of
+    punching is over: a link still punching (for at most `within` seconds more) may yet move to the
+    direct path, so its relay is not a measurement until then."""
+    pending = [link.punch_over.wait() for link in links.values() if not link.punch_over.is_set()]
+    if pending:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*pending), within)
+    return {
+        (me, peer): link.path is PathKind.DIRECT
+        for peer, link in links.items()
+        if link.punch_over.is_set() and not link.closed
+    }

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kafila.engine import DTYPES
 from kafila.models.checkpoint import Checkpoint
+from kafila.models.manifest import Manifest
+from kafila.obs.log import get_logger
 from kafila.planner.decide import plan_all
 from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan
+from kafila.planner.replan import Keep, Membership, PlanTerms, Replan, contradicted, on_paths
 from kafila.session.errors import SessionError
 from kafila.session.progress import say
 from kafila.session.terms import Options
+
+log = get_logger("kafila.session.forming.plans")
 
 
 def fmt_plans(plans: dict[str, Plan]) -> str:
@@ -38,8 +44,13 @@ def say_ready(plan: Plan) -> None:
     say(f"session ready: {n} member{'s' if n > 1 else ''}, head {plan.head}, ring {' -> '.join(plan.order)}")
 
 
+def session_manifest(ckpt: Checkpoint, opts: Options) -> Manifest:
+    """The model priced in the session's dtype and weight format."""
+    return ckpt.manifest(DTYPES[opts.dtype], opts.quant)
+
+
 def choose_plan(devices: list[DeviceReport], ckpt: Checkpoint, opts: Options) -> tuple[Plan, dict[str, Any]]:
-    manifest = ckpt.manifest(DTYPES[opts.dtype], opts.quant)  # priced in the session's dtype and format
+    manifest = session_manifest(ckpt, opts)
     plans = plan_all(
         devices,
         manifest,
@@ -53,3 +64,42 @@ def choose_plan(devices: list[DeviceReport], ckpt: Checkpoint, opts: Options) ->
     if not plan.feasible:
         raise SessionError(f"the session cannot be formed with the {opts.division} division: {plan.reason}")
     return plan, {name: p.summary() for name, p in plans.items()}
+
+
+def with_measured_paths(
+    plan: Plan,
+    devices: Sequence[DeviceReport],
+    measured: Mapping[tuple[str, str], bool],
+    manifest: Manifest,
+    opts: Options,
+    host: str,
+) -> Plan:
+    """`plan` after the paths the host's links measured (`measured[(a, b)]`: True when direct),
+    before the plan is sent and any weights move: an edge predicted direct that runs through the
+    relay is re-priced; the ring is re-planned (kafila.planner.replan.on_paths) when that makes the
+    time per token more than the head margin better, else it stays and its edges and predicted
+    costs say what runs."""
+    relayed = contradicted(devices, measured)
+    if not relayed:
+        return plan
+    names = frozenset(d.name for d in devices)
+    terms = PlanTerms(opts.context, opts.concurrency, opts.division, objective=opts.objective)
+    decision = on_paths(Membership(0, plan, tuple(devices), names, host), relayed, manifest, terms)
+    if not isinstance(decision, Keep | Replan):
+        return plan
+    why = decision.cause if isinstance(decision, Replan) else decision.reason
+    log.info(
+        "plan_paths_measured",
+        relayed=[f"{a}->{b}" for a, b in relayed],
+        replanned=isinstance(decision, Replan),
+        why=why,
+        per_token_ms_before=_ms(plan.per_token_s),
+        per_token_ms=_ms(decision.plan.per_token_s),
+    )
+    verb = "re-planned" if isinstance(decision, Replan) else "corrected"
+    say(f"plan {verb} with the measured paths: {why}")
+    return decision.plan
+
+
+def _ms(s: float | None) -> float | None:
+    return None if s is None else round(s * 1e3, 3)
