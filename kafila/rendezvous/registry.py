@@ -18,10 +18,17 @@ carries an HMAC of that nonce under the verifier. Until a join proves it, it tak
 nothing about the session's members and counts against no budget of theirs; a wrong proof is
 counted against the address's back-off and the session's and the rendezvous's failed-proof budgets,
 which an address that never failed is not held to.
+
+After a restart (docs/rendezvous.md, "Re-registering after a restart"): the host asks once for its
+session's ticket (`ticket_request`), a MAC of the code's public part, salt and verifier under the
+rendezvous's kept secret; a rendezvous that restarted with that secret takes a `reopen` carrying
+them back as the same session, and the session's members then `rejoin` their own places (ids kept)
+with the same proof of the code as a join, held to the same limits.
 """
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import math
 import secrets
@@ -36,6 +43,7 @@ from kafila.proto.errors import ProtocolError
 from kafila.rendezvous.limits import Limits
 from kafila.rendezvous.ratelimit import Backoff, TokenBuckets
 from kafila.rendezvous.relay import RelayLimitError, RelayTable
+from kafila.rendezvous.ticket import make_ticket, ticket_key, ticket_ok
 
 ConnId = int
 
@@ -90,6 +98,7 @@ class Session:
     joins: int = 0  # successful joins (the host's open excluded)
     salt: bytes | None = None  # the join verifier's salt and the verifier, once the host sent them
     verifier: bytes | None = None
+    reopened: bool = False  # registered again after a restart: its members come back with `rejoin`
 
 
 @dataclass(slots=True)
@@ -101,7 +110,8 @@ class Conn:
     member: int | None = None
     bad_frames: int = 0
     idle_since: float | None = None  # when it was last without a session (None: in one)
-    challenge: tuple[str, bytes, float] | None = None  # (session, nonce, expiry) of its next join
+    # (session, nonce, expiry, member) of its next join; member: the place a `rejoin` takes back
+    challenge: tuple[str, bytes, float, int | None] | None = None
 
 
 class Registry:
@@ -111,8 +121,13 @@ class Registry:
         relay: RelayTable | None = None,
         probe: ProbeInfo | None = None,
         rand_below: Callable[[int], int] = secrets.randbelow,
+        kept_secret: bytes | None = None,
     ) -> None:
+        """`kept_secret`: the secret this rendezvous keeps across restarts (its relay secret file),
+        which signs re-open tickets; None: a new one each start, so no ticket outlives a restart."""
         self.limits = limits
+        self._ticket_key = ticket_key(kept_secret or secrets.token_bytes(32))
+        self.secret_kept = kept_secret is not None
         self.relay = relay if relay is not None else RelayTable(limits)
         self.probe = probe or ProbeInfo()
         self._rand_below = rand_below
@@ -196,6 +211,12 @@ class Registry:
                 return self._challenge(state, msg, now)
             case sig.Join():
                 return self._join(state, msg, now)
+            case sig.Reopen():
+                return self._reopen(state, msg, now)
+            case sig.RejoinChallenge():
+                return self._rejoin_challenge(state, msg, now)
+            case sig.Rejoin():
+                return self._rejoin(state, msg, now)
             case sig.Heartbeat(ref):
                 return [Send(conn, sig.HeartbeatAck(ref))]
         if state.session is None:
@@ -213,6 +234,8 @@ class Registry:
                 return self._remove_by_host(state, target, reason, now)
             case sig.Protect():
                 return self._protect(state, msg)
+            case sig.TicketRequest(ref):
+                return self._ticket(state, ref)
         raise AssertionError(f"unhandled message {msg!r}")  # pragma: no cover
 
     # ------------------------------------------------------------ open / join
@@ -243,7 +266,7 @@ class Registry:
         }
         return [Send(state.id, opened), Note("session_opened", fields)]
 
-    def _refuse_open(self, state: Conn, msg: sig.Open, now: float) -> sig.Error | None:
+    def _refuse_open(self, state: Conn, msg: sig.Open | sig.Reopen, now: float) -> sig.Error | None:
         lim = self.limits
         if state.session is not None:
             return sig.Error(
@@ -331,7 +354,7 @@ class Registry:
             return [Send(state.id, found), note]
         assert found.salt is not None
         nonce = secrets.token_bytes(codes.JOIN_NONCE_BYTES)
-        state.challenge = (found.code, nonce, now + self.limits.challenge_s)
+        state.challenge = (found.code, nonce, now + self.limits.challenge_s, None)
         reply = sig.Challenge(found.code, found.salt.hex(), nonce.hex(), self.limits.challenge_s, msg.ref)
         return [Send(state.id, reply)]
 
@@ -372,7 +395,10 @@ class Registry:
         return "ok", session
 
     def _full(self, session: Session) -> bool:
-        return len(session.members) >= min(session.members_expected, self.limits.max_members)
+        """A session takes `members_expected` members; one re-opened after a restart has formed, and
+        takes joins up to the per-session limit: its host decides about newcomers."""
+        places = self.limits.max_members if session.reopened else session.members_expected
+        return len(session.members) >= min(places, self.limits.max_members)
 
     def _try_join(
         self, state: Conn, msg: sig.Join, now: float
@@ -384,26 +410,21 @@ class Registry:
             return err("already_in_session", f"this connection is already in session {state.session}")
         challenge, state.challenge = state.challenge, None  # one join per nonce, right or wrong
         code = challenge[0] if challenge is not None else None
-        if challenge is None or code != _normal(msg.session) or now >= challenge[2]:
+        if (
+            challenge is None
+            or challenge[3] is not None
+            or code != _normal(msg.session)
+            or now >= challenge[2]
+        ):
             return err(
                 "no_challenge", "ask for a join_challenge on this session first (a nonce serves one join)"
             )
         session = self.sessions.get(challenge[0])
         if session is None or session.verifier is None or now >= session.code_deadline:
             return err("unknown_session", f"session {challenge[0]} no longer takes joins")
-        guesser = guesser_key(state.source)
-        wait = self._proof_wait(guesser, session.code, now)
-        if wait > 0:  # refused untested: an address that failed waits out its back-off and budgets
-            return err("rate_limited", f"too many wrong codes tried; retry in {math.ceil(wait)} s")
-        if not _proof_ok(session, msg.proof, challenge[1]):
-            self._backoff.fail(guesser, now)
-            self._failed_by_session.take(session.code, now)
-            self._failed_all.take("all", now)
-            text = (
-                f"that is not session {session.code}'s code: its secret words differ (a mistyped word?); "
-                "join again with the exact code the host printed"
-            )
-            return err("wrong_secret", text)
+        refused = self._check_proof(state, session, msg.proof, challenge[1], now)
+        if refused is not None:
+            return err(*refused)
         if self._full(session):
             return err(
                 "session_full", f"session {session.code} already has its {session.members_expected} members"
@@ -411,6 +432,27 @@ class Registry:
         session.joins += 1
         session.code_deadline = now + self.limits.code_ttl_s
         return "ok", (session, self._add_member(session, state, msg, host=False))
+
+    def _check_proof(
+        self, state: Conn, session: Session, proof: str, nonce: bytes, now: float
+    ) -> tuple[str, str] | None:
+        """None when `proof` proves the code on `nonce`; else (error code, text). A wrong proof
+        counts against the address's back-off and the failed-proof budgets; an address that failed
+        before is tested only when they allow it."""
+        guesser = guesser_key(state.source)
+        wait = self._proof_wait(guesser, session.code, now)
+        if wait > 0:  # refused untested: an address that failed waits out its back-off and budgets
+            return "rate_limited", f"too many wrong codes tried; retry in {math.ceil(wait)} s"
+        if _proof_ok(session, proof, nonce):
+            return None
+        self._backoff.fail(guesser, now)
+        self._failed_by_session.take(session.code, now)
+        self._failed_all.take("all", now)
+        text = (
+            f"that is not session {session.code}'s code: its secret words differ (a mistyped word?); "
+            "join again with the exact code the host printed"
+        )
+        return "wrong_secret", text
 
     def _proof_wait(self, guesser: str, code: str, now: float) -> float:
         """Seconds before a proof from `guesser` is tested: 0 for an address that never failed,
@@ -423,9 +465,18 @@ class Registry:
             self._failed_all.retry_after("all", now),
         )
 
-    def _add_member(self, session: Session, state: Conn, msg: sig.Open | sig.Join, host: bool) -> Member:
-        mid = session.next_id
-        session.next_id += 1
+    def _add_member(
+        self,
+        session: Session,
+        state: Conn,
+        msg: sig.Open | sig.Join | sig.Reopen | sig.Rejoin,
+        host: bool,
+        mid: int | None = None,
+    ) -> Member:
+        """A member on `state`'s connection: a new id, or `mid` (a place taken back after a restart)."""
+        if mid is None:
+            mid = session.next_id
+            session.next_id += 1
         info = sig.MemberInfo(
             id=mid,
             name=msg.name,
@@ -439,6 +490,218 @@ class Registry:
         session.members[mid] = member
         state.session, state.member, state.idle_since = session.code, mid, None
         return member
+
+    # ------------------------------------------------------------ re-registering after a restart
+
+    def _ticket(self, state: Conn, ref: str | None) -> list[Event]:
+        session, member = self._member(state)
+        if not member.info.host:
+            text = f"only the host of session {session.code} gets its re-open ticket"
+            return [Send(state.id, sig.Error("not_host", text, ref=ref))]
+        if session.salt is None or session.verifier is None:
+            text = f"session {session.code} has no verifier yet: send protect first"
+            return [Send(state.id, sig.Error("not_ready", text, ref=ref))]
+        ticket = make_ticket(self._ticket_key, session.code, session.salt, session.verifier)
+        return [Send(state.id, sig.Ticket(session.code, ticket.hex(), ref))]
+
+    def _reopen(self, state: Conn, msg: sig.Reopen, now: float) -> list[Event]:
+        """The host registers its session again under the same code: the ticket shows that this
+        rendezvous (or the one before its restart, with the same kept secret) accepted this code's
+        salt and verifier from the host that protected it."""
+        checked = self._reopenable(state, msg, now)
+        if isinstance(checked, sig.Error):
+            return [
+                Send(state.id, checked),
+                Note(
+                    "reopen_refused", {"session": msg.session, "source": state.source, "code": checked.code}
+                ),
+            ]
+        code, salt, verifier = checked
+        session = self.sessions.get(code)
+        if session is None:
+            session = Session(code, msg.model, msg.members_expected, now + self.limits.code_ttl_s)
+            session.salt, session.verifier, session.reopened = salt, verifier, True
+            self.sessions[code] = session
+        session.next_id = max(session.next_id, msg.next_member)
+        member = self._add_member(session, state, msg, host=True, mid=msg.member)
+        opened = sig.Opened(
+            session=code,
+            member=member.id,
+            expires_in=max(0.0, session.code_deadline - now),
+            heartbeat_s=self.limits.heartbeat_s,
+            probe_port=self.probe.port,
+            probe_alt_port=self.probe.alt_port,
+            probe_alt_host=self.probe.alt_host,
+            ref=msg.ref,
+        )
+        fields = {
+            "session": code,
+            "member": member.id,
+            "members": len(session.members),
+            "source": state.source,
+        }
+        out: list[Event] = [Send(state.id, opened), Note("session_reopened", fields)]
+        return out + [
+            Send(m.conn, sig.MemberUpdated(member.info)) for m in session.members.values() if m is not member
+        ]
+
+    def _reopenable(self, state: Conn, msg: sig.Reopen, now: float) -> sig.Error | tuple[str, bytes, bytes]:
+        """(code, salt, verifier) of a `reopen` that may take its code, or the error that says why not."""
+
+        def err(code: str, text: str) -> sig.Error:
+            return sig.Error(code, text, ref=msg.ref)
+
+        refusal = self._refuse_open(state, msg, now)
+        if refusal is not None:
+            return refusal
+        try:
+            code = codes.parse_public(msg.session)
+            salt, verifier, ticket = (bytes.fromhex(x) for x in (msg.salt, msg.verifier, msg.ticket))
+        except ProtocolError as exc:
+            return err("bad_code", str(exc))
+        except ValueError:
+            return err("bad_message", "reopen: 'salt', 'verifier' and 'ticket' must be hex")
+        if msg.member >= msg.next_member:
+            return err(
+                "bad_message", f"reopen: member {msg.member} is not below next_member {msg.next_member}"
+            )
+        if not ticket_ok(self._ticket_key, code, salt, verifier, ticket):
+            why = (
+                "this rendezvous never gave that ticket for this code, salt and verifier"
+                if self.secret_kept
+                else "this rendezvous draws a new secret at each start (no --relay-secret-file), so no "
+                "session outlives its restart"
+            )
+            return err("bad_ticket", f"cannot re-open session {code}: {why}; open a new session")
+        session = self.sessions.get(code)
+        if session is None:
+            return code, salt, verifier
+        if session.verifier is None or not hmac.compare_digest(session.verifier, verifier):
+            return err(
+                "code_taken",
+                f"code {code} belongs to another session on this rendezvous now; open a new session",
+            )
+        if msg.member in session.members:
+            return err(
+                "member_present",
+                f"session {code} still has its host (member {msg.member}) on another connection; "
+                f"retry after {self.limits.heartbeat_timeout_s:g} s of its silence",
+            )
+        return code, salt, verifier
+
+    def _rejoin_challenge(self, state: Conn, msg: sig.RejoinChallenge, now: float) -> list[Event]:
+        """A nonce for a member taking its place back in a re-opened session: no limit on the
+        session's size or its code's time (the place is its own), the per-address limit as for joins."""
+        outcome, found = self._rejoinable(state, msg.session, msg.member, msg.ref, now)
+        if isinstance(found, sig.Error):
+            self.joins[outcome] += 1
+            note = Note("rejoin", {"outcome": outcome, "source": state.source, "session": msg.session})
+            return [Send(state.id, found), note]
+        assert found.salt is not None
+        nonce = secrets.token_bytes(codes.JOIN_NONCE_BYTES)
+        state.challenge = (found.code, nonce, now + self.limits.challenge_s, msg.member)
+        reply = sig.Challenge(found.code, found.salt.hex(), nonce.hex(), self.limits.challenge_s, msg.ref)
+        return [Send(state.id, reply)]
+
+    def _rejoinable(
+        self, state: Conn, text: str, member: int, ref: str | None, now: float
+    ) -> tuple[str, sig.Error | Session]:
+        def err(outcome: str, message: str) -> tuple[str, sig.Error]:
+            return outcome, sig.Error(outcome, message, ref=ref)
+
+        if state.session is not None:
+            return err("already_in_session", f"this connection is already in session {state.session}")
+        guesser = guesser_key(state.source)
+        if not self._join_by_addr.take(guesser, now):
+            wait = self._join_by_addr.retry_after(guesser, now)
+            return err("rate_limited", f"too many join attempts from {state.source}; retry in {wait:.0f} s")
+        try:
+            code = codes.parse_public(text)
+        except ProtocolError as exc:
+            return err("bad_code", str(exc))
+        session = self.sessions.get(code)
+        if session is None or session.verifier is None:
+            return err(
+                "unknown_session",
+                f"no session with code {code} here (its host has not re-registered it since this "
+                "rendezvous started)",
+            )
+        return self._place_free(session, member, err)
+
+    def _place_free(
+        self, session: Session, member: int, err: Callable[[str, str], tuple[str, sig.Error]]
+    ) -> tuple[str, sig.Error | Session]:
+        if not 1 <= member < session.next_id:
+            return err("unknown_member", f"session {session.code} never had a member {member}")
+        if member in session.members:
+            return err(
+                "member_present",
+                f"member {member} of session {session.code} is still connected; retry after "
+                f"{self.limits.heartbeat_timeout_s:g} s of its silence",
+            )
+        if len(session.members) >= self.limits.max_members:
+            return err(
+                "session_full", f"session {session.code} has {len(session.members)} members, the limit"
+            )
+        return "ok", session
+
+    def _rejoin(self, state: Conn, msg: sig.Rejoin, now: float) -> list[Event]:
+        outcome, result = self._try_rejoin(state, msg, now)
+        self.joins[outcome] += 1
+        note = Note(
+            "rejoin",
+            {"outcome": outcome, "source": state.source, "session": msg.session, "member": msg.member},
+        )
+        if isinstance(result, sig.Error):
+            return [Send(state.id, result), note]
+        session, member = result
+        joined = sig.Joined(
+            session=session.code,
+            member=member.id,
+            model=session.model,
+            members_expected=session.members_expected,
+            members=[m.info for m in session.members.values()],
+            heartbeat_s=self.limits.heartbeat_s,
+            probe_port=self.probe.port,
+            probe_alt_port=self.probe.alt_port,
+            probe_alt_host=self.probe.alt_host,
+            ref=msg.ref,
+        )
+        out: list[Event] = [Send(state.id, joined), note]
+        return out + [
+            Send(m.conn, sig.MemberUpdated(member.info)) for m in session.members.values() if m is not member
+        ]
+
+    def _try_rejoin(
+        self, state: Conn, msg: sig.Rejoin, now: float
+    ) -> tuple[str, sig.Error | tuple[Session, Member]]:
+        def err(outcome: str, text: str) -> tuple[str, sig.Error]:
+            return outcome, sig.Error(outcome, text, ref=msg.ref)
+
+        if state.session is not None:
+            return err("already_in_session", f"this connection is already in session {state.session}")
+        challenge, state.challenge = state.challenge, None  # one rejoin per nonce, right or wrong
+        if (
+            challenge is None
+            or challenge[3] != msg.member
+            or challenge[0] != _normal(msg.session)
+            or now >= challenge[2]
+        ):
+            return err(
+                "no_challenge",
+                f"ask for a rejoin_challenge for member {msg.member} on this session first "
+                "(a nonce serves one rejoin)",
+            )
+        session = self.sessions.get(challenge[0])
+        if session is None or session.verifier is None:
+            return err("unknown_session", f"session {challenge[0]} is gone")
+        refused = self._check_proof(state, session, msg.proof, challenge[1], now)
+        if refused is not None:
+            return err(*refused)
+        outcome, free = self._place_free(session, msg.member, err)
+        if isinstance(free, sig.Error):
+            return outcome, free
+        return "rejoined", (session, self._add_member(session, state, msg, host=False, mid=msg.member))
 
     # ------------------------------------------------------------ in-session requests
 
@@ -552,7 +815,10 @@ class Registry:
             text = f"no open or join within {self.limits.heartbeat_timeout_s:g} s"
             out += [Send(state.id, sig.Error("timed_out", text, fatal=True)), Close(state.id, 1001, text)]
             del self.conns[state.id]
-        for session in [s for s in self.sessions.values() if now >= s.code_deadline and s.joins == 0]:
+        alone = [
+            s for s in self.sessions.values() if now >= s.code_deadline and s.joins == 0 and not s.reopened
+        ]
+        for session in alone:
             (host,) = session.members.values()
             text = (
                 f"nobody joined session {session.code} within {self.limits.code_ttl_s:.0f} s; open a new one"

@@ -98,7 +98,8 @@ class RendezvousServer:
         await self.udp.start(cfg.udp_host or cfg.host, cfg.udp_port, cfg.udp_alt_port, cfg.udp_alt_host)
         alt_host = cfg.advertise_alt_host or cfg.udp_alt_host or None
         probe = ProbeInfo(self.udp.port, self.udp.alt_port, alt_host)
-        self.registry = Registry(cfg.limits, self.relay, probe)
+        # the relay secret, when kept across restarts (--relay-secret-file), also signs re-open tickets
+        self.registry = Registry(cfg.limits, self.relay, probe, kept_secret=cfg.relay_secret)
         app = build_app(self.registry, self.udp.stats, tick_s=cfg.tick_s)
         try:
             sock = bind_tcp(cfg.host, cfg.port)
