@@ -10,7 +10,7 @@ import random
 from kafila.proto import signaling as sig
 from kafila.proto.codes import join_proof
 from kafila.rendezvous.limits import Limits
-from kafila.rendezvous.registry import ProbeInfo, Registry
+from kafila.rendezvous.registry import Event, ProbeInfo, Registry
 from tests.rendezvous.test_registry import KEY, SALT, WRONG_KEY, join, open_session, sends
 
 KEPT = bytes(range(100, 132))  # the rendezvous's kept secret (its --relay-secret-file)
@@ -32,18 +32,23 @@ def ticket_of(reg: Registry, conn: int = 1) -> str:
 
 
 def reopen(
-    reg: Registry, conn: int, code: str, ticket: str, now: float = 0.0, **over: object
+    reg: Registry,
+    conn: int,
+    code: str,
+    ticket: str,
+    now: float = 0.0,
+    salt: str = SALT.hex(),
+    verifier: str = KEY.hex(),
 ) -> sig.ServerMessage:
     if conn not in reg.conns:
         reg.connect(conn, f"10.0.1.{conn}", now)
-    fields = {"salt": SALT.hex(), "verifier": KEY.hex(), "member": 1, "next_member": 4} | over
-    msg = sig.Reopen(
-        code, ticket, model="m", members_expected=3, name="host", capability={}, ref="o", **fields
-    )  # type: ignore[arg-type]
+    msg = sig.Reopen(code, ticket, salt, verifier, 1, 4, "m", 3, "host", {}, ref="o")
     return sends(reg.receive(conn, msg, now), conn)[0]
 
 
-def rejoin(reg: Registry, conn: int, code: str, member: int, now: float = 0.0, key: bytes = KEY):
+def rejoin(
+    reg: Registry, conn: int, code: str, member: int, now: float = 0.0, key: bytes = KEY
+) -> list[Event]:
     if conn not in reg.conns:
         reg.connect(conn, f"10.0.1.{conn}", now)
     events = reg.receive(conn, sig.RejoinChallenge(code, member), now)
@@ -97,7 +102,7 @@ def test_a_stranger_cannot_take_a_code_after_a_restart() -> None:
         ("the host's ticket with another salt", {"salt": bytes(16).hex()}),
     ]:
         args = {"ticket": ticket} | over
-        got = reopen(again, 20, code, **args)  # type: ignore[arg-type]
+        got = reopen(again, 20, code, **args)
         assert isinstance(got, sig.Error) and got.code == "bad_ticket", case
         assert "never gave that ticket" in got.message, case
     assert code not in again.sessions and stranger != code
