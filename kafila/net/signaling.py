@@ -188,7 +188,7 @@ class SignalingClient:
         self.rtt_s: float | None = None  # last heartbeat round trip
         self.place: Place | None = None  # what to register again as after a lost connection
         self.highest_member = 0  # the highest member id heard of: a re-opened session keeps ids below
-        self._keys: dict[bytes, bytes] = {}  # a member's join key by salt (scrypt once per salt)
+        self._key: tuple[SessionCode, bytes, bytes] | None = None  # (code, salt, join key): scrypt once
 
     @classmethod
     async def connect(
@@ -296,9 +296,10 @@ class SignalingClient:
     async def _proof(self, code: SessionCode, challenge: sig.Challenge) -> str:
         """The proof of `code` over `challenge`'s nonce (hex); the key is derived once per salt."""
         salt = bytes.fromhex(challenge.salt)
-        if salt not in self._keys:
-            self._keys = {salt: await asyncio.to_thread(codes.join_key, code, salt)}  # scrypt: ~50 ms
-        return codes.join_proof(self._keys[salt], challenge.session, bytes.fromhex(challenge.nonce)).hex()
+        found = self._key
+        if found is None or found[:2] != (code, salt):
+            found = self._key = (code, salt, await asyncio.to_thread(codes.join_key, code, salt))  # ~50 ms
+        return codes.join_proof(found[2], challenge.session, bytes.fromhex(challenge.nonce)).hex()
 
     def _joined(self, joined: sig.Joined) -> None:
         self._entered(joined.session, joined.member, joined.heartbeat_s)
