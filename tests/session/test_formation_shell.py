@@ -327,36 +327,69 @@ async def test_joining_a_formed_session_is_refused_and_one_without_host_is_named
         await formed[1].close()
 
 
-async def test_a_formed_ring_says_it_lost_the_rendezvous_and_goes_on_serving(
-    rdv, tmp_path, tiny_chat_model, monkeypatch
+async def _until(check, what: str, within: float = 20.0) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, f"not within {within} s: {what}"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_formed_ring_serves_on_while_the_rendezvous_restarts_and_registers_its_session_again(
+    tmp_path, tiny_chat_model, monkeypatch
 ):
-    """The rendezvous going away after forming used to be one log line; each member now says so,
-    on /session too, and the ring (direct links) still answers."""
+    """The rendezvous going away after forming: each member says so once, /session says
+    "reconnecting" with the attempt and reason, the ring answers meanwhile; the rendezvous comes
+    back on the same port with the same kept secret, the host re-opens the session under the same
+    code and the member takes its place back, and a new member's join with the code reaches the
+    host again (which refuses it: the session has formed)."""
+    from dataclasses import replace
+
     from kafila.api.service import Sampling
-    from kafila.session.forming import driver
+    from kafila.net.backoff import Backoff
+    from kafila.rendezvous.server import ServerConfig
+    from kafila.session.forming import reconnect
+    from tests.net.harness import LAB_LIMITS
 
     said: list[str] = []
-    monkeypatch.setattr(driver, "say", lambda text: said.append(text))
-    _, (hosting, beta) = await host_and(rdv, tmp_path, str(tiny_chat_model), 2, ["beta"])
+    monkeypatch.setattr(reconnect, "say", lambda text: said.append(text))
+    monkeypatch.setattr(reconnect, "SCHEDULE", Backoff(0.05, 0.4))
+    config = ServerConfig(
+        host="127.0.0.1", port=0, udp_port=0, udp_alt_port=0, limits=LAB_LIMITS, relay_secret=bytes(range(32))
+    )
+    rdv = RendezvousServer(config)
+    await rdv.start()
+    code, (hosting, beta) = await host_and(rdv, tmp_path, str(tiny_chat_model), 2, ["beta"])
     formed = [await hosting, await beta]
+    again = RendezvousServer(
+        replace(config, port=rdv.http_port, udp_port=rdv.udp.port, udp_alt_port=rdv.udp.alt_port)
+    )
     try:
         for f in formed:
             assert f.role.describe()["rendezvous"] == {"url": rdv.url, "state": "connected"}
         await rdv.stop()
-        for _ in range(100):
-            if sum(s.startswith("lost the rendezvous: the rendezvous shut down") for s in said) == 2:
-                break
-            await asyncio.sleep(0.05)
-        assert sum(s.startswith("lost the rendezvous: the rendezvous shut down") for s in said) == 2, said
+        lost = "lost the rendezvous: the rendezvous shut down or is restarting (WebSocket close 1012)"
+        await _until(lambda: sum(s.startswith(lost) for s in said) == 2, "both say they lost it")
         for f in formed:
+            await _until(lambda f=f: f.role.describe()["rendezvous"].get("attempt", 0) >= 2, "retries")
             seen = f.role.describe()["rendezvous"]
-            assert (seen["url"], seen["state"]) == (rdv.url, "lost"), seen
-            assert seen["reason"] == "the rendezvous shut down or is restarting (WebSocket close 1012)", seen
+            assert (seen["url"], seen["state"]) == (rdv.url, "reconnecting"), seen
+            assert seen["reason"] == "connection refused: nothing listens on that port", seen
+        assert sum(s.startswith(lost) for s in said) == 2, said  # one line per change, not per attempt
         gen = await formed[1].role.submit([1, 2, 3], Sampling(max_tokens=3))
         assert [ev async for ev in gen][-1].finish == "length"
+        await again.start()
+        for f in formed:
+            await _until(lambda f=f: f.role.describe()["rendezvous"]["state"] == "connected", "back")
+            seen = f.role.describe()["rendezvous"]
+            assert seen["reconnects"] == 1 and seen["last_lost"] in lost, seen
+        assert sum(s.startswith("back at the rendezvous after") for s in said) == 2, said
+        assert again.registry is not None and again.registry.member_count == 2
+        with pytest.raises(SessionError, match="this session has formed and takes no more members"):
+            await join(code, opts(again, "late", tmp_path))
     finally:
         for f in formed:
             await f.close()
+        await again.stop()
 
 
 async def test_a_member_with_a_wrong_secret_word_is_not_admitted_and_a_right_one_takes_its_place(

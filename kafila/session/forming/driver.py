@@ -21,6 +21,7 @@ from kafila.proto import signaling as sig
 from kafila.session.errors import SessionError
 from kafila.session.forming import core as fm
 from kafila.session.forming.core import HostFormation, MemberFormation
+from kafila.session.forming.reconnect import back_to_rendezvous
 from kafila.session.progress import say
 
 log = get_logger("kafila.session.forming")
@@ -58,6 +59,14 @@ async def while_signaling(
     if isinstance(why, SignalingClosed):
         raise Driver._rendezvous_lost(why)
     raise SessionError(f"the session could not form: lost the rendezvous: {why!r}")
+
+
+def _pump(router: SignalRouter) -> asyncio.Future[None]:
+    """The router's pump of a connection made again; it ends when that connection is lost (the
+    loss is what serve_formed waits on, so its error is only retrieved here)."""
+    task = asyncio.ensure_future(router.pump())
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task
 
 
 class Driver:
@@ -144,31 +153,26 @@ class Driver:
 
     async def serve_formed(self, links: dict[str, Link], status: dict[str, Any]) -> None:
         """After forming (a task until the member ends): keep feeding the core, so the host refuses
-        whoever joins the formed session, and say when the rendezvous is lost (the ring's direct
-        links do not need it; this member's links on the relay do), also on /session (its
-        "rendezvous" "state" becomes "lost", with the "reason")."""
+        whoever joins the formed session; when the rendezvous is lost (the ring does not need it to
+        serve), reconnect with back-off and register the session again (kafila.session.forming.
+        reconnect), saying so on the console and on /session (its "rendezvous" "state":
+        "reconnecting" with the "attempt" and "reason", "connected" again, or "lost" when it
+        refused this member for good)."""
         self.close()
         lost = asyncio.ensure_future(self.client.lost())
+        pump: asyncio.Future[None] | None = None  # the event pump of a connection made again
         try:
             while True:
                 nxt = asyncio.ensure_future(self.router.others.get())
                 done, _ = await asyncio.wait({nxt, lost}, return_when=asyncio.FIRST_COMPLETED)
                 if nxt not in done:
                     nxt.cancel()
-                    why = lost.result().message
-                    status.update(state="lost", reason=why)
-                    relayed = sorted(p for p, link in links.items() if link.path == "relay")
-                    say(
-                        f"lost the rendezvous: {why}. The ring goes on serving on its direct links; a "
-                        "relayed link and new sessions need it (this member does not reconnect)"
-                        + (
-                            f"; this member's links to {', '.join(relayed)} are relayed: they carry on "
-                            "if the rendezvous restarts soon with the same relay secret"
-                            if relayed
-                            else ""
-                        )
-                    )
-                    return
+                    if pump is not None:
+                        pump.cancel()
+                    if not await back_to_rendezvous(self.client, status, lost.result().message, links):
+                        return
+                    lost, pump = asyncio.ensure_future(self.client.lost()), _pump(self.router)
+                    continue
                 event = self._translate(nxt.result())
                 if isinstance(event, fm.Left):  # the ring notices on its own links; logged above
                     continue
@@ -176,9 +180,11 @@ class Driver:
                     await self.carry(self.core.handle(event, self.now()))
         except SessionError as exc:  # a fatal error from the rendezvous, or a refusal it could not take
             status.update(state="lost", reason=str(exc))
-            say(f"the rendezvous: {exc}; the ring goes on serving on its direct links")
+            say(f"the rendezvous: {exc}; the ring goes on serving on its links")
         finally:
             lost.cancel()
+            if pump is not None:
+                pump.cancel()
 
     async def _feed_one(self, work: asyncio.Future[Any] | None) -> list[fm.Output]:
         if self._next is None:
