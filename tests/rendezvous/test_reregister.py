@@ -209,3 +209,18 @@ def test_limits_hold_for_re_registration() -> None:
     again.connect(31, "10.0.9.9", 0.0)
     got = reopen(again, 31, code, ticket)
     assert isinstance(got, sig.Error) and got.code == "rate_limited"
+
+
+def test_a_member_timed_out_without_a_restart_takes_its_place_back() -> None:
+    """A laptop that slept past the heartbeat timeout: the rendezvous dropped it (`timed_out`); on
+    waking it takes its own place back in the running session, the others see it back."""
+    reg = make()
+    code, _ = formed(reg)
+    for conn in (1, 3):
+        reg.receive(conn, sig.Heartbeat(), 29.0)
+    events = reg.tick(31.0)
+    assert [m.code for m in sends(events, 2) if isinstance(m, sig.Error)] == ["timed_out"]
+    assert 2 not in reg.sessions[code].members
+    events = rejoin(reg, 12, code, 2, now=32.0)
+    assert isinstance(sends(events, 12)[0], sig.Joined)
+    assert [type(m) for m in sends(events, 1)] == [sig.MemberUpdated]

@@ -334,25 +334,35 @@ async def _until(check, what: str, within: float = 20.0) -> None:
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.parametrize("path", ["direct", "relay (simulated: links forced onto the relay)"])
 async def test_a_formed_ring_serves_on_while_the_rendezvous_restarts_and_registers_its_session_again(
-    tmp_path, tiny_chat_model, monkeypatch
+    path, tmp_path, tiny_chat_model, monkeypatch
 ):
     """The rendezvous going away after forming: each member says so once, /session says
     "reconnecting" with the attempt and reason, the ring answers meanwhile; the rendezvous comes
     back on the same port with the same kept secret, the host re-opens the session under the same
     code and the member takes its place back, and a new member's join with the code reaches the
-    host again (which refuses it: the session has formed)."""
+    host again (which refuses it: the session has formed). With the ring's link on the relay (no
+    direct candidates offered: loopback would punch), the restarted relay takes the channel back
+    and the link serves across the restart."""
     from dataclasses import replace
 
     from kafila.api.service import Sampling
     from kafila.net.backoff import Backoff
+    from kafila.net.edge import EdgeOptions
     from kafila.rendezvous.server import ServerConfig
+    from kafila.session.forming import links as forming_links
     from kafila.session.forming import reconnect
     from tests.net.harness import LAB_LIMITS
 
     said: list[str] = []
     monkeypatch.setattr(reconnect, "say", lambda text: said.append(text))
     monkeypatch.setattr(reconnect, "SCHEDULE", Backoff(0.05, 0.4))
+    relayed = path != "direct"
+    if relayed:
+        monkeypatch.setattr(
+            forming_links, "EdgeOptions", lambda predicted_direct: EdgeOptions(False, use_direct=False)
+        )
     config = ServerConfig(
         host="127.0.0.1", port=0, udp_port=0, udp_alt_port=0, limits=LAB_LIMITS, relay_secret=bytes(range(32))
     )
@@ -366,6 +376,7 @@ async def test_a_formed_ring_serves_on_while_the_rendezvous_restarts_and_registe
     try:
         for f in formed:
             assert f.role.describe()["rendezvous"] == {"url": rdv.url, "state": "connected"}
+            assert {link.path for link in f.links.values()} == {"relay" if relayed else "direct"}
         await rdv.stop()
         lost = "lost the rendezvous: the rendezvous shut down or is restarting (WebSocket close 1012)"
         await _until(lambda: sum(s.startswith(lost) for s in said) == 2, "both say they lost it")
@@ -384,6 +395,11 @@ async def test_a_formed_ring_serves_on_while_the_rendezvous_restarts_and_registe
             assert seen["reconnects"] == 1 and seen["last_lost"] in lost, seen
         assert sum(s.startswith("back at the rendezvous after") for s in said) == 2, said
         assert again.registry is not None and again.registry.member_count == 2
+        gen = await formed[1].role.submit([4, 5, 6], Sampling(max_tokens=3))  # across the restarted relay
+        assert [ev async for ev in gen][-1].finish == "length"
+        for f in formed:
+            assert {link.path for link in f.links.values()} == {"relay" if relayed else "direct"}
+        assert again.relay.totals.recovered == (1 if relayed else 0)
         with pytest.raises(SessionError, match="this session has formed and takes no more members"):
             await join(code, opts(again, "late", tmp_path))
     finally:

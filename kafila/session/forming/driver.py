@@ -21,7 +21,7 @@ from kafila.proto import signaling as sig
 from kafila.session.errors import SessionError
 from kafila.session.forming import core as fm
 from kafila.session.forming.core import HostFormation, MemberFormation
-from kafila.session.forming.reconnect import back_to_rendezvous
+from kafila.session.forming.reconnect import REREGISTER_AFTER, back_to_rendezvous
 from kafila.session.progress import say
 
 log = get_logger("kafila.session.forming")
@@ -84,6 +84,7 @@ class Driver:
         self.inbox: asyncio.Queue[Callable[[float], list[fm.Output]]] = asyncio.Queue()
         self._inbox_next: asyncio.Task[Callable[[float], list[fm.Output]]] | None = None
         self.on_admit: Callable[[fm.Admit], None] | None = None  # the host's: link with that member
+        self.serving = False  # formed: a rendezvous lost is reconnected to (serve_formed)
 
     @staticmethod
     def now() -> float:
@@ -159,6 +160,7 @@ class Driver:
         "reconnecting" with the "attempt" and "reason", "connected" again, or "lost" when it
         refused this member for good)."""
         self.close()
+        self.serving = True
         lost = asyncio.ensure_future(self.client.lost())
         pump: asyncio.Future[None] | None = None  # the event pump of a connection made again
         try:
@@ -225,5 +227,8 @@ class Driver:
             log.warning("member_left", member=name, id=event.member, reason=event.reason)
             return fm.Left(event.member, event.reason)
         if isinstance(event, sig.Error) and event.fatal:
+            if self.serving and event.code in REREGISTER_AFTER:  # the loss that follows reconnects
+                log.warning("rendezvous_dropped_member", code=event.code, reason=event.message)
+                return None
             raise SessionError(f"the rendezvous ended the session: {event.message}")
         return None

@@ -43,6 +43,9 @@ RETRY = frozenset(
 )
 
 
+# fatal errors after which a formed member registers again: its connection fell silent (a laptop
+# that slept), or a session of one member outlived its code's time; not "removed" by the host
+REREGISTER_AFTER = frozenset({"timed_out", "code_expired"})
 SCHEDULE = Backoff()  # 0.5 s doubling to 30 s, jittered
 
 
