@@ -188,6 +188,7 @@ class SignalingClient:
         self.rtt_s: float | None = None  # last heartbeat round trip
         self.place: Place | None = None  # what to register again as after a lost connection
         self.highest_member = 0  # the highest member id heard of: a re-opened session keeps ids below
+        self.relay_legs: dict[int, sig.RelayAllocated] = {}  # by peer: named when registering again
         self._key: tuple[SessionCode, bytes, bytes] | None = None  # (code, salt, join key): scrypt once
 
     @classmethod
@@ -354,10 +355,16 @@ class SignalingClient:
             place.capability,
             place.nat,
             list(place.candidates),
+            self._relay_claims(),
             ref,
         )
         opened = await self._request(msg, ref, sig.Opened, timeout)
         self._entered(opened.session, opened.member, opened.heartbeat_s)
+
+    def _relay_claims(self) -> list[str]:
+        """The relay legs this member holds, for the restarted relay to learn whose they are."""
+        legs = list(self.relay_legs.values())[: sig.MAX_RELAY_CLAIMS]
+        return [sig.relay_leg_claim(g.channel, g.leg, g.peer, g.token) for g in legs]
 
     async def _rejoin(self, place: Place, timeout: float) -> None:
         assert place.code is not None and self.session is not None and self.member is not None
@@ -374,6 +381,7 @@ class SignalingClient:
             place.capability,
             place.nat,
             list(place.candidates),
+            self._relay_claims(),
             ref,
         )
         self._joined(await self._request(msg, ref, sig.Joined, timeout))
@@ -512,10 +520,14 @@ class SignalingClient:
         match msg:
             case sig.MemberJoined(info) | sig.MemberUpdated(info):
                 seen = info.id
-            case sig.MemberLeft(member, _) | sig.SignalFrom(member, _):
+            case sig.MemberLeft(member, _):
+                seen = member
+                self.relay_legs.pop(member, None)
+            case sig.SignalFrom(member, _):
                 seen = member
             case sig.RelayAllocated():
                 seen = msg.peer
+                self.relay_legs[msg.peer] = msg
             case _:
                 return
         self.highest_member = max(self.highest_member, seen)

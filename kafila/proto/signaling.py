@@ -48,6 +48,7 @@ MAX_REF = 64
 MAX_CANDIDATES = 16
 MAX_CANDIDATE = 64
 MAX_MEMBERS = 256
+MAX_RELAY_CLAIMS = 64  # relay legs a member names when it registers again (one per link on the relay)
 
 JsonObject = dict[str, Any]
 
@@ -162,6 +163,9 @@ class Reopen:
     capability: JsonObject = field(metadata=_m(max_bytes=MAX_OBJECT_BYTES))
     nat: JsonObject | None = field(default=None, metadata=_m(max_bytes=MAX_OBJECT_BYTES))
     candidates: list[str] = field(default_factory=list, metadata=_m(max_len=MAX_CANDIDATES))
+    # the relay legs this member holds, "CHANNEL/LEG/PEER/TOKEN" (token hex): the restarted relay
+    # learns whose channels it took back (relay_leg_claim)
+    relays: list[str] = field(default_factory=list, metadata=_m(max_len=MAX_RELAY_CLAIMS))
     ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
 
 
@@ -190,6 +194,7 @@ class Rejoin:
     capability: JsonObject = field(metadata=_m(max_bytes=MAX_OBJECT_BYTES))
     nat: JsonObject | None = field(default=None, metadata=_m(max_bytes=MAX_OBJECT_BYTES))
     candidates: list[str] = field(default_factory=list, metadata=_m(max_len=MAX_CANDIDATES))
+    relays: list[str] = field(default_factory=list, metadata=_m(max_len=MAX_RELAY_CLAIMS))  # as reopen's
     ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
 
 
@@ -646,6 +651,27 @@ def _jtype(value: Any) -> str:
     if isinstance(value, list):
         return "array"
     return "object"
+
+
+def relay_leg_claim(channel: int, leg: int, peer: int, token: str) -> str:
+    """A relay leg as `reopen` and `rejoin` name it."""
+    return f"{channel}/{leg}/{peer}/{token}"
+
+
+def parse_relay_leg_claim(text: str) -> tuple[int, int, int, bytes]:
+    """(channel, leg, peer, token) of a `relay_leg_claim`; ProtocolError naming what is wrong."""
+    parts = text.split("/")
+    try:
+        if len(parts) != 4 or not all(p.isascii() and p.isdecimal() for p in parts[:3]):
+            raise ValueError
+        channel, leg, peer, token = int(parts[0]), int(parts[1]), int(parts[2]), bytes.fromhex(parts[3])
+    except ValueError:
+        raise ProtocolError(f"relay leg {text!r}: expected CHANNEL/LEG/PEER/TOKEN (token in hex)") from None
+    if not (1 <= channel < 2**32 and leg in (0, 1) and 1 <= peer <= 2**31 and len(token) == 16):
+        raise ProtocolError(
+            f"relay leg {text!r}: a channel 1..2^32-1, leg 0 or 1, a member id, 16 token bytes"
+        )
+    return channel, leg, peer, token
 
 
 def signal_url(text: str) -> str:

@@ -508,7 +508,8 @@ class Registry:
         """The host registers its session again under the same code: the ticket shows that this
         rendezvous (or the one before its restart, with the same kept secret) accepted this code's
         salt and verifier from the host that protected it."""
-        checked = self._reopenable(state, msg, now)
+        claims = _relay_claims(msg.relays, msg.ref)
+        checked = claims if isinstance(claims, sig.Error) else self._reopenable(state, msg, now)
         if isinstance(checked, sig.Error):
             return [
                 Send(state.id, checked),
@@ -524,6 +525,8 @@ class Registry:
             self.sessions[code] = session
         session.next_id = max(session.next_id, msg.next_member)
         member = self._add_member(session, state, msg, host=True, mid=msg.member)
+        assert not isinstance(claims, sig.Error)
+        relays = self._adopt(session, member, claims, now)
         opened = sig.Opened(
             session=code,
             member=member.id,
@@ -538,6 +541,7 @@ class Registry:
             "session": code,
             "member": member.id,
             "members": len(session.members),
+            "relays": relays,
             "source": state.source,
         }
         out: list[Event] = [Send(state.id, opened), Note("session_reopened", fields)]
@@ -645,7 +649,18 @@ class Registry:
             )
         return "ok", session
 
+    def _adopt(self, session: Session, member: Member, claims: list[Claim], now: float) -> int:
+        """The relay legs a member registering again holds: how many channels learnt their session."""
+        return sum(
+            self.relay.adopt(session.code, member.id, peer, cid, leg, token, now)
+            for cid, leg, peer, token in claims
+            if 1 <= peer < session.next_id and peer != member.id
+        )
+
     def _rejoin(self, state: Conn, msg: sig.Rejoin, now: float) -> list[Event]:
+        claims = _relay_claims(msg.relays, msg.ref)
+        if isinstance(claims, sig.Error):
+            return [Send(state.id, claims)]
         outcome, result = self._try_rejoin(state, msg, now)
         self.joins[outcome] += 1
         note = Note(
@@ -655,6 +670,7 @@ class Registry:
         if isinstance(result, sig.Error):
             return [Send(state.id, result), note]
         session, member = result
+        self._adopt(session, member, claims, now)
         joined = sig.Joined(
             session=session.code,
             member=member.id,
@@ -834,6 +850,16 @@ class Registry:
         self._backoff.prune(now)
         self._open_by_addr.prune(now)
         return out
+
+
+Claim = tuple[int, int, int, bytes]  # a relay leg a member holds: channel, leg, peer, token
+
+
+def _relay_claims(texts: list[str], ref: str | None) -> list[Claim] | sig.Error:
+    try:
+        return [sig.parse_relay_leg_claim(t) for t in texts]
+    except ProtocolError as exc:
+        return sig.Error("bad_message", str(exc), ref=ref)
 
 
 def guesser_key(source: str) -> str:

@@ -30,7 +30,18 @@ CLIENT = [
     sig.Join("4-k7m2", "cd" * 32, "desk", {}, None, [], None),
     sig.TicketRequest("r6"),
     sig.Reopen(
-        "4-k7m2", "aa" * 32, "00" * 16, "ab" * 32, 1, 4, "smollm2-135m", 3, "laptop", {}, None, [], "r7"
+        "4-k7m2",
+        "aa" * 32,
+        "00" * 16,
+        "ab" * 32,
+        1,
+        4,
+        "smollm2-135m",
+        3,
+        "laptop",
+        {},
+        relays=[sig.relay_leg_claim(4_000_000_000, 1, 3, "cd" * 16)],
+        ref="r7",
     ),
     sig.RejoinChallenge("4-k7m2", 3, "r8"),
     sig.Rejoin("4-k7m2", "cd" * 32, 3, "desk", {"role": "member"}, {"class": "ordinary"}, ["10.0.0.2:5000"]),
@@ -348,3 +359,24 @@ def test_the_rendezvous_sends_tickets_and_members_send_the_re_registration_not_t
     assert info.value.code == "unknown_type"
     with pytest.raises(ProtocolError, match="unknown message type 'rejoin'"):
         sig.decode_server(sig.encode(sig.Rejoin("4-k7m2", "cd" * 32, 3, "desk", {})))
+
+
+def test_a_relay_leg_named_when_registering_again_reads_back_and_nothing_else_does() -> None:
+    claim = sig.relay_leg_claim(4_000_000_000, 1, 3, "cd" * 16)
+    assert len(claim) <= sig.MAX_CANDIDATE  # fits a list item of the message
+    assert sig.parse_relay_leg_claim(claim) == (4_000_000_000, 1, 3, bytes.fromhex("cd" * 16))
+    for bad in [
+        "1/0/2",
+        "1/0/2/cd/x",
+        f"0/0/2/{'cd' * 16}",
+        f"1/2/2/{'cd' * 16}",
+        f"1/0/0/{'cd' * 16}",
+        f"{2**32}/0/2/{'cd' * 16}",
+        f"+1/0/2/{'cd' * 16}",
+        f"1/0/ 2/{'cd' * 16}",
+        f"1/0/2/{'cd' * 15}",
+        "1/0/2/zz",
+        f"١/0/2/{'cd' * 16}",  # an Arabic-Indic digit is a decimal to Python, not here
+    ]:
+        with pytest.raises(ProtocolError, match="relay leg"):
+            sig.parse_relay_leg_claim(bad)

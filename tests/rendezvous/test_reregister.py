@@ -10,7 +10,7 @@ import random
 from kafila.proto import signaling as sig
 from kafila.proto.codes import join_proof
 from kafila.rendezvous.limits import Limits
-from kafila.rendezvous.registry import Event, ProbeInfo, Registry
+from kafila.rendezvous.registry import Event, ProbeInfo, Registry, Send
 from tests.rendezvous.test_registry import KEY, SALT, WRONG_KEY, join, open_session, sends
 
 KEPT = bytes(range(100, 132))  # the rendezvous's kept secret (its --relay-secret-file)
@@ -47,7 +47,13 @@ def reopen(
 
 
 def rejoin(
-    reg: Registry, conn: int, code: str, member: int, now: float = 0.0, key: bytes = KEY
+    reg: Registry,
+    conn: int,
+    code: str,
+    member: int,
+    now: float = 0.0,
+    key: bytes = KEY,
+    relays: tuple[str, ...] = (),
 ) -> list[Event]:
     if conn not in reg.conns:
         reg.connect(conn, f"10.0.1.{conn}", now)
@@ -56,7 +62,8 @@ def rejoin(
     if not isinstance(challenge, sig.Challenge):
         return events
     proof = join_proof(key, challenge.session, bytes.fromhex(challenge.nonce))
-    return reg.receive(conn, sig.Rejoin(code, proof.hex(), member, f"m{member}", {"bw": member}), now)
+    msg = sig.Rejoin(code, proof.hex(), member, f"m{member}", {"bw": member}, relays=list(relays))
+    return reg.receive(conn, msg, now)
 
 
 def formed(reg: Registry) -> tuple[str, str]:
@@ -224,3 +231,42 @@ def test_a_member_timed_out_without_a_restart_takes_its_place_back() -> None:
     events = rejoin(reg, 12, code, 2, now=32.0)
     assert isinstance(sends(events, 12)[0], sig.Joined)
     assert [type(m) for m in sends(events, 1)] == [sig.MemberUpdated]
+
+
+def test_the_restarted_relay_learns_whose_channels_it_took_back_from_members_registering_again() -> None:
+    """A relay channel taken back from its tokens after a restart knows neither session nor members;
+    the members name their legs when they take their places back, so it is the session's again:
+    counted in its limits, released when a member leaves, and the one a new request for the edge
+    gets. A leg named with a token the secret did not sign changes nothing."""
+    from kafila.proto import udp
+    from kafila.rendezvous.relay import RelayTable
+
+    limits = Limits()
+    reg = Registry(limits, RelayTable(limits, KEPT), kept_secret=KEPT)
+    code, ticket = formed(reg)
+    events = reg.receive(2, sig.RelayRequest(3, "r"), 0.0)
+    grants = {
+        e.conn: e.message for e in events if isinstance(e, Send) and isinstance(e.message, sig.RelayAllocated)
+    }
+    two, three = grants[2], grants[3]
+    relay = RelayTable(limits, KEPT, started=100.0)  # restarted: the link re-binds its leg first
+    ack = relay.bind(udp.RelayBind(two.channel, bytes.fromhex(two.token)), ("10.0.0.2", 5000), 0, 100.0)
+    assert isinstance(ack, udp.RelayBindAck) and relay.channels[two.channel].session.startswith("recovered-")
+    again = Registry(limits, relay, kept_secret=KEPT)
+    reopen(again, 11, code, ticket, now=101.0)
+    forged = sig.relay_leg_claim(two.channel, two.leg, 1, "00" * 16)
+    rejoin(again, 12, code, 2, now=101.0, relays=(forged,))
+    assert relay.channels[two.channel].session.startswith("recovered-")  # not the session's
+    again.receive(12, sig.Leave(), 101.5)
+    rejoin(again, 13, code, 2, now=102.0, relays=(sig.relay_leg_claim(two.channel, two.leg, 3, two.token),))
+    channel = relay.channels[two.channel]
+    assert channel.session == code and {g.member for g in channel.legs} == {2, 3}
+    rejoin(
+        again, 14, code, 3, now=102.0, relays=(sig.relay_leg_claim(three.channel, three.leg, 2, three.token),)
+    )
+    assert [g.member for g in channel.legs] == [g.member for g in reg.relay.channels[two.channel].legs]
+    # a new request for the edge gets the same channel, and leaving releases it
+    events = again.receive(14, sig.RelayRequest(2, "again"), 103.0)
+    assert {m.channel for m in sends(events) if isinstance(m, sig.RelayAllocated)} == {two.channel}
+    again.receive(13, sig.Leave(), 104.0)
+    assert two.channel not in relay.channels

@@ -416,7 +416,10 @@ async def test_a_formed_ring_serves_on_while_the_rendezvous_restarts_and_registe
         assert await _generate(formed[1].role, [4, 5, 6]) == "length"  # across the restarted relay too
         for f in formed:
             assert {link.path for link in f.links.values()} == {"relay" if relayed else "direct"}
-        assert again.relay.totals.recovered == (1 if relayed else 0)
+        # the members named their relay legs when they came back (a direct link keeps one as its
+        # fallback): the restarted relay has the channel back, and knows it is the session's
+        assert again.relay.totals.recovered == 1
+        assert {c.session for c in again.relay.channels.values()} == set(again.registry.sessions)
         with pytest.raises(SessionError, match="this session has formed and takes no more members"):
             await join(code, opts(again, "late", tmp_path))
     finally:
