@@ -248,16 +248,7 @@ class Registry:
         session = Session(code, msg.model, msg.members_expected, now + self.limits.code_ttl_s)
         self.sessions[code] = session
         member = self._add_member(session, state, msg, host=True)
-        opened = sig.Opened(
-            session=code,
-            member=member.id,
-            expires_in=self.limits.code_ttl_s,
-            heartbeat_s=self.limits.heartbeat_s,
-            probe_port=self.probe.port,
-            probe_alt_port=self.probe.alt_port,
-            probe_alt_host=self.probe.alt_host,
-            ref=msg.ref,
-        )
+        opened = self._opened(code, member, self.limits.code_ttl_s, msg.ref)
         fields = {
             "session": code,
             "model": msg.model,
@@ -265,6 +256,18 @@ class Registry:
             "source": state.source,
         }
         return [Send(state.id, opened), Note("session_opened", fields)]
+
+    def _opened(self, code: str, member: Member, expires_in: float, ref: str | None) -> sig.Opened:
+        return sig.Opened(
+            session=code,
+            member=member.id,
+            expires_in=expires_in,
+            heartbeat_s=self.limits.heartbeat_s,
+            probe_port=self.probe.port,
+            probe_alt_port=self.probe.alt_port,
+            probe_alt_host=self.probe.alt_host,
+            ref=ref,
+        )
 
     def _refuse_open(self, state: Conn, msg: sig.Open | sig.Reopen, now: float) -> sig.Error | None:
         lim = self.limits
@@ -303,7 +306,14 @@ class Registry:
         if isinstance(result, sig.Error):
             return [Send(state.id, result), note]
         session, member = result
-        joined = sig.Joined(
+        return [
+            Send(state.id, self._joined(session, member, msg.ref)),
+            note,
+            *self._tell(session, member, True),
+        ]
+
+    def _joined(self, session: Session, member: Member, ref: str | None) -> sig.Joined:
+        return sig.Joined(
             session=session.code,
             member=member.id,
             model=session.model,
@@ -313,13 +323,13 @@ class Registry:
             probe_port=self.probe.port,
             probe_alt_port=self.probe.alt_port,
             probe_alt_host=self.probe.alt_host,
-            ref=msg.ref,
+            ref=ref,
         )
-        out: list[Event] = [Send(state.id, joined), note]
-        out += [
-            Send(m.conn, sig.MemberJoined(member.info)) for m in session.members.values() if m is not member
-        ]
-        return out
+
+    def _tell(self, session: Session, member: Member, new: bool) -> list[Event]:
+        """The others hear of `member`: a new one (`member_joined`), or one back (`member_updated`)."""
+        told = sig.MemberJoined(member.info) if new else sig.MemberUpdated(member.info)
+        return [Send(m.conn, told) for m in session.members.values() if m is not member]
 
     def _protect(self, state: Conn, msg: sig.Protect) -> list[Event]:
         session, member = self._member(state)
@@ -347,16 +357,47 @@ class Registry:
     def _challenge(self, state: Conn, msg: sig.JoinChallenge, now: float) -> list[Event]:
         """A nonce for one join, once the code names a live session that takes joins; the answer
         carries the session's salt and nothing about its members."""
-        outcome, found = self._joinable(state, msg.session, msg.ref, now)
-        if isinstance(found, sig.Error):
+        found = self._joinable(state, msg.session, msg.ref, now)
+        return self._give_challenge(state, found, "join", msg.session, msg.ref, None, now)
+
+    def _give_challenge(
+        self,
+        state: Conn,
+        found: tuple[str, sig.Error | Session],
+        kind: str,
+        text: str,
+        ref: str | None,
+        member: int | None,
+        now: float,
+    ) -> list[Event]:
+        """A nonce for one `kind` ("join", or "rejoin" of `member`) on the session found, or the
+        refusal (counted with the joins)."""
+        outcome, session = found
+        if isinstance(session, sig.Error):
             self.joins[outcome] += 1
-            note = Note("join", {"outcome": outcome, "source": state.source, "session": msg.session})
-            return [Send(state.id, found), note]
-        assert found.salt is not None
+            note = Note(kind, {"outcome": outcome, "source": state.source, "session": text})
+            return [Send(state.id, session), note]
+        assert session.salt is not None
         nonce = secrets.token_bytes(codes.JOIN_NONCE_BYTES)
-        state.challenge = (found.code, nonce, now + self.limits.challenge_s, None)
-        reply = sig.Challenge(found.code, found.salt.hex(), nonce.hex(), self.limits.challenge_s, msg.ref)
+        state.challenge = (session.code, nonce, now + self.limits.challenge_s, member)
+        reply = sig.Challenge(session.code, session.salt.hex(), nonce.hex(), self.limits.challenge_s, ref)
         return [Send(state.id, reply)]
+
+    def _asked_for(self, state: Conn, text: str, ref: str | None, now: float) -> tuple[str, sig.Error | str]:
+        """The public code a challenge asks about, or why it is refused before that: a connection
+        already in a session, the per-address limit, a malformed code."""
+        if state.session is not None:
+            why = f"this connection is already in session {state.session}"
+            return "already_in_session", sig.Error("already_in_session", why, ref=ref)
+        guesser = guesser_key(state.source)
+        if not self._join_by_addr.take(guesser, now):
+            wait = self._join_by_addr.retry_after(guesser, now)
+            why = f"too many join attempts from {state.source}; retry in {wait:.0f} s"
+            return "rate_limited", sig.Error("rate_limited", why, ref=ref)
+        try:
+            return "ok", codes.parse_public(text)
+        except ProtocolError as exc:
+            return "bad_code", sig.Error("bad_code", str(exc), ref=ref)
 
     def _joinable(
         self, state: Conn, text: str, ref: str | None, now: float
@@ -366,16 +407,9 @@ class Registry:
         def err(outcome: str, message: str) -> tuple[str, sig.Error]:
             return outcome, sig.Error(outcome, message, ref=ref)
 
-        if state.session is not None:
-            return err("already_in_session", f"this connection is already in session {state.session}")
-        guesser = guesser_key(state.source)
-        if not self._join_by_addr.take(guesser, now):
-            wait = self._join_by_addr.retry_after(guesser, now)
-            return err("rate_limited", f"too many join attempts from {state.source}; retry in {wait:.0f} s")
-        try:
-            code = codes.parse_public(text)
-        except ProtocolError as exc:
-            return err("bad_code", str(exc))
+        outcome, code = self._asked_for(state, text, ref, now)
+        if isinstance(code, sig.Error):
+            return outcome, code
         session = self.sessions.get(code)
         if session is None:
             return err("unknown_session", f"no open session with code {code} (wrong or expired code)")
@@ -408,14 +442,8 @@ class Registry:
 
         if state.session is not None:
             return err("already_in_session", f"this connection is already in session {state.session}")
-        challenge, state.challenge = state.challenge, None  # one join per nonce, right or wrong
-        code = challenge[0] if challenge is not None else None
-        if (
-            challenge is None
-            or challenge[3] is not None
-            or code != _normal(msg.session)
-            or now >= challenge[2]
-        ):
+        challenge = self._spend_challenge(state, msg.session, None, now)
+        if challenge is None:
             return err(
                 "no_challenge", "ask for a join_challenge on this session first (a nonce serves one join)"
             )
@@ -432,6 +460,21 @@ class Registry:
         session.joins += 1
         session.code_deadline = now + self.limits.code_ttl_s
         return "ok", (session, self._add_member(session, state, msg, host=False))
+
+    def _spend_challenge(
+        self, state: Conn, text: str, member: int | None, now: float
+    ) -> tuple[str, bytes] | None:
+        """The (session, nonce) of the connection's live challenge for this request (a join: member
+        None; a rejoin: its member), used up right or wrong: one request per nonce. None: none."""
+        challenge, state.challenge = state.challenge, None
+        if (
+            challenge is None
+            or challenge[3] != member
+            or challenge[0] != _normal(text)
+            or now >= challenge[2]
+        ):
+            return None
+        return challenge[0], challenge[1]
 
     def _check_proof(
         self, state: Conn, session: Session, proof: str, nonce: bytes, now: float
@@ -527,16 +570,7 @@ class Registry:
         member = self._add_member(session, state, msg, host=True, mid=msg.member)
         assert not isinstance(claims, sig.Error)
         relays = self._adopt(session, member, claims, now)
-        opened = sig.Opened(
-            session=code,
-            member=member.id,
-            expires_in=max(0.0, session.code_deadline - now),
-            heartbeat_s=self.limits.heartbeat_s,
-            probe_port=self.probe.port,
-            probe_alt_port=self.probe.alt_port,
-            probe_alt_host=self.probe.alt_host,
-            ref=msg.ref,
-        )
+        opened = self._opened(code, member, max(0.0, session.code_deadline - now), msg.ref)
         fields = {
             "session": code,
             "member": member.id,
@@ -544,10 +578,7 @@ class Registry:
             "relays": relays,
             "source": state.source,
         }
-        out: list[Event] = [Send(state.id, opened), Note("session_reopened", fields)]
-        return out + [
-            Send(m.conn, sig.MemberUpdated(member.info)) for m in session.members.values() if m is not member
-        ]
+        return [Send(state.id, opened), Note("session_reopened", fields), *self._tell(session, member, False)]
 
     def _reopenable(self, state: Conn, msg: sig.Reopen, now: float) -> sig.Error | tuple[str, bytes, bytes]:
         """(code, salt, verifier) of a `reopen` that may take its code, or the error that says why not."""
@@ -596,16 +627,8 @@ class Registry:
     def _rejoin_challenge(self, state: Conn, msg: sig.RejoinChallenge, now: float) -> list[Event]:
         """A nonce for a member taking its place back in a re-opened session: no limit on the
         session's size or its code's time (the place is its own), the per-address limit as for joins."""
-        outcome, found = self._rejoinable(state, msg.session, msg.member, msg.ref, now)
-        if isinstance(found, sig.Error):
-            self.joins[outcome] += 1
-            note = Note("rejoin", {"outcome": outcome, "source": state.source, "session": msg.session})
-            return [Send(state.id, found), note]
-        assert found.salt is not None
-        nonce = secrets.token_bytes(codes.JOIN_NONCE_BYTES)
-        state.challenge = (found.code, nonce, now + self.limits.challenge_s, msg.member)
-        reply = sig.Challenge(found.code, found.salt.hex(), nonce.hex(), self.limits.challenge_s, msg.ref)
-        return [Send(state.id, reply)]
+        found = self._rejoinable(state, msg.session, msg.member, msg.ref, now)
+        return self._give_challenge(state, found, "rejoin", msg.session, msg.ref, msg.member, now)
 
     def _rejoinable(
         self, state: Conn, text: str, member: int, ref: str | None, now: float
@@ -613,16 +636,9 @@ class Registry:
         def err(outcome: str, message: str) -> tuple[str, sig.Error]:
             return outcome, sig.Error(outcome, message, ref=ref)
 
-        if state.session is not None:
-            return err("already_in_session", f"this connection is already in session {state.session}")
-        guesser = guesser_key(state.source)
-        if not self._join_by_addr.take(guesser, now):
-            wait = self._join_by_addr.retry_after(guesser, now)
-            return err("rate_limited", f"too many join attempts from {state.source}; retry in {wait:.0f} s")
-        try:
-            code = codes.parse_public(text)
-        except ProtocolError as exc:
-            return err("bad_code", str(exc))
+        outcome, code = self._asked_for(state, text, ref, now)
+        if isinstance(code, sig.Error):
+            return outcome, code
         session = self.sessions.get(code)
         if session is None or session.verifier is None:
             return err(
@@ -671,21 +687,10 @@ class Registry:
             return [Send(state.id, result), note]
         session, member = result
         self._adopt(session, member, claims, now)
-        joined = sig.Joined(
-            session=session.code,
-            member=member.id,
-            model=session.model,
-            members_expected=session.members_expected,
-            members=[m.info for m in session.members.values()],
-            heartbeat_s=self.limits.heartbeat_s,
-            probe_port=self.probe.port,
-            probe_alt_port=self.probe.alt_port,
-            probe_alt_host=self.probe.alt_host,
-            ref=msg.ref,
-        )
-        out: list[Event] = [Send(state.id, joined), note]
-        return out + [
-            Send(m.conn, sig.MemberUpdated(member.info)) for m in session.members.values() if m is not member
+        return [
+            Send(state.id, self._joined(session, member, msg.ref)),
+            note,
+            *self._tell(session, member, False),
         ]
 
     def _try_rejoin(
@@ -696,13 +701,8 @@ class Registry:
 
         if state.session is not None:
             return err("already_in_session", f"this connection is already in session {state.session}")
-        challenge, state.challenge = state.challenge, None  # one rejoin per nonce, right or wrong
-        if (
-            challenge is None
-            or challenge[3] != msg.member
-            or challenge[0] != _normal(msg.session)
-            or now >= challenge[2]
-        ):
+        challenge = self._spend_challenge(state, msg.session, msg.member, now)
+        if challenge is None:
             return err(
                 "no_challenge",
                 f"ask for a rejoin_challenge for member {msg.member} on this session first "
