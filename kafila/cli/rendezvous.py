@@ -133,8 +133,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--relay-secret-file",
         default=None,
         metavar="PATH",
-        help="the relay's secret (hex), created (mode 0600) if missing: with the same file a restarted "
-        "rendezvous takes running sessions' relay channels back (default: a new secret each start)",
+        help="the rendezvous's kept secret (hex), created (mode 0600) if missing: with the same file a "
+        "restarted rendezvous takes running sessions back (their hosts re-open them) and their relay "
+        "channels (default: a new secret each start, and no session outlives a restart)",
     )
     parser.add_argument(
         "--log-format",
@@ -282,6 +283,12 @@ def main(args: argparse.Namespace) -> int:
             log.error("relay_secret", path=args.relay_secret_file, error=str(exc))
             return 2
         log.info("relay_secret", path=args.relay_secret_file, created=created)
+    else:  # said once at start, not discovered by a host refused after a restart
+        log.info(
+            "no_kept_secret",
+            note="sessions and relay channels will not outlive a restart of this rendezvous; "
+            "keep them with --relay-secret-file FILE",
+        )
     config = ServerConfig(
         host=args.host,
         port=args.port,
