@@ -423,9 +423,10 @@ class SignalingClient:
 
     async def next_event(self, timeout: float | None = None) -> sig.ServerMessage:
         """The next unsolicited message; raises SignalingClosed once the connection is gone."""
-        item = await asyncio.wait_for(self._events.get(), timeout)
+        events = self._events  # a reconnect gives the next connection a queue of its own
+        item = await asyncio.wait_for(events.get(), timeout)
         if item is None:
-            self._events.put_nowait(None)  # keep raising for later callers
+            events.put_nowait(None)  # keep raising for later callers
             raise self._closed or SignalingClosed("closed", "connection closed")
         return item
 
