@@ -265,6 +265,13 @@ class SignalingClient:
             ref = self._ref()
             got = await self._request(sig.TicketRequest(ref), ref, sig.Ticket, timeout)
             ticket = bytes.fromhex(got.ticket)
+            if not got.kept:
+                log.warning(
+                    "session_ends_with_rendezvous",
+                    session=got.session,
+                    why="the rendezvous keeps no secret across restarts (no --relay-secret-file): after "
+                    "one, this session cannot be re-opened",
+                )
         except (SignalingError, ValueError) as exc:
             if isinstance(exc, SignalingClosed):
                 raise

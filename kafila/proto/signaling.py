@@ -278,6 +278,7 @@ class Ticket:
     TYPE: ClassVar[str] = "ticket"
     session: str = field(metadata=_m(max_len=32))
     ticket: str = field(metadata=_m(max_len=2 * 64))
+    kept: bool = field(default=False, metadata=_m())  # the secret outlives a restart: so does the ticket
     ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
 
 

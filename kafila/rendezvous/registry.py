@@ -545,7 +545,7 @@ class Registry:
             text = f"session {session.code} has no verifier yet: send protect first"
             return [Send(state.id, sig.Error("not_ready", text, ref=ref))]
         ticket = make_ticket(self._ticket_key, session.code, session.salt, session.verifier)
-        return [Send(state.id, sig.Ticket(session.code, ticket.hex(), ref))]
+        return [Send(state.id, sig.Ticket(session.code, ticket.hex(), self.secret_kept, ref))]
 
     def _reopen(self, state: Conn, msg: sig.Reopen, now: float) -> list[Event]:
         """The host registers its session again under the same code: the ticket shows that this

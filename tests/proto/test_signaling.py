@@ -56,7 +56,7 @@ CLIENT = [
 SERVER = [
     sig.Opened("4-k7m2", 1, 600.0, 10.0, 3478, 3479, "203.0.113.9", "r1"),
     sig.Protected("4-k7m2", "r0"),
-    sig.Ticket("4-k7m2", "aa" * 32, "r6"),
+    sig.Ticket("4-k7m2", "aa" * 32, True, "r6"),
     sig.Challenge("4-k7m2", "00" * 16, "ef" * 16, 30.0, "r5"),
     sig.Joined("4-k7m2", 2, "smollm2-135m", 3, [INFO], 10.0),
     sig.MemberJoined(INFO),

@@ -27,7 +27,7 @@ def make(kept: bytes | None = KEPT, seed: int = 1) -> Registry:
 
 def ticket_of(reg: Registry, conn: int = 1) -> str:
     (got,) = sends(reg.receive(conn, sig.TicketRequest("t"), 0.0))
-    assert isinstance(got, sig.Ticket) and got.ref == "t"
+    assert isinstance(got, sig.Ticket) and got.ref == "t" and got.kept == reg.secret_kept
     return got.ticket
 
 
