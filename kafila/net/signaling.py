@@ -189,6 +189,7 @@ class SignalingClient:
         self.place: Place | None = None  # what to register again as after a lost connection
         self.highest_member = 0  # the highest member id heard of: a re-opened session keeps ids below
         self.relay_legs: dict[int, sig.RelayAllocated] = {}  # by peer: named when registering again
+        self.outlives_restart: bool | None = None  # the host's session, per its ticket (None: no ticket)
         self._key: tuple[SessionCode, bytes, bytes] | None = None  # (code, salt, join key): scrypt once
 
     @classmethod
@@ -265,13 +266,7 @@ class SignalingClient:
             ref = self._ref()
             got = await self._request(sig.TicketRequest(ref), ref, sig.Ticket, timeout)
             ticket = bytes.fromhex(got.ticket)
-            if not got.kept:
-                log.warning(
-                    "session_ends_with_rendezvous",
-                    session=got.session,
-                    why="the rendezvous keeps no secret across restarts (no --relay-secret-file): after "
-                    "one, this session cannot be re-opened",
-                )
+            self.outlives_restart = got.kept
         except (SignalingError, ValueError) as exc:
             if isinstance(exc, SignalingClosed):
                 raise

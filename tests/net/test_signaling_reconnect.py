@@ -65,6 +65,7 @@ async def test_host_and_member_register_again_with_their_ids_and_a_new_member_jo
         with pytest.raises(SignalingError, match="has not re-registered it") as early:
             await member.reconnect()
         assert early.value.code == "unknown_session"
+        assert host.outlives_restart is True
         await host.reconnect()
         assert (host.session, host.member) == (opened.session, opened.member)
         await member.reconnect()
@@ -95,6 +96,7 @@ async def test_a_restart_without_the_kept_secret_is_refused_and_said_so() -> Non
     opened = await host.open_session("m", 1, "h", {})
     await host.protect(new_code(opened.session))
     try:
+        assert host.outlives_restart is False
         rdv = await _restart(rdv, secret=None)
         await asyncio.wait_for(host.lost(), 10)
         with pytest.raises(
