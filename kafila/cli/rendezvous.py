@@ -283,12 +283,6 @@ def main(args: argparse.Namespace) -> int:
             log.error("relay_secret", path=args.relay_secret_file, error=str(exc))
             return 2
         log.info("relay_secret", path=args.relay_secret_file, created=created)
-    else:  # said once at start, not discovered by a host refused after a restart
-        log.info(
-            "no_kept_secret",
-            note="sessions and relay channels will not outlive a restart of this rendezvous; "
-            "keep them with --relay-secret-file FILE",
-        )
     config = ServerConfig(
         host=args.host,
         port=args.port,

@@ -126,7 +126,14 @@ class RendezvousServer:
                 await self._task  # raises what went wrong
                 raise RuntimeError("rendezvous HTTP server stopped while starting")
             await asyncio.sleep(0.01)
-        log.info("rendezvous_started", url=self.url, udp_port=self.udp.port, udp_alt_port=self.udp.alt_port)
+        log.info(
+            "rendezvous_started",
+            url=self.url,
+            udp_port=self.udp.port,
+            udp_alt_port=self.udp.alt_port,
+            # a kept secret (--relay-secret-file): sessions and relay channels outlive a restart
+            sessions_outlive_restart=cfg.relay_secret is not None,
+        )
 
     def _uvicorn_config(self, app: Starlette) -> uvicorn.Config:
         cfg = self.config
