@@ -133,8 +133,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--relay-secret-file",
         default=None,
         metavar="PATH",
-        help="the relay's secret (hex), created (mode 0600) if missing: with the same file a restarted "
-        "rendezvous takes running sessions' relay channels back (default: a new secret each start)",
+        help="the rendezvous's kept secret (hex), created (mode 0600) if missing: with the same file a "
+        "restarted rendezvous takes running sessions back (their hosts re-open them) and their relay "
+        "channels (default: a new secret each start, and no session outlives a restart)",
     )
     parser.add_argument(
         "--log-format",

@@ -139,6 +139,8 @@ class LocalFleet:
     cpus: dict[str, int | None] = field(default_factory=dict, init=False)
     _rendezvous: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _rdv_log: Path | None = field(default=None, init=False)
+    _rdv_cmd: list[str] | None = field(default=None, init=False)
+    _rdv_starts: int = field(default=0, init=False)
     _closed: bool = field(default=False, init=False)
     _sigterm: Any = field(default=None, init=False)  # SIGTERM's handler before start(), if it changed
     _serial: int = field(default_factory=lambda: next(_SERIALS), init=False)  # several fleets in one process
@@ -338,12 +340,30 @@ class LocalFleet:
             raise FleetError(self.shares_note)
         print(f"kafila: {self.shares_note}", file=sys.stderr, flush=True)
 
+    def stop_rendezvous(self, how: int = signal.SIGKILL) -> None:
+        """Stop the rendezvous process (SIGKILL: it crashed; SIGTERM: a clean restart); members go on."""
+        if self._rendezvous is not None:
+            _stop([self._rendezvous], how, grace_s=5.0)
+
+    def restart_rendezvous(self) -> None:
+        """Start the rendezvous again on the same ports with the same kept secret (a restart); its
+        log goes to rendezvous.N.log."""
+        self.stop_rendezvous(signal.SIGTERM)  # a no-op once it was stopped
+        self._start_rendezvous()
+
     def _start_rendezvous(self) -> None:
         assert self.workdir is not None
-        self._rdv_log = self.workdir / "rendezvous.log"
-        port = _free_tcp_port()
-        cmd = [*_PYTHON, "-m", "kafila", "rendezvous", "--host", "127.0.0.1", "--port", str(port)]
-        cmd += ["--udp-port", "0", "--udp-alt-port", "0", "--log-format", "json"]
+        starts = self._rdv_starts = self._rdv_starts + 1
+        self._rdv_log = self.workdir / ("rendezvous.log" if starts == 1 else f"rendezvous.{starts}.log")
+        if self._rdv_cmd is None:  # ports chosen once, so a restart comes back where members look
+            port, udp = _free_tcp_port(), _free_udp_port()
+            alt = next(p for p in iter(_free_udp_port, None) if p != udp)
+            key = self.workdir / "rendezvous.key"  # its kept secret: sessions and relay channels
+            cmd = [*_PYTHON, "-m", "kafila", "rendezvous", "--host", "127.0.0.1", "--port", str(port)]
+            cmd += ["--udp-port", str(udp), "--udp-alt-port", str(alt), "--log-format", "json"]
+            self._rdv_cmd = [*cmd, "--relay-secret-file", str(key)]
+        cmd = self._rdv_cmd
+        port = int(cmd[cmd.index("--port") + 1])
         self._rendezvous = _spawn(cmd, self._rdv_log)
         # ready once it answers its health check: whatever its log level lets it write
         deadline = time.monotonic() + 30.0
@@ -559,6 +579,13 @@ def _stop(procs: list[subprocess.Popen[bytes]], sig: int, grace_s: float) -> Non
 def _free_tcp_port() -> int:
     """A TCP port free on 127.0.0.1 now, for a child that must be found there (the rendezvous)."""
     with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _free_udp_port() -> int:
+    """A UDP port free on 127.0.0.1 now (the rendezvous's probe and relay ports)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 

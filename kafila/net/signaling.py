@@ -21,6 +21,12 @@ for. Refusals raise `SignalingError(code, message)`; a lost connection raises `S
 A fatal error (the host removed this member, its code expired, ...) arrives as an `Error` event,
 and the `SignalingClosed` that follows names it too.
 
+After a lost connection, `reconnect()` dials the same URL again on the same object and registers
+this member again as what it was: the host re-opens its session with the ticket it got after
+`protect` (`reopen`), a member takes its place back with the proof of the code (`rejoin`); its
+member id stays (docs/rendezvous.md, "Re-registering after a restart"). A refusal raises
+`SignalingError` and leaves the client lost, ready for another `reconnect()`.
+
 TLS: `wss://` URLs verify the rendezvous certificate against the system trust store, or against
 `ca_file` only, or (`fingerprint`) pin the SHA-256 of its certificate instead of a CA.
 """
@@ -37,6 +43,7 @@ import socket
 import ssl
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
@@ -138,9 +145,36 @@ def _whole_code(code: SessionCode | str) -> SessionCode:
         ) from None
 
 
+@dataclass(frozen=True, slots=True)
+class Place:
+    """What this client registered as, to register it again after the connection was lost."""
+
+    host: bool
+    name: str
+    capability: sig.JsonObject
+    nat: sig.JsonObject | None = None
+    candidates: list[str] = field(default_factory=list)
+    model: str = ""  # the host's session
+    members_expected: int = 1
+    protection: tuple[bytes, bytes] | None = None  # the host's (salt, verifier)
+    ticket: bytes | None = None  # the host's re-open ticket
+    code: SessionCode | None = None  # a member's whole code (its proof for `rejoin`)
+
+
+@dataclass(frozen=True, slots=True)
+class Dial:
+    """How the connection was made, to make it again."""
+
+    url: str
+    ca_file: str | None = None
+    fingerprint: str | None = None
+    open_timeout: float = 10.0
+
+
 class SignalingClient:
-    def __init__(self, ws: ClientConnection) -> None:
+    def __init__(self, ws: ClientConnection, dial: Dial | None = None) -> None:
         self._ws = ws
+        self._dial = dial
         self._refs = itertools.count(1)
         self._pending: dict[str, asyncio.Future[sig.ServerMessage]] = {}
         self._events: asyncio.Queue[sig.ServerMessage | None] = asyncio.Queue()
@@ -152,6 +186,11 @@ class SignalingClient:
         self.session: str | None = None
         self.probe: tuple[int | None, int | None, str | None] = (None, None, None)
         self.rtt_s: float | None = None  # last heartbeat round trip
+        self.place: Place | None = None  # what to register again as after a lost connection
+        self.highest_member = 0  # the highest member id heard of: a re-opened session keeps ids below
+        self.relay_legs: dict[int, sig.RelayAllocated] = {}  # by peer: named when registering again
+        self.outlives_restart: bool | None = None  # the host's session, per its ticket (None: no ticket)
+        self._key: tuple[SessionCode, bytes, bytes] | None = None  # (code, salt, join key): scrypt once
 
     @classmethod
     async def connect(
@@ -162,19 +201,25 @@ class SignalingClient:
         fingerprint: str | None = None,
         open_timeout: float = 10.0,
     ) -> SignalingClient:
-        ctx = client_ssl_context(ca_file, fingerprint) if url.startswith("wss://") else None
+        dial = Dial(url, ca_file, fingerprint, open_timeout)
+        return cls(await cls._open(dial), dial)
+
+    @classmethod
+    async def _open(cls, dial: Dial) -> ClientConnection:
+        url, fingerprint = dial.url, dial.fingerprint
+        ctx = client_ssl_context(dial.ca_file, fingerprint) if url.startswith("wss://") else None
         pin = _normalize_fingerprint(fingerprint) if fingerprint is not None else None
         ws = await connect(
             url,
             ssl=ctx,
-            open_timeout=open_timeout,
+            open_timeout=dial.open_timeout,
             max_size=sig.MAX_SERVER_MESSAGE_BYTES,
             compression=None,
             proxy=None,
         )
         if pin is not None:
             await cls._check_pin(ws, pin, url)
-        return cls(ws)
+        return ws
 
     @staticmethod
     async def _check_pin(ws: ClientConnection, pin: bytes, url: str) -> None:
@@ -205,15 +250,29 @@ class SignalingClient:
         opened = await self._request(msg, ref, sig.Opened, timeout)
         self._entered(opened.session, opened.member, opened.heartbeat_s)
         self.probe = (opened.probe_port, opened.probe_alt_port, opened.probe_alt_host)
+        self.place = Place(True, name, capability, nat, list(candidates), model, members_expected)
         return opened
 
     async def protect(self, code: SessionCode, timeout: float = 10.0) -> None:
         """Host, right after `open_session`: register the join verifier of `code` (its secret part
-        never leaves this machine); the session takes joins from then on."""
+        never leaves this machine); the session takes joins from then on. Then it asks for the
+        session's re-open ticket, kept for `reconnect()` (a rendezvous without tickets: none)."""
         salt = secrets.token_bytes(codes.JOIN_SALT_BYTES)
         key = await asyncio.to_thread(codes.join_key, code, salt)  # scrypt: about 50 ms of CPU
         ref = self._ref()
         await self._request(sig.Protect(salt.hex(), key.hex(), ref), ref, sig.Protected, timeout)
+        ticket = None
+        try:
+            ref = self._ref()
+            got = await self._request(sig.TicketRequest(ref), ref, sig.Ticket, timeout)
+            ticket = bytes.fromhex(got.ticket)
+            self.outlives_restart = got.kept
+        except (SignalingError, ValueError) as exc:
+            if isinstance(exc, SignalingClosed):
+                raise
+            log.warning("no_reopen_ticket", error=str(exc))  # this session will not outlive a restart
+        if self.place is not None:
+            self.place = replace(self.place, protection=(salt, key), ticket=ticket)
 
     async def join(
         self,
@@ -229,14 +288,105 @@ class SignalingClient:
         code = _whole_code(code)
         ref = self._ref()
         challenge = await self._request(sig.JoinChallenge(code.public, ref), ref, sig.Challenge, timeout)
-        key = await asyncio.to_thread(codes.join_key, code, bytes.fromhex(challenge.salt))
-        proof = codes.join_proof(key, challenge.session, bytes.fromhex(challenge.nonce))
+        proof = await self._proof(code, challenge)
         ref = self._ref()
-        msg = sig.Join(code.public, proof.hex(), name, capability, nat, list(candidates), ref)
+        msg = sig.Join(code.public, proof, name, capability, nat, list(candidates), ref)
         joined = await self._request(msg, ref, sig.Joined, timeout)
+        self._joined(joined)
+        self.place = Place(False, name, capability, nat, list(candidates), code=code)
+        return joined
+
+    async def _proof(self, code: SessionCode, challenge: sig.Challenge) -> str:
+        """The proof of `code` over `challenge`'s nonce (hex); the key is derived once per salt."""
+        salt = bytes.fromhex(challenge.salt)
+        found = self._key
+        if found is None or found[:2] != (code, salt):
+            found = self._key = (code, salt, await asyncio.to_thread(codes.join_key, code, salt))  # ~50 ms
+        return codes.join_proof(found[2], challenge.session, bytes.fromhex(challenge.nonce)).hex()
+
+    def _joined(self, joined: sig.Joined) -> None:
         self._entered(joined.session, joined.member, joined.heartbeat_s)
         self.probe = (joined.probe_port, joined.probe_alt_port, joined.probe_alt_host)
-        return joined
+        self.highest_member = max([self.highest_member, *(m.id for m in joined.members)])
+
+    # ------------------------------------------------------------ after a lost connection
+
+    async def reconnect(self, timeout: float = 10.0) -> None:
+        """Once the connection is lost: connect to the same URL again and register as before (the
+        host re-opens its session, a member takes its place back). Connection failures raise as
+        `connect` does; a refusal raises SignalingError, and the client stays lost."""
+        if self._closed is None:
+            raise RuntimeError("the signaling connection is not lost: nothing to reconnect")
+        if self._dial is None or self.place is None or self.session is None or self.member is None:
+            raise SignalingError("not_registered", "this client never opened or joined a session")
+        place = self.place
+        if place.host and (place.protection is None or place.ticket is None):
+            raise SignalingError(
+                "no_ticket",
+                f"the rendezvous gave no re-open ticket for session {self.session} (a version "
+                "without them), so it cannot take the session back",
+            )
+        ws = await self._open(self._dial)
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        self._ws, self._heartbeat, self._closed, self._fatal = ws, None, None, None
+        self._events = asyncio.Queue()  # the old connection's end is not this one's
+        self._reader = asyncio.create_task(self._read())
+        try:
+            await (self._reopen(place, timeout) if place.host else self._rejoin(place, timeout))
+        except BaseException:
+            await self._ws.close()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+            raise
+
+    async def _reopen(self, place: Place, timeout: float) -> None:
+        assert place.protection is not None and place.ticket is not None and self.session and self.member
+        salt, key = place.protection
+        ref = self._ref()
+        msg = sig.Reopen(
+            self.session,
+            place.ticket.hex(),
+            salt.hex(),
+            key.hex(),
+            self.member,
+            max(self.highest_member, self.member) + 1,
+            place.model,
+            place.members_expected,
+            place.name,
+            place.capability,
+            place.nat,
+            list(place.candidates),
+            self._relay_claims(),
+            ref,
+        )
+        opened = await self._request(msg, ref, sig.Opened, timeout)
+        self._entered(opened.session, opened.member, opened.heartbeat_s)
+
+    def _relay_claims(self) -> list[str]:
+        """The relay legs this member holds, for the restarted relay to learn whose they are."""
+        legs = list(self.relay_legs.values())[: sig.MAX_RELAY_CLAIMS]
+        return [sig.relay_leg_claim(g.channel, g.leg, g.peer, g.token) for g in legs]
+
+    async def _rejoin(self, place: Place, timeout: float) -> None:
+        assert place.code is not None and self.session is not None and self.member is not None
+        ref = self._ref()
+        ask = sig.RejoinChallenge(self.session, self.member, ref)
+        challenge = await self._request(ask, ref, sig.Challenge, timeout)
+        proof = await self._proof(place.code, challenge)
+        ref = self._ref()
+        msg = sig.Rejoin(
+            self.session,
+            proof,
+            self.member,
+            place.name,
+            place.capability,
+            place.nat,
+            list(place.candidates),
+            self._relay_claims(),
+            ref,
+        )
+        self._joined(await self._request(msg, ref, sig.Joined, timeout))
 
     async def update(
         self,
@@ -245,6 +395,13 @@ class SignalingClient:
         candidates: Sequence[str] | None = None,
     ) -> None:
         await self._send(sig.Update(capability, nat, None if candidates is None else list(candidates)))
+        if self.place is not None:
+            self.place = replace(
+                self.place,
+                capability=self.place.capability if capability is None else capability,
+                nat=self.place.nat if nat is None else nat,
+                candidates=self.place.candidates if candidates is None else list(candidates),
+            )
 
     async def signal(self, to: int, payload: sig.JsonObject) -> None:
         await self._send(sig.Signal(to, payload))
@@ -268,9 +425,10 @@ class SignalingClient:
 
     async def next_event(self, timeout: float | None = None) -> sig.ServerMessage:
         """The next unsolicited message; raises SignalingClosed once the connection is gone."""
-        item = await asyncio.wait_for(self._events.get(), timeout)
+        events = self._events  # a reconnect gives the next connection a queue of its own
+        item = await asyncio.wait_for(events.get(), timeout)
         if item is None:
-            self._events.put_nowait(None)  # keep raising for later callers
+            events.put_nowait(None)  # keep raising for later callers
             raise self._closed or SignalingClosed("closed", "connection closed")
         return item
 
@@ -360,6 +518,23 @@ class SignalingClient:
                 future.set_exception(self._closed)
         self._events.put_nowait(None)
 
+    def _heard_of(self, msg: sig.ServerMessage) -> None:
+        """Keep the highest member id of the session heard of (a re-opened session keeps the ids)."""
+        match msg:
+            case sig.MemberJoined(info) | sig.MemberUpdated(info):
+                seen = info.id
+            case sig.MemberLeft(member, _):
+                seen = member
+                self.relay_legs.pop(member, None)
+            case sig.SignalFrom(member, _):
+                seen = member
+            case sig.RelayAllocated():
+                seen = msg.peer
+                self.relay_legs[msg.peer] = msg
+            case _:
+                return
+        self.highest_member = max(self.highest_member, seen)
+
     def _dispatch(self, frame: str | bytes) -> None:
         try:
             msg = sig.decode_server(frame)
@@ -368,6 +543,7 @@ class SignalingClient:
             return
         if isinstance(msg, sig.Error) and msg.fatal:
             self._fatal = msg
+        self._heard_of(msg)
         ref = getattr(msg, "ref", None)
         future = self._pending.get(ref) if ref is not None else None
         if future is not None and not future.done():

@@ -6,16 +6,18 @@ duplicate keys, NaN/Infinity and nesting deeper than `MAX_DEPTH` raise `Protocol
 message naming the field. Member-to-member payloads (`signal.payload`) and the capability/NAT
 reports are opaque JSON objects: the rendezvous forwards them without interpreting them.
 
-Client -> rendezvous: open, protect, join_challenge, join, update, signal, relay_request,
-heartbeat, leave, remove.
-Rendezvous -> client: opened, protected, challenge, joined, member_joined, member_updated, signal,
+Client -> rendezvous: open, protect, join_challenge, join, ticket_request, reopen,
+rejoin_challenge, rejoin, update, signal, relay_request, heartbeat, leave, remove.
+Rendezvous -> client: opened, protected, ticket, challenge, joined, member_joined, member_updated, signal,
 relay_allocated, heartbeat_ack, member_left, error. docs/protocol.md lists every field.
 
 Version 2 (this one) added the proof of the code's secret part a join carries (protect,
-join_challenge/challenge, join.proof: docs/rendezvous.md). A frame of another version is answered
-with an `error` (code `unsupported_version`) in that version's envelope where its `error` has the
-same fields, so an older member reads why; `decode_server` reads such an error from an older
-rendezvous the same way.
+join_challenge/challenge, join.proof: docs/rendezvous.md); within it, re-registering a session
+after the rendezvous restarted (ticket_request/ticket, reopen, rejoin_challenge, rejoin) came as
+new message types, which a rendezvous without them answers `unknown_type`. A frame of another
+version is answered with an `error` (code `unsupported_version`) in that version's envelope where
+its `error` has the same fields, so an older member reads why; `decode_server` reads such an error
+from an older rendezvous the same way.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ MAX_REF = 64
 MAX_CANDIDATES = 16
 MAX_CANDIDATE = 64
 MAX_MEMBERS = 256
+MAX_RELAY_CLAIMS = 64  # relay legs a member names when it registers again (one per link on the relay)
 
 JsonObject = dict[str, Any]
 
@@ -132,6 +135,70 @@ class Join:
 
 
 @dataclass(frozen=True, slots=True)
+class TicketRequest:
+    """Host only, once its verifier is registered: ask for the session's re-open ticket (answered
+    with `ticket`), which lets it register the same session again after the rendezvous restarts."""
+
+    TYPE: ClassVar[str] = "ticket_request"
+    ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
+
+
+@dataclass(frozen=True, slots=True)
+class Reopen:
+    """Host, after losing the rendezvous: register its session again under the same public code,
+    with the verifier and salt it protected it with and the `ticket` the rendezvous gave for them
+    (docs/rendezvous.md, "Re-registering after a restart"). Answered with `opened`. `member` is
+    the host's own id; the session's ids below `next_member` are kept for its members' `rejoin`."""
+
+    TYPE: ClassVar[str] = "reopen"
+    session: str = field(metadata=_m(max_len=32))
+    ticket: str = field(metadata=_m(max_len=2 * 64))
+    salt: str = field(metadata=_m(max_len=2 * 64))
+    verifier: str = field(metadata=_m(max_len=2 * 64))
+    member: int = field(metadata=_m(lo=1, hi=2**31))
+    next_member: int = field(metadata=_m(lo=2, hi=2**31))
+    model: str = field(metadata=_m(max_len=MAX_MODEL))
+    members_expected: int = field(metadata=_m(lo=1, hi=MAX_MEMBERS))
+    name: str = field(metadata=_m(max_len=MAX_NAME))
+    capability: JsonObject = field(metadata=_m(max_bytes=MAX_OBJECT_BYTES))
+    nat: JsonObject | None = field(default=None, metadata=_m(max_bytes=MAX_OBJECT_BYTES))
+    candidates: list[str] = field(default_factory=list, metadata=_m(max_len=MAX_CANDIDATES))
+    # the relay legs this member holds, "CHANNEL/LEG/PEER/TOKEN" (token hex): the restarted relay
+    # learns whose channels it took back (relay_leg_claim)
+    relays: list[str] = field(default_factory=list, metadata=_m(max_len=MAX_RELAY_CLAIMS))
+    ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
+
+
+@dataclass(frozen=True, slots=True)
+class RejoinChallenge:
+    """A member of a session the host re-opened asks for a nonce to prove the code on, to take
+    its place `member` again (answered with `challenge`)."""
+
+    TYPE: ClassVar[str] = "rejoin_challenge"
+    session: str = field(metadata=_m(max_len=32))
+    member: int = field(metadata=_m(lo=1, hi=2**31))
+    ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
+
+
+@dataclass(frozen=True, slots=True)
+class Rejoin:
+    """Take place `member` again in a re-opened session, proving the code as a join does over this
+    connection's last `rejoin_challenge` (for the same member). Answered with `joined`; the others
+    get `member_updated` (a member back, not a new one)."""
+
+    TYPE: ClassVar[str] = "rejoin"
+    session: str = field(metadata=_m(max_len=32))
+    proof: str = field(metadata=_m(max_len=2 * 64))
+    member: int = field(metadata=_m(lo=1, hi=2**31))
+    name: str = field(metadata=_m(max_len=MAX_NAME))
+    capability: JsonObject = field(metadata=_m(max_bytes=MAX_OBJECT_BYTES))
+    nat: JsonObject | None = field(default=None, metadata=_m(max_bytes=MAX_OBJECT_BYTES))
+    candidates: list[str] = field(default_factory=list, metadata=_m(max_len=MAX_CANDIDATES))
+    relays: list[str] = field(default_factory=list, metadata=_m(max_len=MAX_RELAY_CLAIMS))  # as reopen's
+    ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
+
+
+@dataclass(frozen=True, slots=True)
 class Update:
     """Replace this member's capability, NAT report or candidates; others get member_updated."""
 
@@ -200,6 +267,18 @@ class Opened:
 class Protected:
     TYPE: ClassVar[str] = "protected"
     session: str = field(metadata=_m(max_len=32))
+    ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """The session's re-open ticket (hex): the rendezvous's MAC of the code's public part, salt and
+    verifier under a key kept with its relay secret; only the host gets it."""
+
+    TYPE: ClassVar[str] = "ticket"
+    session: str = field(metadata=_m(max_len=32))
+    ticket: str = field(metadata=_m(max_len=2 * 64))
+    kept: bool = field(default=False, metadata=_m())  # the secret outlives a restart: so does the ticket
     ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
 
 
@@ -290,11 +369,25 @@ class Error:
 
 
 ClientMessage = (
-    Open | Protect | JoinChallenge | Join | Update | Signal | RelayRequest | Heartbeat | Leave | Remove
+    Open
+    | Protect
+    | JoinChallenge
+    | Join
+    | TicketRequest
+    | Reopen
+    | RejoinChallenge
+    | Rejoin
+    | Update
+    | Signal
+    | RelayRequest
+    | Heartbeat
+    | Leave
+    | Remove
 )
 ServerMessage = (
     Opened
     | Protected
+    | Ticket
     | Challenge
     | Joined
     | MemberJoined
@@ -307,13 +400,29 @@ ServerMessage = (
 )
 CLIENT_TYPES: dict[str, type] = {
     c.TYPE: c
-    for c in (Open, Protect, JoinChallenge, Join, Update, Signal, RelayRequest, Heartbeat, Leave, Remove)
+    for c in (
+        Open,
+        Protect,
+        JoinChallenge,
+        Join,
+        TicketRequest,
+        Reopen,
+        RejoinChallenge,
+        Rejoin,
+        Update,
+        Signal,
+        RelayRequest,
+        Heartbeat,
+        Leave,
+        Remove,
+    )
 }
 SERVER_TYPES: dict[str, type] = {
     c.TYPE: c
     for c in (
         Opened,
         Protected,
+        Ticket,
         Challenge,
         Joined,
         MemberJoined,
@@ -543,6 +652,27 @@ def _jtype(value: Any) -> str:
     if isinstance(value, list):
         return "array"
     return "object"
+
+
+def relay_leg_claim(channel: int, leg: int, peer: int, token: str) -> str:
+    """A relay leg as `reopen` and `rejoin` name it."""
+    return f"{channel}/{leg}/{peer}/{token}"
+
+
+def parse_relay_leg_claim(text: str) -> tuple[int, int, int, bytes]:
+    """(channel, leg, peer, token) of a `relay_leg_claim`; ProtocolError naming what is wrong."""
+    parts = text.split("/")
+    try:
+        if len(parts) != 4 or not all(p.isascii() and p.isdecimal() for p in parts[:3]):
+            raise ValueError
+        channel, leg, peer, token = int(parts[0]), int(parts[1]), int(parts[2]), bytes.fromhex(parts[3])
+    except ValueError:
+        raise ProtocolError(f"relay leg {text!r}: expected CHANNEL/LEG/PEER/TOKEN (token in hex)") from None
+    if not (1 <= channel < 2**32 and leg in (0, 1) and 1 <= peer <= 2**31 and len(token) == 16):
+        raise ProtocolError(
+            f"relay leg {text!r}: a channel 1..2^32-1, leg 0 or 1, a member id, 16 token bytes"
+        )
+    return channel, leg, peer, token
 
 
 def signal_url(text: str) -> str:

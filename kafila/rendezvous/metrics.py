@@ -25,6 +25,9 @@ JOIN_OUTCOMES = (
     "wrong_secret",  # signaling v2: a proof of the secret that did not match
     "no_challenge",
     "not_ready",
+    "rejoined",  # a member of a re-opened session took its place back (rejoin)
+    "member_present",
+    "unknown_member",
 )
 LEAVE_REASONS = ("left", "timed_out", "disconnected", "removed")
 

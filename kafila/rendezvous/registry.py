@@ -18,10 +18,17 @@ carries an HMAC of that nonce under the verifier. Until a join proves it, it tak
 nothing about the session's members and counts against no budget of theirs; a wrong proof is
 counted against the address's back-off and the session's and the rendezvous's failed-proof budgets,
 which an address that never failed is not held to.
+
+After a restart (docs/rendezvous.md, "Re-registering after a restart"): the host asks once for its
+session's ticket (`ticket_request`), a MAC of the code's public part, salt and verifier under the
+rendezvous's kept secret; a rendezvous that restarted with that secret takes a `reopen` carrying
+them back as the same session, and the session's members then `rejoin` their own places (ids kept)
+with the same proof of the code as a join, held to the same limits.
 """
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import math
 import secrets
@@ -36,6 +43,7 @@ from kafila.proto.errors import ProtocolError
 from kafila.rendezvous.limits import Limits
 from kafila.rendezvous.ratelimit import Backoff, TokenBuckets
 from kafila.rendezvous.relay import RelayLimitError, RelayTable
+from kafila.rendezvous.ticket import make_ticket, ticket_key, ticket_ok
 
 ConnId = int
 
@@ -90,6 +98,7 @@ class Session:
     joins: int = 0  # successful joins (the host's open excluded)
     salt: bytes | None = None  # the join verifier's salt and the verifier, once the host sent them
     verifier: bytes | None = None
+    reopened: bool = False  # registered again after a restart: its members come back with `rejoin`
 
 
 @dataclass(slots=True)
@@ -101,7 +110,8 @@ class Conn:
     member: int | None = None
     bad_frames: int = 0
     idle_since: float | None = None  # when it was last without a session (None: in one)
-    challenge: tuple[str, bytes, float] | None = None  # (session, nonce, expiry) of its next join
+    # (session, nonce, expiry, member) of its next join; member: the place a `rejoin` takes back
+    challenge: tuple[str, bytes, float, int | None] | None = None
 
 
 class Registry:
@@ -111,8 +121,13 @@ class Registry:
         relay: RelayTable | None = None,
         probe: ProbeInfo | None = None,
         rand_below: Callable[[int], int] = secrets.randbelow,
+        kept_secret: bytes | None = None,
     ) -> None:
+        """`kept_secret`: the secret this rendezvous keeps across restarts (its relay secret file),
+        which signs re-open tickets; None: a new one each start, so no ticket outlives a restart."""
         self.limits = limits
+        self._ticket_key = ticket_key(kept_secret or secrets.token_bytes(32))
+        self.secret_kept = kept_secret is not None
         self.relay = relay if relay is not None else RelayTable(limits)
         self.probe = probe or ProbeInfo()
         self._rand_below = rand_below
@@ -196,6 +211,12 @@ class Registry:
                 return self._challenge(state, msg, now)
             case sig.Join():
                 return self._join(state, msg, now)
+            case sig.Reopen():
+                return self._reopen(state, msg, now)
+            case sig.RejoinChallenge():
+                return self._rejoin_challenge(state, msg, now)
+            case sig.Rejoin():
+                return self._rejoin(state, msg, now)
             case sig.Heartbeat(ref):
                 return [Send(conn, sig.HeartbeatAck(ref))]
         if state.session is None:
@@ -213,6 +234,8 @@ class Registry:
                 return self._remove_by_host(state, target, reason, now)
             case sig.Protect():
                 return self._protect(state, msg)
+            case sig.TicketRequest(ref):
+                return self._ticket(state, ref)
         raise AssertionError(f"unhandled message {msg!r}")  # pragma: no cover
 
     # ------------------------------------------------------------ open / join
@@ -225,16 +248,7 @@ class Registry:
         session = Session(code, msg.model, msg.members_expected, now + self.limits.code_ttl_s)
         self.sessions[code] = session
         member = self._add_member(session, state, msg, host=True)
-        opened = sig.Opened(
-            session=code,
-            member=member.id,
-            expires_in=self.limits.code_ttl_s,
-            heartbeat_s=self.limits.heartbeat_s,
-            probe_port=self.probe.port,
-            probe_alt_port=self.probe.alt_port,
-            probe_alt_host=self.probe.alt_host,
-            ref=msg.ref,
-        )
+        opened = self._opened(code, member, self.limits.code_ttl_s, msg.ref)
         fields = {
             "session": code,
             "model": msg.model,
@@ -243,7 +257,19 @@ class Registry:
         }
         return [Send(state.id, opened), Note("session_opened", fields)]
 
-    def _refuse_open(self, state: Conn, msg: sig.Open, now: float) -> sig.Error | None:
+    def _opened(self, code: str, member: Member, expires_in: float, ref: str | None) -> sig.Opened:
+        return sig.Opened(
+            session=code,
+            member=member.id,
+            expires_in=expires_in,
+            heartbeat_s=self.limits.heartbeat_s,
+            probe_port=self.probe.port,
+            probe_alt_port=self.probe.alt_port,
+            probe_alt_host=self.probe.alt_host,
+            ref=ref,
+        )
+
+    def _refuse_open(self, state: Conn, msg: sig.Open | sig.Reopen, now: float) -> sig.Error | None:
         lim = self.limits
         if state.session is not None:
             return sig.Error(
@@ -280,7 +306,14 @@ class Registry:
         if isinstance(result, sig.Error):
             return [Send(state.id, result), note]
         session, member = result
-        joined = sig.Joined(
+        return [
+            Send(state.id, self._joined(session, member, msg.ref)),
+            note,
+            *self._tell(session, member, True),
+        ]
+
+    def _joined(self, session: Session, member: Member, ref: str | None) -> sig.Joined:
+        return sig.Joined(
             session=session.code,
             member=member.id,
             model=session.model,
@@ -290,13 +323,13 @@ class Registry:
             probe_port=self.probe.port,
             probe_alt_port=self.probe.alt_port,
             probe_alt_host=self.probe.alt_host,
-            ref=msg.ref,
+            ref=ref,
         )
-        out: list[Event] = [Send(state.id, joined), note]
-        out += [
-            Send(m.conn, sig.MemberJoined(member.info)) for m in session.members.values() if m is not member
-        ]
-        return out
+
+    def _tell(self, session: Session, member: Member, new: bool) -> list[Event]:
+        """The others hear of `member`: a new one (`member_joined`), or one back (`member_updated`)."""
+        told = sig.MemberJoined(member.info) if new else sig.MemberUpdated(member.info)
+        return [Send(m.conn, told) for m in session.members.values() if m is not member]
 
     def _protect(self, state: Conn, msg: sig.Protect) -> list[Event]:
         session, member = self._member(state)
@@ -324,16 +357,47 @@ class Registry:
     def _challenge(self, state: Conn, msg: sig.JoinChallenge, now: float) -> list[Event]:
         """A nonce for one join, once the code names a live session that takes joins; the answer
         carries the session's salt and nothing about its members."""
-        outcome, found = self._joinable(state, msg.session, msg.ref, now)
-        if isinstance(found, sig.Error):
+        found = self._joinable(state, msg.session, msg.ref, now)
+        return self._give_challenge(state, found, "join", msg.session, msg.ref, None, now)
+
+    def _give_challenge(
+        self,
+        state: Conn,
+        found: tuple[str, sig.Error | Session],
+        kind: str,
+        text: str,
+        ref: str | None,
+        member: int | None,
+        now: float,
+    ) -> list[Event]:
+        """A nonce for one `kind` ("join", or "rejoin" of `member`) on the session found, or the
+        refusal (counted with the joins)."""
+        outcome, session = found
+        if isinstance(session, sig.Error):
             self.joins[outcome] += 1
-            note = Note("join", {"outcome": outcome, "source": state.source, "session": msg.session})
-            return [Send(state.id, found), note]
-        assert found.salt is not None
+            note = Note(kind, {"outcome": outcome, "source": state.source, "session": text})
+            return [Send(state.id, session), note]
+        assert session.salt is not None
         nonce = secrets.token_bytes(codes.JOIN_NONCE_BYTES)
-        state.challenge = (found.code, nonce, now + self.limits.challenge_s)
-        reply = sig.Challenge(found.code, found.salt.hex(), nonce.hex(), self.limits.challenge_s, msg.ref)
+        state.challenge = (session.code, nonce, now + self.limits.challenge_s, member)
+        reply = sig.Challenge(session.code, session.salt.hex(), nonce.hex(), self.limits.challenge_s, ref)
         return [Send(state.id, reply)]
+
+    def _asked_for(self, state: Conn, text: str, ref: str | None, now: float) -> tuple[str, sig.Error | str]:
+        """The public code a challenge asks about, or why it is refused before that: a connection
+        already in a session, the per-address limit, a malformed code."""
+        if state.session is not None:
+            why = f"this connection is already in session {state.session}"
+            return "already_in_session", sig.Error("already_in_session", why, ref=ref)
+        guesser = guesser_key(state.source)
+        if not self._join_by_addr.take(guesser, now):
+            wait = self._join_by_addr.retry_after(guesser, now)
+            why = f"too many join attempts from {state.source}; retry in {wait:.0f} s"
+            return "rate_limited", sig.Error("rate_limited", why, ref=ref)
+        try:
+            return "ok", codes.parse_public(text)
+        except ProtocolError as exc:
+            return "bad_code", sig.Error("bad_code", str(exc), ref=ref)
 
     def _joinable(
         self, state: Conn, text: str, ref: str | None, now: float
@@ -343,16 +407,9 @@ class Registry:
         def err(outcome: str, message: str) -> tuple[str, sig.Error]:
             return outcome, sig.Error(outcome, message, ref=ref)
 
-        if state.session is not None:
-            return err("already_in_session", f"this connection is already in session {state.session}")
-        guesser = guesser_key(state.source)
-        if not self._join_by_addr.take(guesser, now):
-            wait = self._join_by_addr.retry_after(guesser, now)
-            return err("rate_limited", f"too many join attempts from {state.source}; retry in {wait:.0f} s")
-        try:
-            code = codes.parse_public(text)
-        except ProtocolError as exc:
-            return err("bad_code", str(exc))
+        outcome, code = self._asked_for(state, text, ref, now)
+        if isinstance(code, sig.Error):
+            return outcome, code
         session = self.sessions.get(code)
         if session is None:
             return err("unknown_session", f"no open session with code {code} (wrong or expired code)")
@@ -372,7 +429,10 @@ class Registry:
         return "ok", session
 
     def _full(self, session: Session) -> bool:
-        return len(session.members) >= min(session.members_expected, self.limits.max_members)
+        """A session takes `members_expected` members; one re-opened after a restart has formed, and
+        takes joins up to the per-session limit: its host decides about newcomers."""
+        places = self.limits.max_members if session.reopened else session.members_expected
+        return len(session.members) >= min(places, self.limits.max_members)
 
     def _try_join(
         self, state: Conn, msg: sig.Join, now: float
@@ -382,28 +442,17 @@ class Registry:
 
         if state.session is not None:
             return err("already_in_session", f"this connection is already in session {state.session}")
-        challenge, state.challenge = state.challenge, None  # one join per nonce, right or wrong
-        code = challenge[0] if challenge is not None else None
-        if challenge is None or code != _normal(msg.session) or now >= challenge[2]:
+        challenge = self._spend_challenge(state, msg.session, None, now)
+        if challenge is None:
             return err(
                 "no_challenge", "ask for a join_challenge on this session first (a nonce serves one join)"
             )
         session = self.sessions.get(challenge[0])
         if session is None or session.verifier is None or now >= session.code_deadline:
             return err("unknown_session", f"session {challenge[0]} no longer takes joins")
-        guesser = guesser_key(state.source)
-        wait = self._proof_wait(guesser, session.code, now)
-        if wait > 0:  # refused untested: an address that failed waits out its back-off and budgets
-            return err("rate_limited", f"too many wrong codes tried; retry in {math.ceil(wait)} s")
-        if not _proof_ok(session, msg.proof, challenge[1]):
-            self._backoff.fail(guesser, now)
-            self._failed_by_session.take(session.code, now)
-            self._failed_all.take("all", now)
-            text = (
-                f"that is not session {session.code}'s code: its secret words differ (a mistyped word?); "
-                "join again with the exact code the host printed"
-            )
-            return err("wrong_secret", text)
+        refused = self._check_proof(state, session, msg.proof, challenge[1], now)
+        if refused is not None:
+            return err(*refused)
         if self._full(session):
             return err(
                 "session_full", f"session {session.code} already has its {session.members_expected} members"
@@ -411,6 +460,42 @@ class Registry:
         session.joins += 1
         session.code_deadline = now + self.limits.code_ttl_s
         return "ok", (session, self._add_member(session, state, msg, host=False))
+
+    def _spend_challenge(
+        self, state: Conn, text: str, member: int | None, now: float
+    ) -> tuple[str, bytes] | None:
+        """The (session, nonce) of the connection's live challenge for this request (a join: member
+        None; a rejoin: its member), used up right or wrong: one request per nonce. None: none."""
+        challenge, state.challenge = state.challenge, None
+        if (
+            challenge is None
+            or challenge[3] != member
+            or challenge[0] != _normal(text)
+            or now >= challenge[2]
+        ):
+            return None
+        return challenge[0], challenge[1]
+
+    def _check_proof(
+        self, state: Conn, session: Session, proof: str, nonce: bytes, now: float
+    ) -> tuple[str, str] | None:
+        """None when `proof` proves the code on `nonce`; else (error code, text). A wrong proof
+        counts against the address's back-off and the failed-proof budgets; an address that failed
+        before is tested only when they allow it."""
+        guesser = guesser_key(state.source)
+        wait = self._proof_wait(guesser, session.code, now)
+        if wait > 0:  # refused untested: an address that failed waits out its back-off and budgets
+            return "rate_limited", f"too many wrong codes tried; retry in {math.ceil(wait)} s"
+        if _proof_ok(session, proof, nonce):
+            return None
+        self._backoff.fail(guesser, now)
+        self._failed_by_session.take(session.code, now)
+        self._failed_all.take("all", now)
+        text = (
+            f"that is not session {session.code}'s code: its secret words differ (a mistyped word?); "
+            "join again with the exact code the host printed"
+        )
+        return "wrong_secret", text
 
     def _proof_wait(self, guesser: str, code: str, now: float) -> float:
         """Seconds before a proof from `guesser` is tested: 0 for an address that never failed,
@@ -423,9 +508,18 @@ class Registry:
             self._failed_all.retry_after("all", now),
         )
 
-    def _add_member(self, session: Session, state: Conn, msg: sig.Open | sig.Join, host: bool) -> Member:
-        mid = session.next_id
-        session.next_id += 1
+    def _add_member(
+        self,
+        session: Session,
+        state: Conn,
+        msg: sig.Open | sig.Join | sig.Reopen | sig.Rejoin,
+        host: bool,
+        mid: int | None = None,
+    ) -> Member:
+        """A member on `state`'s connection: a new id, or `mid` (a place taken back after a restart)."""
+        if mid is None:
+            mid = session.next_id
+            session.next_id += 1
         info = sig.MemberInfo(
             id=mid,
             name=msg.name,
@@ -439,6 +533,191 @@ class Registry:
         session.members[mid] = member
         state.session, state.member, state.idle_since = session.code, mid, None
         return member
+
+    # ------------------------------------------------------------ re-registering after a restart
+
+    def _ticket(self, state: Conn, ref: str | None) -> list[Event]:
+        session, member = self._member(state)
+        if not member.info.host:
+            text = f"only the host of session {session.code} gets its re-open ticket"
+            return [Send(state.id, sig.Error("not_host", text, ref=ref))]
+        if session.salt is None or session.verifier is None:
+            text = f"session {session.code} has no verifier yet: send protect first"
+            return [Send(state.id, sig.Error("not_ready", text, ref=ref))]
+        ticket = make_ticket(self._ticket_key, session.code, session.salt, session.verifier)
+        return [Send(state.id, sig.Ticket(session.code, ticket.hex(), self.secret_kept, ref))]
+
+    def _reopen(self, state: Conn, msg: sig.Reopen, now: float) -> list[Event]:
+        """The host registers its session again under the same code: the ticket shows that this
+        rendezvous (or the one before its restart, with the same kept secret) accepted this code's
+        salt and verifier from the host that protected it."""
+        claims = _relay_claims(msg.relays, msg.ref)
+        checked = claims if isinstance(claims, sig.Error) else self._reopenable(state, msg, now)
+        if isinstance(checked, sig.Error):
+            return [
+                Send(state.id, checked),
+                Note(
+                    "reopen_refused", {"session": msg.session, "source": state.source, "code": checked.code}
+                ),
+            ]
+        code, salt, verifier = checked
+        session = self.sessions.get(code)
+        if session is None:
+            session = Session(code, msg.model, msg.members_expected, now + self.limits.code_ttl_s)
+            session.salt, session.verifier, session.reopened = salt, verifier, True
+            self.sessions[code] = session
+        session.next_id = max(session.next_id, msg.next_member)
+        member = self._add_member(session, state, msg, host=True, mid=msg.member)
+        assert not isinstance(claims, sig.Error)
+        relays = self._adopt(session, member, claims, now)
+        opened = self._opened(code, member, max(0.0, session.code_deadline - now), msg.ref)
+        fields = {
+            "session": code,
+            "member": member.id,
+            "members": len(session.members),
+            "relays": relays,
+            "source": state.source,
+        }
+        return [Send(state.id, opened), Note("session_reopened", fields), *self._tell(session, member, False)]
+
+    def _reopenable(self, state: Conn, msg: sig.Reopen, now: float) -> sig.Error | tuple[str, bytes, bytes]:
+        """(code, salt, verifier) of a `reopen` that may take its code, or the error that says why not."""
+
+        def err(code: str, text: str) -> sig.Error:
+            return sig.Error(code, text, ref=msg.ref)
+
+        refusal = self._refuse_open(state, msg, now)
+        if refusal is not None:
+            return refusal
+        try:
+            code = codes.parse_public(msg.session)
+            salt, verifier, ticket = (bytes.fromhex(x) for x in (msg.salt, msg.verifier, msg.ticket))
+        except ProtocolError as exc:
+            return err("bad_code", str(exc))
+        except ValueError:
+            return err("bad_message", "reopen: 'salt', 'verifier' and 'ticket' must be hex")
+        if msg.member >= msg.next_member:
+            return err(
+                "bad_message", f"reopen: member {msg.member} is not below next_member {msg.next_member}"
+            )
+        if not ticket_ok(self._ticket_key, code, salt, verifier, ticket):
+            why = (
+                "this rendezvous never gave that ticket for this code, salt and verifier"
+                if self.secret_kept
+                else "this rendezvous draws a new secret at each start (no --relay-secret-file), so no "
+                "session outlives its restart"
+            )
+            return err("bad_ticket", f"cannot re-open session {code}: {why}; open a new session")
+        session = self.sessions.get(code)
+        if session is None:
+            return code, salt, verifier
+        if session.verifier is None or not hmac.compare_digest(session.verifier, verifier):
+            return err(
+                "code_taken",
+                f"code {code} belongs to another session on this rendezvous now; open a new session",
+            )
+        if msg.member in session.members:
+            return err(
+                "member_present",
+                f"session {code} still has its host (member {msg.member}) on another connection; "
+                f"retry after {self.limits.heartbeat_timeout_s:g} s of its silence",
+            )
+        return code, salt, verifier
+
+    def _rejoin_challenge(self, state: Conn, msg: sig.RejoinChallenge, now: float) -> list[Event]:
+        """A nonce for a member taking its place back in a re-opened session: no limit on the
+        session's size or its code's time (the place is its own), the per-address limit as for joins."""
+        found = self._rejoinable(state, msg.session, msg.member, msg.ref, now)
+        return self._give_challenge(state, found, "rejoin", msg.session, msg.ref, msg.member, now)
+
+    def _rejoinable(
+        self, state: Conn, text: str, member: int, ref: str | None, now: float
+    ) -> tuple[str, sig.Error | Session]:
+        def err(outcome: str, message: str) -> tuple[str, sig.Error]:
+            return outcome, sig.Error(outcome, message, ref=ref)
+
+        outcome, code = self._asked_for(state, text, ref, now)
+        if isinstance(code, sig.Error):
+            return outcome, code
+        session = self.sessions.get(code)
+        if session is None or session.verifier is None:
+            return err(
+                "unknown_session",
+                f"no session with code {code} here (its host has not re-registered it since this "
+                "rendezvous started)",
+            )
+        return self._place_free(session, member, err)
+
+    def _place_free(
+        self, session: Session, member: int, err: Callable[[str, str], tuple[str, sig.Error]]
+    ) -> tuple[str, sig.Error | Session]:
+        if not 1 <= member < session.next_id:
+            return err("unknown_member", f"session {session.code} never had a member {member}")
+        if member in session.members:
+            return err(
+                "member_present",
+                f"member {member} of session {session.code} is still connected; retry after "
+                f"{self.limits.heartbeat_timeout_s:g} s of its silence",
+            )
+        if len(session.members) >= self.limits.max_members:
+            return err(
+                "session_full", f"session {session.code} has {len(session.members)} members, the limit"
+            )
+        return "ok", session
+
+    def _adopt(self, session: Session, member: Member, claims: list[Claim], now: float) -> int:
+        """The relay legs a member registering again holds: how many channels learnt their session."""
+        return sum(
+            self.relay.adopt(session.code, member.id, peer, cid, leg, token, now)
+            for cid, leg, peer, token in claims
+            if 1 <= peer < session.next_id and peer != member.id
+        )
+
+    def _rejoin(self, state: Conn, msg: sig.Rejoin, now: float) -> list[Event]:
+        claims = _relay_claims(msg.relays, msg.ref)
+        if isinstance(claims, sig.Error):
+            return [Send(state.id, claims)]
+        outcome, result = self._try_rejoin(state, msg, now)
+        self.joins[outcome] += 1
+        note = Note(
+            "rejoin",
+            {"outcome": outcome, "source": state.source, "session": msg.session, "member": msg.member},
+        )
+        if isinstance(result, sig.Error):
+            return [Send(state.id, result), note]
+        session, member = result
+        self._adopt(session, member, claims, now)
+        return [
+            Send(state.id, self._joined(session, member, msg.ref)),
+            note,
+            *self._tell(session, member, False),
+        ]
+
+    def _try_rejoin(
+        self, state: Conn, msg: sig.Rejoin, now: float
+    ) -> tuple[str, sig.Error | tuple[Session, Member]]:
+        def err(outcome: str, text: str) -> tuple[str, sig.Error]:
+            return outcome, sig.Error(outcome, text, ref=msg.ref)
+
+        if state.session is not None:
+            return err("already_in_session", f"this connection is already in session {state.session}")
+        challenge = self._spend_challenge(state, msg.session, msg.member, now)
+        if challenge is None:
+            return err(
+                "no_challenge",
+                f"ask for a rejoin_challenge for member {msg.member} on this session first "
+                "(a nonce serves one rejoin)",
+            )
+        session = self.sessions.get(challenge[0])
+        if session is None or session.verifier is None:
+            return err("unknown_session", f"session {challenge[0]} is gone")
+        refused = self._check_proof(state, session, msg.proof, challenge[1], now)
+        if refused is not None:
+            return err(*refused)
+        outcome, free = self._place_free(session, msg.member, err)
+        if isinstance(free, sig.Error):
+            return outcome, free
+        return "rejoined", (session, self._add_member(session, state, msg, host=False, mid=msg.member))
 
     # ------------------------------------------------------------ in-session requests
 
@@ -552,7 +831,10 @@ class Registry:
             text = f"no open or join within {self.limits.heartbeat_timeout_s:g} s"
             out += [Send(state.id, sig.Error("timed_out", text, fatal=True)), Close(state.id, 1001, text)]
             del self.conns[state.id]
-        for session in [s for s in self.sessions.values() if now >= s.code_deadline and s.joins == 0]:
+        alone = [
+            s for s in self.sessions.values() if now >= s.code_deadline and s.joins == 0 and not s.reopened
+        ]
+        for session in alone:
             (host,) = session.members.values()
             text = (
                 f"nobody joined session {session.code} within {self.limits.code_ttl_s:.0f} s; open a new one"
@@ -568,6 +850,16 @@ class Registry:
         self._backoff.prune(now)
         self._open_by_addr.prune(now)
         return out
+
+
+Claim = tuple[int, int, int, bytes]  # a relay leg a member holds: channel, leg, peer, token
+
+
+def _relay_claims(texts: list[str], ref: str | None) -> list[Claim] | sig.Error:
+    try:
+        return [sig.parse_relay_leg_claim(t) for t in texts]
+    except ProtocolError as exc:
+        return sig.Error("bad_message", str(exc), ref=ref)
 
 
 def guesser_key(source: str) -> str:

@@ -170,6 +170,34 @@ class RelayTable:
         self.totals.recovered += 1
         return channel
 
+    def adopt(
+        self, session: str, member: int, peer: int, cid: int, leg: int, token: bytes, now: float
+    ) -> bool:
+        """A member registering again after a restart names a relay leg it holds: a channel taken
+        back from its tokens (or not yet: it is re-created, as a bind would) learns its session and
+        members again, so leaving releases it and the session's limits count it. False (nothing
+        changed) when the token is not this secret's for that leg, or the channel is another
+        session's, or the relay is full."""
+        if not hmac.compare_digest(leg_token(self._secret, cid, leg), token):
+            return False
+        channel = self.channels.get(cid)
+        if channel is None:
+            if len(self.channels) >= self.limits.relay_channels:
+                return False
+            tokens = (leg_token(self._secret, cid, 0), leg_token(self._secret, cid, 1))
+            channel = self.channels[cid] = Channel(
+                cid, session, (Leg(-1, tokens[0]), Leg(-2, tokens[1])), now
+            )
+            self.totals.recovered += 1
+        elif channel.session not in (session, f"recovered-{cid}"):
+            return False
+        if self._by_edge.get(_edge(channel)) == cid:
+            del self._by_edge[_edge(channel)]
+        channel.session = session
+        channel.legs[leg].member, channel.legs[1 - leg].member = member, peer
+        self._by_edge.setdefault(_edge(channel), cid)
+        return True
+
     # ------------------------------------------------------------ forwarding
 
     def forward(self, cid: int, src: Address, size: int, now: float) -> tuple[Address, int] | Drop:
@@ -229,4 +257,11 @@ class RelayTable:
 
     def _remove(self, channel: Channel) -> None:
         del self.channels[channel.id]
-        self._by_edge.pop((channel.session, channel.legs[0].member, channel.legs[1].member), None)
+        if self._by_edge.get(_edge(channel)) == channel.id:
+            del self._by_edge[_edge(channel)]
+
+
+def _edge(channel: Channel) -> tuple[str, int, int]:
+    """The (session, lower member, higher member) a channel serves."""
+    a, b = channel.legs[0].member, channel.legs[1].member
+    return channel.session, min(a, b), max(a, b)

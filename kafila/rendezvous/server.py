@@ -98,7 +98,8 @@ class RendezvousServer:
         await self.udp.start(cfg.udp_host or cfg.host, cfg.udp_port, cfg.udp_alt_port, cfg.udp_alt_host)
         alt_host = cfg.advertise_alt_host or cfg.udp_alt_host or None
         probe = ProbeInfo(self.udp.port, self.udp.alt_port, alt_host)
-        self.registry = Registry(cfg.limits, self.relay, probe)
+        # the relay secret, when kept across restarts (--relay-secret-file), also signs re-open tickets
+        self.registry = Registry(cfg.limits, self.relay, probe, kept_secret=cfg.relay_secret)
         app = build_app(self.registry, self.udp.stats, tick_s=cfg.tick_s)
         try:
             sock = bind_tcp(cfg.host, cfg.port)
@@ -125,7 +126,14 @@ class RendezvousServer:
                 await self._task  # raises what went wrong
                 raise RuntimeError("rendezvous HTTP server stopped while starting")
             await asyncio.sleep(0.01)
-        log.info("rendezvous_started", url=self.url, udp_port=self.udp.port, udp_alt_port=self.udp.alt_port)
+        log.info(
+            "rendezvous_started",
+            url=self.url,
+            udp_port=self.udp.port,
+            udp_alt_port=self.udp.alt_port,
+            # a kept secret (--relay-secret-file): sessions and relay channels outlive a restart
+            sessions_outlive_restart=cfg.relay_secret is not None,
+        )
 
     def _uvicorn_config(self, app: Starlette) -> uvicorn.Config:
         cfg = self.config

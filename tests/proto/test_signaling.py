@@ -28,6 +28,23 @@ CLIENT = [
     sig.Protect("00" * 16, "ab" * 32, "r0"),
     sig.JoinChallenge("4-k7m2", "r5"),
     sig.Join("4-k7m2", "cd" * 32, "desk", {}, None, [], None),
+    sig.TicketRequest("r6"),
+    sig.Reopen(
+        "4-k7m2",
+        "aa" * 32,
+        "00" * 16,
+        "ab" * 32,
+        1,
+        4,
+        "smollm2-135m",
+        3,
+        "laptop",
+        {},
+        relays=[sig.relay_leg_claim(4_000_000_000, 1, 3, "cd" * 16)],
+        ref="r7",
+    ),
+    sig.RejoinChallenge("4-k7m2", 3, "r8"),
+    sig.Rejoin("4-k7m2", "cd" * 32, 3, "desk", {"role": "member"}, {"class": "ordinary"}, ["10.0.0.2:5000"]),
     sig.Update(nat={"class": "restrictive"}),
     sig.Update(),
     sig.Signal(3, {"kind": "offer", "nested": {"a": [1, 2.5, None, True]}}),
@@ -39,6 +56,7 @@ CLIENT = [
 SERVER = [
     sig.Opened("4-k7m2", 1, 600.0, 10.0, 3478, 3479, "203.0.113.9", "r1"),
     sig.Protected("4-k7m2", "r0"),
+    sig.Ticket("4-k7m2", "aa" * 32, True, "r6"),
     sig.Challenge("4-k7m2", "00" * 16, "ef" * 16, 30.0, "r5"),
     sig.Joined("4-k7m2", 2, "smollm2-135m", 3, [INFO], 10.0),
     sig.MemberJoined(INFO),
@@ -66,6 +84,20 @@ def test_server_round_trip(msg: sig.ServerMessage) -> None:
 
 def test_signal_sender_travels_as_from() -> None:
     assert json.loads(sig.encode(sig.SignalFrom(4, {})))["from"] == 4
+
+
+REOPEN: dict[str, Any] = {
+    "session": "4-k7m2",
+    "ticket": "aa" * 32,
+    "salt": "00" * 16,
+    "verifier": "ab" * 32,
+    "member": 1,
+    "next_member": 4,
+    "model": "m",
+    "members_expected": 3,
+    "name": "laptop",
+    "capability": {},
+}
 
 
 def _frame(kind: str, **fields: Any) -> str:
@@ -112,6 +144,52 @@ def _frame(kind: str, **fields: Any) -> str:
         (_frame("remove", member=0, reason="x"), "bad_message", "remove.member: 0 is below the minimum 1"),
         (_frame("remove", member=2), "bad_message", "remove: missing field 'reason'"),
         (_frame("remove", member=2, reason="x" * 201), "bad_message", "remove.reason: 201 characters"),
+        # re-registering after a restart: the ids, the ticket and the proof are checked as strictly
+        (
+            _frame("rejoin_challenge", session="4-k7m2"),
+            "bad_message",
+            "rejoin_challenge: missing field 'member'",
+        ),
+        (
+            _frame("rejoin_challenge", session="4-k7m2", member=0),
+            "bad_message",
+            "rejoin_challenge.member: 0 is below the minimum 1",
+        ),
+        (
+            _frame("rejoin", session="4-k7m2", proof="", member="2", name="x", capability={}),
+            "bad_message",
+            "rejoin.member: expected integer, got string",
+        ),
+        (
+            _frame("rejoin", session="4-k7m2", member=2, name="x", capability={}),
+            "bad_message",
+            "rejoin: missing field 'proof'",
+        ),
+        (
+            _frame("ticket_request", session="4-k7m2"),
+            "bad_message",
+            "ticket_request: unknown field(s) ['session']",
+        ),
+        (
+            _frame("reopen", **{**REOPEN, "next_member": 1}),
+            "bad_message",
+            "reopen.next_member: 1 is below the minimum 2",
+        ),
+        (
+            _frame("reopen", **{**REOPEN, "ticket": "ab" * 65}),
+            "bad_message",
+            "reopen.ticket: 130 characters, at most 128",
+        ),
+        (
+            _frame("reopen", **{**REOPEN, "member": True}),
+            "bad_message",
+            "reopen.member: expected integer, got boolean",
+        ),
+        (
+            _frame("reopen", **{k: v for k, v in REOPEN.items() if k != "verifier"}),
+            "bad_message",
+            "reopen: missing field 'verifier'",
+        ),
         ('{"v": 2, "v": 2, "type": "heartbeat"}', "bad_message", "duplicate key 'v'"),
         ('{"v": 2, "type": "open", "members_expected": NaN}', "bad_message", "NaN is not allowed"),
         # a number beyond a float reads as inf: the server could not send the message on to anyone
@@ -271,3 +349,34 @@ def test_signal_url_accepts_what_a_person_types(typed: str, url: str) -> None:
 def test_signal_url_refuses_naming_what_is_wrong(typed: str, says: str) -> None:
     with pytest.raises(ValueError, match=re.escape(says)):
         sig.signal_url(typed)
+
+
+def test_the_rendezvous_sends_tickets_and_members_send_the_re_registration_not_the_other_way() -> None:
+    """Each side reads only its own direction: a member cannot be sent a `reopen`, and a `ticket`
+    from a member is not a message the rendezvous takes."""
+    with pytest.raises(ProtocolError, match="unknown message type 'ticket'") as info:
+        sig.decode_client(sig.encode(sig.Ticket("4-k7m2", "aa" * 32)))
+    assert info.value.code == "unknown_type"
+    with pytest.raises(ProtocolError, match="unknown message type 'rejoin'"):
+        sig.decode_server(sig.encode(sig.Rejoin("4-k7m2", "cd" * 32, 3, "desk", {})))
+
+
+def test_a_relay_leg_named_when_registering_again_reads_back_and_nothing_else_does() -> None:
+    claim = sig.relay_leg_claim(4_000_000_000, 1, 3, "cd" * 16)
+    assert len(claim) <= sig.MAX_CANDIDATE  # fits a list item of the message
+    assert sig.parse_relay_leg_claim(claim) == (4_000_000_000, 1, 3, bytes.fromhex("cd" * 16))
+    for bad in [
+        "1/0/2",
+        "1/0/2/cd/x",
+        f"0/0/2/{'cd' * 16}",
+        f"1/2/2/{'cd' * 16}",
+        f"1/0/0/{'cd' * 16}",
+        f"{2**32}/0/2/{'cd' * 16}",
+        f"+1/0/2/{'cd' * 16}",
+        f"1/0/ 2/{'cd' * 16}",
+        f"1/0/2/{'cd' * 15}",
+        "1/0/2/zz",
+        f"١/0/2/{'cd' * 16}",  # an Arabic-Indic digit is a decimal to Python, not here
+    ]:
+        with pytest.raises(ProtocolError, match="relay leg"):
+            sig.parse_relay_leg_claim(bad)

@@ -6,6 +6,7 @@ host's code, the test name says the host is simulated."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -327,36 +328,104 @@ async def test_joining_a_formed_session_is_refused_and_one_without_host_is_named
         await formed[1].close()
 
 
-async def test_a_formed_ring_says_it_lost_the_rendezvous_and_goes_on_serving(
-    rdv, tmp_path, tiny_chat_model, monkeypatch
-):
-    """The rendezvous going away after forming used to be one log line; each member now says so,
-    on /session too, and the ring (direct links) still answers."""
+async def _generate(role, prompt: list[int]) -> str | None:
     from kafila.api.service import Sampling
-    from kafila.session.forming import driver
+
+    gen = await role.submit(prompt, Sampling(max_tokens=3))
+    return [ev async for ev in gen][-1].finish
+
+
+async def _until(check, what: str, within: float = 20.0) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, f"not within {within} s: {what}"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("path", ["direct", "relay (simulated: links forced onto the relay)"])
+async def test_a_formed_ring_serves_on_while_the_rendezvous_restarts_and_registers_its_session_again(
+    path, tmp_path, tiny_chat_model, monkeypatch
+):
+    """The rendezvous going away after forming: each member says so once, /session says
+    "reconnecting" with the attempt and reason, the ring answers meanwhile; the rendezvous comes
+    back on the same port with the same kept secret, the host re-opens the session under the same
+    code and the member takes its place back, and a new member's join with the code reaches the
+    host again (which refuses it: the session has formed). With the ring's link on the relay (no
+    direct candidates offered: loopback would punch), the restarted relay takes the channel back
+    and the link serves across the restart."""
+    from dataclasses import replace
+
+    from kafila.net import edge
+    from kafila.net.backoff import Backoff
+    from kafila.net.edge import EdgeOptions
+    from kafila.rendezvous.server import ServerConfig
+    from kafila.session.forming import links as forming_links
+    from kafila.session.forming import reconnect
+    from tests.net.harness import LAB_LIMITS
 
     said: list[str] = []
-    monkeypatch.setattr(driver, "say", lambda text: said.append(text))
-    _, (hosting, beta) = await host_and(rdv, tmp_path, str(tiny_chat_model), 2, ["beta"])
+    monkeypatch.setattr(reconnect, "say", lambda text: said.append(text))
+    monkeypatch.setattr(reconnect, "SCHEDULE", Backoff(0.05, 0.4))
+    relayed = path != "direct"
+    if relayed:  # every edge, the control link too, offers no candidates: only the relay is left
+
+        @dataclasses.dataclass(frozen=True)
+        class RelayOnly(EdgeOptions):
+            use_direct: bool = False
+
+        monkeypatch.setattr(edge, "EdgeOptions", RelayOnly)
+        monkeypatch.setattr(forming_links, "EdgeOptions", RelayOnly)
+    config = ServerConfig(
+        host="127.0.0.1", port=0, udp_port=0, udp_alt_port=0, limits=LAB_LIMITS, relay_secret=bytes(range(32))
+    )
+    rdv = RendezvousServer(config)
+    await rdv.start()
+    code, (hosting, beta) = await host_and(rdv, tmp_path, str(tiny_chat_model), 2, ["beta"])
     formed = [await hosting, await beta]
+    again = RendezvousServer(
+        replace(config, port=rdv.http_port, udp_port=rdv.udp.port, udp_alt_port=rdv.udp.alt_port)
+    )
     try:
         for f in formed:
             assert f.role.describe()["rendezvous"] == {"url": rdv.url, "state": "connected"}
+            assert {link.path for link in f.links.values()} == {"relay" if relayed else "direct"}
         await rdv.stop()
-        for _ in range(100):
-            if sum(s.startswith("lost the rendezvous: the rendezvous shut down") for s in said) == 2:
-                break
-            await asyncio.sleep(0.05)
-        assert sum(s.startswith("lost the rendezvous: the rendezvous shut down") for s in said) == 2, said
+        lost = "lost the rendezvous: the rendezvous shut down or is restarting (WebSocket close 1012)"
+        await _until(lambda: sum(s.startswith(lost) for s in said) == 2, "both say they lost it")
         for f in formed:
+            await _until(lambda f=f: f.role.describe()["rendezvous"].get("attempt", 0) >= 1, "retries")
             seen = f.role.describe()["rendezvous"]
-            assert (seen["url"], seen["state"]) == (rdv.url, "lost"), seen
-            assert seen["reason"] == "the rendezvous shut down or is restarting (WebSocket close 1012)", seen
-        gen = await formed[1].role.submit([1, 2, 3], Sampling(max_tokens=3))
-        assert [ev async for ev in gen][-1].finish == "length"
+            assert (seen["url"], seen["state"]) == (rdv.url, "reconnecting"), seen
+            assert seen["reason"] == "connection refused: nothing listens on that port", seen
+        assert sum(s.startswith(lost) for s in said) == 2, said  # one line per change, not per attempt
+        # a request while it is down: served on a direct link at once; on the relay it waits for the
+        # relay's return (a quick restart: a relayed ring edge is silent meanwhile, and the ring
+        # gives a neighbour 5 s of silence)
+        answered = asyncio.ensure_future(_generate(formed[1].role, [1, 2, 3]))
+        if not relayed:
+            assert await asyncio.wait_for(answered, 20) == "length"
+        await asyncio.sleep(0.3)
+        await again.start()
+        assert await asyncio.wait_for(answered, 20) == "length"
+        for f in formed:
+            await _until(lambda f=f: f.role.describe()["rendezvous"]["state"] == "connected", "back")
+            seen = f.role.describe()["rendezvous"]
+            assert seen["reconnects"] == 1 and seen["last_lost"] in lost, seen
+        assert sum(s.startswith("back at the rendezvous after") for s in said) == 2, said
+        assert again.registry is not None and again.registry.member_count == 2
+        assert await _generate(formed[1].role, [4, 5, 6]) == "length"  # across the restarted relay too
+        for f in formed:
+            assert {link.path for link in f.links.values()} == {"relay" if relayed else "direct"}
+        # the members named their relay legs when they came back (a direct link keeps one as its
+        # fallback): the restarted relay has the channel back, and knows it is the session's
+        assert again.relay.totals.recovered == 1
+        assert {c.session for c in again.relay.channels.values()} == set(again.registry.sessions)
+        with pytest.raises(SessionError, match="this session has formed and takes no more members"):
+            await join(code, opts(again, "late", tmp_path))
     finally:
         for f in formed:
             await f.close()
+        await again.stop()
 
 
 async def test_a_member_with_a_wrong_secret_word_is_not_admitted_and_a_right_one_takes_its_place(

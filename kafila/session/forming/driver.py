@@ -21,6 +21,7 @@ from kafila.proto import signaling as sig
 from kafila.session.errors import SessionError
 from kafila.session.forming import core as fm
 from kafila.session.forming.core import HostFormation, MemberFormation
+from kafila.session.forming.reconnect import REREGISTER_AFTER, back_to_rendezvous
 from kafila.session.progress import say
 
 log = get_logger("kafila.session.forming")
@@ -60,6 +61,14 @@ async def while_signaling(
     raise SessionError(f"the session could not form: lost the rendezvous: {why!r}")
 
 
+def _pump(router: SignalRouter) -> asyncio.Future[None]:
+    """The router's pump of a connection made again; it ends when that connection is lost (the
+    loss is what serve_formed waits on, so its error is only retrieved here)."""
+    task = asyncio.ensure_future(router.pump())
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task
+
+
 class Driver:
     """The thin shell around a formation core (kafila.session.forming.core): feeds it the signaling
     events and the clock, and carries out its outputs (progress lines, signals; a failure becomes
@@ -77,6 +86,7 @@ class Driver:
         self.on_admit: Callable[[fm.Admit], None] | None = None  # the host's: link with that member
         # once formed: the rendezvous says a member (by name) left, with its reason ("disconnected")
         self.on_left: Callable[[str, str], None] | None = None
+        self.serving = False  # formed: a rendezvous lost is reconnected to (serve_formed)
 
     @staticmethod
     def now() -> float:
@@ -146,31 +156,27 @@ class Driver:
 
     async def serve_formed(self, links: dict[str, Link], status: dict[str, Any]) -> None:
         """After forming (a task until the member ends): keep feeding the core, so the host refuses
-        whoever joins the formed session, and say when the rendezvous is lost (the ring's direct
-        links do not need it; this member's links on the relay do), also on /session (its
-        "rendezvous" "state" becomes "lost", with the "reason")."""
+        whoever joins the formed session; when the rendezvous is lost (the ring does not need it to
+        serve), reconnect with back-off and register the session again (kafila.session.forming.
+        reconnect), saying so on the console and on /session (its "rendezvous" "state":
+        "reconnecting" with the "attempt" and "reason", "connected" again, or "lost" when it
+        refused this member for good)."""
         self.close()
+        self.serving = True
         lost = asyncio.ensure_future(self.client.lost())
+        pump: asyncio.Future[None] | None = None  # the event pump of a connection made again
         try:
             while True:
                 nxt = asyncio.ensure_future(self.router.others.get())
                 done, _ = await asyncio.wait({nxt, lost}, return_when=asyncio.FIRST_COMPLETED)
                 if nxt not in done:
                     nxt.cancel()
-                    why = lost.result().message
-                    status.update(state="lost", reason=why)
-                    relayed = sorted(p for p, link in links.items() if link.path == "relay")
-                    say(
-                        f"lost the rendezvous: {why}. The ring goes on serving on its direct links; a "
-                        "relayed link and new sessions need it (this member does not reconnect)"
-                        + (
-                            f"; this member's links to {', '.join(relayed)} are relayed: they carry on "
-                            "if the rendezvous restarts soon with the same relay secret"
-                            if relayed
-                            else ""
-                        )
-                    )
-                    return
+                    if pump is not None:
+                        pump.cancel()
+                    if not await back_to_rendezvous(self.client, status, lost.result().message, links):
+                        return
+                    lost, pump = asyncio.ensure_future(self.client.lost()), _pump(self.router)
+                    continue
                 event = self._translate(nxt.result())
                 if isinstance(event, fm.Left):  # the runtime checks the member's link and breaks the ring
                     if self.on_left is not None:
@@ -180,9 +186,11 @@ class Driver:
                     await self.carry(self.core.handle(event, self.now()))
         except SessionError as exc:  # a fatal error from the rendezvous, or a refusal it could not take
             status.update(state="lost", reason=str(exc))
-            say(f"the rendezvous: {exc}; the ring goes on serving on its direct links")
+            say(f"the rendezvous: {exc}; the ring goes on serving on its links")
         finally:
             lost.cancel()
+            if pump is not None:
+                pump.cancel()
 
     async def _feed_one(self, work: asyncio.Future[Any] | None) -> list[fm.Output]:
         if self._next is None:
@@ -223,5 +231,8 @@ class Driver:
             log.warning("member_left", member=name, id=event.member, reason=event.reason)
             return fm.Left(event.member, event.reason)
         if isinstance(event, sig.Error) and event.fatal:
+            if self.serving and event.code in REREGISTER_AFTER:  # the loss that follows reconnects
+                log.warning("rendezvous_dropped_member", code=event.code, reason=event.message)
+                return None
             raise SessionError(f"the rendezvous ended the session: {event.message}")
         return None
