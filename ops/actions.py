@@ -25,6 +25,7 @@ CACHE_VOLUME = "kafila-cache"
 # $HOME expands remotely); inside a member's container, the file bind-mounted read-only.
 KEY_DIR = "~/.config/kafila-ops"
 CONTAINER_KEY_FILE = "/run/kafila/api-key"
+RELAY_STATE = "/var/lib/kafila"  # the rendezvous image's state folder (Dockerfile.rendezvous)
 
 
 @dataclass(frozen=True)
@@ -271,18 +272,28 @@ def rendezvous_start(fleet: FleetFile) -> Step | None:
         args += ["--udp-host", r.address, "--udp-alt-host", r.alt_address]
     h = r.host
     if h.runtime == "docker":
-        name = unit(fleet, h)
+        name, volume = unit(fleet, h), relay_volume(fleet)
+        args += ["--relay-secret-file", f"{RELAY_STATE}/relay.key"]
         argv = [
             "docker", "run", "-d", "--name", name, "--label", f"{LABEL_FLEET}={fleet.name}",
             "--label", f"{LABEL_MEMBER}=rendezvous", "--network", "host", "--entrypoint", "kafila",
-            "-e", "KAFILA_LOG=json", r.image, *args,
+            "-e", "KAFILA_LOG=json", "-v", f"{volume}:{RELAY_STATE}", r.image, *args,
         ]  # fmt: skip
+        create = ["docker", "volume", "create", "--label", f"{LABEL_FLEET}={fleet.name}", volume]
         return Step(
             h,
             "start the rendezvous (container)",
-            f"docker rm -f {shlex.quote(name)} >/dev/null 2>&1; {shlex.join(argv)}",
+            f"docker rm -f {shlex.quote(name)} >/dev/null 2>&1; {shlex.join(create)} >/dev/null"
+            f" && {shlex.join(argv)}",
         )
+    args += ["--relay-secret-file", f"{KEY_DIR}/{fleet.name}/rendezvous-relay.key"]
     return Step(h, "start the rendezvous (native service)", native_start(fleet, h, args))
+
+
+def relay_volume(fleet: FleetFile) -> str:
+    """The rendezvous container's volume for its kept secret (`--relay-secret-file`): a restarted
+    rendezvous takes the fleet's running session and relay channels back; `down` removes it."""
+    return f"kafila-{fleet.name}-rendezvous"
 
 
 def images_for(fleet: FleetFile, host: Host) -> str:
@@ -328,7 +339,9 @@ def stop(fleet: FleetFile, host: Host) -> Step:
         label = shlex.quote(f"label={LABEL_FLEET}={fleet.name}")
         remote = (
             f"ids=$(docker ps -aq --filter {label});"
-            f' [ -z "$ids" ] || docker rm -f $ids >/dev/null;{keys} echo removed $ids'
+            f' [ -z "$ids" ] || docker rm -f $ids >/dev/null;{keys}'
+            f" vols=$(docker volume ls -q --filter {label});"
+            f' [ -z "$vols" ] || docker volume rm $vols >/dev/null; echo removed $ids $vols'
         )
         return Step(host, "remove the fleet's containers", remote)
     if host.os == "linux":

@@ -218,6 +218,8 @@ def relay_secret(path: str) -> tuple[bytes, bool]:
 
     from kafila.rendezvous.relay import SECRET_BYTES
 
+    if folder := os.path.dirname(path):  # e.g. a fleet's state folder on a fresh machine
+        os.makedirs(folder, mode=0o700, exist_ok=True)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:

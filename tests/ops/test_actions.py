@@ -305,3 +305,26 @@ def test_the_key_reaches_the_host_with_safe_modes_and_every_request_sends_it(tmp
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_fleet_rendezvous_keeps_its_secret_so_sessions_outlive_its_restart() -> None:
+    """The rendezvous the fleet starts keeps its secret (`--relay-secret-file`) in a labelled volume
+    (a container) or in the fleet's private folder (native): a restarted rendezvous takes the running
+    session back; `down` removes the volume with the containers."""
+    from tests.ops.test_fleetfile import BASE
+
+    fleet = parse(BASE, "two.toml")
+    step = actions.rendezvous_start(fleet)
+    assert step is not None and step.what == "start the rendezvous (container)"
+    volume = actions.relay_volume(fleet)
+    assert f"docker volume create --label dev.kafila.fleet=two {volume} >/dev/null &&" in step.remote
+    argv = shlex.split(step.remote.split(" && ", 1)[1])
+    assert argv[argv.index("-v") + 1] == f"{volume}:/var/lib/kafila"
+    assert argv[argv.index("--relay-secret-file") + 1] == "/var/lib/kafila/relay.key"
+    down = actions.stop(fleet, fleet.rendezvous.host)  # type: ignore[arg-type]
+    assert "docker volume ls -q --filter label=dev.kafila.fleet=two" in down.remote
+    assert down.remote.index("docker rm -f") < down.remote.index("docker volume rm")
+
+    native = parse(BASE.replace('ssh = "rdv"', 'ssh = "rdv"\nruntime = "native"'), "two.toml")
+    step = actions.rendezvous_start(native)
+    assert step is not None and '"$HOME"/.config/kafila-ops/two/rendezvous-relay.key' in step.remote

@@ -101,6 +101,8 @@ def test_the_relay_secret_file_is_created_private_and_read_back(tmp_path) -> Non
     secret, created = relay_secret(path)
     assert created and len(secret) == 32 and os.stat(path).st_mode & 0o777 == 0o600
     assert relay_secret(path) == (secret, False)  # a restart reads the same secret
+    fresh = tmp_path / "state" / "fleet" / "relay.key"  # a fleet's folder not made yet: made private
+    assert relay_secret(str(fresh))[1] and os.stat(fresh.parent).st_mode & 0o777 == 0o700
     (tmp_path / "bad.key").write_text("not hex\n")
     with pytest.raises(ValueError, match=r"bad\.key does not hold a hex secret"):
         relay_secret(str(tmp_path / "bad.key"))
