@@ -9,19 +9,25 @@ whoever listens (`on_broken`), passes the notice on, and fails what it holds (`_
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
+from typing import Any
 
+from kafila.api.service import GenerationError
 from kafila.obs.log import get_logger
 from kafila.proto import ring as rc
 from kafila.proto import tensor as t
 from kafila.proto.ring import Cause, RingBroken
 from kafila.session.channel import Channel, ChannelError, send_marked
+from kafila.session.ring.info import RingInfo
 
 log = get_logger("kafila.session.ring")
 
 
 class RoleBase:
     """The shared part of RingHead and RingMember; subclasses say what a break fails (`_lost`)."""
+
+    info: RingInfo
 
     def __init__(self, name: str, next_ch: Channel | None, prev_ch: Channel | None) -> None:
         self.name = name
@@ -31,6 +37,14 @@ class RoleBase:
         self.ending = False  # the host ended the session on purpose: its ring breaking is no fault
         self.on_ended: Callable[[], None] | None = None  # told when a "broken" says the host ended it
         self._outbox: asyncio.Queue[t.Message] = asyncio.Queue()
+        # plan epochs (kafila.session.epochs): "serving", "replanning" (a lost member is being planned
+        # around: requests are held, not failed), "ended"; the epoch serving; the last change and why
+        self.state = "serving"
+        self.epoch = 1
+        self.change: dict[str, Any] | None = None
+        self.ended_reason = ""
+        # the runtime re-plans around this break (a member lost, not the host): hold, do not fail
+        self.recovers: Callable[[RingBroken], bool] | None = None
 
     @property
     def broken_text(self) -> str | None:
@@ -43,6 +57,45 @@ class RoleBase:
 
     def _lost(self, broken: RingBroken) -> None:
         """Fail what this role holds because the ring broke."""
+        self._fail_held("member_lost", broken.text())
+
+    def _fail_held(self, code: str, message: str) -> None:
+        """Fail every request this role holds (its own clients' and, at the head, everyone's)."""
+
+    def _hold(self) -> None:
+        """The ring broke and the runtime re-plans: keep every request; send nothing more."""
+
+    def refuse_new(self) -> None:
+        """GenerationError for a new request when this role cannot take one now: 503 with
+        Retry-After while re-planning, 503 once the session ended or the ring broke for good."""
+        if self.state == "replanning":
+            raise GenerationError(
+                "replanning", "the session is re-planning after losing a member; ask again in a few seconds"
+            )
+        if self.state == "ended":
+            raise GenerationError("member_lost", self.ended_reason)
+        if self.broken is not None:
+            raise GenerationError("member_lost", self.broken.text())
+
+    def document(self) -> dict[str, Any]:
+        """The /session part every role shares: the ring, its state and plan epoch, the last change."""
+        held = self.state in ("replanning", "ended")
+        error = self.ended_reason if self.state == "ended" else None if held else self.broken_text
+        doc = self.info.document(self.state, error)
+        if self.state == "ended":
+            doc["state"] = "ended"
+        return doc | {"epoch": self.epoch, "change": self.change}
+
+    def changed(self, state: str, cause: str, **more: Any) -> None:
+        """Record a change of state (and epoch) for /session, with its cause."""
+        self.state = state
+        self.change = {"at": time.time(), "state": state, "epoch": self.epoch, "cause": cause, **more}
+
+    def end(self, reason: str) -> None:
+        """The session ended (the host said so): fail what is held with `reason`, take nothing new."""
+        self.ended_reason = reason
+        self.changed("ended", reason)
+        self._fail_held("session_ended", reason)
 
     def _break(self, broken: RingBroken, tell: bool = True) -> None:
         """Break the ring once (a later break keeps the first reason); fail what is held either way."""
@@ -68,7 +121,12 @@ class RoleBase:
                 self.on_broken(broken)
             if tell and self.next is not None:  # tell the members (those still reachable) why
                 self._outbox.put_nowait(rc.control(broken))
-        self._lost(self.broken)
+            if self.recovers is not None and self.recovers(broken):
+                self.changed("replanning", broken.text())
+        if self.state == "replanning":
+            self._hold()
+        elif self.state != "ended":
+            self._lost(self.broken)
 
     def _heard_broken(self, notice: t.Control, tell: bool) -> None:
         """A neighbour's "broken" notice: the ring is broken for the reason it gives."""
