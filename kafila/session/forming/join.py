@@ -22,6 +22,7 @@ from kafila.proto import session as sm
 from kafila.proto.codes import parse_code
 from kafila.proto.signaling import MemberInfo
 from kafila.session.channel import LinkChannel
+from kafila.session.epochs import MemberEpochs
 from kafila.session.errors import SessionError
 from kafila.session.forming import core as fm
 from kafila.session.forming.admission import WRONG_OWN_CODE
@@ -148,6 +149,8 @@ async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
     ring = start_role(got.me, code, got.plan, shard.path, links, opts, serving, held.api is not None)
     held.role, held.app = await drive.during(ring)
     held.watch_host_ending()
+    local: list[Path] | None = None if opts.use_local else []
+    MemberEpochs(held, got.ids, opts, serving, local).start()  # the host's re-plans, once formed
     await drive.until(fm.Formed, core.started(drive.now()))  # refused / left / timeout: SessionError
     held.tasks.append(asyncio.ensure_future(drive.serve_formed(held.links, held.ring().info.rendezvous)))
     held.serve_session_api()

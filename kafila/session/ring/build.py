@@ -72,23 +72,15 @@ async def start_role(
     ckpt = Checkpoint.open(folder)  # a member's shard: its own tensors only
     tokenizer = Tokenizer.from_checkpoint(ckpt)
     a, b = plan.block_range(name)
-    index, order = plan.order.index(name), list(plan.order)
+    index = plan.order.index(name)
     head = plan.head == name
-    note(f"loading {shard_text(a, b, head)} into memory")
-    load = partial(Stage.load, pace=opts.pace, quant=serving.terms.quant)  # the session's weight format
-    blocks, backend = range(a, b), opts.backend
-    stage = await off_loop(load, ckpt, blocks, head, backend, opts.dtype, plan.context, plan.concurrency)
-    metrics.observe_build(stage.backend.name, stage.backend.dtype, stage.backend.device)
-    nxt_name, prv_name = plan.successor(name), plan.predecessor(name)
-    info = _ring_info(name, code, plan, links, serving, stage.backend.dtype)
-    info.rendezvous.update(url=opts.rendezvous, state="connected")
-    nxt = _channel(links.get(nxt_name), nxt_name, opts)
-    prv = _channel(links.get(prv_name), prv_name, opts) if len(order) > 2 or nxt is None else nxt
+    parts = await epoch_parts(name, code, plan, ckpt, links, opts, serving)
+    stage, info, nxt, prv = parts.stage, parts.info, parts.next, parts.prev
     traces = TraceLog(opts.trace)  # without a file: the last records for /traces only
     model_thread = ModelThread(name)
     role: RingRole
     if head:
-        lanes = lanes_for(plan.circuit_s, plan.bottleneck_s, len(order))
+        lanes = parts.lanes
         role = RingHead(
             stage,
             model_thread,
@@ -108,7 +100,7 @@ async def start_role(
             raise ValueError(f"member {name} has no ring neighbour in the plan {plan.order}")
         role = RingMember(index, stage, model_thread, info, nxt, prv, traces)
     metrics.observe_session(session_record(plan, code.public, model, info.planned), ring_view=head)
-    metrics.observe_plan(1)  # the plan the session formed with (re-planning is not implemented)
+    metrics.observe_plan(1)  # the plan the session formed with (kafila.session.epochs moves it on)
     for edge, by in info.measured_by.items():  # this member's own links, as they run now
         if edge in info.planned and info.edges[edge] in metrics.PATHS:
             metrics.observe_edge(edge, info.planned[edge], info.edges[edge], measured_by=by)
@@ -119,6 +111,46 @@ async def start_role(
         return role, None
     facts = ModelFacts.of(ckpt.config, stage.backend.wire_dtype, serving.checkpoint, serving.terms.quant)
     return role, create_app(Api(role, TokenizerCodec(tokenizer), model, facts, traces))
+
+
+@dataclass(frozen=True)
+class EpochParts:
+    """What a member's role serves one plan epoch with: its stage, ring view and channels."""
+
+    index: int
+    stage: Stage
+    info: RingInfo
+    next: Heartbeat | None
+    prev: Heartbeat | None
+    lanes: int  # the head's decode lanes for this plan
+
+
+async def epoch_parts(
+    name: str,
+    code: SessionCode,
+    plan: Plan,
+    ckpt: Checkpoint,
+    links: dict[str, Link],
+    opts: Options,
+    serving: Serving,
+    epoch: int = 1,
+) -> EpochParts:
+    """Member `name`'s stage for `plan` loaded from `ckpt` (its shard), its view of the ring and
+    its channels to its ring neighbours on `links` (beating from now on)."""
+    a, b = plan.block_range(name)
+    head = plan.head == name
+    note(f"loading {shard_text(a, b, head)} into memory")
+    load = partial(Stage.load, pace=opts.pace, quant=serving.terms.quant)  # the session's weight format
+    blocks, backend = range(a, b), opts.backend
+    stage = await off_loop(load, ckpt, blocks, head, backend, opts.dtype, plan.context, plan.concurrency)
+    metrics.observe_build(stage.backend.name, stage.backend.dtype, stage.backend.device)
+    nxt_name, prv_name = plan.successor(name), plan.predecessor(name)
+    info = _ring_info(name, code, plan, links, serving, stage.backend.dtype)
+    info.rendezvous.update(url=opts.rendezvous, state="connected")
+    nxt = _channel(links.get(nxt_name), nxt_name, opts)
+    prv = _channel(links.get(prv_name), prv_name, opts) if len(plan.order) > 2 or nxt is None else nxt
+    lanes = lanes_for(plan.circuit_s, plan.bottleneck_s, len(plan.order))
+    return EpochParts(plan.order.index(name), stage, info, nxt, prv, lanes)
 
 
 def broken_line(name: str, broken: RingBroken) -> str:

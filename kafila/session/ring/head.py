@@ -115,6 +115,7 @@ class RingHead(RoleBase):
         self._ahead: tuple[Step, tuple[bytes, int, int]] | None = None  # a continuation already run
         self.ahead_sent = 0  # continuations run with the sampling and sent as they were
         self.ahead_dropped = 0  # ... and dropped: the schedule took another step (a cancel meanwhile)
+        self._first: asyncio.Future[float] | None = None  # the next token's time.monotonic(), if asked
 
     # -- GenerationService -------------------------------------------------------------------------
 
@@ -161,6 +162,14 @@ class RingHead(RoleBase):
         await cancel_tasks(self._tasks)
         self._ahead = None
 
+    def go(self) -> None:
+        self._wake.set()
+
+    def first_token(self) -> asyncio.Future[float]:
+        """When (time.monotonic()) the next token is sampled: the first one a re-plan resumed."""
+        self._first = asyncio.get_running_loop().create_future()
+        return self._first
+
     def resume(
         self,
         epoch: int,
@@ -193,8 +202,7 @@ class RingHead(RoleBase):
             req.feed = req.prompt + req.tokens
             self.schedule.submit(rid, len(req.feed), req.max_tokens - len(req.tokens))
         self.broken = None
-        self.start()
-        self._wake.set()
+        self.start()  # its pump sends once the state is "serving" again (`go`)
         return len(carried)
 
     # -- admission -------------------------------------------------------------------------------------
@@ -445,6 +453,8 @@ class RingHead(RoleBase):
         req.generated += 1
         req.last_token = token
         req.tokens.append(token)
+        if self._first is not None and not self._first.done():
+            self._first.set_result(time.monotonic())
         first = req.first_at is None
         req.first_at, req.last_at = req.first_at or now, now
         done = self.schedule.sampled(req.rid, reason is not None)

@@ -91,6 +91,9 @@ class RoleBase:
         self.state = state
         self.change = {"at": time.time(), "state": state, "epoch": self.epoch, "cause": cause, **more}
 
+    def go(self) -> None:
+        """Every member runs the new epoch: send again (the head; a member only answers frames)."""
+
     def end(self, reason: str) -> None:
         """The session ended (the host said so): fail what is held with `reason`, take nothing new."""
         self.ended_reason = reason
