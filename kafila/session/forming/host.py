@@ -121,9 +121,8 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     )
     plan_terms = PlanTerms(opts.context, opts.concurrency, opts.division, objective=opts.objective)
     manifest = ckpt.manifest(DTYPES[opts.dtype], opts.quant)  # as the plan was priced (choose_plan)
-    traces = role.traces if isinstance(role, RingHead) else None
     epochs = HostEpochs(
-        held, membership, manifest, plan_terms, gathered.ids, folder, server, opts, serving, traces
+        held, membership, manifest, plan_terms, gathered.ids, folder, server, opts, serving, role.traces
     )
     epochs.start()  # a member lost from now on is planned around
     held.serve_session_api()
