@@ -116,6 +116,12 @@ PLAN_EPOCH = Gauge(
     "kafila_plan_epoch", "Epoch of the plan the ring runs (1 = the first plan)", registry=REGISTRY
 )
 REPLANS = Counter("kafila_replans", "Plans that replaced an earlier plan of this session", registry=REGISTRY)
+STALE_FRAMES = Counter(
+    "kafila_ring_stale_frames",
+    "Ring messages dropped undecoded because they carried another plan epoch than their channel's",
+    ["peer"],
+    registry=REGISTRY,
+)
 MEMBER_NAT = Gauge(
     "kafila_member_nat_info",
     "Always 1: a member's NAT class (permissive, ordinary, restrictive, ...) and mapping behaviour",
@@ -417,6 +423,11 @@ def observe_plan(epoch: int) -> None:
             REPLANS.inc()
         _epoch[:] = [epoch]
     PLAN_EPOCH.set(epoch)
+
+
+def observe_stale_frame(peer: str) -> None:
+    """A ring message from `peer` of another plan epoch, dropped (kafila.proto.epoch)."""
+    STALE_FRAMES.labels(peer).inc()
 
 
 def observe_queue(running: int, waiting: int) -> None:

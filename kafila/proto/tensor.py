@@ -3,7 +3,12 @@
 Every message is one length-prefixed record, so the same bytes work over a message-oriented link
 (one record per message) and over a byte stream (`FrameReader` splits them again):
 
-    u32 body_length | u8 version | u8 kind | body
+    u32 body_length | u8 version | u8 kind | u32 epoch | body
+
+`epoch` is the plan epoch of the ring the sender is in (1: the plan the session formed with; each
+re-plan counts one up). A channel belongs to one epoch and drops, undecoded, every record of
+another (kafila.proto.epoch.EpochGate): a frame still in flight from before a re-plan is never
+computed. Version 2 added the epoch; version 1 records are refused by name.
 
 Tensor frames (kind HIDDEN) carry hidden states for a batch of requests at one stage step:
 
@@ -30,10 +35,11 @@ from dataclasses import asdict, dataclass, field
 from enum import IntEnum
 from typing import Any, ClassVar
 
-VERSION = 1
+VERSION = 2  # 2: the plan epoch in every record's prefix
+MAX_EPOCH = 2**32 - 1
 MAX_BODY = 1 << 30  # 1 GiB: a frame larger than this is refused, not allocated
 
-_PREFIX = struct.Struct("<IBB")  # body_length, version, kind
+_PREFIX = struct.Struct("<IBBI")  # body_length, version, kind, epoch
 _HIDDEN = struct.Struct("<HIBBHB")  # flags, step, dtype, ndim, n_entries, n_timings
 _ENTRY = struct.Struct("<III")  # request_id, position, n_tokens
 _U32 = struct.Struct("<I")
@@ -225,25 +231,44 @@ _OPTIONAL = {
 }
 
 
-def encode(msg: Message) -> bytes:
-    """One record: length prefix, version, kind, body."""
+PREFIX_BYTES = _PREFIX.size
+
+
+@dataclass(frozen=True)
+class Header:
+    """A record's prefix, read without its body."""
+
+    length: int  # body bytes
+    kind: int  # not checked yet: the body's decoder names an unknown kind
+    epoch: int
+
+
+def encode(msg: Message, epoch: int) -> bytes:
+    """One record of plan epoch `epoch`: length prefix, version, kind, epoch, body."""
+    if not 0 <= epoch <= MAX_EPOCH or isinstance(epoch, bool):
+        raise FrameError(f"epoch {epoch!r} is outside 0..{MAX_EPOCH}")
     body = _encode_body(msg)
     if len(body) > MAX_BODY:
         raise FrameError(f"{msg.kind.name} body of {len(body)} bytes exceeds the {MAX_BODY}-byte limit")
-    return _PREFIX.pack(len(body), VERSION, int(msg.kind)) + body
+    return _PREFIX.pack(len(body), VERSION, int(msg.kind), epoch) + body
 
 
-def decode(record: bytes | memoryview) -> Message:
-    """Inverse of `encode` for exactly one record."""
+def header(record: bytes | memoryview) -> Header:
+    """The prefix of exactly one record (its version and length checked), the body not read."""
     view = memoryview(record)
     if len(view) < _PREFIX.size:
         raise FrameError(f"record of {len(view)} bytes is shorter than the {_PREFIX.size}-byte prefix")
-    length, version, kind = _PREFIX.unpack_from(view)
+    length, version, kind, epoch = _PREFIX.unpack_from(view)
     if version != VERSION:
         raise FrameError(f"unsupported version {version} (this build speaks {VERSION})")
     if length != len(view) - _PREFIX.size:
         raise FrameError(f"length prefix says {length} bytes, record holds {len(view) - _PREFIX.size}")
-    return _decode_body(kind, view[_PREFIX.size :])
+    return Header(length, kind, epoch)
+
+
+def decode(record: bytes | memoryview) -> Message:
+    """Inverse of `encode` for exactly one record, whatever its epoch (kafila.proto.epoch filters)."""
+    return _decode_body(header(record).kind, memoryview(record)[_PREFIX.size :])
 
 
 def _encode_body(msg: Message) -> bytes:

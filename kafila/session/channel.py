@@ -7,6 +7,11 @@ receive per direction, in total and per request (`Counters`: every hidden-state 
 size, a frame shared by several requests split by their rows), and say the link's measured round
 trip (`rtt_ms`: QUIC's smoothed RTT; None in-process).
 
+A channel belongs to one plan epoch (`epoch`, 1 for the plan a session formed with): it stamps
+every message it sends with it and drops, undecoded, whatever arrives stamped with another
+(kafila.proto.epoch), so a frame still in flight from before a re-plan is never computed. Each drop
+counts in `kafila_ring_stale_frames_total`; the first of each stale epoch is logged once.
+
 `Heartbeat` wraps any channel: it sends a beat every `interval` seconds and a receive that hears
 nothing (not even a beat) for `dead_after` seconds raises `ChannelDead`, so a member that was
 killed is noticed in seconds, whatever the transport's own idle timeout.
@@ -22,10 +27,13 @@ from typing import Protocol
 
 from kafila.net.errors import LinkError, LinkTimeout, PeerSilent
 from kafila.net.link import Link
-from kafila.obs import hopmarks
+from kafila.obs import hopmarks, metrics
+from kafila.obs.log import get_logger
 from kafila.proto import tensor as t
+from kafila.proto.epoch import EpochGate, Stale
 from kafila.proto.ring import Cause, RingBroken
 
+log = get_logger("kafila.session.channel")
 LINK_KIND = 32  # link message kind that carries session messages (kinds < 16 are the link's own)
 BEAT = "beat"
 
@@ -105,9 +113,27 @@ def _shares(msg: t.Message, n: int) -> list[tuple[int, int]]:
     return shares
 
 
+def dropped_stale(peer: str, stale: Stale, epoch: int) -> None:
+    """Count a record of another epoch that a channel to `peer` of `epoch` dropped; log the first."""
+    metrics.observe_stale_frame(peer)
+    if stale.first:
+        log.warning(
+            "ring_stale_frames",
+            peer=peer,
+            epoch=epoch,
+            frame_epoch=stale.epoch,
+            first=stale.describe(epoch),
+        )
+
+
 class Channel(Protocol):
     peer: str
     counters: Counters
+
+    @property
+    def epoch(self) -> int:
+        """The plan epoch whose messages this channel carries (others are dropped)."""
+        ...
 
     @property
     def path(self) -> str:
@@ -147,17 +173,33 @@ async def send_marked(ch: Channel, msg: t.Message, prev: Channel | None = None) 
 class MemoryChannel:
     """One end of an in-process pair; messages are encoded and decoded as on a real link."""
 
-    def __init__(self, peer: str, inbox: asyncio.Queue[bytes | None], outbox: asyncio.Queue[bytes | None]):
+    def __init__(
+        self,
+        peer: str,
+        inbox: asyncio.Queue[bytes | None],
+        outbox: asyncio.Queue[bytes | None],
+        epoch: int = 1,
+    ) -> None:
         self.peer, self._in, self._out = peer, inbox, outbox
+        self.gate = EpochGate(epoch)
         self.counters = Counters()
         self._closed = False
 
     @classmethod
-    def pair(cls, a: str, b: str) -> tuple[MemoryChannel, MemoryChannel]:
-        """(a's end talking to b, b's end talking to a)."""
+    def pair(cls, a: str, b: str, epoch: int = 1) -> tuple[MemoryChannel, MemoryChannel]:
+        """(a's end talking to b, b's end talking to a), both of plan epoch `epoch`."""
         ab: asyncio.Queue[bytes | None] = asyncio.Queue()
         ba: asyncio.Queue[bytes | None] = asyncio.Queue()
-        return cls(b, ba, ab), cls(a, ab, ba)
+        return cls(b, ba, ab, epoch), cls(a, ab, ba, epoch)
+
+    def renewed(self, epoch: int) -> MemoryChannel:
+        """This end's transport as a channel of another epoch (as a re-plan reuses a link): what
+        is still queued from the old epoch is dropped there, not computed."""
+        return MemoryChannel(self.peer, self._in, self._out, epoch)
+
+    @property
+    def epoch(self) -> int:
+        return self.gate.epoch
 
     @property
     def path(self) -> str:
@@ -170,20 +212,24 @@ class MemoryChannel:
     async def send(self, msg: t.Message) -> None:
         if self._closed:
             raise ChannelClosed(f"channel to {self.peer} is closed", self.peer)
-        record = t.encode(msg)
+        record = self.gate.stamp(msg)
         self.counters.sent(msg, len(record))
         self._out.put_nowait(record)
 
     async def recv(self, timeout: float | None = None) -> t.Message:
         try:
-            async with asyncio.timeout(timeout):
-                record = await self._in.get()
+            async with asyncio.timeout(timeout):  # one deadline, however many stale records come
+                while True:
+                    record = await self._in.get()
+                    if record is None:
+                        self._in.put_nowait(None)
+                        raise ChannelClosed(f"{self.peer} closed the channel", self.peer)
+                    msg = self.gate.admit(record)
+                    if not isinstance(msg, Stale):
+                        break
+                    dropped_stale(self.peer, msg, self.epoch)
         except TimeoutError:
             raise ChannelDead(f"{self.peer}: no message within {timeout} s", self.peer) from None
-        if record is None:
-            self._in.put_nowait(None)
-            raise ChannelClosed(f"{self.peer} closed the channel", self.peer)
-        msg = t.decode(record)
         self.counters.received(msg, len(record))
         return msg
 
@@ -197,11 +243,17 @@ class MemoryChannel:
 
 
 class LinkChannel:
-    """Session messages on a kafila.net Link (one message kind, in order)."""
+    """Session messages of plan epoch `epoch` on a kafila.net Link (one message kind, in order).
+    A re-plan that keeps a link makes a new LinkChannel of the next epoch on it."""
 
-    def __init__(self, link: Link, peer: str) -> None:
+    def __init__(self, link: Link, peer: str, epoch: int = 1) -> None:
         self.link, self.peer = link, peer
+        self.gate = EpochGate(epoch)
         self.counters = Counters()
+
+    @property
+    def epoch(self) -> int:
+        return self.gate.epoch
 
     @property
     def path(self) -> str:
@@ -214,7 +266,7 @@ class LinkChannel:
         return rtt * 1e3 if rtt > 0 else None
 
     async def send(self, msg: t.Message) -> None:
-        record = t.encode(msg)
+        record = self.gate.stamp(msg)
         if isinstance(msg, t.Hidden):
             hopmarks.mark("encoded", msg.entries)
         try:
@@ -224,9 +276,11 @@ class LinkChannel:
         self.counters.sent(msg, len(record))
 
     async def recv(self, timeout: float | None = None) -> t.Message:
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                kind, payload = await self.link.recv(timeout)
+                kind, payload = await self.link.recv(left)
             except PeerSilent as exc:  # the link closed itself: its own reason, not this wait's
                 raise ChannelClosed(self._named(exc), self.peer) from exc
             except LinkTimeout:
@@ -234,7 +288,10 @@ class LinkChannel:
             except LinkError as exc:
                 raise ChannelClosed(self._named(exc), self.peer) from exc
             if kind == LINK_KIND:
-                msg = t.decode(payload)
+                msg = self.gate.admit(payload)
+                if isinstance(msg, Stale):
+                    dropped_stale(self.peer, msg, self.epoch)
+                    continue
                 if isinstance(msg, t.Hidden):
                     hopmarks.mark("read", msg.entries, self.link.endpoint.batch_read_ns)
                     hopmarks.mark("decoded", msg.entries)
@@ -278,6 +335,10 @@ class Heartbeat:
         self._heard = False
         self.peer, self.counters = inner.peer, inner.counters
         self._task: asyncio.Task[None] | None = None
+
+    @property
+    def epoch(self) -> int:
+        return self.inner.epoch
 
     @property
     def path(self) -> str:

@@ -215,7 +215,10 @@ class HostEpochs:
         message = sm.NewEpoch(decision.epoch, new.to_dict(), decision.cause)
         for n in survivors:
             await _send(held.links[n], message)
-        serves = [asyncio.ensure_future(self.server.serve(LinkChannel(held.links[n], n))) for n in survivors]
+        # weights go on the control links in the new epoch's records: what is left there of the
+        # old epoch (frames the ring was carrying) is dropped undecoded (kafila.proto.epoch)
+        channels = [LinkChannel(held.links[n], n, decision.epoch) for n in survivors]
+        serves = [asyncio.ensure_future(self.server.serve(c)) for c in channels]
         try:
             node, code = held.node, held.code
             assert node is not None and code is not None
@@ -401,7 +404,7 @@ class MemberEpochs:
         formed = {self.ids[p]: link for p, link in held.links.items() if not link.closed and p in self.ids}
         links = await link_ring(node, plan, name, self.ids, held.host, formed)
         held.links.update(links)
-        channel = LinkChannel(links[held.host], held.host)
+        channel = LinkChannel(links[held.host], held.host, msg.epoch)  # as the host serves it
         shard = await fetch_shard(
             channel, range(a, b), head, cache=self.opts.cache, local=self.local, label=name, progress=False
         )

@@ -70,12 +70,12 @@ messages = st.one_of(
 
 @given(messages)
 def test_every_message_round_trips(msg: t.Message) -> None:
-    assert t.decode(t.encode(msg)) == msg
+    assert t.decode(t.encode(msg, 1)) == msg
 
 
 @given(st.lists(messages, max_size=6), st.lists(st.integers(1, 50), min_size=1, max_size=10))
 def test_reader_splits_a_stream_cut_anywhere(msgs: list[t.Message], cuts: list[int]) -> None:
-    stream = b"".join(t.encode(m) for m in msgs)
+    stream = b"".join(t.encode(m, 3) for m in msgs)
     reader, out, at, i = t.FrameReader(), [], 0, 0
     while at < len(stream):
         n = cuts[i % len(cuts)]
@@ -96,13 +96,13 @@ def test_random_bytes_decode_or_raise_frame_error(data: bytes) -> None:
 @given(st.sampled_from(list(t.Kind)), st.binary(max_size=120))
 def test_random_bodies_with_valid_prefix_decode_or_raise_frame_error(kind: t.Kind, body: bytes) -> None:
     with contextlib.suppress(t.FrameError):
-        t.decode(struct.pack("<IBB", len(body), t.VERSION, int(kind)) + body)
+        t.decode(struct.pack("<IBBI", len(body), t.VERSION, int(kind), 1) + body)
 
 
 @settings(max_examples=200)
 @given(messages, st.integers(0, 10_000), st.integers(0, 255))
 def test_one_flipped_byte_decodes_or_raises_frame_error(msg: t.Message, where: int, value: int) -> None:
-    data = bytearray(t.encode(msg))
+    data = bytearray(t.encode(msg, 1))
     data[where % len(data)] = value
     with contextlib.suppress(t.FrameError):
         t.decode(bytes(data))
@@ -114,46 +114,49 @@ def test_hidden_layout_is_the_documented_one() -> None:
     msg = t.Hidden(
         step=7, dtype=t.DType.F32, shape=(2, 2), entries=entries, data=data, flags=3, timings_us=(42,)
     )
-    record = t.encode(msg)
-    body_len, version, kind = struct.unpack_from("<IBB", record)
-    assert (version, kind, body_len) == (1, 1, len(record) - 6)
-    assert struct.unpack_from("<HIBBHB", record, 6) == (3, 7, 1, 2, 1, 1)
-    assert struct.unpack_from("<II", record, 6 + 11) == (2, 2)
-    assert struct.unpack_from("<III", record, 6 + 19) == (5, 9, 2)
-    assert struct.unpack_from("<I", record, 6 + 31) == (42,)
+    record = t.encode(msg, 258)
+    body_len, version, kind, epoch = struct.unpack_from("<IBBI", record)
+    assert (version, kind, epoch, body_len) == (2, 1, 258, len(record) - 10)
+    assert t.PREFIX_BYTES == 10
+    assert struct.unpack_from("<HIBBHB", record, 10) == (3, 7, 1, 2, 1, 1)
+    assert struct.unpack_from("<II", record, 10 + 11) == (2, 2)
+    assert struct.unpack_from("<III", record, 10 + 19) == (5, 9, 2)
+    assert struct.unpack_from("<I", record, 10 + 31) == (42,)
     assert record[-16:] == data
 
 
 def test_hidden_with_wrong_byte_count_is_refused_with_the_numbers() -> None:
     msg = t.Hidden(step=0, dtype=t.DType.BF16, shape=(3, 4), entries=(t.Entry(1, 0, 3),), data=b"\0" * 10)
     with pytest.raises(t.FrameError, match=r"10 bytes, shape \(3, 4\) needs 24"):
-        t.encode(msg)
+        t.encode(msg, 1)
 
 
 def test_entries_must_cover_the_rows() -> None:
     msg = t.Hidden(step=0, dtype=t.DType.F32, shape=(3, 1), entries=(t.Entry(1, 0, 2),), data=b"\0" * 12)
     with pytest.raises(t.FrameError, match="entries cover 2 rows, tensor has 3"):
-        t.encode(msg)
+        t.encode(msg, 1)
 
 
 def test_bad_version_unknown_kind_and_bad_fields_are_named() -> None:
-    good = t.encode(t.Cancel(request_id=3))
-    with pytest.raises(t.FrameError, match="unsupported version 9"):
+    good = t.encode(t.Cancel(request_id=3), 1)
+    with pytest.raises(t.FrameError, match=r"unsupported version 9 \(this build speaks 2\)"):
         t.decode(good[:4] + b"\x09" + good[5:])
+    with pytest.raises(t.FrameError, match=r"unsupported version 1 \(this build speaks 2\)"):
+        t.decode(good[:4] + b"\x01" + good[5:])  # a version 1 record, as an older kafila sends
     with pytest.raises(t.FrameError, match="unknown message kind 99"):
         t.decode(good[:5] + b"\x63" + good[6:])
     body = b'{"request_id": -1}'
     with pytest.raises(t.FrameError, match=r"CANCEL.request_id is negative \(-1\)"):
-        t.decode(struct.pack("<IBB", len(body), 1, int(t.Kind.CANCEL)) + body)
+        t.decode(struct.pack("<IBBI", len(body), 2, int(t.Kind.CANCEL), 1) + body)
     body = b'{"request_id": 1, "prompt": [1, "x"], "max_tokens": 3}'
     with pytest.raises(t.FrameError, match="list of token ids"):
-        t.decode(struct.pack("<IBB", len(body), 1, int(t.Kind.GENERATE)) + body)
+        t.decode(struct.pack("<IBBI", len(body), 2, int(t.Kind.GENERATE), 1) + body)
 
 
 def test_reader_refuses_a_huge_length_before_buffering_it() -> None:
     reader = t.FrameReader(max_body=1000)
     with pytest.raises(t.FrameError, match="exceeds the 1000-byte limit"):
-        reader.feed(struct.pack("<IBB", 5000, 1, 1))
+        reader.feed(struct.pack("<IBBI", 5000, 2, 1, 1))
 
 
 def test_itemsizes_match_dtype_names() -> None:
@@ -176,4 +179,4 @@ def test_a_forwarded_request_carries_every_sampling_setting() -> None:
     )  # fmt: skip
     msg = s.forwarded(12, [1, 2, 3])
     assert (msg.request_id, msg.prompt) == (12, (1, 2, 3))
-    assert Sampling.of(t.decode(t.encode(msg))) == s
+    assert Sampling.of(t.decode(t.encode(msg, 1))) == s

@@ -19,13 +19,13 @@ async def test_a_shared_frame_is_split_over_its_requests_by_rows() -> None:
     for msg in (shared, alone, t.Control("beat")):
         await a.send(msg)
         assert await b.recv(1.0) == msg
-    size = len(t.encode(shared))
+    size = len(t.encode(shared, 1))
     one, two = a.counters.requests[1], a.counters.requests[2]
-    assert one.bytes_sent + two.bytes_sent == size + len(t.encode(alone))
-    assert one.bytes_sent == size * 3 // 4 + len(t.encode(alone))  # 3 of the shared frame's 4 rows
+    assert one.bytes_sent + two.bytes_sent == size + len(t.encode(alone, 1))
+    assert one.bytes_sent == size * 3 // 4 + len(t.encode(alone, 1))  # 3 of the shared frame's 4 rows
     assert two.bytes_sent == size - size * 3 // 4  # the last entry takes the rest of the bytes
     assert (one.messages_sent, two.messages_sent) == (2, 1)
-    assert a.counters.bytes_sent == size + len(t.encode(alone)) + len(t.encode(t.Control("beat")))
+    assert a.counters.bytes_sent == size + len(t.encode(alone, 1)) + len(t.encode(t.Control("beat"), 1))
     assert a.counters.messages_sent == 3  # the beat is counted in the totals, not for a request
     received = b.counters.take(1)
     assert (received.bytes_received, received.messages_received) == (one.bytes_sent, 2)

@@ -27,7 +27,7 @@ def stall(seconds: float, then_arrives: t.Message | None, a: MemoryChannel) -> N
     loop = asyncio.get_running_loop()
     loop.call_later(0.05, time.sleep, seconds)  # the whole process stops: nothing of it runs
     if then_arrives is not None:  # sent by the peer during the stall, read on the first turn after it
-        loop.call_later(0.1, a._out.put_nowait, t.encode(then_arrives))
+        loop.call_later(0.1, a._out.put_nowait, t.encode(then_arrives, a.epoch))
 
 
 async def test_simulated_stall_of_this_member_does_not_blame_a_peer_whose_message_waits_unread() -> None:

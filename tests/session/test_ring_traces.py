@@ -60,7 +60,7 @@ async def records(log: TraceLog, kind: type, rid: int, within: float = 5.0) -> l
 def header(timings: int) -> int:
     """Bytes of a one-request hidden frame that are not the tensor (after `timings` stages)."""
     empty = t.Hidden(0, t.DType.F32, (0, 1), (t.Entry(0, 0, 0),), b"", 0, (0,) * timings)
-    return len(t.encode(empty))
+    return len(t.encode(empty, 1))
 
 
 async def test_each_member_records_its_stage_and_the_head_every_hop(ckpt: Checkpoint) -> None:

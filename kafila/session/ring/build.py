@@ -65,16 +65,18 @@ async def start_role(
     opts: Options,
     serving: Serving,
     with_api: bool,
+    epoch: int = 1,
 ) -> tuple[RingRole, Starlette | None]:
-    """Member `name`'s ring role for `plan`, started on `links` with its stage loaded from
-    `folder`, and (`with_api`) the session's API app over it, served once the session formed."""
+    """Member `name`'s ring role for `plan` (plan epoch `epoch`: its channels carry that epoch's
+    messages only), started on `links` with its stage loaded from `folder`, and (`with_api`) the
+    session's API app over it, served once the session formed."""
     model = serving.terms.model
     ckpt = Checkpoint.open(folder)  # a member's shard: its own tensors only
     tokenizer = Tokenizer.from_checkpoint(ckpt)
     a, b = plan.block_range(name)
     index = plan.order.index(name)
     head = plan.head == name
-    parts = await epoch_parts(name, code, plan, ckpt, links, opts, serving)
+    parts = await epoch_parts(name, code, plan, ckpt, links, opts, serving, epoch)
     stage, info, nxt, prv = parts.stage, parts.info, parts.next, parts.prev
     traces = TraceLog(opts.trace)  # without a file: the last records for /traces only
     model_thread = ModelThread(name)
@@ -100,7 +102,7 @@ async def start_role(
             raise ValueError(f"member {name} has no ring neighbour in the plan {plan.order}")
         role = RingMember(index, stage, model_thread, info, nxt, prv, traces)
     metrics.observe_session(session_record(plan, code.public, model, info.planned), ring_view=head)
-    metrics.observe_plan(1)  # the plan the session formed with (kafila.session.epochs moves it on)
+    metrics.observe_plan(epoch)
     for edge, by in info.measured_by.items():  # this member's own links, as they run now
         if edge in info.planned and info.edges[edge] in metrics.PATHS:
             metrics.observe_edge(edge, info.planned[edge], info.edges[edge], measured_by=by)
@@ -147,8 +149,8 @@ async def epoch_parts(
     nxt_name, prv_name = plan.successor(name), plan.predecessor(name)
     info = _ring_info(name, code, plan, links, serving, stage.backend.dtype)
     info.rendezvous.update(url=opts.rendezvous, state="connected")
-    nxt = _channel(links.get(nxt_name), nxt_name, opts)
-    prv = _channel(links.get(prv_name), prv_name, opts) if len(plan.order) > 2 or nxt is None else nxt
+    nxt = _channel(links.get(nxt_name), nxt_name, opts, epoch)
+    prv = _channel(links.get(prv_name), prv_name, opts, epoch) if len(plan.order) > 2 or nxt is None else nxt
     lanes = lanes_for(plan.circuit_s, plan.bottleneck_s, len(plan.order))
     return EpochParts(plan.order.index(name), stage, info, nxt, prv, lanes)
 
@@ -232,8 +234,10 @@ def _set_path(
         metrics.observe_edge(key, planned, change.new.value, measured_by=measured_by)
 
 
-def _channel(link: Link | None, peer: str, opts: Options) -> Heartbeat | None:
-    return Heartbeat(LinkChannel(link, peer), opts.dead_after).start() if link is not None else None
+def _channel(link: Link | None, peer: str, opts: Options, epoch: int) -> Heartbeat | None:
+    if link is None:
+        return None
+    return Heartbeat(LinkChannel(link, peer, epoch), opts.dead_after).start()
 
 
 def session_record(plan: Plan, session: str, model: str, edges: dict[str, str]) -> SessionRecord:
