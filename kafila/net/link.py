@@ -165,7 +165,7 @@ class Link:
         self.on_path_change: list[Callable[[PathChange], None]] = []
         self.on_close: list[Callable[[], None]] = []
         # message kinds handed to a callback as they arrive, never to `recv` (the session's control
-        # messages, which share a member's link with its ring channel: kafila.session.epochs)
+        # messages, which share a member's link with its ring channel: kafila.session.forming.epochs)
         self.handlers: dict[int, Callable[[bytes], None]] = {}
         self.tasks: list[asyncio.Task[None]] = []  # helpers (punching, relay setup) ended on close
         self.relay_error: str | None = None  # why no relay leg could be set up, if so

@@ -156,7 +156,7 @@ class StageRecord:
 
 @dataclass(frozen=True)
 class ReplanRecord:
-    """One change of plan epoch (kafila.session.epochs), as the host saw it."""
+    """One change of plan epoch (kafila.session.forming.epochs), as the host saw it."""
 
     session: str
     epoch: int  # the new epoch

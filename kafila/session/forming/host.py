@@ -28,12 +28,12 @@ from kafila.planner.replan import Membership, PlanTerms
 from kafila.proto.codes import SessionCode, new_code
 from kafila.proto.session import SessionTerms
 from kafila.session.channel import LinkChannel
-from kafila.session.epochs import HostEpochs
 from kafila.session.errors import SessionError
 from kafila.session.forming import core as fm
 from kafila.session.forming.admission import Admission
 from kafila.session.forming.core import HostFormation
 from kafila.session.forming.driver import Driver, while_signaling
+from kafila.session.forming.epochs import HostEpochs
 from kafila.session.forming.links import connect_node, link_ring
 from kafila.session.forming.measure import observe_nats, probe_report
 from kafila.session.forming.plans import choose_plan, say_ready
@@ -167,4 +167,7 @@ async def _host_ring(
     serving = Serving(terms, digest, alternatives, own, nats)
     with_api = held.api is not None
     held.role, held.app = await start_role(name, code, plan, folder, links, opts, serving, with_api)
-    return server, serving  # the server serves again when a re-plan moves blocks (kafila.session.epochs)
+    return (
+        server,
+        serving,
+    )  # the server serves again when a re-plan moves blocks (kafila.session.forming.epochs)

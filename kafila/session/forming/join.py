@@ -22,12 +22,12 @@ from kafila.proto import session as sm
 from kafila.proto.codes import parse_code
 from kafila.proto.signaling import MemberInfo
 from kafila.session.channel import LinkChannel
-from kafila.session.epochs import MemberEpochs
 from kafila.session.errors import SessionError
 from kafila.session.forming import core as fm
 from kafila.session.forming.admission import WRONG_OWN_CODE
 from kafila.session.forming.core import MemberFormation
 from kafila.session.forming.driver import Driver, while_signaling
+from kafila.session.forming.epochs import MemberEpochs
 from kafila.session.forming.links import connect_node, link_ring, named
 from kafila.session.forming.measure import observe_nats, probe_report
 from kafila.session.forming.plans import say_ready

@@ -155,7 +155,7 @@ class RingHead(RoleBase):
         self._flush_pending()
 
     async def pause(self) -> None:
-        """Stop this epoch's loops; requests stay (kafila.session.epochs carries them on)."""
+        """Stop this epoch's loops; requests stay (kafila.session.forming.epochs carries them on)."""
         if self._queue_report is not None:
             self._queue_report.cancel()
             self._queue_report = None

@@ -37,7 +37,7 @@ class RoleBase:
         self.ending = False  # the host ended the session on purpose: its ring breaking is no fault
         self.on_ended: Callable[[], None] | None = None  # told when a "broken" says the host ended it
         self._outbox: asyncio.Queue[t.Message] = asyncio.Queue()
-        # plan epochs (kafila.session.epochs): "serving", "replanning" (a lost member is being planned
+        # plan epochs (kafila.session.forming.epochs): "serving", "replanning" (a lost member is being planned
         # around: requests are held, not failed), "ended"; the epoch serving; the last change and why
         self.state = "serving"
         self.epoch = 1

@@ -54,7 +54,7 @@ from kafila.session.terms import Options
 from kafila.session.weights.fetch import fetch_shard
 from kafila.session.weights.server import WeightServer
 
-log = get_logger("kafila.session.epochs")
+log = get_logger("kafila.session.forming.epochs")
 
 CONTROL_KIND = 33  # link message kind of the epoch messages (kafila.session.channel's ring is 32)
 READY_S = 120.0  # a survivor that is not ready for the next epoch within this ends the session
