@@ -343,7 +343,7 @@ def parse_epoch(data: bytes) -> EpochMessage:
         raise SessionMessageError(f"an epoch message of {len(data)} bytes, more than {MAX_CONTROL_BYTES}")
     try:
         body = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise SessionMessageError(f"an epoch message that is not JSON: {exc}") from None
     if not isinstance(body, dict):
         raise SessionMessageError("an epoch message that is not an object")
