@@ -115,3 +115,28 @@ def test_a_killed_member_is_planned_around_and_every_streaming_answer_completes_
     assert set(replans[0]["new_blocks"]) == set(after["ring"])
     if host == doc["head"]:  # the host sees the tokens only as the head
         assert replans[0]["carried"] == 4 and replans[0]["first_token_s"] is not None
+
+
+def test_survivors_that_cannot_hold_the_model_end_the_session_naming_the_device(
+    smollm2_path, tmp_path
+) -> None:
+    """Every member offers 0.16 GB (--memory-gb, the planner's input): four hold the fp32 model
+    (about 0.54 GB), three cannot. A member killed: the host's re-plan is refused, and every
+    survivor says the planner's reason and exits, none left answering 503."""
+    small = [("--memory-gb", "0.16")] * 4
+    with LocalFleet((None,) * 4, MODEL, context=512, workdir=tmp_path, stagger=False,
+                    extra_args=("--dead-after", "3"), member_args=small) as fleet:  # fmt: skip
+        host = fleet.members[0]
+        victim = next(m for m in fleet.members[1:] if m.name != fleet.head)
+        assert victim.proc is not None
+        victim.proc.send_signal(signal.SIGKILL)
+        survivors = [m for m in fleet.members if m is not victim]
+        for m in survivors:
+            assert m.proc is not None
+            assert m.proc.wait(60) == 0, m.log_text()[-2000:]
+        ended = f"{victim.name} was lost"
+        assert "the members left cannot hold the model" in host.log_text()
+        for m in survivors:
+            said = [x for x in m.log_text().splitlines() if x.startswith("kafila:") and ended in x]
+            line = next((x for x in said if "ended" in x or "ends" in x), "")
+            assert "cannot hold the model" in line and "MB more memory" in line, (m.name, said)

@@ -174,11 +174,11 @@ class HostEpochs:
             return  # already known; a loss during a re-plan ends in its timeout or link failure
         self._gone.add(member)
         log.warning("member_lost", member=member, cause=cause, detail=detail)
-        self._job = asyncio.ensure_future(self._replan(member, cause, time.monotonic()))
+        self._job = asyncio.ensure_future(self._replan(member, detail or cause, time.monotonic()))
 
     async def _replan(self, member: str, cause: str, lost_at: float) -> None:
         m = self.membership
-        decision = on_lost(m, member, cause, self.manifest, self.terms)
+        decision = on_lost(m, member, cause, self.manifest, self.terms)  # "b was lost (<cause>)"
         if isinstance(decision, Keep):
             say(decision.reason)
             self.membership = replace(m, present=m.present - {member})

@@ -163,6 +163,9 @@ class RingHead(RoleBase):
         self._ahead = None
 
     def go(self) -> None:
+        for req in self._reqs.values():  # answers lost on the way when the ring broke, made good
+            if req.generation is None and req.tokens and self.next is not None:
+                self._outbox.put_nowait(rc.control(rc.Resync(req.rid, tuple(req.tokens))))
         self._wake.set()
 
     def first_token(self) -> asyncio.Future[float]:

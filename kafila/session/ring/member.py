@@ -64,6 +64,7 @@ class RingMember(RoleBase):
         self._acks: dict[int, asyncio.Future[None]] = {}  # forwarded, the head's first answer awaited
         self._forwarded: dict[int, t.Generate] = {}  # ... and the message, sent again after a re-plan
         self._late: list[t.Cancel] = []  # cancels while re-planning, sent once the ring serves again
+        self._delivered: dict[int, int] = {}  # tokens its clients have had, per request (for a resync)
         self._work: list[t.Hidden | rc.Free] = []
         self._ready = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -98,6 +99,7 @@ class RingMember(RoleBase):
 
     def _cancel(self, rid: int, reason: str) -> None:
         self._mine.pop(rid, None)
+        self._delivered.pop(rid, None)
         if self.state == "replanning":
             self._late.append(t.Cancel(rid, reason))
         elif self.broken is None:
@@ -158,6 +160,8 @@ class RingMember(RoleBase):
                 self._break(RingBroken(self.prev.peer, Cause.ERROR, f"member {self.prev.peer}: {exc}"))
                 return
             self._ready.set()
+        elif isinstance(msg, t.Control) and msg.op == rc.Resync.OP:
+            self._resync(msg)
         elif isinstance(msg, t.Hidden):
             self._work.append(msg)
             self._arrived[id(msg)] = time.perf_counter()
@@ -166,6 +170,19 @@ class RingMember(RoleBase):
             self._deliver(msg)
         elif isinstance(msg, t.Tokens | t.Error | t.Generate | t.Cancel | t.Control):
             self._outbox.put_nowait(msg)  # on its way to the head, or back to another member
+
+    def _resync(self, frame: t.Control) -> None:
+        """The head's tokens of a request carried through a re-plan: pass on those not delivered."""
+        try:
+            msg = rc.Resync.parse(frame.body)
+        except rc.RingMessageError as exc:
+            log.warning("ring_control_ignored", op=frame.op, reason=str(exc))
+            return
+        if origin_of(msg.request_id) != self.origin:
+            self._outbox.put_nowait(frame)  # on to the member it is for
+            return
+        have = self._delivered.get(msg.request_id, 0)
+        self._deliver(t.Tokens(msg.request_id, msg.tokens[have:]))
 
     def _deliver(self, msg: t.Tokens | t.Error) -> None:
         gen = self._mine.get(msg.request_id)
@@ -182,8 +199,10 @@ class RingMember(RoleBase):
             gen.push(GenerationError(msg.code, msg.message))
         elif msg.tokens or msg.finish or msg.queue_position:  # not the bare "admitted"
             gen.push(TokenEvent(msg.tokens, msg.finish, msg.queue_position, msg.prefill_s))
+            self._delivered[msg.request_id] = self._delivered.get(msg.request_id, 0) + len(msg.tokens)
         if gen.finished:
             self._mine.pop(msg.request_id, None)
+            self._delivered.pop(msg.request_id, None)
 
     async def _compute(self) -> None:
         while True:
@@ -265,6 +284,7 @@ class RingMember(RoleBase):
         for gen in list(self._mine.values()):
             gen.push(GenerationError(code, message))
         self._mine.clear()
+        self._delivered.clear()
         for ack in self._acks.values():  # forwarded, not answered yet
             if not ack.done():
                 ack.set_exception(GenerationError(code, message))
