@@ -37,12 +37,14 @@ PROMPT = "Tell me a long story about a lighthouse keeper and a storm."
 def stream(
     url: str, tokens: int, kill_at: int | None = None, victim: object = None
 ) -> tuple[str, float | None]:
-    """The answer's text, and (with `kill_at`) seconds from the kill to the next token read."""
+    """The answer's text, and (with `kill_at`) seconds from the kill to the first token after the
+    pause (the token after the longest gap between two tokens once the member was killed: tokens
+    already on their way when it died arrive before the pause)."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
             "max_tokens": tokens, "temperature": 0, "stream": True}  # fmt: skip
     parts: list[str] = []
     killed_at: float | None = None
-    resumed: float | None = None
+    after: list[float] = []  # arrival times of the tokens read after the kill
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -52,12 +54,16 @@ def stream(
             if "error" in chunk:
                 raise RuntimeError(f"the answer failed: {chunk['error']}")
             parts.append(chunk["choices"][0]["delta"].get("content") or "")
-            if killed_at is not None and resumed is None:
-                resumed = time.monotonic() - killed_at
+            if killed_at is not None:
+                after.append(time.monotonic())
             if kill_at is not None and len(parts) == kill_at:
                 victim.proc.send_signal(signal.SIGKILL)  # type: ignore[attr-defined]
                 killed_at = time.monotonic()
-    return "".join(parts), resumed
+    if killed_at is None or not after:
+        return "".join(parts), None
+    times = [killed_at, *after]
+    gap = max(range(1, len(times)), key=lambda i: times[i] - times[i - 1])
+    return "".join(parts), times[gap] - killed_at
 
 
 def main() -> int:
