@@ -51,18 +51,6 @@ def positive_number(text: str) -> float:
     return v
 
 
-def number_at_least(low: float) -> Callable[[str], float]:
-    """A finite number >= `low` (> 0)."""
-
-    def parse(text: str) -> float:
-        v = positive_number(text)
-        if v < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low:g}, got {text!r}")
-        return v
-
-    return parse
-
-
 def member_name(text: str) -> str:
     """A name the rendezvous takes: 1-64 characters, none of them control characters."""
     from kafila.proto.signaling import MAX_NAME

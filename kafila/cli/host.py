@@ -12,7 +12,6 @@ from kafila.cli.argtypes import (
     count,
     member_name,
     non_negative_int,
-    number_at_least,
     positive_int,
     positive_number,
     rendezvous_url,
@@ -68,12 +67,17 @@ def add_member_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--trace", help="append trace records (JSON lines) to this file")
     parser.add_argument(
+        "--lost-after",
         "--dead-after",
-        type=number_at_least(1.0),
-        default=5.0,
-        help="seconds of silence after which a neighbour counts as gone (default 5; at least 1, as the "
-        "ring beats every second; below about 4 a link whose direct path fails cannot move to the relay "
-        "in time)",
+        dest="dead_after",
+        type=_lost_after,
+        default=3.0,
+        metavar="SECONDS",
+        help="a ring neighbour that sends nothing (not even its beats, every SECONDS/6) for this long "
+        "counts as lost: the ring breaks naming it and its cause (default 3; at least 2, as a link whose "
+        "direct path fails takes up to 1.25 s to move to the relay, which must not count as a loss). "
+        "The rendezvous's notice that a member left or disconnected breaks it sooner. --dead-after is "
+        "the same flag's old name",
     )
     add_threads_flag(parser)
     parser.add_argument(
@@ -85,6 +89,15 @@ def add_member_flags(parser: argparse.ArgumentParser) -> None:
         "model, in the probe and in the ring, is followed by idle time so it takes 1/S as long. "
         "For fleets of several members on one machine (benchmarks, demo); default 1 (off)",
     )
+
+
+def _lost_after(text: str) -> float:
+    from kafila.session.channel import lost_after_problem
+
+    seconds = positive_number(text)
+    if problem := lost_after_problem(seconds):
+        raise argparse.ArgumentTypeError(problem)
+    return seconds
 
 
 def add_threads_flag(parser: argparse.ArgumentParser) -> None:

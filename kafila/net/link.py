@@ -614,6 +614,11 @@ class Link:
         )
 
     @property
+    def last_heard(self) -> float | None:
+        """Loop time of the last datagram from the peer on either path (None: nothing yet)."""
+        return max(self._last_rx.values(), default=None)
+
+    @property
     def closed(self) -> bool:
         return self._closed is not None
 

@@ -35,10 +35,19 @@ class RingMessageError(ValueError):
 class Cause(enum.StrEnum):
     """What broke the ring, as seen by the member that noticed it."""
 
-    SILENT = "silent"  # `member` stopped answering (its heartbeats stopped)
+    SILENT = "silent"  # `member` stopped answering (its heartbeats stopped), or, said by `member`
+    # itself, its process did not run for longer than the ring's bound (the others counted it lost)
     CLOSED = "closed"  # `member`'s link closed
+    LEFT = "left"  # the rendezvous says `member` left the session (or the host removed it)
+    DISCONNECTED = "disconnected"  # the rendezvous lost `member`'s connection (killed, crashed, cut off)
     ENDED = "ended"  # the host ended the session on purpose: no fault
-    ERROR = "error"  # anything else: a member's internal error, an unreadable message, a stall
+    ERROR = "error"  # anything else: a member's internal error, an unreadable message
+
+
+def departure_cause(reason: str) -> Cause:
+    """The cause of a rendezvous's `member_left` notice by its reason: "left" and "removed" are a
+    member leaving, "disconnected", "timed_out" and anything else a connection lost."""
+    return Cause.LEFT if reason in ("left", "removed") else Cause.DISCONNECTED
 
 
 @dataclass(frozen=True)

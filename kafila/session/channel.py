@@ -13,8 +13,15 @@ every message it sends with it and drops, undecoded, whatever arrives stamped wi
 counts in `kafila_ring_stale_frames_total`; the first of each stale epoch is logged once.
 
 `Heartbeat` wraps any channel: it sends a beat every `interval` seconds and a receive that hears
-nothing (not even a beat) for `dead_after` seconds raises `ChannelDead`, so a member that was
-killed is noticed in seconds, whatever the transport's own idle timeout.
+nothing (not even a beat) for `dead_after` seconds (the ring's bound, `--lost-after`, default 3 s)
+raises `ChannelDead`, so a member that was killed, frozen or cut off is noticed within the bound,
+whatever the transport's own idle timeout.
+
+The bound must not count a link that moves to the relay as a lost member: a session's links
+(kafila.session.forming.links) PING every `LINK_KEEPALIVE_S` and leave a direct path silent for
+`LINK_DIRECT_SILENT_S` for the relay, resending at once what was in flight (kafila.net.link), so
+the move takes at most `RELAY_MOVE_S` (1.25 s); beats every `dead_after / 6` then arrive on the
+relay well inside any bound of at least `MIN_LOST_AFTER` (2 s), which the CLI enforces.
 """
 
 from __future__ import annotations
@@ -314,6 +321,23 @@ class LinkChannel:
 
 
 STALLED_S = 1.0  # a deadline that fires this late means this process itself did not run
+DEFAULT_LOST_AFTER = 3.0  # s of silence after which a neighbour counts as lost (--lost-after)
+LINK_KEEPALIVE_S = 0.25  # a session link's PING interval (and how often it checks its direct path)
+LINK_DIRECT_SILENT_S = 1.0  # a session link's direct path silent this long: it moves to the relay
+RELAY_MOVE_S = LINK_DIRECT_SILENT_S + LINK_KEEPALIVE_S  # the slowest move: the silence seen one check late
+# the smallest bound: the relay move, then a beat (at most bound / 6 later) and a relayed round trip
+MIN_LOST_AFTER = 2.0
+
+
+def lost_after_problem(seconds: float) -> str | None:
+    """Why `seconds` cannot be the ring's bound (None: it can)."""
+    if seconds >= MIN_LOST_AFTER:
+        return None
+    return (
+        f"{seconds:g} s is below {MIN_LOST_AFTER:g} s: a link whose direct path fails takes up to "
+        f"{RELAY_MOVE_S:g} s to move to the relay, and the ring must hear a beat on the relay before it "
+        "counts a member lost"
+    )
 
 
 class Heartbeat:
@@ -325,12 +349,12 @@ class Heartbeat:
     def __init__(
         self,
         inner: Channel,
-        dead_after: float = 5.0,
+        dead_after: float = DEFAULT_LOST_AFTER,
         interval: float | None = None,
         first_within: float = 300.0,
     ) -> None:
         self.inner, self.dead_after = inner, dead_after
-        self.interval = interval if interval is not None else min(1.0, dead_after / 4)
+        self.interval = interval if interval is not None else min(1.0, dead_after / 6)
         self.first_within = first_within  # a peer may still be loading: its first beat can take longer
         self._heard = False
         self.peer, self.counters = inner.peer, inner.counters
@@ -389,7 +413,7 @@ class Heartbeat:
                 f"this member stalled for {stalled:.1f} s (its process did not run) and heard nothing "
                 f"from member {self.peer} since"
             )
-        return f"member {self.peer} stopped answering (nothing for {limit:g} s)"
+        return f"member {self.peer} stopped answering (nothing heard for {limit:g} s, the bound)"
 
     def acknowledge(self) -> None:
         self.inner.acknowledge()

@@ -26,8 +26,11 @@ from kafila.net.signaling import SignalingClient
 from kafila.net.tcp import bind_tcp
 from kafila.obs import metrics
 from kafila.obs.listener import MetricsListener, serve_metrics
+from kafila.obs.log import get_logger
 from kafila.planner.plan import Plan
 from kafila.proto.codes import SessionCode
+from kafila.proto.ring import Cause, departure_cause
+from kafila.session.channel import LINK_KEEPALIVE_S
 from kafila.session.errors import SessionError
 from kafila.session.progress import progress_to, say
 from kafila.session.ring.build import RingRole
@@ -39,10 +42,19 @@ if TYPE_CHECKING:
     from kafila.session.weights.fetch import ShardResult
 
 NOT_FORMED = "session not formed"
+# after the rendezvous says a member left, its link must stay silent for this many of its PINGs
+# (0.75 s on a session's links) for the ring to break: a member that lost only its rendezvous
+# connection still answers on it
+LEFT_CONFIRM_PINGS = 3
+LEFT_CONFIRM_S = LEFT_CONFIRM_PINGS * LINK_KEEPALIVE_S
+log = get_logger("kafila.session.runtime")
 
 
 class Stops(Protocol):
-    """The formation driver (kafila.session.forming.driver), as the runtime stops it."""
+    """The formation driver (kafila.session.forming.driver), as the runtime stops it and hears of
+    members leaving once formed (`on_left(name, reason)`)."""
+
+    on_left: Callable[[str, str], None] | None
 
     def close(self) -> None: ...
 
@@ -184,12 +196,51 @@ class MemberRuntime:
         """Once every member is ready, the forming API becomes the session's: the next request gets
         the full app, on the same address (/session says "serving" only now)."""
         self.formed = True
+        if self.driver is not None:
+            self.driver.on_left = self._member_left
         self._read_by_metrics(self._serving_document)  # the role's state, queue and KV-cache slots
         server = self.api
         if server is not None and self.app is not None:
             server.switch(self.app)
             url = server.url
             say(f"API at {url} (OpenAI {url}/v1, Ollama {url}/api, {url}/session)")
+
+    def _member_left(self, member: str, reason: str) -> None:
+        self.tasks.append(asyncio.ensure_future(self._confirm_left(member, reason)))
+
+    async def _confirm_left(self, member: str, reason: str) -> None:
+        """The rendezvous says `member` left the session (`reason`: "left", "disconnected", ...):
+        the ring breaks naming it (RoleBase.lose) once its link has heard nothing from it for
+        LEFT_CONFIRM_PINGS of its PINGs, so requests get the broken answer at once instead of failing once the
+        heartbeat's bound has passed. A link that still hears it means only its rendezvous
+        connection went: the ring goes on. A member with no link to it leaves it to those with one,
+        whose "broken" goes round the ring."""
+        role, link = self.role, self.links.get(member)
+        if role is None or role.broken is not None or member == self.name or member not in role.info.order:
+            return
+        if link is None:
+            log.info("member_left_elsewhere", member=member, reason=reason)
+            return
+        since, ping = asyncio.get_running_loop().time(), link.config.keepalive
+        wait = LEFT_CONFIRM_PINGS * ping
+        if not link.closed:
+            await asyncio.sleep(wait)
+            heard = link.last_heard
+            if not link.closed and heard is not None and heard > since + ping:
+                log.warning("member_left_but_linked", member=member, reason=reason)
+                say(
+                    f"the rendezvous says member {member} {reason}, but its link still answers: only its "
+                    "connection to the rendezvous went; the ring goes on"
+                )
+                return
+        cause = departure_cause(reason)
+        said = "left the session" if cause is Cause.LEFT else f"lost its connection ({reason})"
+        role.lose(
+            member,
+            cause,
+            f"member {member} {said}, the rendezvous says, and its link heard nothing from it for "
+            f"{wait:g} s since",
+        )
 
     def watch_host_ending(self) -> None:
         """A joining member ends when the host ends the session on purpose: one of its links closes

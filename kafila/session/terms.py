@@ -38,7 +38,7 @@ class Options:
     trace: Path | None = None
     cache: Path | None = None
     use_local: bool = True  # a member that holds the same checkpoint loads it instead of fetching
-    dead_after: float = 5.0
+    dead_after: float = 3.0  # --lost-after: a neighbour silent this long is lost (session.channel)
     emulate_speed: float = 1.0  # < 1: emulate a slower device (kafila.engine.pace)
     # host only
     model: str = "smollm2-135m"

@@ -66,11 +66,31 @@ def test_seconds_and_gigabytes_must_be_finite_and_positive(command: str, flag: s
     assert f"argument {flag}: must be a finite number > 0, got '{value}'" in done.stderr
 
 
-@pytest.mark.parametrize("value", ["0.02", "0.999"])
-def test_a_dead_after_shorter_than_the_rings_beat_is_refused(value: str) -> None:
-    """--dead-after 0.02 broke the ring before any request ("stopped answering (nothing for 0 s)")."""
-    done = kafila_cli("host", "--dead-after", value)
-    assert done.returncode == 2 and f"argument --dead-after: must be at least 1, got '{value}'" in done.stderr
+@pytest.mark.parametrize(("flag", "value"), [("--lost-after", "0.02"), ("--dead-after", "1.999")])
+def test_a_bound_shorter_than_a_move_to_the_relay_is_refused_with_the_numbers(flag: str, value: str) -> None:
+    """--dead-after 0.02 broke the ring before any request ("stopped answering (nothing for 0 s)");
+    below 2 s a link whose direct path fails cannot move to the relay before the ring gives up."""
+    done = kafila_cli("host", flag, value)
+    assert done.returncode == 2, done.stderr
+    assert (
+        f"argument --lost-after/--dead-after: {float(value):g} s is below 2 s: a link whose direct path "
+        "fails takes up to 1.25 s to move to the relay"
+    ) in done.stderr
+
+
+def test_the_bound_defaults_to_3_s_everywhere() -> None:
+    import argparse
+
+    from kafila.cli.host import add_member_flags
+    from kafila.session.channel import DEFAULT_LOST_AFTER, Heartbeat, MemoryChannel
+    from kafila.session.terms import Options
+
+    parser = argparse.ArgumentParser()
+    add_member_flags(parser)
+    args = parser.parse_args([])
+    a, _ = MemoryChannel.pair("a", "b")
+    assert args.dead_after == Options().dead_after == Heartbeat(a).dead_after == DEFAULT_LOST_AFTER == 3.0
+    assert parser.parse_args(["--dead-after", "4"]).dead_after == 4.0  # the old name still works
 
 
 @pytest.mark.parametrize(

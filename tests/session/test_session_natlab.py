@@ -109,7 +109,7 @@ async def test_a_direct_edge_cut_mid_session_goes_on_over_the_relay_before_the_r
 ) -> None:
     """Two members behind permissive routers link directly; then both routers drop the direct path
     (simulated: nft rules, as a route or NAT change would). The link must fall back to the relay
-    within the ring's default --dead-after (5 s): it used to take 7.2 s and the request failed."""
+    within the ring's default bound (--lost-after, 3 s): it used to take 7.2 s and the request failed."""
     sites = [natlab.add_site("permissive"), natlab.add_site("permissive")]
     logs = [tmp_path / f"{n}.log" for n in ("alpha", "beta")]
     code_file = tmp_path / "code"

@@ -125,7 +125,7 @@ async def test_a_member_the_ring_counted_gone_is_told_that_the_silent_member_was
     broken = silent.value.broken()  # what the head's "broken" carries round the ring
     assert (broken.member, broken.cause) == ("m1", Cause.SILENT)
     why = broken.text()
-    assert why == "the ring is broken: member m1 stopped answering (nothing for 0.2 s)"
+    assert why == "the ring is broken: member m1 stopped answering (nothing heard for 0.2 s, the bound)"
     mine = broken_line("m1", broken)
     assert mine.startswith(f"{why}: that is this member, whose process did not run in time")
     assert mine.endswith(

@@ -75,6 +75,8 @@ class Driver:
         self.inbox: asyncio.Queue[Callable[[float], list[fm.Output]]] = asyncio.Queue()
         self._inbox_next: asyncio.Task[Callable[[float], list[fm.Output]]] | None = None
         self.on_admit: Callable[[fm.Admit], None] | None = None  # the host's: link with that member
+        # once formed: the rendezvous says a member (by name) left, with its reason ("disconnected")
+        self.on_left: Callable[[str, str], None] | None = None
 
     @staticmethod
     def now() -> float:
@@ -170,7 +172,9 @@ class Driver:
                     )
                     return
                 event = self._translate(nxt.result())
-                if isinstance(event, fm.Left):  # the ring notices on its own links; logged above
+                if isinstance(event, fm.Left):  # the runtime checks the member's link and breaks the ring
+                    if self.on_left is not None:
+                        self.on_left(self.core.name_of(event.member), event.reason)
                     continue
                 if event is not None:
                     await self.carry(self.core.handle(event, self.now()))

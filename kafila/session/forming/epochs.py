@@ -58,13 +58,15 @@ log = get_logger("kafila.session.forming.epochs")
 
 CONTROL_KIND = 33  # link message kind of the epoch messages (kafila.session.channel's ring is 32)
 READY_S = 120.0  # a survivor that is not ready for the next epoch within this ends the session
-LOST_CAUSES = (Cause.SILENT, Cause.CLOSED)  # a break that names a lost member (not a stall, an error)
+# a break that names a lost member (not an internal error, not the session ending)
+LOST_CAUSES = (Cause.SILENT, Cause.CLOSED, Cause.LEFT, Cause.DISCONNECTED)
 
 
-def lost_member(broken: RingBroken, plan: Plan, host: str) -> bool:
-    """Whether a ring break names a member the host can re-plan around: one of the plan's, not the
-    host, gone silent or closed (a stall of the member itself or an internal error is not a loss)."""
-    return broken.cause in LOST_CAUSES and broken.member in plan.order and broken.member != host
+def lost_member(broken: RingBroken, plan: Plan, host: str, me: str) -> bool:
+    """Whether a ring break names a member the host can re-plan around: one of the plan's, neither
+    the host nor this member (`me`: a member frozen past the bound names itself, counted lost by
+    the others), gone silent, closed, left or disconnected."""
+    return broken.cause in LOST_CAUSES and broken.member in plan.order and broken.member not in (host, me)
 
 
 async def _send(link: Link, msg: sm.EpochMessage) -> None:
@@ -139,14 +141,14 @@ class HostEpochs:
     def start(self) -> None:
         """Listen to every member's control link and to the host's own ring breaking."""
         role = self.held.ring()
-        role.recovers = lambda b: lost_member(b, self.membership.plan, self.membership.host)
+        role.recovers = lambda b: lost_member(b, self.membership.plan, self.membership.host, self.held.name)
         role.on_broken = self._broken
         for peer, link in self.held.links.items():
             _listen(link, peer, self._heard)
         self.held.ended = asyncio.get_running_loop().create_future()
 
     def _broken(self, broken: RingBroken) -> None:
-        if lost_member(broken, self.membership.plan, self.membership.host):
+        if lost_member(broken, self.membership.plan, self.membership.host, self.held.name):
             self.lost(broken.member, broken.cause.value, broken.detail)
         else:
             say(broken_line(self.held.name, broken))
@@ -324,7 +326,7 @@ class MemberEpochs:
         role = held.ring()
         plan = held.plan
         assert plan is not None
-        role.recovers = lambda b: held.plan is not None and lost_member(b, held.plan, held.host)
+        role.recovers = lambda b: held.plan is not None and lost_member(b, held.plan, held.host, held.name)
         role.on_broken = self._broken
         link = held.links.get(held.host)
         if link is not None:
@@ -332,7 +334,7 @@ class MemberEpochs:
 
     def _broken(self, broken: RingBroken) -> None:
         held = self.held
-        if held.plan is None or not lost_member(broken, held.plan, held.host):
+        if held.plan is None or not lost_member(broken, held.plan, held.host, held.name):
             say(broken_line(held.name, broken))
             return
         say(f"{broken.text()}; waiting for the host's new plan")

@@ -12,14 +12,15 @@ from kafila.net.link import Link, LinkConfig
 from kafila.net.signaling import SignalingClient
 from kafila.planner.plan import Plan
 from kafila.proto.codes import SessionCode
+from kafila.session.channel import LINK_DIRECT_SILENT_S, LINK_KEEPALIVE_S
 from kafila.session.errors import SessionError
 from kafila.session.progress import say
 
-# A session's links notice a silent direct path well inside the ring's liveness (--dead-after,
-# 5 s by default) and go on over the relay before the ring gives up: silence for 3 s, checked every
-# second, with a PING every second to tell silence from an idle link (docs/links.md has the run
-# that showed the link's own defaults were too slow for a ring).
-SESSION_LINKS = LinkConfig(keepalive=1.0, dead_after=3.0)
+# A session's links notice a silent direct path well inside the ring's bound (--lost-after, 3 s by
+# default, at least 2) and go on over the relay before the ring counts the peer lost: silence for
+# 1 s, checked with a PING every 0.25 s to tell silence from an idle link, so the move takes at most
+# 1.25 s (kafila.session.channel, RELAY_MOVE_S; docs/links.md has the runs).
+SESSION_LINKS = LinkConfig(keepalive=LINK_KEEPALIVE_S, dead_after=LINK_DIRECT_SILENT_S)
 
 
 async def connect_node(client: SignalingClient, code: SessionCode, url: str) -> LinkNode:

@@ -158,7 +158,9 @@ async def epoch_parts(
 def broken_line(name: str, broken: RingBroken) -> str:
     """What member `name` says at its console when its ring broke."""
     why = broken.text()
-    if broken.blames(name):  # the others' view of this member, which heard their "broken" on waking
+    # the others' view of this member, which heard their "broken" on waking (its own view of its
+    # stall says so itself: kafila.session.ring.role, `_counted_lost`)
+    if broken.blames(name) and not broken.detail.startswith(f"this member ({name})"):
         why += (
             ": that is this member, whose process did not run in time (stopped, asleep or swapping), "
             "so the others counted it gone"

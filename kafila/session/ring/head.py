@@ -143,7 +143,7 @@ class RingHead(RoleBase):
     def start(self) -> RingHead:
         loops = [self._pump]
         if self.next is not None and self.prev is not None:
-            loops += [self._send_out, self._receive]
+            loops += [self._send_out, self._receive, self._watch_stall]
         if self.next is not None and self.next is not self.prev:
             loops.append(self._watch_next)
         self._tasks = [guarded(c, self.name, self._internal_error) for c in loops]

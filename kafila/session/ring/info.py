@@ -32,13 +32,15 @@ class RingInfo:
     # this member's signaling connection: {"url", "state": "connected" | "lost", "reason" once lost}
     rendezvous: dict[str, Any] = field(default_factory=dict)
 
-    def document(self, state: str, error: str | None) -> dict[str, Any]:
-        """The part of a member's /session document every member shares."""
+    def document(self, state: str, error: str | None, broken: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The part of a member's /session document every member shares; `broken`: why the ring
+        broke, structured (RoleBase.broken_fields: member, cause, detail, this_member)."""
         return {
             "session": self.session,
             "model": self.model,
             "state": state if error is None else "broken",
             "error": error,
+            "broken": broken,
             "head": self.order[0],
             "ring": list(self.order),
             "members": [self._member(m) for m in self.order],

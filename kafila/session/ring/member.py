@@ -108,7 +108,7 @@ class RingMember(RoleBase):
     # -- lifecycle -------------------------------------------------------------------------------------
 
     def start(self) -> RingMember:
-        loops = [self._receive, self._compute, self._send_out]
+        loops = [self._receive, self._compute, self._send_out, self._watch_stall]
         if self.next is not self.prev:
             loops.append(self._watch_next)
         self._tasks = [guarded(c, self.name, self._internal_error) for c in loops]

@@ -4,6 +4,12 @@ A role sends everything to its next member through one outbox (so frames, frees 
 their order), drains the next member's heartbeats where that link carries nothing else, and, when a
 channel fails or a "broken" notice arrives, breaks once: it remembers why (a `RingBroken`), tells
 whoever listens (`on_broken`), passes the notice on, and fails what it holds (`_lost`).
+
+Besides its own links, two things break it: `lose(member, cause, detail)`, which the runtime calls
+when another signal says a member is gone (the rendezvous's `member_left`), and its own stall: a
+role whose process did not run for longer than the ring's bound (kafila.session.ring.liveness) was
+counted lost by the others, so it breaks naming itself, and whatever it notices on waking (a late
+deadline, a link the peer closed meanwhile) is said as that, never as a neighbour's fault.
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ from kafila.obs.log import get_logger
 from kafila.proto import ring as rc
 from kafila.proto import tensor as t
 from kafila.proto.ring import Cause, RingBroken
-from kafila.session.channel import Channel, ChannelError, send_marked
+from kafila.session.channel import DEFAULT_LOST_AFTER, Channel, ChannelError, Heartbeat, send_marked
 from kafila.session.ring.info import RingInfo
+from kafila.session.ring.liveness import TICK_S, StallWatch
 
 log = get_logger("kafila.session.ring")
 
@@ -27,11 +34,14 @@ log = get_logger("kafila.session.ring")
 class RoleBase:
     """The shared part of RingHead and RingMember; subclasses say what a break fails (`_lost`)."""
 
-    info: RingInfo
+    info: RingInfo  # set by the subclass
 
     def __init__(self, name: str, next_ch: Channel | None, prev_ch: Channel | None) -> None:
         self.name = name
         self.next, self.prev = next_ch, prev_ch  # both None: the head of a ring of one
+        beats = [c.dead_after for c in (next_ch, prev_ch) if isinstance(c, Heartbeat)]
+        self.bound = min(beats, default=DEFAULT_LOST_AFTER)  # s: a member silent this long is lost
+        self._stall = StallWatch(self.bound, time.monotonic())
         self.broken: RingBroken | None = None
         self.on_broken: Callable[[RingBroken], None] | None = None  # told once, e.g. the console
         self.ending = False  # the host ended the session on purpose: its ring breaking is no fault
@@ -50,6 +60,16 @@ class RoleBase:
     def broken_text(self) -> str | None:
         """Why the ring is broken, as people read it (None: it is not)."""
         return None if self.broken is None else self.broken.text()
+
+    @property
+    def broken_fields(self) -> dict[str, Any] | None:
+        """Why the ring is broken, for /session: the member it is about, the cause, what was seen,
+        and whether that member is this one (counted lost by the others). None: it is not broken."""
+        b = self.broken
+        if b is None:
+            return None
+        mine = b.member == self.name
+        return {"member": b.member, "cause": b.cause.value, "detail": b.detail, "this_member": mine}
 
     def _in_flight(self) -> int:
         """Requests a break fails here (for the log line)."""
@@ -81,7 +101,7 @@ class RoleBase:
         """The /session part every role shares: the ring, its state and plan epoch, the last change."""
         held = self.state in ("replanning", "ended")
         error = self.ended_reason if self.state == "ended" else None if held else self.broken_text
-        doc = self.info.document(self.state, error)
+        doc = self.info.document(self.state, error, None if held else self.broken_fields)
         if self.state == "ended":
             doc["state"] = "ended"
         return doc | {"epoch": self.epoch, "change": self.change}
@@ -100,15 +120,46 @@ class RoleBase:
         self.changed("ended", reason)
         self._fail_held("session_ended", reason)
 
+    def lose(self, member: str, cause: Cause, detail: str) -> None:
+        """Another signal than this role's links says `member` is gone (the rendezvous's
+        `member_left`): break the ring now, naming it, so every request from now on gets the broken
+        answer (503) at once rather than a failure later. A member of another ring, or this one
+        itself, is no loss of this ring: ignored."""
+        if member != self.name and member in self.info.order:
+            self._break(RingBroken(member, cause, detail))
+
+    def _counted_lost(self, stalled_s: float) -> RingBroken:
+        """The break of a member whose process did not run for `stalled_s` s, past the bound."""
+        return RingBroken(
+            self.name,
+            Cause.SILENT,
+            f"this member ({self.name}) did not run for {stalled_s:.1f} s (its process was stopped, asleep "
+            f"or swapping), longer than the ring's bound of {self.bound:g} s, so the other members "
+            "counted it lost",
+        )
+
+    async def _watch_stall(self) -> None:
+        """Notice this process's own stall past the bound, even when nothing else says it."""
+        self._stall.last = time.monotonic()
+        while True:
+            await asyncio.sleep(TICK_S)
+            stalled = self._stall.tick(time.monotonic())
+            if stalled is not None:
+                self._break(self._counted_lost(stalled))
+
     def _break(self, broken: RingBroken, tell: bool = True) -> None:
         """Break the ring once (a later break keeps the first reason); fail what is held either way."""
         if self.broken is None:
+            stalled = self._stall.stall(time.monotonic())
             # "ended" is the view of a member that ends on purpose (the host ended the session): one
             # that is not ending passes on a closed link, so the notice goes round once, not again
             if self.ending:
                 broken = RingBroken(broken.member, Cause.ENDED, broken.detail)
             elif broken.cause is Cause.ENDED:
                 broken = RingBroken(broken.member, Cause.CLOSED, broken.detail)
+            elif stalled is not None and broken.member != self.name:  # it is this member that was gone
+                log.info("ring_break_after_stall", member=self.name, noticed=broken.detail)
+                broken = self._counted_lost(stalled)
             self.broken = broken
             level = log.info if self.ending else log.error
             level(
