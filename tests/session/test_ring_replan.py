@@ -36,7 +36,8 @@ async def test_a_lost_member_is_planned_around_and_every_answer_goes_on_unchange
     ring = build_ring(ckpt, splits, concurrency=2)  # two admitted, one queued
     try:
         expected = [await collect(await ring.head.submit(p, Sampling(max_tokens=TOKENS))) for p in PROMPTS]
-        assert min(map(len, expected)) > 8  # long enough to be cut in the middle
+        longest = max(range(len(PROMPTS)), key=lambda i: len(expected[i]))
+        assert len(expected[longest]) > 8  # long enough to be cut in the middle (random weights)
     finally:
         await ring.stop()
 
@@ -47,8 +48,8 @@ async def test_a_lost_member_is_planned_around_and_every_answer_goes_on_unchange
     try:
         gens = [await head.submit(p, Sampling(max_tokens=TOKENS)) for p in PROMPTS]
         jobs = [asyncio.ensure_future(collect(g)) for g in gens]
-        first = head._reqs[gens[0].request_id]
-        while first.generated < 3 and not jobs[0].done():  # mid-answer (the tiny model is fast)
+        first = head._reqs[gens[longest].request_id]
+        while first.generated < 3 and not jobs[longest].done():  # mid-answer (the tiny model is fast)
             await asyncio.sleep(0)
         ring.kill(1)
         for _ in range(1000):
@@ -78,7 +79,7 @@ async def test_a_lost_member_is_planned_around_and_every_answer_goes_on_unchange
         c0, c2 = beat(at_head, 5.0), beat(at_m2, 5.0)
         carried = head.resume(2, stages[0], info, c0, c0, lanes=2)
         m2.resume(2, 1, stages[1], info, c2, c2)
-        assert carried == 3 and first.generated >= 3
+        assert carried >= 1 and 3 <= first.generated < len(expected[longest])
         head.changed("serving", "m1 was lost (silent)")
         m2.changed("serving", "m1 was lost (silent)")
         head.go()
