@@ -166,8 +166,8 @@ def broken_line(name: str, broken: RingBroken) -> str:
             "so the others counted it gone"
         )
     return (
-        f"{why}. This member answers requests with 503 from now on; re-planning is not implemented: "
-        "end it (Ctrl-C) and form a new session"
+        f"{why}. This member answers requests with 503 from now on (a break that is not a member "
+        "lost, or this member counted lost, is not re-planned around): end it (Ctrl-C) and form a new session"
     )
 
 
