@@ -165,10 +165,8 @@ def broken_line(name: str, broken: RingBroken) -> str:
             ": that is this member, whose process did not run in time (stopped, asleep or swapping), "
             "so the others counted it gone"
         )
-    return (
-        f"{why}. This member answers requests with 503 from now on (a break that is not a member "
-        "lost, or this member counted lost, is not re-planned around): end it (Ctrl-C) and form a new session"
-    )
+    # (a member lost is planned around, kafila.session.forming.epochs; this break is not one)
+    return f"{why}. This member answers requests with 503 from now on: end it (Ctrl-C) and form a new session"
 
 
 def _ring_info(
