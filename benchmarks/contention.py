@@ -180,7 +180,7 @@ class HopPair:
         self.now += 0.001
         t0 = time.perf_counter()
         data = row.numpy().tobytes()
-        msg = t.encode(t.Hidden(1, t.DType.F32, tuple(row.shape), (t.Entry(1, 19, 1),), data, 0, (5000,)))
+        msg = t.encode(t.Hidden(1, t.DType.F32, tuple(row.shape), (t.Entry(1, 19, 1),), data, 0, (5000,)), 1)
         self.tx.send_stream_data(0, framing.encode_header(framing.FIRST_APP_KIND, len(msg)) + msg)
         packets = [d for d, _ in self.tx.datagrams_to_send(now=self.now)]
         t1 = time.perf_counter()
