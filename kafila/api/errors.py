@@ -15,6 +15,8 @@ _STATUS = {
     "busy": 429,
     "cancelled": 499,
     "member_lost": 503,
+    "replanning": 503,  # a member was lost and the session re-plans: ask again in a few seconds
+    "session_ended": 503,
     "internal": 500,
 }
 
@@ -37,10 +39,13 @@ def invalid(param: str, message: str) -> ApiError:
 # whole number of seconds (clients such as openai's honour it; a broken ring's 503 has none, as
 # asking again will not help)
 RETRY_BUSY_S = 1
+RETRY_REPLANNING_S = 3  # a re-plan takes a few seconds (benchmarks/replan.py)
 
 
 def render(request: Request, exc: ApiError) -> Response:
     headers = {"Retry-After": str(RETRY_BUSY_S)} if exc.status == 429 else None
+    if exc.code == "replanning":
+        headers = {"Retry-After": str(RETRY_REPLANNING_S)}
     if request.url.path.startswith("/api/"):
         return JSONResponse({"error": exc.message}, status_code=exc.status, headers=headers)
     kind = "invalid_request_error" if exc.status < 500 else "server_error"

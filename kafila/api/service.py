@@ -58,7 +58,8 @@ STOP_STRING = "stop string"  # the cancel reason of an answer that ended on one 
 
 
 class GenerationError(Exception):
-    """A request failed. `code`: busy | too_long | member_lost | cancelled | internal | bad_request."""
+    """A request failed. `code`: busy | too_long | member_lost | replanning | session_ended | cancelled |
+    internal | bad_request."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)

@@ -130,6 +130,8 @@ class LocalFleet:
     slow_by: str = "pace"
     extra_args: Sequence[str] = ()  # more flags for every member (e.g. "--dead-after", "10")
     member_args: Sequence[Sequence[str]] | None = None  # more flags per member (e.g. "--memory-gb", "2")
+    # more environment per member (e.g. its own KAFILA_CACHE, so it fetches its weights from the host)
+    member_env: Sequence[dict[str, str]] | None = None
     members: list[FleetMember] = field(default_factory=list, init=False)
     rendezvous_url: str | None = field(default=None, init=False)
     code: str | None = field(default=None, init=False)
@@ -416,7 +418,7 @@ class LocalFleet:
         elif m.share is not None and self.shares_applied:
             m.cgroup = make_cgroup(f"{GROUP_PREFIX}{os.getpid()}-{self._serial}-{m.name}", m.share)
             argv = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(m.cgroup), *argv]
-        m.proc = _spawn(argv, m.log_path)
+        m.proc = _spawn(argv, m.log_path, self.member_env[index] if self.member_env else None)
         log.info("fleet_member_started", member=m.name, role=m.role, pid=m.proc.pid, share=m.share)
 
     def _wait_for(self, m: FleetMember, pattern: re.Pattern[str], deadline: float) -> re.Match[str]:
@@ -545,8 +547,8 @@ def _interrupts_ignored() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def _spawn(argv: list[str], log_path: Path, more: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(more or {})}
     env.pop("KAFILA_LOG", None)  # members print progress for people; the rendezvous asks for json itself
     with log_path.open("wb") as out:
         # own session: a Ctrl-C at the terminal reaches the fleet's owner, who stops members in order

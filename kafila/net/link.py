@@ -164,6 +164,9 @@ class Link:
         self.path_changes: list[PathChange] = []
         self.on_path_change: list[Callable[[PathChange], None]] = []
         self.on_close: list[Callable[[], None]] = []
+        # message kinds handed to a callback as they arrive, never to `recv` (the session's control
+        # messages, which share a member's link with its ring channel: kafila.session.forming.epochs)
+        self.handlers: dict[int, Callable[[bytes], None]] = {}
         self.tasks: list[asyncio.Task[None]] = []  # helpers (punching, relay setup) ended on close
         self.relay_error: str | None = None  # why no relay leg could be set up, if so
         # set once the first round of punching is over (succeeded or timed out): from then on a
@@ -517,7 +520,10 @@ class Link:
             else:
                 self._counters.messages_received += 1
                 self._counters.bytes_received += len(payload)
-                self._inbox.put_nowait((kind, payload))
+                if (handler := self.handlers.get(kind)) is not None:
+                    handler(payload)
+                else:
+                    self._inbox.put_nowait((kind, payload))
         if event.end_stream:
             self._fail(LinkClosed(f"link to {self.peer_id}: the peer ended the message stream"))
 

@@ -154,7 +154,27 @@ class StageRecord:
         return asdict(self)
 
 
-Record = RequestRecord | SessionRecord | StageRecord
+@dataclass(frozen=True)
+class ReplanRecord:
+    """One change of plan epoch (kafila.session.forming.epochs), as the host saw it."""
+
+    session: str
+    epoch: int  # the new epoch
+    cause: str  # "m2 was lost (silent)"
+    old_blocks: dict[str, tuple[int, int]]  # the division before: member -> [start, stop)
+    new_blocks: dict[str, tuple[int, int]]  # ... and after
+    bytes_fetched: int  # tensor bytes the host served for it
+    bytes_minimum: int  # what the new division needs at least (kafila.planner.replan.Fetch)
+    ready_s: float  # from the loss to every survivor ready
+    carried: int | None  # requests carried into the new epoch (None: the host is not the head)
+    first_token_s: float | None = None  # from the loss to the first token after it (None: none came)
+    type: str = "replan"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+Record = RequestRecord | SessionRecord | StageRecord | ReplanRecord
 
 
 def ring_mismatch(first: RequestRecord, r: RequestRecord, first_at: str = "") -> str | None:

@@ -17,6 +17,7 @@ from typing import Any
 from kafila.obs.trace import (
     HopTrace,
     Record,
+    ReplanRecord,
     RequestRecord,
     SessionRecord,
     StageRecord,
@@ -227,6 +228,22 @@ def _session_record(f: _Fields) -> SessionRecord:
     )
 
 
+def _replan_record(f: _Fields) -> ReplanRecord:
+    f.only(_names(ReplanRecord))
+    return ReplanRecord(
+        session=f.text("session"),
+        epoch=f.integer("epoch", lowest=1),
+        cause=f.text("cause"),
+        old_blocks={str(k): _blocks(v, f"old_blocks.{k}") for k, v in f.mapping("old_blocks").items()},
+        new_blocks={str(k): _blocks(v, f"new_blocks.{k}") for k, v in f.mapping("new_blocks").items()},
+        bytes_fetched=f.integer("bytes_fetched"),
+        bytes_minimum=f.integer("bytes_minimum"),
+        ready_s=f.number("ready_s"),
+        carried=None if f.raw("carried", None) is None else f.integer("carried"),
+        first_token_s=f.optional_number("first_token_s"),
+    )
+
+
 def _stage_record(f: _Fields) -> StageRecord:
     f.only(_names(StageRecord))
     return StageRecord(
@@ -250,6 +267,7 @@ _READERS: dict[str, Callable[[_Fields], Record]] = {
     "session": _session_record,
     "request": _request_record,
     "stage": _stage_record,
+    "replan": _replan_record,
 }
 
 
@@ -260,7 +278,7 @@ def from_json(d: Any) -> Record:
         raise ValueError(f"expected a JSON object, got {_describe(d)}")
     kind = d.get("type")
     if not isinstance(kind, str) or kind not in _READERS:
-        expected = "'session', 'request' or 'stage'"
+        expected = "'session', 'request', 'stage' or 'replan'"
         if "type" not in d:
             raise ValueError(f"field type: missing; expected {expected}")
         raise ValueError(f"field type: expected {expected}, got {_describe(kind)}")

@@ -10,6 +10,8 @@ needs; a member's cache may already hold some of them.
 Rules, in the order the host applies them:
 - The session host cannot leave: losing it ends the session (its member holds the rendezvous
   registration and the weights' source).
+- Every re-plan anchors the planner at the serving head (the host where the head is gone), so the
+  head stays where it is unless another member beats it by more than the head margin.
 - A lost member: re-plan over everyone present, spares included. If that plan is refused (the
   survivors cannot hold the model), the session ends with the planner's reason, which names the
   device and its numbers, as forming's refusal does.
@@ -201,10 +203,18 @@ def _present_reports(m: Membership) -> list[DeviceReport]:
     return [r for r in m.reports if r.name in m.present]
 
 
+def anchor_of(m: Membership) -> str:
+    """Whom a re-plan anchors at: the serving head while it is present (the planner keeps the head
+    there unless another beats it by more than the head margin, so requests in flight stay where
+    their samplers are), else the host."""
+    head = m.plan.head
+    return head if head is not None and head in m.present else m.host
+
+
 def _plan_over(m: Membership, manifest: Manifest, terms: PlanTerms) -> Plan:
-    """plan() over everyone present, in admission order, the host as the anchor."""
+    """plan() over everyone present, in admission order, anchored at the serving head (`anchor_of`)."""
     reports = _present_reports(m)
-    anchor = [r.name for r in reports].index(m.host)
+    anchor = [r.name for r in reports].index(anchor_of(m))
     return plan(
         reports,
         manifest,

@@ -11,6 +11,7 @@ another version says so instead of guessing.
                  only where it is shown (the console line, the API's error, /session)
     free         Free: requests the head has finished; each member adds its hop reports on the way
     stage_error  StageFailed: a member's stage could not compute these requests (the head answers)
+    resync       Resync: after a re-plan, every token of a carried request so far, to its member
 """
 
 from __future__ import annotations
@@ -113,9 +114,38 @@ class StageFailed:
         return cls(_ids(body, cls.OP), _text(body, "message"))
 
 
-RingControl = RingBroken | Free | StageFailed
-_BY_OP: dict[str, type[RingBroken] | type[Free] | type[StageFailed]] = {
-    c.OP: c for c in (RingBroken, Free, StageFailed)
+@dataclass(frozen=True)
+class Resync:
+    """The head -> the member a carried request came from, once a re-plan's ring serves: every
+    token of it emitted so far (answers on their way round when the ring broke were lost; the
+    member passes on those its client has not had)."""
+
+    request_id: int
+    tokens: tuple[int, ...]
+
+    OP: ClassVar[str] = "resync"
+
+    def body(self) -> dict[str, Any]:
+        return {"v": RING_VERSION, "request_id": self.request_id, "tokens": list(self.tokens)}
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Resync:
+        _fields(body, cls.OP, {"request_id", "tokens"})
+        rid, tokens = body["request_id"], body["tokens"]
+        if not isinstance(rid, int) or isinstance(rid, bool) or rid < 0:
+            raise RingMessageError("resync: request_id must be a non-negative integer")
+        if (
+            not isinstance(tokens, list)
+            or len(tokens) > MAX_IDS
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in tokens)
+        ):
+            raise RingMessageError(f"resync: tokens must be a list of at most {MAX_IDS} token ids")
+        return cls(rid, tuple(tokens))
+
+
+RingControl = RingBroken | Free | StageFailed | Resync
+_BY_OP: dict[str, type[RingBroken] | type[Free] | type[StageFailed] | type[Resync]] = {
+    c.OP: c for c in (RingBroken, Free, StageFailed, Resync)
 }
 OPS = frozenset(_BY_OP)
 

@@ -8,6 +8,7 @@ messages: a missing or unknown field, a wrong type or a value out of range raise
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Self
@@ -224,4 +225,144 @@ def _reason(body: Mapping[str, Any]) -> str:
     value = body["reason"]
     if not isinstance(value, str):
         raise SessionMessageError(f"reason must be text, got {type(value).__name__}")
+    return value[:MAX_REASON]
+
+
+# ------------------------------------------------------------------ epoch messages
+# After forming, the host and each member talk over their control link (not the rendezvous): a
+# member lost mid-session makes the host re-plan, and the next plan epoch is agreed on with these.
+# Each is one JSON object (`encode` / `parse_epoch`), versioned and strict as the forming messages.
+
+MAX_EPOCH = 2**31 - 1
+MAX_CONTROL_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class NewEpoch:
+    """host -> survivors: serving stops; move to `plan` (a Plan's dict) as epoch `epoch`, because
+    of `cause` ("m2 was lost (silent)")."""
+
+    epoch: int
+    plan: dict[str, Any]
+    cause: str
+    OP: ClassVar[str] = "epoch"
+
+    def body(self) -> dict[str, Any]:
+        return payload(self.OP, epoch=self.epoch, plan=self.plan, cause=self.cause)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> NewEpoch:
+        _check(body, cls.OP, {"epoch", "plan", "cause"})
+        return cls(_epoch(body), _object(body, "plan"), _text(body, "cause"))
+
+
+@dataclass(frozen=True)
+class _EpochOnly:
+    epoch: int
+    OP: ClassVar[str] = ""
+
+    def body(self) -> dict[str, Any]:
+        return payload(self.OP, epoch=self.epoch)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Self:
+        _check(body, cls.OP, {"epoch"})
+        return cls(_epoch(body))
+
+
+@dataclass(frozen=True)
+class EpochReady(_EpochOnly):
+    """member -> host: its stage for `epoch` is loaded, its new edges linked, its role started."""
+
+    OP: ClassVar[str] = "epoch_ready"
+
+
+@dataclass(frozen=True)
+class Resume(_EpochOnly):
+    """host -> survivors: every member is ready for `epoch`; serve."""
+
+    OP: ClassVar[str] = "resume"
+
+
+@dataclass(frozen=True)
+class EpochFailed:
+    """member -> host: this member cannot move to `epoch`, and why (the host ends the session)."""
+
+    epoch: int
+    reason: str
+    OP: ClassVar[str] = "epoch_failed"
+
+    def body(self) -> dict[str, Any]:
+        return payload(self.OP, epoch=self.epoch, reason=self.reason)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> EpochFailed:
+        _check(body, cls.OP, {"epoch", "reason"})
+        return cls(_epoch(body), _reason(body))
+
+
+@dataclass(frozen=True)
+class SessionEnded(_Reasoned):
+    """host -> survivors: the session ends, and why (the members left cannot hold the model...)."""
+
+    OP: ClassVar[str] = "ended"
+
+
+@dataclass(frozen=True)
+class MemberLost:
+    """member -> host: this member's ring broke because `member` is gone (`cause`: "silent",
+    "closed"; `detail`: what it saw)."""
+
+    member: str
+    cause: str
+    detail: str
+    OP: ClassVar[str] = "lost"
+
+    def body(self) -> dict[str, Any]:
+        return payload(self.OP, member=self.member, cause=self.cause, detail=self.detail)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> MemberLost:
+        _check(body, cls.OP, {"member", "cause", "detail"})
+        return cls(_text(body, "member"), _text(body, "cause"), _text(body, "detail"))
+
+
+EpochMessage = NewEpoch | EpochReady | Resume | EpochFailed | SessionEnded | MemberLost
+_EPOCH_OPS: dict[str, type[EpochMessage]] = {
+    m.OP: m for m in (NewEpoch, EpochReady, Resume, EpochFailed, SessionEnded, MemberLost)
+}
+
+
+def encode(msg: EpochMessage) -> bytes:
+    return json.dumps(msg.body(), separators=(",", ":")).encode()
+
+
+def parse_epoch(data: bytes) -> EpochMessage:
+    """One epoch message from its bytes; SessionMessageError naming what is wrong."""
+    if len(data) > MAX_CONTROL_BYTES:
+        raise SessionMessageError(f"an epoch message of {len(data)} bytes, more than {MAX_CONTROL_BYTES}")
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise SessionMessageError(f"an epoch message that is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise SessionMessageError("an epoch message that is not an object")
+    op = body.get("op")
+    kind = _EPOCH_OPS.get(op) if isinstance(op, str) else None
+    if kind is None:
+        raise SessionMessageError(f"unknown epoch message op {op!r}")
+    return kind.parse(body)
+
+
+def _epoch(body: Mapping[str, Any]) -> int:
+    value = body["epoch"]
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_EPOCH:
+        raise SessionMessageError(f"epoch must be an integer from 1 to {MAX_EPOCH}, got {value!r}")
+    return value
+
+
+def _text(body: Mapping[str, Any], key: str) -> str:
+    value = body[key]
+    if not isinstance(value, str):
+        raise SessionMessageError(f"{key} must be text, got {type(value).__name__}")
     return value[:MAX_REASON]

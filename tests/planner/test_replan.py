@@ -171,7 +171,11 @@ def test_any_loss_is_plan_over_the_survivors_or_its_refusal(
     m = Membership(3, full, tuple(reports), frozenset(r.name for r in reports), "m0")
     lost = reports[lost_at % len(reports)] if lost_at % len(reports) else reports[1]
     got = on_lost(m, lost.name, "closed", QWEN8, TERMS)
-    want = plan([r for r in reports if r is not lost], QWEN8, context=4096, anchor=0)
+    survivors = [r for r in reports if r is not lost]
+    anchor = next(
+        i for i, r in enumerate(survivors) if r.name == (full.head if full.head != lost.name else "m0")
+    )
+    want = plan(survivors, QWEN8, context=4096, anchor=anchor)  # anchored at the serving head
     if want.feasible:
         assert isinstance(got, Replan) and got.plan == want and got.epoch == 4
         assert got.fetches == fetches(full, want, QWEN8)
@@ -179,6 +183,17 @@ def test_any_loss_is_plan_over_the_survivors_or_its_refusal(
         assert {i for f in got.fetches for i in f.blocks} | held >= set(range(QWEN8.n_blocks))
     else:
         assert isinstance(got, End) and want.reason is not None and want.reason in got.reason
+
+
+def test_a_replan_keeps_the_head_where_it_serves_when_the_planner_allows() -> None:
+    m = formed(FLEET)
+    moved = replace(m, plan=plan(FLEET, QWEN8, context=4096, anchor=2))  # "c" heads the ring
+    assert moved.plan.head == "c"
+    lost = next(n for n in moved.plan.order if n not in ("c", "host"))
+    got = on_lost(moved, lost, "silent", QWEN8, TERMS)
+    survivors = [r for r in FLEET if r.name != lost]
+    want = plan(survivors, QWEN8, context=4096, anchor=[r.name for r in survivors].index("c"))
+    assert isinstance(got, Replan) and got.plan == want and got.plan.head == "c"
 
 
 def test_membership_checks_its_inputs() -> None:

@@ -129,8 +129,7 @@ async def test_a_member_the_ring_counted_gone_is_told_that_the_silent_member_was
     mine = broken_line("m1", broken)
     assert mine.startswith(f"{why}: that is this member, whose process did not run in time")
     assert mine.endswith(
-        "This member answers requests with 503 from now on; re-planning is not "
-        "implemented: end it (Ctrl-C) and form a new session"
+        "This member answers requests with 503 from now on: end it (Ctrl-C) and form a new session"
     )
     for other in ("hosty", "m1-5", "m"):
         assert broken_line(other, broken) == f"{why}. {mine.split('. ', 1)[1]}"

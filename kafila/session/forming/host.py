@@ -16,6 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from kafila.engine import DTYPES
 from kafila.engine.backend import checkpoint_dtype
 from kafila.engine.stage import StageError, resolve_quant
 from kafila.models.checkpoint import Checkpoint
@@ -23,6 +24,7 @@ from kafila.models.registry import resolve, served_name
 from kafila.net.errors import LinkError
 from kafila.net.link import Link
 from kafila.obs.log import get_logger
+from kafila.planner.replan import Membership, PlanTerms
 from kafila.proto.codes import SessionCode, new_code
 from kafila.proto.session import SessionTerms
 from kafila.session.channel import LinkChannel
@@ -31,6 +33,7 @@ from kafila.session.forming import core as fm
 from kafila.session.forming.admission import Admission
 from kafila.session.forming.core import HostFormation
 from kafila.session.forming.driver import Driver, while_signaling
+from kafila.session.forming.epochs import HostEpochs
 from kafila.session.forming.links import connect_node, link_ring, measured_paths
 from kafila.session.forming.measure import observe_nats, probe_report
 from kafila.session.forming.plans import choose_plan, say_ready, session_manifest, with_measured_paths
@@ -108,13 +111,23 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     held.plan = plan
     await drive.carry(core.planned(plan, drive.now(), terms, alternatives))
     try:
-        await drive.during(_host_ring(folder, gathered.ids, control, opts, terms, held, alternatives, nats))
+        ring = _host_ring(folder, gathered.ids, control, opts, terms, held, alternatives, nats)
+        server, serving = await drive.during(ring)
     except LinkError as exc:  # e.g. a member's wrong secret word: the members are told, not left
         await drive.carry(core.link_failed(f"the host could not link: {exc}", drive.now()))
         raise
     await drive.until(fm.Formed, core.started(drive.now()))
     role = held.ring()
     held.tasks.append(asyncio.ensure_future(drive.serve_formed(held.links, role.info.rendezvous)))
+    membership = Membership(
+        1, plan, tuple(gathered.devices), frozenset(d.name for d in gathered.devices), name
+    )
+    plan_terms = PlanTerms(opts.context, opts.concurrency, opts.division, objective=opts.objective)
+    manifest = ckpt.manifest(DTYPES[opts.dtype], opts.quant)  # as the plan was priced (choose_plan)
+    epochs = HostEpochs(
+        held, membership, manifest, plan_terms, gathered.ids, folder, server, opts, serving, role.traces
+    )
+    epochs.start()  # a member lost from now on is planned around
     held.serve_session_api()
     say_ready(plan)
 
@@ -136,7 +149,7 @@ async def _host_ring(
     held: MemberRuntime,
     alternatives: dict[str, Any],
     nats: dict[str, tuple[str, str | None]],
-) -> None:
+) -> tuple[WeightServer, Serving]:
     """The host's links (its `control` links with every member, formed as they were admitted, are
     its ring edges too), weight serving and ring role (a step the formation core waits on)."""
     name, plan, node, code = held.name, held.plan, held.node, held.code
@@ -157,3 +170,7 @@ async def _host_ring(
     serving = Serving(terms, digest, alternatives, own, nats)
     with_api = held.api is not None
     held.role, held.app = await start_role(name, code, plan, folder, links, opts, serving, with_api)
+    return (
+        server,
+        serving,
+    )  # the server serves again when a re-plan moves blocks (kafila.session.forming.epochs)

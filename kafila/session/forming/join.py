@@ -27,6 +27,7 @@ from kafila.session.forming import core as fm
 from kafila.session.forming.admission import WRONG_OWN_CODE
 from kafila.session.forming.core import MemberFormation
 from kafila.session.forming.driver import Driver, while_signaling
+from kafila.session.forming.epochs import MemberEpochs
 from kafila.session.forming.links import connect_node, link_ring, named
 from kafila.session.forming.measure import observe_nats, probe_report
 from kafila.session.forming.plans import say_ready
@@ -148,6 +149,8 @@ async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
     ring = start_role(got.me, code, got.plan, shard.path, links, opts, serving, held.api is not None)
     held.role, held.app = await drive.during(ring)
     held.watch_host_ending()
+    local: list[Path] | None = None if opts.use_local else []
+    MemberEpochs(held, got.ids, opts, serving, local).start()  # the host's re-plans, once formed
     await drive.until(fm.Formed, core.started(drive.now()))  # refused / left / timeout: SessionError
     held.tasks.append(asyncio.ensure_future(drive.serve_formed(held.links, held.ring().info.rendezvous)))
     held.serve_session_api()

@@ -74,23 +74,15 @@ async def start_role(
     ckpt = Checkpoint.open(folder)  # a member's shard: its own tensors only
     tokenizer = Tokenizer.from_checkpoint(ckpt)
     a, b = plan.block_range(name)
-    index, order = plan.order.index(name), list(plan.order)
+    index = plan.order.index(name)
     head = plan.head == name
-    note(f"loading {shard_text(a, b, head)} into memory")
-    load = partial(Stage.load, pace=opts.pace, quant=serving.terms.quant)  # the session's weight format
-    blocks, backend = range(a, b), opts.backend
-    stage = await off_loop(load, ckpt, blocks, head, backend, opts.dtype, plan.context, plan.concurrency)
-    metrics.observe_build(stage.backend.name, stage.backend.dtype, stage.backend.device)
-    nxt_name, prv_name = plan.successor(name), plan.predecessor(name)
-    info = _ring_info(name, code, plan, links, serving, stage.backend.dtype)
-    info.rendezvous.update(url=opts.rendezvous, state="connected")
-    nxt = _channel(links.get(nxt_name), nxt_name, opts, epoch)
-    prv = _channel(links.get(prv_name), prv_name, opts, epoch) if len(order) > 2 or nxt is None else nxt
+    parts = await epoch_parts(name, code, plan, ckpt, links, opts, serving, epoch)
+    stage, info, nxt, prv = parts.stage, parts.info, parts.next, parts.prev
     traces = TraceLog(opts.trace)  # without a file: the last records for /traces only
     model_thread = ModelThread(name)
     role: RingRole
     if head:
-        lanes = lanes_for(plan.circuit_s, plan.bottleneck_s, len(order))
+        lanes = parts.lanes
         role = RingHead(
             stage,
             model_thread,
@@ -123,6 +115,46 @@ async def start_role(
     return role, create_app(Api(role, TokenizerCodec(tokenizer), model, facts, traces))
 
 
+@dataclass(frozen=True)
+class EpochParts:
+    """What a member's role serves one plan epoch with: its stage, ring view and channels."""
+
+    index: int
+    stage: Stage
+    info: RingInfo
+    next: Heartbeat | None
+    prev: Heartbeat | None
+    lanes: int  # the head's decode lanes for this plan
+
+
+async def epoch_parts(
+    name: str,
+    code: SessionCode,
+    plan: Plan,
+    ckpt: Checkpoint,
+    links: dict[str, Link],
+    opts: Options,
+    serving: Serving,
+    epoch: int = 1,
+) -> EpochParts:
+    """Member `name`'s stage for `plan` loaded from `ckpt` (its shard), its view of the ring and
+    its channels to its ring neighbours on `links` (beating from now on)."""
+    a, b = plan.block_range(name)
+    head = plan.head == name
+    note(f"loading {shard_text(a, b, head)} into memory")
+    load = partial(Stage.load, pace=opts.pace, quant=serving.terms.quant)  # the session's weight format
+    blocks, backend = range(a, b), opts.backend
+    stage = await off_loop(load, ckpt, blocks, head, backend, opts.dtype, plan.context, plan.concurrency)
+    metrics.observe_build(stage.backend.name, stage.backend.dtype, stage.backend.device)
+    nxt_name, prv_name = plan.successor(name), plan.predecessor(name)
+    info = _ring_info(name, code, plan, links, serving, stage.backend.dtype)
+    info.rendezvous.update(url=opts.rendezvous, state="connected")
+    nxt = _channel(links.get(nxt_name), nxt_name, opts, epoch)
+    prv = _channel(links.get(prv_name), prv_name, opts, epoch) if len(plan.order) > 2 or nxt is None else nxt
+    lanes = lanes_for(plan.circuit_s, plan.bottleneck_s, len(plan.order))
+    return EpochParts(plan.order.index(name), stage, info, nxt, prv, lanes)
+
+
 def broken_line(name: str, broken: RingBroken) -> str:
     """What member `name` says at its console when its ring broke."""
     why = broken.text()
@@ -133,10 +165,8 @@ def broken_line(name: str, broken: RingBroken) -> str:
             ": that is this member, whose process did not run in time (stopped, asleep or swapping), "
             "so the others counted it gone"
         )
-    return (
-        f"{why}. This member answers requests with 503 from now on; re-planning is not implemented: "
-        "end it (Ctrl-C) and form a new session"
-    )
+    # (a member lost is planned around, kafila.session.forming.epochs; this break is not one)
+    return f"{why}. This member answers requests with 503 from now on: end it (Ctrl-C) and form a new session"
 
 
 def _ring_info(

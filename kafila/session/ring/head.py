@@ -36,7 +36,6 @@ from kafila.obs.log import get_logger
 from kafila.obs.trace import HopTrace, RequestRecord, StageRecord, StageTrace, TraceLog
 from kafila.proto import ring as rc
 from kafila.proto import tensor as t
-from kafila.proto.ring import RingBroken
 from kafila.session.channel import Channel, ChannelError
 from kafila.session.ring import compute
 from kafila.session.ring.generation import QueueGeneration, RequestIds, cancel_tasks, guarded, origin_of
@@ -70,6 +69,12 @@ class _Req:
     transit_ms: list[float] = field(default_factory=list)  # per decode step: circuit - compute
     rows: int = 0
     finish: str = "stop"
+    tokens: list[int] = field(default_factory=list)  # every token sampled so far (fed back, or the last)
+    feed: list[int] | None = None  # carried into a new epoch: prompt + tokens, prefilled again
+
+    def fed(self) -> list[int]:
+        """What its prefill feeds the ring: the prompt, or after a re-plan the prompt and its tokens."""
+        return self.prompt if self.feed is None else self.feed
 
 
 class RingHead(RoleBase):
@@ -97,7 +102,8 @@ class RingHead(RoleBase):
         log.info("decode_lanes", lanes=self.schedule.lanes, concurrency=concurrency)
         self.traces = traces
         self.ids = RequestIds(0)
-        self.state = "serving"
+        self.origins = info.order  # request origin -> member, stable across epochs (generation.origin_of)
+        self._lanes, self._concurrency = lanes, concurrency
         self._reqs: dict[int, _Req] = {}
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -109,6 +115,7 @@ class RingHead(RoleBase):
         self._ahead: tuple[Step, tuple[bytes, int, int]] | None = None  # a continuation already run
         self.ahead_sent = 0  # continuations run with the sampling and sent as they were
         self.ahead_dropped = 0  # ... and dropped: the schedule took another step (a cancel meanwhile)
+        self._first: asyncio.Future[float] | None = None  # the next token's time.monotonic(), if asked
 
     # -- GenerationService -------------------------------------------------------------------------
 
@@ -123,7 +130,7 @@ class RingHead(RoleBase):
         return gen
 
     def describe(self) -> dict[str, Any]:
-        return self.info.document(self.state, self.broken_text, self.broken_fields) | {
+        return self.document() | {
             "me": self.info.order[0],  # the head, as a member's document names itself
             "active": list(self.schedule.active),
             "queued": len(self.schedule.queue_positions()),
@@ -143,17 +150,68 @@ class RingHead(RoleBase):
         return self
 
     async def stop(self) -> None:
-        if self._queue_report is not None:
-            self._queue_report.cancel()
-        await cancel_tasks(self._tasks)
+        await self.pause()
         self._fail_all("internal", "the session is shutting down")
         self._flush_pending()
+
+    async def pause(self) -> None:
+        """Stop this epoch's loops; requests stay (kafila.session.forming.epochs carries them on)."""
+        if self._queue_report is not None:
+            self._queue_report.cancel()
+            self._queue_report = None
+        await cancel_tasks(self._tasks)
+        self._ahead = None
+
+    def go(self) -> None:
+        for req in self._reqs.values():  # answers lost on the way when the ring broke, made good
+            if req.generation is None and req.tokens and self.next is not None:
+                self._outbox.put_nowait(rc.control(rc.Resync(req.rid, tuple(req.tokens))))
+        self._wake.set()
+
+    def first_token(self) -> asyncio.Future[float]:
+        """When (time.monotonic()) the next token is sampled: the first one a re-plan resumed."""
+        self._first = asyncio.get_running_loop().create_future()
+        return self._first
+
+    def resume(
+        self,
+        epoch: int,
+        stage: Stage,
+        info: RingInfo,
+        next_ch: Channel | None,
+        prev_ch: Channel | None,
+        lanes: int,
+    ) -> int:
+        """Serve epoch `epoch` on `stage` and these channels, carrying every request on: each one
+        admitted is prefilled again with its prompt and the tokens it has (its KV cache rebuilt on
+        the new ring; its sampler kept, so a greedy answer goes on as it would have), queued ones
+        keep their places. Returns how many requests were carried."""
+        old = self.schedule
+        carried = [*old.active, *old.queue_positions()]
+        for rid in list(self._ending):  # their frees will not come round: record what is known
+            self._record(self._ending.pop(rid))
+        self._flush_pending()
+        self.stage, self.info, self.next, self.prev, self.epoch = stage, info, next_ch, prev_ch, epoch
+        merge = SEPARATE_PROMPTS if next_ch is not None else stage.batch_rows or 0
+        self.schedule = Schedule(
+            self._concurrency, old.chunk, lanes, merge, old.max_queue, stage.prefill_path
+        )
+        self.tally = StageTally(info, 0, next_ch, prev_ch)
+        self._outbox = asyncio.Queue()
+        for rid in carried:
+            req = self._reqs.get(rid)
+            if req is None or len(req.tokens) >= req.max_tokens:
+                continue
+            req.feed = req.prompt + req.tokens
+            self.schedule.submit(rid, len(req.feed), req.max_tokens - len(req.tokens))
+        self.broken = None
+        self.start()  # its pump sends once the state is "serving" again (`go`)
+        return len(carried)
 
     # -- admission -------------------------------------------------------------------------------------
 
     def _accept(self, rid: int, prompt: list[int], s: Sampling, gen: QueueGeneration | None) -> None:
-        if self.broken is not None:
-            raise GenerationError("member_lost", self.broken.text())
+        self.refuse_new()
         if not prompt or len(prompt) + s.max_tokens > self.context:
             raise GenerationError(
                 "too_long",
@@ -188,6 +246,10 @@ class RingHead(RoleBase):
         self._wake.set()
 
     def _accept_remote(self, msg: t.Generate) -> None:
+        if msg.request_id in self._reqs:  # sent again after a re-plan: it was carried on
+            if not self.schedule.queue_position(msg.request_id):
+                self._outbox.put_nowait(t.Tokens(msg.request_id, ()))
+            return
         try:
             self._accept(msg.request_id, list(msg.prompt), Sampling.of(msg), None)
         except GenerationError as exc:
@@ -230,6 +292,8 @@ class RingHead(RoleBase):
         sampling turn first (`_ahead`), the others through the model thread. The pump calls it when
         woken; the receive task calls it too, right after sampling, so a lane's next decode step
         leaves before any other task runs (the sampled token's consumer, say)."""
+        if self.state != "serving":  # held for a re-plan: nothing more enters this epoch's ring
+            return
         freed = self.schedule.pop_freed()
         if freed:
             await self.model.run(compute.close_slots, self.stage, freed)
@@ -290,7 +354,7 @@ class RingHead(RoleBase):
         req = self._reqs.get(e.request_id)
         if req is None:  # cancelled between take() and now: its rows still keep positions in order
             return [0] * e.n_tokens
-        return req.prompt[e.position : e.position + e.n_tokens] if prefill else [req.last_token]
+        return req.fed()[e.position : e.position + e.n_tokens] if prefill else [req.last_token]
 
     # -- what comes back -------------------------------------------------------------------------------
 
@@ -299,6 +363,8 @@ class RingHead(RoleBase):
         try:
             while True:
                 msg = await self.prev.recv()
+                if isinstance(msg, t.Hidden) and self.state != "serving":
+                    continue  # held for a re-plan: the next epoch computes it again
                 if isinstance(msg, t.Hidden):
                     await self._returned(msg)
                 elif isinstance(msg, t.Generate):
@@ -389,6 +455,9 @@ class RingHead(RoleBase):
             self.tally.add(req.rid, timings[0], prefill=False)
         req.generated += 1
         req.last_token = token
+        req.tokens.append(token)
+        if self._first is not None and not self._first.done():
+            self._first.set_result(time.monotonic())
         first = req.first_at is None
         req.first_at, req.last_at = req.first_at or now, now
         done = self.schedule.sampled(req.rid, reason is not None)
@@ -455,9 +524,13 @@ class RingHead(RoleBase):
     def _in_flight(self) -> int:
         return len(self._reqs)
 
-    def _lost(self, broken: RingBroken) -> None:
-        self.state = "broken"
-        self._fail_all("member_lost", broken.text())
+    def _fail_held(self, code: str, message: str) -> None:
+        self._fail_all(code, message)
+
+    def _hold(self) -> None:
+        if self._queue_report is not None:
+            self._queue_report.cancel()
+            self._queue_report = None
 
     # -- traces ----------------------------------------------------------------------------------------
 
@@ -497,7 +570,7 @@ class RingHead(RoleBase):
             self._write(self._pending.pop(rid))
 
     def _write(self, pending: _Pending) -> None:
-        rec = request_record(self.info, pending.req, ring_hops(self.info, pending))
+        rec = request_record(self.info, pending.req, ring_hops(self.info, pending), self.origins)
         if self.traces is not None:
             self.traces.write(rec)
         metrics.observe_request(rec)
@@ -535,7 +608,10 @@ def ring_hops(info: RingInfo, p: _Pending) -> tuple[HopTrace, ...]:
     return tuple(out)
 
 
-def request_record(info: RingInfo, req: _Req, hops: tuple[HopTrace, ...]) -> RequestRecord:
+def request_record(
+    info: RingInfo, req: _Req, hops: tuple[HopTrace, ...], origins: Sequence[str] | None = None
+) -> RequestRecord:
+    origins = info.order if origins is None else origins
     sent = {h.src: h.bytes for h in hops}
     stages = []
     for i, m in enumerate(info.order):
@@ -555,12 +631,11 @@ def request_record(info: RingInfo, req: _Req, hops: tuple[HopTrace, ...]) -> Req
                 prefill_chunks=len(chunks),
             )
         )
-    n = len(info.order)
     first, last = req.first_at or 0.0, req.last_at or 0.0
     return RequestRecord(
         session=info.session,
         request_id=req.rid,
-        member=info.order[origin_of(req.rid)] if origin_of(req.rid) < n else "?",
+        member=origins[origin_of(req.rid)] if origin_of(req.rid) < len(origins) else "?",
         division=info.division,
         prompt_tokens=len(req.prompt),
         completion_tokens=req.generated,

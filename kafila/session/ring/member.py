@@ -49,6 +49,7 @@ class RingMember(RoleBase):
         next_ch: Channel,
         prev_ch: Channel,
         traces: TraceLog | None = None,
+        origin: int | None = None,  # its requests' origin (generation.origin_of): its first ring index
     ) -> None:
         super().__init__(info.order[index], next_ch, prev_ch)
         self.next: Channel = next_ch
@@ -57,9 +58,13 @@ class RingMember(RoleBase):
         self.traces = traces  # this member's own records (its stage, its hops); None: metrics only
         self.tally = StageTally(info, index, next_ch, prev_ch)
         self._arrived: dict[int, float] = {}  # id of a waiting frame -> when it arrived
-        self.ids = RequestIds(index)
+        self.origin = index if origin is None else origin  # kept across epochs, as the ring re-orders
+        self.ids = RequestIds(self.origin)
         self._mine: dict[int, QueueGeneration] = {}
         self._acks: dict[int, asyncio.Future[None]] = {}  # forwarded, the head's first answer awaited
+        self._forwarded: dict[int, t.Generate] = {}  # ... and the message, sent again after a re-plan
+        self._late: list[t.Cancel] = []  # cancels while re-planning, sent once the ring serves again
+        self._delivered: dict[int, int] = {}  # tokens its clients have had, per request (for a resync)
         self._work: list[t.Hidden | rc.Free] = []
         self._ready = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -71,12 +76,11 @@ class RingMember(RoleBase):
         return self.stage.context
 
     async def submit(self, prompt: Sequence[int], sampling: Sampling) -> QueueGeneration:
-        if self.broken is not None:
-            raise GenerationError("member_lost", self.broken.text())
+        self.refuse_new()
         rid = self.ids.next()
         gen = QueueGeneration(rid, self._cancel)
         self._mine[rid] = gen
-        msg = sampling.forwarded(rid, prompt)
+        msg = self._forwarded[rid] = sampling.forwarded(rid, prompt)
         ack = self._acks[rid] = asyncio.get_running_loop().create_future()
         self._outbox.put_nowait(msg)
         log.info("request_forwarded", request_id=rid, head=self.info.order[0], prompt_tokens=len(prompt))
@@ -87,14 +91,18 @@ class RingMember(RoleBase):
             raise
         finally:
             self._acks.pop(rid, None)
+            self._forwarded.pop(rid, None)
         return gen
 
     def describe(self) -> dict[str, Any]:
-        return self.info.document("serving", self.broken_text, self.broken_fields) | {"me": self.name}
+        return self.document() | {"me": self.name}
 
     def _cancel(self, rid: int, reason: str) -> None:
         self._mine.pop(rid, None)
-        if self.broken is None:
+        self._delivered.pop(rid, None)
+        if self.state == "replanning":
+            self._late.append(t.Cancel(rid, reason))
+        elif self.broken is None:
             self._outbox.put_nowait(t.Cancel(rid, reason))
 
     # -- lifecycle -------------------------------------------------------------------------------------
@@ -108,6 +116,29 @@ class RingMember(RoleBase):
 
     async def stop(self) -> None:
         await cancel_tasks(self._tasks)
+
+    async def pause(self) -> None:
+        """Stop this epoch's loops; its clients' requests stay (the head carries them on)."""
+        await cancel_tasks(self._tasks)
+
+    def resume(
+        self, epoch: int, index: int, stage: Stage, info: RingInfo, next_ch: Channel, prev_ch: Channel
+    ) -> None:
+        """Serve epoch `epoch` as ring member `index` on `stage` and these channels. Requests not
+        yet answered by the head are sent again (the head ignores one it carried on)."""
+        self.epoch, self.index, self.stage, self.info = epoch, index, stage, info
+        self.next, self.prev = next_ch, prev_ch
+        self.tally = StageTally(info, index, next_ch, prev_ch)
+        self._work.clear()
+        self._arrived.clear()
+        self._outbox = asyncio.Queue()
+        for msg in self._forwarded.values():
+            self._outbox.put_nowait(msg)
+        for cancel in self._late:
+            self._outbox.put_nowait(cancel)
+        self._late.clear()
+        self.broken = None
+        self.start()
 
     # -- loops -----------------------------------------------------------------------------------------
 
@@ -129,14 +160,29 @@ class RingMember(RoleBase):
                 self._break(RingBroken(self.prev.peer, Cause.ERROR, f"member {self.prev.peer}: {exc}"))
                 return
             self._ready.set()
+        elif isinstance(msg, t.Control) and msg.op == rc.Resync.OP:
+            self._resync(msg)
         elif isinstance(msg, t.Hidden):
             self._work.append(msg)
             self._arrived[id(msg)] = time.perf_counter()
             self._ready.set()
-        elif isinstance(msg, t.Tokens | t.Error) and origin_of(msg.request_id) == self.index:
+        elif isinstance(msg, t.Tokens | t.Error) and origin_of(msg.request_id) == self.origin:
             self._deliver(msg)
         elif isinstance(msg, t.Tokens | t.Error | t.Generate | t.Cancel | t.Control):
             self._outbox.put_nowait(msg)  # on its way to the head, or back to another member
+
+    def _resync(self, frame: t.Control) -> None:
+        """The head's tokens of a request carried through a re-plan: pass on those not delivered."""
+        try:
+            msg = rc.Resync.parse(frame.body)
+        except rc.RingMessageError as exc:
+            log.warning("ring_control_ignored", op=frame.op, reason=str(exc))
+            return
+        if origin_of(msg.request_id) != self.origin:
+            self._outbox.put_nowait(frame)  # on to the member it is for
+            return
+        have = self._delivered.get(msg.request_id, 0)
+        self._deliver(t.Tokens(msg.request_id, msg.tokens[have:]))
 
     def _deliver(self, msg: t.Tokens | t.Error) -> None:
         gen = self._mine.get(msg.request_id)
@@ -153,8 +199,10 @@ class RingMember(RoleBase):
             gen.push(GenerationError(msg.code, msg.message))
         elif msg.tokens or msg.finish or msg.queue_position:  # not the bare "admitted"
             gen.push(TokenEvent(msg.tokens, msg.finish, msg.queue_position, msg.prefill_s))
+            self._delivered[msg.request_id] = self._delivered.get(msg.request_id, 0) + len(msg.tokens)
         if gen.finished:
             self._mine.pop(msg.request_id, None)
+            self._delivered.pop(msg.request_id, None)
 
     async def _compute(self) -> None:
         while True:
@@ -231,13 +279,13 @@ class RingMember(RoleBase):
     def _in_flight(self) -> int:
         return len(self._mine)
 
-    def _lost(self, broken: RingBroken) -> None:
-        """Fail this member's own requests; the notice went downstream (and so to the head)."""
-        why = broken.text()
+    def _fail_held(self, code: str, message: str) -> None:
+        """Fail this member's own requests (after a break, its notice went downstream to the head)."""
         for gen in list(self._mine.values()):
-            gen.push(GenerationError("member_lost", why))
+            gen.push(GenerationError(code, message))
         self._mine.clear()
+        self._delivered.clear()
         for ack in self._acks.values():  # forwarded, not answered yet
             if not ack.done():
-                ack.set_exception(GenerationError("member_lost", why))
+                ack.set_exception(GenerationError(code, message))
         self._acks.clear()

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kafila.api.service import GenerationError
 from kafila.obs.log import get_logger
 from kafila.proto import ring as rc
 from kafila.proto import tensor as t
@@ -46,6 +47,14 @@ class RoleBase:
         self.ending = False  # the host ended the session on purpose: its ring breaking is no fault
         self.on_ended: Callable[[], None] | None = None  # told when a "broken" says the host ended it
         self._outbox: asyncio.Queue[t.Message] = asyncio.Queue()
+        # plan epochs (kafila.session.forming.epochs): "serving", "replanning" (a lost member is being planned
+        # around: requests are held, not failed), "ended"; the epoch serving; the last change and why
+        self.state = "serving"
+        self.epoch = 1
+        self.change: dict[str, Any] | None = None
+        self.ended_reason = ""
+        # the runtime re-plans around this break (a member lost, not the host): hold, do not fail
+        self.recovers: Callable[[RingBroken], bool] | None = None
 
     @property
     def broken_text(self) -> str | None:
@@ -68,6 +77,48 @@ class RoleBase:
 
     def _lost(self, broken: RingBroken) -> None:
         """Fail what this role holds because the ring broke."""
+        self._fail_held("member_lost", broken.text())
+
+    def _fail_held(self, code: str, message: str) -> None:
+        """Fail every request this role holds (its own clients' and, at the head, everyone's)."""
+
+    def _hold(self) -> None:
+        """The ring broke and the runtime re-plans: keep every request; send nothing more."""
+
+    def refuse_new(self) -> None:
+        """GenerationError for a new request when this role cannot take one now: 503 with
+        Retry-After while re-planning, 503 once the session ended or the ring broke for good."""
+        if self.state == "replanning":
+            raise GenerationError(
+                "replanning", "the session is re-planning after losing a member; ask again in a few seconds"
+            )
+        if self.state == "ended":
+            raise GenerationError("member_lost", self.ended_reason)
+        if self.broken is not None:
+            raise GenerationError("member_lost", self.broken.text())
+
+    def document(self) -> dict[str, Any]:
+        """The /session part every role shares: the ring, its state and plan epoch, the last change."""
+        held = self.state in ("replanning", "ended")
+        error = self.ended_reason if self.state == "ended" else None if held else self.broken_text
+        doc = self.info.document(self.state, error, None if held else self.broken_fields)
+        if self.state == "ended":
+            doc["state"] = "ended"
+        return doc | {"epoch": self.epoch, "change": self.change}
+
+    def changed(self, state: str, cause: str, **more: Any) -> None:
+        """Record a change of state (and epoch) for /session, with its cause."""
+        self.state = state
+        self.change = {"at": time.time(), "state": state, "epoch": self.epoch, "cause": cause, **more}
+
+    def go(self) -> None:
+        """Every member runs the new epoch: send again (the head; a member only answers frames)."""
+
+    def end(self, reason: str) -> None:
+        """The session ended (the host said so): fail what is held with `reason`, take nothing new."""
+        self.ended_reason = reason
+        self.changed("ended", reason)
+        self._fail_held("session_ended", reason)
 
     def lose(self, member: str, cause: Cause, detail: str) -> None:
         """Another signal than this role's links says `member` is gone (the rendezvous's
@@ -124,7 +175,12 @@ class RoleBase:
                 self.on_broken(broken)
             if tell and self.next is not None:  # tell the members (those still reachable) why
                 self._outbox.put_nowait(rc.control(broken))
-        self._lost(self.broken)
+            if self.recovers is not None and self.recovers(broken):
+                self.changed("replanning", broken.text())
+        if self.state == "replanning":
+            self._hold()
+        elif self.state != "ended":
+            self._lost(self.broken)
 
     def _heard_broken(self, notice: t.Control, tell: bool) -> None:
         """A neighbour's "broken" notice: the ring is broken for the reason it gives."""

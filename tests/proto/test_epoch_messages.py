@@ -1,0 +1,74 @@
+"""The epoch messages the host and its members exchange on their control links after forming
+(kafila.proto.session: `epoch`, `epoch_ready`, `resume`, `epoch_failed`, `ended`, `lost`): they
+parse back as sent, and nothing a peer sends makes a parser raise anything but SessionMessageError."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kafila.proto import session
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+EPOCHS = st.integers(1, session.MAX_EPOCH)
+TEXT = st.text(max_size=60)
+EPOCH_MESSAGES = st.one_of(
+    st.builds(session.NewEpoch, EPOCHS, st.dictionaries(st.text(max_size=8), JSON, max_size=4), TEXT),
+    st.builds(session.EpochReady, EPOCHS),
+    st.builds(session.Resume, EPOCHS),
+    st.builds(session.EpochFailed, EPOCHS, TEXT),
+    st.builds(session.SessionEnded, TEXT),
+    st.builds(session.MemberLost, TEXT, TEXT, TEXT),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(EPOCH_MESSAGES)
+def test_epoch_messages_parse_back_as_sent(msg: Any) -> None:
+    data = session.encode(msg)
+    assert session.parse_epoch(data) == msg
+    assert json.loads(data)[session.KEY] == session.SESSION_VERSION
+
+
+@settings(max_examples=250, deadline=None)
+@given(EPOCH_MESSAGES, st.text(max_size=12), JSON)
+def test_an_epoch_message_with_any_field_changed_is_refused_or_parsed(msg: Any, key: str, value: Any) -> None:
+    data = json.dumps(msg.body() | {key: value}).encode()
+    with contextlib.suppress(session.SessionMessageError):
+        session.parse_epoch(data)
+
+
+@settings(max_examples=250, deadline=None)
+@given(st.binary(max_size=200))
+def test_any_bytes_are_refused_or_parsed(data: bytes) -> None:
+    with contextlib.suppress(session.SessionMessageError):
+        session.parse_epoch(data)
+
+
+def test_an_epoch_message_names_what_is_wrong() -> None:
+    with pytest.raises(session.SessionMessageError, match="epoch must be an integer from 1"):
+        session.parse_epoch(json.dumps(session.payload("resume", epoch=0)).encode())
+    with pytest.raises(session.SessionMessageError, match="epoch must be an integer"):
+        session.parse_epoch(json.dumps(session.payload("epoch_ready", epoch=True)).encode())
+    with pytest.raises(session.SessionMessageError, match="unknown epoch message op 'formed'"):
+        session.parse_epoch(json.dumps(session.payload("formed")).encode())
+    with pytest.raises(session.SessionMessageError, match="epoch: missing \\['plan'\\]"):
+        session.parse_epoch(json.dumps(session.payload("epoch", epoch=2, cause="x")).encode())
+    with pytest.raises(session.SessionMessageError, match="lost: unknown \\['extra'\\]"):
+        body = session.MemberLost("b", "silent", "gone").body() | {"extra": 1}
+        session.parse_epoch(json.dumps(body).encode())
+    with pytest.raises(session.SessionMessageError, match="not JSON"):
+        session.parse_epoch(b"\xff{")
+    with pytest.raises(session.SessionMessageError, match="not JSON"):
+        session.parse_epoch(b"[" * 100_000)  # too deep to parse
+    with pytest.raises(session.SessionMessageError, match="more than"):
+        session.parse_epoch(b" " * (session.MAX_CONTROL_BYTES + 1))

@@ -1,0 +1,142 @@
+"""A session that survives losing a member: four member processes (`kafila host`, `kafila join`) on
+loopback; a member that is not the head is killed with SIGKILL while four greedy answers stream;
+the host re-plans over the three survivors and every answer completes, identical to its answer
+without the kill. Survivors that cannot hold the model end the session cleanly, naming the device."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from kafila.demo.fleet import LocalFleet
+
+pytestmark = [pytest.mark.network, pytest.mark.slow]
+MODEL = "smollm2-135m"
+PROMPTS = (
+    "Tell me a long story about a lighthouse keeper.",
+    "Explain how bread rises, step by step.",
+    "Write a poem about the sea in winter.",
+    "List ten facts about owls.",
+)
+MAX_TOKENS = 60
+
+
+def _stream(url: str, prompt: str, out: dict[str, object], started: threading.Event | None = None) -> None:
+    """One streaming greedy chat answer from `url`: its text, or the error it ended with."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}  # fmt: skip
+    text, chunks = [], 0
+    try:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+            if r.status_code != 200:
+                out["error"] = f"HTTP {r.status_code}: {r.read().decode()}"
+                return
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    out["error"] = chunk["error"]
+                    return
+                text.append(chunk["choices"][0]["delta"].get("content") or "")
+                chunks += 1
+                if started is not None and chunks == 12:
+                    started.set()
+    except httpx.HTTPError as exc:
+        out["error"] = repr(exc)
+    out["text"] = "".join(text)
+
+
+def _answers(url: str, kill: threading.Event | None = None) -> list[dict[str, object]]:
+    outs: list[dict[str, object]] = [{} for _ in PROMPTS]
+    threads = [
+        threading.Thread(target=_stream, args=(url, p, o, kill if i == 0 else None))
+        for i, (p, o) in enumerate(zip(PROMPTS, outs, strict=True))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    return outs
+
+
+@pytest.fixture
+def fleet4(smollm2_path, tmp_path):
+    args = ("--dead-after", "3")
+    with LocalFleet((None,) * 4, MODEL, context=512, concurrency=4, workdir=tmp_path, stagger=False,
+                    extra_args=args) as f:  # fmt: skip
+        yield f
+
+
+def test_a_killed_member_is_planned_around_and_every_streaming_answer_completes_unchanged(
+    fleet4: LocalFleet,
+) -> None:
+    doc = fleet4.session()
+    assert doc["state"] == "serving" and doc["epoch"] == 1 and len(doc["ring"]) == 4
+    head = next(m for m in fleet4.members if m.name == doc["head"])
+    assert head.api_url is not None
+    expected = _answers(head.api_url)
+    assert all("text" in o and "error" not in o for o in expected), expected
+    victim = next(m for m in fleet4.members if m.name not in (doc["head"], fleet4.members[0].name))
+    assert victim.proc is not None
+    started = threading.Event()
+
+    def kill() -> None:
+        if started.wait(120):
+            assert victim.proc is not None
+            victim.proc.send_signal(signal.SIGKILL)  # mid-answer, no goodbye
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    got = _answers(head.api_url, started)
+    killer.join()
+    assert victim.proc.poll() is not None, "the answers ended before the member could be killed"
+    assert [o.get("error") for o in got] == [None] * 4, got
+    assert [o["text"] for o in got] == [o["text"] for o in expected]
+    after = fleet4.session()
+    assert after["state"] == "serving" and after["epoch"] == 2, after
+    assert victim.name not in after["ring"] and len(after["ring"]) == 3
+    assert victim.name in after["change"]["cause"]
+    for m in fleet4.members:
+        if m is not victim:
+            assert f"epoch 2 serving: ring {' -> '.join(after['ring'])}" in m.log_text(), m.name
+    host = fleet4.members[0].name
+    replans = [r for r in fleet4.traces(host) if r.get("type") == "replan"]
+    deadline = time.monotonic() + 10
+    while not replans and time.monotonic() < deadline:  # written once the first token came
+        time.sleep(0.2)
+        replans = [r for r in fleet4.traces(host) if r.get("type") == "replan"]
+    assert replans and replans[0]["epoch"] == 2 and victim.name in replans[0]["cause"], replans
+    assert set(replans[0]["new_blocks"]) == set(after["ring"])
+    if host == doc["head"]:  # the host sees the tokens only as the head
+        assert replans[0]["carried"] == 4 and replans[0]["first_token_s"] is not None
+
+
+def test_survivors_that_cannot_hold_the_model_end_the_session_naming_the_device(
+    smollm2_path, tmp_path
+) -> None:
+    """Every member offers 0.16 GB (--memory-gb, the planner's input): four hold the fp32 model
+    (about 0.54 GB), three cannot. A member killed: the host's re-plan is refused, and every
+    survivor says the planner's reason and exits, none left answering 503."""
+    small = [("--memory-gb", "0.16")] * 4
+    with LocalFleet((None,) * 4, MODEL, context=512, workdir=tmp_path, stagger=False,
+                    extra_args=("--dead-after", "3"), member_args=small) as fleet:  # fmt: skip
+        host = fleet.members[0]
+        victim = next(m for m in fleet.members[1:] if m.name != fleet.head)
+        assert victim.proc is not None
+        victim.proc.send_signal(signal.SIGKILL)
+        survivors = [m for m in fleet.members if m is not victim]
+        for m in survivors:
+            assert m.proc is not None
+            assert m.proc.wait(60) == 0, m.log_text()[-2000:]
+        ended = f"{victim.name} was lost"
+        assert "the members left cannot hold the model" in host.log_text()
+        for m in survivors:
+            said = [x for x in m.log_text().splitlines() if x.startswith("kafila:") and ended in x]
+            line = next((x for x in said if "ended" in x or "ends" in x), "")
+            assert "cannot hold the model" in line and "MB more memory" in line, (m.name, said)

@@ -1,0 +1,92 @@
+"""Cache recovery in one process: a ring of real stages of a tiny model loses a member mid-answer;
+the head and the survivor move to the next plan epoch in place (new stages, new channels of that
+epoch), the head prefills each request's prompt and tokens again, and every answer is the one an
+uninterrupted run gives (the roles' part of kafila.session.forming.epochs, without processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from kafila.api.service import GenerationError, Sampling, TokenEvent
+from kafila.engine.stage import Stage
+from kafila.models.checkpoint import Checkpoint
+from kafila.proto.ring import Cause
+from kafila.session.channel import MemoryChannel
+from kafila.session.ring.info import RingInfo
+from tests.session.ringkit import beat, build_ring
+
+PROMPTS = [[17, 40, 200, 99, 4, 64, 18, 250, 7], [17, 4, 200], [200, 100, 50, 25]]  # answers of 24 tokens
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint) -> Checkpoint:
+    return Checkpoint.open(tiny_checkpoint("llama-gqa3-tied"))
+
+
+async def collect(gen) -> list[int]:
+    return [t for ev in [e async for e in gen] if isinstance(ev, TokenEvent) for t in ev.tokens]
+
+
+async def test_a_lost_member_is_planned_around_and_every_answer_goes_on_unchanged(ckpt: Checkpoint) -> None:
+    splits = [(0, 2), (2, 3), (3, 5)]
+    ring = build_ring(ckpt, splits, concurrency=2)  # two admitted, one queued
+    try:
+        expected = [await collect(await ring.head.submit(p, Sampling(max_tokens=TOKENS))) for p in PROMPTS]
+        longest = max(range(len(PROMPTS)), key=lambda i: len(expected[i]))
+        assert len(expected[longest]) > 8  # long enough to be cut in the middle (random weights)
+    finally:
+        await ring.stop()
+
+    ring = build_ring(ckpt, splits, dead_after=3.0, concurrency=2)
+    head, m2 = ring.head, ring.members[1]
+    for role in (head, *ring.members):
+        role.recovers = lambda b: b.member == "m1" and b.cause in (Cause.SILENT, Cause.CLOSED)
+    try:
+        gens = [await head.submit(p, Sampling(max_tokens=TOKENS)) for p in PROMPTS]
+        jobs = [asyncio.ensure_future(collect(g)) for g in gens]
+        first = head._reqs[gens[longest].request_id]
+        while first.generated < 3 and not jobs[longest].done():  # mid-answer (the tiny model is fast)
+            await asyncio.sleep(0)
+        ring.kill(1)
+        for _ in range(1000):
+            if head.state == m2.state == "replanning":
+                break
+            await asyncio.sleep(0.01)
+        assert head.state == m2.state == "replanning"
+        with pytest.raises(GenerationError) as refused:  # a new client meanwhile: 503 with Retry-After
+            await head.submit(PROMPTS[1], Sampling(max_tokens=2))
+        assert refused.value.code == "replanning"
+        assert head.describe()["state"] == "replanning" and head.describe()["error"] is None
+        await head.pause()
+        await m2.pause()
+        # epoch 2: m0 [0, 3) + head, m2 [3, 5); one channel pair of epoch 2 (a ring of two)
+        new = [(0, 3), (3, 5)]
+        info = dataclasses.replace(
+            head.info,
+            order=("m0", "m2"),
+            blocks={"m0": new[0], "m2": new[1]},
+            edges={"m0->m2": "local", "m2->m0": "local"},
+        )
+        stages = [
+            Stage.load(ckpt, range(a, b), i == 0, "torch", "fp32", context=64, concurrency=2)
+            for i, (a, b) in enumerate(new)
+        ]
+        at_head, at_m2 = MemoryChannel.pair("m0", "m2", epoch=2)
+        c0, c2 = beat(at_head, 5.0), beat(at_m2, 5.0)
+        carried = head.resume(2, stages[0], info, c0, c0, lanes=2)
+        m2.resume(2, 1, stages[1], info, c2, c2)
+        assert carried >= 1 and 3 <= first.generated < len(expected[longest])
+        head.changed("serving", "m1 was lost (silent)")
+        m2.changed("serving", "m1 was lost (silent)")
+        head.go()
+        got = await asyncio.wait_for(asyncio.gather(*jobs), 60)
+        assert got == expected
+        assert head.describe()["epoch"] == 2 and head.describe()["state"] == "serving"
+        assert isinstance(head.info, RingInfo) and head.info.order == ("m0", "m2")
+        await c0.close()
+    finally:
+        await ring.stop()
