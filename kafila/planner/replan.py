@@ -171,6 +171,15 @@ def contradicted(
     )
 
 
+def measured_reports(
+    reports: Sequence[DeviceReport], measured: Mapping[tuple[str, str], bool], rule: PairRule = DEFAULT_RULE
+) -> tuple[DeviceReport, ...]:
+    """`reports` with the pairs `measured` ran through the relay against the prediction recorded
+    (`relayed_with`), as the host keeps them for the session: a later re-plan prices those edges as
+    they ran, not as the classifier predicted them."""
+    return _with_relayed(reports, contradicted(reports, measured, rule))
+
+
 def fetches(old: Plan, new: Plan, manifest: Manifest) -> tuple[Fetch, ...]:
     """What each member of `new` lacks from its share in `old` (a member new to the ring lacks all)."""
     out = []

@@ -18,8 +18,10 @@ from kafila.planner.replan import (
     Membership,
     PlanTerms,
     Replan,
+    anchor_of,
     contradicted,
     fetches,
+    measured_reports,
     on_arrived,
     on_lost,
     on_paths,
@@ -249,7 +251,8 @@ def test_measured_relays_keep_the_ring_or_replan_exactly_as_the_margin_says(
         for r in reports
     ]
     repriced = reprice(m.plan, measured)
-    best = plan(measured, QWEN8, context=TERMS.context, anchor=0)
+    head = anchor_of(m)  # a re-plan is anchored at the serving head
+    best = plan(measured, QWEN8, context=TERMS.context, anchor=[r.name for r in measured].index(head))
     assert repriced.per_token_s is not None and m.plan.per_token_s is not None
     assert repriced.per_token_s >= m.plan.per_token_s
     gain = (repriced.per_token_s - (best.per_token_s or 0)) / repriced.per_token_s
@@ -272,3 +275,14 @@ def test_a_keep_says_how_the_alternative_compares_in_plain_words() -> None:
     assert isinstance(got, Keep)
     assert got.reason.startswith(f"{edge.src}->{edge.dst} run through the relay; ")
     assert "-" not in got.reason.split("; ", 1)[1]  # never "-0.8% better"
+
+
+def test_the_host_keeps_measured_relays_in_its_reports_for_later_replans() -> None:
+    """A pair predicted direct that ran through the relay is recorded (`relayed_with`) on both
+    reports, so a re-plan after a loss prices it as it ran; a pair that punched is left alone."""
+    nat = Nat(NatClass.ORDINARY, Behaviour.ENDPOINT_INDEPENDENT, Behaviour.ADDRESS_AND_PORT_DEPENDENT)
+    reports = (dev("host", 12, 100, nat=nat), dev("b", 12, 100, nat=nat), dev("c", 12, 100, nat=nat))
+    by = {r.name: r for r in measured_reports(reports, {("host", "b"): False, ("host", "c"): True})}
+    assert by["host"].relayed_with == {"b"} and by["b"].relayed_with == {"host"}
+    assert not by["c"].relayed_with
+    assert measured_reports(reports, {("host", "c"): True}) == reports  # nothing contradicted

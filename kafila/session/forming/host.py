@@ -24,7 +24,7 @@ from kafila.models.registry import resolve, served_name
 from kafila.net.errors import LinkError
 from kafila.net.link import Link
 from kafila.obs.log import get_logger
-from kafila.planner.replan import Membership, PlanTerms
+from kafila.planner.replan import Membership, PlanTerms, measured_reports
 from kafila.proto.codes import SessionCode, new_code
 from kafila.proto.session import SessionTerms
 from kafila.session.channel import LinkChannel
@@ -119,9 +119,8 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     await drive.until(fm.Formed, core.started(drive.now()))
     role = held.ring()
     held.tasks.append(asyncio.ensure_future(drive.serve_formed(held.links, role.info.rendezvous)))
-    membership = Membership(
-        1, plan, tuple(gathered.devices), frozenset(d.name for d in gathered.devices), name
-    )
+    reports = measured_reports(tuple(gathered.devices), measured)  # as the edges ran, for re-plans
+    membership = Membership(1, plan, reports, frozenset(d.name for d in reports), name)
     plan_terms = PlanTerms(opts.context, opts.concurrency, opts.division, objective=opts.objective)
     manifest = ckpt.manifest(DTYPES[opts.dtype], opts.quant)  # as the plan was priced (choose_plan)
     epochs = HostEpochs(
