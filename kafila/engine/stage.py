@@ -23,7 +23,7 @@ import numpy as np
 from kafila.engine.backend import Backend, checkpoint_dtype, resolve
 from kafila.engine.captured import decode_path
 from kafila.engine.pace import FULL_SPEED, Pace
-from kafila.models.manifest import LM_HEAD, QUANT_FORMATS
+from kafila.models.manifest import LM_HEAD, QUANT_FORMATS, block_index
 from kafila.models.span import Span
 from kafila.obs.log import get_logger
 
@@ -131,13 +131,62 @@ class Stage:
         be = backend
         if isinstance(be, str):  # dtype "auto": the checkpoint's own precision
             be = resolve(be, checkpoint_dtype(dtype, ckpt.stored_dtype))
+        fmt = resolve_quant(quant, ckpt.stored_format)
+        return cls._build(ckpt, be, fmt, blocks, head, context, concurrency, pace, decode, None)
+
+    def rebuild(
+        self,
+        ckpt: Any,
+        blocks: range,
+        head: bool,
+        context: int,
+        concurrency: int,
+        pace: Pace = FULL_SPEED,
+        decode: str = "auto",
+        quant: str = "auto",
+    ) -> Stage:
+        """A stage of blocks [a, b) (and the head) for the next plan epoch, on this stage's backend:
+        the blocks (and head) this stage holds are moved over as they are in memory, only the others
+        are read from `ckpt`; blocks it no longer serves are left to go with this stage. The KV
+        cache is new and empty (`context` x `concurrency`): requests are prefilled again. Where this
+        stage's weights cannot be reused (another format or model) every tensor is read, as `load`.
+
+        Run it on the thread that owns this stage; this stage must not be used afterwards (its
+        block objects now belong to the new one too)."""
+        fmt = resolve_quant(quant, ckpt.stored_format)
+        same = fmt == getattr(self.model, "quant", None) and ckpt.config == self.config
+        if not same:
+            log.info("stage_not_reused", quant=fmt, held_quant=getattr(self.model, "quant", None))
+        reuse = self.model if same else None
+        be = self.backend
+        return type(self)._build(ckpt, be, fmt, blocks, head, context, concurrency, pace, decode, reuse)
+
+    @classmethod
+    def _build(
+        cls,
+        ckpt: Any,
+        be: Backend,
+        fmt: str,
+        blocks: range,
+        head: bool,
+        context: int,
+        concurrency: int,
+        pace: Pace,
+        decode: str,
+        reuse: Any | None,
+    ) -> Stage:
+        """The model of blocks [a, b) (+ head) on `be` in format `fmt`, taking from `reuse` (a model
+        of the same class, format and config) the blocks and head it holds, reading the rest."""
         if context < 1 or concurrency < 1:
             raise StageError(f"context ({context}) and concurrency ({concurrency}) must be at least 1")
-        names = ckpt.names_for(blocks, head)
+        held = reuse.blocks_range if reuse is not None else range(0)  # blocks moved, not read
+        held_head = reuse is not None and bool(reuse.has_head)
+        names = [n for n in ckpt.names_for(blocks, head) if not _held(n, held, held_head)]
         weights = _Weights(ckpt, be, names)
         model_cls = be.model_class(ckpt.config.model_type)
-        fmt = resolve_quant(quant, ckpt.stored_format)
         kwargs = be.model_kwargs() | ({"quant": fmt} if fmt != "none" or ckpt.stored_format != "none" else {})
+        if reuse is not None:
+            kwargs["reuse"] = reuse
         model = model_cls(ckpt.config, weights, blocks, head, context=context, **kwargs)
         unread = weights.names - weights.read_names - {LM_HEAD}
         if unread:
@@ -145,6 +194,7 @@ class Stage:
                 f"checkpoint tensors not used by the {ckpt.config.model_type} model: {sorted(unread)[:3]}"
             )
         stage = cls(model, be, blocks, head, context, concurrency, weights.bytes_read, pace, decode)
+        kept = [i for i in blocks if i in held]
         log.info(
             "stage_loaded",
             blocks=f"[{blocks.start}, {blocks.stop})",
@@ -156,6 +206,8 @@ class Stage:
             context=context,
             concurrency=concurrency,
             decode=stage.decode.name,
+            blocks_reused=len(kept),
+            head_reused=head and held_head,
         )
         return stage
 
@@ -293,6 +345,12 @@ class Stage:
     def from_bytes(self, data: bytes, shape: Sequence[int]) -> Any:
         """Raw bytes in `wire_dtype` of `shape` ([T, H]) -> hidden on this stage's backend."""
         return self.backend.from_bytes(data, shape)
+
+
+def _held(name: str, blocks: range, head: bool) -> bool:
+    """Whether tensor `name` belongs to a held block in `blocks` or (`head`) to the held head."""
+    i = block_index(name)
+    return head if i is None else i in blocks
 
 
 def resolve_quant(requested: str, stored: str) -> str:

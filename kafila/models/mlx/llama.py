@@ -112,20 +112,29 @@ class LlamaModel:
         dtype: mx.Dtype = mx.float32,
         context: int = 2048,
         quant: str = "none",
+        reuse: LlamaModel | None = None,
     ) -> None:
         if quant not in QUANT_FORMATS:
             raise ValueError(f"unknown weight format {quant!r}; choose one of {', '.join(QUANT_FORMATS)}")
         self.config, self.blocks_range, self.has_head = config, blocks, head
         self.dtype, self.context, self.quant = dtype, context, quant
+        if reuse is not None and (reuse.dtype, reuse.quant) != (dtype, quant):
+            raise ValueError(
+                f"cannot reuse blocks held as {reuse.dtype} {reuse.quant} for a model in {dtype} {quant}"
+            )
         self.embed_w: Weight | None = None
         self.unembed_w: Weight | None = None
         self.norm_w: mx.array | None = None
-        if head:  # first: the largest tensors load while little else is resident (lower peak memory)
+        if head and reuse is not None and reuse.has_head:  # the head it holds, as it is in memory
+            self.embed_w, self.unembed_w, self.norm_w = reuse.embed_w, reuse.unembed_w, reuse.norm_w
+        elif head:  # first: the largest tensors load while little else is resident (lower peak memory)
             self.embed_w = self._cat(weights, [EMBED])  # [V, H]
             self.norm_w = self._w(weights, FINAL_NORM)  # [H]
             tied = config.tie_word_embeddings or LM_HEAD not in weights
             self.unembed_w = self.embed_w if tied else self._cat(weights, [LM_HEAD])  # [V, H]
-        self.blocks = [self._load_block(weights, i) for i in blocks]
+        # `reuse`'s blocks this range keeps move over (no read); the others load from `weights`
+        held: dict[int, Block] = dict(zip(reuse.blocks_range, reuse.blocks, strict=True)) if reuse else {}
+        self.blocks: list[Block] = [held[i] if i in held else self._load_block(weights, i) for i in blocks]
         cos, sin = rope.tables(config, context)
         self.cos, self.sin = mx.array(cos).astype(dtype), mx.array(sin).astype(dtype)  # [context, d]
         mx.eval([self.cos, self.sin, *(_arrays(vars(b)) for b in self.blocks), *_arrays(vars(self))])

@@ -163,7 +163,8 @@ class LlamaModel:
     matrix's entries: `X.weight` int8/uint8 with `X.scales` (and `X.mins`), kafila.models.quant).
     `quant` is the session's weight format: "none" computes with float matrices (widening packed
     ones), "int8"/"q4" packs float matrices as kafila.models.manifest's policy says and keeps
-    packed ones as stored."""
+    packed ones as stored. `reuse`: a model of the same config, dtype, device and format whose
+    blocks (and head) in this range are taken as they are in memory, not read (Stage.rebuild)."""
 
     def __init__(
         self,
@@ -176,22 +177,32 @@ class LlamaModel:
         device: str = "cpu",
         context: int = 2048,
         quant: str = "none",
+        reuse: LlamaModel | None = None,
     ) -> None:
         if quant not in QUANT_FORMATS:
             raise ValueError(f"unknown weight format {quant!r}; choose one of {', '.join(QUANT_FORMATS)}")
         self.config, self.blocks_range, self.has_head = config, blocks, head
         self.dtype, self.device, self.context, self.quant = dtype, torch.device(device), context, quant
+        if reuse is not None and (reuse.dtype, reuse.device, reuse.quant) != (dtype, self.device, quant):
+            raise ValueError(
+                f"cannot reuse blocks held as {reuse.dtype} {reuse.quant} on {reuse.device} "
+                f"for a model in {dtype} {quant} on {self.device}"
+            )
         self.embed_w: Tensor | PackedLinear | None = None  # [V, H]
         self.norm_w: Tensor | None = None
         self.unembed: AnyLinear | None = None
         self._pages = hugepages.for_device(self.device)  # the weight matrices' memory, where offered
-        if head:  # first: the largest tensors load while little else is resident (lower peak memory)
+        if head and reuse is not None and reuse.has_head:  # the head it holds, as it is in memory
+            self.embed_w, self.unembed, self.norm_w = reuse.embed_w, reuse.unembed, reuse.norm_w
+        elif head:  # first: the largest tensors load while little else is resident (lower peak memory)
             tied = config.tie_word_embeddings or LM_HEAD not in weights
             embed = self._linear(weights, [EMBED])
             self.embed_w = embed.w if isinstance(embed, Linear) else embed
             self.unembed = embed if tied else self._linear(weights, [LM_HEAD])  # [V, H]
             self.norm_w = self._w(weights, FINAL_NORM)  # [H]
-        self.blocks = [self._load_block(weights, i) for i in blocks]
+        # `reuse`'s blocks this range keeps move over (no read); the others load from `weights`
+        held: dict[int, Block] = dict(zip(reuse.blocks_range, reuse.blocks, strict=True)) if reuse else {}
+        self.blocks: list[Block] = [held[i] if i in held else self._load_block(weights, i) for i in blocks]
         cos, sin = rope.tables(config, context)
         self.cos = torch.from_numpy(cos).to(self.device, dtype)  # [context, d]
         self.sin = torch.from_numpy(sin).to(self.device, dtype)  # [context, d], sign folded in

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
 from kafila.models.manifest import Manifest
 from kafila.net.errors import LinkError
@@ -47,6 +48,7 @@ from kafila.session.errors import SessionError
 from kafila.session.forming.links import link_ring
 from kafila.session.progress import say
 from kafila.session.ring.build import EpochParts, Serving, broken_line, epoch_parts, shard_text
+from kafila.session.ring.compute import ModelThread
 from kafila.session.ring.head import RingHead
 from kafila.session.ring.member import RingMember
 from kafila.session.runtime import MemberRuntime
@@ -106,6 +108,12 @@ def _blocks(plan: Plan) -> dict[str, tuple[int, int]]:
 
 def _division(plan: Plan) -> str:
     return ", ".join(f"{s.name} {shard_text(s.start, s.stop, s.head)}" for s in plan.stages)
+
+
+def _held(role: RingHead | RingMember) -> tuple[Stage, ModelThread]:
+    """The stage `role` serves now and the thread that owns it: the next epoch's stage reuses the
+    blocks it holds (Stage.rebuild); the role is paused meanwhile, so the thread is idle."""
+    return role.stage, role.model
 
 
 def _resume(role: RingHead | RingMember, epoch: int, parts: EpochParts) -> int:
@@ -231,7 +239,7 @@ class HostEpochs:
                 _listen(link, peer, self._heard)
             ckpt = Checkpoint.open(self.folder)
             parts = await epoch_parts(
-                held.name, code, new, ckpt, links, self.opts, self.serving, decision.epoch
+                held.name, code, new, ckpt, links, self.opts, self.serving, decision.epoch, _held(role)
             )
             await asyncio.wait_for(asyncio.gather(*self._ready.values()), READY_S)
         finally:
@@ -412,6 +420,7 @@ class MemberEpochs:
         )
         say(f"weights for {shard_text(a, b, head)}: {shard.bytes_fetched / 1e6:.1f} MB fetched from the host")
         ckpt = Checkpoint.open(shard.path)
-        parts = await epoch_parts(name, code, plan, ckpt, links, self.opts, self.serving, msg.epoch)
+        opts, serving = self.opts, self.serving
+        parts = await epoch_parts(name, code, plan, ckpt, links, opts, serving, msg.epoch, _held(role))
         held.plan = plan
         _resume(role, msg.epoch, parts)

@@ -136,15 +136,25 @@ async def epoch_parts(
     opts: Options,
     serving: Serving,
     epoch: int = 1,
+    held: tuple[Stage, ModelThread] | None = None,
 ) -> EpochParts:
     """Member `name`'s stage for `plan` loaded from `ckpt` (its shard), its view of the ring and
-    its channels to its ring neighbours on `links` (beating from now on)."""
+    its channels to its ring neighbours on `links` (beating from now on). `held`: the stage of
+    the epoch before and the thread that owns it; the new stage takes the blocks (and head) it
+    holds as they are in memory and reads only the others (Stage.rebuild, on that thread)."""
     a, b = plan.block_range(name)
     head = plan.head == name
-    note(f"loading {shard_text(a, b, head)} into memory")
-    load = partial(Stage.load, pace=opts.pace, quant=serving.terms.quant)  # the session's weight format
     blocks, backend = range(a, b), opts.backend
-    stage = await off_loop(load, ckpt, blocks, head, backend, opts.dtype, plan.context, plan.concurrency)
+    if held is None:
+        note(f"loading {shard_text(a, b, head)} into memory")
+        load = partial(Stage.load, pace=opts.pace, quant=serving.terms.quant)  # the session's format
+        stage = await off_loop(load, ckpt, blocks, head, backend, opts.dtype, plan.context, plan.concurrency)
+    else:
+        old, thread = held
+        kept = len(range(max(a, old.blocks.start), min(b, old.blocks.stop)))
+        note(f"loading {shard_text(a, b, head)} into memory ({kept} blocks already held)")
+        rebuild = partial(old.rebuild, pace=opts.pace, quant=serving.terms.quant)
+        stage = await thread.run(rebuild, ckpt, blocks, head, plan.context, plan.concurrency)
     metrics.observe_build(stage.backend.name, stage.backend.dtype, stage.backend.device)
     nxt_name, prv_name = plan.successor(name), plan.predecessor(name)
     info = _ring_info(name, code, plan, links, serving, stage.backend.dtype)
