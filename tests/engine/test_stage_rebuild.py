@@ -8,26 +8,7 @@ import pytest
 
 from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
-
-PROMPT = [5, 9, 1, 77, 120, 3, 64, 18, 250, 31, 8]
-
-
-def _run(stages: list[Stage], steps: int = 4) -> list[np.ndarray]:
-    """Prefill PROMPT through the chain (the first stage is the head), then greedy decode steps;
-    every step's logits [V]."""
-    for s in stages:
-        s.open("r")
-    out, ids, pos = [], PROMPT, 0
-    for _ in range(steps + 1):
-        h = stages[0].embed(ids)  # [T, H]
-        for s in stages:
-            [h] = s.forward([("r", pos, h)])  # [T, H]
-        out.append(stages[0].logits(h[-1]))  # [V]
-        pos += len(ids)
-        ids = [int(out[-1].argmax())]
-    for s in stages:
-        s.close("r")
-    return out
+from tests.engine.test_stage import _decode_run as _run  # prefill, then greedy steps: logits
 
 
 @pytest.fixture(scope="module")
