@@ -12,7 +12,8 @@ Printed, from one run:
   ring's heartbeats, --dead-after, included); target <= 5 s;
 - detection -> every survivor ready, from the host's trace (its `replan` record);
 - bytes fetched (what the host served for the re-plan: tensors, plus any header ranges) against the
-  minimum the new division needs (kafila.planner.replan `Replan.bytes`); target: equal;
+  minimum the new division needs the survivors to fetch (kafila.planner.replan `Replan.fetches`
+  of every member but the host, which loads its own new blocks from its checkpoint); target: equal;
 - whether the answer equals the same request's answer without the kill.
 
     python3 benchmarks/replan.py [--tokens 120] [--kill-at 20] [--dead-after 3]

@@ -110,6 +110,12 @@ def _division(plan: Plan) -> str:
     return ", ".join(f"{s.name} {shard_text(s.start, s.stop, s.head)}" for s in plan.stages)
 
 
+def _to_fetch(decision: Replan, host: str) -> int:
+    """The fewest bytes the survivors must fetch from `host` for the new division: the host's own
+    new blocks come from the checkpoint it serves, not over a link."""
+    return sum(f.bytes for f in decision.fetches if f.member != host)
+
+
 def _held(role: RingHead | RingMember) -> tuple[Stage, ModelThread]:
     """The stage `role` serves now and the thread that owns it: the next epoch's stage reuses the
     blocks it holds (Stage.rebuild); the role is paused meanwhile, so the thread is idle."""
@@ -215,7 +221,7 @@ class HostEpochs:
         metrics.observe_state("replanning")
         say(
             f"{decision.cause}: re-planning for epoch {decision.epoch}: {_division(new)} "
-            f"(at least {decision.bytes / 1e6:.1f} MB to fetch)"
+            f"(at least {_to_fetch(decision, held.name) / 1e6:.1f} MB to fetch)"
         )
         await role.pause()
         survivors = [n for n in new.order if n != held.name]
@@ -276,7 +282,7 @@ class HostEpochs:
             old_blocks=_blocks(m.plan),
             new_blocks=_blocks(new),
             bytes_fetched=fetched,
-            bytes_minimum=decision.bytes,
+            bytes_minimum=_to_fetch(decision, held.name),
             ready_s=ready_s,
             carried=carried,
         )
