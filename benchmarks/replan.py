@@ -109,9 +109,9 @@ def main() -> int:
     print(f"detection -> every survivor ready: {float(rec['ready_s']):.2f} s (host's trace)")  # type: ignore[arg-type]
     if rec.get("first_token_s") is not None:
         print(f"detection -> first resumed token at the head: {float(rec['first_token_s']):.2f} s")  # type: ignore[arg-type]
-    ratio = fetched / minimum if minimum else float("nan")
+    ratio = f"{fetched / minimum:.3f}x" if minimum else "nothing to fetch (only the host's share grew)"
     print(
-        f"bytes fetched {fetched / 1e6:.2f} MB against the minimum {minimum / 1e6:.2f} MB: {ratio:.3f}x "
+        f"bytes fetched {fetched / 1e6:.2f} MB against the minimum {minimum / 1e6:.2f} MB: {ratio} "
         f"(target 1.000x: {'yes' if fetched == minimum else 'no'})"
     )
     print(f"answer identical to the one without the kill: {'yes' if got == expected else 'no'}")
