@@ -79,3 +79,19 @@ def test_torch_and_mlx_members_exchange_hidden_states_as_bytes(ckpt: Checkpoint,
         for ours, want in zip(mixed, torch_only, strict=True):
             np.testing.assert_allclose(ours, want, rtol=0, atol=tol * float(np.abs(want).max()))
             assert ours.argmax() == want.argmax()
+
+
+def test_mlx_rebuilt_stage_keeps_held_blocks_and_equals_a_fresh_one(ckpt: Checkpoint) -> None:
+    old = _load(ckpt, range(0, 3), True)  # head + blocks 0, 1, 2
+    before = ckpt.bytes_read
+    new = old.rebuild(ckpt, range(0, 4), True, context=32, concurrency=1)  # keeps head, 0-2; reads 3
+    assert new.bytes_loaded == ckpt.bytes_read - before == ckpt.manifest().block_bytes[3]
+    assert (
+        all(a is b for a, b in zip(new.model.blocks[:3], old.model.blocks, strict=True))
+        and new.model.embed_w is old.model.embed_w
+    )
+    tail = _load(ckpt, range(4, 5), False)
+    for ours, want in zip(
+        _decode_run([new, tail]), _decode_run([_load(ckpt, range(0, 4), True), tail]), strict=True
+    ):
+        assert np.array_equal(ours, want)
