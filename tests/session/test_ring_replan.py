@@ -83,8 +83,14 @@ async def test_a_lost_member_is_planned_around_and_every_answer_goes_on_unchange
         head.changed("serving", "m1 was lost (silent)")
         m2.changed("serving", "m1 was lost (silent)")
         head.go()
+        old_sent = [c.counters.messages_sent for c in ring.channels]  # epoch 1's, every end
         got = await asyncio.wait_for(asyncio.gather(*jobs), 60)
         assert got == expected
+        await asyncio.sleep(3 * max(c.interval for c in ring.channels))  # beats they would have sent
+        assert [c.counters.messages_sent for c in ring.channels] == old_sent, (
+            "an old epoch's channel beats on"
+        )
+        assert all(c._task is not None and c._task.done() for c in ring.channels)
         assert head.describe()["epoch"] == 2 and head.describe()["state"] == "serving"
         assert isinstance(head.info, RingInfo) and head.info.order == ("m0", "m2")
         await c0.close()
