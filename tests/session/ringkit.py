@@ -110,10 +110,10 @@ async def replanning(ring: Ring, *roles: int, within: float = 10.0) -> None:
 
 async def replan_without_m1(
     ring: Ring, ckpt: Checkpoint, new: list[tuple[int, int]], context: int = 64, concurrency: int = 2
-) -> Heartbeat:
+) -> tuple[Heartbeat, int]:
     """Epoch 2 of a ring of three after m1 was lost: the head (m0) holds `new[0]`, m2 `new[1]`,
     one channel pair of epoch 2 between them; the head prefills its requests again and sends.
-    Returns the head's channel (to close)."""
+    Returns the head's channel (to close) and how many requests the head carried on."""
     head, m2 = ring.head, ring.members[1]
     await head.pause()
     await m2.pause()
@@ -129,9 +129,9 @@ async def replan_without_m1(
     ]
     at_head, at_m2 = MemoryChannel.pair("m0", "m2", epoch=2)
     c0, c2 = beat(at_head, 5.0), beat(at_m2, 5.0)
-    head.resume(2, stages[0], info, c0, c0, lanes=2)
+    carried = head.resume(2, stages[0], info, c0, c0, lanes=2)
     m2.resume(2, 1, stages[1], info, c2, c2)
     for role in (head, m2):
         role.changed("serving", "m1 was lost (silent)")
     head.go()
-    return c0
+    return c0, carried
