@@ -4,7 +4,9 @@
 A streamed request that waits for a slot first gets lines like Ollama's own chunks with empty
 text and one extra field, `"queue_position": N` (1 = next), each time its place changes. The
 official `ollama` client parses them as ordinary empty chunks (its response models ignore fields
-they do not know); people and tools reading the NDJSON see the position.
+they do not know); people and tools reading the NDJSON see the position. While the ring re-plans
+around a lost member, a held stream gets such an empty chunk with `"replanning": true` every 2 s of
+silence: Ollama's NDJSON has no comment line, and an empty line breaks its clients' JSON parsing.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from kafila.api.errors import ApiError, invalid
 from kafila.api.params import Job, check_model, fit, flag, integer, messages, number, read_body, stop_strings
 from kafila.api.service import Sampling
 from kafila.api.state import Api, api_of
-from kafila.api.stream import ChunkStream, Piece, Tally, collect, pieces, start
+from kafila.api.stream import ChunkStream, Piece, Tally, collect, pieces, replanning, start
 
 # the request's `format` and the sampling options this server does not implement (refused by name
 # unless unused, as kafila.api.params.NOT_IMPLEMENTED for OpenAI's; other options are ignored)
@@ -211,7 +213,7 @@ def _created(api: Api) -> str:
 async def _run(request: Request, api: Api, job: Job, chat: bool) -> Response:
     gen = await start(api.service, job)
     tally = Tally(len(job.prompt))
-    stream = pieces(gen, api.codec, job, tally)
+    stream = pieces(gen, api.codec, job, tally, lambda: replanning(api.service))
     if job.stream:
         return ChunkStream(_ndjson(stream, api, tally, chat), gen, "application/x-ndjson", _error)  # type: ignore[return-value]
     await collect(request, stream, gen)
@@ -247,6 +249,8 @@ async def _ndjson(stream: AsyncIterator[Piece], api: Api, tally: Tally, chat: bo
     async for p in stream:
         if p.queue_position:
             yield json.dumps(_line(api, "", chat) | {"queue_position": p.queue_position}).encode() + b"\n"
+        if p.replanning:
+            yield json.dumps(_line(api, "", chat) | {"replanning": True}).encode() + b"\n"
         if p.text:
             yield json.dumps(_line(api, p.text, chat)).encode() + b"\n"
         if p.finish:

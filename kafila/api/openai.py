@@ -27,7 +27,7 @@ from kafila.api.params import (
 )
 from kafila.api.service import Sampling
 from kafila.api.state import Api, api_of
-from kafila.api.stream import ChunkStream, Piece, Tally, collect, pieces, start
+from kafila.api.stream import ChunkStream, Piece, Tally, collect, pieces, replanning, start
 
 
 def job_from(body: dict[str, Any], prompt: list[int], context: int, prompt_key: str = "messages") -> Job:
@@ -111,7 +111,7 @@ def _model(api: Api) -> dict[str, Any]:
 async def _run(request: Request, api: Api, job: Job, chat: bool) -> Response:
     gen = await start(api.service, job)
     tally = Tally(len(job.prompt))
-    stream = pieces(gen, api.codec, job, tally)
+    stream = pieces(gen, api.codec, job, tally, lambda: replanning(api.service))
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())  # this completion's, every chunk of it the same (not the API's start)
     if job.stream:
@@ -153,6 +153,8 @@ async def _sse(
     async for p in stream:
         if p.queue_position:  # an SSE comment: clients ignore it, people and tools can read it
             yield f": queued, position {p.queue_position}\n\n".encode()
+        if p.replanning:  # the ring re-plans around a lost member: held, not failed
+            yield b": replanning\n\n"
         if p.text or p.finish:
             body = {"content": p.text} if chat else None
             choice: dict[str, Any] = {"index": 0, "finish_reason": p.finish}

@@ -2,13 +2,18 @@
 
 A client that disconnects cancels its request: streaming responses watch the ASGI receive
 channel while they send, collected responses race the generation against the disconnect.
+
+While the ring re-plans around a lost member (the service's /session state is "replanning") a
+request is held, not failed, and no token comes for seconds: every `KEEPALIVE_S` of that silence
+the stream gets a `Piece` marked `replanning`, which each API writes as something its clients skip
+(an SSE comment, an empty NDJSON chunk), so the connection and the people watching it know it lives.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from starlette.requests import Request
@@ -16,11 +21,13 @@ from starlette.types import Receive, Scope, Send
 
 from kafila.api.errors import ApiError
 from kafila.api.params import Job
-from kafila.api.service import STOP_STRING, Generation, GenerationError, GenerationService
+from kafila.api.service import STOP_STRING, Generation, GenerationError, GenerationService, TokenEvent
 from kafila.api.text import Detokenizer, TextCodec
 from kafila.obs.log import get_logger
 
 log = get_logger("kafila.api")
+
+KEEPALIVE_S = 2.0  # s of silence while re-planning between two keep-alives of a stream
 
 
 @dataclass
@@ -28,6 +35,7 @@ class Piece:
     text: str
     finish: str | None = None
     queue_position: int | None = None  # the request waits for a slot (1 = next)
+    replanning: bool = False  # the ring re-plans; the request is held (a keep-alive, no text)
 
 
 @dataclass
@@ -50,10 +58,50 @@ async def start(service: GenerationService, job: Job) -> Generation:
         raise ApiError.from_generation(exc) from exc
 
 
-async def pieces(gen: Generation, codec: TextCodec, job: Job, tally: Tally) -> AsyncIterator[Piece]:
+def replanning(service: GenerationService) -> bool:
+    """Whether the service holds its requests while the ring re-plans (its /session state)."""
+    return bool(service.describe().get("state") == "replanning")
+
+
+async def ticking(events: AsyncIterable[TokenEvent], every: float) -> AsyncIterator[TokenEvent | None]:
+    """The events, and None after each `every` s in which none came (the wait goes on)."""
+    it = aiter(events)
+    nxt: asyncio.Future[TokenEvent] | None = None
+    try:
+        while True:
+            nxt = nxt or asyncio.ensure_future(anext(it))
+            done, _ = await asyncio.wait({nxt}, timeout=every)
+            if not done:
+                yield None
+                continue
+            try:
+                ev = nxt.result()
+            except StopAsyncIteration:
+                return
+            nxt = None
+            yield ev
+    finally:
+        if nxt is not None and not nxt.done():
+            nxt.cancel()
+
+
+async def pieces(
+    gen: Generation,
+    codec: TextCodec,
+    job: Job,
+    tally: Tally,
+    paused: Callable[[], bool] = lambda: False,
+    every: float = KEEPALIVE_S,
+) -> AsyncIterator[Piece]:
+    """The request's text pieces; `paused()` says the ring re-plans: then each `every` s of
+    silence is a keep-alive piece."""
     detok = Detokenizer(codec, job.stop)
     try:
-        async for ev in gen:
+        async for ev in ticking(gen, every):
+            if ev is None:
+                if paused():
+                    yield Piece("", replanning=True)
+                continue
             if ev.queue_position:
                 yield Piece("", queue_position=ev.queue_position)
             if ev.tokens:

@@ -376,6 +376,11 @@ class Heartbeat:
         self._task = asyncio.ensure_future(self._beat())
         return self
 
+    def stop(self) -> None:
+        """Beat no more (the channel stays open): its epoch is over, nobody reads it now."""
+        if self._task is not None:
+            self._task.cancel()
+
     async def _beat(self) -> None:
         with contextlib.suppress(ChannelError, t.FrameError):
             while True:

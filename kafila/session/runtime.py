@@ -90,11 +90,15 @@ class MemberRuntime:
         self.formed = False  # every member is ready and this one serves
         # a joining member's: done, with the line to say, when the host ended the session on purpose
         self.ended: asyncio.Future[str] | None = None
+        # a joining member's: the others counted it lost and re-planned without it, so it ends on its
+        # own (`ended` says why); its links then close as a member leaving, not as the session ending
+        self.left_out = False
 
     @property
     def host_ended(self) -> bool:
-        """A joining member's: the host ended the session (not: this member was stopped)."""
-        return self.ended is not None and self.ended.done() and not self.ended.cancelled()
+        """A joining member's: the host ended the session (not: this member was stopped or left out)."""
+        done = self.ended is not None and self.ended.done() and not self.ended.cancelled()
+        return done and not self.left_out
 
     def ring(self) -> RingRole:
         """The ring role (a runtime asked for it before forming has started one is a bug)."""
@@ -173,6 +177,8 @@ class MemberRuntime:
         if self.formed:
             ended = self.name == self.host or self.host_ended
             why = "the host ended the session" if ended else f"{self.name} was stopped and left the session"
+            if self.left_out:
+                why = f"{self.name} was counted lost and left the session"
         for link in self.links.values():
             with contextlib.suppress(Exception):
                 await (link.close(why, ended) if self.formed else link.close(why))

@@ -4,10 +4,13 @@ runs the same ring over QUIC links)."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from dataclasses import dataclass
 
 from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
+from kafila.proto.ring import Cause
 from kafila.session.channel import Heartbeat, MemoryChannel
 from kafila.session.ring.compute import ModelThread
 from kafila.session.ring.head import RingHead, RingInfo
@@ -86,3 +89,49 @@ def build_ring(
 def beat(channel: MemoryChannel, dead_after: float) -> Heartbeat:
     """Every member of an in-process ring is up from the start: no grace for a loading peer."""
     return Heartbeat(channel, dead_after, first_within=dead_after).start()
+
+
+def recovers_from_losing(ring: Ring, member: str) -> None:
+    """Every role holds its requests (state "replanning") when `member` is lost, as the runtime's
+    re-plan (kafila.session.forming.epochs) has them do."""
+    for role in (ring.head, *ring.members):
+        role.recovers = lambda b: b.member == member and b.cause in (Cause.SILENT, Cause.CLOSED)
+
+
+async def replanning(ring: Ring, *roles: int, within: float = 10.0) -> None:
+    """Wait until the head and the members at `roles` hold their requests for a re-plan."""
+    held = [ring.head, *(ring.members[i - 1] for i in roles)]
+    for _ in range(int(within / 0.01)):
+        if all(r.state == "replanning" for r in held):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not re-planning after {within:g} s: {[r.state for r in held]}")
+
+
+async def replan_without_m1(
+    ring: Ring, ckpt: Checkpoint, new: list[tuple[int, int]], context: int = 64, concurrency: int = 2
+) -> tuple[Heartbeat, int]:
+    """Epoch 2 of a ring of three after m1 was lost: the head (m0) holds `new[0]`, m2 `new[1]`,
+    one channel pair of epoch 2 between them; the head prefills its requests again and sends.
+    Returns the head's channel (to close) and how many requests the head carried on."""
+    head, m2 = ring.head, ring.members[1]
+    await head.pause()
+    await m2.pause()
+    info = dataclasses.replace(
+        head.info,
+        order=("m0", "m2"),
+        blocks={"m0": new[0], "m2": new[1]},
+        edges={"m0->m2": "local", "m2->m0": "local"},
+    )
+    stages = [
+        Stage.load(ckpt, range(a, b), i == 0, "torch", "fp32", context=context, concurrency=concurrency)
+        for i, (a, b) in enumerate(new)
+    ]
+    at_head, at_m2 = MemoryChannel.pair("m0", "m2", epoch=2)
+    c0, c2 = beat(at_head, 5.0), beat(at_m2, 5.0)
+    carried = head.resume(2, stages[0], info, c0, c0, lanes=2)
+    m2.resume(2, 1, stages[1], info, c2, c2)
+    for role in (head, m2):
+        role.changed("serving", "m1 was lost (silent)")
+    head.go()
+    return c0, carried

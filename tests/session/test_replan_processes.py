@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from kafila.demo.fleet import LocalFleet
+from kafila.demo.fleet import FleetMember, LocalFleet
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 MODEL = "smollm2-135m"
@@ -65,6 +65,17 @@ def _answers(url: str, kill: threading.Event | None = None) -> list[dict[str, ob
     return outs
 
 
+def _head_and_victim(fleet: LocalFleet) -> tuple[dict, FleetMember, FleetMember]:
+    """The session serving epoch 1 over four members, its head, and a member that is neither the
+    head nor the host (the one to lose)."""
+    doc = fleet.session()
+    assert doc["state"] == "serving" and doc["epoch"] == 1 and len(doc["ring"]) == 4
+    head = next(m for m in fleet.members if m.name == doc["head"])
+    victim = next(m for m in fleet.members if m.name not in (doc["head"], fleet.members[0].name))
+    assert head.api_url is not None and victim.proc is not None
+    return doc, head, victim
+
+
 @pytest.fixture
 def fleet4(smollm2_path, tmp_path):
     args = ("--dead-after", "3")
@@ -76,14 +87,9 @@ def fleet4(smollm2_path, tmp_path):
 def test_a_killed_member_is_planned_around_and_every_streaming_answer_completes_unchanged(
     fleet4: LocalFleet,
 ) -> None:
-    doc = fleet4.session()
-    assert doc["state"] == "serving" and doc["epoch"] == 1 and len(doc["ring"]) == 4
-    head = next(m for m in fleet4.members if m.name == doc["head"])
-    assert head.api_url is not None
+    doc, head, victim = _head_and_victim(fleet4)
     expected = _answers(head.api_url)
     assert all("text" in o and "error" not in o for o in expected), expected
-    victim = next(m for m in fleet4.members if m.name not in (doc["head"], fleet4.members[0].name))
-    assert victim.proc is not None
     started = threading.Event()
 
     def kill() -> None:
@@ -140,3 +146,54 @@ def test_survivors_that_cannot_hold_the_model_end_the_session_naming_the_device(
             said = [x for x in m.log_text().splitlines() if x.startswith("kafila:") and ended in x]
             line = next((x for x in said if "ended" in x or "ends" in x), "")
             assert "cannot hold the model" in line and "MB more memory" in line, (m.name, said)
+
+
+def _epoch(url: str) -> int:
+    try:
+        return int(httpx.get(f"{url}/session", timeout=5).json()["epoch"])
+    except (httpx.HTTPError, KeyError, ValueError):
+        return 0
+
+
+def test_a_frozen_member_is_planned_around_and_told_so_when_it_wakes(fleet4: LocalFleet) -> None:
+    """A member that is not the head is stopped (SIGSTOP) mid-answer for longer than the bound: the
+    host re-plans around it and every streaming answer completes unchanged. Resumed (SIGCONT) after
+    the re-plan, it finds that it was counted lost, says so, and ends; the others keep serving."""
+    _, head, victim = _head_and_victim(fleet4)
+    expected = _answers(head.api_url)
+    assert all("text" in o and "error" not in o for o in expected), expected
+    started, woken = threading.Event(), threading.Event()
+
+    def freeze() -> None:
+        if not started.wait(120):
+            return
+        assert victim.proc is not None and head.api_url is not None
+        victim.proc.send_signal(signal.SIGSTOP)  # frozen mid-answer: no goodbye, no links closed
+        deadline = time.monotonic() + 60
+        while _epoch(head.api_url) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        victim.proc.send_signal(signal.SIGCONT)  # wakes in the old epoch while the new one streams
+        woken.set()
+
+    freezer = threading.Thread(target=freeze)
+    freezer.start()
+    got = _answers(head.api_url, started)
+    freezer.join()
+    assert woken.is_set(), "the answers ended before the member could be frozen"
+    assert [o.get("error") for o in got] == [None] * 4, got
+    assert [o["text"] for o in got] == [o["text"] for o in expected]
+    after = fleet4.session()
+    assert after["state"] == "serving" and after["epoch"] == 2, after
+    assert victim.name not in after["ring"] and victim.name in after["change"]["cause"]
+    assert victim.proc.wait(30) == 0, victim.log_text()[-2000:]  # it ends, and not as a failure
+    said = "\n".join(x for x in victim.log_text().splitlines() if x.startswith("kafila:"))
+    assert f"this member ({victim.name}) did not run for" in said and "counted it lost" in said, said
+    assert "The session goes on without this member" in said and "503 from now on" not in said, said
+    for m in fleet4.members:  # nobody else was blamed, and the ring still answers
+        if m is not victim:
+            assert m.proc is not None and m.proc.poll() is None, m.log_text()[-2000:]
+    again = _answers(head.api_url)
+    assert [o.get("error") for o in again] == [None] * 4 and [o["text"] for o in again] == [
+        o["text"] for o in expected
+    ]

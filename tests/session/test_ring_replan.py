@@ -6,17 +6,13 @@ uninterrupted run gives (the roles' part of kafila.session.forming.epochs, witho
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import pytest
 
 from kafila.api.service import GenerationError, Sampling, TokenEvent
-from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
-from kafila.proto.ring import Cause
-from kafila.session.channel import MemoryChannel
 from kafila.session.ring.info import RingInfo
-from tests.session.ringkit import beat, build_ring
+from tests.session.ringkit import build_ring, recovers_from_losing, replan_without_m1, replanning
 
 PROMPTS = [[17, 40, 200, 99, 4, 64, 18, 250, 7], [17, 4, 200], [200, 100, 50, 25]]  # answers of 24 tokens
 TOKENS = 24
@@ -42,9 +38,9 @@ async def test_a_lost_member_is_planned_around_and_every_answer_goes_on_unchange
         await ring.stop()
 
     ring = build_ring(ckpt, splits, dead_after=3.0, concurrency=2)
-    head, m2 = ring.head, ring.members[1]
-    for role in (head, *ring.members):
-        role.recovers = lambda b: b.member == "m1" and b.cause in (Cause.SILENT, Cause.CLOSED)
+    head = ring.head
+    recovers_from_losing(ring, "m1")
+    c0 = None
     try:
         gens = [await head.submit(p, Sampling(max_tokens=TOKENS)) for p in PROMPTS]
         jobs = [asyncio.ensure_future(collect(g)) for g in gens]
@@ -52,41 +48,25 @@ async def test_a_lost_member_is_planned_around_and_every_answer_goes_on_unchange
         while first.generated < 3 and not jobs[longest].done():  # mid-answer (the tiny model is fast)
             await asyncio.sleep(0)
         ring.kill(1)
-        for _ in range(1000):
-            if head.state == m2.state == "replanning":
-                break
-            await asyncio.sleep(0.01)
-        assert head.state == m2.state == "replanning"
+        await replanning(ring, 2)
         with pytest.raises(GenerationError) as refused:  # a new client meanwhile: 503 with Retry-After
             await head.submit(PROMPTS[1], Sampling(max_tokens=2))
         assert refused.value.code == "replanning"
         assert head.describe()["state"] == "replanning" and head.describe()["error"] is None
-        await head.pause()
-        await m2.pause()
         # epoch 2: m0 [0, 3) + head, m2 [3, 5); one channel pair of epoch 2 (a ring of two)
-        new = [(0, 3), (3, 5)]
-        info = dataclasses.replace(
-            head.info,
-            order=("m0", "m2"),
-            blocks={"m0": new[0], "m2": new[1]},
-            edges={"m0->m2": "local", "m2->m0": "local"},
-        )
-        stages = [
-            Stage.load(ckpt, range(a, b), i == 0, "torch", "fp32", context=64, concurrency=2)
-            for i, (a, b) in enumerate(new)
-        ]
-        at_head, at_m2 = MemoryChannel.pair("m0", "m2", epoch=2)
-        c0, c2 = beat(at_head, 5.0), beat(at_m2, 5.0)
-        carried = head.resume(2, stages[0], info, c0, c0, lanes=2)
-        m2.resume(2, 1, stages[1], info, c2, c2)
+        c0, carried = await replan_without_m1(ring, ckpt, [(0, 3), (3, 5)])
         assert carried >= 1 and 3 <= first.generated < len(expected[longest])
-        head.changed("serving", "m1 was lost (silent)")
-        m2.changed("serving", "m1 was lost (silent)")
-        head.go()
+        old_sent = [c.counters.messages_sent for c in ring.channels]  # epoch 1's, every end
         got = await asyncio.wait_for(asyncio.gather(*jobs), 60)
         assert got == expected
+        await asyncio.sleep(3 * max(c.interval for c in ring.channels))  # beats they would have sent
+        assert [c.counters.messages_sent for c in ring.channels] == old_sent, (
+            "an old epoch's channel beats on"
+        )
+        assert all(c._task is not None and c._task.done() for c in ring.channels)
         assert head.describe()["epoch"] == 2 and head.describe()["state"] == "serving"
         assert isinstance(head.info, RingInfo) and head.info.order == ("m0", "m2")
-        await c0.close()
     finally:
+        if c0 is not None:
+            await c0.close()
         await ring.stop()

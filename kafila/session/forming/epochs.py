@@ -348,6 +348,9 @@ class MemberEpochs:
 
     def _broken(self, broken: RingBroken) -> None:
         held = self.held
+        if held.plan is not None and broken.blames(held.name):
+            _spawn(self._left_out(broken))
+            return
         if held.plan is None or not lost_member(broken, held.plan, held.host, held.name):
             say(broken_line(held.name, broken))
             return
@@ -384,6 +387,10 @@ class MemberEpochs:
             log.warning("epoch_message_ignored", peer=peer, op=msg.OP, reason="not for a member")
 
     async def _ended(self, reason: str) -> None:
+        await self._ended_with(reason, f"the host ended the session: {reason}")
+
+    async def _ended_with(self, reason: str, line: str) -> None:
+        """Fail what is held with `reason`, take nothing new, and end this member saying `line`."""
         role = self.held.ring()
         await role.pause()
         role.ending, role.on_broken = True, None  # the links closing now are the session ending
@@ -391,7 +398,21 @@ class MemberEpochs:
         metrics.observe_state("ended")
         ended = self.held.ended
         if ended is not None and not ended.done():
-            ended.set_result(f"the host ended the session: {reason}")
+            ended.set_result(line)
+
+    async def _left_out(self, broken: RingBroken) -> None:
+        """This member was counted lost (frozen or cut off past the bound): the host re-plans, or
+        re-planned, around it, so its old ring serves nobody. It ends, saying so, rather than
+        answer 503 for good; the survivors drop whatever its old epoch still sends."""
+        why = broken.text()
+        if not broken.detail.startswith(f"this member ({self.held.name})"):
+            why += ": that is this member, whose process did not run in time, so the others counted it lost"
+        reason = (
+            f"{why}. The session goes on without this member (the host re-plans around a member it "
+            "lost); this member ends: join the session again to come back"
+        )
+        self.held.left_out = True  # its links close as a member leaving: the session goes on
+        await self._ended_with(reason, reason)
 
     async def _move(self, msg: sm.NewEpoch) -> None:
         held = self.held

@@ -191,6 +191,7 @@ class RingHead(RoleBase):
         for rid in list(self._ending):  # their frees will not come round: record what is known
             self._record(self._ending.pop(rid))
         self._flush_pending()
+        self._retire(next_ch, prev_ch)
         self.stage, self.info, self.next, self.prev, self.epoch = stage, info, next_ch, prev_ch, epoch
         merge = SEPARATE_PROMPTS if next_ch is not None else stage.batch_rows or 0
         self.schedule = Schedule(

@@ -126,6 +126,7 @@ class RingMember(RoleBase):
     ) -> None:
         """Serve epoch `epoch` as ring member `index` on `stage` and these channels. Requests not
         yet answered by the head are sent again (the head ignores one it carried on)."""
+        self._retire(next_ch, prev_ch)
         self.epoch, self.index, self.stage, self.info = epoch, index, stage, info
         self.next, self.prev = next_ch, prev_ch
         self.tally = StageTally(info, index, next_ch, prev_ch)

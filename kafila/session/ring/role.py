@@ -111,6 +111,14 @@ class RoleBase:
         self.state = state
         self.change = {"at": time.time(), "state": state, "epoch": self.epoch, "cause": cause, **more}
 
+    def _retire(self, *kept: Channel | None) -> None:
+        """The role moves to the next epoch: its old channels stop beating (the next epoch's
+        channels would drop their beats as stale; without this each re-plan left them beating on
+        their links for the rest of the session). Channels the next epoch `kept` go on."""
+        for c in (self.next, self.prev):
+            if isinstance(c, Heartbeat) and all(c is not k for k in kept):
+                c.stop()
+
     def go(self) -> None:
         """Every member runs the new epoch: send again (the head; a member only answers frames)."""
 
