@@ -38,6 +38,9 @@ class PackedLinear:
     scales: Tensor
     mins: Tensor | None = None
     bias: Tensor | None = None  # [out], compute dtype
+    # the CPU kernel rounds x to int8 groups and multiplies integers (quant_cpu.INT_DOT); q4
+    # matrices do by default, int8 ones keep x in floats unless set (a q4 session's int8 head)
+    round_x: bool | None = None
 
     @classmethod
     def from_packed(cls, p: quant.Packed, device: torch.device) -> PackedLinear:
@@ -98,7 +101,9 @@ class PackedLinear:
             from kafila.models.torch import quant_cpu  # numba loads only where its kernels run
 
             y = torch.empty((x.shape[0], self.shape[0]), dtype=torch.float32)  # [N, out]
-            quant_cpu.product(x.float().contiguous().numpy(), self.arrays(), y.numpy())
+            rounded = self.fmt == "q4" if self.round_x is None else self.round_x
+            kernel = quant_cpu.rounded_product if rounded and quant_cpu.INT_DOT else quant_cpu.float_product
+            kernel(x.float().contiguous().numpy(), self.arrays(), y.numpy())
             y = y.to(x.dtype)
         else:
             out = self.shape[0]
