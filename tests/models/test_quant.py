@@ -404,3 +404,34 @@ def test_a_large_matrix_is_quantized_in_chunks_of_rows_to_the_same_bytes(fmt, mo
     chunked = quant.quantize(w, fmt)
     np.testing.assert_array_equal(quant.dequantize(chunked), quant.dequantize(whole))
     assert chunked.nbytes == whole.nbytes
+
+
+def test_torchs_int4_matmul_takes_q4_products_as_the_dequantized_matrix(monkeypatch) -> None:
+    """The CUDA path's weight-only int4 matmul (PackedLinear.int4_product: Q4_1's (d, m) as torch's
+    (scale, zero)), run here through torch's CPU variant of the op: the same levels, scales and
+    zeros; on a card tests/engine/test_cuda.py runs `_weight_int4pack_mm` itself."""
+    from kafila.models.torch.packed import PackedLinear
+
+    rng = np.random.default_rng(6)
+    p = quant.quantize(rng.standard_normal((48, 18 * GROUP)).astype(np.float32), "q4")
+    lin = PackedLinear.from_packed(p, torch.device("cpu"))
+    x = torch.from_numpy(rng.standard_normal((5, 18 * GROUP)).astype(np.float32))
+    ref = x.double() @ torch.from_numpy(quant.dequantize(p)).double().T
+    torch.testing.assert_close(lin.int4_product(x).double(), ref, atol=1e-4, rtol=1e-5)
+
+
+def test_a_q4_model_on_torchs_int4_matmul_matches_the_dequantized_fp32_reference(
+    packed, tmp_path, monkeypatch
+) -> None:
+    """A whole q4 model through torch ops with every q4 product on the int4 matmul (as on CUDA;
+    the CPU variant here), against the dequantized fp32 model: the float tolerance."""
+    from kafila.models.torch import llama
+    from kafila.models.torch.packed import PackedLinear
+
+    ref = Checkpoint.open(_dequantized_copy(packed["q4"], tmp_path / "ref"))
+    want = _logits(ref, "none", [(0, 5)], False, fed=FED)
+    monkeypatch.setattr(llama, "kernels_available", lambda: False)  # torch ops, not the numba kernels
+    monkeypatch.setattr(PackedLinear, "_int4_takes", lambda self, x: self.fmt == "q4")
+    got = _logits(Checkpoint.open(packed["q4"]), "auto", [(0, 5)], False, fed=FED)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, atol=LOGIT_ATOL, rtol=0)
