@@ -103,9 +103,7 @@ def main() -> int:
     print(f"kafila {n}-member ring decode: {line(ours)}")
     print(f"llama.cpp RPC split ({n} ggml-rpc-server): {line(theirs)}")
     ratio = median(ours) / median(theirs)
-    print(
-        f"ratio kafila ring / llama.cpp RPC: {ratio:.2f} (target >= 1.0: {'met' if ratio >= 1.0 else 'NOT met'})"
-    )
+    print(f"kafila ring / llama.cpp RPC: {ratio:.2f} (target >= 1.0: {'met' if ratio >= 1 else 'NOT met'})")
     print(load.report())
     return 0
 
