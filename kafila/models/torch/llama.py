@@ -190,8 +190,8 @@ class LlamaModel:
             embed = self._linear(weights, [EMBED])
             self.embed_w = embed.w if isinstance(embed, Linear) else embed
             self.unembed = embed if tied else self._linear(weights, [LM_HEAD])  # [V, H]
-            if isinstance(self.unembed, PackedLinear):  # int8 in both formats; q4 rounds x as its blocks do
-                self.unembed.round_x = quant == "q4"
+            if isinstance(self.unembed, PackedLinear):  # int8 in both formats: integer products (INT_DOT)
+                self.unembed.round_x = True
             self.norm_w = self._w(weights, FINAL_NORM)  # [H]
         self.blocks = [self._load_block(weights, i) for i in blocks]
         cos, sin = rope.tables(config, context)

@@ -42,7 +42,7 @@ class PackedLinear:
     mins: Tensor | None = None
     bias: Tensor | None = None  # [out], compute dtype
     # the CPU kernel rounds x to int8 groups and multiplies integers (quant_cpu.INT_DOT); q4
-    # matrices do by default, int8 ones keep x in floats unless set (a q4 session's int8 head)
+    # matrices do by default, int8 ones keep x in floats unless set (the head: LlamaModel)
     round_x: bool | None = None
     _int4: tuple[str, Tensor, Tensor] | None = field(default=None, repr=False, compare=False)
 
