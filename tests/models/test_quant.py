@@ -28,12 +28,15 @@ LOGIT_ATOL = 2e-4
 INT_LOGIT_RTOL = 0.1
 
 
-def rounds_x(fmt: str) -> bool:
-    """Whether a block matrix in `fmt` rounds x to int8 groups on this CPU (q4 with
-    quant_cpu.INT_DOT); the head, int8 in both formats, rounds x wherever INT_DOT holds."""
+def seen_by_blocks(x: np.ndarray, fmt: str) -> np.ndarray:
+    """x as a block matrix in `fmt` multiplies it on this CPU: with quant_cpu.INT_DOT rounded to
+    int8 groups (q4) or int16 groups (int8); else as it is. (The head, int8 in both formats,
+    rounds x to int8 groups wherever INT_DOT holds.)"""
     from kafila.models.torch import quant_cpu
 
-    return quant_cpu.INT_DOT and fmt == "q4"
+    if not quant_cpu.INT_DOT:
+        return x
+    return _rounded_rows(x, 127 if fmt == "q4" else 32767)
 
 
 def logit_atol(want: np.ndarray) -> float:
@@ -44,14 +47,15 @@ def logit_atol(want: np.ndarray) -> float:
     return INT_LOGIT_RTOL * float(np.abs(want).max()) if quant_cpu.INT_DOT else LOGIT_ATOL
 
 
-def _rounded_rows(x: np.ndarray) -> np.ndarray:
-    """x [N, in] as the integer products see it: per group of 32, dx round(x / dx), dx = max|x| / 127
-    (numpy, float32 as quant_cpu.quantize_rows computes it)."""
+def _rounded_rows(x: np.ndarray, levels: int = 127) -> np.ndarray:
+    """x [N, in] as the integer products see it: per group of 32, dx round(x / dx), dx = max|x| /
+    levels (127: quant_cpu.quantize_rows, 32767: quantize_rows16; numpy, float32 as they compute)."""
     g = x.reshape(x.shape[0], -1, GROUP)
     top = np.abs(g).max(axis=2, keepdims=True)
-    inv = np.where(top > 0, np.float32(127.0) / np.where(top > 0, top, 1), np.float32(0.0)).astype(np.float32)
+    most = np.float32(levels)
+    inv = np.where(top > 0, most / np.where(top > 0, top, 1), np.float32(0.0)).astype(np.float32)
     q = np.rint(g * inv)
-    return (q * (top / np.float32(127.0))).reshape(x.shape)
+    return (q * (top / most)).reshape(x.shape)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -88,8 +92,8 @@ def test_ggml_blocks_repack_to_the_same_numbers_gguf_dequantizes(ggml_type: int)
 def test_packed_products_match_the_dequantized_matrix_and_rows_do_not_depend_on_the_batch(
     fmt: str, groups: int
 ) -> None:
-    """The CPU kernel against the dequantized matrix times x (rounded to int8 groups first where
-    the kernel takes the integer path, as it does)."""
+    """The CPU kernel against the dequantized matrix times x as the kernel rounds it on this CPU
+    (`seen_by_blocks`: int8 groups for q4, int16 for int8 where quant_cpu.INT_DOT holds)."""
     from kafila.models.torch.packed import PackedLinear
 
     rng = np.random.default_rng(2)
@@ -98,7 +102,7 @@ def test_packed_products_match_the_dequantized_matrix_and_rows_do_not_depend_on_
     )  # 101: a partial tile
     lin = PackedLinear.from_packed(p, torch.device("cpu"))
     x = rng.standard_normal((7, groups * GROUP)).astype(np.float32)
-    seen = _rounded_rows(x) if rounds_x(fmt) else x
+    seen = seen_by_blocks(x, fmt)
     ref = torch.from_numpy(seen).double() @ torch.from_numpy(quant.dequantize(p)).double().T
     y = lin(torch.from_numpy(x))
     torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-5)
@@ -139,6 +143,10 @@ def test_the_integer_products_round_each_group_of_x_as_the_reference_does() -> N
     qx, dx, sx, xc = quant_cpu.quantize_rows(x)
     back = (qx.astype(np.float32).reshape(3, -1, GROUP) * dx[..., None]).reshape(x.shape)
     np.testing.assert_array_equal(back, _rounded_rows(x))
+    q16, d16, _, _ = quant_cpu.quantize_rows16(x)
+    back16 = (q16.astype(np.float32).reshape(3, -1, GROUP) * d16[..., None]).reshape(x.shape)
+    np.testing.assert_array_equal(back16, _rounded_rows(x, 32767))
+    assert np.abs(q16).max() == 32767 and d16[1, 0] == 0.0
     np.testing.assert_allclose(sx, back.reshape(3, -1, GROUP).sum(axis=2), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(xc, -128 * qx.astype(np.int32).reshape(3, -1, 4).sum(axis=2))
     assert np.abs(qx).max() == 127 and (dx[1, 0], sx[1, 0]) == (0.0, 0.0)

@@ -41,9 +41,9 @@ class PackedLinear:
     scales: Tensor
     mins: Tensor | None = None
     bias: Tensor | None = None  # [out], compute dtype
-    # the CPU kernel rounds x to int8 groups and multiplies integers (quant_cpu.INT_DOT); q4
-    # matrices do by default, int8 ones keep x in floats unless set (the head: LlamaModel)
-    round_x: bool | None = None
+    # the CPU kernel rounds x to int8 groups for this matrix whatever its format (quant_cpu.INT_DOT;
+    # the head: LlamaModel); else as `decode_cpu.block_step` does (quant_cpu.prepare)
+    round_x: bool = False
     _int4: tuple[str, Tensor, Tensor] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -148,8 +148,7 @@ class PackedLinear:
             from kafila.models.torch import quant_cpu  # numba loads only where its kernels run
 
             y = torch.empty((x.shape[0], self.shape[0]), dtype=torch.float32)  # [N, out]
-            rounded = self.fmt == "q4" if self.round_x is None else self.round_x
-            kernel = quant_cpu.rounded_product if rounded and quant_cpu.INT_DOT else quant_cpu.float_product
+            kernel = quant_cpu.rounded_product if self.round_x and quant_cpu.INT_DOT else quant_cpu.product
             kernel(x.float().contiguous().numpy(), self.arrays(), y.numpy())
             y = y.to(x.dtype)
         else:

@@ -12,7 +12,9 @@ through these generic `prepare`/`tiles`/`tile`/`rows_of`/`cols_of`: `prepare(x, 
 its x, the float rows, or for q4 on a CPU with AVX-512 VNNI (`INT_DOT`) the rows rounded to int8
 groups (`quantize_rows`), which `tile` then multiplies as integers (`int_tile`, the section
 "integer dot products" below: llama.cpp's way, 2-4x fewer instructions per weight byte).
-`float_product` and `rounded_product` run a whole product either way (PackedLinear: the head).
+`product` runs a whole product that way; `float_product` with x in floats, `rounded_product` with
+x rounded to int8 for any format (the head: PackedLinear.round_x). int8 weights take x rounded to
+int16 (`quantize_rows16`, `vpdpwssd`): rounding it to int8 changed the default model's answer.
 
 Each row accumulates in 16 lanes (lane l: inputs l, l + 16 of every group, in group order), then
 adds its lanes in one fixed tree: a row's bits depend on nothing but its own input, never on the
@@ -274,9 +276,32 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
     return qx, dx, sx, xc
 
 
-def _hsum8(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
-    """The 8 lanes of v added in one fixed halving tree."""
-    n = 8
+@njit(cache=True, nogil=True, boundscheck=False, fastmath=False, error_model="numpy")
+def quantize_rows16(
+    x: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover
+    """x [N, in] float32 rounded to int16 per group of 32 for the int8 format's products: (qx int16
+    [N, in], dx [N, groups] = max|x_g| / 32767, and two empty arrays in quantize_rows' places). 256
+    times finer than int8: rounding x to int8 changed the default model's greedy answer in int8."""
+    n, k = x.shape
+    groups = k // GROUP
+    qx = np.empty((n, k), np.int16)
+    dx = np.empty((n, groups), np.float32)
+    for r in range(n):
+        for g in range(groups):
+            top = np.float32(0.0)
+            for i in range(g * GROUP, (g + 1) * GROUP):
+                top = max(top, abs(x[r, i]))
+            inv = np.float32(32767.0) / top if top > 0 else np.float32(0.0)
+            for i in range(g * GROUP, (g + 1) * GROUP):
+                qx[r, i] = np.int16(np.rint(x[r, i] * inv))
+            dx[r, g] = top / np.float32(32767.0)
+    return qx, dx, np.empty((n, 0), np.float32), np.empty((n, 0), np.int32)
+
+
+def _hsum8(builder: ir.IRBuilder, v: ir.Value, lanes: int = 8) -> ir.Value:
+    """The `lanes` lanes of v added in one fixed halving tree."""
+    n = lanes
     while n > 1:
         n //= 2
         lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
@@ -301,6 +326,9 @@ def _int_dot(nr: int):  # type: ignore[no-untyped-def]
     @intrinsic
     def dot(typingctx, qx, dx, sx, xc, r, data, scales, mins, o0, o1, o2, o3, ys):  # type: ignore[no-untyped-def]
         q4 = data.dtype == types.uint8
+        wide = qx.dtype == types.int16  # int8 weights by x rounded to int16: vpdpwssd, 16 lanes
+        lanes = 16 if wide else 8
+        vf, vi = ir.VectorType(_F32, lanes), ir.VectorType(_I32, lanes)
 
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
             qa, da_x, sa_x, ca, wd, ws_, wm, ya = (
@@ -316,11 +344,13 @@ def _int_dot(nr: int):  # type: ignore[no-untyped-def]
             def fn(name: str, t: ir.Type) -> Any:
                 return cgutils.get_or_insert_function(builder.module, ir.FunctionType(t, [t] * 3), name)
 
-            dpbusd, mad = fn("llvm.x86.avx512.vpdpbusd.256", _V8I), fn("llvm.fmuladd.v8f32", _V8F)
-            mad1 = fn("llvm.fmuladd.f32", _F32)
-            zero_f, zero_i = ir.Constant(_V8F, [0.0] * 8), ir.Constant(_V8I, [0] * 8)
+            dot_name = "llvm.x86.avx512.vpdpwssd.512" if wide else "llvm.x86.avx512.vpdpbusd.256"
+            dpbusd, mad = fn(dot_name, vi), fn(f"llvm.fmuladd.v{lanes}f32", vf)
+            mad8, mad1 = fn("llvm.fmuladd.v8f32", _V8F), fn("llvm.fmuladd.f32", _F32)
+            zero_f, zero_i = ir.Constant(vf, [0.0] * lanes), ir.Constant(vi, [0] * lanes)
             acc = [[cgutils.alloca_once_value(builder, zero_f) for _ in range(4)] for _ in range(nr)]
-            macc8 = [[cgutils.alloca_once_value(builder, zero_f) for _ in range(4)] for _ in range(nr)]
+            zero8 = ir.Constant(_V8F, [0.0] * 8)
+            macc8 = [[cgutils.alloca_once_value(builder, zero8) for _ in range(4)] for _ in range(nr)]
             macc = [[cgutils.alloca_once_value(builder, _F32(0.0)) for _ in range(4)] for _ in range(nr)]
             rows = [builder.add(r0, intp(a)) for a in range(nr)]
             i8p, i16p = _I8.as_pointer(), ir.IntType(16).as_pointer()
@@ -351,20 +381,19 @@ def _int_dot(nr: int):  # type: ignore[no-untyped-def]
                     builder.bitcast(builder.load(builder.gep(row, [g])), ir.HalfType()), _F32
                 )
 
-            def splat(v: ir.Value, lane: int) -> ir.Value:  # lane `lane` of an 8-vector in all 8
-                return builder.shuffle_vector(v, v, ir.Constant(_V8I, [lane] * 8))
+            def splat(v: ir.Value, lane: int) -> ir.Value:  # lane `lane` of an 8-vector in all lanes
+                return builder.shuffle_vector(v, v, ir.Constant(vi, [lane] * lanes))
 
             def group(g: ir.Value, scale_of: Any, prefetch: bool) -> None:
                 """One group: every (row, weight row) pair's int32 sums into its accumulator;
                 scale_of(a, b) gives the pair's dw dx as an 8-vector."""
                 xs, cs = [], []
                 for a in range(nr):
+                    xt = ir.VectorType(ir.IntType(16) if wide else _I8, GROUP)
                     xs.append(
-                        builder.bitcast(
-                            load(builder.gep(qrows[a], [builder.mul(g, intp(GROUP))]), _V32B, 1), _V8I
-                        )
+                        builder.bitcast(load(builder.gep(qrows[a], [builder.mul(g, intp(GROUP))]), xt, 1), vi)
                     )
-                    if not q4:
+                    if not q4 and not wide:
                         cs.append(load(builder.gep(crows[a], [builder.mul(g, intp(GROUP // 4))]), _V8I, 4))
                 for b in range(4):
                     src = builder.gep(wrows[b], [builder.mul(g, intp(step))])
@@ -377,12 +406,14 @@ def _int_dot(nr: int):  # type: ignore[no-untyped-def]
                         w = builder.shuffle_vector(
                             lo, hi, ir.Constant(ir.VectorType(_I32, GROUP), list(range(GROUP)))
                         )
+                    elif wide:
+                        w = builder.sext(load(src, _V32B, 1), ir.VectorType(ir.IntType(16), GROUP))
                     else:
                         w = builder.xor(load(src, _V32B, 1), ir.Constant(_V32B, [-128] * GROUP))
-                    wv = builder.bitcast(w, _V8I)
+                    wv = builder.bitcast(w, vi)
                     for a in range(nr):
                         total = builder.sitofp(
-                            builder.call(dpbusd, [zero_i if q4 else cs[a], wv, xs[a]]), _V8F
+                            builder.call(dpbusd, [zero_i if q4 or wide else cs[a], wv, xs[a]]), vf
                         )
                         c = acc[a][b]
                         builder.store(builder.call(mad, [total, scale_of(a, b), builder.load(c)]), c)
@@ -398,7 +429,7 @@ def _int_dot(nr: int):  # type: ignore[no-untyped-def]
                         m8 = halves8(min_rows[b], g0)
                         for a in range(nr):
                             c = macc8[a][b]
-                            builder.store(builder.call(mad, [m8, sx8[a], builder.load(c)]), c)
+                            builder.store(builder.call(mad8, [m8, sx8[a], builder.load(c)]), c)
                 for j in range(8):  # q4: a 64-byte line every 4 groups; int8: every 2
                     prefetch = j % (4 if q4 else 2) == 0
                     group(builder.add(g0, intp(j)), lambda a, b, j=j: splat(sc[a][b], j), prefetch)
@@ -423,7 +454,7 @@ def _int_dot(nr: int):  # type: ignore[no-untyped-def]
             for a in range(nr):
                 yrow = builder.gep(ya.data, [builder.mul(rows[a], intp(4))])
                 for b in range(4):
-                    total = _hsum8(builder, builder.load(acc[a][b]))
+                    total = _hsum8(builder, builder.load(acc[a][b]), lanes)
                     if q4:
                         mins_sum = builder.fadd(
                             _hsum8(builder, builder.load(macc8[a][b])), builder.load(macc[a][b])
@@ -543,8 +574,10 @@ def _tile(x, w, y, t):  # type: ignore[no-untyped-def]  # pragma: no cover (comp
 
 @overload(prepare)
 def _prepare(x, w):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
-    if _packed(w) == 3 and INT_DOT:  # q4; int8 keeps x in floats (docs/engine-quant.md says why)
+    if _packed(w) == 3 and INT_DOT:  # q4: x rounded to int8
         return lambda x, w: quantize_rows(x)
+    if _packed(w) == 2 and INT_DOT:  # int8: to int16 (docs/engine-quant.md says why)
+        return lambda x, w: quantize_rows16(x)
     return lambda x, w: x
 
 
@@ -571,6 +604,14 @@ def _cols_of(w):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
 
 
 @njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+def product(x: np.ndarray, w: Any, y: np.ndarray) -> None:  # pragma: no cover
+    """y = x w^T with x as block_step gives it to the weight's format (`prepare`)."""
+    xp = prepare(x, w)
+    for t in prange(tiles(w)):
+        tile(xp, w, y, t)
+
+
+@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
 def float_product(x: np.ndarray, w: Any, y: np.ndarray) -> None:  # pragma: no cover
     """y = x w^T with x in floats (weights decoded to float32), whatever the CPU."""
     for t in prange(tiles(w)):
@@ -591,6 +632,7 @@ def warm_up() -> None:
     y = np.empty((1, 2), np.float32)
     scales = np.zeros((2, 1), np.uint16)
     for w in ((np.zeros((2, GROUP), np.int8), scales), (np.zeros((2, HALF), np.uint8), scales, scales)):
+        product(x, w, y)
         float_product(x, w, y)
         if INT_DOT:
             rounded_product(x, w, y)
