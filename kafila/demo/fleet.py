@@ -118,6 +118,7 @@ class LocalFleet:
     chunk: int = PREFILL_CHUNK
     backend: str = "auto"
     dtype: str = "auto"
+    quant: str = "auto"  # the session's weight format (kafila host --quant)
     names: Sequence[str] | None = None
     api_ports: Sequence[int] | None = None  # default: a free port each (read from the member's output)
     workdir: Path | None = None  # default: a new temporary folder, kept for its logs
@@ -405,6 +406,8 @@ class LocalFleet:
                 str(self.chunk),
                 "--dtype",  # the session's: the members take it from the host
                 self.dtype,
+                "--quant",
+                self.quant,
             ]
         else:
             assert self.code is not None

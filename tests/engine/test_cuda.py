@@ -210,3 +210,29 @@ def test_the_probe_on_the_card_times_the_captured_step() -> None:
     [probed] = [e for e in logs if e["event"] == "probed"]
     assert probed["decode"] == "graph" and r.block is not None
     assert not [e for e in logs if e["event"] == "decode_capture_failed"]  # graphs timed, not eager
+
+
+def test_a_q4_stage_on_the_card_multiplies_with_torchs_int4_matmul_and_matches_the_cpu(
+    ckpt: Checkpoint, tmp_path
+) -> None:
+    """q4 on the card: every q4 product through `_weight_int4pack_mm` (bfloat16 inputs, as its
+    kernel takes them), the tokens of the CPU's q4 stage and logits within bf16's rounding of
+    them (2% of the largest |logit|)."""
+    from kafila.models.quantize import quantize_folder
+    from kafila.models.torch.packed import PackedLinear
+
+    packed = Checkpoint.open(quantize_folder(ckpt.path, "q4", tmp_path / "q4", progress=False))
+
+    def stage(backend: TorchBackend) -> Stage:
+        return Stage.load(
+            packed, range(packed.n_blocks), True, backend=backend, dtype=backend.dtype, context=32
+        )
+
+    card = stage(CUDA32)
+    want_tokens, want = _greedy([stage(CPU32)])
+    tokens, got = _greedy([card])
+    q4 = [m for b in card.model.blocks for m in (b.wqkv, b.wo, b.w_gate_up, b.w_down)]
+    assert all(isinstance(m, PackedLinear) and m._int4 is not None and m._int4[0] == "cuda" for m in q4)
+    assert tokens == want_tokens
+    for ours, ref in zip(got, want, strict=True):
+        np.testing.assert_allclose(ours, ref, rtol=0, atol=0.02 * np.abs(ref).max())

@@ -38,7 +38,7 @@ from kafila.models.torch.few_rows import at, bf16_bits, bits_to_f32, product_til
 # there, which changes this file too and makes numba compile these kernels again.
 FEW_ROWS_SHA256 = "569d1d6c9a0ce013"
 # The same for quant_cpu.py, whose packed products block_step runs for int8 and q4 weights.
-QUANT_CPU_SHA256 = "b3e6be19fc2b0587"
+QUANT_CPU_SHA256 = "a7767e964c43ed36"
 
 
 @njit(fastmath=True, cache=True, boundscheck=False, nogil=True, inline="always")
@@ -219,8 +219,9 @@ def block_step(
     h = np.empty((n, hidden), np.float32)
     _rms_norm(x, attn_norm, eps, h)
     qkv = np.empty((n, quant_cpu.rows_of(wqkv)), np.float32)
+    hp = quant_cpu.prepare(h, wqkv)  # h, or h as int8 groups for the integer products
     for tile in prange(quant_cpu.tiles(wqkv)):
-        quant_cpu.tile(h, wqkv, qkv, tile)
+        quant_cpu.tile(hp, wqkv, qkv, tile)
     if bqkv.shape[0] > 0:
         for r in range(n):
             qkv[r] += bqkv
@@ -229,17 +230,20 @@ def block_step(
     for job in prange(n * nkv):
         _attend_group(qkv, kc, vc, slots, positions, nq, attn, job)
     y = np.empty((n, hidden), np.float32)
+    ap = quant_cpu.prepare(attn, wo)
     for tile in prange(quant_cpu.tiles(wo)):
-        quant_cpu.tile(attn, wo, y, tile)
+        quant_cpu.tile(ap, wo, y, tile)
     _add_into(x, y)
     _rms_norm(x, mlp_norm, eps, h)
     gate_up = np.empty((n, quant_cpu.rows_of(w_gate_up)), np.float32)
+    hp = quant_cpu.prepare(h, w_gate_up)
     for tile in prange(quant_cpu.tiles(w_gate_up)):
-        quant_cpu.tile(h, w_gate_up, gate_up, tile)
+        quant_cpu.tile(hp, w_gate_up, gate_up, tile)
     act = np.empty((n, quant_cpu.cols_of(w_down)), np.float32)
     _swiglu(gate_up, act)
+    dp = quant_cpu.prepare(act, w_down)
     for tile in prange(quant_cpu.tiles(w_down)):
-        quant_cpu.tile(act, w_down, y, tile)
+        quant_cpu.tile(dp, w_down, y, tile)
     _add_into(x, y)
     if bf16:
         _round_to_bf16(x)

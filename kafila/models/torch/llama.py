@@ -199,6 +199,8 @@ class LlamaModel:
             embed = self._linear(weights, [EMBED])
             self.embed_w = embed.w if isinstance(embed, Linear) else embed
             self.unembed = embed if tied else self._linear(weights, [LM_HEAD])  # [V, H]
+            if isinstance(self.unembed, PackedLinear):  # int8 in both formats: integer products (INT_DOT)
+                self.unembed.round_x = True
             self.norm_w = self._w(weights, FINAL_NORM)  # [H]
         # `reuse`'s blocks this range keeps move over (no read); the others load from `weights`
         held: dict[int, Block] = dict(zip(reuse.blocks_range, reuse.blocks, strict=True)) if reuse else {}

@@ -1,16 +1,18 @@
 """A packed weight matrix (int8, q4; kafila.models.quant) as torch tensors, and its product.
 
 On the CPU with numba, products of up to `KERNEL_ROWS` rows run quant_cpu's kernel (each packed
-byte read once per call for every row, decoded in registers); larger products, and every product
-on other devices (CUDA), dequantize `TILE_ROWS` output rows at a time into the compute dtype and
-multiply them with torch's matmul, so no more than a tile is ever held wide.
+byte read once per call for every row, decoded in registers); on CUDA, q4 products run torch's
+weight-only int4 matmul (`_weight_int4pack_mm`, the weights repacked once into its layout); the
+rest (larger CPU products, int8 on CUDA: torch's `_weight_int8pack_mm` takes one scale per output
+row, not Q8_0's per group of 32) dequantize `TILE_ROWS` output rows at a time into the compute
+dtype and multiply them with torch's matmul, so no more than a tile is ever held wide.
 
 Shapes: N rows, out/in features, groups = in / 32.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,6 +28,7 @@ Tensor = torch.Tensor
 # every step the scheduler forms (`LlamaModel.batch_rows`) stays on the kernel.
 KERNEL_ROWS = 128
 TILE_ROWS = 1024  # output rows dequantized at once on the torch path
+INT4_INNER_K_TILES = 2  # torch's int4 layout parameter (2, 4 or 8): `in` must divide by 16 times it
 
 
 @dataclass
@@ -38,6 +41,10 @@ class PackedLinear:
     scales: Tensor
     mins: Tensor | None = None
     bias: Tensor | None = None  # [out], compute dtype
+    # the CPU kernel rounds x to int8 groups for this matrix whatever its format (quant_cpu.INT_DOT;
+    # the head: LlamaModel); else as `decode_cpu.block_step` does (quant_cpu.prepare)
+    round_x: bool = False
+    _int4: tuple[str, Tensor, Tensor] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_packed(cls, p: quant.Packed, device: torch.device) -> PackedLinear:
@@ -93,12 +100,56 @@ class PackedLinear:
             w += self.mins[rows].float()[..., None]
         return w.view(r, -1).to(dtype)
 
+    def int4pack(self, device_type: str) -> tuple[Tensor, Tensor]:
+        """This q4 matrix in torch's weight-only int4 layout (made once per device type):
+        (the packed levels from `_convert_weight_to_int4pack` on CUDA, `..._for_cpu` on the CPU;
+        scales_and_zeros [groups, out, 2]). torch dequantizes (q - 8) scale + zero, so a Q4_1
+        group's (d, m) becomes (d, m + 8 d): the same weights."""
+        if self._int4 is None or self._int4[0] != device_type:
+            r = self.data.shape[0]
+            b = self.data.view(r, -1, GROUP // 2)  # [out, groups, 16]
+            q = torch.cat([b & 15, b >> 4], dim=2).reshape(r, -1).to(torch.int32)  # [out, in] levels
+            d, m = self.scales.float(), self.mins.float() if self.mins is not None else self.scales.float()
+            zeros = torch.stack([d, m + 8 * d], dim=2).transpose(0, 1).contiguous()  # [groups, out, 2]
+            if device_type == "cuda":  # two levels a byte, the even element in the high nibble
+                pairs = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8)  # [out, in/2]
+                w = torch.ops.aten._convert_weight_to_int4pack(pairs, INT4_INNER_K_TILES)
+                zeros = zeros.to(torch.bfloat16)
+            else:
+                w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INT4_INNER_K_TILES)
+            self._int4 = (device_type, w, zeros)
+        return self._int4[1], self._int4[2]
+
+    def int4_product(self, x: Tensor) -> Tensor:
+        """y [N, out] = x [N, in] W^T by torch's weight-only int4 matmul (CUDA: bfloat16 inputs and
+        outputs, as its kernel takes them; the CPU variant in x's dtype), in x's dtype."""
+        w, zeros = self.int4pack(x.device.type)
+        if x.device.type == "cuda":
+            y = torch.ops.aten._weight_int4pack_mm(x.bfloat16().contiguous(), w, GROUP, zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), w, GROUP, zeros.to(x.dtype))
+        return y.to(x.dtype)
+
+    def _int4_takes(self, x: Tensor) -> bool:
+        """torch's int4 matmul takes q4 products on CUDA where its shapes allow (out a multiple of
+        8, in of 16 x INT4_INNER_K_TILES)."""
+        out, k = self.shape
+        return (
+            self.fmt == "q4"
+            and x.device.type == "cuda"
+            and out % 8 == 0
+            and k % (16 * INT4_INNER_K_TILES) == 0
+        )
+
     def __call__(self, x: Tensor) -> Tensor:  # [N, in] -> [N, out]
-        if self._kernel_takes(x):
+        if self._int4_takes(x):
+            y = self.int4_product(x)
+        elif self._kernel_takes(x):
             from kafila.models.torch import quant_cpu  # numba loads only where its kernels run
 
             y = torch.empty((x.shape[0], self.shape[0]), dtype=torch.float32)  # [N, out]
-            quant_cpu.product(x.float().contiguous().numpy(), self.arrays(), y.numpy())
+            kernel = quant_cpu.rounded_product if self.round_x and quant_cpu.INT_DOT else quant_cpu.product
+            kernel(x.float().contiguous().numpy(), self.arrays(), y.numpy())
             y = y.to(x.dtype)
         else:
             out = self.shape[0]

@@ -8,7 +8,13 @@ more rows, read the decoded rows back from L1. `w` is a tuple of numpy arrays (P
 (data int8 [out, in], scales) for int8 or (data uint8 [out, in/2], scales, mins) for q4, scales
 and minimums as float16 bits (uint16), widened exactly as they are read. A float weight (float32
 array, or bf16 bits) goes to few_rows.product_tile, so `decode_cpu.block_step` takes any format
-through these generic `tiles`/`tile`/`rows_of`/`cols_of`.
+through these generic `prepare`/`tiles`/`tile`/`rows_of`/`cols_of`: `prepare(x, w)` gives `tile`
+its x, the float rows, or for q4 on a CPU with AVX-512 VNNI (`INT_DOT`) the rows rounded to int8
+groups (`quantize_rows`), which `tile` then multiplies as integers (`int_tile`, the section
+"integer dot products" below: llama.cpp's way, 2-4x fewer instructions per weight byte).
+`product` runs a whole product that way; `float_product` with x in floats, `rounded_product` with
+x rounded to int8 for any format (the head: PackedLinear.round_x). int8 weights take x rounded to
+int16 (`quantize_rows16`, `vpdpwssd`): rounding it to int8 changed the default model's answer.
 
 Each row accumulates in 16 lanes (lane l: inputs l, l + 16 of every group, in group order), then
 adds its lanes in one fixed tree: a row's bits depend on nothing but its own input, never on the
@@ -16,7 +22,9 @@ other rows of the call or the pass that computed it (tests/models/test_quant.py)
 
 Measured on one thread of this loaded 2-core machine (best of 15, a 1536 x 576 matrix, cached):
 1 row q4 97 us / int8 80 us (the decode-to-L1-then-dot version before it: 130 / 133), 4 rows
-117 / 115 (153 / 177), 7 rows 180 / 157 (203 / 227).
+117 / 115 (153 / 177), 7 rows 180 / 157 (203 / 227). The default model's q4 products of a token
+(30 blocks and the int8 head, streamed from memory): 21.8 ms this way, 7.05 ms the integer way
+(docs/engine-quant.md).
 """
 
 from __future__ import annotations
@@ -24,13 +32,14 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 from numba.extending import overload
 
-from kafila.models.torch.few_rows import VF, product_tile
+from kafila.models.torch.few_rows import VF, _prefetch, product_tile
 from kafila.models.torch.few_rows import tiles as float_tiles
 
 GROUP = 32
@@ -202,6 +211,310 @@ def packed_tile(  # pragma: no cover (compiled)
                 y[rr, o + b] = ys[rr, b]
 
 
+# -- integer dot products (AVX-512 VNNI) -------------------------------------------------------------
+#
+# llama.cpp's CPU products do not decode weights to floats: they quantize the activation row to
+# int8 per group of 32 (a scale per group) and multiply bytes by bytes (`vpdpbusd`: 32 products of
+# an unsigned and a signed byte summed into 8 int32 lanes per instruction), converting one int32
+# sum per group to float. Decoding every weight to float32 (the path above) costs 3-4 times more
+# instructions per weight byte, and on this 2-core AMD EPYC the q4 product was bound by those
+# instructions, not by memory (5.7 GB/s from L2; docs/engine-quant.md, "Where a decode step's
+# time goes"). Where the CPU has AVX-512 VNNI (Intel since Ice Lake, AMD since Zen 4) the packed
+# products take this integer path; elsewhere the float path above.
+#
+# Per row x and group g of 32 inputs: dx = max|x_g| / 127, qx = round(x_g / dx) in [-127, 127],
+# sx = dx sum(qx) (the rounded inputs' sum, as llama.cpp's Q8_1 keeps it: then the q4 product is
+# exactly W . (dx qx); the exact sum would add m (sum(x) - sx), and Q4_1's minimums are large:
+# on the default model that doubled the logits' largest deviation). Then
+#   q4:   y += dw dx sum(qw qx) + m sx       (qw in [0, 15]: the nibbles are unsigned bytes)
+#   int8: y += dw dx sum(qw qx)             (qw signed: vpdpbusd takes (qw + 128) as unsigned and
+#         its int32 lanes start at -128 sum(qx) of their four inputs, `xc`, made once per row)
+# The integer sums are exact; the rounding of x to qx is the only approximation, the one llama.cpp
+# makes (Q8_0/Q8_1 activations). A row's bits depend only on that row (its own dx, fixed orders).
+
+_FEATURES = dict(llvm.get_host_cpu_features())
+INT_DOT = bool(_FEATURES.get("avx512vnni") and _FEATURES.get("avx512vl"))
+_I8, _V8F = ir.IntType(8), ir.VectorType(_F32, 8)
+_V8I = ir.VectorType(_I32, 8)
+_V32B = ir.VectorType(_I8, GROUP)
+_V16B = ir.VectorType(_I8, HALF)
+
+
+@njit(cache=True, nogil=True, boundscheck=False, fastmath=False, error_model="numpy")
+def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover
+    """x [N, in] float32 as the integer products take it: (qx int8 [N, in], dx float32 [N, groups],
+    sx float32 [N, groups], xc int32 [N, in/4]) per group of 32, see above (np.rint: ties to
+    even); xc[r, 8 g + l] =
+    -128 * (the sum of qx[r, 32 g + 4 l ... + 3])."""
+    n, k = x.shape
+    groups = k // GROUP
+    qx = np.empty((n, k), np.int8)
+    dx = np.empty((n, groups), np.float32)
+    sx = np.empty((n, groups), np.float32)
+    xc = np.empty((n, k // 4), np.int32)
+    for r in range(n):
+        for g in range(groups):
+            top = np.float32(0.0)
+            for i in range(g * GROUP, (g + 1) * GROUP):
+                top = max(top, abs(x[r, i]))
+            inv = np.float32(127.0) / top if top > 0 else np.float32(0.0)
+            total = np.int32(0)
+            for i in range(g * GROUP, (g + 1) * GROUP):
+                qx[r, i] = np.int8(np.rint(x[r, i] * inv))
+                total += np.int32(qx[r, i])
+            dx[r, g] = top / np.float32(127.0)
+            sx[r, g] = dx[r, g] * np.float32(total)
+            for lane in range(GROUP // 4):
+                at = g * GROUP + 4 * lane
+                four = (
+                    np.int32(qx[r, at])
+                    + np.int32(qx[r, at + 1])
+                    + np.int32(qx[r, at + 2])
+                    + np.int32(qx[r, at + 3])
+                )
+                xc[r, g * (GROUP // 4) + lane] = np.int32(-128) * four
+    return qx, dx, sx, xc
+
+
+@njit(cache=True, nogil=True, boundscheck=False, fastmath=False, error_model="numpy")
+def quantize_rows16(
+    x: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover
+    """x [N, in] float32 rounded to int16 per group of 32 for the int8 format's products: (qx int16
+    [N, in], dx [N, groups] = max|x_g| / 32767, and two empty arrays in quantize_rows' places). 256
+    times finer than int8: rounding x to int8 changed the default model's greedy answer in int8."""
+    n, k = x.shape
+    groups = k // GROUP
+    qx = np.empty((n, k), np.int16)
+    dx = np.empty((n, groups), np.float32)
+    for r in range(n):
+        for g in range(groups):
+            top = np.float32(0.0)
+            for i in range(g * GROUP, (g + 1) * GROUP):
+                top = max(top, abs(x[r, i]))
+            inv = np.float32(32767.0) / top if top > 0 else np.float32(0.0)
+            for i in range(g * GROUP, (g + 1) * GROUP):
+                qx[r, i] = np.int16(np.rint(x[r, i] * inv))
+            dx[r, g] = top / np.float32(32767.0)
+    return qx, dx, np.empty((n, 0), np.float32), np.empty((n, 0), np.int32)
+
+
+def _hsum8(builder: ir.IRBuilder, v: ir.Value, lanes: int = 8) -> ir.Value:
+    """The `lanes` lanes of v added in one fixed halving tree."""
+    n = lanes
+    while n > 1:
+        n //= 2
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
+        v = builder.fadd(lo, hi)
+    return builder.extract_element(v, _I32(0))
+
+
+def _int_dot(nr: int):  # type: ignore[no-untyped-def]
+    """A compiled intrinsic `dot(qx, dx, sx, xc, r, data, scales, mins, o0, o1, o2, o3, ys)`:
+    ys[r + a, b] = x[r + a] . W[o_b] for a < nr and four packed weight rows, the
+    integer way (see above). Per group of 32 and weight row, the 32 weight bytes (q4: low nibbles
+    then high, which is the group's input order; int8: each byte + 128) are one 256-bit vector;
+    `vpdpbusd` sums their products with each row's qx into 8 int32 lanes, converted to float32 and
+    multiply-added with the scale dw dx into that (row, weight row)'s 8 lanes. Groups go eight at
+    a time: their eight scales (and q4's minimums) are widened from float16 as one vector and
+    multiplied by the row's dx (sx) as one, each group's lane then broadcast; q4's m sx go into 8
+    lanes (group g in lane g % 8), the groups past the last eight into a scalar. Each (row, weight
+    row) pair is added in one fixed order whatever nr is, so no row's bits depend on another's.
+    The weight rows of the quadruple two ahead are prefetched, one hint per cache line."""
+
+    @intrinsic
+    def dot(typingctx, qx, dx, sx, xc, r, data, scales, mins, o0, o1, o2, o3, ys):  # type: ignore[no-untyped-def]
+        q4 = data.dtype == types.uint8
+        wide = qx.dtype == types.int16  # int8 weights by x rounded to int16: vpdpwssd, 16 lanes
+        lanes = 16 if wide else 8
+        vf, vi = ir.VectorType(_F32, lanes), ir.VectorType(_I32, lanes)
+
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            qa, da_x, sa_x, ca, wd, ws_, wm, ya = (
+                context.make_array(signature.args[i])(context, builder, args[i])
+                for i in (0, 1, 2, 3, 5, 6, 7, 12)
+            )
+            r0, outs = args[4], args[8:12]  # the last quadruple repeats row out - 1 past the end
+            intp = r0.type
+            k = builder.extract_value(qa.shape, 1)
+            dcols = builder.extract_value(wd.shape, 1)
+            groups = builder.extract_value(ws_.shape, 1)
+
+            def fn(name: str, t: ir.Type) -> Any:
+                return cgutils.get_or_insert_function(builder.module, ir.FunctionType(t, [t] * 3), name)
+
+            dot_name = "llvm.x86.avx512.vpdpwssd.512" if wide else "llvm.x86.avx512.vpdpbusd.256"
+            dpbusd, mad = fn(dot_name, vi), fn(f"llvm.fmuladd.v{lanes}f32", vf)
+            mad8, mad1 = fn("llvm.fmuladd.v8f32", _V8F), fn("llvm.fmuladd.f32", _F32)
+            zero_f, zero_i = ir.Constant(vf, [0.0] * lanes), ir.Constant(vi, [0] * lanes)
+            acc = [[cgutils.alloca_once_value(builder, zero_f) for _ in range(4)] for _ in range(nr)]
+            zero8 = ir.Constant(_V8F, [0.0] * 8)
+            macc8 = [[cgutils.alloca_once_value(builder, zero8) for _ in range(4)] for _ in range(nr)]
+            macc = [[cgutils.alloca_once_value(builder, _F32(0.0)) for _ in range(4)] for _ in range(nr)]
+            rows = [builder.add(r0, intp(a)) for a in range(nr)]
+            i8p, i16p = _I8.as_pointer(), ir.IntType(16).as_pointer()
+            step = HALF if q4 else GROUP  # packed bytes per group
+
+            def base(a_: Any, row: ir.Value, width: ir.Value, ptr: ir.Type | None = None) -> ir.Value:
+                """Pointer to a_[row, 0] (made once: the loops below only add the group's offset)."""
+                data = a_.data if ptr is None else builder.bitcast(a_.data, ptr)
+                return builder.gep(data, [builder.mul(row, width)])
+
+            qrows = [base(qa, row, k) for row in rows]
+            drows = [base(da_x, row, groups) for row in rows]
+            srows = [base(sa_x, row, groups) for row in rows]
+            crows = [base(ca, row, builder.mul(groups, intp(GROUP // 4))) for row in rows]
+            wrows = [base(wd, ob, dcols, i8p) for ob in outs]
+            scale_rows = [base(ws_, ob, groups, i16p) for ob in outs]
+            min_rows = [base(wm, ob, groups, i16p) for ob in outs]
+            ahead = builder.mul(dcols, intp(8))  # the same group of the rows two quadruples on
+
+            def load(p: ir.Value, t: ir.Type, align: int) -> ir.Value:
+                return builder.load(builder.bitcast(p, t.as_pointer()), align=align)
+
+            def halves8(row: ir.Value, g: ir.Value) -> ir.Value:  # 8 float16 from row[g] as float32
+                return builder.fpext(load(builder.gep(row, [g]), ir.VectorType(ir.HalfType(), 8), 2), _V8F)
+
+            def half(row: ir.Value, g: ir.Value) -> ir.Value:  # one float16 as float32
+                return builder.fpext(
+                    builder.bitcast(builder.load(builder.gep(row, [g])), ir.HalfType()), _F32
+                )
+
+            def splat(v: ir.Value, lane: int) -> ir.Value:  # lane `lane` of an 8-vector in all lanes
+                return builder.shuffle_vector(v, v, ir.Constant(vi, [lane] * lanes))
+
+            def group(g: ir.Value, scale_of: Any, prefetch: bool) -> None:
+                """One group: every (row, weight row) pair's int32 sums into its accumulator;
+                scale_of(a, b) gives the pair's dw dx as an 8-vector."""
+                xs, cs = [], []
+                for a in range(nr):
+                    xt = ir.VectorType(ir.IntType(16) if wide else _I8, GROUP)
+                    xs.append(
+                        builder.bitcast(load(builder.gep(qrows[a], [builder.mul(g, intp(GROUP))]), xt, 1), vi)
+                    )
+                    if not q4 and not wide:
+                        cs.append(load(builder.gep(crows[a], [builder.mul(g, intp(GROUP // 4))]), _V8I, 4))
+                for b in range(4):
+                    src = builder.gep(wrows[b], [builder.mul(g, intp(step))])
+                    if prefetch:
+                        _prefetch(builder, builder.gep(src, [ahead]))
+                    if q4:
+                        raw = load(src, _V16B, 1)
+                        lo = builder.and_(raw, ir.Constant(_V16B, [15] * HALF))
+                        hi = builder.lshr(raw, ir.Constant(_V16B, [4] * HALF))
+                        w = builder.shuffle_vector(
+                            lo, hi, ir.Constant(ir.VectorType(_I32, GROUP), list(range(GROUP)))
+                        )
+                    elif wide:
+                        w = builder.sext(load(src, _V32B, 1), ir.VectorType(ir.IntType(16), GROUP))
+                    else:
+                        w = builder.xor(load(src, _V32B, 1), ir.Constant(_V32B, [-128] * GROUP))
+                    wv = builder.bitcast(w, vi)
+                    for a in range(nr):
+                        total = builder.sitofp(
+                            builder.call(dpbusd, [zero_i if q4 or wide else cs[a], wv, xs[a]]), vf
+                        )
+                        c = acc[a][b]
+                        builder.store(builder.call(mad, [total, scale_of(a, b), builder.load(c)]), c)
+
+            chunks = builder.udiv(groups, intp(8))
+            with cgutils.for_range(builder, chunks, intp=intp) as loop:  # eight groups at a time
+                g0 = builder.mul(loop.index, intp(8))
+                dx8 = [load(builder.gep(drows[a], [g0]), _V8F, 4) for a in range(nr)]
+                sc = [[builder.fmul(halves8(scale_rows[b], g0), dx8[a]) for b in range(4)] for a in range(nr)]
+                if q4:
+                    sx8 = [load(builder.gep(srows[a], [g0]), _V8F, 4) for a in range(nr)]
+                    for b in range(4):
+                        m8 = halves8(min_rows[b], g0)
+                        for a in range(nr):
+                            c = macc8[a][b]
+                            builder.store(builder.call(mad8, [m8, sx8[a], builder.load(c)]), c)
+                for j in range(8):  # q4: a 64-byte line every 4 groups; int8: every 2
+                    prefetch = j % (4 if q4 else 2) == 0
+                    group(builder.add(g0, intp(j)), lambda a, b, j=j: splat(sc[a][b], j), prefetch)
+            with cgutils.for_range_slice(builder, builder.mul(chunks, intp(8)), groups, intp(1), intp) as (
+                g,
+                _,
+            ):
+                dxs = [builder.load(builder.gep(drows[a], [g])) for a in range(nr)]
+                ds = [half(scale_rows[b], g) for b in range(4)]
+                u = ir.Constant(_V8F, ir.Undefined)
+
+                def scalar_scale(a: int, b: int) -> ir.Value:
+                    return splat(builder.insert_element(u, builder.fmul(ds[b], dxs[a]), _I32(0)), 0)
+
+                if q4:
+                    for b in range(4):
+                        m = half(min_rows[b], g)
+                        for a in range(nr):
+                            c, sxa = macc[a][b], builder.load(builder.gep(srows[a], [g]))
+                            builder.store(builder.call(mad1, [m, sxa, builder.load(c)]), c)
+                group(g, scalar_scale, True)
+            for a in range(nr):
+                yrow = builder.gep(ya.data, [builder.mul(rows[a], intp(4))])
+                for b in range(4):
+                    total = _hsum8(builder, builder.load(acc[a][b]), lanes)
+                    if q4:
+                        mins_sum = builder.fadd(
+                            _hsum8(builder, builder.load(macc8[a][b])), builder.load(macc[a][b])
+                        )
+                        total = builder.fadd(total, mins_sum)
+                    builder.store(total, builder.gep(yrow, [intp(b)]))
+            return context.get_dummy_value()
+
+        return types.void(qx, dx, sx, xc, r, data, scales, mins, o0, o1, o2, o3, ys), codegen
+
+    return dot
+
+
+if INT_DOT:  # the intrinsic names an instruction only such a CPU has
+    i1, i2, i3, i4 = (_int_dot(n) for n in (1, 2, 3, 4))
+else:  # int_tile is never compiled there (prepare keeps the floats)
+    i1 = i2 = i3 = i4 = None
+
+
+@njit(cache=True, nogil=True, boundscheck=False, fastmath=False)
+def int_tile(  # pragma: no cover (compiled)
+    qx: np.ndarray,
+    dx: np.ndarray,
+    sx: np.ndarray,
+    xc: np.ndarray,
+    data: np.ndarray,
+    scales: np.ndarray,
+    mins: np.ndarray,
+    y: np.ndarray,
+    t: int,
+) -> None:
+    """Rows [t QTILE, (t + 1) QTILE) of y [N, out] = x W^T from x as `quantize_rows` gives it,
+    four weight rows at a time, in passes of up to four x rows (later passes find the packed rows
+    in L1)."""
+    n = qx.shape[0]
+    out = data.shape[0]
+    ys = np.empty((n, 4), np.float32)
+    for o in range(t * QTILE, min(out, (t + 1) * QTILE), 4):
+        o1, o2, o3 = min(o + 1, out - 1), min(o + 2, out - 1), min(o + 3, out - 1)
+        r = 0
+        while n - r >= 4:
+            i4(qx, dx, sx, xc, r, data, scales, mins, o, o1, o2, o3, ys)
+            r += 4
+        if n - r == 3:
+            i3(qx, dx, sx, xc, r, data, scales, mins, o, o1, o2, o3, ys)
+        elif n - r == 2:
+            i2(qx, dx, sx, xc, r, data, scales, mins, o, o1, o2, o3, ys)
+        elif n - r == 1:
+            i1(qx, dx, sx, xc, r, data, scales, mins, o, o1, o2, o3, ys)
+        for b in range(min(4, out - o)):
+            for rr in range(n):
+                y[rr, o + b] = ys[rr, b]
+
+
+def prepare(x: np.ndarray, w: Any) -> Any:
+    """The input of `tile` for x [N, in] float32 and weight `w`: x itself, or for a packed weight on
+    a CPU with the integer path, `quantize_rows(x)` (compiled only)."""
+    raise NotImplementedError("compiled only")
+
+
 def tiles(w: Any) -> int:
     """Parallel tasks of a product with weight `w` (any format; compiled only)."""
     raise NotImplementedError("compiled only")
@@ -246,11 +559,26 @@ def _tile(x, w, y, t):  # type: ignore[no-untyped-def]  # pragma: no cover (comp
     kind = _packed(w)
     if kind == 0:
         return lambda x, w, y, t: product_tile(x, w, y, t)
+    if isinstance(x, types.BaseTuple):  # quantize_rows' output: the integer path
+        if kind == 2:
+            return lambda x, w, y, t: int_tile(x[0], x[1], x[2], x[3], w[0], w[1], w[1], y, t)
+        if kind == 3:
+            return lambda x, w, y, t: int_tile(x[0], x[1], x[2], x[3], w[0], w[1], w[2], y, t)
+        return None
     if kind == 2:
         return lambda x, w, y, t: packed_tile(x, w[0], w[1], w[1], y, t)
     if kind == 3:
         return lambda x, w, y, t: packed_tile(x, w[0], w[1], w[2], y, t)
     return None
+
+
+@overload(prepare)
+def _prepare(x, w):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
+    if _packed(w) == 3 and INT_DOT:  # q4: x rounded to int8
+        return lambda x, w: quantize_rows(x)
+    if _packed(w) == 2 and INT_DOT:  # int8: to int16 (docs/engine-quant.md says why)
+        return lambda x, w: quantize_rows16(x)
+    return lambda x, w: x
 
 
 @overload(rows_of)
@@ -277,9 +605,25 @@ def _cols_of(w):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
 
 @njit(parallel=True, cache=True, boundscheck=False, nogil=True)
 def product(x: np.ndarray, w: Any, y: np.ndarray) -> None:  # pragma: no cover
-    """y [N, out] = x [N, in] w^T for a packed weight tuple (or a float weight)."""
+    """y = x w^T with x as block_step gives it to the weight's format (`prepare`)."""
+    xp = prepare(x, w)
+    for t in prange(tiles(w)):
+        tile(xp, w, y, t)
+
+
+@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+def float_product(x: np.ndarray, w: Any, y: np.ndarray) -> None:  # pragma: no cover
+    """y = x w^T with x in floats (weights decoded to float32), whatever the CPU."""
     for t in prange(tiles(w)):
         tile(x, w, y, t)
+
+
+@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+def rounded_product(x: np.ndarray, w: Any, y: np.ndarray) -> None:  # pragma: no cover
+    """y = x w^T with x rounded to int8 groups (`quantize_rows`), integer products: INT_DOT only."""
+    xp = quantize_rows(x)
+    for t in prange(tiles(w)):
+        tile(xp, w, y, t)
 
 
 def warm_up() -> None:
@@ -287,5 +631,8 @@ def warm_up() -> None:
     x = np.ones((1, GROUP), np.float32)
     y = np.empty((1, 2), np.float32)
     scales = np.zeros((2, 1), np.uint16)
-    product(x, (np.zeros((2, GROUP), np.int8), scales), y)
-    product(x, (np.zeros((2, HALF), np.uint8), scales, scales), y)
+    for w in ((np.zeros((2, GROUP), np.int8), scales), (np.zeros((2, HALF), np.uint8), scales, scales)):
+        product(x, w, y)
+        float_product(x, w, y)
+        if INT_DOT:
+            rounded_product(x, w, y)
