@@ -206,7 +206,7 @@ async def test_relayed_edge_shows_only_ciphertext_on_the_wire(natlab: Lab, sites
             rows = 16 * 576 * 4  # hidden states of 16 tokens of SmolLM2, f32
             data = os.urandom(rows // 2) + marker + os.urandom(rows - rows // 2 - len(marker))
             frame = tensor.Hidden(7, tensor.DType.F32, (16, 576), (tensor.Entry(1, 0, 16),), data)
-            record = tensor.encode(frame)
+            record = tensor.encode(frame, 1)
             await client.send(32, record)
             kind, got = await server.recv(timeout=20)
             assert kind == 32 and tensor.decode(got) == frame

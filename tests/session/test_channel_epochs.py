@@ -19,7 +19,13 @@ FRAME = t.Hidden(step=1, dtype=t.DType.F32, shape=(1, 2), entries=(t.Entry(9, 0,
 
 
 def stale_count(peer: str) -> float:
-    return metrics.REGISTRY.get_sample_value("kafila_ring_stale_frames_total", {"peer": peer}) or 0.0
+    """The counter for `peer`, whatever session and model labels an earlier in-process session left."""
+    return sum(
+        s.value
+        for m in metrics.REGISTRY.collect()
+        for s in m.samples
+        if s.name == "kafila_ring_stale_frames_total" and s.labels.get("peer") == peer
+    )
 
 
 async def test_memory_channel_of_the_next_epoch_drops_the_old_epochs_frames() -> None:
