@@ -35,6 +35,7 @@ import secrets
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from kafila.proto import codes, signaling
@@ -46,6 +47,11 @@ from kafila.rendezvous.relay import RelayLimitError, RelayTable
 from kafila.rendezvous.ticket import make_ticket, ticket_key, ticket_ok
 
 ConnId = int
+
+
+def refusal(outcome: str, message: str, ref: str | None) -> tuple[str, sig.Error]:
+    """A refused join, rejoin or challenge: its outcome (what metrics count) and the error sent."""
+    return outcome, sig.Error(outcome, message, ref=ref)
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,24 +394,23 @@ class Registry:
         already in a session, the per-address limit, a malformed code."""
         if state.session is not None:
             why = f"this connection is already in session {state.session}"
-            return "already_in_session", sig.Error("already_in_session", why, ref=ref)
+            return refusal("already_in_session", why, ref)
         guesser = guesser_key(state.source)
         if not self._join_by_addr.take(guesser, now):
             wait = self._join_by_addr.retry_after(guesser, now)
             why = f"too many join attempts from {state.source}; retry in {wait:.0f} s"
-            return "rate_limited", sig.Error("rate_limited", why, ref=ref)
+            return refusal("rate_limited", why, ref)
         try:
             return "ok", codes.parse_public(text)
         except ProtocolError as exc:
-            return "bad_code", sig.Error("bad_code", str(exc), ref=ref)
+            return refusal("bad_code", str(exc), ref)
 
     def _joinable(
         self, state: Conn, text: str, ref: str | None, now: float
     ) -> tuple[str, sig.Error | Session]:
         """The session a challenge may be given for, or why not (the per-address limit first)."""
 
-        def err(outcome: str, message: str) -> tuple[str, sig.Error]:
-            return outcome, sig.Error(outcome, message, ref=ref)
+        err = partial(refusal, ref=ref)
 
         outcome, code = self._asked_for(state, text, ref, now)
         if isinstance(code, sig.Error):
@@ -437,8 +442,7 @@ class Registry:
     def _try_join(
         self, state: Conn, msg: sig.Join, now: float
     ) -> tuple[str, sig.Error | tuple[Session, Member]]:
-        def err(outcome: str, text: str) -> tuple[str, sig.Error]:
-            return outcome, sig.Error(outcome, text, ref=msg.ref)
+        err = partial(refusal, ref=msg.ref)
 
         if state.session is not None:
             return err("already_in_session", f"this connection is already in session {state.session}")
@@ -633,8 +637,7 @@ class Registry:
     def _rejoinable(
         self, state: Conn, text: str, member: int, ref: str | None, now: float
     ) -> tuple[str, sig.Error | Session]:
-        def err(outcome: str, message: str) -> tuple[str, sig.Error]:
-            return outcome, sig.Error(outcome, message, ref=ref)
+        err = partial(refusal, ref=ref)
 
         outcome, code = self._asked_for(state, text, ref, now)
         if isinstance(code, sig.Error):
@@ -646,11 +649,10 @@ class Registry:
                 f"no session with code {code} here (its host has not re-registered it since this "
                 "rendezvous started)",
             )
-        return self._place_free(session, member, err)
+        return self._place_free(session, member, ref)
 
-    def _place_free(
-        self, session: Session, member: int, err: Callable[[str, str], tuple[str, sig.Error]]
-    ) -> tuple[str, sig.Error | Session]:
+    def _place_free(self, session: Session, member: int, ref: str | None) -> tuple[str, sig.Error | Session]:
+        err = partial(refusal, ref=ref)
         if not 1 <= member < session.next_id:
             return err("unknown_member", f"session {session.code} never had a member {member}")
         if member in session.members:
@@ -696,8 +698,7 @@ class Registry:
     def _try_rejoin(
         self, state: Conn, msg: sig.Rejoin, now: float
     ) -> tuple[str, sig.Error | tuple[Session, Member]]:
-        def err(outcome: str, text: str) -> tuple[str, sig.Error]:
-            return outcome, sig.Error(outcome, text, ref=msg.ref)
+        err = partial(refusal, ref=msg.ref)
 
         if state.session is not None:
             return err("already_in_session", f"this connection is already in session {state.session}")
@@ -714,7 +715,7 @@ class Registry:
         refused = self._check_proof(state, session, msg.proof, challenge[1], now)
         if refused is not None:
             return err(*refused)
-        outcome, free = self._place_free(session, msg.member, err)
+        outcome, free = self._place_free(session, msg.member, msg.ref)
         if isinstance(free, sig.Error):
             return outcome, free
         return "rejoined", (session, self._add_member(session, state, msg, host=False, mid=msg.member))
