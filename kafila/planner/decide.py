@@ -40,8 +40,11 @@ def plan(
     use_block_probe: bool = True,
     anchor: int = 0,
     objective: str = "load",
+    keep_head: bool = False,
 ) -> Plan:
-    """Plan one division. `anchor` indexes the member that opened the session."""
+    """Plan one division. `anchor` indexes the member that opened the session; `keep_head` keeps
+    the head there whatever another member would gain (a re-plan around a serving head, whose
+    samplers and caches cannot move)."""
     return plan_all(
         devices,
         manifest,
@@ -53,6 +56,7 @@ def plan(
         use_block_probe=use_block_probe,
         anchor=anchor,
         objective=objective,
+        keep_head=keep_head,
     )[division]
 
 
@@ -68,6 +72,7 @@ def plan_all(
     use_block_probe: bool = True,
     anchor: int = 0,
     objective: str = "load",
+    keep_head: bool = False,
 ) -> dict[str, Plan]:
     """Several divisions over one ring order (computed once), keyed by division name."""
     if not devices:
@@ -85,7 +90,10 @@ def plan_all(
     ring = order_ring(devices, rule, anchor)
     ordered = [devices[i] for i in ring.order]
     costs = costs_for(ordered, w, tier, use_block_probe) if tier is not Tier.WORKING_SET else None
-    return {name: _division(name, ordered, ring, w, tier, costs, rule, mu, objective) for name in divisions}
+    fixed = keep_head or tier is Tier.THROUGHPUT  # the head stays with the anchor (ordered[0])
+    return {
+        name: _division(name, ordered, ring, w, tier, costs, rule, mu, objective, fixed) for name in divisions
+    }
 
 
 def _division(
@@ -98,6 +106,7 @@ def _division(
     rule: PairRule,
     mu: float,
     objective: str,
+    fixed: bool,
 ) -> Plan:
     k, m = w.n_blocks, len(ordered)
     if m > k:
@@ -107,11 +116,12 @@ def _division(
     elif name == "memory" or costs is None:
         head, counts = 0, proportional_counts(k, [d.memory_bytes for d in ordered])
     else:
-        got = _solve(ordered, w, tier, costs, rule, mu, objective)
+        got = _solve(ordered, w, costs, rule, mu, objective, fixed)
         if isinstance(got, Infeasible):
-            opener = memory_shortfall(ordered[0], w, 1, head=True) if tier is Tier.THROUGHPUT else None
-            why = f"the head stays with the opener in this tier: {opener}" if opener else None
-            head_at = 0 if tier is Tier.THROUGHPUT else None  # the opener's in this tier
+            opener = memory_shortfall(ordered[0], w, 1, head=True) if fixed else None
+            where = "with the opener in this tier" if tier is Tier.THROUGHPUT else "where it serves"
+            why = f"the head stays {where}: {opener}" if opener else None
+            head_at = 0 if fixed else None  # the opener's (or the serving head's)
             return _refused(name, ordered, ring, w, tier, why or explain_no_division(ordered, w, head_at))
         head, counts = got.head, got.counts
         if isinstance(got, LoadChoice) and got.circuit_bound:
@@ -123,23 +133,23 @@ def _division(
 def _solve(
     ordered: list[DeviceReport],
     w: Workload,
-    tier: Tier,
     costs: list[DeviceCost],
     rule: PairRule,
     mu: float,
     objective: str,
+    fixed: bool,
 ) -> HeadChoice | LoadChoice | Infeasible:
-    """The kafila division. The full tier places the head by rotation; the throughput tier keeps
-    it with the opener."""
+    """The kafila division. The full tier places the head by rotation; `fixed` (the throughput
+    tier, or a re-plan around a serving head) keeps it with the anchor, ordered[0]."""
     k, m = w.n_blocks, len(ordered)
     if objective == "bottleneck":
-        if tier is Tier.FULL:
+        if not fixed:
             return place_head(k, costs, anchor=0, mu=mu)
         part = solve_rotation(k, costs, 0)
         if isinstance(part, Infeasible):
             return part
         return HeadChoice(0, unrotate(part.counts, 0), part.bottleneck)
-    heads = range(m) if tier is Tier.FULL else (0,)
+    heads = (0,) if fixed else range(m)
     latency = sum(_edge(ordered[a], ordered[b], rule).latency_s or 0.0 for a, b in ring_edges(range(m)))
     u = w.concurrency
     return divide_for_load(k, costs, concurrency=u, latency_s=latency, heads=heads, anchor=0, mu=mu)

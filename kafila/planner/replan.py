@@ -214,14 +214,22 @@ def _present_reports(m: Membership) -> list[DeviceReport]:
 
 def anchor_of(m: Membership) -> str:
     """Whom a re-plan anchors at: the serving head while it is present (the planner keeps the head
-    there unless another beats it by more than the head margin, so requests in flight stay where
-    their samplers are), else the host."""
+    there, `keeps_head`, so requests in flight stay where their samplers and caches are), else the
+    host."""
     head = m.plan.head
     return head if head is not None and head in m.present else m.host
 
 
+def keeps_head(m: Membership) -> bool:
+    """Whether a re-plan must keep the head where it is: it serves and is still present. Moving a
+    serving head (its samplers, caches and queue) is not built; the planner's head margin alone
+    once moved it on a noisy bandwidth probe, ending a session that could go on."""
+    return m.plan.head is not None and m.plan.head in m.present
+
+
 def _plan_over(m: Membership, manifest: Manifest, terms: PlanTerms) -> Plan:
-    """plan() over everyone present, in admission order, anchored at the serving head (`anchor_of`)."""
+    """plan() over everyone present, in admission order, anchored at the serving head (`anchor_of`),
+    which keeps the head while present (`keeps_head`)."""
     reports = _present_reports(m)
     anchor = [r.name for r in reports].index(anchor_of(m))
     return plan(
@@ -235,6 +243,7 @@ def _plan_over(m: Membership, manifest: Manifest, terms: PlanTerms) -> Plan:
         use_block_probe=terms.use_block_probe,
         anchor=anchor,
         objective=terms.objective,
+        keep_head=keeps_head(m),
     )
 
 

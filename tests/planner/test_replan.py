@@ -50,7 +50,7 @@ def test_losing_a_member_replans_over_the_survivors_with_the_planner_itself() ->
     got = on_lost(m, "c", "silent for 3.0 s", QWEN8, TERMS)
     assert isinstance(got, Replan)
     survivors = [r for r in FLEET if r.name != "c"]
-    assert got.plan == plan(survivors, QWEN8, context=4096, concurrency=1, anchor=0)
+    assert got.plan == plan(survivors, QWEN8, context=4096, concurrency=1, anchor=0, keep_head=True)
     assert got.epoch == 1 and got.cause == "c was lost (silent for 3.0 s)"
     assert "c" not in got.plan.order
 
@@ -85,7 +85,7 @@ def test_survivors_that_cannot_hold_the_model_end_it_with_the_planners_reason() 
     m = formed(tight)
     got = on_lost(m, "b", "closed", QWEN8, TERMS)
     assert isinstance(got, End)
-    refused = plan([tight[0], tight[2]], QWEN8, context=4096, anchor=0)
+    refused = plan([tight[0], tight[2]], QWEN8, context=4096, anchor=0, keep_head=True)
     assert not refused.feasible and refused.reason
     assert got.reason == f"b was lost (closed); the members left cannot hold the model: {refused.reason}"
     assert "GB" in got.reason
@@ -95,7 +95,7 @@ def test_a_fast_arrival_is_planned_in_and_a_slow_one_waits_as_a_spare() -> None:
     m = formed(FLEET[:3])
     fast = on_arrived(m, dev("e", 24, 800), QWEN8, TERMS)
     assert isinstance(fast, Replan) and "e" in fast.plan.order and fast.epoch == 1
-    assert fast.plan == plan([*FLEET[:3], dev("e", 24, 800)], QWEN8, context=4096, anchor=0)
+    assert fast.plan == plan([*FLEET[:3], dev("e", 24, 800)], QWEN8, context=4096, anchor=0, keep_head=True)
     slow = on_arrived(m, dev("e", 24, 5), QWEN8, TERMS)
     assert isinstance(slow, Keep) and slow.plan == m.plan
     assert slow.reason.startswith("e waits as a spare: time per token")
@@ -121,7 +121,9 @@ def test_a_member_that_comes_back_is_planned_in_again() -> None:
     after = Membership(lost.epoch, lost.plan, m.reports, m.present - {"d"}, "host")
     back = on_arrived(after, fleet[3], QWEN8, TERMS)
     assert isinstance(back, Replan) and back.epoch == 2
-    assert back.plan == m.plan  # the same members and probes: the same plan
+    serving = [r.name for r in fleet].index(lost.plan.head or "host")
+    # the same members and probes: the forming plan, but with the head where it now serves
+    assert back.plan == plan(fleet, QWEN8, context=4096, anchor=serving, keep_head=True)
     assert {f.member for f in back.fetches} >= {"d"}
 
 
@@ -177,7 +179,7 @@ def test_any_loss_is_plan_over_the_survivors_or_its_refusal(
     anchor = next(
         i for i, r in enumerate(survivors) if r.name == (full.head if full.head != lost.name else "m0")
     )
-    want = plan(survivors, QWEN8, context=4096, anchor=anchor)  # anchored at the serving head
+    want = plan(survivors, QWEN8, context=4096, anchor=anchor, keep_head=full.head != lost.name)
     if want.feasible:
         assert isinstance(got, Replan) and got.plan == want and got.epoch == 4
         assert got.fetches == fetches(full, want, QWEN8)
@@ -187,15 +189,28 @@ def test_any_loss_is_plan_over_the_survivors_or_its_refusal(
         assert isinstance(got, End) and want.reason is not None and want.reason in got.reason
 
 
-def test_a_replan_keeps_the_head_where_it_serves_when_the_planner_allows() -> None:
+def test_a_replan_keeps_the_head_where_it_serves() -> None:
     m = formed(FLEET)
     moved = replace(m, plan=plan(FLEET, QWEN8, context=4096, anchor=2))  # "c" heads the ring
     assert moved.plan.head == "c"
     lost = next(n for n in moved.plan.order if n not in ("c", "host"))
     got = on_lost(moved, lost, "silent", QWEN8, TERMS)
     survivors = [r for r in FLEET if r.name != lost]
-    want = plan(survivors, QWEN8, context=4096, anchor=[r.name for r in survivors].index("c"))
+    want = plan(survivors, QWEN8, context=4096, anchor=[r.name for r in survivors].index("c"), keep_head=True)
     assert isinstance(got, Replan) and got.plan == want and got.plan.head == "c"
+
+
+def test_a_replan_keeps_the_head_even_where_another_member_would_beat_it_by_more_than_the_margin() -> None:
+    """A serving head's samplers and caches cannot move, so a loss never moves the head for a
+    faster survivor (a noisy bandwidth probe once made one, and the session ended for it)."""
+    slow_host = [dev("host", 16, 20), dev("b", 16, 200), dev("c", 16, 300)]
+    m = replace(formed(slow_host), plan=plan(slow_host, QWEN8, context=4096, anchor=0, keep_head=True))
+    assert m.plan.head == "host"
+    free = plan(slow_host[:2], QWEN8, context=4096, anchor=0)  # the head margin alone would move it
+    assert free.head == "b"
+    got = on_lost(m, "c", "closed", QWEN8, TERMS)
+    assert isinstance(got, Replan) and got.plan.head == "host"
+    assert got.plan == plan(slow_host[:2], QWEN8, context=4096, anchor=0, keep_head=True)
 
 
 def test_membership_checks_its_inputs() -> None:
@@ -252,7 +267,9 @@ def test_measured_relays_keep_the_ring_or_replan_exactly_as_the_margin_says(
     ]
     repriced = reprice(m.plan, measured)
     head = anchor_of(m)  # a re-plan is anchored at the serving head
-    best = plan(measured, QWEN8, context=TERMS.context, anchor=[r.name for r in measured].index(head))
+    best = plan(
+        measured, QWEN8, context=TERMS.context, anchor=[r.name for r in measured].index(head), keep_head=True
+    )
     assert repriced.per_token_s is not None and m.plan.per_token_s is not None
     assert repriced.per_token_s >= m.plan.per_token_s
     gain = (repriced.per_token_s - (best.per_token_s or 0)) / repriced.per_token_s
