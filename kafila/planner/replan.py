@@ -10,8 +10,8 @@ needs; a member's cache may already hold some of them.
 Rules, in the order the host applies them:
 - The session host cannot leave: losing it ends the session (its member holds the rendezvous
   registration and the weights' source).
-- Every re-plan anchors the planner at the serving head (the host where the head is gone), so the
-  head stays where it is unless another member beats it by more than the head margin.
+- Every re-plan anchors the planner at the serving head (the host where the head is gone), and keeps
+  the head there while it is present: a serving head's samplers and caches do not move.
 - A lost member: re-plan over everyone present, spares included. If that plan is refused (the
   survivors cannot hold the model), the session ends with the planner's reason, which names the
   device and its numbers, as forming's refusal does.
@@ -20,7 +20,8 @@ Rules, in the order the host applies them:
 - Measured paths that contradict the plan (an edge predicted direct that runs through the relay):
   re-price the current ring with the measured paths; re-plan (which may re-order) only when that
   improves the predicted time per token by more than `margin`; otherwise keep the ring and only
-  correct the plan's edges.
+  correct the plan's edges. The same holds while serving, for a path that changes and stays
+  changed (`with_path`, `on_measured`): relayed against the prediction, or direct again.
 """
 
 from __future__ import annotations
@@ -145,15 +146,58 @@ def on_paths(
     m: Membership, relayed: Sequence[tuple[str, str]], manifest: Manifest, terms: PlanTerms
 ) -> Decision:
     """Edges measured through the relay although the plan predicted them direct."""
-    measured = replace(m, reports=_with_relayed(m.reports, relayed))
-    repriced = reprice(m.plan, measured.reports, terms.rule)  # the ring as it runs now
+    edges = ", ".join(f"{a}->{b}" for a, b in relayed)
+    return on_measured(
+        m, _with_relayed(m.reports, relayed), manifest, terms, f"{edges} run through the relay"
+    )
+
+
+def on_measured(
+    m: Membership, reports: tuple[DeviceReport, ...], manifest: Manifest, terms: PlanTerms, what: str
+) -> Decision:
+    """The members' paths as measured now (`reports`, `what` says which changed): the ring serving
+    re-priced with them (Keep, its edges and costs corrected), or a plan over them (Replan) when
+    that is more than the head margin faster."""
+    measured = replace(m, reports=reports)
+    repriced = reprice(m.plan, reports, terms.rule)  # the ring as it runs now
     candidate = _plan_over(measured, manifest, terms)
     gain = _gain(repriced, candidate) if candidate.feasible else None
-    edges = ", ".join(f"{a}->{b}" for a, b in relayed)
     if gain is None or gain <= terms.mu:
-        return Keep(f"{edges} run through the relay; {_why_not(gain, terms.mu)}", repriced)
-    cause = f"{edges} run through the relay: re-planned, {_pct(gain)} better"
-    return _decided(measured, candidate, manifest, cause)
+        return Keep(f"{what}; {_why_not(gain, terms.mu)}", repriced)
+    return _decided(measured, candidate, manifest, f"{what}: re-planned, {_pct(gain)} better")
+
+
+def with_path(
+    reports: tuple[DeviceReport, ...],
+    probed: Sequence[DeviceReport],
+    pair: tuple[str, str],
+    direct: bool,
+    rule: PairRule = DEFAULT_RULE,
+) -> tuple[DeviceReport, ...] | None:
+    """`reports` with the link between `pair` measured `direct` (or relayed) as it runs now, or
+    None when that changes nothing the planner prices: a relayed link the reports predicted
+    relayed, a direct one they did not mark relayed. A link direct again gets back the round trip
+    its members measured when they joined (`probed`: their reports as they sent them)."""
+    a, b = pair
+    by_name = {r.name: r for r in reports}
+    if a not in by_name or b not in by_name or a == b:
+        return None
+    marked = b in by_name[a].relayed_with or a in by_name[b].relayed_with
+    if not direct:
+        return _with_relayed(reports, [pair]) if predicted_direct(by_name[a], by_name[b], rule) else None
+    if not marked:
+        return None
+    first = {r.name: r for r in probed}
+    return tuple(
+        _unrelayed(r, b if r.name == a else a, first.get(r.name)) if r.name in pair else r for r in reports
+    )
+
+
+def _unrelayed(r: DeviceReport, peer: str, probed: DeviceReport | None) -> DeviceReport:
+    rtts = dict(r.pair_rtt_s)
+    if probed is not None and peer in probed.pair_rtt_s:
+        rtts[peer] = probed.pair_rtt_s[peer]
+    return replace(r, relayed_with=r.relayed_with - {peer}, pair_rtt_s=rtts)
 
 
 def contradicted(
@@ -276,8 +320,10 @@ def _gain(old: Plan, new: Plan) -> float | None:
 def _why_not(gain: float | None, mu: float) -> str:
     if gain is None:
         return "the time per token cannot be predicted without every member's measurements"
-    if gain <= 0:
+    if gain <= -0.0005:
         return f"time per token {_pct(-gain)} worse with a new plan"
+    if gain <= 0.0005:
+        return "no new plan is faster"
     return f"time per token {_pct(gain)} better, not more than the {_pct(mu)} margin"
 
 

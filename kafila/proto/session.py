@@ -327,9 +327,30 @@ class MemberLost:
         return cls(_text(body, "member"), _text(body, "cause"), _text(body, "detail"))
 
 
-EpochMessage = NewEpoch | EpochReady | Resume | EpochFailed | SessionEnded | MemberLost
+@dataclass(frozen=True)
+class PathReport:
+    """member -> host: its link to `peer` has run `direct` (or through the relay) long enough to
+    count as measured (kafila.session.forming.paths); the host re-prices the ring with it."""
+
+    peer: str
+    direct: bool
+    OP: ClassVar[str] = "path"
+
+    def body(self) -> dict[str, Any]:
+        return payload(self.OP, peer=self.peer, direct=self.direct)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> PathReport:
+        _check(body, cls.OP, {"peer", "direct"})
+        direct = body["direct"]
+        if not isinstance(direct, bool):
+            raise SessionMessageError(f"direct must be true or false, got {direct!r}")
+        return cls(_text(body, "peer"), direct)
+
+
+EpochMessage = NewEpoch | EpochReady | Resume | EpochFailed | SessionEnded | MemberLost | PathReport
 _EPOCH_OPS: dict[str, type[EpochMessage]] = {
-    m.OP: m for m in (NewEpoch, EpochReady, Resume, EpochFailed, SessionEnded, MemberLost)
+    m.OP: m for m in (NewEpoch, EpochReady, Resume, EpochFailed, SessionEnded, MemberLost, PathReport)
 }
 
 

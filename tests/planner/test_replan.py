@@ -24,7 +24,9 @@ from kafila.planner.replan import (
     measured_reports,
     on_arrived,
     on_lost,
+    on_measured,
     on_paths,
+    with_path,
 )
 
 QWEN8 = resolve_manifest("qwen3-8b")
@@ -142,6 +144,29 @@ def test_a_contradicted_path_that_a_new_order_avoids_replans() -> None:
     used = {frozenset((e.src, e.dst)) for e in got.plan.edges}
     assert frozenset((edge.src, edge.dst)) not in used
     assert all(e.direct for e in got.plan.edges)
+
+
+def test_a_path_that_settles_on_the_relay_while_serving_is_priced_so_and_direct_again_restores_it() -> None:
+    """with_path folds one settled path into the reports: a link predicted direct that relays is
+    marked relayed (what on_measured re-prices with); direct again, it gets back the round trip
+    its members measured when they joined; anything the reports already say changes nothing."""
+    probed = _far_fleet()
+    m = formed(probed)
+    edge = next(e for e in m.plan.edges if m.host not in (e.src, e.dst))
+    pair = (edge.src, edge.dst)
+    assert with_path(m.reports, probed, pair, True) is None  # direct as predicted: nothing new
+    relayed = with_path(m.reports, probed, pair, False)
+    assert relayed is not None and relayed == measured_reports(m.reports, {pair: False})
+    assert with_path(relayed, probed, pair, False) is None  # already known
+    again = with_path(relayed, probed, pair, True)
+    assert again == tuple(probed)  # the round trips the members measured when they joined
+    assert with_path(m.reports, probed, ("host", "nobody"), False) is None
+    decision = on_measured(m, relayed, QWEN8, TERMS, f"{edge.src}->{edge.dst} runs through the relay")
+    forming = on_paths(m, [pair], QWEN8, TERMS)  # the same measurement made at forming
+    assert isinstance(decision, Replan) and isinstance(forming, Replan) and decision.plan == forming.plan
+    assert decision.cause.startswith(f"{edge.src}->{edge.dst} runs through the relay: re-planned")
+    back = on_measured(replace(m, reports=relayed), again, QWEN8, TERMS, "direct again")
+    assert isinstance(back, Keep) and back.plan == reprice(m.plan, again)
 
 
 def test_a_contradicted_path_not_worth_a_replan_only_corrects_the_edges() -> None:

@@ -1,5 +1,5 @@
 """The epoch messages the host and its members exchange on their control links after forming
-(kafila.proto.session: `epoch`, `epoch_ready`, `resume`, `epoch_failed`, `ended`, `lost`): they
+(kafila.proto.session: `epoch`, `epoch_ready`, `resume`, `epoch_failed`, `ended`, `lost`, `path`): they
 parse back as sent, and nothing a peer sends makes a parser raise anything but SessionMessageError."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ EPOCH_MESSAGES = st.one_of(
     st.builds(session.EpochFailed, EPOCHS, TEXT),
     st.builds(session.SessionEnded, TEXT),
     st.builds(session.MemberLost, TEXT, TEXT, TEXT),
+    st.builds(session.PathReport, TEXT, st.booleans()),
 )
 
 
@@ -66,6 +67,8 @@ def test_an_epoch_message_names_what_is_wrong() -> None:
     with pytest.raises(session.SessionMessageError, match="lost: unknown \\['extra'\\]"):
         body = session.MemberLost("b", "silent", "gone").body() | {"extra": 1}
         session.parse_epoch(json.dumps(body).encode())
+    with pytest.raises(session.SessionMessageError, match="direct must be true or false, got 1"):
+        session.parse_epoch(json.dumps(session.payload("path", peer="b", direct=1)).encode())
     with pytest.raises(session.SessionMessageError, match="not JSON"):
         session.parse_epoch(b"\xff{")
     with pytest.raises(session.SessionMessageError, match="not JSON"):

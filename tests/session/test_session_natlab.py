@@ -130,3 +130,61 @@ async def test_a_direct_edge_cut_mid_session_goes_on_over_the_relay_before_the_r
     finally:
         natlab.unblock_all()
         stop(procs)
+
+
+def session_doc(ns: str) -> dict:  # type: ignore[type-arg]
+    """The /session document of the member in namespace `ns`."""
+    code = f"import httpx; print(httpx.get('http://{API}/session', timeout=10).text)"
+    got = subprocess.run(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True, timeout=60
+    )
+    return json.loads(got.stdout)  # type: ignore[no-any-return]
+
+
+async def test_a_member_to_member_edge_that_moves_to_the_relay_while_serving_is_priced_so_by_the_host(
+    natlab: Lab, rdv, smollm2_path, tmp_path
+) -> None:
+    """Three members behind permissive routers, every edge direct; then the two that are not the
+    host lose their direct path (simulated: nft rules, as a route change would). Their link rides
+    on the relay; once that has held past the settle time (kafila.session.forming.paths), they tell
+    the host, which re-prices the ring with it (three members: no order avoids the edge, so the
+    plan is corrected, not re-planned) and shows the edge relayed in its /session. Unblocked, the
+    link re-punches and the host hears it is direct again. Before this, the host only ever knew
+    its own links' paths."""
+    sites = [natlab.add_site("permissive") for _ in range(3)]
+    names = ["alpha", "beta", "gamma"]
+    logs = [tmp_path / f"{n}.log" for n in names]
+    code_file = tmp_path / "code"
+    common = ["--rendezvous", rdv.url, "--api", API]
+    procs = [spawn(sites[0].host, ["host", "--members", "3", "--name", "alpha", "--context", "512",
+                                   "--code-file", str(code_file), *common], logs[0])]  # fmt: skip
+    try:
+        await wait_for(code_file.exists, 120, "session code", procs)
+        for site, name, log in zip(sites[1:], names[1:], logs[1:], strict=True):
+            procs.append(
+                spawn(site.host, ["join", code_file.read_text().strip(), "--name", name, *common], log)
+            )
+        await wait_for(lambda: "session ready" in logs[0].read_text(), 300, "session ready", procs)
+        assert all(link["path"] == "direct" for link in session_doc(sites[0].host)["links"])
+        natlab.block_direct(sites[1], sites[2])
+        cut = time.monotonic()
+        said = "plan corrected with the measured paths: "
+        relayed = ("beta->gamma runs through the relay", "gamma->beta runs through the relay")
+        await wait_for(
+            lambda: any(said + r in logs[0].read_text() for r in relayed), 40, "relay priced", procs
+        )
+        print(f"host re-priced the edge {time.monotonic() - cut:.1f} s after the cut")
+        doc = session_doc(sites[0].host)
+        link = next(k for k in doc["links"] if set(k["edge"].split("->")) == {"beta", "gamma"})
+        assert link["path"] == "relay" and link["measured_by"] in ("beta", "gamma"), doc["links"]
+        chosen = doc["plan"]["chosen"]["edges"]
+        assert not next(e for e in chosen if {e["src"], e["dst"]} == {"beta", "gamma"})["direct"], chosen
+        await asks_paris(sites[2].host)  # served over the relayed edge
+        natlab.unblock_all()
+        again = ("beta->gamma runs direct again", "gamma->beta runs direct again")
+        await wait_for(lambda: any(r in logs[0].read_text() for r in again), 60, "direct again", procs)
+        links = session_doc(sites[0].host)["links"]
+        assert next(k for k in links if k["edge"] == link["edge"])["path"] == "direct", links
+    finally:
+        natlab.unblock_all()
+        stop(procs)

@@ -16,8 +16,10 @@ one link message kind of their own, handed over as they arrive: `Link.handlers`)
       prompt and the tokens it has (its sampler kept), queued ones keep their places
       `resume`                               ->   serving
 
-The head stays where it is: the planner keeps the session's opener at the head while the model
-fits with room (its throughput tier); a plan that would move the head ends the session, saying so.
+The head stays where it is: a re-plan keeps a present serving head (plan(keep_head=True)); a plan
+that would move it (its member was lost) ends the session, saying so. A path that changes while
+serving and holds (kafila.session.forming.paths) is re-priced the same way, and re-planned when that
+is more than the head margin faster.
 A lost host ends the session (every member hears its links close as the host ends).
 """
 
@@ -39,13 +41,15 @@ from kafila.net.link import Link
 from kafila.obs import metrics
 from kafila.obs.log import get_logger
 from kafila.obs.trace import ReplanRecord, TraceLog
+from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan
-from kafila.planner.replan import End, Keep, Membership, PlanTerms, Replan, on_lost
+from kafila.planner.replan import End, Keep, Membership, PlanTerms, Replan, on_lost, on_measured, with_path
 from kafila.proto import session as sm
 from kafila.proto.ring import Cause, RingBroken
 from kafila.session.channel import LinkChannel
 from kafila.session.errors import SessionError
 from kafila.session.forming.links import link_ring
+from kafila.session.forming.paths import PathWatch
 from kafila.session.progress import say
 from kafila.session.ring.build import EpochParts, Serving, broken_line, epoch_parts, shard_text
 from kafila.session.ring.compute import ModelThread
@@ -146,11 +150,14 @@ class HostEpochs:
     opts: Options
     serving: Serving
     traces: TraceLog | None = None
+    probed: tuple[DeviceReport, ...] = ()  # the members' reports as they sent them (round trips)
 
     def __post_init__(self) -> None:
         self._ready: dict[str, asyncio.Future[None]] = {}
         self._job: asyncio.Task[None] | None = None
         self._gone: set[str] = set()
+        self._measured: dict[tuple[str, str], bool] = {}  # (a, b) -> its link runs direct, settled
+        self._paths = PathWatch(lambda peer, direct: self.path(self.held.name, peer, direct))
 
     def start(self) -> None:
         """Listen to every member's control link and to the host's own ring breaking."""
@@ -159,6 +166,7 @@ class HostEpochs:
         role.on_broken = self._broken
         for peer, link in self.held.links.items():
             _listen(link, peer, self._heard)
+        self._paths.watch(self.held.links)
         self.held.ended = asyncio.get_running_loop().create_future()
 
     def _broken(self, broken: RingBroken) -> None:
@@ -181,8 +189,50 @@ class HostEpochs:
                 ready.set_exception(
                     SessionError(f"member {peer} could not move to epoch {msg.epoch}: {msg.reason}")
                 )
+        elif isinstance(msg, sm.PathReport):
+            self.path(peer, msg.peer, msg.direct)
         else:
             log.warning("epoch_message_ignored", peer=peer, op=msg.OP, reason="not for the host")
+
+    def path(self, a: str, b: str, direct: bool) -> None:
+        """Member `a`'s link to `b` has settled on a path (kafila.session.forming.paths): re-price
+        the ring with it now, or once a running re-plan is over."""
+        self._measured[(a, b) if a < b else (b, a)] = direct  # either end's latest word on the link
+        self._show_path(a, b, direct)
+        if self._job is None or self._job.done():
+            self._reprice()
+
+    def _show_path(self, a: str, b: str, direct: bool) -> None:
+        """/session on the host shows a member's own measurement of its edge, not the plan's guess."""
+        info = self.held.ring().info
+        for key in (f"{a}->{b}", f"{b}->{a}"):
+            if key in info.edges and info.measured_by.get(key) in (None, a):
+                info.edges[key] = "direct" if direct else "relay"
+                info.measured_by[key] = a
+
+    def _reprice(self) -> None:
+        """Fold every settled path into the members' reports; act on the planner's decision."""
+        m = self.membership
+        reports, changed = m.reports, []
+        for pair, direct in self._measured.items():
+            got = with_path(reports, self.probed, pair, direct, self.terms.rule)
+            if got is not None:
+                reports = got
+                changed.append(
+                    f"{pair[0]}->{pair[1]} runs {'direct again' if direct else 'through the relay'}"
+                )
+        if not changed:
+            return
+        decision = on_measured(m, reports, self.manifest, self.terms, "; ".join(changed))
+        log.info("plan_paths_measured", changed=changed, decision=type(decision).__name__)
+        if isinstance(decision, Replan):
+            self.membership = replace(m, reports=reports)
+            self._job = asyncio.ensure_future(self._carry_out(decision, time.monotonic()))
+        elif isinstance(decision, Keep):
+            self.membership = replace(m, reports=reports, plan=decision.plan)
+            self.held.plan = decision.plan
+            self.held.ring().info.plan["chosen"] = decision.plan.summary()
+            say(f"plan corrected with the measured paths: {decision.reason}")
 
     def lost(self, member: str, cause: str, detail: str) -> None:
         """Member `member` is gone (`cause`, as `detail` says): re-plan, once per member."""
@@ -202,6 +252,11 @@ class HostEpochs:
         if isinstance(decision, End):
             await self._end(decision.reason)
             return
+        await self._carry_out(decision, lost_at)
+
+    async def _carry_out(self, decision: Replan, lost_at: float) -> None:
+        """Move every member to `decision`'s epoch, or end the session saying why it could not."""
+        m = self.membership
         if decision.plan.head != m.plan.head:
             await self._end(
                 f"{decision.cause}; the new plan moves the head from {m.plan.head} to {decision.plan.head}, "
@@ -287,6 +342,8 @@ class HostEpochs:
             carried=carried,
         )
         _spawn(self._record_first_token(record, first, lost_at))
+        self._paths.watch(held.links)  # the new epoch's links; paths settled meanwhile count now
+        self._reprice()
 
     async def _record_first_token(
         self, record: ReplanRecord, first: asyncio.Future[float] | None, lost_at: float
@@ -306,6 +363,7 @@ class HostEpochs:
 
     async def _end(self, reason: str) -> None:
         """The session ends: every member is told why, every request fails with it, the host stops."""
+        self._paths.close()
         say(f"the session ends: {reason}")
         log.warning("session_ended", reason=reason)
         for peer in self.membership.plan.order:
@@ -334,6 +392,7 @@ class MemberEpochs:
 
     def __post_init__(self) -> None:
         self._job: asyncio.Task[None] | None = None
+        self._paths = PathWatch(self._report_path)
 
     def start(self) -> None:
         held = self.held
@@ -345,6 +404,16 @@ class MemberEpochs:
         link = held.links.get(held.host)
         if link is not None:
             _listen(link, held.host, self._heard)
+        self._watch_paths()
+
+    def _watch_paths(self) -> None:
+        """This member's links to other members (the host measures its own side of its links)."""
+        self._paths.watch({p: link for p, link in self.held.links.items() if p != self.held.host})
+
+    def _report_path(self, peer: str, direct: bool) -> None:
+        link = self.held.links.get(self.held.host)
+        if link is not None and not link.closed:
+            _spawn(self._tell(link, sm.PathReport(peer, direct)))
 
     def _broken(self, broken: RingBroken) -> None:
         held = self.held
@@ -391,6 +460,7 @@ class MemberEpochs:
 
     async def _ended_with(self, reason: str, line: str) -> None:
         """Fail what is held with `reason`, take nothing new, and end this member saying `line`."""
+        self._paths.close()
         role = self.held.ring()
         await role.pause()
         role.ending, role.on_broken = True, None  # the links closing now are the session ending
@@ -424,6 +494,7 @@ class MemberEpochs:
             await self._tell(link, sm.EpochFailed(msg.epoch, f"{type(exc).__name__}: {exc}"))
             return
         await self._tell(link, sm.EpochReady(msg.epoch))
+        self._watch_paths()  # the new epoch's links
 
     async def _move_to(self, msg: sm.NewEpoch) -> None:
         held, name = self.held, self.held.name

@@ -124,8 +124,9 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     plan_terms = PlanTerms(opts.context, opts.concurrency, opts.division, objective=opts.objective)
     manifest = ckpt.manifest(DTYPES[opts.dtype], opts.quant)  # as the plan was priced (choose_plan)
     epochs = HostEpochs(
-        held, membership, manifest, plan_terms, gathered.ids, folder, server, opts, serving, role.traces
-    )
+        held, membership, manifest, plan_terms, gathered.ids, folder, server, opts, serving, role.traces,
+        probed=tuple(gathered.devices),
+    )  # fmt: skip
     epochs.start()  # a member lost from now on is planned around
     held.serve_session_api()
     say_ready(plan)
