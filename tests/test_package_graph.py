@@ -31,13 +31,26 @@ def module_name(path: Path) -> str:
     return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
 
 
+def parsed(path: Path) -> ast.Module:
+    """`path`'s syntax tree. CPython 3.11 keeps the AST constructor's recursion counter per
+    interpreter, not per thread (gh-106905), so a thread an earlier test left running that parses
+    at the same moment can make ast.parse raise "AST constructor recursion depth mismatch" (seen
+    under load); parsing again is exact."""
+    for _ in range(4):
+        try:
+            return ast.parse(path.read_text(), str(path))
+        except SystemError:
+            continue
+    return ast.parse(path.read_text(), str(path))
+
+
 def code_arrows() -> dict[tuple[str, str], list[str]]:
     """(from, to) -> the files whose imports draw that arrow."""
     arrows: dict[tuple[str, str], list[str]] = defaultdict(list)
     for path in sorted(KAFILA.rglob("*.py")):
         src = layer(module_name(path))
         assert src is not None
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parsed(path)):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
             elif isinstance(node, ast.Import):
