@@ -86,13 +86,12 @@ def test_a_member_sent_sigterm_closes_its_links_and_the_others_notice_at_once(fl
     assert victim.proc is not None
     sent = time.monotonic()
     victim.proc.send_signal(signal.SIGTERM)
-    assert victim.proc.wait(15) == 128 + signal.SIGTERM
-    log = (fleet.workdir / f"{victim.name}.log").read_text()
-    assert "terminated: session closed" in log and "link_closed" in log
+    noticed = {}
     for m in fleet.members:  # they re-plan around it (kafila.session.forming.epochs), saying why
-        while m is not victim:
+        while m is not victim:  # (asked first: the victim's own exit may be slow on a loaded machine)
             state = httpx.get(f"{m.api_url}/session", timeout=5).json()
             if state["change"] is not None or time.monotonic() - sent > 20:
+                noticed[m.name] = round(time.monotonic() - sent, 1)
                 break
             time.sleep(0.1)
         if m is not victim:
@@ -101,8 +100,10 @@ def test_a_member_sent_sigterm_closes_its_links_and_the_others_notice_at_once(fl
                 m.name,
                 state,
             )
-    noticed = time.monotonic() - sent
-    assert noticed < 5, f"the others noticed {noticed:.1f} s after the member was terminated"
+    assert max(noticed.values()) < 5, f"the others noticed (s after the member was terminated): {noticed}"
+    assert victim.proc.wait(15) == 128 + signal.SIGTERM
+    log = (fleet.workdir / f"{victim.name}.log").read_text()
+    assert "terminated: session closed" in log and "link_closed" in log
 
 
 def test_the_host_ending_the_session_ends_every_member(fleet: LocalFleet) -> None:
