@@ -31,7 +31,7 @@ from kafila.session.forming.epochs import MemberEpochs
 from kafila.session.forming.links import connect_node, link_ring, named
 from kafila.session.forming.measure import observe_nats, probe_report
 from kafila.session.forming.plans import say_ready
-from kafila.session.forming.signaling import default_name, reach_rendezvous, refused_by
+from kafila.session.forming.signaling import default_name, join_in_turn, reach_rendezvous, refused_by
 from kafila.session.progress import note, off_loop, say
 from kafila.session.ring.build import Serving, shard_text, start_role
 from kafila.session.runtime import MemberRuntime, formed_by, reserve_api
@@ -100,7 +100,9 @@ async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
     held.open_metrics(opts.metrics)
     client = held.client = await reach_rendezvous(opts.rendezvous)
     with refused_by(opts.rendezvous, f"join session {code.public}"):
-        joined = await client.join(code, opts.name or default_name(), {"role": "member"})
+        joined = await join_in_turn(
+            client, code, opts.name or default_name(), {"role": "member"}, opts.wait_s
+        )
     host_info = next((m for m in joined.members if m.host), None)
     if host_info is None:  # its host left; members still in it keep the code alive
         raise SessionError(f"session {code.public} has no host any more; ask for a new session code")

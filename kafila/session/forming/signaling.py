@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import re
 import socket
+import time
 from collections.abc import Iterator
 
 from websockets.exceptions import WebSocketException
 
-from kafila.net.signaling import SignalingClient, SignalingError, unreachable_reason
+from kafila.net.signaling import SignalingClient, SignalingClosed, SignalingError, unreachable_reason
+from kafila.proto import signaling as sig
 from kafila.proto.codes import SessionCode
 from kafila.session.errors import SessionError
+from kafila.session.progress import say
 from kafila.session.terms import DEFAULT_RENDEZVOUS
+
+_RETRY_IN = re.compile(r"retry in (\d+(?:\.\d+)?) s")
 
 
 def join_command(code: SessionCode, rendezvous: str) -> str:
@@ -44,6 +51,33 @@ def refused_by(url: str, what: str) -> Iterator[None]:
         raise SessionError(
             f"the rendezvous at {url} would not {what}: {exc.message} ({exc.code}){hint}"
         ) from exc
+
+
+async def join_in_turn(
+    client: SignalingClient, code: SessionCode, name: str, capability: sig.JsonObject, within: float
+) -> sig.Joined:
+    """`client.join`, waiting out a rendezvous that holds joins from this address back for a while
+    (`rate_limited`: another member behind the same address mistyped the code, or many joined at
+    once; members of one campus or home NAT share an address), for up to `within` seconds. The
+    rendezvous's limits are not eased: the member waits as told, then asks again."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return await client.join(code, name, capability)
+        except SignalingError as exc:
+            wait = _held_back(exc)
+            if wait is None or time.monotonic() + wait > deadline:
+                raise
+            say(f"the rendezvous holds joins from this address back ({exc.message}); again in {wait:.0f} s")
+            await asyncio.sleep(wait)
+
+
+def _held_back(exc: SignalingError) -> float | None:
+    """Seconds the rendezvous asked this address to wait before joining again, if it did."""
+    if exc.code != "rate_limited" or isinstance(exc, SignalingClosed):
+        return None
+    found = _RETRY_IN.search(exc.message)
+    return max(1.0, float(found.group(1))) if found else 1.0
 
 
 def default_name() -> str:
