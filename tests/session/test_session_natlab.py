@@ -81,6 +81,26 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
             p.wait(5)
 
 
+NAMES = ("alpha", "beta", "gamma", "delta")
+
+
+async def form(sites: list, rdv: RendezvousServer, tmp_path: Path, procs: list) -> list[Path]:  # type: ignore[type-arg]
+    """A session of one member per site (the host first, `NAMES`), every one a `kafila` process in
+    its site's namespace, formed and ready; returns their logs. `procs` gets each process as it
+    starts, so the caller's `finally: stop(procs)` ends them whatever happens here."""
+    names = NAMES[: len(sites)]
+    logs = [tmp_path / f"{n}.log" for n in names]
+    code_file = tmp_path / "code"
+    common = ["--rendezvous", rdv.url, "--api", API]
+    procs.append(spawn(sites[0].host, ["host", "--members", str(len(sites)), "--name", names[0], "--context",
+                                       "512", "--code-file", str(code_file), *common], logs[0]))  # fmt: skip
+    await wait_for(code_file.exists, 120, "session code", procs)
+    for site, name, log in zip(sites[1:], names[1:], logs[1:], strict=True):
+        procs.append(spawn(site.host, ["join", code_file.read_text().strip(), "--name", name, *common], log))
+    await wait_for(lambda: "session ready" in logs[0].read_text(), 300, "session ready", procs)
+    return logs
+
+
 async def test_session_across_nats_with_a_relayed_edge(natlab: Lab, rdv, smollm2_path, tmp_path) -> None:
     sites = [natlab.add_site("permissive"), natlab.add_site("restrictive"), natlab.add_site("restrictive")]
     names = ["alpha", "beta", "gamma"]
@@ -111,17 +131,9 @@ async def test_a_direct_edge_cut_mid_session_goes_on_over_the_relay_before_the_r
     (simulated: nft rules, as a route or NAT change would). The link must fall back to the relay
     within the ring's default bound (--lost-after, 3 s): it used to take 7.2 s and the request failed."""
     sites = [natlab.add_site("permissive"), natlab.add_site("permissive")]
-    logs = [tmp_path / f"{n}.log" for n in ("alpha", "beta")]
-    code_file = tmp_path / "code"
-    common = ["--rendezvous", rdv.url, "--api", API]
-    procs = [spawn(sites[0].host, ["host", "--members", "2", "--name", "alpha", "--context", "512",
-                                   "--code-file", str(code_file), *common], logs[0])]  # fmt: skip
+    procs: list[subprocess.Popen[bytes]] = []
     try:
-        await wait_for(code_file.exists, 120, "session code", procs)
-        procs.append(
-            spawn(sites[1].host, ["join", code_file.read_text().strip(), "--name", "beta", *common], logs[1])
-        )
-        await wait_for(lambda: "session ready" in logs[0].read_text(), 300, "session ready", procs)
+        logs = await form(sites, rdv, tmp_path, procs)
         assert "link alpha <-> beta: direct" in logs[0].read_text()
         natlab.block_direct(sites[0], sites[1])
         await asks_paris(sites[1].host)
@@ -152,19 +164,9 @@ async def test_a_member_to_member_edge_that_moves_to_the_relay_while_serving_is_
     link re-punches and the host hears it is direct again. Before this, the host only ever knew
     its own links' paths."""
     sites = [natlab.add_site("permissive") for _ in range(3)]
-    names = ["alpha", "beta", "gamma"]
-    logs = [tmp_path / f"{n}.log" for n in names]
-    code_file = tmp_path / "code"
-    common = ["--rendezvous", rdv.url, "--api", API]
-    procs = [spawn(sites[0].host, ["host", "--members", "3", "--name", "alpha", "--context", "512",
-                                   "--code-file", str(code_file), *common], logs[0])]  # fmt: skip
+    procs: list[subprocess.Popen[bytes]] = []
     try:
-        await wait_for(code_file.exists, 120, "session code", procs)
-        for site, name, log in zip(sites[1:], names[1:], logs[1:], strict=True):
-            procs.append(
-                spawn(site.host, ["join", code_file.read_text().strip(), "--name", name, *common], log)
-            )
-        await wait_for(lambda: "session ready" in logs[0].read_text(), 300, "session ready", procs)
+        logs = await form(sites, rdv, tmp_path, procs)
         assert all(link["path"] == "direct" for link in session_doc(sites[0].host)["links"])
         natlab.block_direct(sites[1], sites[2])
         cut = time.monotonic()
