@@ -197,3 +197,48 @@ def test_a_frozen_member_is_planned_around_and_told_so_when_it_wakes(fleet4: Loc
     assert [o.get("error") for o in again] == [None] * 4 and [o["text"] for o in again] == [
         o["text"] for o in expected
     ]
+
+
+def test_a_second_member_killed_when_the_host_says_its_replan_started_is_planned_around_too(
+    fleet4: LocalFleet,
+) -> None:
+    """Timing set by the test: a member is killed (SIGKILL) mid-answer, and a second one the moment
+    the host's console says its re-plan for epoch 2 started, so the second loss lands while the
+    survivors move to epoch 2 (the killed member can never say it is ready). The host abandons
+    that move and re-plans over the two members left for epoch 3; every streaming answer completes,
+    identical to its answer without the kills."""
+    doc, head, _ = _head_and_victim(fleet4)
+    host = fleet4.members[0]
+    first, second = [m for m in fleet4.members if m.name not in (doc["head"], host.name)][:2]
+    assert first.proc is not None and second.proc is not None
+    expected = _answers(head.api_url)
+    assert all("text" in o and "error" not in o for o in expected), expected
+    started = threading.Event()
+
+    def kill() -> None:
+        if not started.wait(120):
+            return
+        assert first.proc is not None and second.proc is not None
+        first.proc.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while "re-planning for epoch 2" not in host.log_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second.proc.send_signal(signal.SIGKILL)
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    got = _answers(head.api_url, started)
+    killer.join()
+    assert first.proc.poll() is not None and second.proc.poll() is not None
+    assert [o.get("error") for o in got] == [None] * 4, got
+    assert [o["text"] for o in got] == [o["text"] for o in expected]
+    after = fleet4.session()
+    assert after["state"] == "serving" and after["epoch"] == 3, after
+    left = [m for m in fleet4.members if m not in (first, second)]
+    assert sorted(after["ring"]) == sorted(m.name for m in left) and after["head"] == doc["head"]
+    assert first.name in after["change"]["cause"] and second.name in after["change"]["cause"], after
+    said = host.log_text()
+    assert f"{second.name} was lost during the move to epoch 2: that move is abandoned" in said
+    for m in left:
+        assert f"epoch 3 serving: ring {' -> '.join(after['ring'])}" in m.log_text(), m.name
+        assert "epoch 2 serving" not in m.log_text(), m.name
