@@ -294,12 +294,13 @@ class HostEpochs:
         head = isinstance(role, RingHead)
         first = role.first_token() if isinstance(role, RingHead) else None
         resumed = _resume(role, decision.epoch, parts)
+        # the new epoch is in place: a loss from now on re-plans from it
+        self.membership, self._moving = moves.committed(self.membership, move), None
+        held.plan = new
         carried = resumed if head else None  # only the head knows
         for n in survivors:
             with contextlib.suppress(LinkError):
                 await _send(held.links[n], sm.Resume(decision.epoch))
-        self.membership, self._moving = moves.committed(self.membership, move), None
-        held.plan = new
         role.changed("serving", decision.cause, lost_to_ready_s=round(ready_s, 3), bytes_fetched=fetched)
         role.go()  # a head sends again from now on: every member's new role is running
         metrics.observe_plan(decision.epoch)
@@ -411,7 +412,7 @@ class MemberEpochs:
             self._seen, running = msg.epoch, self._job  # a newer epoch abandons the move running
             self._job = self.held.spawn(_after(running, self._move(msg)), "move")
         elif isinstance(msg, sm.Resume):
-            if msg.epoch == role.epoch:
+            if msg.epoch == role.epoch == self._seen:  # not an epoch a newer move abandoned
                 role.changed("serving", role.change["cause"] if role.change else "re-planned")
                 role.go()
                 metrics.observe_state("serving")
