@@ -162,6 +162,7 @@ class HostEpochs:
         self._moving: moves.Move | None = None  # the re-plan in flight (kafila.planner.moves)
         self._ready: asyncio.Future[None] | None = None  # every member of it said it is ready
         self._job: asyncio.Task[None] | None = None
+        self._ending = False  # the session ends (`_end`): no loss re-plans any more
 
     def start(self) -> None:
         """Listen to every member's control link and to the host's own ring breaking."""
@@ -213,7 +214,7 @@ class HostEpochs:
     def lost(self, member: str, cause: str, detail: str) -> None:
         """Member `member` is gone (`cause`, as `detail` says): re-plan around it, also when a
         re-plan is running already (that one is abandoned for the next epoch)."""
-        if self.held.ring().state == "ended":
+        if self._ending:
             return
         m, now = self.membership, time.monotonic()
         step = moves.on_loss(m, self._moving, member, detail or cause, now, self.manifest, self.terms)
@@ -229,6 +230,7 @@ class HostEpochs:
         if isinstance(step, moves.Start) and step.abandoned is not None:
             say(f"{member} was lost during the move to epoch {step.abandoned}: that move is abandoned")
             log.warning("replan_abandoned", epoch=step.abandoned, member=member)
+        self._ending = isinstance(step, End)  # set now: a later loss must not cancel the ending
         work = self._end(step.reason) if isinstance(step, End) else self._move(step.move)
         self._job = self.held.spawn(_after(running, work), "replan")
 
@@ -341,6 +343,7 @@ class HostEpochs:
 
     async def _end(self, reason: str) -> None:
         """The session ends: every member is told why, every request fails with it, the host stops."""
+        self._ending = True
         say(f"the session ends: {reason}")
         log.warning("session_ended", reason=reason)
         for peer in self.membership.plan.order:
