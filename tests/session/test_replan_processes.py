@@ -242,3 +242,34 @@ def test_a_second_member_killed_when_the_host_says_its_replan_started_is_planned
     for m in left:
         assert f"epoch 3 serving: ring {' -> '.join(after['ring'])}" in m.log_text(), m.name
         assert "epoch 2 serving" not in m.log_text(), m.name
+
+
+def test_a_second_member_killed_when_the_host_says_its_replan_started_ends_a_session_two_cannot_hold(
+    smollm2_path, tmp_path
+) -> None:
+    """Timing set by the test, as above; every member offers 0.24 GB (--memory-gb, the planner's
+    input): three hold the fp32 model (about 0.54 GB), two cannot. The host abandons the move to
+    epoch 2 and ends the session with the planner's refusal, naming the devices and their numbers;
+    every survivor says it and exits 0, none left answering 503 or waiting for epoch 2."""
+    small = [("--memory-gb", "0.24")] * 4
+    with LocalFleet((None,) * 4, MODEL, context=512, workdir=tmp_path, stagger=False,
+                    extra_args=("--dead-after", "3"), member_args=small) as fleet:  # fmt: skip
+        host = fleet.members[0]
+        first, second = [m for m in fleet.members[1:] if m.name != fleet.head][:2]
+        assert first.proc is not None and second.proc is not None
+        first.proc.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while "re-planning for epoch 2" not in host.log_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second.proc.send_signal(signal.SIGKILL)
+        survivors = [m for m in fleet.members if m not in (first, second)]
+        for m in survivors:
+            assert m.proc is not None
+            assert m.proc.wait(60) == 0, m.log_text()[-2000:]
+        ended = f"{first.name} was lost"
+        assert "epoch 2 serving" not in host.log_text()
+        for m in survivors:
+            said = [x for x in m.log_text().splitlines() if x.startswith("kafila:") and ended in x]
+            line = next((x for x in said if "ended" in x or "ends" in x), "")
+            assert f"then {second.name} was lost" in line, (m.name, said)
+            assert "cannot hold the model" in line and "MB more memory" in line, (m.name, said)
