@@ -199,6 +199,17 @@ def test_a_frozen_member_is_planned_around_and_told_so_when_it_wakes(fleet4: Loc
     ]
 
 
+def _kill_two(host: FleetMember, first: FleetMember, second: FleetMember) -> None:
+    """SIGKILL `first`, then `second` the moment `host`'s console says its re-plan for epoch 2
+    started (the timing these tests set: the second loss lands during the move)."""
+    assert first.proc is not None and second.proc is not None
+    first.proc.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while "re-planning for epoch 2" not in host.log_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    second.proc.send_signal(signal.SIGKILL)
+
+
 def test_a_second_member_killed_when_the_host_says_its_replan_started_is_planned_around_too(
     fleet4: LocalFleet,
 ) -> None:
@@ -216,14 +227,8 @@ def test_a_second_member_killed_when_the_host_says_its_replan_started_is_planned
     started = threading.Event()
 
     def kill() -> None:
-        if not started.wait(120):
-            return
-        assert first.proc is not None and second.proc is not None
-        first.proc.send_signal(signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while "re-planning for epoch 2" not in host.log_text() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        second.proc.send_signal(signal.SIGKILL)
+        if started.wait(120):
+            _kill_two(host, first, second)
 
     killer = threading.Thread(target=kill)
     killer.start()
@@ -256,12 +261,7 @@ def test_a_second_member_killed_when_the_host_says_its_replan_started_ends_a_ses
                     extra_args=("--dead-after", "3"), member_args=small) as fleet:  # fmt: skip
         host = fleet.members[0]
         first, second = [m for m in fleet.members[1:] if m.name != fleet.head][:2]
-        assert first.proc is not None and second.proc is not None
-        first.proc.send_signal(signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while "re-planning for epoch 2" not in host.log_text() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        second.proc.send_signal(signal.SIGKILL)
+        _kill_two(host, first, second)
         survivors = [m for m in fleet.members if m not in (first, second)]
         for m in survivors:
             assert m.proc is not None
