@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -93,12 +93,30 @@ class MemberRuntime:
         # a joining member's: the others counted it lost and re-planned without it, so it ends on its
         # own (`ended` says why); its links then close as a member leaving, not as the session ending
         self.left_out = False
+        # the host's re-plans (kafila.session.forming.epochs): told of a member the rendezvous says
+        # left while the ring is already broken, i.e. during a re-plan (`(member, cause, detail)`)
+        self.on_lost: Callable[[str, str, str], None] | None = None
 
     @property
     def host_ended(self) -> bool:
         """A joining member's: the host ended the session (not: this member was stopped or left out)."""
         done = self.ended is not None and self.ended.done() and not self.ended.cancelled()
         return done and not self.left_out
+
+    def spawn(self, work: Coroutine[Any, Any, object], what: str) -> asyncio.Task[Any]:
+        """Run `work` (`what` it does, for the log) alongside this member, held with its tasks:
+        `close()` cancels it, and a failure is logged rather than lost with the task."""
+        task: asyncio.Task[Any] = asyncio.ensure_future(work)
+        self.tasks.append(task)
+        task.add_done_callback(partial(self._done, what))
+        return task
+
+    def _done(self, what: str, task: asyncio.Task[Any]) -> None:
+        with contextlib.suppress(ValueError):
+            self.tasks.remove(task)
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            log.error("task_failed", member=self.name, task=what, error=repr(exc), exc_info=exc)
 
     def ring(self) -> RingRole:
         """The ring role (a runtime asked for it before forming has started one is a bug)."""
@@ -125,7 +143,7 @@ class MemberRuntime:
                 await self.role.stop()
             self.role.model.close()
         await self._close_links()
-        for task in self.tasks:
+        for task in list(self.tasks):
             task.cancel()
         if self.client is not None:
             with contextlib.suppress(Exception):
@@ -212,7 +230,7 @@ class MemberRuntime:
             say(f"API at {url} (OpenAI {url}/v1, Ollama {url}/api, {url}/session)")
 
     def _member_left(self, member: str, reason: str) -> None:
-        self.tasks.append(asyncio.ensure_future(self._confirm_left(member, reason)))
+        self.spawn(self._confirm_left(member, reason), "confirm_left")
 
     async def _confirm_left(self, member: str, reason: str) -> None:
         """The rendezvous says `member` left the session (`reason`: "left", "disconnected", ...):
@@ -222,7 +240,9 @@ class MemberRuntime:
         connection went: the ring goes on. A member with no link to it leaves it to those with one,
         whose "broken" goes round the ring."""
         role, link = self.role, self.links.get(member)
-        if role is None or role.broken is not None or member == self.name or member not in role.info.order:
+        if role is None or member == self.name or member not in role.info.order:
+            return
+        if role.broken is not None and self.on_lost is None:  # broken already: nothing re-plans
             return
         if link is None:
             log.info("member_left_elsewhere", member=member, reason=reason)
@@ -241,12 +261,14 @@ class MemberRuntime:
                 return
         cause = departure_cause(reason)
         said = "left the session" if cause is Cause.LEFT else f"lost its connection ({reason})"
-        role.lose(
-            member,
-            cause,
+        detail = (
             f"member {member} {said}, the rendezvous says, and its link heard nothing from it for "
-            f"{wait:g} s since",
+            f"{wait:g} s since"
         )
+        if role.broken is None:
+            role.lose(member, cause, detail)
+        elif self.on_lost is not None:  # a loss during a re-plan: the host plans around it too
+            self.on_lost(member, cause.value, detail)
 
     def watch_host_ending(self) -> None:
         """A joining member ends when the host ends the session on purpose: one of its links closes

@@ -197,3 +197,79 @@ def test_a_frozen_member_is_planned_around_and_told_so_when_it_wakes(fleet4: Loc
     assert [o.get("error") for o in again] == [None] * 4 and [o["text"] for o in again] == [
         o["text"] for o in expected
     ]
+
+
+def _kill_two(host: FleetMember, first: FleetMember, second: FleetMember) -> None:
+    """SIGKILL `first`, then `second` the moment `host`'s console says its re-plan for epoch 2
+    started (the timing these tests set: the second loss lands during the move)."""
+    assert first.proc is not None and second.proc is not None
+    first.proc.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while "re-planning for epoch 2" not in host.log_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    second.proc.send_signal(signal.SIGKILL)
+
+
+def test_a_second_member_killed_when_the_host_says_its_replan_started_is_planned_around_too(
+    fleet4: LocalFleet,
+) -> None:
+    """Timing set by the test: a member is killed (SIGKILL) mid-answer, and a second one the moment
+    the host's console says its re-plan for epoch 2 started, so the second loss lands while the
+    survivors move to epoch 2 (the killed member can never say it is ready). The host abandons
+    that move and re-plans over the two members left for epoch 3; every streaming answer completes,
+    identical to its answer without the kills."""
+    doc, head, _ = _head_and_victim(fleet4)
+    host = fleet4.members[0]
+    first, second = [m for m in fleet4.members if m.name not in (doc["head"], host.name)][:2]
+    assert first.proc is not None and second.proc is not None
+    expected = _answers(head.api_url)
+    assert all("text" in o and "error" not in o for o in expected), expected
+    started = threading.Event()
+
+    def kill() -> None:
+        if started.wait(120):
+            _kill_two(host, first, second)
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    got = _answers(head.api_url, started)
+    killer.join()
+    assert first.proc.poll() is not None and second.proc.poll() is not None
+    assert [o.get("error") for o in got] == [None] * 4, got
+    assert [o["text"] for o in got] == [o["text"] for o in expected]
+    after = fleet4.session()
+    assert after["state"] == "serving" and after["epoch"] == 3, after
+    left = [m for m in fleet4.members if m not in (first, second)]
+    assert sorted(after["ring"]) == sorted(m.name for m in left) and after["head"] == doc["head"]
+    assert first.name in after["change"]["cause"] and second.name in after["change"]["cause"], after
+    said = host.log_text()
+    assert f"{second.name} was lost during the move to epoch 2: that move is abandoned" in said
+    for m in left:
+        assert f"epoch 3 serving: ring {' -> '.join(after['ring'])}" in m.log_text(), m.name
+        assert "epoch 2 serving" not in m.log_text(), m.name
+
+
+def test_a_second_member_killed_when_the_host_says_its_replan_started_ends_a_session_two_cannot_hold(
+    smollm2_path, tmp_path
+) -> None:
+    """Timing set by the test, as above; every member offers 0.24 GB (--memory-gb, the planner's
+    input): three hold the fp32 model (about 0.54 GB), two cannot. The host abandons the move to
+    epoch 2 and ends the session with the planner's refusal, naming the devices and their numbers;
+    every survivor says it and exits 0, none left answering 503 or waiting for epoch 2."""
+    small = [("--memory-gb", "0.24")] * 4
+    with LocalFleet((None,) * 4, MODEL, context=512, workdir=tmp_path, stagger=False,
+                    extra_args=("--dead-after", "3"), member_args=small) as fleet:  # fmt: skip
+        host = fleet.members[0]
+        first, second = [m for m in fleet.members[1:] if m.name != fleet.head][:2]
+        _kill_two(host, first, second)
+        survivors = [m for m in fleet.members if m not in (first, second)]
+        for m in survivors:
+            assert m.proc is not None
+            assert m.proc.wait(60) == 0, m.log_text()[-2000:]
+        ended = f"{first.name} was lost"
+        assert "epoch 2 serving" not in host.log_text()
+        for m in survivors:
+            said = [x for x in m.log_text().splitlines() if x.startswith("kafila:") and ended in x]
+            line = next((x for x in said if "ended" in x or "ends" in x), "")
+            assert f"then {second.name} was lost" in line, (m.name, said)
+            assert "cannot hold the model" in line and "MB more memory" in line, (m.name, said)

@@ -70,3 +70,26 @@ async def test_a_lost_member_is_planned_around_and_every_answer_goes_on_unchange
         if c0 is not None:
             await c0.close()
         await ring.stop()
+
+
+async def test_a_request_forwarded_by_the_lost_member_is_dropped_not_carried_on(ckpt: Checkpoint) -> None:
+    """The head carries on its own clients' requests but not one that m1 forwarded: no answer could
+    reach m1's client through the new ring, so computing it would only keep the others waiting."""
+    ring = build_ring(ckpt, [(0, 2), (2, 3), (3, 5)], dead_after=3.0, concurrency=2)
+    head, m1 = ring.head, ring.members[0]
+    recovers_from_losing(ring, "m1")
+    c0 = None
+    try:
+        mine = await head.submit(PROMPTS[0], Sampling(max_tokens=TOKENS))
+        theirs = await m1.submit(PROMPTS[2], Sampling(max_tokens=TOKENS))  # admitted at the head
+        job = asyncio.ensure_future(collect(mine))
+        assert theirs.request_id in head._reqs and mine.request_id in head._reqs
+        ring.kill(1)
+        await replanning(ring, 2)
+        c0, carried = await replan_without_m1(ring, ckpt, [(0, 3), (3, 5)])
+        assert theirs.request_id not in head._reqs and carried == len(head._reqs) <= 1
+        assert len(await asyncio.wait_for(job, 60)) > 0
+    finally:
+        if c0 is not None:
+            await c0.close()
+        await ring.stop()

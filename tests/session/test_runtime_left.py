@@ -11,6 +11,7 @@ import asyncio
 import time
 
 import pytest
+from structlog.testing import capture_logs
 
 from kafila.models.checkpoint import Checkpoint
 from kafila.net.auth import EdgeContext
@@ -66,6 +67,11 @@ async def test_a_member_whose_link_is_silent_too_is_lost_with_the_rendezvous_cau
         assert LEFT_CONFIRM_S <= took < LEFT_CONFIRM_S + 1.0
         await runtime._confirm_left("m2", "left")  # already broken: the first reason stays
         assert ring.head.broken.member == "m1"
+        heard: list[tuple[str, str, str]] = []
+        runtime.on_lost = lambda *lost: heard.append(lost)  # the host re-plans: a loss during it
+        await runtime._confirm_left("m1", "disconnected")
+        assert [(m, c) for m, c, _ in heard] == [("m1", "disconnected")]
+        assert "the rendezvous says" in heard[0][2]
     finally:
         await close_all(ring, parts)
 
@@ -78,3 +84,25 @@ async def test_a_member_without_a_link_to_it_leaves_the_break_to_those_with_one(
         assert ring.head.broken is None
     finally:
         await close_all(ring, parts)
+
+
+async def test_spawned_work_is_held_by_the_runtime_cancelled_on_close_and_its_failure_logged() -> None:
+    runtime = MemberRuntime("member")
+    runtime.name = "m1"
+
+    async def fails() -> None:
+        raise RuntimeError("the host's link closed")
+
+    with capture_logs() as logs:
+        failed = runtime.spawn(fails(), "tell_lost")
+        await asyncio.wait([failed])
+        await asyncio.sleep(0)
+    assert failed not in runtime.tasks
+    said = [e for e in logs if e["event"] == "task_failed"]
+    assert said and said[0]["task"] == "tell_lost" and "the host's link closed" in said[0]["error"], logs
+    pending = runtime.spawn(asyncio.sleep(60), "replan")
+    assert pending in runtime.tasks
+    await runtime.close()
+    await asyncio.wait([pending])
+    await asyncio.sleep(0)  # its done callback
+    assert pending.cancelled() and pending not in runtime.tasks

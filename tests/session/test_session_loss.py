@@ -4,7 +4,9 @@ when it runs again. The ring's bound is the default (`--lost-after` 3 s)."""
 
 from __future__ import annotations
 
+import json
 import signal
+import threading
 import time
 from typing import Any
 
@@ -66,12 +68,53 @@ def test_a_killed_member_is_named_at_once_by_the_rendezvous_notice_within_the_bo
             assert victim.name in (doc.get("change") or {}).get("cause", ""), (m.name, doc.get("change"))
 
 
+STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+LONG = {"model": MODEL, "messages": STORY, "max_tokens": 400, "temperature": 0}
+
+
+def _ask(url: str, body: dict[str, Any], out: dict[str, Any], chunks: threading.Event | None = None) -> None:
+    """One answer from `url` (streamed when `chunks` is given, set once 3 chunks came): its status
+    and error, and when it ended (a hang shows as no "at")."""
+    try:
+        if chunks is None:
+            r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+            out.update(status=r.status_code, error=r.json().get("error"))
+        else:
+            with httpx.stream(
+                "POST", f"{url}/v1/chat/completions", json=body | {"stream": True}, timeout=120
+            ) as r:
+                out["status"], n = r.status_code, 0
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        out["error"] = chunk.get("error")
+                        n += 1
+                        if n == 3:
+                            chunks.set()
+    except httpx.HTTPError as exc:
+        out["error"] = repr(exc)  # a reset or a timeout: what must not happen
+    out["at"] = time.monotonic()
+
+
 def test_a_member_frozen_past_the_bound_is_named_and_says_so_when_it_resumes(fleet: LocalFleet) -> None:
     """SIGSTOP for 8 s (the bound is 3), then SIGCONT. The head counts it lost by its silence
     within the bound (and re-plans around it); on waking it says that it was itself counted lost,
-    never blaming a neighbour (it used to say "link to gamma closed by the peer"), and ends."""
+    never blaming a neighbour (it used to say "link to gamma closed by the peer"), and ends. The
+    requests its own API had forwarded (one streaming, one queued behind it) fail at once on
+    waking: a 503, or an error chunk in the stream already answering 200, saying that the session
+    goes on without it and on which members; never a hang or a reset."""
     head, victim = victim_of(fleet)
-    assert victim.proc is not None
+    assert victim.proc is not None and victim.api_url is not None
+    streamed: dict[str, Any] = {}
+    whole: dict[str, Any] = {}
+    chunks = threading.Event()
+    asks = [
+        threading.Thread(target=_ask, args=(victim.api_url, LONG, streamed, chunks)),
+        threading.Thread(target=_ask, args=(victim.api_url, LONG, whole)),
+    ]
+    for t in asks:
+        t.start()
+    assert chunks.wait(120), streamed
     victim.proc.send_signal(signal.SIGSTOP)
     stopped = time.monotonic()
     try:
@@ -83,6 +126,19 @@ def test_a_member_frozen_past_the_bound_is_named_and_says_so_when_it_resumes(fle
         time.sleep(max(0.0, 8.0 - (time.monotonic() - stopped)))
     finally:
         victim.proc.send_signal(signal.SIGCONT)
+        woke = time.monotonic()
+    for t in asks:
+        t.join(60)
+    others = ", ".join(m.name for m in fleet.members if m is not victim)
+    for out in (streamed, whole):
+        assert "at" in out and out["at"] - woke < 10, (out, "the forwarded request hung")
+        error = out["error"]
+        assert isinstance(error, dict) and error["code"] == "member_lost", out
+        assert f"this member ({victim.name}) did not run for" in error["message"], out
+        assert "the session goes on without this member" in error["message"], out
+    assert streamed["status"] == 200 and whole["status"] == 503, (streamed, whole)  # the stream had begun
+    named = whole["error"]["message"]
+    assert all(m.name in named for m in fleet.members if m is not victim), (others, named)
     assert victim.proc.wait(30) == 0, victim.log_text()[-2000:]  # it ends, and not as a failure
     said = "\n".join(x for x in victim.log_text().splitlines() if x.startswith("kafila:"))
     assert f"this member ({victim.name}) did not run for" in said and "counted it lost" in said, said

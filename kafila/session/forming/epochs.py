@@ -16,6 +16,11 @@ one link message kind of their own, handed over as they arrive: `Link.handlers`)
       prompt and the tokens it has (its sampler kept), queued ones keep their places
       `resume`                               ->   serving
 
+A member lost while a re-plan runs abandons it (kafila.planner.moves): the host cancels its move,
+decides again over everyone left and sends the epoch after the abandoned one; a survivor that was
+moving (or had moved) to the abandoned epoch cancels that and moves to the newer one, and every
+message of an older epoch is dropped.
+
 The head stays where it is: a re-plan keeps a present serving head (plan(keep_head=True)); a plan
 that would move it (its member was lost) ends the session, saying so. A path that changes while
 serving and holds (kafila.session.forming.paths) is re-priced the same way, and re-planned when that
@@ -41,12 +46,13 @@ from kafila.net.link import Link
 from kafila.obs import metrics
 from kafila.obs.log import get_logger
 from kafila.obs.trace import ReplanRecord, TraceLog
+from kafila.planner import moves
 from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan
-from kafila.planner.replan import End, Keep, Membership, PlanTerms, Replan, on_lost, on_measured, with_path
+from kafila.planner.replan import End, Keep, Membership, PlanTerms, Replan, on_measured, with_path
 from kafila.proto import session as sm
 from kafila.proto.ring import Cause, RingBroken
-from kafila.session.channel import LinkChannel
+from kafila.session.channel import Heartbeat, LinkChannel
 from kafila.session.errors import SessionError
 from kafila.session.forming.links import link_ring
 from kafila.session.forming.paths import PathWatch
@@ -91,14 +97,12 @@ def _listen(link: Link, peer: str, on_message: Callable[[str, sm.EpochMessage], 
     link.handlers[CONTROL_KIND] = heard
 
 
-_BACKGROUND: set[asyncio.Task[object]] = set()
-
-
-def _spawn(work: Coroutine[Any, Any, object]) -> None:
-    """Run `work` on its own, keeping a reference until it is done."""
-    task = asyncio.ensure_future(work)
-    _BACKGROUND.add(task)
-    task.add_done_callback(_BACKGROUND.discard)
+async def _after(running: asyncio.Task[None] | None, work: Coroutine[Any, Any, None]) -> None:
+    """Cancel the move `running` (if any), wait until it stopped, then do `work`."""
+    if running is not None and not running.done():
+        running.cancel()
+        await asyncio.wait([running])
+    await work
 
 
 def _served(server: WeightServer, member: str) -> int:
@@ -124,6 +128,13 @@ def _held(role: RingHead | RingMember) -> tuple[Stage, ModelThread]:
     """The stage `role` serves now and the thread that owns it: the next epoch's stage reuses the
     blocks it holds (Stage.rebuild); the role is paused meanwhile, so the thread is idle."""
     return role.stage, role.model
+
+
+def _retire(parts: EpochParts) -> None:
+    """An abandoned epoch's channels, built but never served: stop their heartbeats."""
+    for channel in (parts.next, parts.prev):
+        if isinstance(channel, Heartbeat):
+            channel.stop()
 
 
 def _resume(role: RingHead | RingMember, epoch: int, parts: EpochParts) -> int:
@@ -153,9 +164,10 @@ class HostEpochs:
     probed: tuple[DeviceReport, ...] = ()  # the members' reports as they sent them (round trips)
 
     def __post_init__(self) -> None:
-        self._ready: dict[str, asyncio.Future[None]] = {}
+        self._moving: moves.Move | None = None  # the re-plan in flight (kafila.planner.moves)
+        self._ready: asyncio.Future[None] | None = None  # every member of it said it is ready
         self._job: asyncio.Task[None] | None = None
-        self._gone: set[str] = set()
+        self._ending = False  # the session ends (`_end`): no loss re-plans any more
         self._measured: dict[tuple[str, str], bool] = {}  # (a, b) -> its link runs direct, settled
         self._paths = PathWatch(lambda peer, direct: self.path(self.held.name, peer, direct))
 
@@ -168,6 +180,7 @@ class HostEpochs:
             _listen(link, peer, self._heard)
         self._paths.watch(self.held.links)
         self.held.ended = asyncio.get_running_loop().create_future()
+        self.held.on_lost = self._lost_while_moving
 
     def _broken(self, broken: RingBroken) -> None:
         if lost_member(broken, self.membership.plan, self.membership.host, self.held.name):
@@ -180,13 +193,22 @@ class HostEpochs:
             if msg.member in self.membership.plan.order and msg.member != self.membership.host:
                 self.lost(msg.member, msg.cause, msg.detail)
         elif isinstance(msg, sm.EpochReady):
-            ready = self._ready.get(peer)
-            if ready is not None and not ready.done() and msg.epoch == self.membership.epoch + 1:
-                ready.set_result(None)
+            moving = moves.on_ready(self._moving, peer, msg.epoch)
+            if moving is None:
+                log.info("epoch_message_stale", peer=peer, op=msg.OP, epoch=msg.epoch)
+                return
+            self._moving = moving
+            if (
+                not moving.waits_for(self.membership.host)
+                and self._ready is not None
+                and not self._ready.done()
+            ):
+                self._ready.set_result(None)
         elif isinstance(msg, sm.EpochFailed):
-            ready = self._ready.get(peer)
-            if ready is not None and not ready.done():
-                ready.set_exception(
+            if not moves.is_current(self._moving, msg.epoch):
+                log.info("epoch_message_stale", peer=peer, op=msg.OP, epoch=msg.epoch)
+            elif self._ready is not None and not self._ready.done():
+                self._ready.set_exception(
                     SessionError(f"member {peer} could not move to epoch {msg.epoch}: {msg.reason}")
                 )
         elif isinstance(msg, sm.PathReport):
@@ -213,6 +235,8 @@ class HostEpochs:
     def _reprice(self) -> None:
         """Fold every settled path into the members' reports; act on the planner's decision."""
         m = self.membership
+        if self._ending:
+            return
         reports, changed = m.reports, []
         for pair, direct in self._measured.items():
             got = with_path(reports, self.probed, pair, direct, self.terms.rule)
@@ -227,50 +251,54 @@ class HostEpochs:
         log.info("plan_paths_measured", changed=changed, decision=type(decision).__name__)
         if isinstance(decision, Replan):
             self.membership = replace(m, reports=reports)
-            self._job = asyncio.ensure_future(self._carry_out(decision, time.monotonic()))
+            self._moving = move = moves.Move(decision, frozenset(), time.monotonic())
+            self._job = self.held.spawn(self._move(move), "replan")
         elif isinstance(decision, Keep):
             self.membership = replace(m, reports=reports, plan=decision.plan)
             self.held.plan = decision.plan
             self.held.ring().info.plan["chosen"] = decision.plan.summary()
             say(f"plan corrected with the measured paths: {decision.reason}")
 
-    def lost(self, member: str, cause: str, detail: str) -> None:
-        """Member `member` is gone (`cause`, as `detail` says): re-plan, once per member."""
-        if member in self._gone or (self._job is not None and not self._job.done()):
-            return  # already known; a loss during a re-plan ends in its timeout or link failure
-        self._gone.add(member)
-        log.warning("member_lost", member=member, cause=cause, detail=detail)
-        self._job = asyncio.ensure_future(self._replan(member, detail or cause, time.monotonic()))
+    def _lost_while_moving(self, member: str, cause: str, detail: str) -> None:
+        """The rendezvous says `member` left while the ring is broken: a loss during a re-plan."""
+        if self._job is not None and not self._job.done():
+            self.lost(member, cause, detail)
 
-    async def _replan(self, member: str, cause: str, lost_at: float) -> None:
-        m = self.membership
-        decision = on_lost(m, member, cause, self.manifest, self.terms)  # "b was lost (<cause>)"
-        if isinstance(decision, Keep):
-            say(decision.reason)
+    def lost(self, member: str, cause: str, detail: str) -> None:
+        """Member `member` is gone (`cause`, as `detail` says): re-plan around it, also when a
+        re-plan is running already (that one is abandoned for the next epoch)."""
+        if self._ending:
+            return
+        m, now = self.membership, time.monotonic()
+        step = moves.on_loss(m, self._moving, member, detail or cause, now, self.manifest, self.terms)
+        if isinstance(step, moves.Ignored):
+            log.info("member_lost_ignored", member=member, cause=cause, why=step.why)
+            return
+        log.warning("member_lost", member=member, cause=cause, detail=detail)
+        if isinstance(step, Keep):
+            say(step.reason)
             self.membership = replace(m, present=m.present - {member})
             return
-        if isinstance(decision, End):
-            await self._end(decision.reason)
-            return
-        await self._carry_out(decision, lost_at)
+        running, self._moving = self._job, step.move if isinstance(step, moves.Start) else None
+        if isinstance(step, moves.Start) and step.abandoned is not None:
+            say(f"{member} was lost during the move to epoch {step.abandoned}: that move is abandoned")
+            log.warning("replan_abandoned", epoch=step.abandoned, member=member)
+        self._ending = isinstance(step, End)  # set now: a later loss must not cancel the ending
+        work = self._end(step.reason) if isinstance(step, End) else self._move(step.move)
+        self._job = self.held.spawn(_after(running, work), "replan")
 
-    async def _carry_out(self, decision: Replan, lost_at: float) -> None:
-        """Move every member to `decision`'s epoch, or end the session saying why it could not."""
-        m = self.membership
-        if decision.plan.head != m.plan.head:
-            await self._end(
-                f"{decision.cause}; the new plan moves the head from {m.plan.head} to {decision.plan.head}, "
-                "which this version cannot do with requests in flight"
-            )
-            return
+    async def _move(self, move: moves.Move) -> None:
+        decision = move.decision
         try:
-            await self._move(decision, lost_at)
+            await self._carry_out(move)
         except (SessionError, LinkError, TimeoutError, OSError, ValueError) as exc:
             why = "a survivor was not ready in time" if isinstance(exc, TimeoutError) else str(exc)
             await self._end(f"{decision.cause}; re-planning failed: {why}")
 
-    async def _move(self, decision: Replan, lost_at: float) -> None:
-        held, m, new = self.held, self.membership, decision.plan
+    async def _carry_out(self, move: moves.Move) -> None:
+        """Move every member to `move`'s epoch; cancelled when another loss abandons it."""
+        held, m, decision, lost_at = self.held, self.membership, move.decision, move.lost_at
+        new = decision.plan
         role = held.ring()
         role.changed("replanning", decision.cause)
         metrics.observe_state("replanning")
@@ -280,8 +308,9 @@ class HostEpochs:
         )
         await role.pause()
         survivors = [n for n in new.order if n != held.name]
-        loop = asyncio.get_running_loop()
-        self._ready = {n: loop.create_future() for n in survivors}
+        self._ready = ready = asyncio.get_running_loop().create_future()
+        if not move.waits_for(held.name):  # a ring of the host alone
+            ready.set_result(None)
         sent_before = {n: _served(self.server, n) for n in survivors}
         message = sm.NewEpoch(decision.epoch, new.to_dict(), decision.cause)
         for n in survivors:
@@ -290,6 +319,7 @@ class HostEpochs:
         # old epoch (frames the ring was carrying) is dropped undecoded (kafila.proto.epoch)
         channels = [LinkChannel(held.links[n], n, decision.epoch) for n in survivors]
         serves = [asyncio.ensure_future(self.server.serve(c)) for c in channels]
+        parts: EpochParts | None = None
         try:
             node, code = held.node, held.code
             assert node is not None and code is not None
@@ -302,7 +332,11 @@ class HostEpochs:
             parts = await epoch_parts(
                 held.name, code, new, ckpt, links, self.opts, self.serving, decision.epoch, _held(role)
             )
-            await asyncio.wait_for(asyncio.gather(*self._ready.values()), READY_S)
+            await asyncio.wait_for(asyncio.shield(ready), READY_S)
+        except asyncio.CancelledError:  # abandoned: the channels built for this epoch stop beating
+            if parts is not None:
+                _retire(parts)
+            raise
         finally:
             for job in serves:
                 if not job.done():
@@ -315,12 +349,13 @@ class HostEpochs:
         head = isinstance(role, RingHead)
         first = role.first_token() if isinstance(role, RingHead) else None
         resumed = _resume(role, decision.epoch, parts)
+        # the new epoch is in place: a loss from now on re-plans from it
+        self.membership, self._moving = moves.committed(self.membership, move), None
+        held.plan = new
         carried = resumed if head else None  # only the head knows
         for n in survivors:
             with contextlib.suppress(LinkError):
                 await _send(held.links[n], sm.Resume(decision.epoch))
-        self.membership = replace(m, epoch=decision.epoch, plan=new, present=m.present - self._gone)
-        held.plan = new
         role.changed("serving", decision.cause, lost_to_ready_s=round(ready_s, 3), bytes_fetched=fetched)
         role.go()  # a head sends again from now on: every member's new role is running
         metrics.observe_plan(decision.epoch)
@@ -341,7 +376,7 @@ class HostEpochs:
             ready_s=ready_s,
             carried=carried,
         )
-        _spawn(self._record_first_token(record, first, lost_at))
+        held.spawn(self._record_first_token(record, first, lost_at), "replan_record")
         self._paths.watch(held.links)  # the new epoch's links; paths settled meanwhile count now
         self._reprice()
 
@@ -363,6 +398,7 @@ class HostEpochs:
 
     async def _end(self, reason: str) -> None:
         """The session ends: every member is told why, every request fails with it, the host stops."""
+        self._ending = True
         self._paths.close()
         say(f"the session ends: {reason}")
         log.warning("session_ended", reason=reason)
@@ -392,6 +428,7 @@ class MemberEpochs:
 
     def __post_init__(self) -> None:
         self._job: asyncio.Task[None] | None = None
+        self._seen = 1  # the newest epoch this member serves or was told to move to
         self._paths = PathWatch(self._report_path)
 
     def start(self) -> None:
@@ -413,12 +450,12 @@ class MemberEpochs:
     def _report_path(self, peer: str, direct: bool) -> None:
         link = self.held.links.get(self.held.host)
         if link is not None and not link.closed:
-            _spawn(self._tell(link, sm.PathReport(peer, direct)))
+            self.held.spawn(self._tell(link, sm.PathReport(peer, direct)), "tell_path")
 
     def _broken(self, broken: RingBroken) -> None:
         held = self.held
         if held.plan is not None and broken.blames(held.name):
-            _spawn(self._left_out(broken))
+            held.spawn(self._left_out(broken), "left_out")
             return
         if held.plan is None or not lost_member(broken, held.plan, held.host, held.name):
             say(broken_line(held.name, broken))
@@ -428,8 +465,8 @@ class MemberEpochs:
         link = held.links.get(held.host)
         if link is not None:
             lost = sm.MemberLost(broken.member, broken.cause.value, broken.detail)
-            _spawn(self._tell(link, lost))
-        _spawn(held.ring().pause())
+            held.spawn(self._tell(link, lost), "tell_lost")
+        held.spawn(held.ring().pause(), "pause")
 
     @staticmethod
     async def _tell(link: Link, msg: sm.EpochMessage) -> None:
@@ -439,10 +476,13 @@ class MemberEpochs:
     def _heard(self, peer: str, msg: sm.EpochMessage) -> None:
         role = self.held.ring()
         if isinstance(msg, sm.NewEpoch):
-            if self._job is None or self._job.done():
-                self._job = asyncio.ensure_future(self._move(msg))
+            if not moves.newer(max(self._seen, role.epoch), msg.epoch):
+                log.info("epoch_message_stale", peer=peer, op=msg.OP, epoch=msg.epoch, seen=self._seen)
+                return
+            self._seen, running = msg.epoch, self._job  # a newer epoch abandons the move running
+            self._job = self.held.spawn(_after(running, self._move(msg)), "move")
         elif isinstance(msg, sm.Resume):
-            if msg.epoch == role.epoch:
+            if msg.epoch == role.epoch == self._seen:  # not an epoch a newer move abandoned
                 role.changed("serving", role.change["cause"] if role.change else "re-planned")
                 role.go()
                 metrics.observe_state("serving")
@@ -451,7 +491,7 @@ class MemberEpochs:
                 ring = " -> ".join(plan.order) if plan is not None else "?"
                 say(f"epoch {msg.epoch} serving: ring {ring}")
         elif isinstance(msg, sm.SessionEnded):
-            _spawn(self._ended(msg.reason))
+            self.held.spawn(self._ended(msg.reason), "ended")
         else:
             log.warning("epoch_message_ignored", peer=peer, op=msg.OP, reason="not for a member")
 
@@ -461,6 +501,8 @@ class MemberEpochs:
     async def _ended_with(self, reason: str, line: str) -> None:
         """Fail what is held with `reason`, take nothing new, and end this member saying `line`."""
         self._paths.close()
+        if self._job is not None and not self._job.done():  # a move the session will not serve
+            self._job.cancel()
         role = self.held.ring()
         await role.pause()
         role.ending, role.on_broken = True, None  # the links closing now are the session ending

@@ -185,11 +185,21 @@ class RingHead(RoleBase):
         """Serve epoch `epoch` on `stage` and these channels, carrying every request on: each one
         admitted is prefilled again with its prompt and the tokens it has (its KV cache rebuilt on
         the new ring; its sampler kept, so a greedy answer goes on as it would have), queued ones
-        keep their places. Returns how many requests were carried."""
+        keep their places. Requests forwarded by a member the new ring leaves out are dropped: no
+        answer could reach its clients (a member counted lost fails them itself when it wakes).
+        Returns how many requests were carried."""
         old = self.schedule
         carried = [*old.active, *old.queue_positions()]
         for rid in list(self._ending):  # their frees will not come round: record what is known
             self._record(self._ending.pop(rid))
+        orphans = [rid for rid in carried if self._asked_from_outside(rid, info)]
+        for rid in orphans:
+            orphan = self._reqs.pop(rid)
+            orphan.finish = "cancelled"
+            self._record(orphan)
+        if orphans:
+            log.info("requests_dropped", epoch=epoch, count=len(orphans), reason="their member left the ring")
+        carried = [rid for rid in carried if rid not in orphans]
         self._flush_pending()
         self._retire(next_ch, prev_ch)
         self.stage, self.info, self.next, self.prev, self.epoch = stage, info, next_ch, prev_ch, epoch
@@ -208,6 +218,13 @@ class RingHead(RoleBase):
         self.broken = None
         self.start()  # its pump sends once the state is "serving" again (`go`)
         return len(carried)
+
+    def _asked_from_outside(self, rid: int, info: RingInfo) -> bool:
+        """Whether request `rid` came from a member that `info`'s ring leaves out."""
+        req, origin = self._reqs.get(rid), origin_of(rid)
+        if req is None or req.generation is not None or origin >= len(self.origins):
+            return False
+        return self.origins[origin] not in info.order
 
     # -- admission -------------------------------------------------------------------------------------
 

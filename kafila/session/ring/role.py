@@ -76,8 +76,23 @@ class RoleBase:
         return 0
 
     def _lost(self, broken: RingBroken) -> None:
-        """Fail what this role holds because the ring broke."""
-        self._fail_held("member_lost", broken.text())
+        """Fail what this role holds because the ring broke: a member the others counted lost
+        (`broken` names it) tells its clients that the session goes on without it, and where."""
+        self._fail_held("member_lost", self._broken_answer(broken))
+
+    def _broken_answer(self, broken: RingBroken) -> str:
+        """The error a request gets from this broken ring."""
+        return self._left_out_text(broken) if broken.blames(self.name) else broken.text()
+
+    def _left_out_text(self, broken: RingBroken) -> str:
+        """What this member's clients are told when the others counted it lost (a frozen process
+        that woke): the session goes on without it, on the members it knew, who the host re-plans
+        over. (Its requests are not carried on: the new ring has no way back to it.)"""
+        others = [n for n in self.info.order if n != self.name]
+        on = f" on the other members ({', '.join(others)})" if others else ""
+        return (
+            f"{broken.detail}: the session goes on without this member{on}; send the request to one of them"
+        )
 
     def _fail_held(self, code: str, message: str) -> None:
         """Fail every request this role holds (its own clients' and, at the head, everyone's)."""
@@ -95,7 +110,7 @@ class RoleBase:
         if self.state == "ended":
             raise GenerationError("member_lost", self.ended_reason)
         if self.broken is not None:
-            raise GenerationError("member_lost", self.broken.text())
+            raise GenerationError("member_lost", self._broken_answer(self.broken))
 
     def document(self) -> dict[str, Any]:
         """The /session part every role shares: the ring, its state and plan epoch, the last change."""
