@@ -119,8 +119,9 @@ def test_any_run_of_losses_is_plan_over_everyone_left_or_its_refusal(
     for k, name in enumerate(lost):
         step = on_loss(m, moving, name, "closed", float(k), QWEN8, TERMS)
         left = [r for r in reports if r.name not in lost[: k + 1]]
-        anchor = [r.name for r in left].index(full.head if full.head in [r.name for r in left] else "m0")
-        want = plan(left, QWEN8, context=4096, anchor=anchor)  # anchored at the serving head
+        kept = full.head in [r.name for r in left]  # a present serving head keeps the head
+        anchor = [r.name for r in left].index(full.head if kept else "m0")
+        want = plan(left, QWEN8, context=4096, anchor=anchor, keep_head=kept)  # at the serving head
         if not want.feasible:
             assert isinstance(step, End) and want.reason is not None and want.reason in step.reason
             return
