@@ -372,10 +372,10 @@ class MemberEpochs:
         or more, the host's link included): this member's network went, and the others count it
         lost. The break that says so, naming this member (None: the neighbour is the one gone)."""
         held, role = self.held, self.held.ring()
-        if broken.cause is not Cause.SILENT:
+        if broken.cause is not Cause.SILENT or held.plan is None:
             return None
-        now = asyncio.get_running_loop().time()
-        heard = {peer: link.last_heard for peer, link in held.links.items()}
+        now = asyncio.get_running_loop().time()  # (links of members re-planned away are not asked)
+        heard = {peer: link.last_heard for peer, link in held.links.items() if peer in held.plan.order}
         peers = cut_off(heard, now, role.bound / 2)
         if peers is None:
             return None
