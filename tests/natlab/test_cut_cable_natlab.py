@@ -17,7 +17,7 @@ Cost: full-cone routers punch every edge direct at once, the cheapest lab that s
 router between each member and the rest (two namespaces a member, built in well under a second).
 The members are what cost: each computes on one thread (--threads 1), as four members share this
 machine's two cores; with a thread per core each they fought over them (114 CPU-s for this test
-against 54 with one thread, measured side by side on the same loaded machine).
+against 54 with one thread, measured one run after the other on this machine at load 11-15).
 """
 
 from __future__ import annotations
