@@ -277,6 +277,13 @@ class Lab:
                 "ip", "daddr", other.wan, "drop",
             )  # fmt: skip
 
+    def cut_cable(self, site: Site) -> None:
+        """Cut the member host's cable: its router drops every packet to and from it (forwarded
+        both ways: its links, direct or relayed, and its rendezvous connection) until `unblock_all`."""
+        for way in ("saddr", "daddr"):
+            sh("ip", "netns", "exec", site.router, "nft", "add", "rule", "ip", "natlab", "block",
+               "ip", way, site.lan, "drop")  # fmt: skip
+
     def conntrack_udp_timeouts(self, site: Site, unreplied: int, stream: int) -> None:
         """Shorten how long this router remembers UDP flows (Linux: 30 s and 120 s)."""
         for name, value in (

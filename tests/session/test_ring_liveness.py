@@ -10,7 +10,7 @@ import pytest
 from kafila.api.service import GenerationError, Sampling
 from kafila.models.checkpoint import Checkpoint
 from kafila.proto.ring import Cause, RingBroken, departure_cause
-from kafila.session.ring.liveness import RECENT_S, TICK_S, StallWatch
+from kafila.session.ring.liveness import RECENT_S, TICK_S, StallWatch, cut_off
 from tests.session.ringkit import build_ring
 
 PROMPT = [1, 2, 3, 4, 5]
@@ -45,6 +45,22 @@ def test_a_gap_just_past_the_bound_but_within_a_tick_is_no_stall() -> None:
     """The gap between ticks overstates the stall by up to a tick: only past bound + tick is it sure."""
     watch = StallWatch(3.0, last=0.0)
     assert watch.tick(3.0 + TICK_S) is None
+
+
+def test_every_link_quiet_is_this_members_own_network_going() -> None:
+    assert cut_off({"alpha": 10.0, "beta": 9.0}, now=12.0, quiet_s=1.5) == ("alpha", "beta")
+    assert cut_off({"beta": None, "alpha": 10.0}, now=12.0, quiet_s=1.5) == ("alpha", "beta")
+
+
+def test_one_link_still_heard_is_a_neighbour_gone_not_this_member() -> None:
+    """The host (or any other peer) still heard: the silent neighbour is the one lost."""
+    assert cut_off({"alpha": 11.9, "beta": 9.0}, now=12.0, quiet_s=1.5) is None
+    assert cut_off({"alpha": 10.6, "beta": 9.0, "delta": 9.0}, now=12.0, quiet_s=1.5) is None
+
+
+def test_a_member_with_one_link_cannot_tell_its_network_from_the_host_going() -> None:
+    assert cut_off({"alpha": 1.0}, now=12.0, quiet_s=1.5) is None
+    assert cut_off({}, now=12.0, quiet_s=1.5) is None
 
 
 @pytest.mark.parametrize(

@@ -60,6 +60,7 @@ from kafila.session.progress import say
 from kafila.session.ring.build import EpochParts, Serving, broken_line, epoch_parts, shard_text
 from kafila.session.ring.compute import ModelThread
 from kafila.session.ring.head import RingHead
+from kafila.session.ring.liveness import cut_off
 from kafila.session.ring.member import RingMember
 from kafila.session.runtime import MemberRuntime
 from kafila.session.terms import Options
@@ -457,6 +458,10 @@ class MemberEpochs:
         if held.plan is not None and broken.blames(held.name):
             held.spawn(self._left_out(broken), "left_out")
             return
+        isolated = self._cut_off(broken)
+        if isolated is not None:  # not the neighbour's fault: every link went quiet at once
+            held.spawn(self._left_out(isolated), "left_out")
+            return
         if held.plan is None or not lost_member(broken, held.plan, held.host, held.name):
             say(broken_line(held.name, broken))
             return
@@ -467,6 +472,27 @@ class MemberEpochs:
             lost = sm.MemberLost(broken.member, broken.cause.value, broken.detail)
             held.spawn(self._tell(link, lost), "tell_lost")
         held.spawn(held.ring().pause(), "pause")
+
+    def _cut_off(self, broken: RingBroken) -> RingBroken | None:
+        """A neighbour gone silent while every link of this member is silent too (half the bound
+        or more, the host's link included): this member's network went, and the others count it
+        lost. The break that says so, naming this member (None: the neighbour is the one gone)."""
+        held, role = self.held, self.held.ring()
+        if broken.cause is not Cause.SILENT or held.plan is None:
+            return None
+        now = asyncio.get_running_loop().time()  # (links of members re-planned away are not asked)
+        heard = {peer: link.last_heard for peer, link in held.links.items() if peer in held.plan.order}
+        peers = cut_off(heard, now, role.bound / 2)
+        if peers is None:
+            return None
+        quiet = now - max((t for t in heard.values() if t is not None), default=now)
+        return RingBroken(
+            held.name,
+            Cause.SILENT,
+            f"this member ({held.name}) heard nothing from any other member ({', '.join(peers)}) for "
+            f"{quiet:.1f} s: its own network went (a cable cut, Wi-Fi gone), and past the ring's bound of "
+            f"{role.bound:g} s the others counted it lost",
+        )
 
     @staticmethod
     async def _tell(link: Link, msg: sm.EpochMessage) -> None:

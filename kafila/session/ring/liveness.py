@@ -10,6 +10,7 @@ the bound plus one tick is a stall.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 TICK_S = 0.25  # how often the role's watch runs
@@ -41,3 +42,14 @@ class StallWatch:
         if self.woke_at is not None and now - self.woke_at <= RECENT_S:
             return self.stalled_s
         return None
+
+
+def cut_off(heard: Mapping[str, float | None], now: float, quiet_s: float) -> tuple[str, ...] | None:
+    """The peers this member heard nothing from for `quiet_s` at `now`, when that is every one of
+    them and they are at least two (`heard`: peer -> when its link last heard it, None: never);
+    else None. A neighbour gone silent while every other link is silent too, the host's included,
+    says this member's own network went (its cable cut, its Wi-Fi gone): the others count it lost.
+    With one peer (the host alone), its network and the host's going are the same to it."""
+    if len(heard) < 2 or any(t is not None and now - t < quiet_s for t in heard.values()):
+        return None
+    return tuple(sorted(heard))
