@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
@@ -55,6 +55,9 @@ from kafila.session.runtime import MemberRuntime
 from kafila.session.terms import Options
 from kafila.session.weights.fetch import fetch_shard
 from kafila.session.weights.server import WeightServer
+
+if TYPE_CHECKING:
+    from kafila.session.forming.arrivals import HostArrivals
 
 log = get_logger("kafila.session.forming.epochs")
 
@@ -146,6 +149,7 @@ class HostEpochs:
     opts: Options
     serving: Serving
     traces: TraceLog | None = None
+    arrivals: HostArrivals | None = None  # members joining the serving session (forming.arrivals)
 
     def __post_init__(self) -> None:
         self._ready: dict[str, asyncio.Future[None]] = {}
@@ -225,12 +229,16 @@ class HostEpochs:
         )
         await role.pause()
         survivors = [n for n in new.order if n != held.name]
+        arriving = [n for n in survivors if n not in m.plan.order]  # joined, or spares planned in
         loop = asyncio.get_running_loop()
         self._ready = {n: loop.create_future() for n in survivors}
         sent_before = {n: _served(self.server, n) for n in survivors}
-        message = sm.NewEpoch(decision.epoch, new.to_dict(), decision.cause)
+        message = sm.NewEpoch(decision.epoch, new.to_dict(), decision.cause, dict(self.ids))
         for n in survivors:
-            await _send(held.links[n], message)
+            if n in arriving:
+                await self._invite(n, decision)
+            else:
+                await _send(held.links[n], message)
         # weights go on the control links in the new epoch's records: what is left there of the
         # old epoch (frames the ring was carrying) is dropped undecoded (kafila.proto.epoch)
         channels = [LinkChannel(held.links[n], n, decision.epoch) for n in survivors]
@@ -264,6 +272,8 @@ class HostEpochs:
         for n in survivors:
             with contextlib.suppress(LinkError):
                 await _send(held.links[n], sm.Resume(decision.epoch))
+        if arriving and self.arrivals is not None:
+            await self.arrivals.welcome(arriving)
         self.membership = replace(m, epoch=decision.epoch, plan=new, present=m.present - self._gone)
         held.plan = new
         role.changed("serving", decision.cause, lost_to_ready_s=round(ready_s, 3), bytes_fetched=fetched)
@@ -273,7 +283,7 @@ class HostEpochs:
         say(
             f"epoch {decision.epoch} serving: ring {' -> '.join(new.order)}; "
             + (f"{carried} request(s) carried on, " if carried is not None else "")
-            + f"{fetched / 1e6:.1f} MB fetched, ready {ready_s:.1f} s after the loss"
+            + f"{fetched / 1e6:.1f} MB fetched, ready {ready_s:.1f} s after the change"
         )
         record = ReplanRecord(
             session=code.public,
@@ -287,6 +297,39 @@ class HostEpochs:
             carried=carried,
         )
         _spawn(self._record_first_token(record, first, lost_at))
+
+    # ------------------------------------------------------------ members that arrive (forming.arrivals)
+
+    def admit(self, name: str, member: int, link: Link) -> None:
+        """`name` (member id `member`) joined the serving session and proved the code on `link`,
+        its control link from now on; a name lost before is a member coming back."""
+        self.ids[name] = member
+        self.held.links[name] = link
+        self._gone.discard(name)
+        _listen(link, name, self._heard)
+
+    def busy(self) -> bool:
+        """A re-plan is running (a change waits for it)."""
+        return self._job is not None and not self._job.done()
+
+    def ready_of(self, name: str) -> asyncio.Future[None] | None:
+        """What `name`'s readiness for the epoch being formed settles (None: none is)."""
+        return self._ready.get(name)
+
+    async def arrive(self, decision: Replan, at: float) -> None:
+        """Move to `decision`, a re-plan that takes in a member that arrived (or ends the session
+        if the move fails, as a loss's re-plan does)."""
+        self._job = asyncio.current_task()
+        try:
+            await self._move(decision, at)
+        except (SessionError, LinkError, TimeoutError, OSError, ValueError) as exc:
+            why = "a member was not ready in time" if isinstance(exc, TimeoutError) else str(exc)
+            await self._end(f"{decision.cause}; re-planning failed: {why}")
+
+    async def _invite(self, name: str, decision: Replan) -> None:
+        if self.arrivals is None:
+            raise SessionError(f"the plan for epoch {decision.epoch} names {name}, which is not in the ring")
+        await self.arrivals.invite(name, decision)
 
     async def _record_first_token(
         self, record: ReplanRecord, first: asyncio.Future[float] | None, lost_at: float
@@ -431,6 +474,8 @@ class MemberEpochs:
         role.changed("replanning", msg.cause)
         await role.pause()
         plan = Plan.from_dict(msg.plan)
+        if msg.ids is not None:  # a member that joined is in the plan: its id, to link with it
+            self.ids.update(msg.ids)
         if name not in plan.order:
             raise SessionError(f"the host's plan for epoch {msg.epoch} leaves {name} out")
         node, code = held.node, held.code
