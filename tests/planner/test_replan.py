@@ -113,6 +113,17 @@ def test_a_spare_is_used_when_someone_is_lost() -> None:
     assert on_lost(m, "e", "closed", QWEN8, TERMS) == Keep("spare e left (closed)", m.plan)
 
 
+def test_an_arrival_that_is_planned_in_takes_the_waiting_spares_in_too_and_says_so() -> None:
+    m = formed(FLEET[:3])
+    spare = dev("e", 24, 20)  # alone, not worth a re-plan
+    assert isinstance(on_arrived(m, spare, QWEN8, TERMS), Keep)
+    m = replace(m, reports=(*m.reports, spare), present=m.present | {"e"})
+    got = on_arrived(m, dev("f", 24, 800), QWEN8, TERMS)
+    assert isinstance(got, Replan) and {"e", "f"} <= set(got.plan.order)
+    assert got.cause.startswith("f joined: time per token ") and got.cause.endswith("better, with spare e")
+    assert {f.member for f in got.fetches} >= {"e", "f"}
+
+
 def test_a_member_that_comes_back_is_planned_in_again() -> None:
     fleet = [*FLEET[:3], dev("d", 24, 800)]  # the fastest member: the ring is worse without it
     m = formed(fleet)
