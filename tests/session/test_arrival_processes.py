@@ -87,10 +87,12 @@ def test_a_lost_member_comes_back_and_a_new_member_joins_the_serving_session(smo
     """Four members (as the loss tests: with three, losing one can move the head, which ends the
     session), the fp32 default model, no memory limit. On loopback every member measures about the
     same bandwidth and the planner prices each member's blocks on its own, so four members predict
-    a time per token about a fifth better than three (more than the 5% margin: the returning member
-    is planned in again), while a fifth predicts only a few percent better than four (it waits as a
-    spare, and is planned in when a member is lost). The test hard-codes neither: it checks that
-    the session did what the host's line, with the planner's gain, says."""
+    a time per token better than three; by how much depends on the probes (runs here saw 4.1%:
+    the returning member waited as a spare, and was planned in with the next arrival). The new
+    member offers 0.03 GB (--memory-gb), room for about 4 of the 30 blocks, so it adds little and
+    most likely waits as a spare: then a ring member is killed and the re-plan over everyone
+    present takes the spares in. The test hard-codes no decision: it checks that the session did
+    what the host's line, with the planner's gain against the 5% margin, says."""
     args = ("--dead-after", "3")
     with LocalFleet((None,) * 4, MODEL, context=512, concurrency=2, workdir=tmp_path, stagger=False,
                     extra_args=args) as fleet:  # fmt: skip
@@ -111,18 +113,22 @@ def test_a_lost_member_comes_back_and_a_new_member_joins_the_serving_session(smo
         assert _greedy(head_url) == before
 
         mark = len(host.log_text())
-        new = fleet.add_member("epsilon")
+        new = fleet.add_member("epsilon", ("--memory-gb", "0.03"))  # room for about 4 of 30 blocks
         epoch = _check_decision(fleet, new, _decision(host, "epsilon", mark), epoch)
         assert "epsilon arrived" in host.log_text()[mark:]
         assert _greedy(head_url) == before
-        if epoch > 2 and "epsilon" in fleet.session().get("spares", []):
-            # a spare is planned in when someone is lost: the returning member goes again
-            assert back.proc is not None
-            back.proc.send_signal(signal.SIGKILL)
-            doc = _until(
+        doc = fleet.session()
+        if doc["spares"]:  # a spare is planned in when someone is lost
+            gone = next(m for m in fleet.members[1:] if m.name in doc["ring"] and m.name != doc["head"])
+            assert gone.proc is not None
+            gone.proc.send_signal(signal.SIGKILL)
+            after = _until(
                 lambda: (d := fleet.session())["epoch"] == epoch + 1 and d["state"] == "serving" and d,
                 f"epoch {epoch + 1} serving",
             )
-            assert "epsilon" in doc["ring"] and back.name not in doc["ring"] and not doc["spares"], doc
-            _until(lambda: "session ready" in new.log_text(), "the spare serving")
+            assert set(doc["spares"]) <= set(after["ring"]) and not after["spares"], after
+            assert gone.name not in after["ring"]
+            for m in fleet.members:
+                if m.name in doc["spares"]:
+                    _until(lambda m=m: "session ready" in m.log_text(), f"spare {m.name} serving")
             assert _greedy(head_url) == before

@@ -68,7 +68,8 @@ class Newcomer:
     report: asyncio.Future[DeviceReport] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
-    job: asyncio.Task[None] | None = None
+    job: asyncio.Task[None] | None = None  # its admission, then the re-plan that takes it in
+    moving: bool = False  # the re-plan runs: its leaving fails that move, never cancels it
 
 
 class HostArrivals:
@@ -118,7 +119,7 @@ class HostArrivals:
     def _left(self, event: fm.Left) -> bool:
         newcomer = self.coming.pop(event.member, None)
         if newcomer is not None:
-            if newcomer.job is not None:
+            if newcomer.job is not None and not newcomer.moving:
                 newcomer.job.cancel()
             name, epochs = newcomer.name, self.epochs
             ready = epochs.ready_of(name)
@@ -203,6 +204,7 @@ class HostArrivals:
             await self._signal(newcomer.member, sm.Spare(reason).body())
             return
         epochs.membership = grown
+        newcomer.moving = True
         await epochs.arrive(decision, at)
 
     async def invite(self, name: str, decision: Replan) -> None:
