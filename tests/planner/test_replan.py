@@ -326,7 +326,7 @@ def test_any_arrival_is_plan_over_everyone_present_or_a_spare_within_the_margin(
     mems: list[float], bws: list[float], new: tuple[float, float]
 ) -> None:
     """A member that arrives is planned in exactly when plan() over everyone present with it
-    (anchored at the serving head) predicts a time per token better by more than the margin; the
+    (anchored at the serving head, which it keeps) predicts a time per token better by more than the margin; the
     new division is then that plan, and only what each member lacks is fetched."""
     reports = [dev(f"m{i}", mem, bws[i]) for i, mem in enumerate(mems)]
     full = plan(reports, QWEN8, context=4096, anchor=0)
@@ -336,7 +336,8 @@ def test_any_arrival_is_plan_over_everyone_present_or_a_spare_within_the_margin(
     comer = dev("new", *new)
     got = on_arrived(m, comer, QWEN8, TERMS)
     grown = [*reports, comer]
-    want = plan(grown, QWEN8, context=4096, anchor=[r.name for r in grown].index(full.head or "m0"))
+    head = full.head or "m0"  # the serving head, kept where it is (keep_head)
+    want = plan(grown, QWEN8, context=4096, anchor=[r.name for r in grown].index(head), keep_head=True)
     assert full.per_token_s is not None
     gain = None if want.per_token_s is None else (full.per_token_s - want.per_token_s) / full.per_token_s
     if want.feasible and gain is not None and gain > TERMS.mu:
