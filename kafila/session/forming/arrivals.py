@@ -31,6 +31,7 @@ from kafila.net.edge import LinkNode, connect_edge
 from kafila.net.errors import LinkAuthError, LinkError
 from kafila.net.signaling import SignalingClosed, SignalingError
 from kafila.obs.log import get_logger
+from kafila.planner.cost import fmt_bytes
 from kafila.planner.devices import DeviceReport
 from kafila.planner.replan import End, Keep, Replan, on_arrived
 from kafila.proto import session as sm
@@ -174,7 +175,7 @@ class HostArrivals:
         newcomer.name = report.name
         epochs.admit(report.name, newcomer.member, link)
         came = "is back" if back else "arrived"
-        say(f"{report.name} {came}: {report.memory_bytes / 1e9:.1f} GB for weights")
+        say(f"{report.name} {came}: {fmt_bytes(report.memory_bytes)} for weights")
         while epochs.busy():  # one change at a time: a re-plan running finishes first
             await asyncio.sleep(0.2)
         await self._decide(newcomer, report, time.monotonic())
