@@ -48,8 +48,6 @@ if TYPE_CHECKING:
 
 log = get_logger("kafila.session.forming.arrivals")
 
-REPORT_S = 120.0  # a newcomer that does not report within this (its probe: 10-20 s) is removed
-
 
 def arrival_name(report: DeviceReport, member: int, present: frozenset[str]) -> DeviceReport:
     """The report under the name it keeps in the session: its own (a name the session knew but
@@ -162,10 +160,11 @@ class HostArrivals:
             await self._refuse(newcomer, f"{newcomer.name} was not admitted: {why}", why)
             return
         say(f"{newcomer.name} holds the session code; waiting for its report")
+        within = epochs.opts.wait_s  # the host's --wait, as at forming (a probe takes 10-20 s)
         try:
-            report = await asyncio.wait_for(asyncio.shield(newcomer.report), REPORT_S)
+            report = await asyncio.wait_for(asyncio.shield(newcomer.report), within)
         except (TimeoutError, SessionError) as exc:
-            why = f"no report within {REPORT_S:g} s" if isinstance(exc, TimeoutError) else str(exc)
+            why = f"no report within {within:g} s" if isinstance(exc, TimeoutError) else str(exc)
             await link.close(why)
             await self._refuse(newcomer, f"{newcomer.name} was not admitted: {why}", why)
             return
