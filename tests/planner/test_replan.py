@@ -326,8 +326,8 @@ def test_any_arrival_is_plan_over_everyone_present_or_a_spare_within_the_margin(
     mems: list[float], bws: list[float], new: tuple[float, float]
 ) -> None:
     """A member that arrives is planned in exactly when plan() over everyone present with it
-    (anchored at the serving head, which it keeps) predicts a time per token better by more than the margin; the
-    new division is then that plan, and only what each member lacks is fetched."""
+    (anchored at the serving head, which it keeps) predicts a time per token better by more than
+    the margin; the new division is then that plan, and only what each member lacks is fetched."""
     reports = [dev(f"m{i}", mem, bws[i]) for i, mem in enumerate(mems)]
     full = plan(reports, QWEN8, context=4096, anchor=0)
     if not full.feasible:
