@@ -1,4 +1,5 @@
-"""`kafila join CODE`: join a session with its code and serve as a member."""
+"""`kafila join CODE`: join a session with its code (forming, or already serving) and serve as a
+member, or wait as a spare."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=positive_number,
         default=300.0,
         help="seconds to wait for the host's plan, and again for this member's links to come up "
-        "(default 300; the weight fetch itself has no limit, it shows its progress)",
+        "(default 300; the weight fetch itself has no limit, it shows its progress; a member the "
+        "host keeps as a spare waits for its plan with no limit)",
     )
     add_member_flags(parser)
 

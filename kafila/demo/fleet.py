@@ -190,6 +190,33 @@ class LocalFleet:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def add_member(self, name: str, args: Sequence[str] = (), wait_s: float | None = None) -> FleetMember:
+        """One more `kafila join` with the fleet's code into the serving session: a member that
+        was lost coming back under its name (its entry, whose process has ended, is replaced; the
+        new log is NAME.N.log) or a new one. Returns once its API address is printed (it serves,
+        or waits as a spare, as the host decides)."""
+        assert self.code is not None and self.workdir is not None
+        old = next((i for i, m in enumerate(self.members) if m.name == name), None)
+        if old is not None and (proc := self.members[old].proc) is not None and proc.poll() is None:
+            raise FleetError(f"member {name} still runs (pid {proc.pid})")
+        n = sum(m.log_path.name.startswith(f"{name}.") for m in self.members) + 1
+        suffix = "" if old is None else f".{n}"
+        member = FleetMember(
+            name,
+            None,
+            "join",
+            self.workdir / f"{name}{suffix}.log",
+            self.workdir / f"{name}{suffix}.trace.jsonl",
+        )
+        if old is None:
+            self.members.append(member)
+        else:
+            self.members[old] = member
+        self._launch(member, -1, list(args))
+        deadline = time.monotonic() + (self.wait_s if wait_s is None else wait_s)
+        member.api_url = self._wait_for(member, _API, deadline).group(1)
+        return member
+
     @property
     def api_urls(self) -> dict[str, str]:
         return {m.name: m.api_url for m in self.members if m.api_url}
@@ -379,13 +406,16 @@ class LocalFleet:
             time.sleep(0.1)
         raise FleetError("kafila rendezvous did not start", self._rdv_log)
 
-    def _launch(self, m: FleetMember, index: int) -> None:
+    def _launch(self, m: FleetMember, index: int, more: Sequence[str] | None = None) -> None:
+        """Start member `m`, the fleet's member `index` (-1: one added later, with `more` flags)."""
         assert self.rendezvous_url is not None and self.workdir is not None
-        port = self.api_ports[index] if self.api_ports else 0
+        port = self.api_ports[index] if self.api_ports and index >= 0 else 0
         common = ["--rendezvous", self.rendezvous_url, "--name", m.name, "--api", f"127.0.0.1:{port}"]
         common += ["--backend", self.backend, "--trace", str(m.trace_path)]
         common += ["--wait", str(int(self.wait_s)), *self.extra_args]
-        if self.member_args:
+        if more is not None:
+            common += list(more)
+        elif self.member_args:
             common += list(self.member_args[index])
         if m.role == "host":
             cmd = [
@@ -421,7 +451,8 @@ class LocalFleet:
         elif m.share is not None and self.shares_applied:
             m.cgroup = make_cgroup(f"{GROUP_PREFIX}{os.getpid()}-{self._serial}-{m.name}", m.share)
             argv = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(m.cgroup), *argv]
-        m.proc = _spawn(argv, m.log_path, self.member_env[index] if self.member_env else None)
+        env = self.member_env[index] if self.member_env and index >= 0 else None
+        m.proc = _spawn(argv, m.log_path, env)
         log.info("fleet_member_started", member=m.name, role=m.role, pid=m.proc.pid, share=m.share)
 
     def _wait_for(self, m: FleetMember, pattern: re.Pattern[str], deadline: float) -> re.Match[str]:

@@ -139,6 +139,9 @@ def on_arrived(m: Membership, report: DeviceReport, manifest: Manifest, terms: P
     if gain is None or gain <= terms.mu:
         return Keep(f"{report.name} waits as a spare: {_why_not(gain, terms.mu)}", m.plan)
     cause = f"{report.name} joined: time per token {_pct(gain)} better"
+    spares = [n for n in candidate.order if n not in m.plan.order and n != report.name]
+    if spares:  # the plan over everyone present takes waiting spares in too
+        cause += f", with spare{'s' if len(spares) > 1 else ''} {', '.join(spares)}"
     return _decided(grown, candidate, manifest, cause)
 
 

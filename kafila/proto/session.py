@@ -108,24 +108,32 @@ class Report:
 @dataclass(frozen=True)
 class PlanMessage:
     """host -> members: the plan (a Plan's dict), member ids by name, the terms, the divisions
-    compared (for /session)."""
+    compared (for /session), and the plan epoch it starts in: 1 at forming; a member that joined
+    the serving session (or a spare planned in) starts in the re-plan's epoch (left out when 1)."""
 
     plan: dict[str, Any]
     ids: dict[str, int]
     terms: SessionTerms
     alternatives: dict[str, Any] | None = None
+    epoch: int = 1
     OP: ClassVar[str] = "plan"
 
     def body(self) -> dict[str, Any]:
         terms = self.terms.to_dict()
-        return payload(self.OP, plan=self.plan, ids=self.ids, terms=terms, alternatives=self.alternatives)
+        more = {} if self.epoch == 1 else {"epoch": self.epoch}
+        return payload(
+            self.OP, plan=self.plan, ids=self.ids, terms=terms, alternatives=self.alternatives, **more
+        )
 
     @classmethod
     def parse(cls, body: Mapping[str, Any]) -> PlanMessage:
-        _check(body, cls.OP, {"plan", "ids", "terms", "alternatives"}, optional={"alternatives"})
-        ids = _object(body, "ids")
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in ids.values()):
-            raise SessionMessageError("plan: ids must map names to member ids")
+        _check(
+            body,
+            cls.OP,
+            {"plan", "ids", "terms", "alternatives", "epoch"},
+            optional={"alternatives", "epoch"},
+        )
+        ids = _ids(body, "plan")
         alternatives = body.get("alternatives")
         if alternatives is not None and not isinstance(alternatives, dict):
             raise SessionMessageError("plan: alternatives must be an object")
@@ -133,7 +141,15 @@ class PlanMessage:
             terms = SessionTerms.from_dict(body["terms"])
         except TermsError as exc:
             raise SessionMessageError(f"plan: {exc}") from None
-        return cls(_object(body, "plan"), dict(ids), terms, alternatives)
+        epoch = _epoch(body) if "epoch" in body else 1
+        return cls(_object(body, "plan"), ids, terms, alternatives, epoch)
+
+
+def _ids(body: Mapping[str, Any], op: str) -> dict[str, int]:
+    ids = _object(body, "ids")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in ids.values()):
+        raise SessionMessageError(f"{op}: ids must map names to member ids")
+    return dict(ids)
 
 
 @dataclass(frozen=True)
@@ -179,6 +195,14 @@ class Failed(_Reasoned):
     """member -> host: why this member cannot go on (the host ends the attempt with it)."""
 
     OP: ClassVar[str] = "failed"
+
+
+@dataclass(frozen=True)
+class Spare(_Reasoned):
+    """host -> a member that joined the serving session: it waits as a spare, and why (the
+    predicted gain and the margin, or the planner's reason); a `plan` may follow at any time."""
+
+    OP: ClassVar[str] = "spare"
 
 
 @dataclass(frozen=True)
@@ -240,20 +264,24 @@ MAX_CONTROL_BYTES = 1 << 20
 @dataclass(frozen=True)
 class NewEpoch:
     """host -> survivors: serving stops; move to `plan` (a Plan's dict) as epoch `epoch`, because
-    of `cause` ("m2 was lost (silent)")."""
+    of `cause` ("m2 was lost (silent)"); `ids`: member ids by name when the plan names a member
+    the survivors have not linked with before (one that joined), else None."""
 
     epoch: int
     plan: dict[str, Any]
     cause: str
+    ids: dict[str, int] | None = None
     OP: ClassVar[str] = "epoch"
 
     def body(self) -> dict[str, Any]:
-        return payload(self.OP, epoch=self.epoch, plan=self.plan, cause=self.cause)
+        more = {} if self.ids is None else {"ids": self.ids}
+        return payload(self.OP, epoch=self.epoch, plan=self.plan, cause=self.cause, **more)
 
     @classmethod
     def parse(cls, body: Mapping[str, Any]) -> NewEpoch:
-        _check(body, cls.OP, {"epoch", "plan", "cause"})
-        return cls(_epoch(body), _object(body, "plan"), _text(body, "cause"))
+        _check(body, cls.OP, {"epoch", "plan", "cause", "ids"}, optional={"ids"})
+        ids = _ids(body, cls.OP) if "ids" in body else None
+        return cls(_epoch(body), _object(body, "plan"), _text(body, "cause"), ids)
 
 
 @dataclass(frozen=True)

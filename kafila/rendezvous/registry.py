@@ -6,9 +6,12 @@ returned: `Send` a message to a connection, `Close` a connection, `Note` somethi
 (for the log). Counters for /metrics live here too (`joins`, `left`, `sessions`, `members`).
 
 Presence: any frame refreshes a member; `heartbeat_timeout_s` of silence times it out. A session
-dissolves when its last member is gone. Its code accepts joins while the session is not full and
-for `code_ttl_s` after the last open/join; a session still alone with its host when the code
-expires is dissolved (the host gets a fatal `code_expired`). The host may `remove` another member
+dissolves when its last member is gone. While it forms, its code accepts joins up to
+`members_expected` members and for `code_ttl_s` after the last open/join; a session still alone with
+its host when the code expires is dissolved (the host gets a fatal `code_expired`). Once it has
+formed (it held `members_expected` members at once, or was re-opened after a restart) it takes
+joins for as long as it lives, up to the per-session limit: a member that was lost coming back, or
+a new one; its host decides whether to plan them in. The host may `remove` another member
 (one that failed to authenticate): it leaves as "removed", gets a fatal `removed`, and its place
 frees up for another join.
 
@@ -105,6 +108,7 @@ class Session:
     salt: bytes | None = None  # the join verifier's salt and the verifier, once the host sent them
     verifier: bytes | None = None
     reopened: bool = False  # registered again after a restart: its members come back with `rejoin`
+    formed: bool = False  # held `members_expected` members at once, or re-opened: joins while it lives
 
 
 @dataclass(slots=True)
@@ -418,7 +422,7 @@ class Registry:
         session = self.sessions.get(code)
         if session is None:
             return err("unknown_session", f"no open session with code {code} (wrong or expired code)")
-        if now >= session.code_deadline:  # the session lives on; its code no longer takes joins
+        if now >= session.code_deadline and not session.formed:  # the session lives; its code is spent
             ttl = self.limits.code_ttl_s
             return err(
                 "unknown_session",
@@ -430,40 +434,69 @@ class Registry:
                 "not_ready", f"session {code} takes no joins yet (its host is still opening it); retry"
             )
         if self._full(session):
-            return err("session_full", f"session {code} already has its {session.members_expected} members")
+            return err(*self._full_refusal(session))
         return "ok", session
 
     def _full(self, session: Session) -> bool:
-        """A session takes `members_expected` members; one re-opened after a restart has formed, and
-        takes joins up to the per-session limit: its host decides about newcomers."""
-        places = self.limits.max_members if session.reopened else session.members_expected
+        """A forming session takes `members_expected` members; a formed one (or one re-opened after
+        a restart) takes joins up to the per-session limit: its host decides about newcomers."""
+        places = self.limits.max_members if session.formed else session.members_expected
         return len(session.members) >= min(places, self.limits.max_members)
+
+    def _full_refusal(self, session: Session) -> tuple[str, str]:
+        if session.formed:
+            cap = self.limits.max_members
+            return (
+                "session_full",
+                f"session {session.code} has {len(session.members)} members, the limit is {cap}",
+            )
+        return "session_full", f"session {session.code} already has its {session.members_expected} members"
 
     def _try_join(
         self, state: Conn, msg: sig.Join, now: float
     ) -> tuple[str, sig.Error | tuple[Session, Member]]:
-        err = partial(refusal, ref=msg.ref)
-
-        if state.session is not None:
-            return err("already_in_session", f"this connection is already in session {state.session}")
-        challenge = self._spend_challenge(state, msg.session, None, now)
-        if challenge is None:
-            return err(
-                "no_challenge", "ask for a join_challenge on this session first (a nonce serves one join)"
-            )
-        session = self.sessions.get(challenge[0])
-        if session is None or session.verifier is None or now >= session.code_deadline:
-            return err("unknown_session", f"session {challenge[0]} no longer takes joins")
-        refused = self._check_proof(state, session, msg.proof, challenge[1], now)
-        if refused is not None:
-            return err(*refused)
+        outcome, session = self._proven(state, msg.session, msg.proof, None, msg.ref, now)
+        if isinstance(session, sig.Error):
+            return outcome, session
         if self._full(session):
-            return err(
-                "session_full", f"session {session.code} already has its {session.members_expected} members"
-            )
+            return refusal(*self._full_refusal(session), msg.ref)
         session.joins += 1
         session.code_deadline = now + self.limits.code_ttl_s
-        return "ok", (session, self._add_member(session, state, msg, host=False))
+        member = self._add_member(session, state, msg, host=False)
+        if len(session.members) >= session.members_expected:
+            session.formed = True  # from now on its host decides about newcomers
+        return "ok", (session, member)
+
+    def _proven(
+        self, state: Conn, text: str, proof: str, member: int | None, ref: str | None, now: float
+    ) -> tuple[str, sig.Error | Session]:
+        """The prologue a join and a rejoin share: the connection is in no session, it spends its
+        live challenge for this request (a join: `member` None; a rejoin: its member), the session
+        still takes it, and `proof` proves the code on that challenge's nonce."""
+        err = partial(refusal, ref=ref)
+        if state.session is not None:
+            return err("already_in_session", f"this connection is already in session {state.session}")
+        challenge = self._spend_challenge(state, text, member, now)
+        if challenge is None:
+            if member is None:
+                return err(
+                    "no_challenge", "ask for a join_challenge on this session first (a nonce serves one join)"
+                )
+            return err(
+                "no_challenge",
+                f"ask for a rejoin_challenge for member {member} on this session first "
+                "(a nonce serves one rejoin)",
+            )
+        session = self.sessions.get(challenge[0])
+        if session is None or session.verifier is None:
+            gone = "no longer takes joins" if member is None else "is gone"
+            return err("unknown_session", f"session {challenge[0]} {gone}")
+        if member is None and now >= session.code_deadline and not session.formed:
+            return err("unknown_session", f"session {challenge[0]} no longer takes joins")
+        refused = self._check_proof(state, session, proof, challenge[1], now)
+        if refused is not None:
+            return err(*refused)
+        return "ok", session
 
     def _spend_challenge(
         self, state: Conn, text: str, member: int | None, now: float
@@ -569,6 +602,7 @@ class Registry:
         if session is None:
             session = Session(code, msg.model, msg.members_expected, now + self.limits.code_ttl_s)
             session.salt, session.verifier, session.reopened = salt, verifier, True
+            session.formed = True
             self.sessions[code] = session
         session.next_id = max(session.next_id, msg.next_member)
         member = self._add_member(session, state, msg, host=True, mid=msg.member)
@@ -698,27 +732,13 @@ class Registry:
     def _try_rejoin(
         self, state: Conn, msg: sig.Rejoin, now: float
     ) -> tuple[str, sig.Error | tuple[Session, Member]]:
-        err = partial(refusal, ref=msg.ref)
-
-        if state.session is not None:
-            return err("already_in_session", f"this connection is already in session {state.session}")
-        challenge = self._spend_challenge(state, msg.session, msg.member, now)
-        if challenge is None:
-            return err(
-                "no_challenge",
-                f"ask for a rejoin_challenge for member {msg.member} on this session first "
-                "(a nonce serves one rejoin)",
-            )
-        session = self.sessions.get(challenge[0])
-        if session is None or session.verifier is None:
-            return err("unknown_session", f"session {challenge[0]} is gone")
-        refused = self._check_proof(state, session, msg.proof, challenge[1], now)
-        if refused is not None:
-            return err(*refused)
-        outcome, free = self._place_free(session, msg.member, msg.ref)
+        outcome, proven = self._proven(state, msg.session, msg.proof, msg.member, msg.ref, now)
+        if isinstance(proven, sig.Error):
+            return outcome, proven
+        outcome, free = self._place_free(proven, msg.member, msg.ref)
         if isinstance(free, sig.Error):
             return outcome, free
-        return "rejoined", (session, self._add_member(session, state, msg, host=False, mid=msg.member))
+        return "rejoined", (free, self._add_member(free, state, msg, host=False, mid=msg.member))
 
     # ------------------------------------------------------------ in-session requests
 

@@ -115,6 +115,17 @@ def test_a_spare_is_used_when_someone_is_lost() -> None:
     assert on_lost(m, "e", "closed", QWEN8, TERMS) == Keep("spare e left (closed)", m.plan)
 
 
+def test_an_arrival_that_is_planned_in_takes_the_waiting_spares_in_too_and_says_so() -> None:
+    m = formed(FLEET[:3])
+    spare = dev("e", 24, 20)  # alone, not worth a re-plan
+    assert isinstance(on_arrived(m, spare, QWEN8, TERMS), Keep)
+    m = replace(m, reports=(*m.reports, spare), present=m.present | {"e"})
+    got = on_arrived(m, dev("f", 24, 800), QWEN8, TERMS)
+    assert isinstance(got, Replan) and {"e", "f"} <= set(got.plan.order)
+    assert got.cause.startswith("f joined: time per token ") and got.cause.endswith("better, with spare e")
+    assert {f.member for f in got.fetches} >= {"e", "f"}
+
+
 def test_a_member_that_comes_back_is_planned_in_again() -> None:
     fleet = [*FLEET[:3], dev("d", 24, 800)]  # the fastest member: the ring is worse without it
     m = formed(fleet)
@@ -328,3 +339,37 @@ def test_the_host_keeps_measured_relays_in_its_reports_for_later_replans() -> No
     assert by["host"].relayed_with == {"b"} and by["b"].relayed_with == {"host"}
     assert not by["c"].relayed_with
     assert measured_reports(reports, {("host", "c"): True}) == reports  # nothing contradicted
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    mems=st.lists(st.floats(4, 40), min_size=2, max_size=4),
+    bws=st.lists(st.floats(20, 800), min_size=4, max_size=4),
+    new=st.tuples(st.floats(1, 40), st.floats(5, 1000)),
+)
+def test_any_arrival_is_plan_over_everyone_present_or_a_spare_within_the_margin(
+    mems: list[float], bws: list[float], new: tuple[float, float]
+) -> None:
+    """A member that arrives is planned in exactly when plan() over everyone present with it
+    (anchored at the serving head, which it keeps) predicts a time per token better by more than
+    the margin; the new division is then that plan, and only what each member lacks is fetched."""
+    reports = [dev(f"m{i}", mem, bws[i]) for i, mem in enumerate(mems)]
+    full = plan(reports, QWEN8, context=4096, anchor=0)
+    if not full.feasible:
+        return
+    m = Membership(2, full, tuple(reports), frozenset(r.name for r in reports), "m0")
+    comer = dev("new", *new)
+    got = on_arrived(m, comer, QWEN8, TERMS)
+    grown = [*reports, comer]
+    head = full.head or "m0"  # the serving head, kept where it is (keep_head)
+    want = plan(grown, QWEN8, context=4096, anchor=[r.name for r in grown].index(head), keep_head=True)
+    assert full.per_token_s is not None
+    gain = None if want.per_token_s is None else (full.per_token_s - want.per_token_s) / full.per_token_s
+    if want.feasible and gain is not None and gain > TERMS.mu:
+        event("planned in")
+        assert isinstance(got, Replan) and got.plan == want and got.epoch == 3
+        assert got.fetches == fetches(full, want, QWEN8)
+        assert "new joined" in got.cause
+    else:
+        event("spare")
+        assert isinstance(got, Keep) and got.plan == full and got.reason.startswith("new waits as a spare")

@@ -22,7 +22,13 @@ JSON = st.recursive(
 EPOCHS = st.integers(1, session.MAX_EPOCH)
 TEXT = st.text(max_size=60)
 EPOCH_MESSAGES = st.one_of(
-    st.builds(session.NewEpoch, EPOCHS, st.dictionaries(st.text(max_size=8), JSON, max_size=4), TEXT),
+    st.builds(
+        session.NewEpoch,
+        EPOCHS,
+        st.dictionaries(st.text(max_size=8), JSON, max_size=4),
+        TEXT,
+        st.none() | st.dictionaries(st.text(max_size=8), st.integers(1, 99), max_size=4),
+    ),
     st.builds(session.EpochReady, EPOCHS),
     st.builds(session.Resume, EPOCHS),
     st.builds(session.EpochFailed, EPOCHS, TEXT),

@@ -28,6 +28,7 @@ TERMS = st.builds(
     st.sampled_from(session.DIVISIONS),
     st.sampled_from(session.SESSION_QUANTS),
 )
+SOME_TERMS = SessionTerms("m", 64, 8, session.SESSION_DTYPES[0], 512, 1, session.DIVISIONS[0])
 KEYS = ["model", "chunk", "queue", "dtype", "context", "concurrency", "division", "quant", "v"]
 JSON = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
 
@@ -78,14 +79,24 @@ FORMING = st.one_of(
         st.dictionaries(st.text(max_size=10), st.integers(0, 1000), max_size=4),
         TERMS,
         st.none() | st.dictionaries(st.text(max_size=10), JSON, max_size=3),
+        st.integers(1, session.MAX_EPOCH),
     ),
     st.builds(session.Refused, st.text(max_size=100)),
+    st.builds(session.Spare, st.text(max_size=100)),
     st.builds(session.Failed, st.text(max_size=100)),
     st.just(session.Ready()),
     st.just(session.AllReady()),
 )
 KINDS = {
-    c.OP: c for c in (session.Report, session.PlanMessage, session.Refused, session.Failed, session.Ready)
+    c.OP: c
+    for c in (
+        session.Report,
+        session.PlanMessage,
+        session.Refused,
+        session.Spare,
+        session.Failed,
+        session.Ready,
+    )
 }
 KINDS["formed"] = session.AllReady
 
@@ -115,4 +126,14 @@ def test_a_forming_message_names_what_is_wrong() -> None:
         session.Refused.parse(session.Refused("no").body() | {session.KEY: 2})
     with pytest.raises(session.SessionMessageError, match="reason must be text"):
         session.Failed.parse(session.payload("failed", reason=3))
-    assert set(KINDS) == {"report", "plan", "refused", "failed", "ready", "formed"}
+    assert set(KINDS) == {"report", "plan", "refused", "spare", "failed", "ready", "formed"}
+    with pytest.raises(session.SessionMessageError, match="epoch must be an integer from 1"):
+        session.PlanMessage.parse(session.PlanMessage({}, {}, SOME_TERMS).body() | {"epoch": 0})
+
+
+def test_a_plan_of_the_first_epoch_is_sent_as_forming_always_sent_it() -> None:
+    """A plan for epoch 1 leaves `epoch` out, so a forming member of the version before reads it."""
+    terms = SOME_TERMS
+    assert "epoch" not in session.PlanMessage({}, {"a": 1}, terms).body()
+    late = session.PlanMessage({}, {"a": 1}, terms, epoch=3)
+    assert session.PlanMessage.parse(late.body()).epoch == 3

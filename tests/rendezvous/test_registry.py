@@ -103,10 +103,12 @@ def test_wrong_code_and_malformed_code() -> None:
 
 def test_session_full_and_member_cap() -> None:
     reg = make(max_members=4)
-    code = open_session(reg, expected=2)
+    code = open_session(reg, expected=3)
     join(reg, 2, code)
-    (err,) = sends(join(reg, 3, code))
-    assert isinstance(err, sig.Error) and err.code == "session_full"
+    join(reg, 3, code)
+    join(reg, 4, code)  # formed at 3: a fourth is its host's to decide about, up to the cap
+    (err,) = sends(join(reg, 5, code))
+    assert err == sig.Error("session_full", f"session {code} has 4 members, the limit is 4")
     reg.connect(9, "10.9.9.9", 0.0)
     (err,) = sends(reg.receive(9, sig.Open("m", 5, "big", {}), 0.0))
     assert (
@@ -419,8 +421,42 @@ def test_one_sources_refusals_are_logged_ten_a_minute_then_counted() -> None:
     assert sum(e["outcome"] == "ok" for e in joins) == 20  # what worked is never sampled
 
 
+def test_join_into_a_formed_session_is_admitted_up_to_the_cap_for_as_long_as_it_lives() -> None:
+    """A formed session (it held its members_expected members) takes joins after its code's time:
+    a member that was lost coming back under its own name, and a new one, each proving the code;
+    a wrong proof is refused and counted as before; the per-session cap still holds."""
+    reg = make(max_members=4, code_ttl_s=100.0, heartbeat_timeout_s=1e9)
+    code = open_session(reg, expected=3)
+    join(reg, 2, code, 1.0)
+    join(reg, 3, code, 2.0)
+    assert reg.sessions[code].formed
+    reg.disconnect(3, 50.0)  # m3 is lost
+    events = join(reg, 13, code, 500.0)  # m3 again, long after the code's time, on a new connection
+    (joined,) = sends(events, 13)
+    assert isinstance(joined, sig.Joined) and joined.member == 4
+    assert [m.name for m in joined.members] == ["host1", "m2", "m13"]
+    assert sends(events, 1)[0] == sig.MemberJoined(joined.members[-1])
+    (err,) = sends(join(reg, 5, code, 501.0, key=WRONG_KEY), 5)
+    assert isinstance(err, sig.Error) and err.code == "wrong_secret"
+    (joined,) = sends(join(reg, 6, code, 502.0), 6)
+    assert isinstance(joined, sig.Joined) and len(joined.members) == 4
+    (err,) = sends(join(reg, 7, code, 503.0), 7)
+    assert err == sig.Error("session_full", f"session {code} has 4 members, the limit is 4")
+    assert reg.joins["ok"] == 4 and reg.joins["wrong_secret"] == 1 and reg.joins["session_full"] == 1
+
+
+def test_a_session_still_forming_takes_no_join_past_its_count_or_its_code_time() -> None:
+    reg = make(code_ttl_s=100.0, heartbeat_timeout_s=1e9)
+    code = open_session(reg, expected=3)
+    join(reg, 2, code, 1.0)
+    reg.disconnect(2, 2.0)
+    assert not reg.sessions[code].formed  # never held its three members
+    (err,) = sends(join(reg, 3, code, 200.0))
+    assert isinstance(err, sig.Error) and err.code == "unknown_session" and "code expired" in err.message
+
+
 def test_host_removes_a_member_whose_place_then_takes_another_join() -> None:
-    reg = make()
+    reg = make(max_members=3)
     code = open_session(reg, expected=3)
     join(reg, 2, code)
     join(reg, 3, code)

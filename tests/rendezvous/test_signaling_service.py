@@ -231,7 +231,7 @@ async def test_a_bug_in_the_core_is_reported_and_the_connection_survives(
 async def test_host_removes_a_member_who_is_closed_and_whose_place_takes_a_new_join(
     start_rendezvous: Factory,
 ) -> None:
-    server = await start_rendezvous()
+    server = await start_rendezvous(max_members=3)  # formed at 3, so the cap is what is full
     host = await SignalingClient.connect(server.url)
     opened, code = await open_protected(host, "m", 3, "host", CAP)
     honest = await SignalingClient.connect(server.url)

@@ -845,3 +845,32 @@ def test_the_host_prints_each_plan_note_once_under_the_plans():
     assert all(n.startswith("note: ") for n in notes) and len(set(notes)) == len(notes)
     assert any(n.startswith("note: ring ordered by the NAT counting rule") for n in notes)  # every plan's
     assert any(n.startswith("note: 1 request in flight cannot keep 2 stages busy") for n in notes)
+
+
+def test_a_member_kept_as_a_spare_waits_for_a_plan_without_a_deadline_and_starts_in_its_epoch() -> None:
+    """A member that joined a serving session: the host keeps it as a spare (it says why) and it
+    waits past its --wait; a plan that comes later starts it in the re-plan's epoch."""
+    core = member(wait_s=10.0, now=50.0)
+    why = "gamma waits as a spare: time per token 3.2% better, not more than the 5.0% margin"
+    out = core.handle(fm.Message(HOST, fm.payload("spare", reason=why)), 51.0)
+    assert out == [
+        fm.Say(
+            f"the host keeps this member as a spare ({why}); it is planned in when a member is lost or "
+            "it would make the session faster"
+        )
+    ]
+    assert core.step is Step.AWAITING_PLAN and core.tick(5000.0) == []
+    body = plan_body(["alpha", "beta", "gamma"], IDS) | {"epoch": 4}
+    link = only(core.handle(fm.Message(HOST, body), 5001.0), fm.LinkNow)
+    assert link.epoch == 4 and link.me == "gamma"
+    assert only(core.handle(fm.Message(HOST, fm.payload("spare", reason="x")), 5002.0), fm.Rejected)
+
+
+def test_a_plan_at_forming_starts_in_the_first_epoch() -> None:
+    core = member()
+    assert (
+        only(
+            core.handle(fm.Message(HOST, plan_body(["alpha", "beta", "gamma"], IDS)), 51.0), fm.LinkNow
+        ).epoch
+        == 1
+    )

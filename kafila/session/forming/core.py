@@ -146,6 +146,7 @@ class LinkNow:
     host: str
     terms: sm.SessionTerms  # what the host decided: model, dtype, chunk, queue, ...
     alternatives: dict[str, Any] | None  # the divisions the host compared, for /session
+    epoch: int = 1  # the plan epoch to start in (later than 1: joining a serving session)
 
 
 @dataclass(frozen=True)
@@ -597,11 +598,28 @@ class MemberFormation(_Machine):
                 return [Rejected(sender, f"an unreadable 'formed' from the host: {exc}")]
             self.step, self.deadline = Step.FORMED, None
             return [Formed(tuple(self.ids))]
+        if op == "spare" and self.step is Step.AWAITING_PLAN:
+            return self._spare(sender, body)
         if op != "plan":
             return [Rejected(sender, f"unexpected '{op}' from the host")]
         if self.step is not Step.AWAITING_PLAN:
             return [Rejected(sender, f"a second plan from the host while {self.step.value}")]
         return self._plan(body)
+
+    def _spare(self, sender: int, body: dict[str, Any]) -> list[Output]:
+        """The session serves without this member for now: it waits as a spare, with no deadline,
+        for a plan (when a member is lost, or a later change makes it worth planning in)."""
+        try:
+            why = sm.Spare.parse(body).reason
+        except SessionMessageError as exc:
+            return [Rejected(sender, f"an unreadable 'spare' from the host: {exc}")]
+        self.deadline = None
+        return [
+            Say(
+                f"the host keeps this member as a spare ({why}); it is planned in when a member is "
+                "lost or it would make the session faster"
+            )
+        ]
 
     def _plan(self, body: dict[str, Any]) -> list[Output]:
         try:
@@ -621,4 +639,4 @@ class MemberFormation(_Machine):
         renamed = (
             [Say(f"this member is {me} in the session: {self.name} was taken")] if me != self.name else []
         )
-        return [*renamed, LinkNow(plan, ids, me, host, terms, alternatives)]
+        return [*renamed, LinkNow(plan, ids, me, host, terms, alternatives, msg.epoch)]

@@ -87,6 +87,9 @@ class Driver:
         # once formed: the rendezvous says a member (by name) left, with its reason ("disconnected")
         self.on_left: Callable[[str, str], None] | None = None
         self.serving = False  # formed: a rendezvous lost is reconnected to (serve_formed)
+        # once formed: events about members joining the serving session (the host's arrivals,
+        # kafila.session.forming.arrivals); True when taken there, else the core has them
+        self.on_event: Callable[[fm.Event], bool] | None = None
 
     @staticmethod
     def now() -> float:
@@ -155,12 +158,12 @@ class Driver:
                 task.cancel()  # an unconsumed event stays in the queue
 
     async def serve_formed(self, links: dict[str, Link], status: dict[str, Any]) -> None:
-        """After forming (a task until the member ends): keep feeding the core, so the host refuses
-        whoever joins the formed session; when the rendezvous is lost (the ring does not need it to
-        serve), reconnect with back-off and register the session again (kafila.session.forming.
-        reconnect), saying so on the console and on /session (its "rendezvous" "state":
-        "reconnecting" with the "attempt" and "reason", "connected" again, or "lost" when it
-        refused this member for good)."""
+        """After forming (a task until the member ends): keep feeding the core (and `on_event`:
+        the host admits whoever joins the formed session); when the rendezvous is lost (the ring
+        does not need it to serve), reconnect with back-off and register the session again
+        (kafila.session.forming.reconnect), saying so on the console and on /session (its
+        "rendezvous" "state": "reconnecting" with the "attempt" and "reason", "connected" again, or
+        "lost" when it refused this member for good)."""
         self.close()
         self.serving = True
         lost = asyncio.ensure_future(self.client.lost())
@@ -178,6 +181,8 @@ class Driver:
                     lost, pump = asyncio.ensure_future(self.client.lost()), _pump(self.router)
                     continue
                 event = self._translate(nxt.result())
+                if event is not None and self.on_event is not None and self.on_event(event):
+                    continue
                 if isinstance(event, fm.Left):  # the runtime checks the member's link and breaks the ring
                     if self.on_left is not None:
                         self.on_left(self.core.name_of(event.member), event.reason)

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
@@ -66,6 +66,9 @@ from kafila.session.runtime import MemberRuntime
 from kafila.session.terms import Options
 from kafila.session.weights.fetch import fetch_shard
 from kafila.session.weights.server import WeightServer
+
+if TYPE_CHECKING:
+    from kafila.session.forming.arrivals import HostArrivals
 
 log = get_logger("kafila.session.forming.epochs")
 
@@ -163,6 +166,7 @@ class HostEpochs:
     serving: Serving
     traces: TraceLog | None = None
     probed: tuple[DeviceReport, ...] = ()  # the members' reports as they sent them (round trips)
+    arrivals: HostArrivals | None = None  # members joining the serving session (forming.arrivals)
 
     def __post_init__(self) -> None:
         self._moving: moves.Move | None = None  # the re-plan in flight (kafila.planner.moves)
@@ -194,28 +198,36 @@ class HostEpochs:
             if msg.member in self.membership.plan.order and msg.member != self.membership.host:
                 self.lost(msg.member, msg.cause, msg.detail)
         elif isinstance(msg, sm.EpochReady):
-            moving = moves.on_ready(self._moving, peer, msg.epoch)
-            if moving is None:
-                log.info("epoch_message_stale", peer=peer, op=msg.OP, epoch=msg.epoch)
-                return
-            self._moving = moving
-            if (
-                not moving.waits_for(self.membership.host)
-                and self._ready is not None
-                and not self._ready.done()
-            ):
-                self._ready.set_result(None)
+            self.ready(peer, msg.epoch)
         elif isinstance(msg, sm.EpochFailed):
-            if not moves.is_current(self._moving, msg.epoch):
-                log.info("epoch_message_stale", peer=peer, op=msg.OP, epoch=msg.epoch)
-            elif self._ready is not None and not self._ready.done():
-                self._ready.set_exception(
-                    SessionError(f"member {peer} could not move to epoch {msg.epoch}: {msg.reason}")
-                )
+            self.failed(peer, msg.epoch, f"member {peer} could not move to epoch {msg.epoch}: {msg.reason}")
         elif isinstance(msg, sm.PathReport):
             self.path(peer, msg.peer, msg.direct)
         else:
             log.warning("epoch_message_ignored", peer=peer, op=msg.OP, reason="not for the host")
+
+    def ready(self, peer: str, epoch: int | None = None) -> None:
+        """`peer` is ready for `epoch` (None: the move in flight's; a newcomer's `ready` over
+        signaling names none): once every member of the move is, it resumes."""
+        at = epoch if epoch is not None else (self._moving.epoch if self._moving is not None else 0)
+        moving = moves.on_ready(self._moving, peer, at)
+        if moving is None:
+            log.info("epoch_message_stale", peer=peer, op="epoch_ready", epoch=epoch)
+            return
+        self._moving = moving
+        if not moving.waits_for(self.membership.host) and self._ready is not None and not self._ready.done():
+            self._ready.set_result(None)
+
+    def failed(self, peer: str, epoch: int | None, why: str) -> None:
+        """`peer` cannot move to `epoch` (None: the move in flight's): that move fails, with `why`."""
+        if epoch is not None and not moves.is_current(self._moving, epoch):
+            log.info("epoch_message_stale", peer=peer, op="epoch_failed", epoch=epoch)
+        elif self._ready is not None and not self._ready.done():
+            self._ready.set_exception(SessionError(why))
+
+    def moving_into(self, name: str) -> bool:
+        """Whether the move in flight waits for `name` to say it is ready."""
+        return self._moving is not None and name in self._moving.waits_for(self.membership.host)
 
     def path(self, a: str, b: str, direct: bool) -> None:
         """Member `a`'s link to `b` has settled on a path (kafila.session.forming.paths): re-price
@@ -309,13 +321,17 @@ class HostEpochs:
         )
         await role.pause()
         survivors = [n for n in new.order if n != held.name]
+        arriving = [n for n in survivors if n not in m.plan.order]  # joined, or spares planned in
         self._ready = ready = asyncio.get_running_loop().create_future()
         if not move.waits_for(held.name):  # a ring of the host alone
             ready.set_result(None)
         sent_before = {n: _served(self.server, n) for n in survivors}
-        message = sm.NewEpoch(decision.epoch, new.to_dict(), decision.cause)
+        message = sm.NewEpoch(decision.epoch, new.to_dict(), decision.cause, dict(self.ids))
         for n in survivors:
-            await _send(held.links[n], message)
+            if n in arriving:
+                await self._invite(n, decision)
+            else:
+                await _send(held.links[n], message)
         # weights go on the control links in the new epoch's records: what is left there of the
         # old epoch (frames the ring was carrying) is dropped undecoded (kafila.proto.epoch)
         channels = [LinkChannel(held.links[n], n, decision.epoch) for n in survivors]
@@ -357,6 +373,8 @@ class HostEpochs:
         for n in survivors:
             with contextlib.suppress(LinkError):
                 await _send(held.links[n], sm.Resume(decision.epoch))
+        if arriving and self.arrivals is not None:
+            await self.arrivals.welcome(arriving)
         role.changed("serving", decision.cause, lost_to_ready_s=round(ready_s, 3), bytes_fetched=fetched)
         role.go()  # a head sends again from now on: every member's new role is running
         metrics.observe_plan(decision.epoch)
@@ -364,7 +382,7 @@ class HostEpochs:
         say(
             f"epoch {decision.epoch} serving: ring {' -> '.join(new.order)}; "
             + (f"{carried} request(s) carried on, " if carried is not None else "")
-            + f"{fetched / 1e6:.1f} MB fetched, ready {ready_s:.1f} s after the loss"
+            + f"{fetched / 1e6:.1f} MB fetched, ready {ready_s:.1f} s after the change"
         )
         record = ReplanRecord(
             session=code.public,
@@ -380,6 +398,31 @@ class HostEpochs:
         held.spawn(self._record_first_token(record, first, lost_at), "replan_record")
         self._paths.watch(held.links)  # the new epoch's links; paths settled meanwhile count now
         self._reprice()
+
+    # ------------------------------------------------------------ members that arrive (forming.arrivals)
+
+    def admit(self, name: str, member: int, link: Link) -> None:
+        """`name` (member id `member`) joined the serving session and proved the code on `link`,
+        its control link from now on; a name lost before is a member coming back."""
+        self.ids[name] = member
+        self.held.links[name] = link
+        _listen(link, name, self._heard)
+
+    def busy(self) -> bool:
+        """A re-plan is running (a change waits for it)."""
+        return self._job is not None and not self._job.done()
+
+    async def arrive(self, decision: Replan, at: float) -> None:
+        """Move to `decision`, a re-plan that takes in a member that arrived (or ends the session
+        if the move fails, as a loss's re-plan does; a loss meanwhile abandons it, as any move)."""
+        self._moving = move = moves.Move(decision, frozenset(), at)
+        self._job = asyncio.current_task()
+        await self._move(move)
+
+    async def _invite(self, name: str, decision: Replan) -> None:
+        if self.arrivals is None:
+            raise SessionError(f"the plan for epoch {decision.epoch} names {name}, which is not in the ring")
+        await self.arrivals.invite(name, decision)
 
     async def _record_first_token(
         self, record: ReplanRecord, first: asyncio.Future[float] | None, lost_at: float
@@ -570,6 +613,8 @@ class MemberEpochs:
         role.changed("replanning", msg.cause)
         await role.pause()
         plan = Plan.from_dict(msg.plan)
+        if msg.ids is not None:  # a member that joined is in the plan: its id, to link with it
+            self.ids.update(msg.ids)
         if name not in plan.order:
             raise SessionError(f"the host's plan for epoch {msg.epoch} leaves {name} out")
         node, code = held.node, held.code

@@ -31,6 +31,7 @@ from kafila.session.channel import LinkChannel
 from kafila.session.errors import SessionError
 from kafila.session.forming import core as fm
 from kafila.session.forming.admission import Admission
+from kafila.session.forming.arrivals import HostArrivals
 from kafila.session.forming.core import HostFormation
 from kafila.session.forming.driver import Driver, while_signaling
 from kafila.session.forming.epochs import HostEpochs
@@ -128,6 +129,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
         probed=tuple(gathered.devices),
     )  # fmt: skip
     epochs.start()  # a member lost from now on is planned around
+    HostArrivals(epochs, drive, node)  # a member joining from now on is planned in, or kept as a spare
     held.serve_session_api()
     say_ready(plan)
 

@@ -144,11 +144,13 @@ async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
         raise
     await drive.carry(core.linked(drive.now()))
     opts = replace(opts, dtype=got.terms.dtype, quant=got.terms.quant)  # the host's, whatever the probe used
-    shard = await drive.during(_fetch(got, links, opts))
+    shard = await drive.during(_fetch(got, links, opts))  # in the plan's epoch, as the host serves it
     held.shard = shard
     await drive.carry(core.fetched(drive.now()))
     serving = Serving(got.terms, shard.checkpoint, got.alternatives, weights_doc(shard), nats)
-    ring = start_role(got.me, code, got.plan, shard.path, links, opts, serving, held.api is not None)
+    ring = start_role(
+        got.me, code, got.plan, shard.path, links, opts, serving, held.api is not None, got.epoch
+    )
     held.role, held.app = await drive.during(ring)
     held.watch_host_ending()
     local: list[Path] | None = None if opts.use_local else []
@@ -163,7 +165,7 @@ async def _fetch(got: fm.LinkNow, links: dict[str, Link], opts: Options) -> Shar
     a, b = got.plan.block_range(got.me)
     head = got.plan.head == got.me
     local: list[Path] | None = None if opts.use_local else []
-    channel = LinkChannel(links[got.host], got.host)
+    channel = LinkChannel(links[got.host], got.host, got.epoch)
     blocks = shard_text(a, b, head)
     note(f"getting the weights of {blocks}")
     shard = await fetch_shard(channel, range(a, b), head, cache=opts.cache, local=local, label=got.me)

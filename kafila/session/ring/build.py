@@ -106,6 +106,7 @@ async def start_role(
     for edge, by in info.measured_by.items():  # this member's own links, as they run now
         if edge in info.planned and info.edges[edge] in metrics.PATHS:
             metrics.observe_edge(edge, info.planned[edge], info.edges[edge], measured_by=by)
+    role.epoch = epoch
     role.on_broken = lambda why: say(broken_line(name, why))
     role.start()
     if not with_api:  # the API's line is the others' "ready"

@@ -55,6 +55,7 @@ class RoleBase:
         self.ended_reason = ""
         # the runtime re-plans around this break (a member lost, not the host): hold, do not fail
         self.recovers: Callable[[RingBroken], bool] | None = None
+        self.spares: list[str] | None = None  # the host's: members waiting as spares (/session)
 
     @property
     def broken_text(self) -> str | None:
@@ -119,7 +120,8 @@ class RoleBase:
         doc = self.info.document(self.state, error, None if held else self.broken_fields)
         if self.state == "ended":
             doc["state"] = "ended"
-        return doc | {"epoch": self.epoch, "change": self.change}
+        spares = {} if self.spares is None else {"spares": list(self.spares)}
+        return doc | {"epoch": self.epoch, "change": self.change} | spares
 
     def changed(self, state: str, cause: str, **more: Any) -> None:
         """Record a change of state (and epoch) for /session, with its cause."""
