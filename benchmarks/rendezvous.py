@@ -30,17 +30,12 @@ from pathlib import Path
 
 import httpx
 
+from kafila.demo.fleet import free_port
 from kafila.net.signaling import SignalingClient
 from kafila.proto import udp
 from kafila.proto.codes import SessionCode, new_code
 
 WINDOW_BYTES = 128 * 1024  # relay bytes in flight
-
-
-def free_port(kind: int) -> int:
-    with socket.socket(socket.AF_INET, kind) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def rss_bytes(pid: int) -> int:

@@ -18,22 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 from _session_common import Load, LocalFleet, complete, median, spread, wait_records
 
+from kafila.demo.fleet import free_port
 from kafila.engine.system import THREADS_ENV
 
 RPC_BIN = Path.home() / ".cache/kafila/llama.cpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build-rpc/bin"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def llama_rpc_run(bench: Path, gguf: Path, ports: list[int], threads: int, prompt: int, tokens: int) -> float:

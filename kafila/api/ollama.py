@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from kafila import __version__
 from kafila.api import params
 from kafila.api.errors import ApiError, invalid
-from kafila.api.params import Job, check_model, fit, flag, integer, messages, number, read_body, stop_strings
+from kafila.api.params import Job, fit, flag, integer, messages, model_request, number, stop_strings
 from kafila.api.service import Sampling
 from kafila.api.state import Api, api_of
 from kafila.api.stream import ChunkStream, Piece, Tally, collect, pieces, replanning, start
@@ -106,8 +106,7 @@ def _load_or_unload(api: Api, body: dict[str, Any], chat: bool) -> Response:
 
 
 async def chat(request: Request) -> Response:
-    api, body = api_of(request), await read_body(request)
-    check_model(body, api.model_id)
+    api, body = await model_request(request)
     if body.get("messages") in (None, []):
         return _load_or_unload(api, body, chat=True)
     msgs = messages(body)
@@ -118,8 +117,7 @@ async def chat(request: Request) -> Response:
 
 
 async def generate(request: Request) -> Response:
-    api, body = api_of(request), await read_body(request)
-    check_model(body, api.model_id)
+    api, body = await model_request(request)
     text = body.get("prompt")
     if text in (None, ""):
         return _load_or_unload(api, body, chat=False)
@@ -151,8 +149,7 @@ async def ps(request: Request) -> Response:
 async def show(request: Request) -> Response:
     """POST /api/show: the model's details; `model_info` gives the session's context (what a client
     can fit a prompt to), not the length the model was trained for."""
-    api, body = api_of(request), await read_body(request)
-    check_model(body, api.model_id)
+    api, _ = await model_request(request)
     f = api.facts
     info = {
         "general.architecture": f.architecture,

@@ -19,8 +19,8 @@ from kafila.api.params import (
     flag,
     integer,
     messages,
+    model_request,
     number,
-    read_body,
     refuse_not_implemented,
     stop_strings,
     text_field,
@@ -68,15 +68,13 @@ def include_usage(body: dict[str, Any]) -> bool:
 
 
 async def chat_completions(request: Request) -> Response:
-    api, body = api_of(request), await read_body(request)
-    check_model(body, api.model_id)
+    api, body = await model_request(request)
     prompt = await api.chat_ids(messages(body, tool_ids=True))
     return await _run(request, api, job_from(body, prompt, api.service.context), chat=True)
 
 
 async def completions(request: Request) -> Response:
-    api, body = api_of(request), await read_body(request)
-    check_model(body, api.model_id)
+    api, body = await model_request(request)
     prompt = await _prompt_ids(api, body.get("prompt"))
     return await _run(request, api, job_from(body, prompt, api.service.context, "prompt"), chat=False)
 

@@ -14,7 +14,7 @@ from starlette.requests import Request
 
 from kafila.api.errors import ApiError, invalid
 from kafila.api.service import Sampling
-from kafila.api.state import api_of
+from kafila.api.state import Api, api_of
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,13 @@ def refuse_not_implemented(
             name, got = where + key, json.dumps(value)
             got = got if len(got) <= 80 else got[:77] + "..."  # an image's base64 is megabytes
             raise invalid(name, f"'{name}' is not supported here (got {got}); leave it out")
+
+
+async def model_request(request: Request) -> tuple[Api, dict[str, Any]]:
+    """The session's Api and the request's JSON body, refused unless the body names the model served."""
+    api, body = api_of(request), await read_body(request)
+    check_model(body, api.model_id)
+    return api, body
 
 
 def check_model(body: dict[str, Any], served: str) -> None:

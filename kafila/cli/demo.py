@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from kafila.cli.argtypes import positive_int
+from kafila.cli.host import add_division_flag, add_model_flag
 
 if TYPE_CHECKING:
     from kafila.demo.fleet import FleetError
@@ -64,11 +65,7 @@ def answer_tokens(text: str) -> int:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = DESCRIPTION
-    parser.add_argument(
-        "--model",
-        default="smollm2-135m",
-        help="model name or Hugging Face folder to serve (default smollm2-135m)",
-    )
+    add_model_flag(parser)
     parser.add_argument(
         "--shares",
         type=shares_list,
@@ -85,14 +82,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="how a share slows its member: pace (default) pins it to one CPU and stretches each "
         "computation to CPU time / share (--emulate-speed); quota uses a cgroup v1 cpu quota (root)",
     )
-    parser.add_argument(
-        "--division",
-        default="kafila",
-        choices=["kafila", "uniform", "memory"],
-        help="how the model's blocks are divided among the members: kafila (default: by the cost model "
-        "the members' probes measure, so slower members get fewer blocks), uniform (equal counts) or "
-        "memory (in proportion to each member's memory)",
-    )
+    add_division_flag(parser)
     parser.add_argument(
         "--prompt",
         default=PROMPT,

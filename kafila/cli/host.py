@@ -109,6 +109,29 @@ def add_threads_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_model_flag(parser: argparse.ArgumentParser) -> None:
+    """--model of a command that serves one (`kafila host`, `kafila demo`)."""
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="model name or Hugging Face folder to serve (default smollm2-135m)",
+    )
+
+
+def add_division_flag(parser: argparse.ArgumentParser) -> None:
+    """--division of a command that forms a session (`kafila host`, `kafila demo`)."""
+    from kafila.planner.decide import DIVISIONS  # pure: the standard library only
+
+    parser.add_argument(
+        "--division",
+        default=DIVISIONS[0],
+        choices=DIVISIONS,
+        help="how the model's blocks are divided among the members: kafila (default: by the cost model "
+        "the members' probes measure, so slower members get fewer blocks), uniform (equal counts) or "
+        "memory (in proportion to each member's memory)",
+    )
+
+
 def add_objective_flag(parser: argparse.ArgumentParser) -> None:
     from kafila.planner.decide import OBJECTIVES  # pure: the standard library only
 
@@ -133,11 +156,7 @@ def _speed(text: str) -> float:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default="smollm2-135m",
-        help="model name or Hugging Face folder to serve (default smollm2-135m)",
-    )
+    add_model_flag(parser)
     parser.add_argument(
         "--members",
         type=positive_int,
@@ -165,13 +184,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="requests that may wait for a slot, at every member's API together; more are refused "
         f"with 429 busy (default {DEFAULT_QUEUE}; 0: none waits)",
     )
-    parser.add_argument(
-        "--division",
-        default="kafila",
-        choices=["kafila", "uniform", "memory"],
-        help="how blocks are divided: kafila (measured cost model; the default), uniform, or "
-        "memory-proportional",
-    )
+    add_division_flag(parser)
     add_objective_flag(parser)
     parser.add_argument(
         "--dtype",

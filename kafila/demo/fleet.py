@@ -386,8 +386,8 @@ class LocalFleet:
         starts = self._rdv_starts = self._rdv_starts + 1
         self._rdv_log = self.workdir / ("rendezvous.log" if starts == 1 else f"rendezvous.{starts}.log")
         if self._rdv_cmd is None:  # ports chosen once, so a restart comes back where members look
-            port, udp = _free_tcp_port(), _free_udp_port()
-            alt = next(p for p in iter(_free_udp_port, None) if p != udp)
+            port, udp = free_port(), free_port(socket.SOCK_DGRAM)
+            alt = next(p for p in iter(lambda: free_port(socket.SOCK_DGRAM), None) if p != udp)
             key = self.workdir / "rendezvous.key"  # its kept secret: sessions and relay channels
             cmd = [*_PYTHON, "-m", "kafila", "rendezvous", "--host", "127.0.0.1", "--port", str(port)]
             cmd += ["--udp-port", str(udp), "--udp-alt-port", str(alt), "--log-format", "json"]
@@ -612,16 +612,10 @@ def _stop(procs: list[subprocess.Popen[bytes]], sig: int, grace_s: float) -> Non
             p.wait()
 
 
-def _free_tcp_port() -> int:
-    """A TCP port free on 127.0.0.1 now, for a child that must be found there (the rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _free_udp_port() -> int:
-    """A UDP port free on 127.0.0.1 now (the rendezvous's probe and relay ports)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+def free_port(kind: int = socket.SOCK_STREAM) -> int:
+    """A port free on 127.0.0.1 now, TCP (SOCK_STREAM) or UDP (SOCK_DGRAM), for a child that must be
+    found there (the rendezvous's signaling port, its probe and relay ports; the benchmarks' servers)."""
+    with socket.socket(socket.AF_INET, kind) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 

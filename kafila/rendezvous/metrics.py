@@ -28,6 +28,7 @@ JOIN_OUTCOMES = (
     "rejoined",  # a member of a re-opened session took its place back (rejoin)
     "member_present",
     "unknown_member",
+    "not_reopened",  # a rejoin before the host re-opened its session after a restart (the member retries)
 )
 LEAVE_REASONS = ("left", "timed_out", "disconnected", "removed")
 

@@ -678,11 +678,12 @@ class Registry:
             return outcome, code
         session = self.sessions.get(code)
         if session is None or session.verifier is None:
-            return err(
+            _, refused = err(
                 "unknown_session",
                 f"no session with code {code} here (its host has not re-registered it since this "
                 "rendezvous started)",
             )
+            return "not_reopened", refused  # counted apart: members back before their host, not guessers
         return self._place_free(session, member, ref)
 
     def _place_free(self, session: Session, member: int, ref: str | None) -> tuple[str, sig.Error | Session]:

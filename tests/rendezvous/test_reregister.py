@@ -127,6 +127,33 @@ def test_a_rendezvous_that_kept_no_secret_says_why_no_session_survives_its_resta
     assert "new secret at each start (no --relay-secret-file)" in got.message
 
 
+def test_members_back_before_their_host_count_as_not_reopened_not_as_rejected_joins() -> None:
+    """Members reconnect after a restart before their host re-opened the session: their refused
+    rejoins are `not_reopened` on the joins counter (KafilaJoinsRejected ignores it), while a join of
+    a code it does not know and a wrong proof count as before; the error members see stays
+    `unknown_session` (a code they retry on)."""
+    from prometheus_client import generate_latest
+
+    from kafila.rendezvous.metrics import make_registry
+    from tests.obs.test_metrics import value
+
+    code, ticket = formed(make())
+    again = make(seed=2)
+    for conn, member in ((12, 2), (13, 3), (14, 2)):
+        (early,) = sends(rejoin(again, conn, code, member), conn)
+        assert isinstance(early, sig.Error) and early.code == "unknown_session"
+    assert isinstance(sends(join(again, 15, code), 15)[0], sig.Error)  # a new member's join: a guess
+    reopen(again, 11, code, ticket)
+    assert isinstance(sends(rejoin(again, 16, code, 3, key=WRONG_KEY), 16)[0], sig.Error)
+    assert again.joins == {"not_reopened": 3, "unknown_session": 1, "wrong_secret": 1}
+    text = generate_latest(make_registry(again)).decode()
+    counted = {
+        o: value(text, "kafila_rendezvous_joins_total", outcome=o)
+        for o in ("not_reopened", "unknown_session", "wrong_secret", "rejoined")
+    }
+    assert counted == {"not_reopened": 3, "unknown_session": 1, "wrong_secret": 1, "rejoined": 0}
+
+
 def test_a_place_is_taken_back_only_by_whoever_proves_the_code_and_only_its_own() -> None:
     code, ticket = formed(make())
     again = make(seed=2)

@@ -38,7 +38,7 @@ from kafila.models.torch.few_rows import at, bf16_bits, bits_to_f32, product_til
 # there, which changes this file too and makes numba compile these kernels again.
 FEW_ROWS_SHA256 = "569d1d6c9a0ce013"
 # The same for quant_cpu.py, whose packed products block_step runs for int8 and q4 weights.
-QUANT_CPU_SHA256 = "a7767e964c43ed36"
+QUANT_CPU_SHA256 = "b20d8e1e2e8ab799"
 
 
 @njit(fastmath=True, cache=True, boundscheck=False, nogil=True, inline="always")

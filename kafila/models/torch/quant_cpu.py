@@ -240,6 +240,22 @@ _V32B = ir.VectorType(_I8, GROUP)
 _V16B = ir.VectorType(_I8, HALF)
 
 
+@njit(cache=True, nogil=True, boundscheck=False, fastmath=False, error_model="numpy", inline="always")
+def _round_group(
+    x: np.ndarray, r: int, g: int, levels: np.float32, qx: np.ndarray
+) -> np.float32:  # pragma: no cover
+    """Group g of 32 in row r of x [N, in] float32 rounded into qx [N, in] (int8 or int16): qx =
+    rint(x levels / max|x_g|), all 0 for a group of zeros. Returns max|x_g| (float32); the caller
+    makes dx = max|x_g| / levels. Shared by quantize_rows (levels 127) and quantize_rows16 (32767)."""
+    top = np.float32(0.0)
+    for i in range(g * GROUP, (g + 1) * GROUP):
+        top = max(top, abs(x[r, i]))
+    inv = levels / top if top > 0 else np.float32(0.0)
+    for i in range(g * GROUP, (g + 1) * GROUP):
+        qx[r, i] = np.rint(x[r, i] * inv)  # the cast to qx's integer type: in range, exact
+    return top
+
+
 @njit(cache=True, nogil=True, boundscheck=False, fastmath=False, error_model="numpy")
 def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover
     """x [N, in] float32 as the integer products take it: (qx int8 [N, in], dx float32 [N, groups],
@@ -254,16 +270,8 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
     xc = np.empty((n, k // 4), np.int32)
     for r in range(n):
         for g in range(groups):
-            top = np.float32(0.0)
-            for i in range(g * GROUP, (g + 1) * GROUP):
-                top = max(top, abs(x[r, i]))
-            inv = np.float32(127.0) / top if top > 0 else np.float32(0.0)
+            top = _round_group(x, r, g, np.float32(127.0), qx)
             total = np.int32(0)
-            for i in range(g * GROUP, (g + 1) * GROUP):
-                qx[r, i] = np.int8(np.rint(x[r, i] * inv))
-                total += np.int32(qx[r, i])
-            dx[r, g] = top / np.float32(127.0)
-            sx[r, g] = dx[r, g] * np.float32(total)
             for lane in range(GROUP // 4):
                 at = g * GROUP + 4 * lane
                 four = (
@@ -273,6 +281,9 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
                     + np.int32(qx[r, at + 3])
                 )
                 xc[r, g * (GROUP // 4) + lane] = np.int32(-128) * four
+                total += four
+            dx[r, g] = top / np.float32(127.0)
+            sx[r, g] = dx[r, g] * np.float32(total)
     return qx, dx, sx, xc
 
 
@@ -289,12 +300,7 @@ def quantize_rows16(
     dx = np.empty((n, groups), np.float32)
     for r in range(n):
         for g in range(groups):
-            top = np.float32(0.0)
-            for i in range(g * GROUP, (g + 1) * GROUP):
-                top = max(top, abs(x[r, i]))
-            inv = np.float32(32767.0) / top if top > 0 else np.float32(0.0)
-            for i in range(g * GROUP, (g + 1) * GROUP):
-                qx[r, i] = np.int16(np.rint(x[r, i] * inv))
+            top = _round_group(x, r, g, np.float32(32767.0), qx)
             dx[r, g] = top / np.float32(32767.0)
     return qx, dx, np.empty((n, 0), np.float32), np.empty((n, 0), np.int32)
 
