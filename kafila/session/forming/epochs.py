@@ -482,6 +482,7 @@ class MemberEpochs:
         assert plan is not None
         role.recovers = lambda b: held.plan is not None and lost_member(b, held.plan, held.host, held.name)
         role.on_broken = self._broken
+        self._seen = max(self._seen, role.epoch)  # a member that joined a serving session starts later
         link = held.links.get(held.host)
         if link is not None:
             _listen(link, held.host, self._heard)
