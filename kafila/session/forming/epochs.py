@@ -231,7 +231,11 @@ class HostEpochs:
 
     def path(self, a: str, b: str, direct: bool) -> None:
         """Member `a`'s link to `b` has settled on a path (kafila.session.forming.paths): re-price
-        the ring with it now, or once a running re-plan is over."""
+        the ring with it now, or once a running re-plan is over. A link to a member lost (or not
+        yet admitted) measures nothing about the ring: it is left out."""
+        present = self.membership.present
+        if a not in present or b not in present:
+            return
         self._measured[(a, b) if a < b else (b, a)] = direct  # either end's latest word on the link
         self._show_path(a, b, direct)
         if self._job is None or self._job.done():
