@@ -112,9 +112,12 @@ def test_a_member_frozen_past_the_bound_is_named_and_says_so_when_it_resumes(fle
         threading.Thread(target=_ask, args=(victim.api_url, LONG, streamed, chunks)),
         threading.Thread(target=_ask, args=(victim.api_url, LONG, whole)),
     ]
-    for t in asks:
-        t.start()
-    assert chunks.wait(120), streamed
+    asks[0].start()  # the streamed answer first, then the other queued behind it (started
+    assert chunks.wait(120), streamed  # together, either may reach the head first)
+    asks[1].start()
+    deadline = time.monotonic() + 30
+    while victim.log_text().count("request_forwarded") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
     victim.proc.send_signal(signal.SIGSTOP)
     stopped = time.monotonic()
     try:
