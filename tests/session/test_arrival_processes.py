@@ -93,7 +93,7 @@ def test_a_lost_member_comes_back_and_a_new_member_joins_the_serving_session(smo
     most likely waits as a spare: then a ring member is killed and the re-plan over everyone
     present takes the spares in. The test hard-codes no decision: it checks that the session did
     what the host's line, with the planner's gain against the 5% margin, says."""
-    args = ("--dead-after", "3")
+    args = ("--dead-after", "3", "--threads", "1")  # one thread each: 4 members on 2 cores
     with LocalFleet((None,) * 4, MODEL, context=512, concurrency=2, workdir=tmp_path, stagger=False,
                     extra_args=args) as fleet:  # fmt: skip
         host = fleet.members[0]

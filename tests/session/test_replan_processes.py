@@ -76,9 +76,12 @@ def _head_and_victim(fleet: LocalFleet) -> tuple[dict, FleetMember, FleetMember]
     return doc, head, victim
 
 
+ONE_THREAD = ("--dead-after", "3", "--threads", "1")  # one thread each: four members on two cores
+
+
 @pytest.fixture
 def fleet4(smollm2_path, tmp_path):
-    args = ("--dead-after", "3")
+    args = ONE_THREAD
     with LocalFleet((None,) * 4, MODEL, context=512, concurrency=4, workdir=tmp_path, stagger=False,
                     extra_args=args) as f:  # fmt: skip
         yield f
@@ -131,7 +134,7 @@ def test_survivors_that_cannot_hold_the_model_end_the_session_naming_the_device(
     survivor says the planner's reason and exits, none left answering 503."""
     small = [("--memory-gb", "0.16")] * 4
     with LocalFleet((None,) * 4, MODEL, context=512, workdir=tmp_path, stagger=False,
-                    extra_args=("--dead-after", "3"), member_args=small) as fleet:  # fmt: skip
+                    extra_args=ONE_THREAD, member_args=small) as fleet:  # fmt: skip
         host = fleet.members[0]
         victim = next(m for m in fleet.members[1:] if m.name != fleet.head)
         assert victim.proc is not None
@@ -258,7 +261,7 @@ def test_a_second_member_killed_when_the_host_says_its_replan_started_ends_a_ses
     every survivor says it and exits 0, none left answering 503 or waiting for epoch 2."""
     small = [("--memory-gb", "0.24")] * 4
     with LocalFleet((None,) * 4, MODEL, context=512, workdir=tmp_path, stagger=False,
-                    extra_args=("--dead-after", "3"), member_args=small) as fleet:  # fmt: skip
+                    extra_args=ONE_THREAD, member_args=small) as fleet:  # fmt: skip
         host = fleet.members[0]
         first, second = [m for m in fleet.members[1:] if m.name != fleet.head][:2]
         _kill_two(host, first, second)

@@ -23,7 +23,8 @@ ASK = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tok
 
 @pytest.fixture
 def fleet(smollm2_path, tmp_path):
-    with LocalFleet((None, None, None), MODEL, context=512, workdir=tmp_path, stagger=False) as f:
+    with LocalFleet((None, None, None), MODEL, context=512, workdir=tmp_path, stagger=False,
+                    extra_args=("--threads", "1")) as f:  # fmt: skip
         yield f
 
 

@@ -141,6 +141,13 @@ def _retire(parts: EpochParts) -> None:
             channel.stop()
 
 
+def _formed(links: dict[str, Link], ids: dict[str, int]) -> dict[int, Link]:
+    """The open links a move may reuse, by member id: only one to the member that now has that
+    name (a member lost and back joins with a new id; the link to its old self, still open on
+    the relay, would be taken for an edge linked, and no offer made to the new one)."""
+    return {ids[p]: link for p, link in links.items() if not link.closed and str(ids.get(p)) == link.peer_id}
+
+
 def _resume(role: RingHead | RingMember, epoch: int, parts: EpochParts) -> int:
     """Start `role` on the next epoch's parts; returns the requests the head carried on."""
     if isinstance(role, RingHead):
@@ -344,7 +351,7 @@ class HostEpochs:
         try:
             node, code = held.node, held.code
             assert node is not None and code is not None
-            formed = {self.ids[p]: link for p, link in held.links.items() if not link.closed}
+            formed = _formed(held.links, self.ids)
             links = await link_ring(node, new, held.name, self.ids, held.name, formed)
             held.links.update(links)
             for peer, link in links.items():
@@ -627,7 +634,7 @@ class MemberEpochs:
         a, b = plan.block_range(name)
         head = plan.head == name
         say(f"{msg.cause}: moving to epoch {msg.epoch}, {shard_text(a, b, head)}")
-        formed = {self.ids[p]: link for p, link in held.links.items() if not link.closed and p in self.ids}
+        formed = _formed(held.links, self.ids)
         links = await link_ring(node, plan, name, self.ids, held.host, formed)
         held.links.update(links)
         channel = LinkChannel(links[held.host], held.host, msg.epoch)  # as the host serves it
