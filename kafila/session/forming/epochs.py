@@ -245,7 +245,7 @@ class HostEpochs:
             return
         self._measured[(a, b) if a < b else (b, a)] = direct  # either end's latest word on the link
         self._show_path(a, b, direct)
-        if self._job is None or self._job.done():
+        if not self.busy():
             self._reprice()
 
     def _show_path(self, a: str, b: str, direct: bool) -> None:
@@ -285,7 +285,7 @@ class HostEpochs:
 
     def _lost_while_moving(self, member: str, cause: str, detail: str) -> None:
         """The rendezvous says `member` left while the ring is broken: a loss during a re-plan."""
-        if self._job is not None and not self._job.done():
+        if self.busy():
             self.lost(member, cause, detail)
 
     def lost(self, member: str, cause: str, detail: str) -> None:
