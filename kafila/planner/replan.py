@@ -130,8 +130,7 @@ def on_lost(m: Membership, name: str, cause: str, manifest: Manifest, terms: Pla
 
 def on_arrived(m: Membership, report: DeviceReport, manifest: Manifest, terms: PlanTerms) -> Decision:
     """A member joined the serving session (a new one, or one that was lost and came back)."""
-    reports = (*(r for r in m.reports if r.name != report.name), report)
-    grown = replace(m, reports=reports, present=m.present | {report.name})
+    grown = with_member(m, report)
     candidate = _plan_over(grown, manifest, terms)
     if not candidate.feasible:
         return Keep(f"{report.name} waits as a spare: {candidate.reason}", m.plan)
@@ -143,6 +142,12 @@ def on_arrived(m: Membership, report: DeviceReport, manifest: Manifest, terms: P
     if spares:  # the plan over everyone present takes waiting spares in too
         cause += f", with spare{'s' if len(spares) > 1 else ''} {', '.join(spares)}"
     return _decided(grown, candidate, manifest, cause)
+
+
+def with_member(m: Membership, report: DeviceReport) -> Membership:
+    """`m` with the member of `report` present, its report replacing any it had (one back)."""
+    reports = (*(r for r in m.reports if r.name != report.name), report)
+    return replace(m, reports=reports, present=m.present | {report.name})
 
 
 def on_paths(

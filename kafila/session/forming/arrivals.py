@@ -33,7 +33,7 @@ from kafila.net.signaling import SignalingClosed, SignalingError
 from kafila.obs.log import get_logger
 from kafila.planner.cost import fmt_bytes
 from kafila.planner.devices import DeviceReport
-from kafila.planner.replan import End, Keep, Replan, on_arrived
+from kafila.planner.replan import End, Keep, Replan, on_arrived, with_member
 from kafila.proto import session as sm
 from kafila.session.errors import SessionError
 from kafila.session.forming import core as fm
@@ -182,11 +182,7 @@ class HostArrivals:
         epochs = self.epochs
         m = epochs.membership
         decision = on_arrived(m, report, epochs.manifest, epochs.terms)
-        grown = replace(
-            m,
-            reports=(*(r for r in m.reports if r.name != report.name), report),
-            present=m.present | {report.name},
-        )
+        grown = with_member(m, report)
         if isinstance(decision, Replan) and decision.plan.head != m.plan.head:
             decision = Keep(
                 f"{report.name} waits as a spare: the plan with it moves the head from {m.plan.head} to "
