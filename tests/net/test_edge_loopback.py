@@ -305,7 +305,9 @@ async def test_a_message_sent_into_a_cut_direct_path_arrives_over_the_relay_with
         took = loop.time() - cut
         print(f"a prefill sent into the cut direct path arrived over the relay {took:.2f} s after the cut")
         assert took < MIN_LOST_AFTER, client.path_changes
-        assert client.path is PathKind.RELAY and server.path is PathKind.RELAY
+        # The receiver moves once its own direct path has been silent long enough, which on a busy
+        # machine may come after the prefill (which the relay already carried to it).
+        await _until(lambda: all(lk.path is PathKind.RELAY for lk in both), MIN_LOST_AFTER, *both)
     finally:
         await client.close()
         await server.close()

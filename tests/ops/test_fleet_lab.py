@@ -29,7 +29,13 @@ from tests.ops.backfill import bench_run_answers
 from tests.ops.fleetlab import ROOT, FleetLab, missing_requirements
 
 __all__ = ["member_image"]
-pytestmark = [pytest.mark.root, pytest.mark.docker, pytest.mark.slow, pytest.mark.network]
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.docker,
+    pytest.mark.slow,
+    pytest.mark.network,
+    pytest.mark.timeout(900),  # a whole fleet comes up and goes down: 3 min here, more on a slow machine
+]
 
 
 @pytest.fixture

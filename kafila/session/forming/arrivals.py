@@ -174,8 +174,7 @@ class HostArrivals:
         epochs.admit(report.name, newcomer.member, link)
         came = "is back" if back else "arrived"
         say(f"{report.name} {came}: {fmt_bytes(report.memory_bytes)} for weights")
-        while epochs.busy():  # one change at a time: a re-plan running finishes first
-            await asyncio.sleep(0.2)
+        await epochs.idle()  # one change at a time: a re-plan running finishes first
         await self._decide(newcomer, report, time.monotonic())
 
     async def _decide(self, newcomer: Newcomer, report: DeviceReport, at: float) -> None:

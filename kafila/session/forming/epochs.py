@@ -423,6 +423,12 @@ class HostEpochs:
         """A re-plan is running (a change waits for it)."""
         return self._job is not None and not self._job.done()
 
+    async def idle(self) -> None:
+        """Until no re-plan runs: one change at a time, and one may chain another (a loss while
+        moving), so this waits for whichever job is current once the last ends."""
+        while self._job is not None and not self._job.done():
+            await asyncio.wait([self._job])
+
     async def arrive(self, decision: Replan, at: float) -> None:
         """Move to `decision`, a re-plan that takes in a member that arrived (or ends the session
         if the move fails, as a loss's re-plan does; a loss meanwhile abandons it, as any move)."""
