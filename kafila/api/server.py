@@ -40,6 +40,12 @@ class _Switch:
         await self.app(scope, receive, send)
 
 
+# How long `stop()` lets answers in progress finish before cancelling them: without a bound, uvicorn
+# waits for every open response, and a stream whose generation never ends (its ring gone) would hold
+# the member's exit forever.
+STOP_GRACE_S = 10
+
+
 class ApiServer:
     """uvicorn serving `app` on `sock` (bound before, `bind_tcp`; default: a free localhost port).
     `switch(app)` serves another app from the next request on, on the same address (a forming
@@ -47,12 +53,18 @@ class ApiServer:
     JSON bodies: kafila.api.security); without keys the Host, Origin and JSON checks still hold."""
 
     def __init__(
-        self, app: Starlette, sock: socket.socket | None = None, security: ApiSecurity = NO_SECURITY
+        self,
+        app: Starlette,
+        sock: socket.socket | None = None,
+        security: ApiSecurity = NO_SECURITY,
+        grace_s: int = STOP_GRACE_S,
     ) -> None:
         self.sock = sock if sock is not None else bind_tcp("127.0.0.1", 0)
         self._switch = _Switch(app)
         guarded: ASGIApp = ApiGuard(self._switch, security)
-        config = uvicorn.Config(guarded, log_level="warning", lifespan="off")
+        config = uvicorn.Config(
+            guarded, log_level="warning", lifespan="off", timeout_graceful_shutdown=grace_s
+        )
         self._server = uvicorn.Server(config)
         self._task: asyncio.Task[None] | None = None
 

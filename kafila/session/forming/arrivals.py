@@ -112,7 +112,7 @@ class HostArrivals:
         newcomer = Newcomer(event.member, event.name)
         self.coming[event.member] = newcomer
         say(f"{event.name} joined the serving session; linking with it to check its session code")
-        newcomer.job = asyncio.ensure_future(self._admit(newcomer))
+        newcomer.job = self.epochs.held.spawn(self._admit(newcomer), f"admit {event.name}")
         return True
 
     def _left(self, event: fm.Left) -> bool:
