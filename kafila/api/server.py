@@ -11,7 +11,7 @@ from starlette.applications import Starlette
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kafila.api.security import NO_SECURITY, ApiGuard, ApiSecurity
-from kafila.net.tcp import bind_tcp
+from kafila.net.tcp import STOP_GRACE_S, bind_tcp
 from kafila.obs.log import get_logger
 from kafila.proto.udp import format_address
 
@@ -38,12 +38,6 @@ class _Switch:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.app(scope, receive, send)
-
-
-# How long `stop()` lets answers in progress finish before cancelling them: without a bound, uvicorn
-# waits for every open response, and a stream whose generation never ends (its ring gone) would hold
-# the member's exit forever.
-STOP_GRACE_S = 10
 
 
 class ApiServer:

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import socket
 
+# How long an HTTP server's stop lets responses in progress finish before cancelling them (uvicorn's
+# timeout_graceful_shutdown): without a bound uvicorn waits for every open response, and a stream
+# whose generation never ends (its ring gone) would hold a member's exit for good.
+STOP_GRACE_S = 10
+
 
 def bind_tcp(host: str, port: int) -> socket.socket:
     """A TCP socket bound to host:port (IPv6 when the host has a colon) and listening, with

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import uvicorn
 from starlette.applications import Starlette
 
-from kafila.net.tcp import bind_tcp
+from kafila.net.tcp import STOP_GRACE_S, bind_tcp
 from kafila.obs.listener import MetricsListener, serve_metrics
 from kafila.obs.log import get_logger
 from kafila.proto import signaling
@@ -150,6 +150,7 @@ class RendezvousServer:
             log_config=None,
             access_log=False,
             lifespan="on",
+            timeout_graceful_shutdown=STOP_GRACE_S,
         )
 
     @property
