@@ -27,6 +27,7 @@ from kafila.session.forming.host import host
 from kafila.session.forming.join import join
 from kafila.session.terms import Options
 from tests.session.conftest import make_tiny_chat
+from tests.session.hosting import code_of
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 SHUT_DOWN = r"^the session could not form: the rendezvous shut down or is restarting \(WebSocket close 1012"
@@ -136,7 +137,8 @@ async def test_host_timeout_names_who_came_and_tells_them(rdv, tmp_path, tiny_ch
             on_code=code.set_result,
         )
     )
-    joining = asyncio.ensure_future(join(str(await code), opts(rdv, "beta", tmp_path, wait_s=60)))
+    c = await code_of(code, hosting)
+    joining = asyncio.ensure_future(join(c, opts(rdv, "beta", tmp_path, wait_s=60)))
     arrived = (
         r"only (1 of 3 members arrived within 4 s \(joined: alpha(; still measuring itself: beta)?\)"
         r"|2 of 3 members arrived within 4 s \(joined: alpha, beta\))"
@@ -198,7 +200,7 @@ async def test_host_stops_at_once_when_the_rendezvous_goes_away_while_it_waits(
             on_code=code.set_result,
         )
     )
-    await code
+    await code_of(code, hosting)
     await asyncio.sleep(1.0)  # the host is measuring itself or waiting for its member
     started = time.monotonic()
     await rdv.stop()  # closes every signaling connection (1012, service restart)
@@ -219,7 +221,7 @@ async def host_and(rdv, tmp_path, model: str, members: int, joiners: list[str]) 
     hosting = asyncio.ensure_future(
         host(opts(rdv, "alpha", tmp_path, model=model, members=members), on_code=code.set_result)
     )
-    c = str(await code)
+    c = await code_of(code, hosting)
     return c, [hosting, *(asyncio.ensure_future(join(c, opts(rdv, n, tmp_path))) for n in joiners)]
 
 
@@ -495,7 +497,7 @@ async def test_a_wrong_secret_word_is_found_while_host_and_member_still_measure_
         host(opts(rdv, "alpha", tmp_path, model=model, members=2), on_code=code.set_result)
     )
     try:
-        *head, last = str(await code).split("-")
+        *head, last = (await code_of(code, hosting)).split("-")
         wrong = "-".join([*head, next(w for w in WORDS if w != last)])
         started = time.monotonic()
         with pytest.raises(SessionError) as carol:
@@ -556,7 +558,8 @@ async def test_a_members_metrics_listener_serves_while_forming_and_serving_and_s
     hosting = asyncio.ensure_future(
         host(opts(rdv, "alpha", tmp_path, model=str(tiny_chat_model), members=2), on_code=code.set_result)
     )
-    beta = asyncio.ensure_future(join(str(await code), opts(rdv, "beta", tmp_path, metrics="127.0.0.1:0")))
+    c = await code_of(code, hosting)
+    beta = asyncio.ensure_future(join(c, opts(rdv, "beta", tmp_path, metrics="127.0.0.1:0")))
     formed = []
     try:
         await asyncio.wait_for(fetching.wait(), 60)

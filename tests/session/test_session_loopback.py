@@ -25,6 +25,7 @@ from kafila.session.forming.join import join
 from kafila.session.runtime import MemberRuntime
 from kafila.session.terms import Options
 from tests.session.conftest import make_tiny_chat
+from tests.session.hosting import code_of
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 MODEL = "smollm2-135m"
@@ -71,7 +72,7 @@ async def form(
             on_code=code.set_result,
         )
     )
-    c = str(await code)
+    c = await code_of(code, hosting)
     members = [asyncio.ensure_future(join(c, opts(rdv, n, tmp, **kw.get(n, {})))) for n in ("beta", "gamma")]
     return list(await asyncio.gather(hosting, *members))
 
@@ -232,7 +233,7 @@ async def test_infeasible_session_is_refused_naming_the_device(rdv, tmp_path) ->
             on_code=code.set_result,
         )
     )
-    c = str(await code)
+    c = await code_of(code, hosting)
     joining = asyncio.ensure_future(join(c, opts(rdv, "beta", tmp_path, memory_bytes=int(tiny * 1e9))))
     with pytest.raises(SessionError, match=r"alpha|beta"):
         await hosting
@@ -294,7 +295,7 @@ async def test_api_answers_while_the_session_forms_then_serves_on_the_same_addre
     model = str(tiny_chat_model)
     host_opts = opts(rdv, "alpha", tmp_path, model=model, members=2, context=256)
     hosting = asyncio.ensure_future(host(host_opts, on_code=code.set_result))
-    c = str(await code)
+    c = await code_of(code, hosting)
     said = ""
     async with httpx.AsyncClient(timeout=5) as http:
         for _ in range(600):  # the host probes itself first, then waits for its member

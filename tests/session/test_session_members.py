@@ -27,6 +27,7 @@ from kafila.session.runtime import MemberRuntime
 from kafila.session.terms import Options
 from kafila.session.weights.manifest import checkpoint_id
 from tests.session.conftest import make_tiny_chat
+from tests.session.hosting import code_of
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 NAMES = ("alpha", "beta", "gamma", "delta", "epsilon")
@@ -59,7 +60,7 @@ async def form(rdv: RendezvousServer, tmp: Path, n: int, model: Path, division: 
         rdv, NAMES[0], tmp, model=str(model), members=n, context=256, division=division, chunk=64, queue=3
     )
     hosting = asyncio.ensure_future(host(host_opts, on_code=code.set_result))
-    c = str(await code)
+    c = await code_of(code, hosting)
     members = [asyncio.ensure_future(join(c, opts(rdv, name, tmp))) for name in NAMES[1:n]]
     return list(await asyncio.gather(hosting, *members))
 
