@@ -44,11 +44,15 @@ async def off_loop(fn: Callable[..., R], *args: Any) -> R:
 
 
 OFF_LOOP = "kafila-off-loop-"  # the threads' names
+MODEL_THREAD = "kafila-model-"  # a member's model thread (kafila.session.ring.compute.ModelThread)
 
 
 def off_loop_busy() -> bool:
-    """An `off_loop` call still runs (the member was stopped during its probe or stage load)."""
-    return any(t.name.startswith(OFF_LOOP) and t.is_alive() for t in threading.enumerate())
+    """Work off the loop still runs: an `off_loop` call (the member was stopped during its probe
+    or stage load), or a model thread not yet ended (closed during a call: a re-plan's rebuild of
+    its stage when the host ended the session). Either, still in torch at the interpreter's exit,
+    can abort it ("terminate called without an active exception", rc 134)."""
+    return any(t.name.startswith((OFF_LOOP, MODEL_THREAD)) and t.is_alive() for t in threading.enumerate())
 
 
 # told every progress line of the host() or join() whose task (or a task or off_loop thread it

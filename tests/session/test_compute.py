@@ -48,7 +48,7 @@ async def test_the_model_thread_runs_calls_in_order_on_one_thread_and_hands_back
     try:
         assert await asyncio.gather(*(model.run(call, i) for i in range(20))) == [i * i for i in range(20)]
         assert [i for i, _ in seen] == list(range(20))
-        assert {name for _, name in seen} == {"model-t"}
+        assert {name for _, name in seen} == {"kafila-model-t"}
         with pytest.raises(StageError, match="the stage refused"):
             await model.run(_refuse)
         assert await model.run(call, 3) == 9  # still serving after an error
@@ -83,3 +83,21 @@ async def test_a_cancelled_caller_does_not_stop_the_model_thread_and_close_drops
 
 def _refuse() -> None:
     raise StageError("the stage refused")
+
+
+async def test_a_model_thread_closed_during_a_call_counts_as_work_still_running_until_it_ends() -> None:
+    """The CLI ends with os._exit while such work runs: a survivor whose re-plan rebuilt its stage
+    on this thread when the host ended the session exited with SIGABRT (torch still running at the
+    interpreter's exit: "terminate called without an active exception")."""
+    from kafila.session.progress import off_loop_busy
+
+    model = compute.ModelThread("closing")
+    gate = threading.Event()
+    running = asyncio.ensure_future(model.run(gate.wait, 5))
+    await asyncio.sleep(0.01)
+    model.close()
+    assert off_loop_busy()  # the rebuild is still in torch
+    gate.set()
+    assert await running is True
+    model._thread.join(5)
+    assert not off_loop_busy()

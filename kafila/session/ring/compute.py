@@ -24,6 +24,7 @@ from kafila.engine.stage import Entry as StageEntry
 from kafila.engine.stage import Stage, StageError
 from kafila.obs import hopmarks
 from kafila.proto import tensor as t
+from kafila.session.progress import MODEL_THREAD
 
 T = TypeVar("T")
 WIRE = {"F32": t.DType.F32, "F16": t.DType.F16, "BF16": t.DType.BF16}
@@ -41,7 +42,7 @@ class ModelThread:
     def __init__(self, name: str) -> None:
         self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._closed = False
-        self._thread = threading.Thread(target=self._main, name=f"model-{name}", daemon=True)
+        self._thread = threading.Thread(target=self._main, name=f"{MODEL_THREAD}{name}", daemon=True)
         self._thread.start()
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
