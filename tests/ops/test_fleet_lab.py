@@ -34,7 +34,7 @@ pytestmark = [
     pytest.mark.docker,
     pytest.mark.slow,
     pytest.mark.network,
-    pytest.mark.timeout(900),  # a whole fleet comes up and goes down: 3 min here, more on a slow machine
+    pytest.mark.timeout(900),  # a whole fleet comes up and goes down: 2.5 min here, more on a slow machine
 ]
 
 

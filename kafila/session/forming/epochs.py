@@ -426,7 +426,8 @@ class HostEpochs:
     async def idle(self) -> None:
         """Until no re-plan runs: one change at a time, and one may chain another (a loss while
         moving), so this waits for whichever job is current once the last ends."""
-        while self._job is not None and not self._job.done():
+        while self.busy():
+            assert self._job is not None
             await asyncio.wait([self._job])
 
     async def arrive(self, decision: Replan, at: float) -> None:
