@@ -1,7 +1,7 @@
 """A hop's protocol work through two QUIC stacks, side by side: aioquic (kafila's) and qh3.
 
 What a ring member pays per hop beyond the single process is mostly QUIC's Python, run from cold
-caches after the member waited (docs/benchmarks.md, "Sessions 26 and 27"). qh3 is a fork of
+caches after the member waited (docs/benchmarks.md, "What bounds the figures"). qh3 is a fork of
 aioquic with the same connection API and its connection core compiled (Rust); this script measures
 what moving to such a stack would save, before anyone ports kafila.net.link to it.
 

@@ -18,9 +18,9 @@ four users, as a ratio of tokens per second (prefill, queueing and HTTP left out
 Stages that stream their weights at once share this machine's memory bus, which separate
 machines would not (benchmarks/contention.py measures by how much). Smaller shares with the same
 ratios, e.g. --shares 0.25,0.125,0.0625, make such collisions rarer at the price of a slower run
-(docs/benchmarks.md, "Session 8").
+(docs/benchmarks.md, "The local fleet").
 benchmarks/batch_rows.py measures what a step of two or four rows costs over one on this CPU
-and the bound that alone puts on this ratio (docs/benchmarks.md, "Session 25").
+and the bound that alone puts on this ratio (docs/benchmarks.md, "What bounds the figures").
 
 With --hop-marks every member writes hop marks (kafila.obs.hopmarks) and the script ends with
 where a decode step's time went, alone against beside the other users: compute, hand-offs, event

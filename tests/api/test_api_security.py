@@ -1,4 +1,4 @@
-"""The API as an attacker tries it (issue 50), against a real two-member ring of the default model:
+"""The API as an attacker tries it, against a real two-member ring of the default model:
 keys through the official openai and ollama clients, forwarding member -> head with keys on both,
 Host and Origin checks, JSON-only bodies, and the bad input that got a 500 or a 200."""
 

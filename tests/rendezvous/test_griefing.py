@@ -1,4 +1,4 @@
-"""Many addresses against one session code (issue 50): loopback aliases stand in for attackers'
+"""Many addresses against one session code: loopback aliases stand in for attackers'
 machines (every 127.x.y.z is this machine's on Linux; each client socket is bound to its own, so the
 rendezvous sees as many source addresses). The attackers know the code's public part only."""
 

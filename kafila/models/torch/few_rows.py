@@ -276,7 +276,7 @@ def _vector_dot(nr: int, prefetch: bool):  # type: ignore[no-untyped-def]
 # registers would spill), three otherwise; later passes read the weight rows from the L1 cache
 # three x rows at a time (12 accumulators), then two or one. One pass of four instead of three
 # and one: 4-8 rows 8-15% faster on AMD Zen 4, 19 rows 4% (docs/engine.md); later passes of four
-# were slower for prefill-sized calls on the Xeon (docs/benchmarks.md, session 22).
+# were slower for prefill-sized calls on the Xeon (docs/benchmarks.md, "Tried and rejected").
 FIRST_ROWS = 4 if VF == 16 else 3
 _dot_3, _dot_2, _dot_1 = _vector_dot(3, False), _vector_dot(2, False), _vector_dot(1, False)
 _first_4, _first_3 = _vector_dot(4, True), _vector_dot(3, True)
