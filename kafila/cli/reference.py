@@ -13,6 +13,7 @@ Not a `kafila` subcommand: a contributor's tool, importing kafila-ops (ops/) and
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -317,6 +318,33 @@ def fleet_page() -> str:
         lines += [f"| `{k}` | {_cell(FLEET_KEYS.get(table, {}).get(k, ''))} |" for k in sorted(keys)]
         lines.append("")
     return HEADER + "\n".join(lines).rstrip() + "\n"
+
+
+# -- HTTP API -------------------------------------------------------------------------------------------
+
+
+def api_routes() -> set[str]:
+    """'METHOD /path' for every route a member's API serves (kafila/api/app.py), read from the source:
+    building the app needs a running session."""
+    import ast
+
+    from kafila.api import app, page
+
+    routes = set()
+    for node in ast.walk(ast.parse(Path(app.__file__).read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Route":
+            first = node.args[0]
+            if isinstance(first, ast.Constant):
+                path = str(first.value)
+            elif isinstance(first, ast.Attribute) and first.attr == "ASSET_PATH":
+                path = page.ASSET_PATH
+            else:
+                raise ValueError(f"a route whose path is not a literal: {ast.unparse(first)}")
+            methods = next(k.value for k in node.keywords if k.arg == "methods")
+            assert isinstance(methods, ast.List)
+            path = re.sub(r"\{(\w+):\w+\}", r"{\1}", path)  # {model:path} is written {model}
+            routes |= {f"{ast.literal_eval(m)} {path}" for m in methods.elts}
+    return routes
 
 
 # -- pages ----------------------------------------------------------------------------------------------

@@ -107,3 +107,11 @@ def test_every_fleet_file_example_in_the_docs_uses_known_keys() -> None:
                     wrong += [f"{page.relative_to(ROOT)}: {table} {k}" for k in set(row) - schema[table]]
     assert seen, "no ```toml fleet file in the docs"
     assert not wrong, "fleet-file keys the parsers reject:\n" + "\n".join(wrong)
+
+
+def test_the_api_page_lists_exactly_the_routes_a_member_serves() -> None:
+    routes = reference.api_routes()
+    assert "POST /v1/chat/completions" in routes and "GET /healthz" in routes
+    page = (ROOT / "docs" / "reference" / "api.md").read_text()
+    listed = set(re.findall(r"^\| `((?:GET|POST|PUT|DELETE) /[^`]*)` \|", page, re.M))
+    assert listed == routes, f"missing: {sorted(routes - listed)}; not served: {sorted(listed - routes)}"
