@@ -1,6 +1,6 @@
 """Text in and out of the API: the codec protocol and an incremental detokenizer.
 
-`TextCodec` is what the API needs from a model's tokenizer and chat template (E1's tokenizer and
+`TextCodec` is what the API needs from a model's tokenizer and chat template (the engine's tokenizer and
 template implement it through `kafila.session` adapters). `Detokenizer` turns a growing list of
 token ids into text deltas without splitting a multi-byte character, and cuts the answer at the
 first stop string.

@@ -7,7 +7,7 @@ independent mapping, filtering that depends on the remote address or address and
 A pair rule is any `predict(a, b) -> bool` (True: predicted direct). The planner takes it as a
 parameter. Two rules ship:
 - `PAPER_RULE`: direct iff at least one endpoint is permissive (the paper's Section V-B rule).
-- `LINUX_RULE`: what coordinated punching achieved between real Linux netfilter NATs (facts.md):
+- `LINUX_RULE`: what coordinated punching achieved between real Linux netfilter NATs (tests/natlab):
   permissive with anything direct; ordinary with ordinary direct; ordinary with address-dependent
   filtering with restrictive direct; ordinary with port-dependent (or unknown) filtering with
   restrictive relayed; restrictive with restrictive relayed.
@@ -126,7 +126,7 @@ _LINUX_TABLE: frozenset[frozenset[str]] = frozenset(
 
 
 def linux_rule(a: Nat, b: Nat) -> bool:
-    """Coordinated punching as measured between Linux netfilter NATs (facts.md)."""
+    """Coordinated punching as measured between Linux netfilter NATs (the NAT lab, tests/natlab)."""
     return frozenset((_linux_kind(a), _linux_kind(b))) in _LINUX_TABLE
 
 

@@ -6,7 +6,7 @@ Topology (all addresses are test ranges and never leave the namespaces):
                                                                                br0 in "inet"
     rendezvous host "rdv": 198.18.0.2 and 198.18.0.3 (two public addresses) ───┘
 
-Router kinds (the netfilter recipes checked in shared/notes/facts.md):
+Router kinds (netfilter recipes):
 - permissive: endpoint-independent mapping and filtering (full cone). MASQUERADE plus an nftables
   dynamic map filled after SNAT (mapped port -> LAN address and port) and used for DNAT.
 - ordinary: MASQUERADE (endpoint-independent mapping, port-preserving) with address-and-port

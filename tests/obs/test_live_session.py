@@ -8,11 +8,14 @@ member on its own metrics listener (`kafila host|join --metrics`), as a fleet's 
   clean on every member and on the rendezvous. Grafana itself is in no registry here: the dashboards'
   JSON is what Grafana would send to this Prometheus.
 - The member page in Debian's headless Chromium: the DOM shows the members and a streamed answer; a
-  screenshot is kept (its path is printed)."""
+  screenshot is kept (its path is printed); with KAFILA_DOCS_SCREENSHOTS=1 it replaces the one the
+  guide shows, docs/images/member-page.png."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import socket
 import subprocess
 import time
@@ -41,6 +44,9 @@ from tests.obs.test_dashboards import (
     selectors,
     substitute,
 )
+
+DOCS_SCREENSHOTS = "KAFILA_DOCS_SCREENSHOTS"
+DOCS_IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
 
 
 @dataclass(frozen=True)
@@ -247,4 +253,9 @@ def test_the_page_in_a_real_browser_shows_the_ring_and_streams_an_answer(
         browser.close()
     assert shot.stat().st_size > 10_000
     print(f"screenshot of {member}'s page: {shot}")
+    if os.environ.get(DOCS_SCREENSHOTS) == "1":  # the picture the guide shows, made by this test
+        kept = DOCS_IMAGES / "member-page.png"
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shot, kept)
+        print(f"kept for the docs: {kept}")
     assert httpx.get(live.url(member) + "/", timeout=10).text.startswith("Kafila is running")

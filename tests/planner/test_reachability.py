@@ -1,4 +1,4 @@
-"""Pair rules: the paper's and the one measured on Linux NATs (facts.md)."""
+"""Pair rules: the paper's and the one measured on Linux NATs (the NAT lab)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from kafila.session.terms import Options
 def probe_report(
     name: str, node: LinkNode, opts: Options, config: dict[str, Any] | None = None
 ) -> DeviceReport:
-    """This member measured (E3's probe). With the session model's config.json the probe also
+    """This member measured (kafila.probe). With the session model's config.json the probe also
     times one decode step of one synthetic block of that model, which the planner prefers."""
     say("measuring this device (memory bandwidth, dispatch overhead, memory, one block of the model)")
     try:
