@@ -102,7 +102,7 @@ def fleet_table(folder: Path) -> None:
 class Cell:
     fleet: str
     model: str
-    bound: float  # the bound: total bytes read / total bandwidth
+    bound: float  # the bandwidth bound: total bytes read / total bandwidth
     relaxed: float  # fractional blocks, overheads and memory limits kept, best head
     exact_free: float | None  # best integer division, every head, memory limits lifted
     exact: float | None  # best integer division, every head, memory limits kept
@@ -152,8 +152,8 @@ def ms(x: float | None) -> str:
 
 def exact_table(cells: list[Cell]) -> None:
     print(
-        "\nKafila against the issue's bound and the exact best integer division (dynamic program over every\n"
-        "head choice under the same memory limits, kafila/planner/exact.py; independent of PARTITION):\n"
+        "\nKafila against the bandwidth bound and the exact best integer division (dynamic program over\n"
+        "every head choice, same memory limits, kafila/planner/exact.py; independent of PARTITION):\n"
         f"{'fleet':<17} {'model':<10} {'bound':>6} {'exact':>6} {'kafila':>6} | {'exact/':>7} {'free/':>7} "
         f"{'relax/':>7} {'kafila/':>7} {'kafila/':>7} {'mu=0/':>7} {'any':>4}\n"
         f"{'':<17} {'':<10} {'ms':>6} {'ms':>6} {'ms':>6} | {'bound':>7} {'bound':>7} {'bound':>7} "

@@ -36,7 +36,7 @@ def test_every_alert_has_a_summary_a_runbook_a_severity_and_unit_tests_both_ways
         assert False in tested.get(name, []), f"{name}: no unit test where it stays silent"
 
 
-def test_the_issue_s_alerts_are_all_there() -> None:
+def test_the_documented_alerts_are_all_there() -> None:
     names = {str(r["alert"]) for r in alerts()}
     assert names >= {
         "KafilaMemberDown", "KafilaRingBroken", "KafilaReplanned", "KafilaStageSlowerThanPredicted",
