@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from kafila.cli.argtypes import positive_int
 from kafila.cli.host import add_threads_flag
 from kafila.engine import DTYPE_CHOICES, PREFILL_CHUNK, QUANT_CHOICES
+
+if TYPE_CHECKING:
+    from kafila.engine.backend import Backend
+    from kafila.engine.system import MemoryBudget
 
 # kafila.engine.sampler's settings, as the API takes them per request: (flag, type, default, help)
 SAMPLING_FLAGS: list[tuple[str, type, float | int | None, str]] = [
@@ -127,6 +131,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, params) -> int:  # type: ignore[no-untyped-def]
+    from kafila.engine.backend import checkpoint_dtype
+    from kafila.engine.backend import resolve as resolve_backend
     from kafila.engine.generate import Timings, generate
     from kafila.engine.stage import Stage
     from kafila.engine.tokenizer import Tokenizer
@@ -137,15 +143,9 @@ def _run(args: argparse.Namespace, params) -> int:  # type: ignore[no-untyped-de
     ckpt.config.check_context(args.context, args.model)
     tok = Tokenizer.from_checkpoint(ckpt)
     prompt = _prompt_ids(tok, args)
-    stage = Stage.load(
-        ckpt,
-        range(ckpt.n_blocks),
-        True,
-        backend=args.backend,
-        dtype=args.dtype,
-        context=args.context,
-        quant=args.quant,
-    )
+    be = resolve_backend(args.backend, checkpoint_dtype(args.dtype, ckpt.stored_dtype))
+    refuse_unless_fits(ckpt, be, args)
+    stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend=be, context=args.context, quant=args.quant)
     warm_up(stage, prompt)
     timings, stream = Timings(), tok.stream()
     steps = generate(stage, prompt, params, eos_ids=tuple(tok.stop_ids), chunk=args.chunk, timings=timings)
@@ -157,6 +157,41 @@ def _run(args: argparse.Namespace, params) -> int:  # type: ignore[no-untyped-de
     backend = str(stage.backend) + ("" if weights == "none" else f", {weights} weights")
     print(_summary(timings, backend, _length_limit(args, len(prompt))), file=sys.stderr)
     return 0
+
+
+def refuse_unless_fits(ckpt, be, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
+    """Raise ValueError before any weight is read when the whole model, with its KV cache at
+    --context, needs more than this process may take: the planner's numbers and the bound's source."""
+    from kafila.engine import DTYPES
+    from kafila.engine.stage import resolve_quant
+    from kafila.planner.cost import Workload, fmt_bytes, shortfall
+
+    w_fmt = resolve_quant(args.quant, ckpt.stored_format)
+    manifest = ckpt.manifest(DTYPES[be.dtype], w_fmt)
+    budget = device_budget(be)
+    if budget is None:
+        return
+    w = Workload.of(manifest, args.context, 1)
+    short = shortfall("this machine", budget.usable, w, ckpt.n_blocks, head=True)
+    if short is None:
+        return
+    smaller = "a shorter --context, " + ("" if w_fmt == "q4" else "--quant q4, ")
+    raise ValueError(
+        f"{args.model} does not fit: {short}; that is {fmt_bytes(budget.available)} available "
+        f"({budget.source}) less {fmt_bytes(budget.kept)} kept for the system; try {smaller}or a session "
+        "across machines (`kafila host`, then `kafila join` on the others)"
+    )
+
+
+def device_budget(be: Backend) -> MemoryBudget | None:
+    """The memory a stage on `be` may take: a CUDA card's free memory, else this process's RAM budget."""
+    from kafila.engine import system
+
+    if be.device == "cuda":
+        import torch
+
+        return system.MemoryBudget(int(torch.cuda.mem_get_info()[0]), "the CUDA card's free memory")
+    return system.memory_budget()
 
 
 def warm_up(stage, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]

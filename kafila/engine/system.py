@@ -10,6 +10,7 @@ import math
 import os
 import platform
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -48,19 +49,45 @@ def _read_int(file: Path) -> int | None:
 
 
 def cgroup_memory_room() -> int | None:
-    """Bytes left under this process's cgroup memory limit (v1 or v2), or None if unlimited."""
+    """Bytes left under this process's cgroup memory limits (v1 or v2), or None if unlimited."""
+    bound = cgroup_memory_bound()
+    return bound[0] if bound else None
+
+
+def cgroup_memory_bound() -> tuple[int, str] | None:
+    """(bytes left, which limit) under the tightest memory limit of this process's cgroup and its
+    ancestors (a parent's limit binds its children too), v1 or v2; None if no limit is set."""
     paths = _cgroup_paths()
     if "memory" in paths:
-        d = CGROUP_ROOT / "memory" / paths["memory"].lstrip("/")
-        limit, usage = _read_int(d / "memory.limit_in_bytes"), _read_int(d / "memory.usage_in_bytes")
+        root, rel, files = (
+            CGROUP_ROOT / "memory",
+            paths["memory"],
+            ("memory.limit_in_bytes", "memory.usage_in_bytes"),
+        )
+        version = "v1"
     elif "" in paths:
-        d = CGROUP_ROOT / paths[""].lstrip("/")
-        limit, usage = _read_int(d / "memory.max"), _read_int(d / "memory.current")
+        root, rel, files, version = CGROUP_ROOT, paths[""], ("memory.max", "memory.current"), "v2"
     else:
         return None
-    if limit is None or usage is None or limit >= 1 << 60:
-        return None
-    return max(0, limit - usage)
+    best: tuple[int, str] | None = None
+    for d in _ancestors(root, rel):
+        limit, usage = _read_int(d / files[0]), _read_int(d / files[1])
+        if limit is None or usage is None or limit >= 1 << 60:
+            continue
+        room = max(0, limit - usage)
+        if best is None or room < best[0]:
+            best = (room, f"cgroup {version} {d / files[0]}: limit {_gb(limit)}, {_gb(usage)} in use")
+    return best
+
+
+def _ancestors(root: Path, rel: str) -> list[Path]:
+    """The cgroup folder of `rel` and each of its parents up to `root`, innermost first."""
+    parts = [p for p in rel.split("/") if p]
+    return [root.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
 
 
 def cfs_limit() -> tuple[float, float] | None:
@@ -129,13 +156,39 @@ def _sysctl_int(key: str) -> int | None:
 
 def system_memory_available() -> int | None:
     """RAM this process could still take: MemAvailable capped by the cgroup limit (macOS: hw.memsize)."""
+    budget = memory_budget()
+    return budget.available if budget else None
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """What this process may allocate, and which figure of the system bounds it."""
+
+    available: int  # bytes it could still take
+    source: str  # the bound: a cgroup limit, /proc/meminfo's MemAvailable, or macOS's hw.memsize
+
+    @property
+    def kept(self) -> int:
+        """What the OS and the API keep of it (`reserve`)."""
+        return reserve(self.available)
+
+    @property
+    def usable(self) -> int:
+        """What weights and the KV cache may take: available less what is kept (as the probe reports)."""
+        return max(0, self.available - self.kept)
+
+
+def memory_budget() -> MemoryBudget | None:
+    """The tightest of MemAvailable (macOS: hw.memsize) and the cgroup limits, naming it; None when
+    none can be read."""
     avail = meminfo_available()
+    source = "MemAvailable in /proc/meminfo"
     if avail is None and platform.system() == "Darwin":
-        avail = _sysctl_int("hw.memsize")
-    room = cgroup_memory_room()
-    if avail is None:
-        return room
-    return avail if room is None else min(avail, room)
+        avail, source = _sysctl_int("hw.memsize"), "hw.memsize (physical memory)"
+    bound = cgroup_memory_bound()
+    if bound is not None and (avail is None or bound[0] < avail):
+        return MemoryBudget(bound[0], bound[1])
+    return MemoryBudget(avail, source) if avail is not None else None
 
 
 def reserve(total: int) -> int:

@@ -180,12 +180,18 @@ def fmt_bytes(n: float) -> str:
 
 def memory_shortfall(d: DeviceReport, w: Workload, n: int, head: bool) -> str | None:
     """None if `n` blocks (and the head) fit on `d`, else a refusal naming the numbers."""
+    return shortfall(d.name, d.memory_bytes, w, n, head)
+
+
+def shortfall(name: str, memory_bytes: int, w: Workload, n: int, head: bool) -> str | None:
+    """None if `n` blocks (and the head) fit in `memory_bytes`, else a refusal naming the numbers:
+    "laptop-2: 14 blocks need 15.1 GB, has 12.0 GB (context 2048 x concurrency 1)"."""
     need = w.resident_bytes(n, head)
-    if need <= d.memory_bytes:
+    if need <= memory_bytes:
         return None
     what = f"{n} block{'s' if n != 1 else ''}" + (" + head" if head else "")
     verb = "needs" if n == 1 and not head else "need"
     return (
-        f"{d.name}: {what} {verb} {fmt_bytes(need)}, has {fmt_bytes(d.memory_bytes)} "
+        f"{name}: {what} {verb} {fmt_bytes(need)}, has {fmt_bytes(memory_bytes)} "
         f"(context {w.context} x concurrency {w.concurrency})"
     )
