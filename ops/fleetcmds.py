@@ -266,7 +266,9 @@ def status(remote: Remote, fleet: FleetFile) -> dict[str, Any]:
     for name, r in rows.items():
         if r["state"] != actions.RUNNING:
             step = actions.state(fleet, hosts[name])
-            tail = f": {r['detail']}" if r["detail"] and r["state"] in actions.HOST_FAILED else ""
+            tail = (
+                f": {r['detail']}" if r["state"] in actions.HOST_FAILED and r["detail"] != r["state"] else ""
+            )
             say(remote, f"{Remote.where(step)}: {r['state']}{tail}")
     return rows
 

@@ -331,3 +331,19 @@ def test_a_fleet_rendezvous_keeps_its_secret_so_sessions_outlive_its_restart() -
     native = parse(BASE.replace('ssh = "rdv"', 'ssh = "rdv"\nruntime = "native"'), "two.toml")
     step = actions.rendezvous_start(native)
     assert step is not None and '"$HOME"/.config/kafila-ops/two/rendezvous-relay.key' in step.remote
+
+
+def test_member_states_read_apart_from_what_each_runtime_prints() -> None:
+    fleet = parse(fleet_text(), "f.toml")
+    gpu, penguin, mac = fleet.host("gpu"), fleet.host("penguin"), fleet.host("mac")
+    read = actions.member_state
+    assert [read(gpu, 0, w) for w in ("running\n", "exited", "dead", "absent", "created")] == [
+        "running", "exited", "exited", "absent", "created",
+    ]  # fmt: skip
+    assert read(gpu, 0, "docker not running\n") == "docker not running"
+    assert read(gpu, 255, "") == read(penguin, 255, "active") == "unreachable"  # ssh's own 255
+    assert [read(penguin, 0, w) for w in ("active", "failed", "inactive", "activating")] == [
+        "running", "exited", "absent", "starting",
+    ]  # fmt: skip
+    assert read(penguin, 0, "Failed to connect to bus: No medium found") == "error"
+    assert [read(mac, 0, w) for w in ("running", "not running", "absent")] == ["running", "exited", "absent"]
