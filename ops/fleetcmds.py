@@ -38,7 +38,7 @@ def check_hosts(remote: Remote, fleet: FleetFile, image_ids: dict[str, str]) -> 
                 say(remote, f"{h.device} ({h.ssh}, site {h.site}): {out.strip()}")
             if step.what == "check the NVIDIA runtime" and "nvidia" not in out:
                 raise OpsError(
-                    f"{Remote.where(step)}: no GPU runtime: docker info lists runtimes {out.strip()} without "
+                    f"{remote.where(step)}: no GPU runtime: docker info lists runtimes {out.strip()} without "
                     'nvidia (install nvidia-container-toolkit, or set gpus = "none" for this host)'
                 )
     return lacking
@@ -214,7 +214,7 @@ def down(remote: Remote, fleet: FleetFile) -> None:
     failed: list[str] = []
     for step in actions.down_steps(fleet):
         done = remote.call(step, timeout=60)
-        where = Remote.where(step)
+        where = remote.where(step)
         removed = " ".join(done.out.split()) if done.rc != 255 else ""
         if done.rc == 0:
             say(remote, f"{where}: {removed or 'done'}")
@@ -269,7 +269,7 @@ def status(remote: Remote, fleet: FleetFile) -> dict[str, Any]:
             tail = (
                 f": {r['detail']}" if r["state"] in actions.HOST_FAILED and r["detail"] != r["state"] else ""
             )
-            say(remote, f"{Remote.where(step)}: {r['state']}{tail}")
+            say(remote, f"{remote.where(step)}: {r['state']}{tail}")
     return rows
 
 
@@ -295,7 +295,7 @@ def member_traces(remote: Remote, fleet: FleetFile, host: Host) -> list[dict[str
     try:
         records = json.loads(text)["traces"]
     except (ValueError, KeyError, TypeError) as exc:
-        raise OpsError(f"{Remote.where(step)}: not a /traces document: {text[:200]!r}") from exc
+        raise OpsError(f"{remote.where(step)}: not a /traces document: {text[:200]!r}") from exc
     return list(records)
 
 
@@ -333,6 +333,6 @@ def logs(remote: Remote, fleet: FleetFile, member: str | None, lines: int) -> No
             continue
         why = Remote.why(done.rc, done.err or done.out)
         print(f"(no logs: {why})")
-        failed.append(f"{Remote.where(step)}: {why.splitlines()[0]}")
+        failed.append(f"{remote.where(step)}: {why.splitlines()[0]}")
     if failed:
         raise OpsError(f"fleet {fleet.name}: logs failed on {len(failed)} host(s):\n  " + "\n  ".join(failed))

@@ -71,9 +71,14 @@ class Remote:
             raise OpsError(f"{self.where(step)}: {self.why(done.rc, done.err or done.out)}")
         return done.out
 
-    @staticmethod
-    def where(step: Step) -> str:
-        return f"host {step.host.device} ({step.host.ssh}, site {step.host.site}): {step.what}"
+    def where(self, step: Step) -> str:
+        """`host MEMBER (SSH, site SITE): STEP`, naming the fleet's other members on that machine too
+        (a rendezvous and a member sharing one, say): a stopped Docker there is theirs as much."""
+        h = step.host
+        hosts = [*self.fleet.hosts, *([self.fleet.rendezvous.host] if self.fleet.rendezvous.host else [])]
+        also = [f"{o.device} (site {o.site})" for o in hosts if o.ssh == h.ssh and o.device != h.device]
+        shared = f"; also runs {', '.join(also)}" if also else ""
+        return f"host {h.device} ({h.ssh}, site {h.site}{shared}): {step.what}"
 
     @staticmethod
     def why(rc: int, text: str) -> str:

@@ -347,3 +347,18 @@ def test_member_states_read_apart_from_what_each_runtime_prints() -> None:
     ]  # fmt: skip
     assert read(penguin, 0, "Failed to connect to bus: No medium found") == "error"
     assert [read(mac, 0, w) for w in ("running", "not running", "absent")] == ["running", "exited", "absent"]
+
+
+def test_a_step_on_a_machine_two_members_share_names_both() -> None:
+    """A rendezvous and a member on one machine: Docker stopped there is reported as both's."""
+    text = fleet_text().replace(
+        'url = "ws://rdv.example:8470/v1/signal"', 'ssh = "ops@gpu"\naddress = "203.0.113.7"'
+    )
+    fleet = parse(text, "f.toml")
+    assert fleet.rendezvous.host is not None
+    check = actions.checks(fleet, fleet.rendezvous.host, fleet.rendezvous.image)[0]
+    assert Remote(fleet).where(check) == (
+        "host rendezvous (ops@gpu, site rendezvous; also runs gpu (site lab)): check Docker"
+    )
+    alone = actions.checks(fleet, fleet.host("cpu-box"), fleet.image)[0]
+    assert Remote(fleet).where(alone) == "host cpu-box (cpu, site lab): check Docker"
