@@ -362,3 +362,19 @@ def test_a_step_on_a_machine_two_members_share_names_both() -> None:
     )
     alone = actions.checks(fleet, fleet.host("cpu-box"), fleet.image)[0]
     assert Remote(fleet).where(alone) == "host cpu-box (cpu, site lab): check Docker"
+
+
+def test_a_missing_local_image_is_met_with_the_dockerfile_that_builds_it() -> None:
+    from ops.remote import build_hint
+
+    assert (
+        build_hint("kafila/rendezvous:latest")
+        == "docker build -f Dockerfile.rendezvous -t kafila/rendezvous:latest ."
+    )
+    assert (
+        build_hint("kafila/member:cpu")
+        == "docker build -f Dockerfile.cuda --build-arg VARIANT=cpu -t kafila/member:cpu ."
+    )
+    assert build_hint("registry:5000/kafila/member:cuda") == (
+        "docker build -f Dockerfile.cuda -t registry:5000/kafila/member:cuda ."
+    )
