@@ -388,7 +388,7 @@ def rendezvous_health(fleet: FleetFile) -> str:
 
 
 DOCKER_UP = (
-    "out=$(docker version --format '{{.Server.Version}}' 2>&1)"
+    "out=$(docker version --format '{{.Server.Version}}' 2>&1 >/dev/null)"
     ' || { echo "docker not running: $out" >&2; exit 3; };'
 )
 ACTIVE = "active|activating|reloading|deactivating"  # a systemd unit whose process may still run

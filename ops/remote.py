@@ -88,7 +88,8 @@ class Remote:
                 f"unreachable: ssh could not reach the host: {text.splitlines()[-1] if text else 'exit 255'}"
             )
         if "docker not running" in text or "Cannot connect to the Docker daemon" in text:
-            return f"docker not running there: {text[-400:]}"
+            reason = text.removeprefix("docker not running:").strip()
+            return f"docker not running there: {reason[-400:]}"
         if "command not found" in text or ("not found" in text.lower() and rc == 127):
             return f"not installed there: {text}"
         return f"exited {rc}: {text[-800:] or '(no output)'}"
