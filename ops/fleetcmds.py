@@ -78,7 +78,10 @@ def session_doc(remote: Remote, fleet: FleetFile, host: Host) -> dict[str, Any] 
 def member_state(remote: Remote, fleet: FleetFile, host: Host) -> tuple[str, str]:
     """The member's process state (actions.member_state's words) and what the host printed."""
     step = actions.state(fleet, host)
-    done = remote.call(step, timeout=30)
+    try:
+        done = remote.call(step, timeout=30)
+    except OpsError as exc:  # ssh logged in to nothing that answers within the time
+        return actions.UNREACHABLE, str(exc)
     detail = (done.err if done.rc == 255 else done.out).strip()
     return actions.member_state(host, done.rc, done.out), detail.splitlines()[-1] if detail else ""
 
@@ -213,8 +216,13 @@ def down(remote: Remote, fleet: FleetFile) -> None:
     OpsError naming every host, site and step that could not (a later `down` finishes the job)."""
     failed: list[str] = []
     for step in actions.down_steps(fleet):
-        done = remote.call(step, timeout=60)
         where = remote.where(step)
+        try:
+            done = remote.call(step, timeout=60)
+        except OpsError as exc:  # no answer in time: the next host still gets its turn
+            say(remote, f"FAILED: {exc}")
+            failed.append(str(exc))
+            continue
         removed = " ".join(done.out.split()) if done.rc != 255 else ""
         if done.rc == 0:
             say(remote, f"{where}: {removed or 'done'}")
@@ -327,7 +335,12 @@ def logs(remote: Remote, fleet: FleetFile, member: str | None, lines: int) -> No
     for h in hosts:
         print(f"== {h.device} ({h.ssh}, site {h.site})")
         step = actions.logs(fleet, h, lines)
-        done = remote.call(step, timeout=60)
+        try:
+            done = remote.call(step, timeout=60)
+        except OpsError as exc:
+            print(f"(no logs: {exc})")
+            failed.append(str(exc))
+            continue
         if done.rc == 0:
             print(done.out.rstrip())
             continue
