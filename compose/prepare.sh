@@ -8,7 +8,7 @@
 #           local kafila/python-base:bookworm (compose/build-base-image.sh: debootstrap, cached)
 #   step 2  wheelhouse: ./wheelhouse built on the host (compose/build-wheelhouse.sh), since pip
 #           inside containers here cannot reach (or does not trust) the package index; skipped when
-#           its kafila wheel is newer than every source file
+#           the digest of the wheel's inputs (sources, not __pycache__ or numba caches) is unchanged
 #   step 3  (--build) the rendezvous image, $KAFILA_RENDEZVOUS_IMAGE (default kafila/rendezvous:latest)
 #
 # `docker compose up rendezvous` (Compose v2) runs this with --build through compose/kafila-prepare,
@@ -63,19 +63,35 @@ else
     bash compose/build-base-image.sh || fail "step 1/$steps base image failed: compose/build-base-image.sh (debootstrap, as root, from a Debian mirror)"
 fi
 
+# The wheel's real inputs: what setuptools packs (the kafila and ops packages' sources and data,
+# pyproject.toml, README.md), never the caches Python and numba write beside them; a digest of their
+# contents, so that a touched but unchanged file rebuilds nothing and the image keeps its id.
+inputs_digest() {
+    find kafila ops -type d \( -name __pycache__ -o -name '.*' \) -prune -o -type f \
+        ! -name '*.py[co]' ! -name '*.nbi' ! -name '*.nbc' -print0 \
+        | LC_ALL=C sort -z | xargs -0 sha256sum
+    sha256sum pyproject.toml README.md
+}
+digest=$(inputs_digest | sha256sum | cut -d' ' -f1)
 wheel=$(ls wheelhouse/kafila/kafila-*.whl 2>/dev/null | head -n1 || true)
 if [[ -n "$wheel" && -z "${KAFILA_EXTRAS:-}${KAFILA_EXTRA_WHEELS:-}" \
-      && -z "$(find kafila pyproject.toml -newer "$wheel" -print -quit)" ]]; then
-    say "step 2/$steps wheelhouse: ./wheelhouse is up to date with the source"
+      && "$(cat wheelhouse/kafila/inputs.sha256 2>/dev/null)" == "$digest" ]]; then
+    say "step 2/$steps wheelhouse: ./wheelhouse is up to date with the source (inputs ${digest:0:12})"
 else
     say "step 2/$steps wheelhouse: building ./wheelhouse on the host (dependencies cached between runs)"
     bash compose/build-wheelhouse.sh || fail "step 2/$steps wheelhouse failed"
+    echo "$digest" > wheelhouse/kafila/inputs.sha256
 fi
 
 if [[ "$build" == 1 ]]; then
     say "step 3/$steps image: building $image from $base and ./wheelhouse"
+    old=$(docker image inspect --format '{{.Id}}' "$image" 2>/dev/null || true)
     docker build -f Dockerfile.rendezvous --build-arg "BASE_IMAGE=$base" --build-arg WHEELHOUSE=wheelhouse \
         -t "$image" . || fail "step 3/$steps image $image failed to build"
+    new=$(docker image inspect --format '{{.Id}}' "$image")
+    if [[ -n "$old" && "$old" != "$new" ]]; then  # the replaced image, dangling now: not left behind
+        docker image rm "$old" >/dev/null 2>&1 && say "removed the replaced image ${old:7:12}" || true
+    fi
     say "ready: $image"
     exit 0
 fi

@@ -24,6 +24,7 @@ CACHE_VOLUME = "kafila-cache"
 # A member's API keys on its host: one folder per fleet in the ssh user's 0700 folder (a shell word:
 # $HOME expands remotely); inside a member's container, the file bind-mounted read-only.
 KEY_DIR = "~/.config/kafila-ops"
+CACHE_DIR = "~/.cache/kafila-ops"  # native members' per-fleet state: CACHE_DIR/FLEET/session-code
 CONTAINER_KEY_FILE = "/run/kafila/api-key"
 RELAY_STATE = "/var/lib/kafila"  # the rendezvous image's state folder (Dockerfile.rendezvous)
 
@@ -120,9 +121,15 @@ def member_args(fleet: FleetFile, host: Host, code: str, code_file: str) -> list
     return ["join", code, *common, *host.args]
 
 
-def code_file(host: Host) -> str:
+def state_dir(fleet: FleetFile) -> str:
+    """A native member's per-fleet folder on its host (a shell word: $HOME expands remotely): two
+    fleets sharing a host never read, replace or remove each other's session code."""
+    return word(f"{CACHE_DIR}/{fleet.name}")
+
+
+def code_file(fleet: FleetFile, host: Host) -> str:
     """Where the host member writes the session code (a shell word: $HOME expands remotely)."""
-    return CONTAINER_CODE_FILE if host.runtime == "docker" else '"$HOME"/.cache/kafila-ops/session-code'
+    return CONTAINER_CODE_FILE if host.runtime == "docker" else f"{state_dir(fleet)}/session-code"
 
 
 def word(a: str) -> str:
@@ -160,9 +167,9 @@ def native_start(fleet: FleetFile, host: Host, args: list[str]) -> str:
     """A native member through the host's service manager (never a backgrounded shell); the session
     host's old code file goes first, so that `up` never reads a previous session's code."""
     kafila = [host.python, "-m", "kafila", *args]
-    fresh = 'mkdir -p "$HOME"/.cache/kafila-ops'
+    fresh = f"mkdir -p {state_dir(fleet)}"
     if host.device == fleet.session_host:
-        fresh += ' && rm -f "$HOME"/.cache/kafila-ops/session-code'
+        fresh += f" && rm -f {code_file(fleet, host)}"
 
     if host.os == "linux":
         name = unit(fleet, host)
@@ -195,7 +202,7 @@ def native_start(fleet: FleetFile, host: Host, args: list[str]) -> str:
 
 
 def start(fleet: FleetFile, host: Host, image: str, code: str) -> Step:
-    args = member_args(fleet, host, code, code_file(host))
+    args = member_args(fleet, host, code, code_file(fleet, host))
     role = "start the session host member" if host.device == fleet.session_host else "start joining member"
     if host.runtime == "docker":
         return Step(host, f"{role} {host.device} (container)", docker_run(fleet, host, image, args))
@@ -232,8 +239,53 @@ def read_code(fleet: FleetFile, host: Host) -> Step:
     if host.runtime == "docker":
         remote = shlex.join(["docker", "exec", unit(fleet, host), "cat", CONTAINER_CODE_FILE])
     else:
-        remote = 'cat "$HOME"/.cache/kafila-ops/session-code'
+        remote = f"cat {code_file(fleet, host)}"
     return Step(host, "read the session code", remote)
+
+
+# Run by the member's interpreter on a native host: imports what `kafila host|join` (or `kafila
+# rendezvous`) imports and finds every installed dependency the package asks for (`import kafila`
+# alone passes with none: the package's __init__ imports nothing); prints the versions, or exits 1
+# naming what is missing.
+PREFLIGHT = """\
+import importlib, importlib.metadata as md, re, sys
+role = sys.argv[1]
+where = f"python {sys.version.split()[0]} ({sys.executable})"
+try:
+    version, reqs = md.version("kafila"), md.requires("kafila") or []
+except md.PackageNotFoundError:
+    version, reqs = None, []
+extras = ("", "engine") if role == "member" else ("",)
+missing = []
+for req in reqs:
+    spec, _, marker = req.partition(";")
+    extra = re.search(r'extra == "([^"]+)"', marker)
+    if (extra.group(1) if extra else "") not in extras:
+        continue
+    dist = re.split(r"[=<>!~\\[ ]", spec.strip(), maxsplit=1)[0]
+    try:
+        md.version(dist)
+    except md.PackageNotFoundError:
+        missing.append(spec.strip())
+member = ["kafila.cli.host", "kafila.session.forming.host"]
+for m in ["kafila.rendezvous.server"] if role == "rendezvous" else member:
+    try:
+        importlib.import_module(m)
+    except ImportError as e:
+        missing.append(f"{m} ({e})")
+if missing:
+    extra = "" if role == "rendezvous" else "[torch]"
+    sys.exit(f"{where}: kafila {version or '(not installed)'} cannot run a {role}: missing "
+             + ", ".join(missing) + f"; install it into this interpreter ({sys.executable} -m pip install"
+             f" 'kafila{extra}'), or name the interpreter or venv that has it in the fleet file")
+import kafila
+print(f"{where}, kafila {version or kafila.__version__ + ' (not installed: from sys.path)'}"
+      f" at {kafila.__file__.rsplit('/', 2)[0]}")
+"""
+
+
+def role(host: Host) -> str:
+    return "rendezvous" if host.device == "rendezvous" else "member"
 
 
 def checks(fleet: FleetFile, host: Host, image: str) -> list[Step]:
@@ -252,7 +304,11 @@ def checks(fleet: FleetFile, host: Host, image: str) -> list[Step]:
     manager = "systemd-run" if host.os == "linux" else "launchctl"
     return [
         Step(host, f"check {manager}", f"command -v {manager}"),
-        Step(host, f"check kafila in {host.python}", _words([host.python, "-c", "import kafila"])),
+        Step(
+            host,
+            f"check kafila and its dependencies in {host.python}",
+            _words([host.python, "-c", PREFLIGHT, role(host)]),
+        ),
     ]
 
 
@@ -331,32 +387,50 @@ def rendezvous_health(fleet: FleetFile) -> str:
     return fetch(fleet, h, "/healthz", f"127.0.0.1:{fleet.rendezvous.port}")
 
 
+DOCKER_UP = (
+    "out=$(docker version --format '{{.Server.Version}}' 2>&1 >/dev/null)"
+    ' || { echo "docker not running: $out" >&2; exit 3; };'
+)
+ACTIVE = "active|activating|reloading|deactivating"  # a systemd unit whose process may still run
+
+
 def stop(fleet: FleetFile, host: Host) -> Step:
-    """Remove what `up` started on the host, and the fleet's key files there; idempotent (nothing
-    there is not an error)."""
-    keys = f" rm -rf {word(f'{KEY_DIR}/{fleet.name}')}; rmdir {word(KEY_DIR)} >/dev/null 2>&1;"
+    """Remove what `up` started on the host, and the fleet's key files and state there; prints what
+    it removed. Idempotent (nothing there is not an error); a removal that fails exits non-zero with
+    the reason on stderr, leaving the keys in place, so that a second `down` finishes the job."""
+    keys = f"{word(f'{KEY_DIR}/{fleet.name}')} {state_dir(fleet)}"
+    files = f" rm -rf {keys} || exit 1; rmdir {word(KEY_DIR)} {word(CACHE_DIR)} >/dev/null 2>&1;"
     if host.runtime == "docker":
         label = shlex.quote(f"label={LABEL_FLEET}={fleet.name}")
         remote = (
-            f"ids=$(docker ps -aq --filter {label});"
-            f' [ -z "$ids" ] || docker rm -f $ids >/dev/null;{keys}'
-            f" vols=$(docker volume ls -q --filter {label});"
-            f' [ -z "$vols" ] || docker volume rm $vols >/dev/null; echo removed $ids $vols'
+            f"{DOCKER_UP} names=$(docker ps -a --filter {label} --format '{{{{.Names}}}}') || exit 1;"
+            ' if [ -n "$names" ]; then docker rm -f $names >/dev/null || exit 1;'
+            ' echo "removed container(s)" $names; fi;'
+            f" vols=$(docker volume ls -q --filter {label}) || exit 1;"
+            ' if [ -n "$vols" ]; then docker volume rm $vols >/dev/null || exit 1;'
+            ' echo "removed volume(s)" $vols; fi;'
+            f'{files} [ -n "$names$vols" ] || echo "no containers or volumes of fleet {fleet.name} there"'
         )
-        return Step(host, "remove the fleet's containers", remote)
+        return Step(host, "remove the fleet's containers and volumes", remote)
     if host.os == "linux":
         name = shlex.quote(unit(fleet, host) + ".service")
         remote = (
-            f"systemctl --user stop {name} >/dev/null 2>&1;"
+            f's=$(systemctl --user is-active {name} 2>&1); case "$s" in'
+            f' {ACTIVE}) systemctl --user stop {name} || exit 1; did="stopped {name}";;'
+            f' inactive|failed|unknown) did="{name} was not running";;'
+            ' *) echo "systemctl --user is-active did not answer: $s" >&2; exit 1;; esac;'
             f" systemctl --user reset-failed {name} >/dev/null 2>&1;"
-            f' rm -f "$HOME"/.cache/kafila-ops/session-code;{keys} echo stopped'
+            f' s=$(systemctl --user is-active {name} 2>&1); case "$s" in'
+            f' {ACTIVE}) echo "{name} is still $s after systemctl stop" >&2; exit 1;; esac;'
+            f'{files} echo "$did"'
         )
         return Step(host, f"stop service {unit(fleet, host)}", remote)
     label = shlex.quote(launchd_label(fleet, host))
+    target = f"gui/$(id -u)/{label}"
     remote = (
-        f"launchctl bootout gui/$(id -u)/{label} >/dev/null 2>&1;"
-        f' rm -f "$HOME"/Library/LaunchAgents/{label}.plist "$HOME"/.cache/kafila-ops/session-code;'
-        f"{keys} echo stopped"
+        f"if launchctl print {target} >/dev/null 2>&1; then launchctl bootout {target} || exit 1;"
+        f' did="stopped {label}"; else did="{label} was not loaded"; fi;'
+        f' rm -f "$HOME"/Library/LaunchAgents/{label}.plist || exit 1;{files} echo "$did"'
     )
     return Step(host, f"stop launchd agent {launchd_label(fleet, host)}", remote)
 
@@ -390,22 +464,59 @@ def logs(fleet: FleetFile, host: Host, lines: int = 50) -> Step:
 
 
 def state(fleet: FleetFile, host: Host) -> Step:
-    """The container's or service's state, one word."""
+    """The container's or service's state: one line, which `member_state` reads."""
     if host.runtime == "docker":
         remote = (
-            shlex.join(["docker", "inspect", "--format", "{{.State.Status}}", unit(fleet, host)])
+            "command -v docker >/dev/null 2>&1 || { echo 'docker missing'; exit 0; };"
+            " docker version --format '{{.Server.Version}}' >/dev/null 2>&1"
+            " || { echo 'docker not running'; exit 0; }; "
+            + shlex.join(["docker", "inspect", "--format", "{{.State.Status}}", unit(fleet, host)])
             + " 2>/dev/null || echo absent"
         )
         return Step(host, "container state", remote)
     if host.os == "linux":
-        return Step(
-            host,
-            "service state",
-            shlex.join(["systemctl", "--user", "is-active", unit(fleet, host) + ".service"]) + " || true",
-        )
+        name = shlex.quote(unit(fleet, host) + ".service")
+        return Step(host, "service state", f"systemctl --user is-active {name} 2>&1; true")
     label = shlex.quote(launchd_label(fleet, host))
     return Step(
         host,
         "agent state",
-        f"launchctl print gui/$(id -u)/{label} 2>/dev/null | sed -n 's/^[[:space:]]*state = //p' | head -n1",
+        f"s=$(launchctl print gui/$(id -u)/{label} 2>/dev/null"
+        " | sed -n 's/^[[:space:]]*state = //p' | head -n1); echo \"${s:-absent}\"",
     )
+
+
+# What a member's process is doing, as `status` shows it and `up` watches it: running, exited
+# (it ran and ended), absent (nothing of it there), docker not running, docker missing,
+# unreachable (ssh could not log in), error (the service manager gave no state), or a transient
+# word of the runtime (created, restarting, paused, removing, stopping).
+RUNNING, EXITED, ABSENT, UNREACHABLE = "running", "exited", "absent", "unreachable"
+HOST_FAILED = (UNREACHABLE, "docker not running", "docker missing", "error")  # the host, not the member
+GONE = (EXITED, ABSENT, "removing", "stopping")
+
+_WORDS = {
+    "docker": {"running": RUNNING, "exited": EXITED, "dead": EXITED, "absent": ABSENT},
+    "linux": {
+        "active": RUNNING,
+        "reloading": RUNNING,
+        "activating": "starting",
+        "deactivating": "stopping",
+        "failed": EXITED,
+        "inactive": ABSENT,
+        "unknown": ABSENT,  # --collect: an ended unit is gone
+    },
+    "macos": {"running": RUNNING, "not running": EXITED, "exited": EXITED, "absent": ABSENT},
+}
+_DOCKER_HOST = ("docker not running", "docker missing")
+_TRANSIENT = ("created", "restarting", "paused", "removing")
+
+
+def member_state(host: Host, ssh_rc: int, out: str) -> str:
+    """The state `state(...)`'s command printed (with ssh's exit status: 255 is ssh's own failure)."""
+    if ssh_rc == 255:
+        return UNREACHABLE
+    line = (out.strip().splitlines() or [""])[0].strip()
+    kind = "docker" if host.runtime == "docker" else host.os
+    if kind == "docker" and line in (*_DOCKER_HOST, *_TRANSIENT):
+        return line
+    return _WORDS[kind].get(line, "error")

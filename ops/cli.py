@@ -2,11 +2,14 @@
 
 kafila-ops fleet plan FLEET.toml        divisions, and every command `up` would run (dry run)
 kafila-ops fleet up FLEET.toml          check hosts, ship the image, start members, wait serving
-kafila-ops fleet status FLEET.toml      containers and services, session state, links
+kafila-ops fleet status FLEET.toml      containers and services, session state, links (exit 0: every
+                                        member runs; 1: a host could not be asked; 3: a member is not
+                                        running)
 kafila-ops fleet logs FLEET.toml [MEMBER]
 kafila-ops fleet traces FLEET.toml DIR  every member's /traces -> Prometheus TSDB blocks in DIR/tsdb
 kafila-ops fleet bench FLEET.toml       Table IV through the head's API, one user and four
-kafila-ops fleet down FLEET.toml        remove what up started (idempotent)
+kafila-ops fleet down FLEET.toml        remove what up started (idempotent; exit 1 naming each host
+                                        where removal failed: run it again once they answer)
 kafila-ops monitor FLEET.toml           ssh tunnels to every member's metrics + Prometheus file_sd
 """
 
@@ -98,10 +101,12 @@ def run(args: argparse.Namespace, remote: object) -> int:
     if args.action == "up":
         fleetcmds.up(remote, fleet, args.wait)
     elif args.action == "down":
-        fleetcmds.down(remote, fleet)
-        remote.close()
+        try:
+            fleetcmds.down(remote, fleet)
+        finally:
+            remote.close()
     elif args.action == "status":
-        fleetcmds.status(remote, fleet)
+        return fleetcmds.status_exit(fleetcmds.status(remote, fleet))
     elif args.action == "logs":
         fleetcmds.logs(remote, fleet, args.extra, args.lines)
     elif args.action == "traces":

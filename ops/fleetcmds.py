@@ -34,9 +34,11 @@ def check_hosts(remote: Remote, fleet: FleetFile, image_ids: dict[str, str]) -> 
                     lacking.append(h)
                 continue
             out = remote.run(step)
+            if step.what.startswith("check kafila"):
+                say(remote, f"{h.device} ({h.ssh}, site {h.site}): {out.strip()}")
             if step.what == "check the NVIDIA runtime" and "nvidia" not in out:
                 raise OpsError(
-                    f"{Remote.where(step)}: no GPU runtime: docker info lists runtimes {out.strip()} without "
+                    f"{remote.where(step)}: no GPU runtime: docker info lists runtimes {out.strip()} without "
                     'nvidia (install nvidia-container-toolkit, or set gpus = "none" for this host)'
                 )
     return lacking
@@ -73,7 +75,15 @@ def session_doc(remote: Remote, fleet: FleetFile, host: Host) -> dict[str, Any] 
     return doc if isinstance(doc, dict) else None
 
 
-GONE = ("exited", "dead", "absent", "inactive", "failed", "removing")
+def member_state(remote: Remote, fleet: FleetFile, host: Host) -> tuple[str, str]:
+    """The member's process state (actions.member_state's words) and what the host printed."""
+    step = actions.state(fleet, host)
+    try:
+        done = remote.call(step, timeout=30)
+    except OpsError as exc:  # ssh logged in to nothing that answers within the time
+        return actions.UNREACHABLE, str(exc)
+    detail = (done.err if done.rc == 255 else done.out).strip()
+    return actions.member_state(host, done.rc, done.out), detail.splitlines()[-1] if detail else ""
 
 
 def wait_for(
@@ -85,18 +95,22 @@ def wait_for(
     probe: Any,
     watch: tuple[Host, ...] = (),
 ) -> Any:
-    """Poll `probe` until it returns something; a watched member whose container or service ended
-    fails at once, with its last log lines."""
+    """Poll `probe` until it returns something; a watched member whose container or service ended,
+    or whose host cannot be reached or has no Docker running, fails at once (with its last log lines
+    where its host answers)."""
     deadline = time.monotonic() + timeout
     while True:
         got = probe()
         if got:
             return got
         for h in watch:
-            state = remote.run(actions.state(fleet, h), timeout=30, check=False).strip() or "absent"
-            if state in GONE:
+            state, detail = member_state(remote, fleet, h)
+            where = f"host {h.device} ({h.ssh}, site {h.site}): {what}"
+            if state in actions.HOST_FAILED:
+                raise OpsError(f"{where}: {state}: {detail}")
+            if state in actions.GONE:
                 raise OpsError(
-                    f"host {h.device} ({h.ssh}, site {h.site}): {what}: the member's "
+                    f"{where}: the member's "
                     f"{'container' if h.runtime == 'docker' else 'service'} is {state}; its last log lines:\n"
                     f"{last_lines(remote, fleet, h)}"
                 )
@@ -157,7 +171,8 @@ def up(remote: Remote, fleet: FleetFile, wait_s: float = 900.0) -> dict[str, Any
         doc = session_doc(remote, fleet, head)
         if doc and doc.get("state") == "broken":
             raise OpsError(
-                f"host {head.device} ({head.ssh}): the session broke while forming: {doc.get('error')}"
+                f"host {head.device} ({head.ssh}, site {head.site}): wait until the session serves: "
+                f"the session broke while forming: {doc.get('error')}"
             )
         return doc if doc and doc.get("state") == "serving" and len(doc.get("ring", ())) == n else None
 
@@ -197,28 +212,49 @@ def describe_plan(fleet: FleetFile, doc: dict[str, Any]) -> str:
 
 
 def down(remote: Remote, fleet: FleetFile) -> None:
+    """Every host's removal, each whatever the others did; says what each removed, and raises an
+    OpsError naming every host, site and step that could not (a later `down` finishes the job)."""
+    failed: list[str] = []
     for step in actions.down_steps(fleet):
+        where = remote.where(step)
         try:
-            out = remote.run(step, timeout=60)
-        except OpsError as exc:
-            if "ssh could not reach" in str(exc):
-                say(remote, f"{exc} (skipped: nothing removed there)")
-                continue
-            raise
-        say(remote, f"{step.host.ssh}: {step.what}: {out.strip() or 'done'}")
+            done = remote.call(step, timeout=60)
+        except OpsError as exc:  # no answer in time: the next host still gets its turn
+            say(remote, f"FAILED: {exc}")
+            failed.append(str(exc))
+            continue
+        removed = " ".join(done.out.split()) if done.rc != 255 else ""
+        if done.rc == 0:
+            say(remote, f"{where}: {removed or 'done'}")
+            continue
+        why = Remote.why(done.rc, done.err or done.out)
+        say(
+            remote, f"{where}: FAILED: {why}" + (f" (removed before it failed: {removed})" if removed else "")
+        )
+        failed.append(f"{where}: {why.splitlines()[0]}")
+    if failed:
+        raise OpsError(
+            f"fleet {fleet.name}: down could not finish on {len(failed)} host(s); run down again once "
+            "they answer:\n  " + "\n  ".join(failed)
+        )
+    say(remote, f"fleet {fleet.name}: down finished on every host")
 
 
 def status(remote: Remote, fleet: FleetFile) -> dict[str, Any]:
     """Each member's container or service state and its /session view; prints a table."""
     rows: dict[str, Any] = {}
     for h in everyone(fleet):
-        state = remote.run(actions.state(fleet, h), timeout=30, check=False).strip() or "absent"
-        doc = session_doc(remote, fleet, h) if h.device != "rendezvous" else None
-        rows[h.device] = {"site": h.site, "ssh": h.ssh, "runtime": h.runtime, "state": state, "session": doc}
+        state, detail = member_state(remote, fleet, h)
+        reachable = state not in actions.HOST_FAILED
+        doc = session_doc(remote, fleet, h) if h.device != "rendezvous" and reachable else None
+        rows[h.device] = {
+            "site": h.site, "ssh": h.ssh, "runtime": h.runtime, "state": state, "detail": detail,
+            "session": doc,
+        }  # fmt: skip
     any_doc = next((r["session"] for r in rows.values() if r["session"]), None) or {}
     measured = measured_ms(remote, fleet, any_doc)
     print(
-        f"{'member':<14} {'site':<14} {'runtime':<8} {'process':<10} {'session':<10} {'blocks':<8}"
+        f"{'member':<14} {'site':<14} {'runtime':<8} {'process':<18} {'session':<10} {'blocks':<8}"
         f" {'predicted ms':>12} {'measured ms':>11}"
     )
     for name, r in rows.items():
@@ -227,14 +263,34 @@ def status(remote: Remote, fleet: FleetFile) -> dict[str, Any]:
         blocks = "-".join(map(str, me.get("blocks", []))) or "-"
         pred = me.get("predicted_ms")
         print(
-            f"{name:<14} {r['site']:<14} {r['runtime']:<8} {r['state']:<10} {doc.get('state', '-'):<10}"
+            f"{name:<14} {r['site']:<14} {r['runtime']:<8} {r['state']:<18} {doc.get('state', '-'):<10}"
             f" {blocks:<8} "
             f"{'-' if pred is None else f'{pred:.2f}':>12} {_ms(measured.get(name)):>11}"
         )
     head = rows.get(fleet.hosts[0].device, {}).get("session") or {}
     for link in head.get("links", []):
         print(f"link {link['edge']}: {link['path']}")
+    hosts = {h.device: h for h in everyone(fleet)}
+    for name, r in rows.items():
+        if r["state"] != actions.RUNNING:
+            step = actions.state(fleet, hosts[name])
+            tail = (
+                f": {r['detail']}" if r["state"] in actions.HOST_FAILED and r["detail"] != r["state"] else ""
+            )
+            say(remote, f"{remote.where(step)}: {r['state']}{tail}")
     return rows
+
+
+STATUS_HOST_FAILED = 1  # a host could not be asked (unreachable, no Docker running, no answer)
+STATUS_NOT_RUNNING = 3  # every host answered; a member's process is not running (as systemctl's 3)
+
+
+def status_exit(rows: dict[str, Any]) -> int:
+    """status's exit status: 0 when every member runs, else 1 or 3 (STATUS_*)."""
+    states = [r["state"] for r in rows.values()]
+    if any(s in actions.HOST_FAILED for s in states):
+        return STATUS_HOST_FAILED
+    return 0 if all(s == actions.RUNNING for s in states) else STATUS_NOT_RUNNING
 
 
 def _ms(v: float | None) -> str:
@@ -247,7 +303,7 @@ def member_traces(remote: Remote, fleet: FleetFile, host: Host) -> list[dict[str
     try:
         records = json.loads(text)["traces"]
     except (ValueError, KeyError, TypeError) as exc:
-        raise OpsError(f"{Remote.where(step)}: not a /traces document: {text[:200]!r}") from exc
+        raise OpsError(f"{remote.where(step)}: not a /traces document: {text[:200]!r}") from exc
     return list(records)
 
 
@@ -269,11 +325,27 @@ def measured_ms(remote: Remote, fleet: FleetFile, doc: dict[str, Any]) -> dict[s
 
 
 def logs(remote: Remote, fleet: FleetFile, member: str | None, lines: int) -> None:
+    """Each member's last log lines; an OpsError naming every host whose logs could not be read."""
     rdv = fleet.rendezvous.host
     if member == "rendezvous" and rdv is not None:
         hosts = [rdv]
     else:
         hosts = [fleet.host(member)] if member else everyone(fleet)
+    failed: list[str] = []
     for h in hosts:
         print(f"== {h.device} ({h.ssh}, site {h.site})")
-        print(remote.run(actions.logs(fleet, h, lines), timeout=60, check=False).rstrip())
+        step = actions.logs(fleet, h, lines)
+        try:
+            done = remote.call(step, timeout=60)
+        except OpsError as exc:
+            print(f"(no logs: {exc})")
+            failed.append(str(exc))
+            continue
+        if done.rc == 0:
+            print(done.out.rstrip())
+            continue
+        why = Remote.why(done.rc, done.err or done.out)
+        print(f"(no logs: {why})")
+        failed.append(f"{remote.where(step)}: {why.splitlines()[0]}")
+    if failed:
+        raise OpsError(f"fleet {fleet.name}: logs failed on {len(failed)} host(s):\n  " + "\n  ".join(failed))

@@ -28,7 +28,9 @@ device = "a100"                    # the [[device]] this host runs (its member n
 ssh = "ops@a100.example.org"       # ssh destination (a Host of ssh_config, user@host, ...)
 runtime = "docker"                 # docker | native
 gpus = "all"                       # docker: --gpus value; "none" for CPU hosts (default all)
-python = "~/kafila/bin/python"     # native: the interpreter with kafila installed (or venv = DIR)
+python = "~/kafila/bin/python"     # native: the interpreter with kafila installed (or venv = DIR, the
+                                   # environment's folder); `up` checks it imports kafila's command
+                                   # line and its dependencies, and prints its Python and kafila versions
 os = "linux"                       # native: linux (systemd-run --user) | macos (launchd user agent)
 api = "127.0.0.1:11434"            # the member's API address (default; another needs an api_key_file,
                                    # or args' --insecure-no-key to serve it open on purpose)
@@ -69,6 +71,7 @@ _RDV_KEYS = {
     "image",
     "runtime",
     "python",
+    "venv",
     "os",
 }
 _SITE_KEYS = {"name", "host", "api_key_file"}
@@ -282,11 +285,7 @@ def _host(t: Any, where: str, site: str, devices: list[str], key_file: str | Non
     os_name = _choice(t, "os", OSES, where, "linux")
     if runtime == "docker" and os_name != "linux":
         raise FleetError(f"{where}: runtime 'docker' runs on linux hosts; macOS members run natively")
-    if "python" in t and "venv" in t:
-        raise FleetError(f"{where}: give 'python' or 'venv', not both")
-    python = _text(t, "python", where) if "python" in t else "python3"
-    if "venv" in t:
-        python = _text(t, "venv", where).rstrip("/") + "/bin/python"
+    python = _interpreter(t, where)
     api = _text(t, "api", where) if "api" in t else DEFAULT_API
     if (
         not re.fullmatch(r"[^\s:]*:\d{1,5}|\[[0-9a-fA-F:]+\]:\d{1,5}", api)
@@ -316,6 +315,30 @@ def _host(t: Any, where: str, site: str, devices: list[str], key_file: str | Non
         args=tuple(args),
         api_key_file=key_file,
     )
+
+
+def _interpreter(t: dict[str, Any], where: str) -> str:
+    """A native member's interpreter: `python` (a command or a path on the host) or `venv` (a virtual
+    environment's folder there, whose bin/python runs it); default python3. `up` checks on the host
+    that it imports kafila's command line with its dependencies."""
+    if "python" in t and "venv" in t:
+        raise FleetError(f"{where}: give 'python' (an interpreter) or 'venv' (its environment), not both")
+    if "venv" in t:
+        venv = _text(t, "venv", where).rstrip("/")
+        if re.search(r"/bin/python[\d.]*$", venv) or not venv:
+            raise FleetError(
+                f"{where}: 'venv' names the environment's folder (its bin/python runs the member), got "
+                f"{t['venv']!r}: give venv = {re.sub(r'/bin/python[0-9.]*$', '', venv) or '/'!r} or "
+                f"python = {venv!r}"
+            )
+        return f"{venv}/bin/python"
+    python = _text(t, "python", where) if "python" in t else "python3"
+    if python.endswith("/") or python != python.strip() or "\n" in python:
+        raise FleetError(
+            f"{where}: 'python' must be an interpreter (a command such as python3.11, or its path on the "
+            f"host), got {python!r}; for a virtual environment's folder give venv = FOLDER"
+        )
+    return python
 
 
 def _rendezvous(t: Any, source: str) -> Rendezvous:
@@ -350,7 +373,7 @@ def _rendezvous(t: Any, source: str) -> Rendezvous:
         ssh=ssh,
         runtime=runtime,
         gpus="none",
-        python=_text(t, "python", where) if "python" in t else "python3",
+        python=_interpreter(t, where),
         os=_choice(t, "os", OSES, where, "linux"),
         api=f"{address}:{port}",
         metrics_port=port,

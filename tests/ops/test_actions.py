@@ -85,9 +85,9 @@ def test_up_checks_ships_starts_the_host_reads_the_code_then_starts_joiners_and_
         ("cpu-box", "check Docker"),
         ("cpu-box", "check image kafila/member:cuda"),
         ("mac", "check launchctl"),
-        ("mac", "check kafila in ~/kafila venv/bin/python"),
+        ("mac", "check kafila and its dependencies in ~/kafila venv/bin/python"),
         ("penguin", "check systemd-run"),
-        ("penguin", "check kafila in python3"),
+        ("penguin", "check kafila and its dependencies in python3"),
         ("gpu", "ship image kafila/member:cuda if missing (docker save | ssh)"),
         ("cpu-box", "ship image kafila/member:cuda if missing (docker save | ssh)"),
         ("gpu", "start the session host member gpu (container)"),
@@ -159,10 +159,10 @@ def test_down_removes_by_label_once_per_docker_host_joiners_first_and_is_idempot
     assert [(s.host.device, s.what) for s in steps] == [
         ("penguin", "stop service kafila-f1-penguin"),
         ("mac", "stop launchd agent dev.kafila.f1.mac"),
-        ("cpu-box", "remove the fleet's containers"),
-        ("gpu", "remove the fleet's containers"),
+        ("cpu-box", "remove the fleet's containers and volumes"),
+        ("gpu", "remove the fleet's containers and volumes"),
     ]
-    assert "label=dev.kafila.fleet=f1" in steps[2].remote and '[ -z "$ids" ] ||' in steps[2].remote
+    assert "label=dev.kafila.fleet=f1" in steps[2].remote and 'if [ -n "$names" ]' in steps[2].remote
 
 
 def test_ssh_is_batch_mode_with_connection_sharing(tmp_path: Path) -> None:
@@ -213,7 +213,7 @@ def test_an_unreachable_host_is_named_with_its_step(tmp_path: Path) -> None:
     with pytest.raises(OpsError) as err:
         Remote(fleet).run(step, timeout=30)
     assert str(err.value).startswith(
-        "host gpu (gpu-box, site lab): check Docker: ssh could not reach the host:"
+        "host gpu (gpu-box, site lab): check Docker: unreachable: ssh could not reach the host:"
     )
     assert "Connection refused" in str(err.value)
 
@@ -254,8 +254,11 @@ def test_with_an_api_key_up_ships_it_before_any_member_starts_and_members_read_i
     penguin = actions.start(fleet, fleet.host("penguin"), "img", "CODE").remote
     assert '--api-key-file "$HOME"/.config/kafila-ops/f1/penguin.api-key' in penguin
     down = {s.host.device: s.remote for s in actions.down_steps(fleet)}
-    gone = 'rm -rf "$HOME"/.config/kafila-ops/f1; rmdir "$HOME"/.config/kafila-ops >/dev/null 2>&1;'
-    assert all(gone in r for r in down.values())  # the folder too, once no fleet's keys are left
+    gone = (
+        'rm -rf "$HOME"/.config/kafila-ops/f1 "$HOME"/.cache/kafila-ops/f1 || exit 1;'
+        ' rmdir "$HOME"/.config/kafila-ops "$HOME"/.cache/kafila-ops >/dev/null 2>&1;'
+    )
+    assert all(gone in r for r in down.values())  # the folders too, once no fleet's files are left
 
 
 def test_the_key_reaches_the_host_with_safe_modes_and_every_request_sends_it(tmp_path: Path) -> None:
@@ -328,3 +331,50 @@ def test_a_fleet_rendezvous_keeps_its_secret_so_sessions_outlive_its_restart() -
     native = parse(BASE.replace('ssh = "rdv"', 'ssh = "rdv"\nruntime = "native"'), "two.toml")
     step = actions.rendezvous_start(native)
     assert step is not None and '"$HOME"/.config/kafila-ops/two/rendezvous-relay.key' in step.remote
+
+
+def test_member_states_read_apart_from_what_each_runtime_prints() -> None:
+    fleet = parse(fleet_text(), "f.toml")
+    gpu, penguin, mac = fleet.host("gpu"), fleet.host("penguin"), fleet.host("mac")
+    read = actions.member_state
+    assert [read(gpu, 0, w) for w in ("running\n", "exited", "dead", "absent", "created")] == [
+        "running", "exited", "exited", "absent", "created",
+    ]  # fmt: skip
+    assert read(gpu, 0, "docker not running\n") == "docker not running"
+    assert read(gpu, 255, "") == read(penguin, 255, "active") == "unreachable"  # ssh's own 255
+    assert [read(penguin, 0, w) for w in ("active", "failed", "inactive", "activating")] == [
+        "running", "exited", "absent", "starting",
+    ]  # fmt: skip
+    assert read(penguin, 0, "Failed to connect to bus: No medium found") == "error"
+    assert [read(mac, 0, w) for w in ("running", "not running", "absent")] == ["running", "exited", "absent"]
+
+
+def test_a_step_on_a_machine_two_members_share_names_both() -> None:
+    """A rendezvous and a member on one machine: Docker stopped there is reported as both's."""
+    text = fleet_text().replace(
+        'url = "ws://rdv.example:8470/v1/signal"', 'ssh = "ops@gpu"\naddress = "203.0.113.7"'
+    )
+    fleet = parse(text, "f.toml")
+    assert fleet.rendezvous.host is not None
+    check = actions.checks(fleet, fleet.rendezvous.host, fleet.rendezvous.image)[0]
+    assert Remote(fleet).where(check) == (
+        "host rendezvous (ops@gpu, site rendezvous; also runs gpu (site lab)): check Docker"
+    )
+    alone = actions.checks(fleet, fleet.host("cpu-box"), fleet.image)[0]
+    assert Remote(fleet).where(alone) == "host cpu-box (cpu, site lab): check Docker"
+
+
+def test_a_missing_local_image_is_met_with_the_dockerfile_that_builds_it() -> None:
+    from ops.remote import build_hint
+
+    assert (
+        build_hint("kafila/rendezvous:latest")
+        == "docker build -f Dockerfile.rendezvous -t kafila/rendezvous:latest ."
+    )
+    assert (
+        build_hint("kafila/member:cpu")
+        == "docker build -f Dockerfile.cuda --build-arg VARIANT=cpu -t kafila/member:cpu ."
+    )
+    assert build_hint("registry:5000/kafila/member:cuda") == (
+        "docker build -f Dockerfile.cuda -t registry:5000/kafila/member:cuda ."
+    )

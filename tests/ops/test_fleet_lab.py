@@ -3,7 +3,9 @@ NATs in network namespaces, each host with its own sshd, two with their own dock
 host whose service manager is SIMULATED (a shim that records what it is asked and runs the member).
 `fleet up` forms a real session across the namespaces, `status` shows it serving, `bench` prints its
 table, `traces` backfills blocks from which a real Prometheus answers every Bench run panel's
-queries, `down` leaves nothing behind.
+queries. Then a host made unreachable (its sshd stopped), Docker stopped on another and a removal
+that fails on a third: `status`, `logs` and `down` exit non-zero naming each host, site and step,
+and once they are back a second `down` finishes and leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ pytestmark = [
     pytest.mark.docker,
     pytest.mark.slow,
     pytest.mark.network,
-    pytest.mark.timeout(900),  # a whole fleet comes up and goes down: 2.5 min here, more on a slow machine
+    # the image build, a whole fleet up, its failure paths and down, and the lab's teardown: 2.5 min
+    # on a quiet machine; 15 min with a CI run beside it (load 20 on 2 cores: up alone took 536 s)
+    pytest.mark.timeout(1800),
 ]
 
 
@@ -101,8 +105,9 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
             row = next(line for line in status.splitlines() if line.startswith(name + " "))
             assert "serving" in row, status
         assert re.search(r"^h1\s.*\brunning\b", status, re.M) and re.search(
-            r"^h3\s.*\bactive\b", status, re.M
+            r"^h3\s.*\brunning\b", status, re.M
         )
+        assert re.search(r"h3 \(lab-h3, site site3\): python 3\.\d+\.\d+ \(.*\), kafila \d", up.stderr)
 
         watched = monitor_scrapes(fleet, tmp_path / "targets.json")
         assert sorted(watched) == ["h1", "h2", "h3"]
@@ -128,7 +133,9 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
         assert [c["args"][:4] for c in calls if c["tool"] == "systemd-run"] == [
             ["--user", "--unit", "kafila-lab-h3", "--collect"]
         ]
+        failure_paths(fleet_lab, fleet)
     finally:
+        fleet_lab.restore()
         first = ops(fleet, "down", timeout=300)
     ok(first)
     ok(ops(fleet, "down", timeout=300))  # idempotent: nothing left is not an error
@@ -141,6 +148,55 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
     assert ["stop", "kafila-lab-rendezvous.service"] in [
         [a for a in c["args"] if a != "--user"][:2] for c in calls
     ]
+
+
+def failure_paths(fleet_lab: FleetLab, fleet: Path) -> None:
+    """h3's sshd stopped (unreachable), h2's dockerd stopped, and on h1 a volume with the fleet's
+    label held by a container that is not the fleet's (its removal fails): every verb exits non-zero
+    naming the host, site and step; once all three are back, `down` finishes the job."""
+    from ops.fleetfile import load
+    from ops.remote import Remote
+
+    h1 = fleet_lab.hosts["lab-h1"]
+    docker_h1 = ["docker", "-H", h1.socket]
+    subprocess.run([*docker_h1, "volume", "create", "--label", "dev.kafila.fleet=lab", "kafila-lab-held"],
+                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run([*docker_h1, "create", "--name", "not-the-fleets", "-v", "kafila-lab-held:/x",
+                    "kafila/member:cpu"], check=True, capture_output=True)  # fmt: skip
+    fleet_lab.stop_dockerd("lab-h2")
+    fleet_lab.stop_sshd("lab-h3")
+    Remote(load(fleet)).close()  # the shared ssh connections, which outlive a stopped sshd
+
+    status = ops(fleet, "status", timeout=300)
+    print(status.stdout, status.stderr)
+    assert status.returncode == 1, status
+    for member, state in (("h1", "running"), ("h2", "docker not running"), ("h3", "unreachable")):
+        assert re.search(rf"^{member}\s+site\d\s+\w+\s+{state}\s", status.stdout, re.M), status.stdout
+    assert "host h3 (lab-h3, site site3): service state: unreachable" in status.stderr
+    assert "host h2 (lab-h2, site site2): container state: docker not running" in status.stderr
+
+    logs = ops(fleet, "logs", timeout=300)
+    assert logs.returncode == 1 and "host h3 (lab-h3, site site3): logs: unreachable" in logs.stderr
+
+    down = ops(fleet, "down", timeout=300)
+    print(down.stderr)
+    assert down.returncode == 1, down
+    assert "down could not finish on 3 host(s)" in down.stderr
+    assert "host h3 (lab-h3, site site3): stop service kafila-lab-h3: unreachable" in down.stderr
+    assert "host h2 (lab-h2, site site2): remove the fleet's containers and volumes: docker not running" in (
+        down.stderr
+    )
+    assert "host h1 (lab-h1, site site1): remove the fleet's containers and volumes: exited 1" in down.stderr
+    assert "volume is in use" in down.stderr
+    assert "removed before it failed: removed container(s) kafila-lab-h1" in down.stderr
+
+    subprocess.run([*docker_h1, "rm", "not-the-fleets"], check=True, capture_output=True)
+    fleet_lab.restore()
+    status = ops(fleet, "status", timeout=300)
+    print(status.stdout, status.stderr)
+    assert status.returncode == 3, status  # every host answers; members are not running
+    assert re.search(r"^h1\s.*\babsent\b", status.stdout, re.M)
+    assert re.search(r"^h2\s.*\bexited\b", status.stdout, re.M)  # stopped with its dockerd
 
 
 def unauthenticated_status(ns: str, path: str) -> int:

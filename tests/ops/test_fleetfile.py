@@ -101,7 +101,7 @@ def test_a_fleet_file_names_hosts_sites_and_puts_the_session_host_first() -> Non
         (('ssh = "rdv"', 'url = "ws://x:1/v1/signal"\nssh = "rdv"'), "give exactly one of `url`"),
         (
             ('venv = "~/kafila"', 'venv = "~/kafila"\npython = "/usr/bin/python3"'),
-            "give 'python' or 'venv', not both",
+            "give 'python' (an interpreter) or 'venv' (its environment), not both",
         ),
         (('runtime = "native"', 'runtime = "docker"\nos = "macos"'), "macOS members run natively"),
         (('device = "b"', 'device = "a"'), "a device runs on one host only, given twice: ['a']"),
