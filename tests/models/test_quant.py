@@ -370,6 +370,7 @@ def answer_margins(logits: np.ndarray, ref: np.ndarray, answer: list[int]) -> li
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # 141 s on a quiet 2-core machine: three formats, two perplexities each
 def test_the_default_model_keeps_its_perplexity_and_its_answer_in_every_format(smollm2_path) -> None:
     """Perplexity (one prefill and through the CPU kernels) within PERPLEXITY_MARGIN of the fp32
     model in every format, on every CPU. The fp32 model answers Paris; a packed format is held to
