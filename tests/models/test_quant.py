@@ -404,14 +404,15 @@ def test_the_default_model_keeps_its_perplexity_and_its_answer_in_every_format(s
             assert "Paris" in said, said
             paris = answer[: next(k for k in range(1, len(answer) + 1) if "Paris" in tok.decode(answer[:k]))]
             ref = answer_logits(stage, question, paris)
-            held[fmt] = f"answered {said!r}"
+            leads = [round(lead, 3) for lead, _ in answer_margins(ref, ref, paris)]
+            held[fmt] = f"answered {said!r} (leads {leads})"
             continue
         assert ref is not None
         margins = answer_margins(answer_logits(stage, question, paris), ref, paris)
         narrow = [(i, lead, moved) for i, (lead, moved) in enumerate(margins) if lead <= 2 * moved]
         if not narrow:
             assert "Paris" in said, (fmt, said, margins)
-            held[fmt] = f"answered {said!r} (leads {[round(m[0], 2) for m in margins]})"
+            held[fmt] = f"answered {said!r} (leads {[round(m[0], 3) for m in margins]})"
         else:
             i, lead, moved = narrow[0]
             held[fmt] = f"answer not held: {said!r}; token {i}'s lead {lead:.3f} <= 2 x {moved:.3f}"
