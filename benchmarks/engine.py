@@ -14,7 +14,8 @@ subprocess per dtype, peak memory of the engine against its weights + KV cache.
 With `--quant int8|q4` the engine runs packed weights (the default model in q4: its GGUF's own
 blocks), transformers the float model in the same dtype (it has no such format here), and
 llama.cpp's `llama-bench` (when built: `--llama-bench`, default ~/.cache/kafila/llama.cpp/...,
-see docs/engine.md) the same numbers: the default GGUF (Q4_1 blocks, Q8_0 embedding) for q4, and
+by benchmarks/llama_build.py, which checks that it starts on this CPU) the same numbers: the
+default GGUF (Q4_1 blocks, Q8_0 embedding) for q4, and
 that file requantized to Q8_0 by `llama-quantize` for int8, with the same threads, prompt and token
 count; the decode ratio to llama.cpp and both systems' fraction of the bandwidth bound are printed.
 
@@ -33,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from llama_build import start_failure
 
 from kafila.engine import DTYPES as SAFETENSORS_DTYPES
 from kafila.engine.backend import configure_openmp
@@ -104,7 +107,7 @@ def speed(
     hf.eval()  # inference mode: no dropout
     prompt = [(i * 7919) % 40000 + 100 for i in range(args.prompt_tokens)]
     ours, theirs, llama = [], [], []
-    gguf = llama_gguf(args, quant) if quant != "none" and Path(args.llama_bench).is_file() else None
+    gguf = llama_gguf(args, quant) if quant != "none" and llama_starts(args) else None
     kafila_run(stage, prompt, 4), hf_run(hf, prompt, 4)  # warm-up
     for _ in range(args.repeats):  # alternated, so that all systems see the same load
         ours.append(kafila_run(stage, prompt, args.new_tokens))
@@ -141,6 +144,17 @@ def llama_gguf(args: argparse.Namespace, quant: str) -> Path | None:
             [str(tool), "--allow-requantize", str(source), str(q8), "Q8_0"], capture_output=True, check=True
         )
     return q8 if q8.is_file() else None
+
+
+def llama_starts(args: argparse.Namespace) -> bool:
+    """Whether --llama-bench is there and starts on this CPU (a native build can die of SIGILL
+    where a guest lists features it cannot run; benchmarks/llama_build.py builds one that starts)."""
+    if not Path(args.llama_bench).is_file():
+        return False
+    why = start_failure([args.llama_bench, "--help"])
+    if why is not None:
+        print(f"  llama.cpp: not run ({why}; `python3 benchmarks/llama_build.py` builds one that starts)")
+    return why is None
 
 
 def llama_bench(args: argparse.Namespace, gguf: Path) -> tuple[float, float]:

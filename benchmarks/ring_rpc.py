@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from _session_common import Load, LocalFleet, complete, median, spread, wait_records
+from llama_build import start_failure
 
 from kafila.demo.fleet import free_port
 from kafila.engine.system import THREADS_ENV
@@ -56,8 +57,12 @@ def main() -> int:
     server, bench = args.llama_bin / "ggml-rpc-server", args.llama_bin / "llama-bench"
     if not (server.is_file() and bench.is_file()):
         raise SystemExit(
-            f"{args.llama_bin}: no ggml-rpc-server and llama-bench (build llama.cpp with -DGGML_RPC=ON)"
+            f"{args.llama_bin}: no ggml-rpc-server and llama-bench "
+            "(`python3 benchmarks/llama_build.py --rpc` builds them)"
         )
+    why = start_failure([str(bench), "--help"])
+    if why is not None:
+        raise SystemExit(f"{why}: `python3 benchmarks/llama_build.py --rpc` builds one that starts here")
     load = Load()
     ports = [free_port() for _ in range(args.members)]
     servers = [

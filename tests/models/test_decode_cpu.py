@@ -8,6 +8,7 @@ request decodes bit-identically alone or batched on the fused path.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -205,15 +206,16 @@ def test_the_prefetch_is_the_one_measured_for_the_cpu() -> None:
 
 def test_the_products_vectors_are_as_wide_as_the_cpus_registers() -> None:
     """16 float32 lanes (512 bits) where the CPU has AVX-512F, 8 (AVX2) otherwise; this machine's
-    kernels were built for its own CPU."""
+    kernels were built for the path in force (its own CPU's unless $KAFILA_CPU_KERNELS forces one)."""
     import llvmlite.binding as llvm
 
-    from kafila.models.torch import few_rows
+    from kafila.models.torch import cpu_kernels, few_rows
 
     assert few_rows.vector_lanes({"avx512f": True, "avx2": True}) == 16
     assert few_rows.vector_lanes({"avx512f": False, "avx2": True}) == 8
     assert few_rows.vector_lanes({}) == 8  # ARM: LLVM splits the 8 lanes into NEON registers
-    assert few_rows.vector_lanes(dict(llvm.get_host_cpu_features())) == few_rows.VF
+    own = few_rows.vector_lanes(dict(llvm.get_host_cpu_features()))
+    assert (own if not os.environ.get(cpu_kernels.ENV) else cpu_kernels.PATH.lanes) == few_rows.VF
 
 
 def test_the_decode_kernels_name_the_few_row_code_they_were_compiled_with() -> None:

@@ -40,6 +40,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from kafila.models.torch import cpu_kernels
+
 TILE = 8  # quadruples of output rows per parallel task
 
 
@@ -110,15 +112,18 @@ def tiles(w: np.ndarray) -> int:  # pragma: no cover (compiled)
 
 
 def vector_lanes(features: dict[str, bool]) -> int:
-    """float32 lanes of the dot products' vectors on a CPU with these LLVM features: 16 (one
-    512-bit register) where it has AVX-512F, 8 otherwise (AVX2's 256 bits; LLVM splits a vector
+    """float32 lanes of the dot products' vectors on a CPU with these LLVM features by default: 16
+    (one 512-bit register) where it has AVX-512F, 8 otherwise (AVX2's 256 bits; LLVM splits a vector
     where registers are narrower, as on ARM's 128-bit NEON). The width sets the order of each dot
     product's additions, so the bits of a product depend on it: every row of a call, alone or in
     a batch, uses the same width on one machine."""
-    return 16 if features.get("avx512f") else 8
+    return cpu_kernels.supported(features)[0].lanes
 
 
-VF = vector_lanes(dict(llvm.get_host_cpu_features()))  # numba's cache is keyed on the host CPU too
+# The path in force ($KAFILA_CPU_KERNELS, else the CPU's own): 8 lanes runs on any CPU, so a CPU
+# with AVX-512 can run the width an AVX2 machine computes with. numba's cache is keyed on the host
+# CPU, and cpu_kernels gives a forced path a cache folder of its own.
+VF = cpu_kernels.PATH.lanes
 _F32, _I16, _I32 = ir.FloatType(), ir.IntType(16), ir.IntType(32)
 
 

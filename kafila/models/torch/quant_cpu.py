@@ -32,13 +32,13 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 from numba.extending import overload
 
+from kafila.models.torch import cpu_kernels
 from kafila.models.torch.few_rows import VF, _prefetch, product_tile
 from kafila.models.torch.few_rows import tiles as float_tiles
 
@@ -220,7 +220,8 @@ def packed_tile(  # pragma: no cover (compiled)
 # instructions per weight byte, and on this 2-core AMD EPYC the q4 product was bound by those
 # instructions, not by memory (5.7 GB/s from L2; docs/engine-quant.md, "Where a decode step's
 # time goes"). Where the CPU has AVX-512 VNNI (Intel since Ice Lake, AMD since Zen 4) the packed
-# products take this integer path; elsewhere the float path above.
+# products take this integer path; elsewhere, or where $KAFILA_CPU_KERNELS forces another path
+# (cpu_kernels), the float path above.
 #
 # Per row x and group g of 32 inputs: dx = max|x_g| / 127, qx = round(x_g / dx) in [-127, 127],
 # sx = dx sum(qx) (the rounded inputs' sum, as llama.cpp's Q8_1 keeps it: then the q4 product is
@@ -232,8 +233,8 @@ def packed_tile(  # pragma: no cover (compiled)
 # The integer sums are exact; the rounding of x to qx is the only approximation, the one llama.cpp
 # makes (Q8_0/Q8_1 activations). A row's bits depend only on that row (its own dx, fixed orders).
 
-_FEATURES = dict(llvm.get_host_cpu_features())
-INT_DOT = bool(_FEATURES.get("avx512vnni") and _FEATURES.get("avx512vl"))
+# The path in force (cpu_kernels: $KAFILA_CPU_KERNELS, else "vnni" where the CPU has it).
+INT_DOT = cpu_kernels.PATH.int_dot
 _I8, _V8F = ir.IntType(8), ir.VectorType(_F32, 8)
 _V8I = ir.VectorType(_I32, 8)
 _V32B = ir.VectorType(_I8, GROUP)
