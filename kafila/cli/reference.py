@@ -264,6 +264,7 @@ FLEET_KEYS: dict[str, dict[str, str]] = {
         "image": "its container image (default `kafila/rendezvous:latest`)",
         "runtime": "`docker` or `native`",
         "python": "native: the interpreter with kafila installed",
+        "venv": "native: a virtual environment folder instead of `python`",
         "os": "native: `linux` (systemd-run --user) or `macos` (launchd)",
     },
     "[[site]]": {
