@@ -342,11 +342,11 @@ def test_prefill_products_past_the_kernel_rows_go_to_torch() -> None:
 def test_without_numba_the_torch_ops_run_and_agree(tiny_checkpoint, monkeypatch) -> None:
     """numba comes with the `torch` extra; a torch installed without it still decodes, through
     torch's ops (few-row products included), to the same tokens (simulated: numba reported absent)."""
-    from kafila.models.torch import llama
+    from kafila.models.torch import packed as packed_module
 
     path = tiny_checkpoint("llama-gqa3-tied")
     with_kernels = _decode(_stage(path, fused=True), steps=4, together=True)
-    monkeypatch.setattr(llama, "kernels_available", lambda: False)
+    monkeypatch.setattr(packed_module, "kernels_available", lambda: False)
     ckpt = Checkpoint.open(path)
     stage = Stage.load(
         ckpt, range(ckpt.n_blocks), True, backend=cpu("fp32"), dtype="fp32", context=32, concurrency=3

@@ -514,12 +514,12 @@ def test_a_q4_model_on_torchs_int4_matmul_matches_the_dequantized_fp32_reference
 ) -> None:
     """A whole q4 model through torch ops with every q4 product on the int4 matmul (as on CUDA;
     the CPU variant here), against the dequantized fp32 model: the float tolerance."""
-    from kafila.models.torch import llama
+    from kafila.models.torch import packed as packed_module
     from kafila.models.torch.packed import PackedLinear
 
     ref = Checkpoint.open(_dequantized_copy(packed["q4"], tmp_path / "ref"))
     want = _logits(ref, "none", [(0, 5)], False, fed=FED)
-    monkeypatch.setattr(llama, "kernels_available", lambda: False)  # torch ops, not the numba kernels
+    monkeypatch.setattr(packed_module, "kernels_available", lambda: False)  # torch ops, not the numba kernels
     monkeypatch.setattr(PackedLinear, "_int4_takes", lambda self, x: self.fmt == "q4")
     got = _logits(Checkpoint.open(packed["q4"]), "auto", [(0, 5)], False, fed=FED)
     for g, w in zip(got, want, strict=True):

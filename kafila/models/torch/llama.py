@@ -16,8 +16,6 @@ heads, g = nq / nkv, L = keys attended, F = intermediate, V = vocab.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -31,7 +29,7 @@ from kafila.models import rope
 from kafila.models.config import ModelConfig
 from kafila.models.manifest import EMBED, FINAL_NORM, LM_HEAD, MINS, QUANT_FORMATS, SCALES, linear_format
 from kafila.models.span import Span
-from kafila.models.torch import hugepages
+from kafila.models.torch import hugepages, packed
 from kafila.models.torch.packed import PackedLinear
 
 Tensor = torch.Tensor
@@ -53,16 +51,10 @@ KERNEL_ROWS: dict[torch.dtype, int | None] = {torch.float32: 128, torch.bfloat16
 FUSED_PREFILL_ROWS = 128
 
 
-@functools.cache
-def kernels_available() -> bool:
-    """Whether numba is installed (it comes with the `torch` extra); without it the torch ops run."""
-    return importlib.util.find_spec("numba") is not None
-
-
 def _kernels_take(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the CPU kernels (few_rows, decode_cpu) take this dtype on this device: fp32 or bf16
     on the CPU, with numba installed."""
-    return dtype in (torch.float32, torch.bfloat16) and device.type == "cpu" and kernels_available()
+    return dtype in (torch.float32, torch.bfloat16) and device.type == "cpu" and packed.kernels_available()
 
 
 def _kernel_dtype(t: Tensor) -> bool:

@@ -12,6 +12,8 @@ Shapes: N rows, out/in features, groups = in / 32.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +31,12 @@ Tensor = torch.Tensor
 KERNEL_ROWS = 128
 TILE_ROWS = 1024  # output rows dequantized at once on the torch path
 INT4_INNER_K_TILES = 2  # torch's int4 layout parameter (2, 4 or 8): `in` must divide by 16 times it
+
+
+@functools.cache
+def kernels_available() -> bool:
+    """Whether numba is installed (it comes with the `torch` extra); without it the torch ops run."""
+    return importlib.util.find_spec("numba") is not None
 
 
 @dataclass
@@ -163,8 +171,6 @@ class PackedLinear:
         return y if self.bias is None else y.add_(self.bias)
 
     def _kernel_takes(self, x: Tensor) -> bool:
-        from kafila.models.torch.llama import kernels_available
-
         return x.device.type == "cpu" and x.shape[0] <= KERNEL_ROWS and kernels_available()
 
     def embedding(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
