@@ -124,7 +124,7 @@ class Throttle:
 def add_api_limit_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-max-connections",
-        type=int,
+        type=_count,
         default=DEFAULT_MAX_CONNECTIONS,
         metavar="N",
         help=f"API connections open at once; one past it is closed at once (default "
@@ -133,7 +133,7 @@ def add_api_limit_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--api-max-unauthenticated",
-        type=int,
+        type=_count,
         default=DEFAULT_MAX_UNAUTHENTICATED,
         metavar="N",
         help="API connections open at once that have not shown a key yet (without keys: that have "
@@ -142,13 +142,33 @@ def add_api_limit_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--api-read-timeout",
-        type=float,
+        type=_seconds,
         default=DEFAULT_READ_TIMEOUT_S,
         metavar="SECONDS",
         help="a request's headers must arrive within this long of its connection (or of the answer "
         "before it), its body within this long after them; else the connection is closed (default "
         f"{DEFAULT_READ_TIMEOUT_S:g})",
     )
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text!r}")
+    return value
 
 
 def limits_from_args(args: argparse.Namespace) -> ApiLimits:
