@@ -81,10 +81,12 @@ class ConnectionGuard:
 
 
 class GuardedConfig(uvicorn.Config):
-    """uvicorn's Config carrying the `ConnectionGuard` its protocols report to."""
+    """uvicorn's Config carrying the `ConnectionGuard` its protocols report to. No WebSockets (the
+    API serves none): an upgraded connection leaves the h11 protocol without its connection_lost,
+    so it would stay counted for good."""
 
     def __init__(self, app: Any, guard: ConnectionGuard, **kwargs: Any) -> None:
-        super().__init__(app, http=GuardedH11Protocol, **kwargs)
+        super().__init__(app, http=GuardedH11Protocol, ws="none", **kwargs)
         self.guard = guard
 
 

@@ -200,6 +200,30 @@ def test_uvicorn_warnings_pass_once_per_interval_with_the_count_left_out() -> No
     assert later.getMessage() == "Invalid HTTP request received. (500 more like it left out)"
 
 
+async def test_a_websocket_upgrade_is_served_as_plain_http_and_its_connection_not_kept_counted() -> None:
+    """An upgraded connection would leave the guarded protocol without a word: asked for again
+    and again, such connections would fill the cap with ones long gone."""
+    server = await ApiServer(app(), security=SECURITY).start()
+    try:
+        for _ in range(3):
+            reader, writer = await open_idle(server)
+            writer.write(
+                b"GET /ok HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+                b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                b"Authorization: Bearer " + KEY.encode() + b"\r\n\r\n"
+            )
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(65536), 5)
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+            writer.close()
+        deadline = time.monotonic() + 5
+        while server.guard.book.open and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not server.guard.book.open
+    finally:
+        await server.stop()
+
+
 @pytest.mark.parametrize("keys", [(), (KEY,)])
 async def test_without_keys_headers_admit_a_connection_with_keys_only_the_key(keys: tuple[str, ...]) -> None:
     server = await ApiServer(app(), security=ApiSecurity(keys=keys)).start()
