@@ -43,12 +43,12 @@ class ConnectionGuard:
         self.shed = {kind: Throttle() for kind in ("refused", "evicted", "headers", "body", "accept")}
 
     def opened(self, conn: GuardedH11Protocol) -> bool:
-        kept, evicted = self.book.admit(conn)
+        kept, evicted = self.book.admit(conn, self.clock())
         if evicted is not None:
             evicted.close_now()
             self._report("evicted", "api_connection_evicted", why="unauthenticated connections at their cap")
         if not kept:
-            self._report("refused", "api_connection_refused", why="connections at their cap")
+            self._report("refused", "api_connection_refused", why="at a cap, none to push out")
         return kept
 
     def headers_in(self, conn: GuardedH11Protocol, headers: list[tuple[bytes, bytes]]) -> None:

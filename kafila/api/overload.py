@@ -8,8 +8,10 @@ not open its files. The bounds, enforced by kafila.api.connections:
 - at most `max_connections` open at once, fitted under the descriptor limit (`fitted`), so the
   ring, the weights and a re-plan always have descriptors left;
 - at most `max_unauthenticated` of them before they show a key (before their request's headers
-  are in, where no key is configured): a new connection past that closes the oldest such one,
-  so a client with a key gets in while idle connections pile up;
+  are in, where no key is configured): a new connection past that closes the oldest such one
+  once that one has had EVICT_AFTER_S to send them (else the new one is closed), so a client
+  with a key gets in while idle connections pile up, and is not pushed out before its headers
+  are read by connections accepted in the same burst;
 - a request's headers must arrive within `read_timeout_s` of its connection (or of the answer
   before it on a kept-alive connection), and its body within as long again after them;
 - what is shed is logged at most once per LOG_EVERY_S per kind (`Throttle`), with a count of
@@ -36,6 +38,10 @@ API_BACKLOG = 128
 # files a re-plan opens, the trace and log files
 DESCRIPTOR_RESERVE = 256
 MIN_CONNECTIONS = 8  # the API's least, however low the descriptor limit
+# an unauthenticated connection is not pushed out younger than this: asyncio accepts up to the
+# backlog at one wake-up, before any of them is read, and a burst of idle ones accepted after a
+# client's connection pushed it out before its headers (with its key) were read
+EVICT_AFTER_S = 1.0
 LOG_EVERY_S = 10.0
 
 C = TypeVar("C", bound=Hashable)
@@ -75,21 +81,24 @@ class ConnectionBook(Generic[C]):
     def __init__(self, limits: ApiLimits) -> None:
         self.limits = limits
         self.open: set[C] = set()
-        self.unauthenticated: dict[C, None] = {}  # insertion order: the oldest first
+        self.unauthenticated: dict[C, float] = {}  # -> when it opened; insertion order: the oldest first
 
-    def admit(self, conn: C) -> tuple[bool, C | None]:
-        """A new connection: (whether it is kept, the unauthenticated one it pushes out, if any).
-        The oldest unauthenticated connection makes room when those are at their cap, or when all
-        connections are; a new one past the cap with none to push out is refused."""
+    def admit(self, conn: C, now: float) -> tuple[bool, C | None]:
+        """A new connection at `now`: (whether it is kept, the unauthenticated one it pushes out, if
+        any). The oldest unauthenticated connection, once EVICT_AFTER_S old, makes room when those
+        are at their cap, or when all connections are; else a new one past a cap is refused."""
         evicted = None
         full = len(self.open) >= self.limits.max_connections
         if self.unauthenticated and (full or len(self.unauthenticated) >= self.limits.max_unauthenticated):
-            evicted = next(iter(self.unauthenticated))
+            oldest, since = next(iter(self.unauthenticated.items()))
+            if now - since < EVICT_AFTER_S:
+                return False, None
+            evicted = oldest
             self.forget(evicted)
         if len(self.open) >= self.limits.max_connections:
             return False, evicted
         self.open.add(conn)
-        self.unauthenticated[conn] = None
+        self.unauthenticated[conn] = now
         return True, evicted
 
     def authenticated(self, conn: C) -> None:

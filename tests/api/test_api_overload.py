@@ -10,6 +10,7 @@ import pytest
 from kafila.api.overload import (
     API_BACKLOG,
     DESCRIPTOR_RESERVE,
+    EVICT_AFTER_S,
     MIN_CONNECTIONS,
     ApiLimits,
     ConnectionBook,
@@ -56,27 +57,38 @@ def test_flags_give_the_limits_and_their_defaults() -> None:
 
 def test_a_new_connection_pushes_out_the_oldest_unauthenticated_one() -> None:
     book: ConnectionBook[str] = ConnectionBook(ApiLimits(max_connections=10, max_unauthenticated=3))
-    assert [book.admit(c) for c in "abc"] == [(True, None)] * 3
+    assert [book.admit(c, 0.0) for c in "abc"] == [(True, None)] * 3
     book.authenticated("b")  # showed its key: no longer pushed out
-    assert book.admit("d") == (True, None)  # a, c, d unauthenticated: at the cap now
-    assert book.admit("e") == (True, "a")
-    assert book.admit("f") == (True, "c")
+    assert book.admit("d", 0.5) == (True, None)  # a, c, d unauthenticated: at the cap now
+    assert book.admit("e", 5.0) == (True, "a")
+    assert book.admit("f", 5.0) == (True, "c")
     assert list(book.unauthenticated) == ["d", "e", "f"]
     assert book.open == {"b", "d", "e", "f"}
+
+
+def test_a_connection_younger_than_the_grace_is_not_pushed_out_the_new_one_is_refused() -> None:
+    """A burst accepted at one wake-up must not push out a client's connection before its headers
+    were read: the newcomer is refused instead, until the oldest has had its time."""
+    book: ConnectionBook[str] = ConnectionBook(ApiLimits(max_connections=10, max_unauthenticated=2))
+    book.admit("client", 10.0)
+    book.admit("idle", 10.0)
+    assert book.admit("burst", 10.0 + EVICT_AFTER_S / 2) == (False, None)
+    assert list(book.unauthenticated) == ["client", "idle"]
+    assert book.admit("later", 10.0 + EVICT_AFTER_S) == (True, "client")
 
 
 def test_connections_at_their_cap_push_out_an_unauthenticated_one_else_refuse_the_new_one() -> None:
     book: ConnectionBook[str] = ConnectionBook(ApiLimits(max_connections=3, max_unauthenticated=3))
     for c in "abc":
-        book.admit(c)
+        book.admit(c, 0.0)
     book.authenticated("a")
     book.authenticated("b")
-    assert book.admit("d") == (True, "c")  # all open: the unauthenticated one makes room
+    assert book.admit("d", 2.0) == (True, "c")  # all open: the unauthenticated one makes room
     book.authenticated("d")
-    assert book.admit("e") == (False, None)  # three with keys: nothing to push out
+    assert book.admit("e", 2.0) == (False, None)  # three with keys: nothing to push out
     assert book.open == {"a", "b", "d"}
     book.forget("a")
-    assert book.admit("e") == (True, None)
+    assert book.admit("e", 2.0) == (True, None)
 
 
 def test_the_throttle_reports_once_per_interval_with_the_count_left_out() -> None:
