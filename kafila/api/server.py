@@ -67,7 +67,8 @@ class ApiServer:
         self.sock = sock if sock is not None else bind_tcp("127.0.0.1", 0)
         self._switch = _Switch(app)
         guarded: ASGIApp = ApiGuard(self._switch, security)
-        self.limits = limits.fitted(descriptor_limit())
+        self.descriptors = descriptor_limit()
+        self.limits = limits.fitted(self.descriptors)
         self.guard = ConnectionGuard(self.limits, security)
         config = GuardedConfig(
             guarded,
@@ -97,6 +98,7 @@ class ApiServer:
             max_connections=limits.max_connections,
             max_unauthenticated=limits.max_unauthenticated,
             read_timeout_s=limits.read_timeout_s,
+            descriptor_limit=self.descriptors,
         )
         return self
 

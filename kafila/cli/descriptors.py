@@ -19,7 +19,9 @@ UNLIMITED_TRIES = (1 << 20, 1 << 16, 10240)
 
 def raise_descriptor_limit() -> tuple[int, int] | None:
     """Raise the soft RLIMIT_NOFILE to the hard one (or as near as the system takes) and log the
-    values once; (soft, hard) after, or None where there is no such limit (Windows)."""
+    values once, at debug level: a command's first lines are its progress ("kafila: session
+    code: ...", which scripts read); the API's `api_listening` event says the limit in force.
+    (soft, hard) after, or None where there is no such limit (Windows)."""
     try:
         import resource
     except ImportError:
@@ -36,7 +38,7 @@ def raise_descriptor_limit() -> tuple[int, int] | None:
             continue
         soft = target
         break
-    log.info("descriptor_limit", soft_before=_shown(before), soft=_shown(soft), hard=_shown(hard))
+    log.debug("descriptor_limit", soft_before=_shown(before), soft=_shown(soft), hard=_shown(hard))
     return soft, hard
 
 

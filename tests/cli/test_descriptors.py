@@ -3,6 +3,7 @@ API's limit flags reach a member's options."""
 
 from __future__ import annotations
 
+import logging
 import resource
 
 import pytest
@@ -14,9 +15,12 @@ from kafila.cli.descriptors import raise_descriptor_limit
 
 
 def test_the_soft_descriptor_limit_is_raised_to_the_hard_one_and_logged_once() -> None:
+    """Logged at debug level: a host's first lines are its code, which scripts read."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     lowered = 256 if hard == resource.RLIM_INFINITY else min(256, hard)
     resource.setrlimit(resource.RLIMIT_NOFILE, (lowered, hard))
+    wrapper = structlog.get_config()["wrapper_class"]
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
     try:
         with structlog.testing.capture_logs() as logs:
             after = raise_descriptor_limit()
@@ -27,6 +31,7 @@ def test_the_soft_descriptor_limit_is_raised_to_the_hard_one_and_logged_once() -
         [event] = [e for e in logs if e["event"] == "descriptor_limit"]
         assert event["soft_before"] == lowered and event["soft"] == now[0]
     finally:
+        structlog.configure(wrapper_class=wrapper)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
