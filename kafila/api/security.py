@@ -167,6 +167,16 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
+def shows_key(security: ApiSecurity, headers: Sequence[tuple[bytes, bytes]]) -> bool:
+    """Whether a request's headers (lower-case names, as ASGI's) carry `Authorization: Bearer KEY`
+    with one of the keys; any headers do where no key is configured."""
+    if not security.keys:
+        return True
+    given = _header({"headers": headers}, b"authorization") or ""
+    scheme, _, token = given.partition(" ")
+    return scheme.lower() == "bearer" and bool(token.strip()) and security.key_matches(token.strip())
+
+
 def _host_name(host: str) -> str:
     """ "[::1]:8000" -> "::1", "Example.org:80" -> "example.org"."""
     host = host.strip().lower()

@@ -5,11 +5,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from collections.abc import Callable
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kafila.api.connections import (
+    ConnectionGuard,
+    GuardedConfig,
+    guard_accept_errors,
+    throttle_uvicorn_errors,
+)
+from kafila.api.overload import API_BACKLOG, DEFAULT_LIMITS, ApiLimits
 from kafila.api.security import NO_SECURITY, ApiGuard, ApiSecurity
 from kafila.net.tcp import STOP_GRACE_S, bind_tcp
 from kafila.obs.log import get_logger
@@ -44,7 +52,9 @@ class ApiServer:
     """uvicorn serving `app` on `sock` (bound before, `bind_tcp`; default: a free localhost port).
     `switch(app)` serves another app from the next request on, on the same address (a forming
     member's API becomes the session's). `security` guards every app it serves (keys, Host, Origin,
-    JSON bodies: kafila.api.security); without keys the Host, Origin and JSON checks still hold."""
+    JSON bodies: kafila.api.security); without keys the Host, Origin and JSON checks still hold.
+    `limits` bound its connections (kafila.api.overload), fitted under the process's descriptor
+    limit as it is when the server is made."""
 
     def __init__(
         self,
@@ -52,23 +62,44 @@ class ApiServer:
         sock: socket.socket | None = None,
         security: ApiSecurity = NO_SECURITY,
         grace_s: int = STOP_GRACE_S,
+        limits: ApiLimits = DEFAULT_LIMITS,
     ) -> None:
         self.sock = sock if sock is not None else bind_tcp("127.0.0.1", 0)
         self._switch = _Switch(app)
         guarded: ASGIApp = ApiGuard(self._switch, security)
-        config = uvicorn.Config(
-            guarded, log_level="warning", lifespan="off", timeout_graceful_shutdown=grace_s
+        self.descriptors = descriptor_limit()
+        self.limits = limits.fitted(self.descriptors)
+        self.guard = ConnectionGuard(self.limits, security)
+        config = GuardedConfig(
+            guarded,
+            self.guard,
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=grace_s,
+            backlog=API_BACKLOG,
         )
+        throttle_uvicorn_errors()  # after the Config, which configures uvicorn's loggers
         self._server = uvicorn.Server(config)
         self._task: asyncio.Task[None] | None = None
+        self._restore_handler: Callable[[], None] | None = None
 
     async def start(self) -> ApiServer:
+        self._restore_handler = guard_accept_errors(asyncio.get_running_loop(), self.sock, self.guard)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[self.sock]))
         while not self._server.started:
             if self._task.done():
+                self._restore_handler()
                 self._task.result()  # raises why it could not start
             await asyncio.sleep(0.01)
-        log.info("api_listening", url=self.url)
+        limits = self.limits
+        log.info(
+            "api_listening",
+            url=self.url,
+            max_connections=limits.max_connections,
+            max_unauthenticated=limits.max_unauthenticated,
+            read_timeout_s=limits.read_timeout_s,
+            descriptor_limit=self.descriptors,
+        )
         return self
 
     def switch(self, app: Starlette) -> None:
@@ -91,4 +122,16 @@ class ApiServer:
         if self._task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self._restore_handler is not None:
+            self._restore_handler()
         self.sock.close()
+
+
+def descriptor_limit() -> int | None:
+    """The process's soft limit on open descriptors (None: none, or no such limit here)."""
+    try:
+        import resource  # Unix
+    except ImportError:
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return None if soft == resource.RLIM_INFINITY else int(soft)

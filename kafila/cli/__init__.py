@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("demo", "a rendezvous and members (three by default) on this machine"),
     "trace": ("trace", "read session traces"),
 }
+SERVING = frozenset({"rendezvous", "host", "join", "demo"})  # start with the descriptor limit raised
 
 
 ENVIRONMENT = """environment:
@@ -88,6 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_logging()
     except ValueError as exc:
         parser.error(str(exc))
+    if args.command in SERVING:
+        from kafila.cli.descriptors import raise_descriptor_limit
+
+        raise_descriptor_limit()
     try:
         rc = int(_load(args.command).main(args) or 0)
     except KeyboardInterrupt:

@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from kafila.api.overload import add_api_limit_flags, limits_from_args
 from kafila.api.security import add_api_security_flags, security_from_args
 from kafila.cli.argtypes import (
     count,
@@ -28,6 +29,7 @@ if TYPE_CHECKING:  # the runtime loads the engine: only the commands that form a
 def add_member_flags(parser: argparse.ArgumentParser) -> None:
     """Flags every member has (host and join)."""
     add_api_security_flags(parser)
+    add_api_limit_flags(parser)
     parser.add_argument(
         "--rendezvous",
         type=rendezvous_url,
@@ -230,6 +232,7 @@ def options(args: argparse.Namespace) -> object:
         name=args.name,
         api=None if args.api == "off" else args.api,
         api_security=security_from_args(args),
+        api_limits=limits_from_args(args),
         metrics=args.metrics,
         backend=args.backend,
         memory_bytes=int(args.memory_gb * 1e9) if args.memory_gb is not None else None,

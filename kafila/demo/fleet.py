@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import importlib.util
 import itertools
 import json
@@ -133,6 +134,10 @@ class LocalFleet:
     member_args: Sequence[Sequence[str]] | None = None  # more flags per member (e.g. "--memory-gb", "2")
     # more environment per member (e.g. its own KAFILA_CACHE, so it fetches its weights from the host)
     member_env: Sequence[dict[str, str]] | None = None
+    # a descriptor limit per member (soft and hard both, as `ulimit -n N` in a shell; None: this
+    # process's own), so a member runs with the 1,024 most machines give a user's processes
+    fd_limits: Sequence[int | None] | None = None
+    api_key: str | None = None  # every member's API key (KAFILA_API_KEY), sent on the fleet's own requests
     members: list[FleetMember] = field(default_factory=list, init=False)
     rendezvous_url: str | None = field(default=None, init=False)
     code: str | None = field(default=None, init=False)
@@ -223,7 +228,7 @@ class LocalFleet:
 
     def session(self, name: str | None = None) -> dict[str, Any]:
         """The /session document of member `name` (default: the host)."""
-        return _get_json(f"{self.api_urls[name or self.members[0].name]}/session")
+        return _get_json(f"{self.api_urls[name or self.members[0].name]}/session", self.api_key)
 
     @property
     def plan(self) -> dict[str, Any]:
@@ -452,7 +457,10 @@ class LocalFleet:
             m.cgroup = make_cgroup(f"{GROUP_PREFIX}{os.getpid()}-{self._serial}-{m.name}", m.share)
             argv = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(m.cgroup), *argv]
         env = self.member_env[index] if self.member_env and index >= 0 else None
-        m.proc = _spawn(argv, m.log_path, env)
+        if self.api_key is not None:
+            env = {**(env or {}), "KAFILA_API_KEY": self.api_key}
+        fds = self.fd_limits[index] if self.fd_limits and index >= 0 else None
+        m.proc = _spawn(argv, m.log_path, env, fds)
         log.info("fleet_member_started", member=m.name, role=m.role, pid=m.proc.pid, share=m.share)
 
     def _wait_for(self, m: FleetMember, pattern: re.Pattern[str], deadline: float) -> re.Match[str]:
@@ -480,7 +488,7 @@ class LocalFleet:
             while True:
                 self.check_alive()
                 with contextlib.suppress(OSError, ValueError):
-                    doc = _get_json(f"{m.api_url}/session")
+                    doc = _get_json(f"{m.api_url}/session", self.api_key)
                     if doc.get("state") == "serving" and len(doc.get("ring", ())) == len(self.members):
                         break
                 if time.monotonic() > deadline:
@@ -581,7 +589,9 @@ def _interrupts_ignored() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _spawn(argv: list[str], log_path: Path, more: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def _spawn(
+    argv: list[str], log_path: Path, more: dict[str, str] | None = None, fds: int | None = None
+) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(more or {})}
     env.pop("KAFILA_LOG", None)  # members print progress for people; the rendezvous asks for json itself
     with log_path.open("wb") as out:
@@ -593,7 +603,15 @@ def _spawn(argv: list[str], log_path: Path, more: dict[str, str] | None = None) 
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
+            preexec_fn=None if fds is None else functools.partial(_limit_descriptors, fds),
         )
+
+
+def _limit_descriptors(limit: int) -> None:
+    """In the child before it runs the member: at most `limit` descriptors, soft and hard."""
+    import resource  # Unix only, as preexec_fn
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
 
 
 def _stop(procs: list[subprocess.Popen[bytes]], sig: int, grace_s: float) -> None:
@@ -629,10 +647,10 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _get_json(url: str) -> dict[str, Any]:
+def _get_json(url: str, key: str | None = None) -> dict[str, Any]:
     import httpx
 
-    r = httpx.get(url, timeout=5.0)
+    r = httpx.get(url, timeout=5.0, headers={"Authorization": f"Bearer {key}"} if key else None)
     r.raise_for_status()
     return dict(r.json())
 

@@ -17,6 +17,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kafila.api.forming import FormingStatus, forming_app
+from kafila.api.overload import DEFAULT_LIMITS, ApiLimits
 from kafila.api.security import ApiSecurity, ApiSecurityError, check_exposure
 from kafila.api.server import ApiServer, parse_addr
 from kafila.net.edge import LinkNode
@@ -201,15 +202,17 @@ class MemberRuntime:
             with contextlib.suppress(Exception):
                 await (link.close(why, ended) if self.formed else link.close(why))
 
-    async def open_api(self, security: ApiSecurity) -> None:
+    async def open_api(self, security: ApiSecurity, limits: ApiLimits = DEFAULT_LIMITS) -> None:
         """Serve this member's API on the address reserved at its start (--api; none with --api
         off): while the session forms, /session says what the member is doing and every other
-        route answers 503 (kafila.api.forming)."""
+        route answers 503 (kafila.api.forming). `limits` bound its connections."""
         if self.api_socket is None:
             return
         sock, self.api_socket = self.api_socket, None  # the server's from now on, closed with it
         try:
-            self.api = await ApiServer(forming_app(self.forming), sock, security=security).start()
+            self.api = await ApiServer(
+                forming_app(self.forming), sock, security=security, limits=limits
+            ).start()
         except BaseException:
             sock.close()
             raise

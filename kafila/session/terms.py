@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from kafila.api.overload import DEFAULT_LIMITS, ApiLimits
 from kafila.api.security import NO_SECURITY, ApiSecurity
 from kafila.api.server import parse_addr
 from kafila.engine import PREFILL_CHUNK
@@ -28,6 +29,9 @@ class Options:
     name: str | None = None
     api: str | None = "127.0.0.1:11434"  # None: no API on this member
     api_security: ApiSecurity = NO_SECURITY  # keys, allowed hosts and origins (kafila.api.security)
+    api_limits: ApiLimits = (
+        DEFAULT_LIMITS  # connections, unauthenticated ones, read deadline (kafila.api.overload)
+    )
     metrics: str | None = None  # --metrics HOST:PORT: /metrics on a listener of its own (None: none)
     backend: str = "auto"
     dtype: str = "auto"  # host: the session's (auto: the checkpoint's); a member takes the host's

@@ -81,7 +81,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
         code = held.code = new_code(opened.session)
         await client.protect(code)  # joins prove the code's secret to the rendezvous from now on
     say(f"session code: {code}   (members join with: {join_command(code, opts.rendezvous)})")
-    await held.open_api(opts.api_security)
+    await held.open_api(opts.api_security, opts.api_limits)
     if opts.wait_s > opened.expires_in:  # the rendezvous's --code-ttl-s is shorter than --wait
         say(
             f"note: the rendezvous takes joins with this code for {opened.expires_in:.0f} s after it "

@@ -110,7 +110,7 @@ async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
     held.name = held.forming.name = name
     held.forming.model = joined.model
     say(f"joined session {code.public} for model {joined.model} ({len(joined.members)} member(s) so far)")
-    await held.open_api(opts.api_security)
+    await held.open_api(opts.api_security, opts.api_limits)
     node = held.node = await connect_node(client, code, opts.rendezvous)
     pump = asyncio.ensure_future(node.signals.pump())
     held.tasks.append(pump)
