@@ -537,6 +537,7 @@ class RingHead(RoleBase):
             self._fail_request(rid, code, message)
         for rid in list(self._ending):  # no free will come round: record what is known
             self._record(self._ending.pop(rid))
+            self.schedule.lost(rid)  # ... and it leaves /session's "active"
         self._flush_pending()
 
     def _in_flight(self) -> int:
