@@ -477,6 +477,8 @@ class RingHead(RoleBase):
         if self._first is not None and not self._first.done():
             self._first.set_result(time.monotonic())
         first = req.first_at is None
+        if req.last_at is not None and not first:
+            metrics.observe_token_interval(now - req.last_at)  # each interval as its token came
         req.first_at, req.last_at = req.first_at or now, now
         done = self.schedule.sampled(req.rid, reason is not None)
         emitted = () if reason == "stop" else (token,)
