@@ -115,6 +115,11 @@ MEMBERS_EXPECTED = Gauge(
 MEMBERS_PRESENT = Gauge(
     "kafila_session_members_present", "Members in the ring now (0 once it broke)", registry=REGISTRY
 )
+SPARES = Gauge(
+    "kafila_session_spares",
+    "Members the host keeps as spares, out of the ring (the host's /session `spares`; the host only)",
+    registry=REGISTRY,
+)
 PLAN_EPOCH = Gauge(
     "kafila_plan_epoch", "Epoch of the plan the ring runs (1 = the first plan)", registry=REGISTRY
 )
@@ -480,6 +485,9 @@ def observe_ring(doc: Mapping[str, Any]) -> None:
         if isinstance(chosen.get("circuit_ms"), int | float):
             PREDICTED_CIRCUIT.set(chosen["circuit_ms"] / 1000)
     observe_plan(epoch)
+    spares = doc.get("spares")
+    if isinstance(spares, list):
+        SPARES.set(len(spares))
     _edges_from(doc.get("links") or [])
     MEMBERS_PRESENT.set(0 if doc.get("state") in ("broken", "ended") else len(ring))
 

@@ -119,7 +119,9 @@ def test_every_series_of_the_ring_is_rebuilt_at_each_epoch_and_the_lost_members_
     assert value(metrics.exposition().decode(), "kafila_stage_compute_seconds_count", member="d", stage="3",
                  phase="decode") == 0  # fmt: skip
 
-    metrics.observe_document(head_document(ring_info(four), 3))  # d re-joined
+    metrics.observe_document(head_document(ring_info(three), 2) | {"spares": ["d"]})  # d back, as a spare
+    assert value(metrics.exposition().decode(), "kafila_session_spares") == 1
+    metrics.observe_document(head_document(ring_info(four), 3) | {"spares": []})  # d planned in
     text = metrics.exposition().decode()
     assert (
         value(text, "kafila_session_members_present"),
