@@ -250,6 +250,13 @@ HOP_PREDICTED_RTT = Gauge(
     registry=REGISTRY,
 )
 
+HTTP_RESPONSES = Counter(
+    "kafila_http_responses",
+    "HTTP responses of this member's API by route (its path template; other: no route) and status",
+    ["route", "status"],
+    registry=REGISTRY,
+)
+
 # -- requests (the head) --------------------------------------------------------------------------------
 
 REQUESTS = Counter(
@@ -544,6 +551,11 @@ def _edges_from(links: Iterable[Mapping[str, Any]]) -> None:
 
 
 # -- from the session's state ----------------------------------------------------------------------------
+def observe_response(route: str, status: int) -> None:
+    """One HTTP response of the member's API (kafila.obs.http)."""
+    HTTP_RESPONSES.labels(route, str(status)).inc()
+
+
 def observe_state(state: str) -> None:
     """The session's state: one of SESSION_STATES."""
     if state not in SESSION_STATES:
