@@ -107,7 +107,8 @@ def create_app(api: Api, security: ApiSecurity | None = None) -> Starlette:
         Exception: internal_error,
     }
     guard = [Middleware(ApiGuard, security=security)] if security is not None else []
-    counted = Middleware(CountResponses, paths=[r.path for r in routes])  # outermost: the guard's refusals count too
+    # outermost: the guard's refusals count too
+    counted = Middleware(CountResponses, paths=[r.path for r in routes])
     app = Starlette(routes=routes, exception_handlers=handlers, middleware=[counted, *guard])
     app.state.api = api
     return app

@@ -637,6 +637,10 @@ def observe_document(doc: Mapping[str, Any]) -> None:
     state = doc.get("state")
     if state in SESSION_STATES:
         observe_state(str(state))
+    if state == "forming" and isinstance(doc.get("session"), str):  # kafila.api.forming.FormingStatus
+        _identify(str(doc["session"]), str(doc.get("model") or ""))
+        if isinstance(expected := doc.get("members_expected"), int):
+            observe_members(expected, 0)
     observe_ring(doc)
     kv = doc.get("kv")
     if isinstance(kv, dict) and isinstance(doc.get("me"), str):

@@ -303,3 +303,9 @@ def test_a_forming_members_metrics_say_forming() -> None:
     with TestClient(forming_app(FormingStatus("join"))) as client:
         text = client.get("/metrics").text
     assert value(text, "kafila_session_state", state="forming") == 1 and value(text, "kafila_ready") == 0
+    status = FormingStatus("join", name="m2", model="tiny", session="s9", members_expected=4)
+    with TestClient(forming_app(status)) as client:
+        text = client.get("/metrics").text
+    families = list(text_string_to_metric_families(text))
+    expected = next(f for f in families if f.name == "kafila_session_members_expected").samples
+    assert [(s.labels, s.value) for s in expected] == [({"session": "s9", "model": "tiny"}, 4)]
