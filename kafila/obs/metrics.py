@@ -689,7 +689,10 @@ def _set_ratio(member: str, stage: str, measured_ms: float, predicted_ms: float)
 
 
 def _label_sets(g: Gauge | Counter | Histogram) -> Iterable[tuple[str, ...]]:
-    return [tuple(k) for k in g._metrics]  # every child's label values (prometheus_client keeps them there)
+    # every child's label values (prometheus_client keeps them there), copied under its lock: the
+    # ring's series are rebuilt at a scrape while the event loop observes steps
+    with g._lock:
+        return [tuple(k) for k in g._metrics]
 
 
 def _remove(g: Gauge | Counter | Histogram, which: Callable[[tuple[str, ...]], bool]) -> None:
