@@ -368,16 +368,25 @@ BUILD_INFO.labels(kafila.__version__, "unknown", "unknown", "unknown").set(1)
 # -- from trace records ----------------------------------------------------------------------------------
 
 
-def observe_step(member: str, index: int, seconds: float, prefill: bool) -> None:
+def observe_step(member: str, index: int, seconds: float, prefill: bool, session: str = "") -> None:
     """One step of one request computed at member `member`'s stage `index` (a decode step or a
     prefill chunk), as it ran: a stall reaches the histogram's tail at once. A step of a stage the
     ring no longer has (a late step of the epoch before) is left out."""
+    _follow(session)
     stage = str(index)
     if not _in_ring(member, stage):
         return
     STAGE_COMPUTE.labels(member, stage, "prefill" if prefill else "decode").observe(seconds)
     if not prefill:
         STAGE_DECODE_STEPS.labels(member, stage).inc()
+
+
+def observe_first_token(queue_s: float, prefill_s: float) -> None:
+    """A request's first token at the head, after `queue_s` waiting for a slot and `prefill_s`
+    from its admission (the prompt through the whole ring)."""
+    QUEUE_TIME.observe(queue_s)
+    PREFILL_TIME.observe(prefill_s)
+    TTFT.observe(queue_s + prefill_s)
 
 
 def observe_token_interval(seconds: float) -> None:
@@ -388,6 +397,7 @@ def observe_token_interval(seconds: float) -> None:
 def observe_stage(r: StageRecord) -> None:
     """A member's own stage and the hop it sends on, when a request ended there (its steps were
     observed as they ran: `observe_step`)."""
+    _follow(r.session)
     stage, epoch = str(r.index), _epoch_label()
     if not _in_ring(r.member, stage):
         return
@@ -414,9 +424,11 @@ def observe_stage(r: StageRecord) -> None:
 
 def observe_request(r: RequestRecord) -> None:
     """The head's whole-ring view of one request (gauges per stage; hop counters come from
-    `observe_stage` at each sender, so a hop is counted once; token intervals were observed as
-    each token came: `observe_token_interval`). The "last request" gauges keep the last request
+    `observe_stage` at each sender, so a hop is counted once; the first token's times and the
+    token intervals were observed as each token came: `observe_first_token`,
+    `observe_token_interval`). The "last request" gauges keep the last request
     that decoded: one that ended at its first token measured no decode step."""
+    _follow(r.session)
     decoded = any(s.steps for s in r.stages)
     epoch = _epoch_label()
     for s in r.stages:
@@ -429,9 +441,6 @@ def observe_request(r: RequestRecord) -> None:
     REQUESTS.labels(r.finish).inc()
     PROMPT_TOKENS.inc(r.prompt_tokens)
     TOKENS.inc(r.completion_tokens)
-    QUEUE_TIME.observe(r.queue_s)
-    PREFILL_TIME.observe(r.prefill_s)
-    TTFT.observe(r.ttft_s)
     E2E.observe(r.ttft_s + r.decode_s)
     if decoded:
         DECODE_RATE.set(r.tokens_per_s)
@@ -665,11 +674,20 @@ def exposition() -> bytes:
 
 def _identify(session: str, model: str) -> None:
     """The session every series is of from now on; another session than before starts its ring
-    series afresh (the most members a ring of it had, too)."""
+    series afresh (its epochs, and the most members a ring of it had, too)."""
     if session and REGISTRY.identity().get("session") != session:
         with _lock:
             _ring.expected = 0
+            _epoch.clear()
+            _rebuild(0, (), {}, {}, {})  # no ring yet: the other session's ring series go
     set_identity(session, model)
+
+
+def _follow(session: str) -> None:
+    """A record of `session`: where the series describe another session (a process serves one; a
+    test process many), they start afresh for it, its model known at its next scrape."""
+    if session and REGISTRY.identity().get("session") != session:
+        _identify(session, "")
 
 
 def _epoch_label() -> str:

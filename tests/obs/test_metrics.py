@@ -34,6 +34,7 @@ def value(text: str, name: str, **labels: str) -> float:
 def test_request_and_session_records_feed_the_request_series() -> None:
     metrics.observe_session(session())
     before = metrics.exposition().decode()
+    metrics.observe_first_token(queue_s=0.5, prefill_s=0.25)  # as the first token came
     for interval in [0.1] * 9 + [1.1]:  # ten intervals between eleven tokens, one of them a stall
         metrics.observe_token_interval(interval)
     metrics.observe_request(request(7, (10, 12, 21), 2.0))
@@ -69,7 +70,7 @@ def ring_info(blocks: dict[str, tuple[int, int]], paths: dict[str, str] | None =
     order = tuple(blocks)
     planned = {f"{m}->{order[(i + 1) % len(order)]}": "direct" for i, m in enumerate(order)}
     predicted = {m: 10.0 * (b - a) for m, (a, b) in blocks.items()}
-    return RingInfo("s4", "tiny", "kafila", order, blocks, predicted, planned | (paths or {}), planned)
+    return RingInfo("s1", "tiny", "kafila", order, blocks, predicted, planned | (paths or {}), planned)
 
 
 def head_document(info: RingInfo, epoch: int, state: str = "serving") -> dict[str, object]:
@@ -309,3 +310,15 @@ def test_a_forming_members_metrics_say_forming() -> None:
     families = list(text_string_to_metric_families(text))
     expected = next(f for f in families if f.name == "kafila_session_members_expected").samples
     assert [(s.labels, s.value) for s in expected] == [({"session": "s9", "model": "tiny"}, 4)]
+
+
+def test_a_record_of_another_session_starts_the_ring_series_afresh_rather_than_being_dropped() -> None:
+    """A process serves one session; where a record names another (a test process serves many),
+    the series describe that one from then on instead of leaving its stages out."""
+    metrics.observe_session(session())  # a, b, c of s1
+    metrics.observe_stage(replace(stage(3, "b", 12.0), session="s7", member="m1"))
+    text = metrics.exposition().decode()
+    assert value(text, "kafila_stage_measured_seconds", member="m1", stage="1", epoch="1") == pytest.approx(
+        0.012
+    )
+    assert not [k for k in samples(text) if k[0] == "kafila_stage_blocks"]  # s1's ring is not s7's

@@ -477,8 +477,11 @@ class RingHead(RoleBase):
         if self._first is not None and not self._first.done():
             self._first.set_result(time.monotonic())
         first = req.first_at is None
-        if req.last_at is not None and not first:
-            metrics.observe_token_interval(now - req.last_at)  # each interval as its token came
+        if first:  # observed as the token comes, not when the request ends
+            admitted = req.admitted_at or req.queued_at
+            metrics.observe_first_token(admitted - req.queued_at, now - admitted)
+        elif req.last_at is not None:
+            metrics.observe_token_interval(now - req.last_at)
         req.first_at, req.last_at = req.first_at or now, now
         done = self.schedule.sampled(req.rid, reason is not None)
         emitted = () if reason == "stop" else (token,)

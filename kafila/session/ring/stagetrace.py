@@ -42,7 +42,7 @@ class StageTally:
     def add(self, rid: int, us: int, prefill: bool, waited_us: int | None = None) -> None:
         m = self._open.setdefault(rid, _Measured())
         (m.prefill_us if prefill else m.decode_us).append(us)
-        metrics.observe_step(self.name, self.index, us / 1e6, prefill)  # as it ran, not at the end
+        metrics.observe_step(self.name, self.index, us / 1e6, prefill, self.info.session)  # as it ran
         if waited_us is not None and not prefill:
             m.wait_us.append(waited_us)
 
