@@ -18,6 +18,7 @@ from kafila.api.service import GenerationError
 from kafila.api.state import Api, api_of
 from kafila.api.stream import ClientGone
 from kafila.obs import metrics
+from kafila.obs.http import CountResponses
 from kafila.obs.log import get_logger
 
 log = get_logger("kafila.api")
@@ -106,6 +107,8 @@ def create_app(api: Api, security: ApiSecurity | None = None) -> Starlette:
         Exception: internal_error,
     }
     guard = [Middleware(ApiGuard, security=security)] if security is not None else []
-    app = Starlette(routes=routes, exception_handlers=handlers, middleware=guard)
+    # outermost: the guard's refusals count too
+    counted = Middleware(CountResponses, paths=[r.path for r in routes])
+    app = Starlette(routes=routes, exception_handlers=handlers, middleware=[counted, *guard])
     app.state.api = api
     return app

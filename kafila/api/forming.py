@@ -31,6 +31,8 @@ class FormingStatus:
     role: str  # "host" or "member"
     name: str | None = None  # known once the member has joined (a joining member's may change)
     model: str | None = None
+    session: str | None = None  # the session code's public part, once opened or joined
+    members_expected: int | None = None  # members the session forms for, once known
     step: str = "starting"
     started: float = field(default_factory=time.time)  # wall clock, as /session's other times
 
@@ -43,6 +45,8 @@ class FormingStatus:
             "role": self.role,
             "me": self.name,
             "model": self.model,
+            "session": self.session,
+            "members_expected": self.members_expected,
             "step": self.step,
             "forming_s": round(max(0.0, now - self.started), 1),
         }

@@ -250,6 +250,13 @@ class Stage:
         return int(self.cache.nbytes)
 
     @property
+    def kv_bytes_used(self) -> int:
+        """KV-cache bytes that hold cached positions of open requests: the cache is allocated for
+        `context` positions of `concurrency` requests, so each cached position takes that share."""
+        positions = sum(dict(self._length).values())  # (a copy: read from a scrape's thread too)
+        return self.kv_bytes * positions // max(1, self.context * self.concurrency)
+
+    @property
     def batch_rows(self) -> int | None:
         """Most rows one step may hold with each request's result the same as alone (the CPU
         kernels' limit, kafila.models.torch.llama.KERNEL_ROWS); None: no bound below a chunk."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import (
@@ -34,6 +35,7 @@ from prometheus_client import (
     Gauge,
     Histogram,
     ProcessCollector,
+    disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.metrics_core import Metric
@@ -88,6 +90,7 @@ class SessionRegistry(CollectorRegistry):
         observe_document(doc)
 
 
+disable_created_metrics()  # type: ignore[no-untyped-call]  # no `_created` series beside every counter and histogram
 REGISTRY = SessionRegistry()
 ProcessCollector(registry=REGISTRY)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
 
@@ -112,6 +115,11 @@ MEMBERS_EXPECTED = Gauge(
 MEMBERS_PRESENT = Gauge(
     "kafila_session_members_present", "Members in the ring now (0 once it broke)", registry=REGISTRY
 )
+SPARES = Gauge(
+    "kafila_session_spares",
+    "Members the host keeps as spares, out of the ring (the host's /session `spares`; the host only)",
+    registry=REGISTRY,
+)
 PLAN_EPOCH = Gauge(
     "kafila_plan_epoch", "Epoch of the plan the ring runs (1 = the first plan)", registry=REGISTRY
 )
@@ -130,9 +138,9 @@ MEMBER_NAT = Gauge(
 )
 EDGE_PATH = Gauge(
     "kafila_edge_info",
-    "Always 1: a ring edge, the path the plan chose for it, the path it runs (measured by `measured_by`, "
-    "or `predicted` when no end of it measured yet)",
-    ["edge", "planned_path", "path", "measured_by"],
+    "Always 1: a ring edge of the plan epoch `epoch`, the path the plan chose for it, the path it runs "
+    "(measured by `measured_by`, or `predicted` when no end of it measured yet)",
+    ["edge", "planned_path", "path", "measured_by", "epoch"],
     registry=REGISTRY,
 )
 
@@ -142,57 +150,78 @@ REQUESTS_RUNNING = Gauge(
     "kafila_num_requests_running", "Requests admitted to the ring (decoding or in prefill)", registry=REGISTRY
 )
 REQUESTS_WAITING = Gauge("kafila_num_requests_waiting", "Requests queued at the head", registry=REGISTRY)
-KV_SLOTS_USED = Gauge("kafila_kv_cache_slots_used", "KV-cache slots (requests) in use", registry=REGISTRY)
-KV_SLOTS_TOTAL = Gauge(
-    "kafila_kv_cache_slots", "KV-cache slots (concurrency) of the session, in all", registry=REGISTRY
+SLOTS_USED = Gauge(
+    "kafila_request_slots_used",
+    "Request slots in use at the head: requests admitted to the ring, each holding a KV-cache slot",
+    registry=REGISTRY,
+)
+SLOTS_TOTAL = Gauge(
+    "kafila_request_slots", "Request slots of the session (its --concurrency), in all", registry=REGISTRY
+)
+KV_BYTES_USED = Gauge(
+    "kafila_kv_cache_used_bytes",
+    "KV-cache bytes of this member's stage that hold cached positions of open requests",
+    ["member"],
+    registry=REGISTRY,
+)
+KV_BYTES = Gauge(
+    "kafila_kv_cache_bytes",
+    "KV-cache bytes this member's stage holds in memory (context x concurrency, allocated at load)",
+    ["member"],
+    registry=REGISTRY,
 )
 KV_USAGE = Gauge(
-    "kafila_kv_cache_usage_perc", "KV-cache use, slots used over slots total (1 = full)", registry=REGISTRY
+    "kafila_kv_cache_usage_perc",
+    "KV-cache memory of this member's stage in use: cached positions' bytes over the bytes held (1 = full)",
+    ["member"],
+    registry=REGISTRY,
 )
 
 # -- stages and hops ------------------------------------------------------------------------------------
 
 STAGE_COMPUTE = Histogram(
     "kafila_stage_compute_seconds",
-    "Compute of a stage per decode step (phase=decode; each step of a request at its median) and per "
-    "prefill chunk (phase=prefill)",
+    "Compute of a stage for each decode step of each request (phase=decode) and each prefill chunk "
+    "(phase=prefill), observed as the step ran",
     ["member", "stage", "phase"],
     buckets=STEP_BUCKETS,
     registry=REGISTRY,
 )
 STAGE_BLOCKS = Gauge(
     "kafila_stage_blocks",
-    "Transformer blocks a stage holds, [first_block, last_block); stage 0 is the head",
-    ["member", "stage", "first_block", "last_block"],
+    "Transformer blocks a stage of plan epoch `epoch` holds, [first_block, last_block); stage 0 is the head",
+    ["member", "stage", "first_block", "last_block", "epoch"],
     registry=REGISTRY,
 )
 STAGE_MEASURED = Gauge(
     "kafila_stage_measured_seconds",
-    "Median compute per decode step of a stage in the last request that decoded",
-    ["member", "stage"],
+    "Median compute per decode step of a stage in the last request that decoded in plan epoch `epoch`",
+    ["member", "stage", "epoch"],
     registry=REGISTRY,
 )
 STAGE_PREDICTED = Gauge(
     "kafila_stage_predicted_seconds",
-    "Planner's predicted compute per decode step of a stage",
-    ["member", "stage"],
+    "Planner's predicted compute per decode step of a stage in plan epoch `epoch`",
+    ["member", "stage", "epoch"],
     registry=REGISTRY,
 )
 STAGE_RATIO = Gauge(
     "kafila_stage_prediction_ratio",
-    "Measured over predicted compute per decode step of a stage, last request that decoded (1 = as planned)",
-    ["member", "stage"],
+    "Measured over predicted compute per decode step of a stage, last request that decoded in plan epoch "
+    "`epoch` (1 = as planned)",
+    ["member", "stage", "epoch"],
     registry=REGISTRY,
 )
 STAGE_WAIT = Gauge(
     "kafila_stage_wait_seconds",
-    "Median wait of a decode step at a member before its compute started, last request",
-    ["member", "stage"],
+    "Median wait of a decode step at a member before its compute started, last request in plan epoch `epoch`",
+    ["member", "stage", "epoch"],
     registry=REGISTRY,
 )
 STAGE_DECODE_STEPS = Counter(
     "kafila_stage_decode_steps",
-    "Decode steps a stage computed, once per request in a step (a batched step of two counts two)",
+    "Decode steps a stage computed, once per request in a step (a batched step of two counts two), "
+    "counted as the step ran",
     ["member", "stage"],
     registry=REGISTRY,
 )
@@ -216,8 +245,15 @@ HOP_RTT = Gauge(
 )
 HOP_PREDICTED_RTT = Gauge(
     "kafila_hop_predicted_rtt_seconds",
-    "Round trip the plan priced for a ring edge",
-    ["hop"],
+    "Round trip the plan of epoch `epoch` priced for a ring edge",
+    ["hop", "epoch"],
+    registry=REGISTRY,
+)
+
+HTTP_RESPONSES = Counter(
+    "kafila_http_responses",
+    "HTTP responses of this member's API by route (its path template; other: no route) and status",
+    ["route", "status"],
     registry=REGISTRY,
 )
 
@@ -261,7 +297,7 @@ PREFILL_TIME = Histogram(
 )
 ITL = Histogram(
     "kafila_inter_token_latency_seconds",
-    "Time between two tokens of a request (each interval of a request counted at that request's mean)",
+    "Time between two tokens of a request, each interval observed as its token was sampled",
     buckets=STEP_BUCKETS,
     registry=REGISTRY,
 )
@@ -287,9 +323,27 @@ PREDICTED_CIRCUIT = Gauge(
     "kafila_predicted_circuit_seconds", "Plan's time around the ring per decode step", registry=REGISTRY
 )
 
-_planned_edges: dict[str, str] = {}  # "a->b": the path the plan chose (from the session record)
+
+@dataclass
+class _Ring:
+    """The ring the series describe: the plan epoch, its order and its ring edges' planned paths."""
+
+    epoch: int = 0  # 0: no ring yet
+    order: tuple[str, ...] = ()
+    planned: dict[str, str] = field(default_factory=dict)  # "a->b": the path the plan chose
+    expected: int = 0  # the most members a ring of this session had
+
+    def stages(self) -> set[tuple[str, str]]:
+        return {(m, str(i)) for i, m in enumerate(self.order)}
+
+    def hops(self) -> set[str]:
+        n = len(self.order)
+        return {f"{self.order[i]}->{self.order[(i + 1) % n]}" for i in range(n)} if n > 1 else set()
+
+
+_ring = _Ring()
 _epoch: list[int] = []  # the last plan epoch seen (empty before the first)
-_lock = threading.Lock()
+_lock = threading.RLock()
 
 
 def set_source(describe: Callable[[], Mapping[str, Any]] | None) -> None:
@@ -314,53 +368,80 @@ BUILD_INFO.labels(kafila.__version__, "unknown", "unknown", "unknown").set(1)
 # -- from trace records ----------------------------------------------------------------------------------
 
 
+def observe_step(member: str, index: int, seconds: float, prefill: bool, session: str = "") -> None:
+    """One step of one request computed at member `member`'s stage `index` (a decode step or a
+    prefill chunk), as it ran: a stall reaches the histogram's tail at once. A step of a stage the
+    ring no longer has (a late step of the epoch before) is left out."""
+    _follow(session)
+    stage = str(index)
+    if not _in_ring(member, stage):
+        return
+    STAGE_COMPUTE.labels(member, stage, "prefill" if prefill else "decode").observe(seconds)
+    if not prefill:
+        STAGE_DECODE_STEPS.labels(member, stage).inc()
+
+
+def observe_first_token(queue_s: float, prefill_s: float) -> None:
+    """A request's first token at the head, after `queue_s` waiting for a slot and `prefill_s`
+    from its admission (the prompt through the whole ring)."""
+    QUEUE_TIME.observe(queue_s)
+    PREFILL_TIME.observe(prefill_s)
+    TTFT.observe(queue_s + prefill_s)
+
+
+def observe_token_interval(seconds: float) -> None:
+    """The time from a request's last token to the token just sampled (the head, per token)."""
+    ITL.observe(seconds)
+
+
 def observe_stage(r: StageRecord) -> None:
-    """A member's own stage and the hop it sends on."""
-    stage = str(r.index)
+    """A member's own stage and the hop it sends on, when a request ended there (its steps were
+    observed as they ran: `observe_step`)."""
+    _follow(r.session)
+    stage, epoch = str(r.index), _epoch_label()
+    if not _in_ring(r.member, stage):
+        return
     if r.decode_steps:
-        decode_s = r.decode_ms / 1000
-        _observe_many(STAGE_COMPUTE.labels(r.member, stage, "decode"), decode_s, r.decode_steps)
-        STAGE_MEASURED.labels(r.member, stage).set(decode_s)
-        STAGE_WAIT.labels(r.member, stage).set(r.wait_ms / 1000)
+        STAGE_MEASURED.labels(r.member, stage, epoch).set(r.decode_ms / 1000)
+        STAGE_WAIT.labels(r.member, stage, epoch).set(r.wait_ms / 1000)
         _set_ratio(r.member, stage, r.decode_ms, r.predicted_ms)
-    STAGE_PREDICTED.labels(r.member, stage).set(r.predicted_ms / 1000)
-    STAGE_DECODE_STEPS.labels(r.member, stage).inc(r.decode_steps)
-    for ms in r.prefill_ms:
-        STAGE_COMPUTE.labels(r.member, stage, "prefill").observe(ms / 1000)
+    STAGE_PREDICTED.labels(r.member, stage, epoch).set(r.predicted_ms / 1000)
     h = r.hop_out
-    if h is not None:
-        HOP_BYTES.labels(h.name, h.path).inc(h.bytes)
-        HOP_MESSAGES.labels(h.name, h.path).inc(h.messages)
-        if h.rtt_ms is not None:
-            HOP_RTT.labels(h.name, h.path).set(h.rtt_ms / 1000)
-        if h.predicted_rtt_ms is not None:
-            HOP_PREDICTED_RTT.labels(h.name).set(h.predicted_rtt_ms / 1000)
-        with _lock:
-            planned = _planned_edges.get(h.name)
-        if planned is not None and h.path != "local":
-            observe_edge(h.name, planned, h.path, measured_by=r.member)
+    if h is None:
+        return
+    HOP_BYTES.labels(h.name, h.path).inc(h.bytes)
+    HOP_MESSAGES.labels(h.name, h.path).inc(h.messages)
+    if h.rtt_ms is not None:
+        _remove(HOP_RTT, lambda k: k[0] == h.name and k[1] != h.path)  # the path it ran before
+        HOP_RTT.labels(h.name, h.path).set(h.rtt_ms / 1000)
+    if h.predicted_rtt_ms is not None:
+        HOP_PREDICTED_RTT.labels(h.name, epoch).set(h.predicted_rtt_ms / 1000)
+    with _lock:
+        planned = _ring.planned.get(h.name)
+    if planned is not None and h.path != "local":
+        observe_edge(h.name, planned, h.path, measured_by=r.member)
 
 
 def observe_request(r: RequestRecord) -> None:
     """The head's whole-ring view of one request (gauges per stage; hop counters come from
-    `observe_stage` at each sender, so a hop is counted once). The "last request" gauges keep the
-    last request that decoded: one that ended at its first token measured no decode step."""
+    `observe_stage` at each sender, so a hop is counted once; the first token's times and the
+    token intervals were observed as each token came: `observe_first_token`,
+    `observe_token_interval`). The "last request" gauges keep the last request
+    that decoded: one that ended at its first token measured no decode step."""
+    _follow(r.session)
     decoded = any(s.steps for s in r.stages)
+    epoch = _epoch_label()
     for s in r.stages:
+        if not _in_ring(s.member, str(s.index)):
+            continue  # a request carried over a re-plan names the stages it ran through before
         if s.steps:
-            STAGE_MEASURED.labels(s.member, str(s.index)).set(s.measured_ms / 1000)
+            STAGE_MEASURED.labels(s.member, str(s.index), epoch).set(s.measured_ms / 1000)
             _set_ratio(s.member, str(s.index), s.measured_ms, s.predicted_ms)
-        STAGE_PREDICTED.labels(s.member, str(s.index)).set(s.predicted_ms / 1000)
+        STAGE_PREDICTED.labels(s.member, str(s.index), epoch).set(s.predicted_ms / 1000)
     REQUESTS.labels(r.finish).inc()
     PROMPT_TOKENS.inc(r.prompt_tokens)
     TOKENS.inc(r.completion_tokens)
-    QUEUE_TIME.observe(r.queue_s)
-    PREFILL_TIME.observe(r.prefill_s)
-    TTFT.observe(r.ttft_s)
     E2E.observe(r.ttft_s + r.decode_s)
-    intervals = r.completion_tokens - 1
-    if intervals > 0 and r.decode_s > 0:
-        _observe_many(ITL, r.decode_s / intervals, intervals)
     if decoded:
         DECODE_RATE.set(r.tokens_per_s)
         CIRCUIT.set(r.circuit_ms / 1000)
@@ -372,32 +453,116 @@ def observe_no_token(finish: str) -> None:
     REQUESTS.labels(finish).inc()
 
 
-def observe_session(s: SessionRecord, ring_view: bool = True) -> None:
-    """The plan a session formed with: its identity on every series, its bottleneck and circuit, its
-    edges as predicted, and every stage's prediction where `ring_view` (the head's, as its request
-    records set them). A session record is written when the ring formed and serves."""
-    set_identity(s.session, s.model)
-    if ring_view:
-        for i, member in enumerate(s.order):
-            STAGE_PREDICTED.labels(member, str(i)).set(s.predicted_stage_ms.get(member, 0.0) / 1000)
-    STAGE_BLOCKS.clear()
-    for i, member in enumerate(s.order):
-        first, last = s.blocks.get(member, (0, 0))
-        STAGE_BLOCKS.labels(member, str(i), str(first), str(last)).set(last - first)
+def observe_session(s: SessionRecord, ring_view: bool = True, epoch: int = 1) -> None:
+    """The plan of epoch `epoch` a member's ring was built for: its identity on every series, its
+    bottleneck and circuit, its edges as predicted, and every stage's prediction where
+    `ring_view` (the head's, as its request records set them)."""
+    _identify(s.session, s.model)
+    predicted = {m: ms / 1000 for m, ms in s.predicted_stage_ms.items()} if ring_view else {}
+    _rebuild(epoch, s.order, s.blocks, predicted, s.edges)
     PREDICTED_BOTTLENECK.set(s.predicted_bottleneck_ms / 1000)
     PREDICTED_CIRCUIT.set(s.predicted_circuit_ms / 1000)
-    with _lock:
-        _planned_edges.clear()
-        _planned_edges.update(s.edges)
-    EDGE_PATH.clear()
-    for edge, path in s.edges.items():
-        EDGE_PATH.labels(edge, path, path, "predicted").set(1)
-    MEMBERS_EXPECTED.set(len(s.order))
-    MEMBERS_PRESENT.set(len(s.order))
     observe_state("serving")
 
 
+# -- the ring, rebuilt at each plan epoch -----------------------------------------------------------------
+
+
+def observe_ring(doc: Mapping[str, Any]) -> None:
+    """The ring a member's /session document describes now (its `ring`, `members`, `links` and
+    `epoch`): at a new epoch, or a new ring, every series that describes the ring is rebuilt from
+    it, the series of members and edges that left removed; at every read the edges' paths and the
+    members present follow the document."""
+    order, epoch = doc.get("ring"), doc.get("epoch")
+    members = doc.get("members")
+    if not (isinstance(order, list) and isinstance(epoch, int) and isinstance(members, list)):
+        return
+    ring = tuple(str(m) for m in order)
+    _identify(str(doc.get("session") or ""), str(doc.get("model") or ""))
+    with _lock:
+        same = (_ring.epoch, _ring.order) == (epoch, ring)
+    if not same:
+        me, head = doc.get("me"), doc.get("head")
+        blocks = {str(m["name"]): (int(m["blocks"][0]), int(m["blocks"][1])) for m in members}
+        predicted = {
+            str(m["name"]): float(m["predicted_ms"]) / 1000
+            for m in members
+            if isinstance(m.get("predicted_ms"), int | float) and (me == head or m["name"] == me)
+        }
+        planned = {
+            str(link["edge"]): str(link["planned_path"])
+            for link in doc.get("links") or []
+            if link.get("planned_path") is not None
+        }
+        _rebuild(epoch, ring, blocks, predicted, planned)
+        chosen = (doc.get("plan") or {}).get("chosen") or {}
+        if isinstance(chosen.get("bottleneck_ms"), int | float):
+            PREDICTED_BOTTLENECK.set(chosen["bottleneck_ms"] / 1000)
+        if isinstance(chosen.get("circuit_ms"), int | float):
+            PREDICTED_CIRCUIT.set(chosen["circuit_ms"] / 1000)
+    observe_plan(epoch)
+    spares = doc.get("spares")
+    if isinstance(spares, list):
+        SPARES.set(len(spares))
+    _edges_from(doc.get("links") or [])
+    MEMBERS_PRESENT.set(0 if doc.get("state") in ("broken", "ended") else len(ring))
+
+
+def _rebuild(
+    epoch: int,
+    order: tuple[str, ...],
+    blocks: Mapping[str, tuple[int, int]],
+    predicted_s: Mapping[str, float],
+    planned: Mapping[str, str],
+) -> None:
+    """Every series of the ring, for plan epoch `epoch`'s `order` (stage i is order[i])."""
+    e = str(epoch)
+    with _lock:
+        _ring.epoch, _ring.order, _ring.planned = epoch, tuple(order), dict(planned)
+        _ring.expected = max(_ring.expected, len(order))
+        stages, hops, expected = _ring.stages(), _ring.hops(), _ring.expected
+        STAGE_BLOCKS.clear()
+        for i, member in enumerate(order):
+            first, last = blocks.get(member, (0, 0))
+            STAGE_BLOCKS.labels(member, str(i), str(first), str(last), e).set(last - first)
+        STAGE_PREDICTED.clear()
+        for i, member in enumerate(order):
+            if member in predicted_s:
+                STAGE_PREDICTED.labels(member, str(i), e).set(predicted_s[member])
+        for g in (STAGE_MEASURED, STAGE_RATIO, STAGE_WAIT):
+            _remove(g, lambda k: k[2] != e or (k[0], k[1]) not in stages)
+        for per_stage in (STAGE_COMPUTE, STAGE_DECODE_STEPS):
+            _remove(per_stage, lambda k: (k[0], k[1]) not in stages)
+        for per_hop in (HOP_BYTES, HOP_MESSAGES, HOP_RTT):
+            _remove(per_hop, lambda k: k[0] not in hops)
+        _remove(HOP_PREDICTED_RTT, lambda k: k[1] != e or k[0] not in hops)
+        EDGE_PATH.clear()
+        for edge, path in planned.items():
+            EDGE_PATH.labels(edge, path, path, "predicted", e).set(1)
+    MEMBERS_EXPECTED.set(expected)
+    MEMBERS_PRESENT.set(len(order))
+
+
+def _edges_from(links: Iterable[Mapping[str, Any]]) -> None:
+    """kafila_edge_info as a /session document's links say: each ring edge of the plan on the
+    path its link runs (measured by this member), or the plan's (`predicted`); a closed link's edge
+    has no path to show."""
+    with _lock:
+        for link in links:
+            edge, planned = str(link.get("edge")), link.get("planned_path")
+            if planned is None or edge not in _ring.planned:
+                continue
+            path, by = link.get("path"), link.get("measured_by")
+            if path in PATHS:
+                observe_edge(edge, str(planned), str(path), measured_by=str(by) if by else "predicted")
+            else:
+                _remove(EDGE_PATH, lambda k, edge=edge: k[0] == edge)  # type: ignore[misc]
+
+
 # -- from the session's state ----------------------------------------------------------------------------
+def observe_response(route: str, status: int) -> None:
+    """One HTTP response of the member's API (kafila.obs.http)."""
+    HTTP_RESPONSES.labels(route, str(status)).inc()
 
 
 def observe_state(state: str) -> None:
@@ -412,6 +577,9 @@ def observe_state(state: str) -> None:
 
 
 def observe_members(expected: int, present: int) -> None:
+    """Members the session holds at most (`expected`) and members in its ring now (`present`)."""
+    with _lock:
+        _ring.expected = max(_ring.expected, expected)
     MEMBERS_EXPECTED.set(expected)
     MEMBERS_PRESENT.set(present)
 
@@ -436,42 +604,64 @@ def observe_queue(running: int, waiting: int) -> None:
     REQUESTS_WAITING.set(waiting)
 
 
-def observe_kv_cache(used: int, total: int) -> None:
-    """KV-cache slots in use and in all (a slot holds one request's cache)."""
+def observe_slots(used: int, total: int) -> None:
+    """Request slots in use and in all at the head (a slot is one admitted request's KV cache)."""
     if not 0 <= used <= total:
-        raise ValueError(f"KV-cache slots: {used} used of {total} is not a count within the total")
-    KV_SLOTS_USED.set(used)
-    KV_SLOTS_TOTAL.set(total)
-    KV_USAGE.set(used / total if total else 0.0)
+        raise ValueError(f"request slots: {used} used of {total} is not a count within the total")
+    SLOTS_USED.set(used)
+    SLOTS_TOTAL.set(total)
+
+
+def observe_kv_bytes(member: str, used: int, held: int) -> None:
+    """KV-cache bytes of member `member`'s stage: holding cached positions, and held in memory."""
+    if not 0 <= used <= held:
+        raise ValueError(f"KV cache of {member}: {used} bytes used is not within the {held} bytes held")
+    for g in (KV_BYTES_USED, KV_BYTES, KV_USAGE):
+        _remove(g, lambda k: k[0] != member)  # a process holds one member's stage
+    KV_BYTES_USED.labels(member).set(used)
+    KV_BYTES.labels(member).set(held)
+    KV_USAGE.labels(member).set(used / held if held else 0.0)
 
 
 def observe_member_nat(member: str, nat_class: str, mapping: str) -> None:
     """A member's NAT class and mapping behaviour (from its probe), one series per member."""
-    for labels in [k for k in _label_sets(MEMBER_NAT) if k[0] == member]:
-        MEMBER_NAT.remove(*labels)
+    _remove(MEMBER_NAT, lambda k: k[0] == member)
     MEMBER_NAT.labels(member, nat_class, mapping).set(1)
 
 
 def observe_edge(edge: str, planned: str, path: str, measured_by: str) -> None:
-    """The path ring edge `edge` runs: measured by member `measured_by` (or "predicted")."""
-    for labels in [k for k in _label_sets(EDGE_PATH) if k[0] == edge]:
-        EDGE_PATH.remove(*labels)
-    EDGE_PATH.labels(edge, planned, path, measured_by).set(1)
+    """The path ring edge `edge` of the ring's plan runs: measured by member `measured_by` (or
+    "predicted"). An edge the plan has not (a link of a ring re-planned away) is left out."""
+    with _lock:
+        if edge not in _ring.planned:
+            return
+        _remove(EDGE_PATH, lambda k: k[0] == edge)
+        EDGE_PATH.labels(edge, planned, path, measured_by, _epoch_label()).set(1)
 
 
 def observe_document(doc: Mapping[str, Any]) -> None:
-    """What a member's /session document says at scrape time: its state and, on the head, its queue
-    ("active" and "queued") and KV-cache slots ("slots", its concurrency, where the document has it).
-    A document without a state (no session yet) changes nothing."""
+    """What a member's /session document says at scrape time: its state, its ring (`observe_ring`),
+    its stage's KV cache ("kv") and, on the head, its queue ("active" and "queued") and request
+    slots ("slots", its concurrency). A document without a state (no session yet) changes nothing."""
     state = doc.get("state")
     if state in SESSION_STATES:
         observe_state(str(state))
+    if state == "forming" and isinstance(doc.get("session"), str):  # kafila.api.forming.FormingStatus
+        _identify(str(doc["session"]), str(doc.get("model") or ""))
+        if isinstance(expected := doc.get("members_expected"), int):
+            observe_members(expected, 0)
+    observe_ring(doc)
+    kv = doc.get("kv")
+    if isinstance(kv, dict) and isinstance(doc.get("me"), str):
+        used, held = kv.get("used_bytes"), kv.get("bytes")
+        if isinstance(used, int) and isinstance(held, int) and 0 <= used <= held:
+            observe_kv_bytes(str(doc["me"]), used, held)
     active = doc.get("active")
     if isinstance(active, list) and isinstance(doc.get("queued"), int):
         observe_queue(len(active), int(doc["queued"]))
         slots = doc.get("slots")  # the head's concurrency: one KV-cache slot per admitted request
         if isinstance(slots, int) and 0 <= len(active) <= slots:
-            observe_kv_cache(len(active), slots)
+            observe_slots(len(active), slots)
 
 
 def exposition() -> bytes:
@@ -482,15 +672,48 @@ def exposition() -> bytes:
 # -- helpers ------------------------------------------------------------------------------------------
 
 
-def _observe_many(h: Histogram, value: float, times: int) -> None:
-    for _ in range(times):
-        h.observe(value)
+def _identify(session: str, model: str) -> None:
+    """The session every series is of from now on; another session than before starts its ring
+    series afresh (its epochs, and the most members a ring of it had, too)."""
+    if session and REGISTRY.identity().get("session") != session:
+        with _lock:
+            _ring.expected = 0
+            _epoch.clear()
+            _rebuild(0, (), {}, {}, {})  # no ring yet: the other session's ring series go
+    set_identity(session, model)
+
+
+def _follow(session: str) -> None:
+    """A record of `session`: where the series describe another session (a process serves one; a
+    test process many), they start afresh for it, its model known at its next scrape."""
+    if session and REGISTRY.identity().get("session") != session:
+        _identify(session, "")
+
+
+def _epoch_label() -> str:
+    with _lock:
+        return str(_ring.epoch or (_epoch[0] if _epoch else 1))
+
+
+def _in_ring(member: str, stage: str) -> bool:
+    """Whether the ring the series describe has `member` at stage `stage` (True before any ring)."""
+    with _lock:
+        return not _ring.order or (member, stage) in _ring.stages()
 
 
 def _set_ratio(member: str, stage: str, measured_ms: float, predicted_ms: float) -> None:
     if predicted_ms > 0:
-        STAGE_RATIO.labels(member, stage).set(measured_ms / predicted_ms)
+        STAGE_RATIO.labels(member, stage, _epoch_label()).set(measured_ms / predicted_ms)
 
 
-def _label_sets(g: Gauge) -> Iterable[tuple[str, ...]]:
-    return [tuple(k) for k in g._metrics]  # every child's label values (prometheus_client keeps them there)
+def _label_sets(g: Gauge | Counter | Histogram) -> Iterable[tuple[str, ...]]:
+    # every child's label values (prometheus_client keeps them there), copied under its lock: the
+    # ring's series are rebuilt at a scrape while the event loop observes steps
+    with g._lock:
+        return [tuple(k) for k in g._metrics]
+
+
+def _remove(g: Gauge | Counter | Histogram, which: Callable[[tuple[str, ...]], bool]) -> None:
+    """Remove every child of `g` whose label values `which` picks."""
+    for labels in [k for k in _label_sets(g) if which(k)]:
+        g.remove(*labels)

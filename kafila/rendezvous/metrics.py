@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+import kafila
 from kafila.rendezvous.registry import Registry
 
 PREFIX = "kafila_rendezvous_"
@@ -40,6 +41,9 @@ class RendezvousCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         reg, relay = self.registry, self.registry.relay
+        build = GaugeMetricFamily(PREFIX + "build_info", "Always 1: the Kafila version", labels=["version"])
+        build.add_metric([kafila.__version__], 1)
+        yield build
         yield GaugeMetricFamily(PREFIX + "sessions", "Open sessions", value=len(reg.sessions))
         yield GaugeMetricFamily(PREFIX + "members", "Members in open sessions", value=reg.member_count)
         yield GaugeMetricFamily(PREFIX + "connections", "Signaling connections", value=len(reg.conns))

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kafila.obs import metrics
 from kafila.obs.listener import parse_addr, serve_metrics
+from kafila.obs.trace import HopTrace
+from kafila.session.ring.info import RingInfo
+from kafila.session.ring.stagetrace import StageTally
 from tests.obs.promtool import check_metrics, needs_promtool
 from tests.obs.test_trace import request, session, stage
 
@@ -29,15 +34,19 @@ def value(text: str, name: str, **labels: str) -> float:
 def test_request_and_session_records_feed_the_request_series() -> None:
     metrics.observe_session(session())
     before = metrics.exposition().decode()
+    metrics.observe_first_token(queue_s=0.5, prefill_s=0.25)  # as the first token came
+    for interval in [0.1] * 9 + [1.1]:  # ten intervals between eleven tokens, one of them a stall
+        metrics.observe_token_interval(interval)
     metrics.observe_request(request(7, (10, 12, 21), 2.0))
     text = metrics.exposition().decode()
-    assert value(text, "kafila_stage_measured_seconds", member="b", stage="1") == pytest.approx(0.012)
-    assert value(text, "kafila_stage_predicted_seconds", member="c", stage="2") == pytest.approx(0.020)
-    assert value(text, "kafila_stage_prediction_ratio", member="c", stage="2") == pytest.approx(21 / 20)
+    e1 = {"epoch": "1"}
+    assert value(text, "kafila_stage_measured_seconds", member="b", stage="1", **e1) == pytest.approx(0.012)
+    assert value(text, "kafila_stage_predicted_seconds", member="c", stage="2", **e1) == pytest.approx(0.020)
+    assert value(text, "kafila_stage_prediction_ratio", member="c", stage="2", **e1) == pytest.approx(21 / 20)
     assert value(text, "kafila_decode_tokens_per_second") == pytest.approx(5.0)
     assert value(text, "kafila_predicted_bottleneck_seconds") == pytest.approx(0.020)
     assert value(text, "kafila_ring_transit_seconds") == pytest.approx(0.003)
-    blocks = {"member": "b", "stage": "1", "first_block": "3", "last_block": "6"}
+    blocks = {"member": "b", "stage": "1", "first_block": "3", "last_block": "6", "epoch": "1"}
     assert value(text, "kafila_stage_blocks", **blocks) == 3
 
     def grew(name: str, **labels: str) -> float:
@@ -48,10 +57,79 @@ def test_request_and_session_records_feed_the_request_series() -> None:
     assert grew("kafila_time_to_first_token_seconds_sum") == pytest.approx(0.75)
     assert grew("kafila_e2e_request_latency_seconds_sum") == pytest.approx(2.75)
     assert grew("kafila_request_queue_time_seconds_count") == 1
-    # ten intervals between eleven tokens, each at the request's mean: 2 s / 10
+    # each interval as its token came: the stall is in the tail, not spread over the mean
     assert grew("kafila_inter_token_latency_seconds_count") == 10
     assert grew("kafila_inter_token_latency_seconds_sum") == pytest.approx(2.0)
-    assert grew("kafila_inter_token_latency_seconds_bucket", le="0.25") == 10
+    assert grew("kafila_inter_token_latency_seconds_bucket", le="0.25") == 9
+    assert grew("kafila_inter_token_latency_seconds_bucket", le="1.0") == 9
+    assert not [k for k in samples(text) if k[0].endswith("_created")]  # no _created series
+
+
+def ring_info(blocks: dict[str, tuple[int, int]], paths: dict[str, str] | None = None) -> RingInfo:
+    """Member a's view (the head) of a ring of `blocks`' members in that order, every edge planned direct."""
+    order = tuple(blocks)
+    planned = {f"{m}->{order[(i + 1) % len(order)]}": "direct" for i, m in enumerate(order)}
+    predicted = {m: 10.0 * (b - a) for m, (a, b) in blocks.items()}
+    return RingInfo("s1", "tiny", "kafila", order, blocks, predicted, planned | (paths or {}), planned)
+
+
+def head_document(info: RingInfo, epoch: int, state: str = "serving") -> dict[str, object]:
+    """The /session document the head's role gives for `info` at `epoch` (RoleBase.document)."""
+    return info.document(state, None) | {"epoch": epoch, "me": info.order[0], "head": info.order[0]}
+
+
+def test_every_series_of_the_ring_is_rebuilt_at_each_epoch_and_the_lost_members_removed() -> None:
+    four = {"a": (0, 3), "b": (3, 6), "c": (6, 9), "d": (9, 12)}
+    metrics.observe_document(head_document(ring_info(four), 1))
+    metrics.observe_step("d", 3, 0.02, prefill=False)
+    metrics.observe_stage(replace(stage(1, "c", 20.0), hop_out=HopTrace("c", "d", "direct", 10, 1, 2.0, 1.0)))
+    metrics.observe_edge(
+        "c->d", "direct", "relay", measured_by="c"
+    )  # d died: c's link fell back to the relay
+    before = metrics.exposition().decode()
+    assert value(before, "kafila_session_members_present") == 4
+    assert value(before, "kafila_edge_info", edge="c->d", planned_path="direct", path="relay",
+                 measured_by="c", epoch="1") == 1  # fmt: skip
+
+    three = {"a": (0, 4), "b": (4, 8), "c": (8, 12)}
+    metrics.observe_document(head_document(ring_info(three), 2))
+    metrics.observe_edge("c->d", "direct", "relay", measured_by="c")  # the old link's callback, late
+    text = metrics.exposition().decode()
+    got = samples(text)
+    assert (
+        value(text, "kafila_session_members_present"),
+        value(text, "kafila_session_members_expected"),
+    ) == (3, 4)
+    assert value(text, "kafila_plan_epoch") == 2
+    assert value(text, "kafila_replans_total") - value(before, "kafila_replans_total") == 1
+    stages = sorted((dict(k[1]) for k in got if k[0] == "kafila_stage_blocks"), key=lambda d: d["stage"])
+    assert [(s["member"], s["stage"], s["first_block"], s["last_block"], s["epoch"]) for s in stages] == [
+        ("a", "0", "0", "4", "2"), ("b", "1", "4", "8", "2"), ("c", "2", "8", "12", "2")
+    ]  # fmt: skip
+    edges = sorted(
+        (d["edge"], d["path"], d["epoch"]) for k in got if k[0] == "kafila_edge_info" for d in [dict(k[1])]
+    )
+    assert edges == [("a->b", "direct", "2"), ("b->c", "direct", "2"), ("c->a", "direct", "2")]
+    predicted = {dict(k[1])["member"]: v for k, v in got.items() if k[0] == "kafila_stage_predicted_seconds"}
+    assert predicted == {"a": pytest.approx(0.04), "b": pytest.approx(0.04), "c": pytest.approx(0.04)}
+    gone = [k for k in got if ("member", "d") in k[1] or any(v.endswith("->d") or v.startswith("d->")
+                                                            for _, v in k[1])]  # fmt: skip
+    assert gone == []  # d's stage, its edges, hops and round trips
+    assert not [k for k in got if k[0].startswith("kafila_stage_") and ("epoch", "1") in k[1]]
+    metrics.observe_step("d", 3, 0.02, prefill=False)  # a late step of the old ring's stage
+    assert value(metrics.exposition().decode(), "kafila_stage_compute_seconds_count", member="d", stage="3",
+                 phase="decode") == 0  # fmt: skip
+
+    metrics.observe_document(head_document(ring_info(three), 2) | {"spares": ["d"]})  # d back, as a spare
+    assert value(metrics.exposition().decode(), "kafila_session_spares") == 1
+    metrics.observe_document(head_document(ring_info(four), 3) | {"spares": []})  # d planned in
+    text = metrics.exposition().decode()
+    assert (
+        value(text, "kafila_session_members_present"),
+        value(text, "kafila_session_members_expected"),
+    ) == (4, 4)
+    metrics.observe_document(head_document(ring_info(four), 3, state="broken"))
+    assert value(metrics.exposition().decode(), "kafila_session_members_present") == 0
 
 
 def test_every_series_carries_the_session_and_the_model() -> None:
@@ -65,6 +143,13 @@ def test_stage_records_count_each_hop_at_its_sender_and_measure_the_edge_path() 
     metrics.observe_session(session())  # plans c->a direct
     hop = {"hop": "c->a", "path": "relay"}
     before = metrics.exposition().decode()
+    tally = StageTally(
+        ring_info({"a": (0, 3), "b": (3, 6), "c": (6, 9)}), 2, None, None
+    )  # member c's steps, observed as they run
+    for _ in range(9):
+        tally.add(8, 21_500, prefill=False)
+    tally.add(8, 4000, prefill=True)
+    tally.add(8, 6000, prefill=True)
     metrics.observe_request(request(8, (10, 12, 21)))  # the head's ring view adds no hop bytes
     metrics.observe_stage(stage(8, "c", 21.5, bytes_out=4096))
     text = metrics.exposition().decode()
@@ -72,8 +157,10 @@ def test_stage_records_count_each_hop_at_its_sender_and_measure_the_edge_path() 
         value(text, "kafila_hop_bytes_total", **hop) - value(before, "kafila_hop_bytes_total", **hop) == 4096
     )
     assert value(text, "kafila_hop_rtt_seconds", **hop) == pytest.approx(0.025)
-    assert value(text, "kafila_hop_predicted_rtt_seconds", hop="c->a") == pytest.approx(0.020)
-    assert value(text, "kafila_stage_wait_seconds", member="c", stage="2") == pytest.approx(0.00215)
+    assert value(text, "kafila_hop_predicted_rtt_seconds", hop="c->a", epoch="1") == pytest.approx(0.020)
+    assert value(text, "kafila_stage_wait_seconds", member="c", stage="2", epoch="1") == pytest.approx(
+        0.00215
+    )
     decode = {"member": "c", "stage": "2", "phase": "decode"}
     prefill = {**decode, "phase": "prefill"}
     assert (
@@ -87,10 +174,10 @@ def test_stage_records_count_each_hop_at_its_sender_and_measure_the_edge_path() 
         == 2
     )  # one per prefill chunk
     # the edge the plan made direct ran through the relay, as c (its sender) measured
-    relayed = {"edge": "c->a", "planned_path": "direct", "path": "relay", "measured_by": "c"}
+    relayed = {"edge": "c->a", "planned_path": "direct", "path": "relay", "measured_by": "c", "epoch": "1"}
     assert value(text, "kafila_edge_info", **relayed) == 1
     assert value(text, "kafila_edge_info", edge="a->b", planned_path="direct", path="direct",
-                 measured_by="predicted") == 1  # fmt: skip
+                 measured_by="predicted", epoch="1") == 1  # fmt: skip
     assert not [k for k in samples(text) if k[0] == "kafila_edge_info" and ("edge", "c->a") in k[1]
                 and ("measured_by", "predicted") in k[1]]  # fmt: skip
 
@@ -102,7 +189,8 @@ def test_session_state_queue_cache_plan_and_nat() -> None:
     metrics.observe_plan(2)
     metrics.observe_plan(2)  # the same epoch again is no new plan
     metrics.observe_queue(running=2, waiting=5)
-    metrics.observe_kv_cache(used=3, total=4)
+    metrics.observe_slots(used=3, total=4)
+    metrics.observe_kv_bytes("b", used=300, held=1200)
     metrics.observe_members(expected=3, present=2)
     metrics.observe_member_nat("b", "ordinary", "endpoint-independent")
     metrics.observe_member_nat("b", "restrictive", "endpoint-dependent")  # a later probe replaces it
@@ -112,7 +200,9 @@ def test_session_state_queue_cache_plan_and_nat() -> None:
     assert value(text, "kafila_replans_total") - value(before, "kafila_replans_total") == 1
     assert value(text, "kafila_plan_epoch") == 2
     assert (value(text, "kafila_num_requests_running"), value(text, "kafila_num_requests_waiting")) == (2, 5)
-    assert value(text, "kafila_kv_cache_usage_perc") == 0.75 and value(text, "kafila_kv_cache_slots") == 4
+    assert value(text, "kafila_request_slots_used") == 3 and value(text, "kafila_request_slots") == 4
+    assert value(text, "kafila_kv_cache_usage_perc", member="b") == 0.25
+    assert value(text, "kafila_kv_cache_bytes", member="b") == 1200
     assert (
         value(text, "kafila_session_members_expected"),
         value(text, "kafila_session_members_present"),
@@ -125,18 +215,24 @@ def test_session_state_queue_cache_plan_and_nat() -> None:
     assert value(text, "kafila_session_state", state="broken") == 1 and value(text, "kafila_ready") == 0
     assert value(text, "kafila_session_members_present") == 0
     assert value(text, "kafila_num_requests_waiting") == 0
-    metrics.observe_document({"state": "serving", "active": [4, 5], "queued": 1, "slots": 8})
-    text = metrics.exposition().decode()
-    assert (
-        value(text, "kafila_kv_cache_slots_used") == 2 and value(text, "kafila_kv_cache_usage_perc") == 0.25
+    kv = {"used_bytes": 64, "bytes": 1024}
+    metrics.observe_document(
+        {"state": "serving", "active": [4, 5], "queued": 1, "slots": 8, "me": "a", "kv": kv}
     )
+    text = metrics.exposition().decode()
+    assert value(text, "kafila_request_slots_used") == 2 and value(text, "kafila_request_slots") == 8
+    assert value(text, "kafila_kv_cache_used_bytes", member="a") == 64
+    assert value(text, "kafila_kv_cache_usage_perc", member="a") == 1 / 16
+    assert not [k for k in samples(text) if k[0] == "kafila_kv_cache_bytes" and ("member", "b") in k[1]]
 
 
 def test_bad_state_and_cache_figures_are_refused_with_the_numbers() -> None:
     with pytest.raises(ValueError, match="'starting' is not one of forming, serving"):
         metrics.observe_state("starting")
     with pytest.raises(ValueError, match="5 used of 4"):
-        metrics.observe_kv_cache(5, 4)
+        metrics.observe_slots(5, 4)
+    with pytest.raises(ValueError, match="KV cache of b: 5 bytes used is not within the 4 bytes held"):
+        metrics.observe_kv_bytes("b", 5, 4)
 
 
 def test_build_info_and_process_series() -> None:
@@ -155,7 +251,8 @@ def test_promtool_finds_the_fed_metrics_clean() -> None:
     metrics.observe_request(request(9, (10, 12, 21)))
     metrics.observe_stage(stage(9, "c", 21.5))
     metrics.observe_queue(1, 0)
-    metrics.observe_kv_cache(1, 2)
+    metrics.observe_slots(1, 2)
+    metrics.observe_kv_bytes("a", 10, 100)
     assert check_metrics(metrics.exposition()) == ""
 
 
@@ -207,3 +304,21 @@ def test_a_forming_members_metrics_say_forming() -> None:
     with TestClient(forming_app(FormingStatus("join"))) as client:
         text = client.get("/metrics").text
     assert value(text, "kafila_session_state", state="forming") == 1 and value(text, "kafila_ready") == 0
+    status = FormingStatus("join", name="m2", model="tiny", session="s9", members_expected=4)
+    with TestClient(forming_app(status)) as client:
+        text = client.get("/metrics").text
+    families = list(text_string_to_metric_families(text))
+    expected = next(f for f in families if f.name == "kafila_session_members_expected").samples
+    assert [(s.labels, s.value) for s in expected] == [({"session": "s9", "model": "tiny"}, 4)]
+
+
+def test_a_record_of_another_session_starts_the_ring_series_afresh_rather_than_being_dropped() -> None:
+    """A process serves one session; where a record names another (a test process serves many),
+    the series describe that one from then on instead of leaving its stages out."""
+    metrics.observe_session(session())  # a, b, c of s1
+    metrics.observe_stage(replace(stage(3, "b", 12.0), session="s7", member="m1"))
+    text = metrics.exposition().decode()
+    assert value(text, "kafila_stage_measured_seconds", member="m1", stage="1", epoch="1") == pytest.approx(
+        0.012
+    )
+    assert not [k for k in samples(text) if k[0] == "kafila_stage_blocks"]  # s1's ring is not s7's

@@ -8,6 +8,7 @@ import sys
 import httpx
 import pytest
 
+import kafila
 from kafila.net.signaling import SignalingClient, SignalingError
 from kafila.proto.codes import WORDS, new_code
 from kafila.rendezvous.server import RendezvousServer, ServerConfig
@@ -41,6 +42,7 @@ async def test_the_metrics_listener_serves_joins_by_outcome_and_promtool_finds_i
             value(text, "kafila_rendezvous_sessions") == 1 and value(text, "kafila_rendezvous_members") == 2
         )
         assert value(text, "kafila_rendezvous_joins_total", outcome="ok") == 1
+        assert value(text, "kafila_rendezvous_build_info", version=kafila.__version__) == 1
         assert (
             sum(
                 value(text, "kafila_rendezvous_joins_total", outcome=o)

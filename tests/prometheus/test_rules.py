@@ -3,6 +3,7 @@ tests (prometheus/rules/tests/) that make it fire and keep it silent."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
@@ -10,6 +11,7 @@ import yaml
 from tests.obs.promtool import needs_promtool, promtool
 
 ROOT = Path(__file__).resolve().parents[2] / "prometheus"
+DOC = ROOT.parent / "docs" / "observability.md"
 RULES = ROOT / "rules" / "kafila-alerts.yml"
 RULE_TESTS = sorted((ROOT / "rules" / "tests").glob("*.yml"))
 
@@ -42,7 +44,35 @@ def test_the_documented_alerts_are_all_there() -> None:
         "KafilaMemberDown", "KafilaRingBroken", "KafilaReplanned", "KafilaStageSlowerThanPredicted",
         "KafilaEdgeRelayedAgainstPlan", "KafilaTimeToFirstTokenHigh", "KafilaRequestsWaiting",
         "KafilaKVCacheNearlyFull", "KafilaJoinsRejected", "KafilaRelayNearCapacity", "KafilaRendezvousDown",
+        "KafilaRingDegraded", "KafilaSessionEnded", "KafilaSessionStuckForming", "KafilaRequestErrors",
+        "KafilaRequestsRefused", "KafilaHopRoundTripAbovePrediction", "KafilaTargetsMissing",
     }  # fmt: skip
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading: lower case, punctuation dropped, spaces to dashes."""
+    return re.sub(r"[^a-z0-9 _-]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_runbook_url_is_a_section_of_the_observability_doc_that_names_its_alert() -> None:
+    sections: dict[str, str] = {}
+    for part in re.split(r"^#{2,4} ", DOC.read_text(), flags=re.MULTILINE)[1:]:
+        heading, _, body = part.partition("\n")
+        sections[github_anchor(heading)] = heading + body
+    for rule in alerts():
+        url = str(rule["annotations"]["runbook_url"])  # type: ignore[index]
+        path, _, anchor = url.partition("#")
+        assert path == "docs/observability.md" and anchor in sections, (rule["alert"], url)
+        assert str(rule["alert"]) in sections[anchor], (rule["alert"], anchor)
+        assert str(rule["annotations"]["runbook"]) in sections[anchor], rule["alert"]  # type: ignore[index]
+
+
+def test_no_runbook_advises_restarting_a_member_that_re_joins() -> None:
+    """A member lost re-joins the serving session (the host plans it back in): the advice says so."""
+    for rule in alerts():
+        if "member" in str(rule["alert"]).lower() or "Degraded" in str(rule["alert"]):
+            runbook = str(rule["annotations"]["runbook"])  # type: ignore[index]
+            assert "restart" not in runbook and "re-joins" in runbook, rule["alert"]
 
 
 def test_members_come_from_file_sd_labelled_site_and_host() -> None:

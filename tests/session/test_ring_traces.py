@@ -240,16 +240,20 @@ async def test_a_one_token_request_leaves_the_last_decode_figures(ckpt: Checkpoi
     from kafila.obs import metrics
 
     ring = build_ring(ckpt, [(0, 2), (2, 5)], chunk=CHUNK)
+    metrics.observe_ring(ring.head.describe())  # the series describe this ring (as a scrape would set)
     logs = traced(ring)
     try:
         decoded = await ring.head.submit(PROMPT, Sampling(max_tokens=5))
         await drain(decoded)
         await records(logs[0], RequestRecord, decoded.request_id)
-        figures = metrics.CIRCUIT._value.get(), metrics.STAGE_MEASURED.labels("m1", "1")._value.get()
+        figures = metrics.CIRCUIT._value.get(), metrics.STAGE_MEASURED.labels("m1", "1", "1")._value.get()
         one = await ring.head.submit(SHORT, Sampling(max_tokens=1))
         await drain(one)
         await records(logs[0], RequestRecord, one.request_id)
     finally:
         await ring.stop()
     assert figures[0] > 0 and figures[1] > 0
-    assert (metrics.CIRCUIT._value.get(), metrics.STAGE_MEASURED.labels("m1", "1")._value.get()) == figures
+    assert (
+        metrics.CIRCUIT._value.get(),
+        metrics.STAGE_MEASURED.labels("m1", "1", "1")._value.get(),
+    ) == figures

@@ -264,6 +264,16 @@ def test_cancelled_request_keeps_its_slot_until_its_step_returns() -> None:
     assert s.cancel(7) is False
 
 
+def test_a_cancelled_request_whose_ring_broke_leaves_active_at_once() -> None:
+    s = Schedule(concurrency=1, chunk=16)
+    s.submit(1, 4, 10)
+    s.take()  # its prefill is in the ring
+    assert s.cancel(1) is True and s.active == (1,)  # waiting for its step to come back
+    s.lost(7)  # a request the schedule does not hold: nothing happens
+    s.lost(1)  # the ring broke: the step never comes back
+    assert s.active == () and s.pop_freed() == [1]
+
+
 def test_bad_arguments_are_refused_with_numbers() -> None:
     with pytest.raises(ValueError, match="concurrency 0"):
         Schedule(concurrency=0)

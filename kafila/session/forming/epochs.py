@@ -151,10 +151,13 @@ def _formed(links: dict[str, Link], ids: dict[str, int]) -> dict[int, Link]:
 def _resume(role: RingHead | RingMember, epoch: int, parts: EpochParts) -> int:
     """Start `role` on the next epoch's parts; returns the requests the head carried on."""
     if isinstance(role, RingHead):
-        return role.resume(epoch, parts.stage, parts.info, parts.next, parts.prev, parts.lanes)
+        carried = role.resume(epoch, parts.stage, parts.info, parts.next, parts.prev, parts.lanes)
+        metrics.observe_ring(role.describe())  # every series of the ring, rebuilt for this epoch
+        return carried
     if parts.next is None or parts.prev is None:
         raise SessionError(f"member {role.name} has no ring neighbour in epoch {epoch}")
     role.resume(epoch, parts.index, parts.stage, parts.info, parts.next, parts.prev)
+    metrics.observe_ring(role.describe())
     return 0
 
 

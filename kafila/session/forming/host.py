@@ -79,6 +79,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     with refused_by(opts.rendezvous, "open a session"):
         opened = await client.open_session(opts.model, opts.members, name, capability)
         code = held.code = new_code(opened.session)
+        held.forming.session, held.forming.members_expected = code.public, opts.members  # its metrics' labels
         await client.protect(code)  # joins prove the code's secret to the rendezvous from now on
     say(f"session code: {code}   (members join with: {join_command(code, opts.rendezvous)})")
     await held.open_api(opts.api_security, opts.api_limits)

@@ -109,6 +109,7 @@ async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
     name = f"{opts.name or default_name()}-{joined.member}" if opts.name is None else opts.name
     held.name = held.forming.name = name
     held.forming.model = joined.model
+    held.forming.session, held.forming.members_expected = code.public, joined.members_expected
     say(f"joined session {code.public} for model {joined.model} ({len(joined.members)} member(s) so far)")
     await held.open_api(opts.api_security, opts.api_limits)
     node = held.node = await connect_node(client, code, opts.rendezvous)

@@ -101,7 +101,9 @@ async def start_role(
         if nxt is None or prv is None:  # a plan puts a member that is not the head in a ring of 2+
             raise ValueError(f"member {name} has no ring neighbour in the plan {plan.order}")
         role = RingMember(index, stage, model_thread, info, nxt, prv, traces)
-    metrics.observe_session(session_record(plan, code.public, model, info.planned), ring_view=head)
+    metrics.observe_session(
+        session_record(plan, code.public, model, info.planned), ring_view=head, epoch=epoch
+    )
     metrics.observe_plan(epoch)
     for edge, by in info.measured_by.items():  # this member's own links, as they run now
         if edge in info.planned and info.edges[edge] in metrics.PATHS:

@@ -477,6 +477,11 @@ class RingHead(RoleBase):
         if self._first is not None and not self._first.done():
             self._first.set_result(time.monotonic())
         first = req.first_at is None
+        if first:  # observed as the token comes, not when the request ends
+            admitted = req.admitted_at or req.queued_at
+            metrics.observe_first_token(admitted - req.queued_at, now - admitted)
+        elif req.last_at is not None:
+            metrics.observe_token_interval(now - req.last_at)
         req.first_at, req.last_at = req.first_at or now, now
         done = self.schedule.sampled(req.rid, reason is not None)
         emitted = () if reason == "stop" else (token,)
@@ -537,6 +542,7 @@ class RingHead(RoleBase):
             self._fail_request(rid, code, message)
         for rid in list(self._ending):  # no free will come round: record what is known
             self._record(self._ending.pop(rid))
+            self.schedule.lost(rid)  # ... and it leaves /session's "active"
         self._flush_pending()
 
     def _in_flight(self) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kafila.api.service import GenerationError
 from kafila.obs.log import get_logger
@@ -28,6 +28,9 @@ from kafila.session.channel import DEFAULT_LOST_AFTER, Channel, ChannelError, He
 from kafila.session.ring.info import RingInfo
 from kafila.session.ring.liveness import TICK_S, StallWatch
 
+if TYPE_CHECKING:
+    from kafila.engine.stage import Stage
+
 log = get_logger("kafila.session.ring")
 
 
@@ -35,6 +38,7 @@ class RoleBase:
     """The shared part of RingHead and RingMember; subclasses say what a break fails (`_lost`)."""
 
     info: RingInfo  # set by the subclass
+    stage: Stage  # set by the subclass
 
     def __init__(self, name: str, next_ch: Channel | None, prev_ch: Channel | None) -> None:
         self.name = name
@@ -121,7 +125,8 @@ class RoleBase:
         if self.state == "ended":
             doc["state"] = "ended"
         spares = {} if self.spares is None else {"spares": list(self.spares)}
-        return doc | {"epoch": self.epoch, "change": self.change} | spares
+        kv = {"used_bytes": self.stage.kv_bytes_used, "bytes": self.stage.kv_bytes}  # this member's stage
+        return doc | {"epoch": self.epoch, "change": self.change, "kv": kv} | spares
 
     def changed(self, state: str, cause: str, **more: Any) -> None:
         """Record a change of state (and epoch) for /session, with its cause."""

@@ -280,6 +280,14 @@ class Schedule:
         self._finish(r)
         return True
 
+    def lost(self, rid: int) -> None:
+        """The ring broke with steps of cancelled request `rid` in it: none of them comes back,
+        so it leaves `active` now rather than wait for them for good."""
+        r = self._reqs.get(rid)
+        if r is not None and r.state is State.DONE:
+            r.in_flight = 0
+            self._maybe_forget(r)
+
     def idle(self, rid: int) -> bool:
         r = self._reqs.get(rid)
         return r is None or r.in_flight == 0

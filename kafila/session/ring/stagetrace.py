@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kafila.obs import metrics
 from kafila.obs.trace import HopTrace, StageRecord
 from kafila.planner.plan import Edge
 from kafila.proto import tensor as t
@@ -41,6 +42,7 @@ class StageTally:
     def add(self, rid: int, us: int, prefill: bool, waited_us: int | None = None) -> None:
         m = self._open.setdefault(rid, _Measured())
         (m.prefill_us if prefill else m.decode_us).append(us)
+        metrics.observe_step(self.name, self.index, us / 1e6, prefill, self.info.session)  # as it ran
         if waited_us is not None and not prefill:
             m.wait_us.append(waited_us)
 
