@@ -26,6 +26,10 @@ CACHE_VOLUME = "kafila-cache"
 KEY_DIR = "~/.config/kafila-ops"
 CACHE_DIR = "~/.cache/kafila-ops"  # native members' per-fleet state: CACHE_DIR/FLEET/session-code
 CONTAINER_KEY_FILE = "/run/kafila/api-key"
+# The session host's [fleet] weights folder inside its container (read-only): the folder keeps its
+# own name under it, which the session serves the model as (kafila.models.registry.served_name).
+CONTAINER_WEIGHTS = "/srv/kafila-weights"
+CONTAINER_UID = 10001  # the image's `kafila` user (Dockerfile.cuda), who reads the mounted weights
 RELAY_STATE = "/var/lib/kafila"  # the rendezvous image's state folder (Dockerfile.rendezvous)
 
 
@@ -115,10 +119,21 @@ def member_args(fleet: FleetFile, host: Host, code: str, code_file: str) -> list
     if host.device == fleet.session_host:
         p = fleet.plan
         return [
-            "host", "--model", p.model, "--members", str(len(fleet.hosts)), "--context", str(p.context),
-            "--concurrency", str(p.concurrency), "--code-file", code_file, *common, *host.args,
+            "host", "--model", member_model(fleet, host), "--members", str(len(fleet.hosts)),
+            "--context", str(p.context), "--concurrency", str(p.concurrency), "--code-file", code_file,
+            *common, *host.args,
         ]  # fmt: skip
     return ["join", code, *common, *host.args]
+
+
+def member_model(fleet: FleetFile, host: Host) -> str:
+    """The session host's --model: [fleet] weights as the member sees the folder (in its container,
+    or the path on its host), else [session] model (a default model's name)."""
+    if fleet.weights is None:
+        return fleet.plan.model
+    if host.runtime == "docker":
+        return f"{CONTAINER_WEIGHTS}/{fleet.weights.rsplit('/', 1)[-1]}"
+    return fleet.weights
 
 
 def state_dir(fleet: FleetFile) -> str:
@@ -159,6 +174,8 @@ def docker_run(fleet: FleetFile, host: Host, image: str, args: list[str]) -> str
     mount = ""
     if host.api_key_file is not None:  # one word whose ~/ the remote shell expands
         mount = f" -v {word(f'{key_file(fleet, host)}:{CONTAINER_KEY_FILE}:ro')}"
+    if host.device == fleet.session_host and fleet.weights is not None:
+        mount += f" -v {word(f'{fleet.weights}:{member_model(fleet, host)}:ro')}"
     remove_old = f"docker rm -f {shlex.quote(name)} >/dev/null 2>&1;"
     return f"{remove_old} {shlex.join(argv)}{mount} {shlex.join([image, *args])}"
 
@@ -288,7 +305,47 @@ def role(host: Host) -> str:
     return "rendezvous" if host.device == "rendezvous" else "member"
 
 
+def check_weights(fleet: FleetFile, host: Host) -> Step:
+    """The session host's [fleet] weights: a folder there with config.json, *.safetensors and
+    tokenizer.json; for a container also readable by its user (another uid, through a read-only bind
+    mount) and no symlink leaving the folder (a Hugging Face cache snapshot's links into ../../blobs
+    point nowhere inside the container). Prints what it found, or exits 1 naming what is missing."""
+    assert fleet.weights is not None
+    d = word(fleet.weights)
+    remote = (
+        f"d={d};"
+        ' if [ ! -e "$d" ]; then echo "no such folder: $d" >&2; exit 1; fi;'
+        ' if [ ! -d "$d" ]; then echo "$d is a file, not a model folder (config.json, *.safetensors,'
+        ' tokenizer.json): kafila host loads a folder" >&2; exit 1; fi;'
+        ' m=; [ -f "$d/config.json" ] || m="$m config.json";'
+        ' [ -f "$d/tokenizer.json" ] || m="$m tokenizer.json";'
+        ' set -- "$d"/*.safetensors; [ -f "$1" ] || m="$m *.safetensors";'
+        ' if [ -n "$m" ]; then echo "$d lacks$m (a Hugging Face model folder has them)" >&2; exit 1; fi;'
+    )
+    if host.runtime == "docker":
+        remote += (
+            ' r=$(cd "$d" && pwd -P) || exit 1; out=;'
+            ' for f in "$d"/*; do [ -L "$f" ] || continue; t=$(readlink -f "$f");'
+            ' case "$t" in "$r"/*) ;; *) out="$out ${f##*/}";; esac; done;'
+            ' if [ -n "$out" ]; then echo "$d has symlinks out of the folder, which the container'
+            " cannot follow:$out; copy real files in (a Hugging Face cache snapshot: hf download"
+            ' --local-dir DIR)" >&2; exit 1; fi;'
+            r' no=$(find -L "$d" -maxdepth 1 \( -type f ! -perm -004 \) -o \( -type d ! -perm -005 \));'
+            f' if [ -n "$no" ]; then echo "the container\'s user (uid {CONTAINER_UID}) cannot read:"'
+            ' $no "; make it world-readable: chmod -R o+rX $d" >&2; exit 1; fi;'
+        )
+    remote += ' echo "$d: config.json, tokenizer.json, $# safetensors file(s), $(du -skL "$d" | cut -f1) KiB"'
+    return Step(host, f"check the model weights {fleet.weights}", remote)
+
+
 def checks(fleet: FleetFile, host: Host, image: str) -> list[Step]:
+    steps = _runtime_checks(fleet, host, image)
+    if host.device == fleet.session_host and fleet.weights is not None:
+        steps.append(check_weights(fleet, host))
+    return steps
+
+
+def _runtime_checks(fleet: FleetFile, host: Host, image: str) -> list[Step]:
     if host.runtime == "docker":
         steps = [Step(host, "check Docker", "docker version --format '{{.Server.Version}}'")]
         if host.gpus != "none":

@@ -23,7 +23,8 @@ def everyone(fleet: FleetFile) -> list[Host]:
 
 
 def check_hosts(remote: Remote, fleet: FleetFile, image_ids: dict[str, str]) -> list[Host]:
-    """Every host reachable with what its runtime needs; returns the docker hosts lacking their image."""
+    """Every host reachable with what its runtime needs, and the session host's [fleet] weights where
+    the fleet names them; returns the docker hosts lacking their image."""
     lacking: list[Host] = []
     for h in everyone(fleet):
         image = actions.images_for(fleet, h)
@@ -34,7 +35,7 @@ def check_hosts(remote: Remote, fleet: FleetFile, image_ids: dict[str, str]) -> 
                     lacking.append(h)
                 continue
             out = remote.run(step)
-            if step.what.startswith("check kafila"):
+            if step.what.startswith(("check kafila", "check the model weights")):
                 say(remote, f"{h.device} ({h.ssh}, site {h.site}): {out.strip()}")
             if step.what == "check the NVIDIA runtime" and "nvidia" not in out:
                 raise OpsError(

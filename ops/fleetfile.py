@@ -9,6 +9,12 @@ api_key_file = "keys/fleet.key"    # optional: API keys (one a line) every membe
                                    # local file, relative to the fleet file. `up` ships it to each host
                                    # (0600) and starts members with --api-key-file; kafila-ops sends
                                    # its first key with every request it makes to a member's API
+weights = "/srv/models/Qwen3-8B"   # the model's folder on the session host (absolute, or ~/ for the
+                                   # ssh user's home): config.json, *.safetensors, tokenizer.json. A
+                                   # docker host mounts it read-only (actions.CONTAINER_WEIGHTS/NAME),
+                                   # a native one passes the path as --model; `up` checks it there
+                                   # before anything starts. Needed for a planning preset's model
+                                   # (qwen3-*); a default model (smollm2-135m) ships in the package
 
 [rendezvous]                       # either an existing one ...
 url = "wss://rdv.example.org:8470/v1/signal"
@@ -59,7 +65,7 @@ DEFAULT_METRICS_PORT = 9464  # a member's `--metrics` listener (Prometheus's por
 DEFAULT_RDV_PORT = 8470
 DEFAULT_RDV_IMAGE = "kafila/rendezvous:latest"
 
-_FLEET_KEYS = {"name", "image", "session_host", "ssh_config", "api_key_file"}
+_FLEET_KEYS = {"name", "image", "session_host", "ssh_config", "api_key_file", "weights"}
 _RDV_KEYS = {
     "url",
     "ssh",
@@ -134,6 +140,7 @@ class FleetFile:
     rendezvous: Rendezvous
     plan: Fleet  # the planner's view: [session] and [[device]] (session host first)
     hosts: tuple[Host, ...]  # session host first, then in file order
+    weights: str | None = None  # the model's folder on the session host (None: the model's own name)
 
     @property
     def joiners(self) -> tuple[Host, ...]:
@@ -206,6 +213,7 @@ def parse(text: str, source: str = "fleet", read_json: ReadJson | None = None) -
     hosts = _hosts(data.get("site"), source, devices, key_file)
     session_host = plan.devices[0].name  # parse_fleet put [fleet] session_host first
     hosts = sorted(hosts, key=lambda h: h.device != session_host)
+    weights = _weights(fleet, plan.model, session_host, where)
     return FleetFile(
         name=name,
         image=image,
@@ -214,7 +222,50 @@ def parse(text: str, source: str = "fleet", read_json: ReadJson | None = None) -
         rendezvous=_rendezvous(data.get("rendezvous"), source),
         plan=plan,
         hosts=tuple(hosts),
+        weights=weights,
     )
+
+
+def _weights(fleet: dict[str, Any], model: str, session_host: str, where: str) -> str | None:
+    """[fleet] weights: the model's folder on the session host, as a path there (absolute or ~/);
+    required for a planning preset's model, whose weights no package ships. A mirror URL or a single
+    file is refused by name: the session host loads a model from a folder on its own disk."""
+    from kafila.models.default import DEFAULT_MODELS
+    from kafila.models.presets import PRESET_SOURCES
+
+    if "weights" not in fleet:
+        source = PRESET_SOURCES.get(model.lower())
+        if source is not None and model not in DEFAULT_MODELS:
+            raise FleetError(
+                f"{where}: [session] model {model!r} is a planning preset whose weights no package "
+                f"ships: download {source} (config.json, *.safetensors, tokenizer.json) to a folder on "
+                f"the session host {session_host!r} and give its path there, e.g. weights = "
+                f'"/srv/models/{source.rsplit("/", 1)[-1]}" '
+                f"(docs/ops.md, Placing the weights)"
+            )
+        return None
+    weights = _text(fleet, "weights", where)
+    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", weights):
+        raise FleetError(
+            f"{where}: 'weights' {weights!r} is a URL, and the session host does not fetch a model from "
+            f"a mirror: only a folder on the session host {session_host!r} is supported now; copy the "
+            f"model's folder there and give its path (docs/ops.md, Placing the weights)"
+        )
+    if not (weights.startswith("/") or weights.startswith("~/")) or weights.strip("/~") == "":
+        raise FleetError(
+            f"{where}: 'weights' must be the model folder's path on the session host {session_host!r}, "
+            f"absolute or ~/ (the ssh user's home), got {weights!r}"
+        )
+    if re.search(r"[:,\n]", weights):
+        raise FleetError(
+            f"{where}: 'weights' cannot hold ':', ',' or a newline (a docker -v path), got {weights!r}"
+        )
+    if re.search(r"\.(gguf|safetensors|bin|json)$", weights, re.IGNORECASE):
+        raise FleetError(
+            f"{where}: 'weights' {weights!r} names a file: give the model's folder (config.json, "
+            f"*.safetensors, tokenizer.json); a single .gguf file is not loaded by `kafila host`"
+        )
+    return weights.rstrip("/")
 
 
 def _hosts(sites: Any, source: str, devices: list[str], fleet_key_file: str | None) -> list[Host]:

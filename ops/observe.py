@@ -169,6 +169,8 @@ def bench(remote: Remote, fleet: FleetFile, out: Path, requests: int = 4, max_to
             f"fleet {fleet.name}: the session is not serving (state {doc.get('state', 'unknown')}){why}"
         )
     head = fleet.host(doc["head"])  # the ring's head keeps the request records (Table IV)
+    # the name the session serves: a [fleet] weights folder's own, not [session] model's preset name
+    model = str(doc.get("model") or fleet.plan.model)
     tunnel = Tunnel(remote, head, head.local_api)
     parts = [
         f"fleet {fleet.name}: Table IV through {head.device}'s API ({requests} rounds, {max_tokens} tokens)"
@@ -178,7 +180,7 @@ def bench(remote: Remote, fleet: FleetFile, out: Path, requests: int = 4, max_to
         seen = {json.dumps(r, sort_keys=True) for r in member_traces(remote, fleet, head)}
         for users in (1, 4):
             say(remote, f"bench: {users} user(s), {requests} round(s)")
-            asyncio.run(_users(base, fleet.plan.model, users, requests, max_tokens, api_key(head)))
+            asyncio.run(_users(base, model, users, requests, max_tokens, api_key(head)))
             now = member_traces(remote, fleet, head)
             fresh = [r for r in now if json.dumps(r, sort_keys=True) not in seen]
             seen |= {json.dumps(r, sort_keys=True) for r in fresh}

@@ -252,6 +252,10 @@ FLEET_KEYS: dict[str, dict[str, str]] = {
         "session_host": "the device that opens the session (default: the first `[[device]]`)",
         "ssh_config": "optional: an ssh config file (`-F`), relative to the fleet file",
         "api_key_file": "optional: API keys, one a line, every member's API asks for; `up` ships it (0600)",
+        "weights": "the model's folder on the session host (absolute or `~/`: `config.json`, "
+        "`*.safetensors`, `tokenizer.json`), mounted read-only into its container or passed as "
+        "`--model`; `up` checks it there first. Needed for a preset model (`qwen3-*`); a URL or a "
+        "single file is refused",
     },
     "[rendezvous]": {
         "url": "an existing rendezvous (`wss://HOST:8470/v1/signal`); or the keys below start one",

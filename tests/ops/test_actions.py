@@ -378,3 +378,88 @@ def test_a_missing_local_image_is_met_with_the_dockerfile_that_builds_it() -> No
     assert build_hint("registry:5000/kafila/member:cuda") == (
         "docker build -f Dockerfile.cuda -t registry:5000/kafila/member:cuda ."
     )
+
+
+def weights_fleet(weights: str, session_host: str = "gpu") -> FleetFile:
+    """fleet_text with [fleet] weights on the session host `session_host`."""
+    image = 'image = "kafila/member:cuda"'
+    return parse(
+        fleet_text().replace(image, f'{image}\nsession_host = "{session_host}"\nweights = "{weights}"'),
+        "f.toml",
+    )
+
+
+def test_the_session_host_checks_its_weights_first_and_gets_the_folder_read_only_as_its_model() -> None:
+    fleet = weights_fleet("~/models/Qwen3-8B")
+    whats = [(s.host.device, s.what) for s in actions.up_steps(fleet)]
+    checked = whats.index(("gpu", "check the model weights ~/models/Qwen3-8B"))
+    assert whats[checked - 1] == ("gpu", "check image kafila/member:cuda")
+    assert all(not what.startswith("start") for _, what in whats[:checked])
+    run = sh_words(actions.start(fleet, fleet.host("gpu"), "sha256:abc", "").remote.split(";", 1)[1])
+    assert "$HOME/models/Qwen3-8B:/srv/kafila-weights/Qwen3-8B:ro" in run  # $HOME: the remote sh's
+    assert run[run.index("sha256:abc") + 1 : run.index("sha256:abc") + 4] == [
+        "host", "--model", "/srv/kafila-weights/Qwen3-8B",
+    ]  # fmt: skip
+    joiner = actions.start(fleet, fleet.host("cpu-box"), "sha256:abc", "CODE").remote
+    assert "kafila-weights" not in joiner and "Qwen3-8B" not in joiner
+
+    native = weights_fleet("/srv/models/Qwen3-8B", session_host="penguin")
+    words = sh_words(actions.start(native, native.host("penguin"), "img", "").remote.split("&&")[-1])
+    assert words[words.index("python3") :][:6] == [
+        "python3", "-m", "kafila", "host", "--model", "/srv/models/Qwen3-8B",
+    ]  # fmt: skip
+    assert [s.what for s in actions.checks(native, native.host("penguin"), "img")][-1] == (
+        "check the model weights /srv/models/Qwen3-8B"
+    )
+    assert not any("weights" in s.what for s in actions.checks(native, native.host("gpu"), "img"))
+
+
+def run_weights_check(fleet: FleetFile, home: Path) -> subprocess.CompletedProcess[str]:
+    step = actions.check_weights(fleet, fleet.host(fleet.session_host))
+    return subprocess.run(
+        ["sh", "-c", step.remote], env={"HOME": str(home), "PATH": "/usr/bin:/bin"}, capture_output=True,
+        text=True, timeout=30,
+    )  # fmt: skip
+
+
+def test_the_weights_check_names_what_the_folder_lacks_in_a_real_shell(tmp_path: Path) -> None:
+    folder = tmp_path / "models" / "Qwen3-8B"
+    folder.mkdir(parents=True)
+    docker, native = weights_fleet("~/models/Qwen3-8B"), weights_fleet("~/models/Qwen3-8B", "penguin")
+    done = run_weights_check(native, tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.strip().endswith(
+        "/models/Qwen3-8B lacks config.json tokenizer.json *.safetensors"
+        " (a Hugging Face model folder has them)"
+    )
+    for name in ("config.json", "tokenizer.json", "model-00001-of-00002.safetensors"):
+        (folder / name).write_bytes(b"{}" * 1024)
+    (folder / "model-00002-of-00002.safetensors").write_bytes(b"\0" * 4096)
+    for fleet in (native, docker):
+        done = run_weights_check(fleet, tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert f"{folder}: config.json, tokenizer.json, 2 safetensors file(s), " in done.stdout
+
+    outside = tmp_path / "blobs" / "abc"
+    outside.parent.mkdir()
+    outside.write_bytes(b"\0" * 64)
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    (folder / "model-00002-of-00002.safetensors").symlink_to(outside)
+    assert run_weights_check(native, tmp_path).returncode == 0  # a native member follows it
+    done = run_weights_check(docker, tmp_path)
+    assert done.returncode == 1
+    assert "has symlinks out of the folder, which the container cannot follow: " in done.stderr
+    assert "model-00002-of-00002.safetensors" in done.stderr
+
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    (folder / "config.json").chmod(0o600)
+    done = run_weights_check(docker, tmp_path)
+    assert done.returncode == 1
+    assert f"the container's user (uid 10001) cannot read: {folder}/config.json" in done.stderr
+    assert f"chmod -R o+rX {folder}" in done.stderr
+
+    done = run_weights_check(weights_fleet("~/models/none"), tmp_path)
+    assert done.returncode == 1 and done.stderr.strip() == f"no such folder: {tmp_path}/models/none"
+    (tmp_path / "models" / "one-file").write_bytes(b"GGUF")
+    done = run_weights_check(weights_fleet("~/models/one-file"), tmp_path)
+    assert done.returncode == 1 and "/models/one-file is a file, not a model folder" in done.stderr

@@ -243,3 +243,60 @@ def test_the_native_preflight_fails_where_kafila_imports_without_its_dependencie
     assert done.returncode == 0, done.stderr
     major, minor = sys.version_info[:2]
     assert done.stdout.startswith(f"python {major}.{minor}.") and ", kafila 0." in done.stdout
+
+
+def test_up_stops_before_starting_anything_where_the_session_host_lacks_its_weights(tmp_path: Path) -> None:
+    """Two native hosts in a local sh (SIMULATED ssh) under the SIMULATED service manager: the session
+    host h1 lacks its [fleet] weights folder, so `up` fails at that check naming the host, site and
+    step, with no member started and no key shipped anywhere; with the folder placed, the check passes
+    and the session host member is started on it (its bogus tensors then stop it, in its own words)."""
+    keys = tmp_path / "fleet.key"
+    keys.write_text("k" * 32 + "\n")
+    text = (
+        '[fleet]\nname = "wts"\nimage = "img"\nsession_host = "h1"\nweights = "~/models/Qwen3-8B"\n'
+        f'api_key_file = "{keys}"\n[rendezvous]\nurl = "ws://127.0.0.1:9/v1/signal"\n'
+        '[session]\nmodel = "qwen3-8b"\ncontext = 512\nconcurrency = 1\n'
+        '[[device]]\nname = "h1"\nmemory_gb = 24\n[[device]]\nname = "h2"\nmemory_gb = 24\n'
+    )
+    for device in ("h1", "h2"):
+        text += (
+            f'[[site]]\nname = "s-{device}"\n[[site.host]]\ndevice = "{device}"\nssh = "local-{device}"\n'
+            f'runtime = "native"\npython = "{sys.executable}"\napi = "127.0.0.1:{closed_port()}"\n'
+        )
+    fleet = parse(text, "wts.toml")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("systemd-run", "systemctl", "journalctl"):
+        (bin_dir / tool).symlink_to(SHIM)
+    home = {d: tmp_path / d for d in ("h1", "h2")}
+    env = {
+        f"local-{d}": {"HOME": str(h), "PATH": f"{bin_dir}:{os.environ['PATH']}",
+                       "PYTHONPATH": os.environ.get("PYTHONPATH", ""), "KAFILA_SHIM_DIR": str(h / "shim")}
+        for d, h in home.items()
+    }  # fmt: skip
+    remote = LocalShellRemote(fleet, out=io.StringIO(), env=env)
+
+    with pytest.raises(OpsError) as err:
+        fleetcmds.up(remote, fleet, wait_s=30)
+    assert str(err.value) == (
+        "host h1 (local-h1, site s-h1): check the model weights ~/models/Qwen3-8B: exited 1: "
+        f"no such folder: {home['h1']}/models/Qwen3-8B"
+    )
+    for h in home.values():
+        assert not (h / "shim").exists()  # the service manager was never called
+        assert not (h / ".config").exists() and not (h / ".cache").exists()  # no key, no state
+
+    folder = home["h1"] / "models" / "Qwen3-8B"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"model_type": "qwen3"}')
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(OpsError) as err:
+        fleetcmds.up(remote, fleet, wait_s=30)
+    assert str(err.value).startswith("host h1 (local-h1, site s-h1): read the session code: the member's")
+    assert f"kafila: error: {folder}/config.json: config.json has no 'hidden_size'" in str(err.value)
+    assert f"{folder}: config.json, tokenizer.json, 1 safetensors file(s), " in said(remote)
+    calls = (home["h1"] / "shim" / "calls.jsonl").read_text()
+    assert f'"host", "--model", "{folder}"' in calls  # ~/ expanded by the host's shell
+    assert not (home["h2"] / "shim").exists()  # the joiner waits for the host's code
+    subprocess.run(["systemctl", "--user", "stop", "kafila-wts-h1"], env=env["local-h1"], timeout=60)

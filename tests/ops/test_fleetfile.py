@@ -206,3 +206,37 @@ def test_the_shipped_fleets_parse_and_kafila_plan_reads_them(name: str) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["divisions"]["kafila"]["feasible"] is True
+
+
+def test_weights_name_a_folder_on_the_session_host_and_a_preset_model_needs_them() -> None:
+    preset = BASE.replace('model = "smollm2-135m"', 'model = "qwen3-8b"')
+    with pytest.raises(FleetError) as err:
+        parse(preset, "two.toml")
+    assert str(err.value).startswith("two.toml: [fleet]: [session] model 'qwen3-8b' is a planning preset")
+    assert "on the session host 'b'" in str(err.value) and "Qwen/Qwen3-8B" in str(err.value)
+    for given, kept in (("/srv/models/Qwen3-8B/", "/srv/models/Qwen3-8B"), ("~/models/q", "~/models/q")):
+        fleet = parse(preset.replace('session_host = "b"', f'session_host = "b"\nweights = "{given}"'))
+        assert fleet.weights == kept
+    assert parse(BASE).weights is None  # the default model ships in a package
+
+
+@pytest.mark.parametrize(
+    ("weights", "message"),
+    [
+        (
+            "https://mirror.example/Qwen3-8B",
+            "is a URL, and the session host does not fetch a model from a mirror: only a folder on the "
+            "session host 'b' is supported now",
+        ),
+        ("models/Qwen3-8B", "'weights' must be the model folder's path on the session host 'b', absolute"),
+        ("/srv/q8.gguf", "names a file: give the model's folder"),
+        ("/srv/a:b", "cannot hold ':'"),
+        ("", "'weights' must be a non-empty string"),
+    ],
+)
+def test_weights_that_the_session_host_cannot_load_are_refused_by_name(weights: str, message: str) -> None:
+    text = BASE.replace('session_host = "b"', f'session_host = "b"\nweights = "{weights}"')
+    with pytest.raises(FleetError) as err:
+        parse(text, "two.toml")
+    assert str(err.value).startswith("two.toml: [fleet]: ")
+    assert message in str(err.value)
