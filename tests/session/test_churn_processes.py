@@ -18,7 +18,11 @@ import pytest
 
 from kafila.demo.fleet import FleetMember, LocalFleet
 
-pytestmark = [pytest.mark.network, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.network,
+    pytest.mark.slow,
+    pytest.mark.timeout(1800),  # forming and six changes, each a re-plan or a join that probes and loads
+]
 MODEL = "smollm2-135m"
 QUESTION = "List ten facts about owls."
 ANSWER_S = 90.0  # a member's answer, once the session serves again
