@@ -9,8 +9,9 @@ messages: a missing or unknown field, a wrong type or a value out of range raise
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Self
 
 TERMS_VERSION = 2  # 2: the weight format (quant)
@@ -76,8 +77,12 @@ class SessionTerms:
 # ------------------------------------------------------------------ forming messages
 
 KEY = "kafila_session"  # marks a signaling payload as a session message; its value is the version
-SESSION_VERSION = 1
+SESSION_VERSION = 2  # 2: request origins (`origins`) in `plan` and `epoch`
 MAX_REASON = 4096
+# a request id (u32 on the ring, kafila.proto.tensor) carries in its top ORIGIN_BITS the origin tag
+# of the member whose API took it: the host gives each member id its own tag, never reused
+ORIGIN_BITS = 12
+MAX_ORIGIN = (1 << ORIGIN_BITS) - 1
 
 
 class SessionMessageError(ValueError):
@@ -108,21 +113,29 @@ class Report:
 @dataclass(frozen=True)
 class PlanMessage:
     """host -> members: the plan (a Plan's dict), member ids by name, the terms, the divisions
-    compared (for /session), and the plan epoch it starts in: 1 at forming; a member that joined
-    the serving session (or a spare planned in) starts in the re-plan's epoch (left out when 1)."""
+    compared (for /session), the plan epoch it starts in: 1 at forming; a member that joined
+    the serving session (or a spare planned in) starts in the re-plan's epoch (left out when 1),
+    and each member's request origin tag by name (`origins`, as `epoch` carries them)."""
 
     plan: dict[str, Any]
     ids: dict[str, int]
     terms: SessionTerms
     alternatives: dict[str, Any] | None = None
     epoch: int = 1
+    origins: dict[str, int] = field(default_factory=dict)
     OP: ClassVar[str] = "plan"
 
     def body(self) -> dict[str, Any]:
         terms = self.terms.to_dict()
         more = {} if self.epoch == 1 else {"epoch": self.epoch}
         return payload(
-            self.OP, plan=self.plan, ids=self.ids, terms=terms, alternatives=self.alternatives, **more
+            self.OP,
+            plan=self.plan,
+            ids=self.ids,
+            terms=terms,
+            alternatives=self.alternatives,
+            origins=self.origins,
+            **more,
         )
 
     @classmethod
@@ -130,7 +143,7 @@ class PlanMessage:
         _check(
             body,
             cls.OP,
-            {"plan", "ids", "terms", "alternatives", "epoch"},
+            {"plan", "ids", "terms", "alternatives", "epoch", "origins"},
             optional={"alternatives", "epoch"},
         )
         ids = _ids(body, "plan")
@@ -142,7 +155,7 @@ class PlanMessage:
         except TermsError as exc:
             raise SessionMessageError(f"plan: {exc}") from None
         epoch = _epoch(body) if "epoch" in body else 1
-        return cls(_object(body, "plan"), ids, terms, alternatives, epoch)
+        return cls(_object(body, "plan"), ids, terms, alternatives, epoch, _origins(body, cls.OP))
 
 
 def _ids(body: Mapping[str, Any], op: str) -> dict[str, int]:
@@ -150,6 +163,21 @@ def _ids(body: Mapping[str, Any], op: str) -> dict[str, int]:
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in ids.values()):
         raise SessionMessageError(f"{op}: ids must map names to member ids")
     return dict(ids)
+
+
+def _origins(body: Mapping[str, Any], op: str) -> dict[str, int]:
+    """Request origin tags by member name: each from 1 to MAX_ORIGIN, no two members alike (two
+    members of one tag would take each other's answers)."""
+    origins = _object(body, "origins")
+    for name, tag in origins.items():
+        if not isinstance(tag, int) or isinstance(tag, bool) or not 1 <= tag <= MAX_ORIGIN:
+            raise SessionMessageError(
+                f"{op}: origin of {name!r} must be an integer from 1 to {MAX_ORIGIN}, got {tag!r}"
+            )
+    if len(set(origins.values())) != len(origins):
+        shared = sorted(t for t, n in Counter(origins.values()).items() if n > 1)
+        raise SessionMessageError(f"{op}: origins {shared} are given to more than one member")
+    return dict(origins)
 
 
 @dataclass(frozen=True)
@@ -265,23 +293,28 @@ MAX_CONTROL_BYTES = 1 << 20
 class NewEpoch:
     """host -> survivors: serving stops; move to `plan` (a Plan's dict) as epoch `epoch`, because
     of `cause` ("m2 was lost (silent)"); `ids`: member ids by name when the plan names a member
-    the survivors have not linked with before (one that joined), else None."""
+    the survivors have not linked with before (one that joined), else None; `origins`: every
+    member's request origin tag by name (the head names whoever asked by them)."""
 
     epoch: int
     plan: dict[str, Any]
     cause: str
     ids: dict[str, int] | None = None
+    origins: dict[str, int] = field(default_factory=dict)
     OP: ClassVar[str] = "epoch"
 
     def body(self) -> dict[str, Any]:
         more = {} if self.ids is None else {"ids": self.ids}
-        return payload(self.OP, epoch=self.epoch, plan=self.plan, cause=self.cause, **more)
+        return payload(
+            self.OP, epoch=self.epoch, plan=self.plan, cause=self.cause, origins=self.origins, **more
+        )
 
     @classmethod
     def parse(cls, body: Mapping[str, Any]) -> NewEpoch:
-        _check(body, cls.OP, {"epoch", "plan", "cause", "ids"}, optional={"ids"})
+        _check(body, cls.OP, {"epoch", "plan", "cause", "ids", "origins"}, optional={"ids"})
         ids = _ids(body, cls.OP) if "ids" in body else None
-        return cls(_epoch(body), _object(body, "plan"), _text(body, "cause"), ids)
+        plan, cause = _object(body, "plan"), _text(body, "cause")
+        return cls(_epoch(body), plan, cause, ids, _origins(body, cls.OP))
 
 
 @dataclass(frozen=True)

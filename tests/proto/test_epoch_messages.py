@@ -21,6 +21,11 @@ JSON = st.recursive(
 )
 EPOCHS = st.integers(1, session.MAX_EPOCH)
 TEXT = st.text(max_size=60)
+ORIGINS = st.lists(
+    st.tuples(st.text(max_size=8), st.integers(1, session.MAX_ORIGIN)),
+    max_size=4,
+    unique_by=(lambda p: p[0], lambda p: p[1]),
+).map(dict)
 EPOCH_MESSAGES = st.one_of(
     st.builds(
         session.NewEpoch,
@@ -28,6 +33,7 @@ EPOCH_MESSAGES = st.one_of(
         st.dictionaries(st.text(max_size=8), JSON, max_size=4),
         TEXT,
         st.none() | st.dictionaries(st.text(max_size=8), st.integers(1, 99), max_size=4),
+        ORIGINS,
     ),
     st.builds(session.EpochReady, EPOCHS),
     st.builds(session.Resume, EPOCHS),
@@ -68,8 +74,11 @@ def test_an_epoch_message_names_what_is_wrong() -> None:
         session.parse_epoch(json.dumps(session.payload("epoch_ready", epoch=True)).encode())
     with pytest.raises(session.SessionMessageError, match="unknown epoch message op 'formed'"):
         session.parse_epoch(json.dumps(session.payload("formed")).encode())
-    with pytest.raises(session.SessionMessageError, match="epoch: missing \\['plan'\\]"):
+    with pytest.raises(session.SessionMessageError, match="epoch: missing \\['origins', 'plan'\\]"):
         session.parse_epoch(json.dumps(session.payload("epoch", epoch=2, cause="x")).encode())
+    with pytest.raises(session.SessionMessageError, match="epoch: origins \\[2\\] are given to more"):
+        body = session.NewEpoch(2, {}, "x", origins={"a": 2}).body() | {"origins": {"a": 2, "b": 2}}
+        session.parse_epoch(json.dumps(body).encode())
     with pytest.raises(session.SessionMessageError, match="lost: unknown \\['extra'\\]"):
         body = session.MemberLost("b", "silent", "gone").body() | {"extra": 1}
         session.parse_epoch(json.dumps(body).encode())

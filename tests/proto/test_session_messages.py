@@ -31,6 +31,12 @@ TERMS = st.builds(
 SOME_TERMS = SessionTerms("m", 64, 8, session.SESSION_DTYPES[0], 512, 1, session.DIVISIONS[0])
 KEYS = ["model", "chunk", "queue", "dtype", "context", "concurrency", "division", "quant", "v"]
 JSON = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
+# request origin tags by name: distinct, 1 to MAX_ORIGIN
+ORIGINS = st.lists(
+    st.tuples(st.text(max_size=10), st.integers(1, session.MAX_ORIGIN)),
+    max_size=4,
+    unique_by=(lambda p: p[0], lambda p: p[1]),
+).map(dict)
 
 
 @settings(max_examples=150, deadline=None)
@@ -80,6 +86,7 @@ FORMING = st.one_of(
         TERMS,
         st.none() | st.dictionaries(st.text(max_size=10), JSON, max_size=3),
         st.integers(1, session.MAX_EPOCH),
+        ORIGINS,
     ),
     st.builds(session.Refused, st.text(max_size=100)),
     st.builds(session.Spare, st.text(max_size=100)),
@@ -122,8 +129,8 @@ def test_a_forming_message_with_any_field_changed_is_refused_or_parsed(
 def test_a_forming_message_names_what_is_wrong() -> None:
     with pytest.raises(session.SessionMessageError, match="ready: unknown \\['extra'\\]"):
         session.Ready.parse(session.payload("ready", extra=1))
-    with pytest.raises(session.SessionMessageError, match="version 2"):
-        session.Refused.parse(session.Refused("no").body() | {session.KEY: 2})
+    with pytest.raises(session.SessionMessageError, match="version 1, this member speaks 2"):
+        session.Refused.parse(session.Refused("no").body() | {session.KEY: 1})
     with pytest.raises(session.SessionMessageError, match="reason must be text"):
         session.Failed.parse(session.payload("failed", reason=3))
     assert set(KINDS) == {"report", "plan", "refused", "spare", "failed", "ready", "formed"}
@@ -137,3 +144,20 @@ def test_a_plan_of_the_first_epoch_is_sent_as_forming_always_sent_it() -> None:
     assert "epoch" not in session.PlanMessage({}, {"a": 1}, terms).body()
     late = session.PlanMessage({}, {"a": 1}, terms, epoch=3)
     assert session.PlanMessage.parse(late.body()).epoch == 3
+
+
+def test_a_plan_without_origins_or_with_a_shared_one_is_refused() -> None:
+    """A host of the version before sent no origins; two members of one tag would take each
+    other's answers, so a plan giving one tag twice is refused."""
+    plan = session.PlanMessage({}, {"a": 1, "b": 2}, SOME_TERMS, origins={"a": 1, "b": 2})
+    assert session.PlanMessage.parse(plan.body()).origins == {"a": 1, "b": 2}
+    body = plan.body()
+    with pytest.raises(session.SessionMessageError, match="plan: missing \\['origins'\\]"):
+        session.PlanMessage.parse({k: v for k, v in body.items() if k != "origins"})
+    with pytest.raises(session.SessionMessageError, match="plan: origins \\[3\\] are given to more than one"):
+        session.PlanMessage.parse(body | {"origins": {"a": 3, "b": 3}})
+    top = session.MAX_ORIGIN
+    with pytest.raises(session.SessionMessageError, match=f"of 'a' must be an integer from 1 to {top}"):
+        session.PlanMessage.parse(body | {"origins": {"a": top + 1}})
+    with pytest.raises(session.SessionMessageError, match="origin of 'a' must be an integer"):
+        session.PlanMessage.parse(body | {"origins": {"a": True}})

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan, Stage
-from kafila.proto.session import SessionTerms
+from kafila.proto.session import SESSION_VERSION, SessionTerms
 from kafila.session.forming import core as fm
 from kafila.session.forming.core import HostFormation, MemberFormation, Step
 
@@ -104,7 +104,8 @@ def test_host_gathers_plans_sends_and_forms() -> None:
     assert [s.to for s in sent] == [2, 3]
     body = sent[0].body
     assert body["op"] == "plan" and body["ids"] == {"alpha": 1, "beta": 2, "gamma": 3}
-    assert SessionTerms.from_dict(body["terms"]) == TERMS and body[fm.KEY] == 1
+    assert SessionTerms.from_dict(body["terms"]) == TERMS and body[fm.KEY] == SESSION_VERSION
+    assert body["origins"] == {"alpha": 1, "beta": 2, "gamma": 3}  # request origin tags, the host's first
     assert core.step is Step.LINKING
     assert kinds(core.handle(fm.Message(2, fm.payload("ready")), 103.0)) == ["Say"]  # early ready counts
     assert core.started(104.0) == [] and core.deadline == 114.0
@@ -481,7 +482,8 @@ def member(wait_s: float = 10.0, link_s: float | None = 5.0, now: float = 50.0) 
 def plan_body(names: list[str], ids: dict[str, int], dtype: str = "bf16") -> dict[str, Any]:
     plan = plan_of(names).to_dict()
     terms = TERMS.to_dict() | {"dtype": dtype}
-    return fm.payload("plan", plan=plan, ids=ids, terms=terms, alternatives={})
+    origins = {name: tag for tag, name in enumerate(ids, 1)}
+    return fm.payload("plan", plan=plan, ids=ids, terms=terms, alternatives={}, origins=origins)
 
 
 IDS = {"alpha": 1, "beta": 2, "gamma": 3}

@@ -19,7 +19,7 @@ from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan, Stage
 from kafila.proto import signaling as sig
 from kafila.proto.codes import new_code, parse_code
-from kafila.proto.session import SessionTerms
+from kafila.proto.session import SESSION_VERSION, SessionTerms
 from kafila.rendezvous.server import RendezvousServer
 from kafila.session.errors import SessionError
 from kafila.session.forming.core import KEY, payload
@@ -55,7 +55,7 @@ async def simulated_host(rdv: RendezvousServer) -> tuple[SignalingClient, str]:
 async def next_report(client: SignalingClient) -> int:
     while True:
         event = await client.next_event(timeout=60)
-        if isinstance(event, sig.SignalFrom) and event.payload.get(KEY) == 1:
+        if isinstance(event, sig.SignalFrom) and event.payload.get(KEY) == SESSION_VERSION:
             assert event.payload["op"] == "report"
             return event.sender
 
@@ -114,7 +114,8 @@ async def test_member_linking_is_cut_short_when_a_simulated_host_leaves(rdv, tmp
     member = await next_report(client)
     ids = {"simulated-host": client.member, "beta": member}
     terms = SessionTerms("tiny", 4, 8, "fp32", 64, 1, "kafila").to_dict()
-    body = payload("plan", plan=two_member_plan().to_dict(), ids=ids, terms=terms)
+    origins = {"simulated-host": 1, "beta": 2}
+    body = payload("plan", plan=two_member_plan().to_dict(), ids=ids, terms=terms, origins=origins)
     await client.signal(member, body)
     await asyncio.sleep(1.0)  # the member is linking now
     assert not joining.done()
@@ -171,7 +172,7 @@ async def test_a_simulated_member_that_never_links_is_removed_and_its_place_take
     ops = []
     while True:  # the host's refusal, then the rendezvous ends gamma's membership
         event = await gamma.next_event(timeout=60)
-        if isinstance(event, sig.SignalFrom) and event.payload.get(KEY) == 1:
+        if isinstance(event, sig.SignalFrom) and event.payload.get(KEY) == SESSION_VERSION:
             ops.append(event.payload["op"])
         if isinstance(event, sig.Error):
             assert event.fatal and event.code == "removed" and "gamma was not admitted" in event.message

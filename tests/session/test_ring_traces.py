@@ -20,6 +20,7 @@ from kafila.session.channel import MemoryChannel
 from kafila.session.ring.compute import ModelThread
 from kafila.session.ring.head import RingHead, RingInfo
 from kafila.session.ring.member import RingMember
+from kafila.session.ring.origins import origin_of
 from tests.session.ringkit import Ring, beat, build_ring
 
 PROMPT = list(range(1, 14))  # 13 tokens: prefill chunks of 4, 4, 4, 1; the tiny model's answer has no EOS
@@ -257,3 +258,38 @@ async def test_a_one_token_request_leaves_the_last_decode_figures(ckpt: Checkpoi
         metrics.CIRCUIT._value.get(),
         metrics.STAGE_MEASURED.labels("m1", "1", "1")._value.get(),
     ) == figures
+
+
+async def test_the_head_names_the_member_that_asked_by_its_origin_tag(ckpt: Checkpoint) -> None:
+    """Tags as a host gives them (kafila.session.ring.origins), not ring indexes: m1 at ring index
+    1 has tag 7, and 1 is the head's own tag; the record names m1, whose request id carries 7."""
+    names = ("m0", "m1")
+    info = RingInfo("test", "tiny", "test", names, {"m0": (0, 2), "m1": (2, 5)}, {"m0": 1.0, "m1": 1.0})
+    stages = [
+        Stage.load(ckpt, range(a, b), i == 0, backend="torch", dtype="fp32", context=64)
+        for i, (a, b) in enumerate(info.blocks.values())
+    ]
+    to_m1, to_m0 = (beat(c, 5.0) for c in MemoryChannel.pair("m0", "m1"))
+    origins = {"m0": 1, "m1": 7}
+    head = RingHead(
+        stages[0], ModelThread("m0"), info, to_m1, to_m1, ckpt.config.eos_token_id, 1, CHUNK, origins=origins
+    )
+    member = RingMember(1, stages[1], ModelThread("m1"), info, to_m0, to_m0, origin=origins["m1"])
+    logs = [TraceLog(None), TraceLog(None)]
+    head.traces, member.traces = logs
+    head.start()
+    member.start()
+    try:
+        asked = await member.submit(PROMPT, Sampling(max_tokens=4))
+        local = await head.submit(PROMPT, Sampling(max_tokens=4))
+        await asyncio.wait_for(asyncio.gather(drain(asked), drain(local)), 60)
+        [req] = await records(logs[0], RequestRecord, asked.request_id)
+        [own] = await records(logs[0], RequestRecord, local.request_id)
+    finally:
+        for service in (head, member):
+            await service.stop()
+            service.model.close()
+        for c in (to_m1, to_m0):
+            await c.close()
+    assert (origin_of(asked.request_id), req.member) == (7, "m1")
+    assert (origin_of(local.request_id), own.member) == (1, "m0")

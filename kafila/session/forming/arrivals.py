@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 from kafila.net.edge import LinkNode, connect_edge
 from kafila.net.errors import LinkAuthError, LinkError
@@ -40,11 +39,10 @@ from kafila.session.forming import core as fm
 from kafila.session.forming.admission import ADMISSION, WRONG_CODE
 from kafila.session.forming.core import HostFormation
 from kafila.session.forming.driver import Driver
+from kafila.session.forming.epochs import HostEpochs
 from kafila.session.forming.links import named
 from kafila.session.progress import say
-
-if TYPE_CHECKING:
-    from kafila.session.forming.epochs import HostEpochs
+from kafila.session.ring.origins import OriginsSpent
 
 log = get_logger("kafila.session.forming.arrivals")
 
@@ -171,7 +169,13 @@ class HostArrivals:
         report = arrival_name(report, newcomer.member, m.present)
         back = report.name in {r.name for r in m.reports}
         newcomer.name = report.name
-        epochs.admit(report.name, newcomer.member, link)
+        try:
+            epochs.admit(report.name, newcomer.member, link)
+        except OriginsSpent as exc:
+            await link.close(str(exc))
+            told = f"the host admits no other member: {exc}"
+            await self._refuse(newcomer, f"{newcomer.name} was not admitted: {exc}", str(exc), told)
+            return
         came = "is back" if back else "arrived"
         say(f"{report.name} {came}: {fmt_bytes(report.memory_bytes)} for weights")
         await epochs.idle()  # one change at a time: a re-plan running finishes first
@@ -206,8 +210,14 @@ class HostArrivals:
         epochs = self.epochs
         member = epochs.ids[name]
         serving = epochs.serving
+        ids = dict(epochs.ids)
         plan = sm.PlanMessage(
-            decision.plan.to_dict(), dict(epochs.ids), serving.terms, serving.alternatives, decision.epoch
+            decision.plan.to_dict(),
+            ids,
+            serving.terms,
+            serving.alternatives,
+            decision.epoch,
+            epochs.origins.named(ids),
         )
         self._forget_spare(name)
         if member not in self.coming:
@@ -230,10 +240,10 @@ class HostArrivals:
     def _show_spares(self) -> None:
         self.epochs.held.ring().spares = sorted(self.spares)
 
-    async def _refuse(self, newcomer: Newcomer, reason: str, why: str) -> None:
+    async def _refuse(self, newcomer: Newcomer, reason: str, why: str, told: str | None = None) -> None:
         self.coming.pop(newcomer.member, None)
         log.warning("member_not_admitted", member=newcomer.member, name=newcomer.name, error=why)
-        told = (
+        told = told or (
             f"this member could not link with the host ({why}); join again with the exact code the "
             "host printed"
         )

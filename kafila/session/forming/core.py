@@ -46,6 +46,7 @@ from kafila.proto import session as sm
 from kafila.proto.session import KEY as KEY
 from kafila.proto.session import SessionMessageError
 from kafila.proto.session import payload as payload
+from kafila.session.ring.origins import OriginBook
 
 
 class FormationError(RuntimeError):
@@ -147,6 +148,7 @@ class LinkNow:
     terms: sm.SessionTerms  # what the host decided: model, dtype, chunk, queue, ...
     alternatives: dict[str, Any] | None  # the divisions the host compared, for /session
     epoch: int = 1  # the plan epoch to start in (later than 1: joining a serving session)
+    origins: dict[str, int] = field(default_factory=dict)  # request origin tags by name (the host's)
 
 
 @dataclass(frozen=True)
@@ -259,6 +261,7 @@ class HostFormation(_Machine):
     devices: dict[int, DeviceReport] = field(default_factory=dict)  # member id -> its report
     ids: dict[str, int] = field(default_factory=dict)  # the plan's members: device name -> id
     admitted_ids: set[int] = field(default_factory=set)  # members whose link authenticated
+    origins: OriginBook = field(default_factory=OriginBook)  # request origin tags, by member id
     removed: dict[int, str] = field(default_factory=dict)  # not admitted: removed at the rendezvous (names)
     ready: set[int] = field(default_factory=set)
 
@@ -347,7 +350,8 @@ class HostFormation(_Machine):
     ) -> list[Output]:
         """The shell planned a feasible session: send it, with its terms, to every other member."""
         self._require(Step.PLANNING)
-        body = sm.PlanMessage(plan.to_dict(), self.ids, terms, alternatives).body()
+        origins = self.origins.named(self.ids)
+        body = sm.PlanMessage(plan.to_dict(), self.ids, terms, alternatives, origins=origins).body()
         self.step, self.deadline = Step.LINKING, None
         return [Send(m, body) for m in self._others()]
 
@@ -639,4 +643,6 @@ class MemberFormation(_Machine):
         renamed = (
             [Say(f"this member is {me} in the session: {self.name} was taken")] if me != self.name else []
         )
-        return [*renamed, LinkNow(plan, ids, me, host, terms, alternatives, msg.epoch)]
+        if me not in msg.origins:
+            return self._fail(f"the host's plan gives this member ({me}) no request origin")
+        return [*renamed, LinkNow(plan, ids, me, host, terms, alternatives, msg.epoch, msg.origins)]

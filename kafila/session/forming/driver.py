@@ -18,6 +18,7 @@ from kafila.net.link import Link
 from kafila.net.signaling import SignalingClient, SignalingClosed
 from kafila.obs.log import get_logger
 from kafila.proto import signaling as sig
+from kafila.proto.session import SESSION_VERSION
 from kafila.session.errors import SessionError
 from kafila.session.forming import core as fm
 from kafila.session.forming.core import HostFormation, MemberFormation
@@ -227,7 +228,7 @@ class Driver:
         return SessionError(f"the session could not form: {why.message}")
 
     def _translate(self, event: sig.ServerMessage) -> fm.Event | None:
-        if isinstance(event, sig.SignalFrom) and event.payload.get(fm.KEY) == 1:
+        if isinstance(event, sig.SignalFrom) and event.payload.get(fm.KEY) == SESSION_VERSION:
             return fm.Message(event.sender, event.payload)
         if isinstance(event, sig.MemberJoined):
             return fm.Joined(event.member.id, event.member.name)

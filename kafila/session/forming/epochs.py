@@ -33,10 +33,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
@@ -62,13 +62,11 @@ from kafila.session.ring.compute import ModelThread
 from kafila.session.ring.head import RingHead
 from kafila.session.ring.liveness import cut_off
 from kafila.session.ring.member import RingMember
+from kafila.session.ring.origins import OriginBook
 from kafila.session.runtime import MemberRuntime
 from kafila.session.terms import Options
 from kafila.session.weights.fetch import fetch_shard
 from kafila.session.weights.server import WeightServer
-
-if TYPE_CHECKING:
-    from kafila.session.forming.arrivals import HostArrivals
 
 log = get_logger("kafila.session.forming.epochs")
 
@@ -76,6 +74,17 @@ CONTROL_KIND = 33  # link message kind of the epoch messages (kafila.session.cha
 READY_S = 120.0  # a survivor that is not ready for the next epoch within this ends the session
 # a break that names a lost member (not an internal error, not the session ending)
 LOST_CAUSES = (Cause.SILENT, Cause.CLOSED, Cause.LEFT, Cause.DISCONNECTED)
+
+
+class Arrivals(Protocol):
+    """What a move asks of the members arriving (kafila.session.forming.arrivals.HostArrivals,
+    which imports this module, never the other way round)."""
+
+    async def invite(self, name: str, decision: Replan) -> None:
+        """`name` (a newcomer, or a spare planned in) gets the re-plan as its `plan`."""
+
+    async def welcome(self, names: list[str]) -> None:
+        """Every member is ready: the newcomers planned in serve."""
 
 
 def lost_member(broken: RingBroken, plan: Plan, host: str, me: str) -> bool:
@@ -148,10 +157,11 @@ def _formed(links: dict[str, Link], ids: dict[str, int]) -> dict[int, Link]:
     return {ids[p]: link for p, link in links.items() if not link.closed and str(ids.get(p)) == link.peer_id}
 
 
-def _resume(role: RingHead | RingMember, epoch: int, parts: EpochParts) -> int:
-    """Start `role` on the next epoch's parts; returns the requests the head carried on."""
+def _resume(role: RingHead | RingMember, epoch: int, parts: EpochParts, origins: Mapping[str, int]) -> int:
+    """Start `role` on the next epoch's parts (`origins`: every member's request origin tag);
+    returns the requests the head carried on."""
     if isinstance(role, RingHead):
-        carried = role.resume(epoch, parts.stage, parts.info, parts.next, parts.prev, parts.lanes)
+        carried = role.resume(epoch, parts.stage, parts.info, parts.next, parts.prev, parts.lanes, origins)
         metrics.observe_ring(role.describe())  # every series of the ring, rebuilt for this epoch
         return carried
     if parts.next is None or parts.prev is None:
@@ -176,7 +186,8 @@ class HostEpochs:
     serving: Serving
     traces: TraceLog | None = None
     probed: tuple[DeviceReport, ...] = ()  # the members' reports as they sent them (round trips)
-    arrivals: HostArrivals | None = None  # members joining the serving session (forming.arrivals)
+    arrivals: Arrivals | None = None  # members joining the serving session (forming.arrivals)
+    origins: OriginBook = field(default_factory=OriginBook)  # request origin tags, by member id
 
     def __post_init__(self) -> None:
         self._moving: moves.Move | None = None  # the re-plan in flight (kafila.planner.moves)
@@ -340,7 +351,8 @@ class HostEpochs:
         if not move.waits_for(held.name):  # a ring of the host alone
             ready.set_result(None)
         sent_before = {n: _served(self.server, n) for n in survivors}
-        message = sm.NewEpoch(decision.epoch, new.to_dict(), decision.cause, dict(self.ids))
+        origins = self.origins.named(self.ids)
+        message = sm.NewEpoch(decision.epoch, new.to_dict(), decision.cause, dict(self.ids), origins)
         for n in survivors:
             if n in arriving:
                 await self._invite(n, decision)
@@ -379,7 +391,7 @@ class HostEpochs:
         )
         head = isinstance(role, RingHead)
         first = role.first_token() if isinstance(role, RingHead) else None
-        resumed = _resume(role, decision.epoch, parts)
+        resumed = _resume(role, decision.epoch, parts, origins)
         # the new epoch is in place: a loss from now on re-plans from it
         self.membership, self._moving = moves.committed(self.membership, move), None
         held.plan = new
@@ -417,7 +429,9 @@ class HostEpochs:
 
     def admit(self, name: str, member: int, link: Link) -> None:
         """`name` (member id `member`) joined the serving session and proved the code on `link`,
-        its control link from now on; a name lost before is a member coming back."""
+        its control link from now on; a name lost before is a member coming back, with a new
+        request origin tag (OriginsSpent: none is left to give it)."""
+        self.origins.tag(member)
         self.ids[name] = member
         self.held.links[name] = link
         _listen(link, name, self._heard)
@@ -656,4 +670,4 @@ class MemberEpochs:
         opts, serving = self.opts, self.serving
         parts = await epoch_parts(name, code, plan, ckpt, links, opts, serving, msg.epoch, _held(role))
         held.plan = plan
-        _resume(role, msg.epoch, parts)
+        _resume(role, msg.epoch, parts, msg.origins)

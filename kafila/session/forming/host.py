@@ -113,7 +113,8 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     held.plan = plan
     await drive.carry(core.planned(plan, drive.now(), terms, alternatives))
     try:
-        ring = _host_ring(folder, gathered.ids, control, opts, terms, held, alternatives, nats)
+        origins = core.origins.named(gathered.ids)  # as the plan message gave them
+        ring = _host_ring(folder, gathered.ids, control, opts, terms, held, alternatives, nats, origins)
         server, serving = await drive.during(ring)
     except LinkError as exc:  # e.g. a member's wrong secret word: the members are told, not left
         await drive.carry(core.link_failed(f"the host could not link: {exc}", drive.now()))
@@ -127,7 +128,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     manifest = ckpt.manifest(DTYPES[opts.dtype], opts.quant)  # as the plan was priced (choose_plan)
     epochs = HostEpochs(
         held, membership, manifest, plan_terms, gathered.ids, folder, server, opts, serving, role.traces,
-        probed=tuple(gathered.devices),
+        probed=tuple(gathered.devices), origins=core.origins,
     )  # fmt: skip
     epochs.start()  # a member lost from now on is planned around
     HostArrivals(epochs, drive, node)  # a member joining from now on is planned in, or kept as a spare
@@ -152,6 +153,7 @@ async def _host_ring(
     held: MemberRuntime,
     alternatives: dict[str, Any],
     nats: dict[str, tuple[str, str | None]],
+    origins: dict[str, int],
 ) -> tuple[WeightServer, Serving]:
     """The host's links (its `control` links with every member, formed as they were admitted, are
     its ring edges too), weight serving and ring role (a step the formation core waits on)."""
@@ -172,7 +174,9 @@ async def _host_ring(
     own = {"source": "own files", "path": str(folder), "fetched_bytes": 0, "fetched_tensor_bytes": 0}
     serving = Serving(terms, digest, alternatives, own, nats)
     with_api = held.api is not None
-    held.role, held.app = await start_role(name, code, plan, folder, links, opts, serving, with_api)
+    held.role, held.app = await start_role(
+        name, code, plan, folder, links, opts, serving, with_api, 1, origins
+    )
     return (
         server,
         serving,

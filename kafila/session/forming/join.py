@@ -150,7 +150,7 @@ async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
     await drive.carry(core.fetched(drive.now()))
     serving = Serving(got.terms, shard.checkpoint, got.alternatives, weights_doc(shard), nats)
     ring = start_role(
-        got.me, code, got.plan, shard.path, links, opts, serving, held.api is not None, got.epoch
+        got.me, code, got.plan, shard.path, links, opts, serving, held.api is not None, got.epoch, got.origins
     )
     held.role, held.app = await drive.during(ring)
     held.watch_host_ending()

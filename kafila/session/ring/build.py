@@ -6,6 +6,7 @@ weights are here; what it returns is all the runtime (kafila.session.runtime) ho
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -29,6 +30,7 @@ from kafila.session.ring.compute import ModelThread
 from kafila.session.ring.head import RingHead
 from kafila.session.ring.info import RingInfo
 from kafila.session.ring.member import RingMember
+from kafila.session.ring.origins import first_origins
 from kafila.session.ring.schedule import lanes_for
 from kafila.session.ring.stagetrace import planned_rtt_ms
 from kafila.session.ring.textcodec import TokenizerCodec
@@ -66,10 +68,15 @@ async def start_role(
     serving: Serving,
     with_api: bool,
     epoch: int = 1,
+    origins: Mapping[str, int] | None = None,
 ) -> tuple[RingRole, Starlette | None]:
     """Member `name`'s ring role for `plan` (plan epoch `epoch`: its channels carry that epoch's
     messages only), started on `links` with its stage loaded from `folder`, and (`with_api`) the
-    session's API app over it, served once the session formed."""
+    session's API app over it, served once the session formed. `origins`: the host's request
+    origin tag of every member (kafila.session.ring.origins; None: by first ring index)."""
+    origins = first_origins(plan.order) if origins is None else origins
+    if name not in origins:
+        raise ValueError(f"the host gave member {name} no request origin (it gave {sorted(origins)})")
     model = serving.terms.model
     ckpt = Checkpoint.open(folder)  # a member's shard: its own tensors only
     tokenizer = Tokenizer.from_checkpoint(ckpt)
@@ -95,12 +102,13 @@ async def start_role(
             traces,
             lanes,
             serving.terms.queue,
+            origins,
         )
         traces.write(session_record(plan, code.public, model, info.edges))
     else:
         if nxt is None or prv is None:  # a plan puts a member that is not the head in a ring of 2+
             raise ValueError(f"member {name} has no ring neighbour in the plan {plan.order}")
-        role = RingMember(index, stage, model_thread, info, nxt, prv, traces)
+        role = RingMember(index, stage, model_thread, info, nxt, prv, traces, origins[name])
     metrics.observe_session(
         session_record(plan, code.public, model, info.planned), ring_view=head, epoch=epoch
     )

@@ -1,23 +1,18 @@
 """A request's event stream as the API sees it, fed by the head (local) or by Tokens messages
-arriving over the ring (a request forwarded from a member that is not the head).
-
-Request ids carry their origin: `rid = origin << ORIGIN_SHIFT | n`, where origin is the ring
-position of the member whose API received the request, so every member can tell whether a Tokens
-message is its own or has to travel on.
+arriving over the ring (a request forwarded from a member that is not the head). Request ids
+carry the origin tag of the member that took them (kafila.session.ring.origins), so every member
+can tell whether a Tokens message is its own or has to travel on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from kafila.api.service import GenerationError, TokenEvent
 from kafila.obs.log import get_logger
 
 log = get_logger("kafila.session.ring.generation")
-
-ORIGIN_SHIFT = 24
 
 
 async def cancel_tasks(tasks: list[asyncio.Task[None]]) -> None:
@@ -48,18 +43,6 @@ def guarded(
             break_ring(f"member {member}: internal error {exc!r}")
 
     return asyncio.ensure_future(run())
-
-
-def origin_of(rid: int) -> int:
-    return rid >> ORIGIN_SHIFT
-
-
-class RequestIds:
-    def __init__(self, origin: int) -> None:
-        self._origin, self._n = origin, itertools.count(1)
-
-    def next(self) -> int:
-        return self._origin << ORIGIN_SHIFT | (next(self._n) % (1 << ORIGIN_SHIFT))
 
 
 class QueueGeneration:

@@ -23,7 +23,7 @@ import asyncio
 import functools
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,8 +38,9 @@ from kafila.proto import ring as rc
 from kafila.proto import tensor as t
 from kafila.session.channel import Channel, ChannelError
 from kafila.session.ring import compute
-from kafila.session.ring.generation import QueueGeneration, RequestIds, cancel_tasks, guarded, origin_of
+from kafila.session.ring.generation import QueueGeneration, cancel_tasks, guarded
 from kafila.session.ring.info import RingInfo
+from kafila.session.ring.origins import RequestIds, first_origins, origin_of
 from kafila.session.ring.role import RoleBase
 from kafila.session.ring.schedule import SEPARATE_PROMPTS, Entry, QueueFull, Schedule, Step
 from kafila.session.ring.stagetrace import StageTally, read_hop_report
@@ -91,6 +92,7 @@ class RingHead(RoleBase):
         traces: TraceLog | None = None,
         lanes: int = 1,  # decode groups in flight (schedule.lanes_for, from the plan)
         max_queue: int | None = None,  # requests that may wait for a slot (None: no limit)
+        origins: Mapping[str, int] | None = None,  # each member's origin tag (None: first ring index)
     ) -> None:
         super().__init__(info.order[0], next_ch, prev_ch)
         self.stage, self.model, self.info = stage, model, info
@@ -101,8 +103,9 @@ class RingHead(RoleBase):
         self.schedule = Schedule(concurrency, chunk, lanes, merge, max_queue, stage.prefill_path)
         log.info("decode_lanes", lanes=self.schedule.lanes, concurrency=concurrency)
         self.traces = traces
-        self.ids = RequestIds(0)
-        self.origins = info.order  # request origin -> member, stable across epochs (generation.origin_of)
+        self.origins = dict(first_origins(info.order) if origins is None else origins)  # name -> tag now
+        self.asked_by = {tag: name for name, tag in self.origins.items()}  # every tag ever: who asked
+        self.ids = RequestIds(self.origins[self.name])
         self._lanes, self._concurrency = lanes, concurrency
         self._reqs: dict[int, _Req] = {}
         self._wake = asyncio.Event()
@@ -181,13 +184,18 @@ class RingHead(RoleBase):
         next_ch: Channel | None,
         prev_ch: Channel | None,
         lanes: int,
+        origins: Mapping[str, int] | None = None,
     ) -> int:
         """Serve epoch `epoch` on `stage` and these channels, carrying every request on: each one
         admitted is prefilled again with its prompt and the tokens it has (its KV cache rebuilt on
         the new ring; its sampler kept, so a greedy answer goes on as it would have), queued ones
         keep their places. Requests forwarded by a member the new ring leaves out are dropped: no
-        answer could reach its clients (a member counted lost fails them itself when it wakes).
+        answer could reach its clients (a member counted lost fails them itself when it wakes; one
+        come back under its name has a new origin tag, `origins`, the host's for every member).
         Returns how many requests were carried."""
+        if origins is not None:
+            self.origins = dict(origins)
+            self.asked_by |= {tag: name for name, tag in origins.items()}
         old = self.schedule
         carried = [*old.active, *old.queue_positions()]
         for rid in list(self._ending):  # their frees will not come round: record what is known
@@ -220,11 +228,12 @@ class RingHead(RoleBase):
         return len(carried)
 
     def _asked_from_outside(self, rid: int, info: RingInfo) -> bool:
-        """Whether request `rid` came from a member that `info`'s ring leaves out."""
-        req, origin = self._reqs.get(rid), origin_of(rid)
-        if req is None or req.generation is not None or origin >= len(self.origins):
+        """Whether request `rid` came from a member that `info`'s ring leaves out: no member of
+        it has the request's origin tag (a member that left and came back has another)."""
+        req = self._reqs.get(rid)
+        if req is None or req.generation is not None:
             return False
-        return self.origins[origin] not in info.order
+        return origin_of(rid) not in {self.origins.get(name) for name in info.order}
 
     # -- admission -------------------------------------------------------------------------------------
 
@@ -594,7 +603,7 @@ class RingHead(RoleBase):
             self._write(self._pending.pop(rid))
 
     def _write(self, pending: _Pending) -> None:
-        rec = request_record(self.info, pending.req, ring_hops(self.info, pending), self.origins)
+        rec = request_record(self.info, pending.req, ring_hops(self.info, pending), self.asked_by)
         if self.traces is not None:
             self.traces.write(rec)
         metrics.observe_request(rec)
@@ -633,9 +642,10 @@ def ring_hops(info: RingInfo, p: _Pending) -> tuple[HopTrace, ...]:
 
 
 def request_record(
-    info: RingInfo, req: _Req, hops: tuple[HopTrace, ...], origins: Sequence[str] | None = None
+    info: RingInfo, req: _Req, hops: tuple[HopTrace, ...], asked_by: Mapping[int, str] | None = None
 ) -> RequestRecord:
-    origins = info.order if origins is None else origins
+    """`asked_by`: member names by origin tag (None: by first ring index)."""
+    asked_by = dict(enumerate(info.order)) if asked_by is None else asked_by
     sent = {h.src: h.bytes for h in hops}
     stages = []
     for i, m in enumerate(info.order):
@@ -659,7 +669,7 @@ def request_record(
     return RequestRecord(
         session=info.session,
         request_id=req.rid,
-        member=origins[origin_of(req.rid)] if origin_of(req.rid) < len(origins) else "?",
+        member=asked_by.get(origin_of(req.rid), "?"),
         division=info.division,
         prompt_tokens=len(req.prompt),
         completion_tokens=req.generated,

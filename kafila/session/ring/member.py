@@ -31,8 +31,9 @@ from kafila.proto import tensor as t
 from kafila.proto.ring import Cause, RingBroken
 from kafila.session.channel import Channel, ChannelError
 from kafila.session.ring import compute
-from kafila.session.ring.generation import QueueGeneration, RequestIds, cancel_tasks, guarded, origin_of
+from kafila.session.ring.generation import QueueGeneration, cancel_tasks, guarded
 from kafila.session.ring.info import RingInfo
+from kafila.session.ring.origins import RequestIds, origin_of
 from kafila.session.ring.role import RoleBase
 from kafila.session.ring.stagetrace import StageTally, hop_report
 
@@ -49,7 +50,7 @@ class RingMember(RoleBase):
         next_ch: Channel,
         prev_ch: Channel,
         traces: TraceLog | None = None,
-        origin: int | None = None,  # its requests' origin (generation.origin_of): its first ring index
+        origin: int | None = None,  # its requests' origin tag, the host's (None: its ring index)
     ) -> None:
         super().__init__(info.order[index], next_ch, prev_ch)
         self.next: Channel = next_ch
@@ -58,8 +59,8 @@ class RingMember(RoleBase):
         self.traces = traces  # this member's own records (its stage, its hops); None: metrics only
         self.tally = StageTally(info, index, next_ch, prev_ch)
         self._arrived: dict[int, float] = {}  # id of a waiting frame -> when it arrived
-        self.origin = index if origin is None else origin  # kept across epochs, as the ring re-orders
-        self.ids = RequestIds(self.origin)
+        self.ids = RequestIds(index if origin is None else origin)  # kept across epochs
+        self.origin = self.ids.origin
         self._mine: dict[int, QueueGeneration] = {}
         self._acks: dict[int, asyncio.Future[None]] = {}  # forwarded, the head's first answer awaited
         self._forwarded: dict[int, t.Generate] = {}  # ... and the message, sent again after a re-plan

@@ -1,0 +1,137 @@
+"""Membership that changes again and again while the session serves, as processes on loopback
+(`kafila host`, `kafila join`): a loss, the lost member back under its name, a newcomer, another
+loss, another newcomer, another loss. After each change, once the session serves again, every
+member in the ring answers the same greedy question as the head did before any change, within
+90 s; a request through a member that arrived mid-session used to hang for good when its ring
+index was a survivor's first one (the survivor took its answers as its own). Each loss takes the
+ring member right after the head (neither head nor host), so the survivors behind it move up and
+a member planned in later lands on a survivor's first index; the test checks that this happened."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kafila.demo.fleet import FleetMember, LocalFleet
+
+pytestmark = [
+    pytest.mark.network,
+    pytest.mark.slow,
+    pytest.mark.timeout(1800),  # forming and six changes, each a re-plan or a join that probes and loads
+]
+MODEL = "smollm2-135m"
+QUESTION = "List ten facts about owls."
+ANSWER_S = 90.0  # a member's answer, once the session serves again
+SETTLE_S = 300.0  # a change (a join probes, fetches and loads) until the session serves again
+
+
+def _greedy(url: str) -> str:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}],
+            "max_tokens": 24, "temperature": 0}  # fmt: skip
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=ANSWER_S)
+    if r.status_code != 200:
+        raise AssertionError(f"HTTP {r.status_code}: {r.text[:300]}")
+    return str(r.json()["choices"][0]["message"]["content"])
+
+
+def _session(member: FleetMember) -> dict[str, Any] | None:
+    try:
+        r = httpx.get(f"{member.api_url}/session", timeout=10)
+    except httpx.HTTPError:
+        return None
+    return r.json() if r.status_code == 200 else None
+
+
+def _alive(fleet: LocalFleet) -> list[FleetMember]:
+    return [m for m in fleet.members if m.proc is not None and m.proc.poll() is None and m.api_url]
+
+
+def _settled(fleet: LocalFleet, gone: set[str], what: str) -> dict[str, Any]:
+    """The host's /session once the session serves with every live member in the ring or a spare,
+    none of `gone` in the ring, and each ring member serving the host's epoch itself."""
+    deadline, last = time.monotonic() + SETTLE_S, "nothing yet"
+    while time.monotonic() < deadline:
+        doc = _session(fleet.members[0])
+        if doc is None or doc["state"] != "serving":
+            last = f"host: {doc and doc['state']}"
+        elif gone & set(doc["ring"]):
+            last = f"{sorted(gone & set(doc['ring']))} still in the ring {doc['ring']}"
+        elif waiting := [
+            m.name for m in _alive(fleet) if m.name not in [*doc["ring"], *doc.get("spares", [])]
+        ]:
+            last = f"{waiting} neither in the ring {doc['ring']} nor spares {doc.get('spares')}"
+        else:
+            views = {m.name: _session(m) for m in _alive(fleet) if m.name in doc["ring"]}
+            behind = {n: v and (v["state"], v["epoch"]) for n, v in views.items()
+                      if v is None or v["state"] != "serving" or v["epoch"] != doc["epoch"]}  # fmt: skip
+            if not behind:
+                return doc
+            last = f"members not serving epoch {doc['epoch']}: {behind}"
+        time.sleep(0.5)
+    raise AssertionError(f"after {what}: the session did not settle within {SETTLE_S:g} s ({last})")
+
+
+def _victim(fleet: LocalFleet, doc: dict[str, Any]) -> FleetMember:
+    """The ring member right after the head that is not the host: its loss moves the ones behind up."""
+    ring, host = doc["ring"], fleet.members[0].name
+    name = next(n for n in ring[ring.index(doc["head"]) + 1 :] + ring if n not in (doc["head"], host))
+    return next(m for m in fleet.members if m.name == name)
+
+
+def test_every_members_api_answers_through_a_run_of_losses_returns_and_newcomers(
+    smollm2_path: Path, tmp_path: Path
+) -> None:
+    args = ("--dead-after", "3", "--threads", "1")  # one thread each: up to five members on 2 cores
+    started = time.monotonic()
+    with LocalFleet((None,) * 4, MODEL, context=512, concurrency=2, workdir=tmp_path, stagger=False,
+                    extra_args=args) as fleet:  # fmt: skip
+        doc = _settled(fleet, set(), "forming")
+        expected = _greedy(fleet.url(doc["head"]))
+        first: dict[str, int] = {n: i for i, n in enumerate(doc["ring"])}  # live members' first index
+        landed: list[str] = []  # members planned in at a live survivor's first index
+        gone: set[str] = set()
+        changes = ["loss", "back", "new epsilon", "loss", "new zeta", "loss"]
+        lost_first: FleetMember | None = None
+        for n, change in enumerate(changes, 1):
+            if change == "loss":
+                victim = _victim(fleet, doc)
+                assert victim.proc is not None
+                victim.proc.send_signal(signal.SIGKILL)
+                victim.proc.wait(30)
+                gone = {victim.name}
+                first.pop(victim.name, None)
+                lost_first = lost_first or victim
+                if victim is not lost_first:  # gone for good: the fleet's checks leave it out
+                    fleet.members.remove(victim)
+                what = f"change {n}, {victim.name} lost"
+            else:
+                name = lost_first.name if change == "back" and lost_first else change.split()[1]
+                fleet.add_member(name, wait_s=SETTLE_S)
+                gone = set()
+                what = f"change {n}, {name} {'back' if change == 'back' else 'joined'}"
+            doc = _settled(fleet, gone, what)
+            for i, name in enumerate(doc["ring"]):
+                if name not in first:  # built in this epoch: its index, and who had it first
+                    if any(first[s] == i for s in first if s != doc["head"]):
+                        landed.append(f"{name} at {i} in epoch {doc['epoch']} ({what})")
+                    first[name] = i
+            failures = []
+            for m in _alive(fleet):
+                if m.name not in doc["ring"]:
+                    continue  # a spare: answers 503 until it is planned in
+                t0 = time.monotonic()
+                try:
+                    got = _greedy(str(m.api_url))
+                except (AssertionError, httpx.HTTPError) as exc:
+                    failures.append(f"{m.name}: {exc!r} after {time.monotonic() - t0:.0f} s")
+                    continue
+                if got != expected:
+                    failures.append(f"{m.name}: answered {got!r}, not {expected!r}")
+            assert not failures, f"after {what} (ring {doc['ring']}, epoch {doc['epoch']}): {failures}"
+        assert landed, f"no member was planned in at a survivor's first index (first indexes {first})"
+    print(f"churn: {len(changes)} changes in {time.monotonic() - started:.0f} s; landed: {landed}")
