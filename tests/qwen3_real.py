@@ -12,7 +12,9 @@ transformers' initialisation (std 0.02) leaves a random model's top logits withi
 other, so a greedy comparison would hinge on rounding. The weights are drawn instead with std
 `2 / sqrt(fan_in)` in the blocks, 1.0 in the embedding and `LOGIT_STD / sqrt(hidden)` in the head,
 seeded: logits have a standard deviation near LOGIT_STD, and `greedy_margins` measures the gap
-between the top two logits along a greedy path so tests can assert it is wide.
+between the top two logits along a greedy path so tests can assert it is wide (a random head's
+top-2 gap is itself random, about LOGIT_STD / 5 on average, so the seed is one whose gaps were
+measured wide on both prompts; the fixture asserts it, so a change of draw fails loudly).
 """
 
 from __future__ import annotations
@@ -110,7 +112,10 @@ LONG = [
     },
 ]
 NEW_TOKENS = 16
-MIN_MARGIN = 0.1  # logits; the fp32 comparison's tolerance (ATOL in the tests) is 100 times smaller
+# Logits. Seed 1 measured 0.53 (short) and 0.63 (long); the fp32 comparison's tolerance (ATOL in
+# tests/models/test_qwen3_real.py) is 1e-3, and the largest difference measured 3.7e-4.
+MIN_MARGIN = 0.3
+SEED = 1  # of the seeds 0-3, the one whose greedy paths stay clear of near-ties on both prompts
 
 
 @dataclass
@@ -133,7 +138,7 @@ def make_qwen3_real_with_reference(folder: Path, tokenizer_dir: Path) -> QwenRea
     from kafila.engine.tokenizer import Tokenizer
     from kafila.models.checkpoint import Checkpoint
 
-    make_qwen3_real(folder, tokenizer_dir)
+    make_qwen3_real(folder, tokenizer_dir, seed=SEED)
     tok = Tokenizer.from_checkpoint(Checkpoint.open(folder))
     model = reference(folder)
     paths = []
