@@ -133,17 +133,23 @@ class QwenReal:
 
 
 def make_qwen3_real_with_reference(folder: Path, tokenizer_dir: Path) -> QwenReal:
-    """The checkpoint, and transformers' greedy path for the short and the long chat prompt, each
-    asserted to be far from a tie and free of stop tokens (so every engine generates all of it)."""
+    """The checkpoint, and transformers' greedy path for the short and the long chat prompt (our
+    chat template's ids asserted equal to transformers' apply_chat_template), each asserted to be
+    far from a tie and free of stop tokens (so every engine generates all of it)."""
+    import transformers
+
     from kafila.engine.tokenizer import Tokenizer
     from kafila.models.checkpoint import Checkpoint
 
     make_qwen3_real(folder, tokenizer_dir, seed=SEED)
     tok = Tokenizer.from_checkpoint(Checkpoint.open(folder))
+    theirs = transformers.AutoTokenizer.from_pretrained(folder)
     model = reference(folder)
     paths = []
     for messages in (SHORT, LONG):
         prompt = tok.encode_chat(messages)
+        expected = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        assert prompt == list(getattr(expected, "input_ids", expected)), "chat template ids differ"
         tokens, logits = greedy_with_logits(model, prompt, NEW_TOKENS)
         assert logits.argmax(-1).tolist() == tokens, "a stop token was suppressed: not the plain greedy path"
         assert not set(tokens) & tok.stop_ids, f"greedy path {tokens} reaches a stop token"
