@@ -21,8 +21,10 @@ decides again over everyone left and sends the epoch after the abandoned one; a 
 moving (or had moved) to the abandoned epoch cancels that and moves to the newer one, and every
 message of an older epoch is dropped.
 
-The head stays where it is: a re-plan keeps a present serving head (plan(keep_head=True)); a plan
-that would move it (its member was lost) ends the session, saying so. A path that changes while
+The head stays where it is while present: a re-plan keeps a present serving head
+(plan(keep_head=True)). When its member is lost the plan puts it on a survivor, which becomes the
+head (kafila.session.ring.promote) and takes the requests in flight from the members that
+forwarded them, with the tokens their clients have had. A path that changes while
 serving and holds (kafila.session.forming.paths) is re-priced the same way, and re-planned when that
 is more than the head margin faster.
 A lost host ends the session (every member hears its links close as the host ends).
