@@ -17,6 +17,7 @@ from kafila.session.channel import Heartbeat, MemoryChannel
 from kafila.session.ring.generation import QueueGeneration
 from kafila.session.ring.info import RingInfo
 from kafila.session.ring.member import RingMember
+from kafila.session.ring.origins import origin_of
 from kafila.session.ring.promote import promoted
 from tests.session.ringkit import beat, build_ring, recovers_from_losing, replan_without_m1, replanning
 
@@ -161,8 +162,12 @@ async def test_a_lost_head_moves_to_a_member_and_the_forwarded_answers_go_on_unc
         pairs = [MemoryChannel.pair(a, b, epoch=2) for a, b in (("m1", "m2"), ("m2", "m3"), ("m3", "m1"))]
         channels = [beat(c, 5.0) for pair in pairs for c in pair]
         eos = ckpt.config.eos_token_id
-        head = promoted(m1, stages[0], info, channels[0], channels[5], 3, eos, 2, 4, None)
+        with pytest.raises(ValueError, match="origin tag 1"):  # m1 numbers its requests under tag 1
+            promoted(m1, stages[0], info, channels[0], channels[5], 3, eos, 2, 4, None, {"m1": 5, "m2": 2})
+        origins = {"m0": 0, "m1": 1, "m2": 2, "m3": 3}  # as ringkit's members were tagged
+        head = promoted(m1, stages[0], info, channels[0], channels[5], 3, eos, 2, 4, None, origins)
         head.epoch = 2
+        assert head.asked_by == {tag: name for name, tag in origins.items()}
         m2.resume(2, 1, stages[1], info, channels[2], channels[1])
         m3.resume(2, 2, stages[2], info, channels[4], channels[3])
         assert head.carrying() == 1 and head.name == "m1"  # m1's own request; m2's come over the ring
@@ -174,6 +179,9 @@ async def test_a_lost_head_moves_to_a_member_and_the_forwarded_answers_go_on_unc
         assert head.describe()["me"] == "m1" and head.describe()["state"] == "serving"
         again = await collect(await m2.submit(PROMPTS[0], Sampling(max_tokens=TOKENS)))  # the new ring serves
         assert again == expected[0]
+        own = await head.submit(PROMPTS[1], Sampling(max_tokens=TOKENS))  # m1's tag, its count going on
+        assert origin_of(own.request_id) == 1 and own.request_id not in {g.request_id for g in gens}
+        assert await collect(own) == expected[1]
     finally:
         if head is not None:
             await head.stop()
