@@ -43,7 +43,7 @@ class Sampling:
     @classmethod
     def of(cls, msg: t.Generate) -> Sampling:
         """The settings a forwarded request carries (the inverse of `forwarded`)."""
-        return cls(*(getattr(msg, f.name) for f in fields(msg)[2:]))
+        return cls(*(getattr(msg, f.name) for f in fields(msg)[2 : 2 + len(fields(cls))]))
 
 
 @dataclass(frozen=True)

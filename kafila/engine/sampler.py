@@ -100,6 +100,19 @@ class Sampler:
             self.answer[token] += 1
         return token
 
+    def replay(self, tokens: Sequence[int]) -> None:
+        """`tokens` were sampled for this request elsewhere (by a head that was lost): count them,
+        take them into the penalties' history, and advance the generator past their draws (one
+        double each, as `Generator.choice` draws), so the answer goes on as it would have."""
+        p = self.params
+        self.generated += len(tokens)
+        if not (p.temperature == 0 or p.top_k == 1 or p.top_p == 0):
+            self.rng.random(len(tokens))
+        if self.recent.maxlen:
+            self.recent.extend(tokens)
+        if p.presence_penalty or p.frequency_penalty:
+            self.answer.update(tokens)
+
     def penalized(self, logits: np.ndarray) -> np.ndarray:
         """logits [V] with this request's penalties applied (the same array when none is on)."""
         p = self.params

@@ -8,8 +8,10 @@ serves, and it moves the session to the epoch after the abandoned one, so whatev
 epoch still sends is stale everywhere (members accept only an epoch newer than any they have seen:
 `newer`). Fetches are counted from the serving division, the one every survivor surely holds. If the
 rest cannot hold the model, the session ends with the planner's refusal, which names the device, as
-one loss does; a decision that would move the head ends it too (requests in flight have their
-samplers at the head).
+one loss does. A lost head moves like any other member's share: the planner, anchored at the host
+where the serving head is gone, places the head anew, and the requests in flight are carried to it
+by the members that forwarded them (kafila.session.ring: prompt and the tokens streamed so far,
+prefilled again). A present head is never moved (the planner keeps it: `replan.keeps_head`).
 
     serving (epoch e) --loss--> Moving(e+1) --loss--> Moving(e+2) --...--> all ready: committed
                                     \\--------------------\\--> End (the rest cannot hold the model)
@@ -83,11 +85,6 @@ def on_loss(
         decision = _after(moving, decision)
     if isinstance(decision, Keep | End):
         return decision
-    if decision.plan.head != m.plan.head:
-        return End(
-            f"{decision.cause}; the new plan moves the head from {m.plan.head} to {decision.plan.head}, "
-            "which this version cannot do with requests in flight"
-        )
     lost_at = now if moving is None else moving.lost_at
     abandoned = None if moving is None else moving.epoch
     return Start(Move(decision, gone | {member}, lost_at), abandoned)

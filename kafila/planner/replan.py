@@ -11,7 +11,8 @@ Rules, in the order the host applies them:
 - The session host cannot leave: losing it ends the session (its member holds the rendezvous
   registration and the weights' source).
 - Every re-plan anchors the planner at the serving head (the host where the head is gone), and keeps
-  the head there while it is present: a serving head's samplers and caches do not move.
+  the head there while it is present: a serving head's samplers and caches do not move. A lost
+  head is placed anew by the planner; the requests in flight move to it (kafila.planner.moves).
 - A lost member: re-plan over everyone present, spares included. If that plan is refused (the
   survivors cannot hold the model), the session ends with the planner's reason, which names the
   device and its numbers, as forming's refusal does.
@@ -273,9 +274,10 @@ def anchor_of(m: Membership) -> str:
 
 
 def keeps_head(m: Membership) -> bool:
-    """Whether a re-plan must keep the head where it is: it serves and is still present. Moving a
-    serving head (its samplers, caches and queue) is not built; the planner's head margin alone
-    once moved it on a noisy bandwidth probe, ending a session that could go on."""
+    """Whether a re-plan must keep the head where it is: it serves and is still present. A lost
+    head's requests are carried to the new one by the members that forwarded them; a present
+    head is not moved (its samplers, caches and queue would have to be handed over, for a gain
+    within the planner's noise: the head margin alone once moved it on a noisy bandwidth probe)."""
     return m.plan.head is not None and m.plan.head in m.present
 
 

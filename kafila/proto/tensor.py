@@ -131,6 +131,10 @@ class Generate:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_p: float = 0.0
+    # carried from a head that was lost: `generated` holds the tokens its client has had, which the
+    # new head prefills after the prompt and goes on from (also while it re-plans)
+    carried: bool = False
+    generated: tuple[int, ...] = ()
 
     kind: ClassVar[Kind] = Kind.GENERATE
 
@@ -200,6 +204,8 @@ _FIELDS: dict[type, dict[str, tuple[type, ...]]] = {
         "presence_penalty": (float, int),
         "frequency_penalty": (float, int),
         "min_p": (float, int),
+        "carried": (bool,),
+        "generated": (list,),
     },
     Tokens: {
         "request_id": (int,),
@@ -212,7 +218,7 @@ _FIELDS: dict[type, dict[str, tuple[type, ...]]] = {
     Error: {"request_id": (int,), "code": (str,), "message": (str,)},
     Control: {"op": (str,), "body": (dict,)},
 }
-_INT_LISTS = {"prompt", "tokens", "stop"}
+_INT_LISTS = {"prompt", "tokens", "stop", "generated"}
 _OPTIONAL = {
     "temperature",
     "top_k",
@@ -224,6 +230,8 @@ _OPTIONAL = {
     "presence_penalty",
     "frequency_penalty",
     "min_p",
+    "carried",
+    "generated",
     "finish",
     "queue_position",
     "prefill_s",
@@ -376,7 +384,7 @@ def _check_field(kind: Kind, d: dict[str, Any], name: str, types: tuple[type, ..
             return
         raise FrameError(f"{kind.name} is missing {name!r}")
     value = d[name]
-    if isinstance(value, bool) or not isinstance(value, types):
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
         raise FrameError(f"{kind.name}.{name} is {type(value).__name__}, expected {types[0].__name__}")
     if isinstance(value, int) and value < 0 and name not in {"seed"}:
         raise FrameError(f"{kind.name}.{name} is negative ({value})")

@@ -165,3 +165,26 @@ def test_min_p_keeps_the_tokens_at_least_p_times_as_likely_as_the_most_likely() 
 def test_a_seeded_draw_with_min_p_only_picks_kept_tokens() -> None:
     sampler = Sampler(SamplingParams(temperature=1.0, min_p=0.3, seed=3))
     assert {sampler.sample(LOGITS) for _ in range(200)} == {1, 2, 4}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.9, seed=7, max_tokens=12, repeat_penalty=1.3, repeat_last_n=4),
+        SamplingParams(max_tokens=12, presence_penalty=0.8, frequency_penalty=0.5),
+        SamplingParams(temperature=1.2, top_k=4, seed=3, max_tokens=12, frequency_penalty=0.3),
+    ],
+)
+def test_a_sampler_replaying_the_tokens_of_another_goes_on_as_that_one_would(params: SamplingParams) -> None:
+    """A request carried to a new head: a sampler given the prompt and replaying the tokens a lost
+    head sampled continues with the same tokens and stop rule as the sampler that went on."""
+    rng = np.random.default_rng(11)
+    steps = [rng.normal(size=LOGITS.shape[0]).astype(np.float32) for _ in range(12)]
+    prompt = [1, 2, 5]
+    whole = Sampler(params, (), prompt)
+    tokens = [whole.sample(z) for z in steps]
+    for cut in (1, 5, 11):
+        carried = Sampler(params, (), prompt)
+        carried.replay(tokens[:cut])
+        assert [carried.sample(z) for z in steps[cut:]] == tokens[cut:]
+        assert carried.stop_reason(tokens[-1]) == whole.stop_reason(tokens[-1]) == "length"

@@ -125,15 +125,34 @@ def test_any_run_of_losses_is_plan_over_everyone_left_or_its_refusal(
         if not want.feasible:
             assert isinstance(step, End) and want.reason is not None and want.reason in step.reason
             return
-        if want.head != full.head:
-            assert isinstance(step, End) and "moves the head" in step.reason
-            return
         assert isinstance(step, Start) and step.abandoned == (None if moving is None else moving.epoch)
         assert step.move.decision.plan == want and step.move.epoch == 2 + k
         assert step.move.gone == frozenset(lost[: k + 1]) and step.move.lost_at == 0.0
         assert isinstance(step.move.decision, Replan)
         assert step.move.decision.fetches == fetches(full, want, QWEN8)
         moving = step.move
+
+
+def test_losing_the_head_moves_it_like_any_other_share_rather_than_ending_the_session() -> None:
+    """The head's member lost: the re-plan over the rest, anchored at the host, places the head anew
+    (the requests in flight are carried to it), with the new head's tensors among its fetches."""
+    reports = [dev("host", 12, 100), dev("b", 12, 400), dev("c", 12, 150), dev("d", 12, 120)]
+    m = formed(reports)
+    head = m.plan.head
+    assert head is not None and head != "host"  # a faster member beats the host as head
+    step = on_loss(m, None, head, "silent for 3.0 s", 5.0, QWEN8, TERMS)
+    assert isinstance(step, Start) and step.abandoned is None
+    new = step.move.decision.plan
+    left = [r for r in reports if r.name != head]
+    assert new == plan(left, QWEN8, context=4096, anchor=0) and new.head != head
+    assert step.move.gone == {head} and step.move.epoch == 2
+    moved = [f for f in step.move.decision.fetches if f.member == new.head]
+    assert new.head == "host" or (moved and moved[0].head)  # the host loads its own head tensors
+    # a second loss while the head moves abandons that move for the next epoch, as any other
+    second = next(n for n in new.order if n not in ("host", new.head))
+    later = on_loss(m, step.move, second, "closed", 6.0, QWEN8, TERMS)
+    assert isinstance(later, Start) and later.abandoned == 2 and later.move.epoch == 3
+    assert later.move.gone == {head, second} and later.move.decision.plan.head not in later.move.gone
 
 
 def test_a_member_planned_around_in_an_earlier_epoch_is_ignored_when_reported_again() -> None:

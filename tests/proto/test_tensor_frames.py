@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import struct
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -53,6 +54,8 @@ messages = st.one_of(
         presence_penalty=st.floats(-2, 2),
         frequency_penalty=st.floats(-2, 2),
         min_p=st.floats(0, 1),
+        carried=st.booleans(),
+        generated=tokens,
     ),
     st.builds(
         t.Tokens,
@@ -172,7 +175,8 @@ def test_a_forwarded_request_carries_every_sampling_setting() -> None:
     from kafila.api.service import Sampling
 
     names = ["stop" if f.name == "stop_ids" else f.name for f in fields(Sampling)]
-    assert [f.name for f in fields(t.Generate)][2:] == names
+    assert [f.name for f in fields(t.Generate)][2 : 2 + len(names)] == names
+    assert [f.name for f in fields(t.Generate)][2 + len(names) :] == ["carried", "generated"]
     s = Sampling(
         max_tokens=7, temperature=0.5, top_k=3, top_p=0.9, seed=-4, stop_ids=(5, 6), repeat_penalty=1.3,
         repeat_last_n=9, presence_penalty=0.2, frequency_penalty=-0.1, min_p=0.05,
@@ -180,3 +184,8 @@ def test_a_forwarded_request_carries_every_sampling_setting() -> None:
     msg = s.forwarded(12, [1, 2, 3])
     assert (msg.request_id, msg.prompt) == (12, (1, 2, 3))
     assert Sampling.of(t.decode(t.encode(msg, 1))) == s
+    carried = t.decode(t.encode(replace(msg, carried=True, generated=(9, 8)), 1))
+    assert isinstance(carried, t.Generate) and (carried.carried, carried.generated) == (True, (9, 8))
+    assert Sampling.of(carried) == s
+    plain = t.decode(t.encode(msg, 1))
+    assert isinstance(plain, t.Generate) and (plain.carried, plain.generated) == (False, ())

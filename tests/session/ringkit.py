@@ -24,9 +24,9 @@ class Ring:
     channels: list[Heartbeat]
 
     def kill(self, index: int) -> None:
-        """Simulated death of member `index` (not the head): its loops and its heartbeats stop,
+        """Simulated death of member `index` (0: the head): its loops and its heartbeats stop,
         nothing is closed politely, as when the process is killed."""
-        member = self.members[index - 1]
+        member = self.head if index == 0 else self.members[index - 1]
         for task in member._tasks:
             task.cancel()
         n = len(self.members) + 1

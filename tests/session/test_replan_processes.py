@@ -52,11 +52,13 @@ def _stream(url: str, prompt: str, out: dict[str, object], started: threading.Ev
     out["text"] = "".join(text)
 
 
-def _answers(url: str, kill: threading.Event | None = None) -> list[dict[str, object]]:
+def _answers(url: str | list[str], kill: threading.Event | None = None) -> list[dict[str, object]]:
+    """The four answers, each streamed from `url` (or from its own URL, in order)."""
+    urls = [url] * len(PROMPTS) if isinstance(url, str) else url
     outs: list[dict[str, object]] = [{} for _ in PROMPTS]
     threads = [
-        threading.Thread(target=_stream, args=(url, p, o, kill if i == 0 else None))
-        for i, (p, o) in enumerate(zip(PROMPTS, outs, strict=True))
+        threading.Thread(target=_stream, args=(u, p, o, kill if i == 0 else None))
+        for i, (u, p, o) in enumerate(zip(urls, PROMPTS, outs, strict=True))
     ]
     for t in threads:
         t.start()
@@ -124,6 +126,81 @@ def test_a_killed_member_is_planned_around_and_every_streaming_answer_completes_
     assert set(replans[0]["new_blocks"]) == set(after["ring"])
     if host == doc["head"]:  # the host sees the tokens only as the head
         assert replans[0]["carried"] == 4 and replans[0]["first_token_s"] is not None
+
+
+def _kill_the_head(fleet: LocalFleet, through: list[FleetMember]) -> tuple[FleetMember, dict]:
+    """Four greedy answers streamed through `through` (members that are not the head), the head
+    killed (SIGKILL) mid-answer: every answer completes identical to its answer without the kill.
+    Returns the member killed and the host's /session after, at epoch 2 with the head moved."""
+    doc = fleet.session()
+    assert doc["state"] == "serving" and doc["epoch"] == 1 and len(doc["ring"]) == 4, doc
+    head = next(m for m in fleet.members if m.name == doc["head"])
+    assert head.proc is not None and head not in through and all(m.api_url for m in through)
+    urls = [str(through[i % len(through)].api_url) for i in range(len(PROMPTS))]
+    expected = _answers(urls)
+    assert all("text" in o and "error" not in o for o in expected), expected
+    started = threading.Event()
+
+    def kill() -> None:
+        if started.wait(120):
+            assert head.proc is not None
+            head.proc.send_signal(signal.SIGKILL)  # mid-answer, no goodbye
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    got = _answers(urls, started)
+    killer.join()
+    assert head.proc.poll() is not None, "the answers ended before the head could be killed"
+    assert [o.get("error") for o in got] == [None] * 4, got
+    assert [o["text"] for o in got] == [o["text"] for o in expected]
+    after = fleet.session()
+    assert after["state"] == "serving" and after["epoch"] == 2, after
+    assert head.name not in after["ring"] and after["head"] != head.name, after
+    assert head.name in after["change"]["cause"]
+    moved = next(m for m in fleet.members if m.name == after["head"])
+    assert "this member is the head from epoch 2 on" in moved.log_text()
+    for m in fleet.members:
+        if m is not head:
+            assert f"epoch 2 serving: ring {' -> '.join(after['ring'])}" in m.log_text(), m.name
+    again = _answers(urls)  # the new ring serves new requests the same way
+    assert [o.get("text") for o in again] == [o["text"] for o in expected], again
+    return head, after
+
+
+def test_a_killed_head_moves_to_a_survivor_and_every_answer_streamed_through_the_others_completes_unchanged(
+    smollm2_path, tmp_path
+) -> None:
+    """The host offers 0.1 GB (--memory-gb, the planner's input), less than the head's tensors
+    (0.11 GB in fp32), so the planner puts the head on a joining member, at forming and again after
+    the loss. Four greedy answers stream through members that survive (two through the host, two
+    through another member, which may become the head); the head is killed mid-answer. The host
+    re-plans with the head on a joining survivor, the members send their requests to it with the
+    tokens streamed so far, and every answer completes unchanged: no token repeated, none missing."""
+    limits = [("--memory-gb", "0.1"), (), (), ()]
+    with LocalFleet((None,) * 4, MODEL, context=512, concurrency=4, workdir=tmp_path, stagger=False,
+                    extra_args=ONE_THREAD, member_args=limits) as fleet:  # fmt: skip
+        host = fleet.members[0]
+        other = next(m for m in fleet.members[1:] if m.name != fleet.head)
+        _, after = _kill_the_head(fleet, [host, other])
+        assert after["head"] != host.name, after
+
+
+def test_a_killed_head_moves_to_the_host_whose_own_clients_answers_go_on_there(
+    smollm2_path, tmp_path
+) -> None:
+    """The host runs at a fifth of a CPU (--emulate-speed 0.2), so the planner puts the head on the
+    one joining member that can hold it; the two others offer 0.1 GB, less than the head's tensors,
+    so once that member is killed (SIGKILL) mid-answer only the host can be the head. The host
+    becomes it: the answers its own clients stream (forwarded until then) become the new head's
+    own, the other member sends its requests over, and all four complete unchanged."""
+    limits = [(), ("--memory-gb", "0.1"), ("--memory-gb", "0.1"), ()]
+    with LocalFleet((0.2, None, None, None), MODEL, context=512, concurrency=4, workdir=tmp_path,
+                    stagger=False, extra_args=ONE_THREAD, member_args=limits) as fleet:  # fmt: skip
+        host, beta = fleet.members[0], fleet.members[1]
+        assert fleet.head == fleet.members[3].name, fleet.session()  # the one that can hold it
+        _, after = _kill_the_head(fleet, [host, beta])
+        assert after["head"] == host.name, after
+        assert "this member is the head from epoch 2 on: 2 request(s) carried here" in host.log_text()
 
 
 def test_survivors_that_cannot_hold_the_model_end_the_session_naming_the_device(

@@ -6,13 +6,20 @@ uninterrupted run gives (the roles' part of kafila.session.forming.epochs, witho
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
 from kafila.api.service import GenerationError, Sampling, TokenEvent
+from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
+from kafila.session.channel import Heartbeat, MemoryChannel
+from kafila.session.ring.generation import QueueGeneration
 from kafila.session.ring.info import RingInfo
-from tests.session.ringkit import build_ring, recovers_from_losing, replan_without_m1, replanning
+from kafila.session.ring.member import RingMember
+from kafila.session.ring.origins import origin_of
+from kafila.session.ring.promote import promoted
+from tests.session.ringkit import beat, build_ring, recovers_from_losing, replan_without_m1, replanning
 
 PROMPTS = [[17, 40, 200, 99, 4, 64, 18, 250, 7], [17, 4, 200], [200, 100, 50, 25]]  # answers of 24 tokens
 TOKENS = 24
@@ -92,4 +99,93 @@ async def test_a_request_forwarded_by_the_lost_member_is_dropped_not_carried_on(
     finally:
         if c0 is not None:
             await c0.close()
+        await ring.stop()
+
+
+async def _answer_started(member: RingMember, gen: QueueGeneration, job: asyncio.Future[list[int]]) -> None:
+    """Until `member`'s client has had 3 tokens of `gen` (or its answer ended)."""
+    while len(member._delivered.get(gen.request_id, ())) < 3 and not job.done():
+        await asyncio.sleep(0)
+
+
+async def test_a_lost_head_moves_to_a_member_and_the_forwarded_answers_go_on_unchanged(
+    ckpt: Checkpoint,
+) -> None:
+    """A ring of four loses its head (m0) mid-answer. Epoch 2 makes m1 the head: m1's own clients'
+    requests become the new head's, m2's are sent to it carried (prompt and the tokens streamed),
+    and every answer is the one an uninterrupted ring gives, with no token repeated or missed."""
+    splits = [(0, 2), (2, 3), (3, 4), (4, 5)]
+    asks = [(1, PROMPTS[0]), (2, PROMPTS[1]), (2, PROMPTS[2])]  # (member, prompt)
+    ring = build_ring(ckpt, splits, concurrency=2)  # two admitted, one queued
+    try:
+        expected = [
+            await collect(await ring.members[i - 1].submit(p, Sampling(max_tokens=TOKENS))) for i, p in asks
+        ]
+        assert max(len(e) for e in expected) > 8
+    finally:
+        await ring.stop()
+
+    ring = build_ring(ckpt, splits, dead_after=3.0, concurrency=2)
+    m1, m2, m3 = ring.members
+    recovers_from_losing(ring, "m0")
+    channels: list[Heartbeat] = []
+    head = None
+    try:
+        gens = [await ring.members[i - 1].submit(p, Sampling(max_tokens=TOKENS)) for i, p in asks]
+        jobs = [asyncio.ensure_future(collect(g)) for g in gens]
+        longest = max(range(len(asks)), key=lambda i: len(expected[i]))
+        await _answer_started(ring.members[asks[longest][0] - 1], gens[longest], jobs[longest])
+        ring.kill(0)
+        for _ in range(1000):
+            if all(m.state == "replanning" for m in ring.members):
+                break
+            await asyncio.sleep(0.01)
+        assert [m.state for m in ring.members] == ["replanning"] * 3
+        streamed = [
+            len(ring.members[i - 1]._delivered.get(g.request_id, ()))
+            for (i, _), g in zip(asks, gens, strict=True)
+        ]
+        assert 3 <= streamed[longest] < len(expected[longest])  # cut mid-answer
+        for m in ring.members:
+            await m.pause()
+        new = [(0, 3), (3, 4), (4, 5)]  # m1 [0, 3) + head, m2 [3, 4), m3 [4, 5)
+        info = dataclasses.replace(
+            m1.info,
+            order=("m1", "m2", "m3"),
+            blocks=dict(zip(("m1", "m2", "m3"), new, strict=True)),
+            edges={"m1->m2": "local", "m2->m3": "local", "m3->m1": "local"},
+        )
+        stages = [
+            Stage.load(ckpt, range(a, b), i == 0, "torch", "fp32", context=64, concurrency=2)
+            for i, (a, b) in enumerate(new)
+        ]
+        pairs = [MemoryChannel.pair(a, b, epoch=2) for a, b in (("m1", "m2"), ("m2", "m3"), ("m3", "m1"))]
+        channels = [beat(c, 5.0) for pair in pairs for c in pair]
+        eos = ckpt.config.eos_token_id
+        with pytest.raises(ValueError, match="origin tag 1"):  # m1 numbers its requests under tag 1
+            promoted(m1, stages[0], info, channels[0], channels[5], 3, eos, 2, 4, None, {"m1": 5, "m2": 2})
+        origins = {"m0": 0, "m1": 1, "m2": 2, "m3": 3}  # as ringkit's members were tagged
+        head = promoted(m1, stages[0], info, channels[0], channels[5], 3, eos, 2, 4, None, origins)
+        head.epoch = 2
+        assert head.asked_by == {tag: name for name, tag in origins.items()}
+        m2.resume(2, 1, stages[1], info, channels[2], channels[1])
+        m3.resume(2, 2, stages[2], info, channels[4], channels[3])
+        assert head.carrying() == 1 and head.name == "m1"  # m1's own request; m2's come over the ring
+        for role in (head, m2, m3):
+            role.changed("serving", "m0 was lost (silent)")
+        head.go()
+        got = await asyncio.wait_for(asyncio.gather(*jobs), 60)
+        assert got == expected
+        assert head.describe()["me"] == "m1" and head.describe()["state"] == "serving"
+        again = await collect(await m2.submit(PROMPTS[0], Sampling(max_tokens=TOKENS)))  # the new ring serves
+        assert again == expected[0]
+        own = await head.submit(PROMPTS[1], Sampling(max_tokens=TOKENS))  # m1's tag, its count going on
+        assert origin_of(own.request_id) == 1 and own.request_id not in {g.request_id for g in gens}
+        assert await collect(own) == expected[1]
+    finally:
+        if head is not None:
+            await head.stop()
+            head.model.close()
+        for c in channels:
+            await c.close()
         await ring.stop()

@@ -21,8 +21,10 @@ decides again over everyone left and sends the epoch after the abandoned one; a 
 moving (or had moved) to the abandoned epoch cancels that and moves to the newer one, and every
 message of an older epoch is dropped.
 
-The head stays where it is: a re-plan keeps a present serving head (plan(keep_head=True)); a plan
-that would move it (its member was lost) ends the session, saying so. A path that changes while
+The head stays where it is while present: a re-plan keeps a present serving head
+(plan(keep_head=True)). When its member is lost the plan puts it on a survivor, which becomes the
+head (kafila.session.ring.promote) and takes the requests in flight from the members that
+forwarded them, with the tokens their clients have had. A path that changes while
 serving and holds (kafila.session.forming.paths) is re-priced the same way, and re-planned when that
 is more than the head margin faster.
 A lost host ends the session (every member hears its links close as the host ends).
@@ -39,6 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kafila.engine.stage import Stage
+from kafila.engine.tokenizer import Tokenizer
 from kafila.models.checkpoint import Checkpoint
 from kafila.models.manifest import Manifest
 from kafila.net.errors import LinkError
@@ -56,13 +59,14 @@ from kafila.session.channel import Heartbeat, LinkChannel
 from kafila.session.errors import SessionError
 from kafila.session.forming.links import link_ring
 from kafila.session.forming.paths import PathWatch
-from kafila.session.progress import say
+from kafila.session.progress import off_loop, say
 from kafila.session.ring.build import EpochParts, Serving, broken_line, epoch_parts, shard_text
 from kafila.session.ring.compute import ModelThread
 from kafila.session.ring.head import RingHead
 from kafila.session.ring.liveness import cut_off
 from kafila.session.ring.member import RingMember
 from kafila.session.ring.origins import OriginBook
+from kafila.session.ring.promote import promoted
 from kafila.session.runtime import MemberRuntime
 from kafila.session.terms import Options
 from kafila.session.weights.fetch import fetch_shard
@@ -157,12 +161,38 @@ def _formed(links: dict[str, Link], ids: dict[str, int]) -> dict[int, Link]:
     return {ids[p]: link for p, link in links.items() if not link.closed and str(ids.get(p)) == link.peer_id}
 
 
-def _resume(role: RingHead | RingMember, epoch: int, parts: EpochParts, origins: Mapping[str, int]) -> int:
-    """Start `role` on the next epoch's parts (`origins`: every member's request origin tag);
-    returns the requests the head carried on."""
+async def _resume(
+    held: MemberRuntime,
+    epoch: int,
+    parts: EpochParts,
+    plan: Plan,
+    serving: Serving,
+    ckpt: Checkpoint,
+    origins: Mapping[str, int],
+) -> int:
+    """Start this member's role on the next epoch's parts (`origins`: every member's request
+    origin tag, the host's); returns the requests the head carried on. A member the plan makes the
+    head (the head's member was lost) becomes it (`promoted`): its role, and the service its API
+    answers with, are the new head from now on."""
+    role = held.ring()
     if isinstance(role, RingHead):
         carried = role.resume(epoch, parts.stage, parts.info, parts.next, parts.prev, parts.lanes, origins)
         metrics.observe_ring(role.describe())  # every series of the ring, rebuilt for this epoch
+        return carried
+    if parts.index == 0:
+        eos = (await off_loop(Tokenizer.from_checkpoint, ckpt)).stop_ids
+        terms = serving.terms
+        head = promoted(
+            role, parts.stage, parts.info, parts.next, parts.prev, parts.lanes, tuple(eos),
+            plan.concurrency, terms.chunk, terms.queue, origins,
+        )  # fmt: skip
+        head.epoch = epoch
+        held.role = head
+        if held.app is not None:
+            held.app.state.api.service = head
+        carried = head.carrying()
+        metrics.observe_ring(head.describe())
+        say(f"this member is the head from epoch {epoch} on: {carried} request(s) carried here")
         return carried
     if parts.next is None or parts.prev is None:
         raise SessionError(f"member {role.name} has no ring neighbour in epoch {epoch}")
@@ -389,9 +419,10 @@ class HostEpochs:
             (self.server.stats[n].bytes_sent if n in self.server.stats else 0) - sent_before[n]
             for n in survivors
         )
+        resumed = await _resume(held, decision.epoch, parts, new, self.serving, ckpt, origins)
+        role = held.ring()  # the head now, where the head moved to the host
         head = isinstance(role, RingHead)
         first = role.first_token() if isinstance(role, RingHead) else None
-        resumed = _resume(role, decision.epoch, parts, origins)
         # the new epoch is in place: a loss from now on re-plans from it
         self.membership, self._moving = moves.committed(self.membership, move), None
         held.plan = new
@@ -670,4 +701,4 @@ class MemberEpochs:
         opts, serving = self.opts, self.serving
         parts = await epoch_parts(name, code, plan, ckpt, links, opts, serving, msg.epoch, _held(role))
         held.plan = plan
-        _resume(role, msg.epoch, parts, msg.origins)
+        await _resume(held, msg.epoch, parts, plan, serving, ckpt, msg.origins)

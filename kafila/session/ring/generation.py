@@ -70,3 +70,7 @@ class QueueGeneration:
         if not self.finished:
             self.finished = True
             self._on_cancel(self.request_id, reason)
+
+    def answered_by(self, on_cancel: Callable[[int, str], None]) -> None:
+        """The request moved to another service (a member that became the head): its cancel goes there."""
+        self._on_cancel = on_cancel

@@ -227,6 +227,10 @@ class RingHead(RoleBase):
         self.start()  # its pump sends once the state is "serving" again (`go`)
         return len(carried)
 
+    def carrying(self) -> int:
+        """Requests this head holds: admitted and queued."""
+        return len(self.schedule.active) + len(self.schedule.queue_positions())
+
     def _asked_from_outside(self, rid: int, info: RingInfo) -> bool:
         """Whether request `rid` came from a member that `info`'s ring leaves out: no member of
         it has the request's origin tag (a member that left and came back has another)."""
@@ -237,15 +241,30 @@ class RingHead(RoleBase):
 
     # -- admission -------------------------------------------------------------------------------------
 
-    def _accept(self, rid: int, prompt: list[int], s: Sampling, gen: QueueGeneration | None) -> None:
-        self.refuse_new()
+    def _accept(
+        self,
+        rid: int,
+        prompt: list[int],
+        s: Sampling,
+        gen: QueueGeneration | None,
+        had: Sequence[int] | None = None,
+    ) -> None:
+        """Take request `rid`; `had`: it was carried from a head that was lost, with these tokens
+        already streamed to its client (taken while re-planning too: its client waits on it)."""
+        if had is None or self.state != "replanning":
+            self.refuse_new()
+        had = list(had or ())
         if not prompt or len(prompt) + s.max_tokens > self.context:
             raise GenerationError(
                 "too_long",
                 f"prompt of {len(prompt)} tokens plus max_tokens={s.max_tokens} exceeds the context of "
                 f"{self.context} tokens",
             )
-        problem = self.stage.config.token_problem(prompt)
+        if len(had) >= s.max_tokens:
+            raise GenerationError(
+                "bad_request", f"request {rid} carried {len(had)} tokens, max_tokens={s.max_tokens}"
+            )
+        problem = self.stage.config.token_problem(prompt + had)
         if problem:  # the embedding would fail in the model thread and break the ring
             raise GenerationError("bad_request", problem)
         try:  # the API checked these; a forwarded request is checked here too, never breaking the ring
@@ -258,27 +277,43 @@ class RingHead(RoleBase):
             sampler = Sampler(params, self.eos_ids, prompt)
         except ValueError as exc:
             raise GenerationError("bad_request", str(exc)) from exc
+        sampler.replay(had)
         try:
-            position = self.schedule.submit(rid, len(prompt), s.max_tokens)
+            position = self.schedule.submit(rid, len(prompt) + len(had), s.max_tokens - len(had))
         except QueueFull as exc:
             log.info("request_refused", request_id=rid, reason="queue full")
             metrics.observe_no_token("refused")
             raise GenerationError("busy", f"{exc}; try again later") from exc
         req = _Req(rid, prompt, sampler, gen, s.max_tokens)
+        if had:  # prefilled with what its client has, then on from there
+            req.tokens, req.generated, req.feed = had, len(had), prompt + had
         self._reqs[rid] = req
         if position:
             self._told[rid] = position
             self._answer(req, TokenEvent(queue_position=position))
-        log.info("request_accepted", request_id=rid, prompt_tokens=len(prompt), queue_position=position)
+        log.info(
+            "request_accepted", request_id=rid, prompt_tokens=len(prompt), queue_position=position,
+            **({"carried_tokens": len(had)} if had else {}),
+        )  # fmt: skip
         self._wake.set()
+
+    def adopt(self, msg: t.Generate, gen: QueueGeneration) -> None:
+        """A request this member's own API forwarded to a head that was lost, carried on here as a
+        local one: `msg.generated` are the tokens `gen` has streamed."""
+        gen.answered_by(self._cancel_local)
+        try:
+            self._accept(msg.request_id, list(msg.prompt), Sampling.of(msg), gen, msg.generated)
+        except GenerationError as exc:
+            gen.push(exc)
 
     def _accept_remote(self, msg: t.Generate) -> None:
         if msg.request_id in self._reqs:  # sent again after a re-plan: it was carried on
             if not self.schedule.queue_position(msg.request_id):
                 self._outbox.put_nowait(t.Tokens(msg.request_id, ()))
             return
+        had = msg.generated if msg.carried else None  # carried from a head that was lost
         try:
-            self._accept(msg.request_id, list(msg.prompt), Sampling.of(msg), None)
+            self._accept(msg.request_id, list(msg.prompt), Sampling.of(msg), None, had)
         except GenerationError as exc:
             self._outbox.put_nowait(t.Error(msg.request_id, exc.code, exc.message))
             return

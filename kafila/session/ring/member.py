@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from kafila.api.service import GenerationError, Sampling, TokenEvent
@@ -62,10 +63,11 @@ class RingMember(RoleBase):
         self.ids = RequestIds(index if origin is None else origin)  # kept across epochs
         self.origin = self.ids.origin
         self._mine: dict[int, QueueGeneration] = {}
+        self._asked: dict[int, t.Generate] = {}  # what each of them asked: carried to a new head
         self._acks: dict[int, asyncio.Future[None]] = {}  # forwarded, the head's first answer awaited
         self._forwarded: dict[int, t.Generate] = {}  # ... and the message, sent again after a re-plan
         self._late: list[t.Cancel] = []  # cancels while re-planning, sent once the ring serves again
-        self._delivered: dict[int, int] = {}  # tokens its clients have had, per request (for a resync)
+        self._delivered: dict[int, list[int]] = {}  # tokens its clients have had (a resync, a new head)
         self._work: list[t.Hidden | rc.Free] = []
         self._ready = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -81,7 +83,7 @@ class RingMember(RoleBase):
         rid = self.ids.next()
         gen = QueueGeneration(rid, self._cancel)
         self._mine[rid] = gen
-        msg = self._forwarded[rid] = sampling.forwarded(rid, prompt)
+        msg = self._forwarded[rid] = self._asked[rid] = sampling.forwarded(rid, prompt)
         ack = self._acks[rid] = asyncio.get_running_loop().create_future()
         self._outbox.put_nowait(msg)
         log.info("request_forwarded", request_id=rid, head=self.info.order[0], prompt_tokens=len(prompt))
@@ -99,8 +101,7 @@ class RingMember(RoleBase):
         return self.document() | {"me": self.name}
 
     def _cancel(self, rid: int, reason: str) -> None:
-        self._mine.pop(rid, None)
-        self._delivered.pop(rid, None)
+        self._forget(rid)
         if self.state == "replanning":
             self._late.append(t.Cancel(rid, reason))
         elif self.broken is None:
@@ -126,7 +127,10 @@ class RingMember(RoleBase):
         self, epoch: int, index: int, stage: Stage, info: RingInfo, next_ch: Channel, prev_ch: Channel
     ) -> None:
         """Serve epoch `epoch` as ring member `index` on `stage` and these channels. Requests not
-        yet answered by the head are sent again (the head ignores one it carried on)."""
+        yet answered by the head are sent again (the head ignores one it carried on); where the
+        head moved (its member was lost), every request of this member's clients is sent to the
+        new head with the tokens they have had, which it prefills after the prompt and goes on from."""
+        moved = info.order[0] != self.info.order[0]
         self._retire(next_ch, prev_ch)
         self.epoch, self.index, self.stage, self.info = epoch, index, stage, info
         self.next, self.prev = next_ch, prev_ch
@@ -134,13 +138,41 @@ class RingMember(RoleBase):
         self._work.clear()
         self._arrived.clear()
         self._outbox = asyncio.Queue()
-        for msg in self._forwarded.values():
+        for msg in self.carried() if moved else self._forwarded.values():
             self._outbox.put_nowait(msg)
+        if moved:
+            log.info("requests_carried", epoch=epoch, head=info.order[0], count=len(self._mine))
         for cancel in self._late:
             self._outbox.put_nowait(cancel)
         self._late.clear()
         self.broken = None
         self.start()
+
+    def carried(self) -> list[t.Generate]:
+        """Every request of this member's clients as a new head takes it: what it asked, marked
+        carried, with the tokens its client has had."""
+        return [
+            replace(self._asked[rid], carried=True, generated=tuple(self._delivered.get(rid, ())))
+            for rid in self._mine
+            if rid in self._asked
+        ]
+
+    def handed_over(self) -> list[tuple[t.Generate, QueueGeneration]]:
+        """This member becomes the head: its clients' requests (as `carried` gives them) and their
+        streams, which it serves from now on; unanswered submits go on (the head answers the streams)."""
+        held = [(msg, self._mine[msg.request_id]) for msg in self.carried()]
+        for ack in self._acks.values():
+            if not ack.done():
+                ack.set_result(None)
+        self._mine.clear()
+        self._asked.clear()
+        self._delivered.clear()
+        return held
+
+    def _forget(self, rid: int) -> None:
+        self._mine.pop(rid, None)
+        self._asked.pop(rid, None)
+        self._delivered.pop(rid, None)
 
     # -- loops -----------------------------------------------------------------------------------------
 
@@ -183,7 +215,7 @@ class RingMember(RoleBase):
         if origin_of(msg.request_id) != self.origin:
             self._outbox.put_nowait(frame)  # on to the member it is for
             return
-        have = self._delivered.get(msg.request_id, 0)
+        have = len(self._delivered.get(msg.request_id, ()))
         self._deliver(t.Tokens(msg.request_id, msg.tokens[have:]))
 
     def _deliver(self, msg: t.Tokens | t.Error) -> None:
@@ -193,7 +225,7 @@ class RingMember(RoleBase):
         ack = self._acks.pop(msg.request_id, None)
         if ack is not None and not ack.done():
             if isinstance(msg, t.Error):  # refused by the head: submit raises it
-                self._mine.pop(msg.request_id, None)
+                self._forget(msg.request_id)
                 ack.set_exception(GenerationError(msg.code, msg.message))
                 return
             ack.set_result(None)
@@ -201,10 +233,9 @@ class RingMember(RoleBase):
             gen.push(GenerationError(msg.code, msg.message))
         elif msg.tokens or msg.finish or msg.queue_position:  # not the bare "admitted"
             gen.push(TokenEvent(msg.tokens, msg.finish, msg.queue_position, msg.prefill_s))
-            self._delivered[msg.request_id] = self._delivered.get(msg.request_id, 0) + len(msg.tokens)
+            self._delivered.setdefault(msg.request_id, []).extend(msg.tokens)
         if gen.finished:
-            self._mine.pop(msg.request_id, None)
-            self._delivered.pop(msg.request_id, None)
+            self._forget(msg.request_id)
 
     async def _compute(self) -> None:
         while True:
@@ -286,6 +317,7 @@ class RingMember(RoleBase):
         for gen in list(self._mine.values()):
             gen.push(GenerationError(code, message))
         self._mine.clear()
+        self._asked.clear()
         self._delivered.clear()
         for ack in self._acks.values():  # forwarded, not answered yet
             if not ack.done():
