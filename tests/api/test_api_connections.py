@@ -9,6 +9,7 @@ import asyncio
 import errno
 import json
 import logging
+import math
 import os
 import socket
 import subprocess
@@ -25,7 +26,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from kafila.api.connections import ACCEPT_FAILED, ThrottledRecords
-from kafila.api.overload import EVICT_AFTER_S, ApiLimits
+from kafila.api.overload import EVICT_AFTER_S, LOG_EVERY_S, ApiLimits
 from kafila.api.security import ApiSecurity
 from kafila.api.server import ApiServer
 
@@ -263,7 +264,7 @@ asyncio.run(main())
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
-def test_a_server_out_of_descriptors_logs_its_failed_accepts_once_and_serves_after() -> None:
+def test_a_server_out_of_descriptors_logs_its_failed_accepts_once_per_interval_and_serves_after() -> None:
     """The real path: a server process left a few descriptors, 300 idle connections against it.
     asyncio fails to accept for every queued connection on each try (once a second), and logged
     each failure with its traceback (71,593 in 45 s); now one event per interval says so."""
@@ -278,6 +279,7 @@ def test_a_server_out_of_descriptors_logs_its_failed_accepts_once_and_serves_aft
     try:
         assert proc.stdout is not None and proc.stdin is not None
         port = int(proc.stdout.readline())
+        flood = time.monotonic()
         idle = [socket.socket() for _ in range(300)]
         for sock in idle:  # not waited for: those past the listen queue wait for the server
             sock.setblocking(False)
@@ -294,6 +296,7 @@ def test_a_server_out_of_descriptors_logs_its_failed_accepts_once_and_serves_aft
                 assert time.monotonic() < deadline, "the server did not answer after the flood"
                 time.sleep(0.2)
         assert answer.text == "ok"
+        flooded_s = time.monotonic() - flood
         proc.stdin.write("\n")
         proc.stdin.flush()
         _, err = proc.communicate(timeout=30)
@@ -303,5 +306,8 @@ def test_a_server_out_of_descriptors_logs_its_failed_accepts_once_and_serves_aft
             proc.wait()
     events = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
     failed = [e for e in events if e["event"] == "api_accept_failed"]
-    assert len(failed) == 1 and "Too many open files" in failed[0]["error"], err[-3000:]
+    # one event per throttle interval while accepts fail (10 s; a flood that outlasts it under
+    # load, as when the queued connections drain slowly, gives a second with the count left out)
+    most = 1 + math.ceil(flooded_s / LOG_EVERY_S)
+    assert 1 <= len(failed) <= most and "Too many open files" in failed[0]["error"], err[-3000:]
     assert "Traceback" not in err and len(err) < 20_000, err[-3000:]
