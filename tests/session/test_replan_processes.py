@@ -9,6 +9,7 @@ import json
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -89,23 +90,28 @@ def fleet4(smollm2_path, tmp_path):
         yield f
 
 
+def _answers_through_a_kill(urls: str | list[str], kill: Callable[[], None]) -> list[dict[str, object]]:
+    """`_answers(urls)`, with `kill` run on another thread once the answers have started streaming."""
+    started = threading.Event()
+    killer = threading.Thread(target=lambda: started.wait(120) and kill())
+    killer.start()
+    got = _answers(urls, started)
+    killer.join()
+    return got
+
+
+def _sigkill(member: FleetMember) -> None:
+    assert member.proc is not None
+    member.proc.send_signal(signal.SIGKILL)  # mid-answer, no goodbye
+
+
 def test_a_killed_member_is_planned_around_and_every_streaming_answer_completes_unchanged(
     fleet4: LocalFleet,
 ) -> None:
     doc, head, victim = _head_and_victim(fleet4)
     expected = _answers(head.api_url)
     assert all("text" in o and "error" not in o for o in expected), expected
-    started = threading.Event()
-
-    def kill() -> None:
-        if started.wait(120):
-            assert victim.proc is not None
-            victim.proc.send_signal(signal.SIGKILL)  # mid-answer, no goodbye
-
-    killer = threading.Thread(target=kill)
-    killer.start()
-    got = _answers(head.api_url, started)
-    killer.join()
+    got = _answers_through_a_kill(head.api_url, lambda: _sigkill(victim))
     assert victim.proc.poll() is not None, "the answers ended before the member could be killed"
     assert [o.get("error") for o in got] == [None] * 4, got
     assert [o["text"] for o in got] == [o["text"] for o in expected]
@@ -139,17 +145,7 @@ def _kill_the_head(fleet: LocalFleet, through: list[FleetMember]) -> tuple[Fleet
     urls = [str(through[i % len(through)].api_url) for i in range(len(PROMPTS))]
     expected = _answers(urls)
     assert all("text" in o and "error" not in o for o in expected), expected
-    started = threading.Event()
-
-    def kill() -> None:
-        if started.wait(120):
-            assert head.proc is not None
-            head.proc.send_signal(signal.SIGKILL)  # mid-answer, no goodbye
-
-    killer = threading.Thread(target=kill)
-    killer.start()
-    got = _answers(urls, started)
-    killer.join()
+    got = _answers_through_a_kill(urls, lambda: _sigkill(head))
     assert head.proc.poll() is not None, "the answers ended before the head could be killed"
     assert [o.get("error") for o in got] == [None] * 4, got
     assert [o["text"] for o in got] == [o["text"] for o in expected]
@@ -304,16 +300,7 @@ def test_a_second_member_killed_when_the_host_says_its_replan_started_is_planned
     assert first.proc is not None and second.proc is not None
     expected = _answers(head.api_url)
     assert all("text" in o and "error" not in o for o in expected), expected
-    started = threading.Event()
-
-    def kill() -> None:
-        if started.wait(120):
-            _kill_two(host, first, second)
-
-    killer = threading.Thread(target=kill)
-    killer.start()
-    got = _answers(head.api_url, started)
-    killer.join()
+    got = _answers_through_a_kill(head.api_url, lambda: _kill_two(host, first, second))
     assert first.proc.poll() is not None and second.proc.poll() is not None
     assert [o.get("error") for o in got] == [None] * 4, got
     assert [o["text"] for o in got] == [o["text"] for o in expected]

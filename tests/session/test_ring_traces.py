@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import Any
 
 import pytest
 
@@ -155,11 +156,7 @@ async def test_a_ring_of_two_on_one_channel_counts_each_direction(ckpt: Checkpoi
         [req] = await records(logs[0], RequestRecord, gen.request_id)
         [own] = await records(logs[1], StageRecord, gen.request_id)
     finally:
-        for service in (head, member):
-            await service.stop()
-            service.model.close()
-        for c in (to_m1, to_m0):
-            await c.close()
+        await _stop((head, member), (to_m1, to_m0))
     there, back = req.hops
     assert (there.name, back.name) == ("m0->m1", "m1->m0")
     assert own.hop_in is not None and own.hop_in.bytes == there.bytes
@@ -286,10 +283,15 @@ async def test_the_head_names_the_member_that_asked_by_its_origin_tag(ckpt: Chec
         [req] = await records(logs[0], RequestRecord, asked.request_id)
         [own] = await records(logs[0], RequestRecord, local.request_id)
     finally:
-        for service in (head, member):
-            await service.stop()
-            service.model.close()
-        for c in (to_m1, to_m0):
-            await c.close()
+        await _stop((head, member), (to_m1, to_m0))
     assert (origin_of(asked.request_id), req.member) == (7, "m1")
     assert (origin_of(local.request_id), own.member) == (1, "m0")
+
+
+async def _stop(services: tuple[Any, ...], channels: tuple[Any, ...]) -> None:
+    """Stop the ring's roles, close their models, then the channels between them."""
+    for service in services:
+        await service.stop()
+        service.model.close()
+    for c in channels:
+        await c.close()
