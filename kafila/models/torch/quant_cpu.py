@@ -218,8 +218,8 @@ def packed_tile(  # pragma: no cover (compiled)
 # an unsigned and a signed byte summed into 8 int32 lanes per instruction), converting one int32
 # sum per group to float. Decoding every weight to float32 (the path above) costs 3-4 times more
 # instructions per weight byte, and on this 2-core AMD EPYC the q4 product was bound by those
-# instructions, not by memory (5.7 GB/s from L2; docs/engine-quant.md, "Where a decode step's
-# time goes"). Where the CPU has AVX-512 VNNI (Intel since Ice Lake, AMD since Zen 4) the packed
+# instructions, not by memory (5.7 GB/s from L2; docs/engine-quant.md, "Measured": all products
+# of a q4 token). Where the CPU has AVX-512 VNNI (Intel since Ice Lake, AMD since Zen 4) the packed
 # products take this integer path; elsewhere, or where $KAFILA_CPU_KERNELS forces another path
 # (cpu_kernels), the float path above.
 #
