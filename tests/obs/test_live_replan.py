@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from tests.obs.test_dashboards import PROMETHEUS, RULES
-from tests.obs.test_live_session import free_port, prometheus_config, query, wait_for
+from tests.obs.test_live_session import free_port, prometheus_config, prometheus_ready, query, wait_for
 
 pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.timeout(900)]  # four members come and go
 MODEL = "smollm2-135m"
@@ -189,6 +189,7 @@ def monitored(smollm2_path: Path, tmp_path: Path) -> Iterator[tuple[Any, dict[st
         with (prom / "prometheus.log").open("wb") as log:
             server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
             try:
+                prometheus_ready(f"http://127.0.0.1:{port}")
                 yield fleet, metrics, f"http://127.0.0.1:{port}"
             finally:
                 server.terminate()

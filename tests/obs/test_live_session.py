@@ -113,6 +113,19 @@ def query(base: str, expr: str) -> list[dict[str, Any]]:
     return list(body["data"]["result"])
 
 
+def prometheus_ready(base: str, within: float = 60) -> None:
+    """Wait for Prometheus's /-/ready (it answers 503 "Service Unavailable" while its storage starts,
+    and refuses connections before it listens)."""
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{base}/-/ready", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for("Prometheus ready", ready, within)
+
+
 def wait_for(what: str, ok: Any, within: float) -> None:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
@@ -135,6 +148,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory, live_session: LiveSession)
         server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{port}"
         try:
+            prometheus_ready(base)
             body = {"model": "smollm2-135m", "max_tokens": 8, "temperature": 0}
             ask = {"messages": [{"role": "user", "content": "What is the capital of France?"}]}
             for i, name in enumerate([*live.members, live.head]):  # at every member's API, one streamed
