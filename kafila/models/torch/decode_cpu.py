@@ -36,7 +36,7 @@ from kafila.models.torch.few_rows import at, bf16_bits, bits_to_f32, product_til
 # calls in other files, so without this line a changed few_rows.py would leave the cached kernels
 # below running the old products. A test compares it with the file: update it with every change
 # there, which changes this file too and makes numba compile these kernels again.
-FEW_ROWS_SHA256 = "1b87ffec2a9de036"
+FEW_ROWS_SHA256 = "feb50eb9316af2cb"
 # The same for quant_cpu.py, whose packed products block_step runs for int8 and q4 weights.
 QUANT_CPU_SHA256 = "701b3ad0c9246a3d"
 

@@ -173,11 +173,12 @@ def prefetch_for(cpu: str) -> Prefetch:
     one row 12% faster. On AMD Zen 4 (EPYC, 2 vCPUs) that L1 prefetch made fp32 products slower
     than none (1.05-1.19x at 1-8 rows); into L2 is faster there, and how far ahead depends on the
     rows in the pass and the dtype, measured side by side in one process (docs/engine.md, "Prefetch
-    distance per pass, weights on huge pages"). fp32: 1024 bytes for passes of one to three rows (flat from 384 to 1024;
-    2048 cost +6% for one row, +13-21% for two, +6-8% for three), 2048 for the four-row pass
-    (1024: +12%; 2048-4096 level). bf16: 1024 for one and two rows (2048: +5-11%), 2048 for three
-    and four (1024: +26% and +28%). Other CPUs keep the Xeon's setting. numba keys its disk cache
-    on the host CPU, so a kernel compiled with one setting never runs on another."""
+    distance per pass, weights on huge pages"). fp32: 1024 bytes for passes of one to three rows
+    (flat from 384 to 1024; 2048 cost +6% for one row, +13-21% for two, +6-8% for three), 2048
+    for the four-row pass (1024: +12%; 2048-4096 level). bf16: 1024 for one and two rows
+    (2048: +5-11%), 2048 for three and four (1024: +26% and +28%). Other CPUs keep the Xeon's
+    setting. numba keys its disk cache on the host CPU, so a kernel compiled with one setting never
+    runs on another."""
     if cpu.startswith("znver"):
         return Prefetch(fp32=(1024, 1024, 1024, 2048), bf16=(1024, 1024, 2048, 2048), locality=2)
     return Prefetch(fp32=(512,) * 4, bf16=(512,) * 4, locality=3)
