@@ -22,7 +22,6 @@ This module is pure: sizes, the book of open connections and the throttle take `
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
@@ -125,61 +124,3 @@ class Throttle:
             return None
         left_out, self.left_out, self._last = self.left_out, 0, now
         return left_out
-
-
-# ------------------------------------------------------------------ flags
-
-
-def add_api_limit_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--api-max-connections",
-        type=_count,
-        default=DEFAULT_MAX_CONNECTIONS,
-        metavar="N",
-        help=f"API connections open at once; one past it is closed at once (default "
-        f"{DEFAULT_MAX_CONNECTIONS}, and never more than the descriptor limit leaves room for after "
-        f"{DESCRIPTOR_RESERVE} kept for the ring and the weights)",
-    )
-    parser.add_argument(
-        "--api-max-unauthenticated",
-        type=_count,
-        default=DEFAULT_MAX_UNAUTHENTICATED,
-        metavar="N",
-        help="API connections open at once that have not shown a key yet (without keys: that have "
-        "not sent a request's headers); a new one past it closes the oldest such one (default "
-        f"{DEFAULT_MAX_UNAUTHENTICATED})",
-    )
-    parser.add_argument(
-        "--api-read-timeout",
-        type=_seconds,
-        default=DEFAULT_READ_TIMEOUT_S,
-        metavar="SECONDS",
-        help="a request's headers must arrive within this long of its connection (or of the answer "
-        "before it), its body within this long after them; else the connection is closed (default "
-        f"{DEFAULT_READ_TIMEOUT_S:g})",
-    )
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text!r}")
-    return value
-
-
-def limits_from_args(args: argparse.Namespace) -> ApiLimits:
-    """The API's limits from the flags of `add_api_limit_flags` (ValueError naming a bad one)."""
-    return ApiLimits(args.api_max_connections, args.api_max_unauthenticated, args.api_read_timeout)

@@ -7,8 +7,8 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from kafila.api.overload import add_api_limit_flags, limits_from_args
 from kafila.api.security import add_api_security_flags, security_from_args
+from kafila.cli.apiflags import add_api_limit_flags, limits_from_args
 from kafila.cli.argtypes import (
     count,
     member_name,

@@ -3,8 +3,6 @@ one a new connection pushes out, when one is refused) and the throttle of shed-c
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from kafila.api.overload import (
@@ -15,8 +13,6 @@ from kafila.api.overload import (
     ApiLimits,
     ConnectionBook,
     Throttle,
-    add_api_limit_flags,
-    limits_from_args,
 )
 
 
@@ -44,15 +40,6 @@ def test_limits_fit_under_the_descriptor_limit_with_room_for_the_ring() -> None:
 def test_limits_that_cannot_work_are_refused_naming_the_flag(kwargs: dict[str, float], named: str) -> None:
     with pytest.raises(ValueError, match=named):
         ApiLimits(**kwargs)  # type: ignore[arg-type]
-
-
-def test_flags_give_the_limits_and_their_defaults() -> None:
-    parser = argparse.ArgumentParser()
-    add_api_limit_flags(parser)
-    assert limits_from_args(parser.parse_args([])) == ApiLimits()
-    args = parser.parse_args(["--api-max-connections", "100", "--api-max-unauthenticated", "5"])
-    assert limits_from_args(args) == ApiLimits(100, 5)
-    assert limits_from_args(parser.parse_args(["--api-read-timeout", "2.5"])).read_timeout_s == 2.5
 
 
 def test_a_new_connection_pushes_out_the_oldest_unauthenticated_one() -> None:
