@@ -38,6 +38,8 @@ def panel_queries(path: Path) -> Iterator[tuple[str, str]]:
         for target in panel["targets"]:
             yield f"{path.name}: panel {panel['title']!r} {target['refId']}", target["expr"]
     for var in board["templating"]["list"]:
+        if var["type"] != "query":  # the datasource variable: a choice of datasource, no PromQL
+            continue
         query = var["query"]["query"]
         if query.startswith("label_values("):  # Grafana's own function over a series selector
             yield f"{path.name}: variable {var['name']}", query[len("label_values(") :].rsplit(",", 1)[0]
@@ -130,12 +132,22 @@ def test_backfilled_series_are_named_in_base_units() -> None:
         assert name.endswith(("_seconds", "_bytes", "_tokens", "_per_second")), name
 
 
-def test_dashboards_use_the_provisioned_datasource() -> None:
+def test_dashboards_pick_their_datasource_so_they_import_into_any_grafana() -> None:
+    """No panel or variable names a datasource uid: each reads the `datasource` variable, a choice
+    among the Prometheus datasources of whichever Grafana the dashboard is imported into (the
+    provisioned one here, as Grafana's default)."""
     provisioned = yaml.safe_load((ROOT / "grafana/provisioning/datasources/kafila.yml").read_text())
     [ds] = provisioned["datasources"]
+    assert ds["type"] == "prometheus" and ds["isDefault"] is True
     for path in DASHBOARDS:
         board = json.loads(path.read_text())
-        assert {p["datasource"]["uid"] for p in board["panels"]} == {ds["uid"]}, path.name
+        variable, *others = board["templating"]["list"]
+        assert variable["name"] == "datasource" and variable["type"] == "datasource", path.name
+        assert variable["query"] == "prometheus", path.name
+        wanted = {"type": "prometheus", "uid": "${datasource}"}
+        assert all(p["datasource"] == wanted for p in board["panels"]), path.name
+        assert all(v["datasource"] == wanted for v in others), path.name
+        assert "kafila-prometheus" not in path.read_text(), path.name
         assert len({p["id"] for p in board["panels"]}) == len(board["panels"]), path.name
 
 
