@@ -50,8 +50,15 @@ def parser() -> argparse.ArgumentParser:
     )
     m.add_argument("fleet", type=Path)
     m.add_argument(
-        "--targets", type=Path, default=Path("kafila-targets.json"),
-        help="the file_sd file Prometheus reads (default ./kafila-targets.json)",
+        "--targets", type=Path,
+        help="the file_sd file Prometheus reads (default prometheus/targets/FLEET.json, which "
+        "prometheus/prometheus.yml reads when run from the repository root)",
+    )  # fmt: skip
+    m.add_argument(
+        "--listen", default="127.0.0.1", metavar="ADDRESS",
+        help="the address of this machine the tunnels listen on and the targets name (default "
+        "127.0.0.1, for a Prometheus running here; `docker`: Docker's bridge address, for the "
+        "compose monitoring profile's Prometheus)",
     )  # fmt: skip
     m.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -73,11 +80,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "monitor":
             import signal
 
-            from ops.observe import monitor
+            from ops.observe import bridge_address, default_targets, monitor
 
+            listen = bridge_address() if args.listen == "docker" else args.listen
             # SIGTERM ends it as Ctrl-C does: its tunnels' ssh processes end with it
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-            monitor(remote, fleet, args.targets)
+            monitor(remote, fleet, args.targets or default_targets(fleet), listen=listen)
             return 0
         return run(args, remote)
     except (OpsError, FleetError) as exc:

@@ -196,19 +196,22 @@ def bench(remote: Remote, fleet: FleetFile, out: Path, requests: int = 4, max_to
     return text
 
 
-def monitor(remote: Remote, fleet: FleetFile, targets: Path, once: bool = False) -> None:
-    """SSH tunnels to every member's metrics listener, and a Prometheus file_sd file naming them
-    with their site and host; re-opens a tunnel whose ssh exited."""
+def monitor(
+    remote: Remote, fleet: FleetFile, targets: Path, once: bool = False, listen: str = "127.0.0.1"
+) -> None:
+    """SSH tunnels to every member's metrics listener, listening on `listen` of this machine, and a
+    Prometheus file_sd file naming them at that address with their site and host; re-opens a tunnel
+    whose ssh exited."""
     tunnels: dict[str, Tunnel] = {}
 
     def write() -> None:
         groups = [
-            {"targets": [f"127.0.0.1:{t.port}"],
+            {"targets": [f"{address_literal(listen)}:{t.port}"],
              "labels": {"fleet": fleet.name, "site": t.host.site, "host": t.host.ssh,
                         "member": t.host.device}}
             for t in tunnels.values()
         ]  # fmt: skip
-        tmp = targets.with_suffix(".tmp")
+        tmp = targets.with_name(targets.name + ".tmp")  # not matched by the file_sd globs
         tmp.write_text(json.dumps(groups, indent=2) + "\n")
         tmp.replace(targets)  # Prometheus sees the whole file or the old one
 
@@ -222,7 +225,7 @@ def monitor(remote: Remote, fleet: FleetFile, targets: Path, once: bool = False)
                     port = t.port if t else None
                     try:
                         tunnels[h.device] = Tunnel(
-                            remote, h, f"{h.local_api.rsplit(':', 1)[0]}:{h.metrics_port}", port
+                            remote, h, f"{h.local_api.rsplit(':', 1)[0]}:{h.metrics_port}", port, listen
                         )
                         changed = True
                     except OpsError as exc:
@@ -237,3 +240,32 @@ def monitor(remote: Remote, fleet: FleetFile, targets: Path, once: bool = False)
         if not once:
             for t in tunnels.values():
                 t.close()
+
+
+def address_literal(address: str) -> str:
+    """An address as a target's host part: IPv6 in brackets."""
+    return f"[{address}]" if ":" in address else address
+
+
+def default_targets(fleet: FleetFile) -> Path:
+    """Where prometheus/prometheus.yml's file_sd reads (targets/*.json), from the repository root."""
+    return Path("prometheus") / "targets" / f"{fleet.name}.json"
+
+
+def bridge_address(interface: str = "docker0") -> str:
+    """The IPv4 address of Docker's bridge on this machine: a tunnel listening there is reached by a
+    container's Prometheus (the compose `monitoring` profile) through its gateway, and by nothing
+    beyond this machine."""
+    try:
+        out = subprocess.run(
+            ["ip", "-j", "-4", "addr", "show", "dev", interface], capture_output=True, text=True, timeout=10
+        )
+        addresses = [a["local"] for link in json.loads(out.stdout or "[]") for a in link.get("addr_info", [])]
+    except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+        raise OpsError(f"monitor: cannot read {interface}'s address: {exc}") from None
+    if not addresses:
+        raise OpsError(
+            f"monitor: no IPv4 address on {interface} (is Docker running here?); "
+            "give --listen an address the compose Prometheus reaches"
+        )
+    return str(addresses[0])

@@ -184,29 +184,42 @@ def quote(argv: list[str]) -> str:
     return shlex.join(argv)
 
 
-def free_port() -> int:
+def free_port(address: str = "127.0.0.1") -> int:
     import socket
 
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((address, 0))
         return int(s.getsockname()[1])
 
 
-def tunnel_argv(remote: Remote, host: Host, local_port: int, target: str) -> list[str]:
-    """`ssh -N -L 127.0.0.1:PORT:TARGET HOST`: a member's listener, reached from this machine."""
+def tunnel_argv(
+    remote: Remote, host: Host, local_port: int, target: str, listen: str = "127.0.0.1"
+) -> list[str]:
+    """`ssh -N -L LISTEN:PORT:TARGET HOST`: a member's listener, reached from this machine at
+    LISTEN:PORT (ssh's client binds an explicit address as given, loopback or not)."""
     argv = ssh_options(None, remote.fleet.ssh_config)
-    return [*argv, "-o", "ExitOnForwardFailure=yes", "-N", "-L", f"127.0.0.1:{local_port}:{target}", host.ssh]
+    forward = f"{listen}:{local_port}:{target}"
+    return [*argv, "-o", "ExitOnForwardFailure=yes", "-N", "-L", forward, host.ssh]
 
 
 class Tunnel:
     """A running `ssh -N -L` to one member, until closed."""
 
-    def __init__(self, remote: Remote, host: Host, target: str, local_port: int | None = None) -> None:
+    def __init__(
+        self,
+        remote: Remote,
+        host: Host,
+        target: str,
+        local_port: int | None = None,
+        listen: str = "127.0.0.1",
+    ) -> None:
         import socket
 
-        self.host, self.port = host, local_port or free_port()
+        self.host, self.port, self.listen = host, local_port or free_port(listen), listen
         self.proc = subprocess.Popen(
-            tunnel_argv(remote, host, self.port, target), stdin=subprocess.DEVNULL, stderr=subprocess.PIPE
+            tunnel_argv(remote, host, self.port, target, listen),
+            stdin=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
         )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -216,7 +229,7 @@ class Tunnel:
                     f"host {host.device} ({host.ssh}): tunnel to {target}: ssh exited: {err.strip()}"
                 )
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                socket.create_connection((listen, self.port), timeout=1).close()
                 return
             except OSError:
                 time.sleep(0.2)

@@ -80,3 +80,48 @@ def test_promtool_turns_it_into_tsdb_blocks(tmp_path: Path) -> None:
         pytest.skip("prometheus is not installed (apt-get install --no-install-recommends prometheus)")
     answers = bench_run_answers(tmp_path / "tsdb")
     assert answers and all(answers.values()), answers  # every Bench run query returns data
+
+
+def test_monitor_writes_its_targets_where_prometheus_reads_them() -> None:
+    """The default targets file matches a file_sd glob of prometheus/prometheus.yml (whose paths are
+    relative to that file's folder), and never the monitor's own temporary file."""
+    import fnmatch
+
+    import yaml
+
+    from ops.observe import default_targets
+
+    root = Path(__file__).resolve().parents[2]
+    config = yaml.safe_load((root / "prometheus" / "prometheus.yml").read_text())
+    [members] = [j for j in config["scrape_configs"] if j["job_name"] == "kafila-members"]
+    globs = [g for sd in members["file_sd_configs"] for g in sd["files"]]
+    path = default_targets(parse(fleet_text(), "f.toml"))
+    assert path == Path("prometheus/targets/f1.json")
+    relative = str(path.relative_to("prometheus"))
+    assert any(fnmatch.fnmatch(relative, g) for g in globs), globs
+    assert not any(fnmatch.fnmatch(relative + ".tmp", g) for g in globs)
+
+
+def test_tunnels_listen_where_asked_and_the_targets_name_that_address() -> None:
+    from ops.observe import address_literal
+    from ops.remote import Remote, tunnel_argv
+
+    fleet = parse(fleet_text(), "f.toml")
+    argv = tunnel_argv(Remote(fleet), fleet.hosts[0], 4000, "127.0.0.1:9464", "172.17.0.1")
+    assert argv[-3:] == ["-L", "172.17.0.1:4000:127.0.0.1:9464", fleet.hosts[0].ssh]
+    assert (
+        tunnel_argv(Remote(fleet), fleet.hosts[0], 4000, "127.0.0.1:9464")[-2]
+        == "127.0.0.1:4000:127.0.0.1:9464"
+    )
+    assert address_literal("172.17.0.1") == "172.17.0.1" and address_literal("::1") == "[::1]"
+
+
+def test_the_bridge_address_is_read_from_the_interface_and_a_missing_one_is_named() -> None:
+    from ops.observe import bridge_address
+    from ops.remote import OpsError
+
+    if shutil.which("ip") is None:
+        pytest.skip("no `ip` command (iproute2)")
+    assert bridge_address("lo") == "127.0.0.1"  # a real interface read the same way as docker0
+    with pytest.raises(OpsError, match="no IPv4 address on kafila-none0"):
+        bridge_address("kafila-none0")
