@@ -153,14 +153,22 @@ def test_dashboards_pick_their_datasource_so_they_import_into_any_grafana() -> N
 
 def test_the_compose_monitoring_profile_mounts_what_the_repository_holds() -> None:
     compose = yaml.safe_load((ROOT / "compose" / "docker-compose.yml").read_text())
-    for name in ("prometheus", "grafana"):
+    profiles = {"prometheus": ["monitoring"], "alertmanager": ["monitoring"], "grafana": ["grafana"]}
+    for name, profile in profiles.items():
         service = compose["services"][name]
-        assert service["profiles"] == ["monitoring"]
+        assert service["profiles"] == profile
         for volume in service["volumes"]:
             source = volume.split(":", 1)[0]
             if source.startswith(".."):
-                assert (ROOT / "compose" / source).resolve().is_dir(), f"{name}: {source}"
+                assert (ROOT / "compose" / source).resolve().exists(), f"{name}: {source}"
+    for name in ("prometheus", "alertmanager"):  # built from Debian's packages: no registry image
+        build = compose["services"][name]["build"]
+        assert (ROOT / "compose" / build["context"] / build["dockerfile"]).is_file(), name
+        assert build["args"]["PACKAGE"] in ("prometheus", "prometheus-alertmanager"), name
     config = yaml.safe_load((ROOT / "prometheus" / "prometheus.yml").read_text())
+    [alerting] = config["alerting"]["alertmanagers"]
+    [am] = alerting["static_configs"][0]["targets"]
+    assert am.split(":")[0] in compose["services"]  # the alertmanager service by name
     [static] = next(j for j in config["scrape_configs"] if j["job_name"] == "kafila-rendezvous")[
         "static_configs"
     ]

@@ -7,14 +7,18 @@ TIME_SCALE, scraping and evaluating every second, so a rule's minutes pass in se
 is neither the host nor the head is killed (SIGKILL): within two scrapes of the survivors serving
 the new epoch, every survivor's series describe the new ring exactly (members, blocks covering every
 block once, edges, epoch); KafilaMemberDown and KafilaReplanned fire, and resolve once the member
-has re-joined (and the re-plan window passed). No other alert fires at any time of the test, but
-one that tells the truth of this machine: KafilaStageSlowerThanPredicted, where the stage's own
-requests averaged more than 1.25 times its prediction over the alert's window (a shared CI machine
-under load computes slower than its members probed when the session formed)."""
+has re-joined (and the re-plan window passed); Prometheus delivers them to a real Alertmanager
+running the repository's prometheus/alertmanager.yml, which holds them while they fire. No other
+alert fires at any time of the test, but one that tells the truth of this machine:
+KafilaStageSlowerThanPredicted, where the stage's own requests averaged more than 1.25 times its
+prediction over the alert's window (a shared CI machine under load computes slower than its members
+probed when the session formed)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -29,7 +33,7 @@ import pytest
 import yaml
 
 from tests.obs.test_dashboards import PROMETHEUS, RULES
-from tests.obs.test_live_session import free_port, prometheus_config, prometheus_ready, query, wait_for
+from tests.obs.test_live_session import free_port, prometheus_config, query, wait_for
 
 pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.timeout(900)]  # four members come and go
 MODEL = "smollm2-135m"
@@ -37,6 +41,45 @@ BLOCKS = 30  # smollm2-135m's transformer blocks
 TIME_SCALE = 8  # a rule's 1m lasts 7.5 s here
 SCRAPE_S = 1.0
 EXPECTED = {"KafilaMemberDown", "KafilaReplanned"}
+ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+ALERTMANAGER_CONFIG = RULES.parents[1] / "alertmanager.yml"  # prometheus/alertmanager.yml
+
+
+@dataclass
+class Monitored:
+    fleet: Any
+    metrics: dict[str, str]  # member -> its metrics listener
+    prometheus: str  # base URL
+    alertmanager: str  # base URL
+
+
+def delivered(alertmanager: str) -> set[str]:
+    """The alerts Alertmanager holds as active (received from Prometheus, not resolved)."""
+    r = httpx.get(f"{alertmanager}/api/v2/alerts", params={"active": "true"}, timeout=10)
+    r.raise_for_status()
+    return {a["labels"]["alertname"] for a in r.json()}
+
+
+@contextlib.contextmanager
+def running(argv: list[str], log: Path, ready: str) -> Iterator[None]:
+    """A server process logging to `log`, until its `ready` URL answers 200 (60 s at most)."""
+    with log.open("wb") as out:
+        server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                assert server.poll() is None, f"{argv[0]} exited: {log.read_text()[-2000:]}"
+                try:
+                    if httpx.get(ready, timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, f"{ready} did not answer within 60 s"
+                time.sleep(0.3)
+            yield
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
 
 
 def scaled(duration: str) -> str:
@@ -165,12 +208,17 @@ def describes(base: str, host: str, ring: list[str], epoch: int) -> str:
 
 
 @pytest.fixture
-def monitored(smollm2_path: Path, tmp_path: Path) -> Iterator[tuple[Any, dict[str, str], str]]:
+def monitored(smollm2_path: Path, tmp_path: Path) -> Iterator[Monitored]:
     if PROMETHEUS is None:
         pytest.skip("prometheus is not installed (apt-get install --no-install-recommends prometheus)")
+    if ALERTMANAGER is None:
+        pytest.skip("no alertmanager (apt-get install --no-install-recommends prometheus-alertmanager)")
     from kafila.demo.fleet import LocalFleet
 
     listeners = [f"127.0.0.1:{free_port()}" for _ in range(4)]
+    am_port = free_port()
+    am = [ALERTMANAGER, f"--config.file={ALERTMANAGER_CONFIG}", f"--storage.path={tmp_path / 'alertmanager'}",
+          f"--web.listen-address=127.0.0.1:{am_port}", "--cluster.listen-address="]  # fmt: skip
     with LocalFleet((None,) * 4, MODEL, context=512, workdir=tmp_path, stagger=False, wait_s=300,
                     extra_args=("--dead-after", "3", "--threads", "1"),
                     member_args=[["--metrics", a] for a in listeners]) as fleet:  # fmt: skip
@@ -182,25 +230,27 @@ def monitored(smollm2_path: Path, tmp_path: Path) -> Iterator[tuple[Any, dict[st
         config = prometheus_config(prom, rendezvous, metrics)
         body = yaml.safe_load(config.read_text())
         body["rule_files"] = [str(scaled_rules(prom / "rules.yml"))]
+        [alerting] = body["alerting"]["alertmanagers"]  # the repository's block, this Alertmanager's address
+        alerting["static_configs"] = [{"targets": [f"127.0.0.1:{am_port}"]}]
         config.write_text(yaml.safe_dump(body))
         port = free_port()
         argv = [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={prom / 'data'}",
                 f"--web.listen-address=127.0.0.1:{port}"]  # fmt: skip
-        with (prom / "prometheus.log").open("wb") as log:
-            server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        with (
+            running(am, tmp_path / "alertmanager.log", f"http://127.0.0.1:{am_port}/-/ready"),
+            running(argv, prom / "prometheus.log", f"{base}/-/ready"),
+        ):
             try:
-                prometheus_ready(f"http://127.0.0.1:{port}")
-                yield fleet, metrics, f"http://127.0.0.1:{port}"
+                yield Monitored(fleet, metrics, base, f"http://127.0.0.1:{am_port}")
             finally:
-                server.terminate()
-                server.wait(timeout=30)
                 print(f"Prometheus's log: {prom / 'prometheus.log'}; the fleet's logs: {tmp_path}")
 
 
 def test_a_killed_member_s_series_leave_the_new_ring_and_only_its_alerts_fire_and_resolve(
-    monitored: tuple[Any, dict[str, str], str],
+    monitored: Monitored,
 ) -> None:
-    fleet, metrics, base = monitored
+    fleet, metrics, base = monitored.fleet, monitored.metrics, monitored.prometheus
     doc = fleet.session()
     ring1 = list(doc["ring"])
     assert doc["epoch"] == 1 and len(ring1) == 4
@@ -231,6 +281,7 @@ def test_a_killed_member_s_series_leave_the_new_ring_and_only_its_alerts_fire_an
             wait_for(f"{name}'s series of the new ring", lambda n=name: not describes(base, n, ring2, 2),
                      max(0.5, moved_at + 2 * SCRAPE_S + 2 - time.monotonic()))  # fmt: skip
         wait_for("KafilaMemberDown and KafilaReplanned firing", lambda: watch.firing >= EXPECTED, 60)
+        wait_for("both delivered to Alertmanager", lambda: delivered(monitored.alertmanager) >= EXPECTED, 30)
 
         back = fleet.add_member(victim.name, ("--metrics", metrics[victim.name]))
         wait_for(f"{back.name} answering scrapes",

@@ -80,7 +80,7 @@ def test_members_come_from_file_sd_labelled_site_and_host() -> None:
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
     [static] = jobs["kafila-rendezvous"]["static_configs"]
     assert set(static["labels"]) == {"site", "host"}
-    assert jobs["kafila-members"]["file_sd_configs"][0]["files"] == ["targets/*.yml"]
+    assert jobs["kafila-members"]["file_sd_configs"][0]["files"] == ["targets/*.yml", "targets/*.json"]
     for entry in yaml.safe_load((ROOT / "targets" / "members.yml.example").read_text()):
         assert set(entry["labels"]) == {"site", "host"}  # not `member`: members export that label
 
@@ -98,3 +98,26 @@ def test_promtool_unit_tests_of_every_rule_pass() -> None:
     assert RULE_TESTS
     done = promtool("test", "rules", *map(str, RULE_TESTS))
     assert done.returncode == 0 and "FAILED" not in done.stdout, done.stdout
+
+
+def test_amtool_checks_the_alertmanager_config_and_routes_pages_and_warnings() -> None:
+    """prometheus/alertmanager.yml passes Alertmanager's own check, and its routing tree sends a
+    page and a warning of any session to the operators' receiver (amtool's route test)."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    amtool = shutil.which("amtool")
+    if amtool is None:
+        pytest.skip("no amtool (apt-get install --no-install-recommends prometheus-alertmanager)")
+    config = str(ROOT / "alertmanager.yml")
+    check = subprocess.run([amtool, "check-config", config], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    for severity in ("page", "warning"):
+        route = subprocess.run(
+            [amtool, "config", "routes", "test", f"--config.file={config}", "alertname=KafilaMemberDown",
+             f"severity={severity}", "session=s1"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert route.returncode == 0 and route.stdout.strip() == "operators", route.stdout + route.stderr
