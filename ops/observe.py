@@ -67,7 +67,7 @@ def openmetrics(fleet: FleetFile, records: dict[str, list[dict[str, Any]]], at: 
             r = from_json(d)
             base = {"fleet": fleet.name, "collected_from": member, "session": r.session}
             if isinstance(r, RequestRecord):
-                labels = base | {"member": r.member, "request": str(r.request_id)}
+                labels = base | {"member": r.member, "request": str(r.request_id), "epoch": str(r.epoch)}
                 sample("kafila_trace_request_queue_seconds", labels, r.queue_s)
                 sample("kafila_trace_request_prefill_seconds", labels, r.prefill_s)
                 sample("kafila_trace_request_ttft_seconds", labels, r.ttft_s)
@@ -78,14 +78,15 @@ def openmetrics(fleet: FleetFile, records: dict[str, list[dict[str, Any]]], at: 
                 sample("kafila_trace_request_circuit_seconds", labels, r.circuit_ms / 1000)
                 sample("kafila_trace_request_transit_seconds", labels, r.transit_ms / 1000)
             elif isinstance(r, StageRecord):
-                labels = base | {"member": r.member, "stage": str(r.index), "request": str(r.request_id)}
+                of_request = {"request": str(r.request_id), "epoch": str(r.epoch)}
+                labels = base | {"member": r.member, "stage": str(r.index)} | of_request
                 sample("kafila_trace_stage_decode_seconds", labels, r.decode_ms / 1000)
                 sample("kafila_trace_stage_predicted_seconds", labels, r.predicted_ms / 1000)
                 sample("kafila_trace_stage_prefill_seconds", labels, sum(r.prefill_ms) / 1000)
                 sample("kafila_trace_stage_wait_seconds", labels, r.wait_ms / 1000)
                 if r.hop_out is not None:  # each hop once in the fleet: its sender's record
                     h = r.hop_out
-                    hop = base | {"hop": h.name, "path": h.path, "request": str(r.request_id)}
+                    hop = base | {"hop": h.name, "path": h.path} | of_request
                     sample("kafila_trace_hop_bytes", hop, h.bytes)
                     sample("kafila_trace_hop_rtt_seconds", hop, _seconds(h.rtt_ms))
                     sample("kafila_trace_hop_predicted_rtt_seconds", hop, _seconds(h.predicted_rtt_ms))

@@ -96,6 +96,7 @@ class RequestRecord:
     hops: tuple[HopTrace, ...] = ()
     finish: str = "stop"
     transit_ms: float = 0.0  # median per decode step of circuit minus every stage's compute: hops + waits
+    epoch: int = 1  # the plan epoch it ended in (a request carried over a re-plan: the last one)
     type: str = "request"
 
     @property
@@ -125,6 +126,7 @@ class SessionRecord:
     predicted_bottleneck_ms: float
     predicted_circuit_ms: float
     edges: dict[str, str] = field(default_factory=dict)  # "a->b": "direct" | "relay"
+    epoch: int = 1  # the plan epoch this ring belongs to
     type: str = "session"
 
     def to_json(self) -> dict[str, Any]:
@@ -148,6 +150,7 @@ class StageRecord:
     hop_in: HopTrace | None  # from the previous member (None on a ring of one)
     hop_out: HopTrace | None  # to the next member
     wait_ms: float = 0.0  # median per decode step: frame arrived here -> its batch started (not the head)
+    epoch: int = 1  # the plan epoch the stage served it in
     type: str = "stage"
 
     def to_json(self) -> dict[str, Any]:

@@ -207,6 +207,7 @@ def _request_record(f: _Fields) -> RequestRecord:
         hops=tuple(_hop_trace(_Fields(h, f"hops[{i}]")) for i, h in enumerate(f.array("hops", ()))),
         finish=f.text("finish", "stop"),
         transit_ms=f.number("transit_ms", 0.0, signed=True),  # a median of circuit less compute
+        epoch=f.integer("epoch", 1, lowest=1),  # absent in records written before epochs were kept
     )
 
 
@@ -225,6 +226,7 @@ def _session_record(f: _Fields) -> SessionRecord:
         predicted_bottleneck_ms=f.number("predicted_bottleneck_ms"),
         predicted_circuit_ms=f.number("predicted_circuit_ms"),
         edges={str(k): _text(v, f"edges.{k}") for k, v in f.mapping("edges", {}).items()},
+        epoch=f.integer("epoch", 1, lowest=1),
     )
 
 
@@ -260,6 +262,7 @@ def _stage_record(f: _Fields) -> StageRecord:
         hop_in=_optional_hop(f, "hop_in"),
         hop_out=_optional_hop(f, "hop_out"),
         wait_ms=f.number("wait_ms", 0.0),
+        epoch=f.integer("epoch", 1, lowest=1),
     )
 
 

@@ -33,7 +33,7 @@ def test_every_request_and_stage_is_one_series_stamped_with_the_collection_time(
     tps = [line for line in lines if line.startswith("kafila_trace_request_decode_tokens_per_second{")]
     assert tps == [
         'kafila_trace_request_decode_tokens_per_second{fleet="f1",collected_from="gpu",session="s1",'
-        'member="b",request="1"} 10 1700000000.000'
+        'member="b",request="1",epoch="1"} 10 1700000000.000'
     ]  # 10 tokens after the first over 1 s of decode
 
     def values(name: str) -> list[str]:
@@ -48,10 +48,28 @@ def test_every_request_and_stage_is_one_series_stamped_with_the_collection_time(
     hops = [line for line in lines if line.startswith("kafila_trace_hop_rtt_seconds{")]
     assert hops[0].startswith(
         'kafila_trace_hop_rtt_seconds{fleet="f1",collected_from="cpu-box",session="s1",hop="b->c",'
-        'path="relay",request="1"} 0.025 '
+        'path="relay",request="1",epoch="1"} 0.025 '
     )
     waits = [line for line in lines if line.startswith("kafila_trace_stage_wait_seconds{")]
-    assert any('member="a",stage="0",request="1"} 0.0011 ' in line for line in waits), waits
+    assert any('member="a",stage="0",request="1",epoch="1"} 0.0011 ' in line for line in waits), waits
+
+
+def test_records_of_a_later_epoch_are_kept_apart_by_their_epoch_label() -> None:
+    """After a re-plan a stage's figures belong to another division: the Bench run averages per
+    epoch, so the backfill labels every request, stage and hop series with the record's epoch."""
+    from dataclasses import replace
+
+    fleet = parse(fleet_text(), "f.toml")
+    later = {
+        "gpu": [
+            replace(stage(2, "a", 9.0), epoch=2).to_json(),
+            replace(request(2, (1.0, 2.0, 3.0)), epoch=2).to_json(),
+        ]
+    }
+    lines = [
+        line for line in openmetrics(fleet, later, 0.0).splitlines() if line and not line.startswith("#")
+    ]
+    assert lines and all('epoch="2"' in line for line in lines), lines
 
 
 @needs_promtool

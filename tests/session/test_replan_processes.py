@@ -132,6 +132,8 @@ def test_a_killed_member_is_planned_around_and_every_streaming_answer_completes_
     assert set(replans[0]["new_blocks"]) == set(after["ring"])
     if host == doc["head"]:  # the host sees the tokens only as the head
         assert replans[0]["carried"] == 4 and replans[0]["first_token_s"] is not None
+    records = [r for r in fleet4.traces(after["head"]) if r.get("type") == "request"]
+    assert {r["epoch"] for r in records} == {1, 2}, records  # answered before the loss, and across it
 
 
 def _kill_the_head(fleet: LocalFleet, through: list[FleetMember]) -> tuple[FleetMember, dict]:

@@ -104,7 +104,7 @@ async def start_role(
             serving.terms.queue,
             origins,
         )
-        traces.write(session_record(plan, code.public, model, info.edges))
+        traces.write(session_record(plan, code.public, model, info.edges, epoch))
     else:
         if nxt is None or prv is None:  # a plan puts a member that is not the head in a ring of 2+
             raise ValueError(f"member {name} has no ring neighbour in the plan {plan.order}")
@@ -168,7 +168,7 @@ async def epoch_parts(
         stage = await thread.run(rebuild, ckpt, blocks, head, plan.context, plan.concurrency)
     metrics.observe_build(stage.backend.name, stage.backend.dtype, stage.backend.device)
     nxt_name, prv_name = plan.successor(name), plan.predecessor(name)
-    info = _ring_info(name, code, plan, links, serving, stage.backend.dtype)
+    info = _ring_info(name, code, plan, links, serving, stage.backend.dtype, epoch)
     info.rendezvous.update(url=opts.rendezvous, state="connected")
     nxt = _channel(links.get(nxt_name), nxt_name, opts, epoch)
     prv = _channel(links.get(prv_name), prv_name, opts, epoch) if len(plan.order) > 2 or nxt is None else nxt
@@ -197,6 +197,7 @@ def _ring_info(
     links: dict[str, Link],
     serving: Serving,
     dtype: str,
+    epoch: int = 1,
 ) -> RingInfo:
     """What /session and the traces say of the ring, from member `name`'s side: its edges follow
     the path this member's own links are on now (ring and control), the others the plan's."""
@@ -226,6 +227,7 @@ def _ring_info(
         dtype=dtype,
         quant=serving.terms.quant,
         weights=serving.weights or {},
+        epoch=epoch,
     )
 
 
@@ -261,7 +263,9 @@ def _channel(link: Link | None, peer: str, opts: Options, epoch: int) -> Heartbe
     return Heartbeat(LinkChannel(link, peer, epoch), opts.dead_after).start()
 
 
-def session_record(plan: Plan, session: str, model: str, edges: dict[str, str]) -> SessionRecord:
+def session_record(
+    plan: Plan, session: str, model: str, edges: dict[str, str], epoch: int = 1
+) -> SessionRecord:
     return SessionRecord(
         session=session,
         model=model,
@@ -273,4 +277,5 @@ def session_record(plan: Plan, session: str, model: str, edges: dict[str, str]) 
         predicted_bottleneck_ms=(plan.bottleneck_s or 0.0) * 1e3,
         predicted_circuit_ms=(plan.circuit_s or 0.0) * 1e3,
         edges=edges,
+        epoch=epoch,
     )

@@ -716,4 +716,5 @@ def request_record(
         hops=hops,
         finish=req.finish,
         transit_ms=statistics.median(req.transit_ms) if req.transit_ms else 0.0,
+        epoch=info.epoch,
     )

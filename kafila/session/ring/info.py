@@ -31,6 +31,7 @@ class RingInfo:
     weights: dict[str, Any] = field(default_factory=dict)  # this member's shard: source, bytes fetched
     # this member's signaling connection: {"url", "state": "connected" | "lost", "reason" once lost}
     rendezvous: dict[str, Any] = field(default_factory=dict)
+    epoch: int = 1  # the plan epoch this view belongs to: its trace records carry it
 
     def document(self, state: str, error: str | None, broken: dict[str, Any] | None = None) -> dict[str, Any]:
         """The part of a member's /session document every member shares; `broken`: why the ring

@@ -73,6 +73,7 @@ class StageTally:
             wait_ms=statistics.median(m.wait_us) / 1e3 if m.wait_us else 0.0,
             hop_in=hop_in,
             hop_out=hop_out,
+            epoch=self.info.epoch,
         )
 
     def discard(self, rid: int) -> None:
