@@ -9,6 +9,7 @@ from typing import Any
 
 from ops import actions
 from ops.fleetfile import FleetFile, Host, api_key
+from ops.registry import LocalRegistry, pull_through_tunnel, registry_binary
 from ops.remote import OpsError, Remote, local_image_id, ship_image
 
 POLL_S = 2.0
@@ -130,10 +131,7 @@ def up(remote: Remote, fleet: FleetFile, wait_s: float = 900.0) -> dict[str, Any
     image_ids = {image: local_image_id(image) for image in images}
     say(remote, f"fleet {fleet.name}: checking {len(everyone(fleet))} host(s) over ssh")
     lacking = check_hosts(remote, fleet, image_ids)
-    transfer_s = 0.0
-    for h in lacking:
-        image = actions.images_for(fleet, h)
-        transfer_s += ship_image(remote, h, image, image_ids[image])
+    transfer_s = ship_images(remote, fleet, lacking, image_ids)
     ship_keys(remote, fleet)
     rdv = actions.rendezvous_start(fleet)
     if rdv is not None:
@@ -350,3 +348,34 @@ def logs(remote: Remote, fleet: FleetFile, member: str | None, lines: int) -> No
         failed.append(f"{remote.where(step)}: {why.splitlines()[0]}")
     if failed:
         raise OpsError(f"fleet {fleet.name}: logs failed on {len(failed)} host(s):\n  " + "\n  ".join(failed))
+
+
+def ship_images(remote: Remote, fleet: FleetFile, hosts: list[Host], image_ids: dict[str, str]) -> float:
+    """Each host's image to it: layer by layer through a registry on this machine where one is
+    installed (ops.registry: only the layers a host lacks cross), else whole (docker save | load).
+    Returns the seconds it took."""
+    if not hosts:
+        return 0.0
+    binary = registry_binary()
+    if binary is None:
+        say(
+            remote,
+            "no docker-registry on this machine (apt-get install docker-registry): images travel whole",
+        )
+        images = {h.device: actions.images_for(fleet, h) for h in hosts}
+        return sum(ship_image(remote, h, images[h.device], image_ids[images[h.device]]) for h in hosts)
+    started = time.monotonic()
+    with LocalRegistry(binary, out=remote.out) as registry:
+        for image in sorted({actions.images_for(fleet, h) for h in hosts}):
+            say(remote, f"pushing {image} ({image_ids[image][:19]}) to this machine's registry")
+            registry.push(image)
+        for h in hosts:
+            image = actions.images_for(fleet, h)
+            say(remote, f"{h.device}: pulling {image} through an ssh tunnel (only the layers it lacks)")
+            got = pull_through_tunnel(registry, fleet.ssh_config, h, image)
+            sent = f"{got.layer_bytes / 1e6:.1f} MB ({got.total_bytes / 1e6:.1f} MB in all)"
+            say(
+                remote,
+                f"{h.device}: {image} pulled: {got.layers} layer(s) sent, {sent} in {got.seconds:.1f} s",
+            )
+    return time.monotonic() - started

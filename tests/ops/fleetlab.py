@@ -44,7 +44,7 @@ def missing_requirements() -> str | None:
     if why:
         return why
     for tool, package in (("sshd", "openssh-server"), ("dockerd", "docker.io"), ("nsenter", "util-linux"),
-                          ("promtool", "prometheus")):  # fmt: skip
+                          ("promtool", "prometheus"), ("docker-registry", "docker-registry")):  # fmt: skip
         if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
             return f"the fleet lab needs {tool} (apt-get install {package})"
     return None

@@ -91,7 +91,11 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
             f"\nfleet up: {took:.1f} s from nothing to serving; image transfer {m.group(2)} s\n"
             + up.stderr[-1500:]
         )
-        assert "image loaded" in up.stderr  # shipped to both docker hosts, which had no image
+        # shipped to both docker hosts, which had no image, layer by layer through this machine's registry
+        shipped = re.findall(r"(h1|h2): \S+ pulled: (\d+) layer\(s\) sent, ([\d.]+) MB", up.stderr)
+        assert sorted(h for h, _, _ in shipped) == ["h1", "h2"], up.stderr[-3000:]
+        assert all(int(n) > 0 for _, n, _ in shipped), shipped
+        only_the_new_layer_crosses(fleet_lab, fleet)
         for name in ("h1", "h2", "h3"):
             assert re.search(rf"^{name}\s+site\d\s+\d+-\d+", out, re.M), out
         assert stat.S_IMODE((keys / "h3.api-key").stat().st_mode) == 0o600  # native
@@ -148,6 +152,46 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
     assert ["stop", "kafila-lab-rendezvous.service"] in [
         [a for a in c["args"] if a != "--user"][:2] for c in calls
     ]
+
+
+def only_the_new_layer_crosses(fleet_lab: FleetLab, fleet: Path) -> None:
+    """An image one small layer above the one h1 holds travels as that layer alone: the registry's
+    log says what it sent through the tunnel, and h1's engine then has the image."""
+    from ops.actions import ssh_options
+    from ops.fleetfile import load
+    from ops.registry import LocalRegistry, pull_through_tunnel, registry_binary
+
+    parsed = load(fleet)
+    base = next(h for h in parsed.hosts if h.device == "h1")
+    image = f"{member_image_name(parsed, base)}-layer-test"
+    build = subprocess.run(
+        ["docker", "build", "-q", "-t", image, "-"],
+        input=f"FROM {member_image_name(parsed, base)}\nRUN echo {secrets.token_hex(8)} > /opt/layer-test\n",
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stderr
+    binary = registry_binary()
+    assert binary is not None
+    try:
+        with LocalRegistry(binary) as registry:
+            registry.push(image)
+            got = pull_through_tunnel(registry, parsed.ssh_config, base, image)
+        print(f"one new layer to h1: {got}")
+        assert got.layers == 1 and got.layer_bytes < 100_000, got  # one small layer, not the 1.5 GB image
+        inspect = f"docker image inspect -f '{{{{.Id}}}}' {image}"
+        there = subprocess.run(
+            [*ssh_options(None, parsed.ssh_config), base.ssh, inspect],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert there.returncode == 0 and there.stdout.strip().startswith("sha256:"), there.stderr
+    finally:
+        subprocess.run(["docker", "rmi", image], capture_output=True, timeout=120)
+
+
+def member_image_name(fleet: Any, host: Any) -> str:
+    from ops import actions
+
+    return str(actions.images_for(fleet, host))
 
 
 def failure_paths(fleet_lab: FleetLab, fleet: Path) -> None:
