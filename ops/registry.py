@@ -50,8 +50,9 @@ class Pulled:
     seconds: float
 
 
-def served(log_lines: list[str]) -> Pulled:
-    """The blob and manifest responses in registry log lines (its JSON `response completed` events)."""
+def served(log_lines: list[str], config_digest: str = "") -> Pulled:
+    """The blob and manifest responses in registry log lines (its JSON `response completed` events);
+    the image's config blob (`config_digest`) is counted in the total, not as a layer."""
     layers = layer_bytes = total = 0
     for line in log_lines:
         try:
@@ -65,7 +66,13 @@ def served(log_lines: list[str]) -> Pulled:
         written = int(event.get("http.response.written") or 0)
         total += written
         uri = str(event.get("http.request.uri", ""))
-        if "/blobs/sha256:" in uri and written > 0 and event.get("http.response.status") == 200:
+        config = bool(config_digest) and uri.endswith(f"/blobs/{config_digest}")
+        if (
+            "/blobs/sha256:" in uri
+            and not config
+            and written > 0
+            and event.get("http.response.status") == 200
+        ):
             layers += 1
             layer_bytes += written
     return Pulled(layers, layer_bytes, total, 0.0)
@@ -129,6 +136,21 @@ class LocalRegistry:
             if done.returncode != 0:
                 raise OpsError(f"this machine: {quote(argv)} exited {done.returncode}: {done.stderr.strip()}")
 
+    def config_digest(self, image: str) -> str:
+        """The digest of `image`'s config blob, from its manifest in the registry ("" if unreadable)."""
+        import urllib.request
+
+        name, _, tag = image.rpartition(":") if ":" in image.rsplit("/", 1)[-1] else (image, "", "latest")
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v2/{name}/manifests/{tag}",
+            headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as r:
+                return str(json.load(r).get("config", {}).get("digest", ""))
+        except (OSError, ValueError):
+            return ""
+
     def pull_argv(self, config: str | None, host: Host, image: str, remote_port: int) -> list[str]:
         """ssh to `host` with its end of a reverse tunnel at 127.0.0.1:`remote_port`: pull the image
         from there, tag it with its own name, drop the registry's name."""
@@ -179,7 +201,7 @@ def pull_through_tunnel(
         done = subprocess.run(argv, capture_output=True, text=True, timeout=3600, stdin=subprocess.DEVNULL)
         if done.returncode == 0:
             took = time.monotonic() - started
-            got = served(registry.since(mark))
+            got = served(registry.since(mark), registry.config_digest(image))
             return Pulled(got.layers, got.layer_bytes, got.total_bytes, took)
         why = (done.stderr or done.stdout).strip()
         if "remote port forwarding failed" not in why:
