@@ -116,9 +116,11 @@ class SpareAsks:
 
         try:
             await (self.app or _no_api)(_scope(ask, self.spare), receive, send)
-        except LinkError as exc:
-            log.info("relayed_request_cut", spare=self.spare, ask=ask.ask, reason=str(exc))
-        except Exception as exc:  # a fault of the app: the spare's client hears it as the host's would
+        except Exception as exc:
+            if self.link.closed:  # (the app may wrap the LinkError its send raised in a group)
+                log.info("relayed_request_cut", spare=self.spare, ask=ask.ask, reason=str(self.link.error))
+                return
+            # a fault of the app: the spare's client hears it as the host's would
             log.error("relayed_request_failed", spare=self.spare, ask=ask.ask, error=repr(exc), exc_info=exc)
             with contextlib.suppress(LinkError):
                 if not started:
