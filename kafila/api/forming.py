@@ -35,13 +35,16 @@ class FormingStatus:
     members_expected: int | None = None  # members the session forms for, once known
     step: str = "starting"
     started: float = field(default_factory=time.time)  # wall clock, as /session's other times
+    spare: str | None = None  # why the host keeps this member as a spare (kafila.api.spare), once it does
+    host: str | None = None  # a spare's host, which answers its requests
 
     def tell(self, text: str) -> None:
         self.step = text
 
     def document(self, now: float) -> dict[str, Any]:
+        spare = {} if self.spare is None else {"host": self.host, "spare": self.spare}
         return {
-            "state": "forming",
+            "state": "forming" if self.spare is None else "spare",
             "role": self.role,
             "me": self.name,
             "model": self.model,
@@ -49,7 +52,7 @@ class FormingStatus:
             "members_expected": self.members_expected,
             "step": self.step,
             "forming_s": round(max(0.0, now - self.started), 1),
-        }
+        } | spare
 
     def refusal(self) -> ApiError:
         return ApiError(

@@ -8,6 +8,8 @@ messages: a missing or unknown field, a wrong type or a value out of range raise
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from collections import Counter
 from collections.abc import Mapping
@@ -77,7 +79,7 @@ class SessionTerms:
 # ------------------------------------------------------------------ forming messages
 
 KEY = "kafila_session"  # marks a signaling payload as a session message; its value is the version
-SESSION_VERSION = 2  # 2: request origins (`origins`) in `plan` and `epoch`
+SESSION_VERSION = 3  # 2: request origins (`origins`) in `plan` and `epoch`; 3: a spare's relayed requests
 MAX_REASON = 4096
 # a request id (u32 on the ring, kafila.proto.tensor) carries in its top ORIGIN_BITS the origin tag
 # of the member whose API took it: the host gives each member id its own tag, never reused
@@ -448,3 +450,176 @@ def _text(body: Mapping[str, Any], key: str) -> str:
     if not isinstance(value, str):
         raise SessionMessageError(f"{key} must be text, got {type(value).__name__}")
     return value[:MAX_REASON]
+
+
+# ------------------------------------------------------------------ relay messages
+# A spare (a member the host keeps out of the ring) serves its API by relaying each request over its
+# control link to the host, which answers it through its own API and ring role as its own clients'
+# (kafila.session.ring.relay), naming the spare as the member that asked, and streams the response
+# back (kafila.api.spare). One link message kind of their own (RELAY_KIND); each message is one JSON
+# object, versioned and strict as the others; bytes travel as base64 text.
+
+RELAY_KIND = 34  # link message kind of the relay messages (the epoch messages' is 33, the ring's 32)
+MAX_ASK = 2**31 - 1  # a relayed request's number at its spare: 1 to this
+MAX_ASK_BODY = 8 << 20  # bytes of a request body a spare relays; a larger one gets 413 at the spare
+MAX_RELAY_BYTES = 2 * MAX_ASK_BODY  # one relay message (base64 takes 4/3, plus the JSON around it)
+MAX_PATH = 2048
+MAX_HEADERS = 32
+MAX_HEADER = 8192  # characters of a header's name or value
+RELAY_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD")
+
+
+@dataclass(frozen=True)
+class Ask:
+    """spare -> host: a request its API took (number `ask`, unique at the spare): method, path,
+    query string, the headers that shape the answer (content type, accept) and the body."""
+
+    ask: int
+    method: str
+    path: str
+    query: str = ""
+    headers: tuple[tuple[str, str], ...] = ()
+    content: bytes = b""
+    OP: ClassVar[str] = "ask"
+
+    def body(self) -> dict[str, Any]:
+        return payload(
+            self.OP,
+            ask=self.ask,
+            method=self.method,
+            path=self.path,
+            query=self.query,
+            headers=[list(h) for h in self.headers],
+            content=_b64(self.content),
+        )
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Ask:
+        _check(body, cls.OP, {"ask", "method", "path", "query", "headers", "content"})
+        method, path, query = _text(body, "method"), body["path"], body["query"]
+        if method not in RELAY_METHODS:
+            raise SessionMessageError(f"ask: method {method!r} is none of {list(RELAY_METHODS)}")
+        if not isinstance(path, str) or not path.startswith("/") or len(path) > MAX_PATH:
+            raise SessionMessageError(f"ask: path must be text from '/', at most {MAX_PATH} characters")
+        if not isinstance(query, str) or len(query) > MAX_PATH:
+            raise SessionMessageError(f"ask: query must be text of at most {MAX_PATH} characters")
+        content = _unb64(body, "content", MAX_ASK_BODY)
+        return cls(_ask(body), method, path, query, _headers(body), content)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """host -> spare: the answer to ask `ask` starts: its HTTP status and headers."""
+
+    ask: int
+    status: int
+    headers: tuple[tuple[str, str], ...] = ()
+    OP: ClassVar[str] = "reply"
+
+    def body(self) -> dict[str, Any]:
+        return payload(self.OP, ask=self.ask, status=self.status, headers=[list(h) for h in self.headers])
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Reply:
+        _check(body, cls.OP, {"ask", "status", "headers"})
+        status = body["status"]
+        if not isinstance(status, int) or isinstance(status, bool) or not 100 <= status <= 599:
+            raise SessionMessageError(f"reply: status must be an integer from 100 to 599, got {status!r}")
+        return cls(_ask(body), status, _headers(body))
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """host -> spare: the next bytes of the answer to ask `ask`; `end` on its last."""
+
+    ask: int
+    data: bytes
+    end: bool = False
+    OP: ClassVar[str] = "chunk"
+
+    def body(self) -> dict[str, Any]:
+        return payload(self.OP, ask=self.ask, data=_b64(self.data), end=self.end)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Chunk:
+        _check(body, cls.OP, {"ask", "data", "end"})
+        end = body["end"]
+        if not isinstance(end, bool):
+            raise SessionMessageError(f"chunk: end must be true or false, got {end!r}")
+        return cls(_ask(body), _unb64(body, "data", MAX_ASK_BODY), end)
+
+
+@dataclass(frozen=True)
+class Drop:
+    """spare -> host: the client of ask `ask` left: stop answering it (its request is cancelled)."""
+
+    ask: int
+    OP: ClassVar[str] = "drop"
+
+    def body(self) -> dict[str, Any]:
+        return payload(self.OP, ask=self.ask)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Drop:
+        _check(body, cls.OP, {"ask"})
+        return cls(_ask(body))
+
+
+RelayMessage = Ask | Reply | Chunk | Drop
+_RELAY_OPS: dict[str, type[RelayMessage]] = {m.OP: m for m in (Ask, Reply, Chunk, Drop)}
+
+
+def encode_relay(msg: RelayMessage) -> bytes:
+    return json.dumps(msg.body(), separators=(",", ":")).encode()
+
+
+def parse_relay(data: bytes) -> RelayMessage:
+    """One relay message from its bytes; SessionMessageError naming what is wrong."""
+    if len(data) > MAX_RELAY_BYTES:
+        raise SessionMessageError(f"a relay message of {len(data)} bytes, more than {MAX_RELAY_BYTES}")
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise SessionMessageError(f"a relay message that is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise SessionMessageError("a relay message that is not an object")
+    op = body.get("op")
+    kind = _RELAY_OPS.get(op) if isinstance(op, str) else None
+    if kind is None:
+        raise SessionMessageError(f"unknown relay message op {op!r}")
+    return kind.parse(body)
+
+
+def _ask(body: Mapping[str, Any]) -> int:
+    value = body["ask"]
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_ASK:
+        raise SessionMessageError(f"ask must be an integer from 1 to {MAX_ASK}, got {value!r}")
+    return value
+
+
+def _headers(body: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """Header pairs: at most MAX_HEADERS, each a lower-case name and a value of text."""
+    value = body["headers"]
+    if not isinstance(value, list) or len(value) > MAX_HEADERS:
+        raise SessionMessageError(f"headers must be a list of at most {MAX_HEADERS} pairs")
+    out = []
+    for pair in value:
+        ok = isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair)
+        if not ok or not pair[0] or pair[0] != pair[0].lower() or max(map(len, pair)) > MAX_HEADER:
+            raise SessionMessageError(f"a header must be [lower-case name, value] of text, got {pair!r:.80}")
+        out.append((pair[0], pair[1]))
+    return tuple(out)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(body: Mapping[str, Any], key: str, most: int) -> bytes:
+    value = body[key]
+    if not isinstance(value, str) or len(value) > (most + 2) // 3 * 4:
+        raise SessionMessageError(f"{key} must be base64 text of at most {most} bytes")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise SessionMessageError(f"{key} is not base64: {exc}") from None

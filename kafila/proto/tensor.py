@@ -135,6 +135,9 @@ class Generate:
     # new head prefills after the prompt and goes on from (also while it re-plans)
     carried: bool = False
     generated: tuple[int, ...] = ()
+    # the member whose client asked, where it is not the one the request id's origin tag names (a
+    # spare's request, relayed by the host): the head's records name it ("": the origin's member)
+    asker: str = ""
 
     kind: ClassVar[Kind] = Kind.GENERATE
 
@@ -206,6 +209,7 @@ _FIELDS: dict[type, dict[str, tuple[type, ...]]] = {
         "min_p": (float, int),
         "carried": (bool,),
         "generated": (list,),
+        "asker": (str,),
     },
     Tokens: {
         "request_id": (int,),
@@ -232,6 +236,7 @@ _OPTIONAL = {
     "min_p",
     "carried",
     "generated",
+    "asker",
     "finish",
     "queue_position",
     "prefill_s",

@@ -20,6 +20,7 @@ from kafila.api.forming import FormingStatus, forming_app
 from kafila.api.overload import DEFAULT_LIMITS, ApiLimits
 from kafila.api.security import ApiSecurity, ApiSecurityError, check_exposure
 from kafila.api.server import ApiServer, parse_addr
+from kafila.api.spare import SpareRelay, spare_app
 from kafila.net.edge import LinkNode
 from kafila.net.errors import LinkEnded
 from kafila.net.link import Link
@@ -87,6 +88,7 @@ class MemberRuntime:
         self.tasks: list[asyncio.Task[Any]] = []
         self.role: RingRole | None = None  # the ring role, once its stage is loaded
         self.app: Starlette | None = None  # the session's API app, served once the session formed
+        self.relay: SpareRelay | None = None  # a spare's: its API's requests, relayed to the host
         self.shard: ShardResult | None = None  # a joining member's weights, as fetched
         self.formed = False  # every member is ready and this one serves
         # a joining member's: done, with the line to say, when the host ended the session on purpose
@@ -219,6 +221,17 @@ class MemberRuntime:
         url = self.api.url
         say(f"API at {url} (503 until the session is ready; {url}/session says how forming goes)")
 
+    def serve_as_spare(self, host: str, why: str) -> None:
+        """The host keeps this member as a spare (`why`): until it is planned in, its API relays
+        every request over the control link to `host`, whose API answers (kafila.api.spare)."""
+        self.forming.spare, self.forming.host = why, host
+        link, server = self.links.get(host), self.api
+        if server is None or link is None or self.relay is not None:
+            return
+        self.relay = SpareRelay(link, host)
+        server.switch(spare_app(self.forming, self.relay))
+        say(f"API at {server.url} relays every request to the host {host} while this member is a spare")
+
     def serve_session_api(self) -> None:
         """Once every member is ready, the forming API becomes the session's: the next request gets
         the full app, on the same address (/session says "serving" only now)."""
@@ -227,6 +240,7 @@ class MemberRuntime:
             self.driver.on_left = self._member_left
         self._read_by_metrics(self._serving_document)  # the role's state, queue and KV-cache slots
         server = self.api
+        self.forming.spare = None  # planned in: /session is the ring's from now on
         if server is not None and self.app is not None:
             server.switch(self.app)
             url = server.url

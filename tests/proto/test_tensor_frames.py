@@ -176,7 +176,7 @@ def test_a_forwarded_request_carries_every_sampling_setting() -> None:
 
     names = ["stop" if f.name == "stop_ids" else f.name for f in fields(Sampling)]
     assert [f.name for f in fields(t.Generate)][2 : 2 + len(names)] == names
-    assert [f.name for f in fields(t.Generate)][2 + len(names) :] == ["carried", "generated"]
+    assert [f.name for f in fields(t.Generate)][2 + len(names) :] == ["carried", "generated", "asker"]
     s = Sampling(
         max_tokens=7, temperature=0.5, top_k=3, top_p=0.9, seed=-4, stop_ids=(5, 6), repeat_penalty=1.3,
         repeat_last_n=9, presence_penalty=0.2, frequency_penalty=-0.1, min_p=0.05,

@@ -5,11 +5,18 @@ member in the ring answers the same greedy question as the head did before any c
 90 s; a request through a member that arrived mid-session used to hang for good when its ring
 index was a survivor's first one (the survivor took its answers as its own). Each loss takes the
 ring member right after the head (neither head nor host), so the survivors behind it move up and
-a member planned in later lands on a survivor's first index; the test checks that this happened."""
+a member planned in later lands on a survivor's first index; the test checks that this happened.
+Members the host keeps as spares answer too: their API relays to the host's.
+
+A second test makes a spare on purpose (a member five times slower, which no plan gains from)
+and asks it on every route; a loss then makes the host plan it in (no survivor holds the model
+alone) while an answer streams through it, which completes unchanged."""
 
 from __future__ import annotations
 
+import json
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -121,9 +128,7 @@ def test_every_members_api_answers_through_a_run_of_losses_returns_and_newcomers
                         landed.append(f"{name} at {i} in epoch {doc['epoch']} ({what})")
                     first[name] = i
             failures = []
-            for m in _alive(fleet):
-                if m.name not in doc["ring"]:
-                    continue  # a spare: answers 503 until it is planned in
+            for m in _alive(fleet):  # spares too: they relay to the host
                 t0 = time.monotonic()
                 try:
                     got = _greedy(str(m.api_url))
@@ -135,3 +140,68 @@ def test_every_members_api_answers_through_a_run_of_losses_returns_and_newcomers
             assert not failures, f"after {what} (ring {doc['ring']}, epoch {doc['epoch']}): {failures}"
         assert landed, f"no member was planned in at a survivor's first index (first indexes {first})"
     print(f"churn: {len(changes)} changes in {time.monotonic() - started:.0f} s; landed: {landed}")
+
+
+def _streamed(url: str, max_tokens: int, first: threading.Event | None = None) -> str:
+    """A greedy answer streamed (SSE); sets `first` once its first text arrived."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True}  # fmt: skip
+    out: list[str] = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=SETTLE_S) as r:
+        if r.status_code != 200:
+            raise AssertionError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                out += [c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"]]
+                if first is not None and "".join(out):
+                    first.set()
+    return "".join(out)
+
+
+def test_a_spare_answers_through_the_host_then_through_its_own_role_once_planned_in(
+    smollm2_path: Path, tmp_path: Path
+) -> None:
+    """Two members and a third that runs at a fifth of a CPU (--emulate-speed 0.2): no plan with it
+    is faster, so the host keeps it as a spare. Every member offers 0.35 GB (--memory-gb), less
+    than the fp32 model (0.54 GB), so after a loss the survivor cannot hold it alone and the host
+    plans the spare in. The spare answers OpenAI and Ollama, collected and streamed, as the head
+    does, and the head's records name it as the member that asked; an answer streaming through it
+    when the other member is killed completes unchanged, and so do its answers afterwards, through
+    its own ring role."""
+    small = ("--memory-gb", "0.35")
+    with LocalFleet((None,) * 2, MODEL, context=512, concurrency=2, workdir=tmp_path, stagger=False,
+                    extra_args=("--dead-after", "3", "--threads", "1", *small)) as fleet:  # fmt: skip
+        doc = _settled(fleet, set(), "forming")
+        head = doc["head"]
+        expected, longer = _greedy(fleet.url(head)), _streamed(fleet.url(head), 64)
+        spare = fleet.add_member("slow", ("--emulate-speed", "0.2"), wait_s=SETTLE_S)
+        doc = _settled(fleet, set(), "slow joined")
+        assert doc["spares"] == ["slow"], doc
+        url = str(spare.api_url)
+        mine = _session(spare)
+        assert mine is not None and (mine["state"], mine["host"]) == ("spare", fleet.members[0].name), mine
+        assert _greedy(url) == expected and _streamed(url, 24) == expected
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "stream": False,
+                "options": {"temperature": 0, "num_predict": 24}}  # fmt: skip
+        ollama = httpx.post(f"{url}/api/chat", json=chat, timeout=ANSWER_S).json()
+        assert ollama["message"]["content"] == expected, ollama
+        deadline, asked = time.monotonic() + 30, []
+        while asked.count("slow") < 3 and time.monotonic() < deadline:  # written as each free comes back
+            asked = [r["member"] for r in fleet.traces(head) if r.get("type") == "request"]
+            time.sleep(0.5)
+        assert asked.count("slow") == 3, asked  # the head names the spare, not the host that relayed
+
+        first, answers = threading.Event(), []
+        streaming = threading.Thread(target=lambda: answers.append(_streamed(url, 64, first)))
+        streaming.start()
+        assert first.wait(ANSWER_S), "no text streamed through the spare"
+        victim = next(m for m in fleet.members if m.name in doc["ring"] and m is not fleet.members[0])
+        assert victim.proc is not None  # the ring member besides the host (the head, or not)
+        victim.proc.send_signal(signal.SIGKILL)
+        streaming.join(SETTLE_S)
+        assert answers == [longer], "the answer streaming through the spare changed across the re-plan"
+        doc = _settled(fleet, {victim.name}, f"{victim.name} lost")
+        assert "slow" in doc["ring"] and not doc["spares"], doc
+        own = _session(spare)
+        assert own is not None and own["state"] == "serving" and own["me"] == "slow", own
+        assert _greedy(url) == expected  # through its own role now

@@ -850,8 +850,9 @@ def test_the_host_prints_each_plan_note_once_under_the_plans():
 
 
 def test_a_member_kept_as_a_spare_waits_for_a_plan_without_a_deadline_and_starts_in_its_epoch() -> None:
-    """A member that joined a serving session: the host keeps it as a spare (it says why) and it
-    waits past its --wait; a plan that comes later starts it in the re-plan's epoch."""
+    """A member that joined a serving session: the host keeps it as a spare (it says why, and the
+    shell relays its API to the host meanwhile) and it waits past its --wait; a plan that comes
+    later starts it in the re-plan's epoch."""
     core = member(wait_s=10.0, now=50.0)
     why = "gamma waits as a spare: time per token 3.2% better, not more than the 5.0% margin"
     out = core.handle(fm.Message(HOST, fm.payload("spare", reason=why)), 51.0)
@@ -859,7 +860,8 @@ def test_a_member_kept_as_a_spare_waits_for_a_plan_without_a_deadline_and_starts
         fm.Say(
             f"the host keeps this member as a spare ({why}); it is planned in when a member is lost or "
             "it would make the session faster"
-        )
+        ),
+        fm.Spared(HOST, why),
     ]
     assert core.step is Step.AWAITING_PLAN and core.tick(5000.0) == []
     body = plan_body(["alpha", "beta", "gamma"], IDS) | {"epoch": 4}

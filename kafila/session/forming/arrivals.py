@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 
 from kafila.net.edge import LinkNode, connect_edge
 from kafila.net.errors import LinkAuthError, LinkError
+from kafila.net.link import Link
 from kafila.net.signaling import SignalingClosed, SignalingError
 from kafila.obs.log import get_logger
 from kafila.planner.cost import fmt_bytes
@@ -43,6 +44,7 @@ from kafila.session.forming.epochs import HostEpochs
 from kafila.session.forming.links import named
 from kafila.session.progress import say
 from kafila.session.ring.origins import OriginsSpent
+from kafila.session.ring.relay import SpareAsks, relay_app
 
 log = get_logger("kafila.session.forming.arrivals")
 
@@ -176,6 +178,7 @@ class HostArrivals:
             told = f"the host admits no other member: {exc}"
             await self._refuse(newcomer, f"{newcomer.name} was not admitted: {exc}", str(exc), told)
             return
+        self._relay(report.name, link)
         came = "is back" if back else "arrived"
         say(f"{report.name} {came}: {fmt_bytes(report.memory_bytes)} for weights")
         await epochs.idle()  # one change at a time: a re-plan running finishes first
@@ -204,6 +207,13 @@ class HostArrivals:
         epochs.membership = grown
         newcomer.moving = True
         await epochs.arrive(decision, at)
+
+    def _relay(self, name: str, link: Link) -> None:
+        """Answer what `name` relays over its control link while it is a spare (kafila.session.ring.
+        relay): through the host's own API app and ring role, as the host's own clients' requests."""
+        held = self.epochs.held
+        app = None if held.app is None else relay_app(held.app.state.api, held.ring, name)
+        SpareAsks(name, link, app)
 
     async def invite(self, name: str, decision: Replan) -> None:
         """`name` (a newcomer, or a spare planned in) gets the re-plan as its `plan`."""

@@ -170,13 +170,21 @@ class Remove:
 
 
 @dataclass(frozen=True)
+class Spared:
+    """Member: the host keeps it as a spare (`reason`: why); its API relays to the host meanwhile."""
+
+    host: int  # the host's member id
+    reason: str
+
+
+@dataclass(frozen=True)
 class Formed:
     """Every member is ready (host) / the host confirmed that every member is ready (member)."""
 
     members: tuple[str, ...]
 
 
-Output = Say | Send | Rejected | Failed | PlanNow | LinkNow | Admit | Remove | Formed
+Output = Say | Send | Rejected | Failed | PlanNow | LinkNow | Admit | Remove | Spared | Formed
 
 
 class Step(enum.Enum):
@@ -622,7 +630,8 @@ class MemberFormation(_Machine):
             Say(
                 f"the host keeps this member as a spare ({why}); it is planned in when a member is "
                 "lost or it would make the session faster"
-            )
+            ),
+            Spared(sender, why),
         ]
 
     def _plan(self, body: dict[str, Any]) -> list[Output]:

@@ -91,6 +91,8 @@ class Driver:
         # once formed: events about members joining the serving session (the host's arrivals,
         # kafila.session.forming.arrivals); True when taken there, else the core has them
         self.on_event: Callable[[fm.Event], bool] | None = None
+        # a joining member's: the host keeps it as a spare (its API relays to the host meanwhile)
+        self.on_spare: Callable[[fm.Spared], None] | None = None
 
     @staticmethod
     def now() -> float:
@@ -106,6 +108,8 @@ class Driver:
                 await self._tell_rendezvous(out)
             elif isinstance(out, fm.Admit) and self.on_admit is not None:
                 self.on_admit(out)
+            elif isinstance(out, fm.Spared) and self.on_spare is not None:
+                self.on_spare(out)
             elif isinstance(out, fm.Rejected):
                 log.warning("session_message_rejected", member=out.member, reason=out.reason)
             elif isinstance(out, fm.Failed):

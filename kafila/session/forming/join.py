@@ -120,6 +120,7 @@ async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
     config = config if isinstance(config, dict) else None
     core = MemberFormation(host_id=host_info.id, me_id=node.member, wait_s=opts.wait_s, link_s=opts.wait_s)
     drive = held.driver = Driver(core, client, node.signals)
+    drive.on_spare = lambda spared: held.serve_as_spare(host_info.name, spared.reason)
     control = _link_host(node, name, host_info, held)  # the host checks this member's code meanwhile
     try:
         probing = while_signaling(off_loop(probe_report, name, node, opts, config), pump, control)

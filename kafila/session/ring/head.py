@@ -72,6 +72,7 @@ class _Req:
     finish: str = "stop"
     tokens: list[int] = field(default_factory=list)  # every token sampled so far (fed back, or the last)
     feed: list[int] | None = None  # carried into a new epoch: prompt + tokens, prefilled again
+    asker: str = ""  # the member whose client asked, where the origin tag names another (a spare's)
 
     def fed(self) -> list[int]:
         """What its prefill feeds the ring: the prompt, or after a re-plan the prompt and its tokens."""
@@ -126,10 +127,12 @@ class RingHead(RoleBase):
     def context(self) -> int:
         return self.stage.context
 
-    async def submit(self, prompt: Sequence[int], sampling: Sampling) -> QueueGeneration:
+    async def submit(self, prompt: Sequence[int], sampling: Sampling, asker: str = "") -> QueueGeneration:
+        """Take a request of this member's API; `asker`: the member whose client asked, where it is
+        not this one (a spare's request the host relays), as the records name it."""
         rid = self.ids.next()
         gen = QueueGeneration(rid, self._cancel_local)
-        self._accept(rid, list(prompt), sampling, gen)
+        self._accept(rid, list(prompt), sampling, gen, asker=asker)
         return gen
 
     def describe(self) -> dict[str, Any]:
@@ -248,6 +251,7 @@ class RingHead(RoleBase):
         s: Sampling,
         gen: QueueGeneration | None,
         had: Sequence[int] | None = None,
+        asker: str = "",
     ) -> None:
         """Take request `rid`; `had`: it was carried from a head that was lost, with these tokens
         already streamed to its client (taken while re-planning too: its client waits on it)."""
@@ -284,7 +288,7 @@ class RingHead(RoleBase):
             log.info("request_refused", request_id=rid, reason="queue full")
             metrics.observe_no_token("refused")
             raise GenerationError("busy", f"{exc}; try again later") from exc
-        req = _Req(rid, prompt, sampler, gen, s.max_tokens)
+        req = _Req(rid, prompt, sampler, gen, s.max_tokens, asker=asker)
         if had:  # prefilled with what its client has, then on from there
             req.tokens, req.generated, req.feed = had, len(had), prompt + had
         self._reqs[rid] = req
@@ -293,7 +297,7 @@ class RingHead(RoleBase):
             self._answer(req, TokenEvent(queue_position=position))
         log.info(
             "request_accepted", request_id=rid, prompt_tokens=len(prompt), queue_position=position,
-            **({"carried_tokens": len(had)} if had else {}),
+            **({"carried_tokens": len(had)} if had else {}), **({"asker": asker} if asker else {}),
         )  # fmt: skip
         self._wake.set()
 
@@ -302,7 +306,7 @@ class RingHead(RoleBase):
         local one: `msg.generated` are the tokens `gen` has streamed."""
         gen.answered_by(self._cancel_local)
         try:
-            self._accept(msg.request_id, list(msg.prompt), Sampling.of(msg), gen, msg.generated)
+            self._accept(msg.request_id, list(msg.prompt), Sampling.of(msg), gen, msg.generated, msg.asker)
         except GenerationError as exc:
             gen.push(exc)
 
@@ -313,7 +317,7 @@ class RingHead(RoleBase):
             return
         had = msg.generated if msg.carried else None  # carried from a head that was lost
         try:
-            self._accept(msg.request_id, list(msg.prompt), Sampling.of(msg), None, had)
+            self._accept(msg.request_id, list(msg.prompt), Sampling.of(msg), None, had, msg.asker)
         except GenerationError as exc:
             self._outbox.put_nowait(t.Error(msg.request_id, exc.code, exc.message))
             return
@@ -704,7 +708,7 @@ def request_record(
     return RequestRecord(
         session=info.session,
         request_id=req.rid,
-        member=asked_by.get(origin_of(req.rid), "?"),
+        member=req.asker or asked_by.get(origin_of(req.rid), "?"),
         division=info.division,
         prompt_tokens=len(req.prompt),
         completion_tokens=req.generated,

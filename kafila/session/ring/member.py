@@ -78,15 +78,20 @@ class RingMember(RoleBase):
     def context(self) -> int:
         return self.stage.context
 
-    async def submit(self, prompt: Sequence[int], sampling: Sampling) -> QueueGeneration:
+    async def submit(self, prompt: Sequence[int], sampling: Sampling, asker: str = "") -> QueueGeneration:
+        """Forward a request to the head; `asker`: the member whose client asked, where it is not
+        this one (a spare's request the host relays), for the head's records."""
         self.refuse_new()
         rid = self.ids.next()
         gen = QueueGeneration(rid, self._cancel)
         self._mine[rid] = gen
-        msg = self._forwarded[rid] = self._asked[rid] = sampling.forwarded(rid, prompt)
+        msg = self._forwarded[rid] = self._asked[rid] = replace(sampling.forwarded(rid, prompt), asker=asker)
         ack = self._acks[rid] = asyncio.get_running_loop().create_future()
         self._outbox.put_nowait(msg)
-        log.info("request_forwarded", request_id=rid, head=self.info.order[0], prompt_tokens=len(prompt))
+        log.info(
+            "request_forwarded", request_id=rid, head=self.info.order[0], prompt_tokens=len(prompt),
+            **({"asker": asker} if asker else {}),
+        )  # fmt: skip
         try:  # admitted, queued or refused: a refusal (a full queue) is raised here, before any answer
             await ack
         except asyncio.CancelledError:
