@@ -1,0 +1,146 @@
+"""Checkpoint ranges from an HTTP(S) mirror or the Hugging Face hub (`--weights-from URL`).
+
+A mirror is any server where `<URL>/<file>` answers the checkpoint's files (config.json,
+model.safetensors or its shards, tokenizer.json, ...) and honours `Range` requests (206). A hub
+model page URL (`https://huggingface.co/<org>/<repo>`) means its `resolve/main` URLs; a URL that
+already names `/resolve/<revision>` is used as is. A token in the environment's HF_TOKEN goes with
+every request to the hub, and to another mirror only once it answered 401 or 403.
+
+The bytes are checked like any source's (kafila.session.weights.fetch: each tensor's sha256 from
+the host's manifest); a mirror holding another checkpoint is skipped before any tensor is asked for:
+its first safetensors header must say the same length as the host's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+from urllib.parse import quote, urlsplit
+
+import httpx
+
+from kafila.obs.log import get_logger
+from kafila.session.weights.manifest import WeightManifest, WeightsError
+from kafila.session.weights.sources import Job, Sink
+
+log = get_logger("kafila.session.weights")
+
+HUB_HOSTS = ("huggingface.co", "hf.co")
+TOKEN_ENV = "HF_TOKEN"
+MIRROR_REQUEST = 8 << 20  # bytes per ranged GET
+MIRROR_WINDOW = 4  # ranged GETs in flight
+
+
+def mirror_base(url: str) -> str:
+    """The folder URL whose `/<file>` is each checkpoint file (a hub model page -> its resolve/main)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"--weights-from {url!r}: not an http:// or https:// URL")
+    base = url.rstrip("/")
+    if (parts.hostname or "") in HUB_HOSTS and "/resolve/" not in parts.path:
+        base += "/resolve/main"
+    return base
+
+
+def is_hub(url: str) -> bool:
+    return (urlsplit(url).hostname or "") in HUB_HOSTS
+
+
+class MirrorReader:
+    """Ranges by HTTP GET with `Range: bytes=a-b` (206 with exactly the bytes asked, or a failure)."""
+
+    kind = "mirror"
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        window: int = MIRROR_WINDOW,
+        timeout: float = 30.0,
+        max_request: int = MIRROR_REQUEST,
+    ) -> None:
+        self.base = mirror_base(url)
+        self.name = f"mirror {self.base}"
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        self.window, self.timeout, self.max_request = window, timeout, max_request
+        self._authorize = is_hub(self.base) and self.token is not None
+        self._files: set[str] = set()
+
+    def url(self, file: str) -> str:
+        return f"{self.base}/{quote(file)}"
+
+    def _headers(self, a: int, b: int) -> dict[str, str]:
+        headers = {"Range": f"bytes={a}-{b - 1}", "Accept-Encoding": "identity"}
+        if self._authorize and self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        return headers
+
+    async def get(self, client: httpx.AsyncClient, file: str, a: int, b: int) -> bytes:
+        """Bytes [a, b) of `file`; WeightsError when the mirror does not answer exactly them."""
+        try:
+            r = await client.get(self.url(file), headers=self._headers(a, b))
+            if r.status_code in (401, 403) and self.token and not self._authorize:
+                self._authorize = True  # it wants the token: from now on it gets it
+                r = await client.get(self.url(file), headers=self._headers(a, b))
+        except httpx.HTTPError as exc:
+            raise WeightsError(f"{self.name}: {file} bytes [{a}, {b}): {type(exc).__name__}: {exc}") from exc
+        if r.status_code != 206 or len(r.content) != b - a:
+            hint = " (set HF_TOKEN)" if r.status_code in (401, 403) and not self.token else ""
+            raise WeightsError(
+                f"{self.name}: {file} bytes [{a}, {b}): HTTP {r.status_code} with {len(r.content)} "
+                f"bytes, not 206 with {b - a}{hint}"
+            )
+        return r.content
+
+    def client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(follow_redirects=True, timeout=self.timeout)
+
+    async def prepare(self, m: WeightManifest) -> bool:
+        """The mirror serves this checkpoint: its first safetensors file's header length matches."""
+        first = sorted(m.headers)[0]
+        async with self.client() as client:
+            head = await self.get(client, first, 0, 8)
+        (n,) = struct.unpack("<Q", head)
+        if n + 8 != m.headers[first]:
+            log.warning(
+                "weights_mirror_differs", source=self.name, file=first, header=n + 8, host=m.headers[first]
+            )
+            return False
+        self._files = set(m.headers) | set(m.files)
+        return True
+
+    def offers(self, file: str, start: int, end: int) -> bool:
+        return file in self._files
+
+    async def run(self, jobs: list[Job], sink: Sink) -> None:
+        """Every job with up to `window` GETs in flight, each answer handed to `sink` as it comes."""
+        queue = list(reversed(jobs))
+        async with self.client() as client:
+
+            async def worker() -> None:
+                while queue:
+                    job = queue.pop()
+                    data = await self.get(client, job.file, job.offset, job.offset + job.length)
+                    await sink(job, data)
+
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    for _ in range(min(self.window, len(jobs))):
+                        tg.create_task(worker())
+            except ExceptionGroup as group:  # the first failure, as every other source raises it
+                raise group.exceptions[0] from None
+
+
+async def missing_files(url: str, names: list[str], timeout: float = 15.0) -> list[str]:
+    """Which of `names` the mirror at `url` does not answer (a one-byte ranged GET of each)."""
+    reader = MirrorReader(url, timeout=timeout)
+    missing = []
+    async with reader.client() as client:
+        for name in names:
+            try:
+                await reader.get(client, name, 0, 1)
+            except WeightsError as exc:
+                log.info("weights_mirror_lacks", source=reader.name, file=name, error=str(exc))
+                missing.append(name)
+    return missing
