@@ -36,6 +36,7 @@ from kafila.session.errors import SessionError
 from kafila.session.progress import progress_to, say
 from kafila.session.ring.build import RingRole
 from kafila.session.terms import Options
+from kafila.session.weights.sharing import Sharing
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -88,6 +89,7 @@ class MemberRuntime:
         self.role: RingRole | None = None  # the ring role, once its stage is loaded
         self.app: Starlette | None = None  # the session's API app, served once the session formed
         self.shard: ShardResult | None = None  # a joining member's weights, as fetched
+        self.weights: Sharing | None = None  # the weight ranges it serves and its replicas
         self.formed = False  # every member is ready and this one serves
         # a joining member's: done, with the line to say, when the host ended the session on purpose
         self.ended: asyncio.Future[str] | None = None
@@ -143,6 +145,8 @@ class MemberRuntime:
             with contextlib.suppress(Exception):
                 await self.role.stop()
             self.role.model.close()
+        if self.weights is not None:
+            await self.weights.close()
         await self._close_links()
         for task in list(self.tasks):
             task.cancel()

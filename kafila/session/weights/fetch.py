@@ -10,7 +10,7 @@ import errno
 import hashlib
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,13 +134,14 @@ PART_AGE_S = 3600.0  # a blob's .part file this old is a write that was killed, 
 
 class _Member:
     def __init__(
-        self, channel: Channel, cache: Path, window: int, timeout: float, progress: bool, label: str
+        self, channel: Channel | None, cache: Path, window: int, timeout: float, progress: bool, label: str
     ):
         self.channel, self.root, self.window, self.timeout = channel, cache, window, timeout
         self.progress, self.label = progress, label
         self.blobs = BlobStore(cache / "blobs")
 
     async def manifest(self) -> WeightManifest:
+        assert self.channel is not None
         await self.channel.send(t.Control(OP_GET_MANIFEST))
         while True:
             try:
@@ -188,7 +189,8 @@ class _Member:
                 got = await self._meta_from(reader, m, want, todo, tally, last)
                 bufs.update(got)
         try:
-            await asyncio.to_thread(_check_and_keep_meta, m, files_dir, want, bufs, self.channel.peer)
+            peer = self.channel.peer if self.channel is not None else "?"
+            await asyncio.to_thread(_check_and_keep_meta, m, files_dir, want, bufs, peer)
         except CachedHeadersSuspect as exc:  # removed: this second pass fetches every header
             log.warning("weights_cached_headers_refetched", reason=str(exc))
             return await self.meta(m, ckdir, readers, tally)
@@ -449,6 +451,7 @@ async def fetch_shard(
     progress: bool = True,
     label: str = "weights",
     sources: Sequence[Reader] = (),
+    on_manifest: Callable[[WeightManifest], None] | None = None,
 ) -> ShardResult:
     """Fetch the tensors of blocks [a, b) (+ the head's when `head`) into the cache and return a
     folder `Checkpoint.open` reads. The host at the other end of `channel` gives the manifest and
@@ -458,11 +461,12 @@ async def fetch_shard(
     checkpoint (default: the model folders in the cache); one whose headers digest matches and whose
     shard tensors hash right is used as is, fetching nothing. `window`: requests in flight.
     The member owns the channel's receive side until this returns (other messages are skipped).
+    `on_manifest` hears the manifest as soon as it came (a member serving others needs it).
     """
     root = cache_root(cache)
     try:
         return await _fetch_shard(
-            channel, blocks, head, root, local, window, timeout, progress, label, sources
+            channel, blocks, head, root, local, window, timeout, progress, label, sources, on_manifest
         )
     except OSError as exc:  # a full disk, a read-only folder: one line naming the cache
         where = f" ({exc.filename})" if exc.filename else ""
@@ -509,9 +513,12 @@ async def _fetch_shard(
     progress: bool,
     label: str,
     sources: Sequence[Reader],
+    on_manifest: Callable[[WeightManifest], None] | None,
 ) -> ShardResult:
     member = _Member(channel, root, window, timeout, progress, label)
     m = await member.manifest()
+    if on_manifest is not None:
+        on_manifest(m)
     names = shard_names(m, blocks, head)
     hashes = HashCache(root / "weights" / "hashes")
     found = await asyncio.to_thread(
@@ -555,6 +562,39 @@ async def _fetch_shard(
         sources=result.sources,
     )
     return result
+
+
+@dataclass
+class Kept:
+    """Tensors fetched into the blob store alone (replicas): names, and bytes by source and kind."""
+
+    tensors: tuple[str, ...] = ()
+    sources: dict[str, int] = field(default_factory=dict)
+    kinds: dict[str, int] = field(default_factory=dict)
+
+
+async def fetch_tensors(
+    m: WeightManifest, names: Sequence[str], readers: Sequence[Reader], cache: Path | None = None
+) -> Kept:
+    """Tensors `names` of `m` into the blob store from `readers` in order (each checked against
+    its sha256; those already held hash right and are not fetched). No shard folder: these are
+    kept to be served, and loaded by a later plan's fetch without asking anyone."""
+    member = _Member(None, cache_root(cache), 1, 30.0, False, "replicas")
+    entries = [m.tensors[n] for n in names]
+    todo = await asyncio.to_thread(
+        lambda: [
+            e for e in entries if not member.blobs.has(e.key, e.name, e.dtype, e.shape, e.nbytes, e.sha256)
+        ]
+    )
+    tally = _Tally(member.bar(0))
+    if todo:
+        await member.tensors(todo, m, list(await usable(readers, m)), tally)
+    kept = Kept(tuple(e.name for e in todo), dict(tally.by_name))
+    for name, n in tally.by_name.items():
+        kind = tally.kinds[name]
+        kept.kinds[kind] = kept.kinds.get(kind, 0) + n
+        metrics.observe_weight_bytes(kind, n)
+    return kept
 
 
 def _account(result: ShardResult, tally: _Tally) -> None:

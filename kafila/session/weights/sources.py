@@ -20,7 +20,7 @@ from typing import Protocol
 
 from kafila.obs.log import get_logger
 from kafila.proto import tensor as t
-from kafila.session.channel import Channel, ChannelError
+from kafila.session.channel import ChannelError
 from kafila.session.weights.manifest import U32_MAX, WeightManifest, WeightsError, runs
 
 log = get_logger("kafila.session.weights")
@@ -41,6 +41,16 @@ class Job:
 
 
 Sink = Callable[[Job, bytes], Awaitable[None]]
+
+
+class Asking(Protocol):
+    """The part of a session Channel a ChannelReader uses."""
+
+    peer: str
+
+    async def send(self, msg: t.Message) -> None: ...
+
+    async def recv(self, timeout: float | None = None) -> t.Message: ...
 
 
 class Reader(Protocol):
@@ -76,7 +86,7 @@ class ChannelReader:
 
     def __init__(
         self,
-        channel: Channel,
+        channel: Asking,
         kind: str,
         window: int,
         timeout: float,
