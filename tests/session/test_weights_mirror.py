@@ -11,7 +11,14 @@ import pytest
 from kafila.models.checkpoint import Checkpoint
 from kafila.session.channel import MemoryChannel
 from kafila.session.weights.fetch import ShardResult, fetch_shard
-from kafila.session.weights.mirror import MirrorReader, mirror_base, missing_files
+from kafila.session.weights.manifest import checkpoint_id
+from kafila.session.weights.mirror import (
+    MirrorReader,
+    fetch_checkpoint,
+    mirror_base,
+    missing_files,
+    needs_fetching,
+)
 from kafila.session.weights.server import WeightServer
 from kafila.session.weights.sources import Reader
 from tests.session.hubserver import Hub, serving
@@ -104,3 +111,18 @@ async def test_a_mirror_of_another_checkpoint_is_skipped_before_any_tensor(
     assert set(shard.kinds) == {"host"}
     assert sum(hub.served.values()) <= 8 * len(Checkpoint.open(other).tensors)  # header lengths only
     assert lacking == ["nope.bin"]
+
+
+async def test_a_host_starting_from_a_mirror_fetches_the_same_checkpoint_once(
+    folder, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    with serving(Hub(folder, token="hf_secret")) as hub:
+        got = await fetch_checkpoint(hub.url, tmp_path / "models" / "tiny")
+        first = sum(hub.served.values())
+        again = await fetch_checkpoint(hub.url, tmp_path / "models" / "tiny")
+        assert again == got and sum(hub.served.values()) == first  # finished before: nothing fetched
+    assert checkpoint_id(got) == checkpoint_id(folder)
+    full = Checkpoint.open(folder)
+    same_tensors(got, folder, list(full.tensors))
+    assert needs_fetching("tiny") and not needs_fetching(str(folder)) and not needs_fetching("smollm2-135m")

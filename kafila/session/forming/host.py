@@ -19,6 +19,7 @@ from typing import Any
 from kafila.engine import DTYPES
 from kafila.engine.backend import checkpoint_dtype
 from kafila.engine.stage import StageError, resolve_quant
+from kafila.models.cache import models_dir
 from kafila.models.checkpoint import Checkpoint
 from kafila.models.registry import resolve, served_name
 from kafila.net.errors import LinkError
@@ -44,6 +45,7 @@ from kafila.session.ring.build import Serving, start_role
 from kafila.session.runtime import MemberRuntime, formed_by, reserve_api
 from kafila.session.terms import Options
 from kafila.session.weights.manifest import checkpoint_id
+from kafila.session.weights.mirror import fetch_checkpoint, needs_fetching
 from kafila.session.weights.server import WeightServer
 from kafila.session.weights.sharing import Sharing
 
@@ -57,6 +59,9 @@ async def host(opts: Options, on_code: Callable[[SessionCode], None] | None = No
 
 
 async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, held: MemberRuntime) -> None:
+    if opts.weights_from is not None and needs_fetching(opts.model):  # a host that starts from a mirror
+        say(f"fetching {opts.model} from {opts.weights_from} into {models_dir() / opts.model}")
+        await fetch_checkpoint(opts.weights_from, models_dir() / opts.model)
     folder = resolve(opts.model, quant=opts.quant)  # the default model in q4: its GGUF's packed blocks
     ckpt = Checkpoint.open(folder, complete=True)
     ckpt.config.check_context(opts.context, opts.model)

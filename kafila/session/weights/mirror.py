@@ -14,14 +14,17 @@ its first safetensors header must say the same length as the host's.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import struct
+from pathlib import Path
 from urllib.parse import quote, urlsplit
 
 import httpx
 
+from kafila.models.checkpoint import INDEX_FILE
 from kafila.obs.log import get_logger
-from kafila.session.weights.manifest import WeightManifest, WeightsError
+from kafila.session.weights.manifest import SMALL_FILES, WeightManifest, WeightsError
 from kafila.session.weights.sources import Job, Sink
 
 log = get_logger("kafila.session.weights")
@@ -70,11 +73,37 @@ class MirrorReader:
     def url(self, file: str) -> str:
         return f"{self.base}/{quote(file)}"
 
-    def _headers(self, a: int, b: int) -> dict[str, str]:
-        headers = {"Range": f"bytes={a}-{b - 1}", "Accept-Encoding": "identity"}
+    def _headers(self, a: int | None = None, b: int | None = None) -> dict[str, str]:
+        headers = {"Accept-Encoding": "identity"}
+        if a is not None and b is not None:
+            headers["Range"] = f"bytes={a}-{b - 1}"
         if self._authorize and self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         return headers
+
+    async def download(self, client: httpx.AsyncClient, file: str, to: Path, required: bool = True) -> bool:
+        """The whole of `file` into `to` (a temporary name, then renamed); False when the mirror has
+        no such file and it is not `required`."""
+        async with client.stream("GET", self.url(file), headers=self._headers()) as r:
+            if r.status_code in (401, 403) and self.token and not self._authorize:
+                self._authorize = True
+                return await self.download(client, file, to, required)
+            if r.status_code == 404 and not required:
+                return False
+            if r.status_code != 200:
+                raise WeightsError(f"{self.name}: {file}: HTTP {r.status_code}, not 200")
+            expected = r.headers.get("Content-Length")
+            tmp = to.with_name(f".{to.name}.part")
+            n = 0
+            with open(tmp, "wb") as f:
+                async for chunk in r.aiter_bytes(1 << 20):
+                    f.write(chunk)
+                    n += len(chunk)
+        if expected is not None and n != int(expected):
+            tmp.unlink(missing_ok=True)
+            raise WeightsError(f"{self.name}: {file}: {n} bytes of {expected}: the download was cut short")
+        os.replace(tmp, to)
+        return True
 
     async def get(self, client: httpx.AsyncClient, file: str, a: int, b: int) -> bytes:
         """Bytes [a, b) of `file`; WeightsError when the mirror does not answer exactly them."""
@@ -130,6 +159,48 @@ class MirrorReader:
                         tg.create_task(worker())
             except ExceptionGroup as group:  # the first failure, as every other source raises it
                 raise group.exceptions[0] from None
+
+
+DOWNLOADED = ".kafila-downloaded"  # in a folder fetch_checkpoint finished: the mirror's URL
+
+
+async def fetch_checkpoint(url: str, folder: Path, timeout: float = 60.0) -> Path:
+    """The checkpoint at mirror `url` (config.json, the safetensors files its index names or
+    model.safetensors, the small files it has) into `folder`, for a host that starts from a mirror;
+    a folder finished before from the same URL is used as it is."""
+    done = folder / DOWNLOADED
+    base = mirror_base(url)
+    if done.is_file() and done.read_text().strip() == base:
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    reader = MirrorReader(url, timeout=timeout)
+    async with reader.client() as client:
+        await reader.download(client, "config.json", folder / "config.json")
+        index = folder / INDEX_FILE
+        if await reader.download(client, INDEX_FILE, index, required=False):
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = ["model.safetensors"]
+        for name in files:
+            if Path(name).name != name:
+                raise WeightsError(f"{reader.name}: its index names {name!r}, not a file in the folder")
+            log.info("weights_mirror_download", source=reader.name, file=name)
+            await reader.download(client, name, folder / name)
+        for name in SMALL_FILES:
+            if name != "config.json":
+                await reader.download(client, name, folder / name, required=False)
+    done.write_text(base)
+    return folder
+
+
+def needs_fetching(model: str) -> bool:
+    """Whether a host's --model names no model this machine has: not a default model, not a
+    folder, a plain name (a host with --weights-from fetches it into the cache's models folder)."""
+    from kafila.models.default import DEFAULT_MODELS
+
+    if model in DEFAULT_MODELS or "/" in model or os.sep in model:
+        return False
+    return not Path(model).expanduser().is_dir()
 
 
 async def missing_files(url: str, names: list[str], timeout: float = 15.0) -> list[str]:
