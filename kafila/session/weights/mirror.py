@@ -203,6 +203,24 @@ def needs_fetching(model: str) -> bool:
     return not Path(model).expanduser().is_dir()
 
 
+async def mirror_lacks(url: str, timeout: float = 15.0) -> list[str]:
+    """The checkpoint files the mirror at `url` does not answer: config.json, and the safetensors
+    files its model.safetensors.index.json names, or model.safetensors (empty: it has them all)."""
+    lacking = await missing_files(url, ["config.json", INDEX_FILE], timeout)
+    if INDEX_FILE in lacking:
+        return [n for n in lacking if n != INDEX_FILE] + await missing_files(
+            url, ["model.safetensors"], timeout
+        )
+    reader = MirrorReader(url, timeout=timeout)
+    async with reader.client() as client:
+        r = await client.get(reader.url(INDEX_FILE), headers=reader._headers())
+    try:
+        files = sorted(set(json.loads(r.content)["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return [*lacking, f"{INDEX_FILE} (not an index: no weight_map)"]
+    return lacking + await missing_files(url, files, timeout)
+
+
 async def missing_files(url: str, names: list[str], timeout: float = 15.0) -> list[str]:
     """Which of `names` the mirror at `url` does not answer (a one-byte ranged GET of each)."""
     reader = MirrorReader(url, timeout=timeout)
