@@ -106,3 +106,63 @@ async def test_a_later_joiner_fetches_from_the_member_that_kept_replicas_and_eve
     finally:
         for f in formed:
             await f.close()
+
+
+async def test_a_member_serves_what_it_holds_by_range_over_a_link_and_its_own_copy_once_asked(
+    tiny_checkpoint, tmp_path
+) -> None:
+    """Two members on one authenticated QUIC link on loopback: m1 fetched blocks [0, 2) from the host
+    and serves them; m2 fetches that shard from m1 alone, is refused what m1 lacks, then m1 loads its
+    own copy of the checkpoint and serves all of it."""
+    from kafila.net.auth import EdgeContext
+    from kafila.session.channel import MemoryChannel
+    from kafila.session.weights.fetch import fetch_shard
+    from kafila.session.weights.manifest import FetchRefused
+    from kafila.session.weights.peers import HeldFiles, PeerReader
+    from kafila.session.weights.server import WeightServer
+    from kafila.session.weights.sharing import Sharing
+    from tests.net.conftest import direct_pair
+
+    folder = tiny_checkpoint("llama-mha-untied", sharded=True)
+    server = WeightServer(folder, cache=tmp_path / "host")
+
+    async def from_host(name: str, blocks: range, **kw) -> object:
+        member, host_end = MemoryChannel.pair("host", name)[::-1]
+        serving = asyncio.ensure_future(server.serve(host_end, timeout=30))
+        try:
+            return await fetch_shard(
+                member, blocks, False, cache=tmp_path / name, local=[], progress=False, **kw
+            )
+        finally:
+            await asyncio.wait_for(serving, 10)
+
+    ctx = EdgeContext("S-peers", "m2", "m1", b"correct horse")
+    client, link_m1, a, b = await direct_pair(ctx, ctx)  # m2's end, m1's end
+    try:
+        await asyncio.gather(client.wait_ready(), link_m1.wait_ready())
+        sharing = Sharing(tmp_path / "m1")
+        sharing.attach({"m2": link_m1})
+        first = await from_host("m1", range(0, 2), on_manifest=sharing.known)
+        m = first.manifest
+        peer = PeerReader(client, "m1")
+        assert await peer.prepare(m) and peer.holding.tensors == set(first.tensors)
+        other = m.tensors[Checkpoint.open(folder).names_for(range(2, 3), False)[0]]
+        assert not peer.offers(other.file, other.start, other.end)
+        with pytest.raises(FetchRefused, match="not held by this member"):
+            HeldFiles(tmp_path / "m1", m).read(other.file, other.start, 8)
+        before = server.stats["m1"].bytes_sent
+        got = await from_host("m2", range(0, 2), sources=[peer])
+        assert got.kinds == {"peer": got.bytes_fetched} and got.tensor_bytes == first.tensor_bytes
+        assert server.stats.get("m2") is None or server.stats["m2"].bytes_sent == 0
+        assert server.stats["m1"].bytes_sent == before
+        sharing.local_copy(folder)  # now it holds the whole checkpoint: described when asked
+        whole = PeerReader(client, "m1")
+        assert await whole.prepare(m) and whole.holding.tensors == set(m.tensors)
+        rest = await from_host("m2", range(2, 5), sources=[whole])
+        assert set(rest.kinds) == {"peer"} and rest.tensor_bytes > 0
+        await sharing.close()
+    finally:
+        await client.close()
+        await link_m1.close()
+        a.close()
+        b.close()

@@ -189,6 +189,8 @@ async def _fetch(got: fm.LinkNow, links: dict[str, Link], opts: Options, sharing
         on_manifest=sharing.known,
     )
     say(f"weights for {blocks}: {weights_source(shard)}")
+    if shard.local:
+        sharing.local_copy(shard.path)
     return shard
 
 

@@ -24,7 +24,7 @@ import bisect
 import itertools
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -153,12 +153,16 @@ class PeerServer:
 
     def __init__(self, wait_s: float = 60.0) -> None:
         self.store: asyncio.Future[Store] = asyncio.get_running_loop().create_future()
+        self.current: Store | None = None
         self.wait_s = wait_s
+        self.first_ask: Callable[[], Awaitable[None]] | None = None  # work put off until someone asks
+        self.warming: asyncio.Task[None] | None = None
         self.bytes_sent: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     def serve(self, store: Store) -> None:
-        """Serve `store` from now on (the first one given stays: one checkpoint per session)."""
+        """Serve `store` from now on (one checkpoint per session: a later store holds more of it)."""
+        self.current = store
         if not self.store.done():
             self.store.set_result(store)
 
@@ -182,10 +186,16 @@ class PeerServer:
     async def _answer(self, link: Link, peer: str, msg: t.Message) -> None:
         reply: t.Message
         try:
-            held = await asyncio.wait_for(asyncio.shield(self.store), self.wait_s)
+            await asyncio.wait_for(asyncio.shield(self.store), self.wait_s)
         except TimeoutError:
             log.info("weights_peer_not_ready", peer=peer, waited_s=self.wait_s)
             return
+        if self.first_ask is not None:
+            if self.warming is None:
+                self.warming = asyncio.ensure_future(self.first_ask())
+            await asyncio.shield(self.warming)
+        held = self.current
+        assert held is not None
         if isinstance(msg, t.Control) and msg.op == OP_HAVE:
             mine = msg.body.get("checkpoint") == held.m.checkpoint
             holding = await asyncio.to_thread(held.refresh) if mine else Holding()

@@ -44,6 +44,7 @@ class Sharing:
         self.server = PeerServer()
         self.manifest: WeightManifest | None = None
         self.replicas: asyncio.Task[Kept | None] | None = None
+        self.whole: Path | None = None  # a folder of this member's holding the whole checkpoint
 
     def known(self, m: WeightManifest) -> None:
         """The checkpoint's manifest came: serve what this member's cache holds of it."""
@@ -57,6 +58,24 @@ class Sharing:
         if self.manifest is None:
             self.manifest = m
             self.server.serve(FolderFiles(server, m))
+
+    def local_copy(self, folder: Path) -> None:
+        """This member loads its own copy of the checkpoint: keep no replicas, and serve all of it
+        once described, when another member first asks (on a thread: tensors not hashed before are
+        hashed once, a cost no session pays unless a member fetches from this one)."""
+        self.whole = folder
+
+        async def describe() -> None:
+            server = WeightServer(folder, cache=self.root)
+            try:
+                m = await server.prepare()
+            except (OSError, ValueError) as exc:
+                log.warning("weights_local_not_served", folder=str(folder), error=str(exc))
+                return
+            if self.manifest is not None and m.checkpoint == self.manifest.checkpoint:
+                self.server.serve(FolderFiles(server, m))
+
+        self.server.first_ask = describe
 
     def attach(self, links: dict[str, Link]) -> None:
         self.server.attach(links)
@@ -84,7 +103,7 @@ class Sharing:
         bound); a later plan's call replaces an unfinished one."""
         if self.replicas is not None and not self.replicas.done():
             self.replicas.cancel()
-        if self.manifest is None or me == host:  # the host holds its whole folder
+        if self.manifest is None or me == host or self.whole is not None:  # it holds the whole model
             return
         names = replica_names(self.manifest, plan, me, self.replica_bytes)
         if names:
@@ -115,10 +134,11 @@ class Sharing:
         return kept
 
     async def close(self) -> None:
-        if self.replicas is not None and not self.replicas.done():
-            self.replicas.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.replicas
+        for task in (self.replicas, self.server.warming):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
 
 def where_from(shard: ShardResult) -> str:
