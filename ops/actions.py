@@ -121,7 +121,7 @@ def member_args(fleet: FleetFile, host: Host, code: str, code_file: str) -> list
         return [
             "host", "--model", member_model(fleet, host), "--members", str(len(fleet.hosts)),
             "--context", str(p.context), "--concurrency", str(p.concurrency), "--code-file", code_file,
-            *common, *host.args,
+            *(["--weights-from", fleet.weights_url] if fleet.weights_url else []), *common, *host.args,
         ]  # fmt: skip
     return ["join", code, *common, *host.args]
 
@@ -129,7 +129,7 @@ def member_args(fleet: FleetFile, host: Host, code: str, code_file: str) -> list
 def member_model(fleet: FleetFile, host: Host) -> str:
     """The session host's --model: [fleet] weights as the member sees the folder (in its container,
     or the path on its host), else [session] model (a default model's name)."""
-    if fleet.weights is None:
+    if fleet.weights is None or fleet.weights_url is not None:
         return fleet.plan.model
     if host.runtime == "docker":
         return f"{CONTAINER_WEIGHTS}/{fleet.weights.rsplit('/', 1)[-1]}"
@@ -174,7 +174,7 @@ def docker_run(fleet: FleetFile, host: Host, image: str, args: list[str]) -> str
     mount = ""
     if host.api_key_file is not None:  # one word whose ~/ the remote shell expands
         mount = f" -v {word(f'{key_file(fleet, host)}:{CONTAINER_KEY_FILE}:ro')}"
-    if host.device == fleet.session_host and fleet.weights is not None:
+    if host.device == fleet.session_host and fleet.weights is not None and fleet.weights_url is None:
         mount += f" -v {word(f'{fleet.weights}:{member_model(fleet, host)}:ro')}"
     remove_old = f"docker rm -f {shlex.quote(name)} >/dev/null 2>&1;"
     return f"{remove_old} {shlex.join(argv)}{mount} {shlex.join([image, *args])}"
@@ -340,7 +340,7 @@ def check_weights(fleet: FleetFile, host: Host) -> Step:
 
 def checks(fleet: FleetFile, host: Host, image: str) -> list[Step]:
     steps = _runtime_checks(fleet, host, image)
-    if host.device == fleet.session_host and fleet.weights is not None:
+    if host.device == fleet.session_host and fleet.weights is not None and fleet.weights_url is None:
         steps.append(check_weights(fleet, host))
     return steps
 

@@ -26,6 +26,8 @@ def everyone(fleet: FleetFile) -> list[Host]:
 def check_hosts(remote: Remote, fleet: FleetFile, image_ids: dict[str, str]) -> list[Host]:
     """Every host reachable with what its runtime needs, and the session host's [fleet] weights where
     the fleet names them; returns the docker hosts lacking their image."""
+    if fleet.weights_url is not None:
+        check_mirror(remote, fleet)
     lacking: list[Host] = []
     for h in everyone(fleet):
         image = actions.images_for(fleet, h)
@@ -44,6 +46,25 @@ def check_hosts(remote: Remote, fleet: FleetFile, image_ids: dict[str, str]) -> 
                     'nvidia (install nvidia-container-toolkit, or set gpus = "none" for this host)'
                 )
     return lacking
+
+
+def check_mirror(remote: Remote, fleet: FleetFile) -> None:
+    """[fleet] weights as a mirror URL answers every checkpoint file, asked from this machine
+    before anything starts (the session host fetches the model from it)."""
+    import asyncio
+
+    from kafila.session.weights.mirror import mirror_lacks
+
+    url = fleet.weights_url
+    assert url is not None
+    lacking = asyncio.run(mirror_lacks(url))
+    if lacking:
+        raise OpsError(
+            f"[fleet] weights {url}: the mirror does not answer {', '.join(lacking)}, which the session "
+            f"host {fleet.session_host} would fetch {fleet.plan.model} from (asked from this machine; a "
+            "private hub repository needs HF_TOKEN here and on the session host)"
+        )
+    say(remote, f"[fleet] weights {url}: answers config.json and every safetensors file")
 
 
 def ship_keys(remote: Remote, fleet: FleetFile) -> None:

@@ -13,7 +13,11 @@ weights = "/srv/models/Qwen3-8B"   # the model's folder on the session host (abs
                                    # ssh user's home): config.json, *.safetensors, tokenizer.json. A
                                    # docker host mounts it read-only (actions.CONTAINER_WEIGHTS/NAME),
                                    # a native one passes the path as --model; `up` checks it there
-                                   # before anything starts. Needed for a planning preset's model
+                                   # before anything starts. Or an HTTP(S) mirror or hub URL
+                                   # ("https://huggingface.co/Qwen/Qwen3-8B"): the session host gets
+                                   # --weights-from URL and fetches [session] model from it into its
+                                   # cache, members fetch ranges from it too; `up` checks that it
+                                   # answers the files first. Needed for a planning preset's model
                                    # (qwen3-*); a default model (smollm2-135m) ships in the package
 
 [rendezvous]                       # either an existing one ...
@@ -140,7 +144,14 @@ class FleetFile:
     rendezvous: Rendezvous
     plan: Fleet  # the planner's view: [session] and [[device]] (session host first)
     hosts: tuple[Host, ...]  # session host first, then in file order
-    weights: str | None = None  # the model's folder on the session host (None: the model's own name)
+    weights: str | None = (
+        None  # the model's folder on the session host, or a mirror URL (None: the model's name)
+    )
+
+    @property
+    def weights_url(self) -> str | None:
+        """[fleet] weights when it is a mirror URL (the session host fetches the model from it)."""
+        return self.weights if self.weights is not None and "://" in self.weights else None
 
     @property
     def joiners(self) -> tuple[Host, ...]:
@@ -227,9 +238,9 @@ def parse(text: str, source: str = "fleet", read_json: ReadJson | None = None) -
 
 
 def _weights(fleet: dict[str, Any], model: str, session_host: str, where: str) -> str | None:
-    """[fleet] weights: the model's folder on the session host, as a path there (absolute or ~/);
-    required for a planning preset's model, whose weights no package ships. A mirror URL or a single
-    file is refused by name: the session host loads a model from a folder on its own disk."""
+    """[fleet] weights: the model's folder on the session host, as a path there (absolute or ~/),
+    or a mirror URL the session host fetches it from; required for a planning preset's model, whose
+    weights no package ships. A single file is refused by name: the session host loads a folder."""
     from kafila.models.default import DEFAULT_MODELS
     from kafila.models.presets import PRESET_SOURCES
 
@@ -240,17 +251,13 @@ def _weights(fleet: dict[str, Any], model: str, session_host: str, where: str) -
                 f"{where}: [session] model {model!r} is a planning preset whose weights no package "
                 f"ships: download {source} (config.json, *.safetensors, tokenizer.json) to a folder on "
                 f"the session host {session_host!r} and give its path there, e.g. weights = "
-                f'"/srv/models/{source.rsplit("/", 1)[-1]}" '
-                f"(docs/ops.md, Placing the weights)"
+                f'"/srv/models/{source.rsplit("/", 1)[-1]}", or name a mirror it fetches them from, e.g. '
+                f'weights = "https://huggingface.co/{source}" (docs/ops.md, Placing the weights)'
             )
         return None
     weights = _text(fleet, "weights", where)
     if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", weights):
-        raise FleetError(
-            f"{where}: 'weights' {weights!r} is a URL, and the session host does not fetch a model from "
-            f"a mirror: only a folder on the session host {session_host!r} is supported now; copy the "
-            f"model's folder there and give its path (docs/ops.md, Placing the weights)"
-        )
+        return _mirror(weights, model, where)
     if not (weights.startswith("/") or weights.startswith("~/")) or weights.strip("/~") == "":
         raise FleetError(
             f"{where}: 'weights' must be the model folder's path on the session host {session_host!r}, "
@@ -266,6 +273,25 @@ def _weights(fleet: dict[str, Any], model: str, session_host: str, where: str) -
             f"*.safetensors, tokenizer.json); a single .gguf file is not loaded by `kafila host`"
         )
     return weights.rstrip("/")
+
+
+def _mirror(url: str, model: str, where: str) -> str:
+    """[fleet] weights as an HTTP(S) mirror or hub URL: the session host fetches [session] model
+    from it into its cache (`kafila host --model MODEL --weights-from URL`), and so do members."""
+    from kafila.session.weights.mirror import mirror_base
+
+    try:
+        mirror_base(url)
+    except ValueError as exc:
+        raise FleetError(f"{where}: 'weights' {url!r}: {exc}") from None
+    if re.search(r"\s", url):
+        raise FleetError(f"{where}: 'weights' {url!r} holds a space or a newline")
+    if "/" in model:
+        raise FleetError(
+            f"{where}: with a mirror URL as 'weights', [session] model must be a plain name (the "
+            f"folder the session host fetches it into), got {model!r}"
+        )
+    return url.rstrip("/")
 
 
 def _hosts(sites: Any, source: str, devices: list[str], fleet_key_file: str | None) -> list[Host]:

@@ -81,6 +81,24 @@ def add_member_flags(parser: argparse.ArgumentParser) -> None:
         "The rendezvous's notice that a member left or disconnected breaks it sooner. --dead-after is "
         "the same flag's old name",
     )
+    parser.add_argument(
+        "--weights-from",
+        metavar="URL",
+        help="fetch checkpoint ranges from this HTTP(S) mirror (URL/<file> answers each file, with "
+        "Range) or Hugging Face hub model (https://huggingface.co/ORG/REPO, or .../resolve/REVISION) "
+        "before asking the host; every range is checked against the host's digests. A token in HF_TOKEN "
+        "goes to the hub. On the host: every member uses it unless it names its own (default: members "
+        "that hold ranges, then the host)",
+    )
+    parser.add_argument(
+        "--replica-bytes",
+        type=_gigabytes,
+        default=16.0,
+        metavar="GB",
+        help="keep at most this much (GB) of the next ring member's shard on disk, fetched after this "
+        "member's own and served to others by range, so every block is on two members' disks "
+        "(default 16; 0 keeps none)",
+    )
     add_threads_flag(parser)
     parser.add_argument(
         "--emulate-speed",
@@ -91,6 +109,13 @@ def add_member_flags(parser: argparse.ArgumentParser) -> None:
         "model, in the probe and in the ring, is followed by idle time so it takes 1/S as long. "
         "For fleets of several members on one machine (benchmarks, demo); default 1 (off)",
     )
+
+
+def _gigabytes(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text} is not a size in GB (0 or more)")
+    return value
 
 
 def _lost_after(text: str) -> float:
@@ -239,6 +264,8 @@ def options(args: argparse.Namespace) -> object:
         trace=Path(args.trace) if args.trace else None,
         dead_after=args.dead_after,
         emulate_speed=args.emulate_speed,
+        weights_from=args.weights_from,
+        replica_bytes=int(args.replica_bytes * 1e9),
     )
     for key in (
         "model",

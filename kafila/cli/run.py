@@ -86,6 +86,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "checkpoint's own (docs/weights.md)",
     )
     parser.add_argument("--max-tokens", type=int, default=256, help="stop after this many generated tokens")
+    parser.add_argument(
+        "--weights-from",
+        metavar="URL",
+        help="a --model this machine does not hold: fetch it first from this HTTP(S) mirror (URL/<file> "
+        "answers each file) or Hugging Face hub model (https://huggingface.co/ORG/REPO) into the cache's "
+        "models folder under the --model name, once (a token in HF_TOKEN goes to the hub)",
+    )
     for flag, kind, default, text in SAMPLING_FLAGS:
         parser.add_argument(flag, type=kind, default=default, help=text)
     add_threads_flag(parser)
@@ -115,6 +122,7 @@ def main(args: argparse.Namespace) -> int:
     from kafila.engine.tokenizer import TokenizerError
     from kafila.models.checkpoint import CheckpointError
     from kafila.models.registry import ModelNotFound
+    from kafila.session.weights.manifest import WeightsError
 
     try:
         params = SamplingParams(
@@ -125,7 +133,9 @@ def main(args: argparse.Namespace) -> int:
         )  # fmt: skip
         args.prompt = read_prompt(args.prompt, sys.stdin)
         return _run(args, params)
-    except (ValueError, BackendError, StageError, TokenizerError, CheckpointError, ModelNotFound) as exc:
+    except (
+        ValueError, BackendError, StageError, TokenizerError, CheckpointError, ModelNotFound, WeightsError
+    ) as exc:  # fmt: skip
         print(f"kafila run: error: {exc}", file=sys.stderr)
         return 2
 
@@ -138,7 +148,14 @@ def _run(args: argparse.Namespace, params) -> int:  # type: ignore[no-untyped-de
     from kafila.engine.tokenizer import Tokenizer
     from kafila.models.checkpoint import Checkpoint
     from kafila.models.registry import resolve
+    from kafila.session.weights.mirror import fetch_checkpoint, needs_fetching
 
+    if args.weights_from is not None and needs_fetching(args.model):
+        import asyncio
+
+        from kafila.models.cache import models_dir
+
+        asyncio.run(fetch_checkpoint(args.weights_from, models_dir() / args.model))
     ckpt = Checkpoint.open(resolve(args.model, quant=args.quant), complete=True)
     ckpt.config.check_context(args.context, args.model)
     tok = Tokenizer.from_checkpoint(ckpt)

@@ -130,6 +130,13 @@ STALE_FRAMES = Counter(
     ["peer"],
     registry=REGISTRY,
 )
+WEIGHT_BYTES = Counter(
+    "kafila_weight_fetched_bytes",
+    "Checkpoint bytes this member fetched and checked against the manifest's digests, by where they "
+    "came from (peer, mirror, host)",
+    ["source"],
+    registry=REGISTRY,
+)
 MEMBER_NAT = Gauge(
     "kafila_member_nat_info",
     "Always 1: a member's NAT class (permissive, ordinary, restrictive, ...) and mapping behaviour",
@@ -596,6 +603,11 @@ def observe_plan(epoch: int) -> None:
 def observe_stale_frame(peer: str) -> None:
     """A ring message from `peer` of another plan epoch, dropped (kafila.proto.epoch)."""
     STALE_FRAMES.labels(peer).inc()
+
+
+def observe_weight_bytes(source: str, nbytes: int) -> None:
+    """`nbytes` of weights fetched from a `source` kind (peer, mirror, host), each range checked."""
+    WEIGHT_BYTES.labels(source).inc(nbytes)
 
 
 def observe_queue(running: int, waiting: int) -> None:

@@ -37,6 +37,7 @@ from kafila.session.errors import SessionError
 from kafila.session.progress import progress_to, say
 from kafila.session.ring.build import RingRole
 from kafila.session.terms import Options
+from kafila.session.weights.sharing import Sharing
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -90,6 +91,7 @@ class MemberRuntime:
         self.app: Starlette | None = None  # the session's API app, served once the session formed
         self.relay: SpareRelay | None = None  # a spare's: its API's requests, relayed to the host
         self.shard: ShardResult | None = None  # a joining member's weights, as fetched
+        self.weights: Sharing | None = None  # the weight ranges it serves and its replicas
         self.formed = False  # every member is ready and this one serves
         # a joining member's: done, with the line to say, when the host ended the session on purpose
         self.ended: asyncio.Future[str] | None = None
@@ -145,6 +147,8 @@ class MemberRuntime:
             with contextlib.suppress(Exception):
                 await self.role.stop()
             self.role.model.close()
+        if self.weights is not None:
+            await self.weights.close()
         await self._close_links()
         for task in list(self.tasks):
             task.cancel()

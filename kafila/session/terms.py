@@ -16,6 +16,8 @@ from kafila.obs.trace import TraceLog
 from kafila.proto import signaling as sig
 from kafila.proto.session import SessionTerms
 from kafila.session.weights.cache import cache_problem
+from kafila.session.weights.mirror import mirror_base
+from kafila.session.weights.replicas import DEFAULT_REPLICA_BYTES
 
 DEFAULT_QUEUE = 256  # requests that may wait for a slot before more are refused (`kafila host --queue`)
 DEFAULT_RENDEZVOUS = f"ws://127.0.0.1:{sig.DEFAULT_PORT}{sig.SIGNAL_PATH}"  # `kafila rendezvous` here
@@ -42,6 +44,8 @@ class Options:
     trace: Path | None = None
     cache: Path | None = None
     use_local: bool = True  # a member that holds the same checkpoint loads it instead of fetching
+    weights_from: str | None = None  # --weights-from: an HTTP(S) mirror or hub URL asked before the host
+    replica_bytes: int = DEFAULT_REPLICA_BYTES  # --replica-bytes: the next member's shard kept, at most
     dead_after: float = 3.0  # --lost-after: a neighbour silent this long is lost (session.channel)
     emulate_speed: float = 1.0  # < 1: emulate a slower device (kafila.engine.pace)
     # host only
@@ -67,6 +71,8 @@ class Options:
             TraceLog.check(self.trace)
         if problem := cache_problem(self.cache):
             raise ValueError(problem)
+        if self.weights_from is not None:
+            mirror_base(self.weights_from)  # not a URL: named before anything connects
 
     def terms(self) -> SessionTerms:
         """The host's: the session's terms from these flags (the model, dtype and quant as resolved)."""

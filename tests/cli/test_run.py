@@ -43,3 +43,38 @@ def test_a_prompt_given_as_an_argument_is_taken_as_typed_and_stdin_left_unread()
 def test_no_prompt_at_a_terminal_is_refused_saying_how_to_give_one(capsys):
     with pytest.raises(ValueError, match=r"give a PROMPT, or '-' to read it from standard input"):
         read_prompt(None, _Stdin("", tty=True))
+
+
+def test_run_of_a_model_this_machine_lacks_fetches_it_from_a_hub_layout_mirror_once(
+    tmp_path, tmp_path_factory, smollm2_tokenizer, monkeypatch, capsys
+):
+    """A local server laid out like the hub holds a tiny chat model; `kafila run --model tiny
+    --weights-from URL` fetches it into the cache's models folder, answers, and the second run
+    fetches nothing."""
+    from kafila.session.weights.manifest import checkpoint_id
+    from tests.session.conftest import make_tiny_chat
+    from tests.session.hubserver import Hub, serving
+
+    folder = make_tiny_chat(tmp_path_factory.mktemp("mirror"), smollm2_tokenizer, blocks=2)
+    monkeypatch.setenv("KAFILA_CACHE", str(tmp_path / "cache"))
+    with serving(Hub(folder)) as hub:
+        argv = [
+            "run",
+            "Hi",
+            "--model",
+            "tiny",
+            "--weights-from",
+            hub.url,
+            "--max-tokens",
+            "2",
+            "--context",
+            "64",
+        ]
+        assert main(argv) == 0
+        fetched = sum(hub.served.values())
+        assert main(argv) == 0 and sum(hub.served.values()) == fetched
+    assert checkpoint_id(tmp_path / "cache" / "models" / "tiny") == checkpoint_id(folder)
+    assert fetched >= sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    with serving(Hub(folder, repo="other/none")) as hub:
+        assert main(["run", "Hi", "--model", "absent", "--weights-from", hub.url + "x"]) == 2
+    assert "kafila run: error: mirror" in capsys.readouterr().err

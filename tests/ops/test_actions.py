@@ -463,3 +463,16 @@ def test_the_weights_check_names_what_the_folder_lacks_in_a_real_shell(tmp_path:
     (tmp_path / "models" / "one-file").write_bytes(b"GGUF")
     done = run_weights_check(weights_fleet("~/models/one-file"), tmp_path)
     assert done.returncode == 1 and "/models/one-file is a file, not a model folder" in done.stderr
+
+
+def test_a_mirror_url_as_weights_starts_the_session_host_with_weights_from_and_no_mount() -> None:
+    url = "https://huggingface.co/Qwen/Qwen3-8B"
+    fleet = weights_fleet(url)
+    assert not any("weights" in s.what for s in actions.up_steps(fleet))  # checked from here (fleetcmds)
+    run = sh_words(actions.start(fleet, fleet.host("gpu"), "sha256:abc", "").remote.split(";", 1)[1])
+    assert "kafila-weights" not in " ".join(run)  # nothing to mount
+    host_args = run[run.index("sha256:abc") + 1 :]
+    assert host_args[:3] == ["host", "--model", fleet.plan.model]
+    assert host_args[host_args.index("--weights-from") + 1] == url
+    joiner = actions.start(fleet, fleet.host("cpu-box"), "sha256:abc", "CODE").remote
+    assert "--weights-from" not in joiner  # members hear the mirror from the host

@@ -300,3 +300,35 @@ def test_up_stops_before_starting_anything_where_the_session_host_lacks_its_weig
     assert f'"host", "--model", "{folder}"' in calls  # ~/ expanded by the host's shell
     assert not (home["h2"] / "shim").exists()  # the joiner waits for the host's code
     subprocess.run(["systemctl", "--user", "stop", "kafila-wts-h1"], env=env["local-h1"], timeout=60)
+
+
+def test_up_checks_a_mirror_url_before_anything_and_names_the_files_it_lacks(
+    tiny_checkpoint, tmp_path
+) -> None:
+    """[fleet] weights as a URL: `up` asks a local server laid out like the hub for every checkpoint
+    file before any host is touched; one lacking a safetensors file is named, a whole one passes."""
+    from tests.session.hubserver import Hub, serving
+
+    folder = tmp_path / "mirror"
+    shutil.copytree(tiny_checkpoint("llama-mha-untied", sharded=True), folder)
+    gone = sorted(folder.glob("*.safetensors"))[1]
+    gone.rename(tmp_path / gone.name)
+    with serving(Hub(folder)) as hub:
+        text = (
+            f'[fleet]\nname = "mir"\nimage = "img"\nsession_host = "h1"\nweights = "{hub.url}"\n'
+            '[rendezvous]\nurl = "ws://127.0.0.1:9/v1/signal"\n'
+            '[session]\nmodel = "qwen3-8b"\ncontext = 512\nconcurrency = 1\n[[device]]\nname = "h1"\n'
+            'memory_gb = 24\n[[site]]\nname = "s"\n[[site.host]]\ndevice = "h1"\nssh = "nowhere"\n'
+            'runtime = "native"\n'
+        )
+        fleet = parse(text, "mir.toml")
+        remote = LocalShellRemote(fleet, out=io.StringIO(), env={})
+        with pytest.raises(OpsError) as err:
+            fleetcmds.check_hosts(remote, fleet, {})
+        assert str(err.value).startswith(
+            f"[fleet] weights {hub.url}: the mirror does not answer {gone.name}, "
+        )
+        assert "session host h1 would fetch qwen3-8b" in str(err.value)
+        (tmp_path / gone.name).rename(gone)
+        fleetcmds.check_mirror(remote, fleet)  # whole: no error
+    assert "answers config.json and every safetensors file" in remote.out.getvalue()  # type: ignore[attr-defined]

@@ -218,16 +218,18 @@ def test_weights_name_a_folder_on_the_session_host_and_a_preset_model_needs_them
         fleet = parse(preset.replace('session_host = "b"', f'session_host = "b"\nweights = "{given}"'))
         assert fleet.weights == kept
     assert parse(BASE).weights is None  # the default model ships in a package
+    hub = parse(
+        preset.replace('session_host = "b"', 'session_host = "b"\nweights = "https://hf.co/Qwen/Qwen3-8B/"')
+    )
+    assert (
+        hub.weights == hub.weights_url == "https://hf.co/Qwen/Qwen3-8B"
+    )  # the host fetches qwen3-8b from it
 
 
 @pytest.mark.parametrize(
     ("weights", "message"),
     [
-        (
-            "https://mirror.example/Qwen3-8B",
-            "is a URL, and the session host does not fetch a model from a mirror: only a folder on the "
-            "session host 'b' is supported now",
-        ),
+        ("ftp://mirror.example/Qwen3-8B", "not an http:// or https:// URL"),
         ("models/Qwen3-8B", "'weights' must be the model folder's path on the session host 'b', absolute"),
         ("/srv/q8.gguf", "names a file: give the model's folder"),
         ("/srv/a:b", "cannot hold ':'"),

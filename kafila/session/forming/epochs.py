@@ -71,6 +71,7 @@ from kafila.session.runtime import MemberRuntime
 from kafila.session.terms import Options
 from kafila.session.weights.fetch import fetch_shard
 from kafila.session.weights.server import WeightServer
+from kafila.session.weights.sharing import where_from
 
 log = get_logger("kafila.session.forming.epochs")
 
@@ -466,6 +467,8 @@ class HostEpochs:
         self.ids[name] = member
         self.held.links[name] = link
         _listen(link, name, self._heard)
+        if self.held.weights is not None:
+            self.held.weights.attach({name: link})  # it may fetch ranges from this host
 
     def busy(self) -> bool:
         """A re-plan is running (a change waits for it)."""
@@ -692,13 +695,26 @@ class MemberEpochs:
         formed = _formed(held.links, self.ids)
         links = await link_ring(node, plan, name, self.ids, held.host, formed)
         held.links.update(links)
+        sharing = held.weights
+        if sharing is not None:
+            sharing.attach(links)  # a newcomer may ask this member for what it holds
         channel = LinkChannel(links[held.host], held.host, msg.epoch)  # as the host serves it
         shard = await fetch_shard(
-            channel, range(a, b), head, cache=self.opts.cache, local=self.local, label=name, progress=False
+            channel,
+            range(a, b),
+            head,
+            cache=self.opts.cache,
+            local=self.local,
+            label=name,
+            progress=False,
+            sources=[] if sharing is None else sharing.sources(links, held.host),
         )
-        say(f"weights for {shard_text(a, b, head)}: {shard.bytes_fetched / 1e6:.1f} MB fetched from the host")
+        fetched = f"{shard.bytes_fetched / 1e6:.1f} MB fetched from {where_from(shard)}"
+        say(f"weights for {shard_text(a, b, head)}: {fetched}")
         ckpt = Checkpoint.open(shard.path)
         opts, serving = self.opts, self.serving
         parts = await epoch_parts(name, code, plan, ckpt, links, opts, serving, msg.epoch, _held(role))
         held.plan = plan
         await _resume(held, msg.epoch, parts, plan, serving, ckpt, msg.origins)
+        if sharing is not None:
+            sharing.keep_replicas(plan, name, links, held.host)

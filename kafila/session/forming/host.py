@@ -19,6 +19,7 @@ from typing import Any
 from kafila.engine import DTYPES
 from kafila.engine.backend import checkpoint_dtype
 from kafila.engine.stage import StageError, resolve_quant
+from kafila.models.cache import models_dir
 from kafila.models.checkpoint import Checkpoint
 from kafila.models.registry import resolve, served_name
 from kafila.net.errors import LinkError
@@ -44,7 +45,9 @@ from kafila.session.ring.build import Serving, start_role
 from kafila.session.runtime import MemberRuntime, formed_by, reserve_api
 from kafila.session.terms import Options
 from kafila.session.weights.manifest import checkpoint_id
+from kafila.session.weights.mirror import fetch_checkpoint, needs_fetching
 from kafila.session.weights.server import WeightServer
+from kafila.session.weights.sharing import Sharing
 
 log = get_logger("kafila.session")
 
@@ -56,6 +59,9 @@ async def host(opts: Options, on_code: Callable[[SessionCode], None] | None = No
 
 
 async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, held: MemberRuntime) -> None:
+    if opts.weights_from is not None and needs_fetching(opts.model):  # a host that starts from a mirror
+        say(f"fetching {opts.model} from {opts.weights_from} into {models_dir() / opts.model}")
+        await fetch_checkpoint(opts.weights_from, models_dir() / opts.model)
     folder = resolve(opts.model, quant=opts.quant)  # the default model in q4: its GGUF's packed blocks
     ckpt = Checkpoint.open(folder, complete=True)
     ckpt.config.check_context(opts.context, opts.model)
@@ -76,6 +82,8 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     client = held.client = await reach_rendezvous(opts.rendezvous)
     config = ckpt.config.raw if len(json.dumps(ckpt.config.raw)) < 12_000 else None
     capability = {"role": "host", "config": config, "dtype": opts.dtype, "quant": opts.quant}
+    if opts.weights_from is not None:  # members fetch from it before asking this host
+        capability["weights_from"] = opts.weights_from
     with refused_by(opts.rendezvous, "open a session"):
         opened = await client.open_session(opts.model, opts.members, name, capability)
         code = held.code = new_code(opened.session)
@@ -161,6 +169,9 @@ async def _host_ring(
     assert plan is not None and node is not None and code is not None  # set before the plan was sent
     links = held.links = await link_ring(node, plan, name, ids, name, control)
     server = WeightServer(folder, cache=opts.cache)
+    sharing = held.weights = Sharing(opts.cache, opts.weights_from, opts.replica_bytes)
+    sharing.attach(links)  # members ask this host for ranges after forming too (replicas, re-plans)
+    await sharing.host_folder(server)
     controls = [LinkChannel(link, peer) for peer, link in links.items()]
     if controls:
         say(f"serving weights to {len(controls)} member(s)")

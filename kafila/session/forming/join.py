@@ -37,6 +37,7 @@ from kafila.session.ring.build import Serving, shard_text, start_role
 from kafila.session.runtime import MemberRuntime, formed_by, reserve_api
 from kafila.session.terms import Options
 from kafila.session.weights.fetch import ShardResult, fetch_shard
+from kafila.session.weights.sharing import Sharing, where_from
 
 
 async def join(code_text: str, opts: Options) -> MemberRuntime:
@@ -146,7 +147,14 @@ async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
         raise
     await drive.carry(core.linked(drive.now()))
     opts = replace(opts, dtype=got.terms.dtype, quant=got.terms.quant)  # the host's, whatever the probe used
-    shard = await drive.during(_fetch(got, links, opts))  # in the plan's epoch, as the host serves it
+    mirror = opts.weights_from or host_info.capability.get("weights_from")
+    sharing = held.weights = Sharing(
+        opts.cache, mirror if isinstance(mirror, str) else None, opts.replica_bytes
+    )
+    sharing.attach(links)  # the others may ask for what this member holds from now on
+    shard = await drive.during(
+        _fetch(got, links, opts, sharing)
+    )  # in the plan's epoch, as the host serves it
     held.shard = shard
     await drive.carry(core.fetched(drive.now()))
     serving = Serving(got.terms, shard.checkpoint, got.alternatives, weights_doc(shard), nats)
@@ -155,6 +163,7 @@ async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
     )
     held.role, held.app = await drive.during(ring)
     held.watch_host_ending()
+    sharing.keep_replicas(got.plan, got.me, links, got.host)  # after its own shard, in the background
     local: list[Path] | None = None if opts.use_local else []
     MemberEpochs(held, got.ids, opts, serving, local).start()  # the host's re-plans, once formed
     await drive.until(fm.Formed, core.started(drive.now()))  # refused / left / timeout: SessionError
@@ -163,15 +172,26 @@ async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
     say_ready(got.plan)
 
 
-async def _fetch(got: fm.LinkNow, links: dict[str, Link], opts: Options) -> ShardResult:
+async def _fetch(got: fm.LinkNow, links: dict[str, Link], opts: Options, sharing: Sharing) -> ShardResult:
     a, b = got.plan.block_range(got.me)
     head = got.plan.head == got.me
     local: list[Path] | None = None if opts.use_local else []
     channel = LinkChannel(links[got.host], got.host, got.epoch)
     blocks = shard_text(a, b, head)
     note(f"getting the weights of {blocks}")
-    shard = await fetch_shard(channel, range(a, b), head, cache=opts.cache, local=local, label=got.me)
+    shard = await fetch_shard(
+        channel,
+        range(a, b),
+        head,
+        cache=opts.cache,
+        local=local,
+        label=got.me,
+        sources=sharing.sources(links, got.host),
+        on_manifest=sharing.known,
+    )
     say(f"weights for {blocks}: {weights_source(shard)}")
+    if shard.local:
+        sharing.local_copy(shard.path)
     return shard
 
 
@@ -185,6 +205,7 @@ def weights_doc(shard: ShardResult) -> dict[str, Any]:
         "fetched_tensors": len(shard.fetched),
         "fetched_bytes": shard.bytes_fetched,  # over the link: tensors, headers and small files
         "fetched_tensor_bytes": shard.tensor_bytes,  # the tensors alone, as the console's "MB fetched"
+        "fetched_by_source": dict(shard.kinds),  # peer, mirror, host -> bytes
     }
 
 
@@ -196,6 +217,8 @@ def weights_source(shard: ShardResult) -> str:
     if not shard.fetched:
         return f"all {cached} tensors from the local cache, nothing fetched"
     # the whole of what the progress bar counted: tensors, and the headers and small files
-    fetched = f"{shard.bytes_fetched / 1e6:.1f} MB fetched from the host ({len(shard.fetched)} tensors"
+    fetched = (
+        f"{shard.bytes_fetched / 1e6:.1f} MB fetched from {where_from(shard)} ({len(shard.fetched)} tensors"
+    )
     fetched += f", {shard.meta_bytes / 1e6:.1f} MB of headers and files)" if shard.meta_bytes else ")"
     return fetched + (f", {cached} tensors from the local cache" if cached else "")

@@ -8,17 +8,17 @@ import bisect
 import contextlib
 import errno
 import hashlib
-import itertools
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kafila.models.cache import models_dir
 from kafila.models.checkpoint import Checkpoint, CheckpointError
 from kafila.models.manifest import stage_tensors
+from kafila.obs import metrics
 from kafila.obs.log import get_logger
 from kafila.proto import tensor as t
 from kafila.session.channel import Channel, ChannelError
@@ -34,23 +34,19 @@ from kafila.session.weights.manifest import (
     OP_DONE,
     OP_GET_MANIFEST,
     OP_MANIFEST,
-    U32_MAX,
     TensorEntry,
     WeightManifest,
     WeightsError,
     headers_digest,
     parse_header,
     read_headers,
-    runs,
 )
+from kafila.session.weights.sources import ChannelReader, Job, Reader, Sink, chunks
 
 log = get_logger(__name__)
 
 
 DEFAULT_WINDOW = 8  # requests a member keeps in flight
-
-
-_FETCH_IDS = itertools.count()
 
 
 @dataclass
@@ -67,17 +63,13 @@ class ShardResult:
     tensor_bytes: int = 0  # tensor bytes fetched now
     meta_bytes: int = 0  # header and small-file bytes fetched now
     local: bool = False  # True: `path` is the member's own copy; nothing was fetched
+    sources: dict[str, int] = field(default_factory=dict)  # source ("peer m1", "host h") -> bytes
+    kinds: dict[str, int] = field(default_factory=dict)  # kind (peer, mirror, host) -> bytes
+    manifest: WeightManifest | None = None  # what the host offered (None: nothing asked)
 
     @property
     def bytes_fetched(self) -> int:
         return self.tensor_bytes + self.meta_bytes
-
-
-@dataclass
-class _Job:
-    file: str
-    offset: int
-    length: int
 
 
 @dataclass
@@ -89,59 +81,29 @@ class _Pending:
     missing: int
 
 
-@dataclass
-class _Fetch:
-    channel: Channel
-    window: int
-    timeout: float
-    bar: Any
-    received: int = 0
+class _Tally:
+    """Bytes received per source (reader name) and per kind, with the progress bar."""
 
-    async def run(self, jobs: list[_Job], sink: Any) -> None:
-        """Fetch every job with up to `window` requests in flight; `sink(job, data)` takes each."""
-        queue = list(reversed(jobs))
-        pending: dict[int, _Job] = {}
-        while queue or pending:
-            while queue and len(pending) < self.window:
-                job = queue.pop()
-                fid = next(_FETCH_IDS) % U32_MAX + 1  # unique in this process: stale answers are known
-                pending[fid] = job
-                await self.channel.send(t.FetchRequest(fid, job.file, job.offset, job.length))
-            try:
-                msg = await self.channel.recv(self.timeout)
-            except ChannelError as exc:
-                raise WeightsError(f"weights fetch from {self.channel.peer}: {exc}") from exc
-            if isinstance(msg, t.Error) and msg.request_id in pending:
-                job = pending[msg.request_id]
-                raise WeightsError(
-                    f"host {self.channel.peer} refused {job.file} bytes [{job.offset}, "
-                    f"{job.offset + job.length}): {msg.code}: {msg.message}"
-                )
-            if isinstance(msg, t.Error) and msg.request_id == 0:  # the link or session failed
-                raise WeightsError(f"host {self.channel.peer}: {msg.code}: {msg.message}")
-            if not isinstance(msg, t.FetchData):
-                log.debug("weights_ignored_message", kind=msg.kind.name)
-                continue
-            if msg.fetch_id not in pending:  # an answer to an earlier, abandoned fetch on this channel
-                log.debug("weights_stale_answer", fetch_id=msg.fetch_id)
-                continue
-            job = pending.pop(msg.fetch_id)
-            if len(msg.data) != job.length:
-                raise WeightsError(
-                    f"{job.file} bytes [{job.offset}, {job.offset + job.length}): host {self.channel.peer} "
-                    f"sent {len(msg.data)} bytes for a {job.length}-byte request (truncated or corrupt "
-                    f"response); nothing from it was cached"
-                )
-            self.received += len(msg.data)
-            self.bar.update(len(msg.data))
-            await sink(job, msg.data)
+    def __init__(self, bar: Any) -> None:
+        self.bar = bar
+        self.by_name: dict[str, int] = {}
+        self.kinds: dict[str, str] = {}
+        self.meta = 0
 
+    def sink(self, reader: Reader, inner: Sink, meta: bool = False) -> Sink:
+        self.kinds[reader.name] = reader.kind
 
-def _chunks(file: str, spans: list[tuple[int, int]], max_request: int) -> list[_Job]:
-    jobs = []
-    for a, b in runs(spans):
-        jobs += [_Job(file, o, min(max_request, b - o)) for o in range(a, b, max_request)]
-    return jobs
+        async def counted(job: Job, data: bytes) -> None:
+            self.by_name[reader.name] = self.by_name.get(reader.name, 0) + len(data)
+            self.meta += len(data) if meta else 0
+            self.bar.update(len(data))
+            await inner(job, data)
+
+        return counted
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_name.values())
 
 
 class LineProgress:
@@ -172,13 +134,14 @@ PART_AGE_S = 3600.0  # a blob's .part file this old is a write that was killed, 
 
 class _Member:
     def __init__(
-        self, channel: Channel, cache: Path, window: int, timeout: float, progress: bool, label: str
+        self, channel: Channel | None, cache: Path, window: int, timeout: float, progress: bool, label: str
     ):
         self.channel, self.root, self.window, self.timeout = channel, cache, window, timeout
         self.progress, self.label = progress, label
         self.blobs = BlobStore(cache / "blobs")
 
     async def manifest(self) -> WeightManifest:
+        assert self.channel is not None
         await self.channel.send(t.Control(OP_GET_MANIFEST))
         while True:
             try:
@@ -207,59 +170,118 @@ class _Member:
             leave=False,
         )
 
-    async def meta(self, m: WeightManifest, ckdir: Path, fetch: _Fetch) -> dict[str, Path]:
-        """Headers (checked against the manifest) and small files (checked by sha256) into ckdir."""
+    async def meta(
+        self, m: WeightManifest, ckdir: Path, readers: Sequence[Reader], tally: _Tally
+    ) -> dict[str, Path]:
+        """Headers (checked against the manifest) and small files (checked by sha256) into ckdir,
+        each from the first source that offers it and sends it right (the last one's, the host's,
+        checked as a whole below)."""
         files_dir = ckdir / "files"
         want: dict[str, tuple[int, str | None]] = {f"{k}": v for k, v in m.files.items()}
         want.update({f"{k}.header": (n, None) for k, n in m.headers.items()})
         valid = await asyncio.to_thread(lambda: [n for n in want if _valid(files_dir / n, *want[n])])
-        have = {name: files_dir / name for name in valid}
-        jobs = [
-            job
-            for name, (size, _) in want.items()
-            if name not in have
-            for job in _chunks(name.removesuffix(".header"), [(0, size)], m.max_request)
-        ]
-        bufs = {name: bytearray(size) for name, (size, _) in want.items() if name not in have}
-
-        async def sink(job: _Job, data: bytes) -> None:
-            name = job.file if job.file in bufs and job.file in m.files else f"{job.file}.header"
-            bufs[name][job.offset : job.offset + len(data)] = data
-
-        await fetch.run(jobs, sink)
+        bufs: dict[str, bytearray] = {}
+        missing = [name for name in want if name not in valid]
+        for reader in readers:
+            last = reader is readers[-1]
+            todo = [n for n in missing if n not in bufs and reader.offers(n.removesuffix(".header"), 0, 1)]
+            if todo:
+                got = await self._meta_from(reader, m, want, todo, tally, last)
+                bufs.update(got)
         try:
-            await asyncio.to_thread(_check_and_keep_meta, m, files_dir, want, bufs, self.channel.peer)
+            peer = self.channel.peer if self.channel is not None else "?"
+            await asyncio.to_thread(_check_and_keep_meta, m, files_dir, want, bufs, peer)
         except CachedHeadersSuspect as exc:  # removed: this second pass fetches every header
             log.warning("weights_cached_headers_refetched", reason=str(exc))
-            return await self.meta(m, ckdir, fetch)
+            return await self.meta(m, ckdir, readers, tally)
         return {k: files_dir / k for k in m.files}
 
-    async def tensors(self, entries: list[TensorEntry], m: WeightManifest, fetch: _Fetch) -> None:
-        """Fetch `entries`, verify each tensor's size and sha256, put it in the blob store."""
+    async def _meta_from(
+        self,
+        reader: Reader,
+        m: WeightManifest,
+        want: dict[str, tuple[int, str | None]],
+        names: list[str],
+        tally: _Tally,
+        last: bool,
+    ) -> dict[str, bytearray]:
+        """`names` (small files, `<file>.header`) from `reader`: those that came whole and, from a
+        source before the last, check on their own (sha256; a header's tensors as the manifest lists)."""
+        bufs = {n: bytearray(want[n][0]) for n in names}
+        left = {n: want[n][0] for n in names}
+        jobs = [
+            j for n in names for j in chunks(n.removesuffix(".header"), [(0, want[n][0])], reader.max_request)
+        ]
+
+        async def sink(job: Job, data: bytes) -> None:
+            name = job.file if job.file in bufs and job.file in m.files else f"{job.file}.header"
+            bufs[name][job.offset : job.offset + len(data)] = data
+            left[name] -= len(data)
+
+        try:
+            await reader.run(jobs, tally.sink(reader, sink, meta=True))
+        except WeightsError as exc:
+            if last:
+                raise
+            log.warning("weights_source_failed", source=reader.name, error=str(exc))
+        whole = {n: b for n, b in bufs.items() if left[n] == 0}
+        if last:
+            return whole
+        good = {n: b for n, b in whole.items() if _meta_ok(m, n, b, want[n][1])}
+        for n in sorted(set(whole) - set(good)):
+            log.warning("weights_range_rejected", source=reader.name, file=n, reason="digest")
+        return good
+
+    async def tensors(
+        self, entries: list[TensorEntry], m: WeightManifest, readers: Sequence[Reader], tally: _Tally
+    ) -> None:
+        """Fetch `entries` from the first source that offers each, then from the next for those a
+        source failed to send right; each tensor's size and sha256 checked before the blob store."""
         await asyncio.to_thread(self.blobs.sweep, time.time() - PART_AGE_S)
+        left = list(entries)
+        for reader in readers:
+            last = reader is readers[-1]
+            mine = [e for e in left if last or reader.offers(e.file, e.start, e.end)]
+            if mine:
+                stored = await self._tensors_from(reader, mine, tally, last)
+                left = [e for e in left if e.name not in stored]
+        if left:
+            raise WeightsError(
+                f"{len(left)} tensors (first: {left[0].name}) came right from none of the "
+                f"{len(readers)} sources ({', '.join(r.name for r in readers)})"
+            )
+
+    async def _tensors_from(
+        self, reader: Reader, entries: list[TensorEntry], tally: _Tally, last: bool
+    ) -> set[str]:
+        """The names of `entries` that came from `reader` and hashed right (now in the blob store).
+        From the last source a failure raises; from another it leaves the tensor to the next."""
         by_file: dict[str, list[TensorEntry]] = {}
         for e in entries:
             by_file.setdefault(e.file, []).append(e)
-        jobs: list[_Job] = []
+        jobs: list[Job] = []
         index: dict[str, tuple[list[int], list[_Pending]]] = {}
         for file, es in by_file.items():
             es.sort(key=lambda e: e.start)
-            jobs += _chunks(file, [(e.start, e.end) for e in es], m.max_request)
+            jobs += chunks(file, [(e.start, e.end) for e in es], reader.max_request)
             index[file] = ([e.start for e in es], [_Pending(e, bytearray(e.nbytes), e.nbytes) for e in es])
         failed: list[BaseException] = []  # a store that failed stops the fetch at once
+        stored: set[str] = set()
 
-        def note_failure(task: asyncio.Future[None]) -> None:
+        def note_result(task: asyncio.Future[str | None]) -> None:
             if (exc := task.exception()) is not None:
                 failed.append(exc)
+            elif (name := task.result()) is not None:
+                stored.add(name)
 
-        def store(p: _Pending) -> asyncio.Future[None]:
-            task = asyncio.ensure_future(asyncio.to_thread(self._store, p))
-            task.add_done_callback(note_failure)
+        def store(p: _Pending) -> asyncio.Future[str | None]:
+            task = asyncio.ensure_future(asyncio.to_thread(self._store, p, reader.name, last))
+            task.add_done_callback(note_result)
             return task
 
         writes = [store(p) for _, parts in index.values() for p in parts if p.missing == 0]  # empty ones
 
-        async def sink(job: _Job, data: bytes) -> None:
+        async def sink(job: Job, data: bytes) -> None:
             if failed:  # a full disk, a bad digest: not after the whole share has come
                 raise failed[0]
             starts, parts = index[job.file]
@@ -276,16 +298,27 @@ class _Member:
                 i += 1
 
         try:
-            await fetch.run(jobs, sink)
+            await reader.run(jobs, tally.sink(reader, sink))
+        except WeightsError as exc:
+            if last:
+                raise
+            log.warning("weights_source_failed", source=reader.name, error=str(exc))
         finally:
             results = await asyncio.gather(*writes, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
+        return stored
 
-    def _store(self, p: _Pending) -> None:
+    def _store(self, p: _Pending, source: str, strict: bool) -> str | None:
+        """Check `p`'s bytes and keep them: its name, or None when they do not hash right and a
+        later source may send them (`strict`: there is none, WeightsError)."""
         e = p.entry
         if hashlib.sha256(p.buf).hexdigest() != e.sha256:
+            if not strict:
+                log.warning("weights_range_rejected", source=source, tensor=e.name, nbytes=e.nbytes)
+                p.buf = bytearray()
+                return None
             raise WeightsError(
                 f"tensor {e.name} ({e.nbytes} bytes from {e.file}): fetched bytes do not match the sha256 "
                 f"the host announced (its file, or its remembered digest under <cache>/weights/hashes, "
@@ -294,6 +327,19 @@ class _Member:
         blob = self.blobs.put(e.key, e.name, e.dtype, e.shape, p.buf)
         self.blobs.hashes.remember(blob, {e.name: e.sha256})  # checked above: not hashed again on reuse
         p.buf = bytearray()
+        return e.name
+
+
+def _meta_ok(m: WeightManifest, name: str, buf: bytearray, sha: str | None) -> bool:
+    """A small file hashes to its sha256; a header says exactly the tensors the manifest lists."""
+    if sha is not None:
+        return hashlib.sha256(buf).hexdigest() == sha
+    file = name.removesuffix(".header")
+    listed = {e.name: (e.dtype, e.shape, e.start, e.end) for e in m.tensors.values() if e.file == file}
+    try:
+        return parse_header(file, bytes(buf)) == listed
+    except WeightsError:
+        return False
 
 
 class CachedHeadersSuspect(WeightsError):
@@ -404,18 +450,24 @@ async def fetch_shard(
     timeout: float = 30.0,
     progress: bool = True,
     label: str = "weights",
+    sources: Sequence[Reader] = (),
+    on_manifest: Callable[[WeightManifest], None] | None = None,
 ) -> ShardResult:
-    """Fetch the tensors of blocks [a, b) (+ the head's when `head`) from the host at the other end
-    of `channel` into the cache and return a folder `Checkpoint.open` reads.
+    """Fetch the tensors of blocks [a, b) (+ the head's when `head`) into the cache and return a
+    folder `Checkpoint.open` reads. The host at the other end of `channel` gives the manifest and
+    is the last source; `sources` (members holding ranges, a mirror) are asked first, in order.
 
     `cache`: cache root (default registry.cache_dir()). `local`: folders that may hold the same
     checkpoint (default: the model folders in the cache); one whose headers digest matches and whose
     shard tensors hash right is used as is, fetching nothing. `window`: requests in flight.
     The member owns the channel's receive side until this returns (other messages are skipped).
+    `on_manifest` hears the manifest as soon as it came (a member serving others needs it).
     """
     root = cache_root(cache)
     try:
-        return await _fetch_shard(channel, blocks, head, root, local, window, timeout, progress, label)
+        return await _fetch_shard(
+            channel, blocks, head, root, local, window, timeout, progress, label, sources, on_manifest
+        )
     except OSError as exc:  # a full disk, a read-only folder: one line naming the cache
         where = f" ({exc.filename})" if exc.filename else ""
         free = "free space there, or " if exc.errno == errno.ENOSPC else ""
@@ -436,6 +488,20 @@ async def _stop_serving(channel: Channel, why: Exception) -> None:
         await channel.send(t.Control(OP_DONE, {"error": str(why)[:500]}))
 
 
+async def usable(sources: Sequence[Reader], m: WeightManifest) -> list[Reader]:
+    """The sources that can offer something of `m`'s checkpoint (each asked at once)."""
+
+    async def ready(r: Reader) -> bool:
+        try:
+            return await r.prepare(m)
+        except WeightsError as exc:
+            log.warning("weights_source_failed", source=r.name, error=str(exc))
+            return False
+
+    answers = await asyncio.gather(*(ready(r) for r in sources))
+    return [r for r, ok in zip(sources, answers, strict=True) if ok]
+
+
 async def _fetch_shard(
     channel: Channel,
     blocks: range,
@@ -446,15 +512,19 @@ async def _fetch_shard(
     timeout: float,
     progress: bool,
     label: str,
+    sources: Sequence[Reader],
+    on_manifest: Callable[[WeightManifest], None] | None,
 ) -> ShardResult:
     member = _Member(channel, root, window, timeout, progress, label)
     m = await member.manifest()
+    if on_manifest is not None:
+        on_manifest(m)
     names = shard_names(m, blocks, head)
     hashes = HashCache(root / "weights" / "hashes")
     found = await asyncio.to_thread(
         _local_match, m, names, _default_local() if local is None else local, hashes
     )
-    result = ShardResult(Path(), m.checkpoint, blocks, head, tuple(names))
+    result = ShardResult(Path(), m.checkpoint, blocks, head, tuple(names), manifest=m)
     if found is not None:
         result.path, result.local = found, True
         await channel.send(t.Control(OP_DONE, {"bytes": 0, "tensors": 0}))
@@ -467,13 +537,14 @@ async def _fetch_shard(
             e for e in entries if not member.blobs.has(e.key, e.name, e.dtype, e.shape, e.nbytes, e.sha256)
         ]
     )
+    host = ChannelReader(channel, "host", window, timeout, m.max_request)
+    readers = [*(await usable(sources, m) if todo else []), host]
     with member.bar(sum(e.nbytes for e in todo)) as bar:
-        fetch = _Fetch(channel, window, timeout, bar)
-        files = await member.meta(m, ckdir, fetch)
-        result.meta_bytes = fetch.received
-        bar.total = (bar.total or 0) + result.meta_bytes
-        await member.tensors(todo, m, fetch)
-        result.tensor_bytes = fetch.received - result.meta_bytes
+        tally = _Tally(bar)
+        files = await member.meta(m, ckdir, readers, tally)
+        bar.total = (bar.total or 0) + tally.meta
+        await member.tensors(todo, m, readers, tally)
+    _account(result, tally)
     result.fetched = tuple(e.name for e in todo)
     tag = f"shard-{blocks.start}-{blocks.stop}{'-head' if head else ''}"
     shard = ShardFolder(ckdir / tag, files, {e.name: member.blobs.path(e.key) for e in entries})
@@ -488,8 +559,53 @@ async def _fetch_shard(
         fetched=len(todo),
         tensor_bytes=result.tensor_bytes,
         meta_bytes=result.meta_bytes,
+        sources=result.sources,
     )
     return result
+
+
+@dataclass
+class Kept:
+    """Tensors fetched into the blob store alone (replicas): names, and bytes by source and kind."""
+
+    tensors: tuple[str, ...] = ()
+    sources: dict[str, int] = field(default_factory=dict)
+    kinds: dict[str, int] = field(default_factory=dict)
+
+
+async def fetch_tensors(
+    m: WeightManifest, names: Sequence[str], readers: Sequence[Reader], cache: Path | None = None
+) -> Kept:
+    """Tensors `names` of `m` into the blob store from `readers` in order (each checked against
+    its sha256; those already held hash right and are not fetched). No shard folder: these are
+    kept to be served, and loaded by a later plan's fetch without asking anyone."""
+    member = _Member(None, cache_root(cache), 1, 30.0, False, "replicas")
+    entries = [m.tensors[n] for n in names]
+    todo = await asyncio.to_thread(
+        lambda: [
+            e for e in entries if not member.blobs.has(e.key, e.name, e.dtype, e.shape, e.nbytes, e.sha256)
+        ]
+    )
+    tally = _Tally(member.bar(0))
+    if todo:
+        await member.tensors(todo, m, list(await usable(readers, m)), tally)
+    kept = Kept(tuple(e.name for e in todo), dict(tally.by_name))
+    for name, n in tally.by_name.items():
+        kind = tally.kinds[name]
+        kept.kinds[kind] = kept.kinds.get(kind, 0) + n
+        metrics.observe_weight_bytes(kind, n)
+    return kept
+
+
+def _account(result: ShardResult, tally: _Tally) -> None:
+    """The bytes each source sent into `result` and the kafila_weight_fetched_bytes counter."""
+    result.meta_bytes = tally.meta
+    result.tensor_bytes = tally.total - tally.meta
+    result.sources = dict(tally.by_name)
+    for name, n in tally.by_name.items():
+        kind = tally.kinds[name]
+        result.kinds[kind] = result.kinds.get(kind, 0) + n
+        metrics.observe_weight_bytes(kind, n)
 
 
 async def fetch_for_plan(channel: Channel, plan: Any, member: str, **kwargs: Any) -> ShardResult:

@@ -95,6 +95,12 @@ class WeightServer:
             )
         return self.folder / req.file, a, req.length
 
+    def read_range(self, file: str, offset: int, length: int) -> bytes:
+        """Bytes of the checkpoint's `file` a request may read (after `prepare`; blocking):
+        FetchRefused naming why not, OSError when the file changed since it was described."""
+        path, a, n = self.check(t.FetchRequest(1, file, offset, length))
+        return _pread(path, a, n, self._stamps.get(file))
+
     async def handle(self, channel: Channel, msg: t.Message) -> bool:
         """Answer `msg` if it is a weights message (True), else leave it to the caller (False).
         For a host whose receive loop owns the channel; `serve` does the same in its own loop."""
