@@ -41,8 +41,8 @@ from kafila.session.weights.sources import ChannelReader, Job, Sink
 
 log = get_logger("kafila.session.weights")
 
-REQUEST_KIND = 34
-REPLY_KIND = 35
+REQUEST_KIND = 35
+REPLY_KIND = 36
 OP_HAVE = "weights.have"
 OP_HELD = "weights.held"
 # how long to wait for each ask of "what do you hold": a peer that links as this member does may
