@@ -26,6 +26,7 @@ ORIGINS = st.lists(
     max_size=4,
     unique_by=(lambda p: p[0], lambda p: p[1]),
 ).map(dict)
+SUCCESSION = st.lists(st.text(min_size=1, max_size=8), max_size=5, unique=True).map(tuple)
 EPOCH_MESSAGES = st.one_of(
     st.builds(
         session.NewEpoch,
@@ -34,6 +35,7 @@ EPOCH_MESSAGES = st.one_of(
         TEXT,
         st.none() | st.dictionaries(st.text(max_size=8), st.integers(1, 99), max_size=4),
         ORIGINS,
+        SUCCESSION,
     ),
     st.builds(session.EpochReady, EPOCHS),
     st.builds(session.Resume, EPOCHS),
@@ -74,10 +76,15 @@ def test_an_epoch_message_names_what_is_wrong() -> None:
         session.parse_epoch(json.dumps(session.payload("epoch_ready", epoch=True)).encode())
     with pytest.raises(session.SessionMessageError, match="unknown epoch message op 'formed'"):
         session.parse_epoch(json.dumps(session.payload("formed")).encode())
-    with pytest.raises(session.SessionMessageError, match="epoch: missing \\['origins', 'plan'\\]"):
+    with pytest.raises(
+        session.SessionMessageError, match="epoch: missing \\['origins', 'plan', 'succession'\\]"
+    ):
         session.parse_epoch(json.dumps(session.payload("epoch", epoch=2, cause="x")).encode())
     with pytest.raises(session.SessionMessageError, match="epoch: origins \\[2\\] are given to more"):
         body = session.NewEpoch(2, {}, "x", origins={"a": 2}).body() | {"origins": {"a": 2, "b": 2}}
+        session.parse_epoch(json.dumps(body).encode())
+    with pytest.raises(session.SessionMessageError, match="epoch: succession names \\['c'\\] more than once"):
+        body = session.NewEpoch(2, {}, "x", succession=("c",)).body() | {"succession": ["c", "c"]}
         session.parse_epoch(json.dumps(body).encode())
     with pytest.raises(session.SessionMessageError, match="lost: unknown \\['extra'\\]"):
         body = session.MemberLost("b", "silent", "gone").body() | {"extra": 1}
