@@ -77,7 +77,7 @@ class SessionTerms:
 # ------------------------------------------------------------------ forming messages
 
 KEY = "kafila_session"  # marks a signaling payload as a session message; its value is the version
-SESSION_VERSION = 3  # 2: request origins (`origins`) in `plan` and `epoch`; 3: `succession` in both
+SESSION_VERSION = 3  # 2: request origins (`origins`) in `plan` and `epoch`; 3: `succession`, `probes` in both
 MAX_REASON = 4096
 # a request id (u32 on the ring, kafila.proto.tensor) carries in its top ORIGIN_BITS the origin tag
 # of the member whose API took it: the host gives each member id its own tag, never reused
@@ -120,7 +120,8 @@ class PlanMessage:
     the serving session (or a spare planned in) starts in the re-plan's epoch (left out when 1),
     each member's request origin tag by name (`origins`, as `epoch` carries them), and the
     succession order (`succession`: the members that take the host's coordinating role, first
-    present first, should the host be lost)."""
+    present first, should the host be lost) with every member's probe by name (`probes`: a
+    DeviceReport's dict each, which a successor re-plans with)."""
 
     plan: dict[str, Any]
     ids: dict[str, int]
@@ -129,6 +130,7 @@ class PlanMessage:
     epoch: int = 1
     origins: dict[str, int] = field(default_factory=dict)
     succession: tuple[str, ...] = ()
+    probes: dict[str, dict[str, Any]] = field(default_factory=dict)
     OP: ClassVar[str] = "plan"
 
     def body(self) -> dict[str, Any]:
@@ -142,6 +144,7 @@ class PlanMessage:
             alternatives=self.alternatives,
             origins=self.origins,
             succession=list(self.succession),
+            probes=self.probes,
             **more,
         )
 
@@ -150,7 +153,7 @@ class PlanMessage:
         _check(
             body,
             cls.OP,
-            {"plan", "ids", "terms", "alternatives", "epoch", "origins", "succession"},
+            {"plan", "ids", "terms", "alternatives", "epoch", "origins", "succession", "probes"},
             optional={"alternatives", "epoch"},
         )
         ids = _ids(body, "plan")
@@ -162,8 +165,8 @@ class PlanMessage:
         except TermsError as exc:
             raise SessionMessageError(f"plan: {exc}") from None
         epoch = _epoch(body) if "epoch" in body else 1
-        origins, succession = _origins(body, cls.OP), _succession(body, cls.OP)
-        return cls(_object(body, "plan"), ids, terms, alternatives, epoch, origins, succession)
+        origins, succession, probes = _origins(body, cls.OP), _succession(body, cls.OP), _probes(body, cls.OP)
+        return cls(_object(body, "plan"), ids, terms, alternatives, epoch, origins, succession, probes)
 
 
 def _ids(body: Mapping[str, Any], op: str) -> dict[str, int]:
@@ -203,6 +206,17 @@ def _succession(body: Mapping[str, Any], op: str) -> tuple[str, ...]:
         twice = sorted(n for n, k in Counter(order).items() if k > 1)
         raise SessionMessageError(f"{op}: succession names {twice} more than once")
     return tuple(order)
+
+
+def _probes(body: Mapping[str, Any], op: str) -> dict[str, dict[str, Any]]:
+    """Every member's probe by name: an object each (the planner reads it as a DeviceReport)."""
+    probes = _object(body, "probes")
+    for name, report in probes.items():
+        if not isinstance(report, dict):
+            raise SessionMessageError(
+                f"{op}: the probe of {name!r:.40} must be an object, got {type(report).__name__}"
+            )
+    return dict(probes)
 
 
 @dataclass(frozen=True)
@@ -320,7 +334,8 @@ class NewEpoch:
     of `cause` ("m2 was lost (silent)"); `ids`: member ids by name when the plan names a member
     the survivors have not linked with before (one that joined), else None; `origins`: every
     member's request origin tag by name (the head names whoever asked by them); `succession`: who
-    coordinates from this epoch on should the host be lost, first present first."""
+    coordinates from this epoch on should the host be lost, first present first; `probes`: every
+    member's probe by name, which a successor re-plans with."""
 
     epoch: int
     plan: dict[str, Any]
@@ -328,6 +343,7 @@ class NewEpoch:
     ids: dict[str, int] | None = None
     origins: dict[str, int] = field(default_factory=dict)
     succession: tuple[str, ...] = ()
+    probes: dict[str, dict[str, Any]] = field(default_factory=dict)
     OP: ClassVar[str] = "epoch"
 
     def body(self) -> dict[str, Any]:
@@ -340,15 +356,17 @@ class NewEpoch:
             cause=self.cause,
             origins=self.origins,
             succession=order,
+            probes=self.probes,
             **more,
         )
 
     @classmethod
     def parse(cls, body: Mapping[str, Any]) -> NewEpoch:
-        _check(body, cls.OP, {"epoch", "plan", "cause", "ids", "origins", "succession"}, optional={"ids"})
+        keys = {"epoch", "plan", "cause", "ids", "origins", "succession", "probes"}
+        _check(body, cls.OP, keys, optional={"ids"})
         ids = _ids(body, cls.OP) if "ids" in body else None
-        plan, cause = _object(body, "plan"), _text(body, "cause")
-        return cls(_epoch(body), plan, cause, ids, _origins(body, cls.OP), _succession(body, cls.OP))
+        plan, cause, order = _object(body, "plan"), _text(body, "cause"), _succession(body, cls.OP)
+        return cls(_epoch(body), plan, cause, ids, _origins(body, cls.OP), order, _probes(body, cls.OP))
 
 
 @dataclass(frozen=True)
@@ -443,9 +461,30 @@ class PathReport:
         return cls(_text(body, "peer"), direct)
 
 
-EpochMessage = NewEpoch | EpochReady | Resume | EpochFailed | SessionEnded | MemberLost | PathReport
+@dataclass(frozen=True)
+class Replaced:
+    """successor -> the host it took over from: `by` coordinates the session since `epoch` (a host
+    that was frozen past the ring's bound reads this on waking, and ends saying so)."""
+
+    by: str
+    epoch: int
+    OP: ClassVar[str] = "replaced"
+
+    def body(self) -> dict[str, Any]:
+        return payload(self.OP, by=self.by, epoch=self.epoch)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Replaced:
+        _check(body, cls.OP, {"by", "epoch"})
+        return cls(_text(body, "by"), _epoch(body))
+
+
+EpochMessage = (
+    NewEpoch | EpochReady | Resume | EpochFailed | SessionEnded | MemberLost | PathReport | Replaced
+)
 _EPOCH_OPS: dict[str, type[EpochMessage]] = {
-    m.OP: m for m in (NewEpoch, EpochReady, Resume, EpochFailed, SessionEnded, MemberLost, PathReport)
+    m.OP: m
+    for m in (NewEpoch, EpochReady, Resume, EpochFailed, SessionEnded, MemberLost, PathReport, Replaced)
 }
 
 

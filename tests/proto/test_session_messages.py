@@ -39,6 +39,9 @@ ORIGINS = st.lists(
 ).map(dict)
 # a succession order: distinct member names
 SUCCESSION = st.lists(st.text(min_size=1, max_size=10), max_size=5, unique=True).map(tuple)
+PROBES = st.dictionaries(
+    st.text(max_size=8), st.dictionaries(st.text(max_size=8), JSON, max_size=3), max_size=3
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -90,6 +93,7 @@ FORMING = st.one_of(
         st.integers(1, session.MAX_EPOCH),
         ORIGINS,
         SUCCESSION,
+        PROBES,
     ),
     st.builds(session.Refused, st.text(max_size=100)),
     st.builds(session.Spare, st.text(max_size=100)),
@@ -182,6 +186,12 @@ def test_a_plan_names_its_succession_order_or_is_refused() -> None:
         session.PlanMessage.parse(body | {"succession": ["b", ""]})
     with pytest.raises(session.SessionMessageError, match="plan: succession must be a list of at most 256"):
         session.PlanMessage.parse(body | {"succession": "bc"})
+    with pytest.raises(session.SessionMessageError, match="plan: missing \\['probes'\\]"):
+        session.PlanMessage.parse({k: v for k, v in body.items() if k != "probes"})
+    with pytest.raises(
+        session.SessionMessageError, match="plan: the probe of 'b' must be an object, got int"
+    ):
+        session.PlanMessage.parse(body | {"probes": {"b": 3}})
     too_many = [f"m{i}" for i in range(session.MAX_SUCCESSION + 1)]
     with pytest.raises(session.SessionMessageError, match="plan: succession must be a list of at most 256"):
         session.PlanMessage.parse(body | {"succession": too_many})
