@@ -53,6 +53,7 @@ from kafila.planner import moves
 from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan
 from kafila.planner.replan import End, Keep, Membership, PlanTerms, Replan, on_measured, with_path
+from kafila.planner.succession import HandOff, Replaced, succession_order
 from kafila.proto import session as sm
 from kafila.proto.ring import Cause, RingBroken
 from kafila.session.channel import Heartbeat, LinkChannel
@@ -76,6 +77,7 @@ log = get_logger("kafila.session.forming.epochs")
 
 CONTROL_KIND = 33  # link message kind of the epoch messages (kafila.session.channel's ring is 32)
 READY_S = 120.0  # a survivor that is not ready for the next epoch within this ends the session
+REPLACED_WAIT_S = 10.0  # a host counted lost waits this long on waking for its successor's word
 # a break that names a lost member (not an internal error, not the session ending)
 LOST_CAUSES = (Cause.SILENT, Cause.CLOSED, Cause.LEFT, Cause.DISCONNECTED)
 
@@ -102,7 +104,9 @@ async def _send(link: Link, msg: sm.EpochMessage) -> None:
     await link.send(CONTROL_KIND, sm.encode(msg))
 
 
-def _listen(link: Link, peer: str, on_message: Callable[[str, sm.EpochMessage], None]) -> None:
+def listen_to(link: Link, peer: str, on_message: Callable[[str, sm.EpochMessage], None]) -> None:
+    """Hand `peer`'s epoch messages on `link` to `on_message` as they arrive."""
+
     def heard(data: bytes) -> None:
         try:
             msg = sm.parse_epoch(data)
@@ -232,17 +236,46 @@ class HostEpochs:
         role = self.held.ring()
         role.recovers = lambda b: lost_member(b, self.membership.plan, self.membership.host, self.held.name)
         role.on_broken = self._broken
+        role.succession = succession_order(self.membership.plan, self.membership.host)
         for peer, link in self.held.links.items():
-            _listen(link, peer, self._heard)
+            listen_to(link, peer, self._heard)
         self._paths.watch(self.held.links)
-        self.held.ended = asyncio.get_running_loop().create_future()
+        if self.held.ended is None:  # a member that took over keeps the one its console waits on
+            self.held.ended = asyncio.get_running_loop().create_future()
         self.held.on_lost = self._lost_while_moving
 
     def _broken(self, broken: RingBroken) -> None:
         if lost_member(broken, self.membership.plan, self.membership.host, self.held.name):
             self.lost(broken.member, broken.cause.value, broken.detail)
-        else:
-            say(broken_line(self.held.name, broken))
+            return
+        say(broken_line(self.held.name, broken))
+        if broken.blames(self.held.name) and len(self.membership.plan.order) > 1:
+            self.held.spawn(self._counted_lost(broken), "counted_lost")
+
+    async def _counted_lost(self, broken: RingBroken) -> None:
+        """This host did not run past the ring's bound (frozen, asleep): the members counted it lost
+        and its successor takes over. The successor's word (`replaced`) ends it; without that word
+        within REPLACED_WAIT_S it ends all the same, saying what its succession order does."""
+        ended = self.held.ended
+        if ended is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(ended), REPLACED_WAIT_S)
+                return
+        if self._ending:
+            return
+        m, held = self.membership, self.held
+        order = ", ".join(succession_order(m.plan, m.host))
+        line = (
+            f"{broken.detail}. The others re-plan without this host under the first present of its "
+            f"succession order ({order}); no member answered it within {REPLACED_WAIT_S:g} s, so this "
+            "member ends (join the session again to come back as a member)"
+        )
+        log.warning("host_counted_lost", detail=broken.detail)
+        self._ending = True
+        self._paths.close()
+        held.left_out = True  # its links close as a member leaving: the session goes on without it
+        held.host = next(iter(succession_order(m.plan, m.host)), held.host)
+        await self._replaced(line)
 
     def _heard(self, peer: str, msg: sm.EpochMessage) -> None:
         if isinstance(msg, sm.MemberLost):
@@ -254,8 +287,36 @@ class HostEpochs:
             self.failed(peer, msg.epoch, f"member {peer} could not move to epoch {msg.epoch}: {msg.reason}")
         elif isinstance(msg, sm.PathReport):
             self.path(peer, msg.peer, msg.direct)
+        elif isinstance(msg, sm.Replaced):
+            self.replaced(peer, msg.by, msg.epoch)
         else:
             log.warning("epoch_message_ignored", peer=peer, op=msg.OP, reason="not for the host")
+
+    def replaced(self, peer: str, by: str, epoch: int) -> None:
+        """`peer` says `by` coordinates the session since `epoch`: this host was counted lost (frozen
+        past the ring's bound) and replaced. It ends saying so; its links close as a member
+        leaving, so the session goes on (kafila.planner.succession decides whether it is true)."""
+        m, held = self.membership, self.held
+        view = HandOff(held.name, m.host, succession_order(m.plan, m.host), frozenset(m.plan.order), m.epoch)
+        told = view.told_replaced(by, epoch)
+        if not isinstance(told, Replaced):
+            log.info("replaced_ignored", peer=peer, by=by, epoch=epoch, why=getattr(told, "why", ""))
+            return
+        log.warning("host_replaced", by=by, epoch=epoch, told_by=peer)
+        self._ending = True
+        self._paths.close()
+        held.left_out, held.host = True, by  # its links close as a member leaving: the session goes on
+        held.spawn(self._replaced(told.line), "replaced")
+
+    async def _replaced(self, line: str) -> None:
+        role = self.held.ring()
+        await role.pause()
+        role.ending, role.on_broken = True, None
+        role.end(line)
+        metrics.observe_state("ended")
+        ended = self.held.ended
+        if ended is not None and not ended.done():
+            ended.set_result(line)
 
     def ready(self, peer: str, epoch: int | None = None) -> None:
         """`peer` is ready for `epoch` (None: the move in flight's; a newcomer's `ready` over
@@ -382,7 +443,11 @@ class HostEpochs:
             ready.set_result(None)
         sent_before = {n: _served(self.server, n) for n in survivors}
         origins = self.origins.named(self.ids)
-        message = sm.NewEpoch(decision.epoch, new.to_dict(), decision.cause, dict(self.ids), origins)
+        order = succession_order(new, held.name)
+        probes = {r.name: r.to_dict() for r in m.reports}
+        message = sm.NewEpoch(
+            decision.epoch, new.to_dict(), decision.cause, dict(self.ids), origins, order, probes
+        )
         for n in survivors:
             if n in arriving:
                 await self._invite(n, decision)
@@ -400,7 +465,7 @@ class HostEpochs:
             links = await link_ring(node, new, held.name, self.ids, held.name, formed)
             held.links.update(links)
             for peer, link in links.items():
-                _listen(link, peer, self._heard)
+                listen_to(link, peer, self._heard)
             ckpt = Checkpoint.open(self.folder)
             parts = await epoch_parts(
                 held.name, code, new, ckpt, links, self.opts, self.serving, decision.epoch, _held(role)
@@ -421,6 +486,7 @@ class HostEpochs:
         )
         resumed = await _resume(held, decision.epoch, parts, new, self.serving, ckpt, origins)
         role = held.ring()  # the head now, where the head moved to the host
+        role.succession = order
         head = isinstance(role, RingHead)
         first = role.first_token() if isinstance(role, RingHead) else None
         # the new epoch is in place: a loss from now on re-plans from it
@@ -465,7 +531,7 @@ class HostEpochs:
         self.origins.tag(member)
         self.ids[name] = member
         self.held.links[name] = link
-        _listen(link, name, self._heard)
+        listen_to(link, name, self._heard)
 
     def busy(self) -> bool:
         """A re-plan is running (a change waits for it)."""
@@ -535,23 +601,32 @@ class MemberEpochs:
     opts: Options
     serving: Serving
     local: list[Path] | None  # folders a shard may be loaded from as they are (None: the default)
+    # what the host published with the epoch serving: request origin tags and every member's probe,
+    # which this member needs should it take over as the host (kafila.session.forming.takeover)
+    origins: dict[str, int] = field(default_factory=dict)
+    probes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._job: asyncio.Task[None] | None = None
         self._seen = 1  # the newest epoch this member serves or was told to move to
         self._paths = PathWatch(self._report_path)
+        # told when the ring breaks naming the host and the host published a succession order
+        self.on_host_lost: Callable[[RingBroken], None] | None = None
+        self.on_epoch: Callable[[str, int], None] | None = None  # an epoch arrived from a peer
 
     def start(self) -> None:
         held = self.held
         role = held.ring()
         plan = held.plan
         assert plan is not None
-        role.recovers = lambda b: held.plan is not None and lost_member(b, held.plan, held.host, held.name)
+        role.recovers = lambda b: (
+            held.plan is not None and (lost_member(b, held.plan, held.host, held.name) or self._host_lost(b))
+        )
         role.on_broken = self._broken
         self._seen = max(self._seen, role.epoch)  # a member that joined a serving session starts later
         link = held.links.get(held.host)
         if link is not None:
-            _listen(link, held.host, self._heard)
+            listen_to(link, held.host, self._heard)
         self._watch_paths()
 
     def _watch_paths(self) -> None:
@@ -561,7 +636,7 @@ class MemberEpochs:
     def _report_path(self, peer: str, direct: bool) -> None:
         link = self.held.links.get(self.held.host)
         if link is not None and not link.closed:
-            self.held.spawn(self._tell(link, sm.PathReport(peer, direct)), "tell_path")
+            self.held.spawn(self.tell(link, sm.PathReport(peer, direct)), "tell_path")
 
     def _broken(self, broken: RingBroken) -> None:
         held = self.held
@@ -572,6 +647,11 @@ class MemberEpochs:
         if isolated is not None:  # not the neighbour's fault: every link went quiet at once
             held.spawn(self._left_out(isolated), "left_out")
             return
+        if self._host_lost(broken) and self.on_host_lost is not None:
+            metrics.observe_state("replanning")
+            held.spawn(held.ring().pause(), "pause")
+            self.on_host_lost(broken)  # its successor takes over (kafila.session.forming.takeover)
+            return
         if held.plan is None or not lost_member(broken, held.plan, held.host, held.name):
             say(broken_line(held.name, broken))
             return
@@ -580,8 +660,30 @@ class MemberEpochs:
         link = held.links.get(held.host)
         if link is not None:
             lost = sm.MemberLost(broken.member, broken.cause.value, broken.detail)
-            held.spawn(self._tell(link, lost), "tell_lost")
+            held.spawn(self.tell(link, lost), "tell_lost")
         held.spawn(held.ring().pause(), "pause")
+
+    def _host_lost(self, broken: RingBroken) -> bool:
+        """The break names the host, gone, and the host named who takes over (its succession order)."""
+        held = self.held
+        return (
+            broken.member == held.host
+            and broken.cause in LOST_CAUSES
+            and held.name in held.ring().succession
+            and self.on_host_lost is not None
+        )
+
+    def heard_from_host(self, peer: str, msg: sm.EpochMessage) -> None:
+        """An epoch message from whoever coordinates (the host, or the successor that took over)."""
+        self._heard(peer, msg)
+
+    def stop(self) -> None:
+        """This member coordinates from now on (it took over as the host): its member side ends."""
+        self._paths.close()
+
+    async def end_with(self, reason: str) -> None:
+        """The session ends on this member for `reason` (no successor, or no weights to go on with)."""
+        await self._ended_with(reason, f"the session ended: {reason}")
 
     def _cut_off(self, broken: RingBroken) -> RingBroken | None:
         """A neighbour gone silent while every link of this member is silent too (half the bound
@@ -605,7 +707,7 @@ class MemberEpochs:
         )
 
     @staticmethod
-    async def _tell(link: Link, msg: sm.EpochMessage) -> None:
+    async def tell(link: Link, msg: sm.EpochMessage) -> None:
         with contextlib.suppress(LinkError):
             await _send(link, msg)
 
@@ -615,6 +717,8 @@ class MemberEpochs:
             if not moves.newer(max(self._seen, role.epoch), msg.epoch):
                 log.info("epoch_message_stale", peer=peer, op=msg.OP, epoch=msg.epoch, seen=self._seen)
                 return
+            if self.on_epoch is not None:
+                self.on_epoch(peer, msg.epoch)
             self._seen, running = msg.epoch, self._job  # a newer epoch abandons the move running
             self._job = self.held.spawn(_after(running, self._move(msg)), "move")
         elif isinstance(msg, sm.Resume):
@@ -669,9 +773,9 @@ class MemberEpochs:
             await self._move_to(msg)
         except Exception as exc:  # whatever it is, the host must hear it rather than wait for READY_S
             log.error("epoch_move_failed", epoch=msg.epoch, error=repr(exc), exc_info=exc)
-            await self._tell(link, sm.EpochFailed(msg.epoch, f"{type(exc).__name__}: {exc}"))
+            await self.tell(link, sm.EpochFailed(msg.epoch, f"{type(exc).__name__}: {exc}"))
             return
-        await self._tell(link, sm.EpochReady(msg.epoch))
+        await self.tell(link, sm.EpochReady(msg.epoch))
         self._watch_paths()  # the new epoch's links
 
     async def _move_to(self, msg: sm.NewEpoch) -> None:
@@ -702,3 +806,5 @@ class MemberEpochs:
         parts = await epoch_parts(name, code, plan, ckpt, links, opts, serving, msg.epoch, _held(role))
         held.plan = plan
         await _resume(held, msg.epoch, parts, plan, serving, ckpt, msg.origins)
+        held.ring().succession = msg.succession  # the role of this epoch (the head, if promoted)
+        self.origins, self.probes = msg.origins, msg.probes
