@@ -27,7 +27,9 @@ head (kafila.session.ring.promote) and takes the requests in flight from the mem
 forwarded them, with the tokens their clients have had. A path that changes while
 serving and holds (kafila.session.forming.paths) is re-priced the same way, and re-planned when that
 is more than the head margin faster.
-A lost host ends the session (every member hears its links close as the host ends).
+A lost host's role passes to the first present member of the succession order it published with
+the epoch (kafila.session.forming.takeover), which becomes the `HostEpochs` of the session and
+re-plans around it; a host stopped on purpose ends the session (its links close as ended).
 """
 
 from __future__ import annotations
@@ -248,9 +250,15 @@ class HostEpochs:
         if lost_member(broken, self.membership.plan, self.membership.host, self.held.name):
             self.lost(broken.member, broken.cause.value, broken.detail)
             return
-        say(broken_line(self.held.name, broken))
         if broken.blames(self.held.name) and len(self.membership.plan.order) > 1:
+            order = ", ".join(succession_order(self.membership.plan, self.membership.host))
+            say(
+                f"{broken.text()}: the first present of this host's succession order ({order}) takes "
+                "over; this member ends once it hears who did"
+            )
             self.held.spawn(self._counted_lost(broken), "counted_lost")
+            return
+        say(broken_line(self.held.name, broken))
 
     async def _counted_lost(self, broken: RingBroken) -> None:
         """This host did not run past the ring's bound (frozen, asleep): the members counted it lost
@@ -624,10 +632,14 @@ class MemberEpochs:
         )
         role.on_broken = self._broken
         self._seen = max(self._seen, role.epoch)  # a member that joined a serving session starts later
-        link = held.links.get(held.host)
-        if link is not None:
-            listen_to(link, held.host, self._heard)
+        self._listen_all()
         self._watch_paths()
+
+    def _listen_all(self) -> None:
+        """Epoch messages on every link: the host's, and a successor's should the host be lost (a
+        member that did not notice the loss itself hears of it by the successor's epoch)."""
+        for peer, link in self.held.links.items():
+            listen_to(link, peer, self._heard)
 
     def _watch_paths(self) -> None:
         """This member's links to other members (the host measures its own side of its links)."""
@@ -673,6 +685,18 @@ class MemberEpochs:
             and self.on_host_lost is not None
         )
 
+    def _took_over(self, peer: str, msg: sm.EpochMessage) -> bool:
+        """An epoch from a member of the host's succession order: the host was lost and `peer`
+        took over (this member may not have noticed the loss: its links to the host are not its
+        ring edges). It coordinates from now on."""
+        held = self.held
+        if not isinstance(msg, sm.NewEpoch) or peer not in held.ring().succession or self.on_epoch is None:
+            return False
+        log.warning("host_replaced_by", host=held.host, by=peer, epoch=msg.epoch)
+        say(f"{peer} took over as the session's host from {held.host} (the host's succession order)")
+        held.host = peer
+        return True
+
     def heard_from_host(self, peer: str, msg: sm.EpochMessage) -> None:
         """An epoch message from whoever coordinates (the host, or the successor that took over)."""
         self._heard(peer, msg)
@@ -713,6 +737,9 @@ class MemberEpochs:
 
     def _heard(self, peer: str, msg: sm.EpochMessage) -> None:
         role = self.held.ring()
+        if peer != self.held.host and not self._took_over(peer, msg):
+            log.info("epoch_message_ignored", peer=peer, op=msg.OP, reason="not from the host")
+            return
         if isinstance(msg, sm.NewEpoch):
             if not moves.newer(max(self._seen, role.epoch), msg.epoch):
                 log.info("epoch_message_stale", peer=peer, op=msg.OP, epoch=msg.epoch, seen=self._seen)
@@ -776,6 +803,7 @@ class MemberEpochs:
             await self.tell(link, sm.EpochFailed(msg.epoch, f"{type(exc).__name__}: {exc}"))
             return
         await self.tell(link, sm.EpochReady(msg.epoch))
+        self._listen_all()
         self._watch_paths()  # the new epoch's links
 
     async def _move_to(self, msg: sm.NewEpoch) -> None:

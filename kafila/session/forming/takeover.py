@@ -144,7 +144,7 @@ class Succession:
             "(the host's succession order)"
         )
         folder = weights_source(held)
-        missing = self._missing(folder, event.survivors)
+        missing = self._missing(folder, event)
         if missing is not None:
             await member.end_with(missing)
             return
@@ -173,7 +173,7 @@ class Succession:
         if link is not None and not link.closed:
             self.held.spawn(MemberEpochs.tell(link, sm.Replaced(self.held.name, epoch)), "tell_replaced")
 
-    def _missing(self, folder: Path | None, survivors: tuple[str, ...]) -> str | None:
+    def _missing(self, folder: Path | None, event: TakeOver) -> str | None:
         """Why the survivors cannot go on for want of weights (None: this member serves them all)."""
         held = self.held
         plan = held.plan
@@ -187,7 +187,8 @@ class Succession:
         if short is None:
             return None
         return (
-            f"the host {held.host} was lost and the survivors ({', '.join(survivors)}) cannot obtain "
+            f"the host {event.lost[0]} was lost ({', '.join(event.lost)} gone) and the survivors "
+            f"({', '.join(event.survivors)}) cannot obtain "
             f"{short.text()}: the successor {held.name} holds only its own shard, and the lost host "
             "served every other block"
         )
@@ -195,12 +196,12 @@ class Succession:
     def _manifest(self, folder: Path | None) -> Manifest | None:
         if folder is None:
             return None
-        try:
-            ckpt = Checkpoint.open(folder)
-        except (OSError, CheckpointError):
-            return None
         terms = self.member.serving.terms
-        return ckpt.manifest(DTYPES[terms.dtype], terms.quant)
+        try:
+            return Checkpoint.open(folder).manifest(DTYPES[terms.dtype], terms.quant)
+        except (OSError, CheckpointError, KeyError, ValueError) as exc:  # a shard folder it cannot read
+            log.warning("shard_unreadable", folder=str(folder), error=repr(exc))
+            return None
 
     def _coordinator(self, folder: Path) -> HostEpochs:
         """This member as the session's coordinator: the membership of the epoch serving, with the
