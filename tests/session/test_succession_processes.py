@@ -91,3 +91,54 @@ def test_a_host_frozen_for_15_s_is_replaced_and_on_waking_ends_saying_so(smollm2
         assert after["state"] == "serving" and host.name not in after["ring"], after
         again = _answers(str(through.api_url))
         assert [o.get("text") for o in again] == [o["text"] for o in expected], again
+
+
+def _kill_two(fleet: LocalFleet, second: str) -> list[dict[str, object]]:
+    """Four greedy answers through the head; the host and member `second` killed together mid-answer."""
+    host = fleet.members[0]
+    other = next(m for m in fleet.members if m.name == second)
+    head = next(m for m in fleet.members if m.name == fleet.head)
+
+    def kill_both() -> None:
+        _sigkill(host)
+        _sigkill(other)
+
+    return _answers_through_a_kill(str(head.api_url), kill_both)
+
+
+def test_the_host_and_a_second_member_lost_together_are_planned_around_when_the_survivors_hold_every_block(
+    smollm2_path, tmp_path
+) -> None:
+    """The host and another member (neither the head) killed at once, each member holding the whole
+    checkpoint: the first of the order still present takes over, plans around both (the survivors
+    heard of the two losses in either order), and the answers through the head complete unchanged."""
+    with LocalFleet((None,) * 4, MODEL, context=512, concurrency=4, workdir=tmp_path, stagger=False,
+                    extra_args=ONE_THREAD, member_args=NOT_THE_HEAD) as fleet:  # fmt: skip
+        doc = fleet.session()
+        order = [n for n in doc["succession"] if n != doc["head"]]
+        first, heir = order[0], next(n for n in doc["succession"] if n != order[0])
+        head = next(m for m in fleet.members if m.name == doc["head"])
+        expected = _answers(str(head.api_url))
+        got = _kill_two(fleet, first)
+        assert [o.get("error") for o in got] == [None] * 4, got
+        assert [o["text"] for o in got] == [o["text"] for o in expected]
+        after = fleet.session(heir)
+        assert after["state"] == "serving" and len(after["ring"]) == 2, after
+        assert fleet.members[0].name not in after["ring"] and first not in after["ring"], after
+
+
+def test_survivors_without_the_lost_hosts_blocks_end_naming_what_is_missing(smollm2_path, tmp_path) -> None:
+    """Every joining member keeps a weight cache of its own (KAFILA_CACHE), so it holds only the shard
+    it fetched from the host: with the host and a second member killed together, no survivor can
+    serve the blocks it lacks. Each survivor ends (exit 0) naming the blocks and bytes missing,
+    within a minute, rather than answering 503 for good."""
+    caches = [{}] + [{"KAFILA_CACHE": str(tmp_path / f"cache{i}")} for i in range(1, 4)]
+    with LocalFleet((None,) * 4, MODEL, context=512, concurrency=4, workdir=tmp_path / "fleet", stagger=False,
+                    extra_args=ONE_THREAD, member_args=NOT_THE_HEAD, member_env=caches) as fleet:  # fmt: skip
+        doc = fleet.session()
+        second = next(n for n in doc["succession"] if n != doc["head"])
+        _kill_two(fleet, second)
+        survivors = [m for m in fleet.members[1:] if m.name != second]
+        for m in survivors:
+            assert m.proc is not None and m.proc.wait(60) == 0, m.log_text()[-2000:]
+            assert "cannot obtain block" in m.log_text() and " MB)" in m.log_text(), m.log_text()[-2000:]

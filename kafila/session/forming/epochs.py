@@ -620,6 +620,7 @@ class MemberEpochs:
         self._paths = PathWatch(self._report_path)
         # told when the ring breaks naming the host and the host published a succession order
         self.on_host_lost: Callable[[RingBroken], None] | None = None
+        self.on_member_lost: Callable[[str], None] | None = None  # another member's loss, as said
         self.on_epoch: Callable[[str, int], None] | None = None  # an epoch arrived from a peer
 
     def start(self) -> None:
@@ -669,6 +670,8 @@ class MemberEpochs:
             return
         say(f"{broken.text()}; waiting for the host's new plan")
         metrics.observe_state("replanning")
+        if self.on_member_lost is not None:  # should the host be lost too, its successor plans around it
+            self.on_member_lost(broken.member)
         link = held.links.get(held.host)
         if link is not None:
             lost = sm.MemberLost(broken.member, broken.cause.value, broken.detail)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from kafila.engine import DTYPES
 from kafila.models.checkpoint import Checkpoint, CheckpointError
-from kafila.models.manifest import Manifest
+from kafila.models.manifest import Manifest, build_manifest, specs_from_config
 from kafila.net.edge import EdgeOptions, link_edges
 from kafila.net.errors import LinkError
 from kafila.net.link import Link
@@ -62,6 +62,7 @@ class Succession:
 
     def start(self) -> None:
         self.member.on_host_lost = self.host_lost
+        self.member.on_member_lost = self._gone
         self.member.on_epoch = self._epoch_from
         self.held.on_lost = self.other_lost
 
@@ -85,10 +86,16 @@ class Succession:
         """The ring broke naming the host."""
         self._act(self._hand_off().lost(broken.member, asyncio.get_running_loop().time()), broken.detail)
 
+    def _gone(self, member: str) -> None:
+        """A member other than the host was lost (this member's ring broke naming it)."""
+        self._act(self._hand_off().lost(member, asyncio.get_running_loop().time()), f"{member} lost")
+
     def other_lost(self, member: str, cause: str, detail: str) -> None:
-        """The rendezvous says `member` left while the ring is broken: the awaited successor may be it."""
-        if self.view is not None:
-            self._act(self.view.lost(member, asyncio.get_running_loop().time()), detail)
+        """The rendezvous says `member` left while the ring is broken: the host, the awaited
+        successor, or another member the successor must plan around."""
+        if self.held.plan is None:
+            return
+        self._act(self._hand_off().lost(member, asyncio.get_running_loop().time()), detail)
 
     def _act(self, event: Event, detail: str) -> None:
         log.info("succession", member=self.held.name, step=type(event).__name__, detail=detail)
@@ -145,7 +152,8 @@ class Succession:
         )
         folder = weights_source(held)
         missing = self._missing(folder, event)
-        if missing is not None:
+        if missing is not None:  # its links close as a member leaving: the next in the order is tried
+            held.left_out = True
             await member.end_with(missing)
             return
         assert folder is not None
@@ -161,11 +169,8 @@ class Succession:
         epochs.start()
         metrics.observe_state("replanning")
         for name in event.lost:
-            epochs.lost(
-                name,
-                "closed",
-                f"{detail} (the host; {held.name} took over)" if name == event.lost[0] else detail,
-            )
+            what = "the session's host" if name == event.lost[0] else "lost with the host"
+            epochs.lost(name, "closed", f"{what}; {held.name} took over as the host")
 
     def _tell_replaced(self, host: str, epoch: int) -> None:
         """The lost host, should it only be frozen, reads on waking that this member replaced it."""
@@ -187,8 +192,9 @@ class Succession:
         if short is None:
             return None
         return (
-            f"the host {event.lost[0]} was lost ({', '.join(event.lost)} gone) and the survivors "
-            f"({', '.join(event.survivors)}) cannot obtain "
+            f"the host {event.lost[0]} was lost"
+            + (f" with {', '.join(event.lost[1:])}" if len(event.lost) > 1 else "")
+            + f"; the survivors ({', '.join(event.survivors)}) cannot obtain "
             f"{short.text()}: the successor {held.name} holds only its own shard, and the lost host "
             "served every other block"
         )
@@ -197,8 +203,10 @@ class Succession:
         if folder is None:
             return None
         terms = self.member.serving.terms
-        try:
-            return Checkpoint.open(folder).manifest(DTYPES[terms.dtype], terms.quant)
+        dtype = DTYPES[terms.dtype]
+        try:  # a shard holds some tensors only: every block's size from the model's shape
+            config = Checkpoint.open(folder).config
+            return build_manifest(specs_from_config(config, dtype), config, dtype, terms.quant)
         except (OSError, CheckpointError, KeyError, ValueError) as exc:  # a shard folder it cannot read
             log.warning("shard_unreadable", folder=str(folder), error=repr(exc))
             return None
