@@ -8,21 +8,27 @@ One greedy answer streams; after --kill-at tokens a member is killed with SIGKIL
 streams from the head. With `--lose head` the host offers 0.1 GB (--memory-gb: less than the
 head's 0.11 GB of fp32 tensors, so the planner puts the head on a joining member), the head is
 killed, and the answer streams through the host, which sends the request to the new head with the
-tokens it has streamed (kafila.session.ring.promote). The three survivors re-plan
-(kafila.session.forming.epochs) and the answer goes on. `--runs N` repeats it on N new sessions
-and prints the median pause.
+tokens it has streamed (kafila.session.ring.promote). With `--lose host` the host offers 0.1 GB
+too (so it is not the head), the host is killed, and the answer streams from the head: the first
+member of the host's succession order takes over as the session's host
+(kafila.session.forming.takeover) and re-plans. Every member then loads from its own copy of the
+checkpoint (no KAFILA_CACHE of its own: the successor serves no weights), so nothing is fetched
+over a link; the minimum is what the survivors would have had to fetch. The three survivors
+re-plan (kafila.session.forming.epochs) and the answer goes on. `--runs N` repeats it on N new
+sessions and prints the median pause.
 
 Printed, from one run:
 - loss -> first resumed token: from the SIGKILL to the next token the client reads (detection by the
   ring's heartbeats, --dead-after, included); target <= 5 s losing a member, <= 8 s losing the
-  head (its tensors move to the new head);
-- detection -> every survivor ready, from the host's trace (its `replan` record);
+  head (its tensors move to the new head) or the host;
+- detection -> every survivor ready, from the coordinator's trace (its `replan` record: the host's,
+  or with `--lose host` its successor's);
 - bytes fetched (what the host served for the re-plan: tensors, plus any header ranges) against the
   minimum the new division needs the survivors to fetch (kafila.planner.replan `Replan.fetches`
   of every member but the host, which loads its own new blocks from its checkpoint); target: equal;
 - whether the answer equals the same request's answer without the kill.
 
-    python3 benchmarks/replan.py [--lose member|head] [--runs 1] [--tokens 120] [--kill-at 20]
+    python3 benchmarks/replan.py [--lose member|head|host] [--runs 1] [--tokens 120] [--kill-at 20]
                                  [--dead-after 3]
 """
 
@@ -75,7 +81,7 @@ def stream(
     return "".join(parts), times[gap] - killed_at
 
 
-TARGET_S = {"member": 5.0, "head": 8.0}  # loss -> first resumed token
+TARGET_S = {"member": 5.0, "head": 8.0, "host": 8.0}  # loss -> first resumed token
 
 
 def main() -> int:
@@ -108,9 +114,10 @@ def main() -> int:
 def one_run(args: argparse.Namespace) -> tuple[float | None, bool]:
     """One session: the pause from the kill to the next token, and whether the answer was unchanged."""
     work = Path(tempfile.mkdtemp(prefix="kafila-replan-"))
-    caches: list[dict[str, str]] = [{}] + [{"KAFILA_CACHE": str(work / f"cache{i}")} for i in range(1, 4)]
-    head_lost = args.lose == "head"
-    limits = [("--memory-gb", "0.1"), (), (), ()] if head_lost else None  # the head off the host
+    head_lost, host_lost = args.lose == "head", args.lose == "host"
+    own = [{"KAFILA_CACHE": str(work / f"cache{i}")} for i in range(1, 4)]
+    caches: list[dict[str, str]] = [{}] + ([{}, {}, {}] if host_lost else own)
+    limits = [("--memory-gb", "0.1"), (), (), ()] if head_lost or host_lost else None  # the head off the host
     fleet = LocalFleet((None,) * 4, MODEL, context=512, workdir=work / "fleet", stagger=False,
                        extra_args=("--dead-after", f"{args.dead_after:g}"), member_env=caches,
                        member_args=limits)  # fmt: skip
@@ -119,10 +126,12 @@ def one_run(args: argparse.Namespace) -> tuple[float | None, bool]:
         head = next(m for m in fleet.members if m.name == doc["head"])
         host = fleet.members[0]
         victim = head if head_lost else next(m for m in fleet.members[1:] if m.name != doc["head"])
+        victim = host if host_lost else victim
         client = host if head_lost else head  # streams through a member that survives
         assert client.api_url is not None
-        if head_lost and head is host:
+        if (head_lost or host_lost) and head is host:
             raise SystemExit("the planner put the head on the host; nothing to measure")
+        coordinator = doc["succession"][0] if host_lost else host.name  # who re-plans
         ring = " -> ".join(doc["ring"])
         print(f"ring {ring}, head {head.name}; killing {victim.name} at token {args.kill_at}")
         expected, _ = stream(client.api_url, args.tokens)
@@ -130,11 +139,11 @@ def one_run(args: argparse.Namespace) -> tuple[float | None, bool]:
         deadline = time.monotonic() + 15
         records: list[dict[str, object]] = []
         while not records and time.monotonic() < deadline:
-            records = [r for r in fleet.traces(host.name) if r.get("type") == "replan"]
+            records = [r for r in fleet.traces(coordinator) if r.get("type") == "replan"]
             time.sleep(0.2)
-        after = fleet.session()
+        after = fleet.session(coordinator)
     if not records:
-        print("no re-plan record in the host's trace")
+        print(f"no re-plan record in {coordinator}'s trace")
         return resumed, False
     rec = records[0]
     fetched, minimum = int(rec["bytes_fetched"]), int(rec["bytes_minimum"])  # type: ignore[call-overload]
@@ -150,13 +159,18 @@ def one_run(args: argparse.Namespace) -> tuple[float | None, bool]:
         if resumed is not None
         else "loss -> first resumed token: none (the answer ended before the loss)"
     )
-    print(f"detection -> every survivor ready: {float(rec['ready_s']):.2f} s (host's trace)")  # type: ignore[arg-type]
+    print(f"detection -> every survivor ready: {float(rec['ready_s']):.2f} s ({coordinator}'s trace)")  # type: ignore[arg-type]
     if rec.get("first_token_s") is not None:
         print(f"detection -> first resumed token at the head: {float(rec['first_token_s']):.2f} s")  # type: ignore[arg-type]
     ratio = f"{fetched / minimum:.3f}x" if minimum else "nothing to fetch (only the host's share grew)"
+    if host_lost and fetched == 0:
+        ratio = "nothing moved over a link: every survivor loaded its new blocks from its own copy"
+    target_bytes = (
+        "" if host_lost and fetched == 0 else f" (target 1.000x: {'yes' if fetched == minimum else 'no'})"
+    )
     print(
-        f"bytes fetched {fetched / 1e6:.2f} MB against the minimum {minimum / 1e6:.2f} MB: {ratio} "
-        f"(target 1.000x: {'yes' if fetched == minimum else 'no'})"
+        f"bytes fetched {fetched / 1e6:.2f} MB against the minimum {minimum / 1e6:.2f} MB: "
+        f"{ratio}{target_bytes}"
     )
     print(f"answer identical to the one without the kill: {'yes' if got == expected else 'no'}")
     return resumed, got == expected

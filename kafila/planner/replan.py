@@ -8,8 +8,9 @@ new share holds that its old share did not (`Fetch`), which is the minimum any d
 needs; a member's cache may already hold some of them.
 
 Rules, in the order the host applies them:
-- The session host cannot leave: losing it ends the session (its member holds the rendezvous
-  registration and the weights' source).
+- The coordinating host cannot plan around itself: `on_lost` of the host ends the session. A
+  lost host's role passes first to its successor (kafila.planner.succession), which then holds
+  the membership as its host and plans around the old one as around any member.
 - Every re-plan anchors the planner at the serving head (the host where the head is gone), and keeps
   the head there while it is present: a serving head's samplers and caches do not move. A lost
   head is placed anew by the planner; the requests in flight move to it (kafila.planner.moves).

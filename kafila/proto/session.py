@@ -79,12 +79,16 @@ class SessionTerms:
 # ------------------------------------------------------------------ forming messages
 
 KEY = "kafila_session"  # marks a signaling payload as a session message; its value is the version
-SESSION_VERSION = 3  # 2: request origins (`origins`) in `plan` and `epoch`; 3: a spare's relayed requests
+SESSION_VERSION = 4  # 2: request origins (`origins`) in `plan` and `epoch`; 3: a spare's relayed requests;
+# 4: `succession`, `probes` in `plan` and `epoch`
 MAX_REASON = 4096
 # a request id (u32 on the ring, kafila.proto.tensor) carries in its top ORIGIN_BITS the origin tag
 # of the member whose API took it: the host gives each member id its own tag, never reused
 ORIGIN_BITS = 12
 MAX_ORIGIN = (1 << ORIGIN_BITS) - 1
+# the succession order a plan and each epoch carry: who coordinates the session if its host is lost
+MAX_SUCCESSION = 256
+MAX_NAME = 200
 
 
 class SessionMessageError(ValueError):
@@ -117,7 +121,10 @@ class PlanMessage:
     """host -> members: the plan (a Plan's dict), member ids by name, the terms, the divisions
     compared (for /session), the plan epoch it starts in: 1 at forming; a member that joined
     the serving session (or a spare planned in) starts in the re-plan's epoch (left out when 1),
-    and each member's request origin tag by name (`origins`, as `epoch` carries them)."""
+    each member's request origin tag by name (`origins`, as `epoch` carries them), and the
+    succession order (`succession`: the members that take the host's coordinating role, first
+    present first, should the host be lost) with every member's probe by name (`probes`: a
+    DeviceReport's dict each, which a successor re-plans with)."""
 
     plan: dict[str, Any]
     ids: dict[str, int]
@@ -125,6 +132,8 @@ class PlanMessage:
     alternatives: dict[str, Any] | None = None
     epoch: int = 1
     origins: dict[str, int] = field(default_factory=dict)
+    succession: tuple[str, ...] = ()
+    probes: dict[str, dict[str, Any]] = field(default_factory=dict)
     OP: ClassVar[str] = "plan"
 
     def body(self) -> dict[str, Any]:
@@ -137,6 +146,8 @@ class PlanMessage:
             terms=terms,
             alternatives=self.alternatives,
             origins=self.origins,
+            succession=list(self.succession),
+            probes=self.probes,
             **more,
         )
 
@@ -145,7 +156,7 @@ class PlanMessage:
         _check(
             body,
             cls.OP,
-            {"plan", "ids", "terms", "alternatives", "epoch", "origins"},
+            {"plan", "ids", "terms", "alternatives", "epoch", "origins", "succession", "probes"},
             optional={"alternatives", "epoch"},
         )
         ids = _ids(body, "plan")
@@ -157,7 +168,8 @@ class PlanMessage:
         except TermsError as exc:
             raise SessionMessageError(f"plan: {exc}") from None
         epoch = _epoch(body) if "epoch" in body else 1
-        return cls(_object(body, "plan"), ids, terms, alternatives, epoch, _origins(body, cls.OP))
+        origins, succession, probes = _origins(body, cls.OP), _succession(body, cls.OP), _probes(body, cls.OP)
+        return cls(_object(body, "plan"), ids, terms, alternatives, epoch, origins, succession, probes)
 
 
 def _ids(body: Mapping[str, Any], op: str) -> dict[str, int]:
@@ -180,6 +192,34 @@ def _origins(body: Mapping[str, Any], op: str) -> dict[str, int]:
         shared = sorted(t for t, n in Counter(origins.values()).items() if n > 1)
         raise SessionMessageError(f"{op}: origins {shared} are given to more than one member")
     return dict(origins)
+
+
+def _succession(body: Mapping[str, Any], op: str) -> tuple[str, ...]:
+    """The succession order: distinct member names (1 to MAX_NAME characters), at most
+    MAX_SUCCESSION of them (a name twice would make two members each think it comes first)."""
+    order = body["succession"]
+    if not isinstance(order, list) or len(order) > MAX_SUCCESSION:
+        raise SessionMessageError(f"{op}: succession must be a list of at most {MAX_SUCCESSION} member names")
+    for name in order:
+        if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME:
+            raise SessionMessageError(
+                f"{op}: succession must name members by 1 to {MAX_NAME} characters, got {name!r:.40}"
+            )
+    if len(set(order)) != len(order):
+        twice = sorted(n for n, k in Counter(order).items() if k > 1)
+        raise SessionMessageError(f"{op}: succession names {twice} more than once")
+    return tuple(order)
+
+
+def _probes(body: Mapping[str, Any], op: str) -> dict[str, dict[str, Any]]:
+    """Every member's probe by name: an object each (the planner reads it as a DeviceReport)."""
+    probes = _object(body, "probes")
+    for name, report in probes.items():
+        if not isinstance(report, dict):
+            raise SessionMessageError(
+                f"{op}: the probe of {name!r:.40} must be an object, got {type(report).__name__}"
+            )
+    return dict(probes)
 
 
 @dataclass(frozen=True)
@@ -296,27 +336,40 @@ class NewEpoch:
     """host -> survivors: serving stops; move to `plan` (a Plan's dict) as epoch `epoch`, because
     of `cause` ("m2 was lost (silent)"); `ids`: member ids by name when the plan names a member
     the survivors have not linked with before (one that joined), else None; `origins`: every
-    member's request origin tag by name (the head names whoever asked by them)."""
+    member's request origin tag by name (the head names whoever asked by them); `succession`: who
+    coordinates from this epoch on should the host be lost, first present first; `probes`: every
+    member's probe by name, which a successor re-plans with."""
 
     epoch: int
     plan: dict[str, Any]
     cause: str
     ids: dict[str, int] | None = None
     origins: dict[str, int] = field(default_factory=dict)
+    succession: tuple[str, ...] = ()
+    probes: dict[str, dict[str, Any]] = field(default_factory=dict)
     OP: ClassVar[str] = "epoch"
 
     def body(self) -> dict[str, Any]:
         more = {} if self.ids is None else {"ids": self.ids}
+        order = list(self.succession)
         return payload(
-            self.OP, epoch=self.epoch, plan=self.plan, cause=self.cause, origins=self.origins, **more
+            self.OP,
+            epoch=self.epoch,
+            plan=self.plan,
+            cause=self.cause,
+            origins=self.origins,
+            succession=order,
+            probes=self.probes,
+            **more,
         )
 
     @classmethod
     def parse(cls, body: Mapping[str, Any]) -> NewEpoch:
-        _check(body, cls.OP, {"epoch", "plan", "cause", "ids", "origins"}, optional={"ids"})
+        keys = {"epoch", "plan", "cause", "ids", "origins", "succession", "probes"}
+        _check(body, cls.OP, keys, optional={"ids"})
         ids = _ids(body, cls.OP) if "ids" in body else None
-        plan, cause = _object(body, "plan"), _text(body, "cause")
-        return cls(_epoch(body), plan, cause, ids, _origins(body, cls.OP))
+        plan, cause, order = _object(body, "plan"), _text(body, "cause"), _succession(body, cls.OP)
+        return cls(_epoch(body), plan, cause, ids, _origins(body, cls.OP), order, _probes(body, cls.OP))
 
 
 @dataclass(frozen=True)
@@ -411,9 +464,30 @@ class PathReport:
         return cls(_text(body, "peer"), direct)
 
 
-EpochMessage = NewEpoch | EpochReady | Resume | EpochFailed | SessionEnded | MemberLost | PathReport
+@dataclass(frozen=True)
+class Replaced:
+    """successor -> the host it took over from: `by` coordinates the session since `epoch` (a host
+    that was frozen past the ring's bound reads this on waking, and ends saying so)."""
+
+    by: str
+    epoch: int
+    OP: ClassVar[str] = "replaced"
+
+    def body(self) -> dict[str, Any]:
+        return payload(self.OP, by=self.by, epoch=self.epoch)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Replaced:
+        _check(body, cls.OP, {"by", "epoch"})
+        return cls(_text(body, "by"), _epoch(body))
+
+
+EpochMessage = (
+    NewEpoch | EpochReady | Resume | EpochFailed | SessionEnded | MemberLost | PathReport | Replaced
+)
 _EPOCH_OPS: dict[str, type[EpochMessage]] = {
-    m.OP: m for m in (NewEpoch, EpochReady, Resume, EpochFailed, SessionEnded, MemberLost, PathReport)
+    m.OP: m
+    for m in (NewEpoch, EpochReady, Resume, EpochFailed, SessionEnded, MemberLost, PathReport, Replaced)
 }
 
 

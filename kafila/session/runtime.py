@@ -267,6 +267,9 @@ class MemberRuntime:
             return
         if link is None:
             log.info("member_left_elsewhere", member=member, reason=reason)
+            if role.broken is not None and self.on_lost is not None:  # a re-plan, or a hand-off, runs
+                cause = departure_cause(reason)
+                self.on_lost(member, cause.value, f"member {member} {reason}, the rendezvous says")
             return
         since, ping = asyncio.get_running_loop().time(), link.config.keepalive
         wait = LEFT_CONFIRM_PINGS * ping

@@ -26,6 +26,10 @@ ORIGINS = st.lists(
     max_size=4,
     unique_by=(lambda p: p[0], lambda p: p[1]),
 ).map(dict)
+SUCCESSION = st.lists(st.text(min_size=1, max_size=8), max_size=5, unique=True).map(tuple)
+PROBES = st.dictionaries(
+    st.text(max_size=8), st.dictionaries(st.text(max_size=6), JSON, max_size=3), max_size=3
+)
 EPOCH_MESSAGES = st.one_of(
     st.builds(
         session.NewEpoch,
@@ -34,6 +38,8 @@ EPOCH_MESSAGES = st.one_of(
         TEXT,
         st.none() | st.dictionaries(st.text(max_size=8), st.integers(1, 99), max_size=4),
         ORIGINS,
+        SUCCESSION,
+        PROBES,
     ),
     st.builds(session.EpochReady, EPOCHS),
     st.builds(session.Resume, EPOCHS),
@@ -41,6 +47,7 @@ EPOCH_MESSAGES = st.one_of(
     st.builds(session.SessionEnded, TEXT),
     st.builds(session.MemberLost, TEXT, TEXT, TEXT),
     st.builds(session.PathReport, TEXT, st.booleans()),
+    st.builds(session.Replaced, TEXT, EPOCHS),
 )
 
 
@@ -74,14 +81,21 @@ def test_an_epoch_message_names_what_is_wrong() -> None:
         session.parse_epoch(json.dumps(session.payload("epoch_ready", epoch=True)).encode())
     with pytest.raises(session.SessionMessageError, match="unknown epoch message op 'formed'"):
         session.parse_epoch(json.dumps(session.payload("formed")).encode())
-    with pytest.raises(session.SessionMessageError, match="epoch: missing \\['origins', 'plan'\\]"):
+    with pytest.raises(
+        session.SessionMessageError, match="epoch: missing \\['origins', 'plan', 'probes', 'succession'\\]"
+    ):
         session.parse_epoch(json.dumps(session.payload("epoch", epoch=2, cause="x")).encode())
     with pytest.raises(session.SessionMessageError, match="epoch: origins \\[2\\] are given to more"):
         body = session.NewEpoch(2, {}, "x", origins={"a": 2}).body() | {"origins": {"a": 2, "b": 2}}
         session.parse_epoch(json.dumps(body).encode())
+    with pytest.raises(session.SessionMessageError, match="epoch: succession names \\['c'\\] more than once"):
+        body = session.NewEpoch(2, {}, "x", succession=("c",)).body() | {"succession": ["c", "c"]}
+        session.parse_epoch(json.dumps(body).encode())
     with pytest.raises(session.SessionMessageError, match="lost: unknown \\['extra'\\]"):
         body = session.MemberLost("b", "silent", "gone").body() | {"extra": 1}
         session.parse_epoch(json.dumps(body).encode())
+    with pytest.raises(session.SessionMessageError, match="replaced: missing \\['epoch'\\]"):
+        session.parse_epoch(json.dumps(session.payload("replaced", by="b")).encode())
     with pytest.raises(session.SessionMessageError, match="direct must be true or false, got 1"):
         session.parse_epoch(json.dumps(session.payload("path", peer="b", direct=1)).encode())
     with pytest.raises(session.SessionMessageError, match="not JSON"):

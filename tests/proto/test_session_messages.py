@@ -37,6 +37,11 @@ ORIGINS = st.lists(
     max_size=4,
     unique_by=(lambda p: p[0], lambda p: p[1]),
 ).map(dict)
+# a succession order: distinct member names
+SUCCESSION = st.lists(st.text(min_size=1, max_size=10), max_size=5, unique=True).map(tuple)
+PROBES = st.dictionaries(
+    st.text(max_size=8), st.dictionaries(st.text(max_size=8), JSON, max_size=3), max_size=3
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -87,6 +92,8 @@ FORMING = st.one_of(
         st.none() | st.dictionaries(st.text(max_size=10), JSON, max_size=3),
         st.integers(1, session.MAX_EPOCH),
         ORIGINS,
+        SUCCESSION,
+        PROBES,
     ),
     st.builds(session.Refused, st.text(max_size=100)),
     st.builds(session.Spare, st.text(max_size=100)),
@@ -129,8 +136,8 @@ def test_a_forming_message_with_any_field_changed_is_refused_or_parsed(
 def test_a_forming_message_names_what_is_wrong() -> None:
     with pytest.raises(session.SessionMessageError, match="ready: unknown \\['extra'\\]"):
         session.Ready.parse(session.payload("ready", extra=1))
-    with pytest.raises(session.SessionMessageError, match="version 1, this member speaks 3"):
-        session.Refused.parse(session.Refused("no").body() | {session.KEY: 1})
+    with pytest.raises(session.SessionMessageError, match="version 3, this member speaks 4"):
+        session.Refused.parse(session.Refused("no").body() | {session.KEY: 3})
     with pytest.raises(session.SessionMessageError, match="reason must be text"):
         session.Failed.parse(session.payload("failed", reason=3))
     assert set(KINDS) == {"report", "plan", "refused", "spare", "failed", "ready", "formed"}
@@ -161,3 +168,30 @@ def test_a_plan_without_origins_or_with_a_shared_one_is_refused() -> None:
         session.PlanMessage.parse(body | {"origins": {"a": top + 1}})
     with pytest.raises(session.SessionMessageError, match="origin of 'a' must be an integer"):
         session.PlanMessage.parse(body | {"origins": {"a": True}})
+
+
+def test_a_plan_names_its_succession_order_or_is_refused() -> None:
+    """Every member can name the host's successor in advance: the order travels with the plan, and
+    a host of the version before (no order) or an order naming a member twice is refused."""
+    plan = session.PlanMessage(
+        {}, {"a": 1, "b": 2, "c": 3}, SOME_TERMS, origins={"a": 1}, succession=("c", "b")
+    )
+    assert session.PlanMessage.parse(plan.body()).succession == ("c", "b")
+    body = plan.body()
+    with pytest.raises(session.SessionMessageError, match="plan: missing \\['succession'\\]"):
+        session.PlanMessage.parse({k: v for k, v in body.items() if k != "succession"})
+    with pytest.raises(session.SessionMessageError, match="plan: succession names \\['b'\\] more than once"):
+        session.PlanMessage.parse(body | {"succession": ["b", "c", "b"]})
+    with pytest.raises(session.SessionMessageError, match="plan: succession must name members by 1 to"):
+        session.PlanMessage.parse(body | {"succession": ["b", ""]})
+    with pytest.raises(session.SessionMessageError, match="plan: succession must be a list of at most 256"):
+        session.PlanMessage.parse(body | {"succession": "bc"})
+    with pytest.raises(session.SessionMessageError, match="plan: missing \\['probes'\\]"):
+        session.PlanMessage.parse({k: v for k, v in body.items() if k != "probes"})
+    with pytest.raises(
+        session.SessionMessageError, match="plan: the probe of 'b' must be an object, got int"
+    ):
+        session.PlanMessage.parse(body | {"probes": {"b": 3}})
+    too_many = [f"m{i}" for i in range(session.MAX_SUCCESSION + 1)]
+    with pytest.raises(session.SessionMessageError, match="plan: succession must be a list of at most 256"):
+        session.PlanMessage.parse(body | {"succession": too_many})

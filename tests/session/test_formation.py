@@ -106,6 +106,8 @@ def test_host_gathers_plans_sends_and_forms() -> None:
     assert body["op"] == "plan" and body["ids"] == {"alpha": 1, "beta": 2, "gamma": 3}
     assert SessionTerms.from_dict(body["terms"]) == TERMS and body[fm.KEY] == SESSION_VERSION
     assert body["origins"] == {"alpha": 1, "beta": 2, "gamma": 3}  # request origin tags, the host's first
+    assert body["succession"] == ["beta", "gamma"]  # who coordinates should the host be lost
+    assert sorted(body["probes"]) == ["alpha", "beta", "gamma"]  # which the successor re-plans with
     assert core.step is Step.LINKING
     assert kinds(core.handle(fm.Message(2, fm.payload("ready")), 103.0)) == ["Say"]  # early ready counts
     assert core.started(104.0) == [] and core.deadline == 114.0
@@ -483,7 +485,17 @@ def plan_body(names: list[str], ids: dict[str, int], dtype: str = "bf16") -> dic
     plan = plan_of(names).to_dict()
     terms = TERMS.to_dict() | {"dtype": dtype}
     origins = {name: tag for tag, name in enumerate(ids, 1)}
-    return fm.payload("plan", plan=plan, ids=ids, terms=terms, alternatives={}, origins=origins)
+    succession = names[1:]  # the ring after the host (names[0])
+    return fm.payload(
+        "plan",
+        plan=plan,
+        ids=ids,
+        terms=terms,
+        alternatives={},
+        origins=origins,
+        succession=succession,
+        probes={},
+    )
 
 
 IDS = {"alpha": 1, "beta": 2, "gamma": 3}
@@ -495,8 +507,9 @@ def test_each_core_names_a_member_by_what_it_knows() -> None:
     assert (host.name_of(HOST), host.name_of(2), host.name_of(9)) == ("alpha", "beta", "member 9")
     core = member()
     assert (core.name_of(HOST), core.name_of(2)) == ("the host", "member 2")  # before the plan
-    core.handle(fm.Message(HOST, plan_body(["alpha", "beta", "gamma"], IDS)), 51.0)
+    out = core.handle(fm.Message(HOST, plan_body(["alpha", "beta", "gamma"], IDS)), 51.0)
     assert (core.name_of(HOST), core.name_of(2)) == ("alpha", "beta")
+    assert only(out, fm.LinkNow).succession == ("beta", "gamma")  # this member knows the host's successor
 
 
 def test_member_normal_flow() -> None:

@@ -115,7 +115,15 @@ async def test_member_linking_is_cut_short_when_a_simulated_host_leaves(rdv, tmp
     ids = {"simulated-host": client.member, "beta": member}
     terms = SessionTerms("tiny", 4, 8, "fp32", 64, 1, "kafila").to_dict()
     origins = {"simulated-host": 1, "beta": 2}
-    body = payload("plan", plan=two_member_plan().to_dict(), ids=ids, terms=terms, origins=origins)
+    body = payload(
+        "plan",
+        plan=two_member_plan().to_dict(),
+        ids=ids,
+        terms=terms,
+        origins=origins,
+        succession=["beta"],
+        probes={},
+    )
     await client.signal(member, body)
     await asyncio.sleep(1.0)  # the member is linking now
     assert not joining.done()

@@ -15,6 +15,7 @@ from structlog.testing import capture_logs
 
 from kafila.models.checkpoint import Checkpoint
 from kafila.net.auth import EdgeContext
+from kafila.proto.ring import Cause
 from kafila.session.forming.links import SESSION_LINKS
 from kafila.session.runtime import LEFT_CONFIRM_S, MemberRuntime
 from tests.net.conftest import direct_pair
@@ -82,6 +83,11 @@ async def test_a_member_without_a_link_to_it_leaves_the_break_to_those_with_one(
         await runtime._confirm_left("m2", "left")  # m0 has no link to m2 here
         await runtime._confirm_left("stranger", "left")  # not in the ring
         assert ring.head.broken is None
+        heard: list[tuple[str, str, str]] = []
+        runtime.on_lost = lambda *lost: heard.append(lost)  # a re-plan or a hand-off runs
+        ring.head.lose("m1", Cause.SILENT, "m1 stopped answering")  # the ring broke already
+        await runtime._confirm_left("m2", "disconnected")  # with no link to confirm by: said at once
+        assert heard == [("m2", "disconnected", "member m2 disconnected, the rendezvous says")]
     finally:
         await close_all(ring, parts)
 

@@ -34,6 +34,7 @@ from kafila.obs.log import get_logger
 from kafila.planner.cost import fmt_bytes
 from kafila.planner.devices import DeviceReport
 from kafila.planner.replan import End, Keep, Replan, on_arrived, with_member
+from kafila.planner.succession import succession_order
 from kafila.proto import session as sm
 from kafila.session.errors import SessionError
 from kafila.session.forming import core as fm
@@ -228,6 +229,8 @@ class HostArrivals:
             serving.alternatives,
             decision.epoch,
             epochs.origins.named(ids),
+            succession_order(decision.plan, epochs.membership.host),
+            {r.name: r.to_dict() for r in epochs.membership.reports},
         )
         self._forget_spare(name)
         if member not in self.coming:

@@ -42,6 +42,7 @@ from typing import Any
 
 from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan
+from kafila.planner.succession import succession_order
 from kafila.proto import session as sm
 from kafila.proto.session import KEY as KEY
 from kafila.proto.session import SessionMessageError
@@ -149,6 +150,8 @@ class LinkNow:
     alternatives: dict[str, Any] | None  # the divisions the host compared, for /session
     epoch: int = 1  # the plan epoch to start in (later than 1: joining a serving session)
     origins: dict[str, int] = field(default_factory=dict)  # request origin tags by name (the host's)
+    succession: tuple[str, ...] = ()  # who coordinates, first present first, should the host be lost
+    probes: dict[str, dict[str, Any]] = field(default_factory=dict)  # every member's probe, by name
 
 
 @dataclass(frozen=True)
@@ -358,8 +361,18 @@ class HostFormation(_Machine):
     ) -> list[Output]:
         """The shell planned a feasible session: send it, with its terms, to every other member."""
         self._require(Step.PLANNING)
-        origins = self.origins.named(self.ids)
-        body = sm.PlanMessage(plan.to_dict(), self.ids, terms, alternatives, origins=origins).body()
+        host = next((n for n, i in self.ids.items() if i == self.host_id), self.host_name)
+        origins, succession = self.origins.named(self.ids), succession_order(plan, host)
+        probes = {d.name: d.to_dict() for d in self.devices.values()}
+        body = sm.PlanMessage(
+            plan.to_dict(),
+            self.ids,
+            terms,
+            alternatives,
+            origins=origins,
+            succession=succession,
+            probes=probes,
+        ).body()
         self.step, self.deadline = Step.LINKING, None
         return [Send(m, body) for m in self._others()]
 
@@ -654,4 +667,9 @@ class MemberFormation(_Machine):
         )
         if me not in msg.origins:
             return self._fail(f"the host's plan gives this member ({me}) no request origin")
-        return [*renamed, LinkNow(plan, ids, me, host, terms, alternatives, msg.epoch, msg.origins)]
+        return [
+            *renamed,
+            LinkNow(
+                plan, ids, me, host, terms, alternatives, msg.epoch, msg.origins, msg.succession, msg.probes
+            ),
+        ]

@@ -27,7 +27,9 @@ head (kafila.session.ring.promote) and takes the requests in flight from the mem
 forwarded them, with the tokens their clients have had. A path that changes while
 serving and holds (kafila.session.forming.paths) is re-priced the same way, and re-planned when that
 is more than the head margin faster.
-A lost host ends the session (every member hears its links close as the host ends).
+A lost host's role passes to the first present member of the succession order it published with
+the epoch (kafila.session.forming.takeover), which becomes the `HostEpochs` of the session and
+re-plans around it; a host stopped on purpose ends the session (its links close as ended).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from kafila.planner import moves
 from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan
 from kafila.planner.replan import End, Keep, Membership, PlanTerms, Replan, on_measured, with_path
+from kafila.planner.succession import HandOff, Replaced, succession_order
 from kafila.proto import session as sm
 from kafila.proto.ring import Cause, RingBroken
 from kafila.session.channel import Heartbeat, LinkChannel
@@ -77,6 +80,7 @@ log = get_logger("kafila.session.forming.epochs")
 
 CONTROL_KIND = 33  # link message kind of the epoch messages (kafila.session.channel's ring is 32)
 READY_S = 120.0  # a survivor that is not ready for the next epoch within this ends the session
+REPLACED_WAIT_S = 10.0  # a host counted lost waits this long on waking for its successor's word
 # a break that names a lost member (not an internal error, not the session ending)
 LOST_CAUSES = (Cause.SILENT, Cause.CLOSED, Cause.LEFT, Cause.DISCONNECTED)
 
@@ -103,7 +107,9 @@ async def _send(link: Link, msg: sm.EpochMessage) -> None:
     await link.send(CONTROL_KIND, sm.encode(msg))
 
 
-def _listen(link: Link, peer: str, on_message: Callable[[str, sm.EpochMessage], None]) -> None:
+def listen_to(link: Link, peer: str, on_message: Callable[[str, sm.EpochMessage], None]) -> None:
+    """Hand `peer`'s epoch messages on `link` to `on_message` as they arrive."""
+
     def heard(data: bytes) -> None:
         try:
             msg = sm.parse_epoch(data)
@@ -233,17 +239,52 @@ class HostEpochs:
         role = self.held.ring()
         role.recovers = lambda b: lost_member(b, self.membership.plan, self.membership.host, self.held.name)
         role.on_broken = self._broken
+        role.succession = succession_order(self.membership.plan, self.membership.host)
         for peer, link in self.held.links.items():
-            _listen(link, peer, self._heard)
+            listen_to(link, peer, self._heard)
         self._paths.watch(self.held.links)
-        self.held.ended = asyncio.get_running_loop().create_future()
+        if self.held.ended is None:  # a member that took over keeps the one its console waits on
+            self.held.ended = asyncio.get_running_loop().create_future()
         self.held.on_lost = self._lost_while_moving
 
     def _broken(self, broken: RingBroken) -> None:
         if lost_member(broken, self.membership.plan, self.membership.host, self.held.name):
             self.lost(broken.member, broken.cause.value, broken.detail)
-        else:
-            say(broken_line(self.held.name, broken))
+            return
+        if broken.blames(self.held.name) and len(self.membership.plan.order) > 1:
+            order = ", ".join(succession_order(self.membership.plan, self.membership.host))
+            say(
+                f"{broken.text()}: the first present of this host's succession order ({order}) takes "
+                "over; this member ends once it hears who did"
+            )
+            self.held.spawn(self._counted_lost(broken), "counted_lost")
+            return
+        say(broken_line(self.held.name, broken))
+
+    async def _counted_lost(self, broken: RingBroken) -> None:
+        """This host did not run past the ring's bound (frozen, asleep): the members counted it lost
+        and its successor takes over. The successor's word (`replaced`) ends it; without that word
+        within REPLACED_WAIT_S it ends all the same, saying what its succession order does."""
+        ended = self.held.ended
+        if ended is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(ended), REPLACED_WAIT_S)
+                return
+        if self._ending:
+            return
+        m, held = self.membership, self.held
+        order = ", ".join(succession_order(m.plan, m.host))
+        line = (
+            f"{broken.detail}. The others re-plan without this host under the first present of its "
+            f"succession order ({order}); no member answered it within {REPLACED_WAIT_S:g} s, so this "
+            "member ends (join the session again to come back as a member)"
+        )
+        log.warning("host_counted_lost", detail=broken.detail)
+        self._ending = True
+        self._paths.close()
+        held.left_out = True  # its links close as a member leaving: the session goes on without it
+        held.host = next(iter(succession_order(m.plan, m.host)), held.host)
+        await self._replaced(line)
 
     def _heard(self, peer: str, msg: sm.EpochMessage) -> None:
         if isinstance(msg, sm.MemberLost):
@@ -255,8 +296,36 @@ class HostEpochs:
             self.failed(peer, msg.epoch, f"member {peer} could not move to epoch {msg.epoch}: {msg.reason}")
         elif isinstance(msg, sm.PathReport):
             self.path(peer, msg.peer, msg.direct)
+        elif isinstance(msg, sm.Replaced):
+            self.replaced(peer, msg.by, msg.epoch)
         else:
             log.warning("epoch_message_ignored", peer=peer, op=msg.OP, reason="not for the host")
+
+    def replaced(self, peer: str, by: str, epoch: int) -> None:
+        """`peer` says `by` coordinates the session since `epoch`: this host was counted lost (frozen
+        past the ring's bound) and replaced. It ends saying so; its links close as a member
+        leaving, so the session goes on (kafila.planner.succession decides whether it is true)."""
+        m, held = self.membership, self.held
+        view = HandOff(held.name, m.host, succession_order(m.plan, m.host), frozenset(m.plan.order), m.epoch)
+        told = view.told_replaced(by, epoch)
+        if not isinstance(told, Replaced):
+            log.info("replaced_ignored", peer=peer, by=by, epoch=epoch, why=getattr(told, "why", ""))
+            return
+        log.warning("host_replaced", by=by, epoch=epoch, told_by=peer)
+        self._ending = True
+        self._paths.close()
+        held.left_out, held.host = True, by  # its links close as a member leaving: the session goes on
+        held.spawn(self._replaced(told.line), "replaced")
+
+    async def _replaced(self, line: str) -> None:
+        role = self.held.ring()
+        await role.pause()
+        role.ending, role.on_broken = True, None
+        role.end(line)
+        metrics.observe_state("ended")
+        ended = self.held.ended
+        if ended is not None and not ended.done():
+            ended.set_result(line)
 
     def ready(self, peer: str, epoch: int | None = None) -> None:
         """`peer` is ready for `epoch` (None: the move in flight's; a newcomer's `ready` over
@@ -383,7 +452,11 @@ class HostEpochs:
             ready.set_result(None)
         sent_before = {n: _served(self.server, n) for n in survivors}
         origins = self.origins.named(self.ids)
-        message = sm.NewEpoch(decision.epoch, new.to_dict(), decision.cause, dict(self.ids), origins)
+        order = succession_order(new, held.name)
+        probes = {r.name: r.to_dict() for r in m.reports}
+        message = sm.NewEpoch(
+            decision.epoch, new.to_dict(), decision.cause, dict(self.ids), origins, order, probes
+        )
         for n in survivors:
             if n in arriving:
                 await self._invite(n, decision)
@@ -401,7 +474,7 @@ class HostEpochs:
             links = await link_ring(node, new, held.name, self.ids, held.name, formed)
             held.links.update(links)
             for peer, link in links.items():
-                _listen(link, peer, self._heard)
+                listen_to(link, peer, self._heard)
             ckpt = Checkpoint.open(self.folder)
             parts = await epoch_parts(
                 held.name, code, new, ckpt, links, self.opts, self.serving, decision.epoch, _held(role)
@@ -422,6 +495,7 @@ class HostEpochs:
         )
         resumed = await _resume(held, decision.epoch, parts, new, self.serving, ckpt, origins)
         role = held.ring()  # the head now, where the head moved to the host
+        role.succession = order
         head = isinstance(role, RingHead)
         first = role.first_token() if isinstance(role, RingHead) else None
         # the new epoch is in place: a loss from now on re-plans from it
@@ -466,7 +540,7 @@ class HostEpochs:
         self.origins.tag(member)
         self.ids[name] = member
         self.held.links[name] = link
-        _listen(link, name, self._heard)
+        listen_to(link, name, self._heard)
         if self.held.weights is not None:
             self.held.weights.attach({name: link})  # it may fetch ranges from this host
 
@@ -538,24 +612,38 @@ class MemberEpochs:
     opts: Options
     serving: Serving
     local: list[Path] | None  # folders a shard may be loaded from as they are (None: the default)
+    # what the host published with the epoch serving: request origin tags and every member's probe,
+    # which this member needs should it take over as the host (kafila.session.forming.takeover)
+    origins: dict[str, int] = field(default_factory=dict)
+    probes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._job: asyncio.Task[None] | None = None
         self._seen = 1  # the newest epoch this member serves or was told to move to
         self._paths = PathWatch(self._report_path)
+        # told when the ring breaks naming the host and the host published a succession order
+        self.on_host_lost: Callable[[RingBroken], None] | None = None
+        self.on_member_lost: Callable[[str], None] | None = None  # another member's loss, as said
+        self.on_epoch: Callable[[str, int], None] | None = None  # an epoch arrived from a peer
 
     def start(self) -> None:
         held = self.held
         role = held.ring()
         plan = held.plan
         assert plan is not None
-        role.recovers = lambda b: held.plan is not None and lost_member(b, held.plan, held.host, held.name)
+        role.recovers = lambda b: (
+            held.plan is not None and (lost_member(b, held.plan, held.host, held.name) or self._host_lost(b))
+        )
         role.on_broken = self._broken
         self._seen = max(self._seen, role.epoch)  # a member that joined a serving session starts later
-        link = held.links.get(held.host)
-        if link is not None:
-            _listen(link, held.host, self._heard)
+        self._listen_all()
         self._watch_paths()
+
+    def _listen_all(self) -> None:
+        """Epoch messages on every link: the host's, and a successor's should the host be lost (a
+        member that did not notice the loss itself hears of it by the successor's epoch)."""
+        for peer, link in self.held.links.items():
+            listen_to(link, peer, self._heard)
 
     def _watch_paths(self) -> None:
         """This member's links to other members (the host measures its own side of its links)."""
@@ -564,7 +652,7 @@ class MemberEpochs:
     def _report_path(self, peer: str, direct: bool) -> None:
         link = self.held.links.get(self.held.host)
         if link is not None and not link.closed:
-            self.held.spawn(self._tell(link, sm.PathReport(peer, direct)), "tell_path")
+            self.held.spawn(self.tell(link, sm.PathReport(peer, direct)), "tell_path")
 
     def _broken(self, broken: RingBroken) -> None:
         held = self.held
@@ -575,16 +663,57 @@ class MemberEpochs:
         if isolated is not None:  # not the neighbour's fault: every link went quiet at once
             held.spawn(self._left_out(isolated), "left_out")
             return
+        if self._host_lost(broken) and self.on_host_lost is not None:
+            metrics.observe_state("replanning")
+            held.spawn(held.ring().pause(), "pause")
+            self.on_host_lost(broken)  # its successor takes over (kafila.session.forming.takeover)
+            return
         if held.plan is None or not lost_member(broken, held.plan, held.host, held.name):
             say(broken_line(held.name, broken))
             return
         say(f"{broken.text()}; waiting for the host's new plan")
         metrics.observe_state("replanning")
+        if self.on_member_lost is not None:  # should the host be lost too, its successor plans around it
+            self.on_member_lost(broken.member)
         link = held.links.get(held.host)
         if link is not None:
             lost = sm.MemberLost(broken.member, broken.cause.value, broken.detail)
-            held.spawn(self._tell(link, lost), "tell_lost")
+            held.spawn(self.tell(link, lost), "tell_lost")
         held.spawn(held.ring().pause(), "pause")
+
+    def _host_lost(self, broken: RingBroken) -> bool:
+        """The break names the host, gone, and the host named who takes over (its succession order)."""
+        held = self.held
+        return (
+            broken.member == held.host
+            and broken.cause in LOST_CAUSES
+            and held.name in held.ring().succession
+            and self.on_host_lost is not None
+        )
+
+    def _took_over(self, peer: str, msg: sm.EpochMessage) -> bool:
+        """An epoch from a member of the host's succession order: the host was lost and `peer`
+        took over (this member may not have noticed the loss: its links to the host are not its
+        ring edges). It coordinates from now on."""
+        held = self.held
+        if not isinstance(msg, sm.NewEpoch) or peer not in held.ring().succession or self.on_epoch is None:
+            return False
+        log.warning("host_replaced_by", host=held.host, by=peer, epoch=msg.epoch)
+        say(f"{peer} took over as the session's host from {held.host} (the host's succession order)")
+        held.host = peer
+        return True
+
+    def heard_from_host(self, peer: str, msg: sm.EpochMessage) -> None:
+        """An epoch message from whoever coordinates (the host, or the successor that took over)."""
+        self._heard(peer, msg)
+
+    def stop(self) -> None:
+        """This member coordinates from now on (it took over as the host): its member side ends."""
+        self._paths.close()
+
+    async def end_with(self, reason: str) -> None:
+        """The session ends on this member for `reason` (no successor, or no weights to go on with)."""
+        await self._ended_with(reason, f"the session ended: {reason}")
 
     def _cut_off(self, broken: RingBroken) -> RingBroken | None:
         """A neighbour gone silent while every link of this member is silent too (half the bound
@@ -608,16 +737,21 @@ class MemberEpochs:
         )
 
     @staticmethod
-    async def _tell(link: Link, msg: sm.EpochMessage) -> None:
+    async def tell(link: Link, msg: sm.EpochMessage) -> None:
         with contextlib.suppress(LinkError):
             await _send(link, msg)
 
     def _heard(self, peer: str, msg: sm.EpochMessage) -> None:
         role = self.held.ring()
+        if peer != self.held.host and not self._took_over(peer, msg):
+            log.info("epoch_message_ignored", peer=peer, op=msg.OP, reason="not from the host")
+            return
         if isinstance(msg, sm.NewEpoch):
             if not moves.newer(max(self._seen, role.epoch), msg.epoch):
                 log.info("epoch_message_stale", peer=peer, op=msg.OP, epoch=msg.epoch, seen=self._seen)
                 return
+            if self.on_epoch is not None:
+                self.on_epoch(peer, msg.epoch)
             self._seen, running = msg.epoch, self._job  # a newer epoch abandons the move running
             self._job = self.held.spawn(_after(running, self._move(msg)), "move")
         elif isinstance(msg, sm.Resume):
@@ -672,9 +806,10 @@ class MemberEpochs:
             await self._move_to(msg)
         except Exception as exc:  # whatever it is, the host must hear it rather than wait for READY_S
             log.error("epoch_move_failed", epoch=msg.epoch, error=repr(exc), exc_info=exc)
-            await self._tell(link, sm.EpochFailed(msg.epoch, f"{type(exc).__name__}: {exc}"))
+            await self.tell(link, sm.EpochFailed(msg.epoch, f"{type(exc).__name__}: {exc}"))
             return
-        await self._tell(link, sm.EpochReady(msg.epoch))
+        await self.tell(link, sm.EpochReady(msg.epoch))
+        self._listen_all()
         self._watch_paths()  # the new epoch's links
 
     async def _move_to(self, msg: sm.NewEpoch) -> None:
@@ -718,3 +853,5 @@ class MemberEpochs:
         await _resume(held, msg.epoch, parts, plan, serving, ckpt, msg.origins)
         if sharing is not None:
             sharing.keep_replicas(plan, name, links, held.host)
+        held.ring().succession = msg.succession  # the role of this epoch (the head, if promoted)
+        self.origins, self.probes = msg.origins, msg.probes

@@ -32,6 +32,7 @@ from kafila.session.forming.links import connect_node, link_ring, named
 from kafila.session.forming.measure import observe_nats, probe_report
 from kafila.session.forming.plans import say_ready
 from kafila.session.forming.signaling import default_name, join_in_turn, reach_rendezvous, refused_by
+from kafila.session.forming.takeover import Succession
 from kafila.session.progress import note, off_loop, say
 from kafila.session.ring.build import Serving, shard_text, start_role
 from kafila.session.runtime import MemberRuntime, formed_by, reserve_api
@@ -162,10 +163,13 @@ async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
         got.me, code, got.plan, shard.path, links, opts, serving, held.api is not None, got.epoch, got.origins
     )
     held.role, held.app = await drive.during(ring)
+    held.ring().succession = got.succession
     held.watch_host_ending()
     sharing.keep_replicas(got.plan, got.me, links, got.host)  # after its own shard, in the background
     local: list[Path] | None = None if opts.use_local else []
-    MemberEpochs(held, got.ids, opts, serving, local).start()  # the host's re-plans, once formed
+    epochs = MemberEpochs(held, got.ids, opts, serving, local, dict(got.origins), dict(got.probes))
+    epochs.start()  # the host's re-plans, once formed
+    Succession(held, epochs).start()  # and, should the host be lost, its successor's
     await drive.until(fm.Formed, core.started(drive.now()))  # refused / left / timeout: SessionError
     held.tasks.append(asyncio.ensure_future(drive.serve_formed(held.links, held.ring().info.rendezvous)))
     held.serve_session_api()

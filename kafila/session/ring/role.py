@@ -60,6 +60,9 @@ class RoleBase:
         # the runtime re-plans around this break (a member lost, not the host): hold, do not fail
         self.recovers: Callable[[RingBroken], bool] | None = None
         self.spares: list[str] | None = None  # the host's: members waiting as spares (/session)
+        # the host's succession order for this epoch: who coordinates, first present first, should
+        # the host be lost (kafila.planner.succession; /session shows it)
+        self.succession: tuple[str, ...] = ()
 
     @property
     def broken_text(self) -> str | None:
@@ -126,7 +129,8 @@ class RoleBase:
             doc["state"] = "ended"
         spares = {} if self.spares is None else {"spares": list(self.spares)}
         kv = {"used_bytes": self.stage.kv_bytes_used, "bytes": self.stage.kv_bytes}  # this member's stage
-        return doc | {"epoch": self.epoch, "change": self.change, "kv": kv} | spares
+        order = {"succession": list(self.succession)} if self.succession else {}
+        return doc | {"epoch": self.epoch, "change": self.change, "kv": kv} | spares | order
 
     def changed(self, state: str, cause: str, **more: Any) -> None:
         """Record a change of state (and epoch) for /session, with its cause."""

@@ -1,0 +1,233 @@
+"""Losing the host: its successor takes the coordinating role and the others turn to it (the
+asyncio shell of kafila.planner.succession's `HandOff`; it decides, this acts).
+
+    every survivor: its ring breaks naming the host (its links went silent or closed, or the
+    rendezvous says it left): the requests are held, not failed -> HandOff.lost(host)
+      TakeOver (the first present of the host's succession order): link with every survivor (its
+        control links from now on), become the session's coordinator (a HostEpochs over the
+        members, with the probes the host published and this member's own copy of the checkpoint
+        as the weights' source) and re-plan around the host as the host re-plans around a member
+      Follow(s): link with s, listen to it as to the host, and wait for its epoch; none within
+        HandOff.wait_s: s counts lost, and the next of the order is turned to
+      Ended: every member ends naming why
+      a successor without every block to serve ends the session naming what is missing
+
+Another member lost meanwhile (the rendezvous says so, or the successor's own re-plan finds it)
+is planned around by the successor like any loss during a re-plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kafila.engine import DTYPES
+from kafila.models.checkpoint import Checkpoint, CheckpointError
+from kafila.models.manifest import Manifest, build_manifest, specs_from_config
+from kafila.net.edge import EdgeOptions, link_edges
+from kafila.net.errors import LinkError
+from kafila.net.link import Link
+from kafila.obs import metrics
+from kafila.obs.log import get_logger
+from kafila.planner.devices import DeviceReport
+from kafila.planner.replan import Membership, PlanTerms
+from kafila.planner.succession import Ended, Event, Follow, HandOff, Holding, TakeOver, shortfall
+from kafila.proto import session as sm
+from kafila.proto.ring import RingBroken
+from kafila.session.forming.epochs import HostEpochs, MemberEpochs, listen_to
+from kafila.session.progress import say
+from kafila.session.ring.origins import OriginBook
+from kafila.session.runtime import MemberRuntime
+from kafila.session.weights.server import WeightServer
+
+log = get_logger("kafila.session.forming.takeover")
+
+
+def weights_source(held: MemberRuntime) -> Path | None:
+    """The folder this member can serve and load every block of the session's checkpoint from:
+    its own copy of the checkpoint (None: it holds only the shard it fetched)."""
+    shard = held.shard
+    return shard.path if shard is not None and shard.local else None
+
+
+@dataclass
+class Succession:
+    """One survivor's part when the host is lost: decide with a HandOff, act on its events."""
+
+    held: MemberRuntime
+    member: MemberEpochs
+    view: HandOff | None = None
+    _timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+    def start(self) -> None:
+        self.member.on_host_lost = self.host_lost
+        self.member.on_member_lost = self._gone
+        self.member.on_epoch = self._epoch_from
+        self.held.on_lost = self.other_lost
+
+    def _epoch_from(self, peer: str, epoch: int) -> None:
+        if self.view is not None:
+            self._act(self.view.heard(peer, epoch, asyncio.get_running_loop().time()), f"epoch {epoch}")
+            if self.view.state == "following" and self._timer is not None:  # the successor took over
+                self._timer.cancel()
+                self._timer = None
+
+    def _hand_off(self) -> HandOff:
+        """The view of the epoch serving (a new epoch brings a new order)."""
+        held, role = self.held, self.held.ring()
+        plan = held.plan
+        assert plan is not None
+        if self.view is None or self.view.epoch < role.epoch:
+            self.view = HandOff(held.name, held.host, role.succession, frozenset(plan.order), role.epoch)
+        return self.view
+
+    def host_lost(self, broken: RingBroken) -> None:
+        """The ring broke naming the host."""
+        self._act(self._hand_off().lost(broken.member, asyncio.get_running_loop().time()), broken.detail)
+
+    def _gone(self, member: str) -> None:
+        """A member other than the host was lost (this member's ring broke naming it)."""
+        self._act(self._hand_off().lost(member, asyncio.get_running_loop().time()), f"{member} lost")
+
+    def other_lost(self, member: str, cause: str, detail: str) -> None:
+        """The rendezvous says `member` left while the ring is broken: the host, the awaited
+        successor, or another member the successor must plan around."""
+        if self.held.plan is None:
+            return
+        self._act(self._hand_off().lost(member, asyncio.get_running_loop().time()), detail)
+
+    def _act(self, event: Event, detail: str) -> None:
+        log.info("succession", member=self.held.name, step=type(event).__name__, detail=detail)
+        if isinstance(event, TakeOver):
+            self.held.spawn(self._take_over(event, detail), "take_over")
+        elif isinstance(event, Follow):
+            self.held.spawn(self._follow(event), "follow")
+        elif isinstance(event, Ended):
+            self.held.spawn(self.member.end_with(event.reason), "ended")
+
+    def _tick(self) -> None:
+        if self.view is not None:
+            self._act(self.view.tick(asyncio.get_running_loop().time()), "no epoch from the successor")
+
+    async def _follow(self, event: Follow) -> None:
+        """Link with the successor (unless a ring edge joins the two already) and listen to it."""
+        held, name = self.held, event.coordinator
+        say(
+            f"the host {', '.join(event.lost)} was lost; {name} takes over as the session's host "
+            "(the host's succession order): waiting for its plan"
+        )
+        loop = asyncio.get_running_loop()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = loop.call_at(event.deadline, self._tick)
+        held.host = name
+        try:
+            link = await self._link([name], client=True)
+        except LinkError as exc:
+            log.warning("successor_unlinked", successor=name, error=str(exc))
+            return  # the deadline passes it over
+        listen_to(link[name], name, self.member.heard_from_host)
+
+    async def _link(self, peers: list[str], client: bool) -> dict[str, Link]:
+        held = self.held
+        node = held.node
+        assert node is not None
+        ids = self.member.ids
+        formed = {ids[p]: held.links[p] for p in peers if p in held.links and not held.links[p].closed}
+        edges = {ids[p]: (client, EdgeOptions()) for p in peers}
+        names = {ids[p]: p for p in peers}
+        linked = await link_edges(node, edges, formed, label=lambda i: f"link {held.name} <-> {names[i]}")
+        links = {names[i]: link for i, link in linked.items()}
+        held.links.update(links)
+        return links
+
+    async def _take_over(self, event: TakeOver, detail: str) -> None:
+        """Become the session's coordinator and re-plan around the lost host(s)."""
+        held, member = self.held, self.member
+        lost = ", ".join(event.lost)
+        say(
+            f"the host {lost} was lost; this member takes over as the session's host "
+            "(the host's succession order)"
+        )
+        folder = weights_source(held)
+        missing = self._missing(folder, event)
+        if missing is not None:  # its links close as a member leaving: the next in the order is tried
+            held.left_out = True
+            await member.end_with(missing)
+            return
+        assert folder is not None
+        others = [n for n in event.survivors if n != held.name]
+        try:
+            await self._link(others, client=False)
+        except LinkError as exc:
+            log.warning("survivor_unlinked", error=str(exc))  # the re-plan names who does not answer
+        epochs = self._coordinator(folder)
+        self._tell_replaced(event.lost[0], held.ring().epoch + 1)
+        held.host = held.name
+        member.stop()
+        epochs.start()
+        metrics.observe_state("replanning")
+        for name in event.lost:
+            what = "the session's host" if name == event.lost[0] else "lost with the host"
+            epochs.lost(name, "closed", f"{what}; {held.name} took over as the host")
+
+    def _tell_replaced(self, host: str, epoch: int) -> None:
+        """The lost host, should it only be frozen, reads on waking that this member replaced it."""
+        link = self.held.links.get(host)
+        if link is not None and not link.closed:
+            self.held.spawn(MemberEpochs.tell(link, sm.Replaced(self.held.name, epoch)), "tell_replaced")
+
+    def _missing(self, folder: Path | None, event: TakeOver) -> str | None:
+        """Why the survivors cannot go on for want of weights (None: this member serves them all)."""
+        held = self.held
+        plan = held.plan
+        assert plan is not None
+        manifest = self._manifest(folder or (held.shard.path if held.shard is not None else None))
+        if folder is not None or manifest is None:
+            return None if folder is not None else "this member cannot read its own shard's checkpoint"
+        a, b = plan.block_range(held.name)
+        own = Holding(frozenset(range(a, b)), plan.head == held.name)
+        short = shortfall(manifest, {held.name: own}, [held.name])
+        if short is None:
+            return None
+        return (
+            f"the host {event.lost[0]} was lost"
+            + (f" with {', '.join(event.lost[1:])}" if len(event.lost) > 1 else "")
+            + f"; the survivors ({', '.join(event.survivors)}) cannot obtain "
+            f"{short.text()}: the successor {held.name} holds only its own shard, and the lost host "
+            "served every other block"
+        )
+
+    def _manifest(self, folder: Path | None) -> Manifest | None:
+        if folder is None:
+            return None
+        terms = self.member.serving.terms
+        dtype = DTYPES[terms.dtype]
+        try:  # a shard holds some tensors only: every block's size from the model's shape
+            config = Checkpoint.open(folder).config
+            return build_manifest(specs_from_config(config, dtype), config, dtype, terms.quant)
+        except (OSError, CheckpointError, KeyError, ValueError) as exc:  # a shard folder it cannot read
+            log.warning("shard_unreadable", folder=str(folder), error=repr(exc))
+            return None
+
+    def _coordinator(self, folder: Path) -> HostEpochs:
+        """This member as the session's coordinator: the membership of the epoch serving, with the
+        probes the host published (this member first: it is the host now)."""
+        held, member = self.held, self.member
+        plan = held.plan
+        assert plan is not None
+        names = [held.name, *(n for n in plan.order if n != held.name)]
+        reports = tuple(DeviceReport.from_dict(member.probes[n]) for n in names)
+        role = held.ring()
+        membership = Membership(role.epoch, plan, reports, frozenset(plan.order), held.name)
+        terms = member.serving.terms
+        plan_terms = PlanTerms(terms.context, terms.concurrency, terms.division)
+        ckpt = Checkpoint.open(folder)
+        manifest = ckpt.manifest(DTYPES[terms.dtype], terms.quant)
+        book = OriginBook({member.ids[n]: tag for n, tag in member.origins.items() if n in member.ids})
+        server = WeightServer(folder, cache=member.opts.cache)
+        return HostEpochs(
+            held, membership, manifest, plan_terms, member.ids, folder, server, member.opts, member.serving,
+            role.traces, probed=reports, origins=book,
+        )  # fmt: skip
