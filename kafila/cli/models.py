@@ -29,7 +29,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="smollm2-135m",
-        help="the model --quantize packs: a default model's name or a Hugging Face folder",
+        help="the model --quantize packs: a default model's name, a Hugging Face folder or a .gguf file",
     )
     parser.add_argument(
         "--out",
