@@ -40,6 +40,7 @@ log = get_logger(__name__)
 
 CONVERTER_VERSION = 1
 SOURCE_FILE = "kafila_source.json"
+REQUEST_DEFAULTS = "kafila_request_defaults"  # generation_config.json's key for a model's request defaults
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _QWEN3_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
@@ -64,23 +65,30 @@ def gguf_root() -> Path:
     return cache_dir() / "gguf"
 
 
-def folder_for(file: Path) -> Path:
+def folder_for(file: Path, defaults: dict[str, Any] | None = None) -> Path:
+    """The cache folder of a GGUF file (and of an Ollama model's request defaults with it)."""
     st = file.stat()
-    key = hashlib.sha256(f"{file.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    extra = json.dumps(defaults, sort_keys=True) if defaults else ""
+    key = f"{file.resolve()}:{st.st_size}:{st.st_mtime_ns}{extra}"
+    key = hashlib.sha256(key.encode()).hexdigest()[:12]
     return gguf_root() / f"{file.name.removesuffix('.gguf').removesuffix('.GGUF')}-{key}"
 
 
-def ensure_gguf(file: Path, progress: bool = True, say: Say | None = None) -> Path:
-    """The folder a GGUF file converts to, converted now unless it already was."""
+def ensure_gguf(
+    file: Path, progress: bool = True, say: Say | None = None, defaults: dict[str, Any] | None = None
+) -> Path:
+    """The folder a GGUF file converts to, converted now unless it already was. `defaults`: request
+    defaults (an Ollama model's params: temperature, top_p, stop) that generation_config.json
+    carries as `REQUEST_DEFAULTS` (kafila.engine.tokenizer.Tokenizer.request_defaults)."""
     file = Path(file).expanduser().resolve()
-    folder = folder_for(file)
+    folder = folder_for(file, defaults)
     if _is_converted(folder, file):
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
-        convert(file, tmp, progress=progress, say=say)
+        convert(file, tmp, progress=progress, say=say, defaults=defaults)
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)
@@ -114,7 +122,13 @@ def _is_converted(folder: Path, file: Path) -> bool:
     )
 
 
-def convert(file: Path, out: Path, progress: bool = True, say: Say | None = None) -> dict[str, Any]:
+def convert(
+    file: Path,
+    out: Path,
+    progress: bool = True,
+    say: Say | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Write the folder for GGUF `file` into `out` (which exists); returns its config.json."""
     from kafila.models import quantize
 
@@ -132,11 +146,15 @@ def convert(file: Path, out: Path, progress: bool = True, say: Say | None = None
     config["tie_word_embeddings"] = all(s.name != "lm_head.weight" for s, _ in entries)
     quantize.write_safetensors(out / "model.safetensors", entries, progress, desc=f"reading {file.name}")
     _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", _generation_config(gf.meta))
+    _write_json(out / "generation_config.json", _generation_config(gf.meta) | _defaults(defaults))
     write_tokenizer(gf.meta, out, file)
     source = {"converter": CONVERTER_VERSION, "gguf": str(file), "gguf_bytes": file.stat().st_size}
     _write_json(out / SOURCE_FILE, source)
     return config
+
+
+def _defaults(defaults: dict[str, Any] | None) -> dict[str, Any]:
+    return {REQUEST_DEFAULTS: defaults} if defaults else {}
 
 
 def _stderr(line: str) -> None:

@@ -109,10 +109,10 @@ def _folder(spec: str) -> Path:
     """`spec` as a model folder (a GGUF file or an Ollama model converted into one); ValueError
     naming the presets when it is no folder either."""
     from kafila.models.gguf_convert import ensure_gguf, is_gguf
-    from kafila.models.ollama import PREFIX, locate
+    from kafila.models.ollama import PREFIX, locate, request_defaults
 
     if spec.startswith(PREFIX):
-        return ensure_gguf(locate(spec).model)
+        return ensure_gguf(locate(spec).model, defaults=request_defaults(locate(spec).params))
     if is_gguf(spec):
         return ensure_gguf(Path(spec))
     path = Path(spec).expanduser()

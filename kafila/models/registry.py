@@ -72,7 +72,8 @@ def local_model(text: str, progress: bool = True) -> Path | None:
     """The folder of a GGUF file (`*.gguf`) or an Ollama store model (`ollama:NAME[:TAG]`),
     converted on first use (kafila.models.gguf_convert); None for any other --model value."""
     if text.startswith(ollama.PREFIX):
-        return ensure_gguf(ollama.locate(text).model, progress=progress)
+        found = ollama.locate(text)
+        return ensure_gguf(found.model, progress=progress, defaults=ollama.request_defaults(found.params))
     if is_gguf(text):
         return ensure_gguf(Path(text), progress=progress)
     return None

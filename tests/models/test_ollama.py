@@ -98,7 +98,28 @@ def test_store_model_is_its_gguf_blob_with_params_as_request_defaults(store: Pat
     ckpt = Checkpoint.open(folder, complete=True)
     assert (ckpt.config.model_type, ckpt.n_blocks, ckpt.stored_format) == ("llama", 30, "q4")
     assert served_name("ollama:smollm2") == "smollm2:latest"
-    assert resolve("ollama:someone/tiny:q4", progress=False) == folder  # the same blob, one conversion
+    other = resolve("ollama:someone/tiny:q4", progress=False)  # the same blob, no params
+    assert json.loads((other / "kafila_source.json").read_text())["gguf"] == source["gguf"]
+
+
+def test_params_become_the_apis_request_defaults(store: Path) -> None:
+    from kafila.api import ollama as ollama_api
+    from kafila.api import openai
+    from kafila.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_checkpoint(Checkpoint.open(resolve("ollama:smollm2", progress=False)))
+    defaults = tok.request_defaults
+    assert defaults == {"temperature": 0.2, "top_p": 0.9, "stop": ["<|im_end|>", "<|endoftext|>"]}
+    job = openai.job_from({}, [1, 2, 3], 64, defaults=defaults)
+    assert (job.sampling.temperature, job.sampling.top_p) == (0.2, 0.9)
+    assert job.stop == ("<|im_end|>", "<|endoftext|>")
+    job = openai.job_from({"temperature": 0.7, "stop": "x"}, [1, 2, 3], 64, defaults=defaults)
+    assert (job.sampling.temperature, job.stop) == (0.7, ("x",))  # the request's own fields win
+    job = ollama_api.job_from({"options": {"top_p": 0.5}}, [1, 2, 3], 64, defaults=defaults)
+    assert (job.sampling.temperature, job.sampling.top_p, job.stop[0]) == (0.2, 0.5, "<|im_end|>")
+    plain = Tokenizer.from_checkpoint(Checkpoint.open(resolve("ollama:someone/tiny:q4", progress=False)))
+    assert plain.request_defaults == {}
+    assert openai.job_from({}, [1, 2, 3], 64, defaults=plain.request_defaults).sampling.temperature == 1.0
 
 
 def test_a_missing_model_lists_what_the_store_holds(store: Path) -> None:
