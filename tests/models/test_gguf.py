@@ -231,7 +231,8 @@ def test_unsupported_architecture_and_type_are_named(
 ) -> None:
     meta = qwen3_tokenizer_meta(qwen3_tokenizer_dir)
     small = Shape(hidden=256, layers=1, heads=4, kv_heads=2, head_dim=64, ffn=256)
-    meta_small = {**meta}
+    tokens = {"tokenizer.ggml.tokens": meta["tokenizer.ggml.tokens"][:512], "tokenizer.ggml.merges": []}
+    meta_small = {**meta, **tokens, "tokenizer.ggml.token_type": [1] * 512}  # refused before it is read
     gemma = write_gguf(tmp_path / "gemma.gguf", small, meta_small, {}, tied=True, arch="gemma")
     with pytest.raises(GGUFError, match=r"architecture 'gemma'.*llama and qwen3"):
         ensure_gguf(gemma, progress=False)
@@ -244,3 +245,79 @@ def test_config_json_names_the_served_format(mixed_folder: Path) -> None:
     config = json.loads((mixed_folder / "config.json").read_text())
     assert config["quantization_config"]["format"] == "q4"
     assert config["model_type"] == "qwen3" and config["tie_word_embeddings"] is True
+
+
+LLAMA_QUANTIZE = (
+    Path.home() / ".cache/kafila/llama.cpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-quantize"
+)  # built by benchmarks/llama_build.py
+
+
+def _served_values(ckpt: Checkpoint, name: str) -> np.ndarray:
+    """Tensor `name` of a converted folder as float32: a packed matrix dequantized, floats widened."""
+    from kafila.models.quant import from_entries
+
+    base = name.removesuffix("weight")
+    names = [n for n in (name, base + "scales", base + "mins") if n in ckpt.tensors]
+    raw = ckpt.read(names)
+
+    def array(n: str) -> np.ndarray:
+        info, data = raw[n]
+        kind = {"F32": np.float32, "F16": np.float16, "I8": np.int8, "U8": np.uint8}[info.dtype]
+        return np.frombuffer(bytes(data), dtype=kind).reshape(info.shape)
+
+    if len(names) == 1:
+        return array(name).astype(np.float32)
+    fmt = "q4" if base + "mins" in raw else "int8"
+    mins = array(base + "mins") if fmt == "q4" else None
+    return dequantize(from_entries(fmt, array(name), array(base + "scales"), mins))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not LLAMA_QUANTIZE.is_file(), reason="llama.cpp is not built (benchmarks/llama_build.py)")
+@pytest.mark.parametrize("kind", ["Q4_K_M", "Q4_0"])
+def test_llama_quantized_default_model_serves_gguf_quants_values(
+    kind: str, tmp_path: Path, cache: Path
+) -> None:
+    """The default model requantized by llama.cpp (its K-quants fall back to Q5_0/Q8_0 on rows of
+    576): every tensor Kafila serves holds gguf.quants' values of the file's tensor."""
+    import subprocess
+
+    from kafila.models.default import DEFAULT_MODELS, locate_gguf
+
+    source = locate_gguf(DEFAULT_MODELS["smollm2-135m"])
+    file = tmp_path / f"smollm2.{kind}.gguf"
+    subprocess.run(
+        [str(LLAMA_QUANTIZE), "--allow-requantize", str(source), str(file), kind],
+        capture_output=True,
+        check=True,
+    )
+    _check_served_values(file)
+
+
+def _check_served_values(file: Path, fresh: bool = True) -> None:
+    """Every tensor of the folder `file` converts to holds gguf.quants' values of the file's tensor
+    (a Llama's q/k rows put back), and (`fresh`: converted here) each widened type was said on
+    the console."""
+    from kafila.models.default import GGUFFile, unpermute_qk
+    from kafila.models.gguf_convert import tensor_name
+
+    lines: list[str] = []
+    ckpt = Checkpoint.open(ensure_gguf(file, progress=False, say=lines.append), complete=True)
+    gf = GGUFFile.open(file)
+    arch = ckpt.config.model_type
+    heads = {"q_proj": ckpt.config.num_attention_heads, "k_proj": ckpt.config.num_key_value_heads}
+    for t in gf.tensors:
+        name = tensor_name(t.name, arch)
+        raw = gf.raw(t)
+        want = raw.view(np.float32) if t.ggml_type == 0 else gguf.quants.dequantize(raw, t.ggml_type)
+        want = np.asarray(want, np.float32).reshape(t.shape)
+        for proj, n in heads.items():
+            if arch == "llama" and name.endswith(f"{proj}.weight"):
+                want = unpermute_qk(want, n)
+        assert np.array_equal(_served_values(ckpt, name), want), name
+    widened = {types.type_name(t.ggml_type) for t in gf.tensors if t.ggml_type in types.WIDENED}
+    assert not fresh or all(any(f" {w} " in line for line in lines) for w in widened), (widened, lines)
+
+
+def test_mixed_file_serves_gguf_quants_values_in_every_tensor(mixed_gguf: Path, mixed_folder: Path) -> None:
+    _check_served_values(mixed_gguf, fresh=False)  # converted by the fixture, which said so
