@@ -46,7 +46,16 @@ OPTIONS_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
 }
 
 
-def job_from(body: dict[str, Any], prompt: list[int], context: int, prompt_key: str = "messages") -> Job:
+def job_from(
+    body: dict[str, Any],
+    prompt: list[int],
+    context: int,
+    prompt_key: str = "messages",
+    defaults: dict[str, Any] | None = None,
+) -> Job:
+    """A request's job; `defaults` (Api.request_defaults, the model's params) stand in for
+    options.temperature, options.top_p and options.stop where the request leaves them out."""
+    own = defaults or {}
     opts = body.get("options") or {}
     if not isinstance(opts, dict):
         raise invalid("options", "'options' must be an object")
@@ -67,14 +76,16 @@ def job_from(body: dict[str, Any], prompt: list[int], context: int, prompt_key: 
     )
     sampling = Sampling(
         max_tokens=max_tokens,
-        temperature=number(opts, "temperature", 0.0, 2.0, 0.8, "options."),
+        temperature=number(opts, "temperature", 0.0, 2.0, own.get("temperature", 0.8), "options."),
         top_k=integer(opts, "top_k", 0, 40, "options.") or 0,
-        top_p=number(opts, "top_p", 0.0, 1.0, 0.9, "options."),
+        top_p=number(opts, "top_p", 0.0, 1.0, own.get("top_p", 0.9), "options."),
         min_p=number(opts, "min_p", 0.0, 1.0, 0.0, "options."),
         seed=_seed(opts),
         **_penalties(opts, context),
     )
-    return Job(prompt, sampling, stop_strings(opts.get("stop"), "options.stop"), flag(body, "stream", True))
+    given = opts.get("stop")
+    stop = stop_strings(given, "options.stop") if given is not None else tuple(own.get("stop", ()))
+    return Job(prompt, sampling, stop, flag(body, "stream", True))
 
 
 def _penalties(opts: dict[str, Any], context: int) -> dict[str, Any]:
@@ -113,7 +124,9 @@ async def chat(request: Request) -> Response:
     for i, m in enumerate(msgs):
         params.refuse_not_implemented(m, {"images": (None, [])}, f"messages[{i}].")
     prompt = await api.chat_ids(msgs)
-    return await _run(request, api, job_from(body, prompt, api.service.context), chat=True)
+    return await _run(
+        request, api, job_from(body, prompt, api.service.context, defaults=api.request_defaults), chat=True
+    )
 
 
 async def generate(request: Request) -> Response:
@@ -132,7 +145,9 @@ async def generate(request: Request) -> Response:
     else:
         turn = [{"role": "user", "content": text}]
         prompt = await api.chat_ids(([{"role": "system", "content": system}] if system else []) + turn)
-    return await _run(request, api, job_from(body, prompt, api.service.context, "prompt"), chat=False)
+    return await _run(
+        request, api, job_from(body, prompt, api.service.context, "prompt", api.request_defaults), chat=False
+    )
 
 
 async def tags(request: Request) -> Response:

@@ -30,7 +30,16 @@ from kafila.api.state import Api, api_of
 from kafila.api.stream import ChunkStream, Piece, Tally, collect, pieces, replanning, start
 
 
-def job_from(body: dict[str, Any], prompt: list[int], context: int, prompt_key: str = "messages") -> Job:
+def job_from(
+    body: dict[str, Any],
+    prompt: list[int],
+    context: int,
+    prompt_key: str = "messages",
+    defaults: dict[str, Any] | None = None,
+) -> Job:
+    """A request's job; `defaults` (Api.request_defaults) stand in for temperature, top_p and stop
+    where the request leaves them out."""
+    own = defaults or {}
     refuse_not_implemented(body)
     if integer(body, "n", 1, 1) != 1:
         raise invalid("n", "only n=1 is supported")
@@ -38,16 +47,15 @@ def job_from(body: dict[str, Any], prompt: list[int], context: int, prompt_key: 
     max_tokens = fit(prompt, integer(body, key, 1, None), context, key, prompt_key)
     sampling = Sampling(
         max_tokens=max_tokens,
-        temperature=number(body, "temperature", 0.0, 2.0, 1.0),
-        top_p=number(body, "top_p", 0.0, 1.0, 1.0),
+        temperature=number(body, "temperature", 0.0, 2.0, own.get("temperature", 1.0)),
+        top_p=number(body, "top_p", 0.0, 1.0, own.get("top_p", 1.0)),
         min_p=number(body, "min_p", 0.0, 1.0, 0.0),  # not OpenAI's: vLLM's and llama.cpp's extension
         seed=integer(body, "seed", -(2**63), None),
         presence_penalty=number(body, "presence_penalty", -2.0, 2.0, 0.0),
         frequency_penalty=number(body, "frequency_penalty", -2.0, 2.0, 0.0),
     )
-    return Job(
-        prompt, sampling, stop_strings(body.get("stop")), flag(body, "stream", False), include_usage(body)
-    )
+    stop = stop_strings(body.get("stop")) if body.get("stop") is not None else tuple(own.get("stop", ()))
+    return Job(prompt, sampling, stop, flag(body, "stream", False), include_usage(body))
 
 
 def include_usage(body: dict[str, Any]) -> bool:
@@ -70,13 +78,17 @@ def include_usage(body: dict[str, Any]) -> bool:
 async def chat_completions(request: Request) -> Response:
     api, body = await model_request(request)
     prompt = await api.chat_ids(messages(body, tool_ids=True))
-    return await _run(request, api, job_from(body, prompt, api.service.context), chat=True)
+    return await _run(
+        request, api, job_from(body, prompt, api.service.context, defaults=api.request_defaults), chat=True
+    )
 
 
 async def completions(request: Request) -> Response:
     api, body = await model_request(request)
     prompt = await _prompt_ids(api, body.get("prompt"))
-    return await _run(request, api, job_from(body, prompt, api.service.context, "prompt"), chat=False)
+    return await _run(
+        request, api, job_from(body, prompt, api.service.context, "prompt", api.request_defaults), chat=False
+    )
 
 
 async def _prompt_ids(api: Api, prompt: Any) -> list[int]:

@@ -50,6 +50,14 @@ class Api:
     traces: TraceLog | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
+    @property
+    def request_defaults(self) -> dict[str, Any]:
+        """The served model's own request defaults (an Ollama model's params layer: temperature,
+        top_p, stop), where the codec's tokenizer carries them; a request's own fields win."""
+        tokenizer = getattr(self.codec, "tokenizer", None)
+        found = getattr(tokenizer, "request_defaults", None)
+        return dict(found) if isinstance(found, dict) else {}
+
     async def chat_ids(self, msgs: list[dict[str, Any]]) -> list[int]:
         """Messages rendered and tokenized on a worker thread, refused first when their text alone
         cannot fit the context: tokenizing 10 MB on the event loop stopped this member's

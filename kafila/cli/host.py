@@ -141,7 +141,8 @@ def add_model_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="smollm2-135m",
-        help="model name or Hugging Face folder to serve (default smollm2-135m)",
+        help="model to serve: a name, a Hugging Face folder, a .gguf file or ollama:NAME[:TAG] "
+        "(default smollm2-135m)",
     )
 
 

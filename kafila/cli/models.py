@@ -1,4 +1,5 @@
-"""`kafila models`: list the models available here (default models and folders in the cache)."""
+"""`kafila models`: list the models available here (default models, folders in the cache and the
+Ollama store's models)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="smollm2-135m",
-        help="the model --quantize packs: a default model's name or a Hugging Face folder",
+        help="the model --quantize packs: a default model's name, a Hugging Face folder or a .gguf file",
     )
     parser.add_argument(
         "--out",
@@ -77,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
-    print(f"\ncache: {models_dir()}  (--model takes a name above or a Hugging Face folder)")
+    print(f"\ncache: {models_dir()}  (--model takes a name above, a Hugging Face folder or a .gguf file)")
     return 0
 
 

@@ -29,7 +29,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         type=non_empty,
-        help="preset (qwen3-8b, qwen3-14b, qwen3-32b, smollm2-135m) or a local Hugging Face folder; "
+        help="preset (qwen3-8b, qwen3-14b, qwen3-32b, smollm2-135m), a local Hugging Face folder, a .gguf "
+        "file or ollama:NAME[:TAG]; "
         "overrides [session] model",
     )
     parser.add_argument(

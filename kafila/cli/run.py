@@ -61,7 +61,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--model",
         default="smollm2-135m",
         help="a default model name (smollm2-135m, converted on first use) or the path of a Hugging Face "
-        "folder (config.json + safetensors + tokenizer.json); see `kafila models`",
+        "folder (config.json + safetensors + tokenizer.json), a .gguf file (Llama, Qwen3) or a model of "
+        "the Ollama store (ollama:NAME[:TAG]); see `kafila models`",
     )
     parser.add_argument(
         "--backend",

@@ -53,6 +53,9 @@ class Tokenizer:
         eos = self.special_tokens.get("eos_token")
         eos_id = backend.token_to_id(eos) if eos is not None else None
         self.stop_ids: frozenset[int] = frozenset([*eos_ids, *([] if eos_id is None else [eos_id])])
+        # the model's own request defaults (an Ollama model's params: temperature, top_p, stop),
+        # from generation_config.json's `kafila_request_defaults`; a request's fields win
+        self.request_defaults: dict[str, Any] = {}
 
     # --- construction ----------------------------------------------------------------------------
 
@@ -61,7 +64,9 @@ class Tokenizer:
         if ckpt.tokenizer_file is None:
             raise TokenizerError(f"{ckpt.path}: no tokenizer.json (Kafila reads fast-tokenizer files only)")
         eos = (*token_ids(ckpt.generation_config.get("eos_token_id")), *ckpt.config.eos_token_id)
-        return cls._load(ckpt.tokenizer_file, ckpt.tokenizer_config, ckpt.chat_template, eos)
+        tok = cls._load(ckpt.tokenizer_file, ckpt.tokenizer_config, ckpt.chat_template, eos)
+        tok.request_defaults = _request_defaults(ckpt.generation_config)
+        return tok
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> Tokenizer:
@@ -78,11 +83,14 @@ class Tokenizer:
         elif isinstance(template, list):
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default") or next(iter(named.values()), None)
+        generation = _json(folder / "generation_config.json")
         eos = (
-            *token_ids(_json(folder / "generation_config.json").get("eos_token_id")),
+            *token_ids(generation.get("eos_token_id")),
             *token_ids(_json(folder / "config.json").get("eos_token_id")),
         )
-        return cls._load(file, tok_config, template if isinstance(template, str) else None, eos)
+        tok = cls._load(file, tok_config, template if isinstance(template, str) else None, eos)
+        tok.request_defaults = _request_defaults(generation)
+        return tok
 
     @classmethod
     def _load(
@@ -223,3 +231,8 @@ def _json(file: Path) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise TokenizerError(f"{file}: not valid JSON: {exc}") from exc
     return data if isinstance(data, dict) else {}
+
+
+def _request_defaults(generation: Mapping[str, Any]) -> dict[str, Any]:
+    found = generation.get("kafila_request_defaults")
+    return dict(found) if isinstance(found, dict) else {}

@@ -262,7 +262,13 @@ def _check_tensors(folder: Path, config: ModelConfig, tensors: dict[str, TensorI
 
 
 def _format_of(ckpt: Checkpoint) -> str:
-    """The stored format of a member's shard without the head (its blocks' matrices)."""
+    """The stored format of a member's shard without the head (its blocks' matrices). A packed
+    checkpoint whose config.json names its format (`quantization_config`) is that format in every
+    shard: a file of mixed types (a GGUF's) holds other formats in some blocks, and every member
+    must resolve the session's format alike."""
+    named = ckpt.config.raw.get("quantization_config")
+    if isinstance(named, dict) and named.get("format") in ("int8", "q4"):
+        return str(named["format"])
     specs = {s.name: s for s in ckpt.specs()}
     formats = [packed_format(n, specs) for n in specs if n.endswith("_proj.weight")]
     return max(set(formats), key=formats.count) if formats else "none"

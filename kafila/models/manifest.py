@@ -18,7 +18,9 @@ bytes per 32). A packed checkpoint stores them as ordinary safetensors entries `
 U8), `X.scales` (F16) and, for q4, `X.mins` (F16): a block's bytes are its entries' bytes, exact.
 Policy: the linear layers of the blocks take the session's format; the embedding/unembedding
 matrix is int8 in either quantized format (the default GGUF's own Q8_0 embedding, kept); norms and
-biases stay in the compute dtype.
+biases stay in the compute dtype. A packed checkpoint (config.json's `quantization_config`, as a
+GGUF converts to: kafila.models.gguf_convert) keeps the float matrices it holds as floats: they are
+floats there because their numbers have no packed format (`keeps_floats`).
 """
 
 from __future__ import annotations
@@ -165,11 +167,20 @@ def logical_shape(spec: TensorSpec, by_name: dict[str, TensorSpec]) -> tuple[int
     return spec.shape
 
 
-def priced(specs: Iterable[TensorSpec], dtype: str | None = None, quant: str | None = None) -> dict[str, int]:
+def keeps_floats(config: ModelConfig) -> bool:
+    """Whether a checkpoint's float matrices stay floats in a packed session: a packed checkpoint's
+    (config.json names its `quantization_config`), whose floats hold numbers no format packs."""
+    return isinstance(config.raw.get("quantization_config"), dict)
+
+
+def priced(
+    specs: Iterable[TensorSpec], dtype: str | None = None, quant: str | None = None, keep_floats: bool = False
+) -> dict[str, int]:
     """Bytes per tensor name as a stage holds them. Floats are priced in `dtype` where given. With
     `quant` ("none", "int8", "q4") a float matrix takes its format under the policy above and a
     packed one (with its scales and minimums) is kept as stored, or widened to `dtype` (or F32) for
-    "none"; None keeps every tensor as stored."""
+    "none"; None keeps every tensor as stored. With `keep_floats` (`keeps_floats`) float matrices
+    are priced as floats in every format."""
     by_name = {s.name: s for s in specs}
     size: dict[str, int] = {}
     for n, s in by_name.items():
@@ -184,7 +195,8 @@ def priced(specs: Iterable[TensorSpec], dtype: str | None = None, quant: str | N
             size[n] = wide.nbytes() if quant == "none" else s.nbytes()
             continue
         floating = s.dtype.startswith(("F", "BF"))
-        fmt = linear_format(n, quant or "none") if floating and len(s.shape) == 2 else "none"
+        packs = floating and len(s.shape) == 2 and not keep_floats
+        fmt = linear_format(n, quant or "none") if packs else "none"
         if fmt != "none":
             size[n] = packed_bytes(fmt, s.shape[0], s.shape[1])
         else:
@@ -199,7 +211,7 @@ def build_manifest(
     as the engine does when asked for another dtype; None keeps each tensor's stored dtype.
     `quant` prices the weights in a format (`priced`); the KV cache stays in `dtype`."""
     by_name = {s.name: s for s in specs}
-    size = priced(by_name.values(), dtype, quant)
+    size = priced(by_name.values(), dtype, quant, keeps_floats(config))
     for n in list(size):  # a packed matrix's scales and minimums count with it
         base = n.removesuffix(SCALES).removesuffix(MINS) + "weight"
         if n.endswith((SCALES, MINS)) and base in size and packed_format(base, by_name) != "none":

@@ -106,7 +106,15 @@ def resolve_model(spec: str, dtype: str = "bf16", quant: str = "auto") -> tuple[
 
 
 def _folder(spec: str) -> Path:
-    """`spec` as a model folder; ValueError naming the presets when it is no folder either."""
+    """`spec` as a model folder (a GGUF file or an Ollama model converted into one); ValueError
+    naming the presets when it is no folder either."""
+    from kafila.models.gguf_convert import ensure_gguf, is_gguf
+    from kafila.models.ollama import PREFIX, locate, request_defaults
+
+    if spec.startswith(PREFIX):
+        return ensure_gguf(locate(spec).model, defaults=request_defaults(locate(spec).params))
+    if is_gguf(spec):
+        return ensure_gguf(Path(spec))
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise ValueError(f"model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a folder")

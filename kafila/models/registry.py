@@ -2,7 +2,9 @@
 
 `resolve("smollm2-135m")` converts the default model if needed and returns its folder;
 `resolve("/path/to/folder")` returns the folder; a name of a folder under the cache's models/ works
-too. `available()` lists all of them for `kafila models`.
+too; a GGUF file (`/path/model.gguf`) or an Ollama store model (`ollama:NAME[:TAG]`) is converted
+once into a packed folder (kafila.models.gguf_convert) and that folder returned. `available()`
+lists all of them for `kafila models`.
 
 Cache: `$KAFILA_CACHE`, else `$XDG_CACHE_HOME/kafila`, else `~/.cache/kafila`; models live in
 `<cache>/models/<name>/`.
@@ -15,6 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kafila.models import ollama
 from kafila.models.cache import cache_dir as cache_dir
 from kafila.models.cache import models_dir as models_dir
 from kafila.models.default import (
@@ -26,6 +29,7 @@ from kafila.models.default import (
     is_converted,
     locate_gguf,
 )
+from kafila.models.gguf_convert import ensure_gguf, is_gguf
 from kafila.models.presets import PRESET_SOURCES
 
 
@@ -52,6 +56,9 @@ def resolve(name_or_path: str | os.PathLike[str], progress: bool = True, quant: 
     text = os.fspath(name_or_path)
     if text in DEFAULT_MODELS:
         return ensure_default(text, progress=progress, packed=quant == "q4")
+    local = local_model(text, progress)
+    if local is not None:
+        return local
     path = Path(text).expanduser()
     if path.is_dir():
         return path.resolve()
@@ -59,6 +66,17 @@ def resolve(name_or_path: str | os.PathLike[str], progress: bool = True, quant: 
     if os.sep not in text and (cached / "config.json").is_file():
         return cached
     raise ModelNotFound(_not_found(text))
+
+
+def local_model(text: str, progress: bool = True) -> Path | None:
+    """The folder of a GGUF file (`*.gguf`) or an Ollama store model (`ollama:NAME[:TAG]`),
+    converted on first use (kafila.models.gguf_convert); None for any other --model value."""
+    if text.startswith(ollama.PREFIX):
+        found = ollama.locate(text)
+        return ensure_gguf(found.model, progress=progress, defaults=ollama.request_defaults(found.params))
+    if is_gguf(text):
+        return ensure_gguf(Path(text), progress=progress)
+    return None
 
 
 def _not_found(text: str) -> str:
@@ -73,6 +91,8 @@ def _not_found(text: str) -> str:
             f"not here: download {source} (config.json, safetensors, tokenizer.json) and pass its "
             f"folder, or put it at {models_dir() / text.lower()}"
         )
+    if text.lower().endswith(".gguf"):
+        return f"no GGUF file at {text!r} ({Path(text).expanduser().resolve()} does not exist)"
     near = difflib.get_close_matches(text.lower(), names, n=1, cutoff=0.6)
     hint = f"did you mean {near[0]!r}? " if near else ""
     return (
@@ -88,6 +108,10 @@ def served_name(name_or_path: str | os.PathLike[str]) -> str:
 
     text = os.fspath(name_or_path)
     path = Path(text).expanduser()
+    if text.startswith(ollama.PREFIX):
+        return ollama.parse(text).name
+    if is_gguf(text):  # the file's name, not this machine's path
+        return path.name.removesuffix(".gguf")
     if text in DEFAULT_MODELS or not path.is_dir():
         return text
     path = path.resolve()
@@ -97,7 +121,8 @@ def served_name(name_or_path: str | os.PathLike[str]) -> str:
 
 
 def available() -> list[ModelEntry]:
-    """Default models (converted or not) then every model folder in the cache."""
+    """Default models (converted or not), every model folder in the cache, then the Ollama store's
+    models (kafila.models.ollama)."""
 
     entries = [_default_entry(name) for name in DEFAULT_MODELS]
     root = models_dir()
@@ -108,7 +133,22 @@ def available() -> list[ModelEntry]:
             entry = _folder_entry(folder.name, folder)
             if entry is not None:
                 entries.append(entry)
-    return entries
+    return entries + [_ollama_entry(m) for m in ollama.models()]
+
+
+def _ollama_entry(model: ollama.OllamaModel) -> ModelEntry:
+    """An Ollama store model from its GGUF's header (architecture, blocks; size: the blob's)."""
+    from kafila.models.gguf_convert import folder_for
+
+    try:
+        meta = GGUFFile.open(model.model).meta
+        arch = str(meta.get("general.architecture", "?"))
+        blocks = int(meta.get(f"{arch}.block_count") or 0)
+    except (OSError, ValueError, KeyError):  # not a GGUF Kafila reads: listed, never a crash
+        arch, blocks = "? (not a readable GGUF)", 0
+    converted = (folder_for(model.model) / "config.json").is_file()
+    name = ollama.PREFIX + model.ref.name
+    return ModelEntry(name, arch, blocks, model.size_bytes, model.model, converted, "Ollama store")
 
 
 def _default_entry(name: str) -> ModelEntry:

@@ -27,7 +27,16 @@ import torch.nn.functional as F
 from kafila.models import quant as formats
 from kafila.models import rope
 from kafila.models.config import ModelConfig
-from kafila.models.manifest import EMBED, FINAL_NORM, LM_HEAD, MINS, QUANT_FORMATS, SCALES, linear_format
+from kafila.models.manifest import (
+    EMBED,
+    FINAL_NORM,
+    LM_HEAD,
+    MINS,
+    QUANT_FORMATS,
+    SCALES,
+    keeps_floats,
+    linear_format,
+)
 from kafila.models.span import Span
 from kafila.models.torch import hugepages, packed
 from kafila.models.torch.packed import PackedLinear
@@ -254,9 +263,11 @@ class LlamaModel:
         self, weights: Mapping[str, Tensor], names: Sequence[str], bias: Tensor | None = None
     ) -> AnyLinear:
         """The named matrices stacked by rows as one product in the session's format: float
-        (`_stack`, packed ones widened) for "none", else packed (float ones packed here)."""
+        (`_stack`, packed ones widened) for "none", else packed (float ones packed here, except in
+        a packed checkpoint, which keeps its float matrices as stored: `keeps_floats`)."""
         stored = [n.removesuffix("weight") + SCALES in weights for n in names]
-        if self.quant == "none" or (not any(stored) and linear_format(names[0], self.quant) == "none"):
+        kept = keeps_floats(self.config) or linear_format(names[0], self.quant) == "none"
+        if self.quant == "none" or (not any(stored) and kept):
             if any(stored):
                 wide = {n: self._packed(weights, n).dequantized(slice(None), torch.float32) for n in names}
                 return Linear(self._stack(wide, names), bias)

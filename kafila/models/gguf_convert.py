@@ -1,0 +1,435 @@
+"""A Llama or Qwen3 GGUF file (llama.cpp, LM Studio, Ollama) as a packed Hugging Face folder.
+
+`ensure_gguf(FILE)` converts once into `<cache>/gguf/<stem>-<key>/` (the key names the file's path,
+size and modification time, so an edited file converts again) and returns the folder, which every
+command then reads as any model folder (kafila.models.checkpoint):
+
+- config.json from the GGUF metadata (`{arch}.block_count`, `.embedding_length`, ...), with
+  `quantization_config` where any matrix is packed: a packed checkpoint keeps its float matrices as
+  stored (kafila.models.manifest);
+- model.safetensors: every tensor in its own type (kafila.models.gguf_types): float tensors as
+  stored, Q8_0/Q4_1/Q4_0/Q5_0 repacked into int8/q4 entries with their values unchanged, the other
+  types widened to F32, which `convert` prints on the console (one line per type: the tensors and
+  the bytes they widen to). llama.cpp's converter permutes the rows of a Llama's q/k projections for
+  its interleaved RoPE; they are put back (Qwen3 GGUFs keep Hugging Face's order);
+- tokenizer.json and tokenizer_config.json (chat template, special tokens) from `tokenizer.ggml.*`:
+  byte-level BPE with the pre-tokenizer llama.cpp names in `tokenizer.ggml.pre`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kafila.models import gguf_types as types
+from kafila.models.cache import cache_dir
+from kafila.models.default import GGUFFile, GGUFTensor, hf_name, unpermute_qk
+from kafila.obs.log import get_logger
+
+log = get_logger(__name__)
+
+CONVERTER_VERSION = 1
+SOURCE_FILE = "kafila_source.json"
+REQUEST_DEFAULTS = "kafila_request_defaults"  # generation_config.json's key for a model's request defaults
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_QWEN3_NAMES = {
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# the fused products a block computes: their matrices must share one format
+_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+
+Say = Callable[[str], None]
+
+
+class GGUFError(ValueError):
+    """A GGUF file Kafila cannot serve; the message names the file and what it holds."""
+
+
+def is_gguf(text: str) -> bool:
+    """Whether a --model value names a GGUF file (by its suffix; the file must exist)."""
+    return text.lower().endswith(".gguf") and Path(text).expanduser().is_file()
+
+
+def gguf_root() -> Path:
+    return cache_dir() / "gguf"
+
+
+def folder_for(file: Path, defaults: dict[str, Any] | None = None) -> Path:
+    """The cache folder of a GGUF file (and of an Ollama model's request defaults with it)."""
+    st = file.stat()
+    extra = json.dumps(defaults, sort_keys=True) if defaults else ""
+    key = f"{file.resolve()}:{st.st_size}:{st.st_mtime_ns}{extra}"
+    key = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return gguf_root() / f"{file.name.removesuffix('.gguf').removesuffix('.GGUF')}-{key}"
+
+
+def ensure_gguf(
+    file: Path, progress: bool = True, say: Say | None = None, defaults: dict[str, Any] | None = None
+) -> Path:
+    """The folder a GGUF file converts to, converted now unless it already was. `defaults`: request
+    defaults (an Ollama model's params: temperature, top_p, stop) that generation_config.json
+    carries as `REQUEST_DEFAULTS` (kafila.engine.tokenizer.Tokenizer.request_defaults)."""
+    file = Path(file).expanduser().resolve()
+    folder = folder_for(file, defaults)
+    if _is_converted(folder, file):
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        convert(file, tmp, progress=progress, say=say, defaults=defaults)
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)
+        if folder.exists():  # a stale or half-checked conversion: replaced whole
+            shutil.rmtree(folder, ignore_errors=True)
+        try:
+            tmp.rename(folder)
+        except OSError:
+            if not _is_converted(folder, file):  # another process got there first with the same bytes
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info(
+        "gguf converted", file=str(file), folder=str(folder), seconds=round(time.monotonic() - started, 1)
+    )
+    return folder
+
+
+def _is_converted(folder: Path, file: Path) -> bool:
+    from kafila.models.checkpoint import Checkpoint
+
+    try:
+        meta = json.loads((folder / SOURCE_FILE).read_text())
+        Checkpoint.open(folder, complete=True)
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(meta, dict)
+        and meta.get("converter") == CONVERTER_VERSION
+        and meta.get("gguf") == str(file)
+    )
+
+
+def convert(
+    file: Path,
+    out: Path,
+    progress: bool = True,
+    say: Say | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write the folder for GGUF `file` into `out` (which exists); returns its config.json."""
+    from kafila.models import quantize
+
+    gf = GGUFFile.open(file)
+    config = model_config(gf.meta, file)
+    entries, widened = _entries(gf, config)
+    for line in widened_lines(file, widened):
+        (say or _stderr)(line)
+    formats = [s.dtype for s, _ in entries if s.name.endswith("_proj.weight")]
+    packed = {"I8": "int8", "U8": "q4"}
+    kinds = [packed[d] for d in formats if d in packed]
+    if kinds:
+        fmt = max(set(kinds), key=kinds.count)
+        config[quantize.QUANT_CONFIG] = {"quant_method": "kafila", "format": fmt, "group_size": 32}
+    config["tie_word_embeddings"] = all(s.name != "lm_head.weight" for s, _ in entries)
+    quantize.write_safetensors(out / "model.safetensors", entries, progress, desc=f"reading {file.name}")
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", _generation_config(gf.meta) | _defaults(defaults))
+    write_tokenizer(gf.meta, out, file)
+    source = {"converter": CONVERTER_VERSION, "gguf": str(file), "gguf_bytes": file.stat().st_size}
+    _write_json(out / SOURCE_FILE, source)
+    return config
+
+
+def _defaults(defaults: dict[str, Any] | None) -> dict[str, Any]:
+    return {REQUEST_DEFAULTS: defaults} if defaults else {}
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+# --- config -----------------------------------------------------------------------------------
+
+
+def model_config(meta: dict[str, Any], file: Path) -> dict[str, Any]:
+    """config.json's fields from the GGUF metadata of a llama or qwen3 file."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(
+            f"{file}: GGUF architecture {arch!r}: Kafila serves {' and '.join(ARCHITECTURES)} GGUFs"
+        )
+
+    def key(name: str, default: Any = None) -> Any:
+        v = meta.get(f"{arch}.{name}", default)
+        if v is None:
+            raise GGUFError(f"{file}: GGUF metadata has no {arch}.{name}")
+        return v
+
+    heads, hidden = int(key("attention.head_count")), int(key("embedding_length"))
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise GGUFError(f"{file}: RoPE scaling {scaling!r} in the GGUF metadata is not read yet")
+    return {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "hidden_act": "silu",
+        "max_position_embeddings": int(key("context_length")),
+        # stored as float32 (9.9999997e-06): written as the float32 it is
+        "rms_norm_eps": float(f"{float(key('attention.layer_norm_rms_epsilon')):.7g}"),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "rope_scaling": None,
+        "tie_word_embeddings": True,
+        "vocab_size": int(meta.get(f"{arch}.vocab_size") or len(tokens)),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": _opt_int(meta, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _opt_int(meta, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": _opt_int(meta, "tokenizer.ggml.padding_token_id"),
+        "torch_dtype": "float32",
+    }
+
+
+def _opt_int(meta: dict[str, Any], key: str) -> int | None:
+    return None if meta.get(key) is None else int(meta[key])
+
+
+def _generation_config(meta: dict[str, Any]) -> dict[str, Any]:
+    keys = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding"}
+    return {k: _opt_int(meta, f"tokenizer.ggml.{v}_token_id") for k, v in keys.items()}
+
+
+# --- tensors ----------------------------------------------------------------------------------
+
+
+def tensor_name(gguf_name: str, arch: str) -> str:
+    """A GGUF tensor's Hugging Face name (Llama names, plus Qwen3's q/k norms)."""
+    prefix, _, rest = gguf_name.partition(".")
+    index, _, leaf = rest.partition(".")
+    if arch == "qwen3" and prefix == "blk" and leaf in _QWEN3_NAMES:
+        return f"model.layers.{int(index)}.{_QWEN3_NAMES[leaf]}"
+    return hf_name(gguf_name)
+
+
+def _entries(gf: GGUFFile, config: dict[str, Any]) -> tuple[list[Any], list[tuple[str, GGUFTensor, str]]]:
+    """Safetensors entries for every tensor, and the (name, tensor, why) of those widened to F32."""
+    from kafila.models.quantize import Entry
+
+    arch = config["model_type"]
+    if any(t.name == "rope_freqs.weight" for t in gf.tensors):
+        raise GGUFError(f"{gf.path}: rope_freqs.weight (Llama 3.1 RoPE frequency factors) is not read yet")
+    named: dict[str, GGUFTensor] = {}
+    for t in gf.tensors:
+        types.check_readable(t.ggml_type, t.name)
+        try:
+            named[tensor_name(t.name, arch)] = t
+        except ValueError as exc:
+            raise GGUFError(f"{gf.path}: {exc}") from exc
+    fmt = _formats(named)
+    entries: list[Entry] = []
+    widened: list[tuple[str, GGUFTensor, str]] = []
+    for name, t in named.items():
+        perm = _permutation(name, t, config)
+        target = fmt[name]
+        if target in ("int8", "q4"):
+            entries += _packed_entries(gf, name, t, target, perm)
+        else:
+            if target == "F32" and t.ggml_type != types.F32:
+                why = "type" if t.ggml_type in types.WIDENED else "mixed"
+                widened.append((name, t, why))
+            entries.append(_float_entry(gf, name, t, target, perm))
+    return entries, widened
+
+
+def _formats(named: dict[str, GGUFTensor]) -> dict[str, str]:
+    """Each tensor's served form: "int8"/"q4" (packed), or a safetensors float dtype."""
+    fmt: dict[str, str] = {}
+    for name, t in named.items():
+        if len(t.shape) == 2 and t.ggml_type in types.PACKED:
+            fmt[name] = types.PACKED[t.ggml_type][0]
+        else:
+            fmt[name] = types.FLOATS.get(t.ggml_type, "F32")
+    for name in named:  # fused products: one format for all, or all widened together
+        for group in _GROUPS:
+            if not name.endswith(f"{group[0]}.weight"):
+                continue
+            base = name.removesuffix(f"{group[0]}.weight")
+            members = [f"{base}{g}.weight" for g in group if f"{base}{g}.weight" in named]
+            kinds = [named[m].ggml_type for m in members]
+            if not any(k in types.PACKED for k in kinds):
+                continue
+            common = types.group_format(kinds)
+            for m in members:
+                fmt[m] = common or "F32"
+    return fmt
+
+
+def _permutation(name: str, t: GGUFTensor, config: dict[str, Any]) -> np.ndarray | None:
+    """The row order that undoes llama.cpp's q/k permutation of a Llama matrix, else None."""
+    if config["model_type"] != "llama":
+        return None
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    for proj, n_head in heads.items():
+        if name.endswith(f"self_attn.{proj}.weight"):
+            return np.asarray(unpermute_qk(np.arange(t.shape[0]), n_head))
+    return None
+
+
+def _packed_entries(gf: GGUFFile, name: str, t: GGUFTensor, fmt: str, perm: np.ndarray | None) -> list[Any]:
+    from kafila.models.quantize import packed_entries
+
+    def make() -> Any:
+        p = types.repack(gf.raw(t), t.ggml_type, (t.shape[0], t.shape[1]), fmt)
+        return p if perm is None else p.rows(perm)
+
+    return packed_entries(name, fmt, t.shape, make)
+
+
+def _float_entry(gf: GGUFFile, name: str, t: GGUFTensor, dtype: str, perm: np.ndarray | None) -> Any:
+    from kafila.models.manifest import TensorSpec
+
+    def make() -> np.ndarray:
+        if dtype == "F32" and t.ggml_type != types.F32:
+            w = types.widen(gf.raw(t), t.ggml_type, t.shape)
+        else:
+            w = types.float_entry(gf.raw(t), t.ggml_type, t.shape)
+        return w if perm is None else w[perm]
+
+    return (TensorSpec(name, dtype, t.shape), make)
+
+
+def widened_lines(file: Path, widened: list[tuple[str, GGUFTensor, str]]) -> list[str]:
+    """One console line per type (and for fused products of mixed types) widened to F32: the
+    tensors and the bytes they take in the file and as F32."""
+    by: dict[tuple[str, str], list[tuple[str, GGUFTensor]]] = {}
+    for name, t, why in widened:
+        by.setdefault((types.type_name(t.ggml_type), why), []).append((name, t))
+    lines = []
+    for (kind, why), items in sorted(by.items()):
+        stored = sum(t.nbytes for _, t in items)
+        wide = sum(4 * t.numel for _, t in items)
+        names = ", ".join(n for n, _ in items[:3]) + (f" and {len(items) - 3} more" if len(items) > 3 else "")
+        reason = (
+            "is in a fused product with tensors of another type"
+            if why == "mixed"
+            else "has no packed format in Kafila yet"
+        )
+        lines.append(
+            f"kafila: {file.name}: {kind} {reason}: {len(items)} tensors ({names}) served as F32, "
+            f"{stored} bytes in the file -> {wide} bytes ({wide / max(stored, 1):.1f}x)"
+        )
+    return lines
+
+
+def _write_json(file: Path, data: dict[str, Any]) -> None:
+    file.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+# --- tokenizer --------------------------------------------------------------------------------
+
+_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (1 normal, 5 unused, 6 byte)
+# llama.cpp's pre-tokenizer regexes by `tokenizer.ggml.pre` (as the models' own tokenizer.json)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {"qwen2": _QWEN2, "llama-bpe": _LLAMA3, "llama3": _LLAMA3}
+PRE_TOKENIZERS = ("smollm", "qwen2", "llama-bpe", "gpt2", "default")
+
+
+def build_tokenizer(meta: dict[str, Any], file: Path) -> Any:
+    """A `tokenizers` Tokenizer from `tokenizer.ggml.*` (byte-level BPE)."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
+
+    kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre") or "default"
+    if kind != "gpt2":
+        raise GGUFError(f"{file}: GGUF tokenizer {kind!r}: Kafila reads byte-level BPE ('gpt2') tokenizers")
+    if pre not in PRE_TOKENIZERS and pre not in _SPLITS:
+        raise GGUFError(f"{file}: GGUF pre-tokenizer {pre!r}: Kafila reads {', '.join(PRE_TOKENIZERS)}")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    kinds: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(
+        add_prefix_space=False, trim_offsets=False, use_regex=pre not in _SPLITS
+    )
+    if pre in _SPLITS:
+        split = pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated", invert=False)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    elif pre == "smollm":  # each digit alone, then GPT-2's byte-level regex
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    else:
+        tok.pre_tokenizer = byte_level
+    if pre == "qwen2":
+        tok.normalizer = normalizers.NFC()
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    added = [
+        AddedToken(t, special=kind == _CONTROL, normalized=False)
+        for t, kind in zip(tokens, kinds, strict=True)
+        if kind in (_CONTROL, _USER_DEFINED)
+    ]
+    tok.add_tokens(added)
+    return tok
+
+
+def write_tokenizer(meta: dict[str, Any], out: Path, file: Path) -> None:
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    kinds: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    build_tokenizer(meta, file).save(str(out / "tokenizer.json"))
+    special = [t for t, kind in zip(tokens, kinds, strict=True) if kind == _CONTROL]
+
+    def named(kind: str) -> str | None:
+        i = _opt_int(meta, f"tokenizer.ggml.{kind}_token_id")
+        return None if i is None or not 0 <= i < len(tokens) else tokens[i]
+
+    arch = meta.get("general.architecture")
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "bos_token": named("bos"),
+        "eos_token": named("eos"),
+        "pad_token": named("padding"),
+        "unk_token": named("unknown"),
+        "additional_special_tokens": [t for t in special if t not in {named("bos"), named("eos")}],
+        "model_max_length": int(meta.get(f"{arch}.context_length", 2048)),
+        "chat_template": meta.get("tokenizer.chat_template"),
+    }
+    _write_json(out / "tokenizer_config.json", config)

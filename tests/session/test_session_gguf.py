@@ -1,0 +1,68 @@
+"""A session of two members on loopback (a real rendezvous, host and join, QUIC links, the joiner
+fetching its blocks of the converted GGUF from the host) serving `--model FILE.gguf` of mixed types
+(tests.models.test_gguf.MIXED): its greedy tokens are one process's."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from kafila.api.service import Sampling
+from kafila.engine.stage import Stage
+from kafila.models.checkpoint import Checkpoint
+from kafila.models.gguf_convert import ensure_gguf
+from kafila.rendezvous.server import RendezvousServer
+from kafila.session.forming.host import host
+from kafila.session.forming.join import join
+from kafila.session.runtime import MemberRuntime
+from kafila.session.terms import Options
+from tests.gguf_files import Shape, qwen3_tokenizer_meta, write_gguf
+from tests.models.test_gguf import MIXED
+from tests.session.hosting import code_of
+
+pytestmark = [pytest.mark.network, pytest.mark.slow]
+PROMPT = [9707, 11, 1879, 0, 3555, 374, 279, 6722, 315, 9625, 30]
+
+
+def opts(rdv: RendezvousServer, name: str, tmp: Path, **kw) -> Options:
+    base = dict(
+        rendezvous=rdv.url, name=name, api="127.0.0.1:0", cache=tmp / name, probe_repeats=1, wait_s=120
+    )
+    return Options(**(base | kw))
+
+
+def one_process(folder: Path, n: int) -> list[int]:
+    ckpt = Checkpoint.open(folder)
+    stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend="torch", dtype="fp32", context=64)
+    stage.open("r")
+    [h] = stage.forward([("r", 0, stage.embed(PROMPT))])
+    ids = [int(stage.logits(h[-1]).argmax())]
+    for pos in range(len(PROMPT), len(PROMPT) + n - 1):
+        [h] = stage.forward([("r", pos, stage.embed(ids[-1:]))])
+        ids.append(int(stage.logits(h[-1]).argmax()))
+    return ids
+
+
+async def test_two_members_serving_a_gguf_give_one_process_greedy_tokens(
+    rdv, qwen3_tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KAFILA_CACHE", str(tmp_path / "cache"))
+    meta = qwen3_tokenizer_meta(qwen3_tokenizer_dir)
+    file = write_gguf(tmp_path / "tiny-qwen3-mixed.gguf", Shape(), meta, MIXED, tied=True)
+    want = one_process(ensure_gguf(file, progress=False), 6)
+    code: asyncio.Future = asyncio.get_running_loop().create_future()
+    kw = dict(model=str(file), members=2, context=64, concurrency=1, chunk=64, dtype="fp32")
+    hosting = asyncio.ensure_future(host(opts(rdv, "alpha", tmp_path, **kw), on_code=code.set_result))
+    c = await code_of(code, hosting)
+    formed: list[MemberRuntime] = list(await asyncio.gather(hosting, join(c, opts(rdv, "beta", tmp_path))))
+    try:
+        plan = formed[0].plan
+        assert len(plan.order) == 2 and all(b > a for a, b in map(plan.block_range, plan.order))
+        member = next(f for f in formed if f.plan.head != f.name)  # not the head
+        events = await member.role.submit(PROMPT, Sampling(max_tokens=6))
+        assert [t async for ev in events for t in ev.tokens] == want
+    finally:
+        for f in formed:
+            await f.close()
