@@ -7,7 +7,7 @@ import sys
 from typing import TYPE_CHECKING, TextIO
 
 from kafila.cli.argtypes import positive_int
-from kafila.cli.host import add_threads_flag
+from kafila.cli.host import add_draft_flag, add_threads_flag
 from kafila.engine import DTYPE_CHOICES, PREFILL_CHUNK, QUANT_CHOICES
 
 if TYPE_CHECKING:
@@ -99,6 +99,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--raw", action="store_true", help="plain completion of PROMPT, without the model's chat template"
     )
     parser.add_argument("--system", default=None, help="a system message placed before PROMPT (chat mode)")
+    add_draft_flag(parser)
     parser.add_argument(
         "--chunk",
         type=positive_int,
@@ -133,6 +134,7 @@ def main(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, params) -> int:  # type: ignore[no-untyped-def]
     from kafila.engine.backend import checkpoint_dtype
     from kafila.engine.backend import resolve as resolve_backend
+    from kafila.engine.draft import policy_for
     from kafila.engine.generate import Timings, generate
     from kafila.engine.stage import Stage
     from kafila.engine.tokenizer import Tokenizer
@@ -148,7 +150,9 @@ def _run(args: argparse.Namespace, params) -> int:  # type: ignore[no-untyped-de
     stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend=be, context=args.context, quant=args.quant)
     warm_up(stage, prompt)
     timings, stream = Timings(), tok.stream()
-    steps = generate(stage, prompt, params, eos_ids=tuple(tok.stop_ids), chunk=args.chunk, timings=timings)
+    draft = policy_for(args.draft)
+    eos = tuple(tok.stop_ids)
+    steps = generate(stage, prompt, params, eos_ids=eos, chunk=args.chunk, timings=timings, draft=draft)
     for token in steps:
         sys.stdout.write(stream.push(token))
         sys.stdout.flush()

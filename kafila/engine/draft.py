@@ -24,7 +24,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-DRAFT_MODES = ("none", "lookup")
+DRAFT_MODES = ("none", "lookup")  # --draft: off, or prompt lookup (the default)
+DRAFT_HELP = (
+    "speculative decoding: 'lookup' (default) drafts the next tokens from n-grams of the prompt and "
+    "the answer so far and verifies several per step (one circuit of the ring), keeping the tokens "
+    "plain decoding gives; drafts that miss fall back to plain steps. 'none': one token per step"
+)
 
 
 @dataclass(frozen=True)
@@ -128,3 +133,10 @@ def observe(
     per_row = max(circuit_s - s.base_s, 0.0) / drafted
     row = policy.row_share * s.base_s if s.row_s is None else s.row_s  # the prior is the first value
     return replace(s, row_s=row + (1 - d) * (per_row - row))
+
+
+def policy_for(mode: str) -> DraftPolicy | None:
+    """The policy of a --draft value: None for "none", prompt lookup for "lookup"."""
+    if mode not in DRAFT_MODES:
+        raise ValueError(f"unknown draft {mode!r}; choose {' or '.join(DRAFT_MODES)}")
+    return DraftPolicy() if mode == "lookup" else None

@@ -44,6 +44,7 @@ class Options:
     use_local: bool = True  # a member that holds the same checkpoint loads it instead of fetching
     dead_after: float = 3.0  # --lost-after: a neighbour silent this long is lost (session.channel)
     emulate_speed: float = 1.0  # < 1: emulate a slower device (kafila.engine.pace)
+    draft: str = "lookup"  # --draft: how this member drafts when it is the head (kafila.engine.draft)
     # host only
     model: str = "smollm2-135m"
     members: int = 1

@@ -87,3 +87,19 @@ async def test_a_simulated_backend_without_row_exact_steps_keeps_the_greedy_answ
     finally:
         await ring.stop()
     assert got == expected
+
+
+async def test_a_forwarded_requests_answer_says_how_many_drafted_tokens_it_kept(ckpt: Checkpoint) -> None:
+    """The Tokens messages back to the member that asked carry the drafted and kept counts (the
+    API's usage.completion_tokens_details reads them)."""
+    expected = plain(ckpt, SamplingParams(max_tokens=40))
+    ring = build_ring(ckpt, SPLITS, context=64, draft=CHEAP_ROWS)
+    before = counted()
+    try:
+        events = [ev async for ev in await ring.members[0].submit(PROMPT, Sampling(max_tokens=40))]
+    finally:
+        await ring.stop()
+    drafted, accepted, _ = (a - b for a, b in zip(counted(), before, strict=True))
+    assert [tok for ev in events for tok in ev.tokens] == expected
+    assert sum(ev.accepted for ev in events) == accepted > 0
+    assert sum(ev.drafted for ev in events) == drafted

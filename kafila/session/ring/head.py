@@ -114,6 +114,7 @@ class RingHead(RoleBase):
         super().__init__(info.order[0], next_ch, prev_ch)
         self.draft = draft
         self.tie_margin = tie_margin
+        self.last_request = (0, 0, 0)  # decode circuits, drafted and kept tokens of the last one done
         self.stage, self.model, self.info = stage, model, info
         self.eos_ids = tuple(eos_ids)
         # prompts admitted together: in a ring of one, one step of as many rows as stay exact; in a
@@ -547,12 +548,10 @@ class RingHead(RoleBase):
             if not step.prefill:
                 circuit = turn.sampled_at - req.sent_at + (timings[0] - turn.logits_us) / 1e6
                 req.draft_stats = observe(self.draft, req.draft_stats, len(d), verdict.accepted, circuit)
-                req.circuits, req.drafted = req.circuits + 1, req.drafted + len(d)
-                req.accepted += verdict.accepted
-                metrics.observe_circuit(len(verdict.tokens), len(d), verdict.accepted)
+                req.drafted, req.accepted = req.drafted + len(d), req.accepted + verdict.accepted
             req.draft = nxt
             took = (verdict.tokens, verdict.reason, step.prefill, timings)
-            self._took(req, *took, turn.logits_us, turn.sampled_at, now)
+            self._took(req, *took, turn.logits_us, turn.sampled_at, now, (len(d), verdict.accepted))
 
     def _drafting(self, req: _Req, fed: tuple[int, ...]) -> compute.Drafting:
         position = self.schedule.next_position(req.rid)  # where this step's last token was fed
@@ -591,10 +590,14 @@ class RingHead(RoleBase):
         logits_us: int,
         sampled_at: float,
         now: float,
+        drafts: tuple[int, int] = (0, 0),
     ) -> None:
         """`tokens` (the last ended its request for `reason`, if any) taken from one step, sampled
-        on the model thread at `sampled_at`; () where a verification step kept none."""
+        on the model thread at `sampled_at`; () where a verification step kept none. `drafts`:
+        the drafted tokens the step verified and those kept."""
         if not prefill:
+            req.circuits += 1
+            metrics.observe_circuit(len(tokens), *drafts)
             # from the head's blocks starting (their compute before the output left) to the token
             # sampled: every stage, the logits and the hops, as the plan's circuit
             head_blocks_s = (timings[0] - logits_us) / 1e6
@@ -624,10 +627,13 @@ class RingHead(RoleBase):
         emitted = tokens[:-1] if reason == "stop" else tokens
         prefill_s = now - (req.admitted_at or now) if first else None
         finish = (reason or "length") if done else None
-        self._answer(req, TokenEvent(tokens=emitted, finish=finish, prefill_s=prefill_s))
+        drafted, accepted = drafts[0], min(drafts[1], len(emitted))
+        event = TokenEvent(emitted, finish, None, prefill_s, drafted, accepted)
+        self._answer(req, event)
         if done:
             req.finish = finish or "stop"
             self._reqs.pop(req.rid, None)
+            self.last_request = (req.circuits, req.drafted, req.accepted)
             self._record(req)
 
     # -- answers ---------------------------------------------------------------------------------------
@@ -740,7 +746,9 @@ class RingHead(RoleBase):
 def _answer_message(rid: int, item: TokenEvent | GenerationError) -> t.Message:
     if isinstance(item, GenerationError):
         return t.Error(rid, item.code, item.message)
-    return t.Tokens(rid, item.tokens, item.finish, item.queue_position, item.prefill_s)
+    return t.Tokens(
+        rid, item.tokens, item.finish, item.queue_position, item.prefill_s, item.drafted, item.accepted
+    )
 
 
 def _wire_entries(step: Step) -> tuple[t.Entry, ...]:
