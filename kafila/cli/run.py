@@ -246,6 +246,13 @@ def _summary(t, backend: str, limit: str) -> str:  # type: ignore[no-untyped-def
     stop = f"length ({limit})" if t.stop_reason == "length" else t.stop_reason
     return (
         f"prefill: {t.prompt_tokens} tokens in {t.prefill_s:.2f} s ({t.prefill_tps:.1f} tok/s, warm); "
-        f"decode: {max(t.generated_tokens - 1, 0)} tokens in {t.decode_s:.2f} s ({t.decode_tps:.1f} tok/s); "
-        f"{backend}; stop: {stop}"
+        f"decode: {max(t.generated_tokens - 1, 0)} tokens in {t.decode_s:.2f} s ({t.decode_tps:.1f} tok/s)"
+        f"{_drafts(t)}; {backend}; stop: {stop}"
     )
+
+
+def _drafts(t) -> str:  # type: ignore[no-untyped-def]
+    """How many steps the decode took and the drafted tokens they kept, where it drafted."""
+    if not t.drafted:
+        return ""
+    return f" in {t.steps} steps, {t.accepted} of {t.drafted} drafted tokens kept"

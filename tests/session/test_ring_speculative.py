@@ -103,3 +103,18 @@ async def test_a_forwarded_requests_answer_says_how_many_drafted_tokens_it_kept(
     assert [tok for ev in events for tok in ev.tokens] == expected
     assert sum(ev.accepted for ev in events) == accepted > 0
     assert sum(ev.drafted for ev in events) == drafted
+
+
+async def test_a_head_whose_drafts_find_nothing_still_computes_each_step_with_the_sampling(
+    ckpt: Checkpoint,
+) -> None:
+    """No draft (k never above 0): every step is a plain one, run in the sampling's model-thread
+    turn as without drafting (RingHead.ahead_sent), and the answer is the plain one."""
+    expected = plain(ckpt, SamplingParams(max_tokens=20))
+    ring = build_ring(ckpt, SPLITS, context=64, draft=DraftPolicy(max_k=0))
+    try:
+        got = await answer(await ring.head.submit(PROMPT, Sampling(max_tokens=20)))
+        sent = ring.head.ahead_sent
+    finally:
+        await ring.stop()
+    assert got == expected and sent >= 15

@@ -238,6 +238,7 @@ class VerifyTurn:
     drafts: list[tuple[int, ...]]  # the next step's draft of each request (() where it ended)
     logits_us: int
     sampled_at: float
+    ahead: tuple[bytes, int, int] | None = None  # `head_step` of the continuation, as HeadTurn's
 
 
 def verify_turn(
@@ -248,9 +249,12 @@ def verify_turn(
     drafting: Sequence[Drafting],
     policy: DraftPolicy,
     tie_margin: float,
+    continuation: Sequence[t.Entry] | None = None,
 ) -> VerifyTurn:
     """Logits of every row of each named request, the tokens `verify` keeps of what it fed, and
-    the draft for its next step (kafila.engine.draft.propose, after the tokens kept)."""
+    the draft for its next step (kafila.engine.draft.propose, after the tokens kept). Where every
+    request took one token, goes on and drafts nothing, `continuation` (one token each, as
+    `head_turn`'s) runs at once: a request whose drafts find nothing loses no time to them."""
     decode = not frame.flags & t.Flag.PREFILL  # a prefill's last chunk: its last row only
     logits, us = head_logits(stage, frame, rids, every_row=decode)  # [rows, V]
     verdicts, at = [], 0
@@ -267,4 +271,11 @@ def verify_turn(
             drafts.append(())
         else:
             drafts.append(propose(policy, d.stats, [*d.history, *v.tokens], room))
-    return VerifyTurn(verdicts, drafts, us, sampled_at)
+    ahead = None
+    plain = all(len(v.tokens) == 1 and v.reason is None for v in verdicts) and not any(drafts)
+    if continuation is not None and plain:
+        token_of = {rid: v.tokens[0] for rid, v in zip(rids, verdicts, strict=True)}
+        hopmarks.mark("submit", continuation)
+        with contextlib.suppress(StageError):  # the step is run again on its own and fails there by name
+            ahead = head_step(stage, continuation, [[token_of[e.request_id]] for e in continuation], True)
+    return VerifyTurn(verdicts, drafts, us, sampled_at, ahead)

@@ -525,6 +525,9 @@ class RingHead(RoleBase):
         reqs = [self._reqs[rid] for rid in rids]
         fed = [() if step.prefill else r.draft for r in reqs]
         drafting = [self._drafting(r, d) for r, d in zip(reqs, fed, strict=True)]
+        nxt_step = self.schedule.continuation(step)  # sent at once where no draft changes it
+        if nxt_step is not None and {e.request_id for e in nxt_step.entries} != set(rids):
+            nxt_step = None
         hopmarks.mark("l_submit", frame.entries)
         try:
             turn = await self.model.run(
@@ -536,10 +539,13 @@ class RingHead(RoleBase):
                 drafting,
                 self.draft,
                 self._margin(),
+                None if nxt_step is None else _wire_entries(nxt_step),
             )
         except StageError as exc:
             self._fail_step(step, "internal", str(exc))
             return
+        if nxt_step is not None and turn.ahead is not None:
+            self._ahead = (nxt_step, turn.ahead)
         timings = (frame.timings_us[0] + turn.logits_us, *frame.timings_us[1:])
         now = time.perf_counter()
         for req, d, verdict, nxt in zip(reqs, fed, turn.verdicts, turn.drafts, strict=True):
