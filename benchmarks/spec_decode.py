@@ -160,7 +160,7 @@ async def run(args: argparse.Namespace) -> int:
         print(
             f"{name:10s} plain {_fig([r[1] for r in plain])} ms/token, lookup {_fig([r[1] for r in spec])} "
             f"ms/token ({_ratio(plain, spec):.2f}x); "
-            f"tokens/circuit {statistics.median(len(r[0]) / max(r[2], 1) for r in spec):.2f}; "
+            f"tokens/circuit {statistics.median((len(r[0]) - 1) / max(r[2], 1) for r in spec):.2f}; "
             f"kept {sum(r[4] for r in spec)}/{sum(r[3] for r in spec)} drafted; answers identical: {same}"
         )
     return 0
