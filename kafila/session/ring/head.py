@@ -613,7 +613,8 @@ class RingHead(RoleBase):
             req.transit_ms.append((circuit * 1e6 - sum(timings)) / 1e3)
             self.tally.add(req.rid, timings[0], prefill=False)
         done = self.schedule.sampled(req.rid, reason is not None, len(tokens))
-        if not done:
+        if not done:  # a draft never asks for more tokens than the request has left
+            req.draft = req.draft[: max(0, req.max_tokens - req.generated - len(tokens) - 1)]
             self.schedule.set_draft(req.rid, len(req.draft))
         if not tokens:
             return
