@@ -145,9 +145,17 @@ def _envelope(api: Api, made: tuple[str, int], chat: bool, chunk: bool) -> dict[
     return {"id": rid, "object": kind, "created": created, "model": api.model_id}
 
 
-def _usage(t: Tally) -> dict[str, int]:
+def _usage(t: Tally) -> dict[str, Any]:
+    """OpenAI's usage block; `completion_tokens_details` says how many drafted tokens the answer
+    kept and how many were verified and dropped (OpenAI's predicted-output fields)."""
     total = t.prompt_tokens + t.completion_tokens
-    return {"prompt_tokens": t.prompt_tokens, "completion_tokens": t.completion_tokens, "total_tokens": total}
+    details = {"accepted_prediction_tokens": t.accepted, "rejected_prediction_tokens": t.drafted - t.accepted}
+    return {
+        "prompt_tokens": t.prompt_tokens,
+        "completion_tokens": t.completion_tokens,
+        "total_tokens": total,
+        "completion_tokens_details": details,
+    }
 
 
 async def _sse(

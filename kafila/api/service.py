@@ -52,6 +52,8 @@ class TokenEvent:
     finish: str | None = None  # "stop" | "length" on the last event
     queue_position: int | None = None  # set while the request waits for a slot (1 = next)
     prefill_s: float | None = None  # on the event with the first token
+    drafted: int = 0  # drafted tokens the step verified (speculative decoding)
+    accepted: int = 0  # ... and those of them kept, among `tokens`
 
 
 STOP_STRING = "stop string"  # the cancel reason of an answer that ended on one of its stop strings

@@ -49,6 +49,8 @@ class Tally:
     finished: float | None = None
     text: list[str] = field(default_factory=list)
     finish: str = "stop"
+    drafted: int = 0  # drafted tokens verified for the answer (speculative decoding)
+    accepted: int = 0  # ... and kept
 
 
 async def start(service: GenerationService, job: Job) -> Generation:
@@ -104,6 +106,7 @@ async def pieces(
                 continue
             if ev.queue_position:
                 yield Piece("", queue_position=ev.queue_position)
+            tally.drafted, tally.accepted = tally.drafted + ev.drafted, tally.accepted + ev.accepted
             if ev.tokens:
                 tally.first_token = tally.first_token or time.perf_counter()
                 tally.completion_tokens += len(ev.tokens)

@@ -109,6 +109,13 @@ def add_member_flags(parser: argparse.ArgumentParser) -> None:
         "model, in the probe and in the ring, is followed by idle time so it takes 1/S as long. "
         "For fleets of several members on one machine (benchmarks, demo); default 1 (off)",
     )
+    add_draft_flag(parser, "; as the ring's head (the host, or a member the head moved to)")
+
+
+def add_draft_flag(parser: argparse.ArgumentParser, where: str = "") -> None:
+    from kafila.engine.draft import DRAFT_HELP, DRAFT_MODES
+
+    parser.add_argument("--draft", default="lookup", choices=DRAFT_MODES, help=DRAFT_HELP + where)
 
 
 def _gigabytes(text: str) -> float:
@@ -267,6 +274,7 @@ def options(args: argparse.Namespace) -> object:
         emulate_speed=args.emulate_speed,
         weights_from=args.weights_from,
         replica_bytes=int(args.replica_bytes * 1e9),
+        draft=args.draft,
     )
     for key in (
         "model",

@@ -7,7 +7,7 @@ import sys
 from typing import TYPE_CHECKING, TextIO
 
 from kafila.cli.argtypes import positive_int
-from kafila.cli.host import add_threads_flag
+from kafila.cli.host import add_draft_flag, add_threads_flag
 from kafila.engine import DTYPE_CHOICES, PREFILL_CHUNK, QUANT_CHOICES
 
 if TYPE_CHECKING:
@@ -107,6 +107,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--raw", action="store_true", help="plain completion of PROMPT, without the model's chat template"
     )
     parser.add_argument("--system", default=None, help="a system message placed before PROMPT (chat mode)")
+    add_draft_flag(parser)
     parser.add_argument(
         "--chunk",
         type=positive_int,
@@ -144,6 +145,7 @@ def main(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, params) -> int:  # type: ignore[no-untyped-def]
     from kafila.engine.backend import checkpoint_dtype
     from kafila.engine.backend import resolve as resolve_backend
+    from kafila.engine.draft import policy_for
     from kafila.engine.generate import Timings, generate
     from kafila.engine.stage import Stage
     from kafila.engine.tokenizer import Tokenizer
@@ -166,7 +168,9 @@ def _run(args: argparse.Namespace, params) -> int:  # type: ignore[no-untyped-de
     stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend=be, context=args.context, quant=args.quant)
     warm_up(stage, prompt)
     timings, stream = Timings(), tok.stream()
-    steps = generate(stage, prompt, params, eos_ids=tuple(tok.stop_ids), chunk=args.chunk, timings=timings)
+    draft = policy_for(args.draft)
+    eos = tuple(tok.stop_ids)
+    steps = generate(stage, prompt, params, eos_ids=eos, chunk=args.chunk, timings=timings, draft=draft)
     for token in steps:
         sys.stdout.write(stream.push(token))
         sys.stdout.flush()
@@ -260,6 +264,13 @@ def _summary(t, backend: str, limit: str) -> str:  # type: ignore[no-untyped-def
     stop = f"length ({limit})" if t.stop_reason == "length" else t.stop_reason
     return (
         f"prefill: {t.prompt_tokens} tokens in {t.prefill_s:.2f} s ({t.prefill_tps:.1f} tok/s, warm); "
-        f"decode: {max(t.generated_tokens - 1, 0)} tokens in {t.decode_s:.2f} s ({t.decode_tps:.1f} tok/s); "
-        f"{backend}; stop: {stop}"
+        f"decode: {max(t.generated_tokens - 1, 0)} tokens in {t.decode_s:.2f} s ({t.decode_tps:.1f} tok/s)"
+        f"{_drafts(t)}; {backend}; stop: {stop}"
     )
+
+
+def _drafts(t) -> str:  # type: ignore[no-untyped-def]
+    """How many steps the decode took and the drafted tokens they kept, where it drafted."""
+    if not t.drafted:
+        return ""
+    return f" in {t.steps} steps, {t.accepted} of {t.drafted} drafted tokens kept"

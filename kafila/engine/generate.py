@@ -2,6 +2,9 @@
 
 `generate(stage, prompt_ids, params)` prefills the prompt in chunks, then decodes one token per
 step, yielding token ids as they are sampled; `timings` records prefill and decode separately.
+With a `draft` policy each decode step also feeds the tokens prompt lookup drafts and keeps those
+the model agrees with (kafila.engine.draft, kafila.engine.speculative): the same tokens, fewer
+steps where the answer repeats its prompt.
 Text streaming is the tokenizer's (`kafila.engine.tokenizer.Tokenizer.stream()`).
 """
 
@@ -12,7 +15,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kafila.engine import PREFILL_CHUNK
+from kafila.engine import draft as drafting
 from kafila.engine.sampler import Sampler, SamplingParams, StopReason
+from kafila.engine.speculative import verify
 from kafila.engine.stage import ContextFullError, RequestId, Stage
 
 
@@ -23,6 +28,9 @@ class Timings:
     prefill_s: float = 0.0  # prompt forward + first token
     decode_s: float = 0.0  # every later token
     stop_reason: StopReason | None = None
+    steps: int = 0  # decode steps (each one circuit of the model)
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # ... and kept
 
     @property
     def prefill_tps(self) -> float:
@@ -43,8 +51,11 @@ def generate(
     chunk: int = PREFILL_CHUNK,
     rid: RequestId = "local",
     timings: Timings | None = None,
+    draft: drafting.DraftPolicy | None = None,
+    tie_margin: float = 0.0,
 ) -> Iterator[int]:
-    """Yield generated token ids (the stop token included when generation ends on one)."""
+    """Yield generated token ids (the stop token included when generation ends on one). `draft`:
+    speculative decoding with prompt lookup; `tie_margin`: kafila.engine.speculative.verify's."""
     if not stage.head or stage.blocks.start != 0 or stage.blocks.stop != stage.config.num_hidden_layers:
         raise ValueError("generate() needs a stage holding every block and the head")
     if not prompt_ids:
@@ -63,18 +74,25 @@ def generate(
     t.prompt_tokens, sampler = len(prompt_ids), Sampler(params, eos_ids, prompt_ids)
     stage.open(rid)
     try:
-        yield from _run(stage, list(prompt_ids), sampler, chunk, rid, t)
+        if draft is None:
+            yield from _run(stage, list(prompt_ids), sampler, chunk, rid, t)
+        else:
+            yield from _run_drafted(stage, list(prompt_ids), sampler, chunk, rid, t, draft, tie_margin)
     finally:
         stage.close(rid)
+
+
+def _prefill(stage: Stage, prompt: list[int], sampler: Sampler, chunk: int, rid: RequestId) -> int:
+    for a in range(0, len(prompt), chunk):
+        [hidden] = stage.forward([(rid, a, stage.embed(prompt[a : a + chunk]))])
+    return sampler.sample(stage.logits(hidden[-1]))
 
 
 def _run(
     stage: Stage, prompt: list[int], sampler: Sampler, chunk: int, rid: RequestId, t: Timings
 ) -> Iterator[int]:
     start = time.perf_counter()
-    for a in range(0, len(prompt), chunk):
-        [hidden] = stage.forward([(rid, a, stage.embed(prompt[a : a + chunk]))])
-    token = sampler.sample(stage.logits(hidden[-1]))
+    token = _prefill(stage, prompt, sampler, chunk, rid)
     t.prefill_s, t.generated_tokens = time.perf_counter() - start, 1
     pos = len(prompt)
     yield token
@@ -85,9 +103,50 @@ def _run(
         while (reason := sampler.stop_reason(token)) is None and pos + 1 < stage.context:
             [hidden] = stage.forward([(rid, pos, stage.embed([token]))])
             token, pos = sampler.sample(stage.logits(hidden[-1])), pos + 1
-            t.generated_tokens += 1
+            t.generated_tokens, t.steps = t.generated_tokens + 1, t.steps + 1
             t.decode_s = time.perf_counter() - start
             yield token
+        t.stop_reason = reason or "length"
+    finally:
+        t.decode_s = time.perf_counter() - start
+
+
+def _run_drafted(
+    stage: Stage,
+    prompt: list[int],
+    sampler: Sampler,
+    chunk: int,
+    rid: RequestId,
+    t: Timings,
+    policy: drafting.DraftPolicy,
+    tie_margin: float,
+) -> Iterator[int]:
+    """As `_run`, each step feeding the last token and a draft, keeping what `verify` keeps."""
+    start = time.perf_counter()
+    token = _prefill(stage, prompt, sampler, chunk, rid)
+    t.prefill_s, t.generated_tokens = time.perf_counter() - start, 1
+    history, pos, stats, alone = [*prompt, token], len(prompt), drafting.DraftStats(), False
+    yield token
+    start = time.perf_counter()
+    try:
+        reason = sampler.stop_reason(token)
+        while reason is None and pos + 1 < stage.context:
+            room = min(sampler.params.max_tokens - sampler.generated - 1, stage.context - 2 - pos)
+            drafted = () if alone else drafting.propose(policy, stats, history, room)
+            began = time.perf_counter()
+            [hidden] = stage.forward([(rid, pos, stage.embed([token, *drafted]))], rowwise=True)
+            verdict = verify(sampler, stage.logits(hidden), drafted, tie_margin)
+            took = time.perf_counter() - began
+            stats = drafting.observe(policy, stats, len(drafted), verdict.accepted, took)
+            t.steps, t.drafted = t.steps + 1, t.drafted + len(drafted)
+            t.accepted += verdict.accepted
+            alone, reason = verdict.tied, verdict.reason
+            for tok in verdict.tokens:
+                token, pos = tok, pos + 1
+                history.append(tok)
+                t.generated_tokens += 1
+                t.decode_s = time.perf_counter() - start
+                yield tok
         t.stop_reason = reason or "length"
     finally:
         t.decode_s = time.perf_counter() - start

@@ -3,10 +3,12 @@
 Greedy when `temperature == 0` (or `top_k == 1`, or `top_p == 0`: only the most likely token is
 left); otherwise logits / temperature, then top-k, then top-p (the smallest set of tokens whose
 probability reaches `top_p`, as transformers does), then min-p (only tokens at least `min_p`
-times as likely as the most likely one stay, as llama.cpp and transformers do), then a draw
-from the request's own generator, seeded by `seed` so a seeded request repeats exactly (any
-integer: a negative seed is read as the 64-bit pattern it has, so -1 is one fixed seed, not
-"random").
+times as likely as the most likely one stay, as llama.cpp and transformers do), then a draw.
+Each answer position draws from its own generator, keyed by the request's seed and the
+position, so a seeded request repeats exactly (any integer: a negative seed is read as the
+64-bit pattern it has, so -1 is one fixed seed, not "random"), and a token does not depend on
+how many positions one step verified (kafila.engine.speculative): the answer is the same with
+drafts or without.
 
 Penalties, applied to the logits before all of that (so greedy decoding takes them too), each off
 by default:
@@ -20,6 +22,7 @@ by default:
 from __future__ import annotations
 
 import math
+import secrets
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -78,40 +81,50 @@ class Sampler:
     ) -> None:
         self.params = params
         self.stop_ids = frozenset(eos_ids) | frozenset(params.stop_token_ids)
-        self.rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
+        # the key of every position's draw: the seed, or fresh entropy for an unseeded request
+        self.key = secrets.randbits(64) if params.seed is None else params.seed % 2**64
         self.generated = 0
         n = params.repeat_last_n if params.repeats else 0
         self.recent: deque[int] = deque(prompt[-n:] if n else (), maxlen=n)  # repeat_penalty's window
         self.answer: Counter[int] = Counter()  # the answer's tokens so far, for presence/frequency
 
+    @property
+    def greedy(self) -> bool:
+        """Only the most likely token can be chosen."""
+        p = self.params
+        return p.temperature == 0 or p.top_k == 1 or p.top_p == 0
+
+    def generator(self) -> np.random.Generator:
+        """The generator of the position being sampled (the answer's `generated`-th token)."""
+        return np.random.default_rng([self.key, self.generated])
+
     def sample(self, logits: np.ndarray) -> int:
         """logits [V] -> the next token id."""
         p = self.params
-        self.generated += 1
-        logits = self.penalized(logits)
-        if p.temperature == 0 or p.top_k == 1 or p.top_p == 0:
-            token = int(np.argmax(logits))
+        if self.greedy:
+            token = int(np.argmax(self.penalized(logits)))
         else:
-            probs = distribution(logits, p.temperature, p.top_k, p.top_p, p.min_p)
-            token = int(self.rng.choice(probs.shape[0], p=probs))
+            probs = distribution(self.penalized(logits), p.temperature, p.top_k, p.top_p, p.min_p)
+            token = int(self.generator().choice(probs.shape[0], p=probs))
+        self.generated += 1
+        self.take(token)
+        return token
+
+    def take(self, token: int) -> None:
+        """`token` joins the penalties' history."""
+        p = self.params
         if self.recent.maxlen:
             self.recent.append(token)
         if p.presence_penalty or p.frequency_penalty:
             self.answer[token] += 1
-        return token
 
     def replay(self, tokens: Sequence[int]) -> None:
-        """`tokens` were sampled for this request elsewhere (by a head that was lost): count them,
-        take them into the penalties' history, and advance the generator past their draws (one
-        double each, as `Generator.choice` draws), so the answer goes on as it would have."""
-        p = self.params
+        """`tokens` were sampled for this request elsewhere (by a head that was lost): count them
+        and take them into the penalties' history, so the answer goes on as it would have (each
+        position's draw is keyed by its index, so nothing else moves on)."""
         self.generated += len(tokens)
-        if not (p.temperature == 0 or p.top_k == 1 or p.top_p == 0):
-            self.rng.random(len(tokens))
-        if self.recent.maxlen:
-            self.recent.extend(tokens)
-        if p.presence_penalty or p.frequency_penalty:
-            self.answer.update(tokens)
+        for token in tokens:
+            self.take(token)
 
     def penalized(self, logits: np.ndarray) -> np.ndarray:
         """logits [V] with this request's penalties applied (the same array when none is on)."""

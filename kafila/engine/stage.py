@@ -300,19 +300,26 @@ class Stage:
         self._need_head("embed")
         return self.model.embed(self.backend.ids(token_ids))
 
-    def forward(self, items: Sequence[Item]) -> list[Any]:
+    def forward(self, items: Sequence[Item], rowwise: bool = False) -> list[Any]:
         """Items (rid, start, hidden [T, H]) -> each item's hidden [T, H] after blocks [a, b).
-        All items run as one batched computation (decode steps and prefill chunks may mix)."""
+        All items run as one batched computation (decode steps and prefill chunks may mix);
+        `rowwise`: as decode rows (`step`)."""
         entries = [Entry(rid, start, int(h.shape[0])) for rid, start, h in items]
-        out = self.step(self.backend.concat([h for _, _, h in items]), entries)
+        out = self.step(self.backend.concat([h for _, _, h in items]), entries, rowwise)
         rows, offset = [], 0
         for e in entries:
             rows.append(out[offset : offset + e.n_tokens])
             offset += e.n_tokens
         return rows
 
-    def step(self, hidden: Any, entries: Sequence[Entry]) -> Any:
-        """Stacked hidden [N, H] whose rows belong to `entries` in order -> hidden [N, H]."""
+    def step(self, hidden: Any, entries: Sequence[Entry], rowwise: bool = False) -> Any:
+        """Stacked hidden [N, H] whose rows belong to `entries` in order -> hidden [N, H].
+
+        `rowwise`: every row is a decode row of its own (one Span per position; a row attends to
+        the rows of its request before it in the step), as a verification step of several
+        positions runs (kafila.engine.speculative): on the CPU kernels each row then has the bits
+        a one-row decode step gives it. An entry may start before the positions cached for its
+        request: those after its start are dropped (a rejected draft's) and written again."""
         seen: set[RequestId] = set()
         for e in entries:
             if e.rid in seen:
@@ -323,7 +330,10 @@ class Stage:
             raise StageError(
                 f"entries cover {sum(e.n_tokens for e in entries)} rows, hidden has {hidden.shape[0]}"
             )
-        spans = [Span(self._slots[e.rid], e.start, e.n_tokens) for e in entries]
+        if rowwise:
+            spans = [Span(self._slots[e.rid], e.start + i, 1) for e in entries for i in range(e.n_tokens)]
+        else:
+            spans = [Span(self._slots[e.rid], e.start, e.n_tokens) for e in entries]
         out = self.decode.forward(hidden, spans)
         for e in entries:
             self._length[e.rid] = e.start + e.n_tokens

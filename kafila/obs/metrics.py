@@ -308,6 +308,34 @@ ITL = Histogram(
     buckets=STEP_BUCKETS,
     registry=REGISTRY,
 )
+# -- speculative decoding (the head; vLLM's names) ------------------------------------------------------
+
+SPEC_DRAFTS = Counter(
+    "kafila_spec_decode_num_drafts",
+    "Decode steps that carried drafted tokens to verify",
+    registry=REGISTRY,
+)
+SPEC_DRAFT_TOKENS = Counter(
+    "kafila_spec_decode_num_draft_tokens", "Drafted tokens verified", registry=REGISTRY
+)
+SPEC_ACCEPTED = Counter("kafila_spec_decode_num_accepted_tokens", "Drafted tokens kept", registry=REGISTRY)
+SPEC_ACCEPTED_PER_POS = Counter(
+    "kafila_spec_decode_num_accepted_tokens_per_pos",
+    "Drafted tokens kept, by their place in the draft (0: the first)",
+    ["position"],
+    registry=REGISTRY,
+)
+CIRCUITS = Counter(
+    "kafila_decode_circuits",
+    "Decode steps that went around the ring and came back to be sampled",
+    registry=REGISTRY,
+)
+TOKENS_PER_CIRCUIT = Histogram(
+    "kafila_decode_tokens_per_circuit",
+    "Tokens a request took from one decode step (1 without drafts; kept drafts + 1 with them)",
+    buckets=(0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16),
+    registry=REGISTRY,
+)
 DECODE_RATE = Gauge(
     "kafila_decode_tokens_per_second",
     "Decode tokens per second of the last request that decoded",
@@ -399,6 +427,19 @@ def observe_first_token(queue_s: float, prefill_s: float) -> None:
 def observe_token_interval(seconds: float) -> None:
     """The time from a request's last token to the token just sampled (the head, per token)."""
     ITL.observe(seconds)
+
+
+def observe_circuit(tokens: int, drafted: int, accepted: int) -> None:
+    """A decode step came back and gave a request `tokens` tokens, keeping `accepted` of the
+    `drafted` tokens it carried."""
+    CIRCUITS.inc()
+    TOKENS_PER_CIRCUIT.observe(tokens)
+    if drafted:
+        SPEC_DRAFTS.inc()
+        SPEC_DRAFT_TOKENS.inc(drafted)
+        SPEC_ACCEPTED.inc(accepted)
+        for position in range(accepted):
+            SPEC_ACCEPTED_PER_POS.labels(str(position)).inc()
 
 
 def observe_stage(r: StageRecord) -> None:

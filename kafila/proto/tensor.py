@@ -151,6 +151,8 @@ class Tokens:
     finish: str | None = None
     queue_position: int | None = None  # set while the request waits for a slot
     prefill_s: float | None = None  # set once, on the message with the first token
+    drafted: int = 0  # drafted tokens the step that gave these verified (speculative decoding)
+    accepted: int = 0  # ... and those of them kept (among `tokens`)
 
     kind: ClassVar[Kind] = Kind.TOKENS
 
@@ -217,6 +219,8 @@ _FIELDS: dict[type, dict[str, tuple[type, ...]]] = {
         "finish": (str, type(None)),
         "queue_position": (int, type(None)),
         "prefill_s": (float, int, type(None)),
+        "drafted": (int,),
+        "accepted": (int,),
     },
     Cancel: {"request_id": (int,), "reason": (str,)},
     Error: {"request_id": (int,), "code": (str,), "message": (str,)},
@@ -240,6 +244,8 @@ _OPTIONAL = {
     "finish",
     "queue_position",
     "prefill_s",
+    "drafted",
+    "accepted",
     "reason",
 }
 

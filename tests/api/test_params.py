@@ -36,3 +36,16 @@ def test_a_prompt_that_fills_the_context_is_refused_never_truncated() -> None:
         "prompt is 8 tokens; the session's context is 8 tokens (prompt plus answer); "
         "shorten the prompt (Kafila never truncates it)"
     )
+
+
+def test_the_usage_block_says_how_many_drafted_tokens_were_kept_and_dropped() -> None:
+    from kafila.api.openai import _usage
+    from kafila.api.stream import Tally
+
+    usage = _usage(Tally(prompt_tokens=7, completion_tokens=20, drafted=15, accepted=11))
+    assert usage == {
+        "prompt_tokens": 7,
+        "completion_tokens": 20,
+        "total_tokens": 27,
+        "completion_tokens_details": {"accepted_prediction_tokens": 11, "rejected_prediction_tokens": 4},
+    }

@@ -5,8 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
+from kafila.engine.draft import DraftPolicy
 from kafila.engine.generate import Timings, generate
 from kafila.engine.sampler import SamplingParams
 from kafila.engine.stage import ContextFullError, Stage
@@ -174,3 +176,64 @@ def test_kafila_run_refuses_a_prompt_longer_than_the_context(smollm2_path) -> No
     code, _, err = cli("run", QUESTION * 4, "--model", str(smollm2_path), "--raw", "--context", "16")
     assert code == 2
     assert "kafila run: error: the prompt has" in err and "the context of 16 tokens" in err
+
+
+REPEATING = [4, 8, 15, 16, 23, 42, 7, 9] * 2  # a prompt the answer can copy from
+
+
+@pytest.fixture(scope="module")
+def long_stage(tiny_checkpoint) -> Stage:
+    ckpt = Checkpoint.open(tiny_checkpoint("qwen3-gqa4-tied"))
+    return Stage.load(ckpt, range(ckpt.n_blocks), True, "torch", "fp32", context=64, concurrency=2)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(max_tokens=40), SamplingParams(temperature=1.0, top_p=0.95, seed=5, max_tokens=40)],
+    ids=["greedy", "seeded"],
+)
+def test_drafting_gives_the_plain_tokens_in_fewer_steps(long_stage: Stage, params: SamplingParams) -> None:
+    plain, drafted = Timings(), Timings()
+    expected = list(generate(long_stage, REPEATING, params, timings=plain))
+    got = list(generate(long_stage, REPEATING, params, timings=drafted, draft=DraftPolicy(row_share=0.0)))
+    assert got == expected and len(got) == 40
+    assert plain.steps == 39 and drafted.drafted > 0
+    assert drafted.steps == 39 - drafted.accepted  # each kept draft token saved a step
+    if params.temperature == 0:
+        assert drafted.accepted > 0  # the tiny model's greedy answer repeats itself
+
+
+def test_a_simulated_backend_without_row_exact_steps_keeps_greedy_tokens(long_stage: Stage) -> None:
+    """tie_margin as a backend whose batched rows may round differently: rows within the margin
+    are sampled alone in the next step, the tokens stay the plain ones."""
+    params, t = SamplingParams(max_tokens=40), Timings()
+    expected = list(generate(long_stage, REPEATING, params))
+    policy = DraftPolicy(row_share=0.0)
+    got = list(generate(long_stage, REPEATING, params, timings=t, draft=policy, tie_margin=0.5))
+    assert got == expected and t.steps > 39 - t.accepted  # some steps ended at a tie
+
+
+def test_a_verification_steps_rows_have_the_bits_of_one_row_decode_steps(long_stage: Stage) -> None:
+    """On the CPU kernels each row of a several-row decode step is computed as alone, so greedy
+    verification needs no tie guard there (Stage.batch_rows)."""
+    tokens = [5, 77, 31, 140, 9]
+    stage = long_stage
+    stage.open("a")
+    stage.open("b")
+    try:
+        for rid in ("a", "b"):
+            stage.forward([(rid, 0, stage.embed(REPEATING))])
+        one = [_logits(stage, "a", 16 + i, t) for i, t in enumerate(tokens)]
+        stage.forward([("b", 16, stage.embed([1, 2, 3, 4, 5, 6, 7]))], rowwise=True)  # a draft, then rejected
+        [rows] = stage.forward([("b", 16, stage.embed(tokens))], rowwise=True)  # written again from 16
+        assert np.array_equal(stage.logits(rows), np.stack(one))
+        assert stage.length("b") == 21
+    finally:
+        stage.close("a")
+        stage.close("b")
+
+
+def _logits(stage: Stage, rid: str, position: int, token: int) -> np.ndarray:
+    """One plain decode step's logits."""
+    [hidden] = stage.forward([(rid, position, stage.embed([token]))])
+    return stage.logits(hidden[-1])

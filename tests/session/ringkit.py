@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 from dataclasses import dataclass
 
+from kafila.engine.draft import DraftPolicy
 from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
 from kafila.proto.ring import Cause
@@ -54,6 +55,8 @@ def build_ring(
     lanes: int | None = None,  # decode lanes at the head; default one per stage
     dtypes: list[str] | None = None,  # each stage's dtype; default fp32 everywhere
     max_queue: int | None = None,
+    draft: DraftPolicy | None = None,  # the head drafts (speculative decoding); None: plain
+    tie_margin: float | None = None,
 ) -> Ring:
     names = tuple(f"m{i}" for i in range(len(splits)))
     info = RingInfo(
@@ -76,6 +79,7 @@ def build_ring(
     hb = [(beat(a, dead_after), beat(b, dead_after)) for a, b in pairs]
     eos = ckpt.config.eos_token_id
     ways = {"concurrency": concurrency, "chunk": chunk, "lanes": lanes or n, "max_queue": max_queue}
+    ways |= {"draft": draft, "tie_margin": tie_margin}
     if n == 1:
         head = RingHead(stages[0], ModelThread(names[0]), info, None, None, eos, **ways)
         return Ring(head.start(), [], [])

@@ -347,3 +347,33 @@ def test_random_interleavings_keep_the_invariants(
         if rid in finished and rid not in cancelled:
             assert plen <= pos <= plen + mx - 1
     assert finished | cancelled == set(range(len(reqs)))
+
+
+def test_a_drafted_step_carries_its_draft_and_the_next_starts_after_the_tokens_kept() -> None:
+    s = Schedule(concurrency=1, chunk=8)
+    s.submit(1, prompt_len=5, max_tokens=10)
+    [p] = s.take()
+    s.returned(p)
+    s.sampled(1, stop=False)  # the first token, at position 5
+    s.set_draft(1, 3)
+    [d] = s.take()
+    assert d == Step(False, (Entry(1, 5, 4),))  # the last token and three drafted
+    s.returned(d)
+    assert s.next_position(1) == 5
+    assert s.sampled(1, stop=False, n=3) is False  # two drafts kept and the model's own token
+    s.set_draft(1, 0)
+    [d] = s.take()
+    assert d == Step(False, (Entry(1, 8, 1),))
+    s.returned(d)
+    assert s.sampled(1, stop=False, n=0) is False  # a near tie: the position is sampled again
+    [d] = s.take()
+    assert d == Step(False, (Entry(1, 8, 1),))
+    s.returned(d)
+    s.sampled(1, stop=False)
+    with pytest.raises(ValueError, match="request 1: a draft of 5 tokens with 5 left"):
+        s.set_draft(1, 5)  # five tokens left: the step's own and four drafted at most
+    s.set_draft(1, 4)
+    [d] = s.take()
+    assert d == Step(False, (Entry(1, 9, 5),))
+    s.returned(d)
+    assert s.sampled(1, stop=False, n=5) is True  # max_tokens reached

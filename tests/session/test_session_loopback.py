@@ -280,7 +280,9 @@ async def test_every_member_traces_its_hops_over_quic(rdv, tiny_chat_model, tmp_
         assert hop == stages[hop.src].hop_out and stages[hop.dst].hop_in.bytes == hop.bytes > 0
         assert hop.path == "direct" and hop.rtt_ms is not None and 0 < hop.rtt_ms < 1000
         assert hop.predicted_rtt_ms == priced.get(hop.name)
-    assert all(s.decode_steps == req.completion_tokens - 1 for s in stages.values())
+    # every stage ran each decode step (one per token, fewer where drafted tokens were kept)
+    [steps] = {s.decode_steps for s in stages.values()}
+    assert 0 < steps <= req.completion_tokens - 1
 
 
 async def test_api_answers_while_the_session_forms_then_serves_on_the_same_address(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from kafila.api.app import create_app
 from kafila.api.state import Api, ModelFacts
+from kafila.engine.draft import policy_for
 from kafila.engine.stage import Stage
 from kafila.engine.tokenizer import Tokenizer
 from kafila.models.checkpoint import Checkpoint
@@ -103,12 +104,14 @@ async def start_role(
             lanes,
             serving.terms.queue,
             origins,
+            draft=policy_for(opts.draft),
         )
         traces.write(session_record(plan, code.public, model, info.edges, epoch))
     else:
         if nxt is None or prv is None:  # a plan puts a member that is not the head in a ring of 2+
             raise ValueError(f"member {name} has no ring neighbour in the plan {plan.order}")
         role = RingMember(index, stage, model_thread, info, nxt, prv, traces, origins[name])
+        role.draft = policy_for(opts.draft)  # should the head move here
     metrics.observe_session(
         session_record(plan, code.public, model, info.planned), ring_view=head, epoch=epoch
     )

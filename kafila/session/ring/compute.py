@@ -18,8 +18,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from kafila.engine.draft import DraftPolicy, DraftStats, propose
 from kafila.engine.pace import Mark, Pace
 from kafila.engine.sampler import Sampler, StopReason
+from kafila.engine.speculative import Verdict, verify
 from kafila.engine.stage import Entry as StageEntry
 from kafila.engine.stage import Stage, StageError
 from kafila.obs import hopmarks
@@ -95,15 +97,16 @@ def open_new(stage: Stage, entries: Sequence[t.Entry]) -> None:
 
 
 def head_step(
-    stage: Stage, entries: Sequence[t.Entry], tokens: Sequence[Sequence[int]]
+    stage: Stage, entries: Sequence[t.Entry], tokens: Sequence[Sequence[int]], decode: bool = False
 ) -> tuple[bytes, int, int]:
-    """Embed each entry's tokens and run the head's blocks: (wire bytes [N, H], rows, microseconds)."""
+    """Embed each entry's tokens and run the head's blocks: (wire bytes [N, H], rows, microseconds).
+    `decode`: a decode step, whose entries may hold drafted tokens (each row a decode row)."""
     hopmarks.mark("start", entries)
     start = Pace.mark()
     open_new(stage, entries)
     ids = [tok for toks in tokens for tok in toks]
     hidden = stage.embed(ids)  # [N, H]
-    out = stage.step(hidden, [StageEntry(e.request_id, e.position, e.n_tokens) for e in entries])
+    out = stage.step(hidden, [StageEntry(e.request_id, e.position, e.n_tokens) for e in entries], decode)
     data = stage.to_bytes(out)
     us = _us(stage, start)
     hopmarks.mark("end", entries)
@@ -121,7 +124,8 @@ def stage_step(stage: Stage, frames: Sequence[t.Hidden]) -> tuple[list[bytes], i
     open_new(stage, entries)
     parts = [stage.from_bytes(f.data, f.shape) for f in frames]  # each [n_f, H]
     hidden = stage.backend.concat(parts)  # [N, H]
-    out = stage.step(hidden, [StageEntry(e.request_id, e.position, e.n_tokens) for e in entries])
+    decode = not frames[0].flags & t.Flag.PREFILL  # (prefill frames run alone)
+    out = stage.step(hidden, [StageEntry(e.request_id, e.position, e.n_tokens) for e in entries], decode)
     datas, at = [], 0
     for f in frames:
         rows = f.shape[0]
@@ -132,18 +136,21 @@ def stage_step(stage: Stage, frames: Sequence[t.Hidden]) -> tuple[list[bytes], i
     return datas, us
 
 
-def head_logits(stage: Stage, frame: t.Hidden, rids: Sequence[int]) -> tuple[np.ndarray, int]:
-    """The last row of each named request's rows -> logits [B, V] (float32), microseconds."""
+def head_logits(
+    stage: Stage, frame: t.Hidden, rids: Sequence[int], every_row: bool = False
+) -> tuple[np.ndarray, int]:
+    """The last row of each named request's rows -> logits [B, V] (float32), microseconds;
+    `every_row`: all of their rows, in the frame's order ([sum of their rows, V])."""
     hopmarks.mark("l_start", frame.entries)
     start = Pace.mark()
     check_dtype(stage, frame)
     hidden = stage.from_bytes(frame.data, frame.shape)  # [N, H]
-    last, at = {}, 0
+    rows_of, at = {}, 0
     for e in frame.entries:
+        rows_of[e.request_id] = range(at, at + e.n_tokens)
         at += e.n_tokens
-        last[e.request_id] = at - 1
-    rows = hidden[[last[r] for r in rids]]  # [B, H]
-    logits = stage.logits(rows)
+    picked = [i for r in rids for i in (rows_of[r] if every_row else rows_of[r][-1:])]
+    logits = stage.logits(hidden[picked])  # [B or rows, V]
     us = _us(stage, start)
     hopmarks.mark("l_end", frame.entries)
     return logits, us
@@ -182,7 +189,7 @@ def head_turn(
         token_of = dict(zip(rids, tokens, strict=True))
         hopmarks.mark("submit", continuation)
         with contextlib.suppress(StageError):  # the step is run again on its own and fails there by name
-            ahead = head_step(stage, continuation, [[token_of[e.request_id]] for e in continuation])
+            ahead = head_step(stage, continuation, [[token_of[e.request_id]] for e in continuation], True)
     return HeadTurn(tokens, reasons, us, sampled_at, ahead)
 
 
@@ -209,3 +216,66 @@ def close_slots(stage: Stage, rids: Sequence[int]) -> None:
 def _us(stage: Stage, start: Mark) -> int:
     """Microseconds since `start`, after the stage's emulated pace has idled (see engine.pace)."""
     return int(stage.pace.finish(start) * 1e6)
+
+
+@dataclass(frozen=True)
+class Drafting:
+    """What the head's model thread needs to verify a request's drafted tokens and draft its next:
+    the tokens its step fed after its last one, its prompt and answer so far, its measurements,
+    and the most tokens it may draft next (before this step's tokens are counted)."""
+
+    fed: tuple[int, ...]
+    history: Sequence[int]
+    stats: DraftStats
+    room: int
+
+
+@dataclass(frozen=True)
+class VerifyTurn:
+    """A decode frame back at a head that drafts: each request's verdict and its next draft."""
+
+    verdicts: list[Verdict]
+    drafts: list[tuple[int, ...]]  # the next step's draft of each request (() where it ended)
+    logits_us: int
+    sampled_at: float
+    ahead: tuple[bytes, int, int] | None = None  # `head_step` of the continuation, as HeadTurn's
+
+
+def verify_turn(
+    stage: Stage,
+    frame: t.Hidden,
+    rids: Sequence[int],
+    samplers: Sequence[Sampler],
+    drafting: Sequence[Drafting],
+    policy: DraftPolicy,
+    tie_margin: float,
+    continuation: Sequence[t.Entry] | None = None,
+) -> VerifyTurn:
+    """Logits of every row of each named request, the tokens `verify` keeps of what it fed, and
+    the draft for its next step (kafila.engine.draft.propose, after the tokens kept). Where every
+    request took one token, goes on and drafts nothing, `continuation` (one token each, as
+    `head_turn`'s) runs at once: a request whose drafts find nothing loses no time to them."""
+    decode = not frame.flags & t.Flag.PREFILL  # a prefill's last chunk: its last row only
+    logits, us = head_logits(stage, frame, rids, every_row=decode)  # [rows, V]
+    verdicts, at = [], 0
+    for sampler, d in zip(samplers, drafting, strict=True):
+        n = len(d.fed) + 1
+        verdicts.append(verify(sampler, logits[at : at + n], d.fed, tie_margin))
+        at += n
+    sampled_at = time.perf_counter()
+    hopmarks.mark("sampled", frame.entries)
+    drafts: list[tuple[int, ...]] = []
+    for v, d in zip(verdicts, drafting, strict=True):
+        room = d.room - len(v.tokens)
+        if v.reason is not None or v.tied or room < 1:
+            drafts.append(())
+        else:
+            drafts.append(propose(policy, d.stats, [*d.history, *v.tokens], room))
+    ahead = None
+    plain = all(len(v.tokens) == 1 and v.reason is None for v in verdicts) and not any(drafts)
+    if continuation is not None and plain:
+        token_of = {rid: v.tokens[0] for rid, v in zip(rids, verdicts, strict=True)}
+        hopmarks.mark("submit", continuation)
+        with contextlib.suppress(StageError):  # the step is run again on its own and fails there by name
+            ahead = head_step(stage, continuation, [[token_of[e.request_id]] for e in continuation], True)
+    return VerifyTurn(verdicts, drafts, us, sampled_at, ahead)

@@ -11,6 +11,12 @@ next member goes through one outbox, so frees, frames and tokens keep their orde
 breaks fails every request within the heartbeat's window with a `member_lost` error that names the
 member.
 
+Speculative decoding (a `draft` policy, kafila.engine.draft): each decode step of a request may
+carry the tokens prompt lookup drafts after its last one; the model thread's turn verifies them
+on the rows that come back (kafila.engine.speculative), answers with every token kept, and drafts
+the request's next step. The other members only see a decode step of several rows: a step that
+starts before what they cached writes over the rejected positions.
+
 Traces: the head writes its own `StageRecord` as every member does (kafila.session.ring.stagetrace) and,
 once the request's `free` notice has come back around the ring carrying every member's hop
 figures, the `RequestRecord` with the whole ring's view (a ring of one writes it at once; a broken
@@ -29,6 +35,7 @@ from typing import Any
 
 from kafila.api.service import STOP_STRING, GenerationError, Sampling, TokenEvent
 from kafila.engine import PREFILL_CHUNK
+from kafila.engine.draft import DraftPolicy, DraftStats, observe
 from kafila.engine.sampler import Sampler, SamplingParams, StopReason
 from kafila.engine.stage import Stage, StageError
 from kafila.obs import hopmarks, metrics
@@ -47,6 +54,9 @@ from kafila.session.ring.stagetrace import StageTally, read_hop_report
 
 log = get_logger("kafila.session.ring.head")
 
+# a greedy row computed with others whose best two logits lie closer than this is sampled alone
+# (kafila.engine.speculative), where a backend does not promise each row the bits of a one-row step
+TIE_MARGIN = 1e-2
 QUEUE_REPORT_S = 0.25  # queue positions are sent at most this often (only those that changed)
 
 
@@ -73,6 +83,11 @@ class _Req:
     tokens: list[int] = field(default_factory=list)  # every token sampled so far (fed back, or the last)
     feed: list[int] | None = None  # carried into a new epoch: prompt + tokens, prefilled again
     asker: str = ""  # the member whose client asked, where the origin tag names another (a spare's)
+    draft: tuple[int, ...] = ()  # drafted tokens its next (or in-flight) decode step carries
+    draft_stats: DraftStats = field(default_factory=DraftStats)
+    drafted: int = 0  # draft tokens verified, in all
+    accepted: int = 0  # ... and kept
+    circuits: int = 0  # decode steps that came back
 
     def fed(self) -> list[int]:
         """What its prefill feeds the ring: the prompt, or after a re-plan the prompt and its tokens."""
@@ -94,8 +109,13 @@ class RingHead(RoleBase):
         lanes: int = 1,  # decode groups in flight (schedule.lanes_for, from the plan)
         max_queue: int | None = None,  # requests that may wait for a slot (None: no limit)
         origins: Mapping[str, int] | None = None,  # each member's origin tag (None: first ring index)
+        draft: DraftPolicy | None = None,  # speculative decoding with prompt lookup (None: off)
+        tie_margin: float | None = None,  # kafila.engine.speculative's (None: 0 where rows are exact)
     ) -> None:
         super().__init__(info.order[0], next_ch, prev_ch)
+        self.draft = draft
+        self.tie_margin = tie_margin
+        self.last_request = (0, 0, 0)  # decode circuits, drafted and kept tokens of the last one done
         self.stage, self.model, self.info = stage, model, info
         self.eos_ids = tuple(eos_ids)
         # prompts admitted together: in a ring of one, one step of as many rows as stay exact; in a
@@ -390,7 +410,9 @@ class RingHead(RoleBase):
                 req.admitted_at = req.admitted_at or taken
         hopmarks.mark("submit", entries)
         try:
-            data, rows, us = await self.model.run(compute.head_step, self.stage, entries, tokens)
+            data, rows, us = await self.model.run(
+                compute.head_step, self.stage, entries, tokens, not step.prefill
+            )
         except StageError as exc:
             self._fail_step(step, "internal", str(exc))
             return
@@ -420,7 +442,7 @@ class RingHead(RoleBase):
         req = self._reqs.get(e.request_id)
         if req is None:  # cancelled between take() and now: its rows still keep positions in order
             return [0] * e.n_tokens
-        return req.fed()[e.position : e.position + e.n_tokens] if prefill else [req.last_token]
+        return req.fed()[e.position : e.position + e.n_tokens] if prefill else [req.last_token, *req.draft]
 
     # -- what comes back -------------------------------------------------------------------------------
 
@@ -468,7 +490,9 @@ class RingHead(RoleBase):
                 if rid in self._reqs:
                     self._reqs[rid].prefill_us.append(frame.timings_us)
         rids = [r for r in self.schedule.returned(step) if r in self._reqs]
-        if rids:
+        if rids and self.draft is not None:
+            await self._verified(frame, step, rids)
+        elif rids:
             nxt = self.schedule.continuation(step)  # run on the model thread right after sampling
             if nxt is not None and {e.request_id for e in nxt.entries} != set(rids):
                 nxt = None
@@ -498,6 +522,60 @@ class RingHead(RoleBase):
         else:
             await self._advance()
 
+    async def _verified(self, frame: t.Hidden, step: Step, rids: list[int]) -> None:
+        """A step back at a head that drafts: verify what each request fed, answer what it kept,
+        set its next draft (a prefill's last chunk verifies nothing and drafts the first)."""
+        assert self.draft is not None
+        reqs = [self._reqs[rid] for rid in rids]
+        fed = [() if step.prefill else r.draft for r in reqs]
+        drafting = [self._drafting(r, d) for r, d in zip(reqs, fed, strict=True)]
+        nxt_step = self.schedule.continuation(step)  # sent at once where no draft changes it
+        if nxt_step is not None and {e.request_id for e in nxt_step.entries} != set(rids):
+            nxt_step = None
+        hopmarks.mark("l_submit", frame.entries)
+        try:
+            turn = await self.model.run(
+                compute.verify_turn,
+                self.stage,
+                frame,
+                rids,
+                [r.sampler for r in reqs],
+                drafting,
+                self.draft,
+                self._margin(),
+                None if nxt_step is None else _wire_entries(nxt_step),
+            )
+        except StageError as exc:
+            self._fail_step(step, "internal", str(exc))
+            return
+        if nxt_step is not None and turn.ahead is not None:
+            self._ahead = (nxt_step, turn.ahead)
+        timings = (frame.timings_us[0] + turn.logits_us, *frame.timings_us[1:])
+        now = time.perf_counter()
+        for req, d, verdict, nxt in zip(reqs, fed, turn.verdicts, turn.drafts, strict=True):
+            if self._reqs.get(req.rid) is not req:  # cancelled meanwhile: nothing to answer
+                continue
+            if not step.prefill:
+                circuit = turn.sampled_at - req.sent_at + (timings[0] - turn.logits_us) / 1e6
+                req.draft_stats = observe(self.draft, req.draft_stats, len(d), verdict.accepted, circuit)
+                req.drafted, req.accepted = req.drafted + len(d), req.accepted + verdict.accepted
+            req.draft = nxt
+            took = (verdict.tokens, verdict.reason, step.prefill, timings)
+            self._took(req, *took, turn.logits_us, turn.sampled_at, now, (len(d), verdict.accepted))
+
+    def _drafting(self, req: _Req, fed: tuple[int, ...]) -> compute.Drafting:
+        position = self.schedule.next_position(req.rid)  # where this step's last token was fed
+        room = min(req.max_tokens - req.generated - 1, self.context - 2 - position)
+        history = [*req.prompt, *req.tokens]
+        return compute.Drafting(fed, history, req.draft_stats, room)
+
+    def _margin(self) -> float:
+        """Greedy rows within this of a tie are sampled alone: 0 where a step's rows have the bits
+        of one-row steps (the CPU kernels, `Stage.batch_rows`), else TIE_MARGIN."""
+        if self.tie_margin is not None:
+            return self.tie_margin
+        return 0.0 if self.stage.batch_rows is not None else TIE_MARGIN
+
     def _sampled(
         self,
         req: _Req,
@@ -510,35 +588,63 @@ class RingHead(RoleBase):
     ) -> None:
         """`token` (ended its request for `reason`, if any) sampled in `turn` on the model thread,
         which alone touches the request's sampler."""
+        self._took(req, (token,), reason, prefill, timings, turn.logits_us, turn.sampled_at, now)
+
+    def _took(
+        self,
+        req: _Req,
+        tokens: tuple[int, ...],
+        reason: StopReason | None,
+        prefill: bool,
+        timings: tuple[int, ...],
+        logits_us: int,
+        sampled_at: float,
+        now: float,
+        drafts: tuple[int, int] = (0, 0),
+    ) -> None:
+        """`tokens` (the last ended its request for `reason`, if any) taken from one step, sampled
+        on the model thread at `sampled_at`; () where a verification step kept none. `drafts`:
+        the drafted tokens the step verified and those kept."""
         if not prefill:
+            req.circuits += 1
+            metrics.observe_circuit(len(tokens), *drafts)
             # from the head's blocks starting (their compute before the output left) to the token
             # sampled: every stage, the logits and the hops, as the plan's circuit
-            head_blocks_s = (timings[0] - turn.logits_us) / 1e6
-            circuit = turn.sampled_at - req.sent_at + head_blocks_s
+            head_blocks_s = (timings[0] - logits_us) / 1e6
+            circuit = sampled_at - req.sent_at + head_blocks_s
             req.circuit_s.append(circuit)
             req.stage_us.append(timings)
             req.transit_ms.append((circuit * 1e6 - sum(timings)) / 1e3)
             self.tally.add(req.rid, timings[0], prefill=False)
-        req.generated += 1
-        req.last_token = token
-        req.tokens.append(token)
+        done = self.schedule.sampled(req.rid, reason is not None, len(tokens))
+        if not done:  # a draft never asks for more tokens than the request has left
+            req.draft = req.draft[: max(0, req.max_tokens - req.generated - len(tokens) - 1)]
+            self.schedule.set_draft(req.rid, len(req.draft))
+        if not tokens:
+            return
+        req.generated += len(tokens)
+        req.last_token = tokens[-1]
+        req.tokens.extend(tokens)
         if self._first is not None and not self._first.done():
             self._first.set_result(time.monotonic())
         first = req.first_at is None
         if first:  # observed as the token comes, not when the request ends
             admitted = req.admitted_at or req.queued_at
             metrics.observe_first_token(admitted - req.queued_at, now - admitted)
-        elif req.last_at is not None:
-            metrics.observe_token_interval(now - req.last_at)
+        elif req.last_at is not None:  # tokens of one step share the interval since the last
+            for _ in tokens:
+                metrics.observe_token_interval((now - req.last_at) / len(tokens))
         req.first_at, req.last_at = req.first_at or now, now
-        done = self.schedule.sampled(req.rid, reason is not None)
-        emitted = () if reason == "stop" else (token,)
+        emitted = tokens[:-1] if reason == "stop" else tokens
         prefill_s = now - (req.admitted_at or now) if first else None
         finish = (reason or "length") if done else None
-        self._answer(req, TokenEvent(tokens=emitted, finish=finish, prefill_s=prefill_s))
+        drafted, accepted = drafts[0], min(drafts[1], len(emitted))
+        event = TokenEvent(emitted, finish, None, prefill_s, drafted, accepted)
+        self._answer(req, event)
         if done:
             req.finish = finish or "stop"
             self._reqs.pop(req.rid, None)
+            self.last_request = (req.circuits, req.drafted, req.accepted)
             self._record(req)
 
     # -- answers ---------------------------------------------------------------------------------------
@@ -651,7 +757,9 @@ class RingHead(RoleBase):
 def _answer_message(rid: int, item: TokenEvent | GenerationError) -> t.Message:
     if isinstance(item, GenerationError):
         return t.Error(rid, item.code, item.message)
-    return t.Tokens(rid, item.tokens, item.finish, item.queue_position, item.prefill_s)
+    return t.Tokens(
+        rid, item.tokens, item.finish, item.queue_position, item.prefill_s, item.drafted, item.accepted
+    )
 
 
 def _wire_entries(step: Step) -> tuple[t.Entry, ...]:

@@ -23,6 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from kafila.api.service import GenerationError, Sampling, TokenEvent
+from kafila.engine.draft import DraftPolicy
 from kafila.engine.stage import Stage, StageError
 from kafila.obs import hopmarks, metrics
 from kafila.obs.log import get_logger
@@ -71,6 +72,7 @@ class RingMember(RoleBase):
         self._work: list[t.Hidden | rc.Free] = []
         self._ready = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self.draft: DraftPolicy | None = None  # how it drafts should it become the head (promote)
 
     # -- GenerationService -----------------------------------------------------------------------------
 
@@ -237,7 +239,11 @@ class RingMember(RoleBase):
         if isinstance(msg, t.Error):
             gen.push(GenerationError(msg.code, msg.message))
         elif msg.tokens or msg.finish or msg.queue_position:  # not the bare "admitted"
-            gen.push(TokenEvent(msg.tokens, msg.finish, msg.queue_position, msg.prefill_s))
+            gen.push(
+                TokenEvent(
+                    msg.tokens, msg.finish, msg.queue_position, msg.prefill_s, msg.drafted, msg.accepted
+                )
+            )
             self._delivered.setdefault(msg.request_id, []).extend(msg.tokens)
         if gen.finished:
             self._forget(msg.request_id)

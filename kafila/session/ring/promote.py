@@ -56,7 +56,7 @@ def promoted(
     member._retire(next_ch, prev_ch)
     head = RingHead(
         stage, member.model, info, next_ch, prev_ch, eos_ids, concurrency, chunk, member.traces, lanes, queue,
-        origins,
+        origins, member.draft,
     )  # fmt: skip
     head.ids = member.ids  # its own tag, its count going on
     head.on_broken, head.recovers, head.on_ended = member.on_broken, member.recovers, member.on_ended

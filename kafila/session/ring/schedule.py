@@ -32,6 +32,11 @@ request, so a lane emptied by finished requests does not idle while another carr
 `continuation` says which step a returned lane sends next if all its requests go on, so the head
 can compute it together with their tokens.
 
+Speculative decoding: a request's decode step may carry `draft` tokens after its last one
+(`set_draft`, kafila.engine.draft), one step of 1 + draft rows that verifies them; `sampled` then
+counts the tokens the head kept (0 to draft + 1) and the next step starts after them, at the
+position of the last one kept (the stages write over the rejected positions' KV from there).
+
 No clocks, no I/O: the head loop calls `submit`, `take`, `returned`, `sampled`, `cancel`, and acts
 on what they return.
 """
@@ -80,6 +85,7 @@ class _Request:
     generated: int = 0  # tokens sampled so far
     in_flight: int = 0  # steps in the ring
     cancelled: bool = False
+    draft: int = 0  # tokens drafted for its next decode step
 
 
 SEPARATE_PROMPTS = 1  # `merge` rows for a ring of several stages: prompts never share a step
@@ -172,7 +178,9 @@ class Schedule:
             for r in group:
                 r.state, r.in_flight = State.IN_FLIGHT, r.in_flight + 1
             self._busy.add(lane)
-            steps.append(Step(False, tuple(Entry(r.rid, r.prompt_len + r.generated - 1, 1) for r in group)))
+            steps.append(
+                Step(False, tuple(Entry(r.rid, r.prompt_len + r.generated - 1, 1 + r.draft) for r in group))
+            )
         return steps
 
     def _ready(self) -> list[_Request]:
@@ -232,10 +240,21 @@ class Schedule:
                 out.append(r.rid)
         return out
 
-    def sampled(self, rid: int, stop: bool) -> bool:
-        """One token was sampled for `rid`; returns True when the request is finished."""
+    def set_draft(self, rid: int, n: int) -> None:
+        """`rid`'s next decode step carries `n` drafted tokens after its last one."""
+        r = self._reqs.get(rid)
+        if r is None:
+            return
+        room = r.max_tokens - r.generated - 1
+        if not 0 <= n <= max(room, 0):
+            raise ValueError(f"request {rid}: a draft of {n} tokens with {r.max_tokens - r.generated} left")
+        r.draft = n
+
+    def sampled(self, rid: int, stop: bool, n: int = 1) -> bool:
+        """`n` tokens were sampled for `rid` (0: a verification step kept none and its position is
+        sampled again); returns True when the request is finished."""
         r = self._reqs[rid]
-        r.generated += 1
+        r.generated += n
         if stop or r.generated >= r.max_tokens:
             self._finish(r)
             return True
@@ -265,6 +284,11 @@ class Schedule:
             return None
         group = sorted(reqs, key=lambda r: self._active.index(r.rid))  # take's order
         return Step(False, tuple(Entry(r.rid, r.prompt_len + r.generated, 1) for r in group))
+
+    def next_position(self, rid: int) -> int:
+        """The position `rid`'s next decode step starts at (its last sampled token's)."""
+        r = self._reqs[rid]
+        return r.prompt_len + r.generated - 1
 
     def cancel(self, rid: int) -> bool:
         """Drop a request; returns True when it had been admitted (its KV is freed through

@@ -1,0 +1,142 @@
+"""Drafts that need no training: prompt lookup, and how many tokens to draft (pure).
+
+Prompt lookup (as vLLM's `ngram` proposer and llama.cpp's lookup decoding): the last n tokens of
+prompt and answer (n from `max_ngram` down to `min_ngram`) are looked for earlier in the same
+history; the tokens that followed their latest earlier occurrence are the draft. Summaries,
+edits and code repeat their input, so those drafts are often right; a chat answer rarely finds
+one, and then nothing is drafted.
+
+How many (k): one step of k + 1 rows costs the circuit of a plain step (`base_s`: every hop and
+every stage's one-row compute) plus `row_s` for each drafted row, and with a per-token acceptance
+a it yields (1 - a^(k+1)) / (1 - a) tokens on average. The policy drafts the k in 0..max_k with
+the most tokens per second, 0 where none beats a plain step by `min_gain`. Acceptance and times are measured
+per request (`observe`): counts decay each step (`decay`) toward a prior, so a request whose
+drafts missed stops drafting, and after some plain steps tries again; the row cost is smoothed
+from a prior too, so one slow step (a kernel compiled for a new shape) does not end drafting.
+Long circuits (a WAN ring) make extra rows cheap by comparison and want long drafts; a ring on
+one machine wants short ones.
+
+No clocks or I/O: the head passes each step's measured circuit time in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+DRAFT_MODES = ("none", "lookup")  # --draft: off, or prompt lookup (the default)
+DRAFT_HELP = (
+    "speculative decoding: 'lookup' (default) drafts the next tokens from n-grams of the prompt and "
+    "the answer so far and verifies several per step (one circuit of the ring), keeping the tokens "
+    "plain decoding gives; drafts that miss fall back to plain steps. 'none': one token per step"
+)
+
+
+@dataclass(frozen=True)
+class DraftPolicy:
+    max_k: int = 8  # most tokens drafted for one step
+    max_ngram: int = 3  # longest suffix looked up
+    min_ngram: int = 1  # shortest suffix looked up
+    prior_accept: float = 0.6  # acceptance assumed before any draft was verified
+    prior_weight: float = 1.0  # ... worth this many verified draft tokens
+    decay: float = 0.9  # each step keeps this share of the counts before it
+    row_share: float = 0.05  # a drafted row's cost over a plain step's, until measured
+    min_gain: float = 0.1  # drafts are made only where they promise this much more than plain steps
+
+    def __post_init__(self) -> None:
+        if self.max_k < 0 or not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(
+                f"max_k {self.max_k} must be >= 0 and 1 <= min_ngram {self.min_ngram} <= "
+                f"max_ngram {self.max_ngram}"
+            )
+        if not 0 < self.decay <= 1 or not 0 <= self.prior_accept < 1 or self.prior_weight <= 0:
+            raise ValueError(
+                f"decay {self.decay} must be in (0, 1], prior_accept {self.prior_accept} in [0, 1), "
+                f"prior_weight {self.prior_weight} > 0"
+            )
+
+
+@dataclass(frozen=True)
+class DraftStats:
+    """One request's measurements: draft tokens verified and kept (decayed), and step times."""
+
+    drafted: float = 0.0
+    accepted: float = 0.0
+    base_s: float | None = None  # a plain (one-row) step's circuit, smoothed
+    row_s: float | None = None  # what each drafted row adds to it, smoothed
+
+    def acceptance(self, policy: DraftPolicy) -> float:
+        w = policy.prior_weight
+        return (self.accepted + policy.prior_accept * w) / (self.drafted + w)
+
+
+def lookup(history: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> tuple[int, ...]:
+    """Up to `k` tokens that followed the latest earlier occurrence of the longest suffix of
+    `history` (of `max_ngram` down to `min_ngram` tokens) found in it; () when none is."""
+    n_hist = len(history)
+    if k < 1 or n_hist < 2:
+        return ()
+    for n in range(min(max_ngram, n_hist - 1), min_ngram - 1, -1):
+        suffix = list(history[n_hist - n :])
+        first = suffix[0]
+        for start in range(n_hist - n - 1, -1, -1):  # latest first; not the suffix itself
+            if history[start] == first and list(history[start : start + n]) == suffix:
+                return tuple(history[start + n : start + n + k])
+    return ()
+
+
+def best_k(acceptance: float, base_s: float, row_s: float, max_k: int, min_gain: float = 0.0) -> int:
+    """The draft length in 0..max_k with the most expected tokens per second of circuit; 0 unless
+    that is more than (1 + `min_gain`) times a plain step's."""
+    best, best_rate = 0, 0.0
+    expected, term = 1.0, 1.0
+    for k in range(1, max_k + 1):
+        term *= acceptance
+        expected += term  # 1 + a + ... + a^k
+        rate = expected / (base_s + k * row_s)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = k, rate
+    return best if best_rate > (1 + min_gain) / base_s else 0
+
+
+def choose_k(policy: DraftPolicy, stats: DraftStats, room: int) -> int:
+    """How many tokens to draft for the next step; `room`: most the request can take (its tokens
+    left to generate and its context, less the step's own token)."""
+    base = stats.base_s if stats.base_s is not None else 1.0
+    row = stats.row_s if stats.row_s is not None else policy.row_share * base
+    k = best_k(stats.acceptance(policy), base, max(row, 0.0), policy.max_k, policy.min_gain)
+    return min(k, max(room, 0))
+
+
+def propose(policy: DraftPolicy, stats: DraftStats, history: Sequence[int], room: int) -> tuple[int, ...]:
+    """The draft for the step after `history` (prompt and answer so far): prompt lookup of the
+    length `choose_k` gives (shorter where the history ends sooner, () where nothing matches)."""
+    k = choose_k(policy, stats, room)
+    return lookup(history, k, policy.max_ngram, policy.min_ngram) if k else ()
+
+
+def observe(
+    policy: DraftPolicy, stats: DraftStats, drafted: int, accepted: int, circuit_s: float
+) -> DraftStats:
+    """`stats` after a step that verified `drafted` tokens and kept `accepted`, in `circuit_s`."""
+    if not 0 <= accepted <= drafted:
+        raise ValueError(f"accepted {accepted} of {drafted} drafted tokens")
+    d = policy.decay
+    s = replace(stats, drafted=stats.drafted * d + drafted, accepted=stats.accepted * d + accepted)
+    if circuit_s <= 0:
+        return s
+    if drafted == 0:
+        base = circuit_s if s.base_s is None else s.base_s + (1 - d) * (circuit_s - s.base_s)
+        return replace(s, base_s=base)
+    if s.base_s is None:
+        return s
+    per_row = max(circuit_s - s.base_s, 0.0) / drafted
+    row = policy.row_share * s.base_s if s.row_s is None else s.row_s  # the prior is the first value
+    return replace(s, row_s=row + (1 - d) * (per_row - row))
+
+
+def policy_for(mode: str) -> DraftPolicy | None:
+    """The policy of a --draft value: None for "none", prompt lookup for "lookup"."""
+    if mode not in DRAFT_MODES:
+        raise ValueError(f"unknown draft {mode!r}; choose {' or '.join(DRAFT_MODES)}")
+    return DraftPolicy() if mode == "lookup" else None

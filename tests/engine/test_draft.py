@@ -1,0 +1,94 @@
+"""The draft policy (pure): prompt lookup, how many tokens to draft, and what it learns."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kafila.engine.draft import DraftPolicy, DraftStats, best_k, choose_k, lookup, observe, propose
+
+histories = st.lists(st.integers(0, 5), min_size=0, max_size=60)
+
+
+@given(histories, st.integers(0, 10), st.integers(1, 4))
+def test_a_lookup_is_what_followed_an_earlier_occurrence_of_the_suffix(
+    history: list[int], k: int, n: int
+) -> None:
+    got = lookup(history, k, max_ngram=n)
+    assert len(got) <= k
+    if not got:
+        return
+    matches = [
+        (m, s)
+        for m in range(n, 0, -1)
+        for s in range(len(history) - m)
+        if history[s : s + m] == history[len(history) - m :]
+        and tuple(history[s + m : s + m + len(got)]) == got
+    ]
+    assert matches, f"{got} follows no earlier occurrence of a suffix of {history}"
+
+
+@given(st.lists(st.integers(0, 1000), min_size=6, max_size=40, unique=True), st.integers(1, 3))
+def test_a_copied_passage_is_drafted_from_where_it_was_copied(passage: list[int], cut: int) -> None:
+    history = [*passage, 9999, *passage[:cut]]  # the answer started to copy the prompt
+    assert lookup(history, 3) == tuple(passage[cut : cut + 3])
+
+
+def test_nothing_is_drafted_where_the_history_never_repeats() -> None:
+    assert lookup(list(range(50)), 5) == ()
+    assert lookup([7], 5) == () and lookup([], 5) == ()
+
+
+@given(st.floats(0, 0.99), st.floats(1e-4, 1.0), st.floats(1e-4, 1.0), st.integers(0, 16))
+def test_longer_circuits_never_want_shorter_drafts(a: float, base: float, row: float, max_k: int) -> None:
+    assert best_k(a, base * 2, row, max_k) >= best_k(a, base, row, max_k)
+
+
+@given(st.floats(0, 0.99), st.floats(1e-4, 1.0), st.floats(1e-4, 1.0), st.integers(0, 16))
+def test_higher_acceptance_never_wants_shorter_drafts(a: float, base: float, row: float, max_k: int) -> None:
+    assert best_k(min(a + 0.1, 0.99), base, row, max_k) >= best_k(a, base, row, max_k)
+
+
+def test_drafts_that_never_pay_are_not_made() -> None:
+    assert best_k(0.0, 0.01, 0.001, 8) == 0  # nothing is ever kept
+    assert best_k(0.5, 0.01, 0.01, 8) == 0  # a row costs a whole circuit: 1.5 tokens in 2 circuits
+    assert best_k(0.9, 0.06, 0.001, 8) == 8  # a WAN circuit, cheap rows, good drafts
+
+
+@given(st.integers(-3, 20), st.integers(0, 12))
+def test_the_draft_fits_the_room_the_request_has(room: int, max_k: int) -> None:
+    policy = DraftPolicy(max_k=max_k)
+    stats = DraftStats(drafted=10, accepted=10, base_s=0.05, row_s=0.0001)
+    assert 0 <= choose_k(policy, stats, room) <= max(0, min(room, max_k))
+    assert len(propose(policy, stats, [1, 2, 3] * 10, room)) <= max(0, room)
+
+
+def test_drafts_that_always_miss_cost_a_plain_request_little_and_are_still_tried() -> None:
+    policy, stats = DraftPolicy(), DraftStats()
+    stats = observe(policy, stats, 0, 0, 0.010)  # a plain step: 10 ms; each drafted row costs 1 ms more
+    assert choose_k(policy, stats, 100) > 0  # the prior: drafts are tried
+    drafted = []
+    for _ in range(400):  # every drafted token misses
+        k = choose_k(policy, stats, 100)
+        drafted.append(k)
+        stats = observe(policy, stats, k, 0, 0.010 + 0.001 * k)
+    extra = sum(0.001 * k for k in drafted) / (0.010 * len(drafted))
+    assert extra < 0.03, f"drafts that miss made the request {extra:.1%} slower"
+    assert drafted[-100:].count(0) > 50 and any(drafted[-100:]), "never stopped, or never tried again"
+
+
+def test_kept_drafts_raise_k_and_the_measured_row_cost_lowers_it() -> None:
+    policy = DraftPolicy(max_k=8)
+    cheap = DraftStats(drafted=40, accepted=38, base_s=0.060, row_s=0.0005)
+    dear = DraftStats(drafted=40, accepted=38, base_s=0.060, row_s=0.060)
+    assert choose_k(policy, cheap, 100) == 8 and choose_k(policy, dear, 100) == 0
+    missing = DraftStats(drafted=40, accepted=4, base_s=0.060, row_s=0.0005)
+    assert choose_k(policy, missing, 100) < choose_k(policy, cheap, 100)
+
+
+def test_impossible_counts_and_settings_are_refused_by_number() -> None:
+    with pytest.raises(ValueError, match="accepted 3 of 2 drafted tokens"):
+        observe(DraftPolicy(), DraftStats(), 2, 3, 0.01)
+    with pytest.raises(ValueError, match="min_ngram 3 <= max_ngram 2"):
+        DraftPolicy(min_ngram=3, max_ngram=2)

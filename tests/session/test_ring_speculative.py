@@ -1,0 +1,120 @@
+"""Speculative decoding around a ring of three real stages of a tiny model, joined in memory:
+the answer is the one a single process gives without drafts, in fewer circuits, and the head's
+counters say how many drafted tokens were kept."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kafila.api.service import Sampling
+from kafila.engine.draft import DraftPolicy
+from kafila.engine.generate import generate
+from kafila.engine.sampler import SamplingParams
+from kafila.engine.stage import Stage
+from kafila.models.checkpoint import Checkpoint
+from kafila.obs import metrics
+from tests.session.ringkit import build_ring
+
+PROMPT = [4, 8, 15, 16, 23, 42, 7, 9] * 2  # the tiny model's greedy answer repeats itself
+SPLITS = [(0, 2), (2, 4), (4, 5)]
+CHEAP_ROWS = DraftPolicy(row_share=0.0)  # draft whatever lookup finds: every path is exercised
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint) -> Checkpoint:
+    return Checkpoint.open(tiny_checkpoint("qwen3-gqa4-tied"))
+
+
+def plain(ckpt: Checkpoint, params: SamplingParams) -> list[int]:
+    stage = Stage.load(ckpt, range(ckpt.n_blocks), True, "torch", "fp32", context=64)
+    return list(generate(stage, PROMPT, params, eos_ids=tuple(ckpt.config.eos_token_id or ())))
+
+
+async def answer(gen) -> list[int]:
+    async def events() -> list[int]:
+        return [tok async for ev in gen for tok in ev.tokens]
+
+    return await asyncio.wait_for(events(), 120)
+
+
+def counted() -> tuple[float, float, float]:
+    """The head's draft tokens, kept draft tokens and decode circuits so far (whatever session
+    labels the registry adds)."""
+    names = (
+        "kafila_spec_decode_num_draft_tokens_total",
+        "kafila_spec_decode_num_accepted_tokens_total",
+        "kafila_decode_circuits_total",
+    )
+    samples = [s for m in metrics.REGISTRY.collect() for s in m.samples]
+    a, b, c = (sum(s.value for s in samples if s.name == name) for name in names)
+    return a, b, c
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [Sampling(max_tokens=40), Sampling(temperature=1.0, top_p=0.95, seed=5, max_tokens=40)],
+    ids=["greedy", "seeded"],
+)
+async def test_three_members_answer_as_plain_decoding_in_fewer_circuits(
+    ckpt: Checkpoint, sampling: Sampling
+) -> None:
+    params = SamplingParams(
+        temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed, max_tokens=40
+    )
+    expected = plain(ckpt, params)
+    ring = build_ring(ckpt, SPLITS, context=64, draft=CHEAP_ROWS)
+    before = counted()
+    try:
+        got = await answer(await ring.head.submit(PROMPT, sampling))
+    finally:
+        await ring.stop()
+    drafted, accepted, circuits = (a - b for a, b in zip(counted(), before, strict=True))
+    assert got == expected and len(got) == 40
+    assert drafted > 0 and circuits == 39 - accepted  # every kept draft token saved a circuit
+    if sampling.temperature == 0:
+        assert accepted > 0
+
+
+async def test_a_simulated_backend_without_row_exact_steps_keeps_the_greedy_answer(ckpt: Checkpoint) -> None:
+    """A tie margin as a backend whose batched rows may round differently takes: rows near a tie
+    are sampled again alone, the answer stays the plain one."""
+    expected = plain(ckpt, SamplingParams(max_tokens=40))
+    ring = build_ring(ckpt, SPLITS, context=64, draft=CHEAP_ROWS, tie_margin=0.5)
+    try:
+        got = await answer(await ring.head.submit(PROMPT, Sampling(max_tokens=40)))
+    finally:
+        await ring.stop()
+    assert got == expected
+
+
+async def test_a_forwarded_requests_answer_says_how_many_drafted_tokens_it_kept(ckpt: Checkpoint) -> None:
+    """The Tokens messages back to the member that asked carry the drafted and kept counts (the
+    API's usage.completion_tokens_details reads them)."""
+    expected = plain(ckpt, SamplingParams(max_tokens=40))
+    ring = build_ring(ckpt, SPLITS, context=64, draft=CHEAP_ROWS)
+    before = counted()
+    try:
+        events = [ev async for ev in await ring.members[0].submit(PROMPT, Sampling(max_tokens=40))]
+    finally:
+        await ring.stop()
+    drafted, accepted, _ = (a - b for a, b in zip(counted(), before, strict=True))
+    assert [tok for ev in events for tok in ev.tokens] == expected
+    assert sum(ev.accepted for ev in events) == accepted > 0
+    assert sum(ev.drafted for ev in events) == drafted
+
+
+async def test_a_head_whose_drafts_find_nothing_still_computes_each_step_with_the_sampling(
+    ckpt: Checkpoint,
+) -> None:
+    """No draft (k never above 0): every step is a plain one, run in the sampling's model-thread
+    turn as without drafting (RingHead.ahead_sent), and the answer is the plain one."""
+    expected = plain(ckpt, SamplingParams(max_tokens=20))
+    ring = build_ring(ckpt, SPLITS, context=64, draft=DraftPolicy(max_k=0))
+    try:
+        got = await answer(await ring.head.submit(PROMPT, Sampling(max_tokens=20)))
+        sent = ring.head.ahead_sent
+    finally:
+        await ring.stop()
+    assert got == expected and sent >= 15
