@@ -39,6 +39,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kafila.api.errors import ApiError, render
 
 OPEN_PATHS = frozenset({"/", "/healthz"})  # GET without a key: the member page and the health check
+OPEN_PREFIX = "/_kafila/"  # GET without a key: the member page's static files (kafila.api.page.ASSET_PATH)
 MIN_KEY_CHARS = 16
 KEY_FILE_ENV = "KAFILA_API_KEY_FILE"
 KEY_ENV = "KAFILA_API_KEY"
@@ -266,7 +267,8 @@ class _KeyGuard:
 
     def _refusal(self, scope: Scope) -> ApiError | None:
         method, path = scope["method"], scope["path"]
-        open_path = path in OPEN_PATHS and method in ("GET", "HEAD")
+        # the page's own scripts and styles hold no data: a browser loads them before it has a key
+        open_path = (path in OPEN_PATHS or path.startswith(OPEN_PREFIX)) and method in ("GET", "HEAD")
         if self.security.keys and not open_path:
             given = _header(scope, b"authorization") or ""
             scheme, _, token = given.partition(" ")

@@ -77,6 +77,9 @@ async def test_a_key_is_required_on_every_route_and_a_wrong_one_refused(served: 
             }
             assert (await http.get("/healthz")).status_code == 200  # monitors need no key
             assert (await http.get("/")).status_code == 200  # the member page holds no data
+            for asset in ("/_kafila/page.js", "/_kafila/page.css"):  # nor its scripts, loaded before a key
+                assert (await http.get(asset)).status_code == 200, asset
+            assert (await http.post("/_kafila/page.js", json={})).status_code == 401  # GET only
             auth = {"Authorization": f"Bearer {KEY}"}
             assert (await http.get("/session", headers=auth)).status_code == 200
     finally:

@@ -7,14 +7,16 @@ member on its own metrics listener (`kafila host|join --metrics`), as a fleet's 
   (promql-parser), names only metrics Kafila exports, and returns data; `promtool check metrics` is
   clean on every member and on the rendezvous. Grafana itself is in no registry here: the dashboards'
   JSON is what Grafana would send to this Prometheus.
-- The member page in Debian's headless Chromium: the DOM shows the members and a streamed answer; a
-  screenshot is kept (its path is printed); with KAFILA_DOCS_SCREENSHOTS=1 it replaces the one the
-  guide shows, docs/images/member-page.png."""
+- The member page in Debian's headless Chromium, on a member whose API asks for a key: the page asks
+  for it, keeps it for the tab, then the DOM shows the members, the epoch and a streamed answer, and
+  no table is clipped in a 1280 px window; a screenshot is kept (its path is printed); with
+  KAFILA_DOCS_SCREENSHOTS=1 it replaces the one the guide shows, docs/images/member-page.png."""
 
 from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import socket
 import subprocess
@@ -56,9 +58,13 @@ class LiveSession:
     metrics: dict[str, str]  # name -> HOST:PORT of its own metrics listener (--metrics)
     head: str
     workdir: Path
+    keys: dict[str, str]  # name -> its API key
 
     def url(self, name: str) -> str:
         return f"http://{self.members[name]}"
+
+    def headers(self, name: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.keys[name]}"} if name in self.keys else {}
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +74,15 @@ def live_session(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -
     workdir = tmp_path_factory.mktemp("live-session")
     listeners = [f"127.0.0.1:{free_port()}" for _ in range(3)]
     member_args = [["--metrics", addr] for addr in listeners]
-    with LocalFleet([None] * 3, context=256, workdir=workdir, wait_s=240, member_args=member_args) as fleet:
+    key = f"live-session-{secrets.token_hex(12)}"  # every member's API asks for it
+    with LocalFleet([None] * 3, context=256, workdir=workdir, wait_s=240, member_args=member_args,
+                    api_key=key) as fleet:  # fmt: skip
         assert fleet.rendezvous_url is not None
         rendezvous = fleet.rendezvous_url.split("://", 1)[1].split("/", 1)[0]
         members = {name: url.split("://", 1)[1] for name, url in fleet.api_urls.items()}
         metrics = {m.name: addr for m, addr in zip(fleet.members, listeners, strict=True)}
-        yield LiveSession(rendezvous, members, metrics, fleet.head, workdir)
+        keys = dict.fromkeys(members, key)
+        yield LiveSession(rendezvous, members, metrics, fleet.head, workdir, keys)
 
 
 @dataclass
@@ -153,7 +162,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory, live_session: LiveSession)
             ask = {"messages": [{"role": "user", "content": "What is the capital of France?"}]}
             for i, name in enumerate([*live.members, live.head]):  # at every member's API, one streamed
                 r = httpx.post(f"{live.url(name)}/v1/chat/completions", json=body | ask | {"stream": i == 0},
-                               timeout=120)  # fmt: skip
+                               headers=live.headers(name), timeout=120)  # fmt: skip
                 assert r.status_code == 200, r.text
 
             def all_up() -> bool:
@@ -165,9 +174,14 @@ def scraped(tmp_path_factory: pytest.TempPathFactory, live_session: LiveSession)
 
             wait_for("Prometheus scraping the rendezvous and three members", all_up, 60)
             time.sleep(3)  # a few scrapes after the requests: rates over them
+            apis = [(addr, live.headers(name)) for name, addr in live.members.items()]
             expositions = {
-                target: httpx.get(f"http://{target}/metrics", timeout=10).content
-                for target in [live.rendezvous, *live.metrics.values(), *live.members.values()]
+                target: httpx.get(f"http://{target}/metrics", headers=headers, timeout=10).content
+                for target, headers in [
+                    (live.rendezvous, {}),
+                    *((a, {}) for a in live.metrics.values()),
+                    *apis,
+                ]
             }
             exported = {
                 r["metric"]["__name__"] for r in query(base, 'count by (__name__) ({__name__=~".+"})')
@@ -235,7 +249,17 @@ def test_the_page_in_a_real_browser_shows_the_ring_and_streams_an_answer(
     browser = Browser(tmp_path / "chromium.log")
     try:
         browser.navigate(live.url(member) + "/")
+        browser.wait_for("!document.getElementById('key-form').hidden", 30)  # /session answered 401
+        assert browser.evaluate("document.getElementById('state').textContent") == "needs a key"
+        browser.evaluate(
+            f"document.getElementById('api-key').value = {live.keys[member]!r};"
+            "document.getElementById('key-form').requestSubmit(); true"
+        )
         browser.wait_for("document.querySelectorAll('#members tbody tr').length === 3", 30)
+        assert browser.evaluate("sessionStorage.getItem('kafila-api-key')") == live.keys[member]
+        assert browser.evaluate("document.getElementById('key-form').hidden")
+        change = browser.evaluate("document.getElementById('change').textContent")
+        assert change.startswith("epoch 1"), change
         shown = browser.evaluate(
             "[...document.querySelectorAll('#members tbody tr')].map(r => r.dataset.member)"
         )
@@ -262,6 +286,11 @@ def test_the_page_in_a_real_browser_shows_the_ring_and_streams_an_answer(
         # the page re-reads /traces after the answer: this member measured its stage
         mine = f"document.querySelector('#members tr[data-member=\"{member}\"] td.measured').textContent"
         browser.wait_for(f"/ ms$/.test({mine})", 30)
+        clipped = browser.evaluate(  # in the 1280 px window: no table wider than its section
+            "[...document.querySelectorAll('table')].filter(t => t.scrollWidth > t.parentElement.clientWidth)"
+            ".map(t => t.id).concat(document.documentElement.scrollWidth > 1280 ? ['page'] : [])"
+        )
+        assert clipped == [], clipped
         shot = browser.screenshot(tmp_path / "member-page.png")
     finally:
         browser.close()

@@ -45,6 +45,48 @@ function hopsByEdge(traces) {
 
 let model = null; // the session's model id, from /session: the OpenAI route requires it
 
+// The API key, where the member asks for one (--api-key-file): asked for on the first 401 and kept
+// for this tab only (sessionStorage), sent as a bearer token with every request the page makes.
+const KEY_SLOT = "kafila-api-key";
+class NeedsKey extends Error {}
+
+async function api(path, init = {}) {
+  const key = sessionStorage.getItem(KEY_SLOT);
+  const headers = { ...(init.headers || {}), ...(key ? { Authorization: `Bearer ${key}` } : {}) };
+  const response = await fetch(path, { ...init, headers });
+  if (response.status === 401) {
+    const refused = await response.json().catch(() => ({}));
+    askForKey(key ? (refused.error && refused.error.message) || "the key was refused" : "");
+    throw new NeedsKey("this member's API asks for a key");
+  }
+  return response;
+}
+
+function askForKey(why) {
+  $("key-form").hidden = false;
+  $("key-note").textContent = why ? `${why}; kept for this tab only` : "kept for this tab only (sessionStorage)";
+  $("state").textContent = "needs a key";
+  $("state").className = "state broken";
+}
+
+function useKey(event) {
+  event.preventDefault();
+  const key = $("api-key").value.trim();
+  if (!key) return;
+  sessionStorage.setItem(KEY_SLOT, key);
+  $("api-key").value = "";
+  $("key-form").hidden = true;
+  refresh();
+}
+
+function describeChange(doc) {
+  const c = doc.change;
+  if (!doc.epoch) return "";
+  if (!c || !c.at) return `epoch ${doc.epoch}`;
+  const when = new Date(c.at * 1000).toLocaleTimeString();
+  return `epoch ${doc.epoch} · last change ${when}: ${c.state}${c.cause ? ` (${c.cause})` : ""}`;
+}
+
 function render(doc, traces) {
   if (doc.model) model = doc.model;
   const state = doc.state || "unknown";
@@ -54,6 +96,7 @@ function render(doc, traces) {
   $("summary").textContent = ring.length
     ? `session ${doc.session} · ${doc.model} · ${ring.length} members · this is ${doc.me}` + (doc.error ? ` · ${doc.error}` : "")
     : (doc.error || "");
+  $("change").textContent = describeChange(doc);
   const measured = measuredByMember(traces);
   fill($("members").tBodies[0], (doc.members || []).map((m, i) => {
     const got = measured[m.name];
@@ -112,11 +155,12 @@ function render(doc, traces) {
 async function refresh() {
   try {
     const [doc, tr] = await Promise.all([
-      fetch("/session").then((r) => r.json()),
-      fetch("/traces").then((r) => (r.ok ? r.json() : { traces: [] })),
+      api("/session").then((r) => r.json()),
+      api("/traces").then((r) => (r.ok ? r.json() : { traces: [] })),
     ]);
     render(doc, tr.traces || []);
   } catch (err) {
+    if (err instanceof NeedsKey) return;
     $("state").textContent = "unreachable";
     $("state").className = "state broken";
   }
@@ -133,7 +177,7 @@ async function ask(event) {
   $("send").disabled = true;
   $("chat-status").textContent = "asking…";
   try {
-    const response = await fetch("/v1/chat/completions", {
+    const response = await api("/v1/chat/completions", {
       method: "POST",
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify({
@@ -179,5 +223,6 @@ async function ask(event) {
 }
 
 $("chat").addEventListener("submit", ask);
+$("key-form").addEventListener("submit", useKey);
 refresh();
 setInterval(refresh, 2000);
