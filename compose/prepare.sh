@@ -9,6 +9,7 @@
 #   step 2  wheelhouse: ./wheelhouse built on the host (compose/build-wheelhouse.sh), since pip
 #           inside containers here cannot reach (or does not trust) the package index; skipped when
 #           the digest of the wheel's inputs (sources, not __pycache__ or numba caches) is unchanged
+#           and it was built with the same extras (or none are asked for)
 #   step 3  (--build) the rendezvous image, $KAFILA_RENDEZVOUS_IMAGE (default kafila/rendezvous:latest)
 #
 # `docker compose up rendezvous` (Compose v2) runs this with --build through compose/kafila-prepare,
@@ -73,14 +74,19 @@ inputs_digest() {
     sha256sum pyproject.toml README.md
 }
 digest=$(inputs_digest | sha256sum | cut -d' ' -f1)
+# The stamp: the inputs' digest, then the extras the wheelhouse was built with. It is up to date when
+# the digest matches and it was built with the extras asked for, or none are asked for (the
+# rendezvous image installs the core wheels from a wheelhouse that also holds the member's).
+extras="extras=${KAFILA_EXTRAS:-} wheels=${KAFILA_EXTRA_WHEELS:-}"
+stamp=$(cat wheelhouse/kafila/inputs.sha256 2>/dev/null || true)
 wheel=$(ls wheelhouse/kafila/kafila-*.whl 2>/dev/null | head -n1 || true)
-if [[ -n "$wheel" && -z "${KAFILA_EXTRAS:-}${KAFILA_EXTRA_WHEELS:-}" \
-      && "$(cat wheelhouse/kafila/inputs.sha256 2>/dev/null)" == "$digest" ]]; then
+if [[ -n "$wheel" && ( "$stamp" == "$digest"$'\n'"$extras" \
+      || ( "$extras" == "extras= wheels=" && "${stamp%%$'\n'*}" == "$digest" ) ) ]]; then
     say "step 2/$steps wheelhouse: ./wheelhouse is up to date with the source (inputs ${digest:0:12})"
 else
     say "step 2/$steps wheelhouse: building ./wheelhouse on the host (dependencies cached between runs)"
     bash compose/build-wheelhouse.sh || fail "step 2/$steps wheelhouse failed"
-    echo "$digest" > wheelhouse/kafila/inputs.sha256
+    printf '%s\n%s\n' "$digest" "$extras" > wheelhouse/kafila/inputs.sha256
 fi
 
 if [[ "$build" == 1 ]]; then

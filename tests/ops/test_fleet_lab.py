@@ -25,12 +25,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.container.test_member_container import member_image
 from tests.natlab.lab import Lab
 from tests.ops.backfill import bench_run_answers
 from tests.ops.fleetlab import ROOT, FleetLab, missing_requirements
 
-__all__ = ["member_image"]
 pytestmark = [
     pytest.mark.root,
     pytest.mark.docker,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -137,26 +139,11 @@ async def test_a_ring_of_one_records_at_once_without_hops(ckpt: Checkpoint) -> N
 
 async def test_a_ring_of_two_on_one_channel_counts_each_direction(ckpt: Checkpoint) -> None:
     """As host/join build a ring of two: one link (one channel) carries both directions."""
-    names = ("m0", "m1")
-    info = RingInfo("test", "tiny", "test", names, {"m0": (0, 2), "m1": (2, 5)}, {"m0": 1.0, "m1": 1.0})
-    stages = [
-        Stage.load(ckpt, range(a, b), i == 0, backend="torch", dtype="fp32", context=64)
-        for i, (a, b) in enumerate(info.blocks.values())
-    ]
-    to_m1, to_m0 = (beat(c, 5.0) for c in MemoryChannel.pair("m0", "m1"))
-    head = RingHead(stages[0], ModelThread("m0"), info, to_m1, to_m1, ckpt.config.eos_token_id, 1, CHUNK)
-    member = RingMember(1, stages[1], ModelThread("m1"), info, to_m0, to_m0)
-    logs = [TraceLog(None), TraceLog(None)]
-    head.traces, member.traces = logs
-    head.start()
-    member.start()
-    try:
+    async with two_roles(ckpt) as (_, member, logs):
         gen = await member.submit(PROMPT, Sampling(max_tokens=6))
         await drain(gen)
         [req] = await records(logs[0], RequestRecord, gen.request_id)
         [own] = await records(logs[1], StageRecord, gen.request_id)
-    finally:
-        await _stop((head, member), (to_m1, to_m0))
     there, back = req.hops
     assert (there.name, back.name) == ("m0->m1", "m1->m0")
     assert own.hop_in is not None and own.hop_in.bytes == there.bytes
@@ -260,6 +247,23 @@ async def test_a_one_token_request_leaves_the_last_decode_figures(ckpt: Checkpoi
 async def test_the_head_names_the_member_that_asked_by_its_origin_tag(ckpt: Checkpoint) -> None:
     """Tags as a host gives them (kafila.session.ring.origins), not ring indexes: m1 at ring index
     1 has tag 7, and 1 is the head's own tag; the record names m1, whose request id carries 7."""
+    async with two_roles(ckpt, origins={"m0": 1, "m1": 7}) as (head, member, logs):
+        asked = await member.submit(PROMPT, Sampling(max_tokens=4))
+        local = await head.submit(PROMPT, Sampling(max_tokens=4))
+        await asyncio.wait_for(asyncio.gather(drain(asked), drain(local)), 60)
+        [req] = await records(logs[0], RequestRecord, asked.request_id)
+        [own] = await records(logs[0], RequestRecord, local.request_id)
+    assert (origin_of(asked.request_id), req.member) == (7, "m1")
+    assert (origin_of(local.request_id), own.member) == (1, "m0")
+
+
+@asynccontextmanager
+async def two_roles(
+    ckpt: Checkpoint, origins: dict[str, int] | None = None
+) -> AsyncIterator[tuple[RingHead, RingMember, list[TraceLog]]]:
+    """A ring of two as host/join build it: m0 (the head, blocks 0-1) and m1 (blocks 2-4) on one
+    in-memory channel that carries both directions, each recording its traces; `origins` are the
+    tags a host gives (kafila.session.ring.origins), else the ring's defaults. Stopped on exit."""
     names = ("m0", "m1")
     info = RingInfo("test", "tiny", "test", names, {"m0": (0, 2), "m1": (2, 5)}, {"m0": 1.0, "m1": 1.0})
     stages = [
@@ -267,25 +271,18 @@ async def test_the_head_names_the_member_that_asked_by_its_origin_tag(ckpt: Chec
         for i, (a, b) in enumerate(info.blocks.values())
     ]
     to_m1, to_m0 = (beat(c, 5.0) for c in MemoryChannel.pair("m0", "m1"))
-    origins = {"m0": 1, "m1": 7}
-    head = RingHead(
-        stages[0], ModelThread("m0"), info, to_m1, to_m1, ckpt.config.eos_token_id, 1, CHUNK, origins=origins
-    )
-    member = RingMember(1, stages[1], ModelThread("m1"), info, to_m0, to_m0, origin=origins["m1"])
+    eos = ckpt.config.eos_token_id
+    head = RingHead(stages[0], ModelThread("m0"), info, to_m1, to_m1, eos, 1, CHUNK, origins=origins)
+    tag = None if origins is None else origins["m1"]
+    member = RingMember(1, stages[1], ModelThread("m1"), info, to_m0, to_m0, origin=tag)
     logs = [TraceLog(None), TraceLog(None)]
     head.traces, member.traces = logs
     head.start()
     member.start()
     try:
-        asked = await member.submit(PROMPT, Sampling(max_tokens=4))
-        local = await head.submit(PROMPT, Sampling(max_tokens=4))
-        await asyncio.wait_for(asyncio.gather(drain(asked), drain(local)), 60)
-        [req] = await records(logs[0], RequestRecord, asked.request_id)
-        [own] = await records(logs[0], RequestRecord, local.request_id)
+        yield head, member, logs
     finally:
         await _stop((head, member), (to_m1, to_m0))
-    assert (origin_of(asked.request_id), req.member) == (7, "m1")
-    assert (origin_of(local.request_id), own.member) == (1, "m0")
 
 
 async def _stop(services: tuple[Any, ...], channels: tuple[Any, ...]) -> None:
