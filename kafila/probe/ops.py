@@ -12,7 +12,7 @@ from typing import Any
 
 from kafila.engine.captured import decode_path
 from kafila.models.config import ModelConfig
-from kafila.models.manifest import GROUP, block_index, priced, specs_from_config
+from kafila.models.manifest import GROUP, LM_HEAD, block_index, priced, specs_from_config
 from kafila.models.span import Span
 
 Run = Callable[[], object]
@@ -165,7 +165,7 @@ class Ops:
         logits [1, V]) with this model's vocabulary, random weights, the engine's own code.
         Returns (run, bytes the unembedding reads)."""
         specs = [s for s in specs_from_config(config, "F32") if block_index(s.name) is None]
-        weights = {s.name: self._random(s.shape, 0.02) for s in specs}
+        weights = self.head_weights(config)
         cls = self.backend.model_class(config.model_type)
         model = cls(config, weights, range(0, 0), True, context=1, **self._model_kwargs(config))
         x = self._random((1, config.hidden_size), 1.0)  # [1, H]
@@ -174,6 +174,15 @@ class Ops:
             sizes = priced([s for s in specs if s.name != "model.norm.weight"], None, self.quant)
             nbytes = sizes["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
         return (lambda: self._done(model.logits(x))), nbytes
+
+    def head_weights(self, config: ModelConfig) -> dict[str, Any]:
+        """Random weights for the head's decode step: the final norm and one [V, H] matrix, named
+        as the embedding so the model takes it as tied. An untied model's embedding is not read by
+        that step (one row of it per token), so it is not allocated: at Qwen3-8B's widths each of
+        the two matrices is 1.24 GB in bf16, and both at once killed a member capped at 2.77 GB in
+        its probe."""
+        specs = [s for s in specs_from_config(config, "F32") if block_index(s.name) is None]
+        return {s.name: self._random(s.shape, 0.02) for s in specs if s.name != LM_HEAD}
 
     def make_block_dispatch(self, config: ModelConfig, position: int) -> tuple[Run, int]:
         """One decode step through one block of this model's architecture at tiny shapes (hidden

@@ -169,6 +169,25 @@ def test_head_probe_unembeds_one_row_of_the_model_vocabulary():
     assert tuple(run().shape) == (1, TINY_QWEN3.vocab_size)
 
 
+def test_head_probe_of_an_untied_model_allocates_one_vocabulary_matrix_not_two():
+    """The embedding is not what a decode step's head reads: at Qwen3-8B's widths allocating it
+    beside the unembedding doubles the probe's largest allocation (2 x 1.24 GB in bf16)."""
+    from dataclasses import replace
+
+    from kafila.engine.backend import resolve
+    from kafila.probe.ops import Ops
+
+    untied = replace(TINY_QWEN3, tie_word_embeddings=False)
+    ops = Ops(resolve("torch", "bf16"))
+    weights = ops.head_weights(untied)
+    vh = (untied.vocab_size, untied.hidden_size)
+    assert [tuple(w.shape) for w in weights.values()].count(vh) == 1
+    assert sum(w.numel() * w.element_size() for w in weights.values()) < 1.01 * 2 * vh[0] * vh[1]
+    run, nbytes = ops.make_head(untied)
+    assert nbytes == 2 * vh[0] * vh[1]  # the unembedding it reads, in bf16
+    assert tuple(run().shape) == (1, untied.vocab_size)
+
+
 def test_stage_shaped_timing_idles_between_calls_as_a_ring_of_three_does():
     from kafila.probe.measure import STEPS, seconds_per_step
 
