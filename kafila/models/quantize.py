@@ -144,11 +144,8 @@ def _raw_reader(ckpt: Any, name: str) -> Callable[[], np.ndarray]:
 def _quantizer(ckpt: Any, name: str, fmt: str) -> Callable[[], quant.Packed]:
     def make() -> quant.Packed:
         info, data = ckpt.read([name])[name]
-        if info.dtype == "BF16":
-            bits = np.frombuffer(data, dtype=np.uint16).astype(np.uint32) << 16
-            w = bits.view(np.float32).reshape(info.shape)
-        else:
-            w = np.frombuffer(data, dtype=_NP_DTYPES[info.dtype]).reshape(info.shape).astype(np.float32)
-        return quant.quantize(w, fmt)
+        # bf16 as its bits, widened chunk by chunk inside quantize: no whole float32 copy
+        w = np.frombuffer(data, dtype=_NP_DTYPES[info.dtype]).reshape(info.shape)
+        return quant.quantize(w if info.dtype in ("BF16", "F32") else w.astype(np.float32), fmt)
 
     return make

@@ -495,6 +495,29 @@ def test_a_large_matrix_is_quantized_in_chunks_of_rows_to_the_same_bytes(fmt, mo
     assert chunked.nbytes == whole.nbytes
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bf16_bits_are_quantized_as_their_float32_values_without_a_whole_float32_copy(fmt) -> None:
+    """A bf16 matrix given as its uint16 bits packs to the same bytes as its exact float32
+    values, and the float32 copies stay chunk-sized: at Qwen3-8B's widths a whole one of the
+    embedding is 2.5 GB (tracemalloc sees numpy's allocations)."""
+    import tracemalloc
+
+    rows, cols = 24 * quant.CHUNK_ROWS + 5, 8 * GROUP
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    bits = w.view(torch.int16).numpy().view(np.uint16)
+    tracemalloc.start()
+    try:
+        got = quant.quantize(bits, fmt)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    want = quant.quantize(w.float().numpy(), fmt)
+    for a, b in ((got.data, want.data), (got.scales, want.scales), (got.mins, want.mins)):
+        np.testing.assert_array_equal(a, b)
+    whole = 4 * rows * cols
+    assert peak < whole / 2, f"quantize held {peak} bytes at its peak; a whole float32 copy is {whole}"
+
+
 def test_torchs_int4_matmul_takes_q4_products_as_the_dequantized_matrix(monkeypatch) -> None:
     """The CUDA path's weight-only int4 matmul (PackedLinear.int4_product: Q4_1's (d, m) as torch's
     (scale, zero)), run here through torch's CPU variant of the op: the same levels, scales and
