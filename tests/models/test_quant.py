@@ -299,6 +299,20 @@ def test_split_stages_through_wire_bytes_give_exactly_the_single_stage_logits(pa
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_sharded_bf16_folder_packs_to_one_file_without_its_shards(tiny_checkpoint, tmp_path) -> None:
+    """The hub's layout (model-0000x-of-0000y.safetensors and an index) is replaced by the packed
+    file, not copied beside it: a copied shard doubles the folder (16 GB for Qwen3-8B) and holds
+    every tensor a second time."""
+    src = tiny_checkpoint("llama-gqa3-tied", sharded=True, dtype="bfloat16")
+    assert len(list(src.glob("model-*.safetensors"))) > 1
+    out = quantize_folder(src, "q4", tmp_path / "q4", progress=False)
+    assert sorted(f.name for f in out.iterdir() if "safetensors" in f.name) == ["model.safetensors"]
+    assert (out / "config.json").is_file()
+    ckpt = Checkpoint.open(out, complete=True)
+    assert ckpt.stored_format == "q4"
+    assert {t.file.name for t in ckpt.tensors.values()} == {"model.safetensors"}
+
+
 def test_a_float_folder_packed_on_load_equals_its_packed_folder(tiny_checkpoint, packed) -> None:
     on_load = _logits(Checkpoint.open(tiny_checkpoint("llama-gqa3-tied")), "q4", [(0, 5)], False)
     stored = _logits(Checkpoint.open(packed["q4"]), "auto", [(0, 5)], False)
