@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kafila.demo import memory_groups
 from kafila.engine import PREFILL_CHUNK
 from kafila.obs.log import get_logger
 from kafila.proto.signaling import SIGNAL_PATH
@@ -99,6 +100,9 @@ class FleetMember:
     proc: subprocess.Popen[bytes] | None = None
     cgroup: Path | None = None
     api_url: str | None = None
+    memory_group: Path | None = None  # its cgroup v1 memory group, where the fleet caps its memory
+    memory_peak: int | None = None  # that group's peak use (bytes), read as the fleet closes
+    oom_kills: int = 0  # the kernel's OOM kills in that group, read as the fleet closes
 
     def log_text(self) -> str:
         try:
@@ -138,6 +142,9 @@ class LocalFleet:
     # process's own), so a member runs with the 1,024 most machines give a user's processes
     fd_limits: Sequence[int | None] | None = None
     api_key: str | None = None  # every member's API key (KAFILA_API_KEY), sent on the fleet's own requests
+    # a memory cap per member in bytes (None: uncapped), each its own cgroup v1 memory group
+    # (kafila.demo.memory_groups; root): the member's memory budget, and its peak is read back
+    memory_limits: Sequence[int | None] | None = None
     members: list[FleetMember] = field(default_factory=list, init=False)
     rendezvous_url: str | None = field(default=None, init=False)
     code: str | None = field(default=None, init=False)
@@ -184,6 +191,8 @@ class LocalFleet:
             for m in self.members:
                 if m.cgroup is not None:
                     _remove_cgroup(m.cgroup)
+                if m.memory_group is not None:
+                    self._close_memory_group(m)
         atexit.unregister(self.close)
         if self._sigterm is not None:
             signal.signal(signal.SIGTERM, self._sigterm)
@@ -194,6 +203,25 @@ class LocalFleet:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def memory_peaks(self) -> dict[str, int]:
+        """Each memory-capped member's peak use so far (bytes; page cache charged to it included)."""
+        out = {}
+        for m in self.members:
+            if m.memory_group is not None and m.memory_group.exists():
+                m.memory_peak = memory_groups.peak_bytes(m.memory_group)
+            if m.memory_peak is not None:
+                out[m.name] = m.memory_peak
+        return out
+
+    def _close_memory_group(self, m: FleetMember) -> None:
+        assert m.memory_group is not None
+        with contextlib.suppress(OSError):
+            m.memory_peak = memory_groups.peak_bytes(m.memory_group)
+            m.oom_kills = memory_groups.oom_kills(m.memory_group)
+        with contextlib.suppress(OSError):
+            memory_groups.remove_group(m.memory_group)
+        m.memory_group = None
 
     def add_member(self, name: str, args: Sequence[str] = (), wait_s: float | None = None) -> FleetMember:
         """One more `kafila join` with the fleet's code into the serving session: a member that
@@ -456,6 +484,10 @@ class LocalFleet:
         elif m.share is not None and self.shares_applied:
             m.cgroup = make_cgroup(f"{GROUP_PREFIX}{os.getpid()}-{self._serial}-{m.name}", m.share)
             argv = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(m.cgroup), *argv]
+        limit = self.memory_limits[index] if self.memory_limits and index >= 0 else None
+        if limit is not None:
+            m.memory_group = memory_groups.make_group(limit, m.name)
+            argv = memory_groups.inside(m.memory_group, argv)
         env = self.member_env[index] if self.member_env and index >= 0 else None
         if self.api_key is not None:
             env = {**(env or {}), "KAFILA_API_KEY": self.api_key}

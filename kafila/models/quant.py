@@ -69,18 +69,33 @@ CHUNK_ROWS = 2048  # rows quantized at once: the float temporaries stay a few MB
 
 def quantize(w: np.ndarray, fmt: str) -> Packed:
     """A float matrix [out, in] (in divisible by 32) in format `fmt`, each value to the nearest
-    level of its group. The scale is rounded to float16 first and the values quantized with it,
-    so dequantize(quantize(w)) is within half a (float16) step of w. Done `CHUNK_ROWS` rows at a
-    time into the packed arrays, so a large matrix (an embedding) never has float copies made whole."""
+    level of its group; `w` may also be bfloat16 held as its uint16 bits (as safetensors and
+    torch store it), widened exactly. The scale is rounded to float16 first and the values
+    quantized with it, so dequantize(quantize(w)) is within half a (float16) step of w. Done
+    `CHUNK_ROWS` rows at a time straight into the packed arrays, so a large matrix (an embedding:
+    1.24 GB in bf16 at Qwen3-8B's widths) never has a float32 copy made whole."""
     out, cols = w.shape
     packed_bytes(fmt, out, cols)  # checks the format and the group size
     if out <= CHUNK_ROWS:
-        return _quantize_rows(w, fmt)
-    parts = [_quantize_rows(w[a : a + CHUNK_ROWS], fmt) for a in range(0, out, CHUNK_ROWS)]
-    mins = None if fmt == "int8" else np.concatenate([p.mins for p in parts if p.mins is not None])
-    return Packed(
-        fmt, np.concatenate([p.data for p in parts]), np.concatenate([p.scales for p in parts]), mins
-    )
+        return _quantize_rows(_floats(w), fmt)
+    int8 = fmt == "int8"
+    data = np.empty((out, cols if int8 else cols // 2), np.int8 if int8 else np.uint8)
+    scales = np.empty((out, cols // GROUP), np.float16)
+    mins = None if int8 else np.empty((out, cols // GROUP), np.float16)
+    for a in range(0, out, CHUNK_ROWS):
+        part = _quantize_rows(_floats(w[a : a + CHUNK_ROWS]), fmt)
+        b = a + part.data.shape[0]
+        data[a:b], scales[a:b] = part.data, part.scales
+        if mins is not None and part.mins is not None:
+            mins[a:b] = part.mins
+    return Packed(fmt, data, scales, mins)
+
+
+def _floats(w: np.ndarray) -> np.ndarray:
+    """`w` as floats: bfloat16 bits (uint16) widened exactly to float32, other arrays as they are."""
+    if w.dtype == np.uint16:
+        return (w.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return w
 
 
 def _quantize_rows(w: np.ndarray, fmt: str) -> Packed:

@@ -123,14 +123,20 @@ def quantize_folder(src: Path, fmt: str, out: Path, progress: bool = True) -> Pa
             continue
         entries += packed_entries(name, target, info.shape, _quantizer(ckpt, name, target))
     write_safetensors(tmp / "model.safetensors", entries, progress, desc=f"quantizing to {fmt}")
-    for item in src.iterdir():  # config, tokenizer, generation config, templates
-        if item.is_file() and not item.name.startswith("model.safetensors"):
+    for item in src.iterdir():  # config, tokenizer, generation config, templates: not the weights
+        if item.is_file() and not _weights_file(item.name):
             shutil.copy2(item, tmp / item.name)
     config = json.loads((tmp / "config.json").read_text())
     config[QUANT_CONFIG] = {"quant_method": "kafila", "format": fmt, "group_size": GROUP}
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tmp.rename(out)
     return out
+
+
+def _weights_file(name: str) -> bool:
+    """A file of the source's weights: one or sharded safetensors (the hub's
+    model-00001-of-00004.safetensors) and their index, which the packed copy replaces."""
+    return name.endswith(".safetensors") or name.startswith("model.safetensors")
 
 
 def _raw_reader(ckpt: Any, name: str) -> Callable[[], np.ndarray]:
@@ -144,11 +150,8 @@ def _raw_reader(ckpt: Any, name: str) -> Callable[[], np.ndarray]:
 def _quantizer(ckpt: Any, name: str, fmt: str) -> Callable[[], quant.Packed]:
     def make() -> quant.Packed:
         info, data = ckpt.read([name])[name]
-        if info.dtype == "BF16":
-            bits = np.frombuffer(data, dtype=np.uint16).astype(np.uint32) << 16
-            w = bits.view(np.float32).reshape(info.shape)
-        else:
-            w = np.frombuffer(data, dtype=_NP_DTYPES[info.dtype]).reshape(info.shape).astype(np.float32)
-        return quant.quantize(w, fmt)
+        # bf16 as its bits, widened chunk by chunk inside quantize: no whole float32 copy
+        w = np.frombuffer(data, dtype=_NP_DTYPES[info.dtype]).reshape(info.shape)
+        return quant.quantize(w if info.dtype in ("BF16", "F32") else w.astype(np.float32), fmt)
 
     return make

@@ -12,7 +12,17 @@ from typing import Any
 
 from kafila.engine.captured import decode_path
 from kafila.models.config import ModelConfig
-from kafila.models.manifest import GROUP, block_index, priced, specs_from_config
+from kafila.models.manifest import (
+    GROUP,
+    LM_HEAD,
+    MINS,
+    TensorSpec,
+    block_index,
+    linear_format,
+    priced,
+    specs_from_config,
+)
+from kafila.models.quantize import packed_specs
 from kafila.models.span import Span
 
 Run = Callable[[], object]
@@ -142,10 +152,8 @@ class Ops:
         model's shapes and random weights, in one call of the engine's own model code, as a ring
         member runs its stage (`block_bytes` says what one block weighs)."""
         cls = self.backend.model_class(config.model_type)
-        weights = {}
-        for s in specs_from_config(replace(config, num_hidden_layers=blocks), "F32"):
-            if block_index(s.name) is not None:
-                weights[s.name] = self._random(s.shape, 0.02)
+        specs = specs_from_config(replace(config, num_hidden_layers=blocks), "F32")
+        weights = self._weights([s for s in specs if block_index(s.name) is not None], config)
         model = cls(config, weights, range(blocks), False, context=position + 1, **self._model_kwargs(config))
         path = decode_path(model, self.backend, 1, where="probe")  # what a stage runs: a CUDA graph on a card
         x = self._random((1, config.hidden_size), 1.0)  # [1, H]
@@ -165,7 +173,7 @@ class Ops:
         logits [1, V]) with this model's vocabulary, random weights, the engine's own code.
         Returns (run, bytes the unembedding reads)."""
         specs = [s for s in specs_from_config(config, "F32") if block_index(s.name) is None]
-        weights = {s.name: self._random(s.shape, 0.02) for s in specs}
+        weights = self.head_weights(config)
         cls = self.backend.model_class(config.model_type)
         model = cls(config, weights, range(0, 0), True, context=1, **self._model_kwargs(config))
         x = self._random((1, config.hidden_size), 1.0)  # [1, H]
@@ -174,6 +182,43 @@ class Ops:
             sizes = priced([s for s in specs if s.name != "model.norm.weight"], None, self.quant)
             nbytes = sizes["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
         return (lambda: self._done(model.logits(x))), nbytes
+
+    def head_weights(self, config: ModelConfig) -> dict[str, Any]:
+        """Random weights for the head's decode step: the final norm and one [V, H] matrix, named
+        as the embedding so the model takes it as tied. An untied model's embedding is not read by
+        that step (one row of it per token), so it is not allocated: at Qwen3-8B's widths each of
+        the two matrices is 1.24 GB in bf16, and both at once killed a member capped at 2.77 GB in
+        its probe."""
+        specs = [s for s in specs_from_config(config, "F32") if block_index(s.name) is None]
+        return self._weights([s for s in specs if s.name != LM_HEAD], config)
+
+    def _weights(self, specs: list[TensorSpec], config: ModelConfig) -> dict[str, Any]:
+        """Random weights for `specs`: floats, or in a packed session each matrix made packed
+        (its packed entries drawn directly: never a float copy of it, which for Qwen3-8B's
+        unembedding in fp32 is 2.5 GB)."""
+        quant = self._model_kwargs(config).get("quant", "none")
+        out: dict[str, Any] = {}
+        for s in specs:
+            fmt = linear_format(s.name, quant) if len(s.shape) == 2 else "none"
+            if fmt == "none":
+                out[s.name] = self._random(s.shape, 0.02)
+                continue
+            for entry in packed_specs(s.name, fmt, s.shape):
+                out[entry.name] = self._packed_random(entry)
+        return out
+
+    def _packed_random(self, spec: TensorSpec) -> Any:
+        """A packed entry (torch): random levels, or scales and minimums small enough that the
+        products stay far from overflow and denormals."""
+        import torch
+
+        device = self.backend.device
+        if spec.dtype == "I8":
+            return torch.randint(-127, 128, spec.shape, dtype=torch.int8, device=device)
+        if spec.dtype == "U8":
+            return torch.randint(0, 256, spec.shape, dtype=torch.uint8, device=device)
+        fill = -0.008 if spec.name.endswith(MINS) else 0.001
+        return torch.full(spec.shape, fill, dtype=torch.float16, device=device)
 
     def make_block_dispatch(self, config: ModelConfig, position: int) -> tuple[Run, int]:
         """One decode step through one block of this model's architecture at tiny shapes (hidden

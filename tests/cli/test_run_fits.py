@@ -3,58 +3,34 @@ planner's numbers and the limit that binds (a real cgroup memory limit, not a fa
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import uuid
-from pathlib import Path
 
 import pytest
 
+from kafila.demo import memory_groups
 from kafila.engine import system
 from kafila.models.checkpoint import Checkpoint
 from kafila.planner.cost import Workload, fmt_bytes, shortfall
 
-MEMORY_V1 = Path("/sys/fs/cgroup/memory")
 MB = 1_000_000
 
 
-def _own_memory_cgroup() -> Path | None:
-    """This process's cgroup v1 memory folder where a child can be made (root), else None."""
-    if os.geteuid() != 0 or not MEMORY_V1.is_dir():
-        return None
-    rel = next(
-        (
-            line.split(":", 2)[2]
-            for line in Path("/proc/self/cgroup").read_text().splitlines()
-            if ":memory:" in line
-        ),
-        None,
-    )
-    folder = MEMORY_V1 / rel.lstrip("/") if rel is not None else None
-    return folder if folder is not None and os.access(folder, os.W_OK) else None
-
-
 needs_memory_cgroup = pytest.mark.skipif(
-    _own_memory_cgroup() is None, reason="needs root and a writable cgroup v1 memory controller"
+    memory_groups.unavailable() is not None, reason=f"memory groups: {memory_groups.unavailable()}"
 )
 
 
 def _run_capped(limit_bytes: int, *argv: str) -> tuple[subprocess.CompletedProcess[str], int]:
     """`python -m kafila run ARGV` inside a new memory cgroup limited to `limit_bytes`; the result
     and the cgroup's peak usage."""
-    parent = _own_memory_cgroup()
-    assert parent is not None
-    group = parent / f"kafila-test-run-{uuid.uuid4().hex[:8]}"
-    group.mkdir()
+    group = memory_groups.make_group(limit_bytes, "test-run")
     try:
-        (group / "memory.limit_in_bytes").write_text(str(limit_bytes))
-        cmd = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(group)]
-        cmd += [sys.executable, "-m", "kafila", "run", "--threads", "1", *argv]
+        cmd = memory_groups.inside(group, [sys.executable, "-m", "kafila", "run", "--threads", "1", *argv])
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        return proc, int((group / "memory.max_usage_in_bytes").read_text())
+        return proc, memory_groups.peak_bytes(group)
     finally:
-        group.rmdir()
+        memory_groups.remove_group(group)
 
 
 @needs_memory_cgroup

@@ -299,6 +299,20 @@ def test_split_stages_through_wire_bytes_give_exactly_the_single_stage_logits(pa
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_sharded_bf16_folder_packs_to_one_file_without_its_shards(tiny_checkpoint, tmp_path) -> None:
+    """The hub's layout (model-0000x-of-0000y.safetensors and an index) is replaced by the packed
+    file, not copied beside it: a copied shard doubles the folder (16 GB for Qwen3-8B) and holds
+    every tensor a second time."""
+    src = tiny_checkpoint("llama-gqa3-tied", sharded=True, dtype="bfloat16")
+    assert len(list(src.glob("model-*.safetensors"))) > 1
+    out = quantize_folder(src, "q4", tmp_path / "q4", progress=False)
+    assert sorted(f.name for f in out.iterdir() if "safetensors" in f.name) == ["model.safetensors"]
+    assert (out / "config.json").is_file()
+    ckpt = Checkpoint.open(out, complete=True)
+    assert ckpt.stored_format == "q4"
+    assert {t.file.name for t in ckpt.tensors.values()} == {"model.safetensors"}
+
+
 def test_a_float_folder_packed_on_load_equals_its_packed_folder(tiny_checkpoint, packed) -> None:
     on_load = _logits(Checkpoint.open(tiny_checkpoint("llama-gqa3-tied")), "q4", [(0, 5)], False)
     stored = _logits(Checkpoint.open(packed["q4"]), "auto", [(0, 5)], False)
@@ -493,6 +507,29 @@ def test_a_large_matrix_is_quantized_in_chunks_of_rows_to_the_same_bytes(fmt, mo
     chunked = quant.quantize(w, fmt)
     np.testing.assert_array_equal(quant.dequantize(chunked), quant.dequantize(whole))
     assert chunked.nbytes == whole.nbytes
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bf16_bits_are_quantized_as_their_float32_values_without_a_whole_float32_copy(fmt) -> None:
+    """A bf16 matrix given as its uint16 bits packs to the same bytes as its exact float32
+    values, and the float32 copies stay chunk-sized: at Qwen3-8B's widths a whole one of the
+    embedding is 2.5 GB (tracemalloc sees numpy's allocations)."""
+    import tracemalloc
+
+    rows, cols = 24 * quant.CHUNK_ROWS + 5, 8 * GROUP
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    bits = w.view(torch.int16).numpy().view(np.uint16)
+    tracemalloc.start()
+    try:
+        got = quant.quantize(bits, fmt)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    want = quant.quantize(w.float().numpy(), fmt)
+    for a, b in ((got.data, want.data), (got.scales, want.scales), (got.mins, want.mins)):
+        np.testing.assert_array_equal(a, b)
+    whole = 4 * rows * cols
+    assert peak < whole / 2, f"quantize held {peak} bytes at its peak; a whole float32 copy is {whole}"
 
 
 def test_torchs_int4_matmul_takes_q4_products_as_the_dequantized_matrix(monkeypatch) -> None:

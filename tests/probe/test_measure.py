@@ -169,6 +169,49 @@ def test_head_probe_unembeds_one_row_of_the_model_vocabulary():
     assert tuple(run().shape) == (1, TINY_QWEN3.vocab_size)
 
 
+def test_head_probe_of_an_untied_model_allocates_one_vocabulary_matrix_not_two():
+    """The embedding is not what a decode step's head reads: at Qwen3-8B's widths allocating it
+    beside the unembedding doubles the probe's largest allocation (2 x 1.24 GB in bf16)."""
+    from dataclasses import replace
+
+    from kafila.engine.backend import resolve
+    from kafila.probe.ops import Ops
+
+    untied = replace(TINY_QWEN3, tie_word_embeddings=False)
+    ops = Ops(resolve("torch", "bf16"))
+    weights = ops.head_weights(untied)
+    vh = (untied.vocab_size, untied.hidden_size)
+    assert [tuple(w.shape) for w in weights.values()].count(vh) == 1
+    assert sum(w.numel() * w.element_size() for w in weights.values()) < 1.01 * 2 * vh[0] * vh[1]
+    run, nbytes = ops.make_head(untied)
+    assert nbytes == 2 * vh[0] * vh[1]  # the unembedding it reads, in bf16
+    assert tuple(run().shape) == (1, untied.vocab_size)
+
+
+def test_a_packed_sessions_probe_draws_its_matrices_packed_with_no_float_copy():
+    """In q4 the unembedding is int8 and the blocks' matrices q4: drawn as such, so the probe's
+    largest allocation is the packed matrix, not a float32 one four times its size."""
+    from dataclasses import replace
+
+    import torch
+
+    from kafila.engine.backend import resolve
+    from kafila.probe.ops import Ops
+
+    untied = replace(TINY_QWEN3, tie_word_embeddings=False)
+    ops = Ops(resolve("torch", "fp32"), "q4")
+    head = ops.head_weights(untied)
+    vh = (untied.vocab_size, untied.hidden_size)
+    assert head["model.embed_tokens.weight"].dtype == torch.int8
+    assert tuple(head["model.embed_tokens.weight"].shape) == vh
+    assert not any(w.dtype == torch.float32 and w.dim() == 2 for w in head.values())
+    run, nbytes = ops.make_head(untied)
+    assert tuple(run().shape) == (1, untied.vocab_size)
+    assert nbytes == vh[0] * vh[1] * 34 // 32  # int8 and a float16 scale per 32
+    block = ops.make_block(untied, position=3, blocks=2)
+    assert tuple(block().shape) == (1, untied.hidden_size)
+
+
 def test_stage_shaped_timing_idles_between_calls_as_a_ring_of_three_does():
     from kafila.probe.measure import STEPS, seconds_per_step
 
