@@ -71,7 +71,8 @@ class WanLab(Lab):
             sh("ip", "netns", "exec", self.inet, "sysctl", "-qw", f"net.ipv4.{key}")
         sh("ip", "-n", self.inet, "addr", "add", "198.18.0.254/32", "dev", "lo")  # ARP's source address
         sh("ip", "-n", self.inet, "tuntap", "add", "dev", TUN, "mode", "tun")
-        sh("ip", "-n", self.inet, "link", "set", TUN, "up")
+        # a deep queue to the router process: a descheduled router must not drop a burst (500 by default)
+        sh("ip", "-n", self.inet, "link", "set", TUN, "txqueuelen", "20000", "up")
         self._write_config()
         self._start_router()
         sh("ip", "-n", self.inet, "route", "add", "default", "dev", TUN, "table", TABLE)
@@ -154,5 +155,7 @@ class WanLab(Lab):
             except subprocess.TimeoutExpired:
                 self.router.kill()
                 self.router.wait(5)
+            if self.router.stdout is not None:
+                self.router.stdout.close()
             self.router = None
         super().close()
