@@ -60,6 +60,8 @@ class WanLab(Lab):
     default: Shape = field(default_factory=Shape)
     edges: dict[Edge, Shape] = field(default_factory=dict)
     seed: int = 1
+    ports: list[str] = field(default_factory=list)  # the public namespace's port to each site
+    bypassed: bool = False  # True: packets do not pass the router (`bypass`)
 
     @property
     def config(self) -> Path:
@@ -90,7 +92,9 @@ class WanLab(Lab):
         for key in (f"net.ipv4.{k}" for k in keys):  # proxy_delay: answer ARP now, not up to 0.8 s later
             sh("ip", "netns", "exec", self.inet, "sysctl", "-qw", key)
         sh("ip", "-n", self.inet, "link", "set", port, "up")
-        sh("ip", "-n", self.inet, "rule", "add", "iif", port, "lookup", TABLE)
+        self.ports.append(port)
+        if not self.bypassed:
+            sh("ip", "-n", self.inet, "rule", "add", "iif", port, "lookup", TABLE)
         sh("ip", "-n", ns, "link", "set", ifname, "up")
 
     def add_site(self, kind: str) -> Site:
@@ -106,10 +110,24 @@ class WanLab(Lab):
         return names
 
     def shape(self, default: Shape, edges: Mapping[Edge, Shape] | None = None) -> None:
-        """Every edge gets `default` except those in `edges` ((src node, dst node): one direction)."""
+        """Every edge gets `default` except those in `edges` ((src node, dst node): one direction);
+        packets pass the router again if `bypass` took it out of their way."""
         self.default, self.edges = default, dict(edges or {})
         self._write_config()
         self._reload()
+        if self.bypassed:
+            for port in self.ports:
+                sh("ip", "-n", self.inet, "rule", "add", "iif", port, "lookup", TABLE)
+            self.bypassed = False
+
+    def bypass(self) -> None:
+        """Take the user-space router out of every packet's way until the next `shape`: the public
+        namespace forwards at the kernel's rate (no delay; a session forms and fetches its weights
+        faster than through one Python process)."""
+        if not self.bypassed:
+            for port in self.ports:
+                sh("ip", "-n", self.inet, "rule", "del", "iif", port, "lookup", TABLE)
+            self.bypassed = True
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Packets passed, lost and overflowed per edge ("s1->s2") since the router started."""
