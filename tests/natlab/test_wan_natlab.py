@@ -4,10 +4,12 @@ and greedy answers identical to those with no delay."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import select
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import time
@@ -20,31 +22,43 @@ import pytest_asyncio
 from kafila.rendezvous.server import RendezvousServer
 from tests.natlab.delayline import Shape
 from tests.natlab.lab import RDV_ADDRS, SO_RCVBUFFORCE, netns
+from tests.natlab.members import API, form, stop
 from tests.natlab.wanlab import WanLab
 from tests.net.harness import start_rendezvous
-from tests.session.test_session_natlab import API, form, stop
 
 pytestmark = [pytest.mark.root, pytest.mark.network]
 
 
+SO_TIMESTAMPNS = 35  # Linux: the kernel's receive time of each datagram, as ancillary data
+
+
+def stamped(sock: socket.socket) -> tuple[float, tuple[str, int]]:
+    """Seconds from the time a datagram carries (its sender's clock just before sending) to the
+    kernel's receive time: the one-way trip, with no wait of this process's in it; and its sender."""
+    assert select.select([sock], [], [], 2.0)[0], "a datagram was lost with no loss set"
+    data, anc, _, sender = sock.recvmsg(2048, 64)
+    ((_, _, raw),) = anc
+    sec, nsec = struct.unpack("qq", raw[:16])
+    return sec + nsec / 1e9 - struct.unpack("d", data[:8])[0], sender
+
+
 def udp_rtts(lab: WanLab, ns: str, n: int = 15) -> list[float]:
-    """Round trips (ms) of 100-byte UDP datagrams from namespace `ns` to an echo at the rendezvous."""
-    echo = lab.udp_socket(lab.rdv, RDV_ADDRS[0])
-    client = lab.udp_socket(ns)
+    """Round trips (ms) between namespace `ns` and the rendezvous: each way's trip from a send to the
+    kernel's receive stamp, summed (a process that runs late under load adds nothing)."""
+    far = lab.udp_socket(lab.rdv, RDV_ADDRS[0])
+    near = lab.udp_socket(ns)
+    for sock in (far, near):
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
     out = []
     try:
         for _ in range(n):
-            t0 = time.monotonic()
-            client.sendto(bytes(100), echo.getsockname())
-            for sock in (echo, client):
-                assert select.select([sock], [], [], 2.0)[0], "a datagram was lost with no loss set"
-                data, peer = sock.recvfrom(2048)
-                if sock is echo:
-                    echo.sendto(data, peer)
-            out.append((time.monotonic() - t0) * 1000)
+            near.sendto(struct.pack("d", time.time()) + bytes(92), far.getsockname())
+            up, sender = stamped(far)
+            far.sendto(struct.pack("d", time.time()) + bytes(92), sender)
+            out.append((up + stamped(near)[0]) * 1000)
     finally:
-        echo.close()
-        client.close()
+        far.close()
+        near.close()
     return out
 
 
@@ -55,6 +69,8 @@ def test_each_edge_holds_its_packets_for_its_one_way_delay(wanlab: WanLab) -> No
     assert statistics.median(udp_rtts(wanlab, site.host)) < 5.0
     wanlab.shape(Shape(delay=0.020))
     rtts = udp_rtts(wanlab, site.host)
+    mid = statistics.median(rtts)
+    print(f"20 ms each way: round trips {min(rtts):.2f}-{max(rtts):.2f} ms, median {mid:.2f}")
     assert min(rtts) >= 40.0 and statistics.median(rtts) < 40.0 + 5.0, rtts
     wanlab.shape(Shape(delay=0.005), {(f"s{site.index}", "rdv"): Shape(delay=0.030)})  # one direction
     rtts = udp_rtts(wanlab, site.host)
@@ -100,6 +116,11 @@ def member_get(ns: str, path: str) -> dict:  # type: ignore[type-arg]
     return json.loads(got.stdout)
 
 
+def hop_rtts(traces: dict) -> dict[str, float]:  # type: ignore[type-arg]
+    """QUIC's smoothed round trip (ms) of every ring hop in the last request's trace record."""
+    return {f"{h['src']}->{h['dst']}": h["rtt_ms"] for h in traces["traces"][-1]["hops"]}
+
+
 ASK = f"""
 import httpx, json
 question = [{{"role": "user", "content": "Name three colours of the rainbow."}}]
@@ -118,27 +139,35 @@ def ask(ns: str) -> str:
 async def test_a_three_member_ring_at_20_ms_one_way_answers_as_without_delay(
     wanlab: WanLab, rdv: RendezvousServer, smollm2_path: Path, tmp_path: Path
 ) -> None:
-    """Formed with no delay (the weights come at the machine's rate), then every edge is held 20 ms
+    """Formed with the router out of the way (the weights come at the kernel's rate), asked once
+    through the router with no delay, then every edge is held 20 ms
     one way: QUIC's round trip on every ring hop is 40 ms give or take a few, a decode step's circuit
     crosses three such hops, and the greedy answer is the same text as before."""
-    wanlab.shape(Shape())
+    wanlab.bypass()
     sites = [wanlab.add_site("permissive") for _ in range(3)]
     procs: list[subprocess.Popen[bytes]] = []
     try:
         await form(sites, rdv, tmp_path, procs)
-        plain = ask(sites[0].host)
+        wanlab.shape(Shape())  # through the router, no delay
+        plain = await asyncio.to_thread(ask, sites[0].host)  # (a thread: this loop runs the rendezvous)
+        before = hop_rtts(await asyncio.to_thread(member_get, sites[0].host, "/traces"))
         wanlab.shape(Shape(delay=0.020))
-        ask(sites[0].host)  # QUIC's smoothed RTT takes a few samples to settle on the new delay
-        delayed = ask(sites[0].host)
+        await asyncio.to_thread(ask, sites[0].host)  # QUIC's smoothed RTT takes a few samples to settle
+        delayed = await asyncio.to_thread(ask, sites[0].host)
         assert delayed == plain and plain.strip()
-        record = member_get(sites[0].host, "/traces")["traces"][-1]
-        rtts = {f"{h['src']}->{h['dst']}": h["rtt_ms"] for h in record["hops"]}
-        assert len(rtts) == 3 and all(38.0 <= r <= 40.0 + 8.0 for r in rtts.values()), rtts
+        record = (await asyncio.to_thread(member_get, sites[0].host, "/traces"))["traces"][-1]
+        after = hop_rtts({"traces": [record]})
+        added = {hop: after[hop] - before[hop] for hop in after}
         per_token = record["decode_s"] * 1000 / (record["completion_tokens"] - 1)
         print(
             f"20 ms one way: circuit {record['circuit_ms']:.1f} ms, {per_token:.1f} ms per token, "
-            f"{per_token / record['circuit_ms']:.2f} circuits per token, hop RTTs {rtts}"
+            f"{per_token / record['circuit_ms']:.2f} circuits per token; hop RTTs {after} ms, "
+            f"{before} ms with no delay"
         )
+        # QUIC's smoothed RTT also holds each end's time to read a packet (tens of ms on a loaded
+        # machine): the delay is what 20 ms added to the same hop, two one-way delays of 20 ms
+        assert len(after) == 3 and all(r >= 40.0 for r in after.values()), after
+        assert all(abs(a - 40.0) <= 8.0 for a in added.values()), added
         assert record["circuit_ms"] >= 3 * 20.0, record["circuit_ms"]
     finally:
         stop(procs)
