@@ -134,7 +134,7 @@ async def ring(members: int, conditions: list[tuple[float, float]], args: argpar
         sites = [lab.add_site("permissive") for _ in range(members)]
         procs: list[subprocess.Popen[bytes]] = []
         try:
-            await form(sites, rdv, Path(tmp), procs)
+            await form(sites, rdv, Path(tmp), procs, ready_s=900)  # a loaded machine probes slowly
             reference: dict[str, str] = {}
             for delay_ms, loss in conditions:
                 lab.shape(Shape(delay=delay_ms / 1000, loss=loss))

@@ -50,11 +50,16 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 async def form(
-    sites: list[Site], rdv: RendezvousServer, tmp_path: Path, procs: list[subprocess.Popen[bytes]]
+    sites: list[Site],
+    rdv: RendezvousServer,
+    tmp_path: Path,
+    procs: list[subprocess.Popen[bytes]],
+    ready_s: float = 300.0,
 ) -> list[Path]:
     """A session of one member per site (the host first, `NAMES`), every one a `kafila` process in
     its site's namespace, formed and ready; returns their logs. `procs` gets each process as it
-    starts, so the caller's `finally: stop(procs)` ends them whatever happens here."""
+    starts, so the caller's `finally: stop(procs)` ends them whatever happens here. `ready_s`: how
+    long the session may take to be ready once every member started."""
     names = NAMES[: len(sites)]
     logs = [tmp_path / f"{n}.log" for n in names]
     code_file = tmp_path / "code"
@@ -64,5 +69,5 @@ async def form(
     await wait_for(code_file.exists, 120, "session code", procs)
     for site, name, log in zip(sites[1:], names[1:], logs[1:], strict=True):
         procs.append(spawn(site.host, ["join", code_file.read_text().strip(), "--name", name, *common], log))
-    await wait_for(lambda: "session ready" in logs[0].read_text(), 300, "session ready", procs)
+    await wait_for(lambda: "session ready" in logs[0].read_text(), ready_s, "session ready", procs)
     return logs
