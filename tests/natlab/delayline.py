@@ -70,6 +70,10 @@ class DelayLine:
     def counts(self, edge: Edge) -> EdgeCounts:
         return self._state(edge).counts
 
+    def edges(self) -> list[Edge]:
+        """Every edge that has seen a packet."""
+        return list(self._edges)
+
     def _state(self, edge: Edge) -> _EdgeState:
         if edge not in self._edges:
             self._edges[edge] = _EdgeState()

@@ -65,7 +65,7 @@ class Router:
         self.line.reshape(shapes, default)
 
     def dump_counts(self, *_: object) -> None:
-        counts = {f"{a}->{b}": vars(self.line.counts((a, b))) for a, b in self.line._edges}
+        counts = {f"{a}->{b}": vars(self.line.counts((a, b))) for a, b in self.line.edges()}
         tmp = self.config.with_suffix(".counts.tmp")
         tmp.write_text(json.dumps(counts))
         tmp.replace(str(self.config) + ".counts")
