@@ -66,6 +66,7 @@ import httpx, json, sys, time
 prompts, max_tokens, runs, extra = json.loads(sys.argv[1])
 out = []
 with httpx.Client(timeout=600) as client:
+    seen = len([t for t in client.get("http://API/traces").json()["traces"] if t["type"] == "request"])
     for name, prompt in prompts.items():
         for _ in range(runs):
             body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": prompt}],
@@ -79,7 +80,12 @@ with httpx.Client(timeout=600) as client:
                     if piece:
                         times.append(time.perf_counter() - t0)
                         text.append(piece)
-            trace = client.get("http://API/traces").json()["traces"][-1]
+            for _ in range(100):  # the head writes the request's record just after the stream ends
+                traces = [t for t in client.get("http://API/traces").json()["traces"] if t["type"] == "request"]
+                if len(traces) > seen:
+                    break
+                time.sleep(0.1)
+            seen, trace = len(traces), traces[-1]
             out.append({"prompt": name, "times": times, "text": "".join(text), "trace": trace})
 print(json.dumps(out))
 """.replace("API", API)
