@@ -81,7 +81,8 @@ with httpx.Client(timeout=600) as client:
                         times.append(time.perf_counter() - t0)
                         text.append(piece)
             for _ in range(100):  # the head writes the request's record just after the stream ends
-                traces = [t for t in client.get("http://API/traces").json()["traces"] if t["type"] == "request"]
+                got = client.get("http://API/traces").json()["traces"]
+                traces = [t for t in got if t["type"] == "request"]
                 if len(traces) > seen:
                     break
                 time.sleep(0.1)
