@@ -4,9 +4,9 @@ a one-way delay by a user-space router; root), asked a chat question, a summary 
 a code edit at several one-way delays per edge and with loss. Per condition and prompt, medians over
 `--runs` greedy requests (streamed) with the spread (half the range):
 
-- ms per token: the head's decode time over the tokens after the first (its request trace);
-- tokens per circuit: the median circuit (time around the ring per decode step, the same trace)
-  over ms per token (plain decoding: at most 1);
+- ms per token: first to last streamed chunk over the chunks after the first (a chunk per token);
+- tokens per circuit: the head's median circuit (time around the ring per decode step, from its
+  request record where it wrote one) over ms per token (plain decoding: about 1);
 - p95 token gap: the 95th percentile of the gaps between streamed chunks;
 - first token: request sent -> first streamed chunk;
 - same: whether the answer is the text the first condition (no delay) gave.
@@ -132,17 +132,19 @@ def summarize(answers: list[dict[str, Any]], reference: dict[str, str]) -> list[
     rows = []
     for name in PROMPTS:
         mine = [a for a in answers if a["prompt"] == name]
-        per_token = [
-            1000 * a["trace"]["decode_s"] / max(a["trace"]["completion_tokens"] - 1, 1) for a in mine
+        # ms per token from the stream (a chunk per token); the circuit from the head's record,
+        # where it wrote one for the request
+        per_token = [1000 * (a["times"][-1] - a["times"][0]) / (len(a["times"]) - 1) for a in mine]
+        per_circuit = [
+            a["trace"]["circuit_ms"] / t for a, t in zip(mine, per_token, strict=True) if "trace" in a
         ]
-        per_circuit = [a["trace"]["circuit_ms"] / t for a, t in zip(mine, per_token, strict=True) if t > 0]
         gaps = [p95([1000 * (b - a) for a, b in zip(x["times"], x["times"][1:], strict=False)]) for x in mine]
         first = [1000 * a["times"][0] for a in mine if a["times"]]
         same = all(a["text"] == reference.get(name, a["text"]) for a in mine)
         rows.append(
             f"| {name} | {median(per_token):.0f} ({spread(per_token):.0f}) | {median(per_circuit):.2f} "
             f"({spread(per_circuit):.2f}) | {median(gaps):.0f} ({spread(gaps):.0f}) | {median(first):.0f} "
-            f"({spread(first):.0f}) | {mine[0]['trace']['completion_tokens']} | {'yes' if same else 'NO'} |"
+            f"({spread(first):.0f}) | {len(mine[0]['times'])} | {'yes' if same else 'NO'} |"
         )
     return rows
 
