@@ -94,6 +94,7 @@ class LinkConfig:
     probe_raise: float = 600.0
     max_stream_data: int = 32 * 1024 * 1024  # flow-control window: several activation frames
     max_data: int = 64 * 1024 * 1024
+    congestion_control: str = "reno"  # aioquic's algorithm: "reno" or "cubic"
     idle_timeout: float = 30.0  # no packet at all for this long: the link is closed
     keepalive: float = 2.0  # PING interval; holds NAT mappings and feeds the liveness check
     dead_after: float = 6.0  # nothing from the direct path for this long: fall back to relay
@@ -286,6 +287,7 @@ class Link:
             max_data=self.config.max_data,
             max_stream_data=self.config.max_stream_data,
             idle_timeout=self.config.idle_timeout,
+            congestion_control_algorithm=self.config.congestion_control,
         )
         if self.is_client:
             cfg.verify_mode = ssl.CERT_NONE  # the certificate is checked by the SPAKE2 binding instead

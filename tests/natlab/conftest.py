@@ -1,4 +1,5 @@
-"""The `natlab` fixture: a fresh NAT lab per test module, removed afterwards (also on failure)."""
+"""The `natlab` and `wanlab` fixtures: a fresh NAT lab (with WAN edges: `wanlab`) per test module,
+removed afterwards (also on failure)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.natlab.lab import Lab, missing_requirements
+from tests.natlab.wanlab import WanLab
 
 
 @pytest.fixture(scope="module")
@@ -15,4 +17,13 @@ def natlab() -> Iterator[Lab]:
     if reason:
         pytest.skip(reason)
     with Lab() as lab:
+        yield lab
+
+
+@pytest.fixture(scope="module")
+def wanlab() -> Iterator[WanLab]:
+    reason = missing_requirements()
+    if reason:
+        pytest.skip(reason)
+    with WanLab() as lab:
         yield lab

@@ -32,6 +32,7 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Self
 
 CLONE_NEWNET = 0x40000000
 SO_RCVBUFFORCE = 33  # Linux; not exported by Python's socket module
@@ -178,7 +179,7 @@ class Lab:
     def rdv(self) -> str:
         return f"{self.prefix}-rdv"
 
-    def __enter__(self) -> Lab:
+    def __enter__(self) -> Self:
         remove_stale_namespaces()
         try:
             self._build_public()

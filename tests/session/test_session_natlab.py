@@ -7,22 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
 from kafila.rendezvous.server import RendezvousServer
 from tests.natlab.lab import RDV_ADDRS, Lab, netns
+from tests.natlab.members import API, form, spawn, stop, wait_for
 from tests.net.harness import start_rendezvous
 
 pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.network]
-API = "127.0.0.1:11434"  # each member's API, inside its own namespace
 ASK = f"""
 import httpx, json
 question = [{{"role": "user", "content": "What is the capital of France?"}}]
@@ -40,23 +38,6 @@ async def rdv(natlab: Lab) -> AsyncIterator[RendezvousServer]:
     await server.stop()
 
 
-def spawn(ns: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "kafila", *args]
-    with log.open("wb") as out:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
-
-
-async def wait_for(check, timeout: float, what: str, procs) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not check():
-        for p in procs:
-            if p.poll() is not None:
-                raise AssertionError(f"{what}: {p.args[3]} exited with {p.returncode}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:.0f} s")
-        await asyncio.sleep(0.3)
-
-
 async def asks_paris(ns: str) -> None:
     """The member in namespace `ns` answers the capital question through its own API."""
     asked = await asyncio.to_thread(
@@ -67,38 +48,6 @@ async def asks_paris(ns: str) -> None:
     )
     answer = json.loads(asked.stdout)
     assert "Paris" in answer["choices"][0]["message"]["content"], answer
-
-
-def stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)  # (SIGINT is ignored under a background shell)
-    for p in procs:
-        try:
-            p.wait(15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
-
-
-NAMES = ("alpha", "beta", "gamma", "delta")
-
-
-async def form(sites: list, rdv: RendezvousServer, tmp_path: Path, procs: list) -> list[Path]:  # type: ignore[type-arg]
-    """A session of one member per site (the host first, `NAMES`), every one a `kafila` process in
-    its site's namespace, formed and ready; returns their logs. `procs` gets each process as it
-    starts, so the caller's `finally: stop(procs)` ends them whatever happens here."""
-    names = NAMES[: len(sites)]
-    logs = [tmp_path / f"{n}.log" for n in names]
-    code_file = tmp_path / "code"
-    common = ["--rendezvous", rdv.url, "--api", API]
-    procs.append(spawn(sites[0].host, ["host", "--members", str(len(sites)), "--name", names[0], "--context",
-                                       "512", "--code-file", str(code_file), *common], logs[0]))  # fmt: skip
-    await wait_for(code_file.exists, 120, "session code", procs)
-    for site, name, log in zip(sites[1:], names[1:], logs[1:], strict=True):
-        procs.append(spawn(site.host, ["join", code_file.read_text().strip(), "--name", name, *common], log))
-    await wait_for(lambda: "session ready" in logs[0].read_text(), 300, "session ready", procs)
-    return logs
 
 
 async def test_session_across_nats_with_a_relayed_edge(natlab: Lab, rdv, smollm2_path, tmp_path) -> None:
