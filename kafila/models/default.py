@@ -205,7 +205,7 @@ def convert_gguf(
     else:
         _write_safetensors(gf, config, out / "model.safetensors", progress, desc)
     _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", _generation_config(gf.meta))
+    _write_json(out / "generation_config.json", generation_config(gf.meta))
     _write_tokenizer(gf.meta, out)
     _write_json(
         out / SOURCE_FILE,
@@ -368,21 +368,21 @@ def _llama_config(meta: dict[str, Any]) -> dict[str, Any]:
         "mlp_bias": False,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
-        "bos_token_id": _opt_int(meta, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _opt_int(meta, "tokenizer.ggml.eos_token_id"),
-        "pad_token_id": _opt_int(meta, "tokenizer.ggml.padding_token_id"),
+        "bos_token_id": opt_int(meta, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": opt_int(meta, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": opt_int(meta, "tokenizer.ggml.padding_token_id"),
         "use_cache": True,
         "torch_dtype": "float32",
     }
 
 
-def _opt_int(meta: dict[str, Any], key: str) -> int | None:
+def opt_int(meta: dict[str, Any], key: str) -> int | None:
     return None if meta.get(key) is None else int(meta[key])
 
 
-def _generation_config(meta: dict[str, Any]) -> dict[str, Any]:
+def generation_config(meta: dict[str, Any]) -> dict[str, Any]:
     keys = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding"}
-    return {k: _opt_int(meta, f"tokenizer.ggml.{v}_token_id") for k, v in keys.items()}
+    return {k: opt_int(meta, f"tokenizer.ggml.{v}_token_id") for k, v in keys.items()}
 
 
 def _dequantized(gf: GGUFFile, tensor: GGUFTensor, name: str, config: dict[str, Any]) -> Any:
@@ -507,7 +507,7 @@ def _write_tokenizer(meta: dict[str, Any], out: Path) -> None:
 
 def _tokenizer_config(meta: dict[str, Any], tokens: list[str], special: list[str]) -> dict[str, Any]:
     def named(kind: str) -> str | None:
-        i = _opt_int(meta, f"tokenizer.ggml.{kind}_token_id")
+        i = opt_int(meta, f"tokenizer.ggml.{kind}_token_id")
         return None if i is None else tokens[i]
 
     return {

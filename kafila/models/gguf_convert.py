@@ -33,7 +33,7 @@ import numpy as np
 
 from kafila.models import gguf_types as types
 from kafila.models.cache import cache_dir
-from kafila.models.default import GGUFFile, GGUFTensor, hf_name, unpermute_qk
+from kafila.models.default import GGUFFile, GGUFTensor, generation_config, hf_name, opt_int, unpermute_qk
 from kafila.obs.log import get_logger
 
 log = get_logger(__name__)
@@ -146,7 +146,7 @@ def convert(
     config["tie_word_embeddings"] = all(s.name != "lm_head.weight" for s, _ in entries)
     quantize.write_safetensors(out / "model.safetensors", entries, progress, desc=f"reading {file.name}")
     _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", _generation_config(gf.meta) | _defaults(defaults))
+    _write_json(out / "generation_config.json", generation_config(gf.meta) | _defaults(defaults))
     write_tokenizer(gf.meta, out, file)
     source = {"converter": CONVERTER_VERSION, "gguf": str(file), "gguf_bytes": file.stat().st_size}
     _write_json(out / SOURCE_FILE, source)
@@ -202,20 +202,11 @@ def model_config(meta: dict[str, Any], file: Path) -> dict[str, Any]:
         "vocab_size": int(meta.get(f"{arch}.vocab_size") or len(tokens)),
         "attention_bias": False,
         "mlp_bias": False,
-        "bos_token_id": _opt_int(meta, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _opt_int(meta, "tokenizer.ggml.eos_token_id"),
-        "pad_token_id": _opt_int(meta, "tokenizer.ggml.padding_token_id"),
+        "bos_token_id": opt_int(meta, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": opt_int(meta, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": opt_int(meta, "tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
-
-
-def _opt_int(meta: dict[str, Any], key: str) -> int | None:
-    return None if meta.get(key) is None else int(meta[key])
-
-
-def _generation_config(meta: dict[str, Any]) -> dict[str, Any]:
-    keys = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding"}
-    return {k: _opt_int(meta, f"tokenizer.ggml.{v}_token_id") for k, v in keys.items()}
 
 
 # --- tensors ----------------------------------------------------------------------------------
@@ -414,7 +405,7 @@ def write_tokenizer(meta: dict[str, Any], out: Path, file: Path) -> None:
     special = [t for t, kind in zip(tokens, kinds, strict=True) if kind == _CONTROL]
 
     def named(kind: str) -> str | None:
-        i = _opt_int(meta, f"tokenizer.ggml.{kind}_token_id")
+        i = opt_int(meta, f"tokenizer.ggml.{kind}_token_id")
         return None if i is None or not 0 <= i < len(tokens) else tokens[i]
 
     arch = meta.get("general.architecture")
