@@ -164,7 +164,7 @@ def only_the_new_layer_crosses(fleet_lab: FleetLab, fleet: Path) -> None:
     image = f"{member_image_name(parsed, base)}-layer-test"
     build = subprocess.run(
         ["docker", "build", "-q", "-t", image, "-"],
-        input=f"FROM {member_image_name(parsed, base)}\nRUN echo {secrets.token_hex(8)} > /opt/layer-test\n",
+        input=f"FROM {member_image_name(parsed, base)}\nRUN echo {secrets.token_hex(8)} > /tmp/layer-test\n",
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert build.returncode == 0, build.stderr

@@ -244,10 +244,10 @@ async def test_a_ready_member_ends_when_another_fails_to_start(rdv, tmp_path, ti
     monkeypatch.setattr(driver, "say", lambda text: said.append(text))
     real_fetch = join._fetch
 
-    async def fetch(got, links, o):
+    async def fetch(got, links, o, sharing):
         if got.me == "gamma":
             await asyncio.Event().wait()  # the simulated slow fetch: until cancelled
-        return await real_fetch(got, links, o)
+        return await real_fetch(got, links, o, sharing)
 
     monkeypatch.setattr(join, "_fetch", fetch)
     _, (hosting, beta, gamma) = await host_and(rdv, tmp_path, str(tiny_chat_model), 3, ["beta", "gamma"])
@@ -557,10 +557,10 @@ async def test_a_members_metrics_listener_serves_while_forming_and_serving_and_s
     fetching, go_on = asyncio.Event(), asyncio.Event()
     real_fetch = joining._fetch
 
-    async def fetch(got, links, o):
+    async def fetch(got, links, o, sharing):
         fetching.set()
         await go_on.wait()  # the simulated slow fetch: until the test scraped the forming member
-        return await real_fetch(got, links, o)
+        return await real_fetch(got, links, o, sharing)
 
     monkeypatch.setattr(joining, "_fetch", fetch)
     code: asyncio.Future = asyncio.get_running_loop().create_future()
