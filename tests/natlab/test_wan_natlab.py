@@ -116,9 +116,21 @@ def member_get(ns: str, path: str) -> dict:  # type: ignore[type-arg]
     return json.loads(got.stdout)
 
 
-def hop_rtts(traces: dict) -> dict[str, float]:  # type: ignore[type-arg]
-    """QUIC's smoothed round trip (ms) of every ring hop in the last request's trace record."""
-    return {f"{h['src']}->{h['dst']}": h["rtt_ms"] for h in traces["traces"][-1]["hops"]}
+def hop_rtts(record: dict) -> dict[str, float]:  # type: ignore[type-arg]
+    """QUIC's smoothed round trip (ms) of every ring hop in a request's trace record."""
+    return {f"{h['src']}->{h['dst']}": h["rtt_ms"] for h in record["hops"]}
+
+
+async def request_records(ns: str, at_least: int) -> list[dict]:  # type: ignore[type-arg]
+    """The head's request records, once it holds `at_least` (each is written when the request's
+    `free` notice came back around the ring, an instant after its answer; stage records come too)."""
+    for _ in range(100):
+        doc = await asyncio.to_thread(member_get, ns, "/traces")
+        found = [t for t in doc["traces"] if t.get("type") == "request"]
+        if len(found) >= at_least:
+            return found
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"fewer than {at_least} request records at {ns} after 20 s: {doc}")
 
 
 ASK = f"""
@@ -150,13 +162,13 @@ async def test_a_three_member_ring_at_20_ms_one_way_answers_as_without_delay(
         await form(sites, rdv, tmp_path, procs, ready_s=600)  # a loaded machine probes slowly
         wanlab.shape(Shape())  # through the router, no delay
         plain = await asyncio.to_thread(ask, sites[0].host)  # (a thread: this loop runs the rendezvous)
-        before = hop_rtts(await asyncio.to_thread(member_get, sites[0].host, "/traces"))
+        before = hop_rtts((await request_records(sites[0].host, 1))[-1])
         wanlab.shape(Shape(delay=0.020))
         await asyncio.to_thread(ask, sites[0].host)  # QUIC's smoothed RTT takes a few samples to settle
         delayed = await asyncio.to_thread(ask, sites[0].host)
         assert delayed == plain and plain.strip()
-        record = (await asyncio.to_thread(member_get, sites[0].host, "/traces"))["traces"][-1]
-        after = hop_rtts({"traces": [record]})
+        record = (await request_records(sites[0].host, 3))[-1]
+        after = hop_rtts(record)
         added = {hop: after[hop] - before[hop] for hop in after}
         per_token = record["decode_s"] * 1000 / (record["completion_tokens"] - 1)
         print(
