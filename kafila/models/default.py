@@ -502,13 +502,17 @@ def _write_tokenizer(meta: dict[str, Any], out: Path) -> None:
     special = [t for t, kind in zip(tokens, types, strict=True) if kind == _GGUF_CONTROL]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     tok.save(str(out / "tokenizer.json"))
-    _write_json(out / "tokenizer_config.json", _tokenizer_config(meta, tokens, special))
+    _write_json(out / "tokenizer_config.json", tokenizer_config(meta, tokens, special))
 
 
-def _tokenizer_config(meta: dict[str, Any], tokens: list[str], special: list[str]) -> dict[str, Any]:
+def tokenizer_config(meta: dict[str, Any], tokens: list[str], special: list[str]) -> dict[str, Any]:
+    """tokenizer_config.json from a GGUF's `tokenizer.ggml.*` and its architecture's context length;
+    a special token id out of the vocabulary names none."""
+    arch = meta.get("general.architecture", "llama")
+
     def named(kind: str) -> str | None:
         i = opt_int(meta, f"tokenizer.ggml.{kind}_token_id")
-        return None if i is None else tokens[i]
+        return None if i is None or not 0 <= i < len(tokens) else tokens[i]
 
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -521,6 +525,6 @@ def _tokenizer_config(meta: dict[str, Any], tokens: list[str], special: list[str
         "pad_token": named("padding"),
         "unk_token": named("unknown"),
         "additional_special_tokens": [t for t in special if t not in {named("bos"), named("eos")}],
-        "model_max_length": int(meta.get("llama.context_length", 2048)),
+        "model_max_length": int(meta.get(f"{arch}.context_length", 2048)),
         "chat_template": meta.get("tokenizer.chat_template"),
     }

@@ -33,7 +33,15 @@ import numpy as np
 
 from kafila.models import gguf_types as types
 from kafila.models.cache import cache_dir
-from kafila.models.default import GGUFFile, GGUFTensor, generation_config, hf_name, opt_int, unpermute_qk
+from kafila.models.default import (
+    GGUFFile,
+    GGUFTensor,
+    generation_config,
+    hf_name,
+    opt_int,
+    tokenizer_config,
+    unpermute_qk,
+)
 from kafila.obs.log import get_logger
 
 log = get_logger(__name__)
@@ -403,24 +411,4 @@ def write_tokenizer(meta: dict[str, Any], out: Path, file: Path) -> None:
     kinds: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     build_tokenizer(meta, file).save(str(out / "tokenizer.json"))
     special = [t for t, kind in zip(tokens, kinds, strict=True) if kind == _CONTROL]
-
-    def named(kind: str) -> str | None:
-        i = opt_int(meta, f"tokenizer.ggml.{kind}_token_id")
-        return None if i is None or not 0 <= i < len(tokens) else tokens[i]
-
-    arch = meta.get("general.architecture")
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        "add_prefix_space": False,
-        "clean_up_tokenization_spaces": False,
-        "bos_token": named("bos"),
-        "eos_token": named("eos"),
-        "pad_token": named("padding"),
-        "unk_token": named("unknown"),
-        "additional_special_tokens": [t for t in special if t not in {named("bos"), named("eos")}],
-        "model_max_length": int(meta.get(f"{arch}.context_length", 2048)),
-        "chat_template": meta.get("tokenizer.chat_template"),
-    }
-    _write_json(out / "tokenizer_config.json", config)
+    _write_json(out / "tokenizer_config.json", tokenizer_config(meta, tokens, special))
