@@ -30,12 +30,17 @@ once a stage's output has left); a second packet is ACKed at once (docs/links.md
 
 Messages: one bidirectional stream carries (kind, payload) messages in order (kafila.net.framing).
 Authentication (kafila.net.auth) runs on it first; `send`/`recv` work only after it succeeds.
+A message sent with `delivered` is timed on this side's clock: from `send` until the peer's ACK of
+its last byte came back, less the delay the peer says it held that ACK (which a ring stage holds
+while it computes), so what is left is the message's way there, queueing and resends included, and
+the ACK's way back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -144,6 +149,15 @@ class _Counters:
     datagrams: dict[PathKind, int] = field(default_factory=lambda: dict.fromkeys(PathKind, 0))
 
 
+@dataclass(frozen=True)
+class _Timed:
+    """A message `send` was asked to time: the stream offset after its last byte, when it was sent."""
+
+    end: int
+    sent_at: float
+    delivered: Callable[[float], None]
+
+
 class Link:
     """One end of an authenticated QUIC link. Made by `kafila.net.edge.connect_edge` (tests also
     build one directly and hand it a path with `add_direct` / `set_relay` before `start`)."""
@@ -196,6 +210,7 @@ class Link:
         self._probed_at = 0.0  # loop time the latest search of the path's packet size began
         self.datagram_size = self.config.max_datagram_size
         self._counters = _Counters()
+        self._timed: deque[_Timed] = deque()  # messages sent with `delivered`, oldest first
         self._log = log.bind(edge=f"{ctx.client_id}->{ctx.server_id}", me="client" if is_client else "server")
 
     # ------------------------------------------------------------------ paths
@@ -331,6 +346,7 @@ class Link:
             configuration=self._quic_config(), original_destination_connection_id=original_dcid
         )
         quic_private.set_ack_delay(conn, self.config.ack_delay)
+        quic_private.on_ack(conn, self._acked)
         return conn
 
     def _accept_initial(self, data: bytes) -> bool:
@@ -552,8 +568,10 @@ class Link:
 
     # ------------------------------------------------------------------ messages
 
-    async def send(self, kind: int, payload: bytes) -> None:
-        """Queue one message; waits while more than `send_buffer` bytes are unacknowledged."""
+    async def send(self, kind: int, payload: bytes, delivered: Callable[[float], None] | None = None) -> None:
+        """Queue one message; waits while more than `send_buffer` bytes are unacknowledged.
+        `delivered(seconds)` is called once the peer acknowledged all of it: the seconds from now
+        until its ACK came, less the delay the peer held that ACK."""
         if kind < framing.FIRST_APP_KIND:
             raise ValueError(f"message kinds below {framing.FIRST_APP_KIND} are reserved for the link")
         self._raise_if_closed()
@@ -563,6 +581,10 @@ class Link:
             await self._drained.wait()
             self._raise_if_closed()
         self._send_raw(kind, payload)
+        if delivered is not None:
+            assert self._quic is not None
+            end = quic_private.stream_written(self._quic, STREAM)
+            self._timed.append(_Timed(end, self._loop.time(), delivered))
         self._counters.messages_sent += 1
         self._counters.bytes_sent += len(payload)
         self._transmit()
@@ -592,6 +614,18 @@ class Link:
         quic = self._quic if self._closed is None else None
         if quic is not None and quic_private.send_waiting_ack_now(quic, self._loop.time()):
             self._transmit()
+
+    def _acked(self, now: float, ack_delay: float) -> None:
+        """An ACK from the peer was applied: every timed message it completed is delivered."""
+        if not self._timed or self._quic is None:
+            return
+        acked = quic_private.stream_acked(self._quic, STREAM)
+        while self._timed and self._timed[0].end <= acked:
+            timed = self._timed.popleft()
+            try:
+                timed.delivered(max(0.0, now - timed.sent_at - ack_delay))
+            except Exception:  # an observer's bug must not break the ACK's processing
+                self._log.exception("link_delivered_callback_failed")
 
     def unacknowledged(self) -> int:
         return 0 if self._quic is None else quic_private.unacked_stream_bytes(self._quic, STREAM)
@@ -694,6 +728,7 @@ class Link:
             self._ready.exception()  # retrieved: wait_ready re-raises it
         self._inbox.put_nowait(None)
         self._drained.set()
+        self._timed.clear()
         if self._timer is not None:
             self._timer.cancel()
         for task in (self._keepalive_task, self._probing):

@@ -2,7 +2,8 @@
 
 aioquic's public API has no way to change a connection's packet size after it is made, to move
 the packets in flight on a dead path to a new one at once, to send a waiting ACK now, or to read
-its RTT estimate and unacknowledged stream bytes. A link needs all of them (kafila.net.link), so it
+its RTT estimate and unacknowledged stream bytes, or to learn of each ACK the peer sent and the
+delay it says it held it. A link needs all of them (kafila.net.link), so it
 reaches into the connection here and only here. Importing this module checks the installed aioquic
 against `AIOQUIC_VERSION`, and tests/net/test_quic_private.py drives every function below on a
 real connection pair, so an upgrade fails loudly in one place instead of misbehaving on a path
@@ -11,12 +12,14 @@ change in the field.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib.metadata import version
 
 from aioquic import tls
 from aioquic.quic import events
 from aioquic.quic.congestion.base import create_congestion_control
 from aioquic.quic.connection import QuicConnection
+from aioquic.quic.rangeset import RangeSet
 from aioquic.quic.recovery import QuicPacketSpace
 from cryptography import x509
 
@@ -107,3 +110,29 @@ def unacked_stream_bytes(conn: QuicConnection, stream_id: int) -> int:
         return 0
     sender = stream.sender
     return int(sender._buffer_stop - sender._buffer_start)
+
+
+def stream_written(conn: QuicConnection, stream_id: int) -> int:
+    """Bytes written to a stream so far: the stream offset after its last byte (0 for no such stream)."""
+    stream = conn._streams.get(stream_id)
+    return 0 if stream is None else int(stream.sender._buffer_stop)
+
+
+def stream_acked(conn: QuicConnection, stream_id: int) -> int:
+    """Bytes of a stream the peer acknowledged from its start on, with no gap (0 for no such stream)."""
+    stream = conn._streams.get(stream_id)
+    return 0 if stream is None else int(stream.sender._buffer_start)
+
+
+def on_ack(conn: QuicConnection, callback: Callable[[float, float], None]) -> None:
+    """Call `callback(now, ack_delay)` after each ACK frame from the peer was applied (the acked
+    stream bytes counted already): `now` the time it was received at (the `now` the connection was
+    given), `ack_delay` the seconds the peer says it held that ACK after its largest packet came."""
+    loss = conn._loss
+    received = loss.on_ack_received
+
+    def watched(*, ack_rangeset: RangeSet, ack_delay: float, now: float, space: QuicPacketSpace) -> None:
+        received(ack_rangeset=ack_rangeset, ack_delay=ack_delay, now=now, space=space)
+        callback(now, ack_delay)
+
+    loss.on_ack_received = watched  # type: ignore[method-assign]

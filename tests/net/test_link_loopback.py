@@ -248,3 +248,44 @@ def test_a_silent_relay_path_is_rebound_within_two_keepalives_not_at_the_next_re
     # the first silent re-bind comes long before peer_timeout with the defaults
     defaults = LinkConfig()
     assert defaults.relay_silent_keepalives * defaults.keepalive + defaults.keepalive < defaults.peer_timeout
+
+
+async def test_a_timed_message_leaves_out_the_time_its_receiver_held_the_ack() -> None:
+    """`send(..., delivered)`: the seconds from sending a message to its ACK, less the ACK delay the
+    receiver reported. The receiver holds a lone packet's ACK for `ack_delay` (25 ms), which the
+    timing leaves out; a 3 MB message's time is the transfer of all its packets."""
+    ctx = EdgeContext("S-loop", "alice", "bob", b"correct horse")
+    quiet = LinkConfig(probe_sizes=(), keepalive=60.0)  # no probes or PINGs in between
+    client, server, a, b = await direct_pair(ctx, ctx, quiet)
+    try:
+        await asyncio.gather(client.wait_ready(), server.wait_ready())
+        await asyncio.sleep(0.1)  # the handshake's and authentication's ACKs are done
+        timed: list[tuple[float, float]] = []  # (transfer, wall time from send to the ACK)
+
+        async def send_timed(payload: bytes) -> None:
+            sent = asyncio.get_running_loop().time()
+            done = asyncio.Event()
+
+            def delivered(seconds: float) -> None:
+                timed.append((seconds, asyncio.get_running_loop().time() - sent))
+                done.set()
+
+            await client.send(16, payload, delivered)
+            assert (await server.recv(timeout=5))[1] == payload
+            await asyncio.wait_for(done.wait(), 10)
+
+        await send_timed(b"one frame")  # its ACK waits out the receiver's ack_delay
+        transfer, wall = timed[-1]
+        assert wall >= 0.02, f"the ACK came {wall * 1e3:.1f} ms after the send: it did not wait"
+        assert 0 <= transfer <= wall - 0.02, (
+            f"{transfer * 1e3:.1f} ms of {wall * 1e3:.1f} ms: the ACK's hold kept"
+        )
+        await send_timed(os.urandom(3 * 1024 * 1024))  # many packets, several flow-control windows
+        transfer, wall = timed[-1]
+        assert 0 < transfer <= wall
+        assert len(timed) == 2  # each message delivered once
+    finally:
+        await client.close()
+        await server.close()
+        a.close()
+        b.close()

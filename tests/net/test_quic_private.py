@@ -103,6 +103,27 @@ def test_unacked_stream_bytes_until_the_peer_acknowledges(pair: Pair) -> None:
     assert quic_private.unacked_stream_bytes(pair.client, 0) == 0
 
 
+def test_stream_offsets_and_each_ack_with_the_delay_the_peer_held_it(pair: Pair) -> None:
+    assert pair.server is not None
+    acks: list[tuple[float, float, int]] = []  # (now, ack delay, stream bytes acked by then)
+    quic_private.on_ack(
+        pair.client, lambda now, delay: acks.append((now, delay, quic_private.stream_acked(pair.client, 0)))
+    )
+    assert (quic_private.stream_written(pair.client, 0), quic_private.stream_acked(pair.client, 0)) == (0, 0)
+    pair.client.send_stream_data(0, b"w" * 300)
+    assert (quic_private.stream_written(pair.client, 0), quic_private.stream_acked(pair.client, 0)) == (
+        300,
+        0,
+    )
+    pair.deliver(pair.client, True)
+    received = pair.now
+    pair.now += 0.004  # the server holds its ACK 4 ms
+    assert quic_private.send_waiting_ack_now(pair.server, pair.now)
+    pair.deliver(pair.server, False)
+    assert acks == [(pytest.approx(pair.now), pytest.approx(0.004, abs=1e-5), 300)]
+    assert pair.now == pytest.approx(received + 0.004 + ONE_WAY)
+
+
 def test_ack_delay_and_sending_a_waiting_ack_now(pair: Pair) -> None:
     assert pair.server is not None
     quic_private.set_ack_delay(pair.server, 10.0)  # capped at what aioquic advertises
