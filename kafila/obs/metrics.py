@@ -250,6 +250,15 @@ HOP_RTT = Gauge(
     ["hop", "path"],
     registry=REGISTRY,
 )
+HOP_TRANSFER = Histogram(
+    "kafila_hop_transfer_seconds",
+    "Time of each hidden-state frame over a ring edge, on its sender's clock: from handing it to the "
+    "link until the receiver's ACK of its last byte came back, less the time the receiver held that "
+    "ACK (its way there, queueing and resends included, and an ACK's way back)",
+    ["hop", "path"],
+    buckets=STEP_BUCKETS,
+    registry=REGISTRY,
+)
 HOP_PREDICTED_RTT = Gauge(
     "kafila_hop_predicted_rtt_seconds",
     "Round trip the plan of epoch `epoch` priced for a ring edge",
@@ -414,6 +423,15 @@ def observe_step(member: str, index: int, seconds: float, prefill: bool, session
     STAGE_COMPUTE.labels(member, stage, "prefill" if prefill else "decode").observe(seconds)
     if not prefill:
         STAGE_DECODE_STEPS.labels(member, stage).inc()
+
+
+def observe_hop_transfer(hop: str, path: str, seconds: float) -> None:
+    """One hidden-state frame's transfer over ring edge `hop` ("src->dst") on `path`, timed at its
+    sender (kafila.net.link, `delivered`). A frame of an edge the ring no longer has is left out."""
+    with _lock:
+        if _ring.order and hop not in _ring.hops():
+            return
+    HOP_TRANSFER.labels(hop, path).observe(seconds)
 
 
 def observe_first_token(queue_s: float, prefill_s: float) -> None:
@@ -581,7 +599,7 @@ def _rebuild(
             _remove(g, lambda k: k[2] != e or (k[0], k[1]) not in stages)
         for per_stage in (STAGE_COMPUTE, STAGE_DECODE_STEPS):
             _remove(per_stage, lambda k: (k[0], k[1]) not in stages)
-        for per_hop in (HOP_BYTES, HOP_MESSAGES, HOP_RTT):
+        for per_hop in (HOP_BYTES, HOP_MESSAGES, HOP_RTT, HOP_TRANSFER):
             _remove(per_hop, lambda k: k[0] not in hops)
         _remove(HOP_PREDICTED_RTT, lambda k: k[1] != e or k[0] not in hops)
         EDGE_PATH.clear()

@@ -251,10 +251,12 @@ class MemoryChannel:
 
 class LinkChannel:
     """Session messages of plan epoch `epoch` on a kafila.net Link (one message kind, in order).
-    A re-plan that keeps a link makes a new LinkChannel of the next epoch on it."""
+    A re-plan that keeps a link makes a new LinkChannel of the next epoch on it. A ring channel
+    names its `hop` ("sender->peer"): each hidden-state frame it sends is timed until the peer
+    acknowledged it (kafila.net.link, `delivered`) into kafila_hop_transfer_seconds."""
 
-    def __init__(self, link: Link, peer: str, epoch: int = 1) -> None:
-        self.link, self.peer = link, peer
+    def __init__(self, link: Link, peer: str, epoch: int = 1, hop: str | None = None) -> None:
+        self.link, self.peer, self.hop = link, peer, hop
         self.gate = EpochGate(epoch)
         self.counters = Counters()
 
@@ -274,10 +276,12 @@ class LinkChannel:
 
     async def send(self, msg: t.Message) -> None:
         record = self.gate.stamp(msg)
+        timed = None
         if isinstance(msg, t.Hidden):
             hopmarks.mark("encoded", msg.entries)
+            timed = self._transferred if self.hop is not None else None
         try:
-            await self.link.send(LINK_KIND, record)
+            await self.link.send(LINK_KIND, record, timed)
         except LinkError as exc:
             raise ChannelClosed(self._named(exc), self.peer) from exc
         self.counters.sent(msg, len(record))
@@ -304,6 +308,10 @@ class LinkChannel:
                     hopmarks.mark("decoded", msg.entries)
                 self.counters.received(msg, len(payload))
                 return msg
+
+    def _transferred(self, seconds: float) -> None:
+        assert self.hop is not None
+        metrics.observe_hop_transfer(self.hop, self.path, seconds)
 
     def _named(self, exc: Exception) -> str:
         """The link's error with the peer's name for its id: "link to vm closed by the peer: ...",

@@ -83,11 +83,13 @@ def test_every_series_of_the_ring_is_rebuilt_at_each_epoch_and_the_lost_members_
     metrics.observe_document(head_document(ring_info(four), 1))
     metrics.observe_step("d", 3, 0.02, prefill=False)
     metrics.observe_stage(replace(stage(1, "c", 20.0), hop_out=HopTrace("c", "d", "direct", 10, 1, 2.0, 1.0)))
+    metrics.observe_hop_transfer("c->d", "direct", 0.004)
     metrics.observe_edge(
         "c->d", "direct", "relay", measured_by="c"
     )  # d died: c's link fell back to the relay
     before = metrics.exposition().decode()
     assert value(before, "kafila_session_members_present") == 4
+    assert value(before, "kafila_hop_transfer_seconds_count", hop="c->d", path="direct") == 1
     assert value(before, "kafila_edge_info", edge="c->d", planned_path="direct", path="relay",
                  measured_by="c", epoch="1") == 1  # fmt: skip
 
@@ -117,8 +119,12 @@ def test_every_series_of_the_ring_is_rebuilt_at_each_epoch_and_the_lost_members_
     assert gone == []  # d's stage, its edges, hops and round trips
     assert not [k for k in got if k[0].startswith("kafila_stage_") and ("epoch", "1") in k[1]]
     metrics.observe_step("d", 3, 0.02, prefill=False)  # a late step of the old ring's stage
-    assert value(metrics.exposition().decode(), "kafila_stage_compute_seconds_count", member="d", stage="3",
-                 phase="decode") == 0  # fmt: skip
+    metrics.observe_hop_transfer("c->d", "direct", 0.004)  # a late frame of the old ring's edge
+    metrics.observe_hop_transfer("c->a", "direct", 0.003)  # the new ring's edge
+    text = metrics.exposition().decode()
+    assert value(text, "kafila_stage_compute_seconds_count", member="d", stage="3", phase="decode") == 0
+    assert value(text, "kafila_hop_transfer_seconds_count", hop="c->d", path="direct") == 0
+    assert value(text, "kafila_hop_transfer_seconds_count", hop="c->a", path="direct") == 1
 
     metrics.observe_document(head_document(ring_info(three), 2) | {"spares": ["d"]})  # d back, as a spare
     assert value(metrics.exposition().decode(), "kafila_session_spares") == 1

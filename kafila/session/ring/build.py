@@ -173,8 +173,12 @@ async def epoch_parts(
     nxt_name, prv_name = plan.successor(name), plan.predecessor(name)
     info = _ring_info(name, code, plan, links, serving, stage.backend.dtype, epoch)
     info.rendezvous.update(url=opts.rendezvous, state="connected")
-    nxt = _channel(links.get(nxt_name), nxt_name, opts, epoch)
-    prv = _channel(links.get(prv_name), prv_name, opts, epoch) if len(plan.order) > 2 or nxt is None else nxt
+    nxt = _channel(links.get(nxt_name), name, nxt_name, opts, epoch)
+    prv = (
+        _channel(links.get(prv_name), name, prv_name, opts, epoch)
+        if len(plan.order) > 2 or nxt is None
+        else nxt
+    )
     lanes = lanes_for(plan.circuit_s, plan.bottleneck_s, len(plan.order))
     return EpochParts(plan.order.index(name), stage, info, nxt, prv, lanes)
 
@@ -260,10 +264,11 @@ def _set_path(
         metrics.observe_edge(key, planned, change.new.value, measured_by=measured_by)
 
 
-def _channel(link: Link | None, peer: str, opts: Options, epoch: int) -> Heartbeat | None:
+def _channel(link: Link | None, name: str, peer: str, opts: Options, epoch: int) -> Heartbeat | None:
+    """Member `name`'s ring channel to `peer` on `link`: its frames to `peer` timed as hop name->peer."""
     if link is None:
         return None
-    return Heartbeat(LinkChannel(link, peer, epoch), opts.dead_after).start()
+    return Heartbeat(LinkChannel(link, peer, epoch, hop=f"{name}->{peer}"), opts.dead_after).start()
 
 
 def session_record(
