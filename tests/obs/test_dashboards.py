@@ -173,3 +173,40 @@ def test_the_compose_monitoring_profile_mounts_what_the_repository_holds() -> No
         "static_configs"
     ]
     assert static["targets"][0].split(":")[0] in compose["services"]  # the rendezvous service by name
+
+
+# what a time series panel draws, by the metric its query reads (rates per second unless multiplied)
+UNITS = {
+    "process_cpu_seconds_total": "short",  # CPU cores busy
+    "process_resident_memory_bytes": "bytes",
+    "kafila_rendezvous_relay_packets_total": "pps",
+    "kafila_rendezvous_udp_datagrams_total": "pps",
+}
+
+
+def target_units(panel: dict[str, Any]) -> dict[str, tuple[str | None, str]]:
+    """refId -> (unit, axis placement) of a panel's target: its default, or its override."""
+    defaults = panel.get("fieldConfig", {}).get("defaults", {})
+    got = {t["refId"]: (defaults.get("unit"), "auto") for t in panel["targets"]}
+    for o in panel.get("fieldConfig", {}).get("overrides", []):
+        if o["matcher"]["id"] == "byFrameRefID":
+            props = {p["id"]: p["value"] for p in o["properties"]}
+            unit, axis = got[o["matcher"]["options"]]
+            got[o["matcher"]["options"]] = (props.get("unit", unit), props.get("custom.axisPlacement", axis))
+    return got
+
+
+def test_every_series_has_its_unit_and_two_units_never_share_an_axis() -> None:
+    """CPU (cores) beside memory (bytes), bytes beside datagrams per second: each its unit, the
+    second on an axis of its own; datagrams are never drawn in bytes per second."""
+    for path in LIVE_DASHBOARDS:
+        for panel in json.loads(path.read_text())["panels"]:
+            if panel["type"] != "timeseries":
+                continue
+            units = target_units(panel)
+            for t in panel["targets"]:
+                for name in metric_names(substitute(t["expr"])) & set(UNITS):
+                    assert units[t["refId"]][0] == UNITS[name], (path.name, panel["title"], t["refId"], units)
+            axes = {unit: {axis for u, axis in units.values() if u == unit} for unit, _ in units.values()}
+            placed = [axis for placements in axes.values() for axis in placements]
+            assert len(axes) == 1 or sorted(set(placed)) == sorted(placed), (path.name, panel["title"], units)
