@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.obs.promtool import needs_promtool, promtool
@@ -121,3 +122,42 @@ def test_amtool_checks_the_alertmanager_config_and_routes_pages_and_warnings() -
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert route.returncode == 0 and route.stdout.strip() == "operators", route.stdout + route.stderr
+
+
+@needs_promtool
+def test_the_live_test_s_rate_arithmetic_is_prometheus_s(tmp_path: Path) -> None:
+    """tests/obs/test_live_replan.py computes KafilaStageSlowerThanPredicted's ratio of two rates
+    from raw samples; promtool evaluates the same ratio (its output names what it got: every
+    expectation here is a deliberate 0) at times where a series is young (extrapolated only to its
+    zero), inside, and at the window's end."""
+    from tests.obs.test_live_replan import increase
+
+    window = 37.5
+    sums = [0.5 + 0.37 * i for i in range(11)] + [4.2 + 0.05 * i for i in range(31)]
+    counts = [0.25 + i for i in range(11)] + [14.0 + i for i in range(31)]
+    # 57: the window starts 0.5 s before the first samples, the count extrapolates to its zero 0.23 s before
+    times = (25, 40, 57, 57.4, 58)
+    ratio = f"rate(s[{int(window * 1000)}ms]) / rate(c[{int(window * 1000)}ms])"
+    (tmp_path / "rules.yml").write_text(
+        yaml.safe_dump({"groups": [{"name": "g", "rules": [{"record": "r", "expr": ratio}]}]})
+    )
+    series = [
+        {"series": n, "values": "_x20 " + " ".join(str(v) for v in vs)}
+        for n, vs in (("s", sums), ("c", counts))
+    ]
+    tests = [
+        {"expr": ratio, "eval_time": f"{int(t * 1000)}ms", "exp_samples": [{"labels": "{}", "value": 0}]}
+        for t in times
+    ]
+    (tmp_path / "t.yml").write_text(yaml.safe_dump({"rule_files": ["rules.yml"], "evaluation_interval": "1s",
+        "tests": [{"interval": "1s", "input_series": series, "promql_expr_test": tests}]}))  # fmt: skip
+    out = promtool("test", "rules", str(tmp_path / "t.yml")).stdout
+    got = [float(v) for v in re.findall(r"got: \{\} (\S+)", out)]
+    assert len(got) == len(times), out
+    points = {n: [(20.0 + i, v) for i, v in enumerate(vs)] for n, vs in (("s", sums), ("c", counts))}
+    ours = []
+    for t in times:
+        seconds, steps = increase(points["s"], t - window, t), increase(points["c"], t - window, t)
+        assert seconds is not None and steps
+        ours.append(seconds / steps)
+    assert ours == pytest.approx(got, rel=1e-9)
