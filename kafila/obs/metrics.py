@@ -17,6 +17,7 @@ Feeds:
   its own stage and the hop it sends on, so each hop's bytes are counted once in the fleet),
   `observe_request` (the head: request-level series and the ring's per-stage gauges),
   `observe_no_token` (a request that ended before its first token), `observe_session` (the plan);
+- from a ring channel's link, as each hidden-state frame's ACK comes: `observe_hop_transfer`;
 - from the session's state: `observe_state`, `observe_members`, `observe_plan`, `observe_queue`,
   `observe_kv_cache`, `observe_member_nat`, `observe_edge`, `observe_build`; and
   `observe_document`, which reads what it can of a member's /session document at scrape time.
@@ -252,7 +253,7 @@ HOP_RTT = Gauge(
 )
 HOP_TRANSFER = Histogram(
     "kafila_hop_transfer_seconds",
-    "Time of each hidden-state frame over a ring edge, on its sender's clock: from handing it to the "
+    "Time of each hidden-state frame over a ring edge's link, on its sender's clock: from handing it to the "
     "link until the receiver's ACK of its last byte came back, less the time the receiver held that "
     "ACK (its way there, queueing and resends included, and an ACK's way back)",
     ["hop", "path"],
