@@ -400,6 +400,14 @@ def test_a_killed_member_then_the_killed_host_fire_and_resolve_only_their_alerts
             lambda: host.name in watch.firing_for("KafilaMemberDown"),
             60,
         )
+
+        def transfers_timed() -> bool:  # every hop of the new ring, at its sender, as frames cross it
+            counts = query(base, "kafila_hop_transfer_seconds_count > 0")
+            return {(c["metric"]["hop"], c["metric"]["host"]) for c in counts} >= {
+                (hop, hop.split("->")[0]) for hop in ring_edges(ring)
+            }
+
+        wait_for("each hop's transfers of the new ring timed", transfers_timed, 30)
         window = 15 * 60 / TIME_SCALE  # KafilaReplanned's increase window
         wait_for("KafilaReplanned resolved", lambda: "KafilaReplanned" not in watch.firing, window + 60)
         wait_for("KafilaRingDegraded firing", lambda: "KafilaRingDegraded" in watch.firing, 30)
