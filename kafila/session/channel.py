@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kafila.net.errors import LinkError, LinkTimeout, PeerSilent
+from kafila.net.errors import LinkEnded, LinkError, LinkTimeout, PeerSilent
 from kafila.net.link import Link
 from kafila.obs import hopmarks, metrics
 from kafila.obs.log import get_logger
@@ -68,6 +68,12 @@ class ChannelClosed(ChannelError):
 
 class ChannelDead(ChannelError):
     cause = Cause.SILENT
+
+
+def closed_by(exc: LinkError, message: str, peer: str) -> ChannelClosed:
+    """The channel's error for its link failing with `exc`: a link the peer closed because the host
+    ended the session (LinkEnded) breaks the ring as "ended", not as a lost member."""
+    return ChannelClosed(message, peer, Cause.ENDED if isinstance(exc, LinkEnded) else None)
 
 
 @dataclass
@@ -283,7 +289,7 @@ class LinkChannel:
         try:
             await self.link.send(LINK_KIND, record, timed)
         except LinkError as exc:
-            raise ChannelClosed(self._named(exc), self.peer) from exc
+            raise closed_by(exc, self._named(exc), self.peer) from exc
         self.counters.sent(msg, len(record))
 
     async def recv(self, timeout: float | None = None) -> t.Message:
@@ -297,7 +303,7 @@ class LinkChannel:
             except LinkTimeout:
                 raise ChannelDead(f"{self.peer}: no message within {timeout} s", self.peer) from None
             except LinkError as exc:
-                raise ChannelClosed(self._named(exc), self.peer) from exc
+                raise closed_by(exc, self._named(exc), self.peer) from exc
             if kind == LINK_KIND:
                 msg = self.gate.admit(payload)
                 if isinstance(msg, Stale):

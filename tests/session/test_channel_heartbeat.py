@@ -71,3 +71,29 @@ async def test_a_link_closed_by_its_own_silence_check_is_named_as_such_not_as_th
     finally:
         a.close()
         await server.close()
+
+
+async def test_a_link_the_peer_closed_as_ended_breaks_the_channel_as_ended_not_as_a_lost_member() -> None:
+    """The neighbour ended because the host ended the session: the ring's break says "ended", so a
+    member whose own link to the host closes later does not ask for a new plan or say it broke."""
+    from kafila.net.auth import EdgeContext
+    from kafila.net.link import LinkConfig
+    from kafila.proto.ring import Cause
+    from kafila.session.channel import ChannelClosed, LinkChannel
+    from tests.net.conftest import direct_pair
+
+    ctx = EdgeContext("S", "alice", "bob", b"secret")
+    client, server, a, b = await direct_pair(ctx, ctx, LinkConfig())
+    try:
+        await asyncio.gather(client.wait_ready(), server.wait_ready())
+        channel = LinkChannel(client, "bob")
+        await server.close("the host ended the session", ended=True)
+        with pytest.raises(ChannelClosed, match="the host ended the session") as err:
+            await asyncio.wait_for(channel.recv(), 10)
+        assert err.value.cause is Cause.ENDED
+        with pytest.raises(ChannelClosed) as err:
+            await channel.send(t.Control("after the end"))
+        assert err.value.cause is Cause.ENDED
+    finally:
+        a.close()
+        b.close()

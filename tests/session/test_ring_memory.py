@@ -15,6 +15,7 @@ from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
 from kafila.proto import tensor as t
 from kafila.proto.ring import Cause, RingBroken
+from kafila.session.ring.role import RoleBase
 from kafila.session.ring.schedule import SEPARATE_PROMPTS, lanes_for
 from tests.session.ringkit import build_ring
 
@@ -348,6 +349,31 @@ async def test_a_member_that_saw_the_host_end_the_session_tells_the_ring_it_ende
         assert told == ["m2", "m0"]
         assert "the host ended the session" in (ring.members[1].broken_text or "")
         assert ring.members[0].broken is not None and ring.members[0].broken.cause is Cause.ENDED
+    finally:
+        await ring.stop()
+
+
+async def test_a_member_whose_channel_broke_as_ended_ends_and_tells_the_ring(ckpt: Checkpoint) -> None:
+    """m1's channel to a neighbour failed because that neighbour's link closed as ended (its host
+    ended the session; kafila.session.channel.closed_by): m1 ends now, before its own link to the
+    host closes, and its "broken" ends the members downstream."""
+    ring = build_ring(ckpt, [(0, 2), (2, 3), (3, 5)])
+    told: list[str] = []
+
+    def ended(name: str, member: RoleBase) -> None:
+        told.append(name)
+        member.ending = True  # as MemberRuntime.watch_host_ending's `end` does
+
+    ring.members[0].on_ended = lambda: ended("m1", ring.members[0])
+    ring.members[1].on_ended = lambda: ended("m2", ring.members[1])
+    try:
+        ring.members[0]._break(RingBroken("m0", Cause.ENDED, "link to m0 closed by the peer: ended"))
+        for _ in range(100):
+            if ring.members[1].broken is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert told == ["m1", "m2"]
+        assert [m.broken.cause for m in ring.members if m.broken] == [Cause.ENDED, Cause.ENDED]
     finally:
         await ring.stop()
 

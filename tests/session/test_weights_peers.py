@@ -166,3 +166,31 @@ async def test_a_member_serves_what_it_holds_by_range_over_a_link_and_its_own_co
         await link_m1.close()
         a.close()
         b.close()
+
+
+async def test_a_member_that_does_not_know_the_checkpoint_yet_answers_nothing_held_instead_of_silence(
+    tiny_checkpoint, tmp_path
+) -> None:
+    """m1 has no manifest yet (its own fetch has not begun): m2's question gets "nothing held" after
+    m1's short wait, so m2 takes its ranges from the next source instead of waiting 23 s on m1."""
+    import time
+
+    from kafila.net.auth import EdgeContext
+    from kafila.session.weights.manifest import describe
+    from kafila.session.weights.peers import PeerReader, PeerServer
+    from tests.net.conftest import direct_pair
+
+    m = describe(Path(tiny_checkpoint("llama-mha-untied")), cache=tmp_path / "hashes")
+    ctx = EdgeContext("S-peers", "m2", "m1", b"correct horse")
+    client, link_m1, a, b = await direct_pair(ctx, ctx)
+    try:
+        await asyncio.gather(client.wait_ready(), link_m1.wait_ready())
+        PeerServer(wait_s=0.5).attach({"m2": link_m1})
+        started = time.monotonic()
+        assert not await PeerReader(client, "m1").prepare(m)
+        assert time.monotonic() - started < 5  # its answer, not the asker's 23 s of retries
+    finally:
+        await client.close()
+        await link_m1.close()
+        a.close()
+        b.close()

@@ -78,7 +78,6 @@ from kafila.session.weights.sharing import where_from
 
 log = get_logger("kafila.session.forming.epochs")
 
-ENDED_GRACE_S = 1.0  # how long a ring break waits to be explained by the host ending the session
 CONTROL_KIND = 33  # link message kind of the epoch messages (kafila.session.channel's ring is 32)
 READY_S = 120.0  # a survivor that is not ready for the next epoch within this ends the session
 REPLACED_WAIT_S = 10.0  # a host counted lost waits this long on waking for its successor's word
@@ -670,7 +669,7 @@ class MemberEpochs:
             self.on_host_lost(broken)  # its successor takes over (kafila.session.forming.takeover)
             return
         if held.plan is None or not lost_member(broken, held.plan, held.host, held.name):
-            held.spawn(self._say_broken(broken), "say_broken")
+            self._say_broken(broken)
             return
         say(f"{broken.text()}; waiting for the host's new plan")
         metrics.observe_state("replanning")
@@ -682,11 +681,9 @@ class MemberEpochs:
             held.spawn(self.tell(link, lost), "tell_lost")
         held.spawn(held.ring().pause(), "pause")
 
-    async def _say_broken(self, broken: RingBroken) -> None:
-        """Say the ring broke for good, unless the host ending the session explains the break: its
-        links close as ended an instant after a neighbour's link may have broken the ring, and the
-        member then says that instead (kafila.session.runtime.watch_host_ending)."""
-        await asyncio.sleep(ENDED_GRACE_S)
+    def _say_broken(self, broken: RingBroken) -> None:
+        """Say the ring broke for good, unless the host ending the session explains the break (a
+        neighbour's link that closed as ended breaks the ring as "ended": RingRole._break)."""
         ended = self.held.ended
         if ended is None or not ended.done():
             say(broken_line(self.held.name, broken))

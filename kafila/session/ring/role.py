@@ -183,6 +183,8 @@ class RoleBase:
 
     def _break(self, broken: RingBroken, tell: bool = True) -> None:
         """Break the ring once (a later break keeps the first reason); fail what is held either way."""
+        if broken.cause is Cause.ENDED and not self.ending and self.on_ended is not None:
+            self.on_ended()  # a neighbour's link closed as ended, or its notice says so: the host ended it
         if self.broken is None:
             stalled = self._stall.stall(time.monotonic())
             # "ended" is the view of a member that ends on purpose (the host ended the session): one
@@ -223,9 +225,7 @@ class RoleBase:
         except rc.RingMessageError as exc:
             peer = self.prev.peer if self.prev is not None else ""
             broken = RingBroken(peer, Cause.ERROR, f"an unreadable 'broken' notice from member {peer}: {exc}")
-        if broken.cause is Cause.ENDED and self.on_ended is not None:
-            self.on_ended()  # the host ended the session: its link's closing may come after this
-        self._break(broken, tell)
+        self._break(broken, tell)  # an "ended" notice ends this member too (its host link may close later)
 
     def _internal_error(self, detail: str) -> None:
         """A loop of this role failed (kafila.session.ring.generation.guarded)."""

@@ -49,6 +49,9 @@ OP_HELD = "weights.held"
 # attach its server a moment later, then answers once it has the manifest (asked of the host as
 # this member asks it)
 HAVE_WAITS_S = (1.0, 2.0, 20.0)
+# A member that does not know the checkpoint yet (its manifest has not come) answers "nothing held"
+# after this, so a member asking it takes the range elsewhere rather than waiting on it.
+STORE_WAIT_S = 5.0
 _ASKS = itertools.count(1)
 
 
@@ -151,7 +154,7 @@ class PeerServer:
     store comes once this member knows the checkpoint (its manifest): a question asked before waits
     for it, up to `wait_s`."""
 
-    def __init__(self, wait_s: float = 60.0) -> None:
+    def __init__(self, wait_s: float = STORE_WAIT_S) -> None:
         self.store: asyncio.Future[Store] = asyncio.get_running_loop().create_future()
         self.current: Store | None = None
         self.wait_s = wait_s
@@ -189,6 +192,7 @@ class PeerServer:
             await asyncio.wait_for(asyncio.shield(self.store), self.wait_s)
         except TimeoutError:
             log.info("weights_peer_not_ready", peer=peer, waited_s=self.wait_s)
+            await _reply(link, peer, _not_ready(msg, self.wait_s))
             return
         if self.first_ask is not None:
             if self.warming is None:
@@ -216,10 +220,25 @@ class PeerServer:
                 reply = t.Error(msg.fetch_id, "fetch_refused", str(exc))
         else:
             return
-        try:
-            await link.send(REPLY_KIND, t.encode(reply, 0))
-        except LinkError as exc:
-            log.info("weights_peer_gone", peer=peer, error=str(exc))
+        await _reply(link, peer, reply)
+
+
+def _not_ready(msg: t.Message, waited_s: float) -> t.Message | None:
+    """The answer of a member that does not know the checkpoint yet: it holds nothing of it."""
+    if isinstance(msg, t.Control) and msg.op == OP_HAVE:
+        return t.Control(OP_HELD, {"ask": msg.body.get("ask"), "tensors": [], "files": []})
+    if isinstance(msg, t.FetchRequest):
+        return t.Error(msg.fetch_id, "fetch_refused", f"no manifest of the checkpoint after {waited_s:g} s")
+    return None
+
+
+async def _reply(link: Link, peer: str, reply: t.Message | None) -> None:
+    if reply is None:
+        return
+    try:
+        await link.send(REPLY_KIND, t.encode(reply, 0))
+    except LinkError as exc:
+        log.info("weights_peer_gone", peer=peer, error=str(exc))
 
 
 class _Replies:
