@@ -8,10 +8,13 @@ command then reads as any model folder (kafila.models.checkpoint):
   `quantization_config` where any matrix is packed: a packed checkpoint keeps its float matrices as
   stored (kafila.models.manifest);
 - model.safetensors: every tensor in its own type (kafila.models.gguf_types): float tensors as
-  stored, Q8_0/Q4_1/Q4_0/Q5_0 repacked into int8/q4 entries with their values unchanged, the other
-  types widened to F32, which `convert` prints on the console (one line per type: the tensors and
-  the bytes they widen to). llama.cpp's converter permutes the rows of a Llama's q/k projections for
-  its interleaved RoPE; they are put back (Qwen3 GGUFs keep Hugging Face's order);
+  stored, Q8_0/Q4_1/Q4_0/Q5_0 repacked into int8/q4 entries with their values unchanged, Q4_K into
+  q4 with its product scales rounded to float16, the other quantized types requantized into
+  int8/q4, which `convert` prints on the console with the error it measured (one line per type:
+  the tensors, their bytes in the file and served); a quantized tensor the engine cannot pack (in
+  a fused product with a float one) is widened to F32 and said the same way. llama.cpp's converter
+  permutes the rows of a Llama's q/k projections for its interleaved RoPE; they are put back
+  (Qwen3 GGUFs keep Hugging Face's order);
 - tokenizer.json and tokenizer_config.json (chat template, special tokens) from `tokenizer.ggml.*`:
   byte-level BPE with the pre-tokenizer llama.cpp names in `tokenizer.ggml.pre`.
 """
@@ -26,6 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +146,7 @@ def convert(
 
     gf = GGUFFile.open(file)
     config = model_config(gf.meta, file)
-    entries, widened = _entries(gf, config)
+    entries, widened, requantized = _entries(gf, config)
     for line in widened_lines(file, widened):
         (say or _stderr)(line)
     formats = [s.dtype for s, _ in entries if s.name.endswith("_proj.weight")]
@@ -153,6 +157,8 @@ def convert(
         config[quantize.QUANT_CONFIG] = {"quant_method": "kafila", "format": fmt, "group_size": 32}
     config["tie_word_embeddings"] = all(s.name != "lm_head.weight" for s, _ in entries)
     quantize.write_safetensors(out / "model.safetensors", entries, progress, desc=f"reading {file.name}")
+    for line in requantized_lines(file, requantized):
+        (say or _stderr)(line)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", generation_config(gf.meta) | _defaults(defaults))
     write_tokenizer(gf.meta, out, file)
@@ -229,8 +235,21 @@ def tensor_name(gguf_name: str, arch: str) -> str:
     return hf_name(gguf_name)
 
 
-def _entries(gf: GGUFFile, config: dict[str, Any]) -> tuple[list[Any], list[tuple[str, GGUFTensor, str]]]:
-    """Safetensors entries for every tensor, and the (name, tensor, why) of those widened to F32."""
+Widened = list[tuple[str, GGUFTensor, str]]  # (name, tensor, why) of tensors widened to F32
+
+
+@dataclass
+class Requant:
+    """A tensor requantized into a packed format, and (once written) what that changed."""
+
+    name: str
+    tensor: GGUFTensor
+    fmt: str
+    error: types.Requantized | None = None
+
+
+def _entries(gf: GGUFFile, config: dict[str, Any]) -> tuple[list[Any], Widened, list[Requant]]:
+    """Safetensors entries for every tensor, the tensors widened to F32 and those requantized."""
     from kafila.models.quantize import Entry
 
     arch = config["model_type"]
@@ -245,18 +264,22 @@ def _entries(gf: GGUFFile, config: dict[str, Any]) -> tuple[list[Any], list[tupl
             raise GGUFError(f"{gf.path}: {exc}") from exc
     fmt = _formats(named)
     entries: list[Entry] = []
-    widened: list[tuple[str, GGUFTensor, str]] = []
+    widened: Widened = []
+    requantized: list[Requant] = []
     for name, t in named.items():
         perm = _permutation(name, t, config)
         target = fmt[name]
         if target in ("int8", "q4"):
-            entries += _packed_entries(gf, name, t, target, perm)
+            note = Requant(name, t, target)
+            if types.how(t.ggml_type, target) == "requantized":
+                requantized.append(note)
+            entries += _packed_entries(gf, note, perm)
         else:
             if target == "F32" and t.ggml_type != types.F32:
-                why = "type" if t.ggml_type in types.WIDENED else "mixed"
+                why = "mixed" if len(t.shape) == 2 and t.ggml_type in types.PACKED else "type"
                 widened.append((name, t, why))
             entries.append(_float_entry(gf, name, t, target, perm))
-    return entries, widened
+    return entries, widened, requantized
 
 
 def _formats(named: dict[str, GGUFTensor]) -> dict[str, str]:
@@ -293,14 +316,16 @@ def _permutation(name: str, t: GGUFTensor, config: dict[str, Any]) -> np.ndarray
     return None
 
 
-def _packed_entries(gf: GGUFFile, name: str, t: GGUFTensor, fmt: str, perm: np.ndarray | None) -> list[Any]:
+def _packed_entries(gf: GGUFFile, note: Requant, perm: np.ndarray | None) -> list[Any]:
     from kafila.models.quantize import packed_entries
 
+    t = note.tensor
+
     def make() -> Any:
-        p = types.repack(gf.raw(t), t.ggml_type, (t.shape[0], t.shape[1]), fmt)
+        p, note.error = types.serve(gf.raw(t), t.ggml_type, (t.shape[0], t.shape[1]), note.fmt)
         return p if perm is None else p.rows(perm)
 
-    return packed_entries(name, fmt, t.shape, make)
+    return packed_entries(note.name, note.fmt, t.shape, make)
 
 
 def _float_entry(gf: GGUFFile, name: str, t: GGUFTensor, dtype: str, perm: np.ndarray | None) -> Any:
@@ -328,13 +353,38 @@ def widened_lines(file: Path, widened: list[tuple[str, GGUFTensor, str]]) -> lis
         wide = sum(4 * t.numel for _, t in items)
         names = ", ".join(n for n, _ in items[:3]) + (f" and {len(items) - 3} more" if len(items) > 3 else "")
         reason = (
-            "is in a fused product with tensors of another type"
-            if why == "mixed"
-            else "has no packed format in Kafila yet"
+            "is in a fused product with float tensors" if why == "mixed" else "is not a matrix Kafila packs"
         )
         lines.append(
             f"kafila: {file.name}: {kind} {reason}: {len(items)} tensors ({names}) served as F32, "
             f"{stored} bytes in the file -> {wide} bytes ({wide / max(stored, 1):.1f}x)"
+        )
+    return lines
+
+
+def requantized_lines(file: Path, requantized: list[Requant]) -> list[str]:
+    """One console line per type and format requantized: the tensors, their bytes in the file and
+    served, and the error measured against gguf.quants' values (RMS over the values' RMS, the
+    largest in steps of its group)."""
+    from kafila.models.manifest import packed_bytes
+
+    by: dict[tuple[str, str], list[Requant]] = {}
+    for r in requantized:
+        by.setdefault((types.type_name(r.tensor.ggml_type), r.fmt), []).append(r)
+    lines = []
+    for (kind, fmt), items in sorted(by.items()):
+        error = types.Requantized()
+        for r in items:
+            if r.error is not None:
+                error.add(r.error)
+        stored = sum(r.tensor.nbytes for r in items)
+        served = sum(packed_bytes(fmt, r.tensor.shape[0], r.tensor.shape[1]) for r in items)
+        more = f" and {len(items) - 3} more" if len(items) > 3 else ""
+        names = ", ".join(r.name for r in items[:3]) + more
+        lines.append(
+            f"kafila: {file.name}: {kind} requantized to {fmt}: {len(items)} tensors ({names}), {stored} "
+            f"bytes in the file -> {served} bytes ({served / max(stored, 1):.2f}x); error RMS "
+            f"{error.relative_rms:.2%} of the values' RMS, at most {error.worst_steps:.2f} of a step"
         )
     return lines
 
