@@ -94,9 +94,11 @@ def write_gguf(
     tied: bool = False,
     seed: int = 0,
     arch: str | None = None,
+    rope_freqs: np.ndarray | None = None,
 ) -> Path:
     """A GGUF of `shape` with the tokenizer metadata `tokenizer` (tokenizer.ggml.* and
-    tokenizer.chat_template), each tensor in the type `types` names (default F32)."""
+    tokenizer.chat_template), each tensor in the type `types` names (default F32), and `rope_freqs`
+    (Llama 3.1's frequency factors) as llama.cpp's converter writes them, an F32 tensor."""
     import gguf
 
     arch = arch or shape.arch
@@ -125,6 +127,8 @@ def write_gguf(
             w.add_tensor(name, gguf.quants.quantize(values, kind))
         else:  # the blocks' bytes [rows, row bytes]; the writer derives the shape from the type
             w.add_tensor(name, _blocks(values, kind, rng), raw_dtype=kind)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -253,6 +257,8 @@ def float_folder(gguf_file: Path, out: Path, served: Path | None = None) -> Path
     tensors = {}
     ckpt = Checkpoint.open(served) if served is not None else None
     for t in gf.tensors:
+        if t.name == "rope_freqs.weight":  # no weight: the reference's config says its scaling
+            continue
         name = tensor_name(t.name, config["model_type"])
         if ckpt is not None:
             tensors[name] = np.ascontiguousarray(served_values(ckpt, name))

@@ -145,7 +145,7 @@ def convert(
     from kafila.models import quantize
 
     gf = GGUFFile.open(file)
-    config = model_config(gf.meta, file)
+    config = model_config(gf.meta, file, rope_freqs(gf))
     entries, widened, requantized = _entries(gf, config)
     for line in widened_lines(file, widened):
         (say or _stderr)(line)
@@ -178,8 +178,22 @@ def _stderr(line: str) -> None:
 # --- config -----------------------------------------------------------------------------------
 
 
-def model_config(meta: dict[str, Any], file: Path) -> dict[str, Any]:
-    """config.json's fields from the GGUF metadata of a llama or qwen3 file."""
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+: the factors llama.cpp divides each frequency by
+
+
+def rope_freqs(gf: GGUFFile) -> list[float] | None:
+    """A file's RoPE frequency factors (its `rope_freqs.weight`, float32), or None."""
+    for t in gf.tensors:
+        if t.name == ROPE_FREQS:
+            if t.ggml_type != types.F32:
+                raise GGUFError(f"{gf.path}: {ROPE_FREQS} is {types.type_name(t.ggml_type)}, not F32")
+            return [float(v) for v in types.float_entry(gf.raw(t), t.ggml_type, t.shape).reshape(-1)]
+    return None
+
+
+def model_config(meta: dict[str, Any], file: Path, freq_factors: list[float] | None = None) -> dict[str, Any]:
+    """config.json's fields from the GGUF metadata of a llama or qwen3 file, and its RoPE frequency
+    factors (`rope_freqs`) where it has them."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFError(
@@ -194,9 +208,8 @@ def model_config(meta: dict[str, Any], file: Path) -> dict[str, Any]:
 
     heads, hidden = int(key("attention.head_count")), int(key("embedding_length"))
     tokens = meta.get("tokenizer.ggml.tokens") or []
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise GGUFError(f"{file}: RoPE scaling {scaling!r} in the GGUF metadata is not read yet")
+    heads_dim = int(key("attention.key_length", hidden // heads))
+    scaling = _rope_scaling(meta, arch, file, freq_factors, heads_dim)
     return {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
@@ -205,13 +218,13 @@ def model_config(meta: dict[str, Any], file: Path) -> dict[str, Any]:
         "num_hidden_layers": int(key("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "head_dim": heads_dim,
         "hidden_act": "silu",
         "max_position_embeddings": int(key("context_length")),
         # stored as float32 (9.9999997e-06): written as the float32 it is
         "rms_norm_eps": float(f"{float(key('attention.layer_norm_rms_epsilon')):.7g}"),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "rope_scaling": None,
+        "rope_scaling": scaling,
         "tie_word_embeddings": True,
         "vocab_size": int(meta.get(f"{arch}.vocab_size") or len(tokens)),
         "attention_bias": False,
@@ -221,6 +234,27 @@ def model_config(meta: dict[str, Any], file: Path) -> dict[str, Any]:
         "pad_token_id": opt_int(meta, "tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
+
+
+def _rope_scaling(
+    meta: dict[str, Any], arch: str, file: Path, factors: list[float] | None, head_dim: int
+) -> dict[str, Any] | None:
+    """config.json's rope_scaling: the frequency factors (Llama 3.1+, which llama.cpp's converter
+    writes as a tensor and no metadata), or a linear factor from `{arch}.rope.scaling.*`."""
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind not in (None, "none", "linear"):
+        raise GGUFError(f"{file}: RoPE scaling {kind!r} in the GGUF metadata: Kafila reads linear scaling")
+    if factors is not None:
+        if len(factors) != head_dim // 2 or kind == "linear":
+            raise GGUFError(
+                f"{file}: {len(factors)} RoPE frequency factors for a head of {head_dim}"
+                + (" beside linear scaling" if kind == "linear" else f" (want {head_dim // 2})")
+            )
+        return {"rope_type": "freq_factors", "freq_factors": factors}
+    if kind == "linear":
+        factor = float(meta.get(f"{arch}.rope.scaling.factor") or 1.0)
+        return {"rope_type": "linear", "factor": factor} if factor != 1.0 else None
+    return None
 
 
 # --- tensors ----------------------------------------------------------------------------------
@@ -253,10 +287,10 @@ def _entries(gf: GGUFFile, config: dict[str, Any]) -> tuple[list[Any], Widened, 
     from kafila.models.quantize import Entry
 
     arch = config["model_type"]
-    if any(t.name == "rope_freqs.weight" for t in gf.tensors):
-        raise GGUFError(f"{gf.path}: rope_freqs.weight (Llama 3.1 RoPE frequency factors) is not read yet")
     named: dict[str, GGUFTensor] = {}
     for t in gf.tensors:
+        if t.name == ROPE_FREQS:  # config.json's rope_scaling
+            continue
         types.check_readable(t.ggml_type, t.name)
         try:
             named[tensor_name(t.name, arch)] = t

@@ -4,6 +4,7 @@ the tokenizer from the file's metadata, and the engine's logits against a float 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -452,3 +453,90 @@ def test_kquant_file_serves_each_type_packed(
         assert f"{kind} requantized to {fmt}" in lines, lines
     assert "Q4_K requantized to int8: 2 tensors" in lines  # block 0's q and k
     assert "widened" not in lines and "F32" not in lines
+
+
+LLAMA31 = {  # Llama 3.1's rope_scaling, its original context cut to this tiny model's
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
+
+
+def _llama_cpp_rope_freqs(theta: float, dim: int, s: dict[str, Any]) -> np.ndarray:
+    """The factors llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel) writes as rope_freqs
+    for a llama3 rope_scaling: 1 for high frequencies, `factor` for low ones, smoothed between."""
+    import math
+
+    import torch
+
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    old, low, high, factor = (
+        s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"], s["factor"]
+    )  # fmt: skip
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
+@pytest.mark.slow
+def test_llama31_rope_freqs_follow_transformers_llama3_scaling(
+    tmp_path: Path, qwen3_tokenizer_dir: Path, cache: Path
+) -> None:
+    """A Llama GGUF with rope_freqs (as llama.cpp writes Llama 3.1's) serves transformers' llama3
+    RoPE scaling: inverse frequencies within float32 rounding of transformers' and logits over 200
+    positions within 1e-4 of the logits' spread of a transformers Llama with that rope_scaling,
+    where leaving the factors out moves them by far more."""
+    import torch
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from kafila.engine.stage import Stage
+    from kafila.models import rope
+
+    meta = qwen3_tokenizer_meta(qwen3_tokenizer_dir)
+    tokens = {"tokenizer.ggml.tokens": meta["tokenizer.ggml.tokens"][:512], "tokenizer.ggml.merges": []}
+    meta = {**meta, **tokens, "tokenizer.ggml.token_type": [1] * 512, "tokenizer.chat_template": None}
+    for key in ("bos", "eos", "padding"):
+        meta[f"tokenizer.ggml.{key}_token_id"] = 0
+    shape = Shape(arch="llama", hidden=256, layers=1, heads=4, kv_heads=2, head_dim=64, ffn=256)
+    factors = _llama_cpp_rope_freqs(1_000_000.0, 64, LLAMA31)
+    file = write_gguf(tmp_path / "llama31.gguf", shape, meta, {}, rope_freqs=factors)
+    folder = ensure_gguf(file, progress=False)
+    ckpt = Checkpoint.open(folder)
+    assert ckpt.config.rope_scaling == {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
+
+    ref_folder = float_folder(file, tmp_path / "float")
+    config = json.loads((ref_folder / "config.json").read_text()) | {"rope_scaling": LLAMA31}
+    (ref_folder / "config.json").write_text(json.dumps(config))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(ref_folder, dtype=torch.float32).eval()
+    want_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](ref.config, "cpu")
+    np.testing.assert_allclose(rope.inv_freq(ckpt.config), want_freq.numpy(), rtol=2e-7, atol=0)
+
+    prompt = [int(i) for i in np.random.default_rng(3).integers(1, 512, 200)]
+    with torch.no_grad():
+        want = ref(torch.tensor([prompt])).logits[0].numpy()
+    spread = float(want.std())
+
+    def served(c: Checkpoint) -> np.ndarray:
+        stage = Stage.load(c, range(1), True, backend="torch", dtype="fp32", context=256, quant="none")
+        stage.open("r")
+        [h] = stage.forward([("r", 0, stage.embed(prompt))])
+        stage.close("r")
+        return np.stack([np.asarray(stage.logits(h[i])) for i in range(len(prompt))])
+
+    worst = float(np.abs(served(ckpt) - want).max()) / spread
+    assert worst <= 1e-4, worst
+    plain = shutil.copytree(folder, tmp_path / "no-factors")
+    config = json.loads((plain / "config.json").read_text()) | {"rope_scaling": None}
+    (plain / "config.json").write_text(json.dumps(config))
+    assert float(np.abs(served(Checkpoint.open(plain)) - want).max()) / spread > 100 * max(worst, 1e-5)
