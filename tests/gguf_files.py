@@ -182,8 +182,10 @@ def _add_tokenizer(w: Any, meta: dict[str, Any]) -> None:
         w.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
     w.add_token_list(meta["tokenizer.ggml.tokens"])
     w.add_token_types(meta["tokenizer.ggml.token_type"])
+    if meta.get("tokenizer.ggml.scores") is not None:  # a SentencePiece vocabulary's
+        w.add_token_scores(meta["tokenizer.ggml.scores"])
     w.add_token_merges(meta["tokenizer.ggml.merges"])
-    for key in ("bos", "eos", "padding"):
+    for key in ("bos", "eos", "padding", "unknown"):
         if meta.get(f"tokenizer.ggml.{key}_token_id") is not None:
             w.add_uint32(f"tokenizer.ggml.{key}_token_id", int(meta[f"tokenizer.ggml.{key}_token_id"]))
     w.add_bool("tokenizer.ggml.add_bos_token", bool(meta.get("tokenizer.ggml.add_bos_token", False)))

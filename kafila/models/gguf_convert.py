@@ -16,7 +16,8 @@ command then reads as any model folder (kafila.models.checkpoint):
   permutes the rows of a Llama's q/k projections for its interleaved RoPE; they are put back
   (Qwen3 GGUFs keep Hugging Face's order);
 - tokenizer.json and tokenizer_config.json (chat template, special tokens) from `tokenizer.ggml.*`:
-  byte-level BPE with the pre-tokenizer llama.cpp names in `tokenizer.ggml.pre`.
+  byte-level BPE with the pre-tokenizer llama.cpp names in `tokenizer.ggml.pre`, or a SentencePiece
+  vocabulary with its scores (kafila.models.gguf_sentencepiece).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from kafila.models.default import (
     tokenizer_config,
     unpermute_qk,
 )
+from kafila.models.gguf_sentencepiece import add_bos, sentencepiece_tokenizer
 from kafila.obs.log import get_logger
 
 log = get_logger(__name__)
@@ -444,7 +446,8 @@ PRE_TOKENIZERS = ("smollm", "qwen2", "llama-bpe", "gpt2", "default")
 
 
 def build_tokenizer(meta: dict[str, Any], file: Path) -> Any:
-    """A `tokenizers` Tokenizer from `tokenizer.ggml.*` (byte-level BPE)."""
+    """A `tokenizers` Tokenizer from `tokenizer.ggml.*`: byte-level BPE, or a SentencePiece
+    vocabulary (kafila.models.gguf_sentencepiece)."""
     from tokenizers import (
         AddedToken,
         Regex,
@@ -457,8 +460,16 @@ def build_tokenizer(meta: dict[str, Any], file: Path) -> Any:
     )
 
     kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre") or "default"
+    if kind == "llama":
+        try:
+            return sentencepiece_tokenizer(meta)
+        except ValueError as exc:
+            raise GGUFError(f"{file}: {exc}") from exc
     if kind != "gpt2":
-        raise GGUFError(f"{file}: GGUF tokenizer {kind!r}: Kafila reads byte-level BPE ('gpt2') tokenizers")
+        raise GGUFError(
+            f"{file}: GGUF tokenizer {kind!r}: Kafila reads byte-level BPE ('gpt2') and SentencePiece "
+            "('llama') tokenizers"
+        )
     if pre not in PRE_TOKENIZERS and pre not in _SPLITS:
         raise GGUFError(f"{file}: GGUF pre-tokenizer {pre!r}: Kafila reads {', '.join(PRE_TOKENIZERS)}")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
@@ -495,4 +506,6 @@ def write_tokenizer(meta: dict[str, Any], out: Path, file: Path) -> None:
     kinds: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     build_tokenizer(meta, file).save(str(out / "tokenizer.json"))
     special = [t for t, kind in zip(tokens, kinds, strict=True) if kind == _CONTROL]
+    if meta.get("tokenizer.ggml.model") == "llama":  # llama.cpp adds BOS unless the file says not to
+        meta = {**meta, "tokenizer.ggml.add_bos_token": add_bos(meta)}
     _write_json(out / "tokenizer_config.json", tokenizer_config(meta, tokens, special))
