@@ -164,7 +164,7 @@ def repack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], fmt: str) ->
     if how(ggml_type, fmt) == "requantized":
         raise ValueError(f"{type_name(ggml_type)} is not served as {fmt} without requantizing")
     if ggml_type == Q4_K:
-        return _q4_k(raw, shape)
+        return _q4_k_rows(raw, shape)
     if ggml_type in (Q8_0, Q4_1):
         return from_ggml(raw, ggml_type, shape)
     out, cols = shape
@@ -186,6 +186,24 @@ def repack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], fmt: str) ->
     low = np.concatenate([nibbles & 15, nibbles >> 4], axis=2)  # [out, groups, 32]
     levels = (low | (bits << 4)).astype(np.int8) - np.int8(16)
     return Packed("int8", levels.reshape(out, cols), d)
+
+
+def _q4_k_rows(raw: np.ndarray, shape: tuple[int, int]) -> Packed:
+    """`_q4_k` `REQUANT_ROWS` rows at a time (a large embedding's temporaries stay a few MB)."""
+    out, cols = shape
+    if out <= REQUANT_ROWS:
+        return _q4_k(raw, shape)
+    rows = np.asarray(raw, dtype=np.uint8).reshape(out, -1)
+    data = np.empty((out, cols // 2), np.uint8)
+    scales = np.empty((out, cols // GROUP), np.float16)
+    mins = np.empty((out, cols // GROUP), np.float16)
+    for a in range(0, out, REQUANT_ROWS):
+        part = _q4_k(rows[a : a + REQUANT_ROWS], (min(REQUANT_ROWS, out - a), cols))
+        b = a + part.data.shape[0]
+        data[a:b], scales[a:b] = part.data, part.scales
+        if part.mins is not None:
+            mins[a:b] = part.mins
+    return Packed("q4", data, scales, mins)
 
 
 def _q4_k(raw: np.ndarray, shape: tuple[int, int]) -> Packed:

@@ -153,6 +153,27 @@ def test_q4_k_is_q4_with_float16_product_scales() -> None:
     assert not np.array_equal(got[16:], want[16:])  # products that do not fit are rounded
 
 
+@pytest.mark.parametrize(("kind", "fmt"), [("Q4_K", "q4"), ("Q6_K", "int8"), ("Q3_K", "q4")])
+def test_row_chunks_serve_the_whole_matrix(kind: str, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large matrices are repacked and requantized `REQUANT_ROWS` rows at a time: the same arrays
+    and the same measured error as at once."""
+    from tests.gguf_files import random_blocks
+
+    qtype = int(gguf.GGMLQuantizationType[kind])
+    raw = random_blocks(kind, (40, 512), np.random.default_rng(5), std=0.05)
+    whole, error = types.serve(raw, qtype, (40, 512), fmt)
+    monkeypatch.setattr(types, "REQUANT_ROWS", 16)  # 40 rows: chunks of 16, 16 and 8
+    chunked, chunked_error = types.serve(raw, qtype, (40, 512), fmt)
+    assert np.array_equal(whole.data, chunked.data) and np.array_equal(whole.scales, chunked.scales)
+    assert (whole.mins is None) == (chunked.mins is None)
+    assert whole.mins is None or np.array_equal(whole.mins, chunked.mins)
+    if error is not None and chunked_error is not None:
+        assert chunked_error.count == error.count and chunked_error.worst == error.worst
+        assert chunked_error.relative_rms == pytest.approx(error.relative_rms, rel=1e-9)
+    else:
+        assert error is None and chunked_error is None
+
+
 @pytest.mark.parametrize(
     ("kind", "fmt"),
     [("Q4_K", "int8"), ("Q5_K", "int8"), ("Q6_K", "int8"), ("Q5_1", "int8"), ("Q3_K", "q4"),
