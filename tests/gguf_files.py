@@ -94,9 +94,11 @@ def write_gguf(
     tied: bool = False,
     seed: int = 0,
     arch: str | None = None,
+    rope_freqs: np.ndarray | None = None,
 ) -> Path:
     """A GGUF of `shape` with the tokenizer metadata `tokenizer` (tokenizer.ggml.* and
-    tokenizer.chat_template), each tensor in the type `types` names (default F32)."""
+    tokenizer.chat_template), each tensor in the type `types` names (default F32), and `rope_freqs`
+    (Llama 3.1's frequency factors) as llama.cpp's converter writes them, an F32 tensor."""
     import gguf
 
     arch = arch or shape.arch
@@ -125,6 +127,8 @@ def write_gguf(
             w.add_tensor(name, gguf.quants.quantize(values, kind))
         else:  # the blocks' bytes [rows, row bytes]; the writer derives the shape from the type
             w.add_tensor(name, _blocks(values, kind, rng), raw_dtype=kind)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -132,17 +136,44 @@ def write_gguf(
     return path
 
 
+# byte offsets of the float16 scale fields in a block of the K-quants gguf.quants cannot quantize
+K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
 def _blocks(values: np.ndarray, kind: Any, rng: np.random.Generator) -> np.ndarray:
-    """gguf.quants' blocks of `values`; for a type it cannot quantize (a file Kafila must refuse),
-    random bytes of the type's size."""
+    """gguf.quants' blocks of `values`; for a K-quant, which gguf.quants dequantizes but does not
+    quantize, `random_blocks` of the values' spread; for another type it cannot quantize (a file
+    Kafila must refuse), random bytes of the type's size."""
     import gguf
 
     try:
         return np.asarray(gguf.quants.quantize(values, kind))
     except NotImplementedError:
-        block, size = gguf.GGML_QUANT_SIZES[kind]
         rows, cols = values.shape
+        if kind.name in K_SCALES:
+            return random_blocks(kind.name, (rows, cols), rng, float(values.std()))
+        block, size = gguf.GGML_QUANT_SIZES[kind]
         return rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
+
+
+def random_blocks(kind: str, shape: tuple[int, int], rng: np.random.Generator, std: float) -> np.ndarray:
+    """Blocks [rows, row bytes] of K-quant `kind` for a matrix `shape`: random levels and 6/8-bit
+    scales (every byte pattern is a valid block), the float16 scales d (and dmin) drawn from a
+    1.5x range and then multiplied together so the values' standard deviation is about `std`."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = shape
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    fields = K_SCALES[kind]
+    draws = [rng.uniform(1.0, 1.5, raw.shape[:2]) for _ in fields]
+    for at, d in zip(fields, draws, strict=True):
+        raw[..., at : at + 2] = d.astype(np.float16)[..., None].view(np.uint8)
+    spread = float(np.asarray(gguf.quants.dequantize(raw.reshape(rows, -1), qtype)).std())
+    for at, d in zip(fields, draws, strict=True):
+        raw[..., at : at + 2] = (d * std / spread).astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
 
 
 def _add_tokenizer(w: Any, meta: dict[str, Any]) -> None:
@@ -151,8 +182,10 @@ def _add_tokenizer(w: Any, meta: dict[str, Any]) -> None:
         w.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
     w.add_token_list(meta["tokenizer.ggml.tokens"])
     w.add_token_types(meta["tokenizer.ggml.token_type"])
+    if meta.get("tokenizer.ggml.scores") is not None:  # a SentencePiece vocabulary's
+        w.add_token_scores(meta["tokenizer.ggml.scores"])
     w.add_token_merges(meta["tokenizer.ggml.merges"])
-    for key in ("bos", "eos", "padding"):
+    for key in ("bos", "eos", "padding", "unknown"):
         if meta.get(f"tokenizer.ggml.{key}_token_id") is not None:
             w.add_uint32(f"tokenizer.ggml.{key}_token_id", int(meta[f"tokenizer.ggml.{key}_token_id"]))
     w.add_bool("tokenizer.ggml.add_bos_token", bool(meta.get("tokenizer.ggml.add_bos_token", False)))
@@ -189,20 +222,49 @@ def qwen3_tokenizer_meta(folder: Path) -> dict[str, Any]:
     }
 
 
-def float_folder(gguf_file: Path, out: Path) -> Path:
+def served_values(ckpt: Any, name: str) -> np.ndarray:
+    """Tensor `name` of a converted folder (a Checkpoint) as float32: a packed matrix dequantized,
+    floats widened."""
+    from kafila.models.quant import dequantize, from_entries
+
+    base = name.removesuffix("weight")
+    names = [n for n in (name, base + "scales", base + "mins") if n in ckpt.tensors]
+    raw = ckpt.read(names)
+
+    def array(n: str) -> np.ndarray:
+        info, data = raw[n]
+        kind = {"F32": np.float32, "F16": np.float16, "I8": np.int8, "U8": np.uint8}[info.dtype]
+        return np.frombuffer(bytes(data), dtype=kind).reshape(info.shape)
+
+    if len(names) == 1:
+        return array(name).astype(np.float32)
+    fmt = "q4" if base + "mins" in raw else "int8"
+    mins = array(base + "mins") if fmt == "q4" else None
+    return dequantize(from_entries(fmt, array(name), array(base + "scales"), mins))
+
+
+def float_folder(gguf_file: Path, out: Path, served: Path | None = None) -> Path:
     """The Hugging Face F32 folder of a GGUF model (every tensor dequantized by gguf.quants, a
-    Llama's q/k rows put back), config and tokenizer from the converter: the float reference."""
+    Llama's q/k rows put back; or, given the folder it was `served` as, the values served there),
+    config and tokenizer from the converter: the float reference."""
     import gguf
     from safetensors.numpy import save_file
 
+    from kafila.models.checkpoint import Checkpoint
     from kafila.models.default import GGUFFile, unpermute_qk
     from kafila.models.gguf_convert import model_config, tensor_name, write_tokenizer
 
     gf = GGUFFile.open(gguf_file)
     config = model_config(gf.meta, gguf_file)
     tensors = {}
+    ckpt = Checkpoint.open(served) if served is not None else None
     for t in gf.tensors:
+        if t.name == "rope_freqs.weight":  # no weight: the reference's config says its scaling
+            continue
         name = tensor_name(t.name, config["model_type"])
+        if ckpt is not None:
+            tensors[name] = np.ascontiguousarray(served_values(ckpt, name))
+            continue
         kind = gguf.GGMLQuantizationType(t.ggml_type)
         raw = gf.raw(t)
         values = raw.view(np.float32) if t.ggml_type == 0 else gguf.quants.dequantize(raw, kind)

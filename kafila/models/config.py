@@ -131,7 +131,12 @@ ROPE_SCALINGS: dict[str, tuple[str, ...]] = {
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "freq_factors": (),  # a GGUF's rope_freqs tensor: inv_freq[i] / freq_factors[i] (llama.cpp's)
 }
+
+
+def _positive(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int | float) and 0 < v < math.inf
 
 
 def _check_rope_scaling(scaling: Any) -> None:
@@ -147,9 +152,16 @@ def _check_rope_scaling(scaling: Any) -> None:
         )
     for key in ROPE_SCALINGS[kind]:
         v = scaling.get(key)
-        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
+        if not _positive(v):
             raise ConfigError(
                 f"config.json's rope_scaling.{key} ({kind}) must be a finite number > 0, got {v!r}"
+            )
+    if kind == "freq_factors":
+        f = scaling.get("freq_factors")
+        if not isinstance(f, list) or not f or not all(_positive(v) for v in f):
+            raise ConfigError(
+                "config.json's rope_scaling.freq_factors must be a list of finite numbers > 0 (one per "
+                f"rotary frequency), got {str(f)[:80]}"
             )
     if kind == "llama3" and not scaling["low_freq_factor"] < scaling["high_freq_factor"]:
         raise ConfigError(

@@ -8,12 +8,16 @@ command then reads as any model folder (kafila.models.checkpoint):
   `quantization_config` where any matrix is packed: a packed checkpoint keeps its float matrices as
   stored (kafila.models.manifest);
 - model.safetensors: every tensor in its own type (kafila.models.gguf_types): float tensors as
-  stored, Q8_0/Q4_1/Q4_0/Q5_0 repacked into int8/q4 entries with their values unchanged, the other
-  types widened to F32, which `convert` prints on the console (one line per type: the tensors and
-  the bytes they widen to). llama.cpp's converter permutes the rows of a Llama's q/k projections for
-  its interleaved RoPE; they are put back (Qwen3 GGUFs keep Hugging Face's order);
+  stored, Q8_0/Q4_1/Q4_0/Q5_0 repacked into int8/q4 entries with their values unchanged, Q4_K into
+  q4 with its product scales rounded to float16, the other quantized types requantized into
+  int8/q4, which `convert` prints on the console with the error it measured (one line per type:
+  the tensors, their bytes in the file and served); a quantized tensor the engine cannot pack (in
+  a fused product with a float one) is widened to F32 and said the same way. llama.cpp's converter
+  permutes the rows of a Llama's q/k projections for its interleaved RoPE; they are put back
+  (Qwen3 GGUFs keep Hugging Face's order);
 - tokenizer.json and tokenizer_config.json (chat template, special tokens) from `tokenizer.ggml.*`:
-  byte-level BPE with the pre-tokenizer llama.cpp names in `tokenizer.ggml.pre`.
+  byte-level BPE with the pre-tokenizer llama.cpp names in `tokenizer.ggml.pre`, or a SentencePiece
+  vocabulary with its scores (kafila.models.gguf_sentencepiece).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +47,7 @@ from kafila.models.default import (
     tokenizer_config,
     unpermute_qk,
 )
+from kafila.models.gguf_sentencepiece import add_bos, sentencepiece_tokenizer
 from kafila.obs.log import get_logger
 
 log = get_logger(__name__)
@@ -141,8 +147,8 @@ def convert(
     from kafila.models import quantize
 
     gf = GGUFFile.open(file)
-    config = model_config(gf.meta, file)
-    entries, widened = _entries(gf, config)
+    config = model_config(gf.meta, file, rope_freqs(gf))
+    entries, widened, requantized = _entries(gf, config)
     for line in widened_lines(file, widened):
         (say or _stderr)(line)
     formats = [s.dtype for s, _ in entries if s.name.endswith("_proj.weight")]
@@ -153,6 +159,8 @@ def convert(
         config[quantize.QUANT_CONFIG] = {"quant_method": "kafila", "format": fmt, "group_size": 32}
     config["tie_word_embeddings"] = all(s.name != "lm_head.weight" for s, _ in entries)
     quantize.write_safetensors(out / "model.safetensors", entries, progress, desc=f"reading {file.name}")
+    for line in requantized_lines(file, requantized):
+        (say or _stderr)(line)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", generation_config(gf.meta) | _defaults(defaults))
     write_tokenizer(gf.meta, out, file)
@@ -172,8 +180,22 @@ def _stderr(line: str) -> None:
 # --- config -----------------------------------------------------------------------------------
 
 
-def model_config(meta: dict[str, Any], file: Path) -> dict[str, Any]:
-    """config.json's fields from the GGUF metadata of a llama or qwen3 file."""
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+: the factors llama.cpp divides each frequency by
+
+
+def rope_freqs(gf: GGUFFile) -> list[float] | None:
+    """A file's RoPE frequency factors (its `rope_freqs.weight`, float32), or None."""
+    for t in gf.tensors:
+        if t.name == ROPE_FREQS:
+            if t.ggml_type != types.F32:
+                raise GGUFError(f"{gf.path}: {ROPE_FREQS} is {types.type_name(t.ggml_type)}, not F32")
+            return [float(v) for v in types.float_entry(gf.raw(t), t.ggml_type, t.shape).reshape(-1)]
+    return None
+
+
+def model_config(meta: dict[str, Any], file: Path, freq_factors: list[float] | None = None) -> dict[str, Any]:
+    """config.json's fields from the GGUF metadata of a llama or qwen3 file, and its RoPE frequency
+    factors (`rope_freqs`) where it has them."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFError(
@@ -188,9 +210,8 @@ def model_config(meta: dict[str, Any], file: Path) -> dict[str, Any]:
 
     heads, hidden = int(key("attention.head_count")), int(key("embedding_length"))
     tokens = meta.get("tokenizer.ggml.tokens") or []
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise GGUFError(f"{file}: RoPE scaling {scaling!r} in the GGUF metadata is not read yet")
+    heads_dim = int(key("attention.key_length", hidden // heads))
+    scaling = _rope_scaling(meta, arch, file, freq_factors, heads_dim)
     return {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
@@ -199,13 +220,13 @@ def model_config(meta: dict[str, Any], file: Path) -> dict[str, Any]:
         "num_hidden_layers": int(key("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": int(key("attention.key_length", hidden // heads)),
+        "head_dim": heads_dim,
         "hidden_act": "silu",
         "max_position_embeddings": int(key("context_length")),
         # stored as float32 (9.9999997e-06): written as the float32 it is
         "rms_norm_eps": float(f"{float(key('attention.layer_norm_rms_epsilon')):.7g}"),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "rope_scaling": None,
+        "rope_scaling": scaling,
         "tie_word_embeddings": True,
         "vocab_size": int(meta.get(f"{arch}.vocab_size") or len(tokens)),
         "attention_bias": False,
@@ -215,6 +236,27 @@ def model_config(meta: dict[str, Any], file: Path) -> dict[str, Any]:
         "pad_token_id": opt_int(meta, "tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
+
+
+def _rope_scaling(
+    meta: dict[str, Any], arch: str, file: Path, factors: list[float] | None, head_dim: int
+) -> dict[str, Any] | None:
+    """config.json's rope_scaling: the frequency factors (Llama 3.1+, which llama.cpp's converter
+    writes as a tensor and no metadata), or a linear factor from `{arch}.rope.scaling.*`."""
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind not in (None, "none", "linear"):
+        raise GGUFError(f"{file}: RoPE scaling {kind!r} in the GGUF metadata: Kafila reads linear scaling")
+    if factors is not None:
+        if len(factors) != head_dim // 2 or kind == "linear":
+            raise GGUFError(
+                f"{file}: {len(factors)} RoPE frequency factors for a head of {head_dim}"
+                + (" beside linear scaling" if kind == "linear" else f" (want {head_dim // 2})")
+            )
+        return {"rope_type": "freq_factors", "freq_factors": factors}
+    if kind == "linear":
+        factor = float(meta.get(f"{arch}.rope.scaling.factor") or 1.0)
+        return {"rope_type": "linear", "factor": factor} if factor != 1.0 else None
+    return None
 
 
 # --- tensors ----------------------------------------------------------------------------------
@@ -229,15 +271,28 @@ def tensor_name(gguf_name: str, arch: str) -> str:
     return hf_name(gguf_name)
 
 
-def _entries(gf: GGUFFile, config: dict[str, Any]) -> tuple[list[Any], list[tuple[str, GGUFTensor, str]]]:
-    """Safetensors entries for every tensor, and the (name, tensor, why) of those widened to F32."""
+Widened = list[tuple[str, GGUFTensor, str]]  # (name, tensor, why) of tensors widened to F32
+
+
+@dataclass
+class Requant:
+    """A tensor requantized into a packed format, and (once written) what that changed."""
+
+    name: str
+    tensor: GGUFTensor
+    fmt: str
+    error: types.Requantized | None = None
+
+
+def _entries(gf: GGUFFile, config: dict[str, Any]) -> tuple[list[Any], Widened, list[Requant]]:
+    """Safetensors entries for every tensor, the tensors widened to F32 and those requantized."""
     from kafila.models.quantize import Entry
 
     arch = config["model_type"]
-    if any(t.name == "rope_freqs.weight" for t in gf.tensors):
-        raise GGUFError(f"{gf.path}: rope_freqs.weight (Llama 3.1 RoPE frequency factors) is not read yet")
     named: dict[str, GGUFTensor] = {}
     for t in gf.tensors:
+        if t.name == ROPE_FREQS:  # config.json's rope_scaling
+            continue
         types.check_readable(t.ggml_type, t.name)
         try:
             named[tensor_name(t.name, arch)] = t
@@ -245,18 +300,22 @@ def _entries(gf: GGUFFile, config: dict[str, Any]) -> tuple[list[Any], list[tupl
             raise GGUFError(f"{gf.path}: {exc}") from exc
     fmt = _formats(named)
     entries: list[Entry] = []
-    widened: list[tuple[str, GGUFTensor, str]] = []
+    widened: Widened = []
+    requantized: list[Requant] = []
     for name, t in named.items():
         perm = _permutation(name, t, config)
         target = fmt[name]
         if target in ("int8", "q4"):
-            entries += _packed_entries(gf, name, t, target, perm)
+            note = Requant(name, t, target)
+            if types.how(t.ggml_type, target) == "requantized":
+                requantized.append(note)
+            entries += _packed_entries(gf, note, perm)
         else:
             if target == "F32" and t.ggml_type != types.F32:
-                why = "type" if t.ggml_type in types.WIDENED else "mixed"
+                why = "mixed" if len(t.shape) == 2 and t.ggml_type in types.PACKED else "type"
                 widened.append((name, t, why))
             entries.append(_float_entry(gf, name, t, target, perm))
-    return entries, widened
+    return entries, widened, requantized
 
 
 def _formats(named: dict[str, GGUFTensor]) -> dict[str, str]:
@@ -293,14 +352,16 @@ def _permutation(name: str, t: GGUFTensor, config: dict[str, Any]) -> np.ndarray
     return None
 
 
-def _packed_entries(gf: GGUFFile, name: str, t: GGUFTensor, fmt: str, perm: np.ndarray | None) -> list[Any]:
+def _packed_entries(gf: GGUFFile, note: Requant, perm: np.ndarray | None) -> list[Any]:
     from kafila.models.quantize import packed_entries
 
+    t = note.tensor
+
     def make() -> Any:
-        p = types.repack(gf.raw(t), t.ggml_type, (t.shape[0], t.shape[1]), fmt)
+        p, note.error = types.serve(gf.raw(t), t.ggml_type, (t.shape[0], t.shape[1]), note.fmt)
         return p if perm is None else p.rows(perm)
 
-    return packed_entries(name, fmt, t.shape, make)
+    return packed_entries(note.name, note.fmt, t.shape, make)
 
 
 def _float_entry(gf: GGUFFile, name: str, t: GGUFTensor, dtype: str, perm: np.ndarray | None) -> Any:
@@ -328,13 +389,38 @@ def widened_lines(file: Path, widened: list[tuple[str, GGUFTensor, str]]) -> lis
         wide = sum(4 * t.numel for _, t in items)
         names = ", ".join(n for n, _ in items[:3]) + (f" and {len(items) - 3} more" if len(items) > 3 else "")
         reason = (
-            "is in a fused product with tensors of another type"
-            if why == "mixed"
-            else "has no packed format in Kafila yet"
+            "is in a fused product with float tensors" if why == "mixed" else "is not a matrix Kafila packs"
         )
         lines.append(
             f"kafila: {file.name}: {kind} {reason}: {len(items)} tensors ({names}) served as F32, "
             f"{stored} bytes in the file -> {wide} bytes ({wide / max(stored, 1):.1f}x)"
+        )
+    return lines
+
+
+def requantized_lines(file: Path, requantized: list[Requant]) -> list[str]:
+    """One console line per type and format requantized: the tensors, their bytes in the file and
+    served, and the error measured against gguf.quants' values (RMS over the values' RMS, the
+    largest in steps of its group)."""
+    from kafila.models.manifest import packed_bytes
+
+    by: dict[tuple[str, str], list[Requant]] = {}
+    for r in requantized:
+        by.setdefault((types.type_name(r.tensor.ggml_type), r.fmt), []).append(r)
+    lines = []
+    for (kind, fmt), items in sorted(by.items()):
+        error = types.Requantized()
+        for r in items:
+            if r.error is not None:
+                error.add(r.error)
+        stored = sum(r.tensor.nbytes for r in items)
+        served = sum(packed_bytes(fmt, r.tensor.shape[0], r.tensor.shape[1]) for r in items)
+        more = f" and {len(items) - 3} more" if len(items) > 3 else ""
+        names = ", ".join(r.name for r in items[:3]) + more
+        lines.append(
+            f"kafila: {file.name}: {kind} requantized to {fmt}: {len(items)} tensors ({names}), {stored} "
+            f"bytes in the file -> {served} bytes ({served / max(stored, 1):.2f}x); error RMS "
+            f"{error.relative_rms:.2%} of the values' RMS, at most {error.worst_steps:.2f} of a step"
         )
     return lines
 
@@ -360,7 +446,8 @@ PRE_TOKENIZERS = ("smollm", "qwen2", "llama-bpe", "gpt2", "default")
 
 
 def build_tokenizer(meta: dict[str, Any], file: Path) -> Any:
-    """A `tokenizers` Tokenizer from `tokenizer.ggml.*` (byte-level BPE)."""
+    """A `tokenizers` Tokenizer from `tokenizer.ggml.*`: byte-level BPE, or a SentencePiece
+    vocabulary (kafila.models.gguf_sentencepiece)."""
     from tokenizers import (
         AddedToken,
         Regex,
@@ -373,8 +460,16 @@ def build_tokenizer(meta: dict[str, Any], file: Path) -> Any:
     )
 
     kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre") or "default"
+    if kind == "llama":
+        try:
+            return sentencepiece_tokenizer(meta)
+        except ValueError as exc:
+            raise GGUFError(f"{file}: {exc}") from exc
     if kind != "gpt2":
-        raise GGUFError(f"{file}: GGUF tokenizer {kind!r}: Kafila reads byte-level BPE ('gpt2') tokenizers")
+        raise GGUFError(
+            f"{file}: GGUF tokenizer {kind!r}: Kafila reads byte-level BPE ('gpt2') and SentencePiece "
+            "('llama') tokenizers"
+        )
     if pre not in PRE_TOKENIZERS and pre not in _SPLITS:
         raise GGUFError(f"{file}: GGUF pre-tokenizer {pre!r}: Kafila reads {', '.join(PRE_TOKENIZERS)}")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
@@ -411,4 +506,6 @@ def write_tokenizer(meta: dict[str, Any], out: Path, file: Path) -> None:
     kinds: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     build_tokenizer(meta, file).save(str(out / "tokenizer.json"))
     special = [t for t, kind in zip(tokens, kinds, strict=True) if kind == _CONTROL]
+    if meta.get("tokenizer.ggml.model") == "llama":  # llama.cpp adds BOS unless the file says not to
+        meta = {**meta, "tokenizer.ggml.add_bos_token": add_bos(meta)}
     _write_json(out / "tokenizer_config.json", tokenizer_config(meta, tokens, special))

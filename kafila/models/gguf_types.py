@@ -1,26 +1,37 @@
 """ggml tensor types in a GGUF file and the formats Kafila serves each in (pure numpy, no files).
 
-A GGUF mixes types per tensor. Each tensor is served in its own numbers:
+A GGUF mixes types per tensor. Each tensor is served in its own numbers where the engine's packed
+formats (kafila.models.quant: int8, llama.cpp's Q8_0 in another order; q4, its Q4_1) hold them:
 
 - F32, F16, BF16: float entries as stored.
-- Q8_0 -> int8 (kafila.models.quant: the same int8 values and float16 scales, bytes copied).
+- Q8_0 -> int8 (the same int8 values and float16 scales, bytes copied).
 - Q4_1 -> q4 (the 16 nibble bytes and the (d, m) pair of each block copied).
 - Q4_0 -> q4 with min = -8 d (float16, exact: a power-of-two multiple of d), or int8 with the
   values q - 8 where the matrix is fused with int8 ones (q, k, v; gate, up).
 - Q5_0 -> int8 with the values q - 16 (-16..15) and the block's d as the scale.
+- Q4_K -> q4: each sub-block of 32 is a Q4_1 block with scale d * sc and min -dmin * m (6-bit sc
+  and m, float16 d and dmin); its nibbles are copied. The products are rounded to float16: exact
+  where d * sc (dmin * m) has at most 11 significant bits, otherwise within half a float16 unit in
+  the last place of it (a relative 2^-11), so an entry moves by at most 15 of those plus one.
 
-Each of these dequantizes to the values gguf.quants gives (w = d (q - 8) is computed here as
-d q + (-8 d): the same float32 number; only a zero's sign may differ). The other types Kafila reads
-(Q5_1, Q2_K..Q6_K) have no packed format here yet: they are widened to F32 with gguf.quants (the
-same values, 4 bytes each), and the converter says so on the console (`WIDENED`).
+Each kept type dequantizes to the values gguf.quants gives (w = d (q - 8) is computed here as
+d q + (-8 d): the same float32 number; only a zero's sign may differ). The other types have no
+packed format here of their own: Q5_1, Q5_K (a min beside 5-bit levels) and Q6_K (a scale per 16
+entries) are requantized to int8, Q3_K and Q2_K (a scale per 16 entries) to q4, each from
+gguf.quants' values to the nearest level of its group (an error of at most half the group's
+step, plus float16 rounding of the min); the converter measures that error and says it on the
+console. A fused product (q, k, v; gate, up) holds one format: where its matrices' types share
+none, the ones not kept in int8 are requantized to int8.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from kafila.models.manifest import GROUP
-from kafila.models.quant import Packed, from_ggml
+from kafila.models.quant import Packed, dequantize, from_ggml, quantize
 
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
@@ -31,10 +42,17 @@ NAMES = {
     Q8_0: "Q8_0", Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K",
 }  # fmt: skip
 FLOATS = {F32: "F32", F16: "F16", BF16: "BF16"}  # ggml type -> safetensors dtype, kept as stored
-# packed formats a type is served in with its values unchanged, the preferred one first
-PACKED: dict[int, tuple[str, ...]] = {Q8_0: ("int8",), Q4_1: ("q4",), Q4_0: ("q4", "int8"), Q5_0: ("int8",)}
-WIDENED = (Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)  # read, served as F32 (no packed format yet)
+# packed formats a type is served in, the preferred one first (every quantized type can also be
+# requantized to int8, which a fused product of types with no common format takes)
+PACKED: dict[int, tuple[str, ...]] = {
+    Q8_0: ("int8",), Q4_1: ("q4",), Q4_0: ("q4", "int8"), Q5_0: ("int8",), Q4_K: ("q4", "int8"),
+    Q5_1: ("int8",), Q5_K: ("int8",), Q6_K: ("int8",), Q3_K: ("q4", "int8"), Q2_K: ("q4", "int8"),
+}  # fmt: skip
+KEPT = {(Q8_0, "int8"), (Q4_1, "q4"), (Q4_0, "q4"), (Q4_0, "int8"), (Q5_0, "int8")}  # values unchanged
+SCALED = {(Q4_K, "q4")}  # levels kept, product scales rounded to float16
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q8_0: 34}  # bytes per block of 32 of the repacked types
+Q4_K_BYTES, SUPER = 144, 256  # a Q4_K block: d, dmin (float16), 12 bytes of 6-bit scales, 128 of nibbles
+REQUANT_ROWS = 1024  # rows widened and requantized at once (the float temporaries stay a few MB)
 
 
 class UnsupportedType(ValueError):
@@ -58,11 +76,95 @@ def check_readable(ggml_type: int, tensor: str) -> None:
         )
 
 
+@dataclass
+class Requantized:
+    """What requantizing a tensor changed: the squared errors and values summed, the largest error
+    and the largest in steps of its group (at most a half, plus float16 rounding of a min)."""
+
+    count: int = 0
+    error_sq: float = 0.0
+    value_sq: float = 0.0
+    worst: float = 0.0
+    worst_steps: float = 0.0
+
+    def add(self, other: Requantized) -> None:
+        self.count += other.count
+        self.error_sq += other.error_sq
+        self.value_sq += other.value_sq
+        self.worst = max(self.worst, other.worst)
+        self.worst_steps = max(self.worst_steps, other.worst_steps)
+
+    @property
+    def relative_rms(self) -> float:
+        """The error's RMS over the values' RMS."""
+        return float(np.sqrt(self.error_sq / self.value_sq)) if self.value_sq > 0 else 0.0
+
+
+def how(ggml_type: int, fmt: str) -> str:
+    """ "kept" (values unchanged), "scaled" (levels kept, product scales rounded to float16) or
+    "requantized": how a tensor of `ggml_type` is served in packed format `fmt`."""
+    if (ggml_type, fmt) in KEPT:
+        return "kept"
+    return "scaled" if (ggml_type, fmt) in SCALED else "requantized"
+
+
+def serve(
+    raw: np.ndarray, ggml_type: int, shape: tuple[int, int], fmt: str
+) -> tuple[Packed, Requantized | None]:
+    """A matrix [out, in] of `ggml_type` (its blocks, uint8 [out, row bytes]) in packed format `fmt`,
+    and what requantizing it changed (None where its levels are kept)."""
+    if ggml_type not in PACKED or fmt not in ("int8", "q4"):
+        raise ValueError(f"{type_name(ggml_type)} is not served as {fmt}")
+    if how(ggml_type, fmt) != "requantized":
+        return repack(raw, ggml_type, shape, fmt), None
+    return requantize(raw, ggml_type, shape, fmt)
+
+
+def requantize(
+    raw: np.ndarray, ggml_type: int, shape: tuple[int, int], fmt: str
+) -> tuple[Packed, Requantized]:
+    """gguf.quants' values of a matrix quantized to `fmt`'s nearest levels, `REQUANT_ROWS` rows at
+    a time, with the error measured against those values."""
+    out, cols = shape
+    rows = np.asarray(raw, dtype=np.uint8).reshape(out, -1)
+    int8 = fmt == "int8"
+    data = np.empty((out, cols if int8 else cols // 2), np.int8 if int8 else np.uint8)
+    scales = np.empty((out, cols // GROUP), np.float16)
+    mins = None if int8 else np.empty((out, cols // GROUP), np.float16)
+    stats = Requantized()
+    for a in range(0, out, REQUANT_ROWS):
+        w = widen(rows[a : a + REQUANT_ROWS], ggml_type, (min(REQUANT_ROWS, out - a), cols))
+        part = quantize(w, fmt)
+        b = a + w.shape[0]
+        data[a:b], scales[a:b] = part.data, part.scales
+        if mins is not None and part.mins is not None:
+            mins[a:b] = part.mins
+        stats.add(_error(w, part))
+    return Packed(fmt, data, scales, mins), stats
+
+
+def _error(w: np.ndarray, p: Packed) -> Requantized:
+    err = (dequantize(p) - w).astype(np.float64)
+    out, cols = w.shape
+    steps = np.abs(err).reshape(out, cols // GROUP, GROUP).max(axis=2)
+    scale = p.scales.astype(np.float64)
+    per_step = np.divide(steps, scale, out=np.zeros_like(steps), where=scale > 0)
+    return Requantized(
+        count=w.size,
+        error_sq=float((err**2).sum()),
+        value_sq=float((w.astype(np.float64) ** 2).sum()),
+        worst=float(np.abs(err).max(initial=0.0)),
+        worst_steps=float(per_step.max(initial=0.0)),
+    )
+
+
 def repack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], fmt: str) -> Packed:
     """The blocks (uint8 [out, blocks * block bytes]) of a matrix [out, in] of `ggml_type` in packed
-    format `fmt` (one of PACKED[ggml_type]), values unchanged."""
-    if fmt not in PACKED.get(ggml_type, ()):
-        raise ValueError(f"{type_name(ggml_type)} is not served as {fmt}")
+    format `fmt` where its levels are kept (KEPT: values unchanged; SCALED: see the module)."""
+    if how(ggml_type, fmt) == "requantized":
+        raise ValueError(f"{type_name(ggml_type)} is not served as {fmt} without requantizing")
+    if ggml_type == Q4_K:
+        return _q4_k_rows(raw, shape)
     if ggml_type in (Q8_0, Q4_1):
         return from_ggml(raw, ggml_type, shape)
     out, cols = shape
@@ -86,6 +188,62 @@ def repack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], fmt: str) ->
     return Packed("int8", levels.reshape(out, cols), d)
 
 
+def _q4_k_rows(raw: np.ndarray, shape: tuple[int, int]) -> Packed:
+    """`_q4_k` `REQUANT_ROWS` rows at a time (a large embedding's temporaries stay a few MB)."""
+    out, cols = shape
+    if out <= REQUANT_ROWS:
+        return _q4_k(raw, shape)
+    rows = np.asarray(raw, dtype=np.uint8).reshape(out, -1)
+    data = np.empty((out, cols // 2), np.uint8)
+    scales = np.empty((out, cols // GROUP), np.float16)
+    mins = np.empty((out, cols // GROUP), np.float16)
+    for a in range(0, out, REQUANT_ROWS):
+        part = _q4_k(rows[a : a + REQUANT_ROWS], (min(REQUANT_ROWS, out - a), cols))
+        b = a + part.data.shape[0]
+        data[a:b], scales[a:b] = part.data, part.scales
+        if part.mins is not None:
+            mins[a:b] = part.mins
+    return Packed("q4", data, scales, mins)
+
+
+def _q4_k(raw: np.ndarray, shape: tuple[int, int]) -> Packed:
+    """A Q4_K matrix as q4: sub-block s of a super-block is group s, scale d * sc[s], min -dmin *
+    m[s] (rounded to float16), its 32 nibbles in q4's order (element j low, 16 + j high)."""
+    out, cols = shape
+    if cols % SUPER:
+        raise ValueError(f"a Q4_K matrix [{out}, {cols}] has rows that are not a multiple of {SUPER}")
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(out, cols // SUPER, Q4_K_BYTES)
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).astype(np.float32)  # [out, n, 1]
+    dmin = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16).astype(np.float32)
+    sc, m = _scale_min_k4(blocks[..., 4:16])  # [out, n, 8] each
+    scale32, min32 = d * sc, -(dmin * m)  # exact in float32 (11 by 6 bits)
+    with np.errstate(over="ignore"):
+        scales, mins = scale32.astype(np.float16), min32.astype(np.float16)
+    if not (np.isfinite(scales).all() and np.isfinite(mins).all()):
+        worst = float(max(np.abs(scale32).max(), np.abs(min32).max()))
+        raise ValueError(f"a Q4_K scale in [{out}, {cols}] is {worst:g}, past float16's 65504")
+    # 4 chunks of 32 bytes: byte j's low nibble is entry 64 c + j, its high one 64 c + 32 + j
+    chunks = blocks[..., 16:].reshape(out, cols // SUPER, 4, 32)
+    groups = np.stack([chunks & 15, chunks >> 4], axis=3)  # [out, n, 4, 2, 32]: group 2 c + h
+    nibbles = groups[..., :16] | (groups[..., 16:] << 4)  # q4: entry j low, 16 + j high
+    return Packed(
+        "q4",
+        np.ascontiguousarray(nibbles).reshape(out, cols // 2),
+        scales.reshape(out, cols // GROUP),
+        mins.reshape(out, cols // GROUP),
+    )
+
+
+def _scale_min_k4(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The eight 6-bit scales and mins of Q4_K/Q5_K's 12 bytes [..., 12] (float32 [..., 8] each):
+    bytes 0-3 hold scales 0-3 (and the high bits of 4-7), 4-7 mins 0-3 (and theirs), 8-11 the low
+    bits of scales and mins 4-7."""
+    s, m, low = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([s & 63, (low & 15) | ((s >> 2) & 48)], axis=-1)
+    mn = np.concatenate([m & 63, (low >> 4) | ((m >> 2) & 48)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
 def widen(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:
     """A tensor's values as float32 (gguf.quants' dequantization; F32 as stored)."""
     import gguf
@@ -105,10 +263,11 @@ def float_entry(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.n
 
 def group_format(types: list[int]) -> str | None:
     """The one packed format every matrix of a fused product (q, k, v; gate, up) of these types is
-    served in with its values unchanged, or None (then the group is widened to F32 together: a
-    fused product holds one format)."""
+    served in: the first of the first type's formats every type has, else int8 (the types without
+    it requantized). None where one is a float type (then the group is widened to F32 together:
+    a fused product holds one format)."""
     options = [PACKED.get(t, ()) for t in types]
     if not all(options):
         return None
     common = [f for f in options[0] if all(f in o for o in options)]
-    return common[0] if common else None
+    return common[0] if common else "int8"

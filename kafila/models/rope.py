@@ -1,9 +1,11 @@
 """Rotary position tables shared by every backend (numpy, float32, pure).
 
 Rotate-half RoPE as Hugging Face computes it: `inv_freq[i] = 1 / theta^(2i/d)`, optionally rescaled
-(`linear`, `llama3`), and tables `cos/sin[pos] = cos/sin(pos * [inv_freq, inv_freq])`. The engine
-rotates with `x * cos + roll(x, d/2) * sin_signed`, where `sin_signed = [-sin_half, sin_half]`;
-`roll(x, d/2) = [x2, x1]`, so this equals HF's `x * cos + rotate_half(x) * sin` exactly.
+(`linear`, `llama3`, or `freq_factors`: a GGUF's `rope_freqs` tensor, each inverse frequency
+divided by its factor as llama.cpp does), and tables `cos/sin[pos] = cos/sin(pos * [inv_freq,
+inv_freq])`. The engine rotates with `x * cos + roll(x, d/2) * sin_signed`, where
+`sin_signed = [-sin_half, sin_half]`; `roll(x, d/2) = [x2, x1]`, so this equals HF's
+`x * cos + rotate_half(x) * sin` exactly.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ def inv_freq(config: ModelConfig) -> np.ndarray:
         return (freq / np.float32(scaling["factor"])).astype(np.float32)
     if kind == "llama3":
         return _llama3(freq, scaling)
+    if kind == "freq_factors":
+        factors = np.asarray(scaling["freq_factors"], dtype=np.float32)
+        if factors.shape != freq.shape:
+            raise RopeError(f"{factors.size} RoPE frequency factors for a head of {d} ({d // 2} frequencies)")
+        return (freq / factors).astype(np.float32)
     raise RopeError(f"rope_type {kind!r} is not supported; Kafila runs {list(SUPPORTED)}")
 
 

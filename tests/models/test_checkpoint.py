@@ -374,6 +374,10 @@ def test_a_listed_bos_token_id_takes_the_first(tiny_checkpoint: TinyFactory, tmp
             {"rope_scaling": {"type": "linear", "factor": 0}},
             "rope_scaling.factor (linear) must be a finite number > 0",
         ),
+        (
+            {"rope_scaling": {"rope_type": "freq_factors", "freq_factors": [1.0, 0.0]}},
+            "rope_scaling.freq_factors must be a list of finite numbers > 0",
+        ),
     ],
 )
 def test_config_values_that_cannot_describe_a_model_are_named(

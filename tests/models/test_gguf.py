@@ -4,6 +4,7 @@ the tokenizer from the file's metadata, and the engine's logits against a float 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,12 +16,13 @@ from kafila.models import gguf_types as types
 from kafila.models.checkpoint import Checkpoint
 from kafila.models.gguf_convert import GGUFError, build_tokenizer, ensure_gguf
 from kafila.models.quant import dequantize
-from tests.gguf_files import Shape, float_folder, qwen3_tokenizer_meta, write_gguf
+from tests.gguf_files import Shape, float_folder, qwen3_tokenizer_meta, served_values, write_gguf
 
 gguf = pytest.importorskip("gguf")
 
 # per-tensor types of the mixed file: q/k/v share int8 (Q4_0 joins as int8), gate/up share q4 (Q4_0
-# as q4), Q5_0 as int8; block 1 mixes q4 and int8 in q/k/v and holds a Q5_1 matrix (both widened)
+# as q4), Q5_0 as int8; block 1 mixes q4 and int8 in q/k/v (Q4_1 requantized to int8) and holds a
+# Q5_1 matrix (requantized to int8)
 MIXED = {
     "token_embd": "Q8_0",
     "attn_q": "Q8_0",
@@ -31,6 +33,22 @@ MIXED = {
     "ffn_up": "Q4_0",
     "ffn_down": "Q5_0",
     "blk.1.attn_v": "Q4_1",
+    "blk.1.ffn_down": "Q5_1",
+}
+# the K-quants (and Q5_1): Q4_K as q4 but in block 0's q/k/v, where Q6_K's int8 requantizes it;
+# Q5_K, Q6_K and Q5_1 requantized to int8, Q3_K and Q2_K to q4
+KQUANTS = {
+    "token_embd": "Q4_K",
+    "attn_q": "Q4_K",
+    "attn_k": "Q4_K",
+    "attn_v": "Q6_K",
+    "attn_output": "Q5_K",
+    "ffn_gate": "Q4_K",
+    "ffn_up": "Q4_K",
+    "ffn_down": "Q6_K",
+    "blk.1.attn_v": "Q4_K",
+    "blk.1.ffn_gate": "Q3_K",
+    "blk.1.ffn_up": "Q2_K",
     "blk.1.ffn_down": "Q5_1",
 }
 TEXTS = [
@@ -67,6 +85,23 @@ def capsys_module() -> list[str]:
     return []
 
 
+@pytest.fixture(scope="module")
+def kquant_gguf(tmp_path_factory: pytest.TempPathFactory, qwen3_tokenizer_dir: Path) -> Path:
+    folder = tmp_path_factory.mktemp("gguf-k")
+    meta = qwen3_tokenizer_meta(qwen3_tokenizer_dir)
+    return write_gguf(folder / "tiny-qwen3-kquants.gguf", Shape(), meta, KQUANTS, tied=True)
+
+
+@pytest.fixture(scope="module")
+def kquant_lines() -> list[str]:
+    return []
+
+
+@pytest.fixture(scope="module")
+def kquant_folder(kquant_gguf: Path, cache: Path, kquant_lines: list[str]) -> Path:
+    return ensure_gguf(kquant_gguf, progress=False, say=kquant_lines.append)
+
+
 def _weights(seed: int, shape: tuple[int, int]) -> np.ndarray:
     rng = np.random.default_rng(seed)
     w = rng.standard_normal(shape).astype(np.float32)
@@ -88,11 +123,96 @@ def test_each_repacked_type_dequantizes_to_gguf_quants_values(kind: str, fmt: st
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+def _half_ulp16(x: np.ndarray) -> np.ndarray:
+    """Half a float16 unit in the last place at |x| (2^-25 in the subnormal range)."""
+    e = np.floor(np.log2(np.maximum(np.abs(x), 2.0**-14)))
+    return np.asarray(2.0 ** (e - 11), dtype=np.float64)
+
+
+def test_q4_k_is_q4_with_float16_product_scales() -> None:
+    """Q4_K served as q4: each entry within what rounding d * sc and dmin * m (6-bit sc, m <= 63)
+    to float16 allows (15 half-units of the scale, one of the min, float32 rounding), and equal bit
+    for bit where d and dmin are powers of two (the products then fit float16 exactly)."""
+    from tests.gguf_files import random_blocks
+
+    rng = np.random.default_rng(12)
+    rows, cols = 64, 512
+    raw = random_blocks("Q4_K", (rows, cols), rng, std=0.05).reshape(rows, cols // 256, 144)
+    exact = rng.integers(-12, -4, (16, cols // 256, 2))
+    raw[:16, :, 0:4] = (2.0**exact).astype(np.float16).view(np.uint8).reshape(16, cols // 256, 4)
+    raw = raw.reshape(rows, -1)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).reshape(rows, cols)
+    got = dequantize(types.serve(raw, types.Q4_K, (rows, cols), "q4")[0])
+    blocks = raw.reshape(rows, cols // 256, 144)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float64)
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float64)
+    bound = 15 * _half_ulp16(63 * d) + _half_ulp16(63 * dmin) + 2.0**-22 * (15 * 63 * d + 63 * dmin)
+    err = np.abs(got.astype(np.float64) - want).reshape(rows, cols // 256, 256)
+    assert (err <= bound).all(), float((err - bound).max())
+    assert np.array_equal(got[:16].view(np.uint32), want[:16].view(np.uint32))
+    assert not np.array_equal(got[16:], want[16:])  # products that do not fit are rounded
+
+
+@pytest.mark.parametrize(("kind", "fmt"), [("Q4_K", "q4"), ("Q6_K", "int8"), ("Q3_K", "q4")])
+def test_row_chunks_serve_the_whole_matrix(kind: str, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large matrices are repacked and requantized `REQUANT_ROWS` rows at a time: the same arrays
+    and the same measured error as at once."""
+    from tests.gguf_files import random_blocks
+
+    qtype = int(gguf.GGMLQuantizationType[kind])
+    raw = random_blocks(kind, (40, 512), np.random.default_rng(5), std=0.05)
+    whole, error = types.serve(raw, qtype, (40, 512), fmt)
+    monkeypatch.setattr(types, "REQUANT_ROWS", 16)  # 40 rows: chunks of 16, 16 and 8
+    chunked, chunked_error = types.serve(raw, qtype, (40, 512), fmt)
+    assert np.array_equal(whole.data, chunked.data) and np.array_equal(whole.scales, chunked.scales)
+    assert (whole.mins is None) == (chunked.mins is None)
+    assert whole.mins is None or np.array_equal(whole.mins, chunked.mins)
+    if error is not None and chunked_error is not None:
+        assert chunked_error.count == error.count and chunked_error.worst == error.worst
+        assert chunked_error.relative_rms == pytest.approx(error.relative_rms, rel=1e-9)
+    else:
+        assert error is None and chunked_error is None
+
+
+@pytest.mark.parametrize(
+    ("kind", "fmt"),
+    [("Q4_K", "int8"), ("Q5_K", "int8"), ("Q6_K", "int8"), ("Q5_1", "int8"), ("Q3_K", "q4"),
+     ("Q2_K", "q4"), ("Q3_K", "int8"), ("Q2_K", "int8"), ("Q4_1", "int8")],
+)  # fmt: skip
+def test_each_requantized_type_is_within_half_a_step_of_gguf_quants(kind: str, fmt: str) -> None:
+    """Requantized from gguf.quants' values, each entry is within half its group's step (plus the
+    float16 rounding of a q4 group's min and float32 rounding), and the measured error says so."""
+    from tests.gguf_files import K_SCALES, random_blocks
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    rows, cols = 32, 512
+    rng = np.random.default_rng(int(qtype))
+    if kind in K_SCALES:
+        raw = random_blocks(kind, (rows, cols), rng, std=0.05)
+    else:
+        raw = np.asarray(gguf.quants.quantize(_weights(int(qtype), (rows, cols)), qtype))
+    want = gguf.quants.dequantize(raw, qtype).reshape(rows, cols).astype(np.float64)
+    packed, error = types.serve(raw, int(qtype), (rows, cols), fmt)
+    assert packed.fmt == fmt and error is not None and types.how(int(qtype), fmt) == "requantized"
+    got = dequantize(packed).astype(np.float64).reshape(rows, cols // 32, 32)
+    step = packed.scales.astype(np.float64)[..., None]
+    low = 0.0 if packed.mins is None else _half_ulp16(packed.mins.astype(np.float64))[..., None]
+    top = np.abs(want).reshape(rows, cols // 32, 32).max(axis=2, keepdims=True)
+    bound = step / 2 * (1 + 2.0**-9) + low + 2.0**-22 * top
+    err = np.abs(got - want.reshape(got.shape))
+    assert (err <= bound).all(), float((err - bound).max())
+    assert error.count == rows * cols and 0.0 < error.worst_steps <= 0.5 + 2.0**-8
+    assert error.worst == pytest.approx(float(err.max()), rel=1e-6)
+    assert error.relative_rms == pytest.approx(float(np.sqrt((err**2).sum() / (want**2).sum())), rel=1e-6)
+
+
 def test_a_group_takes_one_format_or_none() -> None:
     assert types.group_format([types.Q8_0, types.Q4_0, types.Q5_0]) == "int8"
     assert types.group_format([types.Q4_1, types.Q4_0]) == "q4"
-    assert types.group_format([types.Q4_1, types.Q8_0]) is None
-    assert types.group_format([types.Q4_K, types.Q4_K]) is None
+    assert types.group_format([types.Q4_1, types.Q8_0]) == "int8"  # Q4_1 requantized
+    assert types.group_format([types.Q4_K, types.Q4_K]) == "q4"
+    assert types.group_format([types.Q4_K, types.Q4_K, types.Q6_K]) == "int8"
+    assert types.group_format([types.Q4_K, types.F16]) is None
 
 
 def test_mixed_file_serves_each_tensor_in_its_own_type(mixed_folder: Path, capsys_module: list[str]) -> None:
@@ -101,18 +221,19 @@ def test_mixed_file_serves_each_tensor_in_its_own_type(mixed_folder: Path, capsy
     assert t["model.layers.0.self_attn.k_proj.weight"].dtype == "I8"  # Q4_0 joined int8 q/v
     assert t["model.layers.0.mlp.up_proj.weight"].dtype == "U8"  # Q4_0 as q4 beside Q4_1 gate
     assert t["model.layers.0.mlp.down_proj.weight"].dtype == "I8"  # Q5_0
-    assert t["model.layers.1.mlp.down_proj.weight"].dtype == "F32"  # Q5_1: widened
-    assert t["model.layers.1.self_attn.q_proj.weight"].dtype == "F32"  # q4 + int8 group: widened
-    assert ckpt.stored_format == "q4"  # 6 q4 matrices, 4 int8
+    assert t["model.layers.1.mlp.down_proj.weight"].dtype == "I8"  # Q5_1: requantized
+    assert t["model.layers.1.self_attn.v_proj.weight"].dtype == "I8"  # Q4_1 beside int8: requantized
+    assert ckpt.stored_format == "int8"  # 8 int8 matrices (block 1's q/k/v and down with them), 6 q4
     lines = "\n".join(capsys_module)
-    assert "Q5_1 has no packed format" in lines and "98304 bytes in the file -> 524288 bytes" in lines
-    assert "Q4_1 is in a fused product" in lines
+    assert "Q5_1 requantized to int8: 1 tensors (model.layers.1.mlp.down_proj.weight)" in lines
+    assert "98304 bytes in the file -> 139264 bytes (1.42x)" in lines
+    assert "Q4_1 requantized to int8: 1 tensors (model.layers.1.self_attn.v_proj.weight)" in lines
+    assert "widened" not in lines and "F32" not in lines
     # the planner prices the bytes each block holds: exactly its entries in the file
     m = ckpt.manifest()
     for i in range(2):
         held = sum(v.nbytes for n, v in t.items() if n.startswith(f"model.layers.{i}."))
         assert m.block_bytes[i] == held
-    assert m.block_bytes[1] > m.block_bytes[0]  # the widened tensors cost their F32 bytes
 
 
 def test_tokenizer_from_metadata_gives_the_hf_tokenizers_ids(qwen3_tokenizer_dir: Path) -> None:
@@ -134,25 +255,29 @@ def test_folder_carries_chat_template_and_special_tokens(mixed_folder: Path) -> 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("quant", ["auto", "none"], ids=["packed", "widened"])
+@pytest.mark.parametrize("file", ["mixed", "kquant"])
 def test_engine_logits_track_the_float_model_of_the_same_values(
-    mixed_gguf: Path, mixed_folder: Path, tmp_path: Path, quant: str
+    file: str, tmp_path: Path, quant: str, request: pytest.FixtureRequest
 ) -> None:
-    """Greedy tokens equal transformers' on the dequantized F32 weights. Served packed, the products
-    round the activations to int8 groups (as llama.cpp's do): logits within 2% of the logits'
-    spread in RMS, 10% at most. Widened (quant none), the same float model: within 1e-4 of it."""
+    """Greedy tokens equal transformers' on the served values as F32 weights (gguf.quants' values
+    where they are kept; the tests above bound the others). Served packed, the products round the
+    activations to int8 groups (as llama.cpp's do): logits within 2% of the logits' spread in RMS,
+    10% at most. Widened (quant none), the same float model: within 1e-4 of it."""
     import torch
     import transformers
 
     from kafila.engine.stage import Stage
 
-    ref_folder = float_folder(mixed_gguf, tmp_path / "float")
+    source: Path = request.getfixturevalue(f"{file}_gguf")
+    folder: Path = request.getfixturevalue(f"{file}_folder")
+    ref_folder = float_folder(source, tmp_path / "float", served=folder)
     ref = transformers.AutoModelForCausalLM.from_pretrained(ref_folder, dtype=torch.float32).eval()
     prompt = [9707, 11, 1879, 0, 3555, 374, 279, 6722]
     with torch.no_grad():
         out = ref.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, output_logits=True,
                            return_dict_in_generate=True)  # fmt: skip
     want_ids = out.sequences[0, len(prompt) :].tolist()
-    ckpt = Checkpoint.open(mixed_folder)
+    ckpt = Checkpoint.open(folder)
     stage = Stage.load(
         ckpt, range(ckpt.n_blocks), True, backend="torch", dtype="fp32", context=64, quant=quant
     )
@@ -243,33 +368,13 @@ def test_unsupported_architecture_and_type_are_named(
 
 def test_config_json_names_the_served_format(mixed_folder: Path) -> None:
     config = json.loads((mixed_folder / "config.json").read_text())
-    assert config["quantization_config"]["format"] == "q4"
+    assert config["quantization_config"]["format"] == "int8"
     assert config["model_type"] == "qwen3" and config["tie_word_embeddings"] is True
 
 
 LLAMA_QUANTIZE = (
     Path.home() / ".cache/kafila/llama.cpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-quantize"
 )  # built by benchmarks/llama_build.py
-
-
-def _served_values(ckpt: Checkpoint, name: str) -> np.ndarray:
-    """Tensor `name` of a converted folder as float32: a packed matrix dequantized, floats widened."""
-    from kafila.models.quant import from_entries
-
-    base = name.removesuffix("weight")
-    names = [n for n in (name, base + "scales", base + "mins") if n in ckpt.tensors]
-    raw = ckpt.read(names)
-
-    def array(n: str) -> np.ndarray:
-        info, data = raw[n]
-        kind = {"F32": np.float32, "F16": np.float16, "I8": np.int8, "U8": np.uint8}[info.dtype]
-        return np.frombuffer(bytes(data), dtype=kind).reshape(info.shape)
-
-    if len(names) == 1:
-        return array(name).astype(np.float32)
-    fmt = "q4" if base + "mins" in raw else "int8"
-    mins = array(base + "mins") if fmt == "q4" else None
-    return dequantize(from_entries(fmt, array(name), array(base + "scales"), mins))
 
 
 @pytest.mark.slow
@@ -294,10 +399,12 @@ def test_llama_quantized_default_model_serves_gguf_quants_values(
     _check_served_values(file)
 
 
-def _check_served_values(file: Path, fresh: bool = True) -> None:
+def _check_served_values(file: Path, fresh: bool = True) -> dict[str, str]:
     """Every tensor of the folder `file` converts to holds gguf.quants' values of the file's tensor
-    (a Llama's q/k rows put back), and (`fresh`: converted here) each widened type was said on
-    the console."""
+    (a Llama's q/k rows put back) where its levels are kept, and is within half a step of its
+    served group of them (plus a q4 min's float16 rounding) where the product scales were rounded
+    or it was requantized; (`fresh`: converted here) each requantized type was said on the
+    console. Returns how each tensor was served."""
     from kafila.models.default import GGUFFile, unpermute_qk
     from kafila.models.gguf_convert import tensor_name
 
@@ -306,6 +413,7 @@ def _check_served_values(file: Path, fresh: bool = True) -> None:
     gf = GGUFFile.open(file)
     arch = ckpt.config.model_type
     heads = {"q_proj": ckpt.config.num_attention_heads, "k_proj": ckpt.config.num_key_value_heads}
+    served: dict[str, str] = {}
     for t in gf.tensors:
         name = tensor_name(t.name, arch)
         raw = gf.raw(t)
@@ -314,10 +422,142 @@ def _check_served_values(file: Path, fresh: bool = True) -> None:
         for proj, n in heads.items():
             if arch == "llama" and name.endswith(f"{proj}.weight"):
                 want = unpermute_qk(want, n)
-        assert np.array_equal(_served_values(ckpt, name), want), name
-    widened = {types.type_name(t.ggml_type) for t in gf.tensors if t.ggml_type in types.WIDENED}
-    assert not fresh or all(any(f" {w} " in line for line in lines) for w in widened), (widened, lines)
+        got = served_values(ckpt, name)
+        fmt = {"I8": "int8", "U8": "q4"}.get(ckpt.tensors[name].dtype)
+        served[name] = "float" if fmt is None else types.how(t.ggml_type, fmt)
+        if served[name] in ("float", "kept"):
+            assert np.array_equal(got, want), name
+        else:
+            _assert_within_half_a_step(ckpt, name, got, want)
+    requantized = [t for t in gf.tensors if served[tensor_name(t.name, arch)] == "requantized"]
+    said = {types.type_name(t.ggml_type) for t in requantized}
+    assert not fresh or all(any(f" {k} requantized" in line for line in lines) for k in said), (said, lines)
+    return served
+
+
+def _assert_within_half_a_step(ckpt: Checkpoint, name: str, got: np.ndarray, want: np.ndarray) -> None:
+    base = name.removesuffix("weight")
+    read = ckpt.read([n for n in (base + "scales", base + "mins") if n in ckpt.tensors])
+    step = np.frombuffer(bytes(read[base + "scales"][1]), np.float16).astype(np.float64)
+    rows, cols = got.shape
+    bound = step.reshape(rows, cols // 32, 1) / 2 * (1 + 2.0**-9)
+    if base + "mins" in read:
+        mins = np.frombuffer(bytes(read[base + "mins"][1]), np.float16).astype(np.float64)
+        bound = bound + _half_ulp16(mins).reshape(rows, cols // 32, 1)
+    w = want.astype(np.float64).reshape(rows, cols // 32, 32)
+    bound = bound + 2.0**-22 * np.abs(w).max(axis=2, keepdims=True)
+    err = np.abs(got.astype(np.float64).reshape(w.shape) - w)
+    assert (err <= bound).all(), (name, float((err - bound).max()))
 
 
 def test_mixed_file_serves_gguf_quants_values_in_every_tensor(mixed_gguf: Path, mixed_folder: Path) -> None:
     _check_served_values(mixed_gguf, fresh=False)  # converted by the fixture, which said so
+
+
+def test_kquant_file_serves_each_type_packed(
+    kquant_gguf: Path, kquant_folder: Path, kquant_lines: list[str]
+) -> None:
+    """Q4_K is q4 with its levels (block 0's q/k/v beside Q6_K requantized to int8), the other
+    K-quants and Q5_1 requantized, each within half a step of gguf.quants' values; nothing widened;
+    the console names each requantized type with its bytes and the error it measured."""
+    served = _check_served_values(kquant_gguf, fresh=False)
+    t = Checkpoint.open(kquant_folder).tensors
+    assert served["model.embed_tokens.weight"] == "scaled" and t["model.embed_tokens.weight"].dtype == "U8"
+    assert served["model.layers.0.self_attn.q_proj.weight"] == "requantized"  # Q4_K beside Q6_K's v
+    assert t["model.layers.0.self_attn.q_proj.weight"].dtype == "I8"
+    assert served["model.layers.1.self_attn.q_proj.weight"] == "scaled"
+    assert t["model.layers.1.mlp.gate_proj.weight"].dtype == "U8"  # Q3_K to q4, beside Q2_K's
+    assert t["model.layers.1.mlp.down_proj.weight"].dtype == "I8"  # Q5_1
+    assert all(v != "float" for n, v in served.items() if t[n].shape and len(t[n].shape) == 2)
+    lines = "\n".join(kquant_lines)
+    for kind, fmt in [("Q6_K", "int8"), ("Q5_K", "int8"), ("Q3_K", "q4"), ("Q2_K", "q4"), ("Q5_1", "int8")]:
+        assert f"{kind} requantized to {fmt}" in lines, lines
+    assert "Q4_K requantized to int8: 2 tensors" in lines  # block 0's q and k
+    assert "widened" not in lines and "F32" not in lines
+
+
+LLAMA31 = {  # Llama 3.1's rope_scaling, its original context cut to this tiny model's
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
+
+
+def _llama_cpp_rope_freqs(theta: float, dim: int, s: dict[str, Any]) -> np.ndarray:
+    """The factors llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel) writes as rope_freqs
+    for a llama3 rope_scaling: 1 for high frequencies, `factor` for low ones, smoothed between."""
+    import math
+
+    import torch
+
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    old, low, high, factor = (
+        s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"], s["factor"]
+    )  # fmt: skip
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
+@pytest.mark.slow
+def test_llama31_rope_freqs_follow_transformers_llama3_scaling(
+    tmp_path: Path, qwen3_tokenizer_dir: Path, cache: Path
+) -> None:
+    """A Llama GGUF with rope_freqs (as llama.cpp writes Llama 3.1's) serves transformers' llama3
+    RoPE scaling: inverse frequencies within float32 rounding of transformers' and logits over 200
+    positions within 1e-4 of the logits' spread of a transformers Llama with that rope_scaling,
+    where leaving the factors out moves them by far more."""
+    import torch
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from kafila.engine.stage import Stage
+    from kafila.models import rope
+
+    meta = qwen3_tokenizer_meta(qwen3_tokenizer_dir)
+    tokens = {"tokenizer.ggml.tokens": meta["tokenizer.ggml.tokens"][:512], "tokenizer.ggml.merges": []}
+    meta = {**meta, **tokens, "tokenizer.ggml.token_type": [1] * 512, "tokenizer.chat_template": None}
+    for key in ("bos", "eos", "padding"):
+        meta[f"tokenizer.ggml.{key}_token_id"] = 0
+    shape = Shape(arch="llama", hidden=256, layers=1, heads=4, kv_heads=2, head_dim=64, ffn=256)
+    factors = _llama_cpp_rope_freqs(1_000_000.0, 64, LLAMA31)
+    file = write_gguf(tmp_path / "llama31.gguf", shape, meta, {}, rope_freqs=factors)
+    folder = ensure_gguf(file, progress=False)
+    ckpt = Checkpoint.open(folder)
+    assert ckpt.config.rope_scaling == {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
+
+    ref_folder = float_folder(file, tmp_path / "float")
+    config = json.loads((ref_folder / "config.json").read_text()) | {"rope_scaling": LLAMA31}
+    (ref_folder / "config.json").write_text(json.dumps(config))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(ref_folder, dtype=torch.float32).eval()
+    want_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](ref.config, "cpu")
+    np.testing.assert_allclose(rope.inv_freq(ckpt.config), want_freq.numpy(), rtol=2e-7, atol=0)
+
+    prompt = [int(i) for i in np.random.default_rng(3).integers(1, 512, 200)]
+    with torch.no_grad():
+        want = ref(torch.tensor([prompt])).logits[0].numpy()
+    spread = float(want.std())
+
+    def served(c: Checkpoint) -> np.ndarray:
+        stage = Stage.load(c, range(1), True, backend="torch", dtype="fp32", context=256, quant="none")
+        stage.open("r")
+        [h] = stage.forward([("r", 0, stage.embed(prompt))])
+        stage.close("r")
+        return np.stack([np.asarray(stage.logits(h[i])) for i in range(len(prompt))])
+
+    worst = float(np.abs(served(ckpt) - want).max()) / spread
+    assert worst <= 1e-4, worst
+    plain = shutil.copytree(folder, tmp_path / "no-factors")
+    config = json.loads((plain / "config.json").read_text()) | {"rope_scaling": None}
+    (plain / "config.json").write_text(json.dumps(config))
+    assert float(np.abs(served(Checkpoint.open(plain)) - want).max()) / spread > 100 * max(worst, 1e-5)
