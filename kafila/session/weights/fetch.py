@@ -34,6 +34,7 @@ from kafila.session.weights.manifest import (
     OP_DONE,
     OP_GET_MANIFEST,
     OP_MANIFEST,
+    OP_PREPARING,
     TensorEntry,
     WeightManifest,
     WeightsError,
@@ -109,8 +110,8 @@ class _Tally:
 class LineProgress:
     """Progress for a log file: `label: fetched 30% (64.8 of 216.0 MB)` at every tenth done."""
 
-    def __init__(self, total: int, label: str) -> None:
-        self.total, self.label, self.n, self._said = total, label, 0, 0
+    def __init__(self, total: int, label: str, verb: str = "fetched") -> None:
+        self.total, self.label, self.verb, self.n, self._said = total, label, verb, 0, 0
 
     def __enter__(self) -> LineProgress:
         return self
@@ -125,8 +126,45 @@ class LineProgress:
             self._said = tenth
             done, total = self.n / 1e6, self.total / 1e6
             print(
-                f"kafila: {self.label}: fetched {10 * tenth}% ({done:.1f} of {total:.1f} MB)", file=sys.stderr
+                f"kafila: {self.label}: {self.verb} {10 * tenth}% ({done:.1f} of {total:.1f} MB)",
+                file=sys.stderr,
             )
+
+
+class _HostHashing:
+    """A member's wait for the manifest of a host that is hashing its checkpoint: the deadline
+    moves with each advance the host reports; progress lines at every tenth when `label` is set."""
+
+    def __init__(self, host: str, timeout: float, label: str | None) -> None:
+        self.host, self.timeout, self.label = host, timeout, label
+        self.start = self.since = time.monotonic()
+        self.hashed, self.total = -1, 0
+        self.lines: LineProgress | None = None
+
+    def left(self) -> float:
+        return max(0.0, self.timeout - (time.monotonic() - self.since))
+
+    def heard(self, hashed: int, total: int) -> None:
+        if self.hashed < 0:
+            log.info("weights_host_hashing", host=self.host, hashed=hashed, total=total)
+            if self.label is not None and total:
+                self.lines = LineProgress(total, f"{self.label}: {self.host}", "hashed its checkpoint")
+        if hashed > self.hashed:
+            if self.lines is not None:
+                self.lines.update(hashed - max(self.hashed, 0))
+            self.hashed, self.total, self.since = hashed, total, time.monotonic()
+
+    def done(self) -> None:
+        if self.hashed >= 0:
+            log.info("weights_host_hashed", host=self.host, waited_s=round(time.monotonic() - self.start, 1))
+
+    def __str__(self) -> str:
+        if self.hashed < 0:
+            return ""
+        return (
+            f" (its hashing had reached {self.hashed / 1e9:.2f} of {self.total / 1e9:.2f} GB and did "
+            f"not advance for {self.timeout:.0f} s)"
+        )
 
 
 PART_AGE_S = 3600.0  # a blob's .part file this old is a write that was killed, not one in progress
@@ -141,14 +179,20 @@ class _Member:
         self.blobs = BlobStore(cache / "blobs")
 
     async def manifest(self) -> WeightManifest:
+        """The host's manifest. A host still hashing its checkpoint says how far it got every few
+        seconds: the wait lasts while that advances, and ends `timeout` s after it last did."""
         assert self.channel is not None
         await self.channel.send(t.Control(OP_GET_MANIFEST))
+        waiting = _HostHashing(self.channel.peer, self.timeout, self.label if self.progress else None)
         while True:
             try:
-                msg = await self.channel.recv(self.timeout)
+                msg = await self.channel.recv(waiting.left())
             except ChannelError as exc:
-                raise WeightsError(f"weights manifest from {self.channel.peer}: {exc}") from exc
+                raise WeightsError(f"weights manifest from {self.channel.peer}: {exc}{waiting}") from exc
+            if isinstance(msg, t.Control) and msg.op == OP_PREPARING:
+                waiting.heard(int(msg.body.get("hashed", 0)), int(msg.body.get("total", 0)))
             if isinstance(msg, t.Control) and msg.op == OP_MANIFEST:
+                waiting.done()
                 return WeightManifest.from_json(msg.body)
             if isinstance(msg, t.Error):
                 raise WeightsError(f"host {self.channel.peer}: {msg.code}: {msg.message}")
