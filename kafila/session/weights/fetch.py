@@ -48,6 +48,7 @@ log = get_logger(__name__)
 
 
 DEFAULT_WINDOW = 8  # requests a member keeps in flight
+STORING = 2  # whole tensors being checked and written at once; the next waits (bounds the buffers held)
 
 
 @dataclass
@@ -75,11 +76,19 @@ class ShardResult:
 
 @dataclass
 class _Pending:
-    """A tensor being assembled from responses."""
+    """A tensor being assembled from responses. Its buffer is made when its first bytes come and
+    dropped once stored: a shard's buffers are never all resident at once (`bytearray(n)` writes
+    its n zero bytes, so a buffer made ahead costs its size at once), and a member that keeps
+    replicas while serving holds only the tensors in flight beside its stage."""
 
     entry: TensorEntry
-    buf: bytearray
     missing: int
+    buf: bytearray | None = None
+
+    def into(self) -> bytearray:
+        if self.buf is None:
+            self.buf = bytearray(self.entry.nbytes)
+        return self.buf
 
 
 class _Tally:
@@ -308,7 +317,7 @@ class _Member:
         for file, es in by_file.items():
             es.sort(key=lambda e: e.start)
             jobs += chunks(file, [(e.start, e.end) for e in es], reader.max_request)
-            index[file] = ([e.start for e in es], [_Pending(e, bytearray(e.nbytes), e.nbytes) for e in es])
+            index[file] = ([e.start for e in es], [_Pending(e, e.nbytes) for e in es])
         failed: list[BaseException] = []  # a store that failed stops the fetch at once
         stored: set[str] = set()
 
@@ -335,11 +344,14 @@ class _Member:
                 p = parts[i]
                 lo, hi = max(a, p.entry.start), min(b, p.entry.end)
                 if hi > lo:
-                    p.buf[lo - p.entry.start : hi - p.entry.start] = data[lo - a : hi - a]
+                    p.into()[lo - p.entry.start : hi - p.entry.start] = memoryview(data)[lo - a : hi - a]
                     p.missing -= hi - lo
                     if p.missing == 0:
                         writes.append(store(p))
                 i += 1
+            storing = [w for w in writes if not w.done()]
+            if len(storing) > STORING:  # the disk is slower than the source: hold the next responses
+                await asyncio.wait(storing, return_when=asyncio.FIRST_COMPLETED)
 
         try:
             await reader.run(jobs, tally.sink(reader, sink))
@@ -357,20 +369,19 @@ class _Member:
     def _store(self, p: _Pending, source: str, strict: bool) -> str | None:
         """Check `p`'s bytes and keep them: its name, or None when they do not hash right and a
         later source may send them (`strict`: there is none, WeightsError)."""
-        e = p.entry
-        if hashlib.sha256(p.buf).hexdigest() != e.sha256:
+        e, buf = p.entry, p.into()
+        p.buf = None  # the bytes go with this call
+        if hashlib.sha256(buf).hexdigest() != e.sha256:
             if not strict:
                 log.warning("weights_range_rejected", source=source, tensor=e.name, nbytes=e.nbytes)
-                p.buf = bytearray()
                 return None
             raise WeightsError(
                 f"tensor {e.name} ({e.nbytes} bytes from {e.file}): fetched bytes do not match the sha256 "
                 f"the host announced (its file, or its remembered digest under <cache>/weights/hashes, "
                 f"changed after hashing); not cached"
             )
-        blob = self.blobs.put(e.key, e.name, e.dtype, e.shape, p.buf)
+        blob = self.blobs.put(e.key, e.name, e.dtype, e.shape, buf)
         self.blobs.hashes.remember(blob, {e.name: e.sha256})  # checked above: not hashed again on reuse
-        p.buf = bytearray()
         return e.name
 
 
