@@ -21,6 +21,9 @@ For each format:
   bytes each member fetched and from whom, decode tokens/s (the head's trace records) against the
   bandwidth bound (the members' probes' measured bandwidth over the bytes a token reads), and each
   member's peak memory (its group's max_usage_in_bytes) against its shard plus KV;
+- with --reform, once each joiner kept its replicas (the next member's shard), a second session of
+  the same members with gamma replaced by a machine with an empty cache: bytes per source (target:
+  at least half from members other than the host);
 - one process (kafila.engine.generate in a child process in its own memory group) where it fits,
   its decode tokens/s and peak, and `kafila run` in a group of one member's cap: its refusal with
   the planner's numbers (exit 2, nothing loaded).
@@ -32,6 +35,7 @@ at full depth (16.4 GB of weights) fits no member here, so run it with --layers.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import re
@@ -328,29 +332,16 @@ class Ring:
     hwm: dict[str, int]  # the member process's peak resident set (VmHWM)
     oom_kills: dict[str, int]
     head: str
+    replicas: dict[str, str]  # joiner -> its weights_replicas line
+    hwm_kept: dict[str, int]  # VmHWM again once each joiner kept its replicas
+    by_source: dict[str, dict[str, int]]  # member -> source -> bytes fetched while forming
 
 
 def session(s: Sizes, args: argparse.Namespace, cap: int, workdir: Path, load: Load) -> Ring:
-    """The three-member session. The host's manifest is made first, outside the timed forming: a
-    joiner waits 30 s for it, and hashing 5.7 GB on a loaded 2-core machine took longer (the
-    joiner gave up: "weights manifest from alpha: no message within 30.0 s")."""
-    from kafila.session.weights.manifest import describe
-
-    names = ("alpha", "beta", "gamma")
-    host_cache = CACHE / "host-cache"  # kept: the host's tensor hashes, remembered across sessions
-    t0 = time.perf_counter()
-    describe(s.folder, cache=host_cache)
-    print(f"host's weights manifest (tensor hashes): {time.perf_counter() - t0:.0f} s", flush=True)
-    caches = [host_cache, *(workdir / f"{n}-cache" for n in names[1:])]
-    fleet = LocalFleet(
-        [None, None, None],
-        model=str(s.folder),
-        context=args.context,
-        workdir=workdir,
-        wait_s=args.wait,
-        memory_limits=[cap] * 3,
-        member_env=[{"KAFILA_CACHE": str(c)} for c in caches],
-    )
+    """The three-member session (the host hashes its checkpoint while the members wait: its
+    hashes are remembered across sessions under the kept host cache)."""
+    caches = [HOST_CACHE, *(workdir / f"{n}-cache" for n in NAMES[1:])]
+    fleet = members_fleet(s, args, cap, workdir, caches)
     t0 = time.perf_counter()
     with fleet:
         form_s = time.perf_counter() - t0
@@ -364,6 +355,8 @@ def session(s: Sizes, args: argparse.Namespace, cap: int, workdir: Path, load: L
         load.sample()
         stages = stage_ranges(fleet.plan)
         hwm = {m.name: peak_rss(m.proc.pid) for m in fleet.members if m.proc is not None}
+        replicas = wait_replicas(fleet, args.wait)
+        hwm_kept = {m.name: peak_rss(m.proc.pid) for m in fleet.members if m.proc is not None}
     logs = {m.name: m.log_text() for m in fleet.members}
     return Ring(
         form_s,
@@ -376,7 +369,76 @@ def session(s: Sizes, args: argparse.Namespace, cap: int, workdir: Path, load: L
         hwm,
         {m.name: m.oom_kills for m in fleet.members},
         head,
+        replicas,
+        hwm_kept,
+        {n: sources(text) for n, text in logs.items()},
     )
+
+
+NAMES = ("alpha", "beta", "gamma")
+HOST_CACHE = CACHE / "host-cache"  # kept: the host's tensor hashes, remembered across sessions
+
+
+def members_fleet(
+    s: Sizes, args: argparse.Namespace, cap: int, workdir: Path, caches: list[Path]
+) -> LocalFleet:
+    return LocalFleet(
+        [None, None, None],
+        model=str(s.folder),
+        context=args.context,
+        workdir=workdir,
+        wait_s=args.wait,
+        memory_limits=[cap] * 3,
+        member_env=[{"KAFILA_CACHE": str(c)} for c in caches],
+    )
+
+
+def wait_replicas(fleet: LocalFleet, timeout: float) -> dict[str, str]:
+    """Each joiner's `weights_replicas` line (the next member's shard kept on its disk), waited for."""
+    deadline, said = time.monotonic() + timeout, {}
+    joiners = [m for m in fleet.members if m.name != fleet.head]
+    while time.monotonic() < deadline:
+        said = {
+            m.name: line for m in joiners for line in m.log_text().splitlines() if "weights_replicas" in line
+        }
+        if len(said) == len(joiners):
+            break
+        time.sleep(1.0)
+    return said
+
+
+def reform(s: Sizes, args: argparse.Namespace, cap: int, workdir: Path) -> Reform:
+    """A second session of the same members, gamma replaced by a machine with an empty cache:
+    alpha and beta keep their disks (beta's holds gamma's shard as a replica)."""
+    caches = [HOST_CACHE, workdir / "beta-cache", workdir / "gamma-new-cache"]
+    fleet = members_fleet(s, args, cap, workdir / "again", caches)
+    t0 = time.perf_counter()
+    with fleet:
+        form_s = time.perf_counter() - t0
+        print(fleet.describe(), flush=True)
+        stages = stage_ranges(fleet.plan)
+    return Reform(form_s, {m.name: sources(m.log_text()) for m in fleet.members}, stages)
+
+
+@dataclass
+class Reform:
+    form_s: float
+    sources: dict[str, dict[str, int]]  # member -> source ("peer beta", "host alpha") -> bytes
+    stages: dict[str, tuple[int, int, bool]]
+
+
+def sources(log_text: str) -> dict[str, int]:
+    """Bytes per source over a member's `weights_fetched` lines."""
+    out: dict[str, int] = {}
+    for line in log_text.splitlines():
+        found = _SOURCES.search(line) if "weights_fetched" in line else None
+        if found:
+            for k, v in ast.literal_eval(found.group(1)).items():
+                out[str(k)] = out.get(str(k), 0) + int(v)
+    return out
+
+
+_SOURCES = re.compile(r"sources=(\{[^}]*\})")
 
 
 def stage_ranges(plan: dict[str, Any]) -> dict[str, tuple[int, int, bool]]:
@@ -454,11 +516,15 @@ def report_ring(s: Sizes, r: Ring) -> None:
     for name, (a, b, head) in r.stages.items():
         shard = s.shard(b - a, head)
         peak, hwm = r.peaks.get(name, 0), r.hwm.get(name, 0)
-        got = ", ".join(f"{n / GB:.3f} GB from {peer}" for peer, n in r.fetched.get(name, [])) or "none"
+        got = (
+            ", ".join(f"{n / GB:.3f} GB from {src}" for src, n in r.by_source.get(name, {}).items()) or "none"
+        )
+        kept = r.hwm_kept.get(name, 0)
         print(
             f"  {name:<6} blocks [{a}, {b}){' + head' if head else ''}: shard + KV {shard / GB:.2f} GB, "
             f"peak {peak / GB:.2f} GB in its group ({peak / shard:.2f}x; target <= 1.15x), "
-            f"{hwm / GB:.2f} GB resident ({hwm / shard:.2f}x), OOM kills "
+            f"{hwm / GB:.2f} GB resident ({hwm / shard:.2f}x; {kept / GB:.2f} GB, {kept / shard:.2f}x once "
+            f"replicas were kept), OOM kills "
             f"{r.oom_kills.get(name, 0)}; fetched {got}; "
             f"probe bandwidth {r.bandwidth.get(name, 0) / GB:.1f} GB/s"
         )
@@ -489,6 +555,21 @@ def report_single(s: Sizes, r: Ring, single: Single) -> None:
         print(f"one process: {single.note}")
 
 
+def report_reform(r: Reform) -> None:
+    total = sum(n for got in r.sources.values() for n in got.values())
+    members = sum(n for got in r.sources.values() for src, n in got.items() if not src.startswith("host"))
+    print(f"second session, gamma replaced by an empty cache: formed in {r.form_s:.1f} s")
+    for name, (a, b, head) in r.stages.items():
+        got = ", ".join(f"{n / GB:.3f} GB from {k}" for k, n in r.sources.get(name, {}).items()) or "none"
+        print(f"  {name:<6} blocks [{a}, {b}){' + head' if head else ''}: fetched {got}")
+    share = members / total if total else float("nan")
+    print(
+        f"bytes from members other than the host: {members / GB:.3f} of {total / GB:.3f} GB ({share:.0%}; "
+        "target >= 50%)",
+        flush=True,
+    )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=FULL_LAYERS, help="blocks (8B widths; default 36)")
@@ -500,6 +581,12 @@ def main() -> int:
     p.add_argument("--keep-gb", type=float, default=4.0, help="leave this much of MemAvailable to others")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--wait", type=float, default=1800.0, help="seconds a session may take to form")
+    p.add_argument(
+        "--reform",
+        action="store_true",
+        help="after the comparison, a session whose members keep their caches, then the same with gamma "
+        "replaced by a machine with an empty cache: bytes per source",
+    )
     p.add_argument("--single", help=argparse.SUPPRESS)  # the one-process child
     args = p.parse_args()
     if args.single:
@@ -525,7 +612,10 @@ def main() -> int:
             continue
         with tempfile.TemporaryDirectory(prefix="kafila-realsize-") as tmp:
             ring = session(s, args, cap, Path(tmp), load)
-        report_ring(s, ring)
+            report_ring(s, ring)
+            again = reform(s, args, cap, Path(tmp)) if args.reform else None
+        if again is not None:
+            report_reform(again)
         report_single(s, ring, one_process(s, args, single_cap(s.resident)))
     print(load.report())
     return 0

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kafila.engine import system
+from kafila.engine import heap, system
 from kafila.engine.pace import FULL_SPEED, Pace
 from kafila.models.config import ModelConfig
 from kafila.obs.log import get_logger
@@ -228,6 +228,7 @@ def probe(
         dispatch, dn = ops.make_block_dispatch(model, position)
         block_dispatch = Figure.of([s / dn for s in seconds_per_call(dispatch, repeats, window, pace)], "s")
         wake, wake_tau = _wake(ops, model, position, pace, min(repeats, WAKE_REPEATS))
+    heap.trim("probe")  # its synthetic weights' memory, freed, would stay resident beside the stage
     report = ProbeReport(
         backend=str(be),
         threads=threads,

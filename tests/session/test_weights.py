@@ -595,3 +595,61 @@ async def test_a_packed_head_shard_brings_its_embedding_scales_and_loads_packed(
     whole = Stage.load(full, range(0, 1), True, backend="torch", dtype="fp32", context=32, quant="q4")
     assert shard.model.quant == "q4"
     np.testing.assert_array_equal(chained_logits([shard], [5, 9, 1]), chained_logits([whole], [5, 9, 1]))
+
+
+def slow_hashing_simulated(monkeypatch, per_tensor_s: float, stall_after: int | None = None) -> object:
+    """The host's hashing slowed (a simulated slow disk): each tensor's real sha256 takes
+    `per_tensor_s` longer; after `stall_after` tensors it waits on the returned event."""
+    import threading
+
+    from kafila.session.weights import cache
+
+    real, count, release = cache.sha256_range, [0], threading.Event()
+
+    def slow(fd: int, start: int, end: int) -> str:
+        count[0] += 1
+        if stall_after is not None and count[0] > stall_after:
+            release.wait(30)
+        time.sleep(per_tensor_s)
+        return real(fd, start, end)
+
+    monkeypatch.setattr(cache, "sha256_range", slow)
+    return release
+
+
+async def test_a_member_waits_as_long_as_the_hosts_slow_hashing_simulated_advances(
+    folder, full, tmp_path, monkeypatch, capsys
+) -> None:
+    """The hashing takes several times the member's timeout; the host's progress keeps the wait
+    going, and the member says how far the host got."""
+    n = len(full.tensors)
+    slow_hashing_simulated(monkeypatch, 2.0 / n)
+    server = WeightServer(folder, cache=tmp_path / "host", progress_every=0.1)
+    member, host = MemoryChannel.pair("host", "m1")[::-1]
+    t0 = time.monotonic()
+    r = await fetch_via(server, member, host, range(2, 4), False, tmp_path / "m1", timeout=0.6, progress=True)
+    assert time.monotonic() - t0 > 3 * 0.6  # the hashing outlasted the timeout several times over
+    assert r.tensor_bytes == share(full, range(2, 4), False)[1]
+    said = [x for x in capsys.readouterr().err.splitlines() if "hashed its checkpoint" in x]
+    assert said and said[-1].startswith("kafila: weights: host: hashed its checkpoint ")
+    assert len(said) <= 10  # a line at a tenth at most, not one per progress message
+
+
+async def test_a_host_whose_hashing_stalls_simulated_fails_the_member_naming_how_far_it_got(
+    folder, full, tmp_path, monkeypatch
+) -> None:
+    release = slow_hashing_simulated(monkeypatch, 0.0, stall_after=2)
+    server = WeightServer(folder, cache=tmp_path / "host", progress_every=0.1)
+    member, host = MemoryChannel.pair("host", "m1")[::-1]
+    serving = asyncio.ensure_future(server.serve(host, timeout=30))
+    try:
+        with pytest.raises(
+            WeightsError, match=r"hashing had reached 0\.\d\d of 0\.\d\d GB and did not advance for 1 s"
+        ):
+            await fetch_shard(
+                member, range(2, 4), False, cache=tmp_path / "m1", local=[], timeout=1.0, progress=False
+            )
+    finally:
+        release.set()  # type: ignore[attr-defined]
+        serving.cancel()
+    assert 0 < server.hashed[0] < server.hashed[1]

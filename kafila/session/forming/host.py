@@ -171,7 +171,6 @@ async def _host_ring(
     server = WeightServer(folder, cache=opts.cache)
     sharing = held.weights = Sharing(opts.cache, opts.weights_from, opts.replica_bytes)
     sharing.attach(links)  # members ask this host for ranges after forming too (replicas, re-plans)
-    await sharing.host_folder(server)
     controls = [LinkChannel(link, peer) for peer, link in links.items()]
     if controls:
         say(f"serving weights to {len(controls)} member(s)")
@@ -180,7 +179,14 @@ async def _host_ring(
         if (error := (await server.serve(channel)).error) is not None:  # the host says why it will leave
             say(f"{channel.peer} could not take its weights: {error}")
 
-    await asyncio.gather(*(serve(c) for c in controls))
+    # serving starts while the checkpoint is described: a member asking meanwhile hears the hashing's progress
+    serves = [asyncio.ensure_future(serve(c)) for c in controls]
+    try:
+        await sharing.host_folder(server)
+        await asyncio.gather(*serves)
+    finally:
+        for task in serves:
+            task.cancel()
     digest = await off_loop(checkpoint_id, folder)
     own = {"source": "own files", "path": str(folder), "fetched_bytes": 0, "fetched_tensor_bytes": 0}
     serving = Serving(terms, digest, alternatives, own, nats)

@@ -28,7 +28,7 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -219,8 +219,12 @@ class HashCache:
     def _entry(self, file: Path) -> Path:
         return self.root / f"{hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:32]}.json"
 
-    def digests(self, file: Path, infos: list[TensorInfo]) -> dict[str, str]:
-        """sha256 of each tensor's bytes in `file` (hashing only what is not remembered)."""
+    def digests(
+        self, file: Path, infos: list[TensorInfo], on_bytes: Callable[[int], None] | None = None
+    ) -> dict[str, str]:
+        """sha256 of each tensor's bytes in `file` (hashing only what is not remembered);
+        `on_bytes(n)` hears the bytes of the remembered ones at once, then of each one hashed."""
+        said = on_bytes or (lambda n: None)
         stamp = file_stamp(os.stat(file))
         entry = self._entry(file)
         known: dict[str, str] = {}
@@ -231,10 +235,12 @@ class HashCache:
         if isinstance(saved, dict) and saved.get("stamp") == stamp and isinstance(saved.get("sha256"), dict):
             known = {str(k): str(v) for k, v in saved["sha256"].items()}  # else: damaged, hashed again
         missing = [t for t in infos if t.name not in known]
+        said(sum(t.end - t.start for t in infos if t.name in known))
         if missing:
             with open(file, "rb") as f:
                 for t in missing:
                     known[t.name] = sha256_range(f.fileno(), t.start, t.end)
+                    said(t.end - t.start)
             if file_stamp(os.stat(file)) == stamp:  # the file did not change while we hashed it
                 self._save(entry, stamp, known)
         return {t.name: known[t.name] for t in infos}

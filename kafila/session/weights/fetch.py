@@ -34,6 +34,7 @@ from kafila.session.weights.manifest import (
     OP_DONE,
     OP_GET_MANIFEST,
     OP_MANIFEST,
+    OP_PREPARING,
     TensorEntry,
     WeightManifest,
     WeightsError,
@@ -47,6 +48,7 @@ log = get_logger(__name__)
 
 
 DEFAULT_WINDOW = 8  # requests a member keeps in flight
+STORING = 2  # whole tensors being checked and written at once; the next waits (bounds the buffers held)
 
 
 @dataclass
@@ -74,11 +76,19 @@ class ShardResult:
 
 @dataclass
 class _Pending:
-    """A tensor being assembled from responses."""
+    """A tensor being assembled from responses. Its buffer is made when its first bytes come and
+    dropped once stored: a shard's buffers are never all resident at once (`bytearray(n)` writes
+    its n zero bytes, so a buffer made ahead costs its size at once), and a member that keeps
+    replicas while serving holds only the tensors in flight beside its stage."""
 
     entry: TensorEntry
-    buf: bytearray
     missing: int
+    buf: bytearray | None = None
+
+    def into(self) -> bytearray:
+        if self.buf is None:
+            self.buf = bytearray(self.entry.nbytes)
+        return self.buf
 
 
 class _Tally:
@@ -109,8 +119,8 @@ class _Tally:
 class LineProgress:
     """Progress for a log file: `label: fetched 30% (64.8 of 216.0 MB)` at every tenth done."""
 
-    def __init__(self, total: int, label: str) -> None:
-        self.total, self.label, self.n, self._said = total, label, 0, 0
+    def __init__(self, total: int, label: str, verb: str = "fetched") -> None:
+        self.total, self.label, self.verb, self.n, self._said = total, label, verb, 0, 0
 
     def __enter__(self) -> LineProgress:
         return self
@@ -125,8 +135,45 @@ class LineProgress:
             self._said = tenth
             done, total = self.n / 1e6, self.total / 1e6
             print(
-                f"kafila: {self.label}: fetched {10 * tenth}% ({done:.1f} of {total:.1f} MB)", file=sys.stderr
+                f"kafila: {self.label}: {self.verb} {10 * tenth}% ({done:.1f} of {total:.1f} MB)",
+                file=sys.stderr,
             )
+
+
+class _HostHashing:
+    """A member's wait for the manifest of a host that is hashing its checkpoint: the deadline
+    moves with each advance the host reports; progress lines at every tenth when `label` is set."""
+
+    def __init__(self, host: str, timeout: float, label: str | None) -> None:
+        self.host, self.timeout, self.label = host, timeout, label
+        self.start = self.since = time.monotonic()
+        self.hashed, self.total = -1, 0
+        self.lines: LineProgress | None = None
+
+    def left(self) -> float:
+        return max(0.0, self.timeout - (time.monotonic() - self.since))
+
+    def heard(self, hashed: int, total: int) -> None:
+        if self.hashed < 0:
+            log.info("weights_host_hashing", host=self.host, hashed=hashed, total=total)
+            if self.label is not None and total:
+                self.lines = LineProgress(total, f"{self.label}: {self.host}", "hashed its checkpoint")
+        if hashed > self.hashed:
+            if self.lines is not None:
+                self.lines.update(hashed - max(self.hashed, 0))
+            self.hashed, self.total, self.since = hashed, total, time.monotonic()
+
+    def done(self) -> None:
+        if self.hashed >= 0:
+            log.info("weights_host_hashed", host=self.host, waited_s=round(time.monotonic() - self.start, 1))
+
+    def __str__(self) -> str:
+        if self.hashed < 0:
+            return ""
+        return (
+            f" (its hashing had reached {self.hashed / 1e9:.2f} of {self.total / 1e9:.2f} GB and did "
+            f"not advance for {self.timeout:.0f} s)"
+        )
 
 
 PART_AGE_S = 3600.0  # a blob's .part file this old is a write that was killed, not one in progress
@@ -141,14 +188,20 @@ class _Member:
         self.blobs = BlobStore(cache / "blobs")
 
     async def manifest(self) -> WeightManifest:
+        """The host's manifest. A host still hashing its checkpoint says how far it got every few
+        seconds: the wait lasts while that advances, and ends `timeout` s after it last did."""
         assert self.channel is not None
         await self.channel.send(t.Control(OP_GET_MANIFEST))
+        waiting = _HostHashing(self.channel.peer, self.timeout, self.label if self.progress else None)
         while True:
             try:
-                msg = await self.channel.recv(self.timeout)
+                msg = await self.channel.recv(waiting.left())
             except ChannelError as exc:
-                raise WeightsError(f"weights manifest from {self.channel.peer}: {exc}") from exc
+                raise WeightsError(f"weights manifest from {self.channel.peer}: {exc}{waiting}") from exc
+            if isinstance(msg, t.Control) and msg.op == OP_PREPARING:
+                waiting.heard(int(msg.body.get("hashed", 0)), int(msg.body.get("total", 0)))
             if isinstance(msg, t.Control) and msg.op == OP_MANIFEST:
+                waiting.done()
                 return WeightManifest.from_json(msg.body)
             if isinstance(msg, t.Error):
                 raise WeightsError(f"host {self.channel.peer}: {msg.code}: {msg.message}")
@@ -264,7 +317,7 @@ class _Member:
         for file, es in by_file.items():
             es.sort(key=lambda e: e.start)
             jobs += chunks(file, [(e.start, e.end) for e in es], reader.max_request)
-            index[file] = ([e.start for e in es], [_Pending(e, bytearray(e.nbytes), e.nbytes) for e in es])
+            index[file] = ([e.start for e in es], [_Pending(e, e.nbytes) for e in es])
         failed: list[BaseException] = []  # a store that failed stops the fetch at once
         stored: set[str] = set()
 
@@ -291,11 +344,14 @@ class _Member:
                 p = parts[i]
                 lo, hi = max(a, p.entry.start), min(b, p.entry.end)
                 if hi > lo:
-                    p.buf[lo - p.entry.start : hi - p.entry.start] = data[lo - a : hi - a]
+                    p.into()[lo - p.entry.start : hi - p.entry.start] = memoryview(data)[lo - a : hi - a]
                     p.missing -= hi - lo
                     if p.missing == 0:
                         writes.append(store(p))
                 i += 1
+            storing = [w for w in writes if not w.done()]
+            if len(storing) > STORING:  # the disk is slower than the source: hold the next responses
+                await asyncio.wait(storing, return_when=asyncio.FIRST_COMPLETED)
 
         try:
             await reader.run(jobs, tally.sink(reader, sink))
@@ -313,20 +369,19 @@ class _Member:
     def _store(self, p: _Pending, source: str, strict: bool) -> str | None:
         """Check `p`'s bytes and keep them: its name, or None when they do not hash right and a
         later source may send them (`strict`: there is none, WeightsError)."""
-        e = p.entry
-        if hashlib.sha256(p.buf).hexdigest() != e.sha256:
+        e, buf = p.entry, p.into()
+        p.buf = None  # the bytes go with this call
+        if hashlib.sha256(buf).hexdigest() != e.sha256:
             if not strict:
                 log.warning("weights_range_rejected", source=source, tensor=e.name, nbytes=e.nbytes)
-                p.buf = bytearray()
                 return None
             raise WeightsError(
                 f"tensor {e.name} ({e.nbytes} bytes from {e.file}): fetched bytes do not match the sha256 "
                 f"the host announced (its file, or its remembered digest under <cache>/weights/hashes, "
                 f"changed after hashing); not cached"
             )
-        blob = self.blobs.put(e.key, e.name, e.dtype, e.shape, p.buf)
+        blob = self.blobs.put(e.key, e.name, e.dtype, e.shape, buf)
         self.blobs.hashes.remember(blob, {e.name: e.sha256})  # checked above: not hashed again on reuse
-        p.buf = bytearray()
         return e.name
 
 

@@ -6,6 +6,7 @@ serves them, kafila.session.weights.fetch fetches them).
 Over a session Channel (kafila.session.channel; an authenticated QUIC link or an in-process pair):
 
     member -> host   CONTROL  weights.get_manifest
+    host -> member   CONTROL  weights.preparing {hashed, total}   (every few seconds while it hashes)
     host -> member   CONTROL  weights.manifest {checkpoint, max_request, files, headers, tensors}
     member -> host   FETCH_REQUEST {fetch_id, file, offset, length}     (several in flight)
     host -> member   FETCH_DATA fetch_id | bytes     or   ERROR {request_id: fetch_id, code, message}
@@ -30,7 +31,7 @@ import hashlib
 import json
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,9 @@ OP_GET_MANIFEST = "weights.get_manifest"
 
 
 OP_MANIFEST = "weights.manifest"
+
+
+OP_PREPARING = "weights.preparing"  # the host is still hashing: {hashed, total} tensor bytes
 
 
 OP_DONE = "weights.done"
@@ -195,17 +199,30 @@ def read_headers(folder: Path, files: Sequence[str]) -> dict[str, bytes]:
 
 
 def describe(
-    folder: Path, max_request: int = DEFAULT_MAX_REQUEST, cache: Path | None = None
+    folder: Path,
+    max_request: int = DEFAULT_MAX_REQUEST,
+    cache: Path | None = None,
+    on_hashed: Callable[[int, int], None] | None = None,
 ) -> WeightManifest:
-    """The host's manifest of a checkpoint folder (blocking: hashes tensors not hashed before)."""
+    """The host's manifest of a checkpoint folder (blocking: hashes tensors not hashed before).
+    `on_hashed(done, total)` hears the tensor bytes known so far (remembered or hashed) after each."""
     ckpt = Checkpoint.open(folder, complete=True)
     hashes = HashCache(cache_root(cache) / "weights" / "hashes")
     by_file: dict[Path, list[Any]] = {}
     for info in ckpt.tensors.values():
         by_file.setdefault(info.file, []).append(info)
+    total = sum(i.end - i.start for i in ckpt.tensors.values())
+    done = 0
+
+    def hashed(n: int) -> None:
+        nonlocal done
+        done += n
+        if on_hashed is not None:
+            on_hashed(done, total)
+
     tensors = {}
     for file, infos in sorted(by_file.items()):
-        digests = hashes.digests(file, infos)
+        digests = hashes.digests(file, infos, hashed)
         for i in infos:
             tensors[i.name] = TensorEntry(
                 i.name, file.name, i.dtype, i.shape, i.start, i.end, digests[i.name]

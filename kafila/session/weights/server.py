@@ -20,6 +20,7 @@ from kafila.session.weights.manifest import (
     OP_DONE,
     OP_GET_MANIFEST,
     OP_MANIFEST,
+    OP_PREPARING,
     U32_MAX,
     FetchRefused,
     WeightManifest,
@@ -28,6 +29,9 @@ from kafila.session.weights.manifest import (
 )
 
 log = get_logger("kafila.session.weights")
+
+
+PROGRESS_EVERY_S = 2.0  # while hashing, a member asking for the manifest hears how far it got this often
 
 
 @dataclass
@@ -46,9 +50,11 @@ class WeightServer:
         folder: str | os.PathLike[str],
         max_request: int = DEFAULT_MAX_REQUEST,
         cache: Path | None = None,
+        progress_every: float = PROGRESS_EVERY_S,
     ) -> None:
         self.folder = Path(folder).expanduser().resolve()
-        self.max_request, self.cache = max_request, cache
+        self.max_request, self.cache, self.progress_every = max_request, cache, progress_every
+        self.hashed = (0, 0)  # tensor bytes described so far, of all (written by the describing thread)
         self.stats: dict[str, ServeStats] = {}
         self._manifest: WeightManifest | None = None
         self._allowed: dict[str, list[tuple[int, int]]] = {}
@@ -60,7 +66,9 @@ class WeightServer:
         async with self._lock:
             if self._manifest is None:
                 stamps = await asyncio.to_thread(_stamps, self.folder)  # before hashing: see _pread
-                m = await asyncio.to_thread(describe, self.folder, self.max_request, self.cache)
+                m = await asyncio.to_thread(
+                    describe, self.folder, self.max_request, self.cache, self._note_hashed
+                )
                 allowed = {name: [(0, size)] for name, (size, _) in m.files.items() if size}
                 for file, hlen in m.headers.items():
                     spans = [(e.start, e.end) for e in m.tensors.values() if e.file == file]
@@ -74,6 +82,20 @@ class WeightServer:
                     tensors=len(m.tensors),
                 )
             return self._manifest
+
+    def _note_hashed(self, done: int, total: int) -> None:
+        self.hashed = (done, total)
+
+    async def _send_manifest(self, channel: Channel) -> None:
+        """The manifest; while the checkpoint is still being hashed, how far that got every
+        `progress_every` seconds, so a member waits as long as the hashing advances."""
+        preparing = asyncio.ensure_future(self.prepare())
+        while not preparing.done():
+            await asyncio.wait({preparing}, timeout=self.progress_every)
+            if not preparing.done():
+                done, total = self.hashed
+                await channel.send(t.Control(OP_PREPARING, {"hashed": done, "total": total}))
+        await channel.send(t.Control(OP_MANIFEST, preparing.result().to_json()))
 
     def check(self, req: t.FetchRequest) -> tuple[Path, int, int]:
         """The file, offset and length a request may read; FetchRefused saying why not."""
@@ -105,8 +127,7 @@ class WeightServer:
         """Answer `msg` if it is a weights message (True), else leave it to the caller (False).
         For a host whose receive loop owns the channel; `serve` does the same in its own loop."""
         if isinstance(msg, t.Control) and msg.op == OP_GET_MANIFEST:
-            m = await self.prepare()
-            await channel.send(t.Control(OP_MANIFEST, m.to_json()))
+            await self._send_manifest(channel)
             return True
         if isinstance(msg, t.FetchRequest):
             await self._answer(channel, msg)
@@ -129,8 +150,8 @@ class WeightServer:
         return False
 
     async def serve(self, channel: Channel, timeout: float | None = None) -> ServeStats:
-        """Serve one member until it sends weights.done (or closes); returns what was sent."""
-        await self.prepare()
+        """Serve one member until it sends weights.done (or closes); returns what was sent. The
+        checkpoint is described when first needed (a member asking while it is hashed hears how far)."""
         while True:
             try:
                 msg = await channel.recv(timeout)
