@@ -2,7 +2,8 @@
 `kafila join`, each holding the default model's checkpoint), four greedy answers streaming through
 a member that survives; the host (not the head) is killed with SIGKILL mid-answer. The first
 member of the host's succession order takes over as the session's host, re-plans over the three
-survivors, and every answer completes identical to its answer without the kill."""
+survivors, and every answer completes identical to its answer without the kill. It also takes the
+host's place at the rendezvous, so the lost host's machine joins again with the same code."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from kafila.demo.fleet import LocalFleet
+from kafila.demo.fleet import FleetMember, LocalFleet
 from tests.session.test_replan_processes import MODEL, ONE_THREAD, _answers, _answers_through_a_kill, _sigkill
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
@@ -57,6 +58,33 @@ def test_a_killed_host_hands_over_to_its_successor_and_every_answer_completes_un
             assert f"epoch 2 serving: ring {' -> '.join(after['ring'])}" in m.log_text(), m.name
         again = _answers(str(through.api_url))  # the new ring serves new requests the same way
         assert [o.get("text") for o in again] == [o["text"] for o in expected], again
+        # the successor took the host's place at the rendezvous: the lost host's machine joins
+        # again under its name with the same code, is admitted by the successor, and answers
+        _wait_for_line(heir, "registered at the rendezvous as session")
+        back = fleet.add_member(host.name, wait_s=60)
+        placed = _placed(fleet, successor, host.name)
+        assert placed["epoch"] >= 2, placed
+        assert f"{host.name} is back" in heir.log_text()
+        rejoined = _answers(str(back.api_url))
+        assert [o.get("text") for o in rejoined] == [o["text"] for o in expected], rejoined
+
+
+def _wait_for_line(member: FleetMember, text: str, within: float = 30.0) -> None:
+    deadline = time.monotonic() + within
+    while text not in member.log_text():
+        assert time.monotonic() < deadline, f"{member.name} did not say {text!r}: {member.log_text()[-2000:]}"
+        time.sleep(0.2)
+
+
+def _placed(fleet: LocalFleet, host: str, name: str, within: float = 60.0) -> dict[str, object]:
+    """`host`'s /session once it serves with member `name` in its ring or among its spares."""
+    deadline = time.monotonic() + within
+    while True:
+        doc = fleet.session(host)
+        if doc["state"] == "serving" and name in [*doc["ring"], *doc.get("spares", [])]:
+            return doc
+        assert time.monotonic() < deadline, doc
+        time.sleep(0.5)
 
 
 def test_a_host_frozen_for_15_s_is_replaced_and_on_waking_ends_saying_so(smollm2_path, tmp_path) -> None:

@@ -6,7 +6,9 @@ asyncio shell of kafila.planner.succession's `HandOff`; it decides, this acts).
       TakeOver (the first present of the host's succession order): link with every survivor (its
         control links from now on), become the session's coordinator (a HostEpochs over the
         members, with the probes the host published and this member's own copy of the checkpoint
-        as the weights' source) and re-plan around the host as the host re-plans around a member
+        as the weights' source) and re-plan around the host as the host re-plans around a member;
+        meanwhile take the host's place at the rendezvous (`succeed`: it proves the code, once the
+        host is gone there), after which members join and rejoin with the same code through it
       Follow(s): link with s, listen to it as to the host, and wait for its epoch; none within
         HandOff.wait_s: s counts lost, and the next of the order is turned to
       Ended: every member ends naming why
@@ -19,6 +21,7 @@ is planned around by the successor like any loss during a re-plan.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +31,7 @@ from kafila.models.manifest import Manifest, build_manifest, specs_from_config
 from kafila.net.edge import EdgeOptions, link_edges
 from kafila.net.errors import LinkError
 from kafila.net.link import Link
+from kafila.net.signaling import SignalingError
 from kafila.obs import metrics
 from kafila.obs.log import get_logger
 from kafila.planner.devices import DeviceReport
@@ -35,7 +39,11 @@ from kafila.planner.replan import Membership, PlanTerms
 from kafila.planner.succession import Ended, Event, Follow, HandOff, Holding, TakeOver, shortfall
 from kafila.proto import session as sm
 from kafila.proto.ring import RingBroken
+from kafila.session.forming.arrivals import HostArrivals
+from kafila.session.forming.core import HostFormation
+from kafila.session.forming.driver import Driver
 from kafila.session.forming.epochs import HostEpochs, MemberEpochs, listen_to
+from kafila.session.forming.reconnect import RETRY, SCHEDULE
 from kafila.session.progress import say
 from kafila.session.ring.origins import OriginBook
 from kafila.session.runtime import MemberRuntime
@@ -57,6 +65,7 @@ class Succession:
 
     held: MemberRuntime
     member: MemberEpochs
+    drive: Driver | None = None  # its formation driver: the host's arrivals once it took over
     view: HandOff | None = None
     _timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
@@ -171,6 +180,50 @@ class Succession:
         for name in event.lost:
             what = "the session's host" if name == event.lost[0] else "lost with the host"
             epochs.lost(name, "closed", f"{what}; {held.name} took over as the host")
+        held.spawn(self._register(epochs), "register_as_host")
+
+    async def _register(self, epochs: HostEpochs) -> None:
+        """Take the lost host's place at the rendezvous (retrying while it still counts the host
+        present: a frozen one until its silence times it out), then admit members that join."""
+        held, drive = self.held, self.drive
+        client, code, node = held.client, held.code, held.node
+        if drive is None or client is None or code is None or node is None:
+            return
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                await client.succeed(code)
+                break
+            except SignalingError as exc:
+                if exc.code not in RETRY:
+                    say(f"the rendezvous would not make this member the session's host: {exc.message}; "
+                        "no member can join this session")  # fmt: skip
+                    log.warning("succession_refused", code=exc.code, reason=exc.message)
+                    return
+                log.info("succession_retry", attempt=attempt, code=exc.code, reason=exc.message)
+            await asyncio.sleep(SCHEDULE.delay(attempt, 0.5))
+        await client.update(capability=self._capability(epochs.folder))  # what joiners probe for
+        ids = {n: i for n, i in epochs.ids.items() if n in epochs.membership.present}
+        drive.core = HostFormation.taken_over(node.member, held.name, ids, epochs.origins)
+        HostArrivals(epochs, drive, node)
+        say(
+            f"registered at the rendezvous as session {code.public}'s host: members join and rejoin "
+            "with the same code"
+        )
+        log.info("succession_registered", session=code.public, member=node.member, attempts=attempt)
+
+    def _capability(self, folder: Path) -> dict[str, object]:
+        """What the host offers joiners at the rendezvous: the model's shape (its block probe) and
+        the session's dtype and weight format, as `kafila host` registers them."""
+        terms = self.member.serving.terms
+        try:
+            raw = Checkpoint.open(folder).config.raw
+        except (OSError, CheckpointError) as exc:
+            log.warning("config_unreadable", folder=str(folder), error=repr(exc))
+            raw = None
+        config = raw if raw is not None and len(json.dumps(raw)) < 12_000 else None
+        return {"role": "host", "config": config, "dtype": terms.dtype, "quant": terms.quant}
 
     def _tell_replaced(self, host: str, epoch: int) -> None:
         """The lost host, should it only be frozen, reads on waking that this member replaced it."""
