@@ -278,7 +278,10 @@ class Succession:
         plan_terms = PlanTerms(terms.context, terms.concurrency, terms.division)
         ckpt = Checkpoint.open(folder)
         manifest = ckpt.manifest(DTYPES[terms.dtype], terms.quant)
-        book = OriginBook({member.ids[n]: tag for n, tag in member.origins.items() if n in member.ids})
+        published = {member.ids[n]: tag for n, tag in member.origins.items() if n in member.ids}
+        heard = held.client.highest_member if held.client is not None else 0
+        # above every tag the lost host gave, those since its last epoch too (kafila.session.ring.origins)
+        book = OriginBook(published, floor=max(heard, member.ids.get(held.name, 0)))
         server = WeightServer(folder, cache=member.opts.cache)
         return HostEpochs(
             held, membership, manifest, plan_terms, member.ids, folder, server, member.opts, member.serving,
