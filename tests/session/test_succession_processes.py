@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 
+import httpx
 import pytest
 
 from kafila.demo.fleet import FleetMember, LocalFleet
+from kafila.models.checkpoint import Checkpoint
+from tests.session.conftest import make_tiny_chat
 from tests.session.test_replan_processes import MODEL, ONE_THREAD, _answers, _answers_through_a_kill, _sigkill
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
@@ -176,3 +180,55 @@ def test_survivors_without_the_lost_hosts_blocks_end_naming_what_is_missing(smol
         for m in survivors:
             assert m.proc is not None and m.proc.wait(60) == 0, m.log_text()[-2000:]
             assert "cannot obtain block" in m.log_text() and " MB)" in m.log_text(), m.log_text()[-2000:]
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory, smollm2_tokenizer) -> Path:
+    return make_tiny_chat(tmp_path_factory.mktemp("tiny-chat"), smollm2_tokenizer, blocks=6)
+
+
+def _greedy(url: str, model: str) -> str:
+    body = {"model": model, "messages": [{"role": "user", "content": "Name three rivers."}],
+            "max_tokens": 8, "temperature": 0}  # fmt: skip
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text[:300]
+    return str(r.json()["choices"][0]["message"]["content"])
+
+
+def test_a_successor_without_the_checkpoint_takes_the_lost_hosts_blocks_from_the_member_that_kept_them(
+    tiny_chat_model, tmp_path
+) -> None:
+    """Three members of a tiny checkpoint only the host has on disk: the others fetched their
+    shards from it into caches of their own, and each keeps the next ring member's shard. The
+    host is killed; its successor holds no copy of the checkpoint, so it takes the host's blocks
+    from the member that kept them (the host's ring predecessor), all of them and from it alone,
+    and the session serves the same greedy answer as before."""
+    caches = [{}] + [{"KAFILA_CACHE": str(tmp_path / f"cache{i}")} for i in (1, 2)]
+    with LocalFleet((None,) * 3, str(tiny_chat_model), context=256, workdir=tmp_path / "fleet", stagger=False,
+                    extra_args=ONE_THREAD, member_args=[("--memory-gb", "0.01"), (), ()],
+                    member_env=caches) as fleet:  # fmt: skip
+        host = fleet.members[0]
+        doc = fleet.session()
+        ring, model = doc["ring"], doc["model"]
+        assert doc["head"] != host.name, doc
+        successor = doc["succession"][0]
+        keeper = ring[ring.index(host.name) - 1]  # keeps the next ring member's shard: the host's
+        a, b = next(m["blocks"] for m in doc["members"] if m["name"] == host.name)
+        tensors = Checkpoint.open(tiny_chat_model).tensors
+        hosts = tuple(f"model.layers.{i}." for i in range(a, b))
+        host_bytes = sum(t.nbytes for n, t in tensors.items() if n.startswith(hosts))
+        assert host_bytes > 0
+        for m in fleet.members[1:]:  # every member kept its replica (in the background, after its shard)
+            _wait_for_line(m, "weights_replicas", within=60)
+        through = next(m for m in fleet.members if m.name == keeper)
+        before = _greedy(str(through.api_url), model)
+        _sigkill(host)
+        after = fleet.session(successor)
+        deadline = time.monotonic() + 60
+        while not (after["state"] == "serving" and after["epoch"] == 2) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            after = fleet.session(successor)
+        assert after["state"] == "serving" and after["epoch"] == 2 and host.name not in after["ring"], after
+        taken = after["weights"]["taken_over"]
+        assert taken == {"fetched_tensor_bytes": host_bytes, "by_source": {f"peer {keeper}": host_bytes}}
+        assert _greedy(str(through.api_url), model) == before

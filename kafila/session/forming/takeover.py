@@ -36,7 +36,16 @@ from kafila.obs import metrics
 from kafila.obs.log import get_logger
 from kafila.planner.devices import DeviceReport
 from kafila.planner.replan import Membership, PlanTerms
-from kafila.planner.succession import Ended, Event, Follow, HandOff, Holding, TakeOver, shortfall
+from kafila.planner.succession import (
+    Ended,
+    Event,
+    Follow,
+    HandOff,
+    Holding,
+    Shortfall,
+    TakeOver,
+    shortfall,
+)
 from kafila.proto import session as sm
 from kafila.proto.ring import RingBroken
 from kafila.session.forming.arrivals import HostArrivals
@@ -47,7 +56,11 @@ from kafila.session.forming.reconnect import RETRY, SCHEDULE
 from kafila.session.progress import say
 from kafila.session.ring.origins import OriginBook
 from kafila.session.runtime import MemberRuntime
-from kafila.session.weights.server import WeightServer
+from kafila.session.weights.fetch import fetch_whole, not_offered, shard_names, usable
+from kafila.session.weights.manifest import WeightManifest, WeightsError
+from kafila.session.weights.peers import HeldFiles
+from kafila.session.weights.server import Ranges, WeightServer
+from kafila.session.weights.sharing import where_from
 
 log = get_logger("kafila.session.forming.takeover")
 
@@ -149,6 +162,8 @@ class Succession:
         linked = await link_edges(node, edges, formed, label=lambda i: f"link {held.name} <-> {names[i]}")
         links = {names[i]: link for i, link in linked.items()}
         held.links.update(links)
+        if held.weights is not None:  # each serves the other what its disk holds of the checkpoint
+            held.weights.attach(links)
         return links
 
     async def _take_over(self, event: TakeOver, detail: str) -> None:
@@ -159,19 +174,17 @@ class Succession:
             f"the host {lost} was lost; this member takes over as the session's host "
             "(the host's succession order)"
         )
-        folder = weights_source(held)
-        missing = self._missing(folder, event)
-        if missing is not None:  # its links close as a member leaving: the next in the order is tried
-            held.left_out = True
-            await member.end_with(missing)
-            return
-        assert folder is not None
         others = [n for n in event.survivors if n != held.name]
         try:
             await self._link(others, client=False)
         except LinkError as exc:
             log.warning("survivor_unlinked", error=str(exc))  # the re-plan names who does not answer
-        epochs = self._coordinator(folder)
+        got = await self._weights(event)
+        if isinstance(got, str):  # its links close as a member leaving: the next in the order is tried
+            held.left_out = True
+            await member.end_with(got)
+            return
+        epochs = self._coordinator(*got)
         self._tell_replaced(event.lost[0], held.ring().epoch + 1)
         held.host = held.name
         member.stop()
@@ -231,6 +244,50 @@ class Succession:
         if link is not None and not link.closed:
             self.held.spawn(MemberEpochs.tell(link, sm.Replaced(self.held.name, epoch)), "tell_replaced")
 
+    async def _weights(self, event: TakeOver) -> tuple[Path, Ranges | None] | str:
+        """The folder this member loads every block from as the coordinator, and what it serves
+        them from (None: that folder, its own copy of the checkpoint; else its cache); or why the
+        survivors cannot go on. Without a copy of its own it takes the blocks it lacks from the
+        survivors' disks (each keeps its own shard and the next ring member's, so the lost host's
+        blocks are on its ring predecessor's disk)."""
+        held = self.held
+        own = weights_source(held)
+        sharing = held.weights
+        m = sharing.manifest if sharing is not None else None
+        if own is not None:
+            return own, None
+        if sharing is None or m is None:  # it never learnt the checkpoint's manifest
+            return self._missing(None, event) or "this member cannot learn what the checkpoint holds"
+        links = {p: lk for p, lk in held.links.items() if p in event.survivors and not lk.closed}
+        readers = await usable(sharing.sources(links, event.lost[0]), m)
+        lacking = await asyncio.to_thread(not_offered, m, readers, sharing.root)
+        if lacking:
+            return self._lost_blocks(m, lacking, event)
+        try:
+            got = await fetch_whole(m, readers, sharing.root, label=f"{held.name} (the host's blocks)")
+        except (WeightsError, OSError) as exc:
+            return f"the host {event.lost[0]} was lost; {held.name} could not take its blocks: {exc}"
+        say(f"took the blocks it lacked from the survivors' disks: {where_from(got)}")
+        doc = self.member.serving.weights
+        if doc is not None:  # /session: what taking over fetched, by source
+            doc["taken_over"] = {"fetched_tensor_bytes": got.tensor_bytes, "by_source": dict(got.sources)}
+        ranges = HeldFiles(sharing.root, m)
+        await asyncio.to_thread(ranges.refresh)
+        return got.path, ranges
+
+    def _lost_blocks(self, m: WeightManifest, lacking: list[str], event: TakeOver) -> str:
+        """Why the survivors cannot go on: the blocks none of their disks holds."""
+        gone = set(lacking)
+        blocks = tuple(b for b in range(m.n_blocks) if gone & set(shard_names(m, range(b, b + 1), False)))
+        head = bool(gone & set(shard_names(m, range(0, 0), True)))
+        short = Shortfall(blocks, head, sum(m.tensors[n].nbytes for n in gone))
+        return (
+            f"the host {event.lost[0]} was lost"
+            + (f" with {', '.join(event.lost[1:])}" if len(event.lost) > 1 else "")
+            + f"; the survivors ({', '.join(event.survivors)}) cannot obtain {short.text()}: no "
+            "survivor's disk holds them (each keeps its own shard and the next ring member's)"
+        )
+
     def _missing(self, folder: Path | None, event: TakeOver) -> str | None:
         """Why the survivors cannot go on for want of weights (None: this member serves them all)."""
         held = self.held
@@ -264,7 +321,7 @@ class Succession:
             log.warning("shard_unreadable", folder=str(folder), error=repr(exc))
             return None
 
-    def _coordinator(self, folder: Path) -> HostEpochs:
+    def _coordinator(self, folder: Path, ranges: Ranges | None) -> HostEpochs:
         """This member as the session's coordinator: the membership of the epoch serving, with the
         probes the host published (this member first: it is the host now)."""
         held, member = self.held, self.member
@@ -282,7 +339,7 @@ class Succession:
         heard = held.client.highest_member if held.client is not None else 0
         # above every tag the lost host gave, those since its last epoch too (kafila.session.ring.origins)
         book = OriginBook(published, floor=max(heard, member.ids.get(held.name, 0)))
-        server = WeightServer(folder, cache=member.opts.cache)
+        server = WeightServer(folder, cache=member.opts.cache, ranges=ranges)
         return HostEpochs(
             held, membership, manifest, plan_terms, member.ids, folder, server, member.opts, member.serving,
             role.traces, probed=reports, origins=book,
