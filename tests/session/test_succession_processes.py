@@ -94,8 +94,7 @@ def _placed(fleet: LocalFleet, host: str, name: str, within: float = 60.0) -> di
 def test_a_host_frozen_for_15_s_is_replaced_and_on_waking_ends_saying_so(smollm2_path, tmp_path) -> None:
     """SIGSTOP on the host for 15 s (a laptop lid): the members count it lost past the ring's bound,
     its successor takes over and the answers complete unchanged; on SIGCONT the host ends (exit 0)
-    saying who took over (or, without the successor's word, who its order names), rather than
-    serving a ring that is gone."""
+    saying who took over, rather than serving a ring that is gone."""
     with LocalFleet((None,) * 4, MODEL, context=512, concurrency=4, workdir=tmp_path, stagger=False,
                     extra_args=ONE_THREAD, member_args=NOT_THE_HEAD) as fleet:  # fmt: skip
         host = fleet.members[0]
@@ -119,12 +118,9 @@ def test_a_host_frozen_for_15_s_is_replaced_and_on_waking_ends_saying_so(smollm2
         host.proc.send_signal(signal.SIGCONT)
         assert host.proc.wait(60) == 0, host.log_text()[-2000:]
         told = host.log_text()
-        # the successor's word (`replaced`) when it arrives before the host's own links close for
-        # the silence its freeze caused; otherwise the order it published, the successor first
-        order = ", ".join(doc["succession"])
-        learned = f"{successor} took over as the session's host in epoch 2" in told
-        inferred = f"under the first present of its succession order ({order})" in told
-        assert learned or inferred, told[-2000:]
+        # the successor's word (`replaced`), read on waking: the host's links do not count the
+        # time it was frozen as its peers' silence
+        assert f"{successor} took over as the session's host in epoch 2" in told, told[-2000:]
         after = fleet.session(successor)
         assert after["state"] == "serving" and host.name not in after["ring"], after
         again = _answers(str(through.api_url))
