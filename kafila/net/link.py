@@ -673,9 +673,16 @@ class Link:
         uid = 0
         refreshed = self._loop.time()
         logged: float | None = None  # the relay path's "last heard" of the silence logged already
+        step = min(interval, self.config.dead_after / 3)
         while self._closed is None:
-            await asyncio.sleep(min(interval, self.config.dead_after / 3))
+            slept_from = self._loop.time()
+            await asyncio.sleep(step)
             now = self._loop.time()
+            stalled = own_stall(slept_from, step, now)
+            if stalled > 0:  # this process did not run (frozen, or its loop blocked): not the peer's silence
+                self._last_rx = {k: min(now, t + stalled) for k, t in self._last_rx.items()}
+                self._relay_at, refreshed = self._relay_at + stalled, refreshed + stalled
+                self._log.info("link_stalled", stalled_s=round(stalled, 1))
             if self._relay is not None:
                 heard = self._last_rx.get(PathKind.RELAY, self._relay_at)
                 why = relay_rebind_due(now, refreshed, heard, self._path is PathKind.RELAY, self.config)
@@ -740,6 +747,18 @@ class Link:
                 task.cancel()
         for callback in self.on_close:
             callback()
+
+
+STALL_S = 1.0  # a keepalive this much later than its sleep: this process stalled
+
+
+def own_stall(slept_from: float, step: float, now: float) -> float:
+    """Seconds this process did not run while a keepalive slept `step` s from `slept_from` (pure;
+    0 for an ordinary wake-up): a frozen process (SIGSTOP, a laptop asleep) or a blocked loop reads
+    nothing meanwhile, so the peer's silence over that time is not counted against it; datagrams
+    that wait in its socket are read next."""
+    late = now - slept_from - step
+    return late if late >= STALL_S else 0.0
 
 
 class RebindReason(StrEnum):

@@ -261,18 +261,22 @@ class SignalingClient:
         key = await asyncio.to_thread(codes.join_key, code, salt)  # scrypt: about 50 ms of CPU
         ref = self._ref()
         await self._request(sig.Protect(salt.hex(), key.hex(), ref), ref, sig.Protected, timeout)
-        ticket = None
+        ticket = await self._ticket(timeout)
+        if self.place is not None:
+            self.place = replace(self.place, protection=(salt, key), ticket=ticket)
+
+    async def _ticket(self, timeout: float) -> bytes | None:
+        """The host's re-open ticket for its session (None: a rendezvous without tickets)."""
         try:
             ref = self._ref()
             got = await self._request(sig.TicketRequest(ref), ref, sig.Ticket, timeout)
-            ticket = bytes.fromhex(got.ticket)
             self.outlives_restart = got.kept
+            return bytes.fromhex(got.ticket)
         except (SignalingError, ValueError) as exc:
             if isinstance(exc, SignalingClosed):
                 raise
             log.warning("no_reopen_ticket", error=str(exc))  # this session will not outlive a restart
-        if self.place is not None:
-            self.place = replace(self.place, protection=(salt, key), ticket=ticket)
+            return None
 
     async def join(
         self,
@@ -308,6 +312,33 @@ class SignalingClient:
         self._entered(joined.session, joined.member, joined.heartbeat_s)
         self.probe = (joined.probe_port, joined.probe_alt_port, joined.probe_alt_host)
         self.highest_member = max([self.highest_member, *(m.id for m in joined.members)])
+
+    async def succeed(self, code: SessionCode, timeout: float = 10.0) -> sig.Joined:
+        """A member whose session lost its host: take the host's place at the rendezvous, proving
+        the code as a join does (refused `member_present` while the host is still connected).
+        From then on this client registers again as the host would (`reconnect` re-opens the
+        session: it asks for the session's ticket as `protect` does)."""
+        ref = self._ref()
+        ask = sig.SucceedChallenge(code.public, ref)
+        challenge = await self._request(ask, ref, sig.Challenge, timeout)
+        proof = await self._proof(code, challenge)
+        ref = self._ref()
+        joined: sig.Joined = await self._request(
+            sig.Succeed(code.public, proof, ref), ref, sig.Joined, timeout
+        )
+        self._joined(joined)
+        assert self._key is not None  # derived for the proof
+        ticket = await self._ticket(timeout)
+        if self.place is not None:
+            self.place = replace(
+                self.place,
+                host=True,
+                model=joined.model,
+                members_expected=joined.members_expected,
+                protection=(self._key[1], self._key[2]),
+                ticket=ticket,
+            )
+        return joined
 
     # ------------------------------------------------------------ after a lost connection
 

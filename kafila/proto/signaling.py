@@ -7,14 +7,16 @@ message naming the field. Member-to-member payloads (`signal.payload`) and the c
 reports are opaque JSON objects: the rendezvous forwards them without interpreting them.
 
 Client -> rendezvous: open, protect, join_challenge, join, ticket_request, reopen,
-rejoin_challenge, rejoin, update, signal, relay_request, heartbeat, leave, remove.
+rejoin_challenge, rejoin, succeed_challenge, succeed, update, signal, relay_request, heartbeat,
+leave, remove.
 Rendezvous -> client: opened, protected, ticket, challenge, joined, member_joined, member_updated, signal,
 relay_allocated, heartbeat_ack, member_left, error. docs/protocol.md lists every field.
 
 Version 2 (this one) added the proof of the code's secret part a join carries (protect,
 join_challenge/challenge, join.proof: docs/rendezvous.md); within it, re-registering a session
 after the rendezvous restarted (ticket_request/ticket, reopen, rejoin_challenge, rejoin) came as
-new message types, which a rendezvous without them answers `unknown_type`. A frame of another
+new message types, which a rendezvous without them answers `unknown_type`; so did a member taking
+the place of a host that is gone (succeed_challenge, succeed). A frame of another
 version is answered with an `error` (code `unsupported_version`) in that version's envelope where
 its `error` has the same fields, so an older member reads why; `decode_server` reads such an error
 from an older rendezvous the same way.
@@ -199,6 +201,28 @@ class Rejoin:
 
 
 @dataclass(frozen=True, slots=True)
+class SucceedChallenge:
+    """A member of a session whose host is gone asks for a nonce to prove the code on, to take the
+    host's place (answered with `challenge`)."""
+
+    TYPE: ClassVar[str] = "succeed_challenge"
+    session: str = field(metadata=_m(max_len=32))
+    ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
+
+
+@dataclass(frozen=True, slots=True)
+class Succeed:
+    """This member (already in the session on this connection) becomes the session's host, its
+    host being gone, proving the code as a join does over this connection's last
+    `succeed_challenge`. Answered with `joined`; the others get `member_updated` (it is the host)."""
+
+    TYPE: ClassVar[str] = "succeed"
+    session: str = field(metadata=_m(max_len=32))
+    proof: str = field(metadata=_m(max_len=2 * 64))
+    ref: str | None = field(default=None, metadata=_m(max_len=MAX_REF))
+
+
+@dataclass(frozen=True, slots=True)
 class Update:
     """Replace this member's capability, NAT report or candidates; others get member_updated."""
 
@@ -377,6 +401,8 @@ ClientMessage = (
     | Reopen
     | RejoinChallenge
     | Rejoin
+    | SucceedChallenge
+    | Succeed
     | Update
     | Signal
     | RelayRequest
@@ -409,6 +435,8 @@ CLIENT_TYPES: dict[str, type] = {
         Reopen,
         RejoinChallenge,
         Rejoin,
+        SucceedChallenge,
+        Succeed,
         Update,
         Signal,
         RelayRequest,

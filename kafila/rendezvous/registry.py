@@ -31,6 +31,7 @@ with the same proof of the code as a join, held to the same limits.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import ipaddress
 import math
@@ -50,6 +51,7 @@ from kafila.rendezvous.relay import RelayLimitError, RelayTable
 from kafila.rendezvous.ticket import make_ticket, ticket_key, ticket_ok
 
 ConnId = int
+SUCCEED = "succeed"  # a challenge's purpose: a member takes the place of its session's lost host
 
 
 def refusal(outcome: str, message: str, ref: str | None) -> tuple[str, sig.Error]:
@@ -120,8 +122,9 @@ class Conn:
     member: int | None = None
     bad_frames: int = 0
     idle_since: float | None = None  # when it was last without a session (None: in one)
-    # (session, nonce, expiry, member) of its next join; member: the place a `rejoin` takes back
-    challenge: tuple[str, bytes, float, int | None] | None = None
+    # (session, nonce, expiry, purpose) of its next join: None a join, a member id the place a
+    # `rejoin` takes back, SUCCEED the host's place a member of the session takes
+    challenge: tuple[str, bytes, float, int | str | None] | None = None
 
 
 class Registry:
@@ -246,6 +249,10 @@ class Registry:
                 return self._protect(state, msg)
             case sig.TicketRequest(ref):
                 return self._ticket(state, ref)
+            case sig.SucceedChallenge():
+                return self._succeed_challenge(state, msg, now)
+            case sig.Succeed():
+                return self._succeed(state, msg, now)
         raise AssertionError(f"unhandled message {msg!r}")  # pragma: no cover
 
     # ------------------------------------------------------------ open / join
@@ -377,11 +384,11 @@ class Registry:
         kind: str,
         text: str,
         ref: str | None,
-        member: int | None,
+        member: int | str | None,
         now: float,
     ) -> list[Event]:
-        """A nonce for one `kind` ("join", or "rejoin" of `member`) on the session found, or the
-        refusal (counted with the joins)."""
+        """A nonce for one `kind` ("join", "rejoin" of `member`, or "succeed") on the session
+        found, or the refusal (counted with the joins)."""
         outcome, session = found
         if isinstance(session, sig.Error):
             self.joins[outcome] += 1
@@ -499,10 +506,11 @@ class Registry:
         return "ok", session
 
     def _spend_challenge(
-        self, state: Conn, text: str, member: int | None, now: float
+        self, state: Conn, text: str, member: int | str | None, now: float
     ) -> tuple[str, bytes] | None:
         """The (session, nonce) of the connection's live challenge for this request (a join: member
-        None; a rejoin: its member), used up right or wrong: one request per nonce. None: none."""
+        None; a rejoin: its member; a succession: SUCCEED), used up right or wrong: one request
+        per nonce. None: none."""
         challenge, state.challenge = state.challenge, None
         if (
             challenge is None
@@ -660,6 +668,13 @@ class Registry:
                 f"session {code} still has its host (member {msg.member}) on another connection; "
                 f"retry after {self.limits.heartbeat_timeout_s:g} s of its silence",
             )
+        heir = _host_of(session)
+        if heir is not None:
+            return err(
+                "replaced",
+                f"member {heir.id} ({heir.info.name}) took session {code} over as its host after "
+                f"member {msg.member} was lost",
+            )
         return code, salt, verifier
 
     def _rejoin_challenge(self, state: Conn, msg: sig.RejoinChallenge, now: float) -> list[Event]:
@@ -740,6 +755,77 @@ class Registry:
         if isinstance(free, sig.Error):
             return outcome, free
         return "rejoined", (free, self._add_member(free, state, msg, host=False, mid=msg.member))
+
+    # ------------------------------------------------------------ a member takes the host's place
+
+    def _succeed_challenge(self, state: Conn, msg: sig.SucceedChallenge, now: float) -> list[Event]:
+        """A nonce for a member of the session to take the place of its host, once that host is
+        gone from the rendezvous (left, or timed out after its silence)."""
+        session, member = self._member(state)
+        found = self._successor(session, member, msg.session, msg.ref, now)
+        guesser = guesser_key(state.source)
+        if not isinstance(found[1], sig.Error) and not self._join_by_addr.take(guesser, now):
+            wait = self._join_by_addr.retry_after(guesser, now)
+            why = f"too many join attempts from {state.source}; retry in {wait:.0f} s"
+            found = refusal("rate_limited", why, msg.ref)
+        return self._give_challenge(state, found, SUCCEED, msg.session, msg.ref, SUCCEED, now)
+
+    def _successor(
+        self, session: Session, member: Member, text: str, ref: str | None, now: float
+    ) -> tuple[str, sig.Error | Session]:
+        """The session `member` may take the host's place in, or why not: another session's code,
+        no verifier to prove, its host still present."""
+        err = partial(refusal, ref=ref)
+        if _normal(text) != session.code:
+            return err("bad_code", f"this connection is in session {session.code}, not {text}")
+        host = _host_of(session)
+        if host is member:
+            return err("already_host", f"member {member.id} is session {session.code}'s host already")
+        if host is not None:
+            silent = now - self.conns[host.conn].last_seen
+            return err(
+                "member_present",
+                f"session {session.code}'s host (member {host.id}, {host.info.name}) is still "
+                f"connected, silent for {silent:.0f} s; retry after "
+                f"{self.limits.heartbeat_timeout_s:g} s of its silence",
+            )
+        if session.verifier is None:
+            return err("not_ready", f"session {session.code} has no verifier to prove the code on")
+        return "ok", session
+
+    def _succeed(self, state: Conn, msg: sig.Succeed, now: float) -> list[Event]:
+        """The member proves the code over its succession nonce and becomes the host: the session
+        takes joins through it, and the others hear that it is the host (`member_updated`)."""
+        session, member = self._member(state)
+        outcome, refused = self._try_succeed(state, session, member, msg, now)
+        self.joins[outcome] += 1
+        fields = {"outcome": outcome, "source": state.source, "session": session.code, "member": member.id}
+        note = Note("succeed", fields)
+        if refused is not None:
+            return [Send(state.id, refused), note]
+        return [
+            Send(state.id, self._joined(session, member, msg.ref)),
+            note,
+            *self._tell(session, member, False),
+        ]
+
+    def _try_succeed(
+        self, state: Conn, session: Session, member: Member, msg: sig.Succeed, now: float
+    ) -> tuple[str, sig.Error | None]:
+        err = partial(refusal, ref=msg.ref)
+        challenge = self._spend_challenge(state, msg.session, SUCCEED, now)
+        if challenge is None:
+            return err(
+                "no_challenge", "ask for a succeed_challenge on this session first (a nonce serves once)"
+            )
+        outcome, found = self._successor(session, member, msg.session, msg.ref, now)
+        if isinstance(found, sig.Error):
+            return outcome, found
+        refused = self._check_proof(state, session, msg.proof, challenge[1], now)
+        if refused is not None:
+            return err(*refused)
+        member.info = dataclasses.replace(member.info, host=True)
+        return "succeeded", None
 
     # ------------------------------------------------------------ in-session requests
 
@@ -896,6 +982,11 @@ def guesser_key(source: str) -> str:
             return str(ip.ipv4_mapped)
         return str(ipaddress.ip_network(f"{ip}/48", strict=False))
     return str(ip)
+
+
+def _host_of(session: Session) -> Member | None:
+    """The member present that is the session's host (None: its host is gone)."""
+    return next((m for m in session.members.values() if m.info.host), None)
 
 
 def _normal(text: str) -> str | None:

@@ -10,7 +10,7 @@ import pytest
 
 from kafila.net.auth import EdgeContext
 from kafila.net.errors import LinkAuthError, LinkClosed, LinkEnded, LinkTimeout, PeerSilent
-from kafila.net.link import LinkConfig, PathKind, RebindReason, relay_rebind_due
+from kafila.net.link import LinkConfig, PathKind, RebindReason, own_stall, relay_rebind_due
 from tests.net.conftest import direct_pair
 
 pytestmark = pytest.mark.network
@@ -284,6 +284,33 @@ async def test_a_timed_message_leaves_out_the_time_its_receiver_held_the_ack() -
         transfer, wall = timed[-1]
         assert 0 < transfer <= wall
         assert len(timed) == 2  # each message delivered once
+    finally:
+        await client.close()
+        await server.close()
+        a.close()
+        b.close()
+
+
+def test_a_keepalive_that_wakes_late_measures_this_process_s_own_stall() -> None:
+    assert own_stall(10.0, 2.0, 12.05) == 0.0  # an ordinary wake-up
+    assert own_stall(10.0, 2.0, 12.9) == 0.0  # a busy loop, under a second late
+    assert own_stall(10.0, 2.0, 27.0) == pytest.approx(15.0)  # frozen for 15 s (SIGSTOP)
+
+
+async def test_a_simulated_stall_of_this_process_is_not_the_peer_s_silence() -> None:
+    """A message the peer sent just before this process stalled (its loop blocked here for 4x
+    peer_timeout, as a frozen host's is) is read on waking: neither end counts the time it did not
+    run as the other's silence and closes the link before reading what waits in its socket."""
+    ctx = EdgeContext("S", "alice", "bob", b"secret")
+    config = LinkConfig(keepalive=0.1, dead_after=0.3, peer_timeout=0.6)
+    client, server, a, b = await direct_pair(ctx, ctx, config)
+    try:
+        await asyncio.gather(client.wait_ready(), server.wait_ready())
+        await server.send(16, b"replaced")
+        time.sleep(2.4)  # the whole process stalls (both ends of this loopback pair)
+        assert await client.recv(timeout=5) == (16, b"replaced")
+        await asyncio.sleep(0.5)  # keepalives after the stall: both ends hear each other again
+        assert not client.closed and not server.closed
     finally:
         await client.close()
         await server.close()

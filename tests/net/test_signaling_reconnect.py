@@ -131,3 +131,40 @@ async def test_reconnect_while_connected_is_a_mistake_and_an_unreachable_rendezv
             await host.reconnect()  # nothing listens on the port now
     finally:
         await host.close()
+
+
+async def test_a_member_that_took_over_from_the_lost_host_reopens_the_session_after_a_restart() -> None:
+    """The host leaves; a member takes its place (`succeed`), gets the session's ticket, and after
+    a restart re-opens the session as its host; the old host cannot, and a member joins through
+    the new host with the same code."""
+    rdv = await _start(
+        ServerConfig(
+            host="127.0.0.1", port=0, udp_port=0, udp_alt_port=0, limits=LAB_LIMITS, relay_secret=SECRET
+        )
+    )
+    host = await SignalingClient.connect(rdv.url)
+    opened = await host.open_session("m", 2, "h", {"role": "host"})
+    code = new_code(opened.session)
+    await host.protect(code)
+    member = await SignalingClient.connect(rdv.url)
+    joined = await member.join(code, "j", {"role": "member"})
+    try:
+        with pytest.raises(SignalingError, match="is still connected") as present:
+            await member.succeed(code)
+        assert present.value.code == "member_present"
+        await host.close()  # killed: its connection closes
+        await _event(member, sig.MemberLeft)
+        took = await member.succeed(code)
+        assert [(m.id, m.host) for m in took.members] == [(joined.member, True)]
+        assert member.place is not None and member.place.host and member.place.ticket is not None
+        rdv = await _restart(rdv)
+        await asyncio.wait_for(member.lost(), 10)
+        await member.reconnect()  # as the host: re-opens the session
+        assert (member.session, member.member) == (opened.session, joined.member)
+        late = await SignalingClient.connect(rdv.url)
+        again = await late.join(str(code), "late", {})
+        assert [m.name for m in again.members if m.host] == ["j"]
+        await late.close()
+    finally:
+        await member.close()
+        await rdv.stop()

@@ -90,3 +90,43 @@ def test_a_members_count_wraps_without_ever_giving_id_0_or_leaving_its_tag() -> 
     assert origin_of(top.next()) == MAX_ORIGIN and top.next() < 1 << 32
     with pytest.raises(ValueError, match=f"origin tag {MAX_ORIGIN + 1} is outside 0 to {MAX_ORIGIN}"):
         RequestIds(MAX_ORIGIN + 1)
+
+
+# a session's life as its host sees it: a member id joins (admitted, so tagged, or refused at its
+# link: no tag), a member leaves, the host publishes an epoch (the tags of every name it knows),
+# or the host is lost and the first member takes over from the last epoch it heard
+LIFE = st.lists(st.sampled_from(["admit", "refuse", "publish", "take over"]), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(LIFE)
+def test_a_member_that_takes_over_never_gives_a_tag_the_lost_host_gave(life: list[str]) -> None:
+    """The lost host may have tagged members after its last epoch (a spare admitted, a newcomer
+    being planned in): the successor's book starts above the highest member id it heard of, which
+    bounds every tag given before, so no tag is given twice however many times the role passes."""
+    book, next_id = OriginBook(), 1
+    names: dict[str, int] = {}  # every name the coordinator knows -> its latest member id
+    published: dict[str, int] = {}
+    given: dict[int, int] = {}  # every tag given so far, by any coordinator -> its member id
+    for step in life:
+        if step in ("admit", "refuse"):
+            member, next_id = next_id, next_id + 1
+            if step == "admit":
+                tag = book.tag(member)
+                assert given.setdefault(tag, member) == member, f"tag {tag} given twice"
+                names[f"m{member}"] = member
+        elif step == "publish":
+            published = book.named(names)
+        else:  # it knows the members of the last epoch, and heard every id given (member_joined)
+            names = {n: names[n] for n in published}
+            book = OriginBook({names[n]: t for n, t in published.items()}, floor=next_id - 1)
+    assert all(1 <= t <= MAX_ORIGIN for t in given)
+
+
+def test_a_successor_heard_of_members_the_host_tagged_after_its_last_epoch() -> None:
+    host = OriginBook()
+    epoch = host.named({"host": 1, "a": 2, "b": 3})  # published: tags 1, 2, 3
+    assert host.tag(4) == 4  # a spare admitted after that epoch, which nobody published
+    successor = OriginBook({2: epoch["a"], 3: epoch["b"]}, floor=4)
+    assert successor.tag(5) == 5 and successor.tag(2) == 2  # a newcomer: not the spare's tag 4
+    assert OriginBook({2: 2}).tag(5) == 3  # without the floor, a tag given before

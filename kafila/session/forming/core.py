@@ -281,6 +281,19 @@ class HostFormation(_Machine):
             self.joined[self.host_id] = self.host_name
             self.ids[self.host_name] = self.host_id
 
+    @classmethod
+    def taken_over(
+        cls, host_id: int, host_name: str, ids: dict[str, int], origins: OriginBook
+    ) -> HostFormation:
+        """The formed session as a member that took over from its lost host holds it: `ids` the
+        members present (this one among them), their tags in `origins`. Joins from now on are
+        arrivals at a serving session (kafila.session.forming.arrivals), as for the host."""
+        joined = {member: name for name, member in ids.items()}
+        return cls(
+            members=len(ids), host_id=host_id, host_name=host_name, joined=joined, ids=dict(ids),
+            admitted_ids=set(joined), origins=origins, step=Step.FORMED,
+        )  # fmt: skip
+
     def start(self, me: DeviceReport, now: float) -> list[Output]:
         self._require(Step.NEW)
         if self.host_name and me.name != self.host_name:

@@ -169,7 +169,7 @@ async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
     local: list[Path] | None = None if opts.use_local else []
     epochs = MemberEpochs(held, got.ids, opts, serving, local, dict(got.origins), dict(got.probes))
     epochs.start()  # the host's re-plans, once formed
-    Succession(held, epochs).start()  # and, should the host be lost, its successor's
+    Succession(held, epochs, drive).start()  # and, should the host be lost, its successor's
     await drive.until(fm.Formed, core.started(drive.now()))  # refused / left / timeout: SessionError
     held.tasks.append(asyncio.ensure_future(drive.serve_formed(held.links, held.ring().info.rendezvous)))
     held.serve_session_api()

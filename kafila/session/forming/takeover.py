@@ -6,7 +6,9 @@ asyncio shell of kafila.planner.succession's `HandOff`; it decides, this acts).
       TakeOver (the first present of the host's succession order): link with every survivor (its
         control links from now on), become the session's coordinator (a HostEpochs over the
         members, with the probes the host published and this member's own copy of the checkpoint
-        as the weights' source) and re-plan around the host as the host re-plans around a member
+        as the weights' source) and re-plan around the host as the host re-plans around a member;
+        meanwhile take the host's place at the rendezvous (`succeed`: it proves the code, once the
+        host is gone there), after which members join and rejoin with the same code through it
       Follow(s): link with s, listen to it as to the host, and wait for its epoch; none within
         HandOff.wait_s: s counts lost, and the next of the order is turned to
       Ended: every member ends naming why
@@ -19,6 +21,7 @@ is planned around by the successor like any loss during a re-plan.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,18 +31,36 @@ from kafila.models.manifest import Manifest, build_manifest, specs_from_config
 from kafila.net.edge import EdgeOptions, link_edges
 from kafila.net.errors import LinkError
 from kafila.net.link import Link
+from kafila.net.signaling import SignalingError
 from kafila.obs import metrics
 from kafila.obs.log import get_logger
 from kafila.planner.devices import DeviceReport
 from kafila.planner.replan import Membership, PlanTerms
-from kafila.planner.succession import Ended, Event, Follow, HandOff, Holding, TakeOver, shortfall
+from kafila.planner.succession import (
+    Ended,
+    Event,
+    Follow,
+    HandOff,
+    Holding,
+    Shortfall,
+    TakeOver,
+    shortfall,
+)
 from kafila.proto import session as sm
 from kafila.proto.ring import RingBroken
+from kafila.session.forming.arrivals import HostArrivals
+from kafila.session.forming.core import HostFormation
+from kafila.session.forming.driver import Driver
 from kafila.session.forming.epochs import HostEpochs, MemberEpochs, listen_to
+from kafila.session.forming.reconnect import RETRY, SCHEDULE
 from kafila.session.progress import say
 from kafila.session.ring.origins import OriginBook
 from kafila.session.runtime import MemberRuntime
-from kafila.session.weights.server import WeightServer
+from kafila.session.weights.fetch import fetch_whole, not_offered, shard_names, usable
+from kafila.session.weights.manifest import WeightManifest, WeightsError
+from kafila.session.weights.peers import HeldFiles
+from kafila.session.weights.server import Ranges, WeightServer
+from kafila.session.weights.sharing import where_from
 
 log = get_logger("kafila.session.forming.takeover")
 
@@ -57,6 +78,7 @@ class Succession:
 
     held: MemberRuntime
     member: MemberEpochs
+    drive: Driver | None = None  # its formation driver: the host's arrivals once it took over
     view: HandOff | None = None
     _timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
@@ -140,6 +162,8 @@ class Succession:
         linked = await link_edges(node, edges, formed, label=lambda i: f"link {held.name} <-> {names[i]}")
         links = {names[i]: link for i, link in linked.items()}
         held.links.update(links)
+        if held.weights is not None:  # each serves the other what its disk holds of the checkpoint
+            held.weights.attach(links)
         return links
 
     async def _take_over(self, event: TakeOver, detail: str) -> None:
@@ -150,19 +174,17 @@ class Succession:
             f"the host {lost} was lost; this member takes over as the session's host "
             "(the host's succession order)"
         )
-        folder = weights_source(held)
-        missing = self._missing(folder, event)
-        if missing is not None:  # its links close as a member leaving: the next in the order is tried
-            held.left_out = True
-            await member.end_with(missing)
-            return
-        assert folder is not None
         others = [n for n in event.survivors if n != held.name]
         try:
             await self._link(others, client=False)
         except LinkError as exc:
             log.warning("survivor_unlinked", error=str(exc))  # the re-plan names who does not answer
-        epochs = self._coordinator(folder)
+        got = await self._weights(event)
+        if isinstance(got, str):  # its links close as a member leaving: the next in the order is tried
+            held.left_out = True
+            await member.end_with(got)
+            return
+        epochs = self._coordinator(*got)
         self._tell_replaced(event.lost[0], held.ring().epoch + 1)
         held.host = held.name
         member.stop()
@@ -171,12 +193,100 @@ class Succession:
         for name in event.lost:
             what = "the session's host" if name == event.lost[0] else "lost with the host"
             epochs.lost(name, "closed", f"{what}; {held.name} took over as the host")
+        held.spawn(self._register(epochs), "register_as_host")
+
+    async def _register(self, epochs: HostEpochs) -> None:
+        """Take the lost host's place at the rendezvous (retrying while it still counts the host
+        present: a frozen one until its silence times it out), then admit members that join."""
+        held, drive = self.held, self.drive
+        client, code, node = held.client, held.code, held.node
+        if drive is None or client is None or code is None or node is None:
+            return
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                await client.succeed(code)
+                break
+            except SignalingError as exc:
+                if exc.code not in RETRY:
+                    say(f"the rendezvous would not make this member the session's host: {exc.message}; "
+                        "no member can join this session")  # fmt: skip
+                    log.warning("succession_refused", code=exc.code, reason=exc.message)
+                    return
+                log.info("succession_retry", attempt=attempt, code=exc.code, reason=exc.message)
+            await asyncio.sleep(SCHEDULE.delay(attempt, 0.5))
+        await client.update(capability=self._capability(epochs.folder))  # what joiners probe for
+        ids = {n: i for n, i in epochs.ids.items() if n in epochs.membership.present}
+        drive.core = HostFormation.taken_over(node.member, held.name, ids, epochs.origins)
+        HostArrivals(epochs, drive, node)
+        say(
+            f"registered at the rendezvous as session {code.public}'s host: members join and rejoin "
+            "with the same code"
+        )
+        log.info("succession_registered", session=code.public, member=node.member, attempts=attempt)
+
+    def _capability(self, folder: Path) -> dict[str, object]:
+        """What the host offers joiners at the rendezvous: the model's shape (its block probe) and
+        the session's dtype and weight format, as `kafila host` registers them."""
+        terms = self.member.serving.terms
+        try:
+            raw = Checkpoint.open(folder).config.raw
+        except (OSError, CheckpointError) as exc:
+            log.warning("config_unreadable", folder=str(folder), error=repr(exc))
+            raw = None
+        config = raw if raw is not None and len(json.dumps(raw)) < 12_000 else None
+        return {"role": "host", "config": config, "dtype": terms.dtype, "quant": terms.quant}
 
     def _tell_replaced(self, host: str, epoch: int) -> None:
         """The lost host, should it only be frozen, reads on waking that this member replaced it."""
         link = self.held.links.get(host)
         if link is not None and not link.closed:
             self.held.spawn(MemberEpochs.tell(link, sm.Replaced(self.held.name, epoch)), "tell_replaced")
+
+    async def _weights(self, event: TakeOver) -> tuple[Path, Ranges | None] | str:
+        """The folder this member loads every block from as the coordinator, and what it serves
+        them from (None: that folder, its own copy of the checkpoint; else its cache); or why the
+        survivors cannot go on. Without a copy of its own it takes the blocks it lacks from the
+        survivors' disks (each keeps its own shard and the next ring member's, so the lost host's
+        blocks are on its ring predecessor's disk)."""
+        held = self.held
+        own = weights_source(held)
+        sharing = held.weights
+        m = sharing.manifest if sharing is not None else None
+        if own is not None:
+            return own, None
+        if sharing is None or m is None:  # it never learnt the checkpoint's manifest
+            return self._missing(None, event) or "this member cannot learn what the checkpoint holds"
+        links = {p: lk for p, lk in held.links.items() if p in event.survivors and not lk.closed}
+        readers = await usable(sharing.sources(links, event.lost[0]), m)
+        lacking = await asyncio.to_thread(not_offered, m, readers, sharing.root)
+        if lacking:
+            return self._lost_blocks(m, lacking, event)
+        try:
+            got = await fetch_whole(m, readers, sharing.root, label=f"{held.name} (the host's blocks)")
+        except (WeightsError, OSError) as exc:
+            return f"the host {event.lost[0]} was lost; {held.name} could not take its blocks: {exc}"
+        say(f"took the blocks it lacked from the survivors' disks: {where_from(got)}")
+        doc = self.member.serving.weights
+        if doc is not None:  # /session: what taking over fetched, by source
+            doc["taken_over"] = {"fetched_tensor_bytes": got.tensor_bytes, "by_source": dict(got.sources)}
+        ranges = HeldFiles(sharing.root, m)
+        await asyncio.to_thread(ranges.refresh)
+        return got.path, ranges
+
+    def _lost_blocks(self, m: WeightManifest, lacking: list[str], event: TakeOver) -> str:
+        """Why the survivors cannot go on: the blocks none of their disks holds."""
+        gone = set(lacking)
+        blocks = tuple(b for b in range(m.n_blocks) if gone & set(shard_names(m, range(b, b + 1), False)))
+        head = bool(gone & set(shard_names(m, range(0, 0), True)))
+        short = Shortfall(blocks, head, sum(m.tensors[n].nbytes for n in gone))
+        return (
+            f"the host {event.lost[0]} was lost"
+            + (f" with {', '.join(event.lost[1:])}" if len(event.lost) > 1 else "")
+            + f"; the survivors ({', '.join(event.survivors)}) cannot obtain {short.text()}: no "
+            "survivor's disk holds them (each keeps its own shard and the next ring member's)"
+        )
 
     def _missing(self, folder: Path | None, event: TakeOver) -> str | None:
         """Why the survivors cannot go on for want of weights (None: this member serves them all)."""
@@ -211,7 +321,7 @@ class Succession:
             log.warning("shard_unreadable", folder=str(folder), error=repr(exc))
             return None
 
-    def _coordinator(self, folder: Path) -> HostEpochs:
+    def _coordinator(self, folder: Path, ranges: Ranges | None) -> HostEpochs:
         """This member as the session's coordinator: the membership of the epoch serving, with the
         probes the host published (this member first: it is the host now)."""
         held, member = self.held, self.member
@@ -225,8 +335,11 @@ class Succession:
         plan_terms = PlanTerms(terms.context, terms.concurrency, terms.division)
         ckpt = Checkpoint.open(folder)
         manifest = ckpt.manifest(DTYPES[terms.dtype], terms.quant)
-        book = OriginBook({member.ids[n]: tag for n, tag in member.origins.items() if n in member.ids})
-        server = WeightServer(folder, cache=member.opts.cache)
+        published = {member.ids[n]: tag for n, tag in member.origins.items() if n in member.ids}
+        heard = held.client.highest_member if held.client is not None else 0
+        # above every tag the lost host gave, those since its last epoch too (kafila.session.ring.origins)
+        book = OriginBook(published, floor=max(heard, member.ids.get(held.name, 0)))
+        server = WeightServer(folder, cache=member.opts.cache, ranges=ranges)
         return HostEpochs(
             held, membership, manifest, plan_terms, member.ids, folder, server, member.opts, member.serving,
             role.traces, probed=reports, origins=book,

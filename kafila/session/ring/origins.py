@@ -41,11 +41,19 @@ class RequestIds:
 
 
 class OriginBook:
-    """The host's: each member id's origin tag, from 1 up, given once and never again."""
+    """The host's: each member id's origin tag, from 1 up, given once and never again.
 
-    def __init__(self, given: Mapping[int, int] | None = None) -> None:
+    The host gives the k-th tag to the k-th member id it admits, and the rendezvous gives member
+    ids from 1 up and never again, so no tag ever given exceeds the highest member id given. A
+    member taking over from a lost host knows the tags published with the last epoch, not those
+    given since (a spare admitted, a newcomer being planned in): its book starts above `floor`,
+    the highest member id it heard of, and so above every tag the lost host gave; its own tags
+    keep the bound (each new one goes to a newer member id).
+    """
+
+    def __init__(self, given: Mapping[int, int] | None = None, floor: int = 0) -> None:
         self.tags: dict[int, int] = dict(given or {})  # member id -> its tag
-        self._last = max(self.tags.values(), default=0)
+        self._last = max([*self.tags.values(), floor])
 
     def tag(self, member: int) -> int:
         """Member id `member`'s tag: the one it was given, or the next never given."""

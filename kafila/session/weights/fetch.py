@@ -652,6 +652,55 @@ async def fetch_tensors(
     return kept
 
 
+def not_offered(m: WeightManifest, readers: Sequence[Reader], cache: Path | None = None) -> list[str]:
+    """The tensors of `m` this member's blob store lacks and none of `readers` (prepared) offers
+    (blocking: a blob changed since it was stored is hashed)."""
+    blobs = BlobStore(cache_root(cache) / "blobs")
+    return [
+        e.name
+        for e in m.tensors.values()
+        if not blobs.has(e.key, e.name, e.dtype, e.shape, e.nbytes, e.sha256)
+        and not any(r.offers(e.file, e.start, e.end) for r in readers)
+    ]
+
+
+async def fetch_whole(
+    m: WeightManifest, readers: Sequence[Reader], cache: Path | None = None, label: str = "weights"
+) -> ShardResult:
+    """Every tensor of checkpoint `m` into the blob store from `readers` in order (those held are
+    not fetched; each checked against its sha256 as any fetch's), with its headers and small
+    files, and a folder of all of them that `Checkpoint.open` reads: what a member that took over
+    from a lost host loads from and serves when it holds no copy of the checkpoint of its own."""
+    root = cache_root(cache)
+    member = _Member(None, root, DEFAULT_WINDOW, 30.0, True, label)
+    entries = list(m.tensors.values())
+    todo = await asyncio.to_thread(
+        lambda: [
+            e for e in entries if not member.blobs.has(e.key, e.name, e.dtype, e.shape, e.nbytes, e.sha256)
+        ]
+    )
+    ckdir = root / "weights" / m.checkpoint[:16]
+    result = ShardResult(Path(), m.checkpoint, range(m.n_blocks), True, tuple(m.tensors), manifest=m)
+    with member.bar(sum(e.nbytes for e in todo)) as bar:
+        tally = _Tally(bar)
+        files = await member.meta(m, ckdir, readers, tally)
+        await member.tensors(todo, m, readers, tally)
+    _account(result, tally)
+    result.fetched = tuple(e.name for e in todo)
+    whole = ShardFolder(ckdir / "whole", files, {e.name: member.blobs.path(e.key) for e in entries})
+    result.path = await asyncio.to_thread(build_shard_folder, whole)
+    log.info(
+        "weights_gathered",
+        checkpoint=m.checkpoint[:16],
+        tensors=len(entries),
+        fetched=len(todo),
+        tensor_bytes=result.tensor_bytes,
+        meta_bytes=result.meta_bytes,
+        sources=result.sources,
+    )
+    return result
+
+
 def _account(result: ShardResult, tally: _Tally) -> None:
     """The bytes each source sent into `result` and the kafila_weight_fetched_bytes counter."""
     result.meta_bytes = tally.meta

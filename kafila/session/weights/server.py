@@ -8,6 +8,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from kafila.obs.log import get_logger
 from kafila.proto import tensor as t
@@ -42,8 +43,19 @@ class ServeStats:
     error: str | None = None  # why the member stopped fetching, as it said in its weights.done
 
 
+class Ranges(Protocol):
+    """A checkpoint described elsewhere and held as ranges of its own files (a member's cache:
+    kafila.session.weights.peers.HeldFiles): its manifest, and a blocking read."""
+
+    m: WeightManifest
+
+    def read(self, file: str, offset: int, length: int) -> bytes: ...
+
+
 class WeightServer:
-    """The host's side: answers weight fetches of one checkpoint folder on any number of channels."""
+    """The host's side: answers weight fetches of one checkpoint folder on any number of channels.
+    With `ranges`, the checkpoint is the one `ranges.m` describes, read from `ranges` (a member that
+    took over from a lost host serves what its cache holds, in the original files' offsets)."""
 
     def __init__(
         self,
@@ -51,9 +63,11 @@ class WeightServer:
         max_request: int = DEFAULT_MAX_REQUEST,
         cache: Path | None = None,
         progress_every: float = PROGRESS_EVERY_S,
+        ranges: Ranges | None = None,
     ) -> None:
         self.folder = Path(folder).expanduser().resolve()
         self.max_request, self.cache, self.progress_every = max_request, cache, progress_every
+        self.ranges = ranges
         self.hashed = (0, 0)  # tensor bytes described so far, of all (written by the describing thread)
         self.stats: dict[str, ServeStats] = {}
         self._manifest: WeightManifest | None = None
@@ -65,10 +79,15 @@ class WeightServer:
         """Describe the checkpoint (on a thread; hashes are remembered across sessions)."""
         async with self._lock:
             if self._manifest is None:
-                stamps = await asyncio.to_thread(_stamps, self.folder)  # before hashing: see _pread
-                m = await asyncio.to_thread(
-                    describe, self.folder, self.max_request, self.cache, self._note_hashed
-                )
+                stamps: dict[str, list[int]] = {}
+                if self.ranges is not None:  # described by the host that made it
+                    m = self.ranges.m
+                    self.max_request = m.max_request
+                else:
+                    stamps = await asyncio.to_thread(_stamps, self.folder)  # before hashing: see _pread
+                    m = await asyncio.to_thread(
+                        describe, self.folder, self.max_request, self.cache, self._note_hashed
+                    )
                 allowed = {name: [(0, size)] for name, (size, _) in m.files.items() if size}
                 for file, hlen in m.headers.items():
                     spans = [(e.start, e.end) for e in m.tensors.values() if e.file == file]
@@ -121,6 +140,8 @@ class WeightServer:
         """Bytes of the checkpoint's `file` a request may read (after `prepare`; blocking):
         FetchRefused naming why not, OSError when the file changed since it was described."""
         path, a, n = self.check(t.FetchRequest(1, file, offset, length))
+        if self.ranges is not None:
+            return self.ranges.read(file, a, n)
         return _pread(path, a, n, self._stamps.get(file))
 
     async def handle(self, channel: Channel, msg: t.Message) -> bool:
@@ -167,8 +188,7 @@ class WeightServer:
         stats = self.stats.setdefault(channel.peer, ServeStats())
         stats.requests += 1
         try:
-            path, offset, length = self.check(req)
-            data = await asyncio.to_thread(_pread, path, offset, length, self._stamps.get(req.file))
+            data = await asyncio.to_thread(self.read_range, req.file, req.offset, req.length)
         except FetchRefused as exc:
             stats.refused += 1
             log.warning("weights_fetch_refused", peer=channel.peer, reason=str(exc))
