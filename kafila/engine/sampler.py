@@ -1,7 +1,8 @@
 """Choosing the next token from logits (numpy, backend-neutral) and deciding when to stop.
 
-Greedy when `temperature == 0` (or `top_k == 1`, or `top_p == 0`: only the most likely token is
-left); otherwise logits / temperature, then top-k, then top-p (the smallest set of tokens whose
+Greedy when `temperature` is below GREEDY_BELOW (1e-5, as vLLM counts it: a smaller one leaves only
+the most likely token, and near zero logits / temperature would overflow), or `top_k == 1`, or
+`top_p == 0`; otherwise logits / temperature, then top-k, then top-p (the smallest set of tokens whose
 probability reaches `top_p`, as transformers does), then min-p (only tokens at least `min_p`
 times as likely as the most likely one stay, as llama.cpp and transformers do), then a draw.
 Each answer position draws from its own generator, keyed by the request's seed and the
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+
+GREEDY_BELOW = 1e-5  # a temperature below this samples greedily
 
 StopReason = Literal["stop", "length"]
 
@@ -92,7 +95,7 @@ class Sampler:
     def greedy(self) -> bool:
         """Only the most likely token can be chosen."""
         p = self.params
-        return p.temperature == 0 or p.top_k == 1 or p.top_p == 0
+        return p.temperature < GREEDY_BELOW or p.top_k == 1 or p.top_p == 0
 
     def generator(self) -> np.random.Generator:
         """The generator of the position being sampled (the answer's `generated`-th token)."""

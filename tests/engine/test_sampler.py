@@ -91,6 +91,16 @@ def test_top_p_zero_keeps_only_the_most_likely_token() -> None:
     assert {s.sample(logits) for _ in range(20)} == {int(np.argmax(logits))}
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-6])
+def test_a_temperature_near_zero_samples_greedily_instead_of_overflowing(temperature: float) -> None:
+    """logits / 5e-324 overflows to inf and the draw took NaN probabilities: one such request
+    failed the ring member sampling it, and with it every request of the session."""
+    logits = np.random.default_rng(4).standard_normal(1000).astype(np.float32) * 30
+    s = Sampler(SamplingParams(temperature=temperature, seed=2, max_tokens=50))
+    with np.errstate(all="raise"):
+        assert {s.sample(logits) for _ in range(20)} == {int(np.argmax(logits))}
+
+
 @pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -0.5])
 def test_a_temperature_that_is_not_a_finite_number_at_least_zero_is_refused(temperature: float) -> None:
     with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):

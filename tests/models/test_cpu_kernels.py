@@ -111,7 +111,9 @@ def test_every_path_this_cpu_runs_passes_the_kernel_tests(name: str) -> None:
         pytest.skip(f"{cpu_kernels.host()[0]} cannot run the {name} path (it runs {here})")
     if name == cpu_kernels.PATH.name:
         pytest.skip(f"{name} is the path this process runs: the whole suite tests it")
-    env = {**os.environ, ENV: name, "PYTHONPATH": str(ROOT)}
+    # a pytest of its own: not an xdist worker's (its variables would make plugins think it is one)
+    own = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT"))}
+    env = {**own, ENV: name, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", *KERNEL_TESTS]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=1200)
     tail = run.stdout[-4000:] + run.stderr[-2000:]
