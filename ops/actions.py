@@ -492,6 +492,41 @@ def stop(fleet: FleetFile, host: Host) -> Step:
     return Step(host, f"stop launchd agent {launchd_label(fleet, host)}", remote)
 
 
+LEAVE_S = 60  # how long a member has to leave its session on SIGTERM before it is killed
+
+
+def leave(fleet: FleetFile, host: Host) -> Step:
+    """Stop the member with SIGTERM (it closes its links; the host plans around it), waiting for it
+    to end; its container or unit stays until its next start replaces it."""
+    if host.runtime == "docker":
+        remote = shlex.join(["docker", "stop", "-t", str(LEAVE_S), unit(fleet, host)]) + " >/dev/null"
+        return Step(host, f"stop member {host.device} (container)", remote)
+    if host.os == "linux":
+        name = shlex.quote(unit(fleet, host) + ".service")
+        return Step(host, f"stop member {host.device} (native service)", f"systemctl --user stop {name}")
+    target = f"gui/$(id -u)/{shlex.quote(launchd_label(fleet, host))}"
+    return Step(host, f"stop member {host.device} (launchd agent)", f"launchctl bootout {target}")
+
+
+def image_of(fleet: FleetFile, host: Host) -> Step:
+    """The image id a docker member's container runs."""
+    remote = shlex.join(["docker", "inspect", "--format", "{{.Image}}", unit(fleet, host)])
+    return Step(host, "read the member's image", remote)
+
+
+def speaks(fleet: FleetFile, host: Host, installed: bool) -> Step:
+    """The kafila build's version and wire versions (kafila.proto.speaks) as JSON: in the member's
+    running container, or (`installed`) the one the native host's interpreter has now."""
+    if host.runtime == "docker" and not installed:
+        argv = ["docker", "exec", unit(fleet, host), "python", "-m", "kafila.proto.speaks"]
+        return Step(host, "read the running build's wire versions", shlex.join(argv))
+    return Step(
+        host,
+        f"read the wire versions of kafila in {host.python}",
+        _words([host.python, "-m", "kafila.proto.speaks"]),
+    )
+
+
 def down_steps(fleet: FleetFile) -> list[Step]:
     """Joiners first, then the host member, then the rendezvous: once per docker host (by label)."""
     steps: list[Step] = []

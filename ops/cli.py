@@ -1,7 +1,9 @@
 """`kafila-ops`: bring a multi-site fleet up from one file, watch it, benchmark it, take it down.
 
 kafila-ops fleet plan FLEET.toml        divisions, and every command `up` would run (dry run)
-kafila-ops fleet up FLEET.toml          check hosts, ship the image, start members, wait serving
+kafila-ops fleet up FLEET.toml          check hosts, ship the image, start members, wait serving; on a
+                                        fleet that serves: a rolling upgrade of the members whose image
+                                        or kafila changed, one at a time (--dry-run: the order only)
 kafila-ops fleet status FLEET.toml      containers and services, session state, links (exit 0: every
                                         member runs; 1: a host could not be asked; 3: a member is not
                                         running)
@@ -38,6 +40,11 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("-v", "--verbose", action="store_true", help="print every remote command as it runs")
     f.add_argument(
         "--wait", type=float, default=900.0, help="up: seconds to wait for the code and for serving (900)"
+    )
+    f.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="up on a serving fleet: print the rolling upgrade's order (or why it is refused), stop nothing",
     )
     f.add_argument("--lines", type=int, default=50, help="logs: lines per member (default 50)")
     f.add_argument(
@@ -107,7 +114,17 @@ def run(args: argparse.Namespace, remote: object) -> int:
         print(plan_text(fleet, args.fleet))
         return 0
     if args.action == "up":
-        fleetcmds.up(remote, fleet, args.wait)
+        from ops import upgrade
+
+        doc = upgrade.serving(remote, fleet)
+        if doc is not None:
+            upgrade.roll(remote, fleet, doc, args.wait, args.dry_run)
+        elif args.dry_run:
+            print(
+                f"fleet {fleet.name} does not serve: `up` starts every member\n{plan_text(fleet, args.fleet)}"
+            )
+        else:
+            fleetcmds.up(remote, fleet, args.wait)
     elif args.action == "down":
         try:
             fleetcmds.down(remote, fleet)

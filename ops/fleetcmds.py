@@ -330,7 +330,6 @@ def member_traces(remote: Remote, fleet: FleetFile, host: Host) -> list[dict[str
 def measured_ms(remote: Remote, fleet: FleetFile, doc: dict[str, Any]) -> dict[str, float]:
     """Each stage's measured ms per decode step (median over the head's recent requests); empty
     before any request was served."""
-    from kafila.obs.trace import summarize
     from kafila.obs.tracefile import from_json
 
     head = doc.get("head")
@@ -340,7 +339,17 @@ def measured_ms(remote: Remote, fleet: FleetFile, doc: dict[str, Any]) -> dict[s
         records = [from_json(r) for r in member_traces(remote, fleet, fleet.host(head))]
     except (OpsError, ValueError):
         return {}
-    ours = [s for s in summarize(records, drop_cold=False) if s.session == doc.get("session")]
+    return epoch_stage_ms(records, doc)
+
+
+def epoch_stage_ms(records: list[Any], doc: dict[str, Any]) -> dict[str, float]:
+    """Each stage's median ms per decode step over the requests of the session's current plan epoch
+    (`doc`'s): requests of earlier epochs passed other stages (a member left or joined since)."""
+    from kafila.obs.trace import RequestRecord, summarize
+
+    epoch = doc.get("epoch", 1)
+    now = [r for r in records if not isinstance(r, RequestRecord) or r.epoch == epoch]
+    ours = [s for s in summarize(now, drop_cold=False) if s.session == doc.get("session")]
     return dict(ours[-1].stage_ms) if ours else {}
 
 

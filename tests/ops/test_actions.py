@@ -476,3 +476,25 @@ def test_a_mirror_url_as_weights_starts_the_session_host_with_weights_from_and_n
     assert host_args[host_args.index("--weights-from") + 1] == url
     joiner = actions.start(fleet, fleet.host("cpu-box"), "sha256:abc", "CODE").remote
     assert "--weights-from" not in joiner  # members hear the mirror from the host
+
+
+def test_a_member_leaves_on_sigterm_and_its_build_is_asked_where_it_runs() -> None:
+    fleet = parse(fleet_text(), "f.toml")
+    gpu, mac, penguin = (fleet.host(n) for n in ("gpu", "mac", "penguin"))
+    assert sh_words(actions.leave(fleet, gpu).remote) == [
+        "docker",
+        "stop",
+        "-t",
+        "60",
+        "kafila-f1-gpu",
+        ">/dev/null",
+    ]
+    assert sh_words(actions.leave(fleet, penguin).remote) == [
+        "systemctl", "--user", "stop", "kafila-f1-penguin.service"
+    ]  # fmt: skip
+    assert actions.leave(fleet, mac).remote == "launchctl bootout gui/$(id -u)/dev.kafila.f1.mac"
+    assert sh_words(actions.image_of(fleet, gpu).remote)[-1] == "kafila-f1-gpu"
+    running = sh_words(actions.speaks(fleet, gpu, installed=False).remote)
+    assert running == ["docker", "exec", "kafila-f1-gpu", "python", "-m", "kafila.proto.speaks"]
+    assert actions.speaks(fleet, mac, installed=True).remote.endswith(" -m kafila.proto.speaks")
+    assert "kafila venv" in actions.speaks(fleet, mac, installed=True).remote

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import stat
 import subprocess
 import sys
@@ -135,6 +136,7 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
         assert [c["args"][:4] for c in calls if c["tool"] == "systemd-run"] == [
             ["--user", "--unit", "kafila-lab-h3", "--collect"]
         ]
+        rolling_upgrade(fleet_lab, fleet, tmp_path)
         failure_paths(fleet_lab, fleet)
     finally:
         fleet_lab.restore()
@@ -150,6 +152,126 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
     assert ["stop", "kafila-lab-rendezvous.service"] in [
         [a for a in c["args"] if a != "--user"][:2] for c in calls
     ]
+
+
+def rolling_upgrade(fleet_lab: FleetLab, fleet: Path, tmp_path: Path) -> None:
+    """While a client in h1's namespace streams requests without pause: an image whose session
+    messages are of another version is refused before anything stops; then a new image (one layer
+    above) and a new kafila for the native h3 (a copy of the package of another version, named as
+    the fleet's interpreter) replace h2 and h3 one at a time. No request fails; h2 runs the new
+    image, h3 the new version; the session host h1 stays (its role does not move)."""
+    from ops.fleetfile import load
+
+    parsed = load(fleet)
+    image = member_image_name(parsed, parsed.host("h1"))
+    old_id = local_image(image)
+    versioned = ROOT / "kafila" / "proto" / "session.py"
+    v = int(re.search(r"^SESSION_VERSION = (\d+)", versioned.read_text(), re.M).group(1))  # type: ignore[union-attr]
+    new_pkg = tmp_path / "new-kafila"
+    shutil.copytree(ROOT / "kafila", new_pkg / "kafila", ignore=shutil.ignore_patterns("__pycache__"))
+    init = new_pkg / "kafila" / "__init__.py"
+    init.write_text(re.sub(r'__version__ = "([^"]+)"', r'__version__ = "\1+upgrade"', init.read_text()))
+    wrapper = tmp_path / "python-new"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={new_pkg} exec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    upgraded = tmp_path / "upgraded.toml"
+    upgraded.write_text(fleet.read_text().replace('python = "python3"', f'python = "{wrapper}"'))
+    stop, answers = tmp_path / "client.stop", tmp_path / "answers.jsonl"
+    new_id = ""
+    client = subprocess.Popen(
+        ["nsenter", f"--net=/var/run/netns/{fleet_lab.hosts['lab-h1'].ns}", sys.executable,
+         str(ROOT / "tests" / "ops" / "streaming_client.py"), "http://127.0.0.1:11434/v1/chat/completions",
+         str(tmp_path / "lab-api.key"), str(answers), str(stop)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        build_on(image, f"RUN sed -i 's/^SESSION_VERSION = {v}/SESSION_VERSION = {v + 1}/' "
+                        "$(python -c 'import kafila.proto.session as s; print(s.__file__)')")  # fmt: skip
+        refused = ops(upgraded, "up")
+        assert refused.returncode == 1, refused
+        assert "rolling upgrade refused; nothing was stopped" in refused.stderr, refused.stderr
+        assert "h2: session messages: the session (kafila " in refused.stdout, refused.stdout
+        assert f"runs v{v}, kafila " in refused.stdout and f"speaks v{v + 1}" in refused.stdout
+        assert "leaving the session" not in refused.stderr
+        refused_id = local_image(image)
+        subprocess.run(["docker", "tag", old_id, image], check=True, capture_output=True)
+        subprocess.run(["docker", "rmi", refused_id], check=True, capture_output=True)
+        build_on(image, f"RUN echo {secrets.token_hex(8)} > /tmp/upgrade")
+        new_id = local_image(image)
+        dry = ok(ops(upgraded, "up", "--dry-run"))
+        assert re.search(r"^\d\. h2 .*leaves, starts on image", dry, re.M), dry
+        assert re.search(r"^\d\. h3 .*starts on kafila \S+\+upgrade", dry, re.M), dry
+        assert "kept: h1: the session host keeps" in dry, dry
+        started = time.monotonic()
+        rolled = ops(upgraded, "up", "--wait", "600", timeout=1500)
+        took = time.monotonic() - started
+        out = ok(rolled)
+        print(f"\nrolling upgrade: {took:.1f} s\n{out}\n{rolled.stderr[-2500:]}")
+        assert "rolling upgrade done: " in out and "2/2: " in rolled.stderr
+        time.sleep(3)  # the client streams on the upgraded session a while
+    finally:
+        stop.touch()
+        client.wait(timeout=180)
+        subprocess.run(["docker", "tag", old_id, image], check=True, capture_output=True)
+        if new_id:  # the lab's own build leaves no dangling image
+            subprocess.run(["docker", "rmi", new_id], capture_output=True, timeout=120)
+    records = [json.loads(line) for line in answers.read_text().splitlines()]
+    failed = [r for r in records if r.get("status") != 200 or r.get("error") or not r.get("finish")]
+    waited = [r for r in records if r["retried_503"]]
+    print(
+        f"client: {len(records)} requests over {records[-1]['t1'] - records[0]['t0']:.1f} s, "
+        f"{len(failed)} failed, {len(waited)} waited out a 503 (Retry-After) first "
+        f"({sum(r['retried_503'] for r in records)} answers)"
+    )
+    assert records and not failed, failed[:5]
+    assert runs_image(fleet_lab, "lab-h2", "kafila-lab-h2") == new_id
+    h3 = ops(upgraded, "status")
+    assert h3.returncode == 0 and all(
+        re.search(rf"^{n}\s.*\bserving\b", h3.stdout, re.M) for n in ("h1", "h2", "h3")
+    ), h3.stdout
+    key = (tmp_path / "lab-api.key").read_text().strip()
+    code = (
+        "import urllib.request as u\n"
+        "q = u.Request('http://127.0.0.1:11434/metrics', headers={'Authorization': 'Bearer ' + "
+        f"{key!r}}})\nprint(u.urlopen(q, timeout=10).read().decode())"
+    )
+    metrics = subprocess.run(
+        ["nsenter", f"--net=/var/run/netns/{fleet_lab.hosts['lab-h3'].ns}", sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert re.search(r'kafila_build_info\{[^}]*version="[^"]+\+upgrade"', metrics.stdout), metrics.stdout[
+        :500
+    ]
+
+
+def local_image(image: str) -> str:
+    done = subprocess.run(
+        ["docker", "image", "inspect", "-f", "{{.Id}}", image], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def build_on(image: str, step: str) -> None:
+    """`image` rebuilt one layer above what it names now (the tag moves to the new one), the step
+    run as root and the image's user kept."""
+    user = subprocess.run(["docker", "image", "inspect", "-f", "{{.Config.User}}", image],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    build = subprocess.run(
+        ["docker", "build", "-q", "-t", image, "-"],
+        input=f"FROM {image}\nUSER root\n{step}\nUSER {user or 'root'}\n",
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stderr
+
+
+def runs_image(fleet_lab: FleetLab, alias: str, container: str) -> str:
+    done = subprocess.run(
+        ["docker", "-H", fleet_lab.hosts[alias].socket, "inspect", "-f", "{{.Image}}", container],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
 
 
 def only_the_new_layer_crosses(fleet_lab: FleetLab, fleet: Path) -> None:

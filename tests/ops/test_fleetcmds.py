@@ -332,3 +332,26 @@ def test_up_checks_a_mirror_url_before_anything_and_names_the_files_it_lacks(
         (tmp_path / gone.name).rename(gone)
         fleetcmds.check_mirror(remote, fleet)  # whole: no error
     assert "answers config.json and every safetensors file" in remote.out.getvalue()  # type: ignore[attr-defined]
+
+
+def test_measured_stage_times_come_from_the_current_epochs_requests_only() -> None:
+    """After a member left and joined again, the head's records hold requests over other stages:
+    status reads the current epoch's (it used to raise, naming the two stage lists)."""
+    from kafila.obs.trace import RequestRecord, StageTrace
+
+    def req(rid: int, epoch: int, members: tuple[str, ...], ms: float) -> RequestRecord:
+        stages = tuple(StageTrace(m, i, (i, i + 1), i == 0, 10.0, ms) for i, m in enumerate(members))
+        return RequestRecord("s1", rid, "h1", "kafila", 5, 9, 0.1, 0.2, 0.8, 40.0, stages, epoch=epoch)
+
+    records = [
+        req(1, 2, ("h3", "h1"), 30.0),
+        req(2, 3, ("h3", "h1", "h2"), 12.0),
+        req(3, 3, ("h3", "h1", "h2"), 14.0),
+    ]
+    assert fleetcmds.epoch_stage_ms(records, {"session": "s1", "epoch": 3}) == {
+        "h3": 13.0,
+        "h1": 13.0,
+        "h2": 13.0,
+    }
+    assert fleetcmds.epoch_stage_ms(records, {"session": "s1", "epoch": 2}) == {"h3": 30.0, "h1": 30.0}
+    assert fleetcmds.epoch_stage_ms(records, {"session": "other", "epoch": 3}) == {}

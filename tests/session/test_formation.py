@@ -8,6 +8,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from kafila import __version__
 from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan, Stage
 from kafila.proto.session import SESSION_VERSION, SessionTerms
@@ -891,3 +892,52 @@ def test_a_plan_at_forming_starts_in_the_first_epoch() -> None:
         ).epoch
         == 1
     )
+
+
+def test_a_joiner_of_another_session_version_is_refused_in_its_own_version_and_removed() -> None:
+    """Its report is not read: the host answers `refused` in the joiner's envelope, naming both
+    versions, removes it at the rendezvous and goes on gathering; its place stays open."""
+    core = host_with(3)
+    admitted(core, 2, "beta", 101.0)
+    admitted(core, 3, "old", 101.0)
+    old = SESSION_VERSION - 1
+    out = core.handle(fm.OtherVersion(3, old), 102.0)
+    why = (
+        f"this member speaks session messages v{old}; the session's host (kafila {__version__}) speaks "
+        f"v{SESSION_VERSION}: join with a newer kafila that speaks v{SESSION_VERSION}"
+    )
+    assert out == [
+        fm.Send(3, {fm.KEY: old, "op": "refused", "reason": why}),
+        fm.Remove(3, f"old was not admitted: {why}"),
+        fm.Say(f"old was not admitted: {why}"),
+    ]
+    assert kinds(core.handle(fm.Left(3, "removed"), 102.5)) == []  # the removal it asked for
+    core.handle(fm.Message(2, report("beta")), 103.0)
+    assert kinds(gathered(core, {4: "gamma"}, 104.0))[-1] == "PlanNow"  # the place was still open
+
+
+def test_a_formed_host_refuses_a_newcomer_of_another_version_and_a_members_is_only_logged() -> None:
+    core = host_with(2)
+    gathered(core, {2: "beta"})
+    core.planned(plan_of(["alpha", "beta"]), 102.0, TERMS)
+    core.handle(fm.Message(2, fm.payload("ready")), 103.0)
+    core.started(104.0)
+    newer = SESSION_VERSION + 1
+    out = core.handle(fm.OtherVersion(7, newer), 200.0)
+    assert kinds(out) == ["Send", "Remove", "Say"] and out[0] == fm.Send(
+        7, {fm.KEY: newer, "op": "refused", "reason": out[0].body["reason"]}
+    )
+    assert "join with an older kafila" in out[0].body["reason"]
+    assert kinds(core.handle(fm.OtherVersion(2, newer), 201.0)) == ["Rejected"]  # beta is in the ring
+
+
+def test_a_member_whose_host_speaks_another_session_version_stops_naming_both() -> None:
+    core = member()
+    out = core.handle(fm.OtherVersion(HOST, SESSION_VERSION + 1), 51.0)
+    assert out == [
+        fm.Failed(
+            f"the session's host speaks session messages v{SESSION_VERSION + 1}; this member (kafila "
+            f"{__version__}) speaks v{SESSION_VERSION}: join with a kafila that speaks v{SESSION_VERSION + 1}"
+        )
+    ]
+    assert kinds(member().handle(fm.OtherVersion(9, 1), 51.0)) == ["Rejected"]  # not the host: ignored

@@ -91,6 +91,8 @@ class HostArrivals:
             return self._joined(event)
         if isinstance(event, fm.Left):
             return self._left(event)
+        if isinstance(event, fm.OtherVersion):  # the core refuses it in its own version
+            return False
         newcomer = self.coming.get(event.sender)
         if newcomer is None:
             return False

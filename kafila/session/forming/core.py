@@ -44,6 +44,7 @@ from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan
 from kafila.planner.succession import succession_order
 from kafila.proto import session as sm
+from kafila.proto import speaks
 from kafila.proto.session import KEY as KEY
 from kafila.proto.session import SessionMessageError
 from kafila.proto.session import payload as payload
@@ -94,7 +95,16 @@ class Message:
     body: dict[str, Any]
 
 
-Event = Joined | Left | Message
+@dataclass(frozen=True)
+class OtherVersion:
+    """A session payload from `sender` in another session-message version than this member's
+    (`version`): its body is not read (kafila.proto.speaks)."""
+
+    sender: int
+    version: int
+
+
+Event = Joined | Left | Message | OtherVersion
 
 
 # ------------------------------------------------------------------ outputs
@@ -239,6 +249,8 @@ class _Machine:
         self.now = now
         if self._expired(now):
             return self._timed_out()
+        if isinstance(event, OtherVersion):
+            return self._other_version(event)
         if self.step in DONE:
             who = event.sender if isinstance(event, Message) else event.member
             return [Rejected(who, f"{type(event).__name__.lower()} after the session was {self.step.value}")]
@@ -252,6 +264,9 @@ class _Machine:
         return []
 
     def _left(self, event: Left) -> list[Output]:
+        raise NotImplementedError
+
+    def _other_version(self, event: OtherVersion) -> list[Output]:
         raise NotImplementedError
 
     def _message(self, sender: int, op: str, body: dict[str, Any]) -> list[Output]:
@@ -418,6 +433,24 @@ class HostFormation(_Machine):
 
     def _others(self) -> list[int]:
         return [m for m in self.ids.values() if m != self.host_id]
+
+    def _other_version(self, event: OtherVersion) -> list[Output]:
+        """A member whose session messages are of another version: refused in its own envelope and
+        removed at the rendezvous before anything is planned with it (in any step: a newcomer of a
+        serving session too); the session goes on."""
+        if event.sender in self.ids.values():
+            return [
+                Rejected(event.sender, f"session messages v{event.version} from {self._name(event.sender)}")
+            ]
+        name = self._name(event.sender)
+        why = speaks.other_session_version(event.version)
+        self._forget(event.sender)
+        self.removed[event.sender] = name
+        return [
+            Send(event.sender, speaks.refusal_in(event.version, why)),
+            Remove(event.sender, f"{name} was not admitted: {why}"),
+            Say(f"{name} was not admitted: {why}"),
+        ]
 
     def _refuse(self, reason: str, members: list[int]) -> list[Output]:
         """Fail with `reason`, telling `members` (so none waits out its own deadline)."""
@@ -612,6 +645,11 @@ class MemberFormation(_Machine):
                 f"the host did not confirm the session within {self.wait_s:g} s of this member's ready"
             )
         return self._fail(f"the links of this session were not up within {self.link_s:g} s")
+
+    def _other_version(self, event: OtherVersion) -> list[Output]:
+        if event.sender != self.host_id:
+            return [Rejected(event.sender, f"session messages v{event.version} from member {event.sender}")]
+        return self._fail(speaks.host_speaks_other(event.version))
 
     def _left(self, event: Left) -> list[Output]:
         if event.member == self.host_id:

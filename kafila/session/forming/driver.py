@@ -19,6 +19,7 @@ from kafila.net.signaling import SignalingClient, SignalingClosed
 from kafila.obs.log import get_logger
 from kafila.proto import signaling as sig
 from kafila.proto.session import SESSION_VERSION
+from kafila.proto.speaks import session_version_of
 from kafila.session.errors import SessionError
 from kafila.session.forming import core as fm
 from kafila.session.forming.core import HostFormation, MemberFormation
@@ -234,6 +235,9 @@ class Driver:
     def _translate(self, event: sig.ServerMessage) -> fm.Event | None:
         if isinstance(event, sig.SignalFrom) and event.payload.get(fm.KEY) == SESSION_VERSION:
             return fm.Message(event.sender, event.payload)
+        if isinstance(event, sig.SignalFrom) and (seen := session_version_of(event.payload)) is not None:
+            log.warning("session_version_differs", member=event.sender, version=seen, ours=SESSION_VERSION)
+            return fm.OtherVersion(event.sender, seen)
         if isinstance(event, sig.MemberJoined):
             return fm.Joined(event.member.id, event.member.name)
         if isinstance(event, sig.MemberLeft):
