@@ -116,7 +116,7 @@ def add_draft_flag(parser: argparse.ArgumentParser, where: str = "") -> None:
     from kafila.engine.draft import DRAFT_HELP
 
     parser.add_argument(
-        "--draft", default="lookup", type=_draft, metavar="none|lookup|MODEL", help=DRAFT_HELP + where
+        "--draft", default="lookup", type=_draft, metavar="{none,lookup,MODEL}", help=DRAFT_HELP + where
     )
 
 
