@@ -1,20 +1,27 @@
 """One user's decode over a WAN ring: three- and four-member sessions of `kafila` processes in the
 WAN lab (tests/natlab/wanlab.py: network namespaces behind home routers, every public edge held for
 a one-way delay by a user-space router; root), asked a chat question, a summary of a given text and
-a code edit at several one-way delays per edge and with loss. Per condition and prompt, medians over
-`--runs` greedy requests (streamed) with the spread (half the range):
+a code edit at several one-way delays per edge and with loss, decoding plainly (the head's
+`--draft none`) or speculatively (`--draft lookup`: prompt lookup drafts, one circuit verifying
+several tokens). Per condition and prompt, medians over `--runs` greedy requests (streamed) with
+the spread (half the range):
 
-- ms per token: first to last streamed chunk over the chunks after the first (a chunk per token);
-- tokens per circuit: the head's median circuit (time around the ring per decode step, from its
-  request record where it wrote one) over ms per token (plain decoding: about 1);
-- p95 token gap: the 95th percentile of the gaps between streamed chunks;
+- ms per token: first to last streamed chunk over the tokens after the first (the answer's usage);
+- tokens per circuit: the tokens after the first over the decode circuits that gave them (the
+  drafted tokens kept, from the usage's accepted_prediction_tokens: 1 for plain decoding);
+- circuit ms: the head's median time around the ring per decode step (its request record);
+- circuit / token: circuit ms over ms per token (plain decoding: about 1, less where the head
+  waits between steps; speculative: about the tokens per circuit, where drafting costs nothing);
+- p95 token gap: the 95th percentile of the gaps between streamed chunks (a chunk per circuit);
 - first token: request sent -> first streamed chunk;
-- same: whether the answer is the text the first condition (no delay) gave.
+- same: whether the answer is the text the first decoding at the first condition gave.
 
-    python3 benchmarks/wan.py [--members 3,4] [--delays 0,5,20,40] [--loss 20:0.01] [--runs 3]
+    python3 benchmarks/wan.py [--members 3,4] [--delays 0,5,20,40] [--loss 20:0.01] [--runs 3] [--spec]
 
-The session forms with the lab's router out of the way (the weights come at the kernel's rate), then
-the lab shapes every edge per condition; the same session serves every condition of one ring size.
+`--spec` measures plain and speculative decoding side by side: one session of each per ring size in
+the same lab, every condition with both. Each session forms with the lab's router out of the way
+(the weights come at the kernel's rate), then the lab shapes every edge per condition; the same
+session serves every condition of its decoding and ring size.
 """
 
 from __future__ import annotations
@@ -35,8 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _session_common import Load, median, spread
 
+from kafila.rendezvous.server import RendezvousServer
 from tests.natlab.delayline import Shape
-from tests.natlab.lab import RDV_ADDRS, missing_requirements, netns
+from tests.natlab.lab import RDV_ADDRS, Site, missing_requirements, netns
 from tests.natlab.members import API, form, stop
 from tests.natlab.wanlab import WanLab
 from tests.net.harness import start_rendezvous
@@ -56,10 +64,12 @@ PROMPTS = {
     "code-edit": f"Rename the variable x to result in this Python code and show the whole code.\n\n{CODE}",
 }
 HEADER = "| prompt | ms per token | tokens per circuit | p95 token gap ms | first token ms | tokens | same |"
-HEADER = "| prompt | ms per token | tokens per circuit | p95 token gap ms | first token ms | tokens | same |"
-# How a request is decoded. Plain decoding is one circuit per token; a speculative mode adds its
-# name here and its request fields in `decoding_fields`.
-DECODINGS = ("plain",)
+HEADER = (
+    "| prompt | ms per token | tokens per circuit | circuit ms | circuit / token | p95 token gap ms "
+    "| first token ms | tokens | same |"
+)
+# How the head decodes: its --draft for each decoding (plain: one circuit per token)
+DECODINGS = {"plain": "none", "lookup": "lookup"}
 
 CLIENT = """
 import httpx, json, sys, time
@@ -72,17 +82,23 @@ def records(client):
 
 def ask(client, prompt, max_tokens):
     body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True, **extra}
-    t0, times, text = time.perf_counter(), [], []
+            "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, **extra}
+    t0, times, text, usage = time.perf_counter(), [], [], {}
     with client.stream("POST", "http://API/v1/chat/completions", json=body) as r:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            piece = json.loads(line[6:])["choices"][0]["delta"].get("content")
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"the answer failed: {chunk['error']}")
+            usage = chunk.get("usage") or usage
+            choices = chunk.get("choices") or [{}]
+            piece = choices[0].get("delta", {}).get("content")
             if piece:
                 times.append(time.perf_counter() - t0)
                 text.append(piece)
-    return times, "".join(text)
+    return times, "".join(text), usage
 
 
 out = []
@@ -90,8 +106,8 @@ with httpx.Client(timeout=600) as client:
     seen = len(records(client))
     for name, prompt in prompts.items():
         for _ in range(runs):
-            times, text = ask(client, prompt, max_tokens)
-            out.append({"prompt": name, "times": times, "text": text})
+            times, text, usage = ask(client, prompt, max_tokens)
+            out.append({"prompt": name, "times": times, "text": text, "usage": usage})
     # the head writes a request's record once every member reported its hops, which may come with
     # the next request: one more short request, then every record in request order
     for _ in range(3):
@@ -106,15 +122,8 @@ print(json.dumps(out))
 """.replace("API", API)
 
 
-def decoding_fields(decoding: str) -> dict[str, Any]:
-    """Extra request fields for a decoding mode (plain: none)."""
-    if decoding == "plain":
-        return {}
-    raise ValueError(f"decoding {decoding!r} is not one of {DECODINGS}")
-
-
-def ask_all(ns: str, max_tokens: int, runs: int, decoding: str) -> list[dict[str, Any]]:
-    arg = json.dumps([PROMPTS, max_tokens, runs, decoding_fields(decoding)])
+def ask_all(ns: str, max_tokens: int, runs: int) -> list[dict[str, Any]]:
+    arg = json.dumps([PROMPTS, max_tokens, runs, {}])
     got = subprocess.run(
         ["ip", "netns", "exec", ns, sys.executable, "-c", CLIENT, arg], capture_output=True, timeout=3600
     )
@@ -127,57 +136,90 @@ def p95(xs: list[float]) -> float:
     return statistics.quantiles(xs, n=20)[-1] if len(xs) >= 2 else float("nan")
 
 
+def tokens_per_circuit(usage: dict[str, Any]) -> float:
+    """The answer's tokens after the first over the decode circuits that gave them: each circuit
+    gave one token plus the drafted tokens it kept."""
+    after_first = usage["completion_tokens"] - 1
+    kept = (usage.get("completion_tokens_details") or {}).get("accepted_prediction_tokens", 0)
+    return after_first / max(after_first - kept, 1)
+
+
 def summarize(answers: list[dict[str, Any]], reference: dict[str, str]) -> list[str]:
     """One table row per prompt: medians (spread) over the runs."""
     rows = []
     for name in PROMPTS:
         mine = [a for a in answers if a["prompt"] == name]
-        # ms per token from the stream (a chunk per token); the circuit from the head's record,
-        # where it wrote one for the request
-        per_token = [1000 * (a["times"][-1] - a["times"][0]) / (len(a["times"]) - 1) for a in mine]
-        per_circuit = [
-            a["trace"]["circuit_ms"] / t for a, t in zip(mine, per_token, strict=True) if "trace" in a
+        # ms per token from the stream (a chunk per circuit) and the usage; the circuit from the
+        # head's record, where it wrote one for the request
+        per_token = [
+            1000 * (a["times"][-1] - a["times"][0]) / max(a["usage"]["completion_tokens"] - 1, 1)
+            for a in mine
         ]
+        per_circuit = [tokens_per_circuit(a["usage"]) for a in mine]
+        circuit = [a["trace"]["circuit_ms"] for a in mine if "trace" in a]
+        ratio = [a["trace"]["circuit_ms"] / t for a, t in zip(mine, per_token, strict=True) if "trace" in a]
         gaps = [p95([1000 * (b - a) for a, b in zip(x["times"], x["times"][1:], strict=False)]) for x in mine]
         first = [1000 * a["times"][0] for a in mine if a["times"]]
         same = all(a["text"] == reference.get(name, a["text"]) for a in mine)
         rows.append(
             f"| {name} | {median(per_token):.0f} ({spread(per_token):.0f}) | {median(per_circuit):.2f} "
-            f"({spread(per_circuit):.2f}) | {median(gaps):.0f} ({spread(gaps):.0f}) | {median(first):.0f} "
-            f"({spread(first):.0f}) | {len(mine[0]['times'])} | {'yes' if same else 'NO'} |"
+            f"({spread(per_circuit):.2f}) | {median(circuit):.0f} ({spread(circuit):.0f}) | "
+            f"{median(ratio):.2f} ({spread(ratio):.2f}) | {median(gaps):.0f} ({spread(gaps):.0f}) | "
+            f"{median(first):.0f} ({spread(first):.0f}) | {mine[0]['usage']['completion_tokens']} | "
+            f"{'yes' if same else 'NO'} |"
         )
     return rows
 
 
-async def ring(members: int, conditions: list[tuple[float, float]], args: argparse.Namespace) -> None:
+async def ring(
+    members: int, conditions: list[tuple[float, float]], decodings: list[str], args: argparse.Namespace
+) -> None:
     with WanLab() as lab, tempfile.TemporaryDirectory() as tmp:
         with netns(lab.rdv):
             rdv = await start_rendezvous(RDV_ADDRS[0], RDV_ADDRS[1])
-        lab.bypass()
         sites = [lab.add_site("permissive") for _ in range(members)]
-        procs: list[subprocess.Popen[bytes]] = []
+        reference: dict[str, str] = {}  # the first decoding's answers at the first condition
         try:
-            await form(sites, rdv, Path(tmp), procs, ready_s=900)  # a loaded machine probes slowly
-            reference: dict[str, str] = {}
-            for delay_ms, loss in conditions:
-                lab.shape(Shape(delay=delay_ms / 1000, loss=loss))
-                await asyncio.to_thread(ask_all, sites[0].host, args.max_tokens, 1, args.decoding)  # settle
-                load = Load()
-                answers = await asyncio.to_thread(
-                    ask_all, sites[0].host, args.max_tokens, args.runs, args.decoding
-                )
-                for a in answers:
-                    reference.setdefault(a["prompt"], a["text"])
-                what = (
-                    f"{members} members, {delay_ms:g} ms one way per edge, loss {loss:.0%}, {args.decoding}"
-                )
-                print(f"\n{what}, {args.runs} runs per prompt; {load.report()}")
-                print(HEADER)
-                print("|---|---|---|---|---|---|---|")
-                print("\n".join(summarize(answers, reference)), flush=True)
+            for decoding in decodings:
+                logs = Path(tmp) / decoding
+                logs.mkdir()
+                await session(lab, sites, rdv, logs, conditions, decoding, reference, args)
         finally:
-            stop(procs)
             await rdv.stop()
+
+
+async def session(
+    lab: WanLab,
+    sites: list[Site],
+    rdv: RendezvousServer,
+    logs: Path,
+    conditions: list[tuple[float, float]],
+    decoding: str,
+    reference: dict[str, str],
+    args: argparse.Namespace,
+) -> None:
+    """One session whose head decodes as `decoding`, asked every prompt at every condition."""
+    lab.bypass()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        host_args = ("--draft", DECODINGS[decoding])
+        await form(
+            sites, rdv, logs, procs, ready_s=900, host_args=host_args
+        )  # a loaded machine probes slowly
+        for delay_ms, loss in conditions:
+            lab.shape(Shape(delay=delay_ms / 1000, loss=loss))
+            await asyncio.to_thread(ask_all, sites[0].host, args.max_tokens, 1)  # settle
+            load = Load()
+            answers = await asyncio.to_thread(ask_all, sites[0].host, args.max_tokens, args.runs)
+            for a in answers:
+                reference.setdefault(a["prompt"], a["text"])
+            what = f"{len(sites)} members, {delay_ms:g} ms one way per edge, loss {loss:.0%}, {decoding}"
+            print(f"\n{what}, {args.runs} runs per prompt; {load.report()}")
+            print(HEADER)
+            print("|---|---|---|---|---|---|---|---|---|")
+            print("\n".join(summarize(answers, reference)), flush=True)
+    finally:
+        stop(procs)
 
 
 def main() -> None:
@@ -189,7 +231,12 @@ def main() -> None:
     p.add_argument("--loss", default="20:0.01", help="DELAY_MS:LOSS conditions with loss, comma-separated")
     p.add_argument("--runs", type=int, default=3, help="requests per prompt and condition")
     p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--decoding", choices=DECODINGS, default="plain")
+    p.add_argument("--decoding", choices=tuple(DECODINGS), default="plain", help="how the head decodes")
+    p.add_argument(
+        "--spec",
+        action="store_true",
+        help="plain and speculative (lookup) decoding side by side: overrides --decoding",
+    )
     args = p.parse_args()
     reason = missing_requirements()
     if reason:
@@ -198,8 +245,9 @@ def main() -> None:
     conditions += [(float(d), float(x)) for d, x in (c.split(":") for c in args.loss.split(",") if c)]
     now = datetime.datetime.now(datetime.UTC)
     print(f"benchmarks/wan.py {' '.join(sys.argv[1:])}; {now:%Y-%m-%d %H:%M} UTC; {os.cpu_count()} CPUs")
+    decodings = ["plain", "lookup"] if args.spec else [args.decoding]
     for members in (int(m) for m in args.members.split(",")):
-        asyncio.run(ring(members, conditions, args))
+        asyncio.run(ring(members, conditions, decodings, args))
 
 
 if __name__ == "__main__":

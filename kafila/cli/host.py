@@ -113,9 +113,17 @@ def add_member_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_draft_flag(parser: argparse.ArgumentParser, where: str = "") -> None:
-    from kafila.engine.draft import DRAFT_HELP, DRAFT_MODES
+    from kafila.engine.draft import DRAFT_HELP
 
-    parser.add_argument("--draft", default="lookup", choices=DRAFT_MODES, help=DRAFT_HELP + where)
+    parser.add_argument(
+        "--draft", default="lookup", type=_draft, metavar="{none,lookup,MODEL}", help=DRAFT_HELP + where
+    )
+
+
+def _draft(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("--draft needs none, lookup or a model's name or folder")
+    return text
 
 
 def _gigabytes(text: str) -> float:

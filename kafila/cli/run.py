@@ -145,7 +145,8 @@ def main(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, params) -> int:  # type: ignore[no-untyped-def]
     from kafila.engine.backend import checkpoint_dtype
     from kafila.engine.backend import resolve as resolve_backend
-    from kafila.engine.draft import policy_for
+    from kafila.engine.draft import draft_model_of, policy_for
+    from kafila.engine.draft_model import load_draft_model
     from kafila.engine.generate import Timings, generate
     from kafila.engine.stage import Stage
     from kafila.engine.tokenizer import Tokenizer
@@ -168,9 +169,12 @@ def _run(args: argparse.Namespace, params) -> int:  # type: ignore[no-untyped-de
     stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend=be, context=args.context, quant=args.quant)
     warm_up(stage, prompt)
     timings, stream = Timings(), tok.stream()
-    draft = policy_for(args.draft)
+    draft, draft_model = policy_for(args.draft), draft_model_of(args.draft)
+    drafter = None if draft_model is None else load_draft_model(draft_model, stage)
     eos = tuple(tok.stop_ids)
-    steps = generate(stage, prompt, params, eos_ids=eos, chunk=args.chunk, timings=timings, draft=draft)
+    steps = generate(
+        stage, prompt, params, eos_ids=eos, chunk=args.chunk, timings=timings, draft=draft, drafter=drafter
+    )
     for token in steps:
         sys.stdout.write(stream.push(token))
         sys.stdout.flush()

@@ -16,20 +16,28 @@ from a prior too, so one slow step (a kernel compiled for a new shape) does not 
 Long circuits (a WAN ring) make extra rows cheap by comparison and want long drafts; a ring on
 one machine wants short ones.
 
+A draft model (kafila.engine.draft_model) drafts instead of prompt lookup where `--draft` names
+one: `propose` takes the proposer, and making each drafted token costs the head `draft_s` more
+(measured per request, `observe_drafting`), which the choice of k adds to the row cost.
+
 No clocks or I/O: the head passes each step's measured circuit time in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-DRAFT_MODES = ("none", "lookup")  # --draft: off, or prompt lookup (the default)
+DRAFT_MODES = ("none", "lookup")  # --draft: off, or prompt lookup (the default); else a model
 DRAFT_HELP = (
     "speculative decoding: 'lookup' (default) drafts the next tokens from n-grams of the prompt and "
     "the answer so far and verifies several per step (one circuit of the ring), keeping the tokens "
-    "plain decoding gives; drafts that miss fall back to plain steps. 'none': one token per step"
+    "plain decoding gives; drafts that miss fall back to plain steps. 'none': one token per step. "
+    "MODEL (a model name or folder with the served model's tokenizer, e.g. a smaller checkpoint of "
+    "its family): that model drafts, run by the head next to its sampler"
 )
+# draft tokens for the step after `history`: (history, k) -> up to k tokens
+Proposer = Callable[[Sequence[int], int], tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,7 @@ class DraftStats:
     accepted: float = 0.0
     base_s: float | None = None  # a plain (one-row) step's circuit, smoothed
     row_s: float | None = None  # what each drafted row adds to it, smoothed
+    draft_s: float | None = None  # what making each drafted token costs the head (a draft model), smoothed
 
     def acceptance(self, policy: DraftPolicy) -> float:
         w = policy.prior_weight
@@ -104,15 +113,36 @@ def choose_k(policy: DraftPolicy, stats: DraftStats, room: int) -> int:
     left to generate and its context, less the step's own token)."""
     base = stats.base_s if stats.base_s is not None else 1.0
     row = stats.row_s if stats.row_s is not None else policy.row_share * base
+    row += stats.draft_s or 0.0
     k = best_k(stats.acceptance(policy), base, max(row, 0.0), policy.max_k, policy.min_gain)
     return min(k, max(room, 0))
 
 
-def propose(policy: DraftPolicy, stats: DraftStats, history: Sequence[int], room: int) -> tuple[int, ...]:
-    """The draft for the step after `history` (prompt and answer so far): prompt lookup of the
-    length `choose_k` gives (shorter where the history ends sooner, () where nothing matches)."""
+def propose(
+    policy: DraftPolicy,
+    stats: DraftStats,
+    history: Sequence[int],
+    room: int,
+    proposer: Proposer | None = None,
+) -> tuple[int, ...]:
+    """The draft for the step after `history` (prompt and answer so far), of the length
+    `choose_k` gives: `proposer`'s (a draft model's), or prompt lookup's (shorter where the
+    history ends sooner, () where nothing matches)."""
     k = choose_k(policy, stats, room)
-    return lookup(history, k, policy.max_ngram, policy.min_ngram) if k else ()
+    if not k:
+        return ()
+    if proposer is not None:
+        return proposer(history, k)[:k]
+    return lookup(history, k, policy.max_ngram, policy.min_ngram)
+
+
+def observe_drafting(policy: DraftPolicy, stats: DraftStats, tokens: int, seconds: float) -> DraftStats:
+    """`stats` after making a draft of `tokens` tokens took the head `seconds` (a draft model's)."""
+    if tokens < 1 or seconds < 0:
+        return stats
+    per_token = seconds / tokens
+    old = stats.draft_s
+    return replace(stats, draft_s=per_token if old is None else old + (1 - policy.decay) * (per_token - old))
 
 
 def observe(
@@ -136,7 +166,13 @@ def observe(
 
 
 def policy_for(mode: str) -> DraftPolicy | None:
-    """The policy of a --draft value: None for "none", prompt lookup for "lookup"."""
-    if mode not in DRAFT_MODES:
-        raise ValueError(f"unknown draft {mode!r}; choose {' or '.join(DRAFT_MODES)}")
-    return DraftPolicy() if mode == "lookup" else None
+    """The policy of a --draft value: None for "none", else the default policy (prompt lookup
+    for "lookup", a draft model for a model's name or folder)."""
+    if not mode.strip():
+        raise ValueError(f"unknown draft {mode!r}; choose {' or '.join(DRAFT_MODES)} or a model")
+    return None if mode == "none" else DraftPolicy()
+
+
+def draft_model_of(mode: str) -> str | None:
+    """The draft model a --draft value names (None for "none" and "lookup")."""
+    return None if mode in DRAFT_MODES else mode

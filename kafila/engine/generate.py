@@ -4,18 +4,21 @@
 step, yielding token ids as they are sampled; `timings` records prefill and decode separately.
 With a `draft` policy each decode step also feeds the tokens prompt lookup drafts and keeps those
 the model agrees with (kafila.engine.draft, kafila.engine.speculative): the same tokens, fewer
-steps where the answer repeats its prompt.
+steps where the answer repeats its prompt; with a `drafter` too, a draft model
+(kafila.engine.draft_model) drafts instead of prompt lookup.
 Text streaming is the tokenizer's (`kafila.engine.tokenizer.Tokenizer.stream()`).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kafila.engine import PREFILL_CHUNK
 from kafila.engine import draft as drafting
+from kafila.engine.draft_model import DraftModel
 from kafila.engine.sampler import Sampler, SamplingParams, StopReason
 from kafila.engine.speculative import verify
 from kafila.engine.stage import ContextFullError, RequestId, Stage
@@ -53,9 +56,11 @@ def generate(
     timings: Timings | None = None,
     draft: drafting.DraftPolicy | None = None,
     tie_margin: float = 0.0,
+    drafter: DraftModel | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids (the stop token included when generation ends on one). `draft`:
-    speculative decoding with prompt lookup; `tie_margin`: kafila.engine.speculative.verify's."""
+    speculative decoding with prompt lookup, or with `drafter`'s drafts where it is given;
+    `tie_margin`: kafila.engine.speculative.verify's."""
     if not stage.head or stage.blocks.start != 0 or stage.blocks.stop != stage.config.num_hidden_layers:
         raise ValueError("generate() needs a stage holding every block and the head")
     if not prompt_ids:
@@ -77,9 +82,14 @@ def generate(
         if draft is None:
             yield from _run(stage, list(prompt_ids), sampler, chunk, rid, t)
         else:
-            yield from _run_drafted(stage, list(prompt_ids), sampler, chunk, rid, t, draft, tie_margin)
+            proposer = None if drafter is None else functools.partial(drafter.propose, rid)
+            yield from _run_drafted(
+                stage, list(prompt_ids), sampler, chunk, rid, t, draft, tie_margin, proposer
+            )
     finally:
         stage.close(rid)
+        if drafter is not None:
+            drafter.close(rid)
 
 
 def _prefill(stage: Stage, prompt: list[int], sampler: Sampler, chunk: int, rid: RequestId) -> int:
@@ -120,8 +130,10 @@ def _run_drafted(
     t: Timings,
     policy: drafting.DraftPolicy,
     tie_margin: float,
+    proposer: drafting.Proposer | None,
 ) -> Iterator[int]:
-    """As `_run`, each step feeding the last token and a draft, keeping what `verify` keeps."""
+    """As `_run`, each step feeding the last token and a draft (`proposer`'s, else prompt
+    lookup's), keeping what `verify` keeps."""
     start = time.perf_counter()
     token = _prefill(stage, prompt, sampler, chunk, rid)
     t.prefill_s, t.generated_tokens = time.perf_counter() - start, 1
@@ -132,7 +144,9 @@ def _run_drafted(
         reason = sampler.stop_reason(token)
         while reason is None and pos + 1 < stage.context:
             room = min(sampler.params.max_tokens - sampler.generated - 1, stage.context - 2 - pos)
-            drafted = () if alone else drafting.propose(policy, stats, history, room)
+            began = time.perf_counter()
+            drafted = () if alone else drafting.propose(policy, stats, history, room, proposer)
+            stats = drafting.observe_drafting(policy, stats, len(drafted), time.perf_counter() - began)
             began = time.perf_counter()
             [hidden] = stage.forward([(rid, pos, stage.embed([token, *drafted]))], rowwise=True)
             verdict = verify(sampler, stage.logits(hidden), drafted, tie_margin)

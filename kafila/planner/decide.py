@@ -14,6 +14,7 @@ from kafila.planner.admission import check_memory, explain_no_division
 from kafila.planner.baselines import proportional_counts, uniform_counts
 from kafila.planner.cost import DeviceCost, Tier, Workload, choose_tier, costs_for, memory_shortfall
 from kafila.planner.devices import DeviceReport
+from kafila.planner.drafting import CircuitYield, figures
 from kafila.planner.head import MU, HeadChoice, place_head, solve_rotation, unrotate
 from kafila.planner.load import LoadChoice, divide_for_load
 from kafila.planner.order import RingOrder, edge_price_s, order_ring, predicted_direct, ring_edges
@@ -273,22 +274,30 @@ def _woken(p: Plan, costs: Sequence[DeviceCost]) -> Plan:
 
 
 def _with_figures(p: Plan) -> Plan:
+    """`p` with its bottleneck, circuit and token figures from its stages' one-row steps, its
+    known edge latencies and what each circuit yields (`Plan.circuit_yield`)."""
     stage_s = [s.cost_s for s in p.stages if s.cost_s is not None]
     if len(stage_s) != len(p.stages) or not stage_s:
         return p
-    bottleneck = max(stage_s)
     known = [e.latency_s for e in p.edges if e.latency_s is not None]
-    circuit = sum(stage_s) + sum(known)
+    f = figures(stage_s, known, p.concurrency, p.circuit_yield)
     return replace(
         p,
-        bottleneck_s=bottleneck,
-        imbalance=bottleneck / min(stage_s),
-        utilisation=sum(stage_s) / len(stage_s) / bottleneck,
-        circuit_s=circuit,
+        bottleneck_s=f.bottleneck_s,
+        imbalance=max(stage_s) / min(stage_s),
+        utilisation=sum(stage_s) / len(stage_s) / max(stage_s),
+        circuit_s=f.circuit_s,
         network_priced=len(known) == len(p.edges),
-        tokens_s=1.0 / circuit,
-        per_token_s=max(bottleneck, circuit / p.concurrency),
+        tokens_s=f.tokens_s,
+        per_token_s=f.per_token_s,
     )
+
+
+def with_yield(p: Plan, y: CircuitYield) -> Plan:
+    """`p` with its figures for circuits yielding `y` (e.g. the tokens per circuit a drafting
+    head measured): the division stays as it is."""
+    drafted = replace(p, tokens_per_circuit=y.tokens, rows_per_circuit=y.rows, row_share=y.row_share)
+    return _with_figures(drafted)
 
 
 def reprice(p: Plan, devices: Sequence[DeviceReport], rule: PairRule = DEFAULT_RULE) -> Plan:

@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kafila.planner.drafting import CircuitYield
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -53,11 +55,21 @@ class Plan:
     utilisation: float | None = None  # mean stage / bottleneck
     circuit_s: float | None = None  # sum of stages + edge latencies that are known
     network_priced: bool = False  # every edge latency was known when circuit_s was summed
-    tokens_s: float | None = None  # one request: 1 / circuit_s
+    tokens_s: float | None = None  # one request: tokens_per_circuit / circuit_s
     # the session's aggregate time per token at its declared concurrency:
-    # max(bottleneck_s, circuit_s / concurrency), what the kafila division minimizes
+    # max(bottleneck_s, circuit_s / concurrency) / tokens_per_circuit; the kafila division
+    # minimizes it for one-row steps
     per_token_s: float | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # what a decode circuit yields (kafila.planner.drafting): 1, 1, 0 for plain decoding; with
+    # speculative decoding the bottleneck and circuit are of `rows_per_circuit` rows
+    tokens_per_circuit: float = 1.0
+    rows_per_circuit: float = 1.0
+    row_share: float = 0.0
+
+    @property
+    def circuit_yield(self) -> CircuitYield:
+        return CircuitYield(self.tokens_per_circuit, self.rows_per_circuit, self.row_share)
 
     @property
     def relayed(self) -> int:
@@ -130,6 +142,7 @@ class Plan:
             "circuit_ms": ms(self.circuit_s),
             "tokens_s": self.tokens_s,
             "per_token_ms": ms(self.per_token_s),
+            "tokens_per_circuit": self.tokens_per_circuit,
             "tier": self.tier,
             "edges": [{"src": e.src, "dst": e.dst, "direct": e.direct} for e in self.edges],
         }

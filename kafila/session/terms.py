@@ -48,7 +48,7 @@ class Options:
     replica_bytes: int = DEFAULT_REPLICA_BYTES  # --replica-bytes: the next member's shard kept, at most
     dead_after: float = 3.0  # --lost-after: a neighbour silent this long is lost (session.channel)
     emulate_speed: float = 1.0  # < 1: emulate a slower device (kafila.engine.pace)
-    draft: str = "lookup"  # --draft: how this member drafts when it is the head (kafila.engine.draft)
+    draft: str = "lookup"  # --draft: how it drafts as the head: none, lookup or a draft model (engine.draft)
     # host only
     model: str = "smollm2-135m"
     members: int = 1

@@ -6,7 +6,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kafila.engine.draft import DraftPolicy, DraftStats, best_k, choose_k, lookup, observe, propose
+from kafila.engine.draft import (
+    DraftPolicy,
+    DraftStats,
+    best_k,
+    choose_k,
+    draft_model_of,
+    lookup,
+    observe,
+    observe_drafting,
+    policy_for,
+    propose,
+)
 
 histories = st.lists(st.integers(0, 5), min_size=0, max_size=60)
 
@@ -92,3 +103,40 @@ def test_impossible_counts_and_settings_are_refused_by_number() -> None:
         observe(DraftPolicy(), DraftStats(), 2, 3, 0.01)
     with pytest.raises(ValueError, match="min_ngram 3 <= max_ngram 2"):
         DraftPolicy(min_ngram=3, max_ngram=2)
+
+
+def test_a_proposer_drafts_instead_of_lookup_and_gets_the_length_chosen() -> None:
+    policy = DraftPolicy(max_k=4)
+    stats = DraftStats(drafted=10, accepted=10, base_s=0.05, row_s=0.0001)
+    asked: list[int] = []
+
+    def model(history, k: int) -> tuple[int, ...]:
+        asked.append(k)
+        return tuple(range(100, 100 + k + 2))  # more than asked: cut to k
+
+    assert propose(policy, stats, [1, 2, 3], 100, model) == (100, 101, 102, 103) and asked == [4]
+    assert propose(policy, stats, [1, 2, 3], 2, model) == (100, 101)  # the room left
+    assert propose(DraftPolicy(max_k=0), stats, [1, 2, 3], 100, model) == () and asked == [4, 2]
+
+
+def test_a_costly_draft_model_drafts_shorter_and_stops_where_it_cannot_pay() -> None:
+    """Making each drafted token costs the head `draft_s` (a draft model's steps): it adds to a
+    drafted row's cost, so a draft model as slow as a circuit per token drafts nothing."""
+    policy = DraftPolicy()
+    wan = DraftStats(drafted=10, accepted=8, base_s=0.120, row_s=0.002)  # a 20 ms-per-hop ring
+    assert choose_k(policy, wan, 100) == 8
+    cheap = observe_drafting(policy, wan, 8, 8 * 0.004)  # 4 ms a token: a small model on the head
+    assert cheap.draft_s == pytest.approx(0.004) and 0 < choose_k(policy, cheap, 100) <= 8
+    slow = observe_drafting(policy, wan, 4, 4 * 0.120)  # as slow per token as the whole circuit
+    assert choose_k(policy, slow, 100) == 0
+    smoothed = observe_drafting(policy, cheap, 2, 2 * 0.014)  # one slow draft moves it a tenth
+    assert smoothed.draft_s == pytest.approx(0.004 + 0.1 * 0.010)
+    assert observe_drafting(policy, cheap, 0, 1.0) == cheap  # nothing drafted: nothing learnt
+
+
+def test_a_draft_value_names_off_lookup_or_a_model() -> None:
+    assert policy_for("none") is None and draft_model_of("none") is None
+    assert policy_for("lookup") == DraftPolicy() and draft_model_of("lookup") is None
+    assert policy_for("smollm2-135m") == DraftPolicy() and draft_model_of("smollm2-135m") == "smollm2-135m"
+    with pytest.raises(ValueError, match="choose none or lookup or a model"):
+        policy_for(" ")

@@ -237,3 +237,22 @@ def _logits(stage: Stage, rid: str, position: int, token: int) -> np.ndarray:
     """One plain decode step's logits."""
     [hidden] = stage.forward([(rid, position, stage.embed([token]))])
     return stage.logits(hidden[-1])
+
+
+@pytest.mark.slow
+def test_kafila_run_with_a_draft_model_answers_as_without(smollm2_path) -> None:
+    """`--draft MODEL`: the default model drafting for itself (the same tokenizer, every greedy
+    draft its own token) gives the answer plain decoding gives."""
+    run = ("run", QUESTION, "--model", str(smollm2_path), "--backend", "torch", "--max-tokens", "12")
+    code, plain_out, _ = cli(*run, "--draft", "none")
+    assert code == 0
+    code, out, err = cli(*run, "--draft", str(smollm2_path))
+    assert code == 0 and out == plain_out
+    assert "drafted tokens kept" in err, err
+
+
+def test_kafila_run_refuses_a_draft_model_of_another_vocabulary(smollm2_path, tiny_checkpoint) -> None:
+    code, _, err = cli(
+        "run", "Hi", "--model", str(smollm2_path), "--draft", str(tiny_checkpoint("qwen3-gqa4-tied"))
+    )
+    assert code == 2 and "vocabulary of 256 tokens, the served model 49152" in err, err

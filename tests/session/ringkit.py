@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from kafila.engine.draft import DraftPolicy
+from kafila.engine.draft_model import DraftModel
 from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
 from kafila.proto.ring import Cause
@@ -57,6 +58,7 @@ def build_ring(
     max_queue: int | None = None,
     draft: DraftPolicy | None = None,  # the head drafts (speculative decoding); None: plain
     tie_margin: float | None = None,
+    drafter: DraftModel | None = None,  # with `draft`: a draft model drafts instead of prompt lookup
 ) -> Ring:
     names = tuple(f"m{i}" for i in range(len(splits)))
     info = RingInfo(
@@ -79,7 +81,7 @@ def build_ring(
     hb = [(beat(a, dead_after), beat(b, dead_after)) for a, b in pairs]
     eos = ckpt.config.eos_token_id
     ways = {"concurrency": concurrency, "chunk": chunk, "lanes": lanes or n, "max_queue": max_queue}
-    ways |= {"draft": draft, "tie_margin": tie_margin}
+    ways |= {"draft": draft, "tie_margin": tie_margin, "drafter": drafter}
     if n == 1:
         head = RingHead(stages[0], ModelThread(names[0]), info, None, None, eos, **ways)
         return Ring(head.start(), [], [])

@@ -10,6 +10,7 @@ import pytest
 
 from kafila.api.service import Sampling
 from kafila.engine.draft import DraftPolicy
+from kafila.engine.draft_model import DraftModel
 from kafila.engine.generate import generate
 from kafila.engine.sampler import SamplingParams
 from kafila.engine.stage import Stage
@@ -118,3 +119,37 @@ async def test_a_head_whose_drafts_find_nothing_still_computes_each_step_with_th
     finally:
         await ring.stop()
     assert got == expected and sent >= 15
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [Sampling(max_tokens=40), Sampling(temperature=1.0, top_p=0.95, seed=5, max_tokens=40)],
+    ids=["greedy", "seeded"],
+)
+async def test_a_draft_model_at_the_head_gives_the_plain_answer_in_fewer_circuits(
+    ckpt: Checkpoint, sampling: Sampling
+) -> None:
+    """The head's draft model (here the served model's own checkpoint, whose greedy drafts are
+    the served model's tokens) drafts each step; the other members verify its rows as any."""
+    params = SamplingParams(
+        temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed, max_tokens=40
+    )
+    expected = plain(ckpt, params)
+    whole = Stage.load(ckpt, range(ckpt.n_blocks), True, "torch", "fp32", context=64)
+    drafter = DraftModel(whole, "itself")
+    # a draft model as costly as the target would not pay in a ring in memory: draft whatever it costs
+    ring = build_ring(
+        ckpt, SPLITS, context=64, draft=DraftPolicy(row_share=0.0, min_gain=-1.0), drafter=drafter
+    )
+    before = counted()
+    try:
+        got = await answer(await ring.head.submit(PROMPT, sampling))
+        await asyncio.sleep(0.2)  # the free notice back round the ring closes its draft slot
+    finally:
+        await ring.stop()
+    drafted, accepted, circuits = (a - b for a, b in zip(counted(), before, strict=True))
+    assert got == expected and len(got) == 40
+    assert drafted > 0 and circuits == 39 - accepted
+    if sampling.temperature == 0:
+        assert accepted == drafted  # the served model's own greedy tokens
+    assert whole.open_requests == []

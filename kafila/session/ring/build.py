@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from kafila.api.app import create_app
 from kafila.api.state import Api, ModelFacts
-from kafila.engine.draft import policy_for
+from kafila.engine.draft import draft_model_of, policy_for
+from kafila.engine.draft_model import DraftModel, load_draft_model
 from kafila.engine.stage import Stage
 from kafila.engine.tokenizer import Tokenizer
 from kafila.models.checkpoint import Checkpoint
@@ -91,6 +92,7 @@ async def start_role(
     role: RingRole
     if head:
         lanes = parts.lanes
+        drafter = await head_drafter(opts.draft, stage)
         role = RingHead(
             stage,
             model_thread,
@@ -105,6 +107,7 @@ async def start_role(
             serving.terms.queue,
             origins,
             draft=policy_for(opts.draft),
+            drafter=drafter,
         )
         traces.write(session_record(plan, code.public, model, info.edges, epoch))
     else:
@@ -127,6 +130,16 @@ async def start_role(
         return role, None
     facts = ModelFacts.of(ckpt.config, stage.backend.wire_dtype, serving.checkpoint, serving.terms.quant)
     return role, create_app(Api(role, TokenizerCodec(tokenizer), model, facts, traces))
+
+
+async def head_drafter(mode: str, stage: Stage) -> DraftModel | None:
+    """The head's draft model where --draft names one (loaded off the event loop for `stage`'s
+    context and slots), else None."""
+    model = draft_model_of(mode)
+    if model is None:
+        return None
+    note(f"loading the draft model {model} into memory")
+    return await off_loop(load_draft_model, model, stage)
 
 
 @dataclass(frozen=True)

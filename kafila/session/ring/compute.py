@@ -18,7 +18,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kafila.engine.draft import DraftPolicy, DraftStats, propose
+from kafila.engine.draft import DraftPolicy, DraftStats, Proposer, propose
+from kafila.engine.draft_model import DraftModel
 from kafila.engine.pace import Mark, Pace
 from kafila.engine.sampler import Sampler, StopReason
 from kafila.engine.speculative import Verdict, verify
@@ -208,9 +209,12 @@ def check_dtype(stage: Stage, frame: t.Hidden) -> None:
         )
 
 
-def close_slots(stage: Stage, rids: Sequence[int]) -> None:
+def close_slots(stage: Stage, rids: Sequence[int], drafter: DraftModel | None = None) -> None:
+    """Free each request's KV slot on `stage` (and on the head's draft model)."""
     for rid in rids:
         stage.close(rid)
+        if drafter is not None:
+            drafter.close(rid)
 
 
 def _us(stage: Stage, start: Mark) -> int:
@@ -222,12 +226,14 @@ def _us(stage: Stage, start: Mark) -> int:
 class Drafting:
     """What the head's model thread needs to verify a request's drafted tokens and draft its next:
     the tokens its step fed after its last one, its prompt and answer so far, its measurements,
-    and the most tokens it may draft next (before this step's tokens are counted)."""
+    and the most tokens it may draft next (before this step's tokens are counted); `proposer`:
+    its draft model's (kafila.engine.draft_model), None for prompt lookup."""
 
     fed: tuple[int, ...]
     history: Sequence[int]
     stats: DraftStats
     room: int
+    proposer: Proposer | None = None
 
 
 @dataclass(frozen=True)
@@ -239,6 +245,7 @@ class VerifyTurn:
     logits_us: int
     sampled_at: float
     ahead: tuple[bytes, int, int] | None = None  # `head_step` of the continuation, as HeadTurn's
+    draft_s: tuple[float, ...] = ()  # seconds each request's next draft took to make
 
 
 def verify_turn(
@@ -265,12 +272,15 @@ def verify_turn(
     sampled_at = time.perf_counter()
     hopmarks.mark("sampled", frame.entries)
     drafts: list[tuple[int, ...]] = []
+    draft_s: list[float] = []
     for v, d in zip(verdicts, drafting, strict=True):
         room = d.room - len(v.tokens)
+        began = time.perf_counter()
         if v.reason is not None or v.tied or room < 1:
             drafts.append(())
         else:
-            drafts.append(propose(policy, d.stats, [*d.history, *v.tokens], room))
+            drafts.append(propose(policy, d.stats, [*d.history, *v.tokens], room, d.proposer))
+        draft_s.append(time.perf_counter() - began)
     ahead = None
     plain = all(len(v.tokens) == 1 and v.reason is None for v in verdicts) and not any(drafts)
     if continuation is not None and plain:
@@ -278,4 +288,4 @@ def verify_turn(
         hopmarks.mark("submit", continuation)
         with contextlib.suppress(StageError):  # the step is run again on its own and fails there by name
             ahead = head_step(stage, continuation, [[token_of[e.request_id]] for e in continuation], True)
-    return VerifyTurn(verdicts, drafts, us, sampled_at, ahead)
+    return VerifyTurn(verdicts, drafts, us, sampled_at, ahead, tuple(draft_s))

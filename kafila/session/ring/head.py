@@ -12,7 +12,8 @@ breaks fails every request within the heartbeat's window with a `member_lost` er
 member.
 
 Speculative decoding (a `draft` policy, kafila.engine.draft): each decode step of a request may
-carry the tokens prompt lookup drafts after its last one; the model thread's turn verifies them
+carry the tokens prompt lookup (or the head's draft model, kafila.engine.draft_model) drafts
+after its last one; the model thread's turn verifies them
 on the rows that come back (kafila.engine.speculative), answers with every token kept, and drafts
 the request's next step. The other members only see a decode step of several rows: a step that
 starts before what they cached writes over the rejected positions.
@@ -35,7 +36,8 @@ from typing import Any
 
 from kafila.api.service import STOP_STRING, GenerationError, Sampling, TokenEvent
 from kafila.engine import PREFILL_CHUNK
-from kafila.engine.draft import DraftPolicy, DraftStats, observe
+from kafila.engine.draft import DraftPolicy, DraftStats, observe, observe_drafting
+from kafila.engine.draft_model import DraftModel
 from kafila.engine.sampler import Sampler, SamplingParams, StopReason
 from kafila.engine.stage import Stage, StageError
 from kafila.obs import hopmarks, metrics
@@ -111,9 +113,10 @@ class RingHead(RoleBase):
         origins: Mapping[str, int] | None = None,  # each member's origin tag (None: first ring index)
         draft: DraftPolicy | None = None,  # speculative decoding with prompt lookup (None: off)
         tie_margin: float | None = None,  # kafila.engine.speculative's (None: 0 where rows are exact)
+        drafter: DraftModel | None = None,  # drafts instead of prompt lookup (with a `draft` policy)
     ) -> None:
         super().__init__(info.order[0], next_ch, prev_ch)
-        self.draft = draft
+        self.draft, self.drafter = draft, drafter
         self.tie_margin = tie_margin
         self.last_request = (0, 0, 0)  # decode circuits, drafted and kept tokens of the last one done
         self.stage, self.model, self.info = stage, model, info
@@ -382,7 +385,7 @@ class RingHead(RoleBase):
             return
         freed = self.schedule.pop_freed()
         if freed:
-            await self.model.run(compute.close_slots, self.stage, freed)
+            await self.model.run(compute.close_slots, self.stage, freed, self.drafter)
             for rid in freed:
                 if (ended := self._ending.pop(rid, None)) is not None:
                     self._record(ended)
@@ -552,13 +555,15 @@ class RingHead(RoleBase):
             self._ahead = (nxt_step, turn.ahead)
         timings = (frame.timings_us[0] + turn.logits_us, *frame.timings_us[1:])
         now = time.perf_counter()
-        for req, d, verdict, nxt in zip(reqs, fed, turn.verdicts, turn.drafts, strict=True):
+        made = zip(turn.drafts, turn.draft_s, strict=True)
+        for req, d, verdict, (nxt, draft_s) in zip(reqs, fed, turn.verdicts, made, strict=True):
             if self._reqs.get(req.rid) is not req:  # cancelled meanwhile: nothing to answer
                 continue
             if not step.prefill:
                 circuit = turn.sampled_at - req.sent_at + (timings[0] - turn.logits_us) / 1e6
                 req.draft_stats = observe(self.draft, req.draft_stats, len(d), verdict.accepted, circuit)
                 req.drafted, req.accepted = req.drafted + len(d), req.accepted + verdict.accepted
+            req.draft_stats = observe_drafting(self.draft, req.draft_stats, len(nxt), draft_s)
             req.draft = nxt
             took = (verdict.tokens, verdict.reason, step.prefill, timings)
             self._took(req, *took, turn.logits_us, turn.sampled_at, now, (len(d), verdict.accepted))
@@ -567,7 +572,8 @@ class RingHead(RoleBase):
         position = self.schedule.next_position(req.rid)  # where this step's last token was fed
         room = min(req.max_tokens - req.generated - 1, self.context - 2 - position)
         history = [*req.prompt, *req.tokens]
-        return compute.Drafting(fed, history, req.draft_stats, room)
+        proposer = None if self.drafter is None else functools.partial(self.drafter.propose, req.rid)
+        return compute.Drafting(fed, history, req.draft_stats, room, proposer)
 
     def _margin(self) -> float:
         """Greedy rows within this of a tie are sampled alone: 0 where a step's rows have the bits
