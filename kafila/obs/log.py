@@ -22,16 +22,21 @@ def configure_logging(fmt: str | None = None, level: str | None = None) -> None:
     info); ValueError naming the setting if either is not one of FORMATS or LEVELS."""
     fmt = _setting("KAFILA_LOG", fmt, "console", FORMATS)
     level_name = _setting("KAFILA_LOG_LEVEL", level, "info", LEVELS).upper()
+    # An event's exc_info becomes its plain traceback text: structlog's default console renderer
+    # draws a rich traceback with every frame's locals, which for a member's failed task walked
+    # its whole model and session state (a test's process grew past 20 GB rendering one).
     renderer: structlog.typing.Processor
     if fmt == "json":
         renderer = structlog.processors.JSONRenderer()
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        tb = structlog.dev.plain_traceback
+        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(), exception_formatter=tb)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level_name)),
