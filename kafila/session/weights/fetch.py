@@ -206,6 +206,34 @@ class _Member:
             if isinstance(msg, t.Error):
                 raise WeightsError(f"host {self.channel.peer}: {msg.code}: {msg.message}")
 
+    async def missing(self, entries: list[TensorEntry]) -> list[TensorEntry]:
+        """The entries this member's blob store lacks (a blob changed since it was stored is hashed)."""
+        has = self.blobs.has
+        return await asyncio.to_thread(
+            lambda: [e for e in entries if not has(e.key, e.name, e.dtype, e.shape, e.nbytes, e.sha256)]
+        )
+
+    async def gather(
+        self,
+        m: WeightManifest,
+        entries: list[TensorEntry],
+        todo: list[TensorEntry],
+        readers: Sequence[Reader],
+        folder: Path,
+        result: ShardResult,
+    ) -> None:
+        """Fetch `todo` and the checkpoint's headers and small files from `readers`, and make
+        `folder`, which Checkpoint.open reads, of `entries`: the result's path, fetched and bytes."""
+        with self.bar(sum(e.nbytes for e in todo)) as bar:
+            tally = _Tally(bar)
+            files = await self.meta(m, folder.parent, readers, tally)
+            bar.total = (bar.total or 0) + tally.meta
+            await self.tensors(todo, m, readers, tally)
+        _account(result, tally)
+        result.fetched = tuple(e.name for e in todo)
+        shard = ShardFolder(folder, files, {e.name: self.blobs.path(e.key) for e in entries})
+        result.path = await asyncio.to_thread(build_shard_folder, shard)
+
     def bar(self, total: int) -> Any:
         """A progress bar on a terminal; piped to a file, a line at every tenth (a tqdm bar there is
         one endless line of carriage returns, ~7 updates a second)."""
@@ -587,23 +615,11 @@ async def _fetch_shard(
         return result
     ckdir = root / "weights" / m.checkpoint[:16]
     entries = [m.tensors[n] for n in names]
-    todo = await asyncio.to_thread(
-        lambda: [
-            e for e in entries if not member.blobs.has(e.key, e.name, e.dtype, e.shape, e.nbytes, e.sha256)
-        ]
-    )
+    todo = await member.missing(entries)
     host = ChannelReader(channel, "host", window, timeout, m.max_request)
     readers = [*(await usable(sources, m) if todo else []), host]
-    with member.bar(sum(e.nbytes for e in todo)) as bar:
-        tally = _Tally(bar)
-        files = await member.meta(m, ckdir, readers, tally)
-        bar.total = (bar.total or 0) + tally.meta
-        await member.tensors(todo, m, readers, tally)
-    _account(result, tally)
-    result.fetched = tuple(e.name for e in todo)
     tag = f"shard-{blocks.start}-{blocks.stop}{'-head' if head else ''}"
-    shard = ShardFolder(ckdir / tag, files, {e.name: member.blobs.path(e.key) for e in entries})
-    result.path = await asyncio.to_thread(build_shard_folder, shard)
+    await member.gather(m, entries, todo, readers, ckdir / tag, result)
     await channel.send(t.Control(OP_DONE, {"bytes": result.bytes_fetched, "tensors": len(todo)}))
     log.info(
         "weights_fetched",
@@ -636,11 +652,7 @@ async def fetch_tensors(
     kept to be served, and loaded by a later plan's fetch without asking anyone."""
     member = _Member(None, cache_root(cache), 1, 30.0, False, "replicas")
     entries = [m.tensors[n] for n in names]
-    todo = await asyncio.to_thread(
-        lambda: [
-            e for e in entries if not member.blobs.has(e.key, e.name, e.dtype, e.shape, e.nbytes, e.sha256)
-        ]
-    )
+    todo = await member.missing(entries)
     tally = _Tally(member.bar(0))
     if todo:
         await member.tensors(todo, m, list(await usable(readers, m)), tally)
@@ -674,21 +686,10 @@ async def fetch_whole(
     root = cache_root(cache)
     member = _Member(None, root, DEFAULT_WINDOW, 30.0, True, label)
     entries = list(m.tensors.values())
-    todo = await asyncio.to_thread(
-        lambda: [
-            e for e in entries if not member.blobs.has(e.key, e.name, e.dtype, e.shape, e.nbytes, e.sha256)
-        ]
-    )
+    todo = await member.missing(entries)
     ckdir = root / "weights" / m.checkpoint[:16]
     result = ShardResult(Path(), m.checkpoint, range(m.n_blocks), True, tuple(m.tensors), manifest=m)
-    with member.bar(sum(e.nbytes for e in todo)) as bar:
-        tally = _Tally(bar)
-        files = await member.meta(m, ckdir, readers, tally)
-        await member.tensors(todo, m, readers, tally)
-    _account(result, tally)
-    result.fetched = tuple(e.name for e in todo)
-    whole = ShardFolder(ckdir / "whole", files, {e.name: member.blobs.path(e.key) for e in entries})
-    result.path = await asyncio.to_thread(build_shard_folder, whole)
+    await member.gather(m, entries, todo, readers, ckdir / "whole", result)
     log.info(
         "weights_gathered",
         checkpoint=m.checkpoint[:16],
