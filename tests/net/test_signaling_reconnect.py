@@ -11,7 +11,7 @@ import pytest
 
 from kafila.net.signaling import SignalingClient, SignalingError
 from kafila.proto import signaling as sig
-from kafila.proto.codes import new_code
+from kafila.proto.codes import SessionCode, new_code
 from kafila.rendezvous.server import RendezvousServer, ServerConfig
 from tests.net.harness import LAB_LIMITS
 
@@ -36,14 +36,11 @@ async def _restart(rdv: RendezvousServer, secret: bytes | None = SECRET) -> Rend
     return await _start(again)
 
 
-async def _event(client: SignalingClient, kind: type) -> sig.ServerMessage:
-    while True:
-        event = await client.next_event(timeout=10)
-        if isinstance(event, kind):
-            return event
-
-
-async def test_host_and_member_register_again_with_their_ids_and_a_new_member_joins_after() -> None:
+async def _session_of_two() -> tuple[
+    RendezvousServer, SignalingClient, SignalingClient, SessionCode, sig.Opened, sig.Joined
+]:
+    """A rendezvous that outlives restarts, a host "h" that opened a protected session for two, and
+    a member "j" that joined it."""
     rdv = await _start(
         ServerConfig(
             host="127.0.0.1", port=0, udp_port=0, udp_alt_port=0, limits=LAB_LIMITS, relay_secret=SECRET
@@ -55,6 +52,18 @@ async def test_host_and_member_register_again_with_their_ids_and_a_new_member_jo
     await host.protect(code)
     member = await SignalingClient.connect(rdv.url)
     joined = await member.join(code, "j", {"role": "member"})
+    return rdv, host, member, code, opened, joined
+
+
+async def _event(client: SignalingClient, kind: type) -> sig.ServerMessage:
+    while True:
+        event = await client.next_event(timeout=10)
+        if isinstance(event, kind):
+            return event
+
+
+async def test_host_and_member_register_again_with_their_ids_and_a_new_member_joins_after() -> None:
+    rdv, host, member, code, opened, joined = await _session_of_two()
     assert await _event(host, sig.MemberJoined)
     try:
         rdv = await _restart(rdv)
@@ -137,17 +146,7 @@ async def test_a_member_that_took_over_from_the_lost_host_reopens_the_session_af
     """The host leaves; a member takes its place (`succeed`), gets the session's ticket, and after
     a restart re-opens the session as its host; the old host cannot, and a member joins through
     the new host with the same code."""
-    rdv = await _start(
-        ServerConfig(
-            host="127.0.0.1", port=0, udp_port=0, udp_alt_port=0, limits=LAB_LIMITS, relay_secret=SECRET
-        )
-    )
-    host = await SignalingClient.connect(rdv.url)
-    opened = await host.open_session("m", 2, "h", {"role": "host"})
-    code = new_code(opened.session)
-    await host.protect(code)
-    member = await SignalingClient.connect(rdv.url)
-    joined = await member.join(code, "j", {"role": "member"})
+    rdv, host, member, code, opened, joined = await _session_of_two()
     try:
         with pytest.raises(SignalingError, match="is still connected") as present:
             await member.succeed(code)
