@@ -177,7 +177,7 @@ def rolling_upgrade(fleet_lab: FleetLab, fleet: Path, tmp_path: Path) -> None:
     upgraded = tmp_path / "upgraded.toml"
     upgraded.write_text(fleet.read_text().replace('python = "python3"', f'python = "{wrapper}"'))
     stop, answers = tmp_path / "client.stop", tmp_path / "answers.jsonl"
-    new_id = ""
+    new_id, said = "", b""
     client = subprocess.Popen(
         ["nsenter", f"--net=/var/run/netns/{fleet_lab.hosts['lab-h1'].ns}", sys.executable,
          str(ROOT / "tests" / "ops" / "streaming_client.py"), "http://127.0.0.1:11434/v1/chat/completions",
@@ -211,7 +211,7 @@ def rolling_upgrade(fleet_lab: FleetLab, fleet: Path, tmp_path: Path) -> None:
         time.sleep(3)  # the client streams on the upgraded session a while
     finally:
         stop.touch()
-        client.wait(timeout=180)
+        _, said = client.communicate(timeout=180)  # reads and closes its stderr pipe
         subprocess.run(["docker", "tag", old_id, image], check=True, capture_output=True)
         if new_id:  # the lab's own build leaves no dangling image
             subprocess.run(["docker", "rmi", new_id], capture_output=True, timeout=120)
@@ -223,7 +223,7 @@ def rolling_upgrade(fleet_lab: FleetLab, fleet: Path, tmp_path: Path) -> None:
         f"{len(failed)} failed, {len(waited)} waited out a 503 (Retry-After) first "
         f"({sum(r['retried_503'] for r in records)} answers)"
     )
-    assert records and not failed, failed[:5]
+    assert records and not failed, (failed[:5], said.decode(errors="replace")[-2000:])
     assert runs_image(fleet_lab, "lab-h2", "kafila-lab-h2") == new_id
     h3 = ops(upgraded, "status")
     assert h3.returncode == 0 and all(
