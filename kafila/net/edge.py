@@ -31,6 +31,7 @@ from kafila.net.errors import LinkError, LinkTimeout, NatProbeError
 from kafila.net.link import Link, LinkConfig, PathKind, RelayLeg
 from kafila.net.punch import Puncher, punch_key
 from kafila.net.signaling import SignalingClient, SignalingError
+from kafila.net.waits import wait_at_most
 from kafila.obs.log import get_logger
 from kafila.proto import signaling as sig
 from kafila.proto.codes import SessionCode
@@ -86,7 +87,7 @@ class SignalRouter:
     async def offer(self, peer: int, edge: str, timeout: float) -> dict[str, Any]:
         fut = self._future(self._offers, (peer, edge))
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+            return await wait_at_most(asyncio.shield(fut), timeout)
         except TimeoutError:
             raise LinkTimeout(f"edge {edge}: no offer from member {peer} within {timeout} s") from None
         finally:
@@ -96,7 +97,7 @@ class SignalRouter:
     async def relay_grant(self, peer: int, timeout: float) -> sig.RelayAllocated:
         fut = self._future(self._relays, peer)
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+            return await wait_at_most(asyncio.shield(fut), timeout)
         except TimeoutError:
             raise LinkTimeout(
                 f"no relay channel for the edge with member {peer} within {timeout} s"

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from kafila.net.errors import NatProbeError
+from kafila.net.waits import wait_at_most
 from kafila.obs.log import get_logger
 from kafila.proto import udp
 from kafila.proto.errors import ProtocolError
@@ -282,7 +283,7 @@ class UdpEndpoint:
                     self.counters.datagrams_out += 1
                     self.counters.bytes_out += len(request)
                 try:
-                    return await asyncio.wait_for(asyncio.shield(fut), timeout), time.perf_counter() - sent
+                    return await wait_at_most(asyncio.shield(fut), timeout), time.perf_counter() - sent
                 except TimeoutError:
                     continue
             return None

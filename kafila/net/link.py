@@ -56,6 +56,7 @@ from kafila.net.auth import EdgeContext, LinkAuth
 from kafila.net.certs import Identity, fingerprint
 from kafila.net.endpoint import Address, UdpEndpoint
 from kafila.net.errors import LinkAuthError, LinkClosed, LinkEnded, LinkError, LinkTimeout, PeerSilent
+from kafila.net.waits import wait_at_most
 from kafila.obs.log import get_logger
 from kafila.proto import udp
 
@@ -278,7 +279,7 @@ class Link:
     async def wait_ready(self) -> None:
         """Until the QUIC handshake and the mutual authentication are done (or fail)."""
         try:
-            await asyncio.wait_for(asyncio.shield(self._ready), self.config.handshake_timeout)
+            await wait_at_most(asyncio.shield(self._ready), self.config.handshake_timeout)
         except TimeoutError:
             err = LinkTimeout(
                 f"link {self.ctx.client_id}->{self.ctx.server_id}: not authenticated within "

@@ -20,6 +20,7 @@ import os
 from collections.abc import Callable
 
 from kafila.net.endpoint import Address, UdpEndpoint
+from kafila.net.waits import wait_at_most
 from kafila.obs.log import get_logger
 from kafila.proto import udp
 
@@ -97,7 +98,7 @@ class Puncher:
         while not self._success.done() and loop.time() < deadline:
             self.probe_once()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._success), self.interval)
+                await wait_at_most(asyncio.shield(self._success), self.interval)
         return self.succeeded
 
     def reset(self) -> None:

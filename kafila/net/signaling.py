@@ -49,6 +49,7 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from kafila.net.waits import wait_at_most
 from kafila.obs.log import get_logger
 from kafila.proto import codes
 from kafila.proto import signaling as sig
@@ -457,7 +458,7 @@ class SignalingClient:
     async def next_event(self, timeout: float | None = None) -> sig.ServerMessage:
         """The next unsolicited message; raises SignalingClosed once the connection is gone."""
         events = self._events  # a reconnect gives the next connection a queue of its own
-        item = await asyncio.wait_for(events.get(), timeout)
+        item = await wait_at_most(events.get(), timeout)
         if item is None:
             events.put_nowait(None)  # keep raising for later callers
             raise self._closed or SignalingClosed("closed", "connection closed")
@@ -509,7 +510,7 @@ class SignalingClient:
         self._pending[ref] = future
         try:
             await self._send(msg)
-            reply = await asyncio.wait_for(future, timeout)
+            reply = await wait_at_most(future, timeout)
         finally:
             self._pending.pop(ref, None)
             if future.done() and not future.cancelled():

@@ -30,6 +30,7 @@ from kafila.net.edge import LinkNode, connect_edge
 from kafila.net.errors import LinkAuthError, LinkError
 from kafila.net.link import Link
 from kafila.net.signaling import SignalingClosed, SignalingError
+from kafila.net.waits import wait_at_most
 from kafila.obs.log import get_logger
 from kafila.planner.cost import fmt_bytes
 from kafila.planner.devices import DeviceReport
@@ -164,7 +165,7 @@ class HostArrivals:
         say(f"{newcomer.name} holds the session code; waiting for its report")
         within = epochs.opts.wait_s  # the host's --wait, as at forming (a probe takes 10-20 s)
         try:
-            report = await asyncio.wait_for(asyncio.shield(newcomer.report), within)
+            report = await wait_at_most(asyncio.shield(newcomer.report), within)
         except (TimeoutError, SessionError) as exc:
             why = f"no report within {within:g} s" if isinstance(exc, TimeoutError) else str(exc)
             await link.close(why)

@@ -48,6 +48,7 @@ from kafila.models.checkpoint import Checkpoint
 from kafila.models.manifest import Manifest
 from kafila.net.errors import LinkError
 from kafila.net.link import Link
+from kafila.net.waits import wait_at_most
 from kafila.obs import metrics
 from kafila.obs.log import get_logger
 from kafila.obs.trace import ReplanRecord, TraceLog
@@ -268,7 +269,7 @@ class HostEpochs:
         ended = self.held.ended
         if ended is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(ended), REPLACED_WAIT_S)
+                await wait_at_most(asyncio.shield(ended), REPLACED_WAIT_S)
                 return
         if self._ending:
             return
@@ -479,7 +480,7 @@ class HostEpochs:
             parts = await epoch_parts(
                 held.name, code, new, ckpt, links, self.opts, self.serving, decision.epoch, _held(role)
             )
-            await asyncio.wait_for(asyncio.shield(ready), READY_S)
+            await wait_at_most(asyncio.shield(ready), READY_S)
         except asyncio.CancelledError:  # abandoned: the channels built for this epoch stop beating
             if parts is not None:
                 _retire(parts)
@@ -574,7 +575,7 @@ class HostEpochs:
         a host that is not the head does not see the tokens)."""
         with contextlib.suppress(TimeoutError):
             if first is not None:
-                at = await asyncio.wait_for(asyncio.shield(first), 60.0)
+                at = await wait_at_most(asyncio.shield(first), 60.0)
                 record = replace(record, first_token_s=max(0.0, at - lost_at))
         log.info("replanned", **record.to_json())
         role = self.held.ring()

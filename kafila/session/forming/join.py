@@ -18,6 +18,7 @@ from kafila.net.edge import LinkNode, connect_edge
 from kafila.net.errors import LinkAuthError, LinkError
 from kafila.net.link import Link
 from kafila.net.signaling import SignalingError
+from kafila.net.waits import wait_at_most
 from kafila.proto import session as sm
 from kafila.proto.codes import parse_code
 from kafila.proto.signaling import MemberInfo
@@ -85,7 +86,7 @@ async def tell_host_and_wait(drive: Driver, host_id: int, reason: str, within: f
     message, and the host would then name only the leaving."""
     with contextlib.suppress(SignalingError, SessionError, TimeoutError):
         await drive.client.signal(host_id, sm.Failed(reason).body())
-        await asyncio.wait_for(drive.until(fm.Formed), within)  # ends with the host's refusal
+        await wait_at_most(drive.until(fm.Formed), within)  # ends with the host's refusal
 
 
 async def host_verdict(drive: Driver, within: float = 5.0) -> None:
@@ -93,7 +94,7 @@ async def host_verdict(drive: Driver, within: float = 5.0) -> None:
     which ends the attempt with the host's reason (SessionError); the host, told first, names why
     instead of reading only that the member left."""
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(drive.until(fm.Formed), within)
+        await wait_at_most(drive.until(fm.Formed), within)
 
 
 async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:

@@ -31,6 +31,7 @@ from typing import Protocol
 
 from kafila.net.errors import LinkError
 from kafila.net.link import Link
+from kafila.net.waits import wait_at_most
 from kafila.obs.log import get_logger
 from kafila.proto import tensor as t
 from kafila.session.channel import ChannelClosed, ChannelDead, Counters
@@ -189,7 +190,7 @@ class PeerServer:
     async def _answer(self, link: Link, peer: str, msg: t.Message) -> None:
         reply: t.Message
         try:
-            await asyncio.wait_for(asyncio.shield(self.store), self.wait_s)
+            await wait_at_most(asyncio.shield(self.store), self.wait_s)
         except TimeoutError:
             log.info("weights_peer_not_ready", peer=peer, waited_s=self.wait_s)
             await _reply(link, peer, _not_ready(msg, self.wait_s))
@@ -293,7 +294,7 @@ class _PeerChannel:
 
     async def recv(self, timeout: float | None = None) -> t.Message:
         try:
-            return await asyncio.wait_for(self.inbox.get(), timeout)
+            return await wait_at_most(self.inbox.get(), timeout)
         except TimeoutError:
             raise ChannelDead(f"{self.peer}: no answer within {timeout} s", self.peer) from None
 
