@@ -329,8 +329,19 @@ async def formed_by(kind: str, steps: Callable[[MemberRuntime], Awaitable[None]]
             await steps(runtime)
         return runtime
     except BaseException:
-        await asyncio.shield(runtime.close())
+        await _to_the_end(runtime.close())
         raise
+
+
+async def _to_the_end(closing: Awaitable[None]) -> None:
+    """Await `closing` until it is done, however often the caller is cancelled meanwhile (a
+    cancelled join still gives back its sockets before the cancellation goes on)."""
+    task = asyncio.ensure_future(closing)
+    while not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(task)
+    if not task.cancelled():
+        task.result()
 
 
 def reserve_api(opts: Options) -> socket.socket | None:

@@ -12,6 +12,7 @@ from kafila.net.endpoint import UdpEndpoint
 from kafila.net.errors import LinkError, NatProbeError
 from kafila.net.link import Link, LinkConfig, PathKind
 from kafila.net.signaling import SignalingClient
+from kafila.net.waits import wait_at_most
 from kafila.planner.plan import Plan
 from kafila.proto.codes import SessionCode
 from kafila.session.channel import LINK_DIRECT_SILENT_S, LINK_KEEPALIVE_S
@@ -26,21 +27,34 @@ SESSION_LINKS = LinkConfig(keepalive=LINK_KEEPALIVE_S, dead_after=LINK_DIRECT_SI
 
 
 async def connect_node(client: SignalingClient, code: SessionCode, url: str) -> LinkNode:
+    """This member's UDP node, joined to the rendezvous's UDP side and its NAT classified. Its
+    socket is closed on any way out but success, a cancelled join's included."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("0.0.0.0", 0))
-    host = url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0].strip("[]")
-    router = SignalRouter(client)
-    endpoint = await UdpEndpoint.open(sock)
     try:
-        node = await LinkNode.joined(endpoint, router, code, host)
-    except NatProbeError as exc:  # the rendezvous's UDP address: not a firewall's fault
+        sock.bind(("0.0.0.0", 0))
+        endpoint = await UdpEndpoint.open(sock)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        return await _joined_node(client, code, url, endpoint)
+    except BaseException:
         endpoint.close()
+        raise
+
+
+async def _joined_node(
+    client: SignalingClient, code: SessionCode, url: str, endpoint: UdpEndpoint
+) -> LinkNode:
+    host = url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0].strip("[]")
+    try:
+        node = await LinkNode.joined(endpoint, SignalRouter(client), code, host)
+    except NatProbeError as exc:  # the rendezvous's UDP address: not a firewall's fault
         raise SessionError(f"cannot use the rendezvous's UDP ports: {exc}") from exc
     node.config = SESSION_LINKS
     try:
         await node.classify_nat()
     except NatProbeError as exc:
-        node.endpoint.close()
         raise SessionError(
             f"cannot classify this member's NAT: {exc} (the rendezvous's UDP ports must be reachable "
             "from here: a firewall in between, or a container without its UDP ports published?)"
@@ -103,7 +117,7 @@ async def measured_paths(
     pending = [link.punch_over.wait() for link in links.values() if not link.punch_over.is_set()]
     if pending:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*pending), within)
+            await wait_at_most(asyncio.gather(*pending), within)
     return {
         (me, peer): link.path is PathKind.DIRECT
         for peer, link in links.items()
