@@ -120,6 +120,8 @@ class Succession:
         self._act(self._hand_off().lost(member, asyncio.get_running_loop().time()), detail)
 
     def _act(self, event: Event, detail: str) -> None:
+        if self.held.host_ended:  # stopped on purpose: the session is over, no one takes its place
+            return
         log.info("succession", member=self.held.name, step=type(event).__name__, detail=detail)
         if isinstance(event, TakeOver):
             self.held.spawn(self._take_over(event, detail), "take_over")
