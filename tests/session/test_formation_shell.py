@@ -312,8 +312,8 @@ async def test_joining_a_formed_session_is_admitted_while_serving_and_one_withou
     """A member joins a formed, serving session: the host links with it at once and its link's
     authentication admits it (kafila.session.forming.arrivals), while the newcomer still measures
     itself (its probe is simulated slow here, so it never reports); the host then waits for its
-    report, to let the planner decide. With the host gone and a member left, joining names that
-    (it was a StopIteration traceback)."""
+    report, to let the planner decide. With the host stopped on purpose and a member left, joining
+    names that (it was a StopIteration traceback), and the member left does not take the host's place."""
     model = str(tiny_chat_model)
     code, (hosting, beta) = await host_and(rdv, tmp_path, model, 2, ["beta"])
     formed = [await hosting, await beta]
@@ -339,11 +339,13 @@ async def test_joining_a_formed_session_is_admitted_while_serving_and_one_withou
     code, (hosting, beta) = await host_and(rdv, tmp_path, model, 2, ["beta"])
     formed = [await hosting, await beta]
     try:
-        await formed[0].close()  # the host goes; beta stays in the session
+        await formed[0].close()  # the host ends the session on purpose; beta stays in it
+        await _until(lambda: formed[1].host_ended, "beta hears that the host ended the session")
         with pytest.raises(
             SessionError, match=r"^session \S+ has no host any more; ask for a new session code$"
         ):
             await join(code, opts(rdv, "late", tmp_path))
+        assert "takes over" not in capsys.readouterr().err  # no successor for a host stopped on purpose
     finally:
         await formed[1].close()
 
