@@ -46,7 +46,7 @@ from kafila.obs.log import get_logger
 from kafila.obs.trace import RequestRecord, SessionRecord, StageRecord
 
 log = get_logger("kafila.obs.metrics")
-SESSION_STATES = ("forming", "serving", "replanning", "broken", "ended")
+SESSION_STATES = ("forming", "spare", "serving", "replanning", "broken", "ended")
 PATHS = ("direct", "relay", "local")
 # latency buckets in seconds, from a fast local stage step to a slow relayed request
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
@@ -105,7 +105,7 @@ BUILD_INFO = Gauge(
 )
 SESSION_STATE = Gauge(
     "kafila_session_state",
-    "1 for the state the session is in (forming, serving, replanning, broken, ended), 0 for the others",
+    "1 for the state the session is in (forming, spare, serving, replanning, broken, ended), 0 for others",
     ["state"],
     registry=REGISTRY,
 )

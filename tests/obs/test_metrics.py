@@ -213,7 +213,7 @@ def test_session_state_queue_cache_plan_and_nat() -> None:
         value(text, "kafila_session_members_expected"),
         value(text, "kafila_session_members_present"),
     ) == (3, 2)
-    nat = [k for k in samples(text) if k[0] == "kafila_member_nat_info"]
+    nat = [k for k in samples(text) if k[0] == "kafila_member_nat_info" and ("member", "b") in k[1]]
     assert nat == [("kafila_member_nat_info", frozenset({("member", "b"), ("nat_class", "restrictive"),
                                                           ("mapping", "endpoint-dependent")}))]  # fmt: skip
     metrics.observe_document({"state": "broken", "active": [], "queued": 0})
@@ -233,7 +233,7 @@ def test_session_state_queue_cache_plan_and_nat() -> None:
 
 
 def test_bad_state_and_cache_figures_are_refused_with_the_numbers() -> None:
-    with pytest.raises(ValueError, match="'starting' is not one of forming, serving"):
+    with pytest.raises(ValueError, match="'starting' is not one of forming, spare, serving"):
         metrics.observe_state("starting")
     with pytest.raises(ValueError, match="5 used of 4"):
         metrics.observe_slots(5, 4)
@@ -316,6 +316,21 @@ def test_a_forming_members_metrics_say_forming() -> None:
     families = list(text_string_to_metric_families(text))
     expected = next(f for f in families if f.name == "kafila_session_members_expected").samples
     assert [(s.labels, s.value) for s in expected] == [({"session": "s9", "model": "tiny"}, 4)]
+
+
+def test_a_spares_metrics_say_spare_not_forming() -> None:
+    """A spare waits for as long as the ring does without it: read as "forming", it fired
+    KafilaSessionStuckForming after 15 minutes."""
+    from starlette.testclient import TestClient
+
+    from kafila.api.forming import FormingStatus, forming_app
+
+    status = FormingStatus("join", name="slow", model="tiny", session="s9", members_expected=2)
+    status.spare, status.host = "time per token 15.0% worse with a new plan", "alpha"
+    with TestClient(forming_app(status)) as client:
+        text = client.get("/metrics").text
+    assert value(text, "kafila_session_state", state="spare") == 1
+    assert value(text, "kafila_session_state", state="forming") == 0 and value(text, "kafila_ready") == 0
 
 
 def test_a_record_of_another_session_starts_the_ring_series_afresh_rather_than_being_dropped() -> None:
