@@ -101,6 +101,10 @@ class MemberRuntime:
         # the host's re-plans (kafila.session.forming.epochs): told of a member the rendezvous says
         # left while the ring is already broken, i.e. during a re-plan (`(member, cause, detail)`)
         self.on_lost: Callable[[str, str, str], None] | None = None
+        # a joining member's API server and metrics listener belong to its join() until it formed: a
+        # spare whose host was lost joins again with the same code on the same addresses
+        # (kafila.session.forming.join, Listeners), so close() leaves them open
+        self.listeners_borrowed = False
 
     @property
     def host_ended(self) -> bool:
@@ -157,12 +161,13 @@ class MemberRuntime:
                 await self.client.close("session ended" if self.formed else NOT_FORMED)
         if self.node is not None:
             self.node.endpoint.close()
-        if not self.formed and self.api is not None:
+        lend = self.listeners_borrowed and not self.formed
+        if not self.formed and self.api is not None and not lend:
             with contextlib.suppress(Exception):
                 await self.api.stop()
         if self.api_socket is not None:
             self.api_socket.close()
-        self._close_metrics()
+        self._close_metrics(keep_listener=lend)
 
     def _serving_document(self) -> dict[str, Any]:
         """The role's /session document for the metrics, "ended" once the host ended the session
@@ -170,13 +175,13 @@ class MemberRuntime:
         doc = self.ring().describe()
         return doc | {"state": "ended"} if self.ring().ending else doc
 
-    def _close_metrics(self) -> None:
+    def _close_metrics(self, keep_listener: bool = False) -> None:
         if (self.formed and self.name == self.host) or self.host_ended:
             metrics.observe_state("ended")  # the session is over, not broken (on_ended says it first)
         if self._source is not None and metrics.REGISTRY.source is self._source:
             metrics.set_source(None)  # the process's registry no longer reads a closed member
         self._source = None
-        if self.metrics is not None:
+        if self.metrics is not None and not keep_listener:
             listener, self.metrics = self.metrics, None
             listener.close()
 

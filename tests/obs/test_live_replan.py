@@ -10,13 +10,12 @@ blocks covering every block once, edges, epoch); KafilaMemberDown and KafilaRepl
 KafilaMemberDown resolves once the member has re-joined; Prometheus delivers them to a real
 Alertmanager running the repository's prometheus/alertmanager.yml, which holds them while they
 fire. Then the host is killed in the same session: its successor re-plans, the survivors' series
-describe the new ring within two scrapes, KafilaMemberDown fires for the host (and for a spare of
-it, which ends with it) and stays (after a host loss no member joins the session again),
-KafilaReplanned resolves once its window passed, and KafilaRingDegraded fires (fewer members than
-the session's four for its window). No other alert fires at any time of the test, but one that
-tells the truth of this machine: KafilaStageSlowerThanPredicted, where the rule's own statistic,
-computed here from the raw series at the evaluations that fired it, passed 1.25 (a shared CI
-machine under load computes slower than its members probed when the session formed)."""
+describe the new ring within two scrapes, KafilaMemberDown fires for the host alone (a spare of it joins the
+successor on the same addresses) and stays, KafilaReplanned resolves once its window passed, and
+KafilaRingDegraded fires (fewer members than the session's four for its window). No other alert fires at any
+time of the test, but one that tells the truth of this machine: KafilaStageSlowerThanPredicted, where the
+rule's own statistic, computed here from the raw series at the evaluations that fired it, passed 1.25 (a
+shared CI machine under load computes slower than its members probed when the session formed)."""
 
 from __future__ import annotations
 
@@ -336,14 +335,13 @@ def series_follow(base: str, fleet: Any, names: list[str], moved_at: float) -> t
 def test_a_killed_member_then_the_killed_host_fire_and_resolve_only_their_alerts(
     monitored: Monitored,
 ) -> None:
-    """One formation, two losses. A member killed: its series leave the new ring, KafilaMemberDown
-    and KafilaReplanned fire, reach Alertmanager, and resolve once it re-joined. Then the host
-    killed (SIGKILL; its successor takes over, and no member joins the session after a host loss):
-    the survivors' series describe the ring of the new epoch within two scrapes; KafilaMemberDown
-    fires for the host (and for the re-joined member where it waited as the host's spare, which ends
-    with it: for every member whose process is gone, and no other) and stays, KafilaReplanned fires
-    and resolves, KafilaRingDegraded fires (members short of the session's four for its window), and
-    nothing else."""
+    """One formation, two losses. A member killed: its series leave the new ring, KafilaMemberDown and
+    KafilaReplanned fire, reach Alertmanager, and resolve once it re-joined. Then the host killed (SIGKILL;
+    its successor takes over): the survivors' series
+    describe the ring of the new epoch within two scrapes; KafilaMemberDown fires for the host (for every
+    member whose process is gone, and no other: the re-joined member, where it waited as the host's spare,
+    joins the successor on the same addresses) and stays, KafilaReplanned fires and resolves,
+    KafilaRingDegraded fires (members short of the session's four for its window), and nothing else."""
     fleet, metrics, base = monitored.fleet, monitored.metrics, monitored.prometheus
     doc = fleet.session()
     ring1, host = list(doc["ring"]), fleet.members[0]
@@ -413,7 +411,7 @@ def test_a_killed_member_then_the_killed_host_fire_and_resolve_only_their_alerts
         wait_for("KafilaRingDegraded firing", lambda: "KafilaRingDegraded" in watch.firing, 30)
         after_host = watch.since(host_killed_at)
         last = watch.polls[-1][1]
-        # the members whose processes are gone: the host, and a spare that ended with it
+        # the members whose processes are gone: the host (a spare of it joins the successor)
         down = {m.name for m in (host, back) if m.proc is not None and m.proc.poll() is not None}
         false_slow = slower_than_predicted(base) if "KafilaStageSlowerThanPredicted" in watch.fired else []
         print(f"the member's loss to the new ring's series: {moved_at - killed_at:.1f} s; the host's: "

@@ -205,3 +205,37 @@ def test_a_spare_answers_through_the_host_then_through_its_own_role_once_planned
         own = _session(spare)
         assert own is not None and own["state"] == "serving" and own["me"] == "slow", own
         assert _greedy(url) == expected  # through its own role now
+
+
+def test_a_spare_of_a_killed_host_joins_its_successor_and_answers_on_the_same_address(
+    smollm2_path: Path, tmp_path: Path
+) -> None:
+    """The host keeps a member twenty times slower as a spare, then the host is killed (SIGKILL; it
+    offers 0.1 GB, so the head is the other member). The other member takes over as the host, and
+    the spare, told by the rendezvous that its host left, joins again with the same code on the
+    same API address: the successor keeps it as its own spare, and the greedy answer through that
+    address is the one from before. It used to end with its host."""
+    with LocalFleet((None,) * 2, MODEL, context=512, concurrency=2, workdir=tmp_path, stagger=False,
+                    extra_args=("--dead-after", "3", "--threads", "1"),
+                    member_args=[("--memory-gb", "0.1"), ()]) as fleet:  # fmt: skip
+        doc = _settled(fleet, set(), "forming")
+        host, heir = fleet.members
+        assert doc["head"] == heir.name, doc
+        expected = _greedy(fleet.url(heir.name))
+        spare = fleet.add_member("slow", ("--emulate-speed", "0.05"), wait_s=SETTLE_S)
+        doc = _settled(fleet, set(), "slow joined")
+        assert doc["spares"] == ["slow"], doc
+        url = str(spare.api_url)
+        assert host.proc is not None and spare.proc is not None
+        host.proc.send_signal(signal.SIGKILL)
+        deadline, mine = time.monotonic() + SETTLE_S, _session(spare)
+        while not (mine and mine.get("state") == "spare" and mine.get("host") == heir.name):
+            assert spare.proc.poll() is None, f"the spare ended: {spare.log_text()[-2000:]}"
+            assert time.monotonic() < deadline, f"not the successor's spare: {mine}"
+            time.sleep(0.5)
+            mine = _session(spare)
+        log = spare.log_text()
+        said = "left while it kept this member as a spare; joining again with the same code"
+        assert said in log, log[-2000:]
+        assert _session(heir)["spares"] == ["slow"]  # type: ignore[index]
+        assert _greedy(url) == expected  # relayed to the successor's API

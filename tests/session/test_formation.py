@@ -570,7 +570,9 @@ def test_a_ready_member_ends_when_the_session_does_not_form(event, reason) -> No
     """Ready is not formed: a member that was ready while another failed to start used to serve a
     ring that never formed (its neighbour gone), until someone killed it."""
     core = ready_member()
-    assert only(core.handle(event, 62.0), fm.Failed).reason == reason
+    failed = only(core.handle(event, 62.0), fm.Failed)
+    assert failed.reason == reason
+    assert failed.host_left == (event == fm.Left(HOST, "left"))  # a spare then joins the successor
     assert core.step is Step.FAILED
 
 
@@ -665,7 +667,7 @@ def test_member_fails_when_the_host_or_a_plan_member_leaves() -> None:
     core = member()
     assert core.handle(fm.Left(2, "left"), 50.5) == []  # before the plan: not this member's concern
     assert core.handle(fm.Left(HOST, "disconnected"), 51.0) == [
-        fm.Failed("the host lost its connection to the rendezvous before the session formed")
+        fm.Failed("the host lost its connection to the rendezvous before the session formed", host_left=True)
     ]
     core = member()
     core.handle(fm.Message(HOST, plan_body(["alpha", "beta", "gamma"], IDS)), 51.0)

@@ -138,6 +138,7 @@ class Failed:
     """The attempt is over; `reason` is the one line the person reads."""
 
     reason: str
+    host_left: bool = False  # a member's: the rendezvous said the host left
 
 
 @dataclass(frozen=True)
@@ -229,9 +230,9 @@ class _Machine:
             want = " or ".join(s.value for s in steps)
             raise FormationError(f"step taken while {self.step.value}; it needs {want}")
 
-    def _fail(self, reason: str, out: list[Output] | None = None) -> list[Output]:
+    def _fail(self, reason: str, out: list[Output] | None = None, host_left: bool = False) -> list[Output]:
         self.step, self.deadline = Step.FAILED, None
-        return [*(out or []), Failed(reason)]
+        return [*(out or []), Failed(reason, host_left)]
 
     def _expired(self, now: float) -> bool:
         return self.step not in DONE and self.deadline is not None and now >= self.deadline
@@ -653,7 +654,7 @@ class MemberFormation(_Machine):
 
     def _left(self, event: Left) -> list[Output]:
         if event.member == self.host_id:
-            return self._fail(f"the host {event.went} before the session formed")
+            return self._fail(f"the host {event.went} before the session formed", host_left=True)
         if event.member in self.ids.values():
             return self._fail(f"member {self.name_of(event.member)} {event.went} before the session formed")
         return []

@@ -20,7 +20,7 @@ from kafila.obs.log import get_logger
 from kafila.proto import signaling as sig
 from kafila.proto.session import SESSION_VERSION
 from kafila.proto.speaks import session_version_of
-from kafila.session.errors import SessionError
+from kafila.session.errors import HostLeft, SessionError
 from kafila.session.forming import core as fm
 from kafila.session.forming.core import HostFormation, MemberFormation
 from kafila.session.forming.reconnect import REREGISTER_AFTER, back_to_rendezvous
@@ -115,7 +115,7 @@ class Driver:
                 log.warning("session_message_rejected", member=out.member, reason=out.reason)
             elif isinstance(out, fm.Failed):
                 log.warning("session_not_formed", reason=out.reason)
-                raise SessionError(out.reason)
+                raise (HostLeft if out.host_left else SessionError)(out.reason)
             else:
                 rest.append(out)
         return rest

@@ -8,22 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from kafila.api.forming import forming_app
+from kafila.api.server import ApiServer
 from kafila.engine import DTYPES
 from kafila.net.edge import LinkNode, connect_edge
 from kafila.net.errors import LinkAuthError, LinkError
 from kafila.net.link import Link
 from kafila.net.signaling import SignalingError
 from kafila.net.waits import wait_at_most
+from kafila.obs.listener import MetricsListener
 from kafila.proto import session as sm
 from kafila.proto.codes import parse_code
 from kafila.proto.signaling import MemberInfo
 from kafila.session.channel import LinkChannel
-from kafila.session.errors import SessionError
+from kafila.session.errors import HostLeft, NoHost, SessionError
 from kafila.session.forming import core as fm
 from kafila.session.forming.admission import WRONG_OWN_CODE
 from kafila.session.forming.core import MemberFormation
@@ -41,12 +44,60 @@ from kafila.session.terms import Options
 from kafila.session.weights.fetch import ShardResult, fetch_shard
 from kafila.session.weights.sharing import Sharing, where_from
 
+# A spare whose host was lost joins again with the same code for up to this long: the host's
+# successor takes its place at the rendezvous once it noticed the loss (the ring's bound, 3 s by
+# default) and linked with the survivors; until then a join hears that the session has no host.
+SUCCESSOR_WAIT_S = 60.0
+REJOIN_EVERY_S = 1.0
+
+
+@dataclass
+class Listeners:
+    """A spare's API server and metrics listener, kept open while it joins again."""
+
+    api: ApiServer | None
+    metrics: MetricsListener | None
+
+    async def close(self) -> None:
+        if self.api is not None:
+            with contextlib.suppress(Exception):
+                await self.api.stop()
+        if self.metrics is not None:
+            self.metrics.close()
+
+
+class SpareHostLost(SessionError):
+    """The host left while it kept this member as a spare: it joins again (its successor's)."""
+
+    def __init__(self, reason: str, listeners: Listeners) -> None:
+        super().__init__(reason)
+        self.listeners = listeners
+
 
 async def join(code_text: str, opts: Options) -> MemberRuntime:
     """Join the session of `code_text` and take this member's place in its ring; the runtime it
-    returns serves until closed."""
+    returns serves until closed. A spare whose host is lost joins again with the same code, on the
+    same API and metrics addresses, until the host's successor admits it (SUCCESSOR_WAIT_S)."""
     opts.check()
-    return await formed_by("member", partial(_join, code_text, opts))
+    loop = asyncio.get_running_loop()
+    kept: Listeners | None = None  # a spare's, while it joins again
+    since = 0.0
+    try:
+        while True:
+            try:
+                runtime = await formed_by("member", partial(_join, code_text, opts, kept))
+                kept = None  # the runtime's from now on
+                return runtime
+            except SpareHostLost as exc:
+                kept, since = exc.listeners, loop.time()
+                say(f"{exc}; joining again with the same code (the host's successor takes its place)")
+            except NoHost:
+                if kept is None or loop.time() - since > SUCCESSOR_WAIT_S:
+                    raise
+            await asyncio.sleep(REJOIN_EVERY_S)
+    finally:
+        if kept is not None:
+            await kept.close()
 
 
 def _link_host(node: LinkNode, name: str, host: MemberInfo, held: MemberRuntime) -> asyncio.Future[Link]:
@@ -97,10 +148,17 @@ async def host_verdict(drive: Driver, within: float = 5.0) -> None:
         await wait_at_most(drive.until(fm.Formed), within)
 
 
-async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
+async def _join(code_text: str, opts: Options, kept: Listeners | None, held: MemberRuntime) -> None:
     code = held.code = parse_code(code_text)
-    held.api_socket = reserve_api(opts)
-    held.open_metrics(opts.metrics)
+    if kept is None:
+        held.api_socket = reserve_api(opts)
+        held.open_metrics(opts.metrics)
+    else:  # joining again: the listeners stay join()'s until this attempt forms
+        held.listeners_borrowed = True
+        held.api, held.metrics = kept.api, kept.metrics
+        held.open_metrics(None)  # its scrapes read this attempt's forming status
+        if held.api is not None:
+            held.api.switch(forming_app(held.forming))
     client = held.client = await reach_rendezvous(opts.rendezvous)
     with refused_by(opts.rendezvous, f"join session {code.public}"):
         joined = await join_in_turn(
@@ -108,7 +166,7 @@ async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
         )
     host_info = next((m for m in joined.members if m.host), None)
     if host_info is None:  # its host left; members still in it keep the code alive
-        raise SessionError(f"session {code.public} has no host any more; ask for a new session code")
+        raise NoHost(f"session {code.public} has no host any more; ask for a new session code")
     name = f"{opts.name or default_name()}-{joined.member}" if opts.name is None else opts.name
     held.name = held.forming.name = name
     held.forming.model = joined.model
@@ -130,6 +188,12 @@ async def _join(code_text: str, opts: Options, held: MemberRuntime) -> None:
         me = await drive.during(probing)  # the driver hears the host's refusal (or leaving) meanwhile
         got = await drive.until(fm.LinkNow, core.start(me, drive.now()), watch=control)
         host_link = await drive.during(control)  # done by now: the host plans with admitted members
+    except HostLeft as exc:
+        if held.forming.spare is None:
+            raise
+        held.listeners_borrowed = True  # join() keeps them for the next attempt
+        why = f"the host {host_info.name} left while it kept this member as a spare"
+        raise SpareHostLost(why, Listeners(held.api, held.metrics)) from exc
     except LinkAuthError as exc:
         await host_verdict(drive)  # the host's refusal names why, and it hears of this before the leaving
         raise SessionError(
