@@ -85,10 +85,13 @@ def pytest_configure(config: pytest.Config) -> None:
     configure_logging("json")
 
 
-def pytest_unconfigure(config: pytest.Config) -> None:
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """A test that cancels a member while it measures itself leaves its probe's thread in torch;
-    let it finish (up to 60 s) before the interpreter exits, as the CLI does: torch aborts an exit
-    that catches it mid-call ("terminate called without an active exception", exit 134)."""
+    let it finish (up to 60 s) before the summary and the interpreter's exit, as the CLI does:
+    torch aborts an exit that catches it mid-call ("terminate called without an active exception",
+    exit 134), and CPython 3.11's AST constructor state is shared between threads, so the summary's
+    late imports (assertion rewriting parses them) beside a thread that compiles kernels failed
+    with "SystemError: AST constructor recursion depth mismatch"."""
     import time
 
     from kafila.session.progress import off_loop_busy

@@ -13,6 +13,7 @@ import contextlib
 import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -68,6 +69,21 @@ class Drops(Protocol):
     async def close(self, why: str) -> None: ...
 
 
+@dataclass
+class Listeners:
+    """A spare's API server and metrics listener, kept open while it joins again."""
+
+    api: ApiServer | None
+    metrics: MetricsListener | None
+
+    async def close(self) -> None:
+        if self.api is not None:
+            with contextlib.suppress(Exception):
+                await self.api.stop()
+        if self.metrics is not None:
+            self.metrics.close()
+
+
 class MemberRuntime:
     """Everything a member holds: what it acquired while forming, then its ring role and API."""
 
@@ -103,7 +119,7 @@ class MemberRuntime:
         self.on_lost: Callable[[str, str, str], None] | None = None
         # a joining member's API server and metrics listener belong to its join() until it formed: a
         # spare whose host was lost joins again with the same code on the same addresses
-        # (kafila.session.forming.join, Listeners), so close() leaves them open
+        # (kafila.session.forming.join; Listeners), so close() leaves them open
         self.listeners_borrowed = False
 
     @property
@@ -212,6 +228,16 @@ class MemberRuntime:
         for link in self.links.values():
             with contextlib.suppress(Exception):
                 await (link.close(why, ended) if self.formed else link.close(why))
+
+    def borrow_listeners(self, kept: Listeners) -> None:
+        """Joining again: serve on the listeners of the attempt before, which stay the caller's
+        until this attempt forms (close() then leaves them open); they show this attempt's forming
+        status."""
+        self.listeners_borrowed = True
+        self.api, self.metrics = kept.api, kept.metrics
+        self.open_metrics(None)  # its scrapes read this attempt's forming status
+        if self.api is not None:
+            self.api.switch(forming_app(self.forming))
 
     async def open_api(self, security: ApiSecurity, limits: ApiLimits = DEFAULT_LIMITS) -> None:
         """Serve this member's API on the address reserved at its start (--api; none with --api

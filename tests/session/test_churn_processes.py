@@ -5,7 +5,9 @@ member in the ring answers the same greedy question as the head did before any c
 90 s; a request through a member that arrived mid-session used to hang for good when its ring
 index was a survivor's first one (the survivor took its answers as its own). Each loss takes the
 ring member right after the head (neither head nor host), so the survivors behind it move up and
-a member planned in later lands on a survivor's first index; the test checks that this happened.
+a member planned in later lands on a survivor's first index; where the plan put the newcomers
+elsewhere (the ring's order decides), a newcomer and a loss follow, at most twice, and the test
+checks that a member landed so.
 Members the host keeps as spares answer too: their API relays to the host's.
 
 A second test makes a spare on purpose (a member five times slower, which no plan gains from)
@@ -103,8 +105,11 @@ def test_every_members_api_answers_through_a_run_of_losses_returns_and_newcomers
         landed: list[str] = []  # members planned in at a live survivor's first index
         gone: set[str] = set()
         changes = ["loss", "back", "new epsilon", "loss", "new zeta", "loss"]
+        spare_changes = ["new eta", "loss", "new theta", "loss"]  # until one lands (ring order decides)
         lost_first: FleetMember | None = None
-        for n, change in enumerate(changes, 1):
+        n = 0
+        while n < len(changes):
+            change, n = changes[n], n + 1
             if change == "loss":
                 victim = _victim(fleet, doc)
                 assert victim.proc is not None
@@ -138,6 +143,8 @@ def test_every_members_api_answers_through_a_run_of_losses_returns_and_newcomers
                 if got != expected:
                     failures.append(f"{m.name}: answered {got!r}, not {expected!r}")
             assert not failures, f"after {what} (ring {doc['ring']}, epoch {doc['epoch']}): {failures}"
+            if n == len(changes) and not landed and spare_changes:
+                changes += [spare_changes.pop(0), spare_changes.pop(0)]
         assert landed, f"no member was planned in at a survivor's first index (first indexes {first})"
     print(f"churn: {len(changes)} changes in {time.monotonic() - started:.0f} s; landed: {landed}")
 

@@ -8,20 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kafila.api.forming import forming_app
-from kafila.api.server import ApiServer
 from kafila.engine import DTYPES
 from kafila.net.edge import LinkNode, connect_edge
 from kafila.net.errors import LinkAuthError, LinkError
 from kafila.net.link import Link
 from kafila.net.signaling import SignalingError
 from kafila.net.waits import wait_at_most
-from kafila.obs.listener import MetricsListener
 from kafila.proto import session as sm
 from kafila.proto.codes import parse_code
 from kafila.proto.signaling import MemberInfo
@@ -39,7 +36,7 @@ from kafila.session.forming.signaling import default_name, join_in_turn, reach_r
 from kafila.session.forming.takeover import Succession
 from kafila.session.progress import note, off_loop, say
 from kafila.session.ring.build import Serving, shard_text, start_role
-from kafila.session.runtime import MemberRuntime, formed_by, reserve_api
+from kafila.session.runtime import Listeners, MemberRuntime, formed_by, reserve_api
 from kafila.session.terms import Options
 from kafila.session.weights.fetch import ShardResult, fetch_shard
 from kafila.session.weights.sharing import Sharing, where_from
@@ -49,21 +46,6 @@ from kafila.session.weights.sharing import Sharing, where_from
 # default) and linked with the survivors; until then a join hears that the session has no host.
 SUCCESSOR_WAIT_S = 60.0
 REJOIN_EVERY_S = 1.0
-
-
-@dataclass
-class Listeners:
-    """A spare's API server and metrics listener, kept open while it joins again."""
-
-    api: ApiServer | None
-    metrics: MetricsListener | None
-
-    async def close(self) -> None:
-        if self.api is not None:
-            with contextlib.suppress(Exception):
-                await self.api.stop()
-        if self.metrics is not None:
-            self.metrics.close()
 
 
 class SpareHostLost(SessionError):
@@ -154,11 +136,7 @@ async def _join(code_text: str, opts: Options, kept: Listeners | None, held: Mem
         held.api_socket = reserve_api(opts)
         held.open_metrics(opts.metrics)
     else:  # joining again: the listeners stay join()'s until this attempt forms
-        held.listeners_borrowed = True
-        held.api, held.metrics = kept.api, kept.metrics
-        held.open_metrics(None)  # its scrapes read this attempt's forming status
-        if held.api is not None:
-            held.api.switch(forming_app(held.forming))
+        held.borrow_listeners(kept)
     client = held.client = await reach_rendezvous(opts.rendezvous)
     with refused_by(opts.rendezvous, f"join session {code.public}"):
         joined = await join_in_turn(
