@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import statistics
 import tempfile
@@ -114,8 +115,16 @@ def main() -> int:
 
 
 def one_run(args: argparse.Namespace) -> tuple[float | None, bool]:
-    """One session: the pause from the kill to the next token, and whether the answer was unchanged."""
+    """One session: the pause from the kill to the next token, and whether the answer was unchanged.
+    Its members' caches and logs (about 1.3 GB) are removed after it."""
     work = Path(tempfile.mkdtemp(prefix="kafila-replan-"))
+    try:
+        return _measured(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _measured(args: argparse.Namespace, work: Path) -> tuple[float | None, bool]:
     head_lost, host_lost = args.lose == "head", args.lose == "host"
     own = [{"KAFILA_CACHE": str(work / f"cache{i}")} for i in range(1, 4)]
     caches: list[dict[str, str]] = [{}] + ([{}, {}, {}] if host_lost else own)
