@@ -530,6 +530,34 @@ def test_a_killed_stores_part_file_is_swept_once_old_and_a_fresh_one_kept(tmp_pa
     assert BlobStore(tmp_path / "none").sweep(time.time()) == 0  # no cache yet
 
 
+def test_a_blob_written_range_by_range_out_of_order_is_the_same_blob_and_a_dropped_one_leaves_nothing(
+    tmp_path,
+) -> None:
+    import hashlib
+    import time
+
+    blobs = BlobStore(tmp_path / "blobs")
+    data = bytes(range(256)) * 40  # 10,240 bytes
+    key, sha = "cd" + "1" * 62, hashlib.sha256(data).hexdigest()
+    part = blobs.part(key, "w", "U8", (len(data),), len(data))
+    assert blobs.sweep(time.time() + 1) == 1  # a part file the sweep would remove if left behind
+    part = blobs.part(key, "w", "U8", (len(data),), len(data))
+    for a in (8192, 0, 4096):  # as a window of responses may come
+        part.write_at(a, memoryview(data)[a : a + 4096])
+    with pytest.raises(ValueError, match="outside a 10240-byte tensor"):
+        part.write_at(8192, data[:4096])
+    assert part.sha256() == sha
+    blob = part.keep()
+    whole = blobs.put("ef" + "2" * 62, "w", "U8", (len(data),), data)
+    assert blob.read_bytes() == whole.read_bytes()  # header and bytes as a blob written at once
+    blobs.hashes.remember(blob, {"w": sha})
+    assert blobs.has(key, "w", "U8", (len(data),), len(data), sha)
+    dropped = blobs.part("aa" + "3" * 62, "w", "U8", (4,), 4)
+    dropped.write_at(0, b"abcd")
+    dropped.discard()
+    assert not list(blobs.root.rglob("*.part")) and not blobs.path("aa" + "3" * 62).exists()
+
+
 def test_progress_piped_to_a_file_is_a_line_at_every_tenth(capsys) -> None:
     """Under a log file, tqdm's bar was one endless line of carriage returns."""
     from kafila.session.weights.fetch import LineProgress, _Member
@@ -653,3 +681,32 @@ async def test_a_host_whose_hashing_stalls_simulated_fails_the_member_naming_how
         release.set()  # type: ignore[attr-defined]
         serving.cancel()
     assert 0 < server.hashed[0] < server.hashed[1]
+
+
+async def test_tensors_written_to_their_blobs_as_they_arrive_are_checked_before_they_are_kept(
+    folder, full, tmp_path, monkeypatch
+) -> None:
+    """Every tensor large enough (here: any of one byte or more) goes to its blob's `.part` file
+    range by range, never whole in memory: a damaged range leaves neither a blob nor a part file,
+    and the next fetch stores the host's exact bytes, which load."""
+    from kafila.session.weights import fetch
+
+    monkeypatch.setattr(fetch, "SPOOL_BYTES", 1)
+    names, _ = share(full, range(0, 2), True)
+    victim = min((full.tensors[n] for n in names), key=lambda i: (i.file.name, i.start))
+    server = WeightServer(folder, max_request=4096, cache=tmp_path / "host")  # several ranges a tensor
+    cache = tmp_path / "m1"
+    member, host = MemoryChannel.pair("host", "m1")[::-1]
+    serving = asyncio.ensure_future(server.serve(host, timeout=2))
+    damaged = DamagingChannel(member, victim.file.name, victim.start, flip)
+    with pytest.raises(WeightsError, match="fetched bytes do not match the sha256"):
+        await fetch_shard(damaged, range(0, 2), True, cache=cache, local=[], progress=False, window=4)
+    await asyncio.wait_for(serving, 10)
+    blobs = BlobStore(cache / "blobs")
+    assert not list(blobs.root.rglob("*.part"))
+    retry = await fetch_via(server, member, host, range(0, 2), True, cache, window=4)
+    shard = Checkpoint.open(retry.path)
+    assert set(shard.tensors) == set(names) and not list(blobs.root.rglob("*.part"))
+    want, got = full.read(names), shard.read(names)
+    for n in names:
+        assert bytes(got[n][1]) == bytes(want[n][1]), n

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kafila.models.checkpoint import Checkpoint
-from kafila.session.weights.fetch import DEFAULT_WINDOW, STORING
+from kafila.session.weights.fetch import DEFAULT_WINDOW, SPOOL_BYTES, STORING
 from kafila.session.weights.manifest import DEFAULT_MAX_REQUEST
 from tests.tiny_models import make_tiny
 
@@ -30,6 +30,7 @@ from kafila.models.torch import decode_cpu
 from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
 from kafila.session.channel import MemoryChannel
+from kafila.session.weights import fetch as fetching
 from kafila.session.weights.fetch import fetch_shard
 from kafila.session.weights.server import WeightServer
 
@@ -41,6 +42,7 @@ def reset():
 
 folder, cache = Path(sys.argv[1]), Path(sys.argv[2])
 a, b = int(sys.argv[3]), int(sys.argv[4])
+fetching.SPOOL_BYTES = int(sys.argv[5])
 out = {}
 
 async def fetch():
@@ -83,13 +85,20 @@ def wide(tmp_path_factory) -> Path:
     return folder
 
 
-def test_fetching_a_shard_holds_the_tensors_in_flight_and_loading_it_about_one_copy(wide, tmp_path) -> None:
+@pytest.mark.parametrize("spool", [SPOOL_BYTES, 1 << 62], ids=["default", "assembled-in-memory"])
+def test_fetching_a_shard_holds_the_tensors_in_flight_and_loading_it_about_one_copy(
+    wide, tmp_path, spool
+) -> None:
+    """By default each tensor of SPOOL_BYTES (8 MiB) or more goes to its blob's file as it arrives,
+    so only smaller ones are ever whole in memory; `assembled-in-memory` keeps every tensor in
+    memory until it is stored (the smaller tensors' path, here for all of them)."""
     ckpt = Checkpoint.open(wide)
     names = ckpt.names_for(BLOCKS, False)
     shard = sum(ckpt.tensors[n].nbytes for n in names)
-    largest = max(ckpt.tensors[n].nbytes for n in names)
+    largest = max(ckpt.tensors[n].nbytes for n in names if ckpt.tensors[n].nbytes < spool)
+    args = [str(wide), str(tmp_path), str(BLOCKS.start), str(BLOCKS.stop), str(spool)]
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(wide), str(tmp_path), str(BLOCKS.start), str(BLOCKS.stop)],
+        [sys.executable, "-c", CHILD, *args],
         capture_output=True,
         text=True,
         timeout=300,

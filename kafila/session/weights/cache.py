@@ -136,6 +136,69 @@ class BlobStore:
         write_atomic(path, [one_tensor_header(name, dtype, shape, len(data)), data])
         return path
 
+    def part(self, key: str, name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> BlobPart:
+        """A blob to be written range by range as its bytes arrive (kept by `BlobPart.keep`)."""
+        return BlobPart(self.path(key), one_tensor_header(name, dtype, shape, nbytes), nbytes)
+
+
+class BlobPart:
+    """A blob written as its ranges arrive, for a tensor too large to assemble in memory (a 622 MB
+    int8 embedding beside a serving stage): a `.part` file beside the blob (the store's sweep
+    removes one left behind), the one-tensor header first, each range at its offset, then its
+    bytes hashed from the file and the file renamed into place."""
+
+    def __init__(self, path: Path, header: bytes, nbytes: int) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+        self.path, self.tmp, self.fd = path, Path(tmp), fd
+        self.base, self.nbytes = len(header), nbytes
+        try:
+            os.fchmod(fd, 0o666 & ~UMASK)
+            _pwrite_all(fd, header, 0)
+            os.ftruncate(fd, self.base + nbytes)
+        except BaseException:
+            self.discard()
+            raise
+
+    def write_at(self, offset: int, data: bytes | memoryview) -> None:
+        """The tensor's bytes [offset, offset + len(data))."""
+        if offset < 0 or offset + len(data) > self.nbytes:
+            raise ValueError(f"range {offset}+{len(data)} outside a {self.nbytes}-byte tensor")
+        _pwrite_all(self.fd, data, self.base + offset)
+
+    def sha256(self) -> str:
+        """The digest of the tensor's bytes as written (read back through one 1 MiB buffer)."""
+        h, at, end = hashlib.sha256(), self.base, self.base + self.nbytes
+        buf = bytearray(1 << 20)
+        while at < end:
+            n = os.preadv(self.fd, [memoryview(buf)[: min(len(buf), end - at)]], at)
+            if n <= 0:
+                raise OSError(f"{self.tmp}: ends at byte {at} of {end}")
+            h.update(memoryview(buf)[:n])
+            at += n
+        return h.hexdigest()
+
+    def keep(self) -> Path:
+        """Synced, closed and renamed to the blob's path."""
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+        os.replace(self.tmp, self.path)
+        return self.path
+
+    def discard(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.tmp.unlink(missing_ok=True)
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
 
 @dataclass(frozen=True)
 class ShardFolder:

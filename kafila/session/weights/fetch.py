@@ -23,6 +23,7 @@ from kafila.obs.log import get_logger
 from kafila.proto import tensor as t
 from kafila.session.channel import Channel, ChannelError
 from kafila.session.weights.cache import (
+    BlobPart,
     BlobStore,
     HashCache,
     ShardFolder,
@@ -48,6 +49,7 @@ log = get_logger(__name__)
 
 
 DEFAULT_WINDOW = 8  # requests a member keeps in flight
+SPOOL_BYTES = 8 << 20  # a tensor at least this large is written to its blob's file as it arrives
 STORING = 2  # whole tensors being checked and written at once; the next waits (bounds the buffers held)
 
 
@@ -78,17 +80,41 @@ class ShardResult:
 class _Pending:
     """A tensor being assembled from responses. Its buffer is made when its first bytes come and
     dropped once stored: a shard's buffers are never all resident at once (`bytearray(n)` writes
-    its n zero bytes, so a buffer made ahead costs its size at once), and a member that keeps
-    replicas while serving holds only the tensors in flight beside its stage."""
+    its n zero bytes, so a buffer made ahead costs its size at once). A tensor of SPOOL_BYTES or
+    more is not assembled in memory at all: each range goes to its blob's `.part` file as it
+    comes (a member that keeps replicas while it serves holds no whole embedding beside its
+    stage)."""
 
     entry: TensorEntry
     missing: int
     buf: bytearray | None = None
+    part: BlobPart | None = None
+
+    @property
+    def spooled(self) -> bool:
+        return self.entry.nbytes >= SPOOL_BYTES
 
     def into(self) -> bytearray:
         if self.buf is None:
             self.buf = bytearray(self.entry.nbytes)
         return self.buf
+
+    async def write(self, blobs: BlobStore, offset: int, data: memoryview) -> None:
+        """The tensor's bytes at `offset`: into its buffer, or its blob's file (off the loop)."""
+        if not self.spooled:
+            self.into()[offset : offset + len(data)] = data
+            return
+        if self.part is None:
+            e = self.entry
+            self.part = await asyncio.to_thread(blobs.part, e.key, e.name, e.dtype, e.shape, e.nbytes)
+        await asyncio.to_thread(self.part.write_at, offset, data)
+
+    def discard(self) -> None:
+        """Drop what came of an unfinished tensor (its `.part` file)."""
+        self.buf = None
+        if self.part is not None:
+            part, self.part = self.part, None
+            part.discard()
 
 
 class _Tally:
@@ -372,7 +398,7 @@ class _Member:
                 p = parts[i]
                 lo, hi = max(a, p.entry.start), min(b, p.entry.end)
                 if hi > lo:
-                    p.into()[lo - p.entry.start : hi - p.entry.start] = memoryview(data)[lo - a : hi - a]
+                    await p.write(self.blobs, lo - p.entry.start, memoryview(data)[lo - a : hi - a])
                     p.missing -= hi - lo
                     if p.missing == 0:
                         writes.append(store(p))
@@ -389,6 +415,9 @@ class _Member:
             log.warning("weights_source_failed", source=reader.name, error=str(exc))
         finally:
             results = await asyncio.gather(*writes, return_exceptions=True)
+            for _, parts in index.values():
+                for p in parts:
+                    p.discard()  # those that did not come whole
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
@@ -397,9 +426,19 @@ class _Member:
     def _store(self, p: _Pending, source: str, strict: bool) -> str | None:
         """Check `p`'s bytes and keep them: its name, or None when they do not hash right and a
         later source may send them (`strict`: there is none, WeightsError)."""
-        e, buf = p.entry, p.into()
-        p.buf = None  # the bytes go with this call
-        if hashlib.sha256(buf).hexdigest() != e.sha256:
+        e, blob = p.entry, None
+        if p.spooled:  # written to its blob's file as it came
+            part = p.part or self.blobs.part(e.key, e.name, e.dtype, e.shape, e.nbytes)
+            p.part = None
+            try:
+                blob = part.keep() if part.sha256() == e.sha256 else None
+            finally:
+                part.discard()  # nothing is left after keep()
+        else:
+            buf, p.buf = p.into(), None  # the bytes go with this call
+            if hashlib.sha256(buf).hexdigest() == e.sha256:
+                blob = self.blobs.put(e.key, e.name, e.dtype, e.shape, buf)
+        if blob is None:
             if not strict:
                 log.warning("weights_range_rejected", source=source, tensor=e.name, nbytes=e.nbytes)
                 return None
@@ -408,7 +447,6 @@ class _Member:
                 f"the host announced (its file, or its remembered digest under <cache>/weights/hashes, "
                 f"changed after hashing); not cached"
             )
-        blob = self.blobs.put(e.key, e.name, e.dtype, e.shape, buf)
         self.blobs.hashes.remember(blob, {e.name: e.sha256})  # checked above: not hashed again on reuse
         return e.name
 
