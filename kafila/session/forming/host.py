@@ -105,7 +105,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     drive = held.driver = Driver(core, client, node.signals)
     admission = held.admission = Admission(node, name, drive)
     # members that join meanwhile are linked with, and so their codes checked, while this host measures
-    me = await drive.during(while_signaling(off_loop(probe_report, name, node, opts, config), pump))
+    me = await drive.during(while_signaling(off_loop(probe_report, name, node.nat, opts, config), pump))
     gathered = await drive.until(fm.PlanNow, core.start(me, drive.now()))
     control = admission.take(gathered.ids.values())  # every other member's link, admitted
     nats = observe_nats(gathered.devices)

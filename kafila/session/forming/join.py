@@ -30,7 +30,7 @@ from kafila.session.forming.core import MemberFormation
 from kafila.session.forming.driver import Driver, while_signaling
 from kafila.session.forming.epochs import MemberEpochs
 from kafila.session.forming.links import connect_node, link_ring, named
-from kafila.session.forming.measure import observe_nats, probe_report
+from kafila.session.forming.measure import Measurements, observe_nats, probe_report
 from kafila.session.forming.plans import say_ready
 from kafila.session.forming.signaling import default_name, join_in_turn, reach_rendezvous, refused_by
 from kafila.session.forming.takeover import Succession
@@ -63,11 +63,12 @@ async def join(code_text: str, opts: Options) -> MemberRuntime:
     opts.check()
     loop = asyncio.get_running_loop()
     kept: Listeners | None = None  # a spare's, while it joins again
+    measured = Measurements()  # its probe, which joining again under the same terms reuses
     since = 0.0
     try:
         while True:
             try:
-                runtime = await formed_by("member", partial(_join, code_text, opts, kept))
+                runtime = await formed_by("member", partial(_join, code_text, opts, kept, measured))
                 kept = None  # the runtime's from now on
                 return runtime
             except SpareHostLost as exc:
@@ -130,7 +131,9 @@ async def host_verdict(drive: Driver, within: float = 5.0) -> None:
         await wait_at_most(drive.until(fm.Formed), within)
 
 
-async def _join(code_text: str, opts: Options, kept: Listeners | None, held: MemberRuntime) -> None:
+async def _join(
+    code_text: str, opts: Options, kept: Listeners | None, measured: Measurements, held: MemberRuntime
+) -> None:
     code = held.code = parse_code(code_text)
     if kept is None:
         held.api_socket = reserve_api(opts)
@@ -162,7 +165,8 @@ async def _join(code_text: str, opts: Options, kept: Listeners | None, held: Mem
     drive.on_spare = lambda spared: held.serve_as_spare(host_info.name, spared.reason)
     control = _link_host(node, name, host_info, held)  # the host checks this member's code meanwhile
     try:
-        probing = while_signaling(off_loop(probe_report, name, node, opts, config), pump, control)
+        measuring = off_loop(probe_report, name, node.nat, opts, config, measured)
+        probing = while_signaling(measuring, pump, control)
         me = await drive.during(probing)  # the driver hears the host's refusal (or leaving) meanwhile
         got = await drive.until(fm.LinkNow, core.start(me, drive.now()), watch=control)
         host_link = await drive.during(control)  # done by now: the host plans with admitted members
