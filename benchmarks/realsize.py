@@ -1,7 +1,7 @@
 """Qwen3-8B's shape on this machine: a three-member session whose members are each capped below the
 model's size, against one process of the same model, in bf16 and in kafila's q4.
 
-    python3 benchmarks/realsize.py [--layers N] [--formats bf16,q4] [--runs R] [--tokens T]
+    python3 benchmarks/realsize.py [--layers N] [--formats bf16,q4] [--runs R] [--rounds K] [--tokens T]
 
 The checkpoint: Qwen3-8B's widths (36 blocks, hidden 4096, 32 query / 8 KV heads of 128, MLP 12288,
 the 151,936-token vocabulary, embedding untied from the head), random weights drawn with a seeded
@@ -25,7 +25,9 @@ For each format:
   the same members with gamma replaced by a machine with an empty cache: bytes per source (target:
   at least half from members other than the host);
 - one process (kafila.engine.generate in a child process in its own memory group) where it fits,
-  its decode tokens/s and peak, and `kafila run` in a group of one member's cap: its refusal with
+  alternated with the ring once every replica was kept (K rounds: the ring's R requests, then a
+  child's R after its warm-up; the ratio is the median of the rounds'), its decode tokens/s and
+  peak, and `kafila run` in a group of one member's cap: its refusal with
   the planner's numbers (exit 2, nothing loaded).
 
 Needs root (memory groups). Memory: full depth in q4 takes about 6 GB over the three members; bf16
@@ -272,6 +274,7 @@ class Single:
     load_s: float = 0.0
     dtype: str = ""
     rss: int = 0
+    round_tps: list[float] = field(default_factory=list)  # each round's median, alternated with the ring's
 
 
 def one_process(s: Sizes, args: argparse.Namespace, cap: int) -> Single:
@@ -338,9 +341,11 @@ class Ring:
     by_source: dict[str, dict[str, int]]  # member -> source -> bytes fetched while forming
 
 
-def session(s: Sizes, args: argparse.Namespace, cap: int, workdir: Path, load: Load) -> Ring:
+def session(s: Sizes, args: argparse.Namespace, cap: int, workdir: Path, load: Load) -> tuple[Ring, Single]:
     """The three-member session (the host hashes its checkpoint while the members wait: its
-    hashes are remembered across sessions under the kept host cache)."""
+    hashes are remembered across sessions under the kept host cache), and the one process of the
+    same model alternated with it: `--rounds` times, the ring's `--runs` requests, then a child
+    process's (the ring stays up, idle, meanwhile)."""
     caches = [HOST_CACHE, *(workdir / f"{n}-cache" for n in NAMES[1:])]
     fleet = members_fleet(s, args, cap, workdir, caches)
     t0 = time.perf_counter()
@@ -358,10 +363,13 @@ def session(s: Sizes, args: argparse.Namespace, cap: int, workdir: Path, load: L
         hwm = {m.name: peak_rss(m.proc.pid) for m in fleet.members if m.proc is not None}
         replicas = wait_replicas(fleet, args.wait)
         hwm_kept = {m.name: peak_rss(m.proc.pid) for m in fleet.members if m.proc is not None}
-        texts += [completion(url, args.tokens) for _ in range(args.runs)]
-        records = wait_records(fleet, 2 * args.runs + 1)[args.runs + 1 :]
+        singles: list[Single] = []
+        for _ in range(args.rounds):
+            texts += [completion(url, args.tokens) for _ in range(args.runs)]
+            singles.append(one_process(s, args, single_cap(s.resident)))
+        records = wait_records(fleet, (args.rounds + 1) * args.runs + 1)[args.runs + 1 :]
     logs = {m.name: m.log_text() for m in fleet.members}
-    return Ring(
+    ring = Ring(
         form_s,
         {n: fetches(text) for n, text in logs.items()},
         stages,
@@ -376,6 +384,26 @@ def session(s: Sizes, args: argparse.Namespace, cap: int, workdir: Path, load: L
         replicas,
         hwm_kept,
         {n: sources(text) for n, text in logs.items()},
+    )
+    return ring, merged(singles)
+
+
+def merged(singles: list[Single]) -> Single:
+    """The one-process rounds as one: every timed request's rate, the largest peaks."""
+    fits = [x for x in singles if x.fits]
+    if not fits:
+        return singles[0] if singles else Single(False, "not run: --rounds 0")
+    first = fits[0]
+    return Single(
+        True,
+        f"{first.note}, {len(fits)} rounds alternated with the ring's",
+        [t for x in fits for t in x.tps],
+        max(x.peak for x in fits),
+        first.text if all(x.text == first.text for x in fits) else "(the rounds' texts differ)",
+        median([x.load_s for x in fits]),
+        first.dtype,
+        max(x.rss for x in fits),
+        [median(x.tps) for x in fits],
     )
 
 
@@ -545,19 +573,20 @@ def report_ring(s: Sizes, r: Ring) -> None:
 
 def report_single(s: Sizes, r: Ring, single: Single) -> None:
     bound = median([b for b in r.bandwidth.values() if b == b]) / s.read_per_token
-    ring = median(r.tps)
-    if single.fits:
-        one = median(single.tps)
-        print(
-            f"one process decode {one:.2f} tok/s (±{spread(single.tps):.2f}, n={len(single.tps)}; "
-            f"{single.note}, loaded in {single.load_s:.0f} s, held {single.dtype}): {one / bound:.0%} of "
-            f"the bound (target >= 80%); peak {single.peak / GB:.2f} GB in its group = "
-            f"{single.peak / s.resident:.2f}x weights + KV, {single.rss / GB:.2f} GB resident\n"
-            f"ring / one process: {ring / one:.2f}x (target >= 0.9x); same text: "
-            f"{'yes' if single.text == r.text else 'NO'}"
-        )
-    else:
+    if not single.fits:
         print(f"one process: {single.note}")
+        return
+    one = median(single.tps)
+    per = len(r.tps) // max(1, len(single.round_tps))  # the ring's requests of a round
+    ratios = [median(r.tps[i * per : (i + 1) * per]) / x for i, x in enumerate(single.round_tps)]
+    print(
+        f"one process decode {one:.2f} tok/s (±{spread(single.tps):.2f}, n={len(single.tps)}; "
+        f"{single.note}, loaded in {single.load_s:.0f} s, held {single.dtype}): {one / bound:.0%} of "
+        f"the bound (target >= 80%); peak {single.peak / GB:.2f} GB in its group = "
+        f"{single.peak / s.resident:.2f}x weights + KV, {single.rss / GB:.2f} GB resident\n"
+        f"ring / one process, each round's medians: {', '.join(f'{x:.2f}x' for x in ratios)}; median "
+        f"{median(ratios):.2f}x (target >= 0.9x); same text: {'yes' if single.text == r.text else 'NO'}"
+    )
 
 
 def report_reform(r: Reform) -> None:
@@ -579,7 +608,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=FULL_LAYERS, help="blocks (8B widths; default 36)")
     p.add_argument("--formats", default="q4", help="comma-separated: bf16, q4 (default q4)")
-    p.add_argument("--runs", type=int, default=3, help="timed requests per system, after one warm-up")
+    p.add_argument("--runs", type=int, default=3, help="timed requests per system and round, after a warm-up")
+    p.add_argument(
+        "--rounds", type=int, default=2, help="rounds of the ring's requests then one process's, alternated"
+    )
     p.add_argument("--tokens", type=int, default=32, help="tokens per request")
     p.add_argument("--context", type=int, default=1024, help="the session's declared context")
     p.add_argument("--cap-gb", type=float, default=None, help="each member's memory cap (default: see cap())")
@@ -616,12 +648,12 @@ def main() -> int:
             print(f"session not run: {room}", flush=True)
             continue
         with tempfile.TemporaryDirectory(prefix="kafila-realsize-") as tmp:
-            ring = session(s, args, cap, Path(tmp), load)
+            ring, single = session(s, args, cap, Path(tmp), load)
             report_ring(s, ring)
+            report_single(s, ring, single)
             again = reform(s, args, cap, Path(tmp)) if args.reform else None
         if again is not None:
             report_reform(again)
-        report_single(s, ring, one_process(s, args, single_cap(s.resident)))
     print(load.report())
     return 0
 
