@@ -220,8 +220,9 @@ def test_a_spare_of_a_killed_host_joins_its_successor_and_answers_on_the_same_ad
     """The host keeps a member twenty times slower as a spare, then the host is killed (SIGKILL; it
     offers 0.1 GB, so the head is the other member). The other member takes over as the host, and
     the spare, told by the rendezvous that its host left, joins again with the same code on the
-    same API address: the successor keeps it as its own spare, and the greedy answer through that
-    address is the one from before. It used to end with its host."""
+    same API address, offering the measurement it made moments before: the successor keeps it as
+    its own spare, and the greedy answer through that address is the one from before. It used to
+    end with its host."""
     with LocalFleet((None,) * 2, MODEL, context=512, concurrency=2, workdir=tmp_path, stagger=False,
                     extra_args=("--dead-after", "3", "--threads", "1"),
                     member_args=[("--memory-gb", "0.1"), ()]) as fleet:  # fmt: skip
@@ -244,5 +245,7 @@ def test_a_spare_of_a_killed_host_joins_its_successor_and_answers_on_the_same_ad
         log = spare.log_text()
         said = "left while it kept this member as a spare; joining again with the same code"
         assert said in log, log[-2000:]
+        assert log.count("measuring this device") == 1, log[-2000:]  # joining again, not measured again
+        assert "slow: measured" in log and "offering that measurement" in log, log[-2000:]
         assert _session(heir)["spares"] == ["slow"]  # type: ignore[index]
         assert _greedy(url) == expected  # relayed to the successor's API
