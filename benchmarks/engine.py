@@ -103,6 +103,9 @@ def speed(
     stage = Stage.load(
         ckpt, range(ckpt.n_blocks), True, backend="torch", dtype=dtype, context=args.context, quant=quant
     )
+    threads = {"torch": torch.get_num_threads(), "numba": _numba_threads()}
+    if set(threads.values()) - {None, args.threads}:
+        raise SystemExit(f"threads after loading the stage: {threads}, not --threads {args.threads}")
     hf: Any = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     hf.eval()  # inference mode: no dropout
     prompt = [(i * 7919) % 40000 + 100 for i in range(args.prompt_tokens)]
@@ -260,11 +263,13 @@ def _proc_status_bytes(field: str) -> int:
 
 
 def memory(args: argparse.Namespace, path: Path, dtype: str, quant: str = "none") -> dict[str, int]:
-    root = str(Path(__file__).resolve().parents[1])
+    here = str(Path(__file__).resolve().parent)  # benchmarks/, as when this script runs (llama_build)
     call = f"memory_child({str(path)!r}, {dtype!r}, {args.context}, {args.prompt_tokens}, 16, {quant!r})"
-    code = f"import json, sys; sys.path.insert(0, {root!r}); from benchmarks.engine import memory_child; "
+    code = f"import json, sys; sys.path.insert(0, {here!r}); from engine import memory_child; "
     code += f"print(json.dumps({call}))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"the memory subprocess failed (exit {out.returncode}): {out.stderr[-1500:]}")
     r = json.loads(out.stdout.strip().splitlines()[-1])
     need = r["weights"] + r["kv"]
     print(
@@ -286,7 +291,13 @@ def main() -> int:
     )
     p.add_argument("--repeats", type=int, default=3, help="runs per system per dtype (median reported)")
     p.add_argument("--context", type=int, default=2048, help="engine KV-cache context (counted in memory)")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads for both")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=torch.get_num_threads(),
+        help="threads for every system: the benchmark is pinned to that many CPUs, and kafila, "
+        "transformers (torch) and llama-bench (-t) each run that many",
+    )
     p.add_argument(
         "--quant",
         nargs="+",
@@ -296,6 +307,7 @@ def main() -> int:
     )
     p.add_argument("--llama-bench", default=str(LLAMA_BIN / "llama-bench"), help="llama.cpp's llama-bench")
     args = p.parse_args()
+    cpus = pin(args.threads)
     from kafila.models.registry import resolve
     from kafila.obs.log import configure_logging
 
@@ -303,7 +315,8 @@ def main() -> int:
     path = resolve(args.model)
     bandwidth = measure_bandwidth(args.threads)
     print(
-        f"model {path}  threads {args.threads}  OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} "
+        f"model {path}  threads {args.threads}, pinned to CPUs {cpus}  "
+        f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} "
         f"GOMP_SPINCOUNT={os.environ['GOMP_SPINCOUNT']}  "
         f"streaming read bandwidth {bandwidth / 1e9:.1f} GB/s (torch sum)"
     )
@@ -312,6 +325,29 @@ def main() -> int:
             speed(args, path, dtype, bandwidth, quant)
             memory(args, path if quant == "none" else resolve(args.model, quant=quant), dtype, quant)
     return 0
+
+
+def _numba_threads() -> int | None:
+    """The numba kernels' pool size, where they loaded (None: not used by this run)."""
+    if "numba" not in sys.modules:
+        return None
+    import numba
+
+    return int(numba.get_num_threads())
+
+
+def pin(threads: int) -> list[int]:
+    """Pin this process (and so its children: llama-bench, the memory subprocess) to its first
+    `threads` CPUs, and size kafila's pools (torch, the numba kernels: KAFILA_THREADS, read when a
+    stage loads; loading resets them to every usable CPU otherwise) and transformers' torch to
+    `threads`: every compared system runs on the same CPUs with the same threads."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if not 1 <= threads <= len(allowed):
+        raise SystemExit(f"--threads {threads}: this process may use {len(allowed)} CPUs ({allowed})")
+    os.sched_setaffinity(0, allowed[:threads])
+    os.environ["KAFILA_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    return allowed[:threads]
 
 
 if __name__ == "__main__":
