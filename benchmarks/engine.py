@@ -226,6 +226,45 @@ def summarize(dtype: str, ours: Runs, theirs: Runs, per_token: int, bandwidth: f
     return row
 
 
+def gguf_speed(args: argparse.Namespace, file: Path, bandwidth: float) -> dict[str, float]:
+    """--gguf FILE: Kafila serving the file (converted once into the cache: each tensor in its own
+    type where Kafila computes it packed, widened to floats where it does not, which the conversion
+    says on the console) against llama-bench on the same file, same threads, alternated."""
+    from kafila.engine.stage import Stage
+    from kafila.models.checkpoint import Checkpoint
+    from kafila.models.registry import resolve
+
+    ckpt = Checkpoint.open(resolve(str(file)))
+    stage = Stage.load(
+        ckpt, range(ckpt.n_blocks), True, backend="torch", dtype="fp32", context=args.context, quant="auto"
+    )
+    quant = str(getattr(stage.model, "quant", "none"))
+    prompt = [(i * 7919) % min(40000, ckpt.config.vocab_size - 100) + 100 for i in range(args.prompt_tokens)]
+    gguf = file if llama_starts(args) else None
+    ours, llama = [], []
+    kafila_run(stage, prompt, 4)  # warm-up
+    for _ in range(args.repeats):  # alternated, so that both see the same load
+        ours.append(kafila_run(stage, prompt, args.new_tokens))
+        if gguf is not None:
+            llama.append(llama_bench(args, gguf))
+    m = ckpt.manifest(SAFETENSORS_DTYPES["fp32"], quant)
+    per_token = sum(m.block_bytes) + m.head_read_bytes
+    bound = bandwidth / per_token
+    row = {
+        "kafila_prefill": statistics.median(r[0] for r in ours),
+        "kafila_decode": statistics.median(r[1] for r in ours),
+    }
+    spread = [f"{min(r[i] for r in ours):.1f}-{max(r[i] for r in ours):.1f}" for i in (0, 1)]
+    print(
+        f"\n[{file.name}: served as {quant} weights, fp32 compute] bytes read per decoded token "
+        f"{per_token / 1e6:.1f} MB -> bound {bound:.1f} tok/s\n"
+        f"  {'':12}{'prefill tok/s':>24}{'decode tok/s':>24}\n"
+        f"  {'kafila':12}{row['kafila_prefill']:>10.1f} ({spread[0]:>11}){row['kafila_decode']:>10.1f} "
+        f"({spread[1]:>11})  decode at {row['kafila_decode'] / bound:.0%} of the bandwidth bound"
+    )
+    return row | llama_cpp(args, quant, gguf, llama, row, bound)
+
+
 def memory_child(
     path: str, dtype: str, context: int, prompt_tokens: int, new_tokens: int, quant: str = "none"
 ) -> dict[str, int]:
@@ -305,6 +344,12 @@ def main() -> int:
         choices=["none", "int8", "q4"],
         help="weight formats to run (int8, q4: packed weights, side by side with llama.cpp)",
     )
+    p.add_argument(
+        "--gguf",
+        metavar="FILE",
+        help="a GGUF file: Kafila serving it (as `--model FILE` does) against llama-bench on the same file "
+        "(no transformers run, no --dtypes or --quant)",
+    )
     p.add_argument("--llama-bench", default=str(LLAMA_BIN / "llama-bench"), help="llama.cpp's llama-bench")
     args = p.parse_args()
     cpus = pin(args.threads)
@@ -312,7 +357,7 @@ def main() -> int:
     from kafila.obs.log import configure_logging
 
     configure_logging(level="warning")
-    path = resolve(args.model)
+    path = Path(args.gguf) if args.gguf else resolve(args.model)
     bandwidth = measure_bandwidth(args.threads)
     print(
         f"model {path}  threads {args.threads}, pinned to CPUs {cpus}  "
@@ -320,6 +365,9 @@ def main() -> int:
         f"GOMP_SPINCOUNT={os.environ['GOMP_SPINCOUNT']}  "
         f"streaming read bandwidth {bandwidth / 1e9:.1f} GB/s (torch sum)"
     )
+    if args.gguf:
+        gguf_speed(args, path, bandwidth)
+        return 0
     for quant in args.quant:
         for dtype in args.dtypes:
             speed(args, path, dtype, bandwidth, quant)

@@ -45,3 +45,21 @@ def test_more_threads_than_cpus_is_refused_naming_the_cpus() -> None:
     done = _run(f"import sys; sys.path.insert(0, sys.argv[1]); import engine; engine.pin({n + 1})")
     assert done.returncode != 0
     assert f"--threads {n + 1}: this process may use {n} CPUs" in done.stderr
+
+
+def test_a_gguf_file_is_served_as_its_own_format_and_timed_without_llama_cpp_where_it_is_missing(
+    tmp_path: Path,
+) -> None:
+    """--gguf FILE: Kafila serves the file as `--model FILE` does (the default model's Q4_1 GGUF:
+    packed q4) and says llama.cpp was not run when its llama-bench is missing."""
+    from kafila.models.default import DEFAULT_MODELS, locate_gguf
+
+    file = locate_gguf(DEFAULT_MODELS["smollm2-135m"])
+    argv = [sys.executable, str(ROOT / "benchmarks" / "engine.py"), "--threads", "1", "--gguf", str(file)]
+    argv += ["--repeats", "1", "--new-tokens", "4", "--prompt-tokens", "8"]
+    argv += ["--llama-bench", str(tmp_path / "none" / "llama-bench")]
+    env = os.environ | {"KAFILA_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"[{file.name}: served as q4 weights, fp32 compute]" in done.stdout, done.stdout
+    assert "llama.cpp: not run" in done.stdout and "pinned to CPUs" in done.stdout
