@@ -91,6 +91,24 @@ async def test_simulated_corruption_on_the_mirror_is_refetched_from_the_host(fol
     same_tensors(shard.path, folder, names)
 
 
+async def test_tensors_written_as_their_ranges_arrive_from_a_mirrors_parallel_requests_are_whole(
+    folder, tmp_path, monkeypatch
+) -> None:
+    """A mirror answers `window` ranged GETs side by side, so several ranges of one tensor reach
+    the fetch at once: with every tensor written to its blob file as it arrives (SPOOL_BYTES 1,
+    1 KiB requests), each blob is still made once and whole, and no part file is left."""
+    from kafila.session.weights import fetch as fetching
+
+    monkeypatch.setattr(fetching, "SPOOL_BYTES", 1)
+    names = Checkpoint.open(folder).names_for(range(0, 3), True)
+    with serving(Hub(folder)) as hub:
+        reader = MirrorReader(hub.url, window=8, max_request=1024)
+        shard, _ = await fetch(folder, tmp_path, range(0, 3), True, [reader])
+    assert sorted(shard.fetched) == sorted(names) and shard.kinds == {"mirror": shard.bytes_fetched}
+    assert not list((tmp_path / "m1").rglob("*.part"))
+    same_tensors(shard.path, folder, names)
+
+
 async def test_a_mirror_that_wants_a_token_none_has_is_skipped_for_the_host(
     folder, tmp_path, monkeypatch
 ) -> None:

@@ -104,9 +104,9 @@ class _Pending:
         if not self.spooled:
             self.into()[offset : offset + len(data)] = data
             return
-        if self.part is None:
+        if self.part is None:  # made at once, on the loop: a mirror's sinks run side by side
             e = self.entry
-            self.part = await asyncio.to_thread(blobs.part, e.key, e.name, e.dtype, e.shape, e.nbytes)
+            self.part = blobs.part(e.key, e.name, e.dtype, e.shape, e.nbytes)
         await asyncio.to_thread(self.part.write_at, offset, data)
 
     def discard(self) -> None:
