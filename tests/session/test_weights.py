@@ -556,6 +556,8 @@ def test_a_blob_written_range_by_range_out_of_order_is_the_same_blob_and_a_dropp
     dropped.write_at(0, b"abcd")
     dropped.discard()
     assert not list(blobs.root.rglob("*.part")) and not blobs.path("aa" + "3" * 62).exists()
+    with pytest.raises(OSError, match="written after it was kept or dropped"):  # a cancelled write's thread
+        dropped.write_at(0, b"abcd")
 
 
 def test_progress_piped_to_a_file_is_a_line_at_every_tenth(capsys) -> None:

@@ -28,6 +28,7 @@ import os
 import shutil
 import struct
 import tempfile
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,6 +152,9 @@ class BlobPart:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
         self.path, self.tmp, self.fd = path, Path(tmp), fd
+        # held while writing and while closing: a write whose awaiting task was cancelled goes on
+        # in its thread, and must not reach the descriptor number once another file has it
+        self._lock = threading.Lock()
         self.base, self.nbytes = len(header), nbytes
         try:
             os.fchmod(fd, 0o666 & ~UMASK)
@@ -164,7 +168,10 @@ class BlobPart:
         """The tensor's bytes [offset, offset + len(data))."""
         if offset < 0 or offset + len(data) > self.nbytes:
             raise ValueError(f"range {offset}+{len(data)} outside a {self.nbytes}-byte tensor")
-        _pwrite_all(self.fd, data, self.base + offset)
+        with self._lock:
+            if self.fd < 0:
+                raise OSError(f"{self.tmp}: written after it was kept or dropped")
+            _pwrite_all(self.fd, data, self.base + offset)
 
     def sha256(self) -> str:
         """The digest of the tensor's bytes as written (read back through one 1 MiB buffer)."""
@@ -180,16 +187,18 @@ class BlobPart:
 
     def keep(self) -> Path:
         """Synced, closed and renamed to the blob's path."""
-        os.fsync(self.fd)
-        os.close(self.fd)
-        self.fd = -1
+        with self._lock:
+            os.fsync(self.fd)
+            os.close(self.fd)
+            self.fd = -1
         os.replace(self.tmp, self.path)
         return self.path
 
     def discard(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        with self._lock:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
         self.tmp.unlink(missing_ok=True)
 
 
