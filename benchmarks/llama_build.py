@@ -1,7 +1,7 @@
 """Build the llama.cpp the benchmarks compare with (benchmarks/engine.py, benchmarks/ring_rpc.py), one
 that starts on this CPU.
 
-    python3 benchmarks/llama_build.py          # build/: llama-bench, llama-quantize
+    python3 benchmarks/llama_build.py          # build/: llama-bench, llama-quantize, llama-perplexity
     python3 benchmarks/llama_build.py --rpc    # build-rpc/: ggml-rpc-server, llama-bench
 
 From the llama-cpp-python 0.3.36 source distribution (its vendored llama.cpp), in
@@ -28,6 +28,7 @@ from pathlib import Path
 
 VERSION = "0.3.36"
 CACHE = Path.home() / ".cache" / "kafila" / "llama.cpp"
+BIN = CACHE / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp" / "build" / "bin"  # the default build's
 NATIVE = ["-DGGML_NATIVE=ON"]
 COMMON = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"]
 # ggml's CMake option for each x86 feature as /proc/cpuinfo names it
@@ -140,7 +141,7 @@ def main() -> int:
     args = p.parse_args()
     src = source(args.cache)
     folder, targets = ("build-rpc", ["ggml-rpc-server", "llama-bench"]) if args.rpc else ("build", [])
-    targets = targets or ["llama-bench", "llama-quantize"]
+    targets = targets or ["llama-bench", "llama-quantize", "llama-perplexity"]
     extra = ["-DGGML_RPC=ON"] if args.rpc else []
     gguf = default_gguf()
 
