@@ -9,9 +9,11 @@ the vocabulary's special tokens (a BOS first where the file says add_bos), cut i
 BOS where the vocabulary adds one, every position is computed, and the negative log-likelihood of
 each token of the chunk's second half is counted (the token after position p, for p from
 context/2 to context - 2). Perplexity is exp of their mean. Kafila computes each chunk as one
-prefill (one forward over the chunk, the logits of every position; the packed products' path for
-a prefill of that many rows) and reads its tokens with its own tokenizer, built from the file's
-metadata (the same ids as llama.cpp's is part of what is compared: the token counts are printed).
+prefill (one forward over the chunk, the logits of every position: a prefill that long computes
+with its weights' values dequantized in tiles); `--rows 32` also feeds each chunk as decode-sized
+steps, through the packed products that round their input. It reads the text with its own
+tokenizer, built from the file's metadata (the same ids as llama.cpp's is part of what is
+compared; Kafila's token count is printed).
 
 Target: Kafila's perplexity within 1% of llama.cpp's. llama-perplexity is built by
 `python3 benchmarks/llama_build.py` (`--llama-perplexity` to name another); without it, Kafila's
@@ -49,8 +51,10 @@ def chunk_nll(logits: np.ndarray, ids: list[int], first: int) -> list[float]:
     return out
 
 
-def kafila_perplexity(file: Path, text: str, n_ctx: int) -> tuple[float, int]:
-    """(perplexity, tokens in the text) of `file` served as `--model FILE` serves it."""
+def kafila_perplexity(file: Path, text: str, n_ctx: int, rows: int | None = None) -> tuple[float, int]:
+    """(perplexity, tokens in the text) of `file` served as `--model FILE` serves it, each chunk
+    one prefill, or `rows` positions at a time (as few as a decode step's: the packed products
+    that round their input, which a long prefill's dequantized tiles do not)."""
     from kafila.engine.stage import Stage
     from kafila.engine.tokenizer import Tokenizer
     from kafila.models.checkpoint import Checkpoint
@@ -69,10 +73,14 @@ def kafila_perplexity(file: Path, text: str, n_ctx: int) -> tuple[float, int]:
     for i in range(n_chunk):
         ids = tokens[i * n_ctx : (i + 1) * n_ctx]
         fed = [bos, *ids[1:]] if bos is not None else ids
+        step = rows or n_ctx
         stage.open("ppl")
-        [h] = stage.forward([("ppl", 0, stage.embed(fed))])
-        logits = np.asarray(stage.logits(h))  # [n_ctx, V]
+        parts = []
+        for a in range(0, n_ctx, step):
+            [h] = stage.forward([("ppl", a, stage.embed(fed[a : a + step]))])
+            parts.append(np.asarray(stage.logits(h)))  # [step, V]
         stage.close("ppl")
+        logits = np.concatenate(parts)  # [n_ctx, V]
         nll += chunk_nll(logits, ids, n_ctx // 2)
     return math.exp(sum(nll) / len(nll)), len(tokens)
 
@@ -97,6 +105,12 @@ def main() -> int:
     p.add_argument("--context", type=int, default=64, help="tokens per chunk (llama-perplexity -c)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama.cpp's threads")
     p.add_argument("--llama-perplexity", type=Path, default=LLAMA_PERPLEXITY)
+    p.add_argument(
+        "--rows",
+        type=int,
+        help="also Kafila with each chunk fed this many positions at a time (32: the packed products a "
+        "decode step takes, which round their input, where one prefill's dequantized tiles do not)",
+    )
     args = p.parse_args()
     if not args.gguf.is_file():
         raise SystemExit(f"--gguf {args.gguf}: no such file")
@@ -107,7 +121,10 @@ def main() -> int:
     configure_logging(level="warning")
     ours, n_tokens = kafila_perplexity(args.gguf, args.text.read_text(), args.context)
     print(f"{args.gguf.name} on {args.text.name} ({n_tokens} tokens, chunks of {args.context})")
-    print(f"  kafila     perplexity {ours:.4f}")
+    print(f"  kafila     perplexity {ours:.4f} (each chunk one prefill)")
+    if args.rows:
+        stepped, _ = kafila_perplexity(args.gguf, args.text.read_text(), args.context, args.rows)
+        print(f"  kafila     perplexity {stepped:.4f} ({args.rows} positions at a time)")
     if not args.llama_perplexity.is_file():
         print(f"  llama.cpp  not run ({args.llama_perplexity} is missing: python3 benchmarks/llama_build.py)")
         return 0
