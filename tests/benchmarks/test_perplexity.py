@@ -44,7 +44,7 @@ def test_the_script_prints_kafilas_perplexity_of_the_default_gguf_and_says_llama
     env = os.environ | {"KAFILA_CACHE": str(tmp_path / "cache")}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
-    line = next(x for x in done.stdout.splitlines() if "kafila     perplexity" in x)
-    ppl = float(line.split()[-1])
+    line = next(x for x in done.stdout.splitlines() if "(each chunk one prefill)" in x)
+    ppl = float(line.split("perplexity")[1].split()[0])
     assert math.isfinite(ppl) and 1.0 < ppl < 50.0, done.stdout  # a trained model on English prose
     assert "llama.cpp  not run" in done.stdout
