@@ -61,12 +61,19 @@ def _umask() -> int:
 UMASK = _umask()
 
 
-def write_atomic(path: Path, chunks: Iterable[bytes | bytearray | memoryview], durable: bool = True) -> None:
-    """Write `chunks` to `path` via a temporary file in the same folder and a rename (`durable`:
-    synced to disk first; a cache of something that can be recomputed need not be)."""
+def part_beside(path: Path) -> tuple[int, str]:
+    """A new `.part` file beside `path` (the name BlobStore.sweep removes when it is left behind),
+    with the permissions any file gets: its descriptor and path."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     os.fchmod(fd, 0o666 & ~UMASK)
+    return fd, tmp
+
+
+def write_atomic(path: Path, chunks: Iterable[bytes | bytearray | memoryview], durable: bool = True) -> None:
+    """Write `chunks` to `path` via a temporary file in the same folder and a rename (`durable`:
+    synced to disk first; a cache of something that can be recomputed need not be)."""
+    fd, tmp = part_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             for chunk in chunks:
@@ -149,15 +156,13 @@ class BlobPart:
     bytes hashed from the file and the file renamed into place."""
 
     def __init__(self, path: Path, header: bytes, nbytes: int) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+        fd, tmp = part_beside(path)
         self.path, self.tmp, self.fd = path, Path(tmp), fd
         # held while writing and while closing: a write whose awaiting task was cancelled goes on
         # in its thread, and must not reach the descriptor number once another file has it
         self._lock = threading.Lock()
         self.base, self.nbytes = len(header), nbytes
         try:
-            os.fchmod(fd, 0o666 & ~UMASK)
             _pwrite_all(fd, header, 0)
             os.ftruncate(fd, self.base + nbytes)
         except BaseException:

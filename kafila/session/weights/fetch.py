@@ -427,9 +427,9 @@ class _Member:
         """Check `p`'s bytes and keep them: its name, or None when they do not hash right and a
         later source may send them (`strict`: there is none, WeightsError)."""
         e, blob = p.entry, None
-        if p.spooled:  # written to its blob's file as it came
-            part = p.part or self.blobs.part(e.key, e.name, e.dtype, e.shape, e.nbytes)
-            p.part = None
+        if p.spooled:  # written to its blob's file as it came (its first bytes made the file)
+            part, p.part = p.part, None
+            assert part is not None
             try:
                 blob = part.keep() if part.sha256() == e.sha256 else None
             finally:
