@@ -90,6 +90,21 @@ def hf_run(model: Any, prompt: list[int], new_tokens: int) -> tuple[float, float
 Runs = list[tuple[float, float]]  # (prefill tok/s, decode tok/s) per repeat
 
 
+def med(runs: Runs, i: int) -> float:
+    """The median of column `i` (0 prefill, 1 decode) over the runs."""
+    return statistics.median(r[i] for r in runs)
+
+
+def spread(runs: Runs, i: int) -> str:
+    """Column `i`'s range over the runs, as printed beside its median."""
+    return f"{min(r[i] for r in runs):.1f}-{max(r[i] for r in runs):.1f}"
+
+
+def prompt_ids(n: int, vocab: int) -> list[int]:
+    """The benchmark's prompt: `n` fixed token ids spread over the vocabulary (below `vocab`)."""
+    return [(i * 7919) % min(40000, vocab - 100) + 100 for i in range(n)]
+
+
 def speed(
     args: argparse.Namespace, path: Path, dtype: str, bandwidth: float, quant: str = "none"
 ) -> dict[str, float]:
@@ -108,7 +123,7 @@ def speed(
         raise SystemExit(f"threads after loading the stage: {threads}, not --threads {args.threads}")
     hf: Any = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     hf.eval()  # inference mode: no dropout
-    prompt = [(i * 7919) % 40000 + 100 for i in range(args.prompt_tokens)]
+    prompt = prompt_ids(args.prompt_tokens, ckpt.config.vocab_size)
     ours, theirs, llama = [], [], []
     gguf = llama_gguf(args, quant) if quant != "none" and llama_starts(args) else None
     kafila_run(stage, prompt, 4), hf_run(hf, prompt, 4)  # warm-up
@@ -181,12 +196,10 @@ def llama_cpp(
             "docs/engine.md says how to build it)"
         )
         return {}
-    prefill = statistics.median(r[0] for r in runs)
-    decode = statistics.median(r[1] for r in runs)
-    spread = f"{min(r[1] for r in runs):.1f}-{max(r[1] for r in runs):.1f}"
+    prefill, decode = med(runs, 0), med(runs, 1)
     row = {"llama_prefill": prefill, "llama_decode": decode, "llama_ratio": ours["kafila_decode"] / decode}
     print(
-        f"  {'llama.cpp':12}{prefill:>10.1f} {'':13}{decode:>10.1f} ({spread:>11})  ({gguf.name}, "
+        f"  {'llama.cpp':12}{prefill:>10.1f} {'':13}{decode:>10.1f} ({spread(runs, 1):>11})  ({gguf.name}, "
         f"{args.threads} threads)\n"
         f"  kafila/llama.cpp decode {row['llama_ratio']:.2f}x (target >= 1.0), prefill "
         f"{ours['kafila_prefill'] / prefill:.2f}x; llama.cpp at {decode / bound:.0%} of the bandwidth bound"
@@ -195,12 +208,6 @@ def llama_cpp(
 
 
 def summarize(dtype: str, ours: Runs, theirs: Runs, per_token: int, bandwidth: float) -> dict[str, float]:
-    def med(runs: Runs, i: int) -> float:
-        return statistics.median(r[i] for r in runs)
-
-    def spread(runs: Runs, i: int) -> str:
-        return f"{min(r[i] for r in runs):.1f}-{max(r[i] for r in runs):.1f}"
-
     bound = bandwidth / per_token
     row = {
         "kafila_prefill": med(ours, 0),
@@ -239,7 +246,7 @@ def gguf_speed(args: argparse.Namespace, file: Path, bandwidth: float) -> dict[s
         ckpt, range(ckpt.n_blocks), True, backend="torch", dtype="fp32", context=args.context, quant="auto"
     )
     quant = str(getattr(stage.model, "quant", "none"))
-    prompt = [(i * 7919) % min(40000, ckpt.config.vocab_size - 100) + 100 for i in range(args.prompt_tokens)]
+    prompt = prompt_ids(args.prompt_tokens, ckpt.config.vocab_size)
     gguf = file if llama_starts(args) else None
     ours, llama = [], []
     kafila_run(stage, prompt, 4)  # warm-up
@@ -250,17 +257,13 @@ def gguf_speed(args: argparse.Namespace, file: Path, bandwidth: float) -> dict[s
     m = ckpt.manifest(SAFETENSORS_DTYPES["fp32"], quant)
     per_token = sum(m.block_bytes) + m.head_read_bytes
     bound = bandwidth / per_token
-    row = {
-        "kafila_prefill": statistics.median(r[0] for r in ours),
-        "kafila_decode": statistics.median(r[1] for r in ours),
-    }
-    spread = [f"{min(r[i] for r in ours):.1f}-{max(r[i] for r in ours):.1f}" for i in (0, 1)]
+    row = {"kafila_prefill": med(ours, 0), "kafila_decode": med(ours, 1)}
     print(
         f"\n[{file.name}: served as {quant} weights, fp32 compute] bytes read per decoded token "
         f"{per_token / 1e6:.1f} MB -> bound {bound:.1f} tok/s\n"
         f"  {'':12}{'prefill tok/s':>24}{'decode tok/s':>24}\n"
-        f"  {'kafila':12}{row['kafila_prefill']:>10.1f} ({spread[0]:>11}){row['kafila_decode']:>10.1f} "
-        f"({spread[1]:>11})  decode at {row['kafila_decode'] / bound:.0%} of the bandwidth bound"
+        f"  {'kafila':12}{row['kafila_prefill']:>10.1f} ({spread(ours, 0):>11}){row['kafila_decode']:>10.1f} "
+        f"({spread(ours, 1):>11})  decode at {row['kafila_decode'] / bound:.0%} of the bandwidth bound"
     )
     return row | llama_cpp(args, quant, gguf, llama, row, bound)
 
