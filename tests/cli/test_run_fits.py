@@ -16,6 +16,7 @@ from kafila.planner.cost import Workload, fmt_bytes, shortfall
 MB = 1_000_000
 
 
+pytestmark = pytest.mark.root  # a real memory cgroup per run
 needs_memory_cgroup = pytest.mark.skipif(
     memory_groups.unavailable() is not None, reason=f"memory groups: {memory_groups.unavailable()}"
 )

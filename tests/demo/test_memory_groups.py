@@ -13,9 +13,12 @@ from kafila.demo import memory_groups
 
 MB = 1_000_000
 
-pytestmark = pytest.mark.skipif(
-    memory_groups.unavailable() is not None, reason=f"memory groups: {memory_groups.unavailable()}"
-)
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.skipif(
+        memory_groups.unavailable() is not None, reason=f"memory groups: {memory_groups.unavailable()}"
+    ),
+]
 
 CHILD = """
 import sys

@@ -25,6 +25,8 @@ from ops.fleetfile import FleetFile, Host, parse
 from ops.remote import OpsError, Remote
 from tests.ops.fleetlab import SHIM
 
+pytestmark = pytest.mark.docker  # the real engine's containers and volumes, by name
+
 
 @dataclass
 class LocalShellRemote(Remote):

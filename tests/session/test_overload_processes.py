@@ -148,7 +148,7 @@ def test_idle_connections_against_the_host_leave_the_ring_serving_and_a_loss_pla
         assert host.api_url is not None
         doc = fleet.session()
         assert doc["state"] == "serving" and len(doc["ring"]) == 3
-        # the one killed is neither the host (its loss ends the session) nor the head
+        # the one killed is neither the host (whose loss hands the session over) nor the head
         victim = next(m for m in reversed(fleet.members[1:]) if m.name != doc["head"])
         asker = next(m for m in fleet.members[1:] if m is not victim)
         assert asker.api_url is not None and victim.proc is not None
