@@ -237,6 +237,7 @@ class HostEpochs:
         self._ready: asyncio.Future[None] | None = None  # every member of it said it is ready
         self._job: asyncio.Task[None] | None = None
         self._ending = False  # the session ends (`_end`): no loss re-plans any more
+        self._handing = False  # it hands its role over (`hand_over`)
         self._measured: dict[tuple[str, str], bool] = {}  # (a, b) -> its link runs direct, settled
         self._paths = PathWatch(lambda peer, direct: self.path(self.held.name, peer, direct))
 
@@ -262,8 +263,9 @@ class HostEpochs:
         links then close as a member leaving: the session goes on). With nobody to take over, the
         session ends as on SIGTERM."""
         held = self.held
-        if held.handed_to is not None:
+        if self._handing:  # a second SIGUSR1 while it hands over changes nothing
             return
+        self._handing = True
         await self.idle()  # a re-plan running finishes first
         m = self.membership
         order = [n for n in succession_order(m.plan, m.host) if n in m.present and self._linked(n)]
