@@ -1,8 +1,9 @@
 """A member's session API, drained before the member leaves on purpose (the host handing its role
-over): `Drain` counts the requests that ask for work (every method but GET and HEAD) while they
-are answered, streams included; once `close(why)` is called, every new such request gets 503 with
-a Retry-After and `why`, reads (/session, /metrics, /healthz, /v1/models) are still answered, and
-`drained(within)` waits until the requests already taken have ended."""
+over): `Drain` counts the requests that ask for work (every method but GET, HEAD and OPTIONS)
+while they are answered, streams included; once `close(why)` is called, every new such request
+gets 503 with a Retry-After and `why`, reads (/session, /metrics, /healthz, /v1/models) and CORS
+preflights are still answered, and `drained(within)` waits until the requests already taken have
+ended."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kafila.api.errors import ApiError, render
 
-READS = ("GET", "HEAD")
+READS = ("GET", "HEAD", "OPTIONS")
 
 
 class Drain:
