@@ -109,14 +109,15 @@ def ship_key(fleet: FleetFile, host: Host) -> Step:
     return Step(host, f"ship the API key file (mode {mode})", remote)
 
 
-def member_args(fleet: FleetFile, host: Host, code: str, code_file: str) -> list[str]:
-    """`kafila host ...` for the session host, `kafila join CODE ...` for every other member."""
+def member_args(fleet: FleetFile, host: Host, code: str, code_file: str, join: bool = False) -> list[str]:
+    """`kafila host ...` for the session host, `kafila join CODE ...` for every other member and for
+    the session host joining the serving session again (`join`: it handed its role over)."""
     common = ["--name", host.device, "--rendezvous", fleet.rendezvous.url, "--api", host.api]
     if host.metrics is not None:  # a listener of its own, up while forming or broken
         common += ["--metrics", host.metrics]
     if host.api_key_file is not None:
         common += ["--api-key-file", member_key_file(fleet, host)]
-    if host.device == fleet.session_host:
+    if host.device == fleet.session_host and not join:
         p = fleet.plan
         return [
             "host", "--model", member_model(fleet, host), "--members", str(len(fleet.hosts)),
@@ -185,7 +186,7 @@ def native_start(fleet: FleetFile, host: Host, args: list[str]) -> str:
     host's old code file goes first, so that `up` never reads a previous session's code."""
     kafila = [host.python, "-m", "kafila", *args]
     fresh = f"mkdir -p {state_dir(fleet)}"
-    if host.device == fleet.session_host:
+    if args[:1] == ["host"]:
         fresh += f" && rm -f {code_file(fleet, host)}"
 
     if host.os == "linux":
@@ -218,9 +219,11 @@ def native_start(fleet: FleetFile, host: Host, args: list[str]) -> str:
     )
 
 
-def start(fleet: FleetFile, host: Host, image: str, code: str) -> Step:
-    args = member_args(fleet, host, code, code_file(fleet, host))
-    role = "start the session host member" if host.device == fleet.session_host else "start joining member"
+def start(fleet: FleetFile, host: Host, image: str, code: str, join: bool = False) -> Step:
+    """Start the member: the session host opening the session, or a member joining with `code`
+    (`join`: the session host joining the session it handed its role over in)."""
+    args = member_args(fleet, host, code, code_file(fleet, host), join)
+    role = "start the session host member" if args[0] == "host" else "start joining member"
     if host.runtime == "docker":
         return Step(host, f"{role} {host.device} (container)", docker_run(fleet, host, image, args))
     return Step(host, f"{role} {host.device} (native service)", native_start(fleet, host, args))
@@ -250,6 +253,20 @@ def fetch(fleet: FleetFile, host: Host, path: str, address: str | None = None) -
         "except urllib.error.HTTPError as e: sys.stdout.write(e.read().decode())"
     )
     return python_in(fleet, host, snippet)
+
+
+def keep_code(fleet: FleetFile, host: Host) -> Step:
+    """Write the session code (on the remote's standard input, never in a command line) where the
+    session host member keeps it (`code_file`): a session host that handed its role over and joined
+    again keeps it for the next rolling upgrade, as the member that opened the session did."""
+    if host.runtime == "docker":
+        remote = shlex.join(
+            ["docker", "exec", "-i", unit(fleet, host), "sh", "-c", f"cat > {CONTAINER_CODE_FILE}"]
+        )
+    else:
+        path = code_file(fleet, host)
+        remote = f"umask 077 && mkdir -p {state_dir(fleet)} && cat > {path}.tmp && mv -f {path}.tmp {path}"
+    return Step(host, "keep the session code", remote)
 
 
 def read_code(fleet: FleetFile, host: Host) -> Step:
@@ -508,6 +525,38 @@ def leave(fleet: FleetFile, host: Host) -> Step:
     return Step(host, f"stop member {host.device} (launchd agent)", f"launchctl bootout {target}")
 
 
+HAND_OVER_S = 90  # how long the session host has to hand its role over and end (its API drains 30 s)
+
+
+def hand_over(fleet: FleetFile, host: Host) -> Step:
+    """SIGUSR1 to the member that coordinates the session: it hands its role over to the first
+    present member of its succession order and ends (exit 0), the session going on; waits for it
+    to end, and fails when it ended otherwise. Its container or unit stays until its next start."""
+    if host.runtime == "docker":
+        name = shlex.quote(unit(fleet, host))
+        remote = (
+            f"docker kill -s USR1 {name} >/dev/null || exit 1; rc=$(docker wait {name}) || exit 1;"
+            ' [ "$rc" = 0 ] || { echo "the member exited $rc instead of handing over (exit 0)" >&2; exit 1; }'
+        )
+        return Step(host, f"hand the session's host role over and stop {host.device} (container)", remote)
+    if host.os == "linux":
+        name = shlex.quote(unit(fleet, host) + ".service")
+        remote = (
+            f"systemctl --user kill -s USR1 {name} || exit 1;"
+            f" while systemctl --user is-active --quiet {name}; do sleep 0.5; done"
+        )
+        return Step(
+            host, f"hand the session's host role over and stop {host.device} (native service)", remote
+        )
+    target = f"gui/$(id -u)/{shlex.quote(launchd_label(fleet, host))}"
+    remote = (
+        f"launchctl kill SIGUSR1 {target} || exit 1;"
+        f" while launchctl print {target} 2>/dev/null | grep -q 'state = running'; do sleep 0.5; done;"
+        f" launchctl bootout {target} >/dev/null 2>&1; true"
+    )
+    return Step(host, f"hand the session's host role over and stop {host.device} (launchd agent)", remote)
+
+
 def image_of(fleet: FleetFile, host: Host) -> Step:
     """The image id a docker member's container runs."""
     remote = shlex.join(["docker", "inspect", "--format", "{{.Image}}", unit(fleet, host)])
@@ -527,11 +576,15 @@ def speaks(fleet: FleetFile, host: Host, installed: bool) -> Step:
     )
 
 
-def down_steps(fleet: FleetFile) -> list[Step]:
-    """Joiners first, then the host member, then the rendezvous: once per docker host (by label)."""
+def down_steps(fleet: FleetFile, coordinator: str | None = None) -> list[Step]:
+    """Joiners first, then the member that coordinates the session (`coordinator`, default the
+    session host: another after a rolling upgrade handed the role over), then the rendezvous: once
+    per docker host (by label)."""
     steps: list[Step] = []
     seen: set[str] = set()
-    everyone = [*reversed(fleet.hosts), *([fleet.rendezvous.host] if fleet.rendezvous.host else [])]
+    last = coordinator or fleet.session_host
+    members = sorted(reversed(fleet.hosts), key=lambda h: h.device == last)  # stable: the rest as listed
+    everyone = [*members, *([fleet.rendezvous.host] if fleet.rendezvous.host else [])]
     for h in everyone:
         if h.runtime == "docker":
             if h.ssh in seen:

@@ -98,6 +98,30 @@ def session_doc(remote: Remote, fleet: FleetFile, host: Host) -> dict[str, Any] 
     return doc if isinstance(doc, dict) else None
 
 
+def host_named(fleet: FleetFile, doc: dict[str, Any]) -> Host | None:
+    """The fleet's member a serving /session document names as the one that coordinates the
+    session (`host`: the session host, or the member it handed its role over to); a build whose
+    documents name none: the session host."""
+    name = doc.get("host", fleet.session_host)
+    return next((h for h in fleet.hosts if h.device == name), None)
+
+
+def coordinator(remote: Remote, fleet: FleetFile) -> tuple[Host, dict[str, Any]] | None:
+    """The member that coordinates the serving session and its /session document, found through
+    the first running member that serves (the session host first); None where none serves."""
+    for h in fleet.hosts:
+        state, _ = member_state(remote, fleet, h)
+        doc = session_doc(remote, fleet, h) if state == actions.RUNNING else None
+        if doc is None or doc.get("state") != "serving":
+            continue
+        named = host_named(fleet, doc)
+        if named is None or named is h:
+            return (h, doc) if named is h else None
+        theirs = session_doc(remote, fleet, named)
+        return (named, theirs) if theirs is not None and theirs.get("state") == "serving" else None
+    return None
+
+
 def member_state(remote: Remote, fleet: FleetFile, host: Host) -> tuple[str, str]:
     """The member's process state (actions.member_state's words) and what the host printed."""
     step = actions.state(fleet, host)
@@ -235,7 +259,8 @@ def down(remote: Remote, fleet: FleetFile) -> None:
     """Every host's removal, each whatever the others did; says what each removed, and raises an
     OpsError naming every host, site and step that could not (a later `down` finishes the job)."""
     failed: list[str] = []
-    for step in actions.down_steps(fleet):
+    found = coordinator(remote, fleet)  # it goes last of the members (the session ends with it)
+    for step in actions.down_steps(fleet, found[0].device if found else None):
         where = remote.where(step)
         try:
             done = remote.call(step, timeout=60)
@@ -287,8 +312,15 @@ def status(remote: Remote, fleet: FleetFile) -> dict[str, Any]:
             f" {blocks:<8} "
             f"{'-' if pred is None else f'{pred:.2f}':>12} {_ms(measured.get(name)):>11}"
         )
-    head = rows.get(fleet.hosts[0].device, {}).get("session") or {}
-    for link in head.get("links", []):
+    docs = [r["session"] for r in rows.values() if r["session"] and r["session"].get("state") == "serving"]
+    named = {str(d.get("host", fleet.session_host)) for d in docs}
+    coordinates = next((n for n in rows if n in named), fleet.session_host)
+    if coordinates != fleet.session_host:
+        print(
+            f"the session's host is {coordinates} (the fleet's session host {fleet.session_host} handed its "
+            "role over)"
+        )
+    for link in (rows.get(coordinates, {}).get("session") or {}).get("links", []):
         print(f"link {link['edge']}: {link['path']}")
     hosts = {h.device: h for h in everyone(fleet)}
     for name, r in rows.items():

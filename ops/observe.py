@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from ops.fleetcmds import member_traces, say, session_doc
+from ops.fleetcmds import coordinator, member_traces, say, session_doc
 from ops.fleetfile import FleetFile, api_key
 from ops.remote import OpsError, Remote, Tunnel
 
@@ -163,7 +163,8 @@ def bench(remote: Remote, fleet: FleetFile, out: Path, requests: int = 4, max_to
     from kafila.obs.trace import format_table, summarize
     from kafila.obs.tracefile import from_json
 
-    doc = session_doc(remote, fleet, fleet.hosts[0]) or {}
+    found = coordinator(remote, fleet)  # the session host, or the member it handed its role over to
+    doc = found[1] if found is not None else session_doc(remote, fleet, fleet.hosts[0]) or {}
     if doc.get("state") != "serving":
         why = f": {doc['error']}" if doc.get("error") else ""  # e.g. the API refused the key
         raise OpsError(

@@ -11,7 +11,7 @@ from typing import Any
 
 from kafila.proto.speaks import Build, BuildError
 from ops import actions
-from ops.fleetcmds import last_lines, member_state, say, session_doc, ship_images, wait_for
+from ops.fleetcmds import coordinator, host_named, last_lines, say, session_doc, ship_images, wait_for
 from ops.fleetfile import FleetFile, Host
 from ops.remote import OpsError, Remote, local_image_id
 from ops.rolling import Member, Replace, Rollout, plan_rollout
@@ -20,13 +20,19 @@ BUILD_INFO = re.compile(r'^kafila_build_info\{[^}]*\bversion="([^"]+)"', re.M)
 
 
 def serving(remote: Remote, fleet: FleetFile) -> dict[str, Any] | None:
-    """The session host's /session document where its member runs and the session serves."""
-    head = fleet.hosts[0]
-    state, _ = member_state(remote, fleet, head)
-    if state != actions.RUNNING:
-        return None
-    doc = session_doc(remote, fleet, head)
-    return doc if doc is not None and doc.get("state") == "serving" else None
+    """The /session document of the member that coordinates the session (the session host, or the
+    member it handed its role over to) where the session serves."""
+    found = coordinator(remote, fleet)
+    return None if found is None else found[1]
+
+
+def host_of(fleet: FleetFile, doc: dict[str, Any]) -> Host:
+    head = host_named(fleet, doc)
+    if head is None:
+        raise OpsError(
+            f"fleet {fleet.name}: the session's host {doc.get('host')!r} is none of the fleet's members"
+        )
+    return head
 
 
 def build_from(text: str, where: str) -> Build:
@@ -57,10 +63,9 @@ def running_version(remote: Remote, fleet: FleetFile, host: Host) -> str:
     return m.group(1)
 
 
-def session_build(remote: Remote, fleet: FleetFile) -> Build:
-    """What the session host runs: its container's build, or a native host's interpreter's where
-    that is the version its process runs."""
-    head = fleet.hosts[0]
+def session_build(remote: Remote, fleet: FleetFile, head: Host) -> Build:
+    """What the session's host (`head`) runs: its container's build, or a native host's
+    interpreter's where that is the version its process runs."""
     if head.runtime == "docker":
         step = actions.speaks(fleet, head, installed=False)
         return build_from(remote.run(step, timeout=60), remote.where(step))
@@ -119,10 +124,27 @@ def serves_without(fleet: FleetFile, names: list[str]) -> dict[str, str | None]:
 
 
 def rollout(remote: Remote, fleet: FleetFile, doc: dict[str, Any]) -> Rollout:
+    """`doc`: the /session document of the member that coordinates (a build that hands its role
+    over names it, `host`)."""
     members = read_members(remote, fleet)
     ring = [str(n) for n in doc.get("ring", [])]
     without = serves_without(fleet, [m.device for m in members if m.changes])
-    return plan_rollout(members, fleet.session_host, ring, session_build(remote, fleet), without)
+    head = host_of(fleet, doc)
+    succession = [str(n) for n in doc.get("succession", [])]
+    build = session_build(remote, fleet, head)
+    return plan_rollout(members, head.device, ring, build, without, succession, hands_over="host" in doc)
+
+
+def session_code(remote: Remote, fleet: FleetFile, head: Host) -> str:
+    """The session's code, from the member that keeps it: the session host member, which keeps it
+    after it handed its role over and joined again (`head`, the one that coordinates, first)."""
+    for h in [head, *(h for h in fleet.hosts if h is not head)]:
+        done = remote.call(actions.read_code(fleet, h), timeout=60)
+        if done.rc == 0 and done.out.strip():
+            return done.out.strip()
+    raise OpsError(
+        f"fleet {fleet.name}: no member keeps the session code (read on {head.device} and the others)"
+    )
 
 
 def roll(remote: Remote, fleet: FleetFile, doc: dict[str, Any], wait_s: float, dry_run: bool) -> Rollout:
@@ -139,11 +161,14 @@ def roll(remote: Remote, fleet: FleetFile, doc: dict[str, Any], wait_s: float, d
     docker = [hosts[s.device] for s in plan.steps if s.runtime == "docker"]
     image_ids = {actions.images_for(fleet, h): s.wanted for s in plan.steps for h in [hosts[s.device]]}
     ship_images(remote, fleet, docker, image_ids)
-    head = fleet.hosts[0]
-    code = remote.run(actions.read_code(fleet, head), timeout=60).strip()
+    head = host_of(fleet, doc)
+    code = session_code(remote, fleet, head)
     for i, step in enumerate(plan.steps, 1):
         started = time.monotonic()
-        replace_one(remote, fleet, hosts[step.device], step, code, wait_s)
+        if step.hand_over is not None:
+            head = hand_over_one(remote, fleet, hosts[step.device], step, code, wait_s)
+        else:
+            replace_one(remote, fleet, hosts[step.device], step, code, wait_s, head)
         say(remote, f"{i}/{len(plan.steps)}: {step.device} serves again on {step.wanted[:19]} "
                     f"after {time.monotonic() - started:.1f} s")  # fmt: skip
     print(f"fleet {fleet.name}: rolling upgrade done: {', '.join(s.device for s in plan.steps)} replaced")
@@ -151,11 +176,10 @@ def roll(remote: Remote, fleet: FleetFile, doc: dict[str, Any], wait_s: float, d
 
 
 def replace_one(
-    remote: Remote, fleet: FleetFile, host: Host, step: Replace, code: str, wait_s: float
+    remote: Remote, fleet: FleetFile, host: Host, step: Replace, code: str, wait_s: float, head: Host
 ) -> None:
     """`host` leaves, the session serves without it, it starts on the new build, and the session
-    serves with it again (in the ring or as a spare)."""
-    head = fleet.hosts[0]
+    serves with it again (in the ring or as a spare); `head` coordinates the session."""
     say(remote, f"{host.device} ({host.ssh}, site {host.site}): leaving the session")
     remote.run(actions.leave(fleet, host), timeout=actions.LEAVE_S + 60)
 
@@ -168,9 +192,19 @@ def replace_one(
     wait_for(
         remote, fleet, head, f"wait until the session serves without {host.device}", wait_s, without, (head,)
     )
+    rejoin(remote, fleet, host, step, code, wait_s, head)
+
+
+def rejoin(
+    remote: Remote, fleet: FleetFile, host: Host, step: Replace, code: str, wait_s: float, head: Host
+) -> None:
+    """`host` starts on the new build and joins with `code`; the session serves with it again (in
+    the ring or as a spare), as `head`, which coordinates, says."""
     say(remote, f"{host.device}: starting on the new build and joining again")
     image = step.wanted if host.runtime == "docker" else ""
-    remote.run(actions.start(fleet, host, image, code))
+    remote.run(actions.start(fleet, host, image, code, join=True))
+    if host.device == fleet.session_host:  # it keeps the code for the next rolling upgrade
+        remote.run(actions.keep_code(fleet, host), stdin=f"{code}\n")
 
     def back() -> dict[str, Any] | None:
         doc = session_doc(remote, fleet, head)
@@ -183,3 +217,30 @@ def replace_one(
         wait_for(remote, fleet, head, what, wait_s, back, (head, host))
     except OpsError as exc:
         raise OpsError(f"{exc}\n-- {host.device} ({host.ssh}):\n{last_lines(remote, fleet, host)}") from None
+
+
+def hand_over_one(
+    remote: Remote, fleet: FleetFile, host: Host, step: Replace, code: str, wait_s: float
+) -> Host:
+    """The member that coordinates (`host`) hands its role over and ends; its successor serves
+    the session without it; it starts on the new build and joins again with the session's code.
+    Returns the member that coordinates from now on."""
+    now = session_doc(remote, fleet, host) or {}  # its order as it is now: members came back since
+    names = [*now.get("succession", ()), *(step.hand_over or ()), *(h.device for h in fleet.hosts)]
+    order = [h for name in dict.fromkeys(names) for h in fleet.hosts if h.device == name and h is not host]
+    say(remote, f"{host.device} ({host.ssh}, site {host.site}): handing the session's host role over")
+    remote.run(actions.hand_over(fleet, host), timeout=actions.HAND_OVER_S + 60)
+
+    def successor() -> tuple[Host, dict[str, Any]] | None:
+        for h in order:  # the first of its succession order that serves without it
+            doc = session_doc(remote, fleet, h)
+            if doc is None or doc.get("state") != "serving" or doc.get("host") != h.device:
+                continue
+            return None if host.device in [*doc.get("ring", ()), *doc.get("spares", ())] else (h, doc)
+        return None
+
+    what = f"wait until a member of {', '.join(h.device for h in order)} serves the session as its host"
+    head, _doc = wait_for(remote, fleet, order[0], what, wait_s, successor)
+    say(remote, f"{head.device} coordinates the session now")
+    rejoin(remote, fleet, host, step, code, wait_s, head)
+    return head

@@ -41,7 +41,7 @@ def parse_addr(text: str, default_port: int = 11434) -> tuple[str, int]:
 class _Switch:
     """The ASGI app uvicorn serves: each request goes to whichever app is current when it comes."""
 
-    def __init__(self, app: Starlette) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -102,7 +102,7 @@ class ApiServer:
         )
         return self
 
-    def switch(self, app: Starlette) -> None:
+    def switch(self, app: ASGIApp) -> None:
         self._switch.app = app
 
     @property

@@ -376,7 +376,11 @@ def member_failures() -> tuple[type[Exception], ...]:
 def run_member(start: Callable[[], Awaitable[Any]]) -> int:
     """Form the session with `start`, serve until Ctrl-C or SIGTERM (`kill`, `docker stop`): either
     closes the links and the API before the process ends (exit 130 or 143). A joining member also
-    ends when the host ends the session (exit 0). A failure is one line naming it, exit 1."""
+    ends when the host ends the session (exit 0). SIGUSR1 (`docker kill -s USR1`, `systemctl kill
+    -s USR1`, `launchctl kill SIGUSR1`) makes the member that coordinates the session (the host, or
+    the member that took its role over) hand that role over to the first present member of its
+    succession order and leave, the session going on (exit 0); on any other member it is SIGTERM.
+    A failure is one line naming it, exit 1."""
     import asyncio
     import signal
 
@@ -388,6 +392,7 @@ def run_member(start: Callable[[], Awaitable[Any]]) -> int:
         nonlocal formed
         task = asyncio.current_task()
         assert task is not None
+        session: MemberRuntime | None = None
 
         def terminate() -> None:
             # once: the API's uvicorn catches the same SIGTERM and raises it again after stopping,
@@ -395,8 +400,18 @@ def run_member(start: Callable[[], Awaitable[Any]]) -> int:
             if not task.cancelling():
                 task.cancel()
 
+        def hand_over() -> None:
+            """SIGUSR1: the member that coordinates hands its role over and leaves (exit 0); any
+            other member, or one still forming, leaves as on SIGTERM."""
+            if session is None or session.hand_over is None or session.name != session.host:
+                terminate()
+            elif session.handed_to is None:
+                session.spawn(session.hand_over(), "hand_over")
+
         with contextlib.suppress(NotImplementedError):  # no loop signal handlers on Windows
-            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, terminate)
+            loop = asyncio.get_running_loop()
+            loop.add_signal_handler(signal.SIGTERM, terminate)
+            loop.add_signal_handler(signal.SIGUSR1, hand_over)
         session = await start()
         formed = True
         await serve_until_interrupted(session)

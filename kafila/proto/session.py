@@ -482,12 +482,50 @@ class Replaced:
         return cls(_text(body, "by"), _epoch(body))
 
 
+@dataclass(frozen=True)
+class HandOver:
+    """host -> members: the host leaves on purpose and hands its role over in `epoch`: each member
+    counts it gone at once (no loss has to be noticed), and the first present of the succession
+    order the host published (`to`, as the host sees it) takes over. A member of a build without
+    this message ignores it and sees the host's links close, which takes the same path."""
+
+    to: str
+    epoch: int
+    OP: ClassVar[str] = "handover"
+
+    def body(self) -> dict[str, Any]:
+        return payload(self.OP, to=self.to, epoch=self.epoch)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> HandOver:
+        _check(body, cls.OP, {"to", "epoch"})
+        return cls(_text(body, "to"), _epoch(body))
+
+
 EpochMessage = (
-    NewEpoch | EpochReady | Resume | EpochFailed | SessionEnded | MemberLost | PathReport | Replaced
+    NewEpoch
+    | EpochReady
+    | Resume
+    | EpochFailed
+    | SessionEnded
+    | MemberLost
+    | PathReport
+    | Replaced
+    | HandOver
 )
 _EPOCH_OPS: dict[str, type[EpochMessage]] = {
     m.OP: m
-    for m in (NewEpoch, EpochReady, Resume, EpochFailed, SessionEnded, MemberLost, PathReport, Replaced)
+    for m in (
+        NewEpoch,
+        EpochReady,
+        Resume,
+        EpochFailed,
+        SessionEnded,
+        MemberLost,
+        PathReport,
+        Replaced,
+        HandOver,
+    )
 }
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kafila.api.drain import Drain
 from kafila.api.forming import FormingStatus, forming_app
 from kafila.api.overload import DEFAULT_LIMITS, ApiLimits
 from kafila.api.security import ApiSecurity, ApiSecurityError, check_exposure
@@ -103,7 +104,7 @@ class MemberRuntime:
         self.admission: Drops | None = None  # the host's links with members that reported
         self.links: dict[str, Link] = {}
         self.tasks: list[asyncio.Task[Any]] = []
-        self.role: RingRole | None = None  # the ring role, once its stage is loaded
+        self._role: RingRole | None = None  # the ring role, once its stage is loaded
         self.app: Starlette | None = None  # the session's API app, served once the session formed
         self.relay: SpareRelay | None = None  # a spare's: its API's requests, relayed to the host
         self.shard: ShardResult | None = None  # a joining member's weights, as fetched
@@ -121,12 +122,28 @@ class MemberRuntime:
         # spare whose host was lost joins again with the same code on the same addresses
         # (kafila.session.forming.join; Listeners), so close() leaves them open
         self.listeners_borrowed = False
+        self.drain: Drain | None = None  # the session's API as served, once formed: drained to hand over
+        # the coordinator's (kafila.session.forming.epochs.HostEpochs): hand its role over to the first
+        # present of its succession order and leave (SIGUSR1, kafila.cli.host); `ended` then says so
+        self.hand_over: Callable[[], Coroutine[Any, Any, None]] | None = None
+        self.handed_to: str | None = None  # the member this one handed the host's role over to
+
+    @property
+    def role(self) -> RingRole | None:
+        """The ring role, once its stage is loaded; its /session names who coordinates (`host`)."""
+        return self._role
+
+    @role.setter
+    def role(self, role: RingRole | None) -> None:
+        self._role = role
+        if role is not None:
+            role.coordinator = lambda: self.host
 
     @property
     def host_ended(self) -> bool:
         """A joining member's: the host ended the session (not: this member was stopped or left out)."""
         done = self.ended is not None and self.ended.done() and not self.ended.cancelled()
-        return done and not self.left_out
+        return done and not self.left_out and self.handed_to is None
 
     def spawn(self, work: Coroutine[Any, Any, object], what: str) -> asyncio.Task[Any]:
         """Run `work` (`what` it does, for the log) alongside this member, held with its tasks:
@@ -173,8 +190,9 @@ class MemberRuntime:
         for task in list(self.tasks):
             task.cancel()
         if self.client is not None:
+            said = "handed over" if self.handed_to is not None else "session ended"
             with contextlib.suppress(Exception):
-                await self.client.close("session ended" if self.formed else NOT_FORMED)
+                await self.client.close(said if self.formed else NOT_FORMED)
         if self.node is not None:
             self.node.endpoint.close()
         lend = self.listeners_borrowed and not self.formed
@@ -225,6 +243,8 @@ class MemberRuntime:
             why = "the host ended the session" if ended else f"{self.name} was stopped and left the session"
             if self.left_out:
                 why = f"{self.name} was counted lost and left the session"
+            if self.handed_to is not None:
+                why = f"{self.name} handed the session's host role over to {self.handed_to} and left"
         for link in self.links.values():
             with contextlib.suppress(Exception):
                 await (link.close(why, ended) if self.formed else link.close(why))
@@ -277,7 +297,8 @@ class MemberRuntime:
         server = self.api
         self.forming.spare = None  # planned in: /session is the ring's from now on
         if server is not None and self.app is not None:
-            server.switch(self.app)
+            self.drain = Drain(self.app)
+            server.switch(self.drain)
             url = server.url
             say(f"API at {url} (OpenAI {url}/v1, Ollama {url}/api, {url}/session)")
 

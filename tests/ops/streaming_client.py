@@ -1,6 +1,8 @@
 """A client that streams chat completions back to back from a member's API until a stop file
-appears, one JSON line per request: its status, the tokens streamed, how it finished, and the
-503 answers (Retry-After) it waited out first. Run inside a lab namespace:
+appears, one JSON line per request: its status, the tokens streamed, how it finished, the 503
+answers (Retry-After) it waited out first, and the connections refused it retried a second later
+(its member's process restarting: between its old process's exit and its new one's start; at most
+REFUSED_TRIES in a row). Run inside a lab namespace:
 `python3 streaming_client.py URL KEY_FILE OUT STOP`."""
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from pathlib import Path
 
 import httpx
 
+REFUSED_TRIES = 60
+
 
 def one(client: httpx.Client, url: str, key: str, model: str, i: int) -> dict[str, object]:
     body = {
@@ -21,7 +25,9 @@ def one(client: httpx.Client, url: str, key: str, model: str, i: int) -> dict[st
         "temperature": 0,
         "stream": True,
     }
-    rec: dict[str, object] = {"i": i, "t0": time.time(), "retried_503": 0, "chunks": 0, "finish": None}
+    rec: dict[str, object] = {
+        "i": i, "t0": time.time(), "retried_503": 0, "retried_refused": 0, "chunks": 0, "finish": None
+    }  # fmt: skip
     while True:
         try:
             with client.stream(
@@ -46,6 +52,13 @@ def one(client: httpx.Client, url: str, key: str, model: str, i: int) -> dict[st
                         if choice.get("finish_reason"):
                             rec["finish"] = choice["finish_reason"]
                 break
+        except httpx.ConnectError as exc:
+            refused = int(str(rec["retried_refused"])) + 1
+            if refused > REFUSED_TRIES:
+                rec["error"] = f"ConnectError {refused - 1} times in a row: {exc}"
+                break
+            rec["retried_refused"] = refused
+            time.sleep(1.0)
         except httpx.HTTPError as exc:
             rec["error"] = f"{type(exc).__name__}: {exc}"
             break

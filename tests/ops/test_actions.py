@@ -148,7 +148,9 @@ def test_a_macos_member_is_a_launchd_user_agent_with_its_home_expanded_remotely(
 def test_remote_commands_survive_a_real_shell(tmp_path: Path) -> None:
     """Every start command parses in sh (`sh -n`), hostile characters included."""
     fleet = parse(fleet_text().replace('name = "f1"', 'name = "f1"'), "f.toml")
-    for step in [*actions.up_steps(fleet, "4-code"), *actions.down_steps(fleet)]:
+    steps = [*actions.up_steps(fleet, "4-code"), *actions.down_steps(fleet)]
+    steps += [f(fleet, h) for h in fleet.hosts for f in (actions.hand_over, actions.keep_code)]
+    for step in steps:
         done = subprocess.run(["sh", "-n", "-c", step.remote], capture_output=True, text=True)
         assert done.returncode == 0, (step.what, step.remote, done.stderr)
 
@@ -163,6 +165,57 @@ def test_down_removes_by_label_once_per_docker_host_joiners_first_and_is_idempot
         ("gpu", "remove the fleet's containers and volumes"),
     ]
     assert "label=dev.kafila.fleet=f1" in steps[2].remote and 'if [ -n "$names" ]' in steps[2].remote
+
+
+def test_down_stops_the_member_that_coordinates_last_of_the_members() -> None:
+    """After a rolling upgrade handed the session host gpu's role over to mac, mac ends the session
+    (last of the members) and gpu is stopped as any member."""
+    fleet = parse(fleet_text(), "f.toml")
+    steps = actions.down_steps(fleet, coordinator="mac")
+    assert [s.host.device for s in steps] == ["penguin", "cpu-box", "gpu", "mac"]
+    assert [s.host.device for s in actions.down_steps(fleet, "gpu")] == ["penguin", "mac", "cpu-box", "gpu"]
+
+
+def test_the_session_host_joins_again_with_the_code_after_handing_its_role_over() -> None:
+    fleet = parse(fleet_text(), "f.toml")
+    gpu, penguin = fleet.host("gpu"), fleet.host("penguin")
+    joined = sh_words(actions.start(fleet, gpu, "img", "4-code", join=True).remote.split(";", 1)[1])
+    assert joined[joined.index("img") + 1 : joined.index("img") + 3] == ["join", "4-code"]
+    assert "--code-file" not in joined
+    step = actions.start(fleet, penguin, "", "4-code", join=True)
+    assert step.what == "start joining member penguin (native service)"
+    assert "rm -f" not in step.remote  # only a session host opening a new session drops the old code
+    over = actions.hand_over(fleet, gpu).remote
+    assert (
+        over.startswith("docker kill -s USR1 kafila-f1-gpu >/dev/null")
+        and "docker wait kafila-f1-gpu" in over
+    )
+    assert (
+        "systemctl --user kill -s USR1 kafila-f1-penguin.service" in actions.hand_over(fleet, penguin).remote
+    )
+    assert (
+        "launchctl kill SIGUSR1 gui/$(id -u)/dev.kafila.f1.mac"
+        in actions.hand_over(fleet, fleet.host("mac")).remote
+    )
+
+
+def test_a_native_host_keeps_the_session_code_it_is_given_on_standard_input(tmp_path: Path) -> None:
+    """keep_code and read_code in a real sh with HOME in tmp_path: the code travels on standard
+    input, lands in the fleet's state folder with mode 0600, and reads back."""
+    import os
+    import stat
+
+    fleet = parse(fleet_text(), "f.toml")
+    penguin = fleet.host("penguin")
+    env = {**os.environ, "HOME": str(tmp_path)}
+    kept = subprocess.run(["sh", "-c", actions.keep_code(fleet, penguin).remote], input="4-code\n",
+                          env=env, capture_output=True, text=True)  # fmt: skip
+    assert kept.returncode == 0, kept.stderr
+    path = tmp_path / ".cache" / "kafila-ops" / "f1" / "session-code"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    read_code = actions.read_code(fleet, penguin).remote
+    read = subprocess.run(["sh", "-c", read_code], env=env, capture_output=True, text=True)
+    assert read.stdout == "4-code\n"
 
 
 def test_ssh_is_batch_mode_with_connection_sharing(tmp_path: Path) -> None:

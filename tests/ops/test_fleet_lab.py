@@ -136,8 +136,8 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
         assert [c["args"][:4] for c in calls if c["tool"] == "systemd-run"] == [
             ["--user", "--unit", "kafila-lab-h3", "--collect"]
         ]
-        rolling_upgrade(fleet_lab, fleet, tmp_path)
-        failure_paths(fleet_lab, fleet)
+        coordinates = rolling_upgrade(fleet_lab, fleet, tmp_path)
+        failure_paths(fleet_lab, fleet, coordinates)
     finally:
         fleet_lab.restore()
         first = ops(fleet, "down", timeout=300)
@@ -154,12 +154,15 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
     ]
 
 
-def rolling_upgrade(fleet_lab: FleetLab, fleet: Path, tmp_path: Path) -> None:
+def rolling_upgrade(fleet_lab: FleetLab, fleet: Path, tmp_path: Path) -> str:
     """While a client in h1's namespace streams requests without pause: an image whose session
     messages are of another version is refused before anything stops; then a new image (one layer
     above) and a new kafila for the native h3 (a copy of the package of another version, named as
-    the fleet's interpreter) replace h2 and h3 one at a time. No request fails; h2 runs the new
-    image, h3 the new version; the session host h1 stays (its role does not move)."""
+    the fleet's interpreter) replace h3 and h2 one at a time, and the session host h1 last: it
+    hands its role over (SIGUSR1) and joins again with the session's code. No request fails (the
+    client waits out 503 answers and retries the connections refused while h1 restarts); every
+    member runs the new build; the member h1 handed over to coordinates, which status says (and
+    which is returned)."""
     from ops.fleetfile import load
 
     parsed = load(fleet)
@@ -201,13 +204,16 @@ def rolling_upgrade(fleet_lab: FleetLab, fleet: Path, tmp_path: Path) -> None:
         dry = ok(ops(upgraded, "up", "--dry-run"))
         assert re.search(r"^\d\. h2 .*leaves, starts on image", dry, re.M), dry
         assert re.search(r"^\d\. h3 .*starts on kafila \S+\+upgrade", dry, re.M), dry
-        assert "kept: h1: the session host keeps" in dry, dry
+        assert re.search(
+            r"^3\. h1 .*the session's host: hands its role over to the first present of", dry, re.M
+        )
         started = time.monotonic()
         rolled = ops(upgraded, "up", "--wait", "600", timeout=1500)
         took = time.monotonic() - started
         out = ok(rolled)
         print(f"\nrolling upgrade: {took:.1f} s\n{out}\n{rolled.stderr[-2500:]}")
-        assert "rolling upgrade done: " in out and "2/2: " in rolled.stderr
+        assert "rolling upgrade done: " in out and "3/3: h1 serves again" in rolled.stderr, rolled.stderr
+        assert "coordinates the session now" in rolled.stderr
         time.sleep(3)  # the client streams on the upgraded session a while
     finally:
         stop.touch()
@@ -218,17 +224,27 @@ def rolling_upgrade(fleet_lab: FleetLab, fleet: Path, tmp_path: Path) -> None:
     records = [json.loads(line) for line in answers.read_text().splitlines()]
     failed = [r for r in records if r.get("status") != 200 or r.get("error") or not r.get("finish")]
     waited = [r for r in records if r["retried_503"]]
+    refused = [r for r in records if r.get("retried_refused")]
     print(
         f"client: {len(records)} requests over {records[-1]['t1'] - records[0]['t0']:.1f} s, "
         f"{len(failed)} failed, {len(waited)} waited out a 503 (Retry-After) first "
-        f"({sum(r['retried_503'] for r in records)} answers)"
+        f"({sum(r['retried_503'] for r in records)} answers), {len(refused)} retried refused connections "
+        f"({sum(r['retried_refused'] for r in records)} s)"
     )
     assert records and not failed, (failed[:5], said.decode(errors="replace")[-2000:])
     assert runs_image(fleet_lab, "lab-h2", "kafila-lab-h2") == new_id
+    assert runs_image(fleet_lab, "lab-h1", "kafila-lab-h1") == new_id
     h3 = ops(upgraded, "status")
+    print(h3.stdout)
     assert h3.returncode == 0 and all(
         re.search(rf"^{n}\s.*\bserving\b", h3.stdout, re.M) for n in ("h1", "h2", "h3")
     ), h3.stdout
+    host = re.search(
+        r"^the session's host is (h[23]) \(the fleet's session host h1 handed its role over\)",
+        h3.stdout,
+        re.M,
+    )
+    assert host is not None, h3.stdout
     key = (tmp_path / "lab-api.key").read_text().strip()
     code = (
         "import urllib.request as u\n"
@@ -242,6 +258,7 @@ def rolling_upgrade(fleet_lab: FleetLab, fleet: Path, tmp_path: Path) -> None:
     assert re.search(r'kafila_build_info\{[^}]*version="[^"]+\+upgrade"', metrics.stdout), metrics.stdout[
         :500
     ]
+    return host.group(1)
 
 
 def local_image(image: str) -> str:
@@ -314,10 +331,12 @@ def member_image_name(fleet: Any, host: Any) -> str:
     return str(actions.images_for(fleet, host))
 
 
-def failure_paths(fleet_lab: FleetLab, fleet: Path) -> None:
+def failure_paths(fleet_lab: FleetLab, fleet: Path, coordinates: str) -> None:
     """h3's sshd stopped (unreachable), h2's dockerd stopped, and on h1 a volume with the fleet's
     label held by a container that is not the fleet's (its removal fails): every verb exits non-zero
-    naming the host, site and step; once all three are back, `down` finishes the job."""
+    naming the host, site and step; once all three are back, `down` finishes the job. A dockerd
+    that stops sends its containers SIGTERM: where h2 coordinates the session (`coordinates`),
+    that ends the session on purpose, and h1's member exits (0) with it."""
     from ops.fleetfile import load
     from ops.remote import Remote
 
@@ -334,7 +353,8 @@ def failure_paths(fleet_lab: FleetLab, fleet: Path) -> None:
     status = ops(fleet, "status", timeout=300)
     print(status.stdout, status.stderr)
     assert status.returncode == 1, status
-    for member, state in (("h1", "running"), ("h2", "docker not running"), ("h3", "unreachable")):
+    h1_state = "exited" if coordinates == "h2" else "running"
+    for member, state in (("h1", h1_state), ("h2", "docker not running"), ("h3", "unreachable")):
         assert re.search(rf"^{member}\s+site\d\s+\w+\s+{state}\s", status.stdout, re.M), status.stdout
     assert "host h3 (lab-h3, site site3): service state: unreachable" in status.stderr
     assert "host h2 (lab-h2, site site2): container state: docker not running" in status.stderr

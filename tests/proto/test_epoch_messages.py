@@ -1,6 +1,7 @@
 """The epoch messages the host and its members exchange on their control links after forming
-(kafila.proto.session: `epoch`, `epoch_ready`, `resume`, `epoch_failed`, `ended`, `lost`, `path`): they
-parse back as sent, and nothing a peer sends makes a parser raise anything but SessionMessageError."""
+(kafila.proto.session: `epoch`, `epoch_ready`, `resume`, `epoch_failed`, `ended`, `lost`, `path`,
+`replaced`, `handover`): they parse back as sent, and nothing a peer sends makes a parser raise
+anything but SessionMessageError."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ EPOCH_MESSAGES = st.one_of(
     st.builds(session.MemberLost, TEXT, TEXT, TEXT),
     st.builds(session.PathReport, TEXT, st.booleans()),
     st.builds(session.Replaced, TEXT, EPOCHS),
+    st.builds(session.HandOver, TEXT, EPOCHS),
 )
 
 

@@ -228,3 +228,64 @@ def test_a_successor_without_the_checkpoint_takes_the_lost_hosts_blocks_from_the
         taken = after["weights"]["taken_over"]
         assert taken == {"fetched_tensor_bytes": host_bytes, "by_source": {f"peer {keeper}": host_bytes}}
         assert _greedy(str(through.api_url), model) == before
+
+
+def test_a_host_handing_over_on_sigusr1_lets_its_own_stream_finish_and_its_successor_serves_unchanged(
+    smollm2_path, tmp_path
+) -> None:
+    """SIGUSR1 to the host (not the head) while four greedy answers stream, one through the host's
+    own API and three through the head: the host takes no new request (503 with Retry-After), lets
+    its own stream finish, tells the members it hands over and exits 0; its successor takes over at
+    once (no loss has to be noticed), every answer is identical to its uninterrupted one, and the
+    host's machine joins again with the same code and is planned in or kept as a spare."""
+    with LocalFleet((None,) * 4, MODEL, context=512, concurrency=4, workdir=tmp_path, stagger=False,
+                    extra_args=ONE_THREAD, member_args=NOT_THE_HEAD) as fleet:  # fmt: skip
+        host = fleet.members[0]
+        assert host.proc is not None and host.api_url is not None
+        doc = fleet.session()
+        assert doc["head"] != host.name and doc["host"] == host.name, doc
+        successor = doc["succession"][0]
+        through = next(m for m in fleet.members if m.name == doc["head"])
+        urls = [str(host.api_url)] + [str(through.api_url)] * 3  # the first stream is the host's own
+        expected = _answers(urls)
+        assert all("text" in o and "error" not in o for o in expected), expected
+        refused: list[httpx.Response] = []
+        asked_at: list[float] = []
+
+        def hand_over() -> None:
+            assert host.proc is not None
+            host.proc.send_signal(signal.SIGUSR1)
+            asked_at.append(time.monotonic())
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            deadline = time.monotonic() + 5
+            while not refused and time.monotonic() < deadline:  # the host's API, draining its stream
+                r = httpx.post(f"{host.api_url}/v1/chat/completions", json=body, timeout=30)
+                if r.status_code == 503:
+                    refused.append(r)
+                time.sleep(0.05)
+
+        got = _answers_through_a_kill(urls, hand_over)
+        assert asked_at, "the answers ended before the host was told to hand over"
+        assert [o.get("error") for o in got] == [None] * 4, got
+        assert [o["text"] for o in got] == [o["text"] for o in expected]
+        assert refused and refused[0].headers["Retry-After"] == "3", refused
+        assert f"hands the session's host role over to {successor}" in refused[0].json()["error"]["message"]
+        assert host.proc.wait(60) == 0, host.log_text()[-2000:]
+        assert f"this member handed the session's host role over to {successor} in epoch 1" in host.log_text()
+        after = fleet.session(successor)
+        while (
+            not (after["state"] == "serving" and after["epoch"] == 2) and time.monotonic() < asked_at[0] + 60
+        ):
+            time.sleep(0.2)
+            after = fleet.session(successor)
+        assert after["state"] == "serving" and after["epoch"] == 2 and after["host"] == successor, after
+        assert host.name not in after["ring"] and len(after["ring"]) == 3, after
+        heir = next(m for m in fleet.members if m.name == successor)
+        assert "this member takes over as the session's host" in heir.log_text()
+        assert fleet.session(through.name)["host"] == successor  # a member's /session names who coordinates
+        _wait_for_line(heir, "registered at the rendezvous as session")
+        back = fleet.add_member(host.name, wait_s=60)
+        placed = _placed(fleet, successor, host.name)
+        assert placed["epoch"] >= 2 and placed["host"] == successor, placed
+        rejoined = _answers(str(back.api_url))
+        assert [o.get("text") for o in rejoined] == [o["text"] for o in expected], rejoined

@@ -29,7 +29,11 @@ serving and holds (kafila.session.forming.paths) is re-priced the same way, and 
 is more than the head margin faster.
 A lost host's role passes to the first present member of the succession order it published with
 the epoch (kafila.session.forming.takeover), which becomes the `HostEpochs` of the session and
-re-plans around it; a host stopped on purpose ends the session (its links close as ended).
+re-plans around it; a host stopped on purpose ends the session (its links close as ended). A host
+that hands over (`HostEpochs.hand_over`: SIGUSR1, kafila.cli.host) takes no new request at its
+API, lets the ones it answers end, pauses its role, tells every member `handover` (each counts it
+gone at once, and the first present of the order takes over as from a lost host) and leaves as a
+member does: its links close as leaving, not as ended.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ log = get_logger("kafila.session.forming.epochs")
 CONTROL_KIND = 33  # link message kind of the epoch messages (kafila.session.channel's ring is 32)
 READY_S = 120.0  # a survivor that is not ready for the next epoch within this ends the session
 REPLACED_WAIT_S = 10.0  # a host counted lost waits this long on waking for its successor's word
+HAND_OVER_DRAIN_S = 30.0  # a host handing over gives the requests its own API answers this long to end
 # a break that names a lost member (not an internal error, not the session ending)
 LOST_CAUSES = (Cause.SILENT, Cause.CLOSED, Cause.LEFT, Cause.DISCONNECTED)
 
@@ -232,6 +237,7 @@ class HostEpochs:
         self._ready: asyncio.Future[None] | None = None  # every member of it said it is ready
         self._job: asyncio.Task[None] | None = None
         self._ending = False  # the session ends (`_end`): no loss re-plans any more
+        self._handing = False  # it hands its role over (`hand_over`)
         self._measured: dict[tuple[str, str], bool] = {}  # (a, b) -> its link runs direct, settled
         self._paths = PathWatch(lambda peer, direct: self.path(self.held.name, peer, direct))
 
@@ -247,6 +253,71 @@ class HostEpochs:
         if self.held.ended is None:  # a member that took over keeps the one its console waits on
             self.held.ended = asyncio.get_running_loop().create_future()
         self.held.on_lost = self._lost_while_moving
+        self.held.hand_over = self.hand_over
+
+    async def hand_over(self) -> None:
+        """Hand the coordinating role over to the first present member of the succession order and
+        leave: no new request at this member's API (503 with Retry-After), the ones it answers get
+        HAND_OVER_DRAIN_S to end, the role pauses (the requests other members took are carried on by
+        the next epoch, as after a loss), every member is told `handover`, and `ended` says so (the
+        links then close as a member leaving: the session goes on). With nobody to take over, the
+        session ends as on SIGTERM."""
+        held = self.held
+        if self._handing:  # a second SIGUSR1 while it hands over changes nothing
+            return
+        self._handing = True
+        await self.idle()  # a re-plan running finishes first
+        m = self.membership
+        order = [n for n in succession_order(m.plan, m.host) if n in m.present and self._linked(n)]
+        ended = held.ended
+        if self._ending or not order:
+            why = "the session is ending" if self._ending else "no other member of the plan is present"
+            if ended is not None and not ended.done():
+                ended.set_result(f"nobody to hand the session's host role over to ({why}): the session ends")
+            return
+        to = order[0]
+        self._ending = True  # no loss or arrival re-plans from now on
+        self._paths.close()
+        left = await self._drain(to)
+        role = held.ring()
+        role.on_broken, role.recovers = None, None
+        await role.pause()
+        held.handed_to, held.host = to, to
+        for peer in m.plan.order:
+            if peer != held.name and self._linked(peer):
+                with contextlib.suppress(LinkError):
+                    await _send(held.links[peer], sm.HandOver(to, m.epoch))
+        cut = (
+            f"; {left} request(s) at its API did not end within {HAND_OVER_DRAIN_S:g} s and are cut"
+            if left
+            else ""
+        )
+        log.info("handed_over", to=to, epoch=m.epoch, cut=left)
+        if ended is not None and not ended.done():
+            ended.set_result(
+                f"this member handed the session's host role over to {to} in epoch {m.epoch}{cut}; it "
+                "leaves (join the session again with the same code to come back as a member)"
+            )
+
+    def _linked(self, peer: str) -> bool:
+        link = self.held.links.get(peer)
+        return link is not None and not link.closed
+
+    async def _drain(self, to: str) -> int:
+        """This member's API takes no new request; returns how many it still answers after
+        HAND_OVER_DRAIN_S (0: every one ended)."""
+        drain = self.held.drain
+        if drain is None:
+            return 0
+        drain.close(
+            f"this member ({self.held.name}) hands the session's host role over to {to} and leaves: ask "
+            "another member's API, or this one again once it has joined back"
+        )
+        say(
+            f"handing the session's host role over to {to}: this member's API takes no new request; "
+            f"the {drain.active} it answers get up to {HAND_OVER_DRAIN_S:g} s to end"
+        )
+        return await drain.drained(HAND_OVER_DRAIN_S)
 
     def _broken(self, broken: RingBroken) -> None:
         if lost_member(broken, self.membership.plan, self.membership.host, self.held.name):
@@ -307,6 +378,9 @@ class HostEpochs:
         past the ring's bound) and replaced. It ends saying so; its links close as a member
         leaving, so the session goes on (kafila.planner.succession decides whether it is true)."""
         m, held = self.membership, self.held
+        if held.handed_to is not None:  # it handed its role over: the word is expected, nothing ends
+            log.info("replaced_after_hand_over", by=by, epoch=epoch, told_by=peer)
+            return
         view = HandOff(held.name, m.host, succession_order(m.plan, m.host), frozenset(m.plan.order), m.epoch)
         told = view.told_replaced(by, epoch)
         if not isinstance(told, Replaced):
@@ -773,8 +847,24 @@ class MemberEpochs:
                 say(f"epoch {msg.epoch} serving: ring {ring}")
         elif isinstance(msg, sm.SessionEnded):
             self.held.spawn(self._ended(msg.reason), "ended")
+        elif isinstance(msg, sm.HandOver):
+            self._handed_over(peer, msg)
         else:
             log.warning("epoch_message_ignored", peer=peer, op=msg.OP, reason="not for a member")
+
+    def _handed_over(self, host: str, msg: sm.HandOver) -> None:
+        """The host leaves on purpose and hands its role over: it counts as gone now (its links
+        closing would say so a moment later), and the succession runs as for a lost host."""
+        role = self.held.ring()
+        detail = f"the host {host} handed its role over to {msg.to} in epoch {msg.epoch} and left"
+        log.info("host_handed_over", host=host, to=msg.to, epoch=msg.epoch)
+        if host in role.info.order and role.broken is None:
+            role.lose(host, Cause.LEFT, detail)  # the ring breaks naming it: _broken runs the succession
+            return
+        broken = RingBroken(host, Cause.LEFT, detail)
+        if self._host_lost(broken) and self.on_host_lost is not None:  # a host outside the ring
+            metrics.observe_state("replanning")
+            self.on_host_lost(broken)
 
     async def _ended(self, reason: str) -> None:
         await self._ended_with(reason, f"the host ended the session: {reason}")

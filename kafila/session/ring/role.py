@@ -63,6 +63,7 @@ class RoleBase:
         # the host's succession order for this epoch: who coordinates, first present first, should
         # the host be lost (kafila.planner.succession; /session shows it)
         self.succession: tuple[str, ...] = ()
+        self.coordinator: Callable[[], str] | None = None  # who coordinates the session now (/session)
 
     @property
     def broken_text(self) -> str | None:
@@ -130,7 +131,8 @@ class RoleBase:
         spares = {} if self.spares is None else {"spares": list(self.spares)}
         kv = {"used_bytes": self.stage.kv_bytes_used, "bytes": self.stage.kv_bytes}  # this member's stage
         order = {"succession": list(self.succession)} if self.succession else {}
-        return doc | {"epoch": self.epoch, "change": self.change, "kv": kv} | spares | order
+        host = {"host": self.coordinator()} if self.coordinator is not None else {}
+        return doc | {"epoch": self.epoch, "change": self.change, "kv": kv} | spares | order | host
 
     def changed(self, state: str, cause: str, **more: Any) -> None:
         """Record a change of state (and epoch) for /session, with its cause."""
