@@ -30,6 +30,12 @@ For each format:
   peak, and `kafila run` in a group of one member's cap: its refusal with
   the planner's numbers (exit 2, nothing loaded).
 
+With --llama T: instead of the session, llama.cpp on the same weights: the bf16 checkpoint converted
+by llama.cpp's own converter (convert_hf_to_gguf.py, Q8_0) and requantized by llama-quantize to Q4_1
+(the layout kafila's q4 serves a Q4_1 file in), cached beside the checkpoint; then
+`benchmarks/engine.py --gguf FILE --threads T`: Kafila serving that file against llama-bench on it,
+alternated, both pinned to the same T CPUs. Needs llama.cpp built (benchmarks/llama_build.py).
+
 Needs root (memory groups). Memory: full depth in q4 takes about 6 GB over the three members; bf16
 at full depth (16.4 GB of weights) fits no member here, so run it with --layers.
 """
@@ -624,11 +630,20 @@ def main() -> int:
         help="after the comparison, a session whose members keep their caches, then the same with gamma "
         "replaced by a machine with an empty cache: bytes per source",
     )
+    p.add_argument(
+        "--llama",
+        type=int,
+        metavar="THREADS",
+        help="instead of the session: the checkpoint as a Q4_1 GGUF, Kafila against llama-bench on it "
+        "(benchmarks/engine.py --gguf) with this many threads; --runs runs each, --tokens tokens",
+    )
     p.add_argument("--single", help=argparse.SUPPRESS)  # the one-process child
     args = p.parse_args()
     if args.single:
         single_child(args.single, args.tokens, args.runs, args.context)
         return 0
+    if args.llama:
+        return against_llama(checkpoint(args.layers, args.seed), args.llama, args.runs, args.tokens)
     if args.layers < 3:
         raise SystemExit(f"--layers {args.layers}: three members need at least 3 blocks")
     why = memory_groups.unavailable()
@@ -656,6 +671,48 @@ def main() -> int:
             report_reform(again)
     print(load.report())
     return 0
+
+
+def gguf_of(folder: Path) -> Path:
+    """`folder` (bf16) as a Q4_1 GGUF made by llama.cpp's tools, once: its converter writes Q8_0
+    (the bf16 file would need 16 GB more of disk), llama-quantize requantizes that to Q4_1 and the
+    Q8_0 file is removed."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import llama_build
+
+    out = folder.with_name(folder.name + ".Q4_1.gguf")
+    if out.is_file():
+        return out
+    src, q8 = folder.with_name(folder.name + ".hf-src"), folder.with_name(folder.name + ".Q8_0.gguf")
+    shutil.rmtree(src, ignore_errors=True)
+    src.mkdir()
+    tokenizer = [tokenizer_dir() / n for n in ("tokenizer.json", "tokenizer_config.json")]
+    for f in [*tokenizer, *folder.iterdir()]:  # the checkpoint and the real tokenizer, nothing copied
+        (src / f.name).unlink(missing_ok=True)
+        (src / f.name).symlink_to(f)
+    config = json.loads((folder / "config.json").read_text())
+    (src / "config.json").unlink()  # transformers' save leaves out the class the converter reads
+    (src / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForCausalLM"]}))
+    convert = llama_build.source(llama_build.CACHE) / "convert_hf_to_gguf.py"
+    t0 = time.perf_counter()
+    run = [sys.executable, str(convert), str(src), "--outtype", "q8_0", "--outfile", str(q8)]
+    subprocess.run(run, check=True, stdout=subprocess.DEVNULL)
+    part = out.with_name(out.name + ".partial")
+    quantize = [str(llama_build.BIN / "llama-quantize"), "--allow-requantize", str(q8), str(part), "Q4_1"]
+    subprocess.run(quantize, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    part.rename(out)
+    q8.unlink()
+    shutil.rmtree(src)
+    print(f"made {out} ({out.stat().st_size / GB:.2f} GB) in {time.perf_counter() - t0:.0f} s", flush=True)
+    return out
+
+
+def against_llama(folder: Path, threads: int, runs: int, tokens: int) -> int:
+    """engine.py --gguf on the checkpoint's GGUF: its lines as it prints them."""
+    gguf = gguf_of(folder)
+    argv = [sys.executable, str(ROOT / "benchmarks" / "engine.py"), "--gguf", str(gguf)]
+    argv += ["--threads", str(threads), "--repeats", str(runs), "--new-tokens", str(tokens)]
+    return subprocess.run(argv).returncode
 
 
 def member_cap(s: Sizes) -> int:
