@@ -58,6 +58,7 @@ def choose_plan(devices: list[DeviceReport], ckpt: Checkpoint, opts: Options) ->
         concurrency=opts.concurrency,
         anchor=0,
         objective=opts.objective,
+        weights_host=devices[0].name,  # the host (its report first) serves the checkpoint
     )
     say("plans for this session (predicted):\n" + fmt_plans(plans))
     plan = plans[opts.division]

@@ -35,6 +35,7 @@ from kafila.net.signaling import SignalingError
 from kafila.obs import metrics
 from kafila.obs.log import get_logger
 from kafila.planner.devices import DeviceReport
+from kafila.planner.fetching import after_plan
 from kafila.planner.replan import Membership, PlanTerms
 from kafila.planner.succession import (
     Ended,
@@ -331,6 +332,7 @@ class Succession:
         assert plan is not None
         names = [held.name, *(n for n in plan.order if n != held.name)]
         reports = tuple(DeviceReport.from_dict(member.probes[n]) for n in names)
+        reports = after_plan(reports, plan)  # what the plan serving left on the members' disks
         role = held.ring()
         membership = Membership(role.epoch, plan, reports, frozenset(plan.order), held.name)
         terms = member.serving.terms
