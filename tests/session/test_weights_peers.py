@@ -11,12 +11,15 @@ import pytest
 from kafila.api.service import Sampling
 from kafila.engine.tokenizer import Tokenizer
 from kafila.models.checkpoint import Checkpoint
+from kafila.models.manifest import block_index, stage_tensors
+from kafila.planner.held import Held
 from kafila.rendezvous.server import RendezvousServer
 from kafila.session.forming.host import host
 from kafila.session.forming.join import join
 from kafila.session.runtime import MemberRuntime
 from kafila.session.terms import Options
 from kafila.session.weights.cache import BlobStore
+from kafila.session.weights.holding import held_in_cache
 from kafila.session.weights.manifest import WeightManifest
 from tests.session.conftest import make_tiny_chat
 from tests.session.hosting import code_of
@@ -106,6 +109,57 @@ async def test_a_later_joiner_fetches_from_the_member_that_kept_replicas_and_eve
     finally:
         for f in formed:
             await f.close()
+
+
+async def test_a_newcomer_in_a_lost_members_place_is_planned_by_what_the_others_hold_on_disk(
+    rdv, tiny_chat_model, tmp_path
+) -> None:
+    """A session of three, each joiner keeping the next member's share; then the same session
+    with gamma replaced by delta, whose cache is empty. The members report what their caches hold
+    (beta: its share and gamma's, read from its blob store), the host's plan says how many bytes
+    come from it and from members, and the fetches move exactly those bytes: what beta holds comes
+    from beta, only what no member but the host holds comes from the host."""
+    first = await form(rdv, tmp_path, tiny_chat_model, ["beta", "gamma"])
+    try:
+        await replicas_kept(first)
+        m = first[1].shard.manifest
+        p1 = first[0].plan
+    finally:
+        for f in first:
+            await f.close()
+    assert m is not None
+    beta_held = held_in_cache(tmp_path / "beta", m.checkpoint)
+    own, nxt = p1.stage("beta"), p1.stage(p1.successor("beta"))
+    assert beta_held == Held(frozenset([*range(own.start, own.stop), *range(nxt.start, nxt.stop)]), nxt.head)
+    assert held_in_cache(tmp_path / "delta", m.checkpoint) == Held()
+    formed = await form(rdv, tmp_path, tiny_chat_model, ["beta", "delta"])
+    try:
+        alpha, beta, delta = formed
+        plan = alpha.plan
+        assert plan.host_bytes is not None and plan.peer_bytes is not None  # the reports reached the planner
+        orphan = [
+            e for e in m.tensors.values() if not _held_by(beta_held, e.name)
+        ]  # on no member but the host
+        wanted = {
+            n
+            for s in plan.stages
+            if s.name != "alpha"
+            for n in stage_tensors(m.tensors, range(s.start, s.stop), s.head)
+        }
+        assert plan.host_bytes == sum(e.nbytes for e in orphan if e.name in wanted)
+        from_host = {f.name: f.shard.kinds.get("host", 0) for f in (beta, delta)}
+        assert sum(from_host.values()) == plan.host_bytes, (from_host, plan.summary())
+        got = delta.shard
+        assert got.kinds.get("peer", 0) == plan.peer_bytes + got.meta_bytes  # its headers came from beta too
+        assert beta.shard.kinds.get("peer", 0) == 0  # delta held nothing beta lacked
+    finally:
+        for f in formed:
+            await f.close()
+
+
+def _held_by(h: Held, name: str) -> bool:
+    b = block_index(name)
+    return h.head if b is None else b in h.blocks
 
 
 async def test_a_member_serves_what_it_holds_by_range_over_a_link_and_its_own_copy_once_asked(
