@@ -230,8 +230,9 @@ class Succession:
         log.info("succession_registered", session=code.public, member=node.member, attempts=attempt)
 
     def _capability(self, folder: Path) -> dict[str, object]:
-        """What the host offers joiners at the rendezvous: the model's shape (its block probe) and
-        the session's dtype and weight format, as `kafila host` registers them."""
+        """What the host offers joiners at the rendezvous: the model's shape (its block probe),
+        the session's dtype and weight format and its checkpoint's id (what a joiner's cache holds
+        of it goes with its report), as `kafila host` registers them."""
         terms = self.member.serving.terms
         try:
             raw = Checkpoint.open(folder).config.raw
@@ -239,7 +240,13 @@ class Succession:
             log.warning("config_unreadable", folder=str(folder), error=repr(exc))
             raw = None
         config = raw if raw is not None and len(json.dumps(raw)) < 12_000 else None
-        return {"role": "host", "config": config, "dtype": terms.dtype, "quant": terms.quant}
+        return {
+            "role": "host",
+            "config": config,
+            "dtype": terms.dtype,
+            "quant": terms.quant,
+            "checkpoint": self.member.serving.checkpoint,
+        }
 
     def _tell_replaced(self, host: str, epoch: int) -> None:
         """The lost host, should it only be frozen, reads on waking that this member replaced it."""
