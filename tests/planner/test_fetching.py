@@ -16,6 +16,7 @@ from kafila.planner.cost import Tier, Workload, costs_for
 from kafila.planner.fetching import HELD_MARGIN, Holdings, after_plan, fetching, holdings_of
 from kafila.planner.held import Held
 from kafila.planner.plan import Plan
+from kafila.planner.replan import Membership, PlanTerms, Replan, on_lost
 
 QWEN8 = resolve_manifest("qwen3-8b")
 GB = 10**9
@@ -198,3 +199,31 @@ def _within(bare: Plan, devices: list[DeviceReport], manifest: Manifest, limit: 
                 if probed_per_token(p, devices, manifest) <= limit:
                     out.append(p)
     return out
+
+
+def test_a_replan_after_a_loss_moves_fewer_bytes_by_what_the_plans_left_on_disk() -> None:
+    """Members that reported their caches (empty at first) hold, after forming, their shares and
+    the next member's: losing one, the re-plan fetches nothing from the host (every block of the
+    lost member is on its predecessor's disk) and no more bytes in all than the plan without
+    holdings, and is exactly plan() over the survivors as the membership holds them."""
+    fleet = [
+        dev("host", 12, 100, Held()),
+        dev("b", 12, 200, Held()),
+        dev("c", 12, 150, Held()),
+        dev("d", 12, 120, Held()),
+    ]
+    first = plan(fleet, QWEN8, context=4096, weights_host="host")
+    assert first.host_bytes is None  # nothing held yet: the fastest plan
+    m = Membership(0, first, after_plan(fleet, first), frozenset(d.name for d in fleet), "host")
+    got = on_lost(m, "c", "silent for 3.0 s", QWEN8, PlanTerms(context=4096))
+    assert isinstance(got, Replan)
+    survivors = [r for r in m.reports if r.name != "c"]
+    want = plan(survivors, QWEN8, context=4096, anchor=0, keep_head=True, weights_host="host")
+    assert got.plan == want and want.host_bytes == 0
+    bare = plan(survivors, QWEN8, context=4096, anchor=0, keep_head=True)
+    held = holdings_of(survivors, "host")
+    assert held is not None
+    assert got.plan.peer_bytes is not None
+    assert (
+        got.plan.peer_bytes <= fetching(bare, held, QWEN8).peer_bytes + fetching(bare, held, QWEN8).host_bytes
+    )
