@@ -133,9 +133,9 @@ def least_fetched(
     best: tuple[int, float, int, tuple[int, ...]] | None = None
     for r in heads:
         chain = [(r + j) % m for j in range(m)]
-        got = _best_for_head(
-            k, [costs[i] for i in chain], [per_member[names[i]] for i in chain], scale, bounds
-        )
+        chained = [per_member[names[i]] for i in chain]
+        known = None if best is None else best[0]  # bytes no later head may exceed
+        got = _best_for_head(k, [costs[i] for i in chain], chained, scale, bounds, known)
         if got is not None and (best is None or (got[0], got[1]) < (best[0], best[1])):
             best = (got[0], got[1], r, got[2])
     if best is None:
@@ -153,7 +153,10 @@ def _best_for_head(
     per: Sequence[tuple[list[tuple[int, int]], tuple[int, int]]],
     scale: int,
     bounds: Bounds,
+    known: int | None,
 ) -> tuple[int, float, tuple[int, ...]] | None:
+    """The least (bytes, sum of stages) division for one head, or None; bytes only grow along
+    the chain, so a partial division already over `known` (an earlier head's best) is dropped."""
     m = len(chain)
     fixed = [c.fixed(j == 0) for j, c in enumerate(chain)]
     step = [c.per_block_s for c in chain]
@@ -185,7 +188,7 @@ def _best_for_head(
                 took = fixed[j] + n * step[j]
                 for obj, circ, counts in front:
                     c = circ + took
-                    if c + least_rest[j] <= limit:
+                    if c + least_rest[j] <= limit and (known is None or obj + add <= known):
                         nxt.setdefault(s + n, []).append((obj + add, c, (*counts, n)))
         fronts = {s: _pareto(f) for s, f in nxt.items()}
     final = fronts.get(k)
