@@ -1,8 +1,8 @@
 """What a member holds of the session's checkpoint on disk: the blocks it holds in full and whether
 it holds the head's tensors (embedding, final norm, unembedding). A member reports it when it joins
 (its weight cache, kafila.session.weights.holding); the host adds each plan's shares as they are
-fetched (`Held.with_plan`). The planner prefers, among plans about as fast, the one that fetches
-the fewest bytes from the host (kafila.planner.fetching)."""
+fetched (kafila.planner.fetching.after_plan). The planner prefers, among plans about as fast,
+the one that fetches the fewest bytes from the host (kafila.planner.fetching)."""
 
 from __future__ import annotations
 
