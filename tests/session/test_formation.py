@@ -9,7 +9,10 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from kafila import __version__
+from kafila.models.presets import resolve_manifest
+from kafila.planner.decide import plan_all
 from kafila.planner.devices import DeviceReport
+from kafila.planner.held import Held
 from kafila.planner.plan import Plan, Stage
 from kafila.proto.session import SESSION_VERSION, SessionTerms
 from kafila.session.forming import core as fm
@@ -943,3 +946,22 @@ def test_a_member_whose_host_speaks_another_session_version_stops_naming_both() 
         )
     ]
     assert kinds(member().handle(fm.OtherVersion(9, 1), 51.0)) == ["Rejected"]  # not the host: ignored
+
+
+def test_the_hosts_table_of_plans_says_the_bytes_each_division_fetches() -> None:
+    """Where members reported what their disks hold, the table under the host's plans says what
+    each division fetches from the host and from members."""
+    from kafila.session.forming.plans import fmt_plans
+
+    def dev(name: str, bw_gb_s: float, held: Held) -> DeviceReport:
+        return DeviceReport(name, 12 * 10**9, bw_gb_s * 1e9, overhead_s=1e-4, held=held)
+
+    qwen8 = resolve_manifest("qwen3-8b")
+    fleet = [
+        dev("alpha", 100, Held()),
+        dev("new", 110, Held()),
+        dev("beta", 100, Held(frozenset(range(10, 36)))),
+    ]
+    text = fmt_plans(plan_all(fleet, qwen8, context=4096, weights_host="alpha"))
+    assert "weights to fetch: kafila 0.0 MB from the host + 771.8 MB from members; uniform " in text
+    assert "weights to fetch" not in fmt_plans(plan_all(fleet, qwen8, context=4096))
