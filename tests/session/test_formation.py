@@ -190,6 +190,8 @@ def test_members_are_admitted_and_report_while_the_host_measures_itself() -> Non
     out = core.start(device("alpha"), 20.0)
     assert kinds(out) == ["PlanNow"]  # nobody left to wait for
     assert only(out, fm.PlanNow).ids == {"alpha": 1, "beta": 2, "alpha-3": 3}
+    # the host's report first, where the planner anchors, though the others reported before it
+    assert [d.name for d in only(out, fm.PlanNow).devices] == ["alpha", "beta", "alpha-3"]
     core = HostFormation(members=3, wait_s=30.0, host_id=HOST, host_name="alpha")
     admitted(core, 2, "beta", 5.0)
     core.handle(fm.Message(2, report("beta")), 6.0)
