@@ -175,7 +175,7 @@ def _solve(
             return part
         return HeadChoice(0, unrotate(part.counts, 0), part.bottleneck)
     heads = (0,) if fixed else range(m)
-    latency = sum(_edge(ordered[a], ordered[b], rule).latency_s or 0.0 for a, b in ring_edges(range(m)))
+    latency = _ring_latency(ordered, rule)
     u = w.concurrency
     return divide_for_load(k, costs, concurrency=u, latency_s=latency, heads=heads, anchor=0, mu=mu)
 
@@ -201,7 +201,7 @@ def _nearer(
     if objective == "bottleneck":
         bounds = Bounds(max(stage_s) * (1 + HELD_MARGIN), math.inf)
     else:
-        latency = sum(_edge(ordered[a], ordered[b], rule).latency_s or 0.0 for a, b in ring_edges(range(m)))
+        latency = _ring_latency(ordered, rule)
         worst = max(max(stage_s), (sum(stage_s) + latency) / u) * (1 + HELD_MARGIN)
         bounds = Bounds(worst, worst * u - latency)
     heads = (0,) if fixed else range(m)
@@ -327,6 +327,12 @@ def _load_note(p: Plan, tau_star_s: float, m: int) -> str:
         f"{p.bottleneck_s * 1e3:.1f} ms) rather than the most even stages (slowest "
         f"{tau_star_s * 1e3:.1f} ms); a larger --concurrency evens them"
     )
+
+
+def _ring_latency(ordered: list[DeviceReport], rule: PairRule) -> float:
+    """The known edge latencies of the ring in this order, summed (a circuit's network part)."""
+    edges = ring_edges(range(len(ordered)))
+    return sum(_edge(ordered[a], ordered[b], rule).latency_s or 0.0 for a, b in edges)
 
 
 def _edge(a: DeviceReport, b: DeviceReport, rule: PairRule) -> Edge:
