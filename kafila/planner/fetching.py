@@ -60,11 +60,12 @@ class Holdings:
         """Some member other than the host holds something: a choice of source exists."""
         return any(h is not None and not h.empty for n, h in self.held.items() if n != self.host)
 
-    def holders(self, block: int) -> bool:
+    def held_elsewhere(self, block: int) -> bool:
         """Some member other than the host holds `block`."""
         return any(h is not None and block in h.blocks for n, h in self.held.items() if n != self.host)
 
-    def head_holders(self) -> bool:
+    def head_held_elsewhere(self) -> bool:
+        """Some member other than the host holds the head's tensors."""
         return any(h is not None and h.head for n, h in self.held.items() if n != self.host)
 
 
@@ -88,9 +89,9 @@ def costs_per_block(
     out = []
     for b, n in enumerate(manifest.block_bytes):
         mine = b in own.blocks
-        out.append((0 if mine or h.holders(b) else n, 0 if mine else n))
+        out.append((0 if mine or h.held_elsewhere(b) else n, 0 if mine else n))
     hb = manifest.head_resident_bytes
-    head = (0 if own.head or h.head_holders() else hb, 0 if own.head else hb)
+    head = (0 if own.head or h.head_held_elsewhere() else hb, 0 if own.head else hb)
     return out, head
 
 
