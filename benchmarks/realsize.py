@@ -455,7 +455,8 @@ def reform(s: Sizes, args: argparse.Namespace, cap: int, workdir: Path) -> Refor
         form_s = time.perf_counter() - t0
         print(fleet.describe(), flush=True)
         stages = stage_ranges(fleet.plan)
-    return Reform(form_s, {m.name: sources(m.log_text()) for m in fleet.members}, stages)
+        predicted = (fleet.plan.get("host_bytes"), fleet.plan.get("peer_bytes"))
+    return Reform(form_s, {m.name: sources(m.log_text()) for m in fleet.members}, stages, predicted)
 
 
 @dataclass
@@ -463,6 +464,7 @@ class Reform:
     form_s: float
     sources: dict[str, dict[str, int]]  # member -> source ("peer beta", "host alpha") -> bytes
     stages: dict[str, tuple[int, int, bool]]
+    predicted: tuple[int | None, int | None] = (None, None)  # the plan's bytes from the host, from members
 
 
 def sources(log_text: str) -> dict[str, int]:
@@ -603,6 +605,10 @@ def report_reform(r: Reform) -> None:
         got = ", ".join(f"{n / GB:.3f} GB from {k}" for k, n in r.sources.get(name, {}).items()) or "none"
         print(f"  {name:<6} blocks [{a}, {b}){' + head' if head else ''}: fetched {got}")
     share = members / total if total else float("nan")
+    host_b, peer_b = r.predicted
+    if host_b is not None and peer_b is not None:
+        print(f"  the plan, by what the members reported holding: {host_b / GB:.3f} GB from the host, "
+              f"{peer_b / GB:.3f} GB from members")  # fmt: skip
     print(
         f"bytes from members other than the host: {members / GB:.3f} of {total / GB:.3f} GB ({share:.0%}; "
         "target >= 50%)",

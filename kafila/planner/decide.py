@@ -6,15 +6,25 @@ concurrency, returns a Plan (feasible, or refused with a reason naming the devic
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 
 from kafila.models.manifest import Manifest
 from kafila.planner.admission import check_memory, explain_no_division
 from kafila.planner.baselines import proportional_counts, uniform_counts
-from kafila.planner.cost import DeviceCost, Tier, Workload, choose_tier, costs_for, memory_shortfall
+from kafila.planner.cost import (
+    DeviceCost,
+    Tier,
+    Workload,
+    choose_tier,
+    costs_for,
+    fmt_bytes,
+    memory_shortfall,
+)
 from kafila.planner.devices import DeviceReport
 from kafila.planner.drafting import CircuitYield, figures
+from kafila.planner.fetching import HELD_MARGIN, Bounds, Holdings, fetching, holdings_of, least_fetched
 from kafila.planner.head import MU, HeadChoice, place_head, solve_rotation, unrotate
 from kafila.planner.load import LoadChoice, divide_for_load
 from kafila.planner.order import RingOrder, edge_price_s, order_ring, predicted_direct, ring_edges
@@ -42,10 +52,14 @@ def plan(
     anchor: int = 0,
     objective: str = "load",
     keep_head: bool = False,
+    weights_host: str | None = None,
 ) -> Plan:
     """Plan one division. `anchor` indexes the member that opened the session; `keep_head` keeps
     the head there whatever another member would gain (a re-plan around a serving head, whose
-    samplers and caches cannot move)."""
+    samplers and caches cannot move). `weights_host` names the member serving the checkpoint:
+    with it, where the devices report what they hold (`DeviceReport.held`), the kafila division
+    is, among those within HELD_MARGIN of the fastest, the one fetching least from that host
+    (kafila.planner.fetching)."""
     return plan_all(
         devices,
         manifest,
@@ -58,6 +72,7 @@ def plan(
         anchor=anchor,
         objective=objective,
         keep_head=keep_head,
+        weights_host=weights_host,
     )[division]
 
 
@@ -74,6 +89,7 @@ def plan_all(
     anchor: int = 0,
     objective: str = "load",
     keep_head: bool = False,
+    weights_host: str | None = None,
 ) -> dict[str, Plan]:
     """Several divisions over one ring order (computed once), keyed by division name."""
     if not devices:
@@ -92,9 +108,17 @@ def plan_all(
     ordered = [devices[i] for i in ring.order]
     costs = costs_for(ordered, w, tier, use_block_probe) if tier is not Tier.WORKING_SET else None
     fixed = keep_head or tier is Tier.THROUGHPUT  # the head stays with the anchor (ordered[0])
-    return {
+    held = holdings_of(devices, weights_host)
+    plans = {
         name: _division(name, ordered, ring, w, tier, costs, rule, mu, objective, fixed) for name in divisions
     }
+    if held is None:
+        return plans
+    if "kafila" in plans and costs is not None and plans["kafila"].feasible:
+        plans["kafila"] = _nearer(
+            plans["kafila"], ordered, ring, w, tier, costs, rule, fixed, held, manifest, objective
+        )
+    return {name: _with_bytes(p, held, manifest) for name, p in plans.items()}
 
 
 def _division(
@@ -151,9 +175,60 @@ def _solve(
             return part
         return HeadChoice(0, unrotate(part.counts, 0), part.bottleneck)
     heads = (0,) if fixed else range(m)
-    latency = sum(_edge(ordered[a], ordered[b], rule).latency_s or 0.0 for a, b in ring_edges(range(m)))
+    latency = _ring_latency(ordered, rule)
     u = w.concurrency
     return divide_for_load(k, costs, concurrency=u, latency_s=latency, heads=heads, anchor=0, mu=mu)
+
+
+def _nearer(
+    p: Plan,
+    ordered: list[DeviceReport],
+    ring: RingOrder,
+    w: Workload,
+    tier: Tier,
+    costs: list[DeviceCost],
+    rule: PairRule,
+    fixed: bool,
+    held: Holdings,
+    manifest: Manifest,
+    objective: str,
+) -> Plan:
+    """`p`, or the division within HELD_MARGIN of its predicted time per token (one-row steps, as
+    the division is chosen) that fetches fewer bytes from the host (kafila.planner.fetching)."""
+    by_name = {d.name: c for d, c in zip(ordered, costs, strict=True)}
+    stage_s = [by_name[s.name].stage_s(s.n_blocks, s.head) for s in p.stages]
+    m, u = len(ordered), w.concurrency
+    if objective == "bottleneck":
+        bounds = Bounds(max(stage_s) * (1 + HELD_MARGIN), math.inf)
+    else:
+        latency = _ring_latency(ordered, rule)
+        worst = max(max(stage_s), (sum(stage_s) + latency) / u) * (1 + HELD_MARGIN)
+        bounds = Bounds(worst, worst * u - latency)
+    heads = (0,) if fixed else range(m)
+    names = [d.name for d in ordered]
+    got = least_fetched(w.n_blocks, costs, names, heads, held, manifest, bounds)
+    before = fetching(p, held, manifest)
+    if got is None or (got[2].host_bytes, got[2].peer_bytes + got[2].host_bytes) >= (
+        before.host_bytes,
+        before.peer_bytes + before.host_bytes,
+    ):
+        return p
+    head, counts, after = got
+    built = _build(p.division, ordered, ring, w, tier, costs, rule, head, counts)
+    slower = (built.per_token_s or 0.0) / (p.per_token_s or 1.0) - 1
+    note = (
+        f"placed by what members hold: {fmt_bytes(after.host_bytes)} from the host and "
+        f"{fmt_bytes(after.peer_bytes)} from members, predicted {slower * 100:.1f}% slower a token than "
+        f"the fastest plan, which fetched {fmt_bytes(before.host_bytes)} from the host"
+    )
+    return replace(built, notes=(*built.notes, note))
+
+
+def _with_bytes(p: Plan, held: Holdings, manifest: Manifest) -> Plan:
+    if not p.stages:
+        return p
+    f = fetching(p, held, manifest)
+    return replace(p, host_bytes=f.host_bytes, peer_bytes=f.peer_bytes)
 
 
 def _refused(
@@ -252,6 +327,12 @@ def _load_note(p: Plan, tau_star_s: float, m: int) -> str:
         f"{p.bottleneck_s * 1e3:.1f} ms) rather than the most even stages (slowest "
         f"{tau_star_s * 1e3:.1f} ms); a larger --concurrency evens them"
     )
+
+
+def _ring_latency(ordered: list[DeviceReport], rule: PairRule) -> float:
+    """The known edge latencies of the ring in this order, summed (a circuit's network part)."""
+    edges = ring_edges(range(len(ordered)))
+    return sum(_edge(ordered[a], ordered[b], rule).latency_s or 0.0 for a, b in edges)
 
 
 def _edge(a: DeviceReport, b: DeviceReport, rule: PairRule) -> Edge:

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kafila.planner.held import Held
 from kafila.planner.reachability import Nat
 
 
@@ -32,6 +33,9 @@ class DeviceReport:
     pair_rtt_s: measured round trips to other members, by name.
     relayed_with: members this one was measured NOT to reach directly (a punch that failed where
         its NAT classes predicted it would succeed): the planner prices those edges as relayed.
+    held: what the member's disk holds of the session's checkpoint (None: not reported, as an
+        older member's report or a fleet file): the planner's tie-break between plans about as
+        fast (kafila.planner.fetching).
     """
 
     name: str
@@ -49,6 +53,7 @@ class DeviceReport:
     rtt_s: float | None = None
     pair_rtt_s: dict[str, float] = field(default_factory=dict)
     relayed_with: frozenset[str] = frozenset()
+    held: Held | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -65,7 +70,8 @@ class DeviceReport:
                 raise ValueError(f"device {self.name}: {key} must be >= 0, got {value}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        """`held` only where reported (a report without it reads the same to an older host)."""
+        d: dict[str, Any] = {
             "name": self.name,
             "memory_bytes": self.memory_bytes,
             "bandwidth_bytes_s": self.bandwidth_bytes_s,
@@ -82,6 +88,9 @@ class DeviceReport:
             "pair_rtt_s": dict(self.pair_rtt_s),
             "relayed_with": sorted(self.relayed_with),
         }
+        if self.held is not None:
+            d["held"] = self.held.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DeviceReport:
@@ -102,6 +111,7 @@ class DeviceReport:
             rtt_s=d.get("rtt_s"),
             pair_rtt_s={str(k): float(v) for k, v in (d.get("pair_rtt_s") or {}).items()},
             relayed_with=frozenset(str(n) for n in d.get("relayed_with") or ()),
+            held=Held.from_dict(d["held"]) if d.get("held") is not None else None,
         )
 
     def to_json(self) -> str:

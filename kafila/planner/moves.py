@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kafila.models.manifest import Manifest
+from kafila.planner.fetching import after_plan
 from kafila.planner.replan import End, Keep, Membership, PlanTerms, Replan, on_lost
 
 
@@ -113,8 +114,12 @@ def is_current(moving: Move | None, epoch: int) -> bool:
 
 
 def committed(m: Membership, moving: Move) -> Membership:
-    """The membership once every member of `moving` serves its epoch."""
-    return replace(m, epoch=moving.epoch, plan=moving.decision.plan, present=m.present - moving.gone)
+    """The membership once every member of `moving` serves its epoch, its reports holding what
+    that plan left on the members' disks (their shares and replicas; kafila.planner.fetching)."""
+    new = moving.decision.plan
+    return replace(
+        m, epoch=moving.epoch, plan=new, present=m.present - moving.gone, reports=after_plan(m.reports, new)
+    )
 
 
 def newer(seen: int, epoch: int) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from kafila.planner.drafting import CircuitYield
@@ -66,6 +66,10 @@ class Plan:
     tokens_per_circuit: float = 1.0
     rows_per_circuit: float = 1.0
     row_share: float = 0.0
+    # bytes the members fetch for this plan from the host and from each other, given what they
+    # reported holding (kafila.planner.fetching); None where no member other than the host did
+    host_bytes: int | None = None
+    peer_bytes: int | None = None
 
     @property
     def circuit_yield(self) -> CircuitYield:
@@ -99,16 +103,21 @@ class Plan:
         return self.order[(i - 1) % len(self.order)]
 
     def to_dict(self) -> dict[str, Any]:
+        """The byte counts only where known: a plan without them reads the same to an older member."""
         d = asdict(self)
         for key in ("order", "stages", "edges", "notes"):
             d[key] = list(d[key])
+        for key in ("host_bytes", "peer_bytes"):
+            if d[key] is None:
+                del d[key]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
+        known = {f.name for f in fields(cls)}
         return cls(
             **{
-                **d,
+                **{k: v for k, v in d.items() if k in known},  # a newer host's fields are its own
                 "order": tuple(d["order"]),
                 "stages": tuple(Stage(**s) for s in d["stages"]),
                 "edges": tuple(Edge(**e) for e in d["edges"]),
@@ -144,5 +153,10 @@ class Plan:
             "per_token_ms": ms(self.per_token_s),
             "tokens_per_circuit": self.tokens_per_circuit,
             "tier": self.tier,
+            **(
+                {"host_bytes": self.host_bytes, "peer_bytes": self.peer_bytes}
+                if self.host_bytes is not None
+                else {}
+            ),
             "edges": [{"src": e.src, "dst": e.dst, "direct": e.direct} for e in self.edges],
         }

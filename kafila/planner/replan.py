@@ -284,7 +284,9 @@ def keeps_head(m: Membership) -> bool:
 
 def _plan_over(m: Membership, manifest: Manifest, terms: PlanTerms) -> Plan:
     """plan() over everyone present, in admission order, anchored at the serving head (`anchor_of`),
-    which keeps the head while present (`keeps_head`)."""
+    which keeps the head while present (`keeps_head`), preferring among plans about as fast the one
+    that fetches least from the host, by what the reports say each member holds (`Membership`
+    adds each committed plan's shares: `kafila.planner.fetching.after_plan`)."""
     reports = _present_reports(m)
     anchor = [r.name for r in reports].index(anchor_of(m))
     return plan(
@@ -299,6 +301,7 @@ def _plan_over(m: Membership, manifest: Manifest, terms: PlanTerms) -> Plan:
         anchor=anchor,
         objective=terms.objective,
         keep_head=keeps_head(m),
+        weights_host=m.host,  # with what the members hold, the plan among near-equals fetching least from it
     )
 
 

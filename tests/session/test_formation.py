@@ -9,7 +9,10 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from kafila import __version__
+from kafila.models.presets import resolve_manifest
+from kafila.planner.decide import plan_all
 from kafila.planner.devices import DeviceReport
+from kafila.planner.held import Held
 from kafila.planner.plan import Plan, Stage
 from kafila.proto.session import SESSION_VERSION, SessionTerms
 from kafila.session.forming import core as fm
@@ -187,6 +190,8 @@ def test_members_are_admitted_and_report_while_the_host_measures_itself() -> Non
     out = core.start(device("alpha"), 20.0)
     assert kinds(out) == ["PlanNow"]  # nobody left to wait for
     assert only(out, fm.PlanNow).ids == {"alpha": 1, "beta": 2, "alpha-3": 3}
+    # the host's report first, where the planner anchors, though the others reported before it
+    assert [d.name for d in only(out, fm.PlanNow).devices] == ["alpha", "beta", "alpha-3"]
     core = HostFormation(members=3, wait_s=30.0, host_id=HOST, host_name="alpha")
     admitted(core, 2, "beta", 5.0)
     core.handle(fm.Message(2, report("beta")), 6.0)
@@ -943,3 +948,22 @@ def test_a_member_whose_host_speaks_another_session_version_stops_naming_both() 
         )
     ]
     assert kinds(member().handle(fm.OtherVersion(9, 1), 51.0)) == ["Rejected"]  # not the host: ignored
+
+
+def test_the_hosts_table_of_plans_says_the_bytes_each_division_fetches() -> None:
+    """Where members reported what their disks hold, the table under the host's plans says what
+    each division fetches from the host and from members."""
+    from kafila.session.forming.plans import fmt_plans
+
+    def dev(name: str, bw_gb_s: float, held: Held) -> DeviceReport:
+        return DeviceReport(name, 12 * 10**9, bw_gb_s * 1e9, overhead_s=1e-4, held=held)
+
+    qwen8 = resolve_manifest("qwen3-8b")
+    fleet = [
+        dev("alpha", 100, Held()),
+        dev("new", 110, Held()),
+        dev("beta", 100, Held(frozenset(range(10, 36)))),
+    ]
+    text = fmt_plans(plan_all(fleet, qwen8, context=4096, weights_host="alpha"))
+    assert "weights to fetch: kafila 0.0 MB from the host + 771.8 MB from members; uniform " in text
+    assert "weights to fetch" not in fmt_plans(plan_all(fleet, qwen8, context=4096))

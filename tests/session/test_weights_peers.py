@@ -11,12 +11,15 @@ import pytest
 from kafila.api.service import Sampling
 from kafila.engine.tokenizer import Tokenizer
 from kafila.models.checkpoint import Checkpoint
+from kafila.models.manifest import block_index, stage_tensors
+from kafila.planner.held import Held
 from kafila.rendezvous.server import RendezvousServer
 from kafila.session.forming.host import host
 from kafila.session.forming.join import join
 from kafila.session.runtime import MemberRuntime
 from kafila.session.terms import Options
 from kafila.session.weights.cache import BlobStore
+from kafila.session.weights.holding import held_in_cache
 from kafila.session.weights.manifest import WeightManifest
 from tests.session.conftest import make_tiny_chat
 from tests.session.hosting import code_of
@@ -106,6 +109,56 @@ async def test_a_later_joiner_fetches_from_the_member_that_kept_replicas_and_eve
     finally:
         for f in formed:
             await f.close()
+
+
+async def test_a_newcomer_in_a_lost_members_place_is_planned_by_what_the_others_hold_on_disk(
+    rdv, tiny_chat_model, tmp_path
+) -> None:
+    """A session of three, each joiner keeping the next member's share; then the same session
+    with gamma replaced by delta, whose cache is empty. The members report what their caches hold
+    (beta: its share and gamma's, read from its blob store), the host's plan says how many bytes
+    come from it and from members, and the fetches move exactly those bytes: what beta holds comes
+    from beta, only what no member but the host holds comes from the host."""
+    first = await form(rdv, tmp_path, tiny_chat_model, ["beta", "gamma"])
+    try:
+        await replicas_kept(first)
+        m = first[1].shard.manifest
+        assert m is not None
+        p1, tensors = first[0].plan, held(first[1], m)
+    finally:
+        for f in first:
+            await f.close()
+    beta_held = held_in_cache(tmp_path / "beta", m.checkpoint)
+    whole = [b for b in range(m.n_blocks) if set(stage_tensors(m.tensors, range(b, b + 1), False)) <= tensors]
+    head = set(stage_tensors(m.tensors, range(0), True)) <= tensors
+    assert beta_held == Held(frozenset(whole), head), (beta_held, p1.stages)  # what its blobs say
+    own, nxt = p1.stage("beta"), p1.stage(p1.successor("beta"))  # (a re-plan meanwhile may have left more)
+    assert beta_held.blocks >= {*range(own.start, own.stop), *range(nxt.start, nxt.stop)}  # share, replica
+    assert beta_held.head >= nxt.head
+    assert held_in_cache(tmp_path / "delta", m.checkpoint) == Held()
+    formed = await form(rdv, tmp_path, tiny_chat_model, ["beta", "delta"])
+    try:
+        alpha, beta, delta = formed
+        shares = {f.name: (f.shard.blocks, f.shard.head) for f in (beta, delta)}  # as formed
+        orphan = {e.name: e.nbytes for e in m.tensors.values() if not _held_by(beta_held, e.name)}
+        wanted = {n for blocks, head in shares.values() for n in stage_tensors(m.tensors, blocks, head)}
+        from_host = {f.name: f.shard.kinds.get("host", 0) for f in (beta, delta)}
+        assert sum(from_host.values()) == sum(n for name, n in orphan.items() if name in wanted), from_host
+        got = delta.shard
+        peer_tensors = got.kinds.get("peer", 0) - got.meta_bytes  # its headers came from beta too
+        assert peer_tensors == got.tensor_bytes - from_host["delta"] and beta.shard.kinds.get("peer", 0) == 0
+        plan = alpha.plan  # the plan formed, unless a path measured since re-planned the ring
+        if all((range(s.start, s.stop), s.head) == shares[s.name] for s in plan.stages if s.name in shares):
+            predicted = (plan.host_bytes, plan.peer_bytes)
+            assert predicted == (sum(from_host.values()), peer_tensors), plan.summary()
+    finally:
+        for f in formed:
+            await f.close()
+
+
+def _held_by(h: Held, name: str) -> bool:
+    b = block_index(name)
+    return h.head if b is None else b in h.blocks
 
 
 async def test_a_member_serves_what_it_holds_by_range_over_a_link_and_its_own_copy_once_asked(

@@ -569,7 +569,10 @@ class HostFormation(_Machine):
         if self.step is not Step.GATHERING or self._count() < self.members:
             return []
         self.step, self.deadline = Step.PLANNING, None
-        return [PlanNow(tuple(self.devices.values()), dict(self.ids))]
+        # the host's report first, however early the others came: the planner anchors there (the
+        # head stays with the host unless another member beats it by the head margin)
+        devices = [self.devices[self.host_id], *(d for i, d in self.devices.items() if i != self.host_id)]
+        return [PlanNow(tuple(devices), dict(self.ids))]
 
     def _ready(self, sender: int) -> list[Output]:
         name = self._name(sender)

@@ -25,6 +25,7 @@ from kafila.models.registry import resolve, served_name
 from kafila.net.errors import LinkError
 from kafila.net.link import Link
 from kafila.obs.log import get_logger
+from kafila.planner.fetching import after_plan
 from kafila.planner.replan import Membership, PlanTerms, measured_reports
 from kafila.proto.codes import SessionCode, new_code
 from kafila.proto.session import SessionTerms
@@ -82,6 +83,9 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     client = held.client = await reach_rendezvous(opts.rendezvous)
     config = ckpt.config.raw if len(json.dumps(ckpt.config.raw)) < 12_000 else None
     capability = {"role": "host", "config": config, "dtype": opts.dtype, "quant": opts.quant}
+    # the checkpoint's id: a joining member reports what its cache holds of it (the plan prefers
+    # members fetching from each other to fetching from this host)
+    capability["checkpoint"] = await off_loop(checkpoint_id, folder)
     if opts.weights_from is not None:  # members fetch from it before asking this host
         capability["weights_from"] = opts.weights_from
     with refused_by(opts.rendezvous, "open a session"):
@@ -131,6 +135,7 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     role = held.ring()
     held.tasks.append(asyncio.ensure_future(drive.serve_formed(held.links, role.info.rendezvous)))
     reports = measured_reports(tuple(gathered.devices), measured)  # as the edges ran, for re-plans
+    reports = after_plan(reports, plan)  # and with the shares and replicas the plan leaves on disk
     membership = Membership(1, plan, reports, frozenset(d.name for d in reports), name)
     plan_terms = PlanTerms(opts.context, opts.concurrency, opts.division, objective=opts.objective)
     manifest = ckpt.manifest(DTYPES[opts.dtype], opts.quant)  # as the plan was priced (choose_plan)

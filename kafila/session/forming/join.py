@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -19,6 +20,8 @@ from kafila.net.errors import LinkAuthError, LinkError
 from kafila.net.link import Link
 from kafila.net.signaling import SignalingError
 from kafila.net.waits import wait_at_most
+from kafila.planner.devices import DeviceReport
+from kafila.planner.held import Held, runs
 from kafila.proto import session as sm
 from kafila.proto.codes import parse_code
 from kafila.proto.signaling import MemberInfo
@@ -39,6 +42,7 @@ from kafila.session.ring.build import Serving, shard_text, start_role
 from kafila.session.runtime import Listeners, MemberRuntime, formed_by, reserve_api
 from kafila.session.terms import Options
 from kafila.session.weights.fetch import ShardResult, fetch_shard
+from kafila.session.weights.holding import held_in_cache
 from kafila.session.weights.sharing import Sharing, where_from
 
 # A spare whose host was lost joins again with the same code for up to this long: the host's
@@ -165,7 +169,9 @@ async def _join(
     drive.on_spare = lambda spared: held.serve_as_spare(host_info.name, spared.reason)
     control = _link_host(node, name, host_info, held)  # the host checks this member's code meanwhile
     try:
-        measuring = off_loop(probe_report, name, node.nat, opts, config, measured)
+        checkpoint = host_info.capability.get("checkpoint")  # what its cache holds of it goes with the probe
+        ckpt = checkpoint if isinstance(checkpoint, str) else None
+        measuring = _with_held(off_loop(probe_report, name, node.nat, opts, config, measured), opts, ckpt)
         probing = while_signaling(measuring, pump, control)
         me = await drive.during(probing)  # the driver hears the host's refusal (or leaving) meanwhile
         got = await drive.until(fm.LinkNow, core.start(me, drive.now()), watch=control)
@@ -221,6 +227,25 @@ async def _join(
     held.tasks.append(asyncio.ensure_future(drive.serve_formed(held.links, held.ring().info.rendezvous)))
     held.serve_session_api()
     say_ready(got.plan)
+
+
+async def _with_held(
+    measuring: Awaitable[DeviceReport], opts: Options, checkpoint: str | None
+) -> DeviceReport:
+    """This member's report with what its weight cache holds of the session's `checkpoint` (looked
+    at after the probe: a blob hashed again beside it would slow its timings)."""
+    me = await measuring
+    have = await off_loop(held_in_cache, opts.cache, checkpoint)
+    if not have.empty:
+        say(f"{me.name}: its weight cache holds {held_text(have)} of this session's checkpoint")
+    return replace(me, held=have)
+
+
+def held_text(h: Held) -> str:
+    """`blocks 10-35 and the head`."""
+    parts = [f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in runs(h.blocks)]
+    said = f"block{'s' if len(h.blocks) > 1 else ''} {', '.join(parts)}" if parts else ""
+    return " and ".join(x for x in (said, "the head" if h.head else "") if x)
 
 
 async def _fetch(got: fm.LinkNow, links: dict[str, Link], opts: Options, sharing: Sharing) -> ShardResult:

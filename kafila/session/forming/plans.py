@@ -9,6 +9,7 @@ from kafila.engine import DTYPES
 from kafila.models.checkpoint import Checkpoint
 from kafila.models.manifest import Manifest
 from kafila.obs.log import get_logger
+from kafila.planner.cost import fmt_bytes
 from kafila.planner.decide import plan_all
 from kafila.planner.devices import DeviceReport
 from kafila.planner.plan import Plan
@@ -34,6 +35,13 @@ def fmt_plans(plans: dict[str, Plan]) -> str:
             f"{name:<9} {blocks:<40} {(p.bottleneck_s or 0) * 1e3:>9.2f} {p.imbalance or 0:>6.2f} "
             f"{p.utilisation or 0:>5.0%} {p.tokens_s or 0:>7.1f}"
         )
+    fetch = [
+        f"{name} {fmt_bytes(p.host_bytes)} from the host + {fmt_bytes(p.peer_bytes or 0)} from members"
+        for name, p in plans.items()
+        if p.feasible and p.host_bytes is not None
+    ]
+    if fetch:  # some member reported what its disk holds of the checkpoint
+        rows.append("weights to fetch: " + "; ".join(fetch))
     notes = dict.fromkeys(n for p in plans.values() for n in p.notes)  # once each, in order
     return "\n".join(rows + [f"note: {n}" for n in notes])
 
@@ -58,6 +66,7 @@ def choose_plan(devices: list[DeviceReport], ckpt: Checkpoint, opts: Options) ->
         concurrency=opts.concurrency,
         anchor=0,
         objective=opts.objective,
+        weights_host=devices[0].name,  # the host (its report first) serves the checkpoint
     )
     say("plans for this session (predicted):\n" + fmt_plans(plans))
     plan = plans[opts.division]

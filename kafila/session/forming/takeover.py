@@ -35,6 +35,7 @@ from kafila.net.signaling import SignalingError
 from kafila.obs import metrics
 from kafila.obs.log import get_logger
 from kafila.planner.devices import DeviceReport
+from kafila.planner.fetching import after_plan
 from kafila.planner.replan import Membership, PlanTerms
 from kafila.planner.succession import (
     Ended,
@@ -229,8 +230,9 @@ class Succession:
         log.info("succession_registered", session=code.public, member=node.member, attempts=attempt)
 
     def _capability(self, folder: Path) -> dict[str, object]:
-        """What the host offers joiners at the rendezvous: the model's shape (its block probe) and
-        the session's dtype and weight format, as `kafila host` registers them."""
+        """What the host offers joiners at the rendezvous: the model's shape (its block probe),
+        the session's dtype and weight format and its checkpoint's id (what a joiner's cache holds
+        of it goes with its report), as `kafila host` registers them."""
         terms = self.member.serving.terms
         try:
             raw = Checkpoint.open(folder).config.raw
@@ -238,7 +240,13 @@ class Succession:
             log.warning("config_unreadable", folder=str(folder), error=repr(exc))
             raw = None
         config = raw if raw is not None and len(json.dumps(raw)) < 12_000 else None
-        return {"role": "host", "config": config, "dtype": terms.dtype, "quant": terms.quant}
+        return {
+            "role": "host",
+            "config": config,
+            "dtype": terms.dtype,
+            "quant": terms.quant,
+            "checkpoint": self.member.serving.checkpoint,
+        }
 
     def _tell_replaced(self, host: str, epoch: int) -> None:
         """The lost host, should it only be frozen, reads on waking that this member replaced it."""
@@ -331,6 +339,7 @@ class Succession:
         assert plan is not None
         names = [held.name, *(n for n in plan.order if n != held.name)]
         reports = tuple(DeviceReport.from_dict(member.probes[n]) for n in names)
+        reports = after_plan(reports, plan)  # what the plan serving left on the members' disks
         role = held.ring()
         membership = Membership(role.epoch, plan, reports, frozenset(plan.order), held.name)
         terms = member.serving.terms

@@ -24,6 +24,7 @@ from kafila.obs.log import get_logger
 from kafila.planner.plan import Plan
 from kafila.session.weights.cache import cache_root
 from kafila.session.weights.fetch import Kept, ShardResult, fetch_tensors
+from kafila.session.weights.holding import remember
 from kafila.session.weights.manifest import WeightManifest, WeightsError
 from kafila.session.weights.mirror import MirrorReader
 from kafila.session.weights.peers import FolderFiles, HeldFiles, PeerReader, PeerServer
@@ -47,10 +48,12 @@ class Sharing:
         self.whole: Path | None = None  # a folder of this member's holding the whole checkpoint
 
     def known(self, m: WeightManifest) -> None:
-        """The checkpoint's manifest came: serve what this member's cache holds of it."""
+        """The checkpoint's manifest came: serve what this member's cache holds of it, and keep
+        the manifest, from which a later join reports what it holds (kafila.session.weights.holding)."""
         if self.manifest is None:
             self.manifest = m
             self.server.serve(HeldFiles(self.root, m))
+            remember(self.root, m)
 
     async def host_folder(self, server: WeightServer) -> None:
         """The host: serve its checkpoint folder (everything the manifest names)."""
