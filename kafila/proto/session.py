@@ -79,8 +79,10 @@ class SessionTerms:
 # ------------------------------------------------------------------ forming messages
 
 KEY = "kafila_session"  # marks a signaling payload as a session message; its value is the version
-SESSION_VERSION = 4  # 2: request origins (`origins`) in `plan` and `epoch`; 3: a spare's relayed requests;
-# 4: `succession`, `probes` in `plan` and `epoch`
+SESSION_VERSION = 5  # 2: request origins (`origins`) in `plan` and `epoch`; 3: a spare's relayed requests;
+# 4: `succession`, `probes` in `plan` and `epoch`; 5: `held` in a member's report, `host_bytes` and
+# `peer_bytes` in a plan (a version 4 member refuses a plan with fields it does not know),
+# `checkpoint` in the host's capability, `handover`
 MAX_REASON = 4096
 # a request id (u32 on the ring, kafila.proto.tensor) carries in its top ORIGIN_BITS the origin tag
 # of the member whose API took it: the host gives each member id its own tag, never reused
@@ -486,8 +488,7 @@ class Replaced:
 class HandOver:
     """host -> members: the host leaves on purpose and hands its role over in `epoch`: each member
     counts it gone at once (no loss has to be noticed), and the first present of the succession
-    order the host published (`to`, as the host sees it) takes over. A member of a build without
-    this message ignores it and sees the host's links close, which takes the same path."""
+    order the host published (`to`, as the host sees it) takes over."""
 
     to: str
     epoch: int

@@ -70,7 +70,7 @@ def test_a_relay_message_names_what_is_wrong() -> None:
         (body | {"path": "v1"}, "path must be text from '/'"),
         (body | {"content": "***"}, "content is not base64"),
         (body | {"headers": [["Content-Type", "x"]]}, "lower-case name"),
-        (body | {session.KEY: 3}, "version 3, this member speaks 4"),
+        (body | {session.KEY: 3}, f"version 3, this member speaks {session.SESSION_VERSION}"),
         (session.Reply(1, 200).body() | {"status": 99}, "status must be an integer from 100 to 599"),
         (session.Chunk(1, b"x").body() | {"end": 1}, "end must be true or false"),
         (session.payload("wave", ask=1), "unknown relay message op 'wave'"),
