@@ -34,7 +34,8 @@ With --llama T: instead of the session, llama.cpp on the same weights: the bf16 
 by llama.cpp's own converter (convert_hf_to_gguf.py, Q8_0) and requantized by llama-quantize to Q4_1
 (the layout kafila's q4 serves a Q4_1 file in), cached beside the checkpoint; then
 `benchmarks/engine.py --gguf FILE --threads T`: Kafila serving that file against llama-bench on it,
-alternated, both pinned to the same T CPUs. Needs llama.cpp built (benchmarks/llama_build.py).
+alternated, both pinned to the same T CPUs. Needs llama.cpp built (benchmarks/llama_build.py),
+`sentencepiece` for its converter, and about 20 GB of disk while it converts (10 GB stay).
 
 Needs root (memory groups). Memory: full depth in q4 takes about 6 GB over the three members; bf16
 at full depth (16.4 GB of weights) fits no member here, so run it with --layers.
