@@ -313,7 +313,7 @@ def status(remote: Remote, fleet: FleetFile) -> dict[str, Any]:
             f"{'-' if pred is None else f'{pred:.2f}':>12} {_ms(measured.get(name)):>11}"
         )
     docs = [r["session"] for r in rows.values() if r["session"] and r["session"].get("state") == "serving"]
-    named = {str(d.get("host", fleet.session_host)) for d in docs}
+    named = {c.device for d in docs if (c := host_named(fleet, d)) is not None}
     coordinates = next((n for n in rows if n in named), fleet.session_host)
     if coordinates != fleet.session_host:
         print(
