@@ -217,8 +217,9 @@ class FleetLab:
             if h.docker:
                 ids = sh("docker", "-H", h.socket, "ps", "-aq").split()
                 left += [f"{h.alias}: container {i}" for i in ids]
-            for pid_file in (h.dir / "shim").glob("*.pid"):
-                left.append(f"{h.alias}: service {pid_file.stem} (pid {pid_file.read_text()})")
+            for pid_file in (h.dir / "shim").glob("*.pid"):  # a unit whose process exited is collected
+                if running(int(pid_file.read_text())):
+                    left.append(f"{h.alias}: service {pid_file.stem} (pid {pid_file.read_text()})")
         deadline = time.monotonic() + 10  # ssh connections (and their ProxyCommand) close in a moment
         while (relays := self.ssh_connections()) and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -262,3 +263,12 @@ class FleetLab:
             if (h.dir / "data").exists():
                 subprocess.run(["rm", "-rf", str(h.dir / "data")], capture_output=True, timeout=300)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie nobody reaped yet has)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

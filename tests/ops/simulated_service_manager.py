@@ -33,10 +33,10 @@ def unit_name(name: str) -> str:
 def alive(unit: str) -> int | None:
     try:
         pid = int((STATE / f"{unit}.pid").read_text())
-        os.kill(pid, 0)
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except (OSError, ValueError):
         return None
-    return pid
+    return None if stat.rsplit(")", 1)[1].split()[0] == "Z" else pid  # exited, not reaped yet
 
 
 def systemd_run(args: list[str]) -> int:
@@ -73,7 +73,8 @@ def systemctl(args: list[str]) -> int:
     if verb == "stop":
         for unit in units:
             pid = alive(unit)
-            if pid is None:
+            if pid is None:  # exited already: --collect leaves nothing of it behind
+                (STATE / f"{unit}.pid").unlink(missing_ok=True)
                 continue
             os.killpg(pid, signal.SIGTERM)
             deadline = time.monotonic() + 20
@@ -83,7 +84,10 @@ def systemctl(args: list[str]) -> int:
                 os.killpg(pid, signal.SIGKILL)
             (STATE / f"{unit}.pid").unlink(missing_ok=True)
         return 0
-    if verb == "reset-failed":
+    if verb == "reset-failed":  # a unit whose process exited goes (with --collect it never stays)
+        for unit in units:
+            if alive(unit) is None:
+                (STATE / f"{unit}.pid").unlink(missing_ok=True)
         return 0
     if verb == "is-active":
         active = all(alive(u) for u in units)
