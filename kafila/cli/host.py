@@ -20,7 +20,7 @@ from kafila.cli.argtypes import (
 from kafila.cli.rendezvous import metrics_address
 from kafila.engine import DTYPE_CHOICES, PREFILL_CHUNK, QUANT_CHOICES
 from kafila.proto.signaling import DEFAULT_PORT, SIGNAL_PATH
-from kafila.session.terms import DEFAULT_QUEUE, DEFAULT_RENDEZVOUS
+from kafila.session.terms import DEFAULT_PROBE_MAX_AGE_S, DEFAULT_QUEUE, DEFAULT_RENDEZVOUS
 
 if TYPE_CHECKING:  # the runtime loads the engine: only the commands that form a session import it
     from kafila.session.runtime import MemberRuntime
@@ -109,7 +109,24 @@ def add_member_flags(parser: argparse.ArgumentParser) -> None:
         "model, in the probe and in the ring, is followed by idle time so it takes 1/S as long. "
         "For fleets of several members on one machine (benchmarks, demo); default 1 (off)",
     )
+    parser.add_argument(
+        "--probe-max-age",
+        type=_seconds,
+        default=DEFAULT_PROBE_MAX_AGE_S,
+        metavar="S",
+        help="offer this machine's own measurement of at most S seconds ago, made under the same terms "
+        "(model, formats, pace, CPUs, quota, version) and kept in the weight cache's folder, instead of "
+        f"measuring again; memory is read again regardless (default {DEFAULT_PROBE_MAX_AGE_S:g}; "
+        "0 measures every time)",
+    )
     add_draft_flag(parser, "; as the ring's head (the host, or a member the head moved to)")
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds (0 or more)")
+    return value
 
 
 def add_draft_flag(parser: argparse.ArgumentParser, where: str = "") -> None:
@@ -283,6 +300,7 @@ def options(args: argparse.Namespace) -> object:
         weights_from=args.weights_from,
         replica_bytes=int(args.replica_bytes * 1e9),
         draft=args.draft,
+        probe_max_age_s=args.probe_max_age,
     )
     for key in (
         "model",

@@ -120,6 +120,19 @@ def cpu_quota() -> float | None:
     return us[0] / us[1] if us else None
 
 
+def cpu_model() -> str:
+    """The CPU's model as the kernel names it ("AMD EPYC 9454P 48-Core Processor"), or the
+    platform's machine kind where /proc/cpuinfo does not say (macOS, some ARM boards)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 THREADS_ENV = "KAFILA_THREADS"  # set by the CLI's --threads: at most this many compute threads
 
 

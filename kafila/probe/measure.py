@@ -397,6 +397,15 @@ def quota_window(limit: tuple[float, float] | None) -> float:
     return period * max(1, math.ceil(QUOTA_WINDOW_S / period - 1e-9))
 
 
+def memory_now(backend: str) -> int:
+    """What a probe under `backend` ("torch/cpu/fp32", as its report names it) would offer for
+    weights now: the device's free memory less the reserve, read without timing anything."""
+    from kafila.engine.backend import resolve
+
+    name, _, rest = backend.partition("/")
+    return _memory(Ops(resolve(name, rest.partition("/")[2] or "auto")))
+
+
 def _memory(ops: Ops) -> int:
     total = ops.memory_available() or system.system_memory_available() or 0
     return max(0, total - system.reserve(total))

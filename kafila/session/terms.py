@@ -19,6 +19,7 @@ from kafila.session.weights.cache import cache_problem
 from kafila.session.weights.mirror import mirror_base
 from kafila.session.weights.replicas import DEFAULT_REPLICA_BYTES
 
+DEFAULT_PROBE_MAX_AGE_S = 600.0  # `--probe-max-age`: a measurement under the same terms is offered again
 DEFAULT_QUEUE = 256  # requests that may wait for a slot before more are refused (`kafila host --queue`)
 DEFAULT_RENDEZVOUS = f"ws://127.0.0.1:{sig.DEFAULT_PORT}{sig.SIGNAL_PATH}"  # `kafila rendezvous` here
 
@@ -40,6 +41,7 @@ class Options:
     quant: str = "auto"  # weight format, as dtype: "none", "int8", "q4" (kafila.engine.QUANT_CHOICES)
     memory_bytes: int | None = None  # cap on what this member offers (default: the probe's figure)
     probe_repeats: int = 2
+    probe_max_age_s: float = DEFAULT_PROBE_MAX_AGE_S  # its own earlier measurement, kept on disk, offered
     wait_s: float = 300.0  # host: how long to wait for the members
     trace: Path | None = None
     cache: Path | None = None

@@ -336,6 +336,8 @@ async def test_a_host_stopped_before_its_session_forms_says_so(sig, status, line
                 "off",
                 "--rendezvous",
                 server.url,
+                "--probe-max-age",
+                "0",  # measures: no earlier test's measurement is offered instead
             ],
             stderr=asyncio.subprocess.PIPE,
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal's foreground job

@@ -38,7 +38,7 @@ from kafila.session.forming.core import HostFormation
 from kafila.session.forming.driver import Driver, while_signaling
 from kafila.session.forming.epochs import HostEpochs
 from kafila.session.forming.links import connect_node, link_ring, measured_paths
-from kafila.session.forming.measure import observe_nats, probe_report
+from kafila.session.forming.measure import observe_nats, own_measurements, probe_report
 from kafila.session.forming.plans import choose_plan, say_ready, session_manifest, with_measured_paths
 from kafila.session.forming.signaling import default_name, join_command, reach_rendezvous, refused_by
 from kafila.session.progress import off_loop, say
@@ -109,7 +109,8 @@ async def _host(opts: Options, on_code: Callable[[SessionCode], None] | None, he
     drive = held.driver = Driver(core, client, node.signals)
     admission = held.admission = Admission(node, name, drive)
     # members that join meanwhile are linked with, and so their codes checked, while this host measures
-    me = await drive.during(while_signaling(off_loop(probe_report, name, node.nat, opts, config), pump))
+    measuring = off_loop(probe_report, name, node.nat, opts, config, own_measurements(opts))
+    me = await drive.during(while_signaling(measuring, pump))
     gathered = await drive.until(fm.PlanNow, core.start(me, drive.now()))
     control = admission.take(gathered.ids.values())  # every other member's link, admitted
     nats = observe_nats(gathered.devices)

@@ -33,7 +33,7 @@ from kafila.session.forming.core import MemberFormation
 from kafila.session.forming.driver import Driver, while_signaling
 from kafila.session.forming.epochs import MemberEpochs
 from kafila.session.forming.links import connect_node, link_ring, named
-from kafila.session.forming.measure import Measurements, observe_nats, probe_report
+from kafila.session.forming.measure import Measurements, observe_nats, own_measurements, probe_report
 from kafila.session.forming.plans import say_ready
 from kafila.session.forming.signaling import default_name, join_in_turn, reach_rendezvous, refused_by
 from kafila.session.forming.takeover import Succession
@@ -67,7 +67,7 @@ async def join(code_text: str, opts: Options) -> MemberRuntime:
     opts.check()
     loop = asyncio.get_running_loop()
     kept: Listeners | None = None  # a spare's, while it joins again
-    measured = Measurements()  # its probe, which joining again under the same terms reuses
+    measured = own_measurements(opts)  # its probe, which joining again under the same terms reuses
     since = 0.0
     try:
         while True:
