@@ -51,16 +51,19 @@ def chunk_nll(logits: np.ndarray, ids: list[int], first: int) -> list[float]:
     return out
 
 
-def kafila_perplexity(file: Path, text: str, n_ctx: int, rows: int | None = None) -> tuple[float, int]:
+def kafila_perplexity(
+    file: Path, text: str, n_ctx: int, rows: int | None = None, folder: Path | None = None
+) -> tuple[float, int]:
     """(perplexity, tokens in the text) of `file` served as `--model FILE` serves it, each chunk
     one prefill, or `rows` positions at a time (as few as a decode step's: the packed products
-    that round their input, which a long prefill's dequantized tiles do not)."""
+    that round their input, which a long prefill's dequantized tiles do not); or of the model in
+    `folder` (the file's exact values as float32: `--exact`)."""
     from kafila.engine.stage import Stage
     from kafila.engine.tokenizer import Tokenizer
     from kafila.models.checkpoint import Checkpoint
     from kafila.models.registry import resolve
 
-    ckpt = Checkpoint.open(resolve(str(file)))
+    ckpt = Checkpoint.open(folder or resolve(str(file)))
     stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend="torch", dtype="fp32", context=n_ctx)
     tok = Tokenizer.from_checkpoint(ckpt)
     tokens = tok.encode(text, add_special_tokens=True)
@@ -111,6 +114,12 @@ def main() -> int:
         help="also Kafila with each chunk fed this many positions at a time (32: the packed products a "
         "decode step takes, which round their input, where one prefill's dequantized tiles do not)",
     )
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="also Kafila on the file's exact values (every tensor dequantized by gguf.quants into a "
+        "float32 model, float products): what the file's values score without either program's rounding",
+    )
     args = p.parse_args()
     if not args.gguf.is_file():
         raise SystemExit(f"--gguf {args.gguf}: no such file")
@@ -125,6 +134,15 @@ def main() -> int:
     if args.rows:
         stepped, _ = kafila_perplexity(args.gguf, args.text.read_text(), args.context, args.rows)
         print(f"  kafila     perplexity {stepped:.4f} ({args.rows} positions at a time)")
+    if args.exact:
+        import tempfile
+
+        from kafila.models.gguf_convert import float_folder
+
+        with tempfile.TemporaryDirectory(prefix="kafila-exact-") as tmp:
+            exact_model = float_folder(args.gguf, Path(tmp))
+            exact, _ = kafila_perplexity(args.gguf, args.text.read_text(), args.context, folder=exact_model)
+        print(f"  kafila     perplexity {exact:.4f} (the file's exact values as float32, float products)")
     if not args.llama_perplexity.is_file():
         print(f"  llama.cpp  not run ({args.llama_perplexity} is missing: python3 benchmarks/llama_build.py)")
         return 0

@@ -244,38 +244,12 @@ def served_values(ckpt: Any, name: str) -> np.ndarray:
 
 
 def float_folder(gguf_file: Path, out: Path, served: Path | None = None) -> Path:
-    """The Hugging Face F32 folder of a GGUF model (every tensor dequantized by gguf.quants, a
-    Llama's q/k rows put back; or, given the folder it was `served` as, the values served there),
-    config and tokenizer from the converter: the float reference."""
-    import gguf
-    from safetensors.numpy import save_file
-
+    """The Hugging Face F32 folder of a GGUF model (every tensor dequantized by gguf.quants; or,
+    given the folder it was `served` as, the values served there): the float reference."""
+    from kafila.models import gguf_convert
     from kafila.models.checkpoint import Checkpoint
-    from kafila.models.default import GGUFFile, unpermute_qk
-    from kafila.models.gguf_convert import model_config, tensor_name, write_tokenizer
 
-    gf = GGUFFile.open(gguf_file)
-    config = model_config(gf.meta, gguf_file)
-    tensors = {}
-    ckpt = Checkpoint.open(served) if served is not None else None
-    for t in gf.tensors:
-        if t.name == "rope_freqs.weight":  # no weight: the reference's config says its scaling
-            continue
-        name = tensor_name(t.name, config["model_type"])
-        if ckpt is not None:
-            tensors[name] = np.ascontiguousarray(served_values(ckpt, name))
-            continue
-        kind = gguf.GGMLQuantizationType(t.ggml_type)
-        raw = gf.raw(t)
-        values = raw.view(np.float32) if t.ggml_type == 0 else gguf.quants.dequantize(raw, kind)
-        values = np.asarray(values, dtype=np.float32).reshape(t.shape)
-        if config["model_type"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            n_head = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
-            values = unpermute_qk(values, n_head)
-        tensors[name] = np.ascontiguousarray(values)
-    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config))
-    write_tokenizer(gf.meta, out, gguf_file)
-    return out
+    if served is None:
+        return gguf_convert.float_folder(gguf_file, out)
+    ckpt = Checkpoint.open(served)
+    return gguf_convert.float_folder(gguf_file, out, lambda name, _: served_values(ckpt, name))

@@ -377,6 +377,38 @@ def _float_entry(gf: GGUFFile, name: str, t: GGUFTensor, dtype: str, perm: np.nd
     return (TensorSpec(name, dtype, t.shape), make)
 
 
+def float_folder(
+    gguf_file: Path, out: Path, values: Callable[[str, GGUFTensor], np.ndarray] | None = None
+) -> Path:
+    """The Hugging Face F32 folder of a GGUF model: every tensor's values as gguf.quants
+    dequantizes them (a Llama's q/k rows put back), or as `values(hf_name, tensor)` gives them;
+    config and tokenizer from the file. The float model of the file's exact values, which the
+    tests and the perplexity benchmark compare served formats against."""
+    from safetensors.numpy import save_file
+
+    gf = GGUFFile.open(gguf_file)
+    config = model_config(gf.meta, gguf_file)
+    tensors = {}
+    for t in gf.tensors:
+        if t.name == "rope_freqs.weight":  # no weight: the config says its scaling
+            continue
+        name = tensor_name(t.name, config["model_type"])
+        if values is None:
+            got = np.asarray(gf.dequantize(t), dtype=np.float32).reshape(t.shape)
+            if config["model_type"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                n_head = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+                got = unpermute_qk(got, n_head)
+        else:
+            got = values(name, t)
+        tensors[name] = np.ascontiguousarray(got)
+    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config))
+    write_tokenizer(gf.meta, out, gguf_file)
+    return out
+
+
 def widened_lines(file: Path, widened: list[tuple[str, GGUFTensor, str]]) -> list[str]:
     """One console line per type (and for fused products of mixed types) widened to F32: the
     tensors and the bytes they take in the file and as F32."""
