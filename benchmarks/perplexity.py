@@ -15,6 +15,10 @@ steps, through the packed products that round their input. It reads the text wit
 tokenizer, built from the file's metadata (the same ids as llama.cpp's is part of what is
 compared; Kafila's token count is printed).
 
+`--exact` also scores the file's exact values in each program (Kafila: a float32 model of
+gguf.quants' values; llama.cpp: the file requantized to F32 by llama-quantize), which tells a
+difference in the values served from one in the products' rounding.
+
 Target: Kafila's perplexity within 1% of llama.cpp's. llama-perplexity is built by
 `python3 benchmarks/llama_build.py` (`--llama-perplexity` to name another); without it, Kafila's
 figure is printed alone.
@@ -101,6 +105,20 @@ def llama_perplexity(
     return float(found.group(1)), float(found.group(2))
 
 
+def llama_on_f32(args: argparse.Namespace) -> tuple[float, float]:
+    """llama-perplexity on the file requantized to F32 by llama-quantize (the file's values, exact)."""
+    import tempfile
+
+    quantize = args.llama_perplexity.parent / "llama-quantize"
+    with tempfile.TemporaryDirectory(prefix="llama-f32-") as tmp:
+        f32 = Path(tmp) / "f32.gguf"
+        done = subprocess.run([str(quantize), "--allow-requantize", str(args.gguf), str(f32), "F32", "1"],
+                              capture_output=True, text=True, timeout=1800, check=False)  # fmt: skip
+        if done.returncode != 0:
+            raise SystemExit(f"llama-quantize to F32 exited {done.returncode}: {done.stderr[-1500:]}")
+        return llama_perplexity(args.llama_perplexity, f32, args.text, args.context, args.threads)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", required=True, type=Path, help="the GGUF file both programs read")
@@ -118,7 +136,8 @@ def main() -> int:
         "--exact",
         action="store_true",
         help="also Kafila on the file's exact values (every tensor dequantized by gguf.quants into a "
-        "float32 model, float products): what the file's values score without either program's rounding",
+        "float32 model, float products), and llama.cpp on the file requantized to F32: what the "
+        "file's values score without either program's rounding",
     )
     args = p.parse_args()
     if not args.gguf.is_file():
@@ -149,6 +168,12 @@ def main() -> int:
     theirs, err = llama_perplexity(args.llama_perplexity, args.gguf, args.text, args.context, args.threads)
     ratio = ours / theirs
     print(f"  llama.cpp  perplexity {theirs:.4f} +/- {err:.4f}")
+    if args.exact:
+        widened, _ = llama_on_f32(args)
+        print(f"  llama.cpp  perplexity {widened:.4f} (the file requantized to F32 by llama-quantize: "
+              "its exact values, float products)")  # fmt: skip
+        print(f"  kafila / llama.cpp on the exact values {exact / widened:.4f}; each served against its "
+              f"own exact run: kafila {ours / exact:.4f}, llama.cpp {theirs / widened:.4f}")  # fmt: skip
     print(f"  kafila / llama.cpp {ratio:.4f} (target within 1%: {'yes' if abs(ratio - 1) <= 0.01 else 'no'})")
     return 0
 
