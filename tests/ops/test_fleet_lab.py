@@ -29,6 +29,7 @@ import pytest
 from tests.natlab.lab import Lab
 from tests.ops.backfill import bench_run_answers
 from tests.ops.fleetlab import ROOT, FleetLab, missing_requirements
+from tests.ops.labvenv import Made, ensure_lab_venv, pip_install
 
 pytestmark = [
     pytest.mark.root,
@@ -42,10 +43,19 @@ pytestmark = [
 
 
 @pytest.fixture
-def fleet_lab(member_image: str) -> Iterator[FleetLab]:
+def lab_venv(member_image: str) -> Made:
+    """The native hosts' virtual environment, installed as the README installs kafila from the
+    wheelhouse the member image was built from (tests/ops/labvenv.py)."""
     why = missing_requirements()
     if why:
         pytest.skip(why)
+    made = ensure_lab_venv(ROOT)
+    print(f"\nnative hosts' venv {made.venv}: {made.how} in {made.seconds:.1f} s")
+    return made
+
+
+@pytest.fixture
+def fleet_lab(lab_venv: Made) -> Iterator[FleetLab]:
     with Lab() as lab:
         fl = FleetLab(lab, Path(f"/tmp/kfl{os.getpid()}"))
         try:
@@ -70,14 +80,19 @@ def ok(done: subprocess.CompletedProcess[str]) -> str:
 
 
 def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_manager(
-    fleet_lab: FleetLab, tmp_path: Path
+    fleet_lab: FleetLab, lab_venv: Made, tmp_path: Path
 ) -> None:
+    from ops.fleetfile import load
+
     fleet = tmp_path / "lab.toml"
     # the members' APIs ask for a key, which `up` ships and every kafila-ops request sends
     text = (ROOT / "fleets" / "lab.toml").read_text()
     fleet.write_text(text.replace('session_host = "h1"', 'session_host = "h1"\napi_key_file = "lab-api.key"'))
     (tmp_path / "lab-api.key").write_text(f"{secrets.token_urlsafe(24)}\n")
     (tmp_path / "lab-ssh_config").write_text(fleet_lab.ssh_config())
+    venv = lab_venv.venv
+    parsed = load(fleet)
+    assert {parsed.host("h3").python, parsed.rendezvous.host.python} == {f"{venv}/bin/python"}  # type: ignore[union-attr]
     keys = Path.home() / ".config" / "kafila-ops" / "lab"  # every lab host logs in as this machine's root
     try:
         started = time.monotonic()
@@ -110,7 +125,14 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
         assert re.search(r"^h1\s.*\brunning\b", status, re.M) and re.search(
             r"^h3\s.*\brunning\b", status, re.M
         )
-        assert re.search(r"h3 \(lab-h3, site site3\): python 3\.\d+\.\d+ \(.*\), kafila \d", up.stderr)
+        # the preflight ran the venv's interpreter, which found kafila installed in the venv
+        site_packages = f"{venv}/lib/python{sys.version_info.major}.{sys.version_info.minor}/site-packages"
+        python = f"python {sys.version.split()[0]} ({venv}/bin/python)"
+        for where in ("h3 (lab-h3, site site3)", "rendezvous (lab-rdv, site rendezvous)"):
+            said = f"{where}: {python}, kafila 0.1.0 at {site_packages}"
+            assert said in up.stderr, up.stderr[-3000:]
+        runs_from_the_venv(fleet_lab, "lab-h3", "kafila-lab-h3", venv)
+        runs_from_the_venv(fleet_lab, "lab-rdv", "kafila-lab-rendezvous", venv)
 
         watched = monitor_scrapes(fleet, tmp_path / "targets.json")
         assert sorted(watched) == ["h1", "h2", "h3"]
@@ -136,7 +158,7 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
         assert [c["args"][:4] for c in calls if c["tool"] == "systemd-run"] == [
             ["--user", "--unit", "kafila-lab-h3", "--collect"]
         ]
-        coordinates = rolling_upgrade(fleet_lab, fleet, tmp_path)
+        coordinates = rolling_upgrade(fleet_lab, fleet, venv, tmp_path)
         failure_paths(fleet_lab, fleet, coordinates)
     finally:
         fleet_lab.restore()
@@ -154,11 +176,12 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
     ]
 
 
-def rolling_upgrade(fleet_lab: FleetLab, fleet: Path, tmp_path: Path) -> str:
+def rolling_upgrade(fleet_lab: FleetLab, fleet: Path, venv: Path, tmp_path: Path) -> str:
     """While a client in h1's namespace streams requests without pause: an image whose session
     messages are of another version is refused before anything stops; then a new image (one layer
-    above) and a new kafila for the native h3 (a copy of the package of another version, named as
-    the fleet's interpreter) replace h3 and h2 one at a time, and the session host h1 last: it
+    above) and a new kafila for the native h3 (this source under another version, pip-installed
+    into the fleet's venv while h3 runs from it, as a user upgrades) replace h3 and h2 one at a
+    time, and the session host h1 last: it
     hands its role over (SIGUSR1) and joins again with the session's code. No request fails (the
     client waits out 503 answers and retries the connections refused while h1 restarts); every
     member runs the new build; the member h1 handed over to coordinates, which status says (and
@@ -170,15 +193,7 @@ def rolling_upgrade(fleet_lab: FleetLab, fleet: Path, tmp_path: Path) -> str:
     old_id = local_image(image)
     versioned = ROOT / "kafila" / "proto" / "session.py"
     v = int(re.search(r"^SESSION_VERSION = (\d+)", versioned.read_text(), re.M).group(1))  # type: ignore[union-attr]
-    new_pkg = tmp_path / "new-kafila"
-    shutil.copytree(ROOT / "kafila", new_pkg / "kafila", ignore=shutil.ignore_patterns("__pycache__"))
-    init = new_pkg / "kafila" / "__init__.py"
-    init.write_text(re.sub(r'__version__ = "([^"]+)"', r'__version__ = "\1+upgrade"', init.read_text()))
-    wrapper = tmp_path / "python-new"
-    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={new_pkg} exec {sys.executable} "$@"\n')
-    wrapper.chmod(0o755)
-    upgraded = tmp_path / "upgraded.toml"
-    upgraded.write_text(fleet.read_text().replace('python = "python3"', f'python = "{wrapper}"'))
+    install_upgrade(venv, tmp_path / "new-kafila")
     stop, answers = tmp_path / "client.stop", tmp_path / "answers.jsonl"
     new_id, said = "", b""
     client = subprocess.Popen(
@@ -190,7 +205,7 @@ def rolling_upgrade(fleet_lab: FleetLab, fleet: Path, tmp_path: Path) -> str:
     try:
         build_on(image, f"RUN sed -i 's/^SESSION_VERSION = {v}/SESSION_VERSION = {v + 1}/' "
                         "$(python -c 'import kafila.proto.session as s; print(s.__file__)')")  # fmt: skip
-        refused = ops(upgraded, "up")
+        refused = ops(fleet, "up")
         assert refused.returncode == 1, refused
         assert "rolling upgrade refused; nothing was stopped" in refused.stderr, refused.stderr
         assert "h2: session messages: the session (kafila " in refused.stdout, refused.stdout
@@ -201,14 +216,14 @@ def rolling_upgrade(fleet_lab: FleetLab, fleet: Path, tmp_path: Path) -> str:
         subprocess.run(["docker", "rmi", refused_id], check=True, capture_output=True)
         build_on(image, f"RUN echo {secrets.token_hex(8)} > /tmp/upgrade")
         new_id = local_image(image)
-        dry = ok(ops(upgraded, "up", "--dry-run"))
+        dry = ok(ops(fleet, "up", "--dry-run"))
         assert re.search(r"^\d\. h2 .*leaves, starts on image", dry, re.M), dry
         assert re.search(r"^\d\. h3 .*starts on kafila \S+\+upgrade", dry, re.M), dry
         assert re.search(
             r"^3\. h1 .*the session's host: hands its role over to the first present of", dry, re.M
         )
         started = time.monotonic()
-        rolled = ops(upgraded, "up", "--wait", "600", timeout=1500)
+        rolled = ops(fleet, "up", "--wait", "600", timeout=1500)
         took = time.monotonic() - started
         out = ok(rolled)
         print(f"\nrolling upgrade: {took:.1f} s\n{out}\n{rolled.stderr[-2500:]}")
@@ -234,7 +249,7 @@ def rolling_upgrade(fleet_lab: FleetLab, fleet: Path, tmp_path: Path) -> str:
     assert records and not failed, (failed[:5], said.decode(errors="replace")[-2000:])
     assert runs_image(fleet_lab, "lab-h2", "kafila-lab-h2") == new_id
     assert runs_image(fleet_lab, "lab-h1", "kafila-lab-h1") == new_id
-    h3 = ops(upgraded, "status")
+    h3 = ops(fleet, "status")
     print(h3.stdout)
     assert h3.returncode == 0 and all(
         re.search(rf"^{n}\s.*\bserving\b", h3.stdout, re.M) for n in ("h1", "h2", "h3")
@@ -259,6 +274,32 @@ def rolling_upgrade(fleet_lab: FleetLab, fleet: Path, tmp_path: Path) -> str:
         :500
     ]
     return host.group(1)
+
+
+def install_upgrade(venv: Path, source: Path) -> None:
+    """This checkout's source under the version 0.1.0+upgrade, pip-installed into `venv` (its
+    build backend from the wheelhouse, no package index): what `pip install .` after a pull does."""
+    for part in ("kafila", "ops"):
+        shutil.copytree(
+            ROOT / part, source / part, ignore=shutil.ignore_patterns("__pycache__", "*.nbi", "*.nbc")
+        )
+    shutil.copy(ROOT / "README.md", source / "README.md")
+    for path, pattern in ((source / "kafila" / "__init__.py", r'^(__version__ = )"([^"]+)"'),
+                          (source / "pyproject.toml", r'^(version = )"([^"]+)"')):  # fmt: skip
+        text = (ROOT / "pyproject.toml").read_text() if path.name == "pyproject.toml" else path.read_text()
+        new = re.sub(pattern, r'\1"\2+upgrade"', text, count=1, flags=re.M)
+        assert new != text, path
+        path.write_text(new)
+    pip_install(venv, "--no-deps", "--find-links", str(ROOT / "wheelhouse"), str(source))
+
+
+def runs_from_the_venv(fleet_lab: FleetLab, alias: str, unit: str, venv: Path) -> None:
+    """The service's process runs the venv's interpreter, with no PYTHONPATH in its environment."""
+    pid = int((fleet_lab.hosts[alias].dir / "shim" / f"{unit}.pid").read_text())
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert argv[0].decode() == f"{venv}/bin/python", argv
+    assert not [e for e in environ if e.startswith((b"PYTHONPATH=", b"PYTHONHOME="))], environ
 
 
 def local_image(image: str) -> str:
