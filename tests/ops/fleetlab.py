@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.natlab.lab import Lab, Site
+from tests.ops.simulated_service_manager import running
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIM = Path(__file__).resolve().parent / "simulated_service_manager.py"
@@ -263,12 +264,3 @@ class FleetLab:
             if (h.dir / "data").exists():
                 subprocess.run(["rm", "-rf", str(h.dir / "data")], capture_output=True, timeout=300)
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def running(pid: int) -> bool:
-    """Whether process `pid` exists and has not exited (a zombie nobody reaped yet has)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"

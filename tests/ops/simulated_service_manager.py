@@ -33,10 +33,18 @@ def unit_name(name: str) -> str:
 def alive(unit: str) -> int | None:
     try:
         pid = int((STATE / f"{unit}.pid").read_text())
-        stat = Path(f"/proc/{pid}/stat").read_text()
     except (OSError, ValueError):
         return None
-    return None if stat.rsplit(")", 1)[1].split()[0] == "Z" else pid  # exited, not reaped yet
+    return pid if running(pid) else None
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie nobody reaped yet has)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def systemd_run(args: list[str]) -> int:
