@@ -24,7 +24,7 @@ from kafila.api.security import ApiSecurity, ApiSecurityError, check_exposure
 from kafila.api.server import ApiServer, parse_addr
 from kafila.api.spare import SpareRelay, spare_app
 from kafila.net.edge import LinkNode
-from kafila.net.errors import LinkEnded
+from kafila.net.errors import LinkClosed, LinkEnded
 from kafila.net.link import Link
 from kafila.net.signaling import SignalingClient
 from kafila.net.tcp import bind_tcp
@@ -34,7 +34,7 @@ from kafila.obs.log import get_logger
 from kafila.planner.plan import Plan
 from kafila.proto.codes import SessionCode
 from kafila.proto.ring import Cause, departure_cause
-from kafila.session.channel import LINK_KEEPALIVE_S
+from kafila.session.channel import LINK_KEEPALIVE_S, closed_by
 from kafila.session.errors import SessionError
 from kafila.session.progress import progress_to, say
 from kafila.session.ring.build import RingRole
@@ -341,6 +341,8 @@ class MemberRuntime:
             f"member {member} {said}, the rendezvous says, and its link heard nothing from it for "
             f"{wait:g} s since"
         )
+        if isinstance(link.error, LinkClosed):  # it closed the link saying why: that is the cause
+            cause, detail = closed_by(link.error, str(link.error), member).cause, str(link.error)
         if role.broken is None:
             role.lose(member, cause, detail)
         elif self.on_lost is not None:  # a loss during a re-plan: the host plans around it too
