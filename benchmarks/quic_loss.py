@@ -7,9 +7,10 @@ link's copies of small flights (kafila.net.link.copies), over `--seeds` seeds of
 
 - step ms: the activation's send -> its last byte received (median, 95th and 99th percentile, max);
 - window: the congestion window in packets when each step left (median, smallest);
-- prefill ms: the prefill message's send -> its last byte received.
+- prefill ms: the (last) prefill message's send -> its last byte received; `--rounds R` makes R
+  requests of `--steps` decode steps and a prefill each, as a session serving one user does.
 
-    python3 benchmarks/quic_loss.py [--loss 0.01] [--delay-ms 20] [--steps 400] [--seeds 10]
+    python3 benchmarks/quic_loss.py [--loss 0.01] [--delay-ms 20] [--steps 400] [--seeds 10] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -160,16 +161,18 @@ def connect(setup: Setup, seed: int) -> Edge:
     return edge
 
 
-def one_run(setup: Setup, seed: int) -> dict[str, float]:
+def one_run(setup: Setup, seed: int, rounds: int) -> dict[str, float]:
+    """`rounds` requests, each its decode steps, then the next one's prefill; its last prefill's time."""
     edge = connect(setup, seed)
     stream = edge.client.get_next_available_stream_id()
     steps, windows = [], []
-    for _ in range(setup.steps):
-        start = edge.now
-        steps.append(edge.send(stream, setup.step_bytes))
-        windows.append(edge.client._loss.congestion_window / setup.mss)
-        edge.run_until(start + setup.circuit)
-    prefill = edge.send(stream, setup.prefill_bytes)
+    for _ in range(rounds):
+        for _ in range(setup.steps):
+            start = edge.now
+            steps.append(edge.send(stream, setup.step_bytes))
+            windows.append(edge.client._loss.congestion_window / setup.mss)
+            edge.run_until(start + setup.circuit)
+        prefill = edge.send(stream, setup.prefill_bytes)
     steps.sort()
     ms = [1000 * s for s in steps]
     return {
@@ -189,6 +192,7 @@ def main() -> None:
     p.add_argument("--delay-ms", type=float, default=20.0)
     p.add_argument("--steps", type=int, default=400, help="decode steps before the prefill")
     p.add_argument("--seeds", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=1, help="requests: each its decode steps, then a prefill")
     p.add_argument("--step-bytes", type=int, default=2330, help="one activation (576 float32 and the header)")
     p.add_argument("--prefill-bytes", type=int, default=350_000, help="a 150-token prompt's activations")
     p.add_argument("--circuit-ms", type=float, default=110.0, help="one decode step's time around the ring")
@@ -206,7 +210,7 @@ def main() -> None:
                 args.loss, args.delay_ms / 1000, args.mss, cc, copy_flight, args.steps, args.step_bytes,
                 args.circuit_ms / 1000, args.hold_ms / 1000, args.prefill_bytes,
             )  # fmt: skip
-            runs = [one_run(setup, seed) for seed in range(1, args.seeds + 1)]
+            runs = [one_run(setup, seed, args.rounds) for seed in range(1, args.seeds + 1)]
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             low = {k: min(r[k] for r in runs) for k in runs[0]}
             high = {k: max(r[k] for r in runs) for k in runs[0]}
