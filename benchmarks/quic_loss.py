@@ -32,7 +32,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import pull_quic_header
 
-from kafila.net import quic_private
+from kafila.net import congestion, quic_private
 from kafila.net.certs import make_identity
 from kafila.net.link import LinkConfig, copies
 
@@ -204,7 +204,7 @@ def main() -> None:
         "| congestion control | copies | step ms p50 / p95 / p99 / max | window median / least | prefill ms |"
     )
     print("|---|---|---|---|---|")
-    for cc in ("reno", "cubic"):
+    for cc in ("reno", "cubic", congestion.NAME):
         for copy_flight in (0, LinkConfig().copy_flight):
             setup = Setup(
                 args.loss, args.delay_ms / 1000, args.mss, cc, copy_flight, args.steps, args.step_bytes,

@@ -57,7 +57,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import QuicPacketType, pull_quic_header
 
-from kafila.net import framing, quic_private
+from kafila.net import congestion, framing, quic_private
 from kafila.net.auth import EdgeContext, LinkAuth
 from kafila.net.certs import Identity, fingerprint
 from kafila.net.endpoint import Address, UdpEndpoint
@@ -106,7 +106,9 @@ class LinkConfig:
     probe_raise: float = 600.0
     max_stream_data: int = 32 * 1024 * 1024  # flow-control window: several activation frames
     max_data: int = 64 * 1024 * 1024
-    congestion_control: str = "reno"  # aioquic's algorithm: "reno" or "cubic"
+    # aioquic's algorithm: "reno", "cubic", or "kafila" (Reno that tolerates a lossy path's random
+    # loss below 2% while the round trip shows no queue: kafila.net.congestion)
+    congestion_control: str = congestion.NAME
     idle_timeout: float = 30.0  # no packet at all for this long: the link is closed
     keepalive: float = 2.0  # PING interval; holds NAT mappings and feeds the liveness check
     dead_after: float = 6.0  # nothing from the direct path for this long: fall back to relay
