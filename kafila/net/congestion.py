@@ -6,7 +6,8 @@ MSS / RTT x 1.22 / sqrt(loss): about 420 kB/s at a 42 ms round trip, so a ring e
 prompt's 390 kB prefill in 0.7 s against 22 ms with no loss, and the first token waits for that on
 every edge (benchmarks/quic_loss.py --rounds). BBRv2 meets this by tolerating loss below 2%; this
 controller does that on top of Reno: a loss is a congestion event when the path's round trip has
-grown (a queue: the latest sample over `QUEUE_RTT` times the least seen) or when more than
+grown (a queue: the latest sample over `QUEUE_RTT` times the least seen plus `QUEUE_SLACK_S`, the
+ends' own varying time to read a packet) or when more than
 `LOSS_SHARE` of the recent packets were lost; else the lost packets leave the flight and the window
 stays. A bottleneck that queues raises the round trip first and is met by Reno's halving; one
 that drops without queueing passes 2% soon and is too. Persistent congestion (RFC 9002 7.6)
@@ -24,7 +25,10 @@ from aioquic.quic.packet_builder import QuicSentPacket
 
 NAME = "kafila"
 LOSS_SHARE = 0.02  # more of the recent packets lost than this: congestion (BBRv2's threshold)
-QUEUE_RTT = 1.25  # a round trip this many times the least seen: a queue has grown
+QUEUE_RTT = 1.25  # a round trip this many times the least seen, and QUEUE_SLACK_S more: a queue
+# each end's own time to read a packet, which varies by 10-20 ms on a loaded machine (a Python
+# loop beside a model's compute) without any queue on the path: within it, a loss is not a queue's
+QUEUE_SLACK_S = 0.020
 RECENT = 1000  # packets the loss share is taken over (the counts halve past it)
 LEAST = 100  # the share is taken over at least this many packets (early losses are few)
 
@@ -34,7 +38,7 @@ def random_loss(lost: int, sent: int, rtt: float, least_rtt: float) -> bool:
     least `least_rtt`, are a lossy path's and not a queue's."""
     if not math.isfinite(rtt):  # no round trip measured yet: Reno's rule
         return False
-    return rtt <= least_rtt * QUEUE_RTT and lost <= LOSS_SHARE * max(sent, LEAST)
+    return rtt <= least_rtt * QUEUE_RTT + QUEUE_SLACK_S and lost <= LOSS_SHARE * max(sent, LEAST)
 
 
 class LossTolerantReno(RenoCongestionControl):

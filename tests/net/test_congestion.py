@@ -39,10 +39,10 @@ def grown(cc: LossTolerantReno, packets: int, rtt: float) -> float:
 
 def test_the_rule_tolerates_loss_below_two_percent_with_no_queue() -> None:
     assert random_loss(lost=1, sent=1000, rtt=0.042, least_rtt=0.040)
-    assert random_loss(lost=20, sent=1000, rtt=0.049, least_rtt=0.040)
+    assert random_loss(lost=20, sent=1000, rtt=0.069, least_rtt=0.040)  # 1.25x and 20 ms of jitter
     assert random_loss(lost=2, sent=10, rtt=0.040, least_rtt=0.040)  # early: 2% of at least 100
     assert not random_loss(lost=21, sent=1000, rtt=0.040, least_rtt=0.040)  # over 2%
-    assert not random_loss(lost=1, sent=1000, rtt=0.051, least_rtt=0.040)  # a queue: 1.25x the least
+    assert not random_loss(lost=1, sent=1000, rtt=0.071, least_rtt=0.040)  # a queue: past 1.25x + 20 ms
     assert not random_loss(lost=1, sent=1000, rtt=float("inf"), least_rtt=float("inf"))  # no sample yet
 
 
@@ -57,7 +57,7 @@ def test_a_lossy_path_keeps_its_window_and_a_queue_halves_it() -> None:
     assert cc.congestion_window == window and cc.tolerated == 1
     assert cc.bytes_in_flight == 0  # the lost packet left the flight
 
-    cc.on_rtt_measurement(now=now + 0.06, rtt=0.060)  # the round trip grew by half: a queue
+    cc.on_rtt_measurement(now=now + 0.06, rtt=0.080)  # the round trip doubled: a queue
     queued = packet(1001, now + 0.06)
     cc.on_packet_sent(packet=queued)
     cc.on_packets_lost(now=now + 0.1, packets=[queued])
