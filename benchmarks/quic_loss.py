@@ -1,16 +1,18 @@
 """One ring edge's QUIC under loss, in virtual time: two real aioquic connections whose datagrams
-cross a simulated edge (a one-way delay, Bernoulli loss; no sockets, no clock), the client sending
-a decode step's activation every circuit and, after the decode steps, one prefill message. The
-receiver acknowledges a step when its stage's output would have left (`--hold` after it arrived),
-as a ring stage does (kafila.net.link, "ACKs"). Per congestion control and with or without the
-link's copies of small flights (kafila.net.link.copies), over `--seeds` seeds of the loss:
+cross a simulated edge (a one-way delay, order-keeping jitter, Bernoulli loss; no sockets, no
+clock), the client sending a decode step's activation every circuit and, after the decode
+steps, one prefill message. The receiver acknowledges a step when its stage's output would have
+left (`--hold` after it arrived), as a ring stage does (kafila.net.link, "ACKs"). Per congestion
+control and with or without the link's copies of small flights (kafila.net.link.copies), over
+`--seeds` seeds of the loss:
 
 - step ms: the activation's send -> its last byte received (median, 95th and 99th percentile, max);
 - window: the congestion window in packets when each step left (median, smallest);
 - prefill ms: the (last) prefill message's send -> its last byte received; `--rounds R` makes R
   requests of `--steps` decode steps and a prefill each, as a session serving one user does.
 
-    python3 benchmarks/quic_loss.py [--loss 0.01] [--delay-ms 20] [--steps 400] [--seeds 10] [--rounds 1]
+    python3 benchmarks/quic_loss.py [--loss 0.01] [--delay-ms 20] [--jitter-ms 0] [--steps 400]
+                                    [--seeds 10] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ TICK = 1e-6  # a timer due now fires this much later (aioquic may leave a due AC
 class Setup:
     loss: float
     delay: float
+    jitter: float  # up to this much more per packet, in order (each end's own time to read it)
     mss: int
     cc: str
     copy_flight: int
@@ -69,6 +72,7 @@ class Edge:
     acks_due: list[float] = field(default_factory=list)
     arrived: list[float] = field(default_factory=list)  # when the server held every byte sent so far
     wanted: int = 0
+    last_due: dict[bool, float] = field(default_factory=dict)  # per direction: packets stay in order
 
     def put(self, conn: QuicConnection, times: int = 1) -> None:
         to_server = conn is self.client
@@ -76,7 +80,9 @@ class Edge:
             for _ in range(times):
                 if self.rng.random() >= self.setup.loss:
                     self.seq += 1
-                    heapq.heappush(self.wire, (self.now + self.setup.delay, self.seq, to_server, data))
+                    due = self.now + self.setup.delay + self.setup.jitter * self.rng.random()
+                    due = self.last_due[to_server] = max(due, self.last_due.get(to_server, 0.0))
+                    heapq.heappush(self.wire, (due, self.seq, to_server, data))
 
     def deliver(self, to_server: bool, data: bytes) -> None:
         conn = self.server if to_server else self.client
@@ -190,6 +196,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--loss", type=float, default=0.01)
     p.add_argument("--delay-ms", type=float, default=20.0)
+    p.add_argument("--jitter-ms", type=float, default=0.0, help="up to this much more per packet, in order")
     p.add_argument("--steps", type=int, default=400, help="decode steps before the prefill")
     p.add_argument("--seeds", type=int, default=10)
     p.add_argument("--rounds", type=int, default=1, help="requests: each its decode steps, then a prefill")
@@ -207,8 +214,8 @@ def main() -> None:
     for cc in ("reno", "cubic", congestion.NAME):
         for copy_flight in (0, LinkConfig().copy_flight):
             setup = Setup(
-                args.loss, args.delay_ms / 1000, args.mss, cc, copy_flight, args.steps, args.step_bytes,
-                args.circuit_ms / 1000, args.hold_ms / 1000, args.prefill_bytes,
+                args.loss, args.delay_ms / 1000, args.jitter_ms / 1000, args.mss, cc, copy_flight,
+                args.steps, args.step_bytes, args.circuit_ms / 1000, args.hold_ms / 1000, args.prefill_bytes,
             )  # fmt: skip
             runs = [one_run(setup, seed, args.rounds) for seed in range(1, args.seeds + 1)]
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
