@@ -144,6 +144,23 @@ def tokens_per_circuit(usage: dict[str, Any]) -> float:
     return after_first / max(after_first - kept, 1)
 
 
+def hop_lines(answers: list[dict[str, Any]]) -> list[str]:
+    """Per answer with a head's record: its circuit, the time outside every stage's compute, each
+    stage's compute and each ring hop's path and QUIC round trip at the request's end."""
+    out = []
+    for a in answers:
+        t = a.get("trace")
+        if t is None:
+            continue
+        stages = " ".join(f"{s['member']} {s['measured_ms']:.0f}" for s in t["stages"])
+        hops = " ".join(f"{h['src']}->{h['dst']} {h['path']} {h['rtt_ms'] or 0:.0f}" for h in t["hops"])
+        out.append(
+            f"  {a['prompt']}: circuit {t['circuit_ms']:.0f} ms, transit {t['transit_ms']:.0f} ms, "
+            f"prefill {1000 * t['prefill_s']:.0f} ms; stages (ms) {stages}; hops (RTT ms) {hops}"
+        )
+    return out
+
+
 def summarize(answers: list[dict[str, Any]], reference: dict[str, str]) -> list[str]:
     """One table row per prompt: medians (spread) over the runs."""
     rows = []
@@ -218,6 +235,8 @@ async def session(
             print(HEADER)
             print("|---|---|---|---|---|---|---|---|---|")
             print("\n".join(summarize(answers, reference)), flush=True)
+            if args.hops:
+                print("\n".join(hop_lines(answers)), flush=True)
     finally:
         stop(procs)
 
@@ -236,6 +255,9 @@ def main() -> None:
         "--spec",
         action="store_true",
         help="plain and speculative (lookup) decoding side by side: overrides --decoding",
+    )
+    p.add_argument(
+        "--hops", action="store_true", help="per answer: circuit, stages' compute, hops' paths and RTTs"
     )
     args = p.parse_args()
     reason = missing_requirements()

@@ -28,6 +28,12 @@ so a path whose MTU grew gets the larger packets back.
 ACKs: a lone packet's ACK waits up to `ack_delay` (25 ms) or until `acknowledge()` (the ring calls it
 once a stage's output has left); a second packet is ACKed at once (docs/links.md, "ACKs").
 
+Loss: a message queued while the stream holds at most `copy_flight` bytes unacknowledged (a decode
+step's activation) leaves twice, each datagram right after itself, and the receiver drops the copy
+before QUIC. One lost packet of such a lone flight would wait for QUIC's probe timeout (srtt + 4
+rttvar + 25 ms) and halve the congestion window the next prefill needs; a bulk message's losses
+show within a round trip by the packets after them, and it is sent once.
+
 Messages: one bidirectional stream carries (kind, payload) messages in order (kafila.net.framing).
 Authentication (kafila.net.auth) runs on it first; `send`/`recv` work only after it succeeds.
 A message sent with `delivered` is timed on this side's clock: from `send` until the peer's ACK of
@@ -51,7 +57,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import QuicPacketType, pull_quic_header
 
-from kafila.net import framing, quic_private
+from kafila.net import congestion, framing, quic_private
 from kafila.net.auth import EdgeContext, LinkAuth
 from kafila.net.certs import Identity, fingerprint
 from kafila.net.endpoint import Address, UdpEndpoint
@@ -100,7 +106,9 @@ class LinkConfig:
     probe_raise: float = 600.0
     max_stream_data: int = 32 * 1024 * 1024  # flow-control window: several activation frames
     max_data: int = 64 * 1024 * 1024
-    congestion_control: str = "reno"  # aioquic's algorithm: "reno" or "cubic"
+    # aioquic's algorithm: "reno", "cubic", or "kafila" (Reno that tolerates a lossy path's random
+    # loss below 2% while the round trip shows no queue: kafila.net.congestion)
+    congestion_control: str = congestion.NAME
     idle_timeout: float = 30.0  # no packet at all for this long: the link is closed
     keepalive: float = 2.0  # PING interval; holds NAT mappings and feeds the liveness check
     dead_after: float = 6.0  # nothing from the direct path for this long: fall back to relay
@@ -117,6 +125,11 @@ class LinkConfig:
     # has left (`acknowledge`); an ACK 1 ms after the frame would wake its loop in the middle of the
     # compute (docs/links.md, "ACKs"). A second packet is ACKed at once (13.2.2).
     ack_delay: float = 0.025
+    # a message queued while the stream's unacknowledged bytes, its own included, are at most this
+    # is sent twice (0: never): a decode step's activation is a lone flight, whose loss QUIC finds
+    # only by its probe timeout (srtt + 4 rttvar + 25 ms) and answers by halving the congestion
+    # window the next prefill needs; a copy that arrives spares both (docs/links.md, "Loss")
+    copy_flight: int = 32 * 1024
 
 
 @dataclass(frozen=True)
@@ -139,6 +152,8 @@ class LinkStats:
     smoothed_rtt: float  # seconds, QUIC's estimate
     path_changes: int
     datagram_size: int  # bytes per QUIC packet now (raised by a path probe on a direct path)
+    datagrams_copied: int  # of the datagrams sent, the second copies of small flights' (`copy_flight`)
+    copies_received: int  # datagrams that came again (the peer's copy or the network's) and were dropped
 
 
 @dataclass
@@ -148,6 +163,8 @@ class _Counters:
     messages_sent: int = 0
     messages_received: int = 0
     datagrams: dict[PathKind, int] = field(default_factory=lambda: dict.fromkeys(PathKind, 0))
+    datagrams_copied: int = 0
+    copies_received: int = 0
 
 
 @dataclass(frozen=True)
@@ -212,6 +229,7 @@ class Link:
         self.datagram_size = self.config.max_datagram_size
         self._counters = _Counters()
         self._timed: deque[_Timed] = deque()  # messages sent with `delivered`, oldest first
+        self._recent = RecentDatagrams()  # what arrived lately, so a copy is dropped before QUIC
         self._log = log.bind(edge=f"{ctx.client_id}->{ctx.server_id}", me="client" if is_client else "server")
 
     # ------------------------------------------------------------------ paths
@@ -329,6 +347,9 @@ class Link:
                 else "the peer is back on the direct path"
             )
             self.add_direct(src, why)
+        if self._recent.seen(data):  # a copy: QUIC would drop it too, after decrypting it, and
+            self._counters.copies_received += 1  # it must not count as the second packet below
+            return
         if self._quic is None and not self._accept_initial(data):
             return
         assert self._quic is not None
@@ -363,17 +384,27 @@ class Link:
         self._quic = self._new_connection(header.destination_cid)
         return True
 
-    def _transmit(self) -> None:
+    def _transmit(self, message: bool = False) -> None:
+        """Send what QUIC has to send; `message`: a message was just queued, whose flight is sent
+        twice while it is small (`copy_flight`)."""
         if self._quic is None or self._path is None:
             return
         now = self._loop.time()
-        for data, _ in self._quic.datagrams_to_send(now=now):
-            self._counters.datagrams[self._path] += 1
-            if self._path is PathKind.DIRECT and self._direct is not None:
-                self.endpoint.sendto(data, self._direct)
-            elif self._relay is not None:
-                self.endpoint.sendto(udp.relay_header(self._relay.channel) + data, self._relay.relay)
+        out = self._quic.datagrams_to_send(now=now)
+        times = copies(self.unacknowledged(), self.config.copy_flight) if message else 1
+        for data, _ in out:
+            for _ in range(times):
+                self._send_datagram(data)
+        self._counters.datagrams_copied += (times - 1) * len(out)
         self._arm_timer()
+
+    def _send_datagram(self, data: bytes) -> None:
+        assert self._path is not None
+        self._counters.datagrams[self._path] += 1
+        if self._path is PathKind.DIRECT and self._direct is not None:
+            self.endpoint.sendto(data, self._direct)
+        elif self._relay is not None:
+            self.endpoint.sendto(udp.relay_header(self._relay.channel) + data, self._relay.relay)
 
     # ------------------------------------------------------------------ packet size
 
@@ -588,7 +619,7 @@ class Link:
             self._timed.append(_Timed(end, self._loop.time(), delivered))
         self._counters.messages_sent += 1
         self._counters.bytes_sent += len(payload)
-        self._transmit()
+        self._transmit(message=True)
         self._update_drained()
 
     async def recv(self, timeout: float | None = None) -> tuple[int, bytes]:
@@ -651,6 +682,8 @@ class Link:
             smoothed_rtt=rtt,
             path_changes=len(self.path_changes),
             datagram_size=self.datagram_size,
+            datagrams_copied=c.datagrams_copied,
+            copies_received=c.copies_received,
         )
 
     @property
@@ -748,6 +781,38 @@ class Link:
                 task.cancel()
         for callback in self.on_close:
             callback()
+
+
+def copies(unacked: int, limit: int) -> int:
+    """How many times each datagram of a message's flight is sent, with `unacked` bytes of the
+    stream written and not yet acknowledged once it was queued (its own included, sent or not):
+    twice while that is at most `limit` (a decode step's lone activation, where one lost packet
+    waits for QUIC's probe timeout and halves its congestion window), once for bulk (a prefill, a
+    shard), where later packets reveal a loss within a round trip and copies would double the
+    bytes. `limit` 0: never twice."""
+    return 2 if 0 < unacked <= limit else 1
+
+
+class RecentDatagrams:
+    """The datagrams that arrived lately (by hash), so a copy of one is known. QUIC never sends
+    the same bytes twice (each packet has its own number), so a repeat is a copy; a hash that
+    collided would drop a packet QUIC then resends."""
+
+    def __init__(self, keep: int = 64) -> None:
+        self._order: deque[int] = deque()
+        self._set: set[int] = set()
+        self._keep = keep
+
+    def seen(self, data: bytes) -> bool:
+        """Whether `data` arrived already; remembers it otherwise."""
+        key = hash(data)
+        if key in self._set:
+            return True
+        self._order.append(key)
+        self._set.add(key)
+        if len(self._order) > self._keep:
+            self._set.discard(self._order.popleft())
+        return False
 
 
 STALL_S = 1.0  # a keepalive this much later than its sleep: this process stalled

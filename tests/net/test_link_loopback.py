@@ -9,8 +9,17 @@ import time
 import pytest
 
 from kafila.net.auth import EdgeContext
+from kafila.net.endpoint import Address, UdpEndpoint
 from kafila.net.errors import LinkAuthError, LinkClosed, LinkEnded, LinkTimeout, PeerSilent
-from kafila.net.link import LinkConfig, PathKind, RebindReason, own_stall, relay_rebind_due
+from kafila.net.link import (
+    LinkConfig,
+    PathKind,
+    RebindReason,
+    RecentDatagrams,
+    copies,
+    own_stall,
+    relay_rebind_due,
+)
 from tests.net.conftest import direct_pair
 
 pytestmark = pytest.mark.network
@@ -311,6 +320,99 @@ async def test_a_simulated_stall_of_this_process_is_not_the_peer_s_silence() -> 
         assert await client.recv(timeout=5) == (16, b"replaced")
         await asyncio.sleep(0.5)  # keepalives after the stall: both ends hear each other again
         assert not client.closed and not server.closed
+    finally:
+        await client.close()
+        await server.close()
+        a.close()
+        b.close()
+
+
+def test_a_small_flight_is_sent_twice_and_bulk_once() -> None:
+    assert copies(2330, 32 * 1024) == 2  # a decode step's activation
+    assert copies(32 * 1024, 32 * 1024) == 2
+    assert copies(32 * 1024 + 1, 32 * 1024) == 1  # a prefill, a shard
+    assert copies(0, 32 * 1024) == 1  # nothing queued: nothing to copy
+    assert copies(100, 0) == 1  # copies turned off
+
+
+def test_a_datagram_that_came_before_is_known_until_it_is_old() -> None:
+    recent = RecentDatagrams(keep=3)
+    assert not recent.seen(b"a") and recent.seen(b"a")
+    for other in (b"b", b"c", b"d"):
+        assert not recent.seen(other)
+    assert not recent.seen(b"a")  # three newer ones pushed it out
+
+
+def dropping_first(endpoint: UdpEndpoint) -> list[int]:
+    """Simulated loss: the endpoint's next datagram is dropped on the wire; returns the sizes of
+    what it sent from then on (the dropped one first)."""
+    sent: list[int] = []
+    real = endpoint.sendto
+
+    def sendto(data: bytes, addr: Address) -> None:
+        sent.append(len(data))
+        if len(sent) > 1:
+            real(data, addr)
+
+    endpoint.sendto = sendto  # type: ignore[method-assign]
+    return sent
+
+
+@pytest.mark.parametrize("copy_flight", [32 * 1024, 0])
+async def test_a_lone_message_with_simulated_loss_of_one_packet_is_carried_by_its_copy(
+    copy_flight: int,
+) -> None:
+    """A decode step's lone message whose first datagram is lost: with copies, the second copy
+    carries it at once and QUIC never learns of a loss (nothing resent, nothing more sent); without,
+    it waits for QUIC's probe timeout (over 25 ms: max_ack_delay is part of it) and is resent."""
+    ctx = EdgeContext("S-loop", "alice", "bob", b"correct horse")
+    quiet = LinkConfig(probe_sizes=(), keepalive=60.0, copy_flight=copy_flight)
+    client, server, a, b = await direct_pair(ctx, ctx, quiet)
+    try:
+        await asyncio.gather(client.wait_ready(), server.wait_ready())
+        await asyncio.sleep(0.1)  # the handshake's and authentication's ACKs are done
+        sent = dropping_first(a)
+        started = time.perf_counter()
+        await client.send(16, b"one activation")
+        assert await server.recv(timeout=5) == (16, b"one activation")
+        took = time.perf_counter() - started
+        server.acknowledge()
+        assert await until(lambda: client.unacknowledged() == 0)
+        await asyncio.sleep(0.05)  # a resend, if QUIC had found a loss, would have left by now
+        if copy_flight:
+            assert len(sent) == 2 and client.stats().datagrams_copied == 1, sent
+            assert server.stats().copies_received == 0  # the only copy that came was the first
+        else:
+            assert len(sent) >= 2 and client.stats().datagrams_copied == 0, sent
+            assert took >= 0.025, took  # the probe timeout holds max_ack_delay
+    finally:
+        await client.close()
+        await server.close()
+        a.close()
+        b.close()
+
+
+async def test_a_copy_that_arrives_is_dropped_before_quic_and_does_not_hurry_the_ack() -> None:
+    """Both copies arrive: the second is dropped before QUIC, so the lone message's ACK still
+    waits for `acknowledge` (a second *packet* would be acknowledged at once)."""
+    ctx = EdgeContext("S-loop", "alice", "bob", b"correct horse")
+    quiet = LinkConfig(probe_sizes=(), keepalive=60.0)
+    client, server, a, b = await direct_pair(ctx, ctx, quiet)
+    try:
+        await asyncio.gather(client.wait_ready(), server.wait_ready())
+        await asyncio.sleep(0.1)
+        acks = server.stats().datagrams_direct
+        await client.send(16, b"one activation")
+        assert await server.recv(timeout=5) == (16, b"one activation")
+        assert await until(lambda: server.stats().copies_received == 1)
+        assert server.stats().datagrams_direct == acks  # its ACK waits
+        server.acknowledge()
+        assert server.stats().datagrams_direct == acks + 1
+        assert await until(lambda: client.unacknowledged() == 0)
+        big = os.urandom(256 * 1024)  # bulk: sent once
+        await client.send(17, big)
+        assert await server.recv(timeout=10) == (17, big)
+        assert client.stats().datagrams_copied == 1
     finally:
         await client.close()
         await server.close()

@@ -1,0 +1,75 @@
+"""The loss-tolerant congestion controller: a lossy path's random loss leaves the window as it is,
+a queue's (a grown round trip) or loss above 2% halves it as Reno does."""
+
+from __future__ import annotations
+
+from aioquic.quic.congestion.base import create_congestion_control
+from aioquic.quic.packet import QuicPacketType
+from aioquic.quic.packet_builder import QuicSentPacket
+
+from kafila.net.congestion import NAME, LossTolerantReno, random_loss
+
+MSS = 1452
+
+
+def packet(number: int, sent_at: float) -> QuicSentPacket:
+    return QuicSentPacket(
+        epoch=3,
+        in_flight=True,
+        is_ack_eliciting=True,
+        is_crypto_packet=False,
+        packet_number=number,
+        packet_type=QuicPacketType.ONE_RTT,
+        sent_time=sent_at,
+        sent_bytes=MSS,
+    )
+
+
+def grown(cc: LossTolerantReno, packets: int, rtt: float) -> float:
+    """Send and acknowledge `packets` packets at round trip `rtt`; the time after."""
+    now = 1.0
+    for n in range(packets):
+        sent = packet(n, now)
+        cc.on_packet_sent(packet=sent)
+        now += 0.001
+        cc.on_rtt_measurement(now=now, rtt=rtt)
+        cc.on_packet_acked(now=now, packet=sent)
+    return now
+
+
+def test_the_rule_tolerates_loss_below_two_percent_with_no_queue() -> None:
+    assert random_loss(lost=1, sent=1000, rtt=0.042, least_rtt=0.040)
+    assert random_loss(lost=20, sent=1000, rtt=0.069, least_rtt=0.040)  # 1.25x and 20 ms of jitter
+    assert random_loss(lost=2, sent=10, rtt=0.040, least_rtt=0.040)  # early: 2% of at least 100
+    assert not random_loss(lost=21, sent=1000, rtt=0.040, least_rtt=0.040)  # over 2%
+    assert not random_loss(lost=1, sent=1000, rtt=0.071, least_rtt=0.040)  # a queue: past 1.25x + 20 ms
+    assert not random_loss(lost=1, sent=1000, rtt=float("inf"), least_rtt=float("inf"))  # no sample yet
+
+
+def test_a_lossy_path_keeps_its_window_and_a_queue_halves_it() -> None:
+    cc = create_congestion_control(NAME, max_datagram_size=MSS)
+    assert isinstance(cc, LossTolerantReno)
+    now = grown(cc, 300, rtt=0.040)
+    window = cc.congestion_window
+    lost = packet(1000, now)
+    cc.on_packet_sent(packet=lost)
+    cc.on_packets_lost(now=now + 0.05, packets=[lost])
+    assert cc.congestion_window == window and cc.tolerated == 1
+    assert cc.bytes_in_flight == 0  # the lost packet left the flight
+
+    cc.on_rtt_measurement(now=now + 0.06, rtt=0.080)  # the round trip doubled: a queue
+    queued = packet(1001, now + 0.06)
+    cc.on_packet_sent(packet=queued)
+    cc.on_packets_lost(now=now + 0.1, packets=[queued])
+    assert cc.congestion_window == window // 2 and cc.tolerated == 1
+
+
+def test_loss_above_two_percent_is_congestion_whatever_the_round_trip() -> None:
+    cc = create_congestion_control(NAME, max_datagram_size=MSS)
+    now = grown(cc, 200, rtt=0.040)
+    window = cc.congestion_window
+    burst = [packet(1000 + n, now) for n in range(5)]  # 5 of 205 recent packets: 2.4%
+    for p in burst:
+        cc.on_packet_sent(packet=p)
+    cc.on_packets_lost(now=now + 0.05, packets=burst)
+    assert cc.congestion_window == window // 2 and cc.tolerated == 0
