@@ -219,10 +219,8 @@ async def session(
     lab.bypass()
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        host_args = ("--draft", DECODINGS[decoding])
-        await form(
-            sites, rdv, logs, procs, ready_s=900, host_args=host_args
-        )  # a loaded machine probes slowly
+        drafting = ("--draft", DECODINGS[decoding])  # every member's: the plan may put the head anywhere
+        await form(sites, rdv, logs, procs, ready_s=900, member_args=drafting)  # slow probes when loaded
         for delay_ms, loss in conditions:
             lab.shape(Shape(delay=delay_ms / 1000, loss=loss))
             await asyncio.to_thread(ask_all, sites[0].host, args.max_tokens, 1)  # settle

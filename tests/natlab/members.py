@@ -55,21 +55,22 @@ async def form(
     tmp_path: Path,
     procs: list[subprocess.Popen[bytes]],
     ready_s: float = 300.0,
-    host_args: Sequence[str] = (),
+    member_args: Sequence[str] = (),
 ) -> list[Path]:
     """A session of one member per site (the host first, `NAMES`), every one a `kafila` process in
     its site's namespace, formed and ready; returns their logs. `procs` gets each process as it
     starts, so the caller's `finally: stop(procs)` ends them whatever happens here. `ready_s`: how
-    long the session may take to be ready once every member started; `host_args`: more flags for
-    `kafila host` (e.g. its --draft)."""
+    long the session may take to be ready once every member started; `member_args`: more flags for
+    every member, the host too (e.g. --draft, which the head follows wherever the plan puts it)."""
     names = NAMES[: len(sites)]
     logs = [tmp_path / f"{n}.log" for n in names]
     code_file = tmp_path / "code"
     common = ["--rendezvous", rdv.url, "--api", API]
     host = ["host", "--members", str(len(sites)), "--name", names[0], "--context", "512", "--code-file"]
-    procs.append(spawn(sites[0].host, [*host, str(code_file), *common, *host_args], logs[0]))
+    procs.append(spawn(sites[0].host, [*host, str(code_file), *common, *member_args], logs[0]))
     await wait_for(code_file.exists, 120, "session code", procs)
     for site, name, log in zip(sites[1:], names[1:], logs[1:], strict=True):
-        procs.append(spawn(site.host, ["join", code_file.read_text().strip(), "--name", name, *common], log))
+        join = ["join", code_file.read_text().strip(), "--name", name, *common, *member_args]
+        procs.append(spawn(site.host, join, log))
     await wait_for(lambda: "session ready" in logs[0].read_text(), ready_s, "session ready", procs)
     return logs
