@@ -162,13 +162,16 @@ def test_the_host_and_a_second_member_lost_together_are_planned_around_when_the_
 
 
 def test_survivors_without_the_lost_hosts_blocks_end_naming_what_is_missing(smollm2_path, tmp_path) -> None:
-    """Every joining member keeps a weight cache of its own (KAFILA_CACHE), so it holds only the shard
-    it fetched from the host: with the host and a second member killed together, no survivor can
-    serve the blocks it lacks. Each survivor ends (exit 0) naming the blocks and bytes missing,
-    within a minute, rather than answering 503 for good."""
+    """Every joining member keeps a weight cache of its own (KAFILA_CACHE) and no replica of the next
+    member's shard (--replica-bytes 0), so it holds only the shard it fetched from the host: with
+    the host and a second member killed together, no survivor can serve the blocks it lacks. Each
+    survivor ends (exit 0) naming the blocks and bytes missing, within a minute, rather than
+    answering 503 for good. (With replicas, whether a survivor holds them depends on how far its
+    background replica fetch got before the kill.)"""
     caches = [{}] + [{"KAFILA_CACHE": str(tmp_path / f"cache{i}")} for i in range(1, 4)]
+    bare = (*ONE_THREAD, "--replica-bytes", "0")
     with LocalFleet((None,) * 4, MODEL, context=512, concurrency=4, workdir=tmp_path / "fleet", stagger=False,
-                    extra_args=ONE_THREAD, member_args=NOT_THE_HEAD, member_env=caches) as fleet:  # fmt: skip
+                    extra_args=bare, member_args=NOT_THE_HEAD, member_env=caches) as fleet:  # fmt: skip
         doc = fleet.session()
         second = next(n for n in doc["succession"] if n != doc["head"])
         _kill_two(fleet, second)
