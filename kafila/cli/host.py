@@ -123,10 +123,7 @@ def add_member_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _seconds(text: str) -> float:
-    value = float(text)
-    if not value >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds (0 or more)")
-    return value
+    return _non_negative(text, "a number of seconds")
 
 
 def add_draft_flag(parser: argparse.ArgumentParser, where: str = "") -> None:
@@ -144,9 +141,13 @@ def _draft(text: str) -> str:
 
 
 def _gigabytes(text: str) -> float:
+    return _non_negative(text, "a size in GB")
+
+
+def _non_negative(text: str, what: str) -> float:
     value = float(text)
     if not value >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"{text} is not a size in GB (0 or more)")
+        raise argparse.ArgumentTypeError(f"{text} is not {what} (0 or more)")
     return value
 
 
