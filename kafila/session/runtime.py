@@ -335,14 +335,15 @@ class MemberRuntime:
                     "connection to the rendezvous went; the ring goes on"
                 )
                 return
-        cause = departure_cause(reason)
-        said = "left the session" if cause is Cause.LEFT else f"lost its connection ({reason})"
-        detail = (
-            f"member {member} {said}, the rendezvous says, and its link heard nothing from it for "
-            f"{wait:g} s since"
-        )
         if isinstance(link.error, LinkClosed):  # it closed the link saying why: that is the cause
             cause, detail = closed_by(link.error, str(link.error), member).cause, str(link.error)
+        else:
+            cause = departure_cause(reason)
+            said = "left the session" if cause is Cause.LEFT else f"lost its connection ({reason})"
+            detail = (
+                f"member {member} {said}, the rendezvous says, and its link heard nothing from it for "
+                f"{wait:g} s since"
+            )
         if role.broken is None:
             role.lose(member, cause, detail)
         elif self.on_lost is not None:  # a loss during a re-plan: the host plans around it too
