@@ -129,6 +129,16 @@ class Sampler:
         for token in tokens:
             self.take(token)
 
+    def rewound(self, prompt: Sequence[int], tokens: Sequence[int]) -> Sampler:
+        """A sampler with this one's parameters and key in the state it had right after sampling
+        `tokens` for `prompt`: for a request carried into a new epoch, where a sampling turn its
+        head's pause cancelled may still have run on the model thread and moved this one on by a
+        token nobody received (its count would end the answer one token early)."""
+        fresh = Sampler(self.params, tuple(self.stop_ids), prompt)
+        fresh.key = self.key
+        fresh.replay(tokens)
+        return fresh
+
     def penalized(self, logits: np.ndarray) -> np.ndarray:
         """logits [V] with this request's penalties applied (the same array when none is on)."""
         p = self.params

@@ -198,3 +198,29 @@ def test_a_sampler_replaying_the_tokens_of_another_goes_on_as_that_one_would(par
         carried.replay(tokens[:cut])
         assert [carried.sample(z) for z in steps[cut:]] == tokens[cut:]
         assert carried.stop_reason(tokens[-1]) == whole.stop_reason(tokens[-1]) == "length"
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.9, max_tokens=12, repeat_penalty=1.3, repeat_last_n=4),  # unseeded
+        SamplingParams(max_tokens=12, presence_penalty=0.8, frequency_penalty=0.5),
+    ],
+)
+def test_a_sampler_rewound_to_the_tokens_delivered_forgets_a_lost_draw(params: SamplingParams) -> None:
+    """A sampling turn cut off by a re-plan still ran and drew a token that was never delivered:
+    the sampler rewound to the tokens delivered (same key, unseeded too) goes on as if that draw had
+    not happened, to the same last token and "length"."""
+    rng = np.random.default_rng(5)
+    steps = [rng.normal(size=LOGITS.shape[0]).astype(np.float32) for _ in range(12)]
+    prompt = [3, 1, 4]
+    whole = Sampler(params, (7,), prompt)
+    moved = Sampler(params, (7,), prompt)
+    moved.key = whole.key
+    tokens = [whole.sample(z) for z in steps]
+    delivered = [moved.sample(z) for z in steps[:5]]
+    moved.sample(steps[9])  # the cut turn's draw
+    rewound = moved.rewound(prompt, delivered)
+    assert rewound.key == whole.key and rewound.stop_ids == whole.stop_ids
+    assert [rewound.sample(z) for z in steps[5:]] == tokens[5:]
+    assert rewound.stop_reason(tokens[-1]) == "length" and moved.generated == 6

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 
 import pytest
 
@@ -97,6 +98,66 @@ async def test_a_request_forwarded_by_the_lost_member_is_dropped_not_carried_on(
         assert theirs.request_id not in head._reqs and carried == len(head._reqs) <= 1
         assert len(await asyncio.wait_for(job, 60)) > 0
     finally:
+        if c0 is not None:
+            await c0.close()
+        await ring.stop()
+
+
+async def _until(done, within: float = 30.0) -> None:
+    for _ in range(int(within / 0.005)):
+        if done():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"not reached within {within:g} s")
+
+
+async def test_a_sampling_turn_a_replan_cut_off_on_a_held_model_thread_costs_no_token(
+    ckpt: Checkpoint,
+) -> None:
+    """The head's model thread is held (simulated: a call waiting on an event) when a decode step
+    comes back, so the step's sampling turn waits behind it; the ring then breaks and the head's
+    pause cancels the task awaiting that turn, which still runs on the model thread and moves the
+    request's sampler on by a token nobody receives. Carried into epoch 2, the answer is still the
+    uninterrupted one to its last token (the sampler's count used to end it one early, "length")."""
+    splits = [(0, 2), (2, 3), (3, 5)]
+    ring = build_ring(ckpt, splits)
+    try:
+        expected = await collect(await ring.head.submit(PROMPTS[2], Sampling(max_tokens=TOKENS)))
+    finally:
+        await ring.stop()
+    assert len(expected) == TOKENS  # it ends by length: one token short would show
+
+    ring = build_ring(ckpt, splits, dead_after=3.0)
+    head, m2 = ring.head, ring.members[1]
+    recovers_from_losing(ring, "m1")
+    at_head, at_m2 = threading.Event(), threading.Event()
+    c0 = None
+    try:
+        gen = await head.submit(PROMPTS[2], Sampling(max_tokens=TOKENS))
+        job = asyncio.ensure_future(collect(gen))
+        req, rid = head._reqs[gen.request_id], gen.request_id
+        await _until(lambda: req.generated >= 3)
+        held_m2 = asyncio.ensure_future(m2.model.run(at_m2.wait, 30))
+        await _until(lambda: m2.model._calls.qsize() > 0)  # a step of it waits at m2
+        held_head = asyncio.ensure_future(head.model.run(at_head.wait, 30))
+        at_m2.set()
+        await held_m2
+        # back at the head, its sampling turn waits behind the held call
+        await _until(lambda: head.schedule.idle(rid) and head.model._calls.qsize() > 0)
+        cut_at, old = req.generated, req.sampler
+        ring.kill(1)
+        await replanning(ring, 2)
+        await head.pause()  # as the re-plan does: the task awaiting the turn is cancelled
+        at_head.set()
+        await held_head
+        await head.model.run(lambda: None)  # queued after the cut turn: it has run now
+        assert old.generated == cut_at + 1 and req.generated == cut_at, "no turn was cut: nothing tested"
+        c0, carried = await replan_without_m1(ring, ckpt, [(0, 3), (3, 5)])
+        assert carried == 1
+        assert await asyncio.wait_for(job, 60) == expected
+    finally:
+        at_head.set()
+        at_m2.set()
         if c0 is not None:
             await c0.close()
         await ring.stop()

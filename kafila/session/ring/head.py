@@ -248,6 +248,7 @@ class RingHead(RoleBase):
             if req is None or len(req.tokens) >= req.max_tokens:
                 continue
             req.feed = req.prompt + req.tokens
+            req.sampler, req.draft = req.sampler.rewound(req.prompt, req.tokens), ()
             self.schedule.submit(rid, len(req.feed), req.max_tokens - len(req.tokens))
         self.broken = None
         self.start()  # its pump sends once the state is "serving" again (`go`)
