@@ -57,7 +57,9 @@ from kafila.obs import metrics
 from kafila.obs.log import get_logger
 from kafila.obs.trace import ReplanRecord, TraceLog
 from kafila.planner import moves
+from kafila.planner.decide import measured, with_yield
 from kafila.planner.devices import DeviceReport
+from kafila.planner.drafting import CircuitYield
 from kafila.planner.plan import Plan
 from kafila.planner.replan import End, Keep, Membership, PlanTerms, Replan, on_measured, with_path
 from kafila.planner.succession import HandOff, Replaced, succession_order
@@ -190,6 +192,7 @@ async def _resume(
     role = held.ring()
     if isinstance(role, RingHead):
         carried = role.resume(epoch, parts.stage, parts.info, parts.next, parts.prev, parts.lanes, origins)
+        role.plan = plan
         metrics.observe_ring(role.describe())  # every series of the ring, rebuilt for this epoch
         return carried
     if parts.index == 0:
@@ -199,7 +202,7 @@ async def _resume(
             role, parts.stage, parts.info, parts.next, parts.prev, parts.lanes, tuple(eos),
             plan.concurrency, terms.chunk, terms.queue, origins,
         )  # fmt: skip
-        head.epoch = epoch
+        head.epoch, head.plan = epoch, plan
         held.role = head
         if held.app is not None:
             held.app.state.api.service = head
@@ -298,6 +301,15 @@ class HostEpochs:
                 f"this member handed the session's host role over to {to} in epoch {m.epoch}{cut}; it "
                 "leaves (join the session again with the same code to come back as a member)"
             )
+
+    def priced(self) -> Membership:
+        """The membership with its plan priced for the tokens per circuit this member's head
+        measured (`RingHead.priced`), so a re-plan weighs times per token of that yield; as it is
+        where the head is another member (its counts stay there)."""
+        m, role = self.membership, self.held.role
+        if not isinstance(role, RingHead):
+            return m
+        return replace(m, plan=measured(m.plan, role.counts, role.assumed_share()))
 
     def _linked(self, peer: str) -> bool:
         link = self.held.links.get(peer)
@@ -460,16 +472,20 @@ class HostEpochs:
                 )
         if not changed:
             return
-        decision = on_measured(m, reports, self.manifest, self.terms, "; ".join(changed))
+        decision = on_measured(self.priced(), reports, self.manifest, self.terms, "; ".join(changed))
         log.info("plan_paths_measured", changed=changed, decision=type(decision).__name__)
         if isinstance(decision, Replan):
             self.membership = replace(m, reports=reports)
             self._moving = move = moves.Move(decision, frozenset(), time.monotonic())
             self._job = self.held.spawn(self._move(move), "replan")
         elif isinstance(decision, Keep):
-            self.membership = replace(m, reports=reports, plan=decision.plan)
-            self.held.plan = decision.plan
-            self.held.ring().info.plan["chosen"] = decision.plan.summary()
+            kept = with_yield(decision.plan, CircuitYield())  # as planned: the head prices it anew
+            self.membership = replace(m, reports=reports, plan=kept)
+            self.held.plan = kept
+            role = self.held.ring()
+            role.info.plan["chosen"] = kept.summary()
+            if isinstance(role, RingHead):
+                role.plan = kept
             say(f"plan corrected with the measured paths: {decision.reason}")
 
     def _lost_while_moving(self, member: str, cause: str, detail: str) -> None:
@@ -483,7 +499,8 @@ class HostEpochs:
         if self._ending:
             return
         m, now = self.membership, time.monotonic()
-        step = moves.on_loss(m, self._moving, member, detail or cause, now, self.manifest, self.terms)
+        priced = self.priced()
+        step = moves.on_loss(priced, self._moving, member, detail or cause, now, self.manifest, self.terms)
         if isinstance(step, moves.Ignored):
             log.info("member_lost_ignored", member=member, cause=cause, why=step.why)
             return
