@@ -718,7 +718,9 @@ def observe_document(doc: Mapping[str, Any]) -> None:
     state = doc.get("state")
     if state in SESSION_STATES:
         observe_state(str(state))
-    if state == "forming" and isinstance(doc.get("session"), str):  # kafila.api.forming.FormingStatus
+    # kafila.api.forming.FormingStatus: a member forming, or a spare (whose first scrape may come
+    # after its host made it one), is of its session from its first scrape
+    if state in ("forming", "spare") and isinstance(doc.get("session"), str):
         _identify(str(doc["session"]), str(doc.get("model") or ""))
         if isinstance(expected := doc.get("members_expected"), int):
             observe_members(expected, 0)

@@ -327,10 +327,17 @@ def test_a_spares_metrics_say_spare_not_forming() -> None:
 
     status = FormingStatus("join", name="slow", model="tiny", session="s9", members_expected=2)
     status.spare, status.host = "time per token 15.0% worse with a new plan", "alpha"
+    metrics.set_identity("", "")  # its first scrape comes when it is a spare already
     with TestClient(forming_app(status)) as client:
         text = client.get("/metrics").text
     assert value(text, "kafila_session_state", state="spare") == 1
     assert value(text, "kafila_session_state", state="forming") == 0 and value(text, "kafila_ready") == 0
+    families = {f.name: f.samples for f in text_string_to_metric_families(text)}
+    [expected] = families["kafila_session_members_expected"]
+    assert (expected.labels, expected.value) == ({"session": "s9", "model": "tiny"}, 2)
+    state = families["kafila_session_state"] + families["kafila_ready"]
+    labelled = [s.labels.get("session") for s in state]
+    assert set(labelled) == {"s9"}
 
 
 def test_a_record_of_another_session_starts_the_ring_series_afresh_rather_than_being_dropped() -> None:
