@@ -251,7 +251,7 @@ HOP_MESSAGES = Counter(
 )
 HOP_RTT = Gauge(
     "kafila_hop_rtt_seconds",
-    "Measured round trip of a ring edge (QUIC smoothed RTT at the sender when its last request ended)",
+    "Measured round trip of a ring edge (QUIC smoothed RTT at its sender as its last frame left)",
     ["hop", "path"],
     registry=REGISTRY,
 )
@@ -443,16 +443,21 @@ def observe_hop_transfer(hop: str, path: str, seconds: float) -> None:
     HOP_TRANSFER.labels(hop, path).observe(seconds)
 
 
-def observe_hop_frame(hop: str, path: str, nbytes: int, requests: int, session: str = "") -> None:
+def observe_hop_frame(
+    hop: str, path: str, nbytes: int, requests: int, rtt_s: float | None = None, session: str = ""
+) -> None:
     """One hidden-state frame of `nbytes` carrying `requests` requests' entries sent over ring
-    edge `hop` on `path`, counted at its sender as it leaves (a long request's bytes show while it
-    runs). A frame of an edge the ring no longer has is left out."""
+    edge `hop` on `path`, counted at its sender as it leaves, with the link's round trip `rtt_s`
+    then (None: no network in between), so a long request's bytes and round trip show while it
+    runs. A frame of an edge the ring no longer has is left out."""
     _follow(session)
     with _lock:
         if _ring.order and hop not in _ring.hops():
             return
     HOP_BYTES.labels(hop, path).inc(nbytes)
     HOP_MESSAGES.labels(hop, path).inc(requests)
+    if rtt_s is not None:
+        _set_rtt(hop, path, rtt_s)
 
 
 def observe_first_token(queue_s: float, prefill_s: float, prompt_tokens: int) -> None:
@@ -503,8 +508,7 @@ def observe_stage(r: StageRecord) -> None:
     if h is None:
         return
     if h.rtt_ms is not None:
-        _remove(HOP_RTT, lambda k: k[0] == h.name and k[1] != h.path)  # the path it ran before
-        HOP_RTT.labels(h.name, h.path).set(h.rtt_ms / 1000)
+        _set_rtt(h.name, h.path, h.rtt_ms / 1000)
     if h.predicted_rtt_ms is not None:
         HOP_PREDICTED_RTT.labels(h.name, epoch).set(h.predicted_rtt_ms / 1000)
     with _lock:
@@ -795,6 +799,11 @@ def _in_ring(member: str, stage: str) -> bool:
     """Whether the ring the series describe has `member` at stage `stage` (True before any ring)."""
     with _lock:
         return not _ring.order or (member, stage) in _ring.stages()
+
+
+def _set_rtt(hop: str, path: str, seconds: float) -> None:
+    _remove(HOP_RTT, lambda k: k[0] == hop and k[1] != path)  # the path it ran before
+    HOP_RTT.labels(hop, path).set(seconds)
 
 
 def _set_ratio(member: str, stage: str, measured_ms: float, predicted_ms: float) -> None:

@@ -183,6 +183,14 @@ async def test_stage_records_count_each_hop_at_its_sender_and_measure_the_edge_p
     metrics.observe_stage(stage(8, "c", 21.5, bytes_out=4096))  # nor does the stage's record
     text = metrics.exposition().decode()
     assert value(text, "kafila_hop_bytes_total", **hop) == value(running, "kafila_hop_bytes_total", **hop)
+    metrics.observe_hop_frame(
+        "c->a", "relay", 100, 1, rtt_s=0.031
+    )  # a frame over a link, its round trip then
+    assert value(metrics.exposition().decode(), "kafila_hop_rtt_seconds", hop="c->a", path="relay") == 0.031
+    metrics.observe_hop_frame("c->a", "direct", 100, 1, rtt_s=0.012)  # back on its direct path
+    moved = metrics.exposition().decode()
+    assert value(moved, "kafila_hop_rtt_seconds", hop="c->a", path="direct") == 0.012
+    assert not [k for k in samples(moved) if k[0] == "kafila_hop_rtt_seconds" and ("path", "relay") in k[1]]
     hop = {"hop": "c->a", "path": "relay"}
     assert value(text, "kafila_hop_rtt_seconds", **hop) == pytest.approx(0.025)
     assert value(text, "kafila_hop_predicted_rtt_seconds", hop="c->a", epoch="1") == pytest.approx(0.020)

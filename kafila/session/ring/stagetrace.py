@@ -46,7 +46,9 @@ class StageTally:
             next_ch.counters.on_hidden = partial(self._sent, hop, next_ch)
 
     def _sent(self, hop: str, ch: Channel, nbytes: int, requests: int) -> None:
-        metrics.observe_hop_frame(hop, ch.path, nbytes, requests, self.info.session)
+        rtt_ms = ch.rtt_ms
+        rtt_s = None if rtt_ms is None else rtt_ms / 1000
+        metrics.observe_hop_frame(hop, ch.path, nbytes, requests, rtt_s, self.info.session)
 
     def add(self, rid: int, us: int, prefill: bool, waited_us: int | None = None) -> None:
         m = self._open.setdefault(rid, _Measured())
