@@ -14,9 +14,13 @@ Conventions (what `promtool check metrics` checks, and what vLLM's dashboards ex
 
 Feeds:
 - from trace records (kafila.obs.trace), so traces and metrics agree: `observe_stage` (every member:
-  its own stage and the hop it sends on, so each hop's bytes are counted once in the fleet),
-  `observe_request` (the head: request-level series and the ring's per-stage gauges),
-  `observe_no_token` (a request that ended before its first token), `observe_session` (the plan);
+  its own stage's gauges and the round trip of the hop it sends on), `observe_request` (the head:
+  request-level series and the ring's per-stage gauges), `observe_no_token` (a request that ended
+  before its first token), `observe_session` (the plan);
+- as a request runs, so a long request shows while it runs: `observe_step` (each decode step and
+  prefill chunk of a stage), `observe_first_token`, `observe_tokens` and `observe_token_interval`
+  (the head, per token), `observe_circuit` (the head, per decode step), `observe_hop_frame` (each
+  hidden-state frame at its sender, so each hop's bytes are counted once in the fleet);
 - from a ring channel's link, as each hidden-state frame's ACK comes: `observe_hop_transfer`;
 - from the session's state: `observe_state`, `observe_members`, `observe_plan`, `observe_queue`,
   `observe_kv_cache`, `observe_member_nat`, `observe_edge`, `observe_build`; and
@@ -235,19 +239,19 @@ STAGE_DECODE_STEPS = Counter(
 )
 HOP_BYTES = Counter(
     "kafila_hop_bytes",
-    "Hidden-state bytes sent over a ring edge, counted on the link by its sender",
+    "Hidden-state bytes sent over a ring edge, counted on the link by its sender as each frame left",
     ["hop", "path"],
     registry=REGISTRY,
 )
 HOP_MESSAGES = Counter(
     "kafila_hop_messages",
-    "Hidden-state frames sent over a ring edge, once per request a frame carries",
+    "Hidden-state frames sent over a ring edge, once per request a frame carries, counted as each left",
     ["hop", "path"],
     registry=REGISTRY,
 )
 HOP_RTT = Gauge(
     "kafila_hop_rtt_seconds",
-    "Measured round trip of a ring edge (QUIC smoothed RTT at the sender when its last request ended)",
+    "Measured round trip of a ring edge (QUIC smoothed RTT at its sender as its last frame left)",
     ["hop", "path"],
     registry=REGISTRY,
 )
@@ -282,10 +286,14 @@ REQUESTS = Counter(
     ["finished_reason"],
     registry=REGISTRY,
 )
-PROMPT_TOKENS = Counter("kafila_prompt_tokens", "Prompt tokens of requests that ended", registry=REGISTRY)
+PROMPT_TOKENS = Counter(
+    "kafila_prompt_tokens",
+    "Prompt tokens through the ring, counted as each request's first token came",
+    registry=REGISTRY,
+)
 TOKENS = Counter(
     "kafila_generation_tokens",
-    "Tokens the head sampled, a stop token included (the API's usage leaves it out)",
+    "Tokens the head sampled, a stop token included (the API's usage leaves it out), counted as each was",
     registry=REGISTRY,
 )
 E2E = Histogram(
@@ -442,12 +450,35 @@ def observe_hop_transfer(hop: str, path: str, seconds: float) -> None:
     HOP_TRANSFER.labels(hop, path).observe(seconds)
 
 
-def observe_first_token(queue_s: float, prefill_s: float) -> None:
+def observe_hop_frame(
+    hop: str, path: str, nbytes: int, requests: int, rtt_s: float | None = None, session: str = ""
+) -> None:
+    """One hidden-state frame of `nbytes` carrying `requests` requests' entries sent over ring
+    edge `hop` on `path`, counted at its sender as it leaves, with the link's round trip `rtt_s`
+    then (None: no network in between), so a long request's bytes and round trip show while it
+    runs. A frame of an edge the ring no longer has is left out."""
+    _follow(session)
+    with _lock:
+        if _ring.order and hop not in _ring.hops():
+            return
+    HOP_BYTES.labels(hop, path).inc(nbytes)
+    HOP_MESSAGES.labels(hop, path).inc(requests)
+    if rtt_s is not None:
+        _set_rtt(hop, path, rtt_s)
+
+
+def observe_first_token(queue_s: float, prefill_s: float, prompt_tokens: int) -> None:
     """A request's first token at the head, after `queue_s` waiting for a slot and `prefill_s`
-    from its admission (the prompt through the whole ring)."""
+    from its admission (its `prompt_tokens` through the whole ring)."""
+    PROMPT_TOKENS.inc(prompt_tokens)
     QUEUE_TIME.observe(queue_s)
     PREFILL_TIME.observe(prefill_s)
     TTFT.observe(queue_s + prefill_s)
+
+
+def observe_tokens(n: int) -> None:
+    """`n` tokens the head just sampled from one step (a stop token included)."""
+    TOKENS.inc(n)
 
 
 def observe_token_interval(seconds: float) -> None:
@@ -470,7 +501,7 @@ def observe_circuit(tokens: int, drafted: int, accepted: int) -> None:
 
 def observe_stage(r: StageRecord) -> None:
     """A member's own stage and the hop it sends on, when a request ended there (its steps were
-    observed as they ran: `observe_step`)."""
+    observed as they ran, `observe_step`, and its frames' bytes as they left, `observe_hop_frame`)."""
     _follow(r.session)
     stage, epoch = str(r.index), _epoch_label()
     if not _in_ring(r.member, stage):
@@ -483,11 +514,8 @@ def observe_stage(r: StageRecord) -> None:
     h = r.hop_out
     if h is None:
         return
-    HOP_BYTES.labels(h.name, h.path).inc(h.bytes)
-    HOP_MESSAGES.labels(h.name, h.path).inc(h.messages)
     if h.rtt_ms is not None:
-        _remove(HOP_RTT, lambda k: k[0] == h.name and k[1] != h.path)  # the path it ran before
-        HOP_RTT.labels(h.name, h.path).set(h.rtt_ms / 1000)
+        _set_rtt(h.name, h.path, h.rtt_ms / 1000)
     if h.predicted_rtt_ms is not None:
         HOP_PREDICTED_RTT.labels(h.name, epoch).set(h.predicted_rtt_ms / 1000)
     with _lock:
@@ -498,9 +526,9 @@ def observe_stage(r: StageRecord) -> None:
 
 def observe_request(r: RequestRecord) -> None:
     """The head's whole-ring view of one request (gauges per stage; hop counters come from
-    `observe_stage` at each sender, so a hop is counted once; the first token's times and the
-    token intervals were observed as each token came: `observe_first_token`,
-    `observe_token_interval`). The "last request" gauges keep the last request
+    `observe_hop_frame` at each sender, so a hop is counted once; the first token's times, the
+    tokens and their intervals were observed as each token came: `observe_first_token`,
+    `observe_tokens`, `observe_token_interval`). The "last request" gauges keep the last request
     that decoded: one that ended at its first token measured no decode step."""
     _follow(r.session)
     decoded = any(s.steps for s in r.stages)
@@ -513,8 +541,6 @@ def observe_request(r: RequestRecord) -> None:
             _set_ratio(s.member, str(s.index), s.measured_ms, s.predicted_ms)
         STAGE_PREDICTED.labels(s.member, str(s.index), epoch).set(s.predicted_ms / 1000)
     REQUESTS.labels(r.finish).inc()
-    PROMPT_TOKENS.inc(r.prompt_tokens)
-    TOKENS.inc(r.completion_tokens)
     E2E.observe(r.ttft_s + r.decode_s)
     if decoded:
         DECODE_RATE.set(r.tokens_per_s)
@@ -733,7 +759,9 @@ def observe_document(doc: Mapping[str, Any]) -> None:
     state = doc.get("state")
     if state in SESSION_STATES:
         observe_state(str(state))
-    if state == "forming" and isinstance(doc.get("session"), str):  # kafila.api.forming.FormingStatus
+    # kafila.api.forming.FormingStatus: a member forming, or a spare (whose first scrape may come
+    # after its host made it one), is of its session from its first scrape
+    if state in ("forming", "spare") and isinstance(doc.get("session"), str):
         _identify(str(doc["session"]), str(doc.get("model") or ""))
         if isinstance(expected := doc.get("members_expected"), int):
             observe_members(expected, 0)
@@ -786,6 +814,11 @@ def _in_ring(member: str, stage: str) -> bool:
     """Whether the ring the series describe has `member` at stage `stage` (True before any ring)."""
     with _lock:
         return not _ring.order or (member, stage) in _ring.stages()
+
+
+def _set_rtt(hop: str, path: str, seconds: float) -> None:
+    _remove(HOP_RTT, lambda k: k[0] == hop and k[1] != path)  # the path it ran before
+    HOP_RTT.labels(hop, path).set(seconds)
 
 
 def _set_ratio(member: str, stage: str, measured_ms: float, predicted_ms: float) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -93,6 +94,9 @@ class Counters:
     bytes_received: int = 0
     messages_received: int = 0
     requests: dict[int, RequestBytes] = field(default_factory=dict)
+    # told of each hidden-state frame as it is sent: its bytes and the request entries it carries
+    # (kafila.session.ring.stagetrace counts a ring edge's bytes as they go, not when a request ends)
+    on_hidden: Callable[[int, int], None] | None = field(default=None, repr=False, compare=False)
 
     def sent(self, msg: t.Message, n: int) -> None:
         self.bytes_sent += n
@@ -101,6 +105,8 @@ class Counters:
             r = self.requests.setdefault(rid, RequestBytes())
             r.bytes_sent += share
             r.messages_sent += 1
+        if self.on_hidden is not None and isinstance(msg, t.Hidden):
+            self.on_hidden(n, len(msg.entries))
 
     def received(self, msg: t.Message, n: int) -> None:
         self.bytes_received += n

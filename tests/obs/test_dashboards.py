@@ -8,12 +8,14 @@ and the fleet lab (tests/ops/test_fleet_lab.py)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import promql_parser as pp
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -210,3 +212,65 @@ def test_every_series_has_its_unit_and_two_units_never_share_an_axis() -> None:
             axes = {unit: {axis for u, axis in units.values() if u == unit} for unit, _ in units.values()}
             placed = [axis for placements in axes.values() for axis in placements]
             assert len(axes) == 1 or sorted(set(placed)) == sorted(placed), (path.name, panel["title"], units)
+
+
+def edge_views(paths: dict[str, dict[str, str]]) -> list[dict[str, str]]:
+    """kafila_edge_info as each member of ring a->b->c->d exports it, `paths[m]` the paths member m's
+    own links run (edge -> path): each member's /session document fed to kafila.obs.metrics in turn,
+    its series labelled with its own instance as Prometheus scrapes them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kafila.obs import metrics
+    from kafila.session.ring.info import RingInfo
+
+    order = ("a", "b", "c", "d")
+    planned = {f"{m}->{order[(i + 1) % 4]}": "direct" for i, m in enumerate(order)}
+    blocks = {m: (3 * i, 3 * i + 3) for i, m in enumerate(order)}
+    series = []
+    for me, own in paths.items():
+        info = RingInfo(
+            "s1", "tiny", "kafila", order, blocks, {}, planned | own, planned, dict.fromkeys(own, me)
+        )
+        metrics.observe_document(info.document("serving", None) | {"epoch": 1, "me": me, "head": "a"})
+        for family in text_string_to_metric_families(metrics.exposition().decode()):
+            series += [s.labels | {"instance": me} for s in family.samples if s.name == "kafila_edge_info"]
+    return series
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
+def test_the_edges_table_shows_one_row_per_edge_measured_where_an_end_measured_it(tmp_path: Path) -> None:
+    """Every member exports every edge of its plan (its own two as its links run, the others as
+    planned), so one edge is several series; the table's query, run by promtool on the series four
+    members export, gives one row per edge: an end's relay before its other end's direct path (a
+    link that just fell back), a measured path before the plan's."""
+    from tests.obs.promtool import promtool
+
+    views = {
+        "a": {"a->b": "direct", "d->a": "direct"},
+        "b": {"a->b": "direct", "b->c": "direct"},
+        "c": {"b->c": "direct", "c->d": "relay"},  # c's link to d fell back to the relay ...
+        "d": {"c->d": "direct", "d->a": "direct"},  # ... which d has not seen yet
+    }
+    exported = edge_views(views)
+    assert len(exported) == 16  # four members, four edges each
+    [panel] = [p for p in json.loads((ROOT / "grafana/dashboards/session.json").read_text())["panels"]
+               if p["title"] == "Edges: planned and measured path"]  # fmt: skip
+    [target] = panel["targets"]
+    assert target["instant"] and target["format"] == "table"
+    expr = substitute(target["expr"])
+
+    def selector(labels: dict[str, str]) -> str:
+        return "kafila_edge_info{" + ", ".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+
+    (tmp_path / "t.yml").write_text(yaml.safe_dump({"evaluation_interval": "15s", "tests": [{
+        "interval": "15s", "input_series": [{"series": selector(s), "values": "1x8"} for s in exported],
+        "promql_expr_test": [{"expr": expr, "eval_time": "1m", "exp_samples": []}]}]}))  # fmt: skip
+    out = promtool("test", "rules", str(tmp_path / "t.yml")).stdout
+    got = out.partition("got:")[2]
+    rows = [dict(re.findall(r'(\w+)="([^"]*)"', row)) for row in re.findall(r"\{[^}]*\}", got)]
+    assert sorted((r["edge"], r["path"]) for r in rows) == [
+        ("a->b", "direct"), ("b->c", "direct"), ("c->d", "relay"), ("d->a", "direct")
+    ], out  # fmt: skip
+    ends = {r["edge"]: r["measured_by"] for r in rows}
+    assert ends["c->d"] == "c" and all(ends[e] in e.split("->") for e in ends), rows
+    assert {r["session"] for r in rows} == {"s1"} and all(r["planned_path"] == "direct" for r in rows)

@@ -11,6 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kafila.obs import metrics
 from kafila.obs.listener import parse_addr, serve_metrics
 from kafila.obs.trace import HopTrace
+from kafila.proto import tensor as t
+from kafila.session.channel import MemoryChannel
 from kafila.session.ring.info import RingInfo
 from kafila.session.ring.stagetrace import StageTally
 from tests.obs.promtool import check_metrics, needs_promtool
@@ -34,9 +36,12 @@ def value(text: str, name: str, **labels: str) -> float:
 def test_request_and_session_records_feed_the_request_series() -> None:
     metrics.observe_session(session())
     before = metrics.exposition().decode()
-    metrics.observe_first_token(queue_s=0.5, prefill_s=0.25)  # as the first token came
+    metrics.observe_first_token(queue_s=0.5, prefill_s=0.25, prompt_tokens=5)  # as the first token came
+    metrics.observe_tokens(1)
     for interval in [0.1] * 9 + [1.1]:  # ten intervals between eleven tokens, one of them a stall
         metrics.observe_token_interval(interval)
+        metrics.observe_tokens(1)
+    running = metrics.exposition().decode()  # the request runs on: its tokens are counted already
     metrics.observe_request(request(7, (10, 12, 21), 2.0))
     text = metrics.exposition().decode()
     e1 = {"epoch": "1"}
@@ -53,6 +58,8 @@ def test_request_and_session_records_feed_the_request_series() -> None:
         return value(text, name, **labels) - value(before, name, **labels)
 
     assert grew("kafila_prompt_tokens_total") == 5 and grew("kafila_generation_tokens_total") == 11
+    for counted in ("kafila_prompt_tokens_total", "kafila_generation_tokens_total"):  # not again at its end
+        assert value(running, counted) == value(text, counted), counted
     assert grew("kafila_requests_total", finished_reason="stop") == 1
     assert grew("kafila_time_to_first_token_seconds_sum") == pytest.approx(0.75)
     assert grew("kafila_e2e_request_latency_seconds_sum") == pytest.approx(2.75)
@@ -145,23 +152,46 @@ def test_every_series_carries_the_session_and_the_model() -> None:
             assert (s.labels.get("session"), s.labels.get("model")) == ("s1", "tiny"), s
 
 
-def test_stage_records_count_each_hop_at_its_sender_and_measure_the_edge_path() -> None:
+async def test_stage_records_count_each_hop_at_its_sender_and_measure_the_edge_path() -> None:
     metrics.observe_session(session())  # plans c->a direct
-    hop = {"hop": "c->a", "path": "relay"}
+    hop = {"hop": "c->a", "path": "local"}  # in-process channels: the path "local"
     before = metrics.exposition().decode()
+    to_a, at_a = MemoryChannel.pair("c", "a")
     tally = StageTally(
-        ring_info({"a": (0, 3), "b": (3, 6), "c": (6, 9)}), 2, None, None
-    )  # member c's steps, observed as they run
+        ring_info({"a": (0, 3), "b": (3, 6), "c": (6, 9)}), 2, to_a, to_a
+    )  # member c's steps, observed as they run, and the frames it sends on to a as they leave
+    entries = (t.Entry(8, 0, 1), t.Entry(9, 0, 1))  # a frame of two requests' decode steps
+    frame = t.Hidden(step=0, dtype=t.DType.F32, shape=(2, 4), entries=entries, data=bytes(32))
     for _ in range(9):
         tally.add(8, 21_500, prefill=False)
+        await to_a.send(frame)
+        await at_a.recv()
+    sent = to_a.counters.bytes_sent  # the frames' bytes as encoded
+    await to_a.send(t.Control("beat"))  # not a hidden-state frame: no hop bytes
     tally.add(8, 4000, prefill=True)
     tally.add(8, 6000, prefill=True)
-    metrics.observe_request(request(8, (10, 12, 21)))  # the head's ring view adds no hop bytes
-    metrics.observe_stage(stage(8, "c", 21.5, bytes_out=4096))
-    text = metrics.exposition().decode()
+    running = metrics.exposition().decode()  # the requests run on
     assert (
-        value(text, "kafila_hop_bytes_total", **hop) - value(before, "kafila_hop_bytes_total", **hop) == 4096
+        value(running, "kafila_hop_bytes_total", **hop) - value(before, "kafila_hop_bytes_total", **hop)
+        == sent
     )
+    assert (
+        value(running, "kafila_hop_messages_total", **hop) - value(before, "kafila_hop_messages_total", **hop)
+        == 9 * 2
+    )  # once per request a frame carries
+    metrics.observe_request(request(8, (10, 12, 21)))  # the head's ring view adds no hop bytes
+    metrics.observe_stage(stage(8, "c", 21.5, bytes_out=4096))  # nor does the stage's record
+    text = metrics.exposition().decode()
+    assert value(text, "kafila_hop_bytes_total", **hop) == value(running, "kafila_hop_bytes_total", **hop)
+    metrics.observe_hop_frame(
+        "c->a", "relay", 100, 1, rtt_s=0.031
+    )  # a frame over a link, its round trip then
+    assert value(metrics.exposition().decode(), "kafila_hop_rtt_seconds", hop="c->a", path="relay") == 0.031
+    metrics.observe_hop_frame("c->a", "direct", 100, 1, rtt_s=0.012)  # back on its direct path
+    moved = metrics.exposition().decode()
+    assert value(moved, "kafila_hop_rtt_seconds", hop="c->a", path="direct") == 0.012
+    assert not [k for k in samples(moved) if k[0] == "kafila_hop_rtt_seconds" and ("path", "relay") in k[1]]
+    hop = {"hop": "c->a", "path": "relay"}
     assert value(text, "kafila_hop_rtt_seconds", **hop) == pytest.approx(0.025)
     assert value(text, "kafila_hop_predicted_rtt_seconds", hop="c->a", epoch="1") == pytest.approx(0.020)
     assert value(text, "kafila_stage_wait_seconds", member="c", stage="2", epoch="1") == pytest.approx(
@@ -327,10 +357,17 @@ def test_a_spares_metrics_say_spare_not_forming() -> None:
 
     status = FormingStatus("join", name="slow", model="tiny", session="s9", members_expected=2)
     status.spare, status.host = "time per token 15.0% worse with a new plan", "alpha"
+    metrics.set_identity("", "")  # its first scrape comes when it is a spare already
     with TestClient(forming_app(status)) as client:
         text = client.get("/metrics").text
     assert value(text, "kafila_session_state", state="spare") == 1
     assert value(text, "kafila_session_state", state="forming") == 0 and value(text, "kafila_ready") == 0
+    families = {f.name: f.samples for f in text_string_to_metric_families(text)}
+    [expected] = families["kafila_session_members_expected"]
+    assert (expected.labels, expected.value) == ({"session": "s9", "model": "tiny"}, 2)
+    state = families["kafila_session_state"] + families["kafila_ready"]
+    labelled = [s.labels.get("session") for s in state]
+    assert set(labelled) == {"s9"}
 
 
 def test_a_record_of_another_session_starts_the_ring_series_afresh_rather_than_being_dropped() -> None:

@@ -76,6 +76,19 @@ def test_no_runbook_advises_restarting_a_member_that_re_joins() -> None:
             assert "restart" not in runbook and "re-joins" in runbook, rule["alert"]
 
 
+def test_every_flag_a_runbook_names_is_a_flag_of_kafila_and_none_asks_for_a_port_forward() -> None:
+    """Advice an operator can follow: each --flag it names is one of kafila's (the CLI reference is
+    rendered from the parsers, tests/cli/test_reference.py), and it asks for no port forward, which a
+    member cannot use (it binds any free UDP port)."""
+    cli = (ROOT.parent / "docs" / "reference" / "cli.md").read_text()
+    flags = set(re.findall(r"`(--[a-z][a-z0-9-]*)`", cli))
+    for rule in alerts():
+        runbook = str(rule["annotations"]["runbook"])  # type: ignore[index]
+        named = set(re.findall(r"(--[a-z][a-z0-9-]*)", runbook))
+        assert named <= flags, (rule["alert"], sorted(named - flags))
+        assert "port forward" not in runbook, rule["alert"]
+
+
 def test_members_come_from_file_sd_labelled_site_and_host() -> None:
     config = yaml.safe_load((ROOT / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}

@@ -677,6 +677,7 @@ class RingHead(RoleBase):
         if not tokens:
             return
         req.generated += len(tokens)
+        metrics.observe_tokens(len(tokens))
         req.last_token = tokens[-1]
         req.tokens.extend(tokens)
         if self._first is not None and not self._first.done():
@@ -684,7 +685,7 @@ class RingHead(RoleBase):
         first = req.first_at is None
         if first:  # observed as the token comes, not when the request ends
             admitted = req.admitted_at or req.queued_at
-            metrics.observe_first_token(admitted - req.queued_at, now - admitted)
+            metrics.observe_first_token(admitted - req.queued_at, now - admitted, len(req.prompt))
         elif req.last_at is not None:  # tokens of one step share the interval since the last
             for _ in tokens:
                 metrics.observe_token_interval((now - req.last_at) / len(tokens))

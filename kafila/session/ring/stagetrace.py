@@ -5,7 +5,9 @@ ran (the microseconds the model thread measured, the same figure the frame carri
 and, when the request ends here, takes from the member's two channels the bytes and messages they
 counted for it. It returns a `StageRecord` (kafila.obs.trace). `hop_report` / `read_hop_report`
 turn a record's hops into the JSON a `free` notice carries around the ring to the head, which
-then records every hop of the request as counted on the links (kafila.session.ring.head).
+then records every hop of the request as counted on the links (kafila.session.ring.head). The
+edge the stage sends on is counted into kafila_hop_bytes_total as each frame leaves, not when a
+request ends.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 from kafila.obs import metrics
@@ -38,6 +41,14 @@ class StageTally:
         self.name = info.order[index]
         self.next, self.prev = next_ch, prev_ch
         self._open: dict[int, _Measured] = {}
+        if next_ch is not None:  # the edge this stage sends on: its bytes counted as each frame leaves
+            hop = f"{self.name}->{info.order[(index + 1) % len(info.order)]}"
+            next_ch.counters.on_hidden = partial(self._sent, hop, next_ch)
+
+    def _sent(self, hop: str, ch: Channel, nbytes: int, requests: int) -> None:
+        rtt_ms = ch.rtt_ms
+        rtt_s = None if rtt_ms is None else rtt_ms / 1000
+        metrics.observe_hop_frame(hop, ch.path, nbytes, requests, rtt_s, self.info.session)
 
     def add(self, rid: int, us: int, prefill: bool, waited_us: int | None = None) -> None:
         m = self._open.setdefault(rid, _Measured())
