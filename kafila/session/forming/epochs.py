@@ -751,6 +751,7 @@ class MemberEpochs:
         self._job: asyncio.Task[None] | None = None
         self._seen = 1  # the newest epoch this member serves or was told to move to
         self._paths = PathWatch(self._report_path)
+        self._telling: asyncio.Task[Any] | None = None  # `_tell_counts`, from `start`
         # told when the ring breaks naming the host and the host published a succession order
         self.on_host_lost: Callable[[RingBroken], None] | None = None
         self.on_member_lost: Callable[[str], None] | None = None  # another member's loss, as said
@@ -768,7 +769,7 @@ class MemberEpochs:
         self._seen = max(self._seen, role.epoch)  # a member that joined a serving session starts later
         self._listen_all()
         self._watch_paths()
-        self.held.spawn(self._tell_counts(), "tell_decode_counts")
+        self._telling = self.held.spawn(self._tell_counts(), "tell_decode_counts")
 
     def _listen_all(self) -> None:
         """Epoch messages on every link: the host's, and a successor's should the host be lost (a
@@ -864,6 +865,8 @@ class MemberEpochs:
     def stop(self) -> None:
         """This member coordinates from now on (it took over as the host): its member side ends."""
         self._paths.close()
+        if self._telling is not None:
+            self._telling.cancel()
 
     async def end_with(self, reason: str) -> None:
         """The session ends on this member for `reason` (no successor, or no weights to go on with)."""
