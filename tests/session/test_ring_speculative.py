@@ -175,15 +175,17 @@ async def test_the_heads_session_document_prices_its_plan_for_the_tokens_its_cir
 ) -> None:
     """Requests until the head counted MIN_CIRCUITS decode circuits: its counts are the counters'
     (every circuit, drafted and kept token), its /session document's plan figures are the plan's
-    priced for them (a token below the plain one where drafts were kept, the same plain), and the
-    gauges follow the document."""
+    priced for them (a token below the plain one where drafts were kept, the same plain; as planned
+    before, whatever yield the plan was priced for when decided), and the gauges follow the
+    document."""
     p = three_homes()
     ring = build_ring(ckpt, SPLITS, context=64, draft=draft)
-    ring.head.plan = p
+    ring.head.plan = with_yield(p, CircuitYield(2.0, 3.0, 0.1))  # as a re-plan priced it then
     ring.head.info.plan["chosen"] = p.summary()
     before = counted()
     try:
-        assert ring.head.describe()["plan"]["chosen"] == p.summary()  # nothing counted: as planned
+        first = ring.head.describe()["plan"]  # nothing counted: as planned
+        assert first["chosen"] == first["planned"] == p.summary()
         for _ in range(8):
             await answer(await ring.head.submit(PROMPT, Sampling(max_tokens=40)))
             if ring.head.counts.circuits >= MIN_CIRCUITS:

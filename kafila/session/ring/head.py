@@ -43,7 +43,7 @@ from kafila.engine.stage import Stage, StageError
 from kafila.obs import hopmarks, metrics
 from kafila.obs.log import get_logger
 from kafila.obs.trace import HopTrace, RequestRecord, StageRecord, StageTrace, TraceLog
-from kafila.planner.decide import measured
+from kafila.planner.decide import as_planned, measured
 from kafila.planner.drafting import MIN_CIRCUITS, CircuitCounts
 from kafila.planner.plan import Plan
 from kafila.proto import ring as rc
@@ -188,8 +188,9 @@ class RingHead(RoleBase):
         return 0.0 if self.draft is None else self.draft.row_share
 
     def _yield_document(self) -> dict[str, Any]:
-        """/session's "decode" (the counts) and, once they price the plan, "plan" with the chosen
-        plan's figures for them ("planned": the figures as planned, one token per circuit)."""
+        """/session's "decode" (the counts) and "plan" with the chosen plan's figures priced for
+        them (`priced`: as planned until they count MIN_CIRCUITS circuits) next to the figures as
+        planned, one token per circuit ("planned")."""
         c, share = self.counts, self.counts.row_share()
         y = c.circuit_yield(self.assumed_share())
         decode = {
@@ -203,10 +204,10 @@ class RingHead(RoleBase):
             "prices_plan": c.circuits >= MIN_CIRCUITS,
         }
         priced = self.priced()
-        if priced is None or c.circuits < MIN_CIRCUITS:
+        if priced is None or self.plan is None:
             return {"decode": decode}
-        plan = {**self.info.plan, "chosen": priced.summary(), "planned": self.info.plan.get("chosen")}
-        return {"decode": decode, "plan": plan}
+        planned = as_planned(self.plan).summary()
+        return {"decode": decode, "plan": {**self.info.plan, "chosen": priced.summary(), "planned": planned}}
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
