@@ -33,6 +33,7 @@ from kafila.planner.plan import Plan
 
 WAIT_S = 20.0  # a successor silent this long (no epoch, no notice) after the host's loss is passed over
 NOTICE_S = 5.0  # a successor says it is taking over this often until its epoch goes out (well within WAIT_S)
+FIRST_NOTICE_S = 1.0  # ... first this soon after it starts, unless its epoch went out by then
 
 
 def succession_order(plan: Plan, host: str) -> tuple[str, ...]:

@@ -42,6 +42,7 @@ from kafila.planner.devices import DeviceReport
 from kafila.planner.fetching import after_plan
 from kafila.planner.replan import Membership, PlanTerms
 from kafila.planner.succession import (
+    FIRST_NOTICE_S,
     NOTICE_S,
     Ended,
     Event,
@@ -230,7 +231,6 @@ class Succession:
             await self._link(others, client=False)
         except LinkError as exc:
             log.warning("survivor_unlinked", error=str(exc))  # the re-plan names who does not answer
-        self._tell_all(event)  # the links made just now hear it too
         got = await self._weights(event)
         if isinstance(got, str):  # its links close as a member leaving: the next in the order is tried
             held.left_out = True
@@ -249,18 +249,21 @@ class Succession:
         held.spawn(self._register(epochs), "register_as_host")
 
     async def _notify(self, event: TakeOver) -> None:
-        """Tell the survivors this member is taking over, now and every NOTICE_S, until its epoch
-        is in place (or this member's part ends): a survivor waiting for its epoch waits on while
-        it hears this, however long the blocks it lacks take to fetch."""
-        while self._at_work(event):
+        """Tell the survivors this member is taking over, FIRST_NOTICE_S after it starts and every
+        NOTICE_S from then on, until its epoch is in place (or this member's part ends): a survivor
+        waiting for its epoch waits on while it hears this, however long the blocks it lacks take
+        to fetch. A successor whose epoch goes out at once (it holds the checkpoint) sends none:
+        its epoch says it all, and nothing else reaches the survivors while their rings pause."""
+        await asyncio.sleep(FIRST_NOTICE_S)
+        while self._at_work():
             self._tell_all(event)
             await asyncio.sleep(NOTICE_S)
 
-    def _at_work(self, event: TakeOver) -> bool:
-        ended, epochs = self.held.ended, self._epochs
-        if ended is not None and ended.done():
-            return False
-        return epochs is None or epochs.membership.epoch <= event.epoch
+    def _at_work(self) -> bool:
+        """Still taking over: its part goes on, and its coordinator side (which sends the epoch at
+        once, after pausing its own role) is not made yet."""
+        ended = self.held.ended
+        return self._epochs is None and (ended is None or not ended.done())
 
     def _tell_all(self, event: TakeOver) -> None:
         held = self.held
