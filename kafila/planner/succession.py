@@ -6,13 +6,13 @@ in `plan` and `epoch`): the plan's other members in ring order from the host's n
 (`succession_order`). Every member therefore names its next coordinator in advance, with no
 election and no message. When the coordinator is lost, the first member of the order still
 present takes its role (`TakeOver`: re-plan over the survivors); every other survivor turns to
-that member (`Follow`) and waits for its epoch. The successor says from its first moment that it
-is taking over, and again every `NOTICE_S` while it links, fetches the blocks it lacks and
-re-plans (`working`: its `succeeding` notices, or its range requests to this member's disk): each
+that member (`Follow`) and waits for its epoch. The successor says it is taking over within
+`FIRST_NOTICE_S` of its start, and again every `NOTICE_S` while it links and fetches the blocks it
+lacks (`working`: its `succeeding` notices, or its range requests to this member's disk): each
 moves the wait's deadline to `wait_s` after it (`Waiting`). A successor silent for `wait_s` (no
-epoch, no notice) counts as lost in its turn, and the next in the order is turned to. Nobody left in the
-order, or survivors that cannot obtain every block (`shortfall`), ends the session (`Ended`),
-naming what is missing. A coordinator that was counted lost (frozen past the ring's bound) and
+epoch, no notice) counts as lost in its turn, and the next in the order is turned to. Nobody
+left in the order, or survivors that cannot obtain every block (`shortfall`), ends the session
+(`Ended`), naming what is missing. A coordinator that was counted lost (frozen past the ring's bound) and
 wakes learns from a member or the rendezvous who coordinates now and ends saying so (`Replaced`).
 
     following c --c lost--> (first present in the order is me) coordinating: TakeOver

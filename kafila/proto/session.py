@@ -506,10 +506,11 @@ class HandOver:
 @dataclass(frozen=True)
 class Succeeding:
     """successor -> survivors: this member is taking over from `host`, which published `epoch` (the
-    epoch they hold), and is `doing` this now (linking, fetching the blocks it lacks, re-planning).
-    Sent when it starts and repeated (kafila.planner.succession.NOTICE_S) until its own epoch goes
-    out, so that a survivor awaiting it does not pass it over while it works. A member of a build
-    that predates it logs it as unknown and waits for the epoch alone, as before."""
+    epoch they hold), and is `doing` this now (linking, asking the survivors what they hold,
+    fetching the blocks it lacks). Sent within a second of its start and repeated
+    (kafila.planner.succession) until its own epoch goes out, so that a survivor awaiting it does
+    not pass it over while it works. A member of a build that predates it logs it as unknown and
+    waits for the epoch alone, as before."""
 
     host: str
     epoch: int

@@ -9,11 +9,11 @@ asyncio shell of kafila.planner.succession's `HandOff`; it decides, this acts).
         as the weights' source) and re-plan around the host as the host re-plans around a member;
         meanwhile take the host's place at the rendezvous (`succeed`: it proves the code, once the
         host is gone there), after which members join and rejoin with the same code through it
-      Follow(s): link with s, listen to it as to the host, and wait for its epoch; s says at once
-        and every NOTICE_S that it is at work (`succeeding`: linking, fetching the blocks it lacks,
-        re-planning), and each notice, like each range s asks of this member's disk, starts the
-        wait again: only an s silent for HandOff.wait_s counts lost, and the next of the order
-        is turned to
+      Follow(s): link with s, listen to it as to the host, and wait for its epoch; s says within
+        FIRST_NOTICE_S and every NOTICE_S, until its epoch goes out, that it is at work
+        (`succeeding`: linking, asking what the survivors hold, fetching it), and each notice, like
+        each range s asks of this member's disk, starts the wait again: only an s silent for
+        HandOff.wait_s counts lost, and the next of the order is turned to
       Ended: every member ends naming why
       a successor without every block to serve ends the session naming what is missing
 
@@ -236,7 +236,6 @@ class Succession:
             held.left_out = True
             await member.end_with(got)
             return
-        self._doing = "re-planning over the survivors"
         epochs = self._epochs = self._coordinator(*got)
         self._tell_replaced(event.lost[0], held.ring().epoch + 1)
         held.host = held.name
