@@ -158,6 +158,10 @@ class Paced:
     def max_request(self) -> int:  # a source learns it in `prepare`
         return self.inner.max_request
 
+    @max_request.setter
+    def max_request(self, value: int) -> None:
+        self.inner.max_request = value
+
     async def prepare(self, m: WeightManifest) -> bool:
         return await self.inner.prepare(m)
 
