@@ -6,15 +6,19 @@ in `plan` and `epoch`): the plan's other members in ring order from the host's n
 (`succession_order`). Every member therefore names its next coordinator in advance, with no
 election and no message. When the coordinator is lost, the first member of the order still
 present takes its role (`TakeOver`: re-plan over the survivors); every other survivor turns to
-that member (`Follow`) and waits for its epoch. A successor whose epoch does not come within
-`wait_s` counts as lost in its turn, and the next in the order is turned to. Nobody left in the
-order, or survivors that cannot obtain every block (`shortfall`), ends the session (`Ended`),
-naming what is missing. A coordinator that was counted lost (frozen past the ring's bound) and
+that member (`Follow`) and waits for its epoch. The successor says it is taking over within
+`FIRST_NOTICE_S` of its start, and again every `NOTICE_S` while it links and fetches the blocks it
+lacks (`working`: its `succeeding` notices, or its range requests to this member's disk): each
+moves the wait's deadline to `wait_s` after it (`Waiting`). A successor silent for `wait_s` (no
+epoch, no notice) counts as lost in its turn, and the next in the order is turned to. Nobody
+left in the order, or survivors that cannot obtain every block (`shortfall`), ends the session
+(`Ended`), naming what is missing. A coordinator that was counted lost (frozen past the ring's bound) and
 wakes learns from a member or the rendezvous who coordinates now and ends saying so (`Replaced`).
 
     following c --c lost--> (first present in the order is me) coordinating: TakeOver
                          \\-> awaiting s (Follow, until now + wait_s)
     awaiting s --s's epoch--> following s
+               --s's notice, or its range request--> awaiting s (Waiting, until now + wait_s)
                --s lost, or the deadline passes--> the next present in the order, as above
     any --nobody of the order left--> ended (Ended)
 """
@@ -27,7 +31,9 @@ from dataclasses import dataclass, field
 from kafila.models.manifest import Manifest
 from kafila.planner.plan import Plan
 
-WAIT_S = 20.0  # a successor that sends no epoch within this after the coordinator's loss is passed over
+WAIT_S = 20.0  # a successor silent this long (no epoch, no notice) after the host's loss is passed over
+NOTICE_S = 5.0  # a successor says it is taking over this often until its epoch goes out (well within WAIT_S)
+FIRST_NOTICE_S = 1.0  # ... first this soon after it starts, unless its epoch went out by then
 
 
 def succession_order(plan: Plan, host: str) -> tuple[str, ...]:
@@ -58,6 +64,15 @@ class Follow:
 
 
 @dataclass(frozen=True)
+class Waiting:
+    """The awaited `coordinator` is at work taking over (`why`): wait for it until `deadline`."""
+
+    coordinator: str
+    deadline: float
+    why: str
+
+
+@dataclass(frozen=True)
 class Ended:
     """The session cannot go on; `reason` says why, naming who or what is missing."""
 
@@ -80,7 +95,7 @@ class Ignored:
     why: str
 
 
-Event = TakeOver | Follow | Ended | Replaced | Ignored
+Event = TakeOver | Follow | Waiting | Ended | Replaced | Ignored
 
 
 @dataclass
@@ -139,7 +154,7 @@ class HandOff:
             return Ignored("nothing is due")
         waited = self.coordinator
         self.gone.add(waited)
-        return self._next(now, f"{waited} sent no epoch within {self.wait_s:g} s")
+        return self._next(now, f"{waited} sent no epoch and no word within {self.wait_s:g} s")
 
     def heard(self, coordinator: str, epoch: int, now: float) -> Event:
         """An epoch from `coordinator` arrived: the awaited successor took over; follow it."""
@@ -149,6 +164,22 @@ class HandOff:
             self.state, self.deadline = "following", None
             return Ignored(f"{coordinator} took over")
         return Ignored(f"epoch {epoch} from {coordinator}: {self.coordinator} coordinates")
+
+    def working(self, coordinator: str, now: float, epoch: int | None = None, doing: str = "") -> Event:
+        """`coordinator` says it is taking over from the host of `epoch` (its notice; None: a sign
+        of life without one, such as its range request for a block this member holds): the
+        awaited successor is alive, so its wait starts again from `now`."""
+        if self.state != "awaiting":
+            return Ignored(f"{coordinator} is at work, but this member awaits no successor ({self.state})")
+        if epoch is not None and epoch != self.epoch:
+            held = self.epoch
+            return Ignored(f"{coordinator} takes over from epoch {epoch}; this member holds epoch {held}")
+        if coordinator in self.gone:
+            return Ignored(f"{coordinator} was counted lost; its notice does not bring it back")
+        if coordinator != self.coordinator:
+            return Ignored(f"{coordinator} is not the member awaited ({self.coordinator})")
+        self.deadline = now + self.wait_s
+        return Waiting(coordinator, self.deadline, doing or "at work")
 
     def told_replaced(self, by: str, epoch: int) -> Event:
         """A member or the rendezvous says `by` coordinates since `epoch`: a coordinator that was

@@ -546,6 +546,29 @@ class HandOver:
         return cls(_text(body, "to"), _epoch(body))
 
 
+@dataclass(frozen=True)
+class Succeeding:
+    """successor -> survivors: this member is taking over from `host`, which published `epoch` (the
+    epoch they hold), and is `doing` this now (linking, asking the survivors what they hold,
+    fetching the blocks it lacks). Sent within a second of its start and repeated
+    (kafila.planner.succession) until its own epoch goes out, so that a survivor awaiting it does
+    not pass it over while it works. A member of a build that predates it logs it as unknown and
+    waits for the epoch alone, as before."""
+
+    host: str
+    epoch: int
+    doing: str
+    OP: ClassVar[str] = "succeeding"
+
+    def body(self) -> dict[str, Any]:
+        return payload(self.OP, host=self.host, epoch=self.epoch, doing=self.doing)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> Succeeding:
+        _check(body, cls.OP, {"host", "epoch", "doing"})
+        return cls(_text(body, "host"), _epoch(body), _text(body, "doing"))
+
+
 EpochMessage = (
     NewEpoch
     | EpochReady
@@ -557,6 +580,7 @@ EpochMessage = (
     | DecodeCounts
     | Replaced
     | HandOver
+    | Succeeding
 )
 _EPOCH_OPS: dict[str, type[EpochMessage]] = {
     m.OP: m
@@ -571,6 +595,7 @@ _EPOCH_OPS: dict[str, type[EpochMessage]] = {
         DecodeCounts,
         Replaced,
         HandOver,
+        Succeeding,
     )
 }
 

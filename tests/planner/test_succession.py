@@ -1,7 +1,7 @@
 """The coordinator hand-off (kafila.planner.succession): every member names the host's successor
 in advance, survivors agree on it whatever order they hear of losses in, a silent successor is
-passed over after its wait, a replaced host learns it truthfully, and survivors that cannot obtain
-every block are told what is missing."""
+passed over after its wait (one that says it is at work is waited for), a replaced host learns it
+truthfully, and survivors that cannot obtain every block are told what is missing."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from kafila.planner.succession import (
     Ignored,
     Replaced,
     TakeOver,
+    Waiting,
     block_ranges,
     shortfall,
     succession_order,
@@ -65,6 +66,58 @@ def test_a_successor_that_sends_no_epoch_is_passed_over_after_its_wait() -> None
     )
     assert isinstance(members["c"].heard("a", 2, 1.0), Ignored)  # a counted lost: its epoch is not followed
     assert members["c"].coordinator == "b"
+
+
+def test_a_successor_at_work_is_waited_for_past_the_first_wait_and_passed_over_once_silent() -> None:
+    """The successor fetches the host's blocks for longer than the wait: its notices (and its range
+    requests to this member) each start the wait again; once silent for the wait it is passed over."""
+    view = views(("h", "a", "b", "c"), "h")["b"]
+    assert view.lost("h", 0.0) == Follow("a", ("h",), view.wait_s)
+    assert view.working("a", 15.0, 1, "fetching the host's blocks") == Waiting(
+        "a", 15.0 + view.wait_s, "fetching the host's blocks"
+    )
+    assert view.tick(view.wait_s) == Ignored("nothing is due")  # the first deadline passed: still waiting
+    assert view.working("a", 30.0) == Waiting("a", 30.0 + view.wait_s, "at work")  # a range request
+    assert view.tick(30.0 + view.wait_s - 0.1) == Ignored("nothing is due")
+    assert view.tick(30.0 + view.wait_s) == TakeOver(("h", "a"), ("b", "c"), 1)
+    assert isinstance(view.working("a", 60.0, 1), Ignored)  # counted lost: a late notice changes nothing
+
+
+def test_a_notice_that_is_not_the_awaited_successors_is_ignored() -> None:
+    members = views(("h", "a", "b", "c"), "h")
+    following = members["c"]
+    assert following.working("a", 1.0, 1) == Ignored(
+        "a is at work, but this member awaits no successor (following)"
+    )
+    assert following.deadline is None
+    view = members["b"]
+    view.lost("h", 0.0)
+    assert view.working("a", 1.0, 2) == Ignored("a takes over from epoch 2; this member holds epoch 1")
+    assert view.working("c", 1.0, 1) == Ignored("c is not the member awaited (a)")
+    assert view.deadline == view.wait_s
+    assert isinstance(view.heard("a", 2, 2.0), Ignored) and view.state == "following"
+    assert isinstance(view.working("a", 3.0, 1), Ignored) and view.deadline is None  # its epoch came
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(0.0, 19.9), max_size=12),
+    st.lists(st.floats(0.0, 1.0), min_size=12, max_size=12),
+)
+def test_a_successor_is_passed_over_exactly_when_silent_for_the_wait(
+    gaps: list[float], at: list[float]
+) -> None:
+    """Notices at any gaps shorter than the wait: every tick between them finds nothing due,
+    whatever the time; the first tick a full wait after the last notice passes it over."""
+    view = views(("h", "a", "b"), "h")["b"]
+    view.lost("h", 0.0)
+    last = 0.0
+    for gap, frac in zip(gaps, at, strict=False):
+        assert view.tick(last + gap * frac) == Ignored("nothing is due")
+        last += gap
+        assert isinstance(view.working("a", last, 1), Waiting)
+    assert view.tick(last + view.wait_s - 0.01) == Ignored("nothing is due")
+    assert view.tick(last + view.wait_s) == TakeOver(("h", "a"), ("b",), 1)
 
 
 def test_a_member_outside_the_order_ends_when_nobody_of_it_is_left() -> None:

@@ -1,7 +1,7 @@
 """The epoch messages the host and its members exchange on their control links after forming
 (kafila.proto.session: `epoch`, `epoch_ready`, `resume`, `epoch_failed`, `ended`, `lost`, `path`,
-`decode`, `replaced`, `handover`): they parse back as sent, and nothing a peer sends makes a parser raise
-anything but SessionMessageError."""
+`decode`, `replaced`, `handover`, `succeeding`): they parse back as sent, and nothing a peer sends
+makes a parser raise anything but SessionMessageError."""
 
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ EPOCH_MESSAGES = st.one_of(
     ),
     st.builds(session.Replaced, TEXT, EPOCHS),
     st.builds(session.HandOver, TEXT, EPOCHS),
+    st.builds(session.Succeeding, TEXT, EPOCHS, TEXT),
 )
 
 
@@ -101,6 +102,8 @@ def test_an_epoch_message_names_what_is_wrong() -> None:
         session.parse_epoch(json.dumps(body).encode())
     with pytest.raises(session.SessionMessageError, match="replaced: missing \\['epoch'\\]"):
         session.parse_epoch(json.dumps(session.payload("replaced", by="b")).encode())
+    with pytest.raises(session.SessionMessageError, match="succeeding: missing \\['doing'\\]"):
+        session.parse_epoch(json.dumps(session.payload("succeeding", host="h", epoch=3)).encode())
     with pytest.raises(session.SessionMessageError, match="direct must be true or false, got 1"):
         session.parse_epoch(json.dumps(session.payload("path", peer="b", direct=1)).encode())
     with pytest.raises(

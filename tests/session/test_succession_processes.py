@@ -16,6 +16,8 @@ import pytest
 
 from kafila.demo.fleet import FleetMember, LocalFleet
 from kafila.models.checkpoint import Checkpoint
+from kafila.planner.succession import WAIT_S
+from kafila.session.forming.takeover import SLOW_FETCH_ENV
 from tests.session.conftest import make_tiny_chat
 from tests.session.test_replan_processes import MODEL, ONE_THREAD, _answers, _answers_through_a_kill, _sigkill
 
@@ -23,6 +25,7 @@ pytestmark = [pytest.mark.network, pytest.mark.slow]
 # the host offers 0.1 GB (--memory-gb, the planner's input), less than the head's tensors, so the
 # head is a joining member and the kill takes the host alone
 NOT_THE_HEAD = [("--memory-gb", "0.1"), (), (), ()]
+SLOW_FETCH_S = 35  # the successor's simulated slow fetch of the lost host's blocks, beyond WAIT_S
 
 
 def _after(ring: list[str], host: str) -> list[str]:
@@ -231,6 +234,54 @@ def test_a_successor_without_the_checkpoint_takes_the_lost_hosts_blocks_from_the
         taken = after["weights"]["taken_over"]
         assert taken == {"fetched_tensor_bytes": host_bytes, "by_source": {f"peer {keeper}": host_bytes}}
         assert _greedy(str(through.api_url), model) == before
+
+
+def test_a_successor_fetching_the_lost_hosts_blocks_slowly_simulated_past_the_wait_keeps_the_session_whole(
+    tiny_chat_model, tmp_path
+) -> None:
+    """As above, with the successor's fetch of the host's blocks from the member that kept them
+    spread over 35 s (KAFILA_SIMULATE_SLOW_TAKEOVER_FETCH_S: a slow disk or uplink, simulated),
+    beyond the 20 s a survivor waits for a silent successor. The successor says it is taking over
+    from the start and while it fetches, so the member it fetches from waits for it rather than
+    taking over too: one epoch 2, coordinated by the successor, and the same greedy answer."""
+    caches = [{}] + [
+        {"KAFILA_CACHE": str(tmp_path / f"cache{i}"), SLOW_FETCH_ENV: str(SLOW_FETCH_S)} for i in (1, 2)
+    ]
+    with LocalFleet((None,) * 3, str(tiny_chat_model), context=256, workdir=tmp_path / "fleet", stagger=False,
+                    extra_args=ONE_THREAD, member_args=[("--memory-gb", "0.01"), (), ()],
+                    member_env=caches) as fleet:  # fmt: skip
+        host = fleet.members[0]
+        doc = fleet.session()
+        ring, model = doc["ring"], doc["model"]
+        assert doc["head"] != host.name, doc
+        successor = doc["succession"][0]
+        keeper = ring[ring.index(host.name) - 1]  # keeps the host's shard: the successor fetches it there
+        assert keeper != successor, doc
+        for m in fleet.members[1:]:
+            _wait_for_line(m, "weights_replicas", within=60)
+        heir, kept = (next(m for m in fleet.members if m.name == n) for n in (successor, keeper))
+        before = _greedy(str(kept.api_url), model)
+        _sigkill(host)
+        killed = time.monotonic()
+        deadline = killed + SLOW_FETCH_S + 60
+        after = fleet.session(successor)
+        while not (after["state"] == "serving" and after["epoch"] == 2) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            after = fleet.session(successor)
+        took = time.monotonic() - killed
+        assert after["state"] == "serving" and after["epoch"] == 2 and after["host"] == successor, after
+        assert took > WAIT_S, f"the simulated slow fetch held the successor {took:.1f} s, not past the wait"
+        taken = after["weights"]["taken_over"]
+        assert taken["by_source"] == {f"peer {keeper}": taken["fetched_tensor_bytes"]}, after
+        told = kept.log_text()
+        assert "this member takes over as the session's host" not in told, told[-3000:]
+        fetching = f"{successor} is taking over as the session's host: fetching the lost host's blocks"
+        assert fetching in told, told[-3000:]
+        assert f"epoch 2 serving: ring {' -> '.join(after['ring'])}" in told, told[-3000:]
+        theirs = fleet.session(keeper)
+        assert (theirs["state"], theirs["epoch"], theirs["host"]) == ("serving", 2, successor), theirs
+        assert _greedy(str(kept.api_url), model) == before
+        assert _greedy(str(heir.api_url), model) == before
 
 
 def test_a_host_handing_over_on_sigusr1_lets_its_own_stream_finish_and_its_successor_serves_unchanged(

@@ -20,7 +20,7 @@ from kafila.session.weights.mirror import (
     needs_fetching,
 )
 from kafila.session.weights.server import WeightServer
-from kafila.session.weights.sources import Reader
+from kafila.session.weights.sources import Paced, Reader
 from tests.session.hubserver import Hub, serving
 
 MODEL = "llama-mha-untied"
@@ -106,6 +106,21 @@ async def test_tensors_written_as_their_ranges_arrive_from_a_mirrors_parallel_re
         shard, _ = await fetch(folder, tmp_path, range(0, 3), True, [reader])
     assert sorted(shard.fetched) == sorted(names) and shard.kinds == {"mirror": shard.bytes_fetched}
     assert not list((tmp_path / "m1").rglob("*.part"))
+    same_tensors(shard.path, folder, names)
+
+
+async def test_a_simulated_slow_source_spreads_its_answers_over_the_seconds_given(folder, tmp_path) -> None:
+    """Paced (a slow disk or uplink at a source, simulated for tests): the same checked bytes from
+    the same source, no sooner than the seconds given."""
+    names = Checkpoint.open(folder).names_for(range(0, 2), True)
+    loop = asyncio.get_running_loop()
+    with serving(Hub(folder)) as hub:
+        started = loop.time()
+        reader = Paced(MirrorReader(hub.url), 3.0)  # the same fetch unpaced takes under a second
+        shard, _ = await fetch(folder, tmp_path, range(0, 2), True, [reader])
+        took = loop.time() - started
+    assert took >= 3.0, took
+    assert sorted(shard.fetched) == sorted(names) and shard.kinds == {"mirror": shard.bytes_fetched}
     same_tensors(shard.path, folder, names)
 
 

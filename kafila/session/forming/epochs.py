@@ -756,6 +756,8 @@ class MemberEpochs:
         self.on_host_lost: Callable[[RingBroken], None] | None = None
         self.on_member_lost: Callable[[str], None] | None = None  # another member's loss, as said
         self.on_epoch: Callable[[str, int], None] | None = None  # an epoch arrived from a peer
+        # a member of the succession order says it is taking over (its `succeeding` notice)
+        self.on_succeeding: Callable[[str, sm.Succeeding], None] | None = None
 
     def start(self) -> None:
         held = self.held
@@ -900,6 +902,10 @@ class MemberEpochs:
 
     def _heard(self, peer: str, msg: sm.EpochMessage) -> None:
         role = self.held.ring()
+        if isinstance(msg, sm.Succeeding):  # from the successor, not (yet) the host: the hand-off judges it
+            if self.on_succeeding is not None:
+                self.on_succeeding(peer, msg)
+            return
         if peer != self.held.host and not self._took_over(peer, msg):
             log.info("epoch_message_ignored", peer=peer, op=msg.OP, reason="not from the host")
             return

@@ -9,8 +9,11 @@ asyncio shell of kafila.planner.succession's `HandOff`; it decides, this acts).
         as the weights' source) and re-plan around the host as the host re-plans around a member;
         meanwhile take the host's place at the rendezvous (`succeed`: it proves the code, once the
         host is gone there), after which members join and rejoin with the same code through it
-      Follow(s): link with s, listen to it as to the host, and wait for its epoch; none within
-        HandOff.wait_s: s counts lost, and the next of the order is turned to
+      Follow(s): link with s, listen to it as to the host, and wait for its epoch; s says within
+        FIRST_NOTICE_S and every NOTICE_S, until its epoch goes out, that it is at work
+        (`succeeding`: linking, asking what the survivors hold, fetching it), and each notice, like
+        each range s asks of this member's disk, starts the wait again: only an s silent for
+        HandOff.wait_s counts lost, and the next of the order is turned to
       Ended: every member ends naming why
       a successor without every block to serve ends the session naming what is missing
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,13 +42,17 @@ from kafila.planner.devices import DeviceReport
 from kafila.planner.fetching import after_plan
 from kafila.planner.replan import Membership, PlanTerms
 from kafila.planner.succession import (
+    FIRST_NOTICE_S,
+    NOTICE_S,
     Ended,
     Event,
     Follow,
     HandOff,
     Holding,
+    Ignored,
     Shortfall,
     TakeOver,
+    Waiting,
     shortfall,
 )
 from kafila.proto import session as sm
@@ -62,8 +70,13 @@ from kafila.session.weights.manifest import WeightManifest, WeightsError
 from kafila.session.weights.peers import HeldFiles
 from kafila.session.weights.server import Ranges, WeightServer
 from kafila.session.weights.sharing import where_from
+from kafila.session.weights.sources import Paced, Reader
 
 log = get_logger("kafila.session.forming.takeover")
+
+# tests only: the successor's fetch of the blocks it lacks lasts at least this many seconds (a slow
+# disk or uplink at the survivors it fetches from, simulated); unset, it runs as fast as it can
+SLOW_FETCH_ENV = "KAFILA_SIMULATE_SLOW_TAKEOVER_FETCH_S"
 
 
 def weights_source(held: MemberRuntime) -> Path | None:
@@ -82,12 +95,18 @@ class Succession:
     drive: Driver | None = None  # its formation driver: the host's arrivals once it took over
     view: HandOff | None = None
     _timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+    _doing: str = "linking with the survivors"  # taking over: what its notices say it does now
+    _said: str = ""  # following: what the successor's notices said last
+    _epochs: HostEpochs | None = field(default=None, repr=False)  # taken over: its coordinator side
 
     def start(self) -> None:
         self.member.on_host_lost = self.host_lost
         self.member.on_member_lost = self._gone
         self.member.on_epoch = self._epoch_from
+        self.member.on_succeeding = self._succeeding
         self.held.on_lost = self.other_lost
+        if self.held.weights is not None:  # a successor asking this member's disk is at work
+            self.held.weights.server.on_asked = self._asked
 
     def _epoch_from(self, peer: str, epoch: int) -> None:
         if self.view is not None:
@@ -95,6 +114,22 @@ class Succession:
             if self.view.state == "following" and self._timer is not None:  # the successor took over
                 self._timer.cancel()
                 self._timer = None
+
+    def _succeeding(self, peer: str, msg: sm.Succeeding) -> None:
+        """`peer` says it is taking over from the host (its notice): the wait for it starts again."""
+        view = self.view
+        if view is None:  # this member has not seen the host lost: its epoch will say the rest
+            log.info("succession_notice_early", successor=peer, host=msg.host, doing=msg.doing)
+            return
+        event = view.working(peer, asyncio.get_running_loop().time(), msg.epoch, msg.doing)
+        self._act(event, f"{peer} takes over from {msg.host}: {msg.doing}")
+
+    def _asked(self, peer: str) -> None:
+        """`peer` asked this member for a range of the checkpoint: if it is the successor awaited,
+        it is at work (fetching the lost host's blocks), which starts the wait for it again."""
+        view = self.view
+        if view is not None and view.state == "awaiting" and peer == view.coordinator:
+            view.working(peer, asyncio.get_running_loop().time())
 
     def _hand_off(self) -> HandOff:
         """The view of the epoch serving (a new epoch brings a new order)."""
@@ -124,6 +159,9 @@ class Succession:
         if self.held.host_ended:  # stopped on purpose: the session is over, no one takes its place
             return
         log.info("succession", member=self.held.name, step=type(event).__name__, detail=detail)
+        if isinstance(event, Waiting) and event.why != self._said:
+            self._said = event.why
+            say(f"{event.coordinator} is taking over as the session's host: {event.why}")
         if isinstance(event, TakeOver):
             self.held.spawn(self._take_over(event, detail), "take_over")
         elif isinstance(event, Follow):
@@ -132,8 +170,17 @@ class Succession:
             self.held.spawn(self.member.end_with(event.reason), "ended")
 
     def _tick(self) -> None:
-        if self.view is not None:
-            self._act(self.view.tick(asyncio.get_running_loop().time()), "no epoch from the successor")
+        """The awaited successor's deadline: pass it over, unless it was heard since (then wait
+        on to the deadline that moved)."""
+        view = self.view
+        if view is None:
+            return
+        loop = asyncio.get_running_loop()
+        event = view.tick(loop.time())
+        if not isinstance(event, Ignored):
+            self._act(event, "no epoch and no word from the successor")
+        if view.state == "awaiting" and view.deadline is not None and isinstance(event, Ignored):
+            self._timer = loop.call_at(view.deadline, self._tick)
 
     async def _follow(self, event: Follow) -> None:
         """Link with the successor (unless a ring edge joins the two already) and listen to it."""
@@ -177,6 +224,8 @@ class Succession:
             f"the host {lost} was lost; this member takes over as the session's host "
             "(the host's succession order)"
         )
+        self._doing = "linking with the survivors"
+        held.spawn(self._notify(event), "succeeding")  # before anything that takes time
         others = [n for n in event.survivors if n != held.name]
         try:
             await self._link(others, client=False)
@@ -187,7 +236,7 @@ class Succession:
             held.left_out = True
             await member.end_with(got)
             return
-        epochs = self._coordinator(*got)
+        epochs = self._epochs = self._coordinator(*got)
         self._tell_replaced(event.lost[0], held.ring().epoch + 1)
         held.host = held.name
         member.stop()
@@ -197,6 +246,31 @@ class Succession:
             what = "the session's host" if name == event.lost[0] else "lost with the host"
             epochs.lost(name, "closed", f"{what}; {held.name} took over as the host")
         held.spawn(self._register(epochs), "register_as_host")
+
+    async def _notify(self, event: TakeOver) -> None:
+        """Tell the survivors this member is taking over, FIRST_NOTICE_S after it starts and every
+        NOTICE_S from then on, until its epoch is in place (or this member's part ends): a survivor
+        waiting for its epoch waits on while it hears this, however long the blocks it lacks take
+        to fetch. A successor whose epoch goes out at once (it holds the checkpoint) sends none:
+        its epoch says it all, and nothing else reaches the survivors while their rings pause."""
+        await asyncio.sleep(FIRST_NOTICE_S)
+        while self._at_work():
+            self._tell_all(event)
+            await asyncio.sleep(NOTICE_S)
+
+    def _at_work(self) -> bool:
+        """Still taking over: its part goes on, and its coordinator side (which sends the epoch at
+        once, after pausing its own role) is not made yet."""
+        ended = self.held.ended
+        return self._epochs is None and (ended is None or not ended.done())
+
+    def _tell_all(self, event: TakeOver) -> None:
+        held = self.held
+        notice = sm.Succeeding(event.lost[0], event.epoch, self._doing)
+        for name in event.survivors:
+            link = held.links.get(name)
+            if name != held.name and link is not None and not link.closed:
+                held.spawn(MemberEpochs.tell(link, notice), "tell_succeeding")
 
     async def _register(self, epochs: HostEpochs) -> None:
         """Take the lost host's place at the rendezvous (retrying while it still counts the host
@@ -269,12 +343,15 @@ class Succession:
         if sharing is None or m is None:  # it never learnt the checkpoint's manifest
             return self._missing(None, event) or "this member cannot learn what the checkpoint holds"
         links = {p: lk for p, lk in held.links.items() if p in event.survivors and not lk.closed}
+        self._doing = "asking the survivors which blocks their disks hold"
         readers = await usable(sharing.sources(links, event.lost[0]), m)
         lacking = await asyncio.to_thread(not_offered, m, readers, sharing.root)
         if lacking:
             return self._lost_blocks(m, lacking, event)
+        self._doing = "fetching the lost host's blocks from the survivors' disks"
         try:
-            got = await fetch_whole(m, readers, sharing.root, label=f"{held.name} (the host's blocks)")
+            label = f"{held.name} (the host's blocks)"
+            got = await fetch_whole(m, _simulated_slow(readers), sharing.root, label=label)
         except (WeightsError, OSError) as exc:
             return f"the host {event.lost[0]} was lost; {held.name} could not take its blocks: {exc}"
         say(f"took the blocks it lacked from the survivors' disks: {where_from(got)}")
@@ -355,3 +432,18 @@ class Succession:
             held, membership, manifest, plan_terms, member.ids, folder, server, member.opts, member.serving,
             role.traces, probed=reports, origins=book,
         )  # fmt: skip
+
+
+def _simulated_slow(readers: list[Reader]) -> list[Reader]:
+    """The sources as they are, or, where $KAFILA_SIMULATE_SLOW_TAKEOVER_FETCH_S is set (tests),
+    each spreading what it sends over at least that many seconds."""
+    raw = os.environ.get(SLOW_FETCH_ENV)
+    if not raw:
+        return readers
+    try:
+        seconds = float(raw)
+    except ValueError:
+        log.warning("simulated_slow_fetch_ignored", value=raw[:40], why="not a number of seconds")
+        return readers
+    log.warning("simulated_slow_fetch", seconds=seconds, sources=[r.name for r in readers])
+    return [Paced(r, seconds) for r in readers]

@@ -162,6 +162,7 @@ class PeerServer:
         self.first_ask: Callable[[], Awaitable[None]] | None = None  # work put off until someone asks
         self.warming: asyncio.Task[None] | None = None
         self.bytes_sent: dict[str, int] = {}
+        self.on_asked: Callable[[str], None] | None = None  # told the peer of every request it hears
         self._tasks: set[asyncio.Task[None]] = set()
 
     def serve(self, store: Store) -> None:
@@ -181,6 +182,8 @@ class PeerServer:
             except t.FrameError as exc:
                 log.warning("weights_peer_message_ignored", peer=peer, reason=str(exc))
                 return
+            if self.on_asked is not None:  # a sign of life of the peer (a successor at work)
+                self.on_asked(peer)
             task = asyncio.ensure_future(self._answer(link, peer, msg))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)

@@ -13,6 +13,7 @@ computed it) whatever source sent it: a corrupt or truncated range goes to the n
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -143,3 +144,38 @@ class ChannelReader:
                     f"response); nothing from it was cached"
                 )
             await sink(job, msg.data)
+
+
+class Paced:
+    """A source whose answers to each `run` are spread over at least `seconds`, in proportion to
+    their bytes: a slow disk or uplink at the other end, simulated (for tests, never by default)."""
+
+    def __init__(self, inner: Reader, seconds: float) -> None:
+        self.inner, self.seconds = inner, seconds
+        self.name, self.kind = inner.name, inner.kind
+
+    @property
+    def max_request(self) -> int:  # a source learns it in `prepare`
+        return self.inner.max_request
+
+    @max_request.setter
+    def max_request(self, value: int) -> None:
+        self.inner.max_request = value
+
+    async def prepare(self, m: WeightManifest) -> bool:
+        return await self.inner.prepare(m)
+
+    def offers(self, file: str, start: int, end: int) -> bool:
+        return self.inner.offers(file, start, end)
+
+    async def run(self, jobs: list[Job], sink: Sink) -> None:
+        loop = asyncio.get_running_loop()
+        start, total, done = loop.time(), max(1, sum(j.length for j in jobs)), 0
+
+        async def paced(job: Job, data: bytes) -> None:
+            nonlocal done
+            done += job.length
+            await asyncio.sleep(max(0.0, start + self.seconds * done / total - loop.time()))
+            await sink(job, data)
+
+        await self.inner.run(jobs, paced)
