@@ -375,6 +375,13 @@ PREDICTED_BOTTLENECK = Gauge(
 PREDICTED_CIRCUIT = Gauge(
     "kafila_predicted_circuit_seconds", "Plan's time around the ring per decode step", registry=REGISTRY
 )
+PREDICTED_TOKENS_PER_CIRCUIT = Gauge(
+    "kafila_predicted_tokens_per_circuit",
+    "Tokens a request takes from one decode step in the plan's figures: 1 as planned, the head's "
+    "measured tokens per circuit once it counted enough circuits (its bottleneck and circuit then "
+    "include the drafted rows)",
+    registry=REGISTRY,
+)
 
 
 @dataclass
@@ -564,8 +571,8 @@ def observe_session(s: SessionRecord, ring_view: bool = True, epoch: int = 1) ->
 def observe_ring(doc: Mapping[str, Any]) -> None:
     """The ring a member's /session document describes now (its `ring`, `members`, `links` and
     `epoch`): at a new epoch, or a new ring, every series that describes the ring is rebuilt from
-    it, the series of members and edges that left removed; at every read the edges' paths and the
-    members present follow the document."""
+    it, the series of members and edges that left removed; at every read the edges' paths, the
+    members present and the plan's predicted figures follow the document."""
     order, epoch = doc.get("ring"), doc.get("epoch")
     members = doc.get("members")
     if not (isinstance(order, list) and isinstance(epoch, int) and isinstance(members, list)):
@@ -588,17 +595,25 @@ def observe_ring(doc: Mapping[str, Any]) -> None:
             if link.get("planned_path") is not None
         }
         _rebuild(epoch, ring, blocks, predicted, planned)
-        chosen = (doc.get("plan") or {}).get("chosen") or {}
-        if isinstance(chosen.get("bottleneck_ms"), int | float):
-            PREDICTED_BOTTLENECK.set(chosen["bottleneck_ms"] / 1000)
-        if isinstance(chosen.get("circuit_ms"), int | float):
-            PREDICTED_CIRCUIT.set(chosen["circuit_ms"] / 1000)
+    _predicted_from((doc.get("plan") or {}).get("chosen") or {})
     observe_plan(epoch)
     spares = doc.get("spares")
     if isinstance(spares, list):
         SPARES.set(len(spares))
     _edges_from(doc.get("links") or [])
     MEMBERS_PRESENT.set(0 if doc.get("state") in ("broken", "ended") else len(ring))
+
+
+def _predicted_from(chosen: Mapping[str, Any]) -> None:
+    """The plan's figures as the document gives them now (the head's: priced for the tokens per
+    circuit it measured, once it counted enough)."""
+    for key, gauge, scale in (
+        ("bottleneck_ms", PREDICTED_BOTTLENECK, 1000),
+        ("circuit_ms", PREDICTED_CIRCUIT, 1000),
+        ("tokens_per_circuit", PREDICTED_TOKENS_PER_CIRCUIT, 1),
+    ):
+        if isinstance(value := chosen.get(key), int | float):
+            gauge.set(value / scale)
 
 
 def _rebuild(

@@ -23,7 +23,7 @@ from kafila.planner.cost import (
     memory_shortfall,
 )
 from kafila.planner.devices import DeviceReport
-from kafila.planner.drafting import CircuitYield, figures
+from kafila.planner.drafting import MIN_CIRCUITS, PLAIN_ROW_SHARE, CircuitCounts, CircuitYield, figures
 from kafila.planner.fetching import HELD_MARGIN, Bounds, Holdings, fetching, holdings_of, least_fetched
 from kafila.planner.head import MU, HeadChoice, place_head, solve_rotation, unrotate
 from kafila.planner.load import LoadChoice, divide_for_load
@@ -379,6 +379,19 @@ def with_yield(p: Plan, y: CircuitYield) -> Plan:
     head measured): the division stays as it is."""
     drafted = replace(p, tokens_per_circuit=y.tokens, rows_per_circuit=y.rows, row_share=y.row_share)
     return _with_figures(drafted)
+
+
+def measured(p: Plan, counts: CircuitCounts, assumed_share: float, least: int = MIN_CIRCUITS) -> Plan:
+    """`p` priced for what a head's circuits measured (`counts`; each drafted row at the measured
+    share of a step, else at `assumed_share`) once it counted `least` of them, else for plain
+    decoding: a plan priced before for another yield gets the current one."""
+    y = counts.circuit_yield(assumed_share) if counts.circuits >= least else CircuitYield()
+    return p if y == p.circuit_yield else with_yield(p, y)
+
+
+def as_planned(p: Plan) -> Plan:
+    """`p` with the figures of plain decoding (one token per circuit), as the planner priced it."""
+    return measured(p, CircuitCounts(), PLAIN_ROW_SHARE)
 
 
 def reprice(p: Plan, devices: Sequence[DeviceReport], rule: PairRule = DEFAULT_RULE) -> Plan:

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 PLAIN_ROW_SHARE = 0.0  # plain decoding computes one row per step: no extra rows to price
+MIN_CIRCUITS = 32  # decode circuits a head counts before its yield prices the plan
+MIN_TIMED = 8  # circuits of each kind (one row, several) timed alone before a row's share is measured
 
 
 @dataclass(frozen=True)
@@ -39,16 +41,63 @@ class CircuitYield:
     @classmethod
     def measured(cls, circuits: int, drafted: int, accepted: int, row_share: float) -> CircuitYield:
         """From a head's counts: `circuits` decode circuits that carried `drafted` drafted tokens
-        and kept `accepted` of them; plain decoding where it ran none."""
-        if circuits < 1:
-            return cls()
+        and kept `accepted` of them; plain decoding where it ran none or drafted none (no drafted
+        row to price)."""
         if not 0 <= accepted <= drafted:
             raise ValueError(f"accepted {accepted} of {drafted} drafted tokens")
+        if circuits < 1 or drafted == 0:
+            return cls()
         return cls(1 + accepted / circuits, 1 + drafted / circuits, row_share)
 
     def step_s(self, stage_s: float) -> float:
         """A stage's time for one circuit's rows, from its one-row step `stage_s`."""
         return stage_s * (1 + (self.rows - 1) * self.row_share)
+
+
+@dataclass(frozen=True)
+class CircuitCounts:
+    """A head's decode circuits so far: what they carried and kept, and the stages' compute of
+    those that carried one request alone (the rows of other requests make the rest unfit to price
+    a row), split into one-row circuits and circuits with drafted rows."""
+
+    circuits: int = 0
+    drafted: int = 0  # drafted tokens the circuits verified
+    accepted: int = 0  # ... and kept
+    one_row: int = 0  # one-row circuits timed alone
+    one_row_s: float = 0.0  # their stages' compute, summed
+    more_rows: int = 0  # circuits with drafted rows timed alone
+    more_rows_s: float = 0.0  # their stages' compute, summed
+    extra_rows: int = 0  # their drafted rows
+
+    def add(self, drafted: int, accepted: int, compute_s: float | None = None) -> CircuitCounts:
+        """With one more circuit that verified `drafted` tokens and kept `accepted`; `compute_s`:
+        every stage's compute for it, where it carried one request alone."""
+        if not 0 <= accepted <= drafted:
+            raise ValueError(f"a circuit kept {accepted} of {drafted} drafted tokens")
+        c = replace(self, circuits=self.circuits + 1, drafted=self.drafted + drafted)
+        c = replace(c, accepted=self.accepted + accepted)
+        if compute_s is None or not math.isfinite(compute_s) or compute_s < 0:
+            return c
+        if drafted == 0:
+            return replace(c, one_row=c.one_row + 1, one_row_s=c.one_row_s + compute_s)
+        more = replace(c, more_rows=c.more_rows + 1, more_rows_s=c.more_rows_s + compute_s)
+        return replace(more, extra_rows=more.extra_rows + drafted)
+
+    def row_share(self) -> float | None:
+        """What each drafted row added to the stages' compute, over a one-row circuit's compute
+        (the mean of each kind); None until MIN_TIMED of each kind were timed."""
+        if self.one_row < MIN_TIMED or self.more_rows < MIN_TIMED or self.one_row_s <= 0:
+            return None
+        one = self.one_row_s / self.one_row
+        return max(0.0, (self.more_rows_s - self.more_rows * one) / (self.extra_rows * one))
+
+    def circuit_yield(self, assumed_share: float) -> CircuitYield:
+        """The yield these circuits measured, each drafted row priced at the measured share where
+        there is one, else at `assumed_share`."""
+        share = self.row_share()
+        return CircuitYield.measured(
+            self.circuits, self.drafted, self.accepted, assumed_share if share is None else share
+        )
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,9 @@ Rules, in the order the host applies them:
   improves the predicted time per token by more than `margin`; otherwise keep the ring and only
   correct the plan's edges. The same holds while serving, for a path that changes and stays
   changed (`with_path`, `on_measured`): relayed against the prediction, or direct again.
+- Every plan a decision weighs is priced for what the serving plan's circuits yield
+  (`Plan.circuit_yield`: the tokens per circuit a drafting head measured, where the host priced
+  `Membership.plan` with them), so a time per token is compared with one of the same yield.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from kafila.models.manifest import Manifest
-from kafila.planner.decide import plan, reprice
+from kafila.planner.decide import plan, reprice, with_yield
 from kafila.planner.devices import DeviceReport
+from kafila.planner.drafting import CircuitYield
 from kafila.planner.head import MU
 from kafila.planner.order import predicted_direct
 from kafila.planner.plan import Plan
@@ -286,10 +290,11 @@ def _plan_over(m: Membership, manifest: Manifest, terms: PlanTerms) -> Plan:
     """plan() over everyone present, in admission order, anchored at the serving head (`anchor_of`),
     which keeps the head while present (`keeps_head`), preferring among plans about as fast the one
     that fetches least from the host, by what the reports say each member holds (`Membership`
-    adds each committed plan's shares: `kafila.planner.fetching.after_plan`)."""
+    adds each committed plan's shares: `kafila.planner.fetching.after_plan`), priced for what the
+    serving plan's circuits yield."""
     reports = _present_reports(m)
     anchor = [r.name for r in reports].index(anchor_of(m))
-    return plan(
+    chosen = plan(
         reports,
         manifest,
         context=terms.context,
@@ -303,6 +308,8 @@ def _plan_over(m: Membership, manifest: Manifest, terms: PlanTerms) -> Plan:
         keep_head=keeps_head(m),
         weights_host=m.host,  # with what the members hold, the plan among near-equals fetching least from it
     )
+    y = m.plan.circuit_yield
+    return with_yield(chosen, y) if chosen.feasible and y != CircuitYield() else chosen
 
 
 def _with_relayed(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -330,6 +331,7 @@ def _reason(body: Mapping[str, Any]) -> str:
 # Each is one JSON object (`encode` / `parse_epoch`), versioned and strict as the forming messages.
 
 MAX_EPOCH = 2**31 - 1
+MAX_COUNT = 2**53  # a count a float holds exactly
 MAX_CONTROL_BYTES = 1 << 20
 
 
@@ -467,6 +469,47 @@ class PathReport:
 
 
 @dataclass(frozen=True)
+class DecodeCounts:
+    """head -> host (where the head is another member): the decode circuits the head counted this
+    session, the drafted tokens they verified and those kept, and the share of a stage's one-row
+    step it prices each drafted row at (measured, or its draft policy's); the host prices its plan
+    for them (kafila.planner.decide.measured)."""
+
+    circuits: int
+    drafted: int
+    accepted: int
+    row_share: float
+    OP: ClassVar[str] = "decode"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.accepted <= self.drafted or self.circuits < 0:
+            raise SessionMessageError(
+                f"decode counts of {self.circuits} circuits keeping {self.accepted} of {self.drafted} "
+                "drafted tokens"
+            )
+        if not math.isfinite(self.row_share) or self.row_share < 0:
+            raise SessionMessageError(f"row_share must be a finite share >= 0, got {self.row_share!r}")
+
+    def body(self) -> dict[str, Any]:
+        return payload(
+            self.OP,
+            circuits=self.circuits,
+            drafted=self.drafted,
+            accepted=self.accepted,
+            row_share=self.row_share,
+        )
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> DecodeCounts:
+        _check(body, cls.OP, {"circuits", "drafted", "accepted", "row_share"})
+        share = body["row_share"]
+        if not isinstance(share, int | float) or isinstance(share, bool) or abs(share) > 1e6:
+            raise SessionMessageError(f"row_share must be a number up to 1e6, got {str(share)[:40]}")
+        counts = (_count(body, "circuits"), _count(body, "drafted"), _count(body, "accepted"))
+        return cls(*counts, float(share))
+
+
+@dataclass(frozen=True)
 class Replaced:
     """successor -> the host it took over from: `by` coordinates the session since `epoch` (a host
     that was frozen past the ring's bound reads this on waking, and ends saying so)."""
@@ -534,6 +577,7 @@ EpochMessage = (
     | SessionEnded
     | MemberLost
     | PathReport
+    | DecodeCounts
     | Replaced
     | HandOver
     | Succeeding
@@ -548,6 +592,7 @@ _EPOCH_OPS: dict[str, type[EpochMessage]] = {
         SessionEnded,
         MemberLost,
         PathReport,
+        DecodeCounts,
         Replaced,
         HandOver,
         Succeeding,
@@ -580,6 +625,13 @@ def _epoch(body: Mapping[str, Any]) -> int:
     value = body["epoch"]
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_EPOCH:
         raise SessionMessageError(f"epoch must be an integer from 1 to {MAX_EPOCH}, got {value!r}")
+    return value
+
+
+def _count(body: Mapping[str, Any], key: str) -> int:
+    value = body[key]
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COUNT:
+        raise SessionMessageError(f"{key} must be a count from 0 to 2**53, got {str(value)[:40]}")
     return value
 
 

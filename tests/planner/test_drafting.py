@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from kafila.models.presets import resolve_manifest
 from kafila.planner import DeviceReport, Plan, plan
-from kafila.planner.decide import with_yield
-from kafila.planner.drafting import CircuitYield, figures
+from kafila.planner.decide import measured, with_yield
+from kafila.planner.drafting import MIN_CIRCUITS, MIN_TIMED, CircuitCounts, CircuitYield, figures
 
 GB = 10**9
 PAIR_RTT_S = 0.040  # three homes 20 ms apart one way
@@ -96,3 +96,91 @@ def test_a_plans_token_time_reflects_what_its_circuits_yield() -> None:
     assert Plan.from_json(d.to_json()) == d and d.circuit_yield == y
     assert d.summary()["tokens_per_circuit"] == 2.4
     assert with_yield(d, CircuitYield()) == p  # back to plain: the plain figures
+
+
+def three_homes() -> Plan:
+    names = ("a", "b", "c")
+    fleet = [
+        DeviceReport(n, 16 * GB, 50e9, pair_rtt_s={m: PAIR_RTT_S for m in names if m != n}) for n in names
+    ]
+    p = plan(fleet, resolve_manifest("qwen3-8b"), context=2048)
+    assert p.feasible
+    return p
+
+
+def test_a_heads_circuits_count_what_they_carried_and_time_the_rows_they_carried_alone() -> None:
+    """One-row circuits of 30 ms of compute, circuits of 4 drafted rows of 36 ms: each drafted row
+    added 1.5 ms, 5% of a one-row circuit; circuits shared with other requests are counted, not
+    timed."""
+    c = CircuitCounts()
+    for _ in range(MIN_TIMED):
+        c = c.add(0, 0, 0.030).add(4, 2, 0.036).add(4, 4, None)
+    assert (c.circuits, c.drafted, c.accepted) == (3 * MIN_TIMED, 8 * MIN_TIMED, 6 * MIN_TIMED)
+    assert c.row_share() == pytest.approx(0.05)
+    y = c.circuit_yield(assumed_share=0.5)
+    assert y == CircuitYield.measured(c.circuits, c.drafted, c.accepted, c.row_share() or 0.0)
+    with pytest.raises(ValueError, match="a circuit kept 3 of 2 drafted tokens"):
+        c.add(2, 3)
+
+
+def test_the_row_share_is_assumed_until_both_kinds_of_circuit_were_timed() -> None:
+    c = CircuitCounts()
+    for _ in range(MIN_TIMED):
+        c = c.add(0, 0, 0.030)
+    for _ in range(MIN_TIMED - 1):
+        c = c.add(3, 3, 0.040)
+    assert c.row_share() is None and c.circuit_yield(0.07).row_share == 0.07
+    assert c.add(3, 1, 0.040).row_share() == pytest.approx(1 / 9)  # 10 ms over 3 rows of a 30 ms circuit
+    assert c.add(3, 1, 0.020).row_share() is not None  # noise below the one-row mean: never below 0
+    faster = CircuitCounts()
+    for _ in range(MIN_TIMED):
+        faster = faster.add(0, 0, 0.030).add(2, 2, 0.010)
+    assert faster.row_share() == 0.0
+
+
+@settings(deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 8), st.integers(0, 8), st.booleans()), max_size=60),
+    st.floats(0.001, 0.1),
+    st.floats(0.0, 0.5),
+)
+def test_counted_circuits_give_the_yield_of_their_totals_and_recover_a_true_row_share(
+    circuits: list[tuple[int, int, bool]], one_row_s: float, share: float
+) -> None:
+    """Each circuit of d drafted rows timed at one_row_s x (1 + d x share): the counts give
+    CircuitYield.measured of their totals, with that share once both kinds were timed enough."""
+    c = CircuitCounts()
+    for drafted, kept, timed in circuits:
+        kept = min(kept, drafted)
+        c = c.add(drafted, kept, one_row_s * (1 + drafted * share) if timed else None)
+    if not any(d for d, _, _ in circuits):  # nothing decoded, or no row drafted: plain decoding
+        assert c.circuit_yield(0.3) == CircuitYield()
+        return
+    timed_one = sum(1 for d, _, t in circuits if t and d == 0)
+    timed_more = sum(1 for d, _, t in circuits if t and d > 0)
+    assert (c.one_row, c.more_rows) == (timed_one, timed_more)
+    want = share if timed_one >= MIN_TIMED and timed_more >= MIN_TIMED else 0.3
+    assert c.circuit_yield(0.3).row_share == pytest.approx(want, abs=1e-9)
+    drafted = sum(d for d, _, _ in circuits)
+    accepted = sum(min(k, d) for d, k, _ in circuits)
+    assert c.circuit_yield(0.3).tokens == CircuitYield.measured(len(circuits), drafted, accepted, want).tokens
+
+
+def test_a_plan_is_priced_for_a_heads_counts_once_it_counted_enough_circuits() -> None:
+    """Plain figures until MIN_CIRCUITS circuits, then the measured yield's; a plan priced
+    before for another yield gets the current one (plain, below the threshold); plain decoding
+    counted keeps the plain figures."""
+    p = three_homes()
+    c = CircuitCounts()
+    for _ in range(MIN_CIRCUITS - 1):
+        c = c.add(3, 2)
+    assert measured(p, c, 0.05) == p
+    enough = c.add(3, 2)
+    d = measured(p, enough, 0.05)
+    assert d == with_yield(p, CircuitYield(3.0, 4.0, 0.05))
+    assert d.per_token_s is not None and p.per_token_s is not None and d.per_token_s < p.per_token_s / 2
+    assert measured(d, c, 0.05) == p  # priced for a yield before: plain again below the threshold
+    plain = CircuitCounts()
+    for _ in range(2 * MIN_CIRCUITS):
+        plain = plain.add(0, 0, 0.01)
+    assert measured(p, plain, 0.05) == p

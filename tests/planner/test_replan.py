@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from kafila.models.presets import resolve_manifest
 from kafila.planner import DeviceReport, plan
-from kafila.planner.decide import reprice
+from kafila.planner.decide import reprice, with_yield
+from kafila.planner.drafting import CircuitYield
 from kafila.planner.reachability import Behaviour, Nat, NatClass
 from kafila.planner.replan import (
     End,
@@ -55,6 +56,25 @@ def test_losing_a_member_replans_over_the_survivors_with_the_planner_itself() ->
     assert got.plan == plan(survivors, QWEN8, context=4096, concurrency=1, anchor=0, keep_head=True)
     assert got.epoch == 1 and got.cause == "c was lost (silent for 3.0 s)"
     assert "c" not in got.plan.order
+
+
+def test_a_replan_prices_its_plans_for_what_the_serving_plans_circuits_yield() -> None:
+    """A host that priced its plan for a drafting head's measured yield weighs every candidate at
+    that yield: the survivors' plan is the planner's own, priced so; an arrival is compared like
+    with like."""
+    m = formed(FLEET)
+    y = CircuitYield(tokens=2.5, rows=4.0, row_share=0.05)
+    drafting = replace(m, plan=with_yield(m.plan, y))
+    got = on_lost(drafting, "c", "closed", QWEN8, TERMS)
+    plain = on_lost(m, "c", "closed", QWEN8, TERMS)
+    assert isinstance(got, Replan) and isinstance(plain, Replan)
+    assert got.plan == with_yield(plain.plan, y) and got.plan.circuit_yield == y
+    assert got.plan.per_token_s is not None and plain.plan.per_token_s is not None
+    assert got.plan.per_token_s < plain.plan.per_token_s
+    fast = dev("e", 12, 400)
+    for serving in (m, drafting):  # the same decision at either yield: the gain is of like with like
+        decided = on_arrived(serving, fast, QWEN8, TERMS)
+        assert isinstance(decided, Replan) and decided.plan.circuit_yield == serving.plan.circuit_yield
 
 
 def test_fetches_are_exactly_the_blocks_each_member_did_not_hold() -> None:

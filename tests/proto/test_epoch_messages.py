@@ -1,7 +1,7 @@
 """The epoch messages the host and its members exchange on their control links after forming
 (kafila.proto.session: `epoch`, `epoch_ready`, `resume`, `epoch_failed`, `ended`, `lost`, `path`,
-`replaced`, `handover`, `succeeding`): they parse back as sent, and nothing a peer sends makes a
-parser raise anything but SessionMessageError."""
+`decode`, `replaced`, `handover`, `succeeding`): they parse back as sent, and nothing a peer sends
+makes a parser raise anything but SessionMessageError."""
 
 from __future__ import annotations
 
@@ -48,6 +48,9 @@ EPOCH_MESSAGES = st.one_of(
     st.builds(session.SessionEnded, TEXT),
     st.builds(session.MemberLost, TEXT, TEXT, TEXT),
     st.builds(session.PathReport, TEXT, st.booleans()),
+    st.tuples(st.integers(0, 10**6), st.integers(0, 10**6), st.integers(0, 10**6), st.floats(0.0, 10.0)).map(
+        lambda t: session.DecodeCounts(t[0], t[1] + t[2], t[2], t[3])
+    ),
     st.builds(session.Replaced, TEXT, EPOCHS),
     st.builds(session.HandOver, TEXT, EPOCHS),
     st.builds(session.Succeeding, TEXT, EPOCHS, TEXT),
@@ -103,6 +106,19 @@ def test_an_epoch_message_names_what_is_wrong() -> None:
         session.parse_epoch(json.dumps(session.payload("succeeding", host="h", epoch=3)).encode())
     with pytest.raises(session.SessionMessageError, match="direct must be true or false, got 1"):
         session.parse_epoch(json.dumps(session.payload("path", peer="b", direct=1)).encode())
+    with pytest.raises(
+        session.SessionMessageError, match="circuits must be a count from 0 to 2\\*\\*53, got -1"
+    ):
+        body = session.DecodeCounts(3, 2, 1, 0.05).body() | {"circuits": -1}
+        session.parse_epoch(json.dumps(body).encode())
+    with pytest.raises(session.SessionMessageError, match="3 circuits keeping 4 of 2 drafted tokens"):
+        session.parse_epoch(json.dumps(session.DecodeCounts(3, 2, 1, 0.0).body() | {"accepted": 4}).encode())
+    with pytest.raises(
+        session.SessionMessageError, match=r"row_share must be a finite share >= 0, got -0\.5"
+    ):
+        session.parse_epoch(
+            json.dumps(session.DecodeCounts(3, 2, 1, 0.0).body() | {"row_share": -0.5}).encode()
+        )
     with pytest.raises(session.SessionMessageError, match="not JSON"):
         session.parse_epoch(b"\xff{")
     with pytest.raises(session.SessionMessageError, match="not JSON"):

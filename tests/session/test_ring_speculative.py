@@ -15,12 +15,17 @@ from kafila.engine.generate import generate
 from kafila.engine.sampler import SamplingParams
 from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
+from kafila.models.presets import resolve_manifest
 from kafila.obs import metrics
+from kafila.planner import DeviceReport, Plan, plan
+from kafila.planner.decide import with_yield
+from kafila.planner.drafting import MIN_CIRCUITS, CircuitYield
 from tests.session.ringkit import build_ring
 
 PROMPT = [4, 8, 15, 16, 23, 42, 7, 9] * 2  # the tiny model's greedy answer repeats itself
 SPLITS = [(0, 2), (2, 4), (4, 5)]
-CHEAP_ROWS = DraftPolicy(row_share=0.0)  # draft whatever lookup finds: every path is exercised
+CHEAP_ROWS = DraftPolicy(row_share=0.0)
+GB = 10**9  # draft whatever lookup finds: every path is exercised
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +158,59 @@ async def test_a_draft_model_at_the_head_gives_the_plain_answer_in_fewer_circuit
     if sampling.temperature == 0:
         assert accepted == drafted  # the served model's own greedy tokens
     assert whole.open_requests == []
+
+
+def three_homes() -> Plan:
+    """A plan for the ring's three members 20 ms apart one way (its figures are what is priced)."""
+    names = ("m0", "m1", "m2")
+    fleet = [DeviceReport(n, 16 * GB, 50e9, pair_rtt_s={m: 0.040 for m in names if m != n}) for n in names]
+    p = plan(fleet, resolve_manifest("qwen3-8b"), context=2048)
+    assert p.feasible and p.per_token_s is not None
+    return p
+
+
+@pytest.mark.parametrize("draft", [CHEAP_ROWS, None], ids=["drafting", "plain"])
+async def test_the_heads_session_document_prices_its_plan_for_the_tokens_its_circuits_gave(
+    ckpt: Checkpoint, draft: DraftPolicy | None
+) -> None:
+    """Requests until the head counted MIN_CIRCUITS decode circuits: its counts are the counters'
+    (every circuit, drafted and kept token), its /session document's plan figures are the plan's
+    priced for them (a token below the plain one where drafts were kept, the same plain; as planned
+    before, whatever yield the plan was priced for when decided), and the gauges follow the
+    document."""
+    p = three_homes()
+    ring = build_ring(ckpt, SPLITS, context=64, draft=draft)
+    ring.head.plan = with_yield(p, CircuitYield(2.0, 3.0, 0.1))  # as a re-plan priced it then
+    ring.head.info.plan["chosen"] = p.summary()
+    before = counted()
+    try:
+        first = ring.head.describe()["plan"]  # nothing counted: as planned
+        assert first["chosen"] == first["planned"] == p.summary()
+        for _ in range(8):
+            await answer(await ring.head.submit(PROMPT, Sampling(max_tokens=40)))
+            if ring.head.counts.circuits >= MIN_CIRCUITS:
+                break
+        doc = ring.head.describe()
+    finally:
+        await ring.stop()
+    drafted, accepted, circuits = (a - b for a, b in zip(counted(), before, strict=True))
+    c = ring.head.counts
+    assert (c.circuits, c.drafted, c.accepted) == (circuits, drafted, accepted) and circuits >= MIN_CIRCUITS
+    share = c.row_share()
+    decode = doc["decode"]
+    assert decode["circuits"] == circuits and decode["prices_plan"]
+    assert decode["row_share_from"] == ("assumed" if share is None else "measured")
+    chosen, planned = doc["plan"]["chosen"], doc["plan"]["planned"]
+    assert planned == p.summary()
+    if draft is None:
+        assert drafted == 0 and chosen == planned  # plain decoding: the plan's own figures
+    else:
+        assert accepted > 0  # the tiny model's repeating answer: prompt lookup finds it
+        assumed = draft.row_share
+        y = CircuitYield.measured(circuits, drafted, accepted, assumed if share is None else share)
+        assert chosen == with_yield(p, y).summary() and chosen["tokens_per_circuit"] == y.tokens
+        assert chosen["per_token_ms"] < planned["per_token_ms"]
+    metrics.observe_document(doc)
+    gauges = {s.name: s.value for m in metrics.REGISTRY.collect() for s in m.samples}
+    assert gauges["kafila_predicted_tokens_per_circuit"] == pytest.approx(chosen["tokens_per_circuit"])
+    assert gauges["kafila_predicted_circuit_seconds"] == pytest.approx(chosen["circuit_ms"] / 1000)

@@ -18,10 +18,13 @@ from kafila.engine.sampler import SamplingParams
 from kafila.engine.stage import Stage
 from kafila.engine.tokenizer import Tokenizer
 from kafila.models.checkpoint import Checkpoint
+from kafila.planner.decide import as_planned, measured
+from kafila.planner.drafting import MIN_CIRCUITS, CircuitCounts
 from kafila.rendezvous.server import RendezvousServer
 from kafila.session.errors import SessionError
 from kafila.session.forming.host import host
 from kafila.session.forming.join import join
+from kafila.session.ring.head import RingHead
 from kafila.session.runtime import MemberRuntime
 from kafila.session.terms import Options
 from tests.session.conftest import make_tiny_chat
@@ -30,6 +33,7 @@ from tests.session.hosting import code_of
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 MODEL = "smollm2-135m"
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
+HOST_BELOW_HEAD = 6_000_000  # bytes the host offers: less than the tiny chat model's head needs
 
 
 @pytest.fixture(scope="module")
@@ -333,3 +337,40 @@ async def test_api_answers_while_the_session_forms_then_serves_on_the_same_addre
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         finally:
             await close(formed)
+
+
+async def test_the_hosts_plan_figures_follow_the_tokens_per_circuit_the_head_measured(
+    rdv, tiny_chat_model, tmp_path
+) -> None:
+    """Requests until the head (a joiner: the host offers too little memory for the head) counted
+    MIN_CIRCUITS decode circuits: its member tells the host the counts over their control link, and
+    the host's /session prices the plan for them, next to the plan's figures as planned. (This
+    random model's answers give prompt lookup nothing to draft: the drafted case's figures are
+    tests/session/test_ring_speculative.py's.)"""
+    formed = await form(rdv, tmp_path, model=str(tiny_chat_model), host_kw={"memory_bytes": HOST_BELOW_HEAD})
+    try:
+        hosting, head = formed[0], service_of(formed, not_head=False)
+        assert head is not hosting  # the counts travel: the host's /session prices them
+        role = head.role
+        assert isinstance(role, RingHead) and hosting.plan is not None
+        tok = Tokenizer.from_checkpoint(Checkpoint.open(tiny_chat_model))
+        prompt = tok.encode_chat(PROMPT)
+        for _ in range(10):
+            [t async for ev in await role.submit(prompt, Sampling(max_tokens=24)) for t in ev.tokens]
+            if role.counts.circuits >= MIN_CIRCUITS:
+                break
+        c = role.counts
+        share = role.assumed_share() if c.row_share() is None else c.row_share()
+        assert share is not None and c.circuits >= MIN_CIRCUITS
+        want = measured(hosting.plan, CircuitCounts(c.circuits, c.drafted, c.accepted), share)
+        for _ in range(100):  # within COUNTS_EVERY_S where the head is another member
+            doc = hosting.ring().describe()
+            if doc["plan"].get("decode", {}).get("circuits") == c.circuits:
+                break
+            await asyncio.sleep(0.1)
+        assert doc["plan"]["decode"]["head"] == head.name and doc["plan"]["decode"]["prices_plan"]
+        assert doc["plan"]["chosen"] == want.summary()
+        assert doc["plan"]["planned"] == as_planned(hosting.plan).summary()
+        assert want.tokens_per_circuit == 1 + c.accepted / c.circuits
+    finally:
+        await close(formed)

@@ -191,7 +191,7 @@ class HostArrivals:
     async def _decide(self, newcomer: Newcomer, report: DeviceReport, at: float) -> None:
         epochs = self.epochs
         m = epochs.membership
-        decision = on_arrived(m, report, epochs.manifest, epochs.terms)
+        decision = on_arrived(epochs.priced(), report, epochs.manifest, epochs.terms)
         grown = with_member(m, report)
         if isinstance(decision, Replan) and decision.plan.head != m.plan.head:
             decision = Keep(

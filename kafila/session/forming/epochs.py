@@ -57,7 +57,9 @@ from kafila.obs import metrics
 from kafila.obs.log import get_logger
 from kafila.obs.trace import ReplanRecord, TraceLog
 from kafila.planner import moves
+from kafila.planner.decide import as_planned, measured
 from kafila.planner.devices import DeviceReport
+from kafila.planner.drafting import MIN_CIRCUITS, CircuitCounts
 from kafila.planner.plan import Plan
 from kafila.planner.replan import End, Keep, Membership, PlanTerms, Replan, on_measured, with_path
 from kafila.planner.succession import HandOff, Replaced, succession_order
@@ -82,6 +84,7 @@ from kafila.session.weights.server import WeightServer
 from kafila.session.weights.sharing import where_from
 
 log = get_logger("kafila.session.forming.epochs")
+COUNTS_EVERY_S = 2.0  # a head on another member than the host tells it its decode counts this often
 
 CONTROL_KIND = 33  # link message kind of the epoch messages (kafila.session.channel's ring is 32)
 READY_S = 120.0  # a survivor that is not ready for the next epoch within this ends the session
@@ -190,6 +193,7 @@ async def _resume(
     role = held.ring()
     if isinstance(role, RingHead):
         carried = role.resume(epoch, parts.stage, parts.info, parts.next, parts.prev, parts.lanes, origins)
+        role.plan = plan
         metrics.observe_ring(role.describe())  # every series of the ring, rebuilt for this epoch
         return carried
     if parts.index == 0:
@@ -199,7 +203,7 @@ async def _resume(
             role, parts.stage, parts.info, parts.next, parts.prev, parts.lanes, tuple(eos),
             plan.concurrency, terms.chunk, terms.queue, origins,
         )  # fmt: skip
-        head.epoch = epoch
+        head.epoch, head.plan = epoch, plan
         held.role = head
         if held.app is not None:
             held.app.state.api.service = head
@@ -240,6 +244,7 @@ class HostEpochs:
         self._handing = False  # it hands its role over (`hand_over`)
         self._measured: dict[tuple[str, str], bool] = {}  # (a, b) -> its link runs direct, settled
         self._paths = PathWatch(lambda peer, direct: self.path(self.held.name, peer, direct))
+        self._counts: tuple[str, sm.DecodeCounts] | None = None  # the head's last, where it is another member
 
     def start(self) -> None:
         """Listen to every member's control link and to the host's own ring breaking."""
@@ -298,6 +303,47 @@ class HostEpochs:
                 f"this member handed the session's host role over to {to} in epoch {m.epoch}{cut}; it "
                 "leaves (join the session again with the same code to come back as a member)"
             )
+
+    def priced(self) -> Membership:
+        """The membership with its plan priced for the tokens per circuit the serving head measured
+        (this member's, or the counts the head's member last told, `counted`), so a re-plan weighs
+        times per token of that yield; plain figures until it counted MIN_CIRCUITS circuits."""
+        m, role = self.membership, self.held.role
+        if isinstance(role, RingHead):
+            return replace(m, plan=measured(m.plan, role.counts, role.assumed_share()))
+        if self._counts is None or self._counts[0] != m.plan.head:  # none yet, or a head since lost
+            return replace(m, plan=as_planned(m.plan))
+        c = self._counts[1]
+        counts = CircuitCounts(c.circuits, c.drafted, c.accepted)
+        return replace(m, plan=measured(m.plan, counts, c.row_share))
+
+    def counted(self, peer: str, msg: sm.DecodeCounts) -> None:
+        """The head's member `peer` told its decode counts: /session here prices the plan for them."""
+        if peer != self.membership.plan.head:
+            log.info("epoch_message_ignored", peer=peer, op=msg.OP, reason="not the serving head")
+            return
+        self._counts = (peer, msg)
+        self._show_priced()
+
+    def _show_priced(self) -> None:
+        """/session on a host that is not the head: the plan's figures priced for what the head
+        told ("chosen"), next to them as planned ("planned") and the counts ("decode")."""
+        role = self.held.ring()
+        if isinstance(role, RingHead) or self._counts is None:
+            return  # the head's own document prices it; nothing told yet
+        head, c = self._counts
+        planned = as_planned(self.membership.plan)
+        priced = self.priced().plan
+        role.info.plan["chosen"] = priced.summary()
+        role.info.plan["planned"] = planned.summary()
+        role.info.plan["decode"] = {
+            "head": head,
+            "circuits": c.circuits,
+            "drafted": c.drafted,
+            "accepted": c.accepted,
+            "row_share": c.row_share,
+            "prices_plan": head == planned.head and c.circuits >= MIN_CIRCUITS,
+        }
 
     def _linked(self, peer: str) -> bool:
         link = self.held.links.get(peer)
@@ -368,6 +414,8 @@ class HostEpochs:
             self.failed(peer, msg.epoch, f"member {peer} could not move to epoch {msg.epoch}: {msg.reason}")
         elif isinstance(msg, sm.PathReport):
             self.path(peer, msg.peer, msg.direct)
+        elif isinstance(msg, sm.DecodeCounts):
+            self.counted(peer, msg)
         elif isinstance(msg, sm.Replaced):
             self.replaced(peer, msg.by, msg.epoch)
         else:
@@ -460,16 +508,21 @@ class HostEpochs:
                 )
         if not changed:
             return
-        decision = on_measured(m, reports, self.manifest, self.terms, "; ".join(changed))
+        decision = on_measured(self.priced(), reports, self.manifest, self.terms, "; ".join(changed))
         log.info("plan_paths_measured", changed=changed, decision=type(decision).__name__)
         if isinstance(decision, Replan):
             self.membership = replace(m, reports=reports)
             self._moving = move = moves.Move(decision, frozenset(), time.monotonic())
             self._job = self.held.spawn(self._move(move), "replan")
         elif isinstance(decision, Keep):
-            self.membership = replace(m, reports=reports, plan=decision.plan)
-            self.held.plan = decision.plan
-            self.held.ring().info.plan["chosen"] = decision.plan.summary()
+            kept = as_planned(decision.plan)  # the head's counts price it anew
+            self.membership = replace(m, reports=reports, plan=kept)
+            self.held.plan = kept
+            role = self.held.ring()
+            role.info.plan["chosen"] = kept.summary()
+            if isinstance(role, RingHead):
+                role.plan = kept
+            self._show_priced()
             say(f"plan corrected with the measured paths: {decision.reason}")
 
     def _lost_while_moving(self, member: str, cause: str, detail: str) -> None:
@@ -483,7 +536,8 @@ class HostEpochs:
         if self._ending:
             return
         m, now = self.membership, time.monotonic()
-        step = moves.on_loss(m, self._moving, member, detail or cause, now, self.manifest, self.terms)
+        priced = self.priced()
+        step = moves.on_loss(priced, self._moving, member, detail or cause, now, self.manifest, self.terms)
         if isinstance(step, moves.Ignored):
             log.info("member_lost_ignored", member=member, cause=cause, why=step.why)
             return
@@ -575,6 +629,7 @@ class HostEpochs:
         first = role.first_token() if isinstance(role, RingHead) else None
         # the new epoch is in place: a loss from now on re-plans from it
         self.membership, self._moving = moves.committed(self.membership, move), None
+        self._show_priced()
         held.plan = new
         carried = resumed if head else None  # only the head knows
         for n in survivors:
@@ -696,6 +751,7 @@ class MemberEpochs:
         self._job: asyncio.Task[None] | None = None
         self._seen = 1  # the newest epoch this member serves or was told to move to
         self._paths = PathWatch(self._report_path)
+        self._telling: asyncio.Task[Any] | None = None  # `_tell_counts`, from `start`
         # told when the ring breaks naming the host and the host published a succession order
         self.on_host_lost: Callable[[RingBroken], None] | None = None
         self.on_member_lost: Callable[[str], None] | None = None  # another member's loss, as said
@@ -715,6 +771,7 @@ class MemberEpochs:
         self._seen = max(self._seen, role.epoch)  # a member that joined a serving session starts later
         self._listen_all()
         self._watch_paths()
+        self._telling = self.held.spawn(self._tell_counts(), "tell_decode_counts")
 
     def _listen_all(self) -> None:
         """Epoch messages on every link: the host's, and a successor's should the host be lost (a
@@ -725,6 +782,22 @@ class MemberEpochs:
     def _watch_paths(self) -> None:
         """This member's links to other members (the host measures its own side of its links)."""
         self._paths.watch({p: link for p, link in self.held.links.items() if p != self.held.host})
+
+    async def _tell_counts(self) -> None:
+        """Where this member is the head (or becomes it in a later epoch), its decode counts to the
+        host every COUNTS_EVERY_S while they changed, for the host to price its plan (`counted`)."""
+        told: sm.DecodeCounts | None = None
+        while True:
+            await asyncio.sleep(COUNTS_EVERY_S)
+            role, link = self.held.role, self.held.links.get(self.held.host)
+            if not isinstance(role, RingHead) or link is None or link.closed:
+                continue
+            c, share = role.counts, role.counts.row_share()
+            share = role.assumed_share() if share is None else share
+            msg = sm.DecodeCounts(c.circuits, c.drafted, c.accepted, share)
+            if msg != told:
+                await self.tell(link, msg)
+                told = msg
 
     def _report_path(self, peer: str, direct: bool) -> None:
         link = self.held.links.get(self.held.host)
@@ -794,6 +867,8 @@ class MemberEpochs:
     def stop(self) -> None:
         """This member coordinates from now on (it took over as the host): its member side ends."""
         self._paths.close()
+        if self._telling is not None:
+            self._telling.cancel()
 
     async def end_with(self, reason: str) -> None:
         """The session ends on this member for `reason` (no successor, or no weights to go on with)."""

@@ -109,6 +109,7 @@ async def start_role(
             draft=policy_for(opts.draft),
             drafter=drafter,
         )
+        role.plan = plan  # /session prices it for the tokens per circuit the head measures
         traces.write(session_record(plan, code.public, model, info.edges, epoch))
     else:
         if nxt is None or prv is None:  # a plan puts a member that is not the head in a ring of 2+

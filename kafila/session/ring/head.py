@@ -43,6 +43,9 @@ from kafila.engine.stage import Stage, StageError
 from kafila.obs import hopmarks, metrics
 from kafila.obs.log import get_logger
 from kafila.obs.trace import HopTrace, RequestRecord, StageRecord, StageTrace, TraceLog
+from kafila.planner.decide import as_planned, measured
+from kafila.planner.drafting import MIN_CIRCUITS, CircuitCounts
+from kafila.planner.plan import Plan
 from kafila.proto import ring as rc
 from kafila.proto import tensor as t
 from kafila.session.channel import Channel, ChannelError
@@ -119,6 +122,8 @@ class RingHead(RoleBase):
         self.draft, self.drafter = draft, drafter
         self.tie_margin = tie_margin
         self.last_request = (0, 0, 0)  # decode circuits, drafted and kept tokens of the last one done
+        self.counts = CircuitCounts()  # every decode circuit of this head's requests, every epoch
+        self.plan: Plan | None = None  # the plan it serves, repriced for `counts` in /session
         self.stage, self.model, self.info = stage, model, info
         self.eos_ids = tuple(eos_ids)
         # prompts admitted together: in a ring of one, one step of as many rows as stay exact; in a
@@ -159,13 +164,50 @@ class RingHead(RoleBase):
         return gen
 
     def describe(self) -> dict[str, Any]:
-        return self.document() | {
-            "me": self.info.order[0],  # the head, as a member's document names itself
-            "active": list(self.schedule.active),
-            "queued": len(self.schedule.queue_positions()),
-            "slots": self.schedule.concurrency,  # KV-cache slots: requests admitted at once
-            "lanes": self.schedule.lane_sizes(),  # admitted requests per decode lane
+        return (
+            self.document()
+            | {
+                "me": self.info.order[0],  # the head, as a member's document names itself
+                "active": list(self.schedule.active),
+                "queued": len(self.schedule.queue_positions()),
+                "slots": self.schedule.concurrency,  # KV-cache slots: requests admitted at once
+                "lanes": self.schedule.lane_sizes(),  # admitted requests per decode lane
+            }
+            | self._yield_document()
+        )
+
+    def priced(self) -> Plan | None:
+        """The plan it serves priced for the tokens its circuits gave (`counts`) once it counted
+        MIN_CIRCUITS of them, each drafted row at the row share its stages measured, else at its
+        draft policy's (plain figures before; None: no plan given)."""
+        if self.plan is None:
+            return None
+        return measured(self.plan, self.counts, self.assumed_share())
+
+    def assumed_share(self) -> float:
+        return 0.0 if self.draft is None else self.draft.row_share
+
+    def _yield_document(self) -> dict[str, Any]:
+        """/session's "decode" (the counts) and "plan" with the chosen plan's figures priced for
+        them (`priced`: as planned until they count MIN_CIRCUITS circuits) next to the figures as
+        planned, one token per circuit ("planned")."""
+        c, share = self.counts, self.counts.row_share()
+        y = c.circuit_yield(self.assumed_share())
+        decode = {
+            "circuits": c.circuits,
+            "drafted": c.drafted,
+            "accepted": c.accepted,
+            "tokens_per_circuit": round(y.tokens, 4),
+            "rows_per_circuit": round(y.rows, 4),
+            "row_share": round(y.row_share, 4),
+            "row_share_from": "assumed" if share is None else "measured",
+            "prices_plan": c.circuits >= MIN_CIRCUITS,
         }
+        priced = self.priced()
+        if priced is None or self.plan is None:
+            return {"decode": decode}
+        planned = as_planned(self.plan).summary()
+        return {"decode": decode, "plan": {**self.info.plan, "chosen": priced.summary(), "planned": planned}}
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -520,7 +562,7 @@ class RingHead(RoleBase):
             now = time.perf_counter()
             for rid, token, reason in zip(rids, turn.tokens, turn.reasons, strict=True):
                 if (req := self._reqs.get(rid)) is not None:  # (cancelled meanwhile: nothing to answer)
-                    self._sampled(req, token, reason, step.prefill, timings, turn, now)
+                    self._sampled(req, token, reason, step.prefill, timings, turn, now, _alone(frame))
         if self.next is None:  # a ring of one: _enter called us, the pump goes on
             self._wake.set()
         else:
@@ -567,7 +609,8 @@ class RingHead(RoleBase):
             req.draft_stats = observe_drafting(self.draft, req.draft_stats, len(nxt), draft_s)
             req.draft = nxt
             took = (verdict.tokens, verdict.reason, step.prefill, timings)
-            self._took(req, *took, turn.logits_us, turn.sampled_at, now, (len(d), verdict.accepted))
+            drafts = (len(d), verdict.accepted)
+            self._took(req, *took, turn.logits_us, turn.sampled_at, now, drafts, _alone(frame))
 
     def _drafting(self, req: _Req, fed: tuple[int, ...]) -> compute.Drafting:
         position = self.schedule.next_position(req.rid)  # where this step's last token was fed
@@ -592,10 +635,12 @@ class RingHead(RoleBase):
         timings: tuple[int, ...],
         turn: compute.HeadTurn,
         now: float,
+        alone: bool = False,
     ) -> None:
         """`token` (ended its request for `reason`, if any) sampled in `turn` on the model thread,
         which alone touches the request's sampler."""
-        self._took(req, (token,), reason, prefill, timings, turn.logits_us, turn.sampled_at, now)
+        at = (turn.logits_us, turn.sampled_at, now)
+        self._took(req, (token,), reason, prefill, timings, *at, (0, 0), alone)
 
     def _took(
         self,
@@ -608,12 +653,15 @@ class RingHead(RoleBase):
         sampled_at: float,
         now: float,
         drafts: tuple[int, int] = (0, 0),
+        alone: bool = False,
     ) -> None:
         """`tokens` (the last ended its request for `reason`, if any) taken from one step, sampled
         on the model thread at `sampled_at`; () where a verification step kept none. `drafts`:
-        the drafted tokens the step verified and those kept."""
+        the drafted tokens the step verified and those kept; `alone`: the step carried this
+        request only (its stages' compute then prices its rows)."""
         if not prefill:
             req.circuits += 1
+            self.counts = self.counts.add(*drafts, sum(timings) / 1e6 if alone else None)
             metrics.observe_circuit(len(tokens), *drafts)
             # from the head's blocks starting (their compute before the output left) to the token
             # sampled: every stage, the logits and the hops, as the plan's circuit
@@ -760,6 +808,10 @@ class RingHead(RoleBase):
         if self.traces is not None:
             self.traces.write(rec)
         metrics.observe_request(rec)
+
+
+def _alone(frame: t.Hidden) -> bool:
+    return len(frame.entries) == 1
 
 
 def _answer_message(rid: int, item: TokenEvent | GenerationError) -> t.Message:
