@@ -88,3 +88,16 @@ def test_the_terms_name_the_cpus_the_process_may_use_so_a_pinned_member_measures
     assert (pinned != whole) == (len(everything) > 1)
     assert measurement_terms(opts, TINY) == whole
     assert measurement_terms(Options(model="tiny", emulate_speed=0.5), TINY) != whole
+
+
+def test_a_member_at_an_emulated_pace_says_so_whether_it_measures_or_offers_a_kept_measurement(capsys):
+    """It serves at that pace either way, so the console says so either way (a member started again
+    within --probe-max-age used to say nothing of it)."""
+    opts = Options(model="tiny", probe_repeats=1, emulate_speed=0.5)
+    measured = Measurements()
+    for offered in ("measuring this device", "measured 0 s ago"):
+        probe_report("beta", None, opts, TINY, measured)
+        said = capsys.readouterr().err
+        assert offered in said and "beta: emulating a slower device, 0.5 of this machine's speed" in said
+    probe_report("beta", None, Options(model="tiny", probe_repeats=1), TINY, measured)
+    assert "emulating" not in capsys.readouterr().err

@@ -100,6 +100,9 @@ def probe_report(
     `measured`. With the session model's config.json the probe also times one decode step of one
     synthetic block of that model, which the planner prefers."""
     terms = measurement_terms(opts, config)
+    pace = opts.pace
+    if pace.emulated:  # it serves at that pace too, measured now or earlier
+        say(f"{name}: emulating a slower device, {pace.speed:g} of this machine's speed (--emulate-speed)")
     earlier = measured.get(terms, time.time()) if measured is not None else None
     if earlier is not None:
         report, ago = earlier
@@ -128,16 +131,13 @@ def _measure(name: str, opts: Options, config: dict[str, Any] | None) -> ProbeRe
         model = ModelConfig.from_dict(config) if config else None
     except (ConfigError, ValueError, TypeError):
         model = None
-    pace = opts.pace
-    if pace.emulated:
-        say(f"{name}: emulating a slower device, {pace.speed:g} of this machine's speed (--emulate-speed)")
     return probe(
         opts.backend,
         opts.dtype,
         repeats=opts.probe_repeats,
         model=model,
         model_name=opts.model,
-        pace=pace,
+        pace=opts.pace,
         quant="none" if opts.quant == "auto" else opts.quant,  # a member of an older host: floats
     )
 
