@@ -91,13 +91,15 @@ class CircuitCounts:
         one = self.one_row_s / self.one_row
         return max(0.0, (self.more_rows_s - self.more_rows * one) / (self.extra_rows * one))
 
-    def circuit_yield(self, assumed_share: float) -> CircuitYield:
-        """The yield these circuits measured, each drafted row priced at the measured share where
-        there is one, else at `assumed_share`."""
+    def priced_share(self, assumed_share: float) -> float:
+        """The share a drafted row is priced at: the measured one where there is one, else `assumed_share`."""
         share = self.row_share()
-        return CircuitYield.measured(
-            self.circuits, self.drafted, self.accepted, assumed_share if share is None else share
-        )
+        return assumed_share if share is None else share
+
+    def circuit_yield(self, assumed_share: float) -> CircuitYield:
+        """The yield these circuits measured, each drafted row at `priced_share`."""
+        share = self.priced_share(assumed_share)
+        return CircuitYield.measured(self.circuits, self.drafted, self.accepted, share)
 
 
 @dataclass(frozen=True)

@@ -792,9 +792,8 @@ class MemberEpochs:
             role, link = self.held.role, self.held.links.get(self.held.host)
             if not isinstance(role, RingHead) or link is None or link.closed:
                 continue
-            c, share = role.counts, role.counts.row_share()
-            share = role.assumed_share() if share is None else share
-            msg = sm.DecodeCounts(c.circuits, c.drafted, c.accepted, share)
+            c = role.counts
+            msg = sm.DecodeCounts(c.circuits, c.drafted, c.accepted, c.priced_share(role.assumed_share()))
             if msg != told:
                 await self.tell(link, msg)
                 told = msg
