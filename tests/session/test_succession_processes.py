@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -92,6 +93,24 @@ def _placed(fleet: LocalFleet, host: str, name: str, within: float = 60.0) -> di
             return doc
         assert time.monotonic() < deadline, doc
         time.sleep(0.5)
+
+
+def _serving_epoch(fleet: LocalFleet, name: str, epoch: int, deadline: float) -> dict[str, Any]:
+    """`name`'s /session once it serves `epoch`, or its last one at `deadline` (time.monotonic())."""
+    doc = fleet.session(name)
+    while not (doc["state"] == "serving" and doc["epoch"] == epoch) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        doc = fleet.session(name)
+    return doc
+
+
+def _without_the_checkpoint(model: Path, tmp_path: Path, env: dict[str, str] | None = None) -> LocalFleet:
+    """Three members of a tiny checkpoint only the host (0.01 GB offered: not the head) has on disk;
+    the others fetch their shards into caches of their own, with `env`."""
+    caches = [{}] + [{"KAFILA_CACHE": str(tmp_path / f"cache{i}"), **(env or {})} for i in (1, 2)]
+    return LocalFleet((None,) * 3, str(model), context=256, workdir=tmp_path / "fleet", stagger=False,
+                      extra_args=ONE_THREAD, member_args=[("--memory-gb", "0.01"), (), ()],
+                      member_env=caches)  # fmt: skip
 
 
 def test_a_host_frozen_for_15_s_is_replaced_and_on_waking_ends_saying_so(smollm2_path, tmp_path) -> None:
@@ -205,10 +224,7 @@ def test_a_successor_without_the_checkpoint_takes_the_lost_hosts_blocks_from_the
     host is killed; its successor holds no copy of the checkpoint, so it takes the host's blocks
     from the member that kept them (the host's ring predecessor), all of them and from it alone,
     and the session serves the same greedy answer as before."""
-    caches = [{}] + [{"KAFILA_CACHE": str(tmp_path / f"cache{i}")} for i in (1, 2)]
-    with LocalFleet((None,) * 3, str(tiny_chat_model), context=256, workdir=tmp_path / "fleet", stagger=False,
-                    extra_args=ONE_THREAD, member_args=[("--memory-gb", "0.01"), (), ()],
-                    member_env=caches) as fleet:  # fmt: skip
+    with _without_the_checkpoint(tiny_chat_model, tmp_path) as fleet:
         host = fleet.members[0]
         doc = fleet.session()
         ring, model = doc["ring"], doc["model"]
@@ -225,11 +241,7 @@ def test_a_successor_without_the_checkpoint_takes_the_lost_hosts_blocks_from_the
         through = next(m for m in fleet.members if m.name == keeper)
         before = _greedy(str(through.api_url), model)
         _sigkill(host)
-        after = fleet.session(successor)
-        deadline = time.monotonic() + 60
-        while not (after["state"] == "serving" and after["epoch"] == 2) and time.monotonic() < deadline:
-            time.sleep(0.5)
-            after = fleet.session(successor)
+        after = _serving_epoch(fleet, successor, 2, time.monotonic() + 60)
         assert after["state"] == "serving" and after["epoch"] == 2 and host.name not in after["ring"], after
         taken = after["weights"]["taken_over"]
         assert taken == {"fetched_tensor_bytes": host_bytes, "by_source": {f"peer {keeper}": host_bytes}}
@@ -244,12 +256,7 @@ def test_a_successor_fetching_the_lost_hosts_blocks_slowly_simulated_past_the_wa
     beyond the 20 s a survivor waits for a silent successor. The successor says it is taking over
     from the start and while it fetches, so the member it fetches from waits for it rather than
     taking over too: one epoch 2, coordinated by the successor, and the same greedy answer."""
-    caches = [{}] + [
-        {"KAFILA_CACHE": str(tmp_path / f"cache{i}"), SLOW_FETCH_ENV: str(SLOW_FETCH_S)} for i in (1, 2)
-    ]
-    with LocalFleet((None,) * 3, str(tiny_chat_model), context=256, workdir=tmp_path / "fleet", stagger=False,
-                    extra_args=ONE_THREAD, member_args=[("--memory-gb", "0.01"), (), ()],
-                    member_env=caches) as fleet:  # fmt: skip
+    with _without_the_checkpoint(tiny_chat_model, tmp_path, {SLOW_FETCH_ENV: str(SLOW_FETCH_S)}) as fleet:
         host = fleet.members[0]
         doc = fleet.session()
         ring, model = doc["ring"], doc["model"]
@@ -263,11 +270,7 @@ def test_a_successor_fetching_the_lost_hosts_blocks_slowly_simulated_past_the_wa
         before = _greedy(str(kept.api_url), model)
         _sigkill(host)
         killed = time.monotonic()
-        deadline = killed + SLOW_FETCH_S + 60
-        after = fleet.session(successor)
-        while not (after["state"] == "serving" and after["epoch"] == 2) and time.monotonic() < deadline:
-            time.sleep(0.5)
-            after = fleet.session(successor)
+        after = _serving_epoch(fleet, successor, 2, killed + SLOW_FETCH_S + 60)
         took = time.monotonic() - killed
         assert after["state"] == "serving" and after["epoch"] == 2 and after["host"] == successor, after
         assert took > WAIT_S, f"the simulated slow fetch held the successor {took:.1f} s, not past the wait"
@@ -326,12 +329,7 @@ def test_a_host_handing_over_on_sigusr1_lets_its_own_stream_finish_and_its_succe
         assert f"hands the session's host role over to {successor}" in refused[0].json()["error"]["message"]
         assert host.proc.wait(60) == 0, host.log_text()[-2000:]
         assert f"this member handed the session's host role over to {successor} in epoch 1" in host.log_text()
-        after = fleet.session(successor)
-        while (
-            not (after["state"] == "serving" and after["epoch"] == 2) and time.monotonic() < asked_at[0] + 60
-        ):
-            time.sleep(0.2)
-            after = fleet.session(successor)
+        after = _serving_epoch(fleet, successor, 2, asked_at[0] + 60)
         assert after["state"] == "serving" and after["epoch"] == 2 and after["host"] == successor, after
         assert host.name not in after["ring"] and len(after["ring"]) == 3, after
         heir = next(m for m in fleet.members if m.name == successor)
