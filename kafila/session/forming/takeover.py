@@ -127,9 +127,8 @@ class Succession:
     def _asked(self, peer: str) -> None:
         """`peer` asked this member for a range of the checkpoint: if it is the successor awaited,
         it is at work (fetching the lost host's blocks), which starts the wait for it again."""
-        view = self.view
-        if view is not None and view.state == "awaiting" and peer == view.coordinator:
-            view.working(peer, asyncio.get_running_loop().time())
+        if self.view is not None:  # (ignored unless `peer` is the successor awaited)
+            self.view.working(peer, asyncio.get_running_loop().time())
 
     def _hand_off(self) -> HandOff:
         """The view of the epoch serving (a new epoch brings a new order)."""
@@ -179,7 +178,7 @@ class Succession:
         event = view.tick(loop.time())
         if not isinstance(event, Ignored):
             self._act(event, "no epoch and no word from the successor")
-        if view.state == "awaiting" and view.deadline is not None and isinstance(event, Ignored):
+        elif view.state == "awaiting" and view.deadline is not None:
             self._timer = loop.call_at(view.deadline, self._tick)
 
     async def _follow(self, event: Follow) -> None:
