@@ -7,7 +7,7 @@ from aioquic.quic.congestion.base import create_congestion_control
 from aioquic.quic.packet import QuicPacketType
 from aioquic.quic.packet_builder import QuicSentPacket
 
-from kafila.net.congestion import NAME, LossTolerantReno, random_loss
+from kafila.net.congestion import NAME, LeastRtt, LossTolerantReno, random_loss
 
 MSS = 1452
 
@@ -73,3 +73,32 @@ def test_loss_above_two_percent_is_congestion_whatever_the_round_trip() -> None:
         cc.on_packet_sent(packet=p)
     cc.on_packets_lost(now=now + 0.05, packets=burst)
     assert cc.congestion_window == window // 2 and cc.tolerated == 0
+
+
+def test_the_least_round_trip_is_the_last_ten_to_twenty_seconds_and_never_one_fresh_sample() -> None:
+    least = LeastRtt(window=10.0)
+    assert least.value == float("inf")
+    least.sample(0.0, 0.001)  # formed on a path with no delay
+    least.sample(9.0, 0.040)  # then the path's delay grew
+    assert least.value == 0.001
+    least.sample(12.0, 0.042)  # a new window: the one before still counts
+    assert least.value == 0.001
+    least.sample(22.0, 0.045)  # two windows on: the old path's round trip is gone
+    assert least.value == 0.042
+    least.sample(55.0, 0.050)  # after a silence past both windows, only what came since
+    assert least.value == 0.050
+
+
+def test_a_path_whose_delay_grew_for_good_tolerates_random_loss_again_within_two_windows() -> None:
+    cc = create_congestion_control(NAME, max_datagram_size=MSS)
+    assert isinstance(cc, LossTolerantReno)
+    grown(cc, 300, rtt=0.001)  # formed at 1 ms (aioquic's least sample)
+    now = 30.0
+    for _ in range(300):  # 20 ms one way from now on, for longer than two windows
+        now += 0.1
+        cc.on_rtt_measurement(now=now, rtt=0.040)
+    window = cc.congestion_window
+    lost = packet(5000, now)
+    cc.on_packet_sent(packet=lost)
+    cc.on_packets_lost(now=now + 0.05, packets=[lost])
+    assert cc.congestion_window == window and cc.tolerated == 1
