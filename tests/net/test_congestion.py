@@ -3,11 +3,16 @@ a queue's (a grown round trip) or loss above 2% halves it as Reno does."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 from aioquic.quic.congestion.base import create_congestion_control
 from aioquic.quic.packet import QuicPacketType
 from aioquic.quic.packet_builder import QuicSentPacket
 
 from kafila.net.congestion import NAME, LeastRtt, LossTolerantReno, random_loss
+from kafila.net.link import LinkConfig
+from tests.net.simulated_edge import Setup, connect
 
 MSS = 1452
 
@@ -102,3 +107,27 @@ def test_a_path_whose_delay_grew_for_good_tolerates_random_loss_again_within_two
     cc.on_packet_sent(packet=lost)
     cc.on_packets_lost(now=now + 0.05, packets=[lost])
     assert cc.congestion_window == window and cc.tolerated == 1
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_simulated_edge_formed_without_delay_carries_each_prefill_at_20_ms_and_1_percent_loss_in_time(
+    seed: int,
+) -> None:
+    """The WAN lab's order: the session forms on unshaped links (a round trip of 0.2 ms), then every
+    edge gets 20 ms one way and 1% loss. Each 350 kB prefill after that takes 0.06-0.11 s (no loss:
+    0.024 s); with the least round trip of the whole connection, the grown one read as a queue, every
+    loss halved the window and the third prefill took 0.23-0.58 s."""
+    lossy = Setup(
+        loss=0.01, delay=0.020, jitter=0.0, mss=1452, cc=NAME, copy_flight=LinkConfig().copy_flight,
+        steps=24, step_bytes=2330, circuit=0.110, hold=0.010, prefill_bytes=350_000,
+    )  # fmt: skip
+    edge = connect(dataclasses.replace(lossy, delay=0.0001, loss=0.0), seed)
+    edge.decode(lossy.steps)
+    edge.send(lossy.prefill_bytes)
+    edge.run_until(edge.now + 20.0)  # the lab shapes its edges between requests
+    edge.setup = lossy
+    prefills = []
+    for _ in range(3):
+        edge.decode(lossy.steps)
+        prefills.append(edge.send(lossy.prefill_bytes))
+    assert max(prefills) < 0.15, f"prefills took {[round(p, 3) for p in prefills]} s"
