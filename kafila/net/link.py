@@ -368,6 +368,7 @@ class Link:
             configuration=self._quic_config(), original_destination_connection_id=original_dcid
         )
         quic_private.set_ack_delay(conn, self.config.ack_delay)
+        quic_private.window_min_rtt(conn, congestion.LeastRtt())
         quic_private.on_ack(conn, self._acked)
         return conn
 

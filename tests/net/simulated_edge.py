@@ -19,7 +19,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import pull_quic_header
 
-from kafila.net import quic_private
+from kafila.net import congestion, quic_private
 from kafila.net.certs import make_identity
 from kafila.net.link import LinkConfig, copies
 
@@ -155,7 +155,8 @@ def connect(setup: Setup, seed: int) -> Edge:
         configuration=server_config, original_destination_connection_id=header.destination_cid
     )
     for conn in (client, server):
-        quic_private.set_ack_delay(conn, LinkConfig().ack_delay)
+        quic_private.set_ack_delay(conn, LinkConfig().ack_delay)  # as a link does
+        quic_private.window_min_rtt(conn, congestion.LeastRtt())
     edge = Edge(setup, random.Random(seed), client, server)
     for data, _ in first:
         edge.seq += 1
