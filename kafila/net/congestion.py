@@ -61,6 +61,10 @@ class LeastRtt:
         self._current = math.inf
         self._previous = math.inf
 
+    def reset(self) -> None:
+        """Forget every sample (a new path): the next one is the least."""
+        self._started, self._current, self._previous = -math.inf, math.inf, math.inf
+
     def sample(self, now: float, rtt: float) -> None:
         age = now - self._started
         if age >= self.window:

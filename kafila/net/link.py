@@ -230,6 +230,7 @@ class Link:
         self._counters = _Counters()
         self._timed: deque[_Timed] = deque()  # messages sent with `delivered`, oldest first
         self._recent = RecentDatagrams()  # what arrived lately, so a copy is dropped before QUIC
+        self._least_rtt = congestion.LeastRtt()  # aioquic's least round trip (quic_private.window_min_rtt)
         self._log = log.bind(edge=f"{ctx.client_id}->{ctx.server_id}", me="client" if is_client else "server")
 
     # ------------------------------------------------------------------ paths
@@ -280,6 +281,7 @@ class Link:
             callback(change)
         if old_dead:
             self._resend_in_flight()
+        self._least_rtt.reset()  # the new path's round trip, from its first sample on
         self._use_datagram_size(self.config.max_datagram_size)
         self._probe_current_path()
         self._transmit()
@@ -368,7 +370,7 @@ class Link:
             configuration=self._quic_config(), original_destination_connection_id=original_dcid
         )
         quic_private.set_ack_delay(conn, self.config.ack_delay)
-        quic_private.window_min_rtt(conn, congestion.LeastRtt())
+        quic_private.window_min_rtt(conn, self._least_rtt)
         quic_private.on_ack(conn, self._acked)
         return conn
 

@@ -92,6 +92,10 @@ def test_the_least_round_trip_is_the_last_ten_to_twenty_seconds_and_never_one_fr
     assert least.value == 0.042
     least.sample(55.0, 0.050)  # after a silence past both windows, only what came since
     assert least.value == 0.050
+    least.reset()  # a new path
+    assert least.value == float("inf")
+    least.sample(56.0, 0.090)
+    assert least.value == 0.090
 
 
 def test_a_path_whose_delay_grew_for_good_tolerates_random_loss_again_within_two_windows() -> None:
