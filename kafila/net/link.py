@@ -32,7 +32,9 @@ Loss: a message queued while the stream holds at most `copy_flight` bytes unackn
 step's activation) leaves twice, each datagram right after itself, and the receiver drops the copy
 before QUIC. One lost packet of such a lone flight would wait for QUIC's probe timeout (srtt + 4
 rttvar + 25 ms) and halve the congestion window the next prefill needs; a bulk message's losses
-show within a round trip by the packets after them, and it is sent once.
+show within a round trip by the packets after them, and it is sent once. QUIC's least round trip
+is that of the last 10-20 s (congestion.LeastRtt, forgotten at a path change): aioquic takes its
+RTT variance, so its probe timeout, from it, and a path whose delay grew would keep the old one.
 
 Messages: one bidirectional stream carries (kind, payload) messages in order (kafila.net.framing).
 Authentication (kafila.net.auth) runs on it first; `send`/`recv` work only after it succeeds.
