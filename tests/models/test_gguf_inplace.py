@@ -4,6 +4,7 @@ when read, byte for byte the copy's, and refused once the blob changed or is gon
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import shutil
@@ -18,6 +19,8 @@ from kafila.models.checkpoint import Checkpoint, CheckpointError, open_weights
 from kafila.models.gguf_convert import convert, ensure_gguf
 from kafila.models.registry import resolve
 from kafila.models.weight_file import SourceChanged, inplace_index
+from kafila.session.channel import MemoryChannel
+from kafila.session.weights.fetch import fetch_shard
 from kafila.session.weights.manifest import checkpoint_id, describe
 from kafila.session.weights.server import WeightServer
 from tests.gguf_files import Shape, qwen3_tokenizer_meta, write_gguf
@@ -206,3 +209,22 @@ async def test_a_blob_changed_while_the_host_serves_is_not_served(
     blob.unlink()
     with pytest.raises(OSError, match=f"the GGUF {blob}, which is gone"):
         server.read_range("model.safetensors", e.start, e.nbytes)
+
+
+async def test_a_member_fetches_its_shard_from_a_host_serving_in_place(
+    store: Path, copies: dict[str, Path], tmp_path: Path
+) -> None:
+    """A member's share fetched over a session channel from a host serving the blob in place: the
+    copy's checkpoint id and tensor bytes, every digest checked by the member on the way."""
+    folder = resolve("ollama:llama", progress=False)
+    server = WeightServer(folder, max_request=1 << 16, cache=tmp_path / "host")  # many requests a tensor
+    host_end, member_end = MemoryChannel.pair("host", "m1")
+    serving = asyncio.ensure_future(server.serve(host_end, timeout=30))
+    got = await fetch_shard(member_end, range(1, 2), True, cache=tmp_path / "m1", local=[], progress=False)
+    await asyncio.wait_for(serving, 10)
+    copy = Checkpoint.open(copies["llama"])
+    names = copy.names_for(range(1, 2), True)
+    assert got.checkpoint == checkpoint_id(copies["llama"]) and sorted(got.fetched) == sorted(names)
+    assert got.tensor_bytes == sum(copy.tensors[n].nbytes for n in names)
+    shard, want = Checkpoint.open(got.path).read(names), copy.read(names)
+    assert all(shard[n][1] == want[n][1] for n in names)
