@@ -8,7 +8,9 @@ float dtype) and the row order that puts back a Llama's q/k rows. `InPlaceFile` 
 range of that file by making the rows it covers from the GGUF (memory-mapped): repacking a kept
 type (Q8_0, Q4_1, Q4_0, Q5_0, Q4_K) costs a copy of its bytes, requantizing one (Q5_1, Q5_K, Q6_K
 to int8; Q3_K, Q2_K to q4) is done again each time its rows are read (at a member's load and for
-each range a fetching member asks for; nothing is cached on disk). Every step works row by row,
+each range a fetching member asks for; nothing is cached on disk; the entries of a matrix its read
+did not ask for are kept for the next read, a loader's of its scales and mins). Every step works
+row by row,
 so rows made alone are the rows of the whole matrix: the bytes are the copy's, byte for byte
 (kafila.models.gguf_index writes the index, and that copy), and so are the digests the index
 holds.
@@ -27,6 +29,8 @@ import json
 import mmap
 import os
 import struct
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -240,15 +244,21 @@ class InPlaceFile:
             r = self.index.recipes[i]
             a = min((lo - e.start) // e.row_bytes for e, lo, _ in pieces)
             b = max(-(-(hi - e.start) // e.row_bytes) for e, _, hi in pieces)
-            assert self.map is not None
-            raw = np.frombuffer(self.map, np.uint8, count=r.nbytes, offset=r.start)
-            parts, _ = r.make(raw, a, b)
+            key = (str(self.path), *self.index_stamp, i, a, b)
+            parts = _LEFT.take(key)
+            if parts is None:
+                assert self.map is not None
+                raw = np.frombuffer(self.map, np.uint8, count=r.nbytes, offset=r.start)
+                parts, _ = r.make(raw, a, b)
+                del raw
+            used = {e.name for e, _, _ in pieces}
+            _LEFT.keep(key, {n: np.array(v) for n, v in parts.items() if n not in used})
             for e, lo, hi in pieces:
                 data = entry_bytes(e.spec, parts[e.name], b - a)
                 skip = lo - e.start - a * e.row_bytes
                 out.put(lo, data[skip : skip + hi - lo])
                 del data
-            del raw, parts
+            del parts
         self._check_path()
         return end - offset
 
@@ -284,6 +294,32 @@ class InPlaceFile:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+class _Left:
+    """The entries of the last few recipes made that their read did not ask for (a loader reads a
+    packed matrix's weight, scales and mins one read each: its rows are made once, not three times).
+    Bounded by count; each taken once."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep_n = keep
+        self.made: OrderedDict[tuple[Any, ...], dict[str, np.ndarray]] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def take(self, key: tuple[Any, ...]) -> dict[str, np.ndarray] | None:
+        with self.lock:
+            return self.made.pop(key, None)
+
+    def keep(self, key: tuple[Any, ...], parts: dict[str, np.ndarray]) -> None:
+        if not parts:
+            return
+        with self.lock:
+            self.made[key] = parts
+            while len(self.made) > self.keep_n:
+                self.made.popitem(last=False)
+
+
+_LEFT = _Left(4)
 
 
 class _Views:
