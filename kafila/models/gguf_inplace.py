@@ -245,13 +245,13 @@ class InPlaceFile:
             a = min((lo - e.start) // e.row_bytes for e, lo, _ in pieces)
             b = max(-(-(hi - e.start) // e.row_bytes) for e, _, hi in pieces)
             key = (str(self.path), *self.index_stamp, i, a, b)
+            used = {e.name for e, _, _ in pieces}
             parts = _LEFT.take(key)
-            if parts is None:
+            if parts is None or not used <= parts.keys():
                 assert self.map is not None
                 raw = np.frombuffer(self.map, np.uint8, count=r.nbytes, offset=r.start)
                 parts, _ = r.make(raw, a, b)
                 del raw
-            used = {e.name for e, _, _ in pieces}
             _LEFT.keep(key, {n: np.array(v) for n, v in parts.items() if n not in used})
             for e, lo, hi in pieces:
                 data = entry_bytes(e.spec, parts[e.name], b - a)

@@ -148,6 +148,9 @@ def test_a_stage_loads_the_copys_tensors_and_answers_its_greedy_tokens(
     got, want = ours.read(names), theirs.read(names)
     assert all(got[n][1] == want[n][1] for n in names)
     assert ours.bytes_read == theirs.bytes_read
+    # one read a tensor, as a stage loads (a matrix's scales and mins come from its weight's making)
+    assert all(ours.read([n])[n][1] == want[n][1] for n in reversed(names))
+    assert all(ours.read([n])[n][1] == want[n][1] for n in names)
     assert _greedy(folder, 6) == _greedy(copies[name], 6)
 
 
