@@ -7,14 +7,16 @@ command then reads as any model folder (kafila.models.checkpoint):
 - config.json from the GGUF metadata (`{arch}.block_count`, `.embedding_length`, ...), with
   `quantization_config` where any matrix is packed: a packed checkpoint keeps its float matrices as
   stored (kafila.models.manifest);
-- model.safetensors: every tensor in its own type (kafila.models.gguf_types): float tensors as
-  stored, Q8_0/Q4_1/Q4_0/Q5_0 repacked into int8/q4 entries with their values unchanged, Q4_K into
-  q4 with its product scales rounded to float16, the other quantized types requantized into
-  int8/q4, which `convert` prints on the console with the error it measured (one line per type:
-  the tensors, their bytes in the file and served); a quantized tensor the engine cannot pack (in
-  a fused product with a float one) is widened to F32 and said the same way. llama.cpp's converter
-  permutes the rows of a Llama's q/k projections for its interleaved RoPE; they are put back
-  (Qwen3 GGUFs keep Hugging Face's order);
+- model.safetensors as its index, model.safetensors.gguf.json (kafila.models.gguf_inplace: the
+  bytes are made from the GGUF where it lies when they are read; `convert(inplace=False)` writes
+  the file itself, the copy they equal): every tensor in its own type (kafila.models.gguf_types):
+  float tensors as stored, Q8_0/Q4_1/Q4_0/Q5_0 repacked into int8/q4 entries with their values
+  unchanged, Q4_K into q4 with its product scales rounded to float16, the other quantized types
+  requantized into int8/q4, which `convert` prints on the console with the error it measured
+  (one line per type: the tensors, their bytes in the file and served); a quantized tensor the
+  engine cannot pack (in a fused product with a float one) is widened to F32 and said the same
+  way. llama.cpp's converter permutes the rows of a Llama's q/k projections for its interleaved
+  RoPE; they are put back (Qwen3 GGUFs keep Hugging Face's order);
 - tokenizer.json and tokenizer_config.json (chat template, special tokens) from `tokenizer.ggml.*`:
   byte-level BPE with the pre-tokenizer llama.cpp names in `tokenizer.ggml.pre`, or a SentencePiece
   vocabulary with its scores (kafila.models.gguf_sentencepiece).
