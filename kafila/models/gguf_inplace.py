@@ -116,7 +116,7 @@ def entry_bytes(spec: TensorSpec, a: np.ndarray, rows: int) -> memoryview:
     want = (rows, *spec.shape[1:]) if len(spec.shape) > 1 else spec.shape
     if a.shape != tuple(want):
         raise ValueError(f"{spec.name}: made {a.dtype}{list(a.shape)}, header says {spec.dtype}{list(want)}")
-    return memoryview(a).cast("B")
+    return a.view(np.uint8).reshape(-1).data
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,10 @@ from pathlib import Path
 from typing import Protocol
 
 from kafila.models.checkpoint import open_weights
-from kafila.models.weight_file import INPLACE_SUFFIX
+from kafila.models.weight_file import INPLACE_SUFFIX, file_stamp
 from kafila.obs.log import get_logger
 from kafila.proto import tensor as t
 from kafila.session.channel import Channel, ChannelError
-from kafila.session.weights.cache import (
-    file_stamp,
-)
 from kafila.session.weights.manifest import (
     DEFAULT_MAX_REQUEST,
     OP_DONE,
