@@ -41,6 +41,13 @@ from kafila.models.manifest import (
     specs_from_config,
     stage_tensors,
 )
+from kafila.models.weight_file import (
+    PlainFile,
+    SourceChanged,
+    WeightFile,
+    inplace_index,
+    is_weight_file,
+)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -185,10 +192,14 @@ class Checkpoint:
         out: dict[str, tuple[TensorInfo, bytearray]] = {}
         for file, infos in by_file.items():
             infos.sort(key=lambda t: t.start)
-            with open(file, "rb") as f:
+            try:
+                f = open_weights(file)
+            except SourceChanged as exc:
+                raise CheckpointError(str(exc)) from exc
+            with f:
                 for span in _coalesce(infos):
                     buffers = [bytearray(t.nbytes) for t in span]
-                    got = _read_into(f.fileno(), [memoryview(b) for b in buffers], span[0].start)
+                    got = f.read_into([memoryview(b) for b in buffers], span[0].start)
                     with self._lock:
                         self.bytes_read += got
                     if got != span[-1].end - span[0].start:
@@ -200,29 +211,15 @@ class Checkpoint:
         return out
 
 
-# Linux caps one read at 0x7ffff000 bytes and one vectored read at IOV_MAX (1024) buffers.
-_IOV_MAX = 1024
+def open_weights(path: Path) -> WeightFile:
+    """A checkpoint's safetensors file to read by range: the file, or where an index made from a
+    GGUF stands for it, the bytes made from that GGUF (kafila.models.gguf_inplace; SourceChanged
+    when the GGUF is not the one it describes)."""
+    if not path.is_file() and inplace_index(path).is_file():
+        from kafila.models.gguf_inplace import InPlaceFile
 
-
-def _read_into(fd: int, views: list[memoryview], offset: int) -> int:
-    """Fill `views` from the file at `offset` in order (short reads resumed); bytes read until EOF."""
-    pending = [v for v in views if len(v)]
-    total = 0
-    while pending:
-        if hasattr(os, "preadv"):
-            n = os.preadv(fd, pending[:_IOV_MAX], offset)
-        else:  # no vectored reads on this platform
-            n = os.readv(fd, pending[:1]) if os.lseek(fd, offset, os.SEEK_SET) == offset else 0
-        if n <= 0:
-            break
-        offset += n
-        total += n
-        while n and pending:
-            if n >= len(pending[0]):
-                n -= len(pending.pop(0))
-            else:
-                pending[0], n = pending[0][n:], 0
-    return total
+        return InPlaceFile(path)
+    return PlainFile(path)
 
 
 def _coalesce(infos: list[TensorInfo]) -> list[list[TensorInfo]]:
@@ -302,7 +299,7 @@ def _read_tensors(folder: Path) -> dict[str, TensorInfo]:
     if index_file.is_file():
         return _read_sharded(folder, index_file)
     single = folder / SINGLE_FILE
-    if single.is_file():
+    if is_weight_file(single):
         return read_header(single)
     raise CheckpointError(f"{folder}: no safetensors weights (neither {SINGLE_FILE} nor {INDEX_FILE})")
 
@@ -331,17 +328,22 @@ def _read_sharded(folder: Path, index_file: Path) -> dict[str, TensorInfo]:
 
 def read_header(file: Path) -> dict[str, TensorInfo]:
     """Every tensor in one safetensors file with absolute byte ranges, validated against the file size."""
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{file}: truncated: {size} bytes, shorter than the 8-byte header length")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise CheckpointError(
-                f"{file}: corrupt header: header length {n} is beyond the file's {size} bytes"
-            )
-        raw = f.read(n)
+    try:
+        with open_weights(file) as f:
+            size = f.size()
+            head = f.pread(0, 8)
+            if len(head) < 8:
+                raise CheckpointError(
+                    f"{file}: truncated: {size} bytes, shorter than the 8-byte header length"
+                )
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise CheckpointError(
+                    f"{file}: corrupt header: header length {n} is beyond the file's {size} bytes"
+                )
+            raw = f.pread(8, n)
+    except SourceChanged as exc:
+        raise CheckpointError(str(exc)) from exc
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -4,7 +4,7 @@
 Conversion (see docs/engine-checkpoints.md):
 - weights: every GGUF tensor dequantized by the `gguf` package to fp32 (Q4_1 and Q8_0 are exact in
   fp32) and stored as F32 safetensors under Hugging Face names. llama.cpp's converter permutes the
-  rows of q_proj/k_proj for its interleaved RoPE; `unpermute_qk` undoes it so the folder uses
+  rows of q_proj/k_proj for its interleaved RoPE; `gguf_types.unpermute_qk` undoes it so the folder uses
   Hugging Face's rotate-half layout (a wrong permutation breaks the model's answers).
 - config.json / generation_config.json: LlamaConfig fields from the GGUF metadata (tied embeddings,
   rope_theta = llama.rope.freq_base, context length, eps).
@@ -173,14 +173,6 @@ def _move_into_place(tmp: Path, folder: Path) -> None:
 
 
 # --- conversion -------------------------------------------------------------------------------
-
-
-def unpermute_qk(w: Any, n_head: int) -> Any:
-    """Undo llama.cpp's Q/K row permutation. Rows of a [n_head * d, hidden] weight are stored per
-    head as (d/2, 2) interleaved pairs; Hugging Face's rotate-half wants (2, d/2)."""
-    rows = w.shape[0]
-    # [n_head, d/2, 2, hidden] -> [n_head, 2, d/2, hidden] -> [rows, hidden]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def hf_name(gguf_name: str) -> str:
@@ -388,6 +380,8 @@ def generation_config(meta: dict[str, Any]) -> dict[str, Any]:
 def _dequantized(gf: GGUFFile, tensor: GGUFTensor, name: str, config: dict[str, Any]) -> Any:
     import numpy as np
 
+    from kafila.models.gguf_types import unpermute_qk
+
     w = gf.dequantize(tensor).astype(np.float32, copy=False)
     if name.endswith("self_attn.q_proj.weight"):
         w = unpermute_qk(w, config["num_attention_heads"])
@@ -454,6 +448,7 @@ def _repacker(gf: GGUFFile, t: GGUFTensor, name: str, config: dict[str, Any]) ->
         import numpy as np
 
         from kafila.models import quant
+        from kafila.models.gguf_types import unpermute_qk
 
         p = quant.from_ggml(gf.raw(t), t.ggml_type, (t.shape[0], t.shape[1]))
         heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}

@@ -7,14 +7,16 @@ command then reads as any model folder (kafila.models.checkpoint):
 - config.json from the GGUF metadata (`{arch}.block_count`, `.embedding_length`, ...), with
   `quantization_config` where any matrix is packed: a packed checkpoint keeps its float matrices as
   stored (kafila.models.manifest);
-- model.safetensors: every tensor in its own type (kafila.models.gguf_types): float tensors as
-  stored, Q8_0/Q4_1/Q4_0/Q5_0 repacked into int8/q4 entries with their values unchanged, Q4_K into
-  q4 with its product scales rounded to float16, the other quantized types requantized into
-  int8/q4, which `convert` prints on the console with the error it measured (one line per type:
-  the tensors, their bytes in the file and served); a quantized tensor the engine cannot pack (in
-  a fused product with a float one) is widened to F32 and said the same way. llama.cpp's converter
-  permutes the rows of a Llama's q/k projections for its interleaved RoPE; they are put back
-  (Qwen3 GGUFs keep Hugging Face's order);
+- model.safetensors as its index, model.safetensors.gguf.json (kafila.models.gguf_inplace: the
+  bytes are made from the GGUF where it lies when they are read; `convert(inplace=False)` writes
+  the file itself, the copy they equal): every tensor in its own type (kafila.models.gguf_types):
+  float tensors as stored, Q8_0/Q4_1/Q4_0/Q5_0 repacked into int8/q4 entries with their values
+  unchanged, Q4_K into q4 with its product scales rounded to float16, the other quantized types
+  requantized into int8/q4, which `convert` prints on the console with the error it measured
+  (one line per type: the tensors, their bytes in the file and served); a quantized tensor the
+  engine cannot pack (in a fused product with a float one) is widened to F32 and said the same
+  way. llama.cpp's converter permutes the rows of a Llama's q/k projections for its interleaved
+  RoPE; they are put back (Qwen3 GGUFs keep Hugging Face's order);
 - tokenizer.json and tokenizer_config.json (chat template, special tokens) from `tokenizer.ggml.*`:
   byte-level BPE with the pre-tokenizer llama.cpp names in `tokenizer.ggml.pre`, or a SentencePiece
   vocabulary with its scores (kafila.models.gguf_sentencepiece).
@@ -36,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from kafila.models import gguf_index
 from kafila.models import gguf_types as types
 from kafila.models.cache import cache_dir
 from kafila.models.default import (
@@ -45,14 +48,14 @@ from kafila.models.default import (
     hf_name,
     opt_int,
     tokenizer_config,
-    unpermute_qk,
 )
+from kafila.models.gguf_inplace import Recipe
 from kafila.models.gguf_sentencepiece import add_bos, sentencepiece_tokenizer
 from kafila.obs.log import get_logger
 
 log = get_logger(__name__)
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: model.safetensors made from the GGUF in place
 SOURCE_FILE = "kafila_source.json"
 REQUEST_DEFAULTS = "kafila_request_defaults"  # generation_config.json's key for a model's request defaults
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -133,6 +136,7 @@ def _is_converted(folder: Path, file: Path) -> bool:
         isinstance(meta, dict)
         and meta.get("converter") == CONVERTER_VERSION
         and meta.get("gguf") == str(file)
+        and meta.get("numpy") == np.__version__
     )
 
 
@@ -142,31 +146,52 @@ def convert(
     progress: bool = True,
     say: Say | None = None,
     defaults: dict[str, Any] | None = None,
+    inplace: bool = True,
 ) -> dict[str, Any]:
-    """Write the folder for GGUF `file` into `out` (which exists); returns its config.json."""
+    """Write the folder for GGUF `file` into `out` (which exists); returns its config.json. With
+    `inplace`, model.safetensors is its index (kafila.models.gguf_inplace: the tensors are made
+    from `file` when read); else the file itself, the copy the index's bytes equal."""
     from kafila.models import quantize
 
     gf = GGUFFile.open(file)
     config = model_config(gf.meta, file, rope_freqs(gf))
-    entries, widened, requantized = _entries(gf, config)
+    recipes, widened = _recipes(gf, config)
     for line in widened_lines(file, widened):
         (say or _stderr)(line)
-    formats = [s.dtype for s, _ in entries if s.name.endswith("_proj.weight")]
+    formats = [s.dtype for r in recipes for s in r.specs() if s.name.endswith("_proj.weight")]
     packed = {"I8": "int8", "U8": "q4"}
     kinds = [packed[d] for d in formats if d in packed]
     if kinds:
         fmt = max(set(kinds), key=kinds.count)
         config[quantize.QUANT_CONFIG] = {"quant_method": "kafila", "format": fmt, "group_size": 32}
-    config["tie_word_embeddings"] = all(s.name != "lm_head.weight" for s, _ in entries)
-    quantize.write_safetensors(out / "model.safetensors", entries, progress, desc=f"reading {file.name}")
+    config["tie_word_embeddings"] = all(r.name != "lm_head.weight" for r in recipes)
+    write = gguf_index.write_index if inplace else gguf_index.write_copy
+    errors = write(out / "model.safetensors", file, recipes, progress, desc=f"reading {file.name}")
+    requantized = [
+        Requant(
+            r.name, GGUFTensor(r.source, r.shape, r.ggml_type, r.start, r.nbytes), r.target, errors[r.name]
+        )
+        for r in recipes
+        if r.requantized
+    ]
     for line in requantized_lines(file, requantized):
         (say or _stderr)(line)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", generation_config(gf.meta) | _defaults(defaults))
     write_tokenizer(gf.meta, out, file)
-    source = {"converter": CONVERTER_VERSION, "gguf": str(file), "gguf_bytes": file.stat().st_size}
-    _write_json(out / SOURCE_FILE, source)
+    _write_json(out / SOURCE_FILE, _source(file) | {"inplace": inplace})
     return config
+
+
+def _source(file: Path) -> dict[str, Any]:
+    """What a converted folder says of its source: the GGUF, its size, and the converter and numpy
+    that made its bytes (a requantized tensor is remade at each read: the same code must make it)."""
+    return {
+        "converter": CONVERTER_VERSION,
+        "gguf": str(file),
+        "gguf_bytes": file.stat().st_size,
+        "numpy": np.__version__,
+    }
 
 
 def _defaults(defaults: dict[str, Any] | None) -> dict[str, Any]:
@@ -284,10 +309,8 @@ class Requant:
     error: types.Requantized | None = None
 
 
-def _entries(gf: GGUFFile, config: dict[str, Any]) -> tuple[list[Any], Widened, list[Requant]]:
-    """Safetensors entries for every tensor, the tensors widened to F32 and those requantized."""
-    from kafila.models.quantize import Entry
-
+def _recipes(gf: GGUFFile, config: dict[str, Any]) -> tuple[list[Recipe], Widened]:
+    """How every tensor is served (kafila.models.Recipe), and those widened to F32."""
     arch = config["model_type"]
     named: dict[str, GGUFTensor] = {}
     for t in gf.tensors:
@@ -299,23 +322,17 @@ def _entries(gf: GGUFFile, config: dict[str, Any]) -> tuple[list[Any], Widened, 
         except ValueError as exc:
             raise GGUFError(f"{gf.path}: {exc}") from exc
     fmt = _formats(named)
-    entries: list[Entry] = []
+    recipes: list[Recipe] = []
     widened: Widened = []
-    requantized: list[Requant] = []
     for name, t in named.items():
-        perm = _permutation(name, t, config)
         target = fmt[name]
-        if target in ("int8", "q4"):
-            note = Requant(name, t, target)
-            if types.how(t.ggml_type, target) == "requantized":
-                requantized.append(note)
-            entries += _packed_entries(gf, note, perm)
-        else:
-            if target == "F32" and t.ggml_type != types.F32:
-                why = "mixed" if len(t.shape) == 2 and t.ggml_type in types.PACKED else "type"
-                widened.append((name, t, why))
-            entries.append(_float_entry(gf, name, t, target, perm))
-    return entries, widened, requantized
+        if target == "F32" and t.ggml_type != types.F32:
+            why = "mixed" if len(t.shape) == 2 and t.ggml_type in types.PACKED else "type"
+            widened.append((name, t, why))
+        recipes.append(
+            Recipe(name, t.name, t.shape, t.ggml_type, t.start, t.nbytes, target, _heads(name, config))
+        )
+    return recipes, widened
 
 
 def _formats(named: dict[str, GGUFTensor]) -> dict[str, str]:
@@ -341,40 +358,15 @@ def _formats(named: dict[str, GGUFTensor]) -> dict[str, str]:
     return fmt
 
 
-def _permutation(name: str, t: GGUFTensor, config: dict[str, Any]) -> np.ndarray | None:
-    """The row order that undoes llama.cpp's q/k permutation of a Llama matrix, else None."""
+def _heads(name: str, config: dict[str, Any]) -> int | None:
+    """The head count whose q/k rows llama.cpp permuted in a Llama matrix (put back), else None."""
     if config["model_type"] != "llama":
         return None
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     for proj, n_head in heads.items():
         if name.endswith(f"self_attn.{proj}.weight"):
-            return np.asarray(unpermute_qk(np.arange(t.shape[0]), n_head))
+            return int(n_head)
     return None
-
-
-def _packed_entries(gf: GGUFFile, note: Requant, perm: np.ndarray | None) -> list[Any]:
-    from kafila.models.quantize import packed_entries
-
-    t = note.tensor
-
-    def make() -> Any:
-        p, note.error = types.serve(gf.raw(t), t.ggml_type, (t.shape[0], t.shape[1]), note.fmt)
-        return p if perm is None else p.rows(perm)
-
-    return packed_entries(note.name, note.fmt, t.shape, make)
-
-
-def _float_entry(gf: GGUFFile, name: str, t: GGUFTensor, dtype: str, perm: np.ndarray | None) -> Any:
-    from kafila.models.manifest import TensorSpec
-
-    def make() -> np.ndarray:
-        if dtype == "F32" and t.ggml_type != types.F32:
-            w = types.widen(gf.raw(t), t.ggml_type, t.shape)
-        else:
-            w = types.float_entry(gf.raw(t), t.ggml_type, t.shape)
-        return w if perm is None else w[perm]
-
-    return (TensorSpec(name, dtype, t.shape), make)
 
 
 def float_folder(
@@ -397,7 +389,7 @@ def float_folder(
             got = np.asarray(gf.dequantize(t), dtype=np.float32).reshape(t.shape)
             if config["model_type"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 n_head = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
-                got = unpermute_qk(got, n_head)
+                got = types.unpermute_qk(got, n_head)
         else:
             got = values(name, t)
         tensors[name] = np.ascontiguousarray(got)

@@ -109,22 +109,25 @@ def how(ggml_type: int, fmt: str) -> str:
 
 
 def serve(
-    raw: np.ndarray, ggml_type: int, shape: tuple[int, int], fmt: str
+    raw: np.ndarray, ggml_type: int, shape: tuple[int, int], fmt: str, measure: bool = True
 ) -> tuple[Packed, Requantized | None]:
     """A matrix [out, in] of `ggml_type` (its blocks, uint8 [out, row bytes]) in packed format `fmt`,
-    and what requantizing it changed (None where its levels are kept)."""
+    and what requantizing it changed (None where its levels are kept, or not `measure`d)."""
     if ggml_type not in PACKED or fmt not in ("int8", "q4"):
         raise ValueError(f"{type_name(ggml_type)} is not served as {fmt}")
     if how(ggml_type, fmt) != "requantized":
         return repack(raw, ggml_type, shape, fmt), None
-    return requantize(raw, ggml_type, shape, fmt)
+    packed, stats = requantize(raw, ggml_type, shape, fmt, measure)
+    return packed, stats if measure else None
 
 
 def requantize(
-    raw: np.ndarray, ggml_type: int, shape: tuple[int, int], fmt: str
+    raw: np.ndarray, ggml_type: int, shape: tuple[int, int], fmt: str, measure: bool = True
 ) -> tuple[Packed, Requantized]:
     """gguf.quants' values of a matrix quantized to `fmt`'s nearest levels, `REQUANT_ROWS` rows at
-    a time, with the error measured against those values."""
+    a time, with the error measured against those values (with `measure`; else none is counted).
+    Each row's levels depend on that row's values alone, so any rows requantize as they do in the
+    whole matrix."""
     out, cols = shape
     rows = np.asarray(raw, dtype=np.uint8).reshape(out, -1)
     int8 = fmt == "int8"
@@ -139,7 +142,8 @@ def requantize(
         data[a:b], scales[a:b] = part.data, part.scales
         if mins is not None and part.mins is not None:
             mins[a:b] = part.mins
-        stats.add(_error(w, part))
+        if measure:
+            stats.add(_error(w, part))
     return Packed(fmt, data, scales, mins), stats
 
 
@@ -259,6 +263,14 @@ def float_entry(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.n
     """An F32/F16/BF16 tensor's stored values as numpy (BF16 as its uint16 bits)."""
     kind = {F32: np.float32, F16: np.float16, BF16: np.uint16}[ggml_type]
     return np.asarray(raw, dtype=np.uint8).view(kind).reshape(shape)
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation. Rows of a [n_head * d, hidden] weight are stored per
+    head as (d/2, 2) interleaved pairs; Hugging Face's rotate-half wants (2, d/2)."""
+    rows = w.shape[0]
+    # [n_head, d/2, 2, hidden] -> [n_head, 2, d/2, hidden] -> [rows, hidden]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def group_format(types: list[int]) -> str | None:

@@ -58,6 +58,7 @@ QUANT_FORMATS = ("none", "int8", "q4")
 GROUP = 32  # inputs per scale (and minimum) in both packed formats
 SCALES, MINS = "scales", "mins"  # sibling entries of a packed `X.weight`: `X.scales`, `X.mins`
 PACKED_DTYPES = {"int8": "I8", "q4": "U8"}
+NP_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "I8": "i1", "U8": "u1"}  # numpy's, of each
 
 EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
@@ -77,6 +78,22 @@ class TensorSpec:
 
     def nbytes(self, dtype: str | None = None) -> int:
         return self.numel * DTYPE_BYTES[dtype or self.dtype]
+
+
+def packed_specs(name: str, fmt: str, shape: tuple[int, ...]) -> list[TensorSpec]:
+    """The entries a matrix [out, in] named `name` takes in `fmt` ("int8", "q4")."""
+    out, cols = shape
+    if cols % GROUP:
+        raise ValueError(f"{name} [{out}, {cols}]: {fmt} needs inputs in groups of {GROUP}")
+    base = name.removesuffix("weight")
+    data_cols = cols // 2 if fmt == "q4" else cols
+    specs = [
+        TensorSpec(name, PACKED_DTYPES[fmt], (out, data_cols)),
+        TensorSpec(base + SCALES, "F16", (out, cols // GROUP)),
+    ]
+    if fmt == "q4":
+        specs.append(TensorSpec(base + MINS, "F16", (out, cols // GROUP)))
+    return specs
 
 
 @dataclass(frozen=True)

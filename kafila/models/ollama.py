@@ -6,8 +6,9 @@ The store is `$OLLAMA_MODELS`, else `~/.ollama/models`:
     manifests/registry.ollama.ai/USER/NAME/TAG      (a `user/name` model)
     blobs/sha256-HEX                                 each layer's bytes, by digest
 
-The layer `application/vnd.ollama.image.model` is the GGUF, read where it lies (no copy of the
-blob is made; kafila.models.gguf_convert converts it once into the cache); the layer
+The layer `application/vnd.ollama.image.model` is the GGUF, served where it lies (no copy of its
+weights is made: kafila.models.gguf_convert writes an index into the cache and
+kafila.models.gguf_inplace makes the tensors from the blob when they are read); the layer
 `application/vnd.ollama.image.params` is JSON whose `temperature`, `top_p` and `stop` are the
 model's request defaults (`OllamaModel.params`). The tag is `latest` unless given.
 """

@@ -23,34 +23,16 @@ from kafila.models import quant
 from kafila.models.manifest import (
     DTYPE_BYTES,
     GROUP,
-    MINS,
-    PACKED_DTYPES,
+    NP_DTYPES,
     QUANT_FORMATS,
-    SCALES,
     TensorSpec,
     linear_format,
+    packed_specs,
 )
 
 QUANT_CONFIG = "quantization_config"
-_NP_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "I8": "i1", "U8": "u1"}
 
 Entry = tuple[TensorSpec, Callable[[], np.ndarray]]  # a tensor's header and how to make its bytes
-
-
-def packed_specs(name: str, fmt: str, shape: tuple[int, ...]) -> list[TensorSpec]:
-    """The entries a matrix [out, in] named `name` takes in `fmt` ("int8", "q4")."""
-    out, cols = shape
-    if cols % GROUP:
-        raise ValueError(f"{name} [{out}, {cols}]: {fmt} needs inputs in groups of {GROUP}")
-    base = name.removesuffix("weight")
-    data_cols = cols // 2 if fmt == "q4" else cols
-    specs = [
-        TensorSpec(name, PACKED_DTYPES[fmt], (out, data_cols)),
-        TensorSpec(base + SCALES, "F16", (out, cols // GROUP)),
-    ]
-    if fmt == "q4":
-        specs.append(TensorSpec(base + MINS, "F16", (out, cols // GROUP)))
-    return specs
 
 
 def packed_entries(
@@ -70,28 +52,38 @@ def packed_entries(
     return [(spec, part(spec.name)) for spec in packed_specs(name, fmt, shape)]
 
 
+def header_text(specs: list[TensorSpec]) -> tuple[str, list[tuple[TensorSpec, int, int]]]:
+    """The safetensors header JSON of `specs` in name order (space-padded so the data starts
+    8-byte aligned, as safetensors writes it) and each spec's data offsets, in that order."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    placed = []
+    offset = 0
+    for spec in sorted(specs, key=lambda s: s.name):
+        header[spec.name] = {
+            "dtype": spec.dtype,
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes()],
+        }
+        placed.append((spec, offset, offset + spec.nbytes()))
+        offset += spec.nbytes()
+    raw = json.dumps(header, separators=(",", ":"))
+    return raw + " " * (-len(raw) % 8), placed
+
+
 def write_safetensors(file: Path, entries: list[Entry], progress: bool = True, desc: str = "writing") -> int:
     """Write `entries` (sorted by name, as safetensors writes them) one at a time: the header from
     their specs, then each one's bytes, checked against its spec. Returns the data bytes."""
     from tqdm import tqdm
 
     entries = sorted(entries, key=lambda e: e[0].name)
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for spec, _ in entries:
-        header[spec.name] = {
-            "dtype": spec.dtype,
-            "shape": list(spec.shape),
-            "data_offsets": [offset, offset + spec.nbytes()],
-        }
-        offset += spec.nbytes()
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
+    text, placed = header_text([spec for spec, _ in entries])
+    raw = text.encode()
+    offset = placed[-1][2] if placed else 0
     bar = tqdm(total=offset, unit="B", unit_scale=True, desc=desc, file=sys.stderr, disable=not progress)
     with open(file, "wb") as f, bar:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for spec, make in entries:
-            a = np.ascontiguousarray(make(), dtype=_NP_DTYPES[spec.dtype])
+            a = np.ascontiguousarray(make(), dtype=NP_DTYPES[spec.dtype])
             if a.shape != spec.shape or a.nbytes != spec.numel * DTYPE_BYTES[spec.dtype]:
                 raise ValueError(
                     f"{spec.name}: made {a.dtype}{list(a.shape)}, header says {spec.dtype}{list(spec.shape)}"
@@ -142,7 +134,7 @@ def _weights_file(name: str) -> bool:
 def _raw_reader(ckpt: Any, name: str) -> Callable[[], np.ndarray]:
     def read() -> np.ndarray:
         info, data = ckpt.read([name])[name]
-        return np.frombuffer(data, dtype=_NP_DTYPES[info.dtype]).reshape(info.shape)
+        return np.frombuffer(data, dtype=NP_DTYPES[info.dtype]).reshape(info.shape)
 
     return read
 
@@ -151,7 +143,7 @@ def _quantizer(ckpt: Any, name: str, fmt: str) -> Callable[[], quant.Packed]:
     def make() -> quant.Packed:
         info, data = ckpt.read([name])[name]
         # bf16 as its bits, widened chunk by chunk inside quantize: no whole float32 copy
-        w = np.frombuffer(data, dtype=_NP_DTYPES[info.dtype]).reshape(info.shape)
+        w = np.frombuffer(data, dtype=NP_DTYPES[info.dtype]).reshape(info.shape)
         return quant.quantize(w if info.dtype in ("BF16", "F32") else w.astype(np.float32), fmt)
 
     return make

@@ -19,10 +19,10 @@ from kafila.models.manifest import (
     TensorSpec,
     block_index,
     linear_format,
+    packed_specs,
     priced,
     specs_from_config,
 )
-from kafila.models.quantize import packed_specs
 from kafila.models.span import Span
 
 Run = Callable[[], object]

@@ -418,8 +418,9 @@ def _check_served_values(file: Path, fresh: bool = True) -> dict[str, str]:
     served group of them (plus a q4 min's float16 rounding) where the product scales were rounded
     or it was requantized; (`fresh`: converted here) each requantized type was said on the
     console. Returns how each tensor was served."""
-    from kafila.models.default import GGUFFile, unpermute_qk
+    from kafila.models.default import GGUFFile
     from kafila.models.gguf_convert import tensor_name
+    from kafila.models.gguf_types import unpermute_qk
 
     lines: list[str] = []
     ckpt = Checkpoint.open(ensure_gguf(file, progress=False, say=lines.append), complete=True)

@@ -1,6 +1,7 @@
 """A session of two members on loopback (a real rendezvous, host and join, QUIC links, the joiner
 fetching its blocks of the converted GGUF from the host) serving `--model FILE.gguf` of mixed types
-(tests.models.test_gguf.MIXED): its greedy tokens are one process's."""
+(tests.models.test_gguf.MIXED), served in place from the file: its greedy tokens are one process's,
+and a copy's."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from kafila.api.service import Sampling
 from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
-from kafila.models.gguf_convert import ensure_gguf
+from kafila.models.gguf_convert import convert, ensure_gguf
 from kafila.rendezvous.server import RendezvousServer
 from kafila.session.forming.host import host
 from kafila.session.forming.join import join
@@ -51,7 +52,13 @@ async def test_two_members_serving_a_gguf_give_one_process_greedy_tokens(
     monkeypatch.setenv("KAFILA_CACHE", str(tmp_path / "cache"))
     meta = qwen3_tokenizer_meta(qwen3_tokenizer_dir)
     file = write_gguf(tmp_path / "tiny-qwen3-mixed.gguf", Shape(), meta, MIXED, tied=True)
-    want = one_process(ensure_gguf(file, progress=False), 6)
+    folder = ensure_gguf(file, progress=False)  # served in place: the host reads the GGUF itself
+    assert not (folder / "model.safetensors").exists()
+    want = one_process(folder, 6)
+    copy = tmp_path / "copy"  # the folder as a copy of the weights would be: the same answer
+    copy.mkdir()
+    convert(file, copy, progress=False, say=lambda line: None, inplace=False)
+    assert one_process(copy, 6) == want
     code: asyncio.Future = asyncio.get_running_loop().create_future()
     kw = dict(model=str(file), members=2, context=64, concurrency=1, chunk=64, dtype="fp32")
     hosting = asyncio.ensure_future(host(opts(rdv, "alpha", tmp_path, **kw), on_code=code.set_result))

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kafila.models.cache import cache_dir
-from kafila.models.checkpoint import INDEX_FILE, CheckpointError, TensorInfo, read_header
+from kafila.models.checkpoint import INDEX_FILE, CheckpointError, TensorInfo, open_weights, read_header
+from kafila.models.weight_file import file_stamp
 from kafila.obs.log import get_logger
 
 HASH_CHUNK = 8 << 20  # bytes hashed per read
@@ -282,11 +283,6 @@ def sha256_range(fd: int, start: int, end: int) -> str:
     return h.hexdigest()
 
 
-def file_stamp(st: os.stat_result) -> list[int]:
-    """What tells a file's contents changed without reading them: size, mtime_ns, inode."""
-    return [st.st_size, st.st_mtime_ns, st.st_ino]
-
-
 class HashCache:
     """Per-file tensor digests, remembered while the file's (size, mtime_ns, inode) stay the same."""
 
@@ -302,6 +298,11 @@ class HashCache:
         """sha256 of each tensor's bytes in `file` (hashing only what is not remembered);
         `on_bytes(n)` hears the bytes of the remembered ones at once, then of each one hashed."""
         said = on_bytes or (lambda n: None)
+        with open_weights(file) as f:  # a file made from a GGUF knows its digests (its index's)
+            made = f.digests()
+        if made is not None:
+            said(sum(t.end - t.start for t in infos))
+            return {t.name: made[t.name] for t in infos}
         stamp = file_stamp(os.stat(file))
         entry = self._entry(file)
         known: dict[str, str] = {}

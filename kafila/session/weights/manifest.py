@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kafila.models.checkpoint import MAX_HEADER_BYTES, Checkpoint, CheckpointError
+from kafila.models.checkpoint import MAX_HEADER_BYTES, Checkpoint, CheckpointError, open_weights
 from kafila.models.manifest import DTYPE_BYTES
 from kafila.session.weights.cache import (
     HashCache,
@@ -187,14 +187,14 @@ def parse_header(file: str, raw: bytes) -> dict[str, tuple[str, tuple[int, ...],
 def read_headers(folder: Path, files: Sequence[str]) -> dict[str, bytes]:
     out = {}
     for name in files:
-        with open(folder / name, "rb") as f:
-            head = f.read(8)
+        with open_weights(folder / name) as f:
+            head = f.pread(0, 8)
             if len(head) < 8:
                 raise CheckpointError(f"{folder / name}: shorter than a safetensors header")
             (n,) = struct.unpack("<Q", head)
             if n > MAX_HEADER_BYTES:
                 raise CheckpointError(f"{folder / name}: header length {n} is corrupt")
-            out[name] = head + f.read(n)
+            out[name] = head + f.pread(8, n)
     return out
 
 

@@ -10,12 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from kafila.models.checkpoint import open_weights
+from kafila.models.weight_file import INPLACE_SUFFIX, file_stamp
 from kafila.obs.log import get_logger
 from kafila.proto import tensor as t
 from kafila.session.channel import Channel, ChannelError
-from kafila.session.weights.cache import (
-    file_stamp,
-)
 from kafila.session.weights.manifest import (
     DEFAULT_MAX_REQUEST,
     OP_DONE,
@@ -202,27 +201,23 @@ class WeightServer:
 
 
 def _stamps(folder: Path) -> dict[str, list[int]]:
-    return {p.name: file_stamp(p.stat()) for p in folder.iterdir() if p.is_file()}
+    """Each file of the folder as it is now; a safetensors file made from a GGUF (its index beside
+    it) by the GGUF's and the index's stamps."""
+    stamps = {p.name: file_stamp(p.stat()) for p in folder.iterdir() if p.is_file()}
+    for index in folder.glob(f"*{INPLACE_SUFFIX}"):
+        with open_weights(folder / index.name.removesuffix(INPLACE_SUFFIX)) as f:
+            stamps[f.path.name] = f.stamp()
+    return stamps
 
 
 def _pread(path: Path, offset: int, length: int, stamp: list[int] | None) -> bytes:
     """Bytes [offset, offset + length) of `path`, as long as the file is the one the manifest
     described (the digests members check were taken of it)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        now = file_stamp(os.fstat(fd))
+    with open_weights(path) as f:
+        now = f.stamp()
         if now != stamp:
             raise OSError(
                 f"the file changed on the host after the session described it (size, mtime_ns, inode: "
                 f"{stamp} -> {now}); restart the host to serve the new contents"
             )
-        parts, at = [], offset
-        while at < offset + length:
-            chunk = os.pread(fd, offset + length - at, at)
-            if not chunk:
-                break
-            parts.append(chunk)
-            at += len(chunk)
-        return b"".join(parts)
-    finally:
-        os.close(fd)
+        return f.pread(offset, length)
