@@ -9,6 +9,8 @@ the spread (half the range):
 - ms per token: first to last streamed chunk over the tokens after the first (the answer's usage);
 - tokens per circuit: the tokens after the first over the decode circuits that gave them (the
   drafted tokens kept, from the usage's accepted_prediction_tokens: 1 for plain decoding);
+- drafted / kept: the answer's drafted tokens verified and those kept (the usage's accepted and
+  rejected prediction tokens);
 - circuit ms: the head's median time around the ring per decode step (its request record);
 - circuit / token: circuit ms over ms per token (plain decoding: about 1, less where the head
   waits between steps; speculative: about the tokens per circuit, where drafting costs nothing);
@@ -66,10 +68,9 @@ PROMPTS = {
     "summary": f"Summarize this text in two sentences.\n\n{ESSAY}",
     "code-edit": f"Rename the variable x to result in this Python code and show the whole code.\n\n{CODE}",
 }
-HEADER = "| prompt | ms per token | tokens per circuit | p95 token gap ms | first token ms | tokens | same |"
 HEADER = (
-    "| prompt | ms per token | tokens per circuit | circuit ms | circuit / token | p95 token gap ms "
-    "| first token ms | tokens | same |"
+    "| prompt | ms per token | tokens per circuit | drafted / kept | circuit ms | circuit / token "
+    "| p95 token gap ms | first token ms | tokens | same |"
 )
 # How the head decodes: its --draft for each decoding (plain: one circuit per token)
 DECODINGS = {"plain": "none", "lookup": "lookup", "model": "MODEL"}  # model: --draft-model's name
@@ -178,9 +179,13 @@ def summarize(answers: list[dict[str, Any]], reference: dict[str, str]) -> list[
         gaps = [p95([1000 * (b - a) for a, b in zip(x["times"], x["times"][1:], strict=False)]) for x in mine]
         first = [1000 * a["times"][0] for a in mine if a["times"]]
         same = all(a["text"] == reference.get(name, a["text"]) for a in mine)
+        details = [a["usage"].get("completion_tokens_details") or {} for a in mine]
+        kept = [d.get("accepted_prediction_tokens", 0) for d in details]
+        drafted = [k + d.get("rejected_prediction_tokens", 0) for k, d in zip(kept, details, strict=True)]
         rows.append(
             f"| {name} | {median(per_token):.0f} ({spread(per_token):.0f}) | {median(per_circuit):.2f} "
-            f"({spread(per_circuit):.2f}) | {median(circuit):.0f} ({spread(circuit):.0f}) | "
+            f"({spread(per_circuit):.2f}) | {median(drafted):.0f} / {median(kept):.0f} | "
+            f"{median(circuit):.0f} ({spread(circuit):.0f}) | "
             f"{median(ratio):.2f} ({spread(ratio):.2f}) | {median(gaps):.0f} ({spread(gaps):.0f}) | "
             f"{median(first):.0f} ({spread(first):.0f}) | {mine[0]['usage']['completion_tokens']} | "
             f"{'yes' if same else 'NO'} |"
@@ -215,7 +220,7 @@ async def ring(
                     what = f"{members} members, {delay_ms:g} ms one way per edge, loss {loss:.0%}, {decoding}"
                     print(f"\n{what}, {args.runs} runs per prompt; {load}")
                     print(HEADER)
-                    print("|---|---|---|---|---|---|---|---|---|")
+                    print("|---|---|---|---|---|---|---|---|---|---|")
                     print("\n".join(summarize(answers[decoding], reference)), flush=True)
                     if args.hops:
                         print("\n".join(hop_lines(answers[decoding])), flush=True)
