@@ -6,11 +6,12 @@ that starts on this CPU.
 
 From the llama-cpp-python 0.3.36 source distribution (its vendored llama.cpp), in
 ~/.cache/kafila/llama.cpp. First with -DGGML_NATIVE=ON (the compiler's -march=native, the fastest
-build). A virtual CPU can list features its guest cannot run: on a 2-vCPU Xeon that lists AMX, the
-native build died at once with SIGILL. So the built llama-bench is started (`start_failure`: one
-token on the default model's GGUF where there is one, else --help); where it does not run, the
-build is made again without GGML_NATIVE, each x86 feature /proc/cpuinfo lists switched on
-(`portable_options`) and the AMX ones off, and started again. The options of the build that
+build). A virtual CPU can list features its guest cannot run: on a 2-vCPU Xeon that lists AMX, a
+native build died with SIGILL (at once, or only on the types AMX computes: Q8_0, Q4_K). So where
+/proc/cpuinfo lists AMX the build is made without GGML_NATIVE, each x86 feature it lists switched
+on (`portable_options`) and the AMX ones off; elsewhere natively first. The built llama-bench is
+started (`start_failure`: one token on the default model's GGUF where there is one, else
+--help); where it does not run, the next option set is built and started. The options of the build that
 started are printed and written to <build>/kafila-options.txt.
 """
 
@@ -64,6 +65,15 @@ def portable_options(flags: set[str]) -> list[str]:
     return options + [f"-D{opt}=OFF" for opt in AMX_OPTIONS]
 
 
+def option_sets(flags: set[str]) -> list[list[str]]:
+    """The option sets to try, in order: native first, else portable; portable alone where the CPU
+    lists AMX, whose ggml kernels a guest may not run (a Xeon VM listing amx_tile built natively
+    ran the default Q4_1 file, then died of SIGILL and SIGSEGV on Q8_0 and Q4_K_M files, whose
+    products take the AMX path)."""
+    portable = portable_options(flags)
+    return [portable] if any(f.startswith("amx") for f in flags) else [NATIVE, portable]
+
+
 def start_failure(cmd: Sequence[str], timeout: float = 300.0) -> str | None:
     """None where `cmd` runs and exits 0, else why not: killed by a signal (SIGILL: an instruction
     the CPU does not run), a non-zero exit with its error's end, no end within `timeout` seconds,
@@ -88,7 +98,7 @@ def build_that_starts(
     builds and returns the binary to start, `probe(binary)` the command that starts it. Returns
     (options, binary); RuntimeError with every failure where neither starts."""
     failures = []
-    for options in (NATIVE, portable_options(flags)):
+    for options in option_sets(flags):
         binary = make(options)
         why = start_failure(probe(binary))
         if why is None:

@@ -75,12 +75,22 @@ def _builds(tmp_path: Path, native_body: str) -> tuple[list[list[str]], object]:
 
 def test_simulated_native_build_killed_by_sigill_falls_back_to_the_portable_build(tmp_path, capsys) -> None:
     made, make = _builds(tmp_path, "kill -ILL $$")
-    flags = llama_build.cpu_flags(f"flags : {XEON_FLAGS}")
+    flags = {f for f in llama_build.cpu_flags(f"flags : {XEON_FLAGS}") if not f.startswith("amx")}
     options, binary = llama_build.build_that_starts(make, lambda b: [str(b / "llama-bench")], flags)
     assert made == [llama_build.NATIVE, llama_build.portable_options(flags)]
     assert options == llama_build.portable_options(flags) and binary == tmp_path / "build2"
     err = capsys.readouterr().err
     assert "built with -DGGML_NATIVE=ON: " in err and "llama-bench was killed by SIGILL" in err
+
+
+def test_a_cpu_listing_amx_gets_the_portable_build_alone(tmp_path) -> None:
+    """A guest listing AMX may run a native build's first token and die on a Q8_0 or K-quant file
+    (the types ggml's AMX kernels take), so the start check would not catch it: no native build."""
+    made, make = _builds(tmp_path, "exit 0")
+    flags = llama_build.cpu_flags(f"flags : {XEON_FLAGS}")
+    options, binary = llama_build.build_that_starts(make, lambda b: [str(b / "llama-bench")], flags)
+    assert made == [llama_build.portable_options(flags)] and binary == tmp_path / "build1"
+    assert "-DGGML_AMX_INT8=OFF" in options
 
 
 def test_a_native_build_that_starts_is_kept(tmp_path) -> None:
