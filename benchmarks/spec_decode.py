@@ -4,8 +4,9 @@ with `--ahead N` also prompt lookup drafting ahead (N steps in the ring past the
 Three stages of the default model (smollm2-135m, fp32, CPU) in this process, each on its own
 model thread, joined by in-memory channels that hold every message for a simulated one-way hop
 delay (`--hop-ms`, default 20: homes 20 ms apart; the issue's WAN lab measures real links). The
-head drafts (`--draft lookup`), drafts ahead (`--draft-ahead N`) or not (`none`); everything else is the session's own code
-(RingHead, RingMember, Heartbeat, the tensor frames encoded as on a link).
+head drafts (`--draft lookup`), drafts ahead (`--draft-ahead N`) or not (`none`); everything
+else is the session's own code (RingHead, RingMember, Heartbeat, the tensor frames encoded as on
+a link).
 
 Three prompts, greedy: a chat question, a summary of a given text, and an edit of given code.
 Every mode's ring is built first and the modes alternate request by request, so they share the
@@ -222,7 +223,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=64, help="tokens per answer (default 64)")
     p.add_argument("--runs", type=int, default=3, help="runs of each prompt and mode (default 3)")
     p.add_argument(
-        "--ahead", type=int, default=1, help="steps lookup drafts ahead in a third mode (default 1; 0: no such mode)"
+        "--ahead", type=int, default=1, help="steps lookup drafts ahead in a third mode (default 1; 0: none)"
     )
     return asyncio.run(run(p.parse_args()))
 

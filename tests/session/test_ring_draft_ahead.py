@@ -32,7 +32,9 @@ def ckpt(tiny_checkpoint) -> Checkpoint:
     [Sampling(max_tokens=40), Sampling(temperature=1.0, top_p=0.95, seed=5, max_tokens=40)],
     ids=["greedy", "seeded"],
 )
-async def test_steps_sent_ahead_give_the_plain_answer(ckpt: Checkpoint, sampling: Sampling, ahead: int) -> None:
+async def test_steps_sent_ahead_give_the_plain_answer(
+    ckpt: Checkpoint, sampling: Sampling, ahead: int
+) -> None:
     params = SamplingParams(
         temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed, max_tokens=40
     )
@@ -46,7 +48,7 @@ async def test_steps_sent_ahead_give_the_plain_answer(ckpt: Checkpoint, sampling
         await ring.stop()
     assert got == expected and again == expected
     assert head.drafted_ahead > head.voided_ahead  # the prompt repeats: some guesses far ahead hold
-    circuits, drafted, kept = head.last_request
+    circuits, _, kept = head.last_request
     assert circuits == 39 - kept  # every kept draft token saved a circuit, ahead or not
 
 
@@ -78,4 +80,6 @@ def plain_of(ckpt: Checkpoint, prompt: list[int], n: int) -> list[int]:
     from kafila.engine.generate import generate
 
     stage = Stage.load(ckpt, range(ckpt.n_blocks), True, "torch", "fp32", context=64)
-    return list(generate(stage, prompt, SamplingParams(max_tokens=n), eos_ids=tuple(ckpt.config.eos_token_id or ())))
+    return list(
+        generate(stage, prompt, SamplingParams(max_tokens=n), eos_ids=tuple(ckpt.config.eos_token_id or ()))
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import pytest
 from hypothesis import given, settings
@@ -465,3 +466,94 @@ def test_a_request_that_ends_voids_its_steps_ahead_and_keeps_its_slot_until_they
     assert s.active == (1,) and s.pop_freed() == []
     assert s.returned(a) == []
     assert s.pop_freed() == [1] and s.active == (2,)
+
+
+@given(
+    ahead=st.integers(1, 3),
+    n_reqs=st.integers(1, 3),
+    lanes=st.integers(1, 2),
+    seed=st.integers(0, 2**32),
+)
+@settings(max_examples=60, deadline=None)
+def test_random_drafts_ahead_keep_every_cache_as_the_tokens_kept(
+    ahead: int, n_reqs: int, lanes: int, seed: int
+) -> None:
+    """A simulated head and stage around the schedule: requests draft (right or wrong) and send
+    steps ahead on random guesses; every step writes its positions into the request's cache as a
+    stage does (from its start, dropping what lay after), steps come back in the order they left.
+    Each valid step that comes back saw a cache holding exactly the prompt and the tokens kept
+    before it, and every request ends with the tokens the model gives."""
+    rng = random.Random(seed)
+    s = Schedule(concurrency=n_reqs, chunk=4, lanes=lanes, ahead=ahead)
+    prompt = {rid: [100 + rid] * rng.randint(1, 6) for rid in range(n_reqs)}
+    model = {rid: [rng.randrange(3) for _ in range(40)] for rid in range(n_reqs)}  # its answer
+    most = {rid: rng.randint(1, 15) for rid in range(n_reqs)}
+    tokens: dict[int, list[int]] = {rid: [] for rid in range(n_reqs)}
+    cache: dict[int, list[int]] = {rid: [] for rid in range(n_reqs)}
+    flights: dict[int, deque[list[int]]] = {rid: deque() for rid in range(n_reqs)}
+    ring: deque[tuple[Step, dict[int, list[int]]]] = deque()
+    for rid in range(n_reqs):
+        s.submit(rid, len(prompt[rid]), most[rid])
+
+    def guess(rid: int, at: int, n: int) -> list[int]:  # the model's tokens from answer index `at`, or misses
+        return [model[rid][at + i] if rng.random() < 0.8 else 9 for i in range(n)]
+
+    def send(step: Step, fed: dict[int, list[int]]) -> None:
+        for e in step.entries:
+            assert e.position <= len(cache[e.request_id])  # a stage refuses a gap
+            cache[e.request_id][e.position :] = fed[e.request_id]
+            if not step.prefill:
+                flights[e.request_id].append(fed[e.request_id])
+        ring.append((step, {rid: list(cache[rid]) for rid in fed}))
+
+    while s.active or ring:
+        for step in s.take():
+            if step.prefill:
+                fed = {
+                    e.request_id: prompt[e.request_id][e.position : e.position + e.n_tokens]
+                    for e in step.entries
+                }
+            else:
+                fed = {}
+                for e in step.entries:
+                    r = e.request_id
+                    fed[r] = [tokens[r][-1], *guess(r, len(tokens[r]), e.n_tokens - 1)]
+            send(step, fed)
+        for rid in s.active:
+            room = s.ahead_room(rid)
+            if room:
+                rows = rng.randint(1, room)
+                after = len(cache[rid]) - len(prompt[rid])  # the answer index its guess stands at
+                step = s.ahead_step(rid, s.circuits(rid), rows)
+                assert step is not None and step.entries[0].position == len(cache[rid])
+                send(step, {rid: guess(rid, after, rows)})
+        if not ring:
+            continue
+        step, seen = ring.popleft()
+        back = s.returned(step)
+        for rid in back:
+            known = prompt[rid] + tokens[rid]
+            if step.prefill:
+                got: list[int] = [model[rid][0]]
+                fed_draft: list[int] = []
+            else:
+                fed_draft = flights[rid].popleft()[1:]
+                e = next(e for e in step.entries if e.request_id == rid)
+                assert seen[rid][: e.position + 1] == known  # the valid step saw what was kept
+                got = []
+                for i, d in enumerate([*fed_draft, None]):
+                    got.append(model[rid][len(tokens[rid]) + i])
+                    if got[-1] != d:
+                        break
+            got = got[: most[rid] - len(tokens[rid])]
+            held = bool(flights[rid]) and got == [*fed_draft, flights[rid][0][0]]
+            if flights[rid] and not held:
+                s.void_ahead(rid)
+                flights[rid].clear()
+            tokens[rid] += got
+            done = s.sampled(rid, stop=False, n=len(got))
+            if not done and not flights[rid]:
+                s.set_draft(rid, rng.randint(0, max(0, min(3, most[rid] - len(tokens[rid]) - 1))))
+        assert len(s.active) <= n_reqs
+    for rid in range(n_reqs):
+        assert tokens[rid] == model[rid][: most[rid]]

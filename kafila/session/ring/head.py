@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections import deque
 import statistics
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -181,6 +181,7 @@ class RingHead(RoleBase):
     def _ahead_steps(self, next_ch: Channel | None) -> int:
         """Steps a request may send ahead: the policy's, in a ring of several members."""
         return self.draft.ahead if self.draft is not None and next_ch is not None else 0
+
     # -- GenerationService -------------------------------------------------------------------------
 
     @property
@@ -313,7 +314,12 @@ class RingHead(RoleBase):
         self.stage, self.info, self.next, self.prev, self.epoch = stage, info, next_ch, prev_ch, epoch
         merge = SEPARATE_PROMPTS if next_ch is not None else stage.batch_rows or 0
         self.schedule = Schedule(
-            self._concurrency, old.chunk, lanes, merge, old.max_queue, self._ahead_steps(next_ch),
+            self._concurrency,
+            old.chunk,
+            lanes,
+            merge,
+            old.max_queue,
+            self._ahead_steps(next_ch),
             stage.prefill_path,
         )
         self.tally = StageTally(info, 0, next_ch, prev_ch)

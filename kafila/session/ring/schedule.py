@@ -130,7 +130,8 @@ class Schedule:
     _busy: set[int] = field(default_factory=set)  # lanes with a decode step in the ring
 
     def __post_init__(self) -> None:
-        if min(self.concurrency, self.chunk, self.lanes) < 1 or min(self.merge, self.max_queue or 0, self.ahead) < 0:
+        least = min(self.merge, self.max_queue or 0, self.ahead)
+        if min(self.concurrency, self.chunk, self.lanes) < 1 or least < 0:
             raise ValueError(
                 f"concurrency {self.concurrency}, chunk {self.chunk} and lanes {self.lanes} "
                 f"must be at least 1, merge {self.merge}, max_queue {self.max_queue} and ahead "
