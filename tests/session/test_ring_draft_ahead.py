@@ -29,17 +29,22 @@ def ckpt(tiny_checkpoint) -> Checkpoint:
 @pytest.mark.parametrize("ahead", [1, 2])
 @pytest.mark.parametrize(
     "sampling",
-    [Sampling(max_tokens=40), Sampling(temperature=1.0, top_p=0.95, seed=5, max_tokens=40)],
-    ids=["greedy", "seeded"],
+    [
+        Sampling(max_tokens=40),
+        Sampling(temperature=0.05, seed=5, max_tokens=40),
+        Sampling(temperature=1.0, top_p=0.95, seed=5, max_tokens=40),
+    ],
+    ids=["greedy", "seeded-cool", "seeded-hot"],
 )
-async def test_steps_sent_ahead_give_the_plain_answer(
+async def test_steps_sent_ahead_over_simulated_hop_delays_give_the_plain_answer(
     ckpt: Checkpoint, sampling: Sampling, ahead: int
 ) -> None:
     params = SamplingParams(
         temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed, max_tokens=40
     )
     expected = plain(ckpt, params)
-    ring = build_ring(ckpt, SPLITS, context=64, draft=DraftPolicy(row_share=0.0, ahead=ahead))
+    # hops held 20 ms each way (simulated), so a step ahead is drafted before its predecessor is back
+    ring = build_ring(ckpt, SPLITS, context=64, draft=DraftPolicy(row_share=0.0, ahead=ahead), hop_s=0.02)
     try:
         got = await answer(await ring.head.submit(PROMPT, sampling))
         again = await answer(await ring.head.submit(PROMPT, sampling))
@@ -47,7 +52,9 @@ async def test_steps_sent_ahead_give_the_plain_answer(
     finally:
         await ring.stop()
     assert got == expected and again == expected
-    assert head.drafted_ahead > head.voided_ahead  # the prompt repeats: some guesses far ahead hold
+    assert head.drafted_ahead > 0
+    if sampling.temperature < 1:  # the prompt repeats: some guesses far ahead hold
+        assert head.drafted_ahead > head.voided_ahead
     circuits, _, kept = head.last_request
     assert circuits == 39 - kept  # every kept draft token saved a circuit, ahead or not
 
