@@ -514,6 +514,8 @@ class RingHead(RoleBase):
                 made = await self.model.run(compute.ahead_steps, self.stage, self.draft, ahead)
             finally:
                 self._drafting_ahead.discard(rid)
+            if self.state != "serving":  # held for a re-plan meanwhile: the next epoch starts over
+                return
             for i, a in enumerate(made):
                 step = self.schedule.ahead_step(rid, circuits + i, len(a.tokens))
                 if step is None:
