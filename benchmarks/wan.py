@@ -17,11 +17,15 @@ the spread (half the range):
 - same: whether the answer is the text the first decoding at the first condition gave.
 
     python3 benchmarks/wan.py [--members 3,4] [--delays 0,5,20,40] [--loss 20:0.01] [--runs 3] [--spec]
+                           [--decodings plain,lookup,model] [--draft-model NAME]
 
-`--spec` measures plain and speculative decoding side by side: one session of each per ring size in
-the same lab, every condition with both. Each session forms with the lab's router out of the way
-(the weights come at the kernel's rate), then the lab shapes every edge per condition; the same
-session serves every condition of its decoding and ring size.
+`--spec` (or `--decodings plain,lookup,model`) measures plain decoding, prompt lookup and a draft
+model (`--draft-model`, by default the served model's own Q4_1 GGUF drafting its float32 ring)
+side by side: one session of each per ring size, all serving at once in the same lab on their own
+sites, their requests alternating set by set at every condition so the machine's load falls on
+each alike; a last table gives each decoding's tokens per second over plain decoding's. The
+sessions form with the lab's router out of the way (the weights come at the kernel's rate), then
+the lab shapes every edge per condition.
 """
 
 from __future__ import annotations
@@ -42,9 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _session_common import Load, median, spread
 
-from kafila.rendezvous.server import RendezvousServer
 from tests.natlab.delayline import Shape
-from tests.natlab.lab import RDV_ADDRS, Site, missing_requirements, netns
+from tests.natlab.lab import RDV_ADDRS, missing_requirements, netns
 from tests.natlab.members import API, form, stop
 from tests.natlab.wanlab import WanLab
 from tests.net.harness import start_rendezvous
@@ -69,7 +72,7 @@ HEADER = (
     "| first token ms | tokens | same |"
 )
 # How the head decodes: its --draft for each decoding (plain: one circuit per token)
-DECODINGS = {"plain": "none", "lookup": "lookup"}
+DECODINGS = {"plain": "none", "lookup": "lookup", "model": "MODEL"}  # model: --draft-model's name
 
 CLIENT = """
 import httpx, json, sys, time
@@ -168,10 +171,7 @@ def summarize(answers: list[dict[str, Any]], reference: dict[str, str]) -> list[
         mine = [a for a in answers if a["prompt"] == name]
         # ms per token from the stream (a chunk per circuit) and the usage; the circuit from the
         # head's record, where it wrote one for the request
-        per_token = [
-            1000 * (a["times"][-1] - a["times"][0]) / max(a["usage"]["completion_tokens"] - 1, 1)
-            for a in mine
-        ]
+        per_token = [ms_per_token(a) for a in mine]
         per_circuit = [tokens_per_circuit(a["usage"]) for a in mine]
         circuit = [a["trace"]["circuit_ms"] for a in mine if "trace" in a]
         ratio = [a["trace"]["circuit_ms"] / t for a, t in zip(mine, per_token, strict=True) if "trace" in a]
@@ -191,52 +191,77 @@ def summarize(answers: list[dict[str, Any]], reference: dict[str, str]) -> list[
 async def ring(
     members: int, conditions: list[tuple[float, float]], decodings: list[str], args: argparse.Namespace
 ) -> None:
+    """One session per decoding, all serving at once in one lab (each on its own sites); at every
+    condition their requests alternate set by set, so the machine's load falls on each alike."""
     with WanLab() as lab, tempfile.TemporaryDirectory() as tmp:
         with netns(lab.rdv):
             rdv = await start_rendezvous(RDV_ADDRS[0], RDV_ADDRS[1])
-        sites = [lab.add_site("permissive") for _ in range(members)]
+        groups = {d: [lab.add_site("permissive") for _ in range(members)] for d in decodings}
         reference: dict[str, str] = {}  # the first decoding's answers at the first condition
+        procs: list[subprocess.Popen[bytes]] = []
         try:
+            lab.bypass()  # sessions form with the router out of the way: the weights at the kernel's rate
             for decoding in decodings:
                 logs = Path(tmp) / decoding
                 logs.mkdir()
-                await session(lab, sites, rdv, logs, conditions, decoding, reference, args)
+                drafting = ("--draft", draft_flag(decoding, args))  # every member's: the head may be anywhere
+                await form(groups[decoding], rdv, logs, procs, ready_s=900, member_args=drafting)
+            for delay_ms, loss in conditions:
+                lab.shape(Shape(delay=delay_ms / 1000, loss=loss))
+                answers, load = await condition({d: g[0].host for d, g in groups.items()}, args)
+                for decoding in decodings:
+                    for a in answers[decoding]:
+                        reference.setdefault(a["prompt"], a["text"])
+                    what = f"{members} members, {delay_ms:g} ms one way per edge, loss {loss:.0%}, {decoding}"
+                    print(f"\n{what}, {args.runs} runs per prompt; {load}")
+                    print(HEADER)
+                    print("|---|---|---|---|---|---|---|---|---|")
+                    print("\n".join(summarize(answers[decoding], reference)), flush=True)
+                    if args.hops:
+                        print("\n".join(hop_lines(answers[decoding])), flush=True)
+                if len(decodings) > 1:
+                    print("\n".join(speedups(answers, decodings)), flush=True)
         finally:
+            stop(procs)
             await rdv.stop()
 
 
-async def session(
-    lab: WanLab,
-    sites: list[Site],
-    rdv: RendezvousServer,
-    logs: Path,
-    conditions: list[tuple[float, float]],
-    decoding: str,
-    reference: dict[str, str],
-    args: argparse.Namespace,
-) -> None:
-    """One session whose head decodes as `decoding`, asked every prompt at every condition."""
-    lab.bypass()
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        drafting = ("--draft", DECODINGS[decoding])  # every member's: the plan may put the head anywhere
-        await form(sites, rdv, logs, procs, ready_s=900, member_args=drafting)  # slow probes when loaded
-        for delay_ms, loss in conditions:
-            lab.shape(Shape(delay=delay_ms / 1000, loss=loss))
-            await asyncio.to_thread(ask_all, sites[0].host, args.max_tokens, 1)  # settle
-            load = Load()
-            answers = await asyncio.to_thread(ask_all, sites[0].host, args.max_tokens, args.runs)
-            for a in answers:
-                reference.setdefault(a["prompt"], a["text"])
-            what = f"{len(sites)} members, {delay_ms:g} ms one way per edge, loss {loss:.0%}, {decoding}"
-            print(f"\n{what}, {args.runs} runs per prompt; {load.report()}")
-            print(HEADER)
-            print("|---|---|---|---|---|---|---|---|---|")
-            print("\n".join(summarize(answers, reference)), flush=True)
-            if args.hops:
-                print("\n".join(hop_lines(answers)), flush=True)
-    finally:
-        stop(procs)
+def draft_flag(decoding: str, args: argparse.Namespace) -> str:
+    return args.draft_model if decoding == "model" else DECODINGS[decoding]
+
+
+async def condition(
+    hosts: dict[str, str], args: argparse.Namespace
+) -> tuple[dict[str, list[dict[str, Any]]], str]:
+    """Every prompt asked `args.runs` times of each session, the sessions alternating run by run
+    after one settling set each; with the machine's load over the whole."""
+    for ns in hosts.values():
+        await asyncio.to_thread(ask_all, ns, args.max_tokens, 1)  # settle
+    load = Load()
+    answers: dict[str, list[dict[str, Any]]] = {d: [] for d in hosts}
+    for _ in range(args.runs):
+        for decoding, ns in hosts.items():
+            answers[decoding] += await asyncio.to_thread(ask_all, ns, args.max_tokens, 1)
+    return answers, load.report()
+
+
+def speedups(answers: dict[str, list[dict[str, Any]]], decodings: list[str]) -> list[str]:
+    """Per prompt, each decoding's tokens per second over the first decoding's (medians of ms per token)."""
+    rows = ["", "| prompt | " + " | ".join(f"{d} / {decodings[0]}" for d in decodings[1:]) + " |"]
+    rows.append("|---|" + "---|" * (len(decodings) - 1))
+    for name in PROMPTS:
+        base = median([ms_per_token(a) for a in answers[decodings[0]] if a["prompt"] == name])
+        cells = [
+            f"{base / median([ms_per_token(a) for a in answers[d] if a['prompt'] == name]):.2f}x"
+            for d in decodings[1:]
+        ]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def ms_per_token(a: dict[str, Any]) -> float:
+    """First to last streamed chunk over the tokens after the first."""
+    return 1000 * (a["times"][-1] - a["times"][0]) / max(a["usage"]["completion_tokens"] - 1, 1)
 
 
 def main() -> None:
@@ -248,11 +273,19 @@ def main() -> None:
     p.add_argument("--loss", default="20:0.01", help="DELAY_MS:LOSS conditions with loss, comma-separated")
     p.add_argument("--runs", type=int, default=3, help="requests per prompt and condition")
     p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--decoding", choices=tuple(DECODINGS), default="plain", help="how the head decodes")
     p.add_argument(
-        "--spec",
-        action="store_true",
-        help="plain and speculative (lookup) decoding side by side: overrides --decoding",
+        "--decodings",
+        default="plain",
+        help="how the heads decode, comma-separated, the first the one others are compared with: plain "
+        "(--draft none), lookup (prompt lookup), model (--draft-model drafts)",
+    )
+    p.add_argument(
+        "--spec", action="store_true", help="plain, lookup and model side by side: overrides --decodings"
+    )
+    p.add_argument(
+        "--draft-model",
+        default="smollm2-135m-gguf",
+        help="the draft model of the `model` decoding (default: the served model's own Q4_1 GGUF)",
     )
     p.add_argument(
         "--hops", action="store_true", help="per answer: circuit, stages' compute, hops' paths and RTTs"
@@ -265,7 +298,10 @@ def main() -> None:
     conditions += [(float(d), float(x)) for d, x in (c.split(":") for c in args.loss.split(",") if c)]
     now = datetime.datetime.now(datetime.UTC)
     print(f"benchmarks/wan.py {' '.join(sys.argv[1:])}; {now:%Y-%m-%d %H:%M} UTC; {os.cpu_count()} CPUs")
-    decodings = ["plain", "lookup"] if args.spec else [args.decoding]
+    decodings = ["plain", "lookup", "model"] if args.spec else args.decodings.split(",")
+    unknown = [d for d in decodings if d not in DECODINGS]
+    if unknown:
+        sys.exit(f"--decodings: {', '.join(unknown)} unknown; choose from {', '.join(DECODINGS)}")
     for members in (int(m) for m in args.members.split(",")):
         asyncio.run(ring(members, conditions, decodings, args))
 

@@ -156,30 +156,39 @@ async def wan_main(
         sites = [lab.add_site("permissive"), lab.add_site("permissive")]
         ws = WeightServer(folder, cache=Path(tmp) / "host")
         await ws.prepare()
-        base = None
-        for ms in delays:
-            # a rate cap with a queue of 50 ms at that rate (a home router's buffer)
-            cap = {} if rate is None else {"rate": rate, "queue": int(rate * 0.05)}
-            lab.shape(Shape(delay=ms / 1000, **cap))  # type: ignore[arg-type]
-            times, size, packet = [], 0, 0
-            for i in range(runs):
+        # runs alternate the delays (0, 40, 100, 0, 40, 100, ...) so the machine's load falls on each alike
+        times: dict[float, list[float]] = {ms: [] for ms in delays}
+        loads: dict[float, list[float]] = {ms: [] for ms in delays}
+        size, packet = 0, 0
+        for i in range(runs):
+            for ms in delays:
+                # a rate cap with a queue of 50 ms at that rate (a home router's buffer)
+                cap = {} if rate is None else {"rate": rate, "queue": int(rate * 0.05)}
+                lab.shape(Shape(delay=ms / 1000, **cap))  # type: ignore[arg-type]
                 member, host, ea, eb = await wan_linked(lab, sites, config)
                 watch = asyncio.ensure_future(congestion(host))
                 r, dt = await fetch(ws, member, host, blocks, head, Path(tmp) / f"m-{ms}-{i}")
                 watch.cancel()
-                print(f"  host's sender: {await watch}; {drops(lab, sites)}", flush=True)
-                times.append(dt)
+                print(
+                    f"  {ms:g} ms, run {i + 1}: {dt:.1f} s; host's sender: {await watch}; "
+                    f"{drops(lab, sites)}",
+                    flush=True,
+                )
+                times[ms].append(dt)
+                loads[ms].append(os.getloadavg()[0])
                 size, packet = r.bytes_fetched, member.datagram_size
                 for link in (member, host):
                     await link.close()
                 ea.close()
                 eb.close()
-            med = statistics.median(times)
-            base = med if base is None else base
+        base = statistics.median(times[delays[0]])
+        for ms in delays:
+            med = statistics.median(times[ms])
             print(
-                f"one-way {ms:g} ms: {size / 1e6:.1f} MB in median {med:.1f} s (runs {min(times):.1f}-"
-                f"{max(times):.1f} s, n={runs}) = {size / med / 1e6:.1f} MB/s, {med / base:.2f}x the first "
-                f"delay; {packet}-byte packets; load average {os.getloadavg()[0]:.2f}",
+                f"one-way {ms:g} ms: {size / 1e6:.1f} MB in median {med:.1f} s (runs {min(times[ms]):.1f}-"
+                f"{max(times[ms]):.1f} s, n={runs}) = {size / med / 1e6:.1f} MB/s, "
+                f"{med / base:.2f}x the first delay; {packet}-byte packets; "
+                f"load average {min(loads[ms]):.2f}-{max(loads[ms]):.2f}",
                 flush=True,
             )
 

@@ -76,6 +76,20 @@ class DraftModel:
             fed.append(token)
             hidden = rows[-1]
 
+    def catch_up(self, rid: RequestId, history: Sequence[int]) -> None:
+        """Feed what this model has not seen of `history` but its last token (which `propose`
+        feeds, its row drafting the first token): a prompt's worth after a prefill, a token or two
+        after a verified step. The head runs it while the prompt's prefill is around the ring, and
+        apart from `propose` so that the time a draft takes (which prices drafting) is the draft's."""
+        if len(history) < 2:
+            return
+        fed = self._open(rid)
+        same = _common(fed, history[:-1])
+        if same < len(history) - 1:
+            self._feed(rid, same, history[same:-1])
+            del fed[same:]
+            fed.extend(history[same:-1])
+
     def close(self, rid: RequestId) -> None:
         """Free `rid`'s slot (unknown ids are ignored)."""
         self._fed.pop(rid, None)

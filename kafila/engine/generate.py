@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kafila.engine import PREFILL_CHUNK
@@ -83,8 +83,9 @@ def generate(
             yield from _run(stage, list(prompt_ids), sampler, chunk, rid, t)
         else:
             proposer = None if drafter is None else functools.partial(drafter.propose, rid)
+            catch_up = None if drafter is None else functools.partial(drafter.catch_up, rid)
             yield from _run_drafted(
-                stage, list(prompt_ids), sampler, chunk, rid, t, draft, tie_margin, proposer
+                stage, list(prompt_ids), sampler, chunk, rid, t, draft, tie_margin, proposer, catch_up
             )
     finally:
         stage.close(rid)
@@ -131,9 +132,11 @@ def _run_drafted(
     policy: drafting.DraftPolicy,
     tie_margin: float,
     proposer: drafting.Proposer | None,
+    catch_up: Callable[[Sequence[int]], None] | None = None,
 ) -> Iterator[int]:
     """As `_run`, each step feeding the last token and a draft (`proposer`'s, else prompt
-    lookup's), keeping what `verify` keeps."""
+    lookup's), keeping what `verify` keeps; `catch_up` (the draft model's) reads the history
+    before each draft, outside the draft's measured time."""
     start = time.perf_counter()
     token = _prefill(stage, prompt, sampler, chunk, rid)
     t.prefill_s, t.generated_tokens = time.perf_counter() - start, 1
@@ -144,6 +147,8 @@ def _run_drafted(
         reason = sampler.stop_reason(token)
         while reason is None and pos + 1 < stage.context:
             room = min(sampler.params.max_tokens - sampler.generated - 1, stage.context - 2 - pos)
+            if catch_up is not None and not alone:
+                catch_up(history)  # a prompt's worth once: priced as drafting it would end drafting
             began = time.perf_counter()
             drafted = () if alone else drafting.propose(policy, stats, history, room, proposer)
             stats = drafting.observe_drafting(policy, stats, len(drafted), time.perf_counter() - began)

@@ -32,7 +32,9 @@ Loss: a message queued while the stream holds at most `copy_flight` bytes unackn
 step's activation) leaves twice, each datagram right after itself, and the receiver drops the copy
 before QUIC. One lost packet of such a lone flight would wait for QUIC's probe timeout (srtt + 4
 rttvar + 25 ms) and halve the congestion window the next prefill needs; a bulk message's losses
-show within a round trip by the packets after them, and it is sent once.
+show within a round trip by the packets after them, and it is sent once. QUIC's least round trip
+is that of the last 10-20 s (congestion.LeastRtt, forgotten at a path change): aioquic takes its
+RTT variance, so its probe timeout, from it, and a path whose delay grew would keep the old one.
 
 Messages: one bidirectional stream carries (kind, payload) messages in order (kafila.net.framing).
 Authentication (kafila.net.auth) runs on it first; `send`/`recv` work only after it succeeds.
@@ -230,6 +232,7 @@ class Link:
         self._counters = _Counters()
         self._timed: deque[_Timed] = deque()  # messages sent with `delivered`, oldest first
         self._recent = RecentDatagrams()  # what arrived lately, so a copy is dropped before QUIC
+        self._least_rtt = congestion.LeastRtt()  # aioquic's least round trip (quic_private.window_min_rtt)
         self._log = log.bind(edge=f"{ctx.client_id}->{ctx.server_id}", me="client" if is_client else "server")
 
     # ------------------------------------------------------------------ paths
@@ -280,6 +283,7 @@ class Link:
             callback(change)
         if old_dead:
             self._resend_in_flight()
+        self._least_rtt.reset()  # the new path's round trip, from its first sample on
         self._use_datagram_size(self.config.max_datagram_size)
         self._probe_current_path()
         self._transmit()
@@ -368,6 +372,7 @@ class Link:
             configuration=self._quic_config(), original_destination_connection_id=original_dcid
         )
         quic_private.set_ack_delay(conn, self.config.ack_delay)
+        quic_private.window_min_rtt(conn, self._least_rtt)
         quic_private.on_ack(conn, self._acked)
         return conn
 

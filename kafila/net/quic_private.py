@@ -3,7 +3,8 @@
 aioquic's public API has no way to change a connection's packet size after it is made, to move
 the packets in flight on a dead path to a new one at once, to send a waiting ACK now, or to read
 its RTT estimate and unacknowledged stream bytes, or to learn of each ACK the peer sent and the
-delay it says it held it. A link needs all of them (kafila.net.link), so it
+delay it says it held it, or to let its least round trip go when the path's delay grew. A link
+needs all of them (kafila.net.link), so it
 reaches into the connection here and only here. Importing this module checks the installed aioquic
 against `AIOQUIC_VERSION`, and tests/net/test_quic_private.py drives every function below on a
 real connection pair, so an upgrade fails loudly in one place instead of misbehaving on a path
@@ -22,6 +23,8 @@ from aioquic.quic.connection import QuicConnection
 from aioquic.quic.rangeset import RangeSet
 from aioquic.quic.recovery import QuicPacketSpace
 from cryptography import x509
+
+from kafila.net.congestion import LeastRtt
 
 AIOQUIC_VERSION = "1.7.2"  # the version whose internals this module was written against (pyproject pin)
 MAX_ACK_DELAY = 0.025  # the max_ack_delay aioquic 1.7 advertises: no ACK may wait longer
@@ -136,3 +139,25 @@ def on_ack(conn: QuicConnection, callback: Callable[[float, float], None]) -> No
         callback(now, ack_delay)
 
     loss.on_ack_received = watched  # type: ignore[method-assign]
+
+
+def window_min_rtt(conn: QuicConnection, least: LeastRtt) -> None:
+    """Let aioquic's least round trip be `least`'s (the last 10-20 s) instead of the connection's
+    whole life. aioquic takes the RTT variance as the mean distance of each sample from that least
+    (RFC 9002 5.3 takes it from the smoothed RTT), so on a path whose delay grew after the least was
+    measured (a session formed before the WAN lab shaped its links, a route change) the variance
+    becomes the growth and the probe timeout srtt + 4 x variance + max_ack_delay: 0.22 s at 20 ms one
+    way after forming at 0.1 ms, against 0.066 s (benchmarks/quic_loss.py --formed-ms 0.1, no copies).
+    RFC 9002 5.2 lets an endpoint re-establish min_rtt. Each ACK whose largest packet is newly acked
+    and ack-eliciting is a sample, as in aioquic."""
+    loss = conn._loss
+    received = loss.on_ack_received
+
+    def windowed(*, ack_rangeset: RangeSet, ack_delay: float, now: float, space: QuicPacketSpace) -> None:
+        largest = space.sent_packets.get(ack_rangeset.bounds().stop - 1)
+        if largest is not None and largest.is_ack_eliciting and largest.sent_time is not None:
+            least.sample(now, max(now - largest.sent_time, 0.001))  # aioquic's floor, 1 ms
+        loss._rtt_min = least.value
+        received(ack_rangeset=ack_rangeset, ack_delay=ack_delay, now=now, space=space)
+
+    loss.on_ack_received = windowed  # type: ignore[method-assign]

@@ -125,6 +125,36 @@ def test_a_draft_after_a_rejected_one_is_what_a_fresh_draft_model_proposes(
     assert len(first) == 5 and one.stage.open_requests == []
 
 
+def test_catching_up_reads_all_but_the_last_token_and_leaves_the_draft_unchanged(
+    tiny_checkpoint, target: Stage
+) -> None:
+    """What the head runs while a prompt's prefill is around the ring: the draft model reads the
+    prompt but its last token, so the draft that follows feeds one token and proposes what a
+    draft model that never caught up proposes; after a verified step it reads only what it has
+    not (here nothing: the kept tokens are its own draft's)."""
+    path = tiny_checkpoint("qwen3-gqa2-untied")
+    caught, fresh = DraftModel(_stage(path), "caught"), DraftModel(_stage(path), "fresh")
+    history = [*PROMPT, 5, 6]
+    try:
+        caught.catch_up("a", history)
+        assert caught.stage.length("a") == len(history) - 1
+        draft = caught.propose("a", history, 4)
+        assert caught.stage.length("a") == len(history) + 3  # the last token, then its own 3 steps
+        assert draft == fresh.propose("x", history, 4)
+        kept = [*history, draft[0], draft[1], 77]  # two kept, then the target's own token
+        caught.catch_up("a", kept)  # all but 77 read already (its own draft): nothing read
+        assert caught.stage.length("a") == len(history) + 3
+        caught.catch_up("c", kept)  # a request it never read: all but the last token
+        assert caught.stage.length("c") == len(kept) - 1
+        assert caught.propose("a", kept, 4) == fresh.propose("y", kept, 4)
+        caught.catch_up("b", [3])  # a one-token history: nothing to read before it
+        assert "b" not in caught.stage.open_requests
+    finally:
+        for d, rids in ((caught, "abc"), (fresh, "xy")):
+            for rid in rids:
+                d.close(rid)
+
+
 def test_a_draft_model_of_another_vocabulary_is_refused_by_its_numbers(tmp_path: Path, target: Stage) -> None:
     make_tiny(tmp_path / "wide", "qwen3", num_hidden_layers=1, vocab_size=320, hidden_size=32,
               num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=48)  # fmt: skip

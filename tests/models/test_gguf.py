@@ -254,15 +254,23 @@ def test_folder_carries_chat_template_and_special_tokens(mixed_folder: Path) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quant", ["auto", "none"], ids=["packed", "widened"])
+@pytest.mark.parametrize(
+    ("backend", "quant"),
+    [("torch", "auto"), ("torch", "none"), ("mlx", "auto")],
+    ids=["packed", "widened", "mlx-packed"],
+)
 @pytest.mark.parametrize("file", ["mixed", "kquant"])
 def test_engine_logits_track_the_float_model_of_the_same_values(
-    file: str, tmp_path: Path, quant: str, request: pytest.FixtureRequest
+    file: str, tmp_path: Path, backend: str, quant: str, request: pytest.FixtureRequest
 ) -> None:
     """Greedy tokens equal transformers' on the served values as F32 weights (gguf.quants' values
     where they are kept; the tests above bound the others). Served packed, the products round the
     activations to int8 groups (as llama.cpp's do): logits within 2% of the logits' spread in RMS,
-    10% at most. Widened (quant none), the same float model: within 1e-4 of it."""
+    10% at most. Widened (quant none), the same float model: within 1e-4 of it. On MLX (mlx[cpu]
+    here) the packed matrices are MLX's affine quantized layout (`mx.quantized_matmul`, group 32)
+    holding the same values, the file served as it is on the CPU kernels."""
+    if backend == "mlx":
+        pytest.importorskip("mlx.core")
     import torch
     import transformers
 
@@ -279,8 +287,13 @@ def test_engine_logits_track_the_float_model_of_the_same_values(
     want_ids = out.sequences[0, len(prompt) :].tolist()
     ckpt = Checkpoint.open(folder)
     stage = Stage.load(
-        ckpt, range(ckpt.n_blocks), True, backend="torch", dtype="fp32", context=64, quant=quant
+        ckpt, range(ckpt.n_blocks), True, backend=backend, dtype="fp32", context=64, quant=quant
     )
+    if backend == "mlx":  # every block matrix held packed in MLX's layout, none widened
+        from kafila.models.mlx.llama import Packed
+
+        mats = [getattr(b, m) for b in stage.model.blocks for m in ("wqkv", "wo", "w_gate_up", "w_down")]
+        assert all(isinstance(w, Packed) for w in mats)
     got_ids, got_logits = _greedy(stage, prompt, 6)
     assert got_ids == want_ids
     want = torch.stack(out.logits).squeeze(1).numpy()

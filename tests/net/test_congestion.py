@@ -3,11 +3,16 @@ a queue's (a grown round trip) or loss above 2% halves it as Reno does."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 from aioquic.quic.congestion.base import create_congestion_control
 from aioquic.quic.packet import QuicPacketType
 from aioquic.quic.packet_builder import QuicSentPacket
 
-from kafila.net.congestion import NAME, LossTolerantReno, random_loss
+from kafila.net.congestion import NAME, LeastRtt, LossTolerantReno, random_loss
+from kafila.net.link import LinkConfig
+from tests.net.simulated_edge import Edge, Setup, connect
 
 MSS = 1452
 
@@ -73,3 +78,82 @@ def test_loss_above_two_percent_is_congestion_whatever_the_round_trip() -> None:
         cc.on_packet_sent(packet=p)
     cc.on_packets_lost(now=now + 0.05, packets=burst)
     assert cc.congestion_window == window // 2 and cc.tolerated == 0
+
+
+def test_the_least_round_trip_is_the_last_ten_to_twenty_seconds_and_never_one_fresh_sample() -> None:
+    least = LeastRtt(window=10.0)
+    assert least.value == float("inf")
+    least.sample(0.0, 0.001)  # formed on a path with no delay
+    least.sample(9.0, 0.040)  # then the path's delay grew
+    assert least.value == 0.001
+    least.sample(12.0, 0.042)  # a new window: the one before still counts
+    assert least.value == 0.001
+    least.sample(22.0, 0.045)  # two windows on: the old path's round trip is gone
+    assert least.value == 0.042
+    least.sample(55.0, 0.050)  # after a silence past both windows, only what came since
+    assert least.value == 0.050
+    least.reset()  # a new path
+    assert least.value == float("inf")
+    least.sample(56.0, 0.090)
+    assert least.value == 0.090
+
+
+def test_a_path_whose_delay_grew_for_good_tolerates_random_loss_again_within_two_windows() -> None:
+    cc = create_congestion_control(NAME, max_datagram_size=MSS)
+    assert isinstance(cc, LossTolerantReno)
+    grown(cc, 300, rtt=0.001)  # formed at 1 ms (aioquic's least sample)
+    now = 30.0
+    for _ in range(300):  # 20 ms one way from now on, for longer than two windows
+        now += 0.1
+        cc.on_rtt_measurement(now=now, rtt=0.040)
+    window = cc.congestion_window
+    lost = packet(5000, now)
+    cc.on_packet_sent(packet=lost)
+    cc.on_packets_lost(now=now + 0.05, packets=[lost])
+    assert cc.congestion_window == window and cc.tolerated == 1
+
+
+LOSSY = Setup(
+    loss=0.01, delay=0.020, jitter=0.0, mss=1452, cc=NAME, copy_flight=LinkConfig().copy_flight,
+    steps=24, step_bytes=2330, circuit=0.110, hold=0.010, prefill_bytes=350_000,
+)  # fmt: skip
+
+
+def formed_without_delay(lossy: Setup, seed: int) -> Edge:
+    """A simulated edge in the WAN lab's order: the session forms on unshaped links (a round trip
+    of 0.2 ms) and serves a request, then every edge gets `lossy`'s delay and loss."""
+    edge = connect(dataclasses.replace(lossy, delay=0.0001, loss=0.0), seed)
+    edge.decode(lossy.steps)
+    edge.send(lossy.prefill_bytes)
+    edge.run_until(edge.now + 20.0)  # the lab shapes its edges between requests
+    edge.setup = lossy
+    return edge
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_simulated_edge_formed_without_delay_carries_each_prefill_at_20_ms_and_1_percent_loss_in_time(
+    seed: int,
+) -> None:
+    """Each 350 kB prefill after the change takes 0.06-0.11 s (no loss: 0.024 s); with the least
+    round trip of the whole connection, the grown one read as a queue, every loss halved the window
+    and the third prefill took 0.23-0.58 s."""
+    edge = formed_without_delay(LOSSY, seed)
+    prefills = []
+    for _ in range(3):
+        edge.decode(LOSSY.steps)
+        prefills.append(edge.send(LOSSY.prefill_bytes))
+    assert max(prefills) < 0.15, f"prefills took {[round(p, 3) for p in prefills]} s"
+
+
+@pytest.mark.parametrize("seed", [1, 3])
+def test_a_simulated_edge_formed_without_delay_waits_for_a_lost_last_packet_a_probe_timeout_of_the_path_now(
+    seed: int,
+) -> None:
+    """Without copies a decode step whose last packet is lost waits for QUIC's probe timeout
+    (srtt + 4 x RTT variance + 25 ms). After the change that is 0.066 s at 20 ms one way; with
+    aioquic's least round trip of the connection's life (1 ms) its variance became the 39 ms the path
+    grew by, the timeout 0.22 s, and such a step took 0.24 s."""
+    edge = formed_without_delay(dataclasses.replace(LOSSY, copy_flight=0), seed)
+    steps = edge.decode(200)
+    assert edge.client._loss.get_probe_timeout() < 0.08
+    assert max(steps) < 0.2, f"the slowest step took {max(steps):.3f} s"

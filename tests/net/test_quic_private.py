@@ -16,6 +16,7 @@ from aioquic.quic.packet import pull_quic_header
 
 from kafila.net import quic_private
 from kafila.net.certs import Identity, make_identity
+from kafila.net.congestion import LeastRtt
 
 PEER = ("virtual-peer", 1)
 ONE_WAY = 0.010  # seconds each datagram takes between the two in-memory ends
@@ -172,3 +173,17 @@ def test_pending_close_reports_the_peers_close_before_draining(pair: Pair) -> No
     pair.deliver(pair.server, False)
     close = quic_private.pending_close(pair.client)
     assert close is not None and close.error_code == 0x1E and close.reason_phrase == "ended"
+
+
+def test_the_least_round_trip_aioquic_uses_is_the_windowed_one(pair: Pair) -> None:
+    assert pair.server is not None
+    least = LeastRtt(window=1.0)
+    least.sample(pair.now, 0.001)  # a round trip the path no longer has
+    quic_private.window_min_rtt(pair.client, least)
+    pair.now += 5.0  # both windows of the old sample are over
+    pair.client.send_stream_data(0, b"v" * 100)
+    pair.deliver(pair.client, True)
+    assert quic_private.send_waiting_ack_now(pair.server, pair.now)
+    pair.deliver(pair.server, False)
+    assert least.value == pytest.approx(2 * ONE_WAY)
+    assert pair.client._loss._rtt_min == least.value  # the variance and the ACK delay's check use it

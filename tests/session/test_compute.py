@@ -56,6 +56,28 @@ async def test_the_model_thread_runs_calls_in_order_on_one_thread_and_hands_back
         model.close()
 
 
+async def test_a_posted_call_runs_in_its_place_and_its_error_is_logged_not_raised() -> None:
+    """What the head posts (its draft model reading a prompt while the prefill is in the ring)
+    runs on the model thread in queue order; nobody awaits it, so its error is only logged."""
+    from structlog.testing import capture_logs
+
+    model = compute.ModelThread("t")
+    seen: list[str] = []
+    try:
+        with capture_logs() as logs:
+            model.post(seen.append, "posted")
+            model.post(_refuse)
+            assert await model.run(seen.append, "awaited") is None
+        assert seen == ["posted", "awaited"]  # the awaited call ran after both posted ones
+        [failed] = [e for e in logs if e["event"] == "model_thread_call_failed"]
+        assert failed["call"] == "_refuse" and "the stage refused" in failed["error"]
+        assert await model.run(lambda: 4) == 4  # still serving after the posted call's error
+    finally:
+        model.close()
+    model.post(seen.append, "after close")  # dropped
+    assert seen == ["posted", "awaited"]
+
+
 async def test_a_cancelled_caller_does_not_stop_the_model_thread_and_close_drops_waiting_calls() -> None:
     model = compute.ModelThread("t")
     gate = threading.Event()

@@ -26,8 +26,11 @@ from kafila.engine.speculative import Verdict, holds, verify
 from kafila.engine.stage import Entry as StageEntry
 from kafila.engine.stage import Stage, StageError
 from kafila.obs import hopmarks
+from kafila.obs.log import get_logger
 from kafila.proto import tensor as t
 from kafila.session.progress import MODEL_THREAD
+
+log = get_logger("kafila.session.ring.compute")
 
 T = TypeVar("T")
 WIRE = {"F32": t.DType.F32, "F16": t.DType.F16, "BF16": t.DType.BF16}
@@ -56,6 +59,12 @@ class ModelThread:
         self._calls.put((loop, future, fn, args))
         return await future
 
+    def post(self, fn: Callable[..., object], *args: Any) -> None:
+        """Queue a call nobody awaits (work for the time the thread would wait): an error it
+        raises is logged; dropped when the thread closes."""
+        if not self._closed:
+            self._calls.put((None, None, fn, args))
+
     def close(self) -> None:
         """Calls still waiting are dropped (their callers see CancelledError); a running one ends."""
         self._closed = True
@@ -64,6 +73,12 @@ class ModelThread:
     def _main(self) -> None:
         while (call := self._calls.get()) is not None:
             loop, future, fn, args = call
+            if loop is None or future is None:  # posted: nobody awaits it
+                if not self._closed and (error := _outcome(fn, args)[1]) is not None:
+                    log.warning(
+                        "model_thread_call_failed", call=getattr(fn, "__name__", str(fn)), error=str(error)
+                    )
+                continue
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
                 if self._closed:  # dropped by close()
                     loop.call_soon_threadsafe(future.cancel)
@@ -78,7 +93,10 @@ def _outcome(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, BaseEx
         return None, exc
 
 
-_Call = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
+# (loop, future, fn, args); loop and future None for a posted call
+_Call = tuple[
+    asyncio.AbstractEventLoop | None, "asyncio.Future[Any] | None", Callable[..., Any], tuple[Any, ...]
+]
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
@@ -234,6 +252,7 @@ class Drafting:
     stats: DraftStats
     room: int
     proposer: Proposer | None = None
+    catch_up: Callable[[Sequence[int]], None] | None = None  # the draft model's (DraftModel.catch_up)
     expect: tuple[int, ...] | None = None  # what a step sent ahead of this one assumes it gives
 
 
@@ -277,11 +296,14 @@ def verify_turn(
     draft_s: list[float] = []
     for v, d in zip(verdicts, drafting, strict=True):
         room = d.room - len(v.tokens)
+        history = [*d.history, *v.tokens]
+        # a step sent ahead that holds is the request's next: nothing to draft now
+        ahead_holds = d.expect is not None and holds(v, d.expect)
+        drafting_next = v.reason is None and not v.tied and room >= 1 and not ahead_holds
+        if drafting_next and d.catch_up is not None:
+            d.catch_up(history)  # not the draft's time: a prompt's catch-up would price drafting out
         began = time.perf_counter()
-        if v.reason is not None or v.tied or room < 1 or (d.expect is not None and holds(v, d.expect)):
-            drafts.append(())
-        else:
-            drafts.append(propose(policy, d.stats, [*d.history, *v.tokens], room, d.proposer))
+        drafts.append(propose(policy, d.stats, history, room, d.proposer) if drafting_next else ())
         draft_s.append(time.perf_counter() - began)
     ahead = None
     plain = all(len(v.tokens) == 1 and v.reason is None for v in verdicts) and not any(drafts)
@@ -306,6 +328,7 @@ class Ahead:
     room: int
     count: int
     proposer: Proposer | None = None
+    catch_up: Callable[[Sequence[int]], None] | None = None  # the draft model's (DraftModel.catch_up)
 
 
 @dataclass(frozen=True)
@@ -326,6 +349,8 @@ def ahead_steps(stage: Stage, policy: DraftPolicy, ahead: Ahead) -> list[AheadSt
     next step meets the error by name)."""
     assumed, room, out = list(ahead.assumed), ahead.room, []
     for _ in range(ahead.count):
+        if ahead.catch_up is not None:
+            ahead.catch_up(assumed)  # reading what it has not seen is not the draft's time
         began = time.perf_counter()
         tokens = propose_ahead(policy, ahead.stats, assumed, room, ahead.proposer)
         draft_s = time.perf_counter() - began

@@ -506,8 +506,11 @@ class RingHead(RoleBase):
                 assumed += [f.first, *f.draft]
             room = min(room, self.context - 1 - len(assumed))
             count = self.schedule.ahead + 1 - len(req.flights)
-            proposer = None if self.drafter is None else functools.partial(self.drafter.propose, rid)
-            ahead = compute.Ahead(rid, assumed, req.draft_stats, room, count, proposer)
+            proposer = catch_up = None
+            if self.drafter is not None:
+                proposer = functools.partial(self.drafter.propose, rid)
+                catch_up = functools.partial(self.drafter.catch_up, rid)
+            ahead = compute.Ahead(rid, assumed, req.draft_stats, room, count, proposer, catch_up)
             circuits = self.schedule.circuits(rid)
             self._drafting_ahead.add(rid)
             try:
@@ -571,6 +574,10 @@ class RingHead(RoleBase):
             await self._returned(frame)
         else:
             self._outbox.put_nowait(frame)
+            if step.prefill and step.last_chunk and self.drafter is not None:
+                for e in step.entries:  # the draft model reads the prompt while its prefill is in the ring
+                    if (req := self._reqs.get(e.request_id)) is not None:
+                        self.model.post(self.drafter.catch_up, e.request_id, req.fed())
 
     def _tokens_for(self, e: Entry, prefill: bool) -> list[int]:
         req = self._reqs.get(e.request_id)
@@ -719,8 +726,11 @@ class RingHead(RoleBase):
         position = self.schedule.next_position(req.rid)  # where this step's last token was fed
         room = min(req.max_tokens - req.generated - 1, self.context - 2 - position)
         history = [*req.prompt, *req.tokens]
-        proposer = None if self.drafter is None else functools.partial(self.drafter.propose, req.rid)
-        return compute.Drafting(fed, history, req.draft_stats, room, proposer, expect)
+        if self.drafter is None:
+            return compute.Drafting(fed, history, req.draft_stats, room, expect=expect)
+        proposer = functools.partial(self.drafter.propose, req.rid)
+        catch_up = functools.partial(self.drafter.catch_up, req.rid)
+        return compute.Drafting(fed, history, req.draft_stats, room, proposer, catch_up, expect)
 
     def _margin(self) -> float:
         """Greedy rows within this of a tie are sampled alone: 0 where a step's rows have the bits
