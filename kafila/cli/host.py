@@ -120,6 +120,16 @@ def add_member_flags(parser: argparse.ArgumentParser) -> None:
         "0 measures every time)",
     )
     add_draft_flag(parser, "; as the ring's head (the host, or a member the head moved to)")
+    parser.add_argument(
+        "--draft-ahead",
+        default=0,
+        type=non_negative_int,
+        metavar="N",
+        help="as the ring's head, while a drafted step is in the ring, send up to N more steps for the "
+        "positions after it, assuming its draft is kept and guessing the token it samples (the "
+        "answer is unchanged: a step whose assumption fails is dropped and its positions written "
+        "over); default 0: off, as measured it did not pay on every kind of prompt (docs/engine.md)",
+    )
 
 
 def _seconds(text: str) -> float:
@@ -301,6 +311,7 @@ def options(args: argparse.Namespace) -> object:
         weights_from=args.weights_from,
         replica_bytes=int(args.replica_bytes * 1e9),
         draft=args.draft,
+        draft_ahead=args.draft_ahead,
         probe_max_age_s=args.probe_max_age,
     )
     for key in (

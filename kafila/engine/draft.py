@@ -20,6 +20,11 @@ A draft model (kafila.engine.draft_model) drafts instead of prompt lookup where 
 one: `propose` takes the proposer, and making each drafted token costs the head `draft_s` more
 (measured per request, `observe_drafting`), which the choice of k adds to the row cost.
 
+Drafting ahead (`ahead` > 0, kafila.session.ring.schedule): while a step is in the ring the head
+may send the next one, which feeds the head's guess of the token that step samples after its
+draft and a draft after that guess (`propose_ahead`): one longer lookup (or more draft-model
+tokens) over the history that assumes every drafted token in the ring is kept.
+
 No clocks or I/O: the head passes each step's measured circuit time in.
 """
 
@@ -50,8 +55,11 @@ class DraftPolicy:
     decay: float = 0.9  # each step keeps this share of the counts before it
     row_share: float = 0.05  # a drafted row's cost over a plain step's, until measured
     min_gain: float = 0.1  # drafts are made only where they promise this much more than plain steps
+    ahead: int = 0  # decode steps a request may send ahead of the one in the ring (0: none)
 
     def __post_init__(self) -> None:
+        if self.ahead < 0:
+            raise ValueError(f"ahead {self.ahead} must be >= 0")
         if self.max_k < 0 or not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(
                 f"max_k {self.max_k} must be >= 0 and 1 <= min_ngram {self.min_ngram} <= "
@@ -136,6 +144,25 @@ def propose(
     return lookup(history, k, policy.max_ngram, policy.min_ngram)
 
 
+def propose_ahead(
+    policy: DraftPolicy,
+    stats: DraftStats,
+    assumed: Sequence[int],
+    room: int,
+    proposer: Proposer | None = None,
+) -> tuple[int, ...]:
+    """What a step sent ahead feeds: the guess of the token sampled after `assumed` (the prompt,
+    the answer and every token the steps in the ring are assumed to keep), then a draft after
+    it of the length `choose_k` gives; `room` tokens at most (the request's and its context's);
+    () where nothing is guessed."""
+    if room < 1:
+        return ()
+    n = 1 + choose_k(policy, stats, room - 1)
+    if proposer is not None:
+        return proposer(assumed, n)[:n]
+    return lookup(assumed, n, policy.max_ngram, policy.min_ngram)
+
+
 def observe_drafting(policy: DraftPolicy, stats: DraftStats, tokens: int, seconds: float) -> DraftStats:
     """`stats` after making a draft of `tokens` tokens took the head `seconds` (a draft model's)."""
     if tokens < 1 or seconds < 0:
@@ -165,12 +192,13 @@ def observe(
     return replace(s, row_s=row + (1 - d) * (per_row - row))
 
 
-def policy_for(mode: str) -> DraftPolicy | None:
+def policy_for(mode: str, ahead: int = 0) -> DraftPolicy | None:
     """The policy of a --draft value: None for "none", else the default policy (prompt lookup
-    for "lookup", a draft model for a model's name or folder)."""
+    for "lookup", a draft model for a model's name or folder) sending up to `ahead` steps ahead
+    (--draft-ahead)."""
     if not mode.strip():
         raise ValueError(f"unknown draft {mode!r}; choose {' or '.join(DRAFT_MODES)} or a model")
-    return None if mode == "none" else DraftPolicy()
+    return None if mode == "none" else DraftPolicy(ahead=ahead)
 
 
 def draft_model_of(mode: str) -> str | None:

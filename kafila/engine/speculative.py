@@ -63,6 +63,12 @@ def verify(sampler: Sampler, rows: np.ndarray, draft: Sequence[int], tie_margin:
     return Verdict(tuple(out), len(draft), None)
 
 
+def holds(verdict: Verdict, expect: Sequence[int]) -> bool:
+    """Whether a step that gave `verdict` gave what a step sent ahead of it assumed: `expect`,
+    its whole draft and then the guessed token, with the request going on."""
+    return verdict.reason is None and not verdict.tied and verdict.tokens == tuple(expect)
+
+
 def _margin(sampler: Sampler, row: np.ndarray) -> float:
     z = sampler.penalized(row)
     top2 = np.partition(z, -2)[-2:] if z.shape[0] > 1 else np.array([-np.inf, z[0]])

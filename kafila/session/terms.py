@@ -51,6 +51,7 @@ class Options:
     dead_after: float = 3.0  # --lost-after: a neighbour silent this long is lost (session.channel)
     emulate_speed: float = 1.0  # < 1: emulate a slower device (kafila.engine.pace)
     draft: str = "lookup"  # --draft: how it drafts as the head: none, lookup or a draft model (engine.draft)
+    draft_ahead: int = 0  # --draft-ahead: steps the head sends past a drafted one in the ring (engine.draft)
     # host only
     model: str = "smollm2-135m"
     members: int = 1

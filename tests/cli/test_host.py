@@ -52,3 +52,16 @@ def test_quant_is_a_documented_host_flag_that_reaches_the_sessions_options(capsy
     with pytest.raises(SystemExit):
         parser.parse_args(["host", "--quant", "q3"])
     assert "argument --quant: invalid choice: 'q3'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["host"], ["join", "4-k7m2-tiger-lamp-ocean"]])
+def test_draft_ahead_is_a_members_flag_off_by_default_that_reaches_its_options(capsys, command):
+    from kafila.cli.host import options
+
+    parser = build_parser(command[0])
+    assert options(parser.parse_args(command)).draft_ahead == 0  # type: ignore[attr-defined]
+    assert options(parser.parse_args([*command, "--draft-ahead", "2"])).draft_ahead == 2  # type: ignore[attr-defined]
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args([*command, "--draft-ahead", "-1"])
+    assert exit_.value.code == 2
+    assert "argument --draft-ahead" in capsys.readouterr().err

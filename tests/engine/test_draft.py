@@ -17,6 +17,7 @@ from kafila.engine.draft import (
     observe_drafting,
     policy_for,
     propose,
+    propose_ahead,
 )
 
 histories = st.lists(st.integers(0, 5), min_size=0, max_size=60)
@@ -140,3 +141,31 @@ def test_a_draft_value_names_off_lookup_or_a_model() -> None:
     assert policy_for("smollm2-135m") == DraftPolicy() and draft_model_of("smollm2-135m") == "smollm2-135m"
     with pytest.raises(ValueError, match="choose none or lookup or a model"):
         policy_for(" ")
+
+
+def test_a_step_ahead_feeds_the_guess_then_a_draft_after_it() -> None:
+    """The history assumes the draft in the ring kept whole: lookup goes on past it, its first
+    token the guess of the step's own token, the rest a draft of the chosen length."""
+    policy = DraftPolicy(max_k=3)
+    sure = DraftStats(drafted=10, accepted=10, base_s=0.1, row_s=0.001)
+    copied = [7, 1, 2, 3, 4, 5, 6, 9, 7, 1, 2]  # ... and 1 2 assumed kept: 3 guessed, 4 5 6 drafted
+    assert propose_ahead(policy, sure, copied, 100) == (3, 4, 5, 6)
+    assert propose_ahead(policy, sure, copied, 2) == (3, 4)  # the room the request has
+    assert propose_ahead(policy, sure, copied, 0) == ()
+    assert propose_ahead(policy, sure, [1, 2, 3], 100) == ()  # nothing to guess from
+    doubtful = DraftStats(drafted=10, accepted=0, base_s=0.1, row_s=0.001)
+    assert propose_ahead(policy, doubtful, copied, 100) == (3,)  # the guess alone: no draft pays
+    asked: list[int] = []
+
+    def model(history, k: int) -> tuple[int, ...]:
+        asked.append(k)
+        return tuple(range(k + 1))
+
+    assert propose_ahead(policy, sure, copied, 100, model) == (0, 1, 2, 3) and asked == [4]
+
+
+def test_drafting_ahead_is_part_of_the_policy() -> None:
+    assert policy_for("lookup", ahead=1) == DraftPolicy(ahead=1)
+    assert policy_for("none", ahead=1) is None
+    with pytest.raises(ValueError, match="ahead -1 must be >= 0"):
+        DraftPolicy(ahead=-1)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kafila.engine.sampler import Sampler, SamplingParams
-from kafila.engine.speculative import verify
+from kafila.engine.speculative import Verdict, holds, verify
 
 V = 8
 # chi-square with 7 degrees of freedom: exceeded with probability 1e-4 by a right distribution
@@ -124,3 +124,11 @@ def test_a_seeded_answer_is_the_same_whatever_was_drafted() -> None:
             out += v.tokens
             at += len(v.tokens)
         assert out[: len(expected)] == expected, draft
+
+
+def test_a_step_ahead_holds_only_where_the_whole_draft_and_the_guess_were_kept() -> None:
+    assert holds(Verdict((4, 5, 6), 2, None), (4, 5, 6))
+    assert not holds(Verdict((4, 5, 7), 2, None), (4, 5, 6))  # another token than the guess
+    assert not holds(Verdict((4, 8), 1, None), (4, 5, 6))  # a draft token missed
+    assert not holds(Verdict((4, 5, 6), 2, "stop"), (4, 5, 6))  # the request ended there
+    assert not holds(Verdict((4,), 1, None, tied=True), (4, 5, 6))  # a near tie cut it short

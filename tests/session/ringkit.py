@@ -5,6 +5,7 @@ runs the same ring over QUIC links)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -12,8 +13,9 @@ from kafila.engine.draft import DraftPolicy
 from kafila.engine.draft_model import DraftModel
 from kafila.engine.stage import Stage
 from kafila.models.checkpoint import Checkpoint
+from kafila.proto import tensor as t
 from kafila.proto.ring import Cause
-from kafila.session.channel import Heartbeat, MemoryChannel
+from kafila.session.channel import ChannelError, Heartbeat, MemoryChannel
 from kafila.session.ring.compute import ModelThread
 from kafila.session.ring.head import RingHead, RingInfo
 from kafila.session.ring.member import RingMember
@@ -59,6 +61,7 @@ def build_ring(
     draft: DraftPolicy | None = None,  # the head drafts (speculative decoding); None: plain
     tie_margin: float | None = None,
     drafter: DraftModel | None = None,  # with `draft`: a draft model drafts instead of prompt lookup
+    hop_s: float = 0.0,  # a simulated one-way delay on every hop (0: none)
 ) -> Ring:
     names = tuple(f"m{i}" for i in range(len(splits)))
     info = RingInfo(
@@ -77,7 +80,9 @@ def build_ring(
     ]
     n = len(splits)
     # channel i: member i -> member i+1; ends[i] = (sender end at i, receiver end at i+1)
-    pairs = [MemoryChannel.pair(names[i], names[(i + 1) % n]) for i in range(n)] if n > 1 else []
+    pairs = [DelayedChannel.pair(names[i], names[(i + 1) % n]) for i in range(n)] if n > 1 else []
+    for a, b in pairs:
+        a.delay_s = b.delay_s = hop_s
     hb = [(beat(a, dead_after), beat(b, dead_after)) for a, b in pairs]
     eos = ckpt.config.eos_token_id
     ways = {"concurrency": concurrency, "chunk": chunk, "lanes": lanes or n, "max_queue": max_queue}
@@ -90,6 +95,24 @@ def build_ring(
         RingMember(i, stages[i], ModelThread(names[i]), info, hb[i][0], hb[i - 1][1]) for i in range(1, n)
     ]
     return Ring(head.start(), [m.start() for m in members], [c for p in hb for c in p])
+
+
+class DelayedChannel(MemoryChannel):
+    """An in-memory channel end whose messages arrive `delay_s` after they are sent: a simulated
+    one-way hop delay (every message waits the same, so order is kept)."""
+
+    delay_s = 0.0
+
+    async def send(self, msg: t.Message) -> None:
+        if self.delay_s <= 0:
+            await super().send(msg)
+            return
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.delay_s, lambda: asyncio.ensure_future(self._arrive(msg)))
+
+    async def _arrive(self, msg: t.Message) -> None:
+        with contextlib.suppress(ChannelError):  # closed while the message was on its way
+            await MemoryChannel.send(self, msg)
 
 
 def beat(channel: MemoryChannel, dead_after: float) -> Heartbeat:

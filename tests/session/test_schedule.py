@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import pytest
 from hypothesis import given, settings
@@ -377,3 +378,182 @@ def test_a_drafted_step_carries_its_draft_and_the_next_starts_after_the_tokens_k
     assert d == Step(False, (Entry(1, 9, 5),))
     s.returned(d)
     assert s.sampled(1, stop=False, n=5) is True  # max_tokens reached
+
+
+def _drafting_request(s: Schedule, max_tokens: int = 20) -> Step:
+    """Request 1 (prompt of 5) prefilled, its first token sampled, its step of 2 drafts sent."""
+    s.submit(1, prompt_len=5, max_tokens=max_tokens)
+    [p] = s.take()
+    s.returned(p)
+    s.sampled(1, stop=False)
+    s.set_draft(1, 2)
+    [d] = s.take()
+    assert d == Step(False, (Entry(1, 5, 3),))
+    return d
+
+
+def test_a_step_ahead_starts_after_the_step_in_flight_and_is_the_next_when_that_holds() -> None:
+    s = Schedule(concurrency=1, chunk=8, ahead=1)
+    d = _drafting_request(s)
+    assert s.ahead_room(1) == 20 - 1 - 3  # the tokens left once the step in flight keeps all three
+    a = s.ahead_step(1, s.circuits(1), 2)
+    assert a == Step(False, (Entry(1, 8, 2),))  # its guess at 8, one draft after it
+    assert s.ahead_room(1) == 0  # one step ahead at most
+    assert s.take() == []
+    assert s.returned(d) == [1]
+    assert s.take() == [] and s.ahead_room(1) == 0  # its tokens are not counted yet
+    assert s.sampled(1, stop=False, n=3) is False  # both drafts and the guess kept
+    assert s.take() == []  # the step ahead is its next step, in the ring already
+    assert s.ahead_room(1) == 20 - 1 - 3 - 2
+    assert s.returned(a) == [1]
+    assert s.sampled(1, stop=False, n=1) is False
+    s.set_draft(1, 0)
+    assert s.take() == [Step(False, (Entry(1, 9, 1),))]
+
+
+def test_a_step_that_does_not_hold_voids_the_steps_ahead_and_the_next_writes_over_them() -> None:
+    s = Schedule(concurrency=1, chunk=8, ahead=2)
+    d = _drafting_request(s)
+    a1 = s.ahead_step(1, s.circuits(1), 3)
+    assert a1 == Step(False, (Entry(1, 8, 3),))
+    a2 = s.ahead_step(1, s.circuits(1), 2)
+    assert a2 == Step(False, (Entry(1, 11, 2),))
+    assert s.returned(d) == [1]
+    assert s.void_ahead(1) == 2  # it kept one draft, then sampled another token
+    assert s.sampled(1, stop=False, n=2) is False
+    s.set_draft(1, 1)
+    [c] = s.take()
+    assert c == Step(False, (Entry(1, 7, 2),))  # before the voided positions: written over
+    assert s.ahead_room(1) > 0  # a new chain may start from the corrected step
+    assert s.returned(a1) == [] and s.returned(a2) == []  # void: not sampled
+    assert s.take() == []  # the corrected step is still in the ring: its lane stays busy
+    assert s.returned(c) == [1]
+    assert s.sampled(1, stop=False, n=2) is False
+    assert s.take() == [Step(False, (Entry(1, 9, 2),))]
+
+
+def test_a_step_ahead_is_refused_where_its_assumption_is_stale_or_it_would_not_pay() -> None:
+    s = Schedule(concurrency=2, chunk=8, ahead=1)
+    d = _drafting_request(s, max_tokens=6)
+    drafted_for = s.circuits(1)
+    assert s.ahead_room(1) == 6 - 1 - 3
+    assert s.ahead_step(1, drafted_for, 3) is None  # more rows than tokens left
+    s.returned(d)
+    s.void_ahead(1)
+    s.sampled(1, stop=False, n=1)
+    assert s.ahead_step(1, drafted_for, 1) is None  # its step came back meanwhile
+    s.set_draft(1, 0)
+    s.take()
+    assert s.ahead_room(1) == 0  # a plain step: nothing drafted, no guess worth sending
+    s.submit(2, prompt_len=3, max_tokens=4)
+    assert Schedule(concurrency=1, ahead=0).ahead_room(1) == 0
+    lone = Schedule(concurrency=2, chunk=8, ahead=1)
+    _drafting_request(lone)
+    lone.submit(2, prompt_len=3, max_tokens=4)  # the same lane: request 1 no longer drafts ahead
+    assert lone.ahead_room(1) == 0
+    with pytest.raises(ValueError, match="ahead -1 at least 0"):
+        Schedule(concurrency=1, ahead=-1)
+
+
+def test_a_request_that_ends_voids_its_steps_ahead_and_keeps_its_slot_until_they_return() -> None:
+    s = Schedule(concurrency=1, chunk=8, ahead=1)
+    d = _drafting_request(s)
+    a = s.ahead_step(1, s.circuits(1), 2)
+    assert a is not None
+    s.submit(2, prompt_len=3, max_tokens=4)
+    s.returned(d)
+    assert s.sampled(1, stop=True, n=2) is True  # a stop token among the drafts
+    assert s.active == (1,) and s.pop_freed() == []
+    assert s.returned(a) == []
+    assert s.pop_freed() == [1] and s.active == (2,)
+
+
+@given(
+    ahead=st.integers(1, 3),
+    n_reqs=st.integers(1, 3),
+    lanes=st.integers(1, 2),
+    seed=st.integers(0, 2**32),
+)
+@settings(max_examples=60, deadline=None)
+def test_random_drafts_ahead_keep_every_cache_as_the_tokens_kept(
+    ahead: int, n_reqs: int, lanes: int, seed: int
+) -> None:
+    """A simulated head and stage around the schedule: requests draft (right or wrong) and send
+    steps ahead on random guesses; every step writes its positions into the request's cache as a
+    stage does (from its start, dropping what lay after), steps come back in the order they left.
+    Each valid step that comes back saw a cache holding exactly the prompt and the tokens kept
+    before it, and every request ends with the tokens the model gives."""
+    rng = random.Random(seed)
+    s = Schedule(concurrency=n_reqs, chunk=4, lanes=lanes, ahead=ahead)
+    prompt = {rid: [100 + rid] * rng.randint(1, 6) for rid in range(n_reqs)}
+    model = {rid: [rng.randrange(3) for _ in range(40)] for rid in range(n_reqs)}  # its answer
+    most = {rid: rng.randint(1, 15) for rid in range(n_reqs)}
+    tokens: dict[int, list[int]] = {rid: [] for rid in range(n_reqs)}
+    cache: dict[int, list[int]] = {rid: [] for rid in range(n_reqs)}
+    flights: dict[int, deque[list[int]]] = {rid: deque() for rid in range(n_reqs)}
+    ring: deque[tuple[Step, dict[int, list[int]]]] = deque()
+    for rid in range(n_reqs):
+        s.submit(rid, len(prompt[rid]), most[rid])
+
+    def guess(rid: int, at: int, n: int) -> list[int]:  # the model's tokens from answer index `at`, or misses
+        return [model[rid][at + i] if rng.random() < 0.8 else 9 for i in range(n)]
+
+    def send(step: Step, fed: dict[int, list[int]]) -> None:
+        for e in step.entries:
+            assert e.position <= len(cache[e.request_id])  # a stage refuses a gap
+            cache[e.request_id][e.position :] = fed[e.request_id]
+            if not step.prefill:
+                flights[e.request_id].append(fed[e.request_id])
+        ring.append((step, {rid: list(cache[rid]) for rid in fed}))
+
+    while s.active or ring:
+        for step in s.take():
+            if step.prefill:
+                fed = {
+                    e.request_id: prompt[e.request_id][e.position : e.position + e.n_tokens]
+                    for e in step.entries
+                }
+            else:
+                fed = {}
+                for e in step.entries:
+                    r = e.request_id
+                    fed[r] = [tokens[r][-1], *guess(r, len(tokens[r]), e.n_tokens - 1)]
+            send(step, fed)
+        for rid in s.active:
+            room = s.ahead_room(rid)
+            if room:
+                rows = rng.randint(1, room)
+                after = len(cache[rid]) - len(prompt[rid])  # the answer index its guess stands at
+                step = s.ahead_step(rid, s.circuits(rid), rows)
+                assert step is not None and step.entries[0].position == len(cache[rid])
+                send(step, {rid: guess(rid, after, rows)})
+        if not ring:
+            continue
+        step, seen = ring.popleft()
+        back = s.returned(step)
+        for rid in back:
+            known = prompt[rid] + tokens[rid]
+            if step.prefill:
+                got: list[int] = [model[rid][0]]
+                fed_draft: list[int] = []
+            else:
+                fed_draft = flights[rid].popleft()[1:]
+                e = next(e for e in step.entries if e.request_id == rid)
+                assert seen[rid][: e.position + 1] == known  # the valid step saw what was kept
+                got = []
+                for i, d in enumerate([*fed_draft, None]):
+                    got.append(model[rid][len(tokens[rid]) + i])
+                    if got[-1] != d:
+                        break
+            got = got[: most[rid] - len(tokens[rid])]
+            held = bool(flights[rid]) and got == [*fed_draft, flights[rid][0][0]]
+            if flights[rid] and not held:
+                s.void_ahead(rid)
+                flights[rid].clear()
+            tokens[rid] += got
+            done = s.sampled(rid, stop=False, n=len(got))
+            if not done and not flights[rid]:
+                s.set_draft(rid, rng.randint(0, max(0, min(3, most[rid] - len(tokens[rid]) - 1))))
+        assert len(s.active) <= n_reqs
+    for rid in range(n_reqs):
+        assert tokens[rid] == model[rid][: most[rid]]

@@ -374,3 +374,23 @@ async def test_the_hosts_plan_figures_follow_the_tokens_per_circuit_the_head_mea
         assert want.tokens_per_circuit == 1 + c.accepted / c.circuits
     finally:
         await close(formed)
+
+
+async def test_draft_ahead_reaches_the_head_that_a_session_forms(rdv, tiny_chat_model, tmp_path) -> None:
+    """--draft-ahead (Options.draft_ahead) on every member: whichever member is the head drafts
+    with a policy that sends a step ahead, its schedule allows one, and it answers."""
+    ahead = {"draft_ahead": 1}
+    formed = await form(rdv, tmp_path, model=str(tiny_chat_model), host_kw=ahead, beta=ahead, gamma=ahead)
+    try:
+        role = service_of(formed, not_head=False).role
+        assert isinstance(role, RingHead) and role.draft is not None
+        assert role.draft.ahead == 1 and role.schedule.ahead == 1
+        tok = Tokenizer.from_checkpoint(Checkpoint.open(tiny_chat_model))
+        got = [
+            t
+            async for ev in await role.submit(tok.encode_chat(PROMPT), Sampling(max_tokens=8))
+            for t in ev.tokens
+        ]
+        assert 1 <= len(got) <= 8
+    finally:
+        await close(formed)

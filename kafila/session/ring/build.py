@@ -106,7 +106,7 @@ async def start_role(
             lanes,
             serving.terms.queue,
             origins,
-            draft=policy_for(opts.draft),
+            draft=policy_for(opts.draft, opts.draft_ahead),
             drafter=drafter,
         )
         role.plan = plan  # /session prices it for the tokens per circuit the head measures
@@ -115,7 +115,7 @@ async def start_role(
         if nxt is None or prv is None:  # a plan puts a member that is not the head in a ring of 2+
             raise ValueError(f"member {name} has no ring neighbour in the plan {plan.order}")
         role = RingMember(index, stage, model_thread, info, nxt, prv, traces, origins[name])
-        role.draft = policy_for(opts.draft)  # should the head move here
+        role.draft = policy_for(opts.draft, opts.draft_ahead)  # should the head move here
     metrics.observe_session(
         session_record(plan, code.public, model, info.planned), ring_view=head, epoch=epoch
     )

@@ -18,11 +18,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kafila.engine.draft import DraftPolicy, DraftStats, Proposer, propose
+from kafila.engine.draft import DraftPolicy, DraftStats, Proposer, propose, propose_ahead
 from kafila.engine.draft_model import DraftModel
 from kafila.engine.pace import Mark, Pace
 from kafila.engine.sampler import Sampler, StopReason
-from kafila.engine.speculative import Verdict, verify
+from kafila.engine.speculative import Verdict, holds, verify
 from kafila.engine.stage import Entry as StageEntry
 from kafila.engine.stage import Stage, StageError
 from kafila.obs import hopmarks
@@ -253,6 +253,7 @@ class Drafting:
     room: int
     proposer: Proposer | None = None
     catch_up: Callable[[Sequence[int]], None] | None = None  # the draft model's (DraftModel.catch_up)
+    expect: tuple[int, ...] | None = None  # what a step sent ahead of this one assumes it gives
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,8 @@ def verify_turn(
     continuation: Sequence[t.Entry] | None = None,
 ) -> VerifyTurn:
     """Logits of every row of each named request, the tokens `verify` keeps of what it fed, and
-    the draft for its next step (kafila.engine.draft.propose, after the tokens kept). Where every
+    the draft for its next step (kafila.engine.draft.propose, after the tokens kept; none where a
+    step sent ahead holds, `Drafting.expect`: that one is its next). Where every
     request took one token, goes on and drafts nothing, `continuation` (one token each, as
     `head_turn`'s) runs at once: a request whose drafts find nothing loses no time to them."""
     decode = not frame.flags & t.Flag.PREFILL  # a prefill's last chunk: its last row only
@@ -295,7 +297,9 @@ def verify_turn(
     for v, d in zip(verdicts, drafting, strict=True):
         room = d.room - len(v.tokens)
         history = [*d.history, *v.tokens]
-        drafting_next = v.reason is None and not v.tied and room >= 1
+        # a step sent ahead that holds is the request's next: nothing to draft now
+        ahead_holds = d.expect is not None and holds(v, d.expect)
+        drafting_next = v.reason is None and not v.tied and room >= 1 and not ahead_holds
         if drafting_next and d.catch_up is not None:
             d.catch_up(history)  # not the draft's time: a prompt's catch-up would price drafting out
         began = time.perf_counter()
@@ -309,3 +313,56 @@ def verify_turn(
         with contextlib.suppress(StageError):  # the step is run again on its own and fails there by name
             ahead = head_step(stage, continuation, [[token_of[e.request_id]] for e in continuation], True)
     return VerifyTurn(verdicts, drafts, us, sampled_at, ahead, tuple(draft_s))
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """What the head's model thread needs to send steps ahead for a request (kafila.engine.draft
+    `propose_ahead`): the history its steps in the ring assume (prompt, answer, every token they
+    carry after their first), its measurements, the tokens it may still take after them (its
+    max_tokens' and its context's), how many steps at most, and its draft model's proposer."""
+
+    rid: int
+    assumed: Sequence[int]
+    stats: DraftStats
+    room: int
+    count: int
+    proposer: Proposer | None = None
+    catch_up: Callable[[Sequence[int]], None] | None = None  # the draft model's (DraftModel.catch_up)
+
+
+@dataclass(frozen=True)
+class AheadStep:
+    """One step sent ahead: where it starts, what it feeds, its `head_step` output, and the
+    seconds its drafting took."""
+
+    position: int
+    tokens: tuple[int, ...]
+    out: tuple[bytes, int, int]
+    draft_s: float
+
+
+def ahead_steps(stage: Stage, policy: DraftPolicy, ahead: Ahead) -> list[AheadStep]:
+    """Up to `ahead.count` steps after the request's newest, each on the history the ones before
+    assume: its guess and draft (`propose_ahead`) embedded and through the head's blocks. Fewer
+    where nothing is guessed; none where a step fails here (it is not sent: the request's own
+    next step meets the error by name)."""
+    assumed, room, out = list(ahead.assumed), ahead.room, []
+    for _ in range(ahead.count):
+        if ahead.catch_up is not None:
+            ahead.catch_up(assumed)  # reading what it has not seen is not the draft's time
+        began = time.perf_counter()
+        tokens = propose_ahead(policy, ahead.stats, assumed, room, ahead.proposer)
+        draft_s = time.perf_counter() - began
+        if not tokens:
+            break
+        entry = t.Entry(ahead.rid, len(assumed), len(tokens))
+        hopmarks.mark("submit", (entry,))
+        try:
+            step = head_step(stage, (entry,), [list(tokens)], True)
+        except StageError:
+            break
+        out.append(AheadStep(entry.position, tokens, step, draft_s))
+        assumed.extend(tokens)
+        room -= len(tokens)
+    return out

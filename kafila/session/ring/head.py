@@ -18,6 +18,14 @@ on the rows that come back (kafila.engine.speculative), answers with every token
 the request's next step. The other members only see a decode step of several rows: a step that
 starts before what they cached writes over the rejected positions.
 
+Drafting ahead (the policy's `ahead`, --draft-ahead): while a request's step is in the ring, the
+head drafts past it, assuming its whole draft is kept and guessing the token it samples, and
+sends up to `ahead` more steps for the positions after it (kafila.session.ring.schedule,
+compute.ahead_steps). A step that comes back giving what the step ahead assumed makes that one
+its next, already on its way; otherwise the steps ahead are void (their results are dropped when
+they come back) and the request's next step starts at its first rejected position, which every
+stage writes over.
+
 Traces: the head writes its own `StageRecord` as every member does (kafila.session.ring.stagetrace) and,
 once the request's `free` notice has come back around the ring carrying every member's hop
 figures, the `RequestRecord` with the whole ring's view (a ring of one writes it at once; a broken
@@ -30,6 +38,7 @@ import asyncio
 import functools
 import statistics
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +48,7 @@ from kafila.engine import PREFILL_CHUNK
 from kafila.engine.draft import DraftPolicy, DraftStats, observe, observe_drafting
 from kafila.engine.draft_model import DraftModel
 from kafila.engine.sampler import Sampler, SamplingParams, StopReason
+from kafila.engine.speculative import holds
 from kafila.engine.stage import Stage, StageError
 from kafila.obs import hopmarks, metrics
 from kafila.obs.log import get_logger
@@ -63,6 +73,16 @@ log = get_logger("kafila.session.ring.head")
 # (kafila.engine.speculative), where a backend does not promise each row the bits of a one-row step
 TIE_MARGIN = 1e-2
 QUEUE_REPORT_S = 0.25  # queue positions are sent at most this often (only those that changed)
+
+
+@dataclass(frozen=True)
+class _Flight:
+    """A decode step of a request in the ring: the token it feeds first (the last sampled, or a
+    step ahead's guess), the drafted ones after it, and when it left the head."""
+
+    first: int
+    draft: tuple[int, ...]
+    sent_at: float
 
 
 @dataclass
@@ -93,6 +113,7 @@ class _Req:
     drafted: int = 0  # draft tokens verified, in all
     accepted: int = 0  # ... and kept
     circuits: int = 0  # decode steps that came back
+    flights: deque[_Flight] = field(default_factory=deque)  # its valid decode steps in the ring, in order
 
     def fed(self) -> list[int]:
         """What its prefill feeds the ring: the prompt, or after a re-plan the prompt and its tokens."""
@@ -129,7 +150,9 @@ class RingHead(RoleBase):
         # prompts admitted together: in a ring of one, one step of as many rows as stay exact; in a
         # longer ring one step each, so the stages overlap them (Schedule, SEPARATE_PROMPTS)
         merge = SEPARATE_PROMPTS if next_ch is not None else stage.batch_rows or 0
-        self.schedule = Schedule(concurrency, chunk, lanes, merge, max_queue, stage.prefill_path)
+        self.schedule = Schedule(
+            concurrency, chunk, lanes, merge, max_queue, self._ahead_steps(next_ch), stage.prefill_path
+        )
         log.info("decode_lanes", lanes=self.schedule.lanes, concurrency=concurrency)
         self.traces = traces
         self.origins = dict(first_origins(info.order) if origins is None else origins)  # name -> tag now
@@ -148,6 +171,16 @@ class RingHead(RoleBase):
         self.ahead_sent = 0  # continuations run with the sampling and sent as they were
         self.ahead_dropped = 0  # ... and dropped: the schedule took another step (a cancel meanwhile)
         self._first: asyncio.Future[float] | None = None  # the next token's time.monotonic(), if asked
+        self._drafting_ahead: set[int] = set()  # requests whose steps ahead the model thread drafts
+        self.drafted_ahead = 0  # decode steps sent ahead of their request's step in the ring
+        self.voided_ahead = 0  # ... voided: the step before them did not give what they assumed
+        self.voided_rows = 0  # ... and the rows they carried (compute spent for nothing)
+        self.refused_ahead = 0  # drafted ahead, then not sent: the step before came back first
+        self.decode_rows = 0  # rows of every decode step sent, voided ones included
+
+    def _ahead_steps(self, next_ch: Channel | None) -> int:
+        """Steps a request may send ahead: the policy's, in a ring of several members."""
+        return self.draft.ahead if self.draft is not None and next_ch is not None else 0
 
     # -- GenerationService -------------------------------------------------------------------------
 
@@ -281,7 +314,13 @@ class RingHead(RoleBase):
         self.stage, self.info, self.next, self.prev, self.epoch = stage, info, next_ch, prev_ch, epoch
         merge = SEPARATE_PROMPTS if next_ch is not None else stage.batch_rows or 0
         self.schedule = Schedule(
-            self._concurrency, old.chunk, lanes, merge, old.max_queue, stage.prefill_path
+            self._concurrency,
+            old.chunk,
+            lanes,
+            merge,
+            old.max_queue,
+            self._ahead_steps(next_ch),
+            stage.prefill_path,
         )
         self.tally = StageTally(info, 0, next_ch, prev_ch)
         self._outbox = asyncio.Queue()
@@ -291,6 +330,7 @@ class RingHead(RoleBase):
                 continue
             req.feed = req.prompt + req.tokens
             req.sampler, req.draft = req.sampler.rewound(req.prompt, req.tokens), ()
+            req.flights = deque()
             self.schedule.submit(rid, len(req.feed), req.max_tokens - len(req.tokens))
         self.broken = None
         self.start()  # its pump sends once the state is "serving" again (`go`)
@@ -446,6 +486,52 @@ class RingHead(RoleBase):
             self.ahead_dropped += 1
         for step in steps:
             await self._enter(step)
+        await self._draft_ahead()
+
+    async def _draft_ahead(self) -> None:
+        """Send steps ahead for every request the schedule lets (`Schedule.ahead_room`): drafted
+        and computed on the model thread on the history its steps in the ring assume, then sent
+        unless a step of it came back meanwhile (the schedule refuses them: `circuits` moved on,
+        or its tokens are being counted; the head's own cache is written over by its next step,
+        which starts no later than they would have)."""
+        if self.draft is None or not self.schedule.ahead or self.state != "serving":
+            return
+        for rid in self.schedule.active:
+            room = self.schedule.ahead_room(rid)
+            req = self._reqs.get(rid)
+            if not room or req is None or not req.flights or rid in self._drafting_ahead:
+                continue
+            assumed = [*req.prompt, *req.tokens, *req.flights[0].draft]
+            for f in list(req.flights)[1:]:
+                assumed += [f.first, *f.draft]
+            room = min(room, self.context - 1 - len(assumed))
+            count = self.schedule.ahead + 1 - len(req.flights)
+            proposer = catch_up = None
+            if self.drafter is not None:
+                proposer = functools.partial(self.drafter.propose, rid)
+                catch_up = functools.partial(self.drafter.catch_up, rid)
+            ahead = compute.Ahead(rid, assumed, req.draft_stats, room, count, proposer, catch_up)
+            circuits = self.schedule.circuits(rid)
+            self._drafting_ahead.add(rid)
+            try:
+                made = await self.model.run(compute.ahead_steps, self.stage, self.draft, ahead)
+            finally:
+                self._drafting_ahead.discard(rid)
+            if self.state != "serving":  # held for a re-plan meanwhile: the next epoch starts over
+                return
+            for i, a in enumerate(made):
+                step = self.schedule.ahead_step(rid, circuits + i, len(a.tokens))
+                if step is None:
+                    self.refused_ahead += len(made) - i
+                    break
+                if step.entries[0].position != a.position:
+                    raise RuntimeError(
+                        f"request {rid}: a step drafted ahead at position {a.position}, "
+                        f"the schedule sends it at {step.entries[0].position}"
+                    )
+                req.draft_stats = observe_drafting(self.draft, req.draft_stats, len(a.tokens), a.draft_s)
+                self.drafted_ahead += 1
+                await self._dispatch(step, a.out, a.tokens)
 
     async def _enter(self, step: Step) -> None:
         tokens = [self._tokens_for(e, step.prefill) for e in step.entries]
@@ -464,8 +550,9 @@ class RingHead(RoleBase):
             return
         await self._dispatch(step, (data, rows, us))
 
-    async def _dispatch(self, step: Step, out: tuple[bytes, int, int]) -> None:
-        """The head's output of `step` (wire bytes of `rows` rows, computed in `us`) to the next member."""
+    async def _dispatch(self, step: Step, out: tuple[bytes, int, int], fed: tuple[int, ...] = ()) -> None:
+        """The head's output of `step` (wire bytes of `rows` rows, computed in `us`) to the next
+        member; `fed`: what a step sent ahead (of one request) feeds."""
         data, rows, us = out
         entries = _wire_entries(step)
         hopmarks.mark("back", entries)
@@ -476,6 +563,10 @@ class RingHead(RoleBase):
                 self.tally.add(e.request_id, us, prefill=True)
             if req is not None:
                 req.sent_at, req.rows = now, req.rows + e.n_tokens
+            if req is not None and not step.prefill:
+                first, draft = (fed[0], fed[1:]) if fed else (req.last_token, req.draft)
+                req.flights.append(_Flight(first, draft, now))
+                self.decode_rows += e.n_tokens
         flags = (t.Flag.PREFILL if step.prefill else 0) | (t.Flag.LAST_CHUNK if step.last_chunk else 0)
         wire = compute.wire_dtype(self.stage)
         frame = t.Hidden(0, wire, (rows, self.stage.model.config.hidden_size), entries, data, flags, (us,))
@@ -546,6 +637,9 @@ class RingHead(RoleBase):
             nxt = self.schedule.continuation(step)  # run on the model thread right after sampling
             if nxt is not None and {e.request_id for e in nxt.entries} != set(rids):
                 nxt = None
+            if not step.prefill:
+                for rid in rids:
+                    _landed(self._reqs[rid])
             samplers = [self._reqs[rid].sampler for rid in rids]
             hopmarks.mark("l_submit", frame.entries)
             try:
@@ -577,8 +671,14 @@ class RingHead(RoleBase):
         set its next draft (a prefill's last chunk verifies nothing and drafts the first)."""
         assert self.draft is not None
         reqs = [self._reqs[rid] for rid in rids]
-        fed = [() if step.prefill else r.draft for r in reqs]
-        drafting = [self._drafting(r, d) for r, d in zip(reqs, fed, strict=True)]
+        landed = [None if step.prefill else _landed(r) for r in reqs]
+        fed = [() if f is None else f.draft for f in landed]
+        # what the step ahead of each (if any) assumes it gives: its whole draft, then the guess
+        expect = [
+            None if f is None or not r.flights else (*f.draft, r.flights[0].first)
+            for r, f in zip(reqs, landed, strict=True)
+        ]
+        drafting = [self._drafting(r, d, x) for r, d, x in zip(reqs, fed, expect, strict=True)]
         nxt_step = self.schedule.continuation(step)  # sent at once where no draft changes it
         if nxt_step is not None and {e.request_id for e in nxt_step.entries} != set(rids):
             nxt_step = None
@@ -602,10 +702,14 @@ class RingHead(RoleBase):
             self._ahead = (nxt_step, turn.ahead)
         timings = (frame.timings_us[0] + turn.logits_us, *frame.timings_us[1:])
         now = time.perf_counter()
-        made = zip(turn.drafts, turn.draft_s, strict=True)
-        for req, d, verdict, (nxt, draft_s) in zip(reqs, fed, turn.verdicts, made, strict=True):
+        made = zip(turn.drafts, turn.draft_s, expect, strict=True)
+        for req, d, verdict, (nxt, draft_s, x) in zip(reqs, fed, turn.verdicts, made, strict=True):
             if self._reqs.get(req.rid) is not req:  # cancelled meanwhile: nothing to answer
                 continue
+            if x is not None and not holds(verdict, x):  # the steps ahead assumed otherwise: void
+                self.voided_ahead += self.schedule.void_ahead(req.rid)
+                self.voided_rows += sum(1 + len(f.draft) for f in req.flights)
+                req.flights.clear()
             if not step.prefill:
                 circuit = turn.sampled_at - req.sent_at + (timings[0] - turn.logits_us) / 1e6
                 req.draft_stats = observe(self.draft, req.draft_stats, len(d), verdict.accepted, circuit)
@@ -616,15 +720,17 @@ class RingHead(RoleBase):
             drafts = (len(d), verdict.accepted)
             self._took(req, *took, turn.logits_us, turn.sampled_at, now, drafts, _alone(frame))
 
-    def _drafting(self, req: _Req, fed: tuple[int, ...]) -> compute.Drafting:
+    def _drafting(
+        self, req: _Req, fed: tuple[int, ...], expect: tuple[int, ...] | None = None
+    ) -> compute.Drafting:
         position = self.schedule.next_position(req.rid)  # where this step's last token was fed
         room = min(req.max_tokens - req.generated - 1, self.context - 2 - position)
         history = [*req.prompt, *req.tokens]
         if self.drafter is None:
-            return compute.Drafting(fed, history, req.draft_stats, room)
+            return compute.Drafting(fed, history, req.draft_stats, room, expect=expect)
         proposer = functools.partial(self.drafter.propose, req.rid)
         catch_up = functools.partial(self.drafter.catch_up, req.rid)
-        return compute.Drafting(fed, history, req.draft_stats, room, proposer, catch_up)
+        return compute.Drafting(fed, history, req.draft_stats, room, proposer, catch_up, expect)
 
     def _margin(self) -> float:
         """Greedy rows within this of a tie are sampled alone: 0 where a step's rows have the bits
@@ -815,6 +921,16 @@ class RingHead(RoleBase):
         if self.traces is not None:
             self.traces.write(rec)
         metrics.observe_request(rec)
+
+
+def _landed(req: _Req) -> _Flight | None:
+    """The oldest valid step of `req` came back: taken off its flights (its circuit is timed from
+    when it left)."""
+    if not req.flights:
+        return None
+    flight = req.flights.popleft()
+    req.sent_at = flight.sent_at
+    return flight
 
 
 def _alone(frame: t.Hidden) -> bool:

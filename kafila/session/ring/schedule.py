@@ -17,7 +17,7 @@ prompts cost together (on the CPU about 1.5 for two 19-token prompts, 2.6 for fo
 three-member ring, the latest of four first tokens came at 0.34-0.35 s instead of 0.45-0.53 s.
 Then a request
 alternates: one decode step goes around the ring, comes back, is sampled, and the next step
-becomes ready. Every request has at most one decode step in flight.
+becomes ready. Every request has at most one decode step in flight, unless it drafts ahead (below).
 
 Decode steps travel in lanes. The ring keeps `lanes` groups of decode steps in flight at once;
 each admitted request belongs to one lane (the emptiest when it is admitted), and a lane's next
@@ -36,6 +36,17 @@ Speculative decoding: a request's decode step may carry `draft` tokens after its
 (`set_draft`, kafila.engine.draft), one step of 1 + draft rows that verifies them; `sampled` then
 counts the tokens the head kept (0 to draft + 1) and the next step starts after them, at the
 position of the last one kept (the stages write over the rejected positions' KV from there).
+
+Drafting ahead (`ahead`, PipeInfer's approach for one user): while a request's decode step is in
+the ring, the head may send the next one, for the positions after it, on the assumption that the
+step in flight keeps every drafted token and samples the token the head guessed
+(`ahead_step`); up to `ahead` such steps per request, and only for a request alone in its lane
+(its lane's other requests would wait for the chain). Steps of one request come back in the
+order they left. When the step before holds, the one ahead is the request's next and its lane
+stays busy; when it does not, the head voids every step ahead (`void_ahead`): they come back
+unsampled, the request is ready again at the first rejected position, and its next step writes
+over the voided positions on every stage. `circuits` numbers a request's decode steps, so an
+ahead step drafted for one newest step is refused once another is newest.
 
 No clocks, no I/O: the head loop calls `submit`, `take`, `returned`, `sampled`, `cancel`, and acts
 on what they return.
@@ -86,6 +97,11 @@ class _Request:
     in_flight: int = 0  # steps in the ring
     cancelled: bool = False
     draft: int = 0  # tokens drafted for its next decode step
+    flights: deque[tuple[int, int]] = field(default_factory=deque)  # its valid decode steps in the
+    # ring, in order: (position, rows); more than one only with steps ahead
+    void: int = 0  # voided steps ahead still in the ring (they come back before any valid one)
+    circuits: int = 0  # decode steps sent, voided ones included
+    sampling: bool = False  # a step of it came back and its tokens are not counted yet
 
 
 SEPARATE_PROMPTS = 1  # `merge` rows for a ring of several stages: prompts never share a step
@@ -102,6 +118,7 @@ class Schedule:
     lanes: int = 1  # decode groups in flight at once (see `lanes_for`)
     merge: int = 0  # rows up to which last prefill chunks of several prompts share a step (0: chunk)
     max_queue: int | None = None  # requests that may wait for a slot (None: no limit)
+    ahead: int = 0  # decode steps a request may have in the ring ahead of its next one (drafting ahead)
     # the engine's code path for chunks beginning at these positions (Stage.prefill_path): last
     # chunks share a step only when they take the same one (None: one path for all)
     prefill_path: Callable[[Sequence[int]], object] | None = None
@@ -113,10 +130,12 @@ class Schedule:
     _busy: set[int] = field(default_factory=set)  # lanes with a decode step in the ring
 
     def __post_init__(self) -> None:
-        if min(self.concurrency, self.chunk, self.lanes) < 1 or min(self.merge, self.max_queue or 0) < 0:
+        least = min(self.merge, self.max_queue or 0, self.ahead)
+        if min(self.concurrency, self.chunk, self.lanes) < 1 or least < 0:
             raise ValueError(
                 f"concurrency {self.concurrency}, chunk {self.chunk} and lanes {self.lanes} "
-                f"must be at least 1, merge {self.merge} and max_queue {self.max_queue} at least 0"
+                f"must be at least 1, merge {self.merge}, max_queue {self.max_queue} and ahead "
+                f"{self.ahead} at least 0"
             )
         self.merge = min(self.merge or self.chunk, self.chunk)
 
@@ -175,12 +194,12 @@ class Schedule:
             group = [r for r in ready if self._lane[r.rid] == lane]
             if not group:
                 continue
-            for r in group:
-                r.state, r.in_flight = State.IN_FLIGHT, r.in_flight + 1
+            entries = tuple(Entry(r.rid, r.prompt_len + r.generated - 1, 1 + r.draft) for r in group)
+            for r, e in zip(group, entries, strict=True):
+                r.state, r.in_flight, r.circuits = State.IN_FLIGHT, r.in_flight + 1, r.circuits + 1
+                r.flights.append((e.position, e.n_tokens))
             self._busy.add(lane)
-            steps.append(
-                Step(False, tuple(Entry(r.rid, r.prompt_len + r.generated - 1, 1 + r.draft) for r in group))
-            )
+            steps.append(Step(False, entries))
         return steps
 
     def _ready(self) -> list[_Request]:
@@ -225,20 +244,74 @@ class Schedule:
         return out
 
     def returned(self, step: Step) -> list[int]:
-        """A step came back to the head: the requests to sample now (cancelled ones are dropped)."""
-        out = []
-        if not step.prefill:
-            self._busy.difference_update(self._lane.get(e.request_id) for e in step.entries)
+        """A step came back to the head: the requests to sample now (cancelled ones and voided
+        steps ahead are dropped). Its lane is free again unless a step ahead of it is in the ring."""
+        out, lanes, held = [], {self._lane.get(e.request_id) for e in step.entries}, False
         for e in step.entries:
             r = self._reqs.get(e.request_id)
             if r is None:
                 continue
             r.in_flight -= 1
+            void = False
+            if not step.prefill and r.void:
+                r.void, void = r.void - 1, True
+            elif not step.prefill and r.flights:
+                r.flights.popleft()
+                r.sampling = True
+            held = held or void or bool(r.flights)
             if r.state is State.DONE:
                 self._maybe_forget(r)
-            elif not step.prefill or step.last_chunk:
+            elif not void and (not step.prefill or step.last_chunk):
                 out.append(r.rid)
+        if not step.prefill and not held:
+            self._busy.difference_update(lanes)
         return out
+
+    def ahead_room(self, rid: int) -> int:
+        """The most rows a decode step sent ahead for `rid` now may have (`ahead_step`), 0 where
+        none may leave: drafting ahead is off, the request is not alone in its lane, its newest
+        step carries no draft (a plain step: its guess would likely miss), `ahead` steps are
+        already ahead, or the tokens assumed leave it none to take."""
+        r = self._reqs.get(rid)
+        if r is None or r.state is not State.IN_FLIGHT or not r.flights or r.sampling:
+            return 0
+        if len(r.flights) > self.ahead or r.flights[-1][1] < 2 or self.lane_sizes()[self._lane[rid]] != 1:
+            return 0
+        return max(0, r.max_tokens - self._assumed(r))
+
+    def _assumed(self, r: _Request) -> int:
+        """Tokens `r` has once every valid step in the ring keeps all it carries and its guess."""
+        return r.generated + sum(rows for _, rows in r.flights)
+
+    def ahead_step(self, rid: int, circuits: int, rows: int) -> Step | None:
+        """A decode step of `rows` rows sent for `rid` after its newest one, assuming that one
+        keeps its whole draft and samples the guessed token this step starts with. `circuits`:
+        the request's `circuits` when the step was drafted; None (nothing sent) where another
+        step is newest since, or the request can no longer take it (`ahead_room`)."""
+        r = self._reqs.get(rid)
+        if r is None or r.circuits != circuits or not 1 <= rows <= self.ahead_room(rid):
+            return None
+        position = r.prompt_len + self._assumed(r) - 1
+        r.in_flight, r.circuits = r.in_flight + 1, r.circuits + 1
+        r.flights.append((position, rows))
+        return Step(False, (Entry(rid, position, rows),))
+
+    def circuits(self, rid: int) -> int:
+        """Decode steps sent for `rid` so far (0 for an unknown one)."""
+        r = self._reqs.get(rid)
+        return 0 if r is None else r.circuits
+
+    def void_ahead(self, rid: int) -> int:
+        """The step of `rid` that came back did not give what the steps ahead of it assumed: they
+        are void (dropped when they come back) and its lane is free for its next step, which
+        starts at the first position it did not keep. Returns how many were voided."""
+        r = self._reqs.get(rid)
+        if r is None or not r.flights:
+            return 0
+        n = len(r.flights)
+        r.void, r.flights = r.void + n, deque()
+        self._busy.discard(self._lane.get(rid))
+        return n
 
     def set_draft(self, rid: int, n: int) -> None:
         """`rid`'s next decode step carries `n` drafted tokens after its last one."""
@@ -254,11 +327,15 @@ class Schedule:
         """`n` tokens were sampled for `rid` (0: a verification step kept none and its position is
         sampled again); returns True when the request is finished."""
         r = self._reqs[rid]
-        r.generated += n
+        r.generated, r.sampling = r.generated + n, False
         if stop or r.generated >= r.max_tokens:
+            self.void_ahead(rid)
             self._finish(r)
             return True
-        r.state = State.READY
+        if r.flights and r.flights[0][0] != r.prompt_len + r.generated - 1:
+            at, want = r.flights[0][0], r.prompt_len + r.generated - 1
+            raise ValueError(f"request {rid}: its step ahead starts at {at}, its tokens end at {want}")
+        r.state = State.IN_FLIGHT if r.flights else State.READY
         return False
 
     def continuation(self, step: Step) -> Step | None:
@@ -309,7 +386,7 @@ class Schedule:
         so it leaves `active` now rather than wait for them for good."""
         r = self._reqs.get(rid)
         if r is not None and r.state is State.DONE:
-            r.in_flight = 0
+            r.in_flight, r.void, r.flights = 0, 0, deque()
             self._maybe_forget(r)
 
     def idle(self, rid: int) -> bool:
