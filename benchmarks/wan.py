@@ -73,7 +73,13 @@ HEADER = (
     "| p95 token gap ms | first token ms | tokens | same |"
 )
 # How the head decodes: its --draft for each decoding (plain: one circuit per token)
-DECODINGS = {"plain": "none", "lookup": "lookup", "model": "MODEL"}  # model: --draft-model's name
+# every member's flags for each decoding (MODEL: --draft-model's name)
+DECODINGS = {
+    "plain": ("--draft", "none"),
+    "lookup": ("--draft", "lookup"),
+    "model": ("--draft", "MODEL"),
+    "ahead": ("--draft", "lookup", "--draft-ahead", "1"),  # lookup, one step drafted ahead
+}
 
 CLIENT = """
 import httpx, json, sys, time
@@ -209,7 +215,7 @@ async def ring(
             for decoding in decodings:
                 logs = Path(tmp) / decoding
                 logs.mkdir()
-                drafting = ("--draft", draft_flag(decoding, args))  # every member's: the head may be anywhere
+                drafting = draft_flags(decoding, args)  # every member's: the plan may put the head anywhere
                 await form(groups[decoding], rdv, logs, procs, ready_s=900, member_args=drafting)
             for delay_ms, loss in conditions:
                 lab.shape(Shape(delay=delay_ms / 1000, loss=loss))
@@ -231,8 +237,8 @@ async def ring(
             await rdv.stop()
 
 
-def draft_flag(decoding: str, args: argparse.Namespace) -> str:
-    return args.draft_model if decoding == "model" else DECODINGS[decoding]
+def draft_flags(decoding: str, args: argparse.Namespace) -> tuple[str, ...]:
+    return tuple(args.draft_model if f == "MODEL" else f for f in DECODINGS[decoding])
 
 
 async def condition(
@@ -282,7 +288,8 @@ def main() -> None:
         "--decodings",
         default="plain",
         help="how the heads decode, comma-separated, the first the one others are compared with: plain "
-        "(--draft none), lookup (prompt lookup), model (--draft-model drafts)",
+        "(--draft none), lookup (prompt lookup), model (--draft-model drafts), ahead (lookup with "
+        "--draft-ahead 1)",
     )
     p.add_argument(
         "--spec", action="store_true", help="plain, lookup and model side by side: overrides --decodings"
