@@ -253,3 +253,19 @@ def float_folder(gguf_file: Path, out: Path, served: Path | None = None) -> Path
         return gguf_convert.float_folder(gguf_file, out)
     ckpt = Checkpoint.open(served)
     return gguf_convert.float_folder(gguf_file, out, lambda name, _: served_values(ckpt, name))
+
+
+def greedy_ids(folder: Path, prompt: list[int], n: int) -> list[int]:
+    """`n` greedy tokens after `prompt` from one process holding the whole checkpoint at `folder`."""
+    from kafila.engine.stage import Stage
+    from kafila.models.checkpoint import Checkpoint
+
+    ckpt = Checkpoint.open(folder)
+    stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend="torch", dtype="fp32", context=64)
+    stage.open("r")
+    [h] = stage.forward([("r", 0, stage.embed(prompt))])
+    ids = [int(stage.logits(h[-1]).argmax())]
+    for pos in range(len(prompt), len(prompt) + n - 1):
+        [h] = stage.forward([("r", pos, stage.embed(ids[-1:]))])
+        ids.append(int(stage.logits(h[-1]).argmax()))
+    return ids

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,15 +56,6 @@ TEXTS = [
     "naïve café – 東京 🚀 x=12345 don't I'LL",
     "<|im_start|>user\nhi<think>ok</think><|im_end|>",
 ]
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A model cache of this module's own (conversions land there, not in the user's)."""
-    folder = tmp_path_factory.mktemp("kafila-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KAFILA_CACHE", str(folder))
-        yield folder
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from kafila.engine.stage import Stage
 from kafila.models import ollama
 from kafila.models.checkpoint import Checkpoint, CheckpointError, open_weights
 from kafila.models.gguf_convert import convert, ensure_gguf
@@ -23,20 +22,12 @@ from kafila.session.channel import MemoryChannel
 from kafila.session.weights.fetch import fetch_shard
 from kafila.session.weights.manifest import checkpoint_id, describe
 from kafila.session.weights.server import WeightServer
-from tests.gguf_files import Shape, qwen3_tokenizer_meta, write_gguf
+from tests.gguf_files import Shape, greedy_ids, qwen3_tokenizer_meta, write_gguf
 from tests.models.test_gguf import KQUANTS, MIXED
 from tests.models.test_ollama import _blob, _manifest
 
 pytest.importorskip("gguf")
 PROMPT = [9707, 11, 1879, 0, 3555, 374, 279, 6722, 315, 9625, 30]
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    folder = tmp_path_factory.mktemp("kafila-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KAFILA_CACHE", str(folder))
-        yield folder
 
 
 @pytest.fixture(scope="module")
@@ -127,15 +118,7 @@ def test_in_place_bytes_are_the_copys_byte_for_byte_in_any_ranges(
 
 
 def _greedy(folder: Path, n: int) -> list[int]:
-    ckpt = Checkpoint.open(folder)
-    stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend="torch", dtype="fp32", context=64)
-    stage.open("r")
-    [h] = stage.forward([("r", 0, stage.embed(PROMPT))])
-    ids = [int(stage.logits(h[-1]).argmax())]
-    for pos in range(len(PROMPT), len(PROMPT) + n - 1):
-        [h] = stage.forward([("r", pos, stage.embed(ids[-1:]))])
-        ids.append(int(stage.logits(h[-1]).argmax()))
-    return ids
+    return greedy_ids(folder, PROMPT, n)
 
 
 @pytest.mark.parametrize("name", ["kquant", "llama"])

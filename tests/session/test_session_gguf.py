@@ -11,15 +11,13 @@ from pathlib import Path
 import pytest
 
 from kafila.api.service import Sampling
-from kafila.engine.stage import Stage
-from kafila.models.checkpoint import Checkpoint
 from kafila.models.gguf_convert import convert, ensure_gguf
 from kafila.rendezvous.server import RendezvousServer
 from kafila.session.forming.host import host
 from kafila.session.forming.join import join
 from kafila.session.runtime import MemberRuntime
 from kafila.session.terms import Options
-from tests.gguf_files import Shape, qwen3_tokenizer_meta, write_gguf
+from tests.gguf_files import Shape, greedy_ids, qwen3_tokenizer_meta, write_gguf
 from tests.models.test_gguf import MIXED
 from tests.session.hosting import code_of
 
@@ -35,15 +33,7 @@ def opts(rdv: RendezvousServer, name: str, tmp: Path, **kw) -> Options:
 
 
 def one_process(folder: Path, n: int) -> list[int]:
-    ckpt = Checkpoint.open(folder)
-    stage = Stage.load(ckpt, range(ckpt.n_blocks), True, backend="torch", dtype="fp32", context=64)
-    stage.open("r")
-    [h] = stage.forward([("r", 0, stage.embed(PROMPT))])
-    ids = [int(stage.logits(h[-1]).argmax())]
-    for pos in range(len(PROMPT), len(PROMPT) + n - 1):
-        [h] = stage.forward([("r", pos, stage.embed(ids[-1:]))])
-        ids.append(int(stage.logits(h[-1]).argmax()))
-    return ids
+    return greedy_ids(folder, PROMPT, n)
 
 
 async def test_two_members_serving_a_gguf_give_one_process_greedy_tokens(
