@@ -137,11 +137,7 @@ def propose(
     `choose_k` gives: `proposer`'s (a draft model's), or prompt lookup's (shorter where the
     history ends sooner, () where nothing matches)."""
     k = choose_k(policy, stats, room)
-    if not k:
-        return ()
-    if proposer is not None:
-        return proposer(history, k)[:k]
-    return lookup(history, k, policy.max_ngram, policy.min_ngram)
+    return _tokens_after(policy, history, k, proposer) if k else ()
 
 
 def propose_ahead(
@@ -157,10 +153,16 @@ def propose_ahead(
     () where nothing is guessed."""
     if room < 1:
         return ()
-    n = 1 + choose_k(policy, stats, room - 1)
+    return _tokens_after(policy, assumed, 1 + choose_k(policy, stats, room - 1), proposer)
+
+
+def _tokens_after(
+    policy: DraftPolicy, history: Sequence[int], n: int, proposer: Proposer | None
+) -> tuple[int, ...]:
+    """Up to `n` tokens after `history`: `proposer`'s (a draft model's), else prompt lookup's."""
     if proposer is not None:
-        return proposer(assumed, n)[:n]
-    return lookup(assumed, n, policy.max_ngram, policy.min_ngram)
+        return proposer(history, n)[:n]
+    return lookup(history, n, policy.max_ngram, policy.min_ngram)
 
 
 def observe_drafting(policy: DraftPolicy, stats: DraftStats, tokens: int, seconds: float) -> DraftStats:
