@@ -39,13 +39,13 @@ import functools
 import statistics
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kafila.api.service import STOP_STRING, GenerationError, Sampling, TokenEvent
 from kafila.engine import PREFILL_CHUNK
-from kafila.engine.draft import DraftPolicy, DraftStats, observe, observe_drafting
+from kafila.engine.draft import DraftPolicy, DraftStats, Proposer, observe, observe_drafting
 from kafila.engine.draft_model import DraftModel
 from kafila.engine.sampler import Sampler, SamplingParams, StopReason
 from kafila.engine.speculative import holds
@@ -506,11 +506,7 @@ class RingHead(RoleBase):
                 assumed += [f.first, *f.draft]
             room = min(room, self.context - 1 - len(assumed))
             count = self.schedule.ahead + 1 - len(req.flights)
-            proposer = catch_up = None
-            if self.drafter is not None:
-                proposer = functools.partial(self.drafter.propose, rid)
-                catch_up = functools.partial(self.drafter.catch_up, rid)
-            ahead = compute.Ahead(rid, assumed, req.draft_stats, room, count, proposer, catch_up)
+            ahead = compute.Ahead(rid, assumed, req.draft_stats, room, count, *self._draft_model_calls(rid))
             circuits = self.schedule.circuits(rid)
             self._drafting_ahead.add(rid)
             try:
@@ -726,11 +722,14 @@ class RingHead(RoleBase):
         position = self.schedule.next_position(req.rid)  # where this step's last token was fed
         room = min(req.max_tokens - req.generated - 1, self.context - 2 - position)
         history = [*req.prompt, *req.tokens]
-        if self.drafter is None:
-            return compute.Drafting(fed, history, req.draft_stats, room, expect=expect)
-        proposer = functools.partial(self.drafter.propose, req.rid)
-        catch_up = functools.partial(self.drafter.catch_up, req.rid)
+        proposer, catch_up = self._draft_model_calls(req.rid)
         return compute.Drafting(fed, history, req.draft_stats, room, proposer, catch_up, expect)
+
+    def _draft_model_calls(self, rid: int) -> tuple[Proposer | None, Callable[[Sequence[int]], None] | None]:
+        """The draft model's `propose` and `catch_up` for request `rid`; None, None for prompt lookup."""
+        if self.drafter is None:
+            return None, None
+        return functools.partial(self.drafter.propose, rid), functools.partial(self.drafter.catch_up, rid)
 
     def _margin(self) -> float:
         """Greedy rows within this of a tie are sampled alone: 0 where a step's rows have the bits
