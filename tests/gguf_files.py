@@ -225,7 +225,7 @@ def qwen3_tokenizer_meta(folder: Path) -> dict[str, Any]:
 def served_values(ckpt: Any, name: str) -> np.ndarray:
     """Tensor `name` of a converted folder (a Checkpoint) as float32: a packed matrix dequantized,
     floats widened."""
-    from kafila.models.quant import dequantize, from_entries
+    from kafila.models.quant import dequantize, format_of, from_entries
 
     base = name.removesuffix("weight")
     names = [n for n in (name, base + "scales", base + "mins") if n in ckpt.tensors]
@@ -238,9 +238,9 @@ def served_values(ckpt: Any, name: str) -> np.ndarray:
 
     if len(names) == 1:
         return array(name).astype(np.float32)
-    fmt = "q4" if base + "mins" in raw else "int8"
-    mins = array(base + "mins") if fmt == "q4" else None
-    return dequantize(from_entries(fmt, array(name), array(base + "scales"), mins))
+    mins = array(base + "mins") if base + "mins" in raw else None
+    data = array(name)
+    return dequantize(from_entries(format_of(data, mins), data, array(base + "scales"), mins))
 
 
 def float_folder(gguf_file: Path, out: Path, served: Path | None = None) -> Path:

@@ -38,6 +38,7 @@ from kafila.models.manifest import (
     build_manifest,
     logical_shape,
     packed_format,
+    session_format,
     specs_from_config,
     stage_tensors,
 )
@@ -267,7 +268,7 @@ def _format_of(ckpt: Checkpoint) -> str:
     if isinstance(named, dict) and named.get("format") in ("int8", "q4"):
         return str(named["format"])
     specs = {s.name: s for s in ckpt.specs()}
-    formats = [packed_format(n, specs) for n in specs if n.endswith("_proj.weight")]
+    formats = [session_format(packed_format(n, specs)) for n in specs if n.endswith("_proj.weight")]
     return max(set(formats), key=formats.count) if formats else "none"
 
 

@@ -6,7 +6,7 @@ would have, and for every tensor its byte range in that file, its sha256 and its
 its source bytes lie in the GGUF (offset, ggml type, shape), the form it is served in (int8, q4, a
 float dtype) and the row order that puts back a Llama's q/k rows. `InPlaceFile` reads any byte
 range of that file by making the rows it covers from the GGUF (memory-mapped): repacking a kept
-type (Q8_0, Q4_1, Q4_0, Q5_0, Q4_K) costs a copy of its bytes, requantizing one (Q5_1, Q5_K, Q6_K
+type (Q8_0, Q4_1, Q4_0, Q5_0, Q4_K, Q6_K) costs a copy of its bytes, requantizing one (Q5_1, Q5_K
 to int8; Q3_K, Q2_K to q4) is done again each time its rows are read (at a member's load and for
 each range a fetching member asks for; nothing is cached on disk; the entries of a matrix its read
 did not ask for are kept for the next read, a loader's of its scales and mins). Every step works
@@ -47,8 +47,8 @@ INDEX_VERSION = 1
 
 @dataclass(frozen=True)
 class Recipe:
-    """How the entries of one GGUF tensor are made from its bytes: `target` "int8"/"q4" (packed:
-    the matrix, its scales, for q4 its mins) or the float dtype it is served in (F32 widens a type
+    """How the entries of one GGUF tensor are made from its bytes: `target` "int8"/"q4"/"q6k"
+    (packed: the matrix, its scales, for q4 its mins) or the float dtype it is served in (F32 widens a type
     kept as stored otherwise); `unpermute`: the head count whose q/k rows are put back (Llama)."""
 
     name: str  # the served (Hugging Face) name
@@ -62,7 +62,7 @@ class Recipe:
 
     @property
     def packed(self) -> bool:
-        return self.target in ("int8", "q4")
+        return self.target in ("int8", "q4", "q6k")
 
     @property
     def requantized(self) -> bool:

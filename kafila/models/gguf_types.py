@@ -13,11 +13,13 @@ formats (kafila.models.quant: int8, llama.cpp's Q8_0 in another order; q4, its Q
   and m, float16 d and dmin); its nibbles are copied. The products are rounded to float16: exact
   where d * sc (dmin * m) has at most 11 significant bits, otherwise within half a float16 unit in
   the last place of it (a relative 2^-11), so an entry moves by at most 15 of those plus one.
+- Q6_K -> q6k: its blocks as stored (the float16 d split off into the scales entry); in a fused
+  product with other types, int8.
 
 Each kept type dequantizes to the values gguf.quants gives (w = d (q - 8) is computed here as
 d q + (-8 d): the same float32 number; only a zero's sign may differ). The other types have no
-packed format here of their own: Q5_1, Q5_K (a min beside 5-bit levels) and Q6_K (a scale per 16
-entries) are requantized to int8, Q3_K and Q2_K (a scale per 16 entries) to q4, each from
+packed format here of their own: Q5_1 and Q5_K (a min beside 5-bit levels) are requantized to
+int8, Q3_K and Q2_K (a scale per 16 entries) to q4, each from
 gguf.quants' values to the nearest level of its group (an error of at most half the group's
 step, plus float16 rounding of the min); the converter measures that error and says it on the
 console. A fused product (q, k, v; gate, up) holds one format: where its matrices' types share
@@ -46,12 +48,20 @@ FLOATS = {F32: "F32", F16: "F16", BF16: "BF16"}  # ggml type -> safetensors dtyp
 # requantized to int8, which a fused product of types with no common format takes)
 PACKED: dict[int, tuple[str, ...]] = {
     Q8_0: ("int8",), Q4_1: ("q4",), Q4_0: ("q4", "int8"), Q5_0: ("int8",), Q4_K: ("q4", "int8"),
-    Q5_1: ("int8",), Q5_K: ("int8",), Q6_K: ("int8",), Q3_K: ("q4", "int8"), Q2_K: ("q4", "int8"),
+    Q5_1: ("int8",), Q5_K: ("int8",), Q6_K: ("q6k", "int8"), Q3_K: ("q4", "int8"), Q2_K: ("q4", "int8"),
 }  # fmt: skip
-KEPT = {(Q8_0, "int8"), (Q4_1, "q4"), (Q4_0, "q4"), (Q4_0, "int8"), (Q5_0, "int8")}  # values unchanged
+KEPT = {
+    (Q8_0, "int8"),
+    (Q4_1, "q4"),
+    (Q4_0, "q4"),
+    (Q4_0, "int8"),
+    (Q5_0, "int8"),
+    (Q6_K, "q6k"),
+}  # unchanged
 SCALED = {(Q4_K, "q4")}  # levels kept, product scales rounded to float16
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q8_0: 34}  # bytes per block of 32 of the repacked types
 Q4_K_BYTES, SUPER = 144, 256  # a Q4_K block: d, dmin (float16), 12 bytes of 6-bit scales, 128 of nibbles
+Q6_K_BYTES = 210  # a Q6_K block: 128 bytes of low nibbles, 64 of high bits, 16 int8 scales, d (float16)
 REQUANT_ROWS = 1024  # rows widened and requantized at once (the float temporaries stay a few MB)
 
 
@@ -113,7 +123,7 @@ def serve(
 ) -> tuple[Packed, Requantized | None]:
     """A matrix [out, in] of `ggml_type` (its blocks, uint8 [out, row bytes]) in packed format `fmt`,
     and what requantizing it changed (None where its levels are kept, or not `measure`d)."""
-    if ggml_type not in PACKED or fmt not in ("int8", "q4"):
+    if ggml_type not in PACKED or fmt not in (*PACKED[ggml_type], "int8"):
         raise ValueError(f"{type_name(ggml_type)} is not served as {fmt}")
     if how(ggml_type, fmt) != "requantized":
         return repack(raw, ggml_type, shape, fmt), None
@@ -169,6 +179,8 @@ def repack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], fmt: str) ->
         raise ValueError(f"{type_name(ggml_type)} is not served as {fmt} without requantizing")
     if ggml_type == Q4_K:
         return _q4_k_rows(raw, shape)
+    if ggml_type == Q6_K:
+        return _q6_k(raw, shape)
     if ggml_type in (Q8_0, Q4_1):
         return from_ggml(raw, ggml_type, shape)
     out, cols = shape
@@ -190,6 +202,17 @@ def repack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], fmt: str) ->
     low = np.concatenate([nibbles & 15, nibbles >> 4], axis=2)  # [out, groups, 32]
     levels = (low | (bits << 4)).astype(np.int8) - np.int8(16)
     return Packed("int8", levels.reshape(out, cols), d)
+
+
+def _q6_k(raw: np.ndarray, shape: tuple[int, int]) -> Packed:
+    """A Q6_K matrix as q6k: each block's first 208 bytes as they are, its d (the last two) apart."""
+    out, cols = shape
+    if cols % SUPER:
+        raise ValueError(f"a Q6_K matrix [{out}, {cols}] has rows that are not a multiple of {SUPER}")
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(out, cols // SUPER, Q6_K_BYTES)
+    data = np.ascontiguousarray(blocks[..., : Q6_K_BYTES - 2]).reshape(out, -1)  # [out, n * 208]
+    d = np.ascontiguousarray(blocks[..., Q6_K_BYTES - 2 :]).view(np.float16).reshape(out, -1)  # [out, n]
+    return Packed("q6k", data, d)
 
 
 def _q4_k_rows(raw: np.ndarray, shape: tuple[int, int]) -> Packed:

@@ -16,6 +16,10 @@ Weight formats (`QUANT_FORMATS`; docs/weights.md): "none" keeps floats; "int8" s
 byte [out, in/2] plus a float16 scale and a float16 minimum per group ([out, in/32] each, Q4_1: 20
 bytes per 32). A packed checkpoint stores them as ordinary safetensors entries `X.weight` (I8 or
 U8), `X.scales` (F16) and, for q4, `X.mins` (F16): a block's bytes are its entries' bytes, exact.
+A third packed format, "q6k", is a matrix format of GGUF files only (llama.cpp's Q6_K, served as
+stored; no session packs floats into it): `X.weight` U8 [out, in/256 * 208] holds each super-block
+of 256 inputs' 6-bit levels and sixteen int8 sub-scales in Q6_K's own order, `X.scales` F16
+[out, in/256] its float16 scale: 210 bytes per 256 weights, the file's bytes.
 Policy: the linear layers of the blocks take the session's format; the embedding/unembedding
 matrix is int8 in either quantized format (the default GGUF's own Q8_0 embedding, kept); norms and
 biases stay in the compute dtype. A packed checkpoint (config.json's `quantization_config`, as a
@@ -57,7 +61,11 @@ RUNTIME_DTYPES = {
 QUANT_FORMATS = ("none", "int8", "q4")
 GROUP = 32  # inputs per scale (and minimum) in both packed formats
 SCALES, MINS = "scales", "mins"  # sibling entries of a packed `X.weight`: `X.scales`, `X.mins`
-PACKED_DTYPES = {"int8": "I8", "q4": "U8"}
+PACKED_DTYPES = {"int8": "I8", "q4": "U8", "q6k": "U8"}
+SUPER = 256  # inputs per q6k super-block (llama.cpp's QK_K)
+Q6K_BYTES = (
+    208  # a q6k super-block's bytes besides its float16 scale: 128 low nibbles, 64 high bits, 16 sub-scales
+)
 NP_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "I8": "i1", "U8": "u1"}  # numpy's, of each
 
 EMBED = "model.embed_tokens.weight"
@@ -81,11 +89,16 @@ class TensorSpec:
 
 
 def packed_specs(name: str, fmt: str, shape: tuple[int, ...]) -> list[TensorSpec]:
-    """The entries a matrix [out, in] named `name` takes in `fmt` ("int8", "q4")."""
+    """The entries a matrix [out, in] named `name` takes in `fmt` ("int8", "q4", "q6k")."""
     out, cols = shape
-    if cols % GROUP:
+    if cols % (SUPER if fmt == "q6k" else GROUP):
         raise ValueError(f"{name} [{out}, {cols}]: {fmt} needs inputs in groups of {GROUP}")
     base = name.removesuffix("weight")
+    if fmt == "q6k":
+        return [
+            TensorSpec(name, "U8", (out, cols // SUPER * Q6K_BYTES)),
+            TensorSpec(base + SCALES, "F16", (out, cols // SUPER)),
+        ]
     data_cols = cols // 2 if fmt == "q4" else cols
     specs = [
         TensorSpec(name, PACKED_DTYPES[fmt], (out, data_cols)),
@@ -143,8 +156,38 @@ def stage_tensors(names: Iterable[str], blocks: range, head: bool) -> list[str]:
     return [n for n in names if n in wanted or ((i := block_index(n)) is not None and i in blocks)]
 
 
+def matrix_shape(fmt: str, data_shape: tuple[int, ...]) -> tuple[int, int]:
+    """The [out, in] a packed `data` array of this shape stands for (two q4 values per byte; q6k's
+    208 bytes per 256 inputs)."""
+    out, cols = data_shape
+    if fmt == "q6k":
+        return (out, cols // Q6K_BYTES * SUPER)
+    return (out, cols * 2 if fmt == "q4" else cols)
+
+
+def entries_format(data_dtype: str, has_mins: bool) -> str:
+    """The packed format of a matrix whose `X.weight` entry has safetensors dtype `data_dtype` and
+    a `X.scales` sibling, with an `X.mins` one or not: q4 (U8 with mins), q6k (U8), int8 (I8)."""
+    if has_mins:
+        return "q4"
+    return "q6k" if data_dtype == "U8" else "int8"
+
+
+def session_format(fmt: str) -> str:
+    """The session format (QUANT_FORMATS) a stored matrix format counts as where a checkpoint's
+    format is voted: q6k as int8 (signed levels, no minimums; a session of either packed format
+    holds it as stored)."""
+    return "int8" if fmt == "q6k" else fmt
+
+
 def packed_bytes(fmt: str, rows: int, cols: int) -> int:
-    """Bytes of a [rows, cols] matrix in weight format `fmt` ("int8" or "q4"), scales included."""
+    """Bytes of a [rows, cols] matrix in weight format `fmt` ("int8", "q4", "q6k"), scales included."""
+    if fmt == "q6k":
+        if cols % SUPER:
+            raise ValueError(
+                f"a q6k matrix needs inputs in super-blocks of {SUPER}; [{rows}, {cols}] has {cols}"
+            )
+        return rows * (cols // SUPER) * (Q6K_BYTES + 2)
     if cols % GROUP:
         raise ValueError(f"a {fmt} matrix needs inputs in groups of {GROUP}; [{rows}, {cols}] has {cols}")
     groups = rows * (cols // GROUP)
@@ -169,18 +212,19 @@ def linear_format(name: str, quant: str) -> str:
 
 
 def packed_format(name: str, by_name: dict[str, TensorSpec]) -> str:
-    """The format a checkpoint stores matrix `name` in: "int8"/"q4" where its `scales` sibling is
-    present, else "none"."""
+    """The format a checkpoint stores matrix `name` in: "int8"/"q4"/"q6k" where its `scales`
+    sibling is present (`entries_format`), else "none"."""
     base = name.removesuffix("weight")
-    if not name.endswith(".weight") or base + SCALES not in by_name:
+    if not name.endswith(".weight") or base + SCALES not in by_name or name not in by_name:
         return "none"
-    return "q4" if base + MINS in by_name else "int8"
+    return entries_format(by_name[name].dtype, base + MINS in by_name)
 
 
 def logical_shape(spec: TensorSpec, by_name: dict[str, TensorSpec]) -> tuple[int, ...]:
     """The unpacked shape of `spec` ([out, in] for a q4 matrix stored as [out, in/2])."""
-    if packed_format(spec.name, by_name) == "q4":
-        return (spec.shape[0], spec.shape[1] * 2)
+    fmt = packed_format(spec.name, by_name)
+    if fmt in ("q4", "q6k"):
+        return matrix_shape(fmt, spec.shape)
     return spec.shape
 
 
@@ -261,7 +305,11 @@ def build_manifest(
 
 def _stored_format(by_name: dict[str, TensorSpec]) -> str:
     """The format most block matrices are stored in ("none" for a float checkpoint)."""
-    formats = [packed_format(n, by_name) for n in by_name if is_linear(n) and n not in (EMBED, LM_HEAD)]
+    formats = [
+        session_format(packed_format(n, by_name))
+        for n in by_name
+        if is_linear(n) and n not in (EMBED, LM_HEAD)
+    ]
     return max(set(formats), key=formats.count) if formats else "none"
 
 

@@ -7,6 +7,12 @@ Formats (kafila.models.manifest: `packed_bytes`, the policy of which matrix take
 - q4: `data` uint8 [out, in/2], `scales` and `mins` float16 [out, in/32]; w = scale * q + min,
   q in [0, 15]. In group g of a row, byte j (0-15) holds element 32 g + j in its low nibble and
   element 32 g + 16 + j in its high nibble: llama.cpp's Q4_1 block, whose 16 bytes are copied.
+- q6k (a GGUF's Q6_K, as stored): `data` uint8 [out, in/256 * 208], `scales` float16 [out, in/256]
+  (the super-block's d); w = d * sc * (q - 32), q in [0, 63], sc int8 per 16 inputs. In each
+  super-block's 208 bytes: ql[128] (low 4 bits), qh[64] (high 2 bits), sc[16]; group g of 32
+  (g < 8) takes its low bits from ql[64 (g // 4) + 32 (g % 2) + j] (the high nibble for g % 4 >= 2)
+  and its high bits from bits 2 (g % 4) of qh[32 (g // 4) + j], j < 32; inputs 32 g .. 32 g + 15
+  have scale sc[2 g], the next 16 sc[2 g + 1]: llama.cpp's layout (`dequantize_row_q6_K`).
 
 Packed rows are independent, so a fused matrix (q, k, v rows) is its parts' rows stacked, and a row
 permutation (llama.cpp's q/k order) permutes the packed rows.
@@ -18,7 +24,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kafila.models.manifest import GROUP, MINS, PACKED_DTYPES, SCALES, packed_bytes
+from kafila.models.manifest import (
+    GROUP,
+    MINS,
+    PACKED_DTYPES,
+    Q6K_BYTES,
+    SCALES,
+    SUPER,
+    entries_format,
+    matrix_shape,
+    packed_bytes,
+)
 
 # ggml block types Kafila repacks: type id -> (our format, bytes per block of 32)
 GGML_Q8_0, GGML_Q4_1 = 8, 3
@@ -29,9 +45,9 @@ _GGML_BLOCKS = {GGML_Q8_0: ("int8", 34), GGML_Q4_1: ("q4", 20)}
 class Packed:
     """A matrix [out, in] in a packed format (numpy arrays, see the module docstring)."""
 
-    fmt: str  # "int8" | "q4"
-    data: np.ndarray  # int8 [out, in] | uint8 [out, in/2]
-    scales: np.ndarray  # float16 [out, in/32]
+    fmt: str  # "int8" | "q4" | "q6k"
+    data: np.ndarray  # int8 [out, in] | uint8 [out, in/2] | uint8 [out, in/256 * 208]
+    scales: np.ndarray  # float16 [out, in/32] (q6k: [out, in/256])
     mins: np.ndarray | None = None  # float16 [out, in/32] (q4)
 
     @property
@@ -58,10 +74,9 @@ class Packed:
         )
 
 
-def matrix_shape(fmt: str, data_shape: tuple[int, ...]) -> tuple[int, int]:
-    """The [out, in] a packed `data` array of this shape stands for (two q4 values per byte)."""
-    out, cols = data_shape
-    return (out, cols * 2 if fmt == "q4" else cols)
+def format_of(data: np.ndarray, mins: np.ndarray | None) -> str:
+    """The packed format of stored entries: `data`'s dtype and whether a minimum is there."""
+    return entries_format("U8" if data.dtype == np.uint8 else "I8", mins is not None)
 
 
 CHUNK_ROWS = 2048  # rows quantized at once: the float temporaries stay a few MB for any matrix
@@ -118,9 +133,11 @@ def _quantize_rows(w: np.ndarray, fmt: str) -> Packed:
 
 
 def levels(p: Packed) -> np.ndarray:
-    """The quantized integers [out, in] (int8: -127..127, q4: 0..15) as int16."""
+    """The quantized integers [out, in] (int8: -127..127, q4: 0..15, q6k: q - 32 in -32..31) as int16."""
     if p.fmt == "int8":
         return p.data.astype(np.int16)
+    if p.fmt == "q6k":
+        return _q6k_levels(p.data).astype(np.int16)
     out, half = p.data.shape
     b = p.data.reshape(out, half // 16, 16)
     return np.concatenate([b & 15, b >> 4], axis=2).reshape(out, half * 2).astype(np.int16)
@@ -130,11 +147,34 @@ def dequantize(p: Packed) -> np.ndarray:
     """The float32 matrix [out, in] the packed one stands for (each value scale * q (+ min),
     computed in float32: the reference every kernel is tested against)."""
     out, cols = p.shape
+    if p.fmt == "q6k":
+        return _q6k_dequantize(p)
     q = levels(p).astype(np.float32).reshape(out, cols // GROUP, GROUP)
     w = q * p.scales.astype(np.float32)[..., None]
     if p.mins is not None:
         w = w + p.mins.astype(np.float32)[..., None]
     return w.reshape(out, cols)
+
+
+def _q6k_levels(data: np.ndarray) -> np.ndarray:
+    """q - 32 (int8 [out, in]) of q6k `data` (see the module docstring for the layout)."""
+    out = data.shape[0]
+    blocks = data.reshape(out, -1, Q6K_BYTES)  # [out, n, 208]
+    n = blocks.shape[1]
+    nibble = np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+    two = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
+    low = ((blocks[..., :128].reshape(out, n, 2, 1, 64) >> nibble) & 15).reshape(out, n, 8, 32)
+    high = ((blocks[..., 128:192].reshape(out, n, 2, 1, 32) >> two) & 3).reshape(out, n, 8, 32)
+    return ((low | (high << 4)).astype(np.int8) - np.int8(32)).reshape(out, n * SUPER)
+
+
+def _q6k_dequantize(p: Packed) -> np.ndarray:
+    """d * sc * (q - 32) in float32 (d * sc first: exact, an 11-bit by 8-bit product), as gguf.quants."""
+    out, cols = p.shape
+    sc = p.data.reshape(out, -1, Q6K_BYTES)[..., 192:].view(np.int8).astype(np.float32)  # [out, n, 16]
+    scale = p.scales.astype(np.float32)[..., None] * sc  # [out, n, 16]
+    q = _q6k_levels(p.data).astype(np.float32).reshape(out, -1, 16, 16)  # [out, n, 16, 16]
+    return (scale[..., None] * q).reshape(out, cols)
 
 
 def from_ggml(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> Packed:
@@ -162,10 +202,13 @@ def from_entries(fmt: str, data: np.ndarray, scales: np.ndarray, mins: np.ndarra
         raise ValueError(
             f"{fmt} matrix: data {data.dtype}{list(data.shape)}, scales {scales.dtype}: not {want} + F16"
         )
+    if fmt == "q6k" and data.shape[1] % Q6K_BYTES:
+        raise ValueError(f"q6k matrix: data {list(data.shape)} is not in super-blocks of {Q6K_BYTES} bytes")
     p = Packed(fmt, data, scales, mins)
     out, cols = p.shape
-    if scales.shape != (out, cols // GROUP) or (mins is not None and mins.shape != scales.shape):
+    per = SUPER if fmt == "q6k" else GROUP
+    if scales.shape != (out, cols // per) or (mins is not None and mins.shape != scales.shape):
         raise ValueError(
-            f"{fmt} matrix [{out}, {cols}]: scales {list(scales.shape)}, want [{out}, {cols // GROUP}]"
+            f"{fmt} matrix [{out}, {cols}]: scales {list(scales.shape)}, want [{out}, {cols // per}]"
         )
     return p

@@ -14,6 +14,7 @@ import pytest
 from kafila.models import gguf_types as types
 from kafila.models.checkpoint import Checkpoint
 from kafila.models.gguf_convert import GGUFError, build_tokenizer, ensure_gguf
+from kafila.models.manifest import packed_format
 from kafila.models.quant import dequantize
 from tests.gguf_files import Shape, float_folder, qwen3_tokenizer_meta, served_values, write_gguf
 
@@ -34,8 +35,8 @@ MIXED = {
     "blk.1.attn_v": "Q4_1",
     "blk.1.ffn_down": "Q5_1",
 }
-# the K-quants (and Q5_1): Q4_K as q4 but in block 0's q/k/v, where Q6_K's int8 requantizes it;
-# Q5_K, Q6_K and Q5_1 requantized to int8, Q3_K and Q2_K to q4
+# the K-quants (and Q5_1): Q4_K as q4 and Q6_K as q6k, but in block 0's q/k/v, where they share
+# no format, both requantized to int8; Q5_K and Q5_1 requantized to int8, Q3_K and Q2_K to q4
 KQUANTS = {
     "token_embd": "Q4_K",
     "attn_q": "Q4_K",
@@ -119,6 +120,30 @@ def _half_ulp16(x: np.ndarray) -> np.ndarray:
     return np.asarray(2.0 ** (e - 11), dtype=np.float64)
 
 
+def test_q6_k_is_served_as_stored_and_dequantizes_to_gguf_quants_values_bit_for_bit() -> None:
+    """A Q6_K matrix as q6k: the file's 210 bytes of every block (208 in the data entry, d in the
+    scales), values equal gguf.quants' in every bit, in numpy and in torch."""
+    import torch
+
+    from kafila.models.torch.packed import PackedLinear
+    from tests.gguf_files import random_blocks
+
+    raw = random_blocks("Q6_K", (24, 768), np.random.default_rng(13), std=0.05)
+    want = np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q6_K), np.float32).reshape(
+        24, 768
+    )
+    p = types.repack(raw, types.Q6_K, (24, 768), "q6k")
+    assert p.fmt == "q6k" and p.nbytes == raw.nbytes and types.how(types.Q6_K, "q6k") == "kept"
+    assert p.data.shape == (24, 3 * 208) and p.scales.shape == (24, 3)
+    assert np.array_equal(dequantize(p).view(np.uint32), want.view(np.uint32))
+    got = PackedLinear.from_packed(p, torch.device("cpu")).dequantized(
+        torch.tensor([5, 0, 23]), torch.float32
+    )
+    assert np.array_equal(got.numpy().view(np.uint32), want[[5, 0, 23]].view(np.uint32))
+    with pytest.raises(ValueError, match="not a multiple of 256"):
+        types.repack(raw[:, :210], types.Q6_K, (24, 128), "q6k")
+
+
 def test_q4_k_is_q4_with_float16_product_scales() -> None:
     """Q4_K served as q4: each entry within what rounding d * sc and dmin * m (6-bit sc, m <= 63)
     to float16 allows (15 half-units of the scale, one of the min, float32 rounding), and equal bit
@@ -143,7 +168,7 @@ def test_q4_k_is_q4_with_float16_product_scales() -> None:
     assert not np.array_equal(got[16:], want[16:])  # products that do not fit are rounded
 
 
-@pytest.mark.parametrize(("kind", "fmt"), [("Q4_K", "q4"), ("Q6_K", "int8"), ("Q3_K", "q4")])
+@pytest.mark.parametrize(("kind", "fmt"), [("Q4_K", "q4"), ("Q6_K", "int8"), ("Q6_K", "q6k"), ("Q3_K", "q4")])
 def test_row_chunks_serve_the_whole_matrix(kind: str, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Large matrices are repacked and requantized `REQUANT_ROWS` rows at a time: the same arrays
     and the same measured error as at once."""
@@ -427,8 +452,8 @@ def _check_served_values(file: Path, fresh: bool = True) -> dict[str, str]:
             if arch == "llama" and name.endswith(f"{proj}.weight"):
                 want = unpermute_qk(want, n)
         got = served_values(ckpt, name)
-        fmt = {"I8": "int8", "U8": "q4"}.get(ckpt.tensors[name].dtype)
-        served[name] = "float" if fmt is None else types.how(t.ggml_type, fmt)
+        fmt = packed_format(name, {n: info.spec for n, info in ckpt.tensors.items()})
+        served[name] = "float" if fmt == "none" else types.how(t.ggml_type, fmt)
         if served[name] in ("float", "kept"):
             assert np.array_equal(got, want), name
         else:
@@ -461,11 +486,16 @@ def test_mixed_file_serves_gguf_quants_values_in_every_tensor(mixed_gguf: Path, 
 def test_kquant_file_serves_each_type_packed(
     kquant_gguf: Path, kquant_folder: Path, kquant_lines: list[str]
 ) -> None:
-    """Q4_K is q4 with its levels (block 0's q/k/v beside Q6_K requantized to int8), the other
-    K-quants and Q5_1 requantized, each within half a step of gguf.quants' values; nothing widened;
-    the console names each requantized type with its bytes and the error it measured."""
+    """Q4_K is q4 with its levels and Q6_K q6k as stored (block 0's q/k/v, which share no format,
+    requantized to int8), the other K-quants and Q5_1 requantized, each within half a step of
+    gguf.quants' values; nothing widened; the console names each requantized type with its bytes
+    and the error it measured."""
     served = _check_served_values(kquant_gguf, fresh=False)
     t = Checkpoint.open(kquant_folder).tensors
+    assert served["model.layers.0.mlp.down_proj.weight"] == "kept"  # Q6_K as q6k: its own bytes
+    down = t["model.layers.0.mlp.down_proj.weight"]
+    assert down.dtype == "U8" and "model.layers.0.mlp.down_proj.mins" not in t
+    assert served["model.layers.0.self_attn.v_proj.weight"] == "requantized"  # Q6_K beside Q4_K
     assert served["model.embed_tokens.weight"] == "scaled" and t["model.embed_tokens.weight"].dtype == "U8"
     assert served["model.layers.0.self_attn.q_proj.weight"] == "requantized"  # Q4_K beside Q6_K's v
     assert t["model.layers.0.self_attn.q_proj.weight"].dtype == "I8"
@@ -476,6 +506,7 @@ def test_kquant_file_serves_each_type_packed(
     lines = "\n".join(kquant_lines)
     for kind, fmt in [("Q6_K", "int8"), ("Q5_K", "int8"), ("Q3_K", "q4"), ("Q2_K", "q4"), ("Q5_1", "int8")]:
         assert f"{kind} requantized to {fmt}" in lines, lines
+    assert "Q6_K requantized to int8: 1 tensors (model.layers.0.self_attn.v_proj.weight)" in lines
     assert "Q4_K requantized to int8: 2 tensors" in lines  # block 0's q and k
     assert "widened" not in lines and "F32" not in lines
 

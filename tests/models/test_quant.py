@@ -153,6 +153,61 @@ def test_the_float_kernel_of_cpus_without_integer_dot_products_matches_the_dequa
     assert np.all(np.abs(y - ref) <= product_bound(x, p))
 
 
+def _q6k_matrix(rows: int, cols: int, seed: int) -> quant.Packed:
+    """A Q6_K matrix of random blocks (tests.gguf_files.random_blocks) as q6k."""
+    from kafila.models import gguf_types
+    from tests.gguf_files import random_blocks
+
+    raw = random_blocks("Q6_K", (rows, cols), np.random.default_rng(seed), std=0.05)
+    return gguf_types.repack(raw, gguf_types.Q6_K, (rows, cols), "q6k")
+
+
+def _weights_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """product_bound for any matrix of weights w [out, in] (each counted as |w|)."""
+    n = x.shape[1] + 4
+    return n * U32 / (1 - n * U32) * (np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T)
+
+
+@pytest.mark.parametrize("supers", [1, 3])
+def test_q6k_products_match_the_dequantized_matrix_and_rows_do_not_depend_on_the_batch(supers: int) -> None:
+    """The q6k kernel (a GGUF's Q6_K as stored) against its dequantized matrix times x as this CPU's
+    path rounds it (int8 groups with quant_cpu.INT_DOT, as q4), rows alone as in a batch of 7, and
+    the head's rounded product (round_x) the same."""
+    from kafila.models.torch.packed import PackedLinear
+
+    p = _q6k_matrix(101, supers * 256, seed=supers)  # 101: a partial tile
+    lin = PackedLinear.from_packed(p, torch.device("cpu"))
+    x = np.random.default_rng(3).standard_normal((7, supers * 256)).astype(np.float32)
+    seen = seen_by_blocks(x, "q4")
+    w = quant.dequantize(p)
+    y = lin(torch.from_numpy(x))
+    ref = seen.astype(np.float64) @ w.astype(np.float64).T
+    assert np.all(np.abs(y.double().numpy() - ref) <= _weights_bound(seen, w))
+    for r in range(7):
+        assert torch.equal(lin(torch.from_numpy(x[r : r + 1]))[0], y[r])
+    lin.round_x = True  # the head's product: x rounded to int8 groups wherever INT_DOT holds
+    assert torch.equal(lin(torch.from_numpy(x)), y)
+
+
+def test_the_q6k_float_kernel_of_cpus_without_integer_dot_products_matches_the_dequantized_matrix() -> None:
+    """quant_cpu.q6k_float_tile, the path where the CPU lacks AVX-512 VNNI, run tile by tile."""
+    from kafila.models.torch import quant_cpu
+    from kafila.models.torch.packed import PackedLinear
+
+    p = _q6k_matrix(70, 512, seed=7)
+    data, d = PackedLinear.from_packed(p, torch.device("cpu")).arrays()
+    x = np.random.default_rng(4).standard_normal((6, 512)).astype(np.float32)
+    y = np.empty((6, 70), np.float32)
+    for t in range((70 + quant_cpu.QTILE - 1) // quant_cpu.QTILE):
+        quant_cpu.q6k_float_tile(x, data, d, y, t)
+    w = quant.dequantize(p)
+    assert np.all(np.abs(y - x.astype(np.float64) @ w.astype(np.float64).T) <= _weights_bound(x, w))
+    one = np.empty((1, 70), np.float32)
+    for t in range(3):
+        quant_cpu.q6k_float_tile(x[5:6], data, d, one, t)
+    assert np.array_equal(one[0], y[5])
+
+
 def test_the_integer_products_round_each_group_of_x_as_the_reference_does() -> None:
     from kafila.models.torch import quant_cpu
 

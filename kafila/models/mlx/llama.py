@@ -31,6 +31,9 @@ from kafila.models.manifest import (
     linear_format,
 )
 from kafila.models.span import Span
+from kafila.obs.log import get_logger
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -122,6 +125,7 @@ class LlamaModel:
             raise ValueError(
                 f"cannot reuse blocks held as {reuse.dtype} {reuse.quant} for a model in {dtype} {quant}"
             )
+        self.requantized: list[str] = []  # q6k matrices held as int8 (`_packed`)
         self.embed_w: Weight | None = None
         self.unembed_w: Weight | None = None
         self.norm_w: mx.array | None = None
@@ -138,6 +142,8 @@ class LlamaModel:
         cos, sin = rope.tables(config, context)
         self.cos, self.sin = mx.array(cos).astype(dtype), mx.array(sin).astype(dtype)  # [context, d]
         mx.eval([self.cos, self.sin, *(_arrays(vars(b)) for b in self.blocks), *_arrays(vars(self))])
+        if self.requantized:
+            log.info("q6k matrices requantized to int8 for MLX", matrices=len(self.requantized))
 
     def _w(self, weights: Mapping[str, mx.array], name: str) -> mx.array:
         return weights[name].astype(self.dtype)
@@ -148,7 +154,7 @@ class LlamaModel:
         stored = [n.removesuffix("weight") + SCALES in weights for n in names]
         if self.quant == "none" or (not any(stored) and linear_format(names[0], self.quant) == "none"):
             if any(stored):
-                wide = [formats.dequantize(self._packed(weights, n)) for n in names]
+                wide = [formats.dequantize(self._stored(weights, n)) for n in names]
                 return mx.concatenate([mx.array(w).astype(self.dtype) for w in wide], axis=0)
             return self._floats(weights, names)
         parts = [self._packed(weights, n) for n in names]
@@ -166,12 +172,25 @@ class LlamaModel:
     def _floats(self, weights: Mapping[str, mx.array], names: Sequence[str]) -> mx.array:
         return mx.concatenate([self._w(weights, n) for n in names], axis=0)
 
-    def _packed(self, weights: Mapping[str, mx.array], name: str) -> formats.Packed:
+    def _stored(self, weights: Mapping[str, mx.array], name: str) -> formats.Packed:
+        """Packed matrix `name` as the checkpoint stores it."""
         base = name.removesuffix("weight")
-        if base + SCALES in weights:
-            mins = np.array(weights[base + MINS]) if base + MINS in weights else None
-            fmt = "q4" if mins is not None else "int8"
-            return formats.from_entries(fmt, np.array(weights[name]), np.array(weights[base + SCALES]), mins)
+        mins = np.array(weights[base + MINS]) if base + MINS in weights else None
+        data = np.array(weights[name])
+        return formats.from_entries(
+            formats.format_of(data, mins), data, np.array(weights[base + SCALES]), mins
+        )
+
+    def _packed(self, weights: Mapping[str, mx.array], name: str) -> formats.Packed:
+        """Matrix `name` packed as MLX holds it: as stored, except q6k (a scale per 16 inputs, where
+        MLX's affine layout has one per 32 or more), requantized to int8 from its exact values;
+        a float one packed in the session's format."""
+        if name.removesuffix("weight") + SCALES in weights:
+            p = self._stored(weights, name)
+            if p.fmt == "q6k":
+                self.requantized.append(name)
+                return formats.quantize(formats.dequantize(p), "int8")
+            return p
         w = np.array(weights[name].astype(mx.float32))
         return formats.quantize(w, linear_format(name, self.quant))
 

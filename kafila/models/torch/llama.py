@@ -282,9 +282,8 @@ class LlamaModel:
         base = name.removesuffix("weight")
         if base + SCALES in weights:
             mins = weights[base + MINS].to(self.device) if base + MINS in weights else None
-            fmt = "q4" if mins is not None else "int8"
             data, scales = weights[name].to(self.device), weights[base + SCALES].to(self.device)
-            return PackedLinear(fmt, data, scales, mins)
+            return PackedLinear.of_entries(data, scales, mins)
         t = weights[name].cpu()  # [out, in]; bf16 as its bits, widened chunk by chunk by quantize
         w = t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.float().numpy()
         return PackedLinear.from_packed(formats.quantize(w, linear_format(name, self.quant)), self.device)

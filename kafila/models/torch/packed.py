@@ -1,4 +1,4 @@
-"""A packed weight matrix (int8, q4; kafila.models.quant) as torch tensors, and its product.
+"""A packed weight matrix (int8, q4, q6k; kafila.models.quant) as torch tensors, and its product.
 
 On the CPU with numba, products of up to `KERNEL_ROWS` rows run quant_cpu's kernel (each packed
 byte read once per call for every row, decoded in registers); on CUDA, q4 products run torch's
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kafila.models import quant
-from kafila.models.manifest import GROUP
+from kafila.models.manifest import GROUP, Q6K_BYTES, matrix_shape
 
 Tensor = torch.Tensor
 
@@ -42,7 +42,8 @@ def kernels_available() -> bool:
 @dataclass
 class PackedLinear:
     """y = x W^T + b for W [out, in] packed: `data` int8 [out, in] or uint8 [out, in/2], `scales`
-    (and for q4 `mins`) float16 [out, groups]."""
+    (and for q4 `mins`) float16 [out, groups]; q6k: `data` uint8 [out, in/256 * 208], `scales`
+    float16 [out, in/256]."""
 
     fmt: str
     data: Tensor
@@ -58,6 +59,12 @@ class PackedLinear:
     def from_packed(cls, p: quant.Packed, device: torch.device) -> PackedLinear:
         mins = None if p.mins is None else torch.from_numpy(p.mins).to(device)
         return cls(p.fmt, torch.from_numpy(p.data).to(device), torch.from_numpy(p.scales).to(device), mins)
+
+    @classmethod
+    def of_entries(cls, data: Tensor, scales: Tensor, mins: Tensor | None) -> PackedLinear:
+        """A checkpoint's stored entries, in the format they are (quant.format_of)."""
+        fmt = "q4" if mins is not None else "q6k" if data.dtype == torch.uint8 else "int8"
+        return cls(fmt, data, scales, mins)
 
     @classmethod
     def stack(cls, parts: list[PackedLinear]) -> PackedLinear:
@@ -77,7 +84,7 @@ class PackedLinear:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return quant.matrix_shape(self.fmt, tuple(self.data.shape))
+        return matrix_shape(self.fmt, tuple(self.data.shape))
 
     @property
     def nbytes(self) -> int:
@@ -98,6 +105,8 @@ class PackedLinear:
         """Rows `rows` of W in `dtype` ([R, in]), computed in float32 as quant.dequantize does."""
         data, scales = self.data[rows], self.scales[rows].float()  # [R, in or in/2], [R, groups]
         r = data.shape[0]
+        if self.fmt == "q6k":
+            return _q6k_rows(data, scales).to(dtype)
         if self.fmt == "q4":
             b = data.view(r, -1, GROUP // 2)  # [R, groups, 16]
             q = torch.cat([b & 15, b >> 4], dim=2).float()  # [R, groups, 32]
@@ -176,3 +185,19 @@ class PackedLinear:
     def embedding(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """Rows `ids` [N] of W as an embedding table would give them ([N, in] in `dtype`)."""
         return self.dequantized(ids, dtype)
+
+
+def _q6k_rows(data: Tensor, d: Tensor) -> Tensor:
+    """q6k rows as float32 [R, in] from `data` uint8 [R, n * 208] and `d` float32 [R, n]: d * sc *
+    (q - 32), as quant.dequantize computes them (kafila.models.quant has the layout)."""
+    r = data.shape[0]
+    blocks = data.view(r, -1, Q6K_BYTES)  # [R, n, 208]
+    n = blocks.shape[1]
+    nib = torch.tensor([0, 4], dtype=torch.uint8, device=data.device).view(1, 1, 1, 2, 1)
+    ql = (blocks[..., :128].reshape(r, n, 2, 1, 64) >> nib) & 15  # [R, n, 2, 2, 64]
+    two = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=data.device).view(1, 1, 1, 4, 1)
+    qh = (blocks[..., 128:192].reshape(r, n, 2, 1, 32) >> two) & 3  # [R, n, 2, 4, 32]
+    q = (ql.reshape(r, n, 8, 32) | (qh.reshape(r, n, 8, 32) << 4)).float() - 32  # [R, n, 8, 32]
+    sc = blocks[..., 192:].contiguous().view(torch.int8).float()  # [R, n, 16]
+    scale = d[..., None] * sc  # [R, n, 16]: exact
+    return (scale[..., None] * q.reshape(r, n, 16, 16)).reshape(r, n * 256)
