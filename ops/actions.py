@@ -26,9 +26,12 @@ CACHE_VOLUME = "kafila-cache"
 KEY_DIR = "~/.config/kafila-ops"
 CACHE_DIR = "~/.cache/kafila-ops"  # native members' per-fleet state: CACHE_DIR/FLEET/session-code
 CONTAINER_KEY_FILE = "/run/kafila/api-key"
-# The session host's [fleet] weights folder inside its container (read-only): the folder keeps its
-# own name under it, which the session serves the model as (kafila.models.registry.served_name).
+# The session host's [fleet] weights folder (or GGUF file) inside its container (read-only): it keeps
+# its own name under it, which the session serves the model as (kafila.models.registry.served_name).
 CONTAINER_WEIGHTS = "/srv/kafila-weights"
+# A member's Kafila cache in its container: the volume CACHE_VOLUME, the image's user's (converted
+# models, a GGUF's in-place folder, fetched weights).
+CONTAINER_CACHE = "/var/cache/kafila"
 CONTAINER_UID = 10001  # the image's `kafila` user (Dockerfile.cuda), who reads the mounted weights
 RELAY_STATE = "/var/lib/kafila"  # the rendezvous image's state folder (Dockerfile.rendezvous)
 
@@ -128,8 +131,8 @@ def member_args(fleet: FleetFile, host: Host, code: str, code_file: str, join: b
 
 
 def member_model(fleet: FleetFile, host: Host) -> str:
-    """The session host's --model: [fleet] weights as the member sees the folder (in its container,
-    or the path on its host), else [session] model (a default model's name)."""
+    """The session host's --model: [fleet] weights as the member sees the folder or GGUF file (in
+    its container, or the path on its host), else [session] model (a default model's name)."""
     if fleet.weights is None or fleet.weights_url is not None:
         return fleet.plan.model
     if host.runtime == "docker":
@@ -167,7 +170,7 @@ def docker_run(fleet: FleetFile, host: Host, image: str, args: list[str]) -> str
         "docker", "run", "-d", "--name", name,
         "--label", f"{LABEL_FLEET}={fleet.name}", "--label", f"{LABEL_MEMBER}={host.device}",
         "--network", "host",  # published ports would hide the member's NAT from its classification
-        "-v", f"{CACHE_VOLUME}:/var/cache/kafila",
+        "-v", f"{CACHE_VOLUME}:{CONTAINER_CACHE}", "-e", f"KAFILA_CACHE={CONTAINER_CACHE}",
         "-e", f"KAFILA_HEALTH_ADDR={host.local_api}", "-e", "KAFILA_LOG=json",
     ]  # fmt: skip
     if host.gpus != "none":
@@ -176,6 +179,7 @@ def docker_run(fleet: FleetFile, host: Host, image: str, args: list[str]) -> str
     if host.api_key_file is not None:  # one word whose ~/ the remote shell expands
         mount = f" -v {word(f'{key_file(fleet, host)}:{CONTAINER_KEY_FILE}:ro')}"
     if host.device == fleet.session_host and fleet.weights is not None and fleet.weights_url is None:
+        # a GGUF file alone (its folder's other files stay out); its in-place folder goes to the cache
         mount += f" -v {word(f'{fleet.weights}:{member_model(fleet, host)}:ro')}"
     remove_old = f"docker rm -f {shlex.quote(name)} >/dev/null 2>&1;"
     return f"{remove_old} {shlex.join(argv)}{mount} {shlex.join([image, *args])}"
@@ -326,8 +330,11 @@ def check_weights(fleet: FleetFile, host: Host) -> Step:
     """The session host's [fleet] weights: a folder there with config.json, *.safetensors and
     tokenizer.json; for a container also readable by its user (another uid, through a read-only bind
     mount) and no symlink leaving the folder (a Hugging Face cache snapshot's links into ../../blobs
-    point nowhere inside the container). Prints what it found, or exits 1 naming what is missing."""
+    point nowhere inside the container). A GGUF file: check_gguf. Prints what it found, or exits 1
+    naming what is missing."""
     assert fleet.weights is not None
+    if fleet.weights_gguf is not None:
+        return check_gguf(fleet, host)
     d = word(fleet.weights)
     remote = (
         f"d={d};"
@@ -352,6 +359,31 @@ def check_weights(fleet: FleetFile, host: Host) -> Step:
             ' $no "; make it world-readable: chmod -R o+rX $d" >&2; exit 1; fi;'
         )
     remote += ' echo "$d: config.json, tokenizer.json, $# safetensors file(s), $(du -skL "$d" | cut -f1) KiB"'
+    return Step(host, f"check the model weights {fleet.weights}", remote)
+
+
+def check_gguf(fleet: FleetFile, host: Host) -> Step:
+    """[fleet] weights as a GGUF file on the session host: a file there that starts as a GGUF does,
+    readable by the member (the ssh user; for a container also its user, another uid, through the
+    read-only bind mount of the file itself, which checks only the file's own mode). `kafila host`
+    converts it in place into the member's cache (the container's volume), so nothing else is needed."""
+    assert fleet.weights is not None
+    remote = (
+        f"f={word(fleet.weights)};"
+        ' if [ ! -e "$f" ]; then echo "no such file: $f" >&2; exit 1; fi;'
+        ' if [ ! -f "$f" ]; then echo "$f is not a file: a .gguf weights path names the GGUF file" >&2;'
+        " exit 1; fi;"
+        ' if [ ! -r "$f" ]; then echo "$(id -un) cannot read $f" >&2; exit 1; fi;'
+        ' if [ "$(head -c 4 "$f" 2>/dev/null)" != GGUF ]; then'
+        ' echo "$f is not a GGUF file (it does not start with GGUF)" >&2; exit 1; fi;'
+    )
+    if host.runtime == "docker":
+        remote += (
+            ' if [ -z "$(find -L "$f" -maxdepth 0 -perm -004)" ]; then'
+            f" echo \"the container's user (uid {CONTAINER_UID}) cannot read: $f ; make it world-readable:"
+            ' chmod o+r $f" >&2; exit 1; fi;'
+        )
+    remote += ' echo "$f: a GGUF file, $(du -kL "$f" | cut -f1) KiB"'
     return Step(host, f"check the model weights {fleet.weights}", remote)
 
 

@@ -10,7 +10,9 @@ api_key_file = "keys/fleet.key"    # optional: API keys (one a line) every membe
                                    # (0600) and starts members with --api-key-file; kafila-ops sends
                                    # its first key with every request it makes to a member's API
 weights = "/srv/models/Qwen3-8B"   # the model's folder on the session host (absolute, or ~/ for the
-                                   # ssh user's home): config.json, *.safetensors, tokenizer.json. A
+                                   # ssh user's home): config.json, *.safetensors, tokenizer.json; or
+                                   # a GGUF file there ("/srv/models/qwen3-8b.Q4_K_M.gguf"), which
+                                   # `kafila host` converts in place into its cache (no copy). A
                                    # docker host mounts it read-only (actions.CONTAINER_WEIGHTS/NAME),
                                    # a native one passes the path as --model; `up` checks it there
                                    # before anything starts. Or an HTTP(S) mirror or hub URL
@@ -145,13 +147,18 @@ class FleetFile:
     plan: Fleet  # the planner's view: [session] and [[device]] (session host first)
     hosts: tuple[Host, ...]  # session host first, then in file order
     weights: str | None = (
-        None  # the model's folder on the session host, or a mirror URL (None: the model's name)
+        None  # the model's folder or GGUF file on the session host, or a mirror URL (None: the model's name)
     )
 
     @property
     def weights_url(self) -> str | None:
         """[fleet] weights when it is a mirror URL (the session host fetches the model from it)."""
         return self.weights if self.weights is not None and "://" in self.weights else None
+
+    @property
+    def weights_gguf(self) -> str | None:
+        """[fleet] weights when it is a GGUF file on the session host (`kafila host` converts it in place)."""
+        return self.weights if self.weights is not None and is_gguf_path(self.weights) else None
 
     @property
     def joiners(self) -> tuple[Host, ...]:
@@ -237,10 +244,16 @@ def parse(text: str, source: str = "fleet", read_json: ReadJson | None = None) -
     )
 
 
+def is_gguf_path(weights: str) -> bool:
+    """Whether [fleet] weights names a GGUF file (by its suffix, as `kafila host --model` tells one)."""
+    return weights.lower().endswith(".gguf") and "://" not in weights
+
+
 def _weights(fleet: dict[str, Any], model: str, session_host: str, where: str) -> str | None:
-    """[fleet] weights: the model's folder on the session host, as a path there (absolute or ~/),
-    or a mirror URL the session host fetches it from; required for a planning preset's model, whose
-    weights no package ships. A single file is refused by name: the session host loads a folder."""
+    """[fleet] weights: the model's folder or a GGUF file on the session host, as a path there
+    (absolute or ~/), or a mirror URL the session host fetches it from; required for a planning
+    preset's model, whose weights no package ships. Any other single file (a .safetensors, .bin or
+    .json) is refused by name: the session host loads a folder, or converts a GGUF."""
     from kafila.models.default import DEFAULT_MODELS
     from kafila.models.presets import PRESET_SOURCES
 
@@ -260,17 +273,17 @@ def _weights(fleet: dict[str, Any], model: str, session_host: str, where: str) -
         return _mirror(weights, model, where)
     if not (weights.startswith("/") or weights.startswith("~/")) or weights.strip("/~") == "":
         raise FleetError(
-            f"{where}: 'weights' must be the model folder's path on the session host {session_host!r}, "
-            f"absolute or ~/ (the ssh user's home), got {weights!r}"
+            f"{where}: 'weights' must be the model folder's path on the session host {session_host!r} "
+            f"(or a .gguf file's), absolute or ~/ (the ssh user's home), got {weights!r}"
         )
     if re.search(r"[:,\n]", weights):
         raise FleetError(
             f"{where}: 'weights' cannot hold ':', ',' or a newline (a docker -v path), got {weights!r}"
         )
-    if re.search(r"\.(gguf|safetensors|bin|json)$", weights, re.IGNORECASE):
+    if re.search(r"\.(safetensors|bin|json)$", weights, re.IGNORECASE):
         raise FleetError(
             f"{where}: 'weights' {weights!r} names a file: give the model's folder (config.json, "
-            f"*.safetensors, tokenizer.json); a single .gguf file is not loaded by `kafila host`"
+            f"*.safetensors, tokenizer.json) or a .gguf file, which `kafila host` converts in place"
         )
     return weights.rstrip("/")
 

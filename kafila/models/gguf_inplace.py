@@ -146,7 +146,7 @@ class _Index:
 
 @functools.lru_cache(maxsize=16)
 def _load_index(path: Path, stamp: tuple[int, ...]) -> _Index:
-    """An index file parsed (remembered while its stamp holds: the server opens one per range)."""
+    """An index file parsed (remembered while its stamp holds: every Checkpoint.read opens the file anew)."""
     try:
         d = json.loads(path.read_text(encoding="utf-8"))
         if d.get("version") != INDEX_VERSION:
@@ -214,8 +214,10 @@ class InPlaceFile:
         return self.index.size
 
     def stamp(self) -> list[int]:
+        """The GGUF's (SourceChanged unless the one at its path is the one described) and the index's
+        as it is now (a conversion written over it since it was opened shows)."""
         self._check_path()
-        return [*self.index.stamp, *self.index_stamp]
+        return [*self.index.stamp, *file_stamp(os.stat(inplace_index(self.path)))]
 
     def digests(self) -> dict[str, str] | None:
         return {e.name: e.sha256 for e in self.index.entries}

@@ -11,8 +11,9 @@ tensors one way:
         f.read_into([memoryview(buf)], start)
 
 `stamp()` is what says the bytes changed without reading them (size, mtime_ns, inode of the file,
-or of the GGUF and the index); `digests()` the sha256 of each tensor where the file already knows
-them (the index, which hashed them when it was made), else None.
+or of the GGUF and the index), of what the path names now: a file kept open (the weight server's)
+still tells that it was written or replaced since; `digests()` the sha256 of each tensor where
+the file already knows them (the index, which hashed them when it was made), else None.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class PlainFile:
         return os.fstat(self.fd).st_size
 
     def stamp(self) -> list[int]:
-        return file_stamp(os.fstat(self.fd))
+        return file_stamp(os.stat(self.path))  # the path's: a file put in its place shows its inode
 
     def read_into(self, views: list[memoryview], offset: int) -> int:
         """Fill `views` from `offset` in order (short reads resumed); bytes read until EOF."""

@@ -518,6 +518,74 @@ def test_the_weights_check_names_what_the_folder_lacks_in_a_real_shell(tmp_path:
     assert done.returncode == 1 and "/models/one-file is a file, not a model folder" in done.stderr
 
 
+def test_a_gguf_file_as_weights_is_mounted_alone_read_only_and_is_the_session_hosts_model() -> None:
+    """`kafila host --model FILE.gguf` converts it in place into the member's cache: the container
+    gets the file (its folder's other files stay out) and the cache volume as KAFILA_CACHE."""
+    fleet = weights_fleet("~/models/Qwen3-8B-Q4_K_M.gguf")
+    whats = [(s.host.device, s.what) for s in actions.up_steps(fleet)]
+    checked = whats.index(("gpu", "check the model weights ~/models/Qwen3-8B-Q4_K_M.gguf"))
+    assert all(not what.startswith("start") for _, what in whats[:checked])
+    run = sh_words(actions.start(fleet, fleet.host("gpu"), "sha256:abc", "").remote.split(";", 1)[1])
+    mounts = [run[i + 1] for i, w in enumerate(run) if w == "-v"]
+    assert mounts == [
+        "kafila-cache:/var/cache/kafila",
+        "$HOME/models/Qwen3-8B-Q4_K_M.gguf:/srv/kafila-weights/Qwen3-8B-Q4_K_M.gguf:ro",
+    ]
+    assert "KAFILA_CACHE=/var/cache/kafila" in run  # where the in-place folder is written: the volume
+    assert run[run.index("sha256:abc") + 1 : run.index("sha256:abc") + 4] == [
+        "host", "--model", "/srv/kafila-weights/Qwen3-8B-Q4_K_M.gguf",
+    ]  # fmt: skip
+    joiner = actions.start(fleet, fleet.host("cpu-box"), "sha256:abc", "CODE").remote
+    assert "kafila-weights" not in joiner and ".gguf" not in joiner
+
+    native = weights_fleet("/srv/models/q8.gguf", session_host="penguin")
+    words = sh_words(actions.start(native, native.host("penguin"), "img", "").remote.split("&&")[-1])
+    assert words[words.index("python3") :][:6] == [
+        "python3",
+        "-m",
+        "kafila",
+        "host",
+        "--model",
+        "/srv/models/q8.gguf",
+    ]
+    assert [s.what for s in actions.checks(native, native.host("penguin"), "img")][-1] == (
+        "check the model weights /srv/models/q8.gguf"
+    )
+
+
+def test_the_gguf_check_names_what_is_wrong_with_the_file_in_a_real_shell(tmp_path: Path) -> None:
+    file = tmp_path / "models" / "q.gguf"
+    docker, native = weights_fleet("~/models/q.gguf"), weights_fleet("~/models/q.gguf", "penguin")
+    for fleet in (native, docker):
+        done = run_weights_check(fleet, tmp_path)
+        assert done.returncode == 1 and done.stderr.strip() == f"no such file: {file}"
+    file.mkdir(parents=True)
+    done = run_weights_check(docker, tmp_path)
+    assert (
+        done.returncode == 1
+        and f"{file} is not a file: a .gguf weights path names the GGUF file" in done.stderr
+    )
+    file.rmdir()
+    file.write_bytes(b"PK\3\4" + bytes(60))
+    done = run_weights_check(native, tmp_path)
+    assert done.returncode == 1 and f"{file} is not a GGUF file (it does not start with GGUF)" in done.stderr
+    file.write_bytes(b"GGUF" + bytes(8192))
+    for fleet in (native, docker):
+        done = run_weights_check(fleet, tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith(f"{file}: a GGUF file, ") and done.stdout.endswith(" KiB\n")
+    link = tmp_path / "models" / "linked.gguf"  # a Hugging Face cache snapshot's: the mount follows it
+    link.symlink_to(file)
+    assert run_weights_check(weights_fleet("~/models/linked.gguf"), tmp_path).returncode == 0
+    file.chmod(0o600)
+    assert run_weights_check(native, tmp_path).returncode == 0  # a native member runs as the ssh user
+    done = run_weights_check(docker, tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        f"the container's user (uid 10001) cannot read: {file} ; make it world-readable: chmod o+r {file}"
+    )
+
+
 def test_a_mirror_url_as_weights_starts_the_session_host_with_weights_from_and_no_mount() -> None:
     url = "https://huggingface.co/Qwen/Qwen3-8B"
     fleet = weights_fleet(url)

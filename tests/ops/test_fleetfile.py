@@ -226,12 +226,29 @@ def test_weights_name_a_folder_on_the_session_host_and_a_preset_model_needs_them
     )  # the host fetches qwen3-8b from it
 
 
+def test_weights_may_name_a_gguf_file_on_the_session_host() -> None:
+    preset = BASE.replace('model = "smollm2-135m"', 'model = "qwen3-8b"')
+    for given in ("/srv/models/Qwen3-8B-Q4_K_M.gguf", "~/models/q8.GGUF"):
+        fleet = parse(preset.replace('session_host = "b"', f'session_host = "b"\nweights = "{given}"'))
+        assert fleet.weights == fleet.weights_gguf == given and fleet.weights_url is None
+    folder = parse(
+        preset.replace('session_host = "b"', 'session_host = "b"\nweights = "/srv/models/q.gguf.d"')
+    )
+    assert folder.weights == "/srv/models/q.gguf.d" and folder.weights_gguf is None  # a folder
+
+
 @pytest.mark.parametrize(
     ("weights", "message"),
     [
         ("ftp://mirror.example/Qwen3-8B", "not an http:// or https:// URL"),
-        ("models/Qwen3-8B", "'weights' must be the model folder's path on the session host 'b', absolute"),
-        ("/srv/q8.gguf", "names a file: give the model's folder"),
+        (
+            "models/Qwen3-8B",
+            "(or a .gguf file's), absolute or ~/ (the ssh user's home), got 'models/Qwen3-8B'",
+        ),
+        ("/srv/model.safetensors", "names a file: give the model's folder (config.json, *.safetensors"),
+        ("/srv/pytorch_model.BIN", "or a .gguf file, which `kafila host` converts in place"),
+        ("~/models/q/config.json", "'weights' '~/models/q/config.json' names a file"),
+        ("srv/q8.gguf", "'weights' must be the model folder's path on the session host 'b' (or a .gguf"),
         ("/srv/a:b", "cannot hold ':'"),
         ("", "'weights' must be a non-empty string"),
     ],

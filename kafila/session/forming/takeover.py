@@ -427,6 +427,8 @@ class Succession:
         # above every tag the lost host gave, those since its last epoch too (kafila.session.ring.origins)
         book = OriginBook(published, floor=max(heard, member.ids.get(held.name, 0)))
         server = WeightServer(folder, cache=member.opts.cache, ranges=ranges)
+        if held.weights is not None:  # the files it opens to serve close with the member's sharing
+            held.weights.folders.append(server)
         return HostEpochs(
             held, membership, manifest, plan_terms, member.ids, folder, server, member.opts, member.serving,
             role.traces, probed=reports, origins=book,

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import math
 import os
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from kafila.models.checkpoint import open_weights
-from kafila.models.weight_file import INPLACE_SUFFIX, file_stamp
+from kafila.models.weight_file import INPLACE_SUFFIX, WeightFile, file_stamp
 from kafila.obs.log import get_logger
 from kafila.proto import tensor as t
 from kafila.session.channel import Channel, ChannelError
@@ -51,10 +54,49 @@ class Ranges(Protocol):
     def read(self, file: str, offset: int, length: int) -> bytes: ...
 
 
+class OpenFiles:
+    """The weight files a server reads, each opened on first use and shared by the reads on any
+    thread (positional reads; a GGUF served in place is a read-only map): `close` closes them once
+    no read is using them (the last read out does), and a read after that opens them again."""
+
+    def __init__(self) -> None:
+        self._files: dict[Path, WeightFile] = {}
+        self._lock = threading.Lock()
+        self._using = 0
+        self._closing = False
+
+    @contextlib.contextmanager
+    def use(self, path: Path) -> Iterator[WeightFile]:
+        with self._lock:
+            f = self._files.get(path)
+            if f is None:  # a file that cannot be opened (a GGUF gone) is tried again at the next read
+                f = self._files[path] = open_weights(path)
+            self._using += 1
+        try:
+            yield f
+        finally:
+            with self._lock:
+                self._using -= 1
+                if self._closing and not self._using:
+                    self._close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            if not self._using:
+                self._close()
+
+    def _close(self) -> None:  # the lock held
+        files, self._files, self._closing = list(self._files.values()), {}, False
+        for f in files:
+            f.close()
+
+
 class WeightServer:
     """The host's side: answers weight fetches of one checkpoint folder on any number of channels.
     With `ranges`, the checkpoint is the one `ranges.m` describes, read from `ranges` (a member that
-    took over from a lost host serves what its cache holds, in the original files' offsets)."""
+    took over from a lost host serves what its cache holds, in the original files' offsets).
+    Each file is opened once, at its first range, and kept open until `close`."""
 
     def __init__(
         self,
@@ -72,6 +114,7 @@ class WeightServer:
         self._manifest: WeightManifest | None = None
         self._allowed: dict[str, list[tuple[int, int]]] = {}
         self._stamps: dict[str, list[int] | None] = {}  # each served file as it was described
+        self._files = OpenFiles()
         self._lock = asyncio.Lock()
 
     async def prepare(self) -> WeightManifest:
@@ -141,7 +184,12 @@ class WeightServer:
         path, a, n = self.check(t.FetchRequest(1, file, offset, length))
         if self.ranges is not None:
             return self.ranges.read(file, a, n)
-        return _pread(path, a, n, self._stamps.get(file))
+        with self._files.use(path) as f:
+            return _pread(f, a, n, self._stamps.get(file))
+
+    def close(self) -> None:
+        """Close the files it opened to serve (after the reads in flight); a later read opens them again."""
+        self._files.close()
 
     async def handle(self, channel: Channel, msg: t.Message) -> bool:
         """Answer `msg` if it is a weights message (True), else leave it to the caller (False).
@@ -210,14 +258,14 @@ def _stamps(folder: Path) -> dict[str, list[int]]:
     return stamps
 
 
-def _pread(path: Path, offset: int, length: int, stamp: list[int] | None) -> bytes:
-    """Bytes [offset, offset + length) of `path`, as long as the file is the one the manifest
-    described (the digests members check were taken of it)."""
-    with open_weights(path) as f:
-        now = f.stamp()
-        if now != stamp:
-            raise OSError(
-                f"the file changed on the host after the session described it (size, mtime_ns, inode: "
-                f"{stamp} -> {now}); restart the host to serve the new contents"
-            )
-        return f.pread(offset, length)
+def _pread(f: WeightFile, offset: int, length: int, stamp: list[int] | None) -> bytes:
+    """Bytes [offset, offset + length) of `f`, as long as what its path names now is the file the
+    manifest described (the digests members check were taken of it): not written since, nor
+    replaced by another; for a GGUF served in place, SourceChanged naming the GGUF."""
+    now = f.stamp()
+    if now != stamp:
+        raise OSError(
+            f"the file changed on the host after the session described it (size, mtime_ns, inode: "
+            f"{stamp} -> {now}); restart the host to serve the new contents"
+        )
+    return f.pread(offset, length)

@@ -46,6 +46,7 @@ class Sharing:
         self.manifest: WeightManifest | None = None
         self.replicas: asyncio.Task[Kept | None] | None = None
         self.whole: Path | None = None  # a folder of this member's holding the whole checkpoint
+        self.folders: list[WeightServer] = []  # the servers of folders it serves: their files close with it
 
     def known(self, m: WeightManifest) -> None:
         """The checkpoint's manifest came: serve what this member's cache holds of it, and keep
@@ -57,6 +58,7 @@ class Sharing:
 
     async def host_folder(self, server: WeightServer) -> None:
         """The host: serve its checkpoint folder (everything the manifest names)."""
+        self.folders.append(server)
         m = await server.prepare()
         if self.manifest is None:
             self.manifest = m
@@ -70,6 +72,7 @@ class Sharing:
 
         async def describe() -> None:
             server = WeightServer(folder, cache=self.root)
+            self.folders.append(server)
             try:
                 m = await server.prepare()
             except (OSError, ValueError) as exc:
@@ -142,6 +145,8 @@ class Sharing:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        for server in self.folders:  # a range still being read closes them when it is done
+            server.close()
 
 
 def where_from(shard: ShardResult) -> str:
