@@ -342,7 +342,7 @@ def _formats(named: dict[str, GGUFTensor]) -> dict[str, str]:
             fmt[name] = types.PACKED[t.ggml_type][0]
         else:
             fmt[name] = types.FLOATS.get(t.ggml_type, "F32")
-    for name in named:  # fused products: one format for all, or all widened together
+    for name in named:  # fused products: each in its own format, or all widened together
         for group in _GROUPS:
             if not name.endswith(f"{group[0]}.weight"):
                 continue
@@ -351,9 +351,9 @@ def _formats(named: dict[str, GGUFTensor]) -> dict[str, str]:
             kinds = [named[m].ggml_type for m in members]
             if not any(k in types.PACKED for k in kinds):
                 continue
-            common = types.group_format(kinds)
-            for m in members:
-                fmt[m] = common or "F32"
+            own = types.group_formats(kinds)
+            for i, m in enumerate(members):
+                fmt[m] = own[i] if own else "F32"
     return fmt
 
 

@@ -13,8 +13,7 @@ formats (kafila.models.quant: int8, llama.cpp's Q8_0 in another order; q4, its Q
   and m, float16 d and dmin); its nibbles are copied. The products are rounded to float16: exact
   where d * sc (dmin * m) has at most 11 significant bits, otherwise within half a float16 unit in
   the last place of it (a relative 2^-11), so an entry moves by at most 15 of those plus one.
-- Q6_K -> q6k: its blocks as stored (the float16 d split off into the scales entry); in a fused
-  product with other types, int8.
+- Q6_K -> q6k: its blocks as stored (the float16 d split off into the scales entry).
 
 Each kept type dequantizes to the values gguf.quants gives (w = d (q - 8) is computed here as
 d q + (-8 d): the same float32 number; only a zero's sign may differ). The other types have no
@@ -22,8 +21,8 @@ packed format here of their own: Q5_1 and Q5_K (a min beside 5-bit levels) are r
 int8, Q3_K and Q2_K (a scale per 16 entries) to q4, each from
 gguf.quants' values to the nearest level of its group (an error of at most half the group's
 step, plus float16 rounding of the min); the converter measures that error and says it on the
-console. A fused product (q, k, v; gate, up) holds one format: where its matrices' types share
-none, the ones not kept in int8 are requantized to int8.
+console. A fused product (q, k, v; gate, up) keeps each matrix in its own format (a product of
+several formats runs as one stacked product, kafila.models.torch.packed.StackedLinear).
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ NAMES = {
 }  # fmt: skip
 FLOATS = {F32: "F32", F16: "F16", BF16: "BF16"}  # ggml type -> safetensors dtype, kept as stored
 # packed formats a type is served in, the preferred one first (every quantized type can also be
-# requantized to int8, which a fused product of types with no common format takes)
+# requantized to int8)
 PACKED: dict[int, tuple[str, ...]] = {
     Q8_0: ("int8",), Q4_1: ("q4",), Q4_0: ("q4", "int8"), Q5_0: ("int8",), Q4_K: ("q4", "int8"),
     Q5_1: ("int8",), Q5_K: ("int8",), Q6_K: ("q6k", "int8"), Q3_K: ("q4", "int8"), Q2_K: ("q4", "int8"),
@@ -296,13 +295,10 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def group_format(types: list[int]) -> str | None:
-    """The one packed format every matrix of a fused product (q, k, v; gate, up) of these types is
-    served in: the first of the first type's formats every type has, else int8 (the types without
-    it requantized). None where one is a float type (then the group is widened to F32 together:
-    a fused product holds one format)."""
-    options = [PACKED.get(t, ()) for t in types]
-    if not all(options):
+def group_formats(types: list[int]) -> list[str] | None:
+    """The packed formats the matrices of a fused product (q, k, v; gate, up) of these types are
+    served in: each its own (PACKED's first; a product of several formats is a stacked one), or
+    None where one is a float type (then the group is widened to F32 together)."""
+    if not all(t in PACKED for t in types):
         return None
-    common = [f for f in options[0] if all(f in o for o in options)]
-    return common[0] if common else "int8"
+    return [PACKED[t][0] for t in types]

@@ -20,9 +20,9 @@ from tests.gguf_files import Shape, float_folder, qwen3_tokenizer_meta, served_v
 
 gguf = pytest.importorskip("gguf")
 
-# per-tensor types of the mixed file: q/k/v share int8 (Q4_0 joins as int8), gate/up share q4 (Q4_0
-# as q4), Q5_0 as int8; block 1 mixes q4 and int8 in q/k/v (Q4_1 requantized to int8) and holds a
-# Q5_1 matrix (requantized to int8)
+# per-tensor types of the mixed file, each in its own format: q/k/v are int8, q4, int8 (a stacked
+# product of three), gate/up q4, Q5_0 int8; block 1's q/k/v int8, q4, q4 (two), and a Q5_1 matrix
+# (requantized to int8)
 MIXED = {
     "token_embd": "Q8_0",
     "attn_q": "Q8_0",
@@ -35,8 +35,8 @@ MIXED = {
     "blk.1.attn_v": "Q4_1",
     "blk.1.ffn_down": "Q5_1",
 }
-# the K-quants (and Q5_1): Q4_K as q4 and Q6_K as q6k, but in block 0's q/k/v, where they share
-# no format, both requantized to int8; Q5_K and Q5_1 requantized to int8, Q3_K and Q2_K to q4
+# the K-quants (and Q5_1): Q4_K as q4 and Q6_K as q6k (block 0's q/k/v: q4, q4, q6k, a stacked
+# product); Q5_K and Q5_1 requantized to int8, Q3_K and Q2_K to q4
 KQUANTS = {
     "token_embd": "Q4_K",
     "attn_q": "Q4_K",
@@ -221,28 +221,27 @@ def test_each_requantized_type_is_within_half_a_step_of_gguf_quants(kind: str, f
     assert error.relative_rms == pytest.approx(float(np.sqrt((err**2).sum() / (want**2).sum())), rel=1e-6)
 
 
-def test_a_group_takes_one_format_or_none() -> None:
-    assert types.group_format([types.Q8_0, types.Q4_0, types.Q5_0]) == "int8"
-    assert types.group_format([types.Q4_1, types.Q4_0]) == "q4"
-    assert types.group_format([types.Q4_1, types.Q8_0]) == "int8"  # Q4_1 requantized
-    assert types.group_format([types.Q4_K, types.Q4_K]) == "q4"
-    assert types.group_format([types.Q4_K, types.Q4_K, types.Q6_K]) == "int8"
-    assert types.group_format([types.Q4_K, types.F16]) is None
+def test_a_group_takes_each_types_own_format_or_none() -> None:
+    assert types.group_formats([types.Q8_0, types.Q4_0, types.Q5_0]) == ["int8", "q4", "int8"]
+    assert types.group_formats([types.Q4_1, types.Q8_0]) == ["q4", "int8"]
+    assert types.group_formats([types.Q4_K, types.Q4_K, types.Q6_K]) == ["q4", "q4", "q6k"]
+    assert types.group_formats([types.Q4_K, types.F16]) is None
 
 
 def test_mixed_file_serves_each_tensor_in_its_own_type(mixed_folder: Path, capsys_module: list[str]) -> None:
     ckpt = Checkpoint.open(mixed_folder, complete=True)
     t = ckpt.tensors
-    assert t["model.layers.0.self_attn.k_proj.weight"].dtype == "I8"  # Q4_0 joined int8 q/v
+    assert t["model.layers.0.self_attn.k_proj.weight"].dtype == "U8"  # Q4_0 as q4 between int8 q and v
+    assert t["model.layers.0.self_attn.q_proj.weight"].dtype == "I8"  # Q8_0
     assert t["model.layers.0.mlp.up_proj.weight"].dtype == "U8"  # Q4_0 as q4 beside Q4_1 gate
     assert t["model.layers.0.mlp.down_proj.weight"].dtype == "I8"  # Q5_0
     assert t["model.layers.1.mlp.down_proj.weight"].dtype == "I8"  # Q5_1: requantized
-    assert t["model.layers.1.self_attn.v_proj.weight"].dtype == "I8"  # Q4_1 beside int8: requantized
-    assert ckpt.stored_format == "int8"  # 8 int8 matrices (block 1's q/k/v and down with them), 6 q4
+    assert t["model.layers.1.self_attn.v_proj.weight"].dtype == "U8"  # Q4_1: kept
+    assert ckpt.stored_format == "q4"  # 9 q4 matrices, 5 int8
     lines = "\n".join(capsys_module)
     assert "Q5_1 requantized to int8: 1 tensors (model.layers.1.mlp.down_proj.weight)" in lines
     assert "98304 bytes in the file -> 139264 bytes (1.42x)" in lines
-    assert "Q4_1 requantized to int8: 1 tensors (model.layers.1.self_attn.v_proj.weight)" in lines
+    assert "Q4_1 requantized" not in lines and "Q4_0 requantized" not in lines
     assert "widened" not in lines and "F32" not in lines
     # the planner prices the bytes each block holds: exactly its entries in the file
     m = ckpt.manifest()
@@ -305,10 +304,12 @@ def test_engine_logits_track_the_float_model_of_the_same_values(
         ckpt, range(ckpt.n_blocks), True, backend=backend, dtype="fp32", context=64, quant=quant
     )
     if backend == "mlx":  # every block matrix held packed in MLX's layout, none widened
-        from kafila.models.mlx.llama import Packed
+        from kafila.models.mlx.llama import Packed, Stacked
 
         mats = [getattr(b, m) for b in stage.model.blocks for m in ("wqkv", "wo", "w_gate_up", "w_down")]
-        assert all(isinstance(w, Packed) for w in mats)
+        parts = [p for w in mats for p in (w.parts if isinstance(w, Stacked) else [w])]
+        assert all(isinstance(p, Packed) for p in parts)
+        assert any(isinstance(w, Stacked) for w in mats)  # a fused product of several formats
     got_ids, got_logits = _greedy(stage, prompt, 6)
     assert got_ids == want_ids
     want = torch.stack(out.logits).squeeze(1).numpy()
@@ -396,7 +397,7 @@ def test_unsupported_architecture_and_type_are_named(
 
 def test_config_json_names_the_served_format(mixed_folder: Path) -> None:
     config = json.loads((mixed_folder / "config.json").read_text())
-    assert config["quantization_config"]["format"] == "int8"
+    assert config["quantization_config"]["format"] == "q4"  # most block matrices
     assert config["model_type"] == "qwen3" and config["tie_word_embeddings"] is True
 
 
@@ -486,28 +487,27 @@ def test_mixed_file_serves_gguf_quants_values_in_every_tensor(mixed_gguf: Path, 
 def test_kquant_file_serves_each_type_packed(
     kquant_gguf: Path, kquant_folder: Path, kquant_lines: list[str]
 ) -> None:
-    """Q4_K is q4 with its levels and Q6_K q6k as stored (block 0's q/k/v, which share no format,
-    requantized to int8), the other K-quants and Q5_1 requantized, each within half a step of
-    gguf.quants' values; nothing widened; the console names each requantized type with its bytes
-    and the error it measured."""
+    """Q4_K is q4 with its levels and Q6_K q6k as stored (block 0's q/k/v a stacked product of
+    both), the other K-quants and Q5_1 requantized, each within half a step of gguf.quants' values;
+    nothing widened; the console names each requantized type with its bytes and the error it
+    measured."""
     served = _check_served_values(kquant_gguf, fresh=False)
     t = Checkpoint.open(kquant_folder).tensors
     assert served["model.layers.0.mlp.down_proj.weight"] == "kept"  # Q6_K as q6k: its own bytes
     down = t["model.layers.0.mlp.down_proj.weight"]
     assert down.dtype == "U8" and "model.layers.0.mlp.down_proj.mins" not in t
-    assert served["model.layers.0.self_attn.v_proj.weight"] == "requantized"  # Q6_K beside Q4_K
+    assert served["model.layers.0.self_attn.v_proj.weight"] == "kept"  # Q6_K beside Q4_K q and k
     assert served["model.embed_tokens.weight"] == "scaled" and t["model.embed_tokens.weight"].dtype == "U8"
-    assert served["model.layers.0.self_attn.q_proj.weight"] == "requantized"  # Q4_K beside Q6_K's v
-    assert t["model.layers.0.self_attn.q_proj.weight"].dtype == "I8"
+    assert served["model.layers.0.self_attn.q_proj.weight"] == "scaled"  # Q4_K beside Q6_K's v: q4
+    assert t["model.layers.0.self_attn.q_proj.weight"].dtype == "U8"
     assert served["model.layers.1.self_attn.q_proj.weight"] == "scaled"
     assert t["model.layers.1.mlp.gate_proj.weight"].dtype == "U8"  # Q3_K to q4, beside Q2_K's
     assert t["model.layers.1.mlp.down_proj.weight"].dtype == "I8"  # Q5_1
     assert all(v != "float" for n, v in served.items() if t[n].shape and len(t[n].shape) == 2)
     lines = "\n".join(kquant_lines)
-    for kind, fmt in [("Q6_K", "int8"), ("Q5_K", "int8"), ("Q3_K", "q4"), ("Q2_K", "q4"), ("Q5_1", "int8")]:
+    for kind, fmt in [("Q5_K", "int8"), ("Q3_K", "q4"), ("Q2_K", "q4"), ("Q5_1", "int8")]:
         assert f"{kind} requantized to {fmt}" in lines, lines
-    assert "Q6_K requantized to int8: 1 tensors (model.layers.0.self_attn.v_proj.weight)" in lines
-    assert "Q4_K requantized to int8: 2 tensors" in lines  # block 0's q and k
+    assert "Q6_K requantized" not in lines and "Q4_K requantized" not in lines
     assert "widened" not in lines and "F32" not in lines
 
 

@@ -208,6 +208,38 @@ def test_the_q6k_float_kernel_of_cpus_without_integer_dot_products_matches_the_d
     assert np.array_equal(one[0], y[5])
 
 
+@pytest.mark.parametrize("formats", [("q4", "q6k", "int8"), ("int8", "q4", "q4"), ("q6k", "q4")])
+def test_a_stacked_product_of_several_formats_gives_each_parts_own_product_side_by_side(
+    formats: tuple[str, ...],
+) -> None:
+    """A fused product of matrices in different formats (a GGUF's Q4_K q and k beside a Q6_K v):
+    parts of one format in a row stack into one matrix; the stacked product, in torch and in one
+    parallel call of the kernels (quant_cpu.product, as decode_cpu.block_step runs it), equals
+    each part's own product in its columns, bit for bit."""
+    from kafila.models.torch import quant_cpu
+    from kafila.models.torch.packed import PackedLinear, StackedLinear
+
+    rng = np.random.default_rng(6)
+    packed = [
+        _q6k_matrix(40 + i, 512, seed=i)
+        if f == "q6k"
+        else quant.quantize(rng.standard_normal((33 + i, 512)).astype(np.float32), f)
+        for i, f in enumerate(formats)
+    ]
+    parts = [PackedLinear.from_packed(p, torch.device("cpu")) for p in packed]
+    stacked = PackedLinear.stack(parts)
+    assert isinstance(stacked, StackedLinear)
+    assert [p.fmt for p in stacked.parts] == [
+        f for i, f in enumerate(formats) if i == 0 or formats[i - 1] != f
+    ]
+    x = torch.from_numpy(rng.standard_normal((5, 512)).astype(np.float32))
+    want = torch.cat([p(x) for p in parts], dim=1)
+    assert stacked.shape == (want.shape[1], 512) and torch.equal(stacked(x), want)
+    y = np.empty((5, want.shape[1]), np.float32)
+    quant_cpu.product(x.numpy(), stacked.arrays(), y)
+    assert np.array_equal(y, want.numpy())
+
+
 def test_the_integer_products_round_each_group_of_x_as_the_reference_does() -> None:
     from kafila.models.torch import quant_cpu
 

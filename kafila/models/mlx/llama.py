@@ -70,12 +70,34 @@ class Packed:
         )
 
 
-Weight = mx.array | Packed
+@dataclass
+class Stacked:
+    """Packed matrices of different formats stacked by rows (a GGUF's fused product whose
+    matrices' types differ): each part's product, concatenated."""
+
+    parts: list[Packed]
+
+    def __call__(self, x: mx.array) -> mx.array:  # [N, in] -> [N, out]
+        return mx.concatenate([p(x) for p in self.parts], axis=-1)
+
+
+def _rows_stacked(parts: list[formats.Packed]) -> formats.Packed:
+    """Packed matrices of one format stacked by rows."""
+    mins = None if parts[0].mins is None else np.concatenate([p.mins for p in parts if p.mins is not None])
+    return formats.Packed(
+        parts[0].fmt,
+        np.concatenate([p.data for p in parts]),
+        np.concatenate([p.scales for p in parts]),
+        mins,
+    )
+
+
+Weight = mx.array | Packed | Stacked
 
 
 def _mm(x: mx.array, w: Weight) -> mx.array:
     """x [N, in] w^T -> [N, out] for a float or packed weight."""
-    return w(x) if isinstance(w, Packed) else x @ w.T
+    return w(x) if isinstance(w, Packed | Stacked) else x @ w.T
 
 
 @dataclass
@@ -158,16 +180,14 @@ class LlamaModel:
                 return mx.concatenate([mx.array(w).astype(self.dtype) for w in wide], axis=0)
             return self._floats(weights, names)
         parts = [self._packed(weights, n) for n in names]
-        mins = (
-            None if parts[0].mins is None else np.concatenate([p.mins for p in parts if p.mins is not None])
-        )
-        stacked = formats.Packed(
-            parts[0].fmt,
-            np.concatenate([p.data for p in parts]),
-            np.concatenate([p.scales for p in parts]),
-            mins,
-        )
-        return Packed.of(stacked, self.dtype)
+        runs: list[list[formats.Packed]] = []  # parts of one format stack into one matrix
+        for part in parts:
+            if runs and runs[-1][0].fmt == part.fmt:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        stacked = [Packed.of(_rows_stacked(run), self.dtype) for run in runs]
+        return stacked[0] if len(stacked) == 1 else Stacked(stacked)
 
     def _floats(self, weights: Mapping[str, mx.array], names: Sequence[str]) -> mx.array:
         return mx.concatenate([self._w(weights, n) for n in names], axis=0)
@@ -229,7 +249,7 @@ class LlamaModel:
 
     def embed(self, ids: mx.array) -> mx.array:
         """ids [N] int -> hidden [N, H]."""
-        assert self.embed_w is not None, "embed() needs the head"
+        assert self.embed_w is not None and not isinstance(self.embed_w, Stacked), "embed() needs the head"
         out = (
             self.embed_w.rows(ids).astype(self.dtype)
             if isinstance(self.embed_w, Packed)
@@ -307,9 +327,10 @@ def _arrays(fields: dict[str, object]) -> list[mx.array]:
     """Every array among `fields`' values, packed weights' parts included (for one mx.eval)."""
     out: list[mx.array] = []
     for v in fields.values():
-        if isinstance(v, Packed):
-            out += [v.wq, v.scales, v.biases]
-        elif isinstance(v, mx.array):
+        packed = v.parts if isinstance(v, Stacked) else [v] if isinstance(v, Packed) else []
+        for p in packed:
+            out += [p.wq, p.scales, p.biases]
+        if isinstance(v, mx.array):
             out.append(v)
     return out
 

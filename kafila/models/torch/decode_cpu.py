@@ -38,7 +38,7 @@ from kafila.models.torch.few_rows import at, bf16_bits, bits_to_f32, product_til
 # there, which changes this file too and makes numba compile these kernels again.
 FEW_ROWS_SHA256 = "feb50eb9316af2cb"
 # The same for quant_cpu.py, whose packed products block_step runs for int8 and q4 weights.
-QUANT_CPU_SHA256 = "d637f0fd8886a800"
+QUANT_CPU_SHA256 = "bf5c12217080d8ea"
 
 
 @njit(fastmath=True, cache=True, boundscheck=False, nogil=True, inline="always")
@@ -211,17 +211,16 @@ def block_step(
     eps: float,
     bf16: bool,  # round the residual stream to bf16 at the end
 ) -> None:  # pragma: no cover
-    """One block's decode step for N rows, in place on x (float32 in both dtypes). The products and
-    attention are `prange` loops over tasks written here (see few_rows.product_tile for why).
-    A weight is a float array or a packed tuple (quant_cpu: int8, q4); each compiles its own."""
+    """One block's decode step for N rows, in place on x (float32 in both dtypes). The products
+    (quant_cpu.run, inlined) and attention are `prange` loops over tasks (see few_rows.product_tile
+    for why). A weight is a float array, a packed tuple (quant_cpu: int8, q4, q6k) or a tuple of
+    packed tuples (a stacked product of several formats); each compiles its own."""
     n, hidden = x.shape
     nkv = kc.shape[1]
     h = np.empty((n, hidden), np.float32)
     _rms_norm(x, attn_norm, eps, h)
     qkv = np.empty((n, quant_cpu.rows_of(wqkv)), np.float32)
-    hp = quant_cpu.prepare(h, wqkv)  # h, or h as int8 groups for the integer products
-    for tile in prange(quant_cpu.tiles(wqkv)):
-        quant_cpu.tile(hp, wqkv, qkv, tile)
+    quant_cpu.run(h, wqkv, qkv)  # a parallel loop over the product's tasks (inlined)
     if bqkv.shape[0] > 0:
         for r in range(n):
             qkv[r] += bqkv
@@ -230,20 +229,14 @@ def block_step(
     for job in prange(n * nkv):
         _attend_group(qkv, kc, vc, slots, positions, nq, attn, job)
     y = np.empty((n, hidden), np.float32)
-    ap = quant_cpu.prepare(attn, wo)
-    for tile in prange(quant_cpu.tiles(wo)):
-        quant_cpu.tile(ap, wo, y, tile)
+    quant_cpu.run(attn, wo, y)
     _add_into(x, y)
     _rms_norm(x, mlp_norm, eps, h)
     gate_up = np.empty((n, quant_cpu.rows_of(w_gate_up)), np.float32)
-    hp = quant_cpu.prepare(h, w_gate_up)
-    for tile in prange(quant_cpu.tiles(w_gate_up)):
-        quant_cpu.tile(hp, w_gate_up, gate_up, tile)
+    quant_cpu.run(h, w_gate_up, gate_up)
     act = np.empty((n, quant_cpu.cols_of(w_down)), np.float32)
     _swiglu(gate_up, act)
-    dp = quant_cpu.prepare(act, w_down)
-    for tile in prange(quant_cpu.tiles(w_down)):
-        quant_cpu.tile(dp, w_down, y, tile)
+    quant_cpu.run(act, w_down, y)
     _add_into(x, y)
     if bf16:
         _round_to_bf16(x)

@@ -39,7 +39,7 @@ from kafila.models.manifest import (
 )
 from kafila.models.span import Span
 from kafila.models.torch import hugepages, packed
-from kafila.models.torch.packed import PackedLinear
+from kafila.models.torch.packed import PackedLinear, StackedLinear
 
 Tensor = torch.Tensor
 
@@ -98,14 +98,14 @@ class Linear:
         return y if self.bias is None else y.add_(self.bias)
 
 
-AnyLinear = Linear | PackedLinear
+AnyLinear = Linear | PackedLinear | StackedLinear
 
 
-def _kernel_arrays(lin: AnyLinear) -> np.ndarray | tuple[np.ndarray, ...]:
+def _kernel_arrays(lin: AnyLinear) -> np.ndarray | tuple[Any, ...]:
     """A weight as decode_cpu.block_step takes it: a float view, or a packed tuple (quant_cpu)."""
     from kafila.models.torch.few_rows import numpy_view
 
-    return lin.arrays() if isinstance(lin, PackedLinear) else numpy_view(lin.w)
+    return lin.arrays() if isinstance(lin, PackedLinear | StackedLinear) else numpy_view(lin.w)
 
 
 @dataclass
@@ -197,7 +197,8 @@ class LlamaModel:
             self.embed_w, self.unembed, self.norm_w = reuse.embed_w, reuse.unembed, reuse.norm_w
         elif head:  # first: the largest tensors load while little else is resident (lower peak memory)
             tied = config.tie_word_embeddings or LM_HEAD not in weights
-            embed = self._linear(weights, [EMBED])
+            embed = self._linear(weights, [EMBED])  # one matrix: never a StackedLinear
+            assert not isinstance(embed, StackedLinear)
             self.embed_w = embed.w if isinstance(embed, Linear) else embed
             self.unembed = embed if tied else self._linear(weights, [LM_HEAD])  # [V, H]
             if isinstance(self.unembed, PackedLinear):  # int8 in both formats: integer products (INT_DOT)

@@ -67,13 +67,20 @@ class PackedLinear:
         return cls(fmt, data, scales, mins)
 
     @classmethod
-    def stack(cls, parts: list[PackedLinear]) -> PackedLinear:
-        """Parts' rows stacked (q, k, v into one wqkv): packed rows are independent."""
+    def stack(cls, parts: list[PackedLinear]) -> PackedLinear | StackedLinear:
+        """Parts' rows stacked (q, k, v into one wqkv): packed rows are independent. Parts of one
+        format become one matrix; a GGUF's fused product of several (Q4_K q and k beside a Q6_K
+        v) a StackedLinear of each run of one format, in order."""
+        runs: list[list[PackedLinear]] = []
+        for p in parts:
+            if runs and runs[-1][0].fmt == p.fmt:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        if len(runs) > 1:
+            return StackedLinear([cls.stack(run) for run in runs])  # type: ignore[misc]
         if len(parts) == 1:
             return parts[0]
-        fmts = {p.fmt for p in parts}
-        if len(fmts) != 1:
-            raise ValueError(f"cannot stack matrices of formats {sorted(fmts)}")
         mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts if p.mins is not None])
         return cls(
             parts[0].fmt,
@@ -201,3 +208,30 @@ def _q6k_rows(data: Tensor, d: Tensor) -> Tensor:
     sc = blocks[..., 192:].contiguous().view(torch.int8).float()  # [R, n, 16]
     scale = d[..., None] * sc  # [R, n, 16]: exact
     return (scale[..., None] * q.reshape(r, n, 16, 16)).reshape(r, n * 256)
+
+
+@dataclass
+class StackedLinear:
+    """y = x W^T + b for W the rows of `parts` (packed matrices of different formats) stacked in
+    order: a fused product whose matrices a GGUF holds in types of different formats, each kept in
+    its own. Each part runs its own product (on the CPU kernel each is its own tasks of one call,
+    decode_cpu and quant_cpu taking the parts' tuples); the outputs are concatenated."""
+
+    parts: list[PackedLinear]
+    bias: Tensor | None = None  # [out], compute dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def arrays(self) -> tuple[tuple[np.ndarray, ...], ...]:
+        """Each part's arrays (quant_cpu takes a tuple of packed tuples as one stacked weight)."""
+        return tuple(p.arrays() for p in self.parts)
+
+    def __call__(self, x: Tensor) -> Tensor:  # [N, in] -> [N, out]
+        y = torch.cat([p(x) for p in self.parts], dim=1)
+        return y if self.bias is None else y.add_(self.bias)

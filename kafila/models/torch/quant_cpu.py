@@ -778,11 +778,16 @@ def cols_of(w: Any) -> int:
     raise NotImplementedError("compiled only")
 
 
+STACK = 9  # `_packed`'s kind of a stacked weight: a tuple of 2 or 3 packed tuples (StackedLinear)
+
+
 def _packed(w) -> int:  # type: ignore[no-untyped-def]
     """0 for a float weight array, 2 for an int8 tuple, 3 for a q4 tuple, 6 for a q6k tuple (uint8
-    data and d), -1 otherwise."""
+    data and d), STACK for a tuple of 2 or 3 of those, -1 otherwise."""
     if isinstance(w, types.Array):
         return 0
+    if isinstance(w, types.BaseTuple) and len(w) in (2, 3) and all(_packed(p) in (2, 3, 6) for p in w.types):
+        return STACK
     if isinstance(w, types.BaseTuple) and len(w) in (2, 3):
         return 6 if len(w) == 2 and w.types[0].dtype == types.uint8 else len(w)
     return -1
@@ -791,6 +796,10 @@ def _packed(w) -> int:  # type: ignore[no-untyped-def]
 @overload(tiles)
 def _tiles(w):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
     kind = _packed(w)
+    if kind == STACK and len(w) == 2:
+        return lambda w: tiles(w[0]) + tiles(w[1])
+    if kind == STACK:
+        return lambda w: tiles(w[0]) + tiles(w[1]) + tiles(w[2])
     if kind == 0:
         return lambda w: float_tiles(w)
     if kind > 0:
@@ -832,6 +841,10 @@ def _prepare(x, w):  # type: ignore[no-untyped-def]  # pragma: no cover (compile
 @overload(rows_of)
 def _rows_of(w):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
     kind = _packed(w)
+    if kind == STACK and len(w) == 2:
+        return lambda w: rows_of(w[0]) + rows_of(w[1])
+    if kind == STACK:
+        return lambda w: rows_of(w[0]) + rows_of(w[1]) + rows_of(w[2])
     if kind == 0:
         return lambda w: w.shape[0]
     if kind > 0:
@@ -842,6 +855,8 @@ def _rows_of(w):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
 @overload(cols_of)
 def _cols_of(w):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
     kind = _packed(w)
+    if kind == STACK:
+        return lambda w: cols_of(w[0])
     if kind == 0:
         return lambda w: w.shape[1]
     if kind == 2:
@@ -853,12 +868,62 @@ def _cols_of(w):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
     return None
 
 
+def run(x: np.ndarray, w: Any, y: np.ndarray) -> None:
+    """y [N, out] = x [N, in] w^T for a weight of any format, a stacked one included, as one
+    parallel loop over its tasks where the caller is parallel (inlined: compiled only)."""
+    raise NotImplementedError("compiled only")
+
+
+@overload(run, inline="always")
+def _run(x, w, y):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
+    kind = _packed(w)
+    if kind == STACK and len(w) == 2:  # each part's own tasks, its own columns of y
+        # (the parts go into the loop one by one: a tuple of tuples cannot cross into a parallel one)
+
+        def two(x, w, y):  # type: ignore[no-untyped-def]
+            w0, w1 = w[0], w[1]
+            r0 = rows_of(w0)
+            x0, x1, y0, y1 = prepare(x, w0), prepare(x, w1), y[:, :r0], y[:, r0:]
+            t0 = tiles(w0)
+            for t in prange(t0 + tiles(w1)):
+                if t < t0:
+                    tile(x0, w0, y0, t)
+                else:
+                    tile(x1, w1, y1, t - t0)
+
+        return two
+    if kind == STACK:
+
+        def three(x, w, y):  # type: ignore[no-untyped-def]
+            w0, w1, w2 = w[0], w[1], w[2]
+            r0 = rows_of(w0)
+            r1 = r0 + rows_of(w1)
+            x0, x1, x2 = prepare(x, w0), prepare(x, w1), prepare(x, w2)
+            y0, y1, y2 = y[:, :r0], y[:, r0:r1], y[:, r1:]
+            t0 = tiles(w0)
+            t1 = t0 + tiles(w1)
+            for t in prange(t1 + tiles(w2)):
+                if t < t0:
+                    tile(x0, w0, y0, t)
+                elif t < t1:
+                    tile(x1, w1, y1, t - t0)
+                else:
+                    tile(x2, w2, y2, t - t1)
+
+        return three
+
+    def one(x, w, y):  # type: ignore[no-untyped-def]
+        xp = prepare(x, w)
+        for t in prange(tiles(w)):
+            tile(xp, w, y, t)
+
+    return one
+
+
 @njit(parallel=True, cache=True, boundscheck=False, nogil=True)
 def product(x: np.ndarray, w: Any, y: np.ndarray) -> None:  # pragma: no cover
     """y = x w^T with x as block_step gives it to the weight's format (`prepare`)."""
-    xp = prepare(x, w)
-    for t in prange(tiles(w)):
-        tile(xp, w, y, t)
+    run(x, w, y)
 
 
 @njit(parallel=True, cache=True, boundscheck=False, nogil=True)
