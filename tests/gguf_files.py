@@ -228,7 +228,7 @@ def served_values(ckpt: Any, name: str) -> np.ndarray:
     from kafila.models.quant import dequantize, format_of, from_entries
 
     base = name.removesuffix("weight")
-    names = [n for n in (name, base + "scales", base + "mins") if n in ckpt.tensors]
+    names = [n for n in (name, base + "scales", base + "mins", base + "high") if n in ckpt.tensors]
     raw = ckpt.read(names)
 
     def array(n: str) -> np.ndarray:
@@ -238,9 +238,9 @@ def served_values(ckpt: Any, name: str) -> np.ndarray:
 
     if len(names) == 1:
         return array(name).astype(np.float32)
-    mins = array(base + "mins") if base + "mins" in raw else None
+    mins, high = (array(base + n) if base + n in raw else None for n in ("mins", "high"))
     data = array(name)
-    return dequantize(from_entries(format_of(data, mins), data, array(base + "scales"), mins))
+    return dequantize(from_entries(format_of(data, mins, high), data, array(base + "scales"), mins, high))
 
 
 def float_folder(gguf_file: Path, out: Path, served: Path | None = None) -> Path:

@@ -7,16 +7,16 @@ command then reads as any model folder (kafila.models.checkpoint):
 - config.json from the GGUF metadata (`{arch}.block_count`, `.embedding_length`, ...), with
   `quantization_config` where any matrix is packed: a packed checkpoint keeps its float matrices as
   stored (kafila.models.manifest);
-- model.safetensors as its index, model.safetensors.gguf.json (kafila.models.gguf_inplace: the
-  bytes are made from the GGUF where it lies when they are read; `convert(inplace=False)` writes
-  the file itself, the copy they equal): every tensor in its own type (kafila.models.gguf_types):
-  float tensors as stored, Q8_0/Q4_1/Q4_0/Q5_0 repacked into int8/q4 entries and Q6_K into q6k
-  ones with their values unchanged, Q4_K into q4 with its product scales rounded to float16, the
-  other quantized types requantized into int8/q4, which `convert` prints on the console with the
-  error it measured (one line per type: the tensors, their bytes in the file and served); a
-  quantized tensor the engine cannot pack (in a fused product with a float one) is widened to F32
-  and said the same way. llama.cpp's converter permutes the rows of a Llama's q/k projections for
-  its interleaved RoPE; they are put back (Qwen3 GGUFs keep Hugging Face's order);
+- model.safetensors as its index, model.safetensors.gguf.json (kafila.models.gguf_inplace: the bytes
+  are made from the GGUF where it lies when they are read; `convert(inplace=False)` writes the file
+  itself, the copy they equal): every tensor in its own type (kafila.models.gguf_types): float
+  tensors as stored, Q8_0/Q4_1/Q4_0 repacked into int8/q4 entries, Q5_0/Q5_1 into q5 and Q6_K into
+  q6k ones with their values unchanged, Q4_K (Q5_K) into q4 (q5) with its product scales rounded to
+  float16, the other quantized types (Q3_K, Q2_K) requantized into q4, which `convert` prints on the
+  console with the error it measured (one line per type: the tensors, their bytes in the file and
+  served); a quantized tensor the engine cannot pack (in a fused product with a float one) is
+  widened to F32 and said the same way. llama.cpp's converter permutes the rows of a Llama's q/k
+  projections for its interleaved RoPE; they are put back (Qwen3 GGUFs keep Hugging Face's order);
 - tokenizer.json and tokenizer_config.json (chat template, special tokens) from `tokenizer.ggml.*`:
   byte-level BPE with the pre-tokenizer llama.cpp names in `tokenizer.ggml.pre`, or a SentencePiece
   vocabulary with its scores (kafila.models.gguf_sentencepiece).
@@ -56,7 +56,7 @@ from kafila.obs.log import get_logger
 
 log = get_logger(__name__)
 
-CONVERTER_VERSION = 3  # a folder made by another version converts again (3: Q6_K served as q6k)
+CONVERTER_VERSION = 3  # a folder made by another version converts again (3: Q6_K, Q5_0/1/K own formats)
 SOURCE_FILE = "kafila_source.json"
 REQUEST_DEFAULTS = "kafila_request_defaults"  # generation_config.json's key for a model's request defaults
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -335,7 +335,7 @@ def _recipes(gf: GGUFFile, config: dict[str, Any]) -> tuple[list[Recipe], Widene
 
 
 def _formats(named: dict[str, GGUFTensor]) -> dict[str, str]:
-    """Each tensor's served form: "int8"/"q4"/"q6k" (packed), or a safetensors float dtype."""
+    """Each tensor's served form: "int8"/"q4"/"q5"/"q6k" (packed), or a safetensors float dtype."""
     fmt: dict[str, str] = {}
     for name, t in named.items():
         if len(t.shape) == 2 and t.ggml_type in types.PACKED:

@@ -6,8 +6,8 @@ would have, and for every tensor its byte range in that file, its sha256 and its
 its source bytes lie in the GGUF (offset, ggml type, shape), the form it is served in (int8, q4, a
 float dtype) and the row order that puts back a Llama's q/k rows. `InPlaceFile` reads any byte
 range of that file by making the rows it covers from the GGUF (memory-mapped): repacking a kept
-type (Q8_0, Q4_1, Q4_0, Q5_0, Q4_K, Q6_K) costs a copy of its bytes, requantizing one (Q5_1, Q5_K
-to int8; Q3_K, Q2_K to q4) is done again each time its rows are read (at a member's load and for
+type (Q8_0, Q4_1, Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) costs a copy of its bytes, requantizing one
+(Q3_K, Q2_K to q4) is done again each time its rows are read (at a member's load and for
 each range a fetching member asks for; nothing is cached on disk; the entries of a matrix its read
 did not ask for are kept for the next read, a loader's of its scales and mins). Every step works
 row by row,
@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from kafila.models import gguf_types as types
-from kafila.models.manifest import DTYPE_BYTES, NP_DTYPES, TensorSpec, packed_specs
+from kafila.models.manifest import DTYPE_BYTES, NP_DTYPES, PACKED_DTYPES, TensorSpec, packed_specs
 from kafila.models.weight_file import SourceChanged, file_stamp, inplace_index
 
 INDEX_VERSION = 1
@@ -47,9 +47,10 @@ INDEX_VERSION = 1
 
 @dataclass(frozen=True)
 class Recipe:
-    """How the entries of one GGUF tensor are made from its bytes: `target` "int8"/"q4"/"q6k"
-    (packed: the matrix, its scales, for q4 its mins) or the float dtype it is served in (F32 widens a type
-    kept as stored otherwise); `unpermute`: the head count whose q/k rows are put back (Llama)."""
+    """How the entries of one GGUF tensor are made from its bytes: `target` "int8"/"q4"/"q5"/"q6k"
+    (packed: the matrix, its scales, for q4 and q5 its mins, for q5 its high bits) or the float dtype it
+    is served in (F32 widens a type kept as stored otherwise); `unpermute`: the head count whose q/k
+    rows are put back (Llama)."""
 
     name: str  # the served (Hugging Face) name
     source: str  # the GGUF tensor's name
@@ -62,7 +63,7 @@ class Recipe:
 
     @property
     def packed(self) -> bool:
-        return self.target in ("int8", "q4", "q6k")
+        return self.target in PACKED_DTYPES
 
     @property
     def requantized(self) -> bool:

@@ -8,17 +8,19 @@ formats (kafila.models.quant: int8, llama.cpp's Q8_0 in another order; q4, its Q
 - Q4_1 -> q4 (the 16 nibble bytes and the (d, m) pair of each block copied).
 - Q4_0 -> q4 with min = -8 d (float16, exact: a power-of-two multiple of d), or int8 with the
   values q - 8 where the matrix is fused with int8 ones (q, k, v; gate, up).
-- Q5_0 -> int8 with the values q - 16 (-16..15) and the block's d as the scale.
+- Q5_0 -> q5 with min = -16 d (exact, as Q4_0's), its nibbles and high bits copied.
+- Q5_1 -> q5 (the 16 nibble bytes, 4 bytes of high bits and (d, m) of each block copied).
 - Q4_K -> q4: each sub-block of 32 is a Q4_1 block with scale d * sc and min -dmin * m (6-bit sc
   and m, float16 d and dmin); its nibbles are copied. The products are rounded to float16: exact
   where d * sc (dmin * m) has at most 11 significant bits, otherwise within half a float16 unit in
   the last place of it (a relative 2^-11), so an entry moves by at most 15 of those plus one.
+- Q5_K -> q5 as Q4_K -> q4 (levels up to 31: at most 31 half-units plus one), its high bits
+  gathered into q5's order.
 - Q6_K -> q6k: its blocks as stored (the float16 d split off into the scales entry).
 
 Each kept type dequantizes to the values gguf.quants gives (w = d (q - 8) is computed here as
 d q + (-8 d): the same float32 number; only a zero's sign may differ). The other types have no
-packed format here of their own: Q5_1 and Q5_K (a min beside 5-bit levels) are requantized to
-int8, Q3_K and Q2_K (a scale per 16 entries) to q4, each from
+packed format here of their own: Q3_K and Q2_K (a scale per 16 entries) to q4, each from
 gguf.quants' values to the nearest level of its group (an error of at most half the group's
 step, plus float16 rounding of the min); the converter measures that error and says it on the
 console. A fused product (q, k, v; gate, up) keeps each matrix in its own format (a product of
@@ -46,20 +48,24 @@ FLOATS = {F32: "F32", F16: "F16", BF16: "BF16"}  # ggml type -> safetensors dtyp
 # packed formats a type is served in, the preferred one first (every quantized type can also be
 # requantized to int8)
 PACKED: dict[int, tuple[str, ...]] = {
-    Q8_0: ("int8",), Q4_1: ("q4",), Q4_0: ("q4", "int8"), Q5_0: ("int8",), Q4_K: ("q4", "int8"),
-    Q5_1: ("int8",), Q5_K: ("int8",), Q6_K: ("q6k", "int8"), Q3_K: ("q4", "int8"), Q2_K: ("q4", "int8"),
+    Q8_0: ("int8",), Q4_1: ("q4",), Q4_0: ("q4", "int8"), Q5_0: ("q5", "int8"), Q4_K: ("q4", "int8"),
+    Q5_1: ("q5", "int8"), Q5_K: ("q5", "int8"), Q6_K: ("q6k", "int8"), Q3_K: ("q4", "int8"),
+    Q2_K: ("q4", "int8"),
 }  # fmt: skip
-KEPT = {
-    (Q8_0, "int8"),
-    (Q4_1, "q4"),
-    (Q4_0, "q4"),
-    (Q4_0, "int8"),
-    (Q5_0, "int8"),
-    (Q6_K, "q6k"),
-}  # unchanged
-SCALED = {(Q4_K, "q4")}  # levels kept, product scales rounded to float16
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q8_0: 34}  # bytes per block of 32 of the repacked types
+KEPT = {  # values unchanged
+    (Q8_0, "int8"), (Q4_1, "q4"), (Q4_0, "q4"), (Q4_0, "int8"), (Q5_0, "int8"), (Q5_0, "q5"),
+    (Q5_1, "q5"), (Q6_K, "q6k"),
+}  # fmt: skip
+SCALED = {(Q4_K, "q4"), (Q5_K, "q5")}  # levels kept, product scales rounded to float16
+BLOCK_BYTES = {
+    Q4_0: 18,
+    Q4_1: 20,
+    Q5_0: 22,
+    Q5_1: 24,
+    Q8_0: 34,
+}  # bytes per block of 32 of the repacked types
 Q4_K_BYTES, SUPER = 144, 256  # a Q4_K block: d, dmin (float16), 12 bytes of 6-bit scales, 128 of nibbles
+Q5_K_BYTES = 176  # a Q5_K block: Q4_K's with 32 bytes of high bits between the scales and the nibbles
 Q6_K_BYTES = 210  # a Q6_K block: 128 bytes of low nibbles, 64 of high bits, 16 int8 scales, d (float16)
 REQUANT_ROWS = 1024  # rows widened and requantized at once (the float temporaries stay a few MB)
 
@@ -176,8 +182,8 @@ def repack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], fmt: str) ->
     format `fmt` where its levels are kept (KEPT: values unchanged; SCALED: see the module)."""
     if how(ggml_type, fmt) == "requantized":
         raise ValueError(f"{type_name(ggml_type)} is not served as {fmt} without requantizing")
-    if ggml_type == Q4_K:
-        return _q4_k_rows(raw, shape)
+    if ggml_type in (Q4_K, Q5_K):
+        return _k_rows(raw, ggml_type, shape)
     if ggml_type == Q6_K:
         return _q6_k(raw, shape)
     if ggml_type in (Q8_0, Q4_1):
@@ -194,10 +200,22 @@ def repack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], fmt: str) ->
             return Packed("q4", np.ascontiguousarray(nibbles).reshape(out, cols // 2), d, mins)
         levels = np.concatenate([nibbles & 15, nibbles >> 4], axis=2).astype(np.int8) - np.int8(8)
         return Packed("int8", levels.reshape(out, cols), d)
-    # Q5_0: d, 4 bytes of high bits (bit j of element j), 16 nibble bytes as Q4_0
-    high = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")  # [out, groups, 1]
-    bits = ((high >> np.arange(GROUP, dtype=np.uint32)) & 1).astype(np.uint8)  # [out, groups, 32]
-    nibbles = blocks[..., 6:]
+    # Q5_0: d, 4 bytes of high bits (bit j of element j), 16 nibble bytes as Q4_0; Q5_1: d, m, then the same
+    high, nibbles = (
+        (blocks[..., 2:6], blocks[..., 6:]) if ggml_type == Q5_0 else (blocks[..., 4:8], blocks[..., 8:])
+    )
+    if fmt == "q5":
+        if ggml_type == Q5_0:
+            mins = (d * np.float16(-16)).astype(np.float16)
+        else:
+            mins = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16).reshape(out, -1)
+        if not np.isfinite(mins).all():
+            raise ValueError(f"a Q5_0 scale in [{out}, {cols}] is too large for an exact q5 minimum")
+        data = np.ascontiguousarray(nibbles).reshape(out, cols // 2)
+        return Packed("q5", data, d, mins, np.ascontiguousarray(high).reshape(out, cols // 8))
+    bits = ((np.ascontiguousarray(high).view("<u4") >> np.arange(GROUP, dtype=np.uint32)) & 1).astype(
+        np.uint8
+    )
     low = np.concatenate([nibbles & 15, nibbles >> 4], axis=2)  # [out, groups, 32]
     levels = (low | (bits << 4)).astype(np.int8) - np.int8(16)
     return Packed("int8", levels.reshape(out, cols), d)
@@ -214,31 +232,39 @@ def _q6_k(raw: np.ndarray, shape: tuple[int, int]) -> Packed:
     return Packed("q6k", data, d)
 
 
-def _q4_k_rows(raw: np.ndarray, shape: tuple[int, int]) -> Packed:
-    """`_q4_k` `REQUANT_ROWS` rows at a time (a large embedding's temporaries stay a few MB)."""
+def _k_rows(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> Packed:
+    """`_k` `REQUANT_ROWS` rows at a time (a large embedding's temporaries stay a few MB)."""
     out, cols = shape
     if out <= REQUANT_ROWS:
-        return _q4_k(raw, shape)
+        return _k(raw, ggml_type, shape)
     rows = np.asarray(raw, dtype=np.uint8).reshape(out, -1)
-    data = np.empty((out, cols // 2), np.uint8)
-    scales = np.empty((out, cols // GROUP), np.float16)
-    mins = np.empty((out, cols // GROUP), np.float16)
-    for a in range(0, out, REQUANT_ROWS):
-        part = _q4_k(rows[a : a + REQUANT_ROWS], (min(REQUANT_ROWS, out - a), cols))
-        b = a + part.data.shape[0]
-        data[a:b], scales[a:b] = part.data, part.scales
-        if part.mins is not None:
-            mins[a:b] = part.mins
-    return Packed("q4", data, scales, mins)
+    parts = [
+        _k(rows[a : a + REQUANT_ROWS], ggml_type, (min(REQUANT_ROWS, out - a), cols))
+        for a in range(0, out, REQUANT_ROWS)
+    ]
+
+    def joined(arrays: list[np.ndarray | None]) -> np.ndarray | None:
+        return None if arrays[0] is None else np.concatenate(arrays)  # type: ignore[arg-type]
+
+    return Packed(
+        parts[0].fmt,
+        np.concatenate([p.data for p in parts]),
+        np.concatenate([p.scales for p in parts]),
+        joined([p.mins for p in parts]),
+        joined([p.high for p in parts]),
+    )
 
 
-def _q4_k(raw: np.ndarray, shape: tuple[int, int]) -> Packed:
-    """A Q4_K matrix as q4: sub-block s of a super-block is group s, scale d * sc[s], min -dmin *
-    m[s] (rounded to float16), its 32 nibbles in q4's order (element j low, 16 + j high)."""
+def _k(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> Packed:
+    """A Q4_K (Q5_K) matrix as q4 (q5): sub-block s of a super-block is group s, scale d * sc[s],
+    min -dmin * m[s] (rounded to float16), its 32 nibbles in q4's order (element j low, 16 + j
+    high); Q5_K's high bits (bit s of byte j of its 32 is element j's of sub-block s) in q5's."""
     out, cols = shape
+    name = type_name(ggml_type)
     if cols % SUPER:
-        raise ValueError(f"a Q4_K matrix [{out}, {cols}] has rows that are not a multiple of {SUPER}")
-    blocks = np.asarray(raw, dtype=np.uint8).reshape(out, cols // SUPER, Q4_K_BYTES)
+        raise ValueError(f"a {name} matrix [{out}, {cols}] has rows that are not a multiple of {SUPER}")
+    five = ggml_type == Q5_K
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(out, cols // SUPER, Q5_K_BYTES if five else Q4_K_BYTES)
     d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).astype(np.float32)  # [out, n, 1]
     dmin = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16).astype(np.float32)
     sc, m = _scale_min_k4(blocks[..., 4:16])  # [out, n, 8] each
@@ -247,16 +273,21 @@ def _q4_k(raw: np.ndarray, shape: tuple[int, int]) -> Packed:
         scales, mins = scale32.astype(np.float16), min32.astype(np.float16)
     if not (np.isfinite(scales).all() and np.isfinite(mins).all()):
         worst = float(max(np.abs(scale32).max(), np.abs(min32).max()))
-        raise ValueError(f"a Q4_K scale in [{out}, {cols}] is {worst:g}, past float16's 65504")
+        raise ValueError(f"a {name} scale in [{out}, {cols}] is {worst:g}, past float16's 65504")
     # 4 chunks of 32 bytes: byte j's low nibble is entry 64 c + j, its high one 64 c + 32 + j
-    chunks = blocks[..., 16:].reshape(out, cols // SUPER, 4, 32)
+    chunks = blocks[..., 48 if five else 16 :].reshape(out, cols // SUPER, 4, 32)
     groups = np.stack([chunks & 15, chunks >> 4], axis=3)  # [out, n, 4, 2, 32]: group 2 c + h
     nibbles = groups[..., :16] | (groups[..., 16:] << 4)  # q4: entry j low, 16 + j high
+    high = None
+    if five:  # [out, n, 8, 32] bits: sub-block s's are bit s of the 32 bytes
+        bits = (blocks[..., 16:48, None] >> np.arange(8, dtype=np.uint8)) & 1  # [out, n, 32, 8]
+        high = np.packbits(bits.swapaxes(2, 3), axis=3, bitorder="little").reshape(out, cols // 8)
     return Packed(
-        "q4",
+        "q5" if five else "q4",
         np.ascontiguousarray(nibbles).reshape(out, cols // 2),
         scales.reshape(out, cols // GROUP),
         mins.reshape(out, cols // GROUP),
+        high,
     )
 
 

@@ -19,7 +19,10 @@ U8), `X.scales` (F16) and, for q4, `X.mins` (F16): a block's bytes are its entri
 A third packed format, "q6k", is a matrix format of GGUF files only (llama.cpp's Q6_K, served as
 stored; no session packs floats into it): `X.weight` U8 [out, in/256 * 208] holds each super-block
 of 256 inputs' 6-bit levels and sixteen int8 sub-scales in Q6_K's own order, `X.scales` F16
-[out, in/256] its float16 scale: 210 bytes per 256 weights, the file's bytes.
+[out, in/256] its float16 scale: 210 bytes per 256 weights, the file's bytes. So is "q5" (a GGUF's
+Q5_0, Q5_1 and Q5_K): q4's entries and a fifth bit per weight, `X.high` U8 [out, in/8] (in each
+group of 32, bit j of byte j / 8 is entry j's; llama.cpp's Q5_1 `qh`), w = scale * (q + 16 h) +
+min: 24 bytes per 32 weights.
 Policy: the linear layers of the blocks take the session's format; the embedding/unembedding
 matrix is int8 in either quantized format (the default GGUF's own Q8_0 embedding, kept); norms and
 biases stay in the compute dtype. A packed checkpoint (config.json's `quantization_config`, as a
@@ -61,7 +64,9 @@ RUNTIME_DTYPES = {
 QUANT_FORMATS = ("none", "int8", "q4")
 GROUP = 32  # inputs per scale (and minimum) in both packed formats
 SCALES, MINS = "scales", "mins"  # sibling entries of a packed `X.weight`: `X.scales`, `X.mins`
-PACKED_DTYPES = {"int8": "I8", "q4": "U8", "q6k": "U8"}
+HIGH = "high"  # q5's sibling `X.high`: the fifth bit of each weight
+SIBLINGS = (SCALES, MINS, HIGH)
+PACKED_DTYPES = {"int8": "I8", "q4": "U8", "q6k": "U8", "q5": "U8"}
 SUPER = 256  # inputs per q6k super-block (llama.cpp's QK_K)
 Q6K_BYTES = (
     208  # a q6k super-block's bytes besides its float16 scale: 128 low nibbles, 64 high bits, 16 sub-scales
@@ -99,13 +104,15 @@ def packed_specs(name: str, fmt: str, shape: tuple[int, ...]) -> list[TensorSpec
             TensorSpec(name, "U8", (out, cols // SUPER * Q6K_BYTES)),
             TensorSpec(base + SCALES, "F16", (out, cols // SUPER)),
         ]
-    data_cols = cols // 2 if fmt == "q4" else cols
+    data_cols = cols // 2 if fmt in ("q4", "q5") else cols
     specs = [
         TensorSpec(name, PACKED_DTYPES[fmt], (out, data_cols)),
         TensorSpec(base + SCALES, "F16", (out, cols // GROUP)),
     ]
-    if fmt == "q4":
+    if fmt in ("q4", "q5"):
         specs.append(TensorSpec(base + MINS, "F16", (out, cols // GROUP)))
+    if fmt == "q5":
+        specs.append(TensorSpec(base + HIGH, "U8", (out, cols // 8)))
     return specs
 
 
@@ -152,7 +159,7 @@ def stage_tensors(names: Iterable[str], blocks: range, head: bool) -> list[str]:
     """The tensors among `names` a stage of blocks [a, b) (and the head) reads: its blocks' and,
     with `head`, the embedding, final norm and lm_head with their packed scales and minimums."""
     wanted = {EMBED, FINAL_NORM, LM_HEAD} if head else set()
-    wanted |= {n.removesuffix("weight") + part for n in wanted for part in (SCALES, MINS)}
+    wanted |= {n.removesuffix("weight") + part for n in wanted for part in SIBLINGS}
     return [n for n in names if n in wanted or ((i := block_index(n)) is not None and i in blocks)]
 
 
@@ -162,12 +169,15 @@ def matrix_shape(fmt: str, data_shape: tuple[int, ...]) -> tuple[int, int]:
     out, cols = data_shape
     if fmt == "q6k":
         return (out, cols // Q6K_BYTES * SUPER)
-    return (out, cols * 2 if fmt == "q4" else cols)
+    return (out, cols * 2 if fmt in ("q4", "q5") else cols)
 
 
-def entries_format(data_dtype: str, has_mins: bool) -> str:
+def entries_format(data_dtype: str, has_mins: bool, has_high: bool = False) -> str:
     """The packed format of a matrix whose `X.weight` entry has safetensors dtype `data_dtype` and
-    a `X.scales` sibling, with an `X.mins` one or not: q4 (U8 with mins), q6k (U8), int8 (I8)."""
+    a `X.scales` sibling, with `X.mins` and `X.high` ones or not: q5 (with high), q4 (U8 with
+    mins), q6k (U8), int8 (I8)."""
+    if has_high:
+        return "q5"
     if has_mins:
         return "q4"
     return "q6k" if data_dtype == "U8" else "int8"
@@ -176,8 +186,8 @@ def entries_format(data_dtype: str, has_mins: bool) -> str:
 def session_format(fmt: str) -> str:
     """The session format (QUANT_FORMATS) a stored matrix format counts as where a checkpoint's
     format is voted: q6k as int8 (signed levels, no minimums; a session of either packed format
-    holds it as stored)."""
-    return "int8" if fmt == "q6k" else fmt
+    holds it as stored; q5 as q4)."""
+    return {"q6k": "int8", "q5": "q4"}.get(fmt, fmt)
 
 
 def packed_bytes(fmt: str, rows: int, cols: int) -> int:
@@ -195,6 +205,8 @@ def packed_bytes(fmt: str, rows: int, cols: int) -> int:
         return rows * cols + 2 * groups
     if fmt == "q4":
         return rows * cols // 2 + 4 * groups
+    if fmt == "q5":
+        return rows * cols // 2 + rows * cols // 8 + 4 * groups
     raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(QUANT_FORMATS)}")
 
 
@@ -217,13 +229,13 @@ def packed_format(name: str, by_name: dict[str, TensorSpec]) -> str:
     base = name.removesuffix("weight")
     if not name.endswith(".weight") or base + SCALES not in by_name or name not in by_name:
         return "none"
-    return entries_format(by_name[name].dtype, base + MINS in by_name)
+    return entries_format(by_name[name].dtype, base + MINS in by_name, base + HIGH in by_name)
 
 
 def logical_shape(spec: TensorSpec, by_name: dict[str, TensorSpec]) -> tuple[int, ...]:
     """The unpacked shape of `spec` ([out, in] for a q4 matrix stored as [out, in/2])."""
     fmt = packed_format(spec.name, by_name)
-    if fmt in ("q4", "q6k"):
+    if fmt in ("q4", "q5", "q6k"):
         return matrix_shape(fmt, spec.shape)
     return spec.shape
 
@@ -245,8 +257,8 @@ def priced(
     by_name = {s.name: s for s in specs}
     size: dict[str, int] = {}
     for n, s in by_name.items():
-        base = n.removesuffix(SCALES).removesuffix(MINS)
-        if n.endswith((SCALES, MINS)) and packed_format(base + "weight", by_name) != "none":
+        base = n.removesuffix(SCALES).removesuffix(MINS).removesuffix(HIGH)
+        if n.endswith(SIBLINGS) and packed_format(base + "weight", by_name) != "none":
             size[n] = 0 if quant == "none" else s.nbytes()  # part of its matrix's price
             continue
         stored = packed_format(n, by_name)
@@ -274,8 +286,8 @@ def build_manifest(
     by_name = {s.name: s for s in specs}
     size = priced(by_name.values(), dtype, quant, keeps_floats(config))
     for n in list(size):  # a packed matrix's scales and minimums count with it
-        base = n.removesuffix(SCALES).removesuffix(MINS) + "weight"
-        if n.endswith((SCALES, MINS)) and base in size and packed_format(base, by_name) != "none":
+        base = n.removesuffix(SCALES).removesuffix(MINS).removesuffix(HIGH) + "weight"
+        if n.endswith(SIBLINGS) and base in size and packed_format(base, by_name) != "none":
             size[base] += size.pop(n)
     blocks = [0] * config.num_hidden_layers
     for name, nbytes in size.items():

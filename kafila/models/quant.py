@@ -13,6 +13,9 @@ Formats (kafila.models.manifest: `packed_bytes`, the policy of which matrix take
   (g < 8) takes its low bits from ql[64 (g // 4) + 32 (g % 2) + j] (the high nibble for g % 4 >= 2)
   and its high bits from bits 2 (g % 4) of qh[32 (g // 4) + j], j < 32; inputs 32 g .. 32 g + 15
   have scale sc[2 g], the next 16 sc[2 g + 1]: llama.cpp's layout (`dequantize_row_q6_K`).
+- q5 (a GGUF's Q5_0, Q5_1, Q5_K): q4's `data`, `scales` and `mins` and `high` uint8 [out, in/8], the
+  fifth bit of each level (group g's 4 bytes at 4 g: bit j % 8 of byte j / 8 is entry j's, as
+  Q5_1's `qh`); w = scale * (q + 16 h) + min, levels in [0, 31].
 
 Packed rows are independent, so a fused matrix (q, k, v rows) is its parts' rows stacked, and a row
 permutation (llama.cpp's q/k order) permutes the packed rows.
@@ -26,6 +29,7 @@ import numpy as np
 
 from kafila.models.manifest import (
     GROUP,
+    HIGH,
     MINS,
     PACKED_DTYPES,
     Q6K_BYTES,
@@ -45,10 +49,11 @@ _GGML_BLOCKS = {GGML_Q8_0: ("int8", 34), GGML_Q4_1: ("q4", 20)}
 class Packed:
     """A matrix [out, in] in a packed format (numpy arrays, see the module docstring)."""
 
-    fmt: str  # "int8" | "q4" | "q6k"
+    fmt: str  # "int8" | "q4" | "q6k" | "q5"
     data: np.ndarray  # int8 [out, in] | uint8 [out, in/2] | uint8 [out, in/256 * 208]
     scales: np.ndarray  # float16 [out, in/32] (q6k: [out, in/256])
-    mins: np.ndarray | None = None  # float16 [out, in/32] (q4)
+    mins: np.ndarray | None = None  # float16 [out, in/32] (q4, q5)
+    high: np.ndarray | None = None  # uint8 [out, in/8] (q5)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -56,7 +61,7 @@ class Packed:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.data, self.scales, self.mins) if a is not None)
+        return sum(a.nbytes for a in (self.data, self.scales, self.mins, self.high) if a is not None)
 
     def entries(self, name: str) -> dict[str, np.ndarray]:
         """Safetensors entries for a matrix named `name` (ending in "weight")."""
@@ -64,19 +69,28 @@ class Packed:
         out = {name: self.data, base + SCALES: self.scales}
         if self.mins is not None:
             out[base + MINS] = self.mins
+        if self.high is not None:
+            out[base + HIGH] = self.high
         return out
 
     def rows(self, index: np.ndarray | slice) -> Packed:
         """The packed rows `index` (a permutation, a slice)."""
-        mins = None if self.mins is None else np.ascontiguousarray(self.mins[index])
+
+        def part(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else np.ascontiguousarray(a[index])
+
         return Packed(
-            self.fmt, np.ascontiguousarray(self.data[index]), np.ascontiguousarray(self.scales[index]), mins
+            self.fmt,
+            np.ascontiguousarray(self.data[index]),
+            np.ascontiguousarray(self.scales[index]),
+            part(self.mins),
+            part(self.high),
         )
 
 
-def format_of(data: np.ndarray, mins: np.ndarray | None) -> str:
-    """The packed format of stored entries: `data`'s dtype and whether a minimum is there."""
-    return entries_format("U8" if data.dtype == np.uint8 else "I8", mins is not None)
+def format_of(data: np.ndarray, mins: np.ndarray | None, high: np.ndarray | None = None) -> str:
+    """The packed format of stored entries: `data`'s dtype and which siblings are there."""
+    return entries_format("U8" if data.dtype == np.uint8 else "I8", mins is not None, high is not None)
 
 
 CHUNK_ROWS = 2048  # rows quantized at once: the float temporaries stay a few MB for any matrix
@@ -133,14 +147,18 @@ def _quantize_rows(w: np.ndarray, fmt: str) -> Packed:
 
 
 def levels(p: Packed) -> np.ndarray:
-    """The quantized integers [out, in] (int8: -127..127, q4: 0..15, q6k: q - 32 in -32..31) as int16."""
+    """The quantized integers [out, in] (int8: -127..127, q4: 0..15, q5: 0..31, q6k: q - 32 in
+    -32..31) as int16."""
     if p.fmt == "int8":
         return p.data.astype(np.int16)
     if p.fmt == "q6k":
         return _q6k_levels(p.data).astype(np.int16)
     out, half = p.data.shape
     b = p.data.reshape(out, half // 16, 16)
-    return np.concatenate([b & 15, b >> 4], axis=2).reshape(out, half * 2).astype(np.int16)
+    q = np.concatenate([b & 15, b >> 4], axis=2).reshape(out, half * 2).astype(np.int16)
+    if p.fmt == "q5" and p.high is not None:
+        q += 16 * np.unpackbits(p.high, axis=1, bitorder="little").astype(np.int16)
+    return q
 
 
 def dequantize(p: Packed) -> np.ndarray:
@@ -194,7 +212,9 @@ def from_ggml(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> Packed
     return Packed("q4", nibbles, scales, mins)
 
 
-def from_entries(fmt: str, data: np.ndarray, scales: np.ndarray, mins: np.ndarray | None) -> Packed:
+def from_entries(
+    fmt: str, data: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, high: np.ndarray | None = None
+) -> Packed:
     """A Packed from a checkpoint's entries, checked: the names' dtypes and shapes must agree."""
     want = PACKED_DTYPES[fmt]
     kind = {"I8": np.int8, "U8": np.uint8}[want]
@@ -204,8 +224,11 @@ def from_entries(fmt: str, data: np.ndarray, scales: np.ndarray, mins: np.ndarra
         )
     if fmt == "q6k" and data.shape[1] % Q6K_BYTES:
         raise ValueError(f"q6k matrix: data {list(data.shape)} is not in super-blocks of {Q6K_BYTES} bytes")
-    p = Packed(fmt, data, scales, mins)
+    p = Packed(fmt, data, scales, mins, high)
     out, cols = p.shape
+    if fmt == "q5" and (high is None or high.dtype != np.uint8 or high.shape != (out, cols // 8)):
+        got = None if high is None else f"{high.dtype}{list(high.shape)}"
+        raise ValueError(f"q5 matrix [{out}, {cols}]: high {got}, want uint8 [{out}, {cols // 8}]")
     per = SUPER if fmt == "q6k" else GROUP
     if scales.shape != (out, cols // per) or (mins is not None and mins.shape != scales.shape):
         raise ValueError(

@@ -21,8 +21,7 @@ from tests.gguf_files import Shape, float_folder, qwen3_tokenizer_meta, served_v
 gguf = pytest.importorskip("gguf")
 
 # per-tensor types of the mixed file, each in its own format: q/k/v are int8, q4, int8 (a stacked
-# product of three), gate/up q4, Q5_0 int8; block 1's q/k/v int8, q4, q4 (two), and a Q5_1 matrix
-# (requantized to int8)
+# product of three), gate/up q4, Q5_0 q5; block 1's q/k/v int8, q4, q4 (two), and Q5_1 as q5
 MIXED = {
     "token_embd": "Q8_0",
     "attn_q": "Q8_0",
@@ -35,8 +34,8 @@ MIXED = {
     "blk.1.attn_v": "Q4_1",
     "blk.1.ffn_down": "Q5_1",
 }
-# the K-quants (and Q5_1): Q4_K as q4 and Q6_K as q6k (block 0's q/k/v: q4, q4, q6k, a stacked
-# product); Q5_K and Q5_1 requantized to int8, Q3_K and Q2_K to q4
+# the K-quants (and Q5_1): Q4_K as q4, Q5_K and Q5_1 as q5 and Q6_K as q6k (block 0's q/k/v: q4,
+# q4, q6k, a stacked product); Q3_K and Q2_K requantized to q4
 KQUANTS = {
     "token_embd": "Q4_K",
     "attn_q": "Q4_K",
@@ -102,15 +101,20 @@ def _weights(seed: int, shape: tuple[int, int]) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    ("kind", "fmt"), [("Q8_0", "int8"), ("Q4_1", "q4"), ("Q4_0", "q4"), ("Q4_0", "int8"), ("Q5_0", "int8")]
-)
+    ("kind", "fmt"),
+    [("Q8_0", "int8"), ("Q4_1", "q4"), ("Q4_0", "q4"), ("Q4_0", "int8"), ("Q5_0", "int8"), ("Q5_0", "q5"),
+     ("Q5_1", "q5")],
+)  # fmt: skip
 def test_each_repacked_type_dequantizes_to_gguf_quants_values(kind: str, fmt: str) -> None:
     qtype = gguf.GGMLQuantizationType[kind]
     blocks = gguf.quants.quantize(_weights(int(qtype), (64, 512)), qtype)
     want = gguf.quants.dequantize(blocks, qtype).reshape(64, 512).astype(np.float32)
     got = dequantize(types.repack(blocks, int(qtype), (64, 512), fmt))
     assert np.array_equal(got, want)
-    if (kind, fmt) != ("Q4_0", "q4"):  # d q + (-8 d) may give +0 where d (q - 8) gives -0
+    if (kind, fmt) not in (
+        ("Q4_0", "q4"),
+        ("Q5_0", "q5"),
+    ):  # d q + (-8 d) may give +0 where d (q - 8) gives -0
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
@@ -144,31 +148,39 @@ def test_q6_k_is_served_as_stored_and_dequantizes_to_gguf_quants_values_bit_for_
         types.repack(raw[:, :210], types.Q6_K, (24, 128), "q6k")
 
 
-def test_q4_k_is_q4_with_float16_product_scales() -> None:
-    """Q4_K served as q4: each entry within what rounding d * sc and dmin * m (6-bit sc, m <= 63)
-    to float16 allows (15 half-units of the scale, one of the min, float32 rounding), and equal bit
-    for bit where d and dmin are powers of two (the products then fit float16 exactly)."""
+@pytest.mark.parametrize(("kind", "fmt", "top"), [("Q4_K", "q4", 15), ("Q5_K", "q5", 31)])
+def test_q4_k_and_q5_k_keep_their_levels_with_float16_product_scales(kind: str, fmt: str, top: int) -> None:
+    """Q4_K served as q4 (Q5_K as q5): each entry within what rounding d * sc and dmin * m (6-bit
+    sc, m <= 63) to float16 allows (`top` half-units of the scale, one of the min, float32
+    rounding), and equal bit for bit where d and dmin are powers of two (the products then fit
+    float16 exactly)."""
     from tests.gguf_files import random_blocks
 
     rng = np.random.default_rng(12)
     rows, cols = 64, 512
-    raw = random_blocks("Q4_K", (rows, cols), rng, std=0.05).reshape(rows, cols // 256, 144)
+    size = 144 if kind == "Q4_K" else 176
+    raw = random_blocks(kind, (rows, cols), rng, std=0.05).reshape(rows, cols // 256, size)
     exact = rng.integers(-12, -4, (16, cols // 256, 2))
     raw[:16, :, 0:4] = (2.0**exact).astype(np.float16).view(np.uint8).reshape(16, cols // 256, 4)
     raw = raw.reshape(rows, -1)
-    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).reshape(rows, cols)
-    got = dequantize(types.serve(raw, types.Q4_K, (rows, cols), "q4")[0])
-    blocks = raw.reshape(rows, cols // 256, 144)
+    qtype = gguf.GGMLQuantizationType[kind]
+    want = gguf.quants.dequantize(raw, qtype).reshape(rows, cols)
+    packed = types.serve(raw, int(qtype), (rows, cols), fmt)[0]
+    assert packed.fmt == fmt and types.how(int(qtype), fmt) == "scaled"
+    got = dequantize(packed)
+    blocks = raw.reshape(rows, cols // 256, size)
     d = blocks[..., 0:2].copy().view(np.float16).astype(np.float64)
     dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float64)
-    bound = 15 * _half_ulp16(63 * d) + _half_ulp16(63 * dmin) + 2.0**-22 * (15 * 63 * d + 63 * dmin)
+    bound = top * _half_ulp16(63 * d) + _half_ulp16(63 * dmin) + 2.0**-22 * (top * 63 * d + 63 * dmin)
     err = np.abs(got.astype(np.float64) - want).reshape(rows, cols // 256, 256)
     assert (err <= bound).all(), float((err - bound).max())
     assert np.array_equal(got[:16].view(np.uint32), want[:16].view(np.uint32))
     assert not np.array_equal(got[16:], want[16:])  # products that do not fit are rounded
 
 
-@pytest.mark.parametrize(("kind", "fmt"), [("Q4_K", "q4"), ("Q6_K", "int8"), ("Q6_K", "q6k"), ("Q3_K", "q4")])
+@pytest.mark.parametrize(
+    ("kind", "fmt"), [("Q4_K", "q4"), ("Q5_K", "q5"), ("Q6_K", "int8"), ("Q6_K", "q6k"), ("Q3_K", "q4")]
+)
 def test_row_chunks_serve_the_whole_matrix(kind: str, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Large matrices are repacked and requantized `REQUANT_ROWS` rows at a time: the same arrays
     and the same measured error as at once."""
@@ -222,7 +234,7 @@ def test_each_requantized_type_is_within_half_a_step_of_gguf_quants(kind: str, f
 
 
 def test_a_group_takes_each_types_own_format_or_none() -> None:
-    assert types.group_formats([types.Q8_0, types.Q4_0, types.Q5_0]) == ["int8", "q4", "int8"]
+    assert types.group_formats([types.Q8_0, types.Q4_0, types.Q5_0]) == ["int8", "q4", "q5"]
     assert types.group_formats([types.Q4_1, types.Q8_0]) == ["q4", "int8"]
     assert types.group_formats([types.Q4_K, types.Q4_K, types.Q6_K]) == ["q4", "q4", "q6k"]
     assert types.group_formats([types.Q4_K, types.F16]) is None
@@ -234,14 +246,13 @@ def test_mixed_file_serves_each_tensor_in_its_own_type(mixed_folder: Path, capsy
     assert t["model.layers.0.self_attn.k_proj.weight"].dtype == "U8"  # Q4_0 as q4 between int8 q and v
     assert t["model.layers.0.self_attn.q_proj.weight"].dtype == "I8"  # Q8_0
     assert t["model.layers.0.mlp.up_proj.weight"].dtype == "U8"  # Q4_0 as q4 beside Q4_1 gate
-    assert t["model.layers.0.mlp.down_proj.weight"].dtype == "I8"  # Q5_0
-    assert t["model.layers.1.mlp.down_proj.weight"].dtype == "I8"  # Q5_1: requantized
+    assert t["model.layers.0.mlp.down_proj.weight"].dtype == "U8"  # Q5_0 as q5
+    assert "model.layers.0.mlp.down_proj.high" in t
+    assert t["model.layers.1.mlp.down_proj.weight"].dtype == "U8"  # Q5_1 as q5
     assert t["model.layers.1.self_attn.v_proj.weight"].dtype == "U8"  # Q4_1: kept
-    assert ckpt.stored_format == "q4"  # 9 q4 matrices, 5 int8
+    assert ckpt.stored_format == "q4"  # 11 q4 and q5 matrices, 3 int8
     lines = "\n".join(capsys_module)
-    assert "Q5_1 requantized to int8: 1 tensors (model.layers.1.mlp.down_proj.weight)" in lines
-    assert "98304 bytes in the file -> 139264 bytes (1.42x)" in lines
-    assert "Q4_1 requantized" not in lines and "Q4_0 requantized" not in lines
+    assert "requantized" not in lines
     assert "widened" not in lines and "F32" not in lines
     # the planner prices the bytes each block holds: exactly its entries in the file
     m = ckpt.manifest()
@@ -487,10 +498,10 @@ def test_mixed_file_serves_gguf_quants_values_in_every_tensor(mixed_gguf: Path, 
 def test_kquant_file_serves_each_type_packed(
     kquant_gguf: Path, kquant_folder: Path, kquant_lines: list[str]
 ) -> None:
-    """Q4_K is q4 with its levels and Q6_K q6k as stored (block 0's q/k/v a stacked product of
-    both), the other K-quants and Q5_1 requantized, each within half a step of gguf.quants' values;
-    nothing widened; the console names each requantized type with its bytes and the error it
-    measured."""
+    """Q4_K is q4 and Q5_K q5 with their levels, Q6_K q6k and Q5_1 q5 as stored (block 0's q/k/v
+    a stacked product of q4 and q6k), Q3_K and Q2_K requantized, each within half a step of
+    gguf.quants' values; nothing widened; the console names each requantized type with its bytes
+    and the error it measured."""
     served = _check_served_values(kquant_gguf, fresh=False)
     t = Checkpoint.open(kquant_folder).tensors
     assert served["model.layers.0.mlp.down_proj.weight"] == "kept"  # Q6_K as q6k: its own bytes
@@ -502,12 +513,14 @@ def test_kquant_file_serves_each_type_packed(
     assert t["model.layers.0.self_attn.q_proj.weight"].dtype == "U8"
     assert served["model.layers.1.self_attn.q_proj.weight"] == "scaled"
     assert t["model.layers.1.mlp.gate_proj.weight"].dtype == "U8"  # Q3_K to q4, beside Q2_K's
-    assert t["model.layers.1.mlp.down_proj.weight"].dtype == "I8"  # Q5_1
+    assert t["model.layers.1.mlp.down_proj.weight"].dtype == "U8"  # Q5_1 as q5
+    assert served["model.layers.1.mlp.down_proj.weight"] == "kept"
+    assert served["model.layers.0.self_attn.o_proj.weight"] == "scaled"  # Q5_K as q5
     assert all(v != "float" for n, v in served.items() if t[n].shape and len(t[n].shape) == 2)
     lines = "\n".join(kquant_lines)
-    for kind, fmt in [("Q5_K", "int8"), ("Q3_K", "q4"), ("Q2_K", "q4"), ("Q5_1", "int8")]:
+    for kind, fmt in [("Q3_K", "q4"), ("Q2_K", "q4")]:
         assert f"{kind} requantized to {fmt}" in lines, lines
-    assert "Q6_K requantized" not in lines and "Q4_K requantized" not in lines
+    assert not any(f"{k} requantized" in lines for k in ("Q4_K", "Q5_K", "Q6_K", "Q5_1"))
     assert "widened" not in lines and "F32" not in lines
 
 

@@ -148,18 +148,21 @@ def test_the_float_kernel_of_cpus_without_integer_dot_products_matches_the_dequa
     x = rng.standard_normal((5, 18 * GROUP)).astype(np.float32)
     y = np.empty((5, 70), np.float32)
     for t in range((70 + quant_cpu.QTILE - 1) // quant_cpu.QTILE):
-        quant_cpu.packed_tile(x, w[0], w[1], w[-1], y, t)
+        quant_cpu.packed_tile(x, w[0], w[1], w[-1], w[1], y, t)  # scales: no high bits (not uint8)
     ref = x.astype(np.float64) @ quant.dequantize(p).astype(np.float64).T
     assert np.all(np.abs(y - ref) <= product_bound(x, p))
 
 
-def _q6k_matrix(rows: int, cols: int, seed: int) -> quant.Packed:
-    """A Q6_K matrix of random blocks (tests.gguf_files.random_blocks) as q6k."""
+def _q6k_matrix(rows: int, cols: int, seed: int, kind: str = "Q6_K") -> quant.Packed:
+    """A Q6_K (Q5_K) matrix of random blocks (tests.gguf_files.random_blocks) as q6k (q5)."""
+    import gguf
+
     from kafila.models import gguf_types
     from tests.gguf_files import random_blocks
 
-    raw = random_blocks("Q6_K", (rows, cols), np.random.default_rng(seed), std=0.05)
-    return gguf_types.repack(raw, gguf_types.Q6_K, (rows, cols), "q6k")
+    raw = random_blocks(kind, (rows, cols), np.random.default_rng(seed), std=0.05)
+    qtype = int(gguf.GGMLQuantizationType[kind])
+    return gguf_types.repack(raw, qtype, (rows, cols), gguf_types.PACKED[qtype][0])
 
 
 def _weights_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -168,14 +171,17 @@ def _weights_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return n * U32 / (1 - n * U32) * (np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T)
 
 
+@pytest.mark.parametrize("kind", ["Q6_K", "Q5_K"])
 @pytest.mark.parametrize("supers", [1, 3])
-def test_q6k_products_match_the_dequantized_matrix_and_rows_do_not_depend_on_the_batch(supers: int) -> None:
-    """The q6k kernel (a GGUF's Q6_K as stored) against its dequantized matrix times x as this CPU's
-    path rounds it (int8 groups with quant_cpu.INT_DOT, as q4), rows alone as in a batch of 7, and
-    the head's rounded product (round_x) the same."""
+def test_q6k_and_q5_products_match_the_dequantized_matrix_and_rows_do_not_depend_on_the_batch(
+    supers: int, kind: str
+) -> None:
+    """The q6k (q5) kernels (a GGUF's Q6_K as stored; Q5_K's levels and fifth bits) against the
+    dequantized matrix times x as this CPU's path rounds it (int8 groups with quant_cpu.INT_DOT, as
+    q4), rows alone as in a batch of 7, and the head's rounded product (round_x) the same."""
     from kafila.models.torch.packed import PackedLinear
 
-    p = _q6k_matrix(101, supers * 256, seed=supers)  # 101: a partial tile
+    p = _q6k_matrix(101, supers * 256, seed=supers, kind=kind)  # 101: a partial tile
     lin = PackedLinear.from_packed(p, torch.device("cpu"))
     x = np.random.default_rng(3).standard_normal((7, supers * 256)).astype(np.float32)
     seen = seen_by_blocks(x, "q4")
@@ -189,26 +195,39 @@ def test_q6k_products_match_the_dequantized_matrix_and_rows_do_not_depend_on_the
     assert torch.equal(lin(torch.from_numpy(x)), y)
 
 
-def test_the_q6k_float_kernel_of_cpus_without_integer_dot_products_matches_the_dequantized_matrix() -> None:
-    """quant_cpu.q6k_float_tile, the path where the CPU lacks AVX-512 VNNI, run tile by tile."""
+@pytest.mark.parametrize("kind", ["Q6_K", "Q5_K"])
+def test_the_q6k_and_q5_float_kernels_of_cpus_without_integer_dot_products_match_the_dequantized_matrix(
+    kind: str,
+) -> None:
+    """quant_cpu.q6k_float_tile (packed_tile for q5), the path where the CPU lacks AVX-512 VNNI,
+    run tile by tile."""
     from kafila.models.torch import quant_cpu
     from kafila.models.torch.packed import PackedLinear
 
-    p = _q6k_matrix(70, 512, seed=7)
-    data, d = PackedLinear.from_packed(p, torch.device("cpu")).arrays()
+    p = _q6k_matrix(70, 512, seed=7, kind=kind)
+    arrays = PackedLinear.from_packed(p, torch.device("cpu")).arrays()
     x = np.random.default_rng(4).standard_normal((6, 512)).astype(np.float32)
     y = np.empty((6, 70), np.float32)
+
+    def tile(x: np.ndarray, y: np.ndarray, t: int) -> None:
+        if kind == "Q6_K":
+            quant_cpu.q6k_float_tile(x, *arrays, y, t)
+        else:
+            quant_cpu.packed_tile(x, *arrays, y, t)
+
     for t in range((70 + quant_cpu.QTILE - 1) // quant_cpu.QTILE):
-        quant_cpu.q6k_float_tile(x, data, d, y, t)
+        tile(x, y, t)
     w = quant.dequantize(p)
     assert np.all(np.abs(y - x.astype(np.float64) @ w.astype(np.float64).T) <= _weights_bound(x, w))
     one = np.empty((1, 70), np.float32)
     for t in range(3):
-        quant_cpu.q6k_float_tile(x[5:6], data, d, one, t)
+        tile(x[5:6], one, t)
     assert np.array_equal(one[0], y[5])
 
 
-@pytest.mark.parametrize("formats", [("q4", "q6k", "int8"), ("int8", "q4", "q4"), ("q6k", "q4")])
+@pytest.mark.parametrize(
+    "formats", [("q4", "q6k", "int8"), ("int8", "q4", "q4"), ("q6k", "q4"), ("q5", "q4", "q6k")]
+)
 def test_a_stacked_product_of_several_formats_gives_each_parts_own_product_side_by_side(
     formats: tuple[str, ...],
 ) -> None:
@@ -220,9 +239,10 @@ def test_a_stacked_product_of_several_formats_gives_each_parts_own_product_side_
     from kafila.models.torch.packed import PackedLinear, StackedLinear
 
     rng = np.random.default_rng(6)
+    kinds = {"q6k": "Q6_K", "q5": "Q5_K"}
     packed = [
-        _q6k_matrix(40 + i, 512, seed=i)
-        if f == "q6k"
+        _q6k_matrix(40 + i, 512, seed=i, kind=kinds[f])
+        if f in kinds
         else quant.quantize(rng.standard_normal((33 + i, 512)).astype(np.float32), f)
         for i, f in enumerate(formats)
     ]

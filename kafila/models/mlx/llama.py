@@ -24,6 +24,7 @@ from kafila.models.manifest import (
     EMBED,
     FINAL_NORM,
     GROUP,
+    HIGH,
     LM_HEAD,
     MINS,
     QUANT_FORMATS,
@@ -39,8 +40,8 @@ log = get_logger(__name__)
 @dataclass
 class Packed:
     """A packed matrix [out, in] in MLX's affine layout (w = scale * u + bias per group of 32, u
-    unsigned, `bits` per value packed into uint32 words low bits first): q4 is ours as it is
-    (scale, min); int8's signed q becomes u = q + 128 with bias -128 scale."""
+    unsigned, `bits` per value packed into uint32 words low bits first): q4 and q5 are ours as they
+    are (scale, min); int8's signed q becomes u = q + 128 with bias -128 scale."""
 
     wq: mx.array  # uint32 [out, in * bits / 32]
     scales: mx.array  # [out, in / 32]
@@ -49,11 +50,13 @@ class Packed:
 
     @classmethod
     def of(cls, p: formats.Packed, dtype: mx.Dtype) -> Packed:
-        bits = 4 if p.fmt == "q4" else 8
+        bits = {"q4": 4, "q5": 5}.get(p.fmt, 8)
         u = formats.levels(p).astype(np.uint32) + (128 if p.fmt == "int8" else 0)  # [out, in]
-        per = 32 // bits
-        u = u.reshape(u.shape[0], -1, per) << (np.arange(per, dtype=np.uint32) * bits)
-        words = np.bitwise_or.reduce(u, axis=2)  # [out, in / per]
+        stream = (u[..., None] >> np.arange(bits, dtype=np.uint32)) & 1  # [out, in, bits]: a bit stream
+        packed = np.packbits(stream.astype(np.uint8).reshape(u.shape[0], -1), axis=1, bitorder="little")
+        words = np.ascontiguousarray(packed).view(
+            "<u4"
+        )  # [out, in * bits / 32], value i at bits 5 i.. for q5
         scales = p.scales.astype(np.float32)
         biases = p.mins.astype(np.float32) if p.mins is not None else -128 * scales
         return cls(mx.array(words), mx.array(scales).astype(dtype), mx.array(biases).astype(dtype), bits)
@@ -83,12 +86,16 @@ class Stacked:
 
 def _rows_stacked(parts: list[formats.Packed]) -> formats.Packed:
     """Packed matrices of one format stacked by rows."""
-    mins = None if parts[0].mins is None else np.concatenate([p.mins for p in parts if p.mins is not None])
+
+    def cat(arrays: list[np.ndarray | None]) -> np.ndarray | None:
+        return None if arrays[0] is None else np.concatenate([a for a in arrays if a is not None])
+
     return formats.Packed(
         parts[0].fmt,
         np.concatenate([p.data for p in parts]),
         np.concatenate([p.scales for p in parts]),
-        mins,
+        cat([p.mins for p in parts]),
+        cat([p.high for p in parts]),
     )
 
 
@@ -195,11 +202,9 @@ class LlamaModel:
     def _stored(self, weights: Mapping[str, mx.array], name: str) -> formats.Packed:
         """Packed matrix `name` as the checkpoint stores it."""
         base = name.removesuffix("weight")
-        mins = np.array(weights[base + MINS]) if base + MINS in weights else None
-        data = np.array(weights[name])
-        return formats.from_entries(
-            formats.format_of(data, mins), data, np.array(weights[base + SCALES]), mins
-        )
+        mins, high = (np.array(weights[base + n]) if base + n in weights else None for n in (MINS, HIGH))
+        data, scales = np.array(weights[name]), np.array(weights[base + SCALES])
+        return formats.from_entries(formats.format_of(data, mins, high), data, scales, mins, high)
 
     def _packed(self, weights: Mapping[str, mx.array], name: str) -> formats.Packed:
         """Matrix `name` packed as MLX holds it: as stored, except q6k (a scale per 16 inputs, where

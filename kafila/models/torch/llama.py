@@ -30,6 +30,7 @@ from kafila.models.config import ModelConfig
 from kafila.models.manifest import (
     EMBED,
     FINAL_NORM,
+    HIGH,
     LM_HEAD,
     MINS,
     QUANT_FORMATS,
@@ -282,9 +283,11 @@ class LlamaModel:
         """Matrix `name` packed: as stored, or a float one packed in its format (on the CPU)."""
         base = name.removesuffix("weight")
         if base + SCALES in weights:
-            mins = weights[base + MINS].to(self.device) if base + MINS in weights else None
+            mins, high = (
+                weights[base + n].to(self.device) if base + n in weights else None for n in (MINS, HIGH)
+            )
             data, scales = weights[name].to(self.device), weights[base + SCALES].to(self.device)
-            return PackedLinear.of_entries(data, scales, mins)
+            return PackedLinear.of_entries(data, scales, mins, high)
         t = weights[name].cpu()  # [out, in]; bf16 as its bits, widened chunk by chunk by quantize
         w = t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.float().numpy()
         return PackedLinear.from_packed(formats.quantize(w, linear_format(name, self.quant)), self.device)

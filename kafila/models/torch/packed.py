@@ -42,14 +42,15 @@ def kernels_available() -> bool:
 @dataclass
 class PackedLinear:
     """y = x W^T + b for W [out, in] packed: `data` int8 [out, in] or uint8 [out, in/2], `scales`
-    (and for q4 `mins`) float16 [out, groups]; q6k: `data` uint8 [out, in/256 * 208], `scales`
-    float16 [out, in/256]."""
+    (and for q4 and q5 `mins`) float16 [out, groups], for q5 `high` uint8 [out, in/8]; q6k:
+    `data` uint8 [out, in/256 * 208], `scales` float16 [out, in/256]."""
 
     fmt: str
     data: Tensor
     scales: Tensor
     mins: Tensor | None = None
     bias: Tensor | None = None  # [out], compute dtype
+    high: Tensor | None = None  # q5's fifth bits, uint8 [out, in/8]
     # the CPU kernel rounds x to int8 groups for this matrix whatever its format (quant_cpu.INT_DOT;
     # the head: LlamaModel); else as `decode_cpu.block_step` does (quant_cpu.prepare)
     round_x: bool = False
@@ -57,14 +58,20 @@ class PackedLinear:
 
     @classmethod
     def from_packed(cls, p: quant.Packed, device: torch.device) -> PackedLinear:
-        mins = None if p.mins is None else torch.from_numpy(p.mins).to(device)
-        return cls(p.fmt, torch.from_numpy(p.data).to(device), torch.from_numpy(p.scales).to(device), mins)
+        def tensor(a: np.ndarray | None) -> Tensor | None:
+            return None if a is None else torch.from_numpy(a).to(device)
+
+        data, scales = torch.from_numpy(p.data).to(device), torch.from_numpy(p.scales).to(device)
+        return cls(p.fmt, data, scales, tensor(p.mins), high=tensor(p.high))
 
     @classmethod
-    def of_entries(cls, data: Tensor, scales: Tensor, mins: Tensor | None) -> PackedLinear:
+    def of_entries(
+        cls, data: Tensor, scales: Tensor, mins: Tensor | None, high: Tensor | None = None
+    ) -> PackedLinear:
         """A checkpoint's stored entries, in the format they are (quant.format_of)."""
-        fmt = "q4" if mins is not None else "q6k" if data.dtype == torch.uint8 else "int8"
-        return cls(fmt, data, scales, mins)
+        u8 = data.dtype == torch.uint8
+        fmt = "q5" if high is not None else "q4" if mins is not None else "q6k" if u8 else "int8"
+        return cls(fmt, data, scales, mins, high=high)
 
     @classmethod
     def stack(cls, parts: list[PackedLinear]) -> PackedLinear | StackedLinear:
@@ -81,12 +88,16 @@ class PackedLinear:
             return StackedLinear([cls.stack(run) for run in runs])  # type: ignore[misc]
         if len(parts) == 1:
             return parts[0]
-        mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts if p.mins is not None])
+
+        def cat(ts: list[Tensor | None]) -> Tensor | None:
+            return None if ts[0] is None else torch.cat([t for t in ts if t is not None])
+
         return cls(
             parts[0].fmt,
             torch.cat([p.data for p in parts]),
             torch.cat([p.scales for p in parts]),
-            mins,
+            cat([p.mins for p in parts]),
+            high=cat([p.high for p in parts]),
         )
 
     @property
@@ -95,10 +106,12 @@ class PackedLinear:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.mins) if t is not None)
+        parts = (self.data, self.scales, self.mins, self.high)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def arrays(self) -> tuple[np.ndarray, ...]:
-        """numpy views for quant_cpu: (data, scale bits) or (data, scale bits, min bits)."""
+        """numpy views for quant_cpu: (data, scale bits), (data, scale bits, min bits), or for q5
+        (data, scale bits, min bits, high)."""
 
         def bits(t: Tensor) -> np.ndarray:
             return t.view(torch.int16).numpy().view(np.uint16)
@@ -106,6 +119,8 @@ class PackedLinear:
         parts = [self.data.numpy(), bits(self.scales)]
         if self.mins is not None:
             parts.append(bits(self.mins))
+        if self.high is not None:
+            parts.append(self.high.numpy())
         return tuple(parts)
 
     def dequantized(self, rows: Tensor | slice, dtype: torch.dtype) -> Tensor:
@@ -114,9 +129,13 @@ class PackedLinear:
         r = data.shape[0]
         if self.fmt == "q6k":
             return _q6k_rows(data, scales).to(dtype)
-        if self.fmt == "q4":
+        if self.fmt in ("q4", "q5"):
             b = data.view(r, -1, GROUP // 2)  # [R, groups, 16]
             q = torch.cat([b & 15, b >> 4], dim=2).float()  # [R, groups, 32]
+            if self.high is not None:  # q5: bit j % 8 of byte j / 8 is entry j's fifth
+                at = torch.arange(8, dtype=torch.uint8, device=data.device)
+                h = (self.high[rows][..., None] >> at) & 1  # [R, in/8, 8]
+                q += 16 * h.view(r, -1, GROUP).float()
         else:
             q = data.view(r, -1, GROUP).float()
         w = q * scales[..., None]

@@ -52,6 +52,23 @@ _I32 = ir.IntType(32)
 QTILE = 32  # output rows per parallel task (a multiple of 4)
 
 
+def _fifth_bits(
+    builder: ir.IRBuilder, high_row: ir.Value, g: ir.Value, intp: ir.Type, n: int, first: int
+) -> ir.Value:
+    """q5's fifth bits of entries first .. first + n - 1 of group g as <n x i8> of 0 or 16, from the
+    row's `high` bytes (i8*; group g's four at 4 g: bit j % 8 of byte j / 8 is entry j's)."""
+    v4 = ir.VectorType(_I8, 4)
+    four = builder.load(
+        builder.bitcast(builder.gep(high_row, [builder.mul(g, intp(4))]), v4.as_pointer()), align=1
+    )
+    picks = [(first + i) // 8 for i in range(n)]
+    spread = builder.shuffle_vector(four, four, ir.Constant(ir.VectorType(_I32, n), picks))
+    vn = ir.VectorType(_I8, n)
+    mask = ir.Constant(vn, [1 << ((first + i) % 8) for i in range(n)])
+    on = builder.icmp_unsigned("!=", builder.and_(spread, mask), ir.Constant(vn, [0] * n))
+    return builder.select(on, ir.Constant(vn, [16] * n), ir.Constant(vn, [0] * n))
+
+
 def _fused_dot(nr: int, mode: str):  # type: ignore[no-untyped-def]
     """A compiled intrinsic `dot(x, r, data, scales, mins, o0, o1, o2, o3, ys, ws)`: ys[r + a, b]
     = x[r + a] . W[o_b] for a < nr and four packed weight rows o_b, in one pass over the groups.
@@ -65,15 +82,17 @@ def _fused_dot(nr: int, mode: str):  # type: ignore[no-untyped-def]
     ws (an earlier pass's): the same values, the same additions, the same bits."""
 
     @intrinsic
-    def dot(typingctx, x, r, data, scales, mins, o0, o1, o2, o3, ys, wsbuf):  # type: ignore[no-untyped-def]
-        q4 = data.dtype == types.uint8  # q4 packs two values a byte; int8 is int8 (mins unused)
+    def dot(typingctx, x, r, data, scales, mins, high, o0, o1, o2, o3, ys, wsbuf):  # type: ignore[no-untyped-def]
+        q4 = data.dtype == types.uint8  # q4 (and q5) pack two values a byte; int8 is int8 (mins unused)
+        q5 = high.dtype == types.uint8  # q5: `high` holds the fifth bits (else it is any unused array)
 
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
             arr = [
-                context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 3, 4, 9, 10)
+                context.make_array(signature.args[i])(context, builder, args[i])
+                for i in (0, 2, 3, 4, 10, 11, 5)
             ]
-            xa, da, sa, ma, ya, wa = arr
-            r0, outs = args[1], args[5:9]
+            xa, da, sa, ma, ya, wa, ha = arr
+            r0, outs = args[1], args[6:10]
             intp = r0.type
             k = builder.extract_value(xa.shape, 1)
             dcols = builder.extract_value(da.shape, 1)
@@ -125,8 +144,13 @@ def _fused_dot(nr: int, mode: str):  # type: ignore[no-untyped-def]
                     if q4:
                         m = splat(half(ma, o, g))
                         raw = builder.load(builder.bitcast(src, v8.as_pointer()), align=1)
-                        ql = builder.uitofp(builder.and_(raw, ir.Constant(v8, [15] * HALF)), _V)
-                        qh = builder.uitofp(builder.lshr(raw, ir.Constant(v8, [4] * HALF)), _V)
+                        lo = builder.and_(raw, ir.Constant(v8, [15] * HALF))
+                        hi = builder.lshr(raw, ir.Constant(v8, [4] * HALF))
+                        if q5:
+                            hrow = builder.gep(ha.data, [builder.mul(o, builder.extract_value(ha.shape, 1))])
+                            lo = builder.or_(lo, _fifth_bits(builder, hrow, g, intp, HALF, 0))
+                            hi = builder.or_(hi, _fifth_bits(builder, hrow, g, intp, HALF, HALF))
+                        ql, qh = builder.uitofp(lo, _V), builder.uitofp(hi, _V)
                         ws = [builder.fadd(builder.fmul(q, d), m) for q in (ql, qh)]
                     else:
                         raws = [
@@ -158,7 +182,7 @@ def _fused_dot(nr: int, mode: str):  # type: ignore[no-untyped-def]
                     builder.store(builder.extract_element(v, _I32(0)), builder.gep(yrow, [intp(b)]))
             return context.get_dummy_value()
 
-        return types.void(x, r, data, scales, mins, o0, o1, o2, o3, ys, wsbuf), codegen
+        return types.void(x, r, data, scales, mins, high, o0, o1, o2, o3, ys, wsbuf), codegen
 
     return dot
 
@@ -176,10 +200,17 @@ FIRST = 4 if VF == 16 else 3
 
 @njit(cache=True, nogil=True, boundscheck=False, fastmath=False)
 def packed_tile(  # pragma: no cover (compiled)
-    x: np.ndarray, data: np.ndarray, scales: np.ndarray, mins: np.ndarray, y: np.ndarray, t: int
+    x: np.ndarray,
+    data: np.ndarray,
+    scales: np.ndarray,
+    mins: np.ndarray,
+    high: np.ndarray,
+    y: np.ndarray,
+    t: int,
 ) -> None:
-    """Rows [t QTILE, (t + 1) QTILE) of y [N, out] = x [N, in] W^T, W q4 (data uint8) or int8
-    (data int8, `mins` unused), four weight rows at a time: the first pass (up to FIRST x rows)
+    """Rows [t QTILE, (t + 1) QTILE) of y [N, out] = x [N, in] W^T, W q4 (data uint8), q5 (q4's
+    and `high` uint8) or int8 (data int8, `mins` unused; `high` unused where it is not uint8),
+    four weight rows at a time: the first pass (up to FIRST x rows)
     decodes them from the packed bytes in registers, and where more rows follow keeps the decoded
     rows in ws (L1) for the later passes of three."""
     n = x.shape[0]
@@ -189,25 +220,25 @@ def packed_tile(  # pragma: no cover (compiled)
     for o in range(t * QTILE, min(out, (t + 1) * QTILE), 4):
         o1, o2, o3 = min(o + 1, out - 1), min(o + 2, out - 1), min(o + 3, out - 1)
         if n == 1:
-            d1(x, 0, data, scales, mins, o, o1, o2, o3, ys, ws)
+            d1(x, 0, data, scales, mins, high, o, o1, o2, o3, ys, ws)
         elif n == 2:
-            d2(x, 0, data, scales, mins, o, o1, o2, o3, ys, ws)
+            d2(x, 0, data, scales, mins, high, o, o1, o2, o3, ys, ws)
         elif n == 3:
-            d3(x, 0, data, scales, mins, o, o1, o2, o3, ys, ws)
+            d3(x, 0, data, scales, mins, high, o, o1, o2, o3, ys, ws)
         elif n == 4 and FIRST == 4:
-            d4(x, 0, data, scales, mins, o, o1, o2, o3, ys, ws)
+            d4(x, 0, data, scales, mins, high, o, o1, o2, o3, ys, ws)
         elif FIRST == 4:
-            k4(x, 0, data, scales, mins, o, o1, o2, o3, ys, ws)
+            k4(x, 0, data, scales, mins, high, o, o1, o2, o3, ys, ws)
         else:
-            k3(x, 0, data, scales, mins, o, o1, o2, o3, ys, ws)
+            k3(x, 0, data, scales, mins, high, o, o1, o2, o3, ys, ws)
         r = min(n, FIRST)
         while n - r >= 3:
-            ld3(x, r, data, scales, mins, o, o1, o2, o3, ys, ws)
+            ld3(x, r, data, scales, mins, high, o, o1, o2, o3, ys, ws)
             r += 3
         if n - r == 2:
-            ld2(x, r, data, scales, mins, o, o1, o2, o3, ys, ws)
+            ld2(x, r, data, scales, mins, high, o, o1, o2, o3, ys, ws)
         elif n - r == 1:
-            ld1(x, r, data, scales, mins, o, o1, o2, o3, ys, ws)
+            ld1(x, r, data, scales, mins, high, o, o1, o2, o3, ys, ws)
         for b in range(min(4, out - o)):
             for rr in range(n):
                 y[rr, o + b] = ys[rr, b]
@@ -333,18 +364,19 @@ def _int_dot(nr: int):  # type: ignore[no-untyped-def]
     The weight rows of the quadruple two ahead are prefetched, one hint per cache line."""
 
     @intrinsic
-    def dot(typingctx, qx, dx, sx, xc, r, data, scales, mins, o0, o1, o2, o3, ys):  # type: ignore[no-untyped-def]
+    def dot(typingctx, qx, dx, sx, xc, r, data, scales, mins, high, o0, o1, o2, o3, ys):  # type: ignore[no-untyped-def]
         q4 = data.dtype == types.uint8
+        q5 = high.dtype == types.uint8  # q4's nibbles and their fifth bits
         wide = qx.dtype == types.int16  # int8 weights by x rounded to int16: vpdpwssd, 16 lanes
         lanes = 16 if wide else 8
         vf, vi = ir.VectorType(_F32, lanes), ir.VectorType(_I32, lanes)
 
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            qa, da_x, sa_x, ca, wd, ws_, wm, ya = (
+            qa, da_x, sa_x, ca, wd, ws_, wm, wh, ya = (
                 context.make_array(signature.args[i])(context, builder, args[i])
-                for i in (0, 1, 2, 3, 5, 6, 7, 12)
+                for i in (0, 1, 2, 3, 5, 6, 7, 8, 13)
             )
-            r0, outs = args[4], args[8:12]  # the last quadruple repeats row out - 1 past the end
+            r0, outs = args[4], args[9:13]  # the last quadruple repeats row out - 1 past the end
             intp = r0.type
             k = builder.extract_value(qa.shape, 1)
             dcols = builder.extract_value(wd.shape, 1)
@@ -377,6 +409,8 @@ def _int_dot(nr: int):  # type: ignore[no-untyped-def]
             wrows = [base(wd, ob, dcols, i8p) for ob in outs]
             scale_rows = [base(ws_, ob, groups, i16p) for ob in outs]
             min_rows = [base(wm, ob, groups, i16p) for ob in outs]
+            if q5:
+                high_rows = [base(wh, ob, builder.extract_value(wh.shape, 1), i8p) for ob in outs]
             ahead = builder.mul(dcols, intp(8))  # the same group of the rows two quadruples on
 
             def load(p: ir.Value, t: ir.Type, align: int) -> ir.Value:
@@ -415,6 +449,8 @@ def _int_dot(nr: int):  # type: ignore[no-untyped-def]
                         w = builder.shuffle_vector(
                             lo, hi, ir.Constant(ir.VectorType(_I32, GROUP), list(range(GROUP)))
                         )
+                        if q5:
+                            w = builder.or_(w, _fifth_bits(builder, high_rows[b], g, intp, GROUP, 0))
                     elif wide:
                         w = builder.sext(load(src, _V32B, 1), ir.VectorType(ir.IntType(16), GROUP))
                     else:
@@ -472,7 +508,7 @@ def _int_dot(nr: int):  # type: ignore[no-untyped-def]
                     builder.store(total, builder.gep(yrow, [intp(b)]))
             return context.get_dummy_value()
 
-        return types.void(qx, dx, sx, xc, r, data, scales, mins, o0, o1, o2, o3, ys), codegen
+        return types.void(qx, dx, sx, xc, r, data, scales, mins, high, o0, o1, o2, o3, ys), codegen
 
     return dot
 
@@ -492,12 +528,13 @@ def int_tile(  # pragma: no cover (compiled)
     data: np.ndarray,
     scales: np.ndarray,
     mins: np.ndarray,
+    high: np.ndarray,
     y: np.ndarray,
     t: int,
 ) -> None:
     """Rows [t QTILE, (t + 1) QTILE) of y [N, out] = x W^T from x as `quantize_rows` gives it,
     four weight rows at a time, in passes of up to four x rows (later passes find the packed rows
-    in L1)."""
+    in L1); `high` as packed_tile's."""
     n = qx.shape[0]
     out = data.shape[0]
     ys = np.empty((n, 4), np.float32)
@@ -505,14 +542,14 @@ def int_tile(  # pragma: no cover (compiled)
         o1, o2, o3 = min(o + 1, out - 1), min(o + 2, out - 1), min(o + 3, out - 1)
         r = 0
         while n - r >= 4:
-            i4(qx, dx, sx, xc, r, data, scales, mins, o, o1, o2, o3, ys)
+            i4(qx, dx, sx, xc, r, data, scales, mins, high, o, o1, o2, o3, ys)
             r += 4
         if n - r == 3:
-            i3(qx, dx, sx, xc, r, data, scales, mins, o, o1, o2, o3, ys)
+            i3(qx, dx, sx, xc, r, data, scales, mins, high, o, o1, o2, o3, ys)
         elif n - r == 2:
-            i2(qx, dx, sx, xc, r, data, scales, mins, o, o1, o2, o3, ys)
+            i2(qx, dx, sx, xc, r, data, scales, mins, high, o, o1, o2, o3, ys)
         elif n - r == 1:
-            i1(qx, dx, sx, xc, r, data, scales, mins, o, o1, o2, o3, ys)
+            i1(qx, dx, sx, xc, r, data, scales, mins, high, o, o1, o2, o3, ys)
         for b in range(min(4, out - o)):
             for rr in range(n):
                 y[rr, o + b] = ys[rr, b]
@@ -782,12 +819,19 @@ STACK = 9  # `_packed`'s kind of a stacked weight: a tuple of 2 or 3 packed tupl
 
 
 def _packed(w) -> int:  # type: ignore[no-untyped-def]
-    """0 for a float weight array, 2 for an int8 tuple, 3 for a q4 tuple, 6 for a q6k tuple (uint8
-    data and d), STACK for a tuple of 2 or 3 of those, -1 otherwise."""
+    """0 for a float weight array, 2 for an int8 tuple, 3 for a q4 tuple, 5 for a q5 tuple (q4's and
+    the high bits), 6 for a q6k tuple (uint8 data and d), STACK for a tuple of 2 or 3 of those, -1
+    otherwise."""
     if isinstance(w, types.Array):
         return 0
-    if isinstance(w, types.BaseTuple) and len(w) in (2, 3) and all(_packed(p) in (2, 3, 6) for p in w.types):
+    if (
+        isinstance(w, types.BaseTuple)
+        and len(w) in (2, 3)
+        and all(_packed(p) in (2, 3, 5, 6) for p in w.types)
+    ):
         return STACK
+    if isinstance(w, types.BaseTuple) and len(w) == 4 and all(isinstance(a, types.Array) for a in w.types):
+        return 5
     if isinstance(w, types.BaseTuple) and len(w) in (2, 3):
         return 6 if len(w) == 2 and w.types[0].dtype == types.uint8 else len(w)
     return -1
@@ -817,21 +861,25 @@ def _tile(x, w, y, t):  # type: ignore[no-untyped-def]  # pragma: no cover (comp
     if kind == 6:
         return lambda x, w, y, t: q6k_float_tile(x, w[0], w[1], y, t)
     if isinstance(x, types.BaseTuple):  # quantize_rows' output: the integer path
-        if kind == 2:
-            return lambda x, w, y, t: int_tile(x[0], x[1], x[2], x[3], w[0], w[1], w[1], y, t)
+        if kind == 2:  # (scales stand in for the unused mins and high)
+            return lambda x, w, y, t: int_tile(x[0], x[1], x[2], x[3], w[0], w[1], w[1], w[1], y, t)
         if kind == 3:
-            return lambda x, w, y, t: int_tile(x[0], x[1], x[2], x[3], w[0], w[1], w[2], y, t)
+            return lambda x, w, y, t: int_tile(x[0], x[1], x[2], x[3], w[0], w[1], w[2], w[1], y, t)
+        if kind == 5:
+            return lambda x, w, y, t: int_tile(x[0], x[1], x[2], x[3], w[0], w[1], w[2], w[3], y, t)
         return None
     if kind == 2:
-        return lambda x, w, y, t: packed_tile(x, w[0], w[1], w[1], y, t)
+        return lambda x, w, y, t: packed_tile(x, w[0], w[1], w[1], w[1], y, t)
     if kind == 3:
-        return lambda x, w, y, t: packed_tile(x, w[0], w[1], w[2], y, t)
+        return lambda x, w, y, t: packed_tile(x, w[0], w[1], w[2], w[1], y, t)
+    if kind == 5:
+        return lambda x, w, y, t: packed_tile(x, w[0], w[1], w[2], w[3], y, t)
     return None
 
 
 @overload(prepare)
 def _prepare(x, w):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
-    if _packed(w) in (3, 6) and INT_DOT:  # q4, q6k: x rounded to int8
+    if _packed(w) in (3, 5, 6) and INT_DOT:  # q4, q5, q6k: x rounded to int8
         return lambda x, w: quantize_rows(x)
     if _packed(w) == 2 and INT_DOT:  # int8: to int16 (docs/engine-quant.md says why)
         return lambda x, w: quantize_rows16(x)
@@ -861,7 +909,7 @@ def _cols_of(w):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
         return lambda w: w.shape[1]
     if kind == 2:
         return lambda w: w[0].shape[1]
-    if kind == 3:
+    if kind in (3, 5):
         return lambda w: w[0].shape[1] * 2
     if kind == 6:
         return lambda w: w[0].shape[1] // Q6K_BYTES * SUPER
@@ -948,7 +996,8 @@ def warm_up() -> None:
     scales = np.zeros((2, 1), np.uint16)
     q6k = (np.zeros((2, Q6K_BYTES), np.uint8), np.zeros((2, 1), np.uint16))
     x6 = np.ones((1, SUPER), np.float32)
-    for w in ((np.zeros((2, GROUP), np.int8), scales), (np.zeros((2, HALF), np.uint8), scales, scales)):
+    q4 = (np.zeros((2, HALF), np.uint8), scales, scales)
+    for w in ((np.zeros((2, GROUP), np.int8), scales), q4, (*q4, np.zeros((2, GROUP // 8), np.uint8))):
         product(x, w, y)
         float_product(x, w, y)
         if INT_DOT:
