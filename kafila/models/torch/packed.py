@@ -1,4 +1,4 @@
-"""A packed weight matrix (int8, q4, q6k; kafila.models.quant) as torch tensors, and its product.
+"""A packed weight matrix (int8, q4, q5, q6k; kafila.models.quant) as torch tensors, and its product.
 
 On the CPU with numba, products of up to `KERNEL_ROWS` rows run quant_cpu's kernel (each packed
 byte read once per call for every row, decoded in registers); on CUDA, q4 products run torch's

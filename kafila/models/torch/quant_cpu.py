@@ -1,4 +1,4 @@
-"""Few-row products with packed weights (int8, q4, q6k) on the CPU, compiled by numba.
+"""Few-row products with packed weights (int8, q4, q5, q6k) on the CPU, compiled by numba.
 
 `tile(x, w, y, t)` computes output rows [t * QTILE, (t + 1) * QTILE) of y = x W^T for x [N, in]
 float32, reading each packed weight byte once per call for all N rows: four weight rows at a time,
@@ -12,7 +12,8 @@ through these generic `prepare`/`tiles`/`tile`/`rows_of`/`cols_of`: `prepare(x, 
 its x, the float rows, or for q4 on a CPU with AVX-512 VNNI (`INT_DOT`) the rows rounded to int8
 groups (`quantize_rows`), which `tile` then multiplies as integers (`int_tile`, the section
 "integer dot products" below: llama.cpp's way, 2-4x fewer instructions per weight byte). A q6k
-weight (a GGUF's Q6_K as stored: (data uint8, d bits)) has kernels of its own (the section "q6k").
+weight (a GGUF's Q6_K as stored: (data uint8, d bits)) has kernels of its own (the section "q6k");
+a q5 one (q4's arrays and its fifth bits, `high`) takes q4's, the bits or'ed into the levels.
 `product` runs a whole product that way; `float_product` with x in floats, `rounded_product` with
 x rounded to int8 for any format (the head: PackedLinear.round_x). int8 weights take x rounded to
 int16 (`quantize_rows16`, `vpdpwssd`): rounding it to int8 changed the default model's answer.
