@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kafila.models.manifest import GROUP
-from kafila.models.quant import Packed, dequantize, from_ggml, quantize
+from kafila.models.manifest import GROUP, SUPER
+from kafila.models.quant import Packed, dequantize, from_ggml, quantize, stacked
 
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
@@ -64,7 +64,7 @@ BLOCK_BYTES = {
     Q5_1: 24,
     Q8_0: 34,
 }  # bytes per block of 32 of the repacked types
-Q4_K_BYTES, SUPER = 144, 256  # a Q4_K block: d, dmin (float16), 12 bytes of 6-bit scales, 128 of nibbles
+Q4_K_BYTES = 144  # a Q4_K block: d, dmin (float16), 12 bytes of 6-bit scales, 128 of nibbles
 Q5_K_BYTES = 176  # a Q5_K block: Q4_K's with 32 bytes of high bits between the scales and the nibbles
 Q6_K_BYTES = 210  # a Q6_K block: 128 bytes of low nibbles, 64 of high bits, 16 int8 scales, d (float16)
 REQUANT_ROWS = 1024  # rows widened and requantized at once (the float temporaries stay a few MB)
@@ -210,7 +210,8 @@ def repack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], fmt: str) ->
         else:
             mins = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16).reshape(out, -1)
         if not np.isfinite(mins).all():
-            raise ValueError(f"a Q5_0 scale in [{out}, {cols}] is too large for an exact q5 minimum")
+            kind = type_name(ggml_type)
+            raise ValueError(f"a {kind} scale in [{out}, {cols}] is too large for a q5 minimum")
         data = np.ascontiguousarray(nibbles).reshape(out, cols // 2)
         return Packed("q5", data, d, mins, np.ascontiguousarray(high).reshape(out, cols // 8))
     bits = ((np.ascontiguousarray(high).view("<u4") >> np.arange(GROUP, dtype=np.uint32)) & 1).astype(
@@ -242,17 +243,7 @@ def _k_rows(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> Packed:
         _k(rows[a : a + REQUANT_ROWS], ggml_type, (min(REQUANT_ROWS, out - a), cols))
         for a in range(0, out, REQUANT_ROWS)
     ]
-
-    def joined(arrays: list[np.ndarray | None]) -> np.ndarray | None:
-        return None if arrays[0] is None else np.concatenate(arrays)  # type: ignore[arg-type]
-
-    return Packed(
-        parts[0].fmt,
-        np.concatenate([p.data for p in parts]),
-        np.concatenate([p.scales for p in parts]),
-        joined([p.mins for p in parts]),
-        joined([p.high for p in parts]),
-    )
+    return stacked(parts)
 
 
 def _k(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> Packed:

@@ -68,9 +68,8 @@ HIGH = "high"  # q5's sibling `X.high`: the fifth bit of each weight
 SIBLINGS = (SCALES, MINS, HIGH)
 PACKED_DTYPES = {"int8": "I8", "q4": "U8", "q6k": "U8", "q5": "U8"}
 SUPER = 256  # inputs per q6k super-block (llama.cpp's QK_K)
-Q6K_BYTES = (
-    208  # a q6k super-block's bytes besides its float16 scale: 128 low nibbles, 64 high bits, 16 sub-scales
-)
+# a q6k super-block's bytes besides its float16 scale: 128 low nibbles, 64 high bits, 16 sub-scales
+Q6K_BYTES = 208
 NP_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "I8": "i1", "U8": "u1"}  # numpy's, of each
 
 EMBED = "model.embed_tokens.weight"

@@ -88,6 +88,21 @@ class Packed:
         )
 
 
+def stacked(parts: list[Packed]) -> Packed:
+    """Packed matrices of one format stacked by rows (packed rows are independent)."""
+
+    def cat(arrays: list[np.ndarray | None]) -> np.ndarray | None:
+        return None if arrays[0] is None else np.concatenate([a for a in arrays if a is not None])
+
+    return Packed(
+        parts[0].fmt,
+        np.concatenate([p.data for p in parts]),
+        np.concatenate([p.scales for p in parts]),
+        cat([p.mins for p in parts]),
+        cat([p.high for p in parts]),
+    )
+
+
 def format_of(data: np.ndarray, mins: np.ndarray | None, high: np.ndarray | None = None) -> str:
     """The packed format of stored entries: `data`'s dtype and which siblings are there."""
     return entries_format("U8" if data.dtype == np.uint8 else "I8", mins is not None, high is not None)

@@ -84,21 +84,6 @@ class Stacked:
         return mx.concatenate([p(x) for p in self.parts], axis=-1)
 
 
-def _rows_stacked(parts: list[formats.Packed]) -> formats.Packed:
-    """Packed matrices of one format stacked by rows."""
-
-    def cat(arrays: list[np.ndarray | None]) -> np.ndarray | None:
-        return None if arrays[0] is None else np.concatenate([a for a in arrays if a is not None])
-
-    return formats.Packed(
-        parts[0].fmt,
-        np.concatenate([p.data for p in parts]),
-        np.concatenate([p.scales for p in parts]),
-        cat([p.mins for p in parts]),
-        cat([p.high for p in parts]),
-    )
-
-
 Weight = mx.array | Packed | Stacked
 
 
@@ -193,7 +178,7 @@ class LlamaModel:
                 runs[-1].append(part)
             else:
                 runs.append([part])
-        stacked = [Packed.of(_rows_stacked(run), self.dtype) for run in runs]
+        stacked = [Packed.of(formats.stacked(run), self.dtype) for run in runs]
         return stacked[0] if len(stacked) == 1 else Stacked(stacked)
 
     def _floats(self, weights: Mapping[str, mx.array], names: Sequence[str]) -> mx.array:
