@@ -138,6 +138,7 @@ def write_gguf(
 
 # byte offsets of the float16 scale fields in a block of the K-quants gguf.quants cannot quantize
 K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+SCALE_FIELDS = {**K_SCALES, "Q5_1": (0, 2)}  # where each type's float16 scales lie in its block
 
 
 def _blocks(values: np.ndarray, kind: Any, rng: np.random.Generator) -> np.ndarray:
@@ -157,8 +158,8 @@ def _blocks(values: np.ndarray, kind: Any, rng: np.random.Generator) -> np.ndarr
 
 
 def random_blocks(kind: str, shape: tuple[int, int], rng: np.random.Generator, std: float) -> np.ndarray:
-    """Blocks [rows, row bytes] of K-quant `kind` for a matrix `shape`: random levels and 6/8-bit
-    scales (every byte pattern is a valid block), the float16 scales d (and dmin) drawn from a
+    """Blocks [rows, row bytes] of K-quant (or Q5_1) `kind` for a matrix `shape`: random levels and
+    6/8-bit scales (every byte pattern is a valid block), the float16 scales d (and dmin) drawn from a
     1.5x range and then multiplied together so the values' standard deviation is about `std`."""
     import gguf
 
@@ -166,7 +167,7 @@ def random_blocks(kind: str, shape: tuple[int, int], rng: np.random.Generator, s
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     rows, cols = shape
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    fields = K_SCALES[kind]
+    fields = SCALE_FIELDS[kind]
     draws = [rng.uniform(1.0, 1.5, raw.shape[:2]) for _ in fields]
     for at, d in zip(fields, draws, strict=True):
         raw[..., at : at + 2] = d.astype(np.float16)[..., None].view(np.uint8)
@@ -239,8 +240,8 @@ def served_values(ckpt: Any, name: str) -> np.ndarray:
     if len(names) == 1:
         return array(name).astype(np.float32)
     mins, high = (array(base + n) if base + n in raw else None for n in ("mins", "high"))
-    data = array(name)
-    return dequantize(from_entries(format_of(data, mins, high), data, array(base + "scales"), mins, high))
+    data, scales = array(name), array(base + "scales")
+    return dequantize(from_entries(format_of(data, scales, mins, high), data, scales, mins, high))
 
 
 def float_folder(gguf_file: Path, out: Path, served: Path | None = None) -> Path:

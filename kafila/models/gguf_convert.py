@@ -56,7 +56,7 @@ from kafila.obs.log import get_logger
 
 log = get_logger(__name__)
 
-CONVERTER_VERSION = 3  # a folder made by another version converts again (3: Q6_K, Q5_0/1/K own formats)
+CONVERTER_VERSION = 4  # a folder made by another version converts again (4: Q4_K, Q5_K as stored)
 SOURCE_FILE = "kafila_source.json"
 REQUEST_DEFAULTS = "kafila_request_defaults"  # generation_config.json's key for a model's request defaults
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}

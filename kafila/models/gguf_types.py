@@ -10,13 +10,8 @@ formats (kafila.models.quant: int8, llama.cpp's Q8_0 in another order; q4, its Q
   values q - 8 where the matrix is fused with int8 ones (q, k, v; gate, up).
 - Q5_0 -> q5 with min = -16 d (exact, as Q4_0's), its nibbles and high bits copied.
 - Q5_1 -> q5 (the 16 nibble bytes, 4 bytes of high bits and (d, m) of each block copied).
-- Q4_K -> q4: each sub-block of 32 is a Q4_1 block with scale d * sc and min -dmin * m (6-bit sc
-  and m, float16 d and dmin); its nibbles are copied. The products are rounded to float16: exact
-  where d * sc (dmin * m) has at most 11 significant bits, otherwise within half a float16 unit in
-  the last place of it (a relative 2^-11), so an entry moves by at most 15 of those plus one.
-- Q5_K -> q5 as Q4_K -> q4 (levels up to 31: at most 31 half-units plus one), its high bits
-  gathered into q5's order.
-- Q6_K -> q6k: its blocks as stored (the float16 d split off into the scales entry).
+- Q4_K -> q4k, Q5_K -> q5k, Q6_K -> q6k: their blocks as stored, the float16 d (and dmin) split
+  off into the scales (and mins) entry.
 
 Each kept type dequantizes to the values gguf.quants gives (w = d (q - 8) is computed here as
 d q + (-8 d): the same float32 number; only a zero's sign may differ). The other types have no
@@ -34,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kafila.models.manifest import GROUP, SUPER
-from kafila.models.quant import Packed, dequantize, from_ggml, quantize, stacked
+from kafila.models.quant import Packed, dequantize, from_ggml, quantize
 
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
@@ -48,15 +43,14 @@ FLOATS = {F32: "F32", F16: "F16", BF16: "BF16"}  # ggml type -> safetensors dtyp
 # packed formats a type is served in, the preferred one first (every quantized type can also be
 # requantized to int8)
 PACKED: dict[int, tuple[str, ...]] = {
-    Q8_0: ("int8",), Q4_1: ("q4",), Q4_0: ("q4", "int8"), Q5_0: ("q5", "int8"), Q4_K: ("q4", "int8"),
-    Q5_1: ("q5", "int8"), Q5_K: ("q5", "int8"), Q6_K: ("q6k", "int8"), Q3_K: ("q4", "int8"),
+    Q8_0: ("int8",), Q4_1: ("q4",), Q4_0: ("q4", "int8"), Q5_0: ("q5", "int8"), Q4_K: ("q4k", "int8"),
+    Q5_1: ("q5", "int8"), Q5_K: ("q5k", "int8"), Q6_K: ("q6k", "int8"), Q3_K: ("q4", "int8"),
     Q2_K: ("q4", "int8"),
 }  # fmt: skip
 KEPT = {  # values unchanged
     (Q8_0, "int8"), (Q4_1, "q4"), (Q4_0, "q4"), (Q4_0, "int8"), (Q5_0, "int8"), (Q5_0, "q5"),
-    (Q5_1, "q5"), (Q6_K, "q6k"),
+    (Q5_1, "q5"), (Q4_K, "q4k"), (Q5_K, "q5k"), (Q6_K, "q6k"),
 }  # fmt: skip
-SCALED = {(Q4_K, "q4"), (Q5_K, "q5")}  # levels kept, product scales rounded to float16
 BLOCK_BYTES = {
     Q4_0: 18,
     Q4_1: 20,
@@ -116,11 +110,9 @@ class Requantized:
 
 
 def how(ggml_type: int, fmt: str) -> str:
-    """ "kept" (values unchanged), "scaled" (levels kept, product scales rounded to float16) or
-    "requantized": how a tensor of `ggml_type` is served in packed format `fmt`."""
-    if (ggml_type, fmt) in KEPT:
-        return "kept"
-    return "scaled" if (ggml_type, fmt) in SCALED else "requantized"
+    """ "kept" (values unchanged) or "requantized": how a tensor of `ggml_type` is served in packed
+    format `fmt`."""
+    return "kept" if (ggml_type, fmt) in KEPT else "requantized"
 
 
 def serve(
@@ -179,13 +171,11 @@ def _error(w: np.ndarray, p: Packed) -> Requantized:
 
 def repack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], fmt: str) -> Packed:
     """The blocks (uint8 [out, blocks * block bytes]) of a matrix [out, in] of `ggml_type` in packed
-    format `fmt` where its levels are kept (KEPT: values unchanged; SCALED: see the module)."""
+    format `fmt` where its values are kept (KEPT)."""
     if how(ggml_type, fmt) == "requantized":
         raise ValueError(f"{type_name(ggml_type)} is not served as {fmt} without requantizing")
-    if ggml_type in (Q4_K, Q5_K):
-        return _k_rows(raw, ggml_type, shape)
-    if ggml_type == Q6_K:
-        return _q6_k(raw, shape)
+    if ggml_type in (Q4_K, Q5_K, Q6_K):
+        return _super_blocks(raw, ggml_type, shape)
     if ggml_type in (Q8_0, Q4_1):
         return from_ggml(raw, ggml_type, shape)
     out, cols = shape
@@ -222,74 +212,24 @@ def repack(raw: np.ndarray, ggml_type: int, shape: tuple[int, int], fmt: str) ->
     return Packed("int8", levels.reshape(out, cols), d)
 
 
-def _q6_k(raw: np.ndarray, shape: tuple[int, int]) -> Packed:
-    """A Q6_K matrix as q6k: each block's first 208 bytes as they are, its d (the last two) apart."""
-    out, cols = shape
-    if cols % SUPER:
-        raise ValueError(f"a Q6_K matrix [{out}, {cols}] has rows that are not a multiple of {SUPER}")
-    blocks = np.asarray(raw, dtype=np.uint8).reshape(out, cols // SUPER, Q6_K_BYTES)
-    data = np.ascontiguousarray(blocks[..., : Q6_K_BYTES - 2]).reshape(out, -1)  # [out, n * 208]
-    d = np.ascontiguousarray(blocks[..., Q6_K_BYTES - 2 :]).view(np.float16).reshape(out, -1)  # [out, n]
-    return Packed("q6k", data, d)
-
-
-def _k_rows(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> Packed:
-    """`_k` `REQUANT_ROWS` rows at a time (a large embedding's temporaries stay a few MB)."""
-    out, cols = shape
-    if out <= REQUANT_ROWS:
-        return _k(raw, ggml_type, shape)
-    rows = np.asarray(raw, dtype=np.uint8).reshape(out, -1)
-    parts = [
-        _k(rows[a : a + REQUANT_ROWS], ggml_type, (min(REQUANT_ROWS, out - a), cols))
-        for a in range(0, out, REQUANT_ROWS)
-    ]
-    return stacked(parts)
-
-
-def _k(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> Packed:
-    """A Q4_K (Q5_K) matrix as q4 (q5): sub-block s of a super-block is group s, scale d * sc[s],
-    min -dmin * m[s] (rounded to float16), its 32 nibbles in q4's order (element j low, 16 + j
-    high); Q5_K's high bits (bit s of byte j of its 32 is element j's of sub-block s) in q5's."""
+def _super_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> Packed:
+    """A Q4_K, Q5_K or Q6_K matrix as q4k, q5k or q6k: each block's bytes as they are, its float16
+    d (and dmin) apart: Q6_K's d is its last two bytes, Q4_K's and Q5_K's d and dmin its first four."""
     out, cols = shape
     name = type_name(ggml_type)
     if cols % SUPER:
         raise ValueError(f"a {name} matrix [{out}, {cols}] has rows that are not a multiple of {SUPER}")
-    five = ggml_type == Q5_K
-    blocks = np.asarray(raw, dtype=np.uint8).reshape(out, cols // SUPER, Q5_K_BYTES if five else Q4_K_BYTES)
-    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).astype(np.float32)  # [out, n, 1]
-    dmin = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16).astype(np.float32)
-    sc, m = _scale_min_k4(blocks[..., 4:16])  # [out, n, 8] each
-    scale32, min32 = d * sc, -(dmin * m)  # exact in float32 (11 by 6 bits)
-    with np.errstate(over="ignore"):
-        scales, mins = scale32.astype(np.float16), min32.astype(np.float16)
-    if not (np.isfinite(scales).all() and np.isfinite(mins).all()):
-        worst = float(max(np.abs(scale32).max(), np.abs(min32).max()))
-        raise ValueError(f"a {name} scale in [{out}, {cols}] is {worst:g}, past float16's 65504")
-    # 4 chunks of 32 bytes: byte j's low nibble is entry 64 c + j, its high one 64 c + 32 + j
-    chunks = blocks[..., 48 if five else 16 :].reshape(out, cols // SUPER, 4, 32)
-    groups = np.stack([chunks & 15, chunks >> 4], axis=3)  # [out, n, 4, 2, 32]: group 2 c + h
-    nibbles = groups[..., :16] | (groups[..., 16:] << 4)  # q4: entry j low, 16 + j high
-    high = None
-    if five:  # [out, n, 8, 32] bits: sub-block s's are bit s of the 32 bytes
-        bits = (blocks[..., 16:48, None] >> np.arange(8, dtype=np.uint8)) & 1  # [out, n, 32, 8]
-        high = np.packbits(bits.swapaxes(2, 3), axis=3, bitorder="little").reshape(out, cols // 8)
-    return Packed(
-        "q5" if five else "q4",
-        np.ascontiguousarray(nibbles).reshape(out, cols // 2),
-        scales.reshape(out, cols // GROUP),
-        mins.reshape(out, cols // GROUP),
-        high,
-    )
+    size = {Q4_K: Q4_K_BYTES, Q5_K: Q5_K_BYTES, Q6_K: Q6_K_BYTES}[ggml_type]
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(out, cols // SUPER, size)
 
+    def halves(a: int) -> np.ndarray:  # the float16 at bytes a, a + 1 of each block: [out, n]
+        return np.ascontiguousarray(blocks[..., a : a + 2]).view(np.float16).reshape(out, -1)
 
-def _scale_min_k4(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The eight 6-bit scales and mins of Q4_K/Q5_K's 12 bytes [..., 12] (float32 [..., 8] each):
-    bytes 0-3 hold scales 0-3 (and the high bits of 4-7), 4-7 mins 0-3 (and theirs), 8-11 the low
-    bits of scales and mins 4-7."""
-    s, m, low = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    sc = np.concatenate([s & 63, (low & 15) | ((s >> 2) & 48)], axis=-1)
-    mn = np.concatenate([m & 63, (low >> 4) | ((m >> 2) & 48)], axis=-1)
-    return sc.astype(np.float32), mn.astype(np.float32)
+    if ggml_type == Q6_K:
+        data = np.ascontiguousarray(blocks[..., : size - 2]).reshape(out, -1)  # [out, n * 208]
+        return Packed("q6k", data, halves(size - 2))
+    data = np.ascontiguousarray(blocks[..., 4:]).reshape(out, -1)  # [out, n * (140 | 172)]
+    return Packed("q4k" if ggml_type == Q4_K else "q5k", data, halves(0), halves(2))
 
 
 def widen(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:

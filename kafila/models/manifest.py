@@ -16,13 +16,14 @@ Weight formats (`QUANT_FORMATS`; docs/weights.md): "none" keeps floats; "int8" s
 byte [out, in/2] plus a float16 scale and a float16 minimum per group ([out, in/32] each, Q4_1: 20
 bytes per 32). A packed checkpoint stores them as ordinary safetensors entries `X.weight` (I8 or
 U8), `X.scales` (F16) and, for q4, `X.mins` (F16): a block's bytes are its entries' bytes, exact.
-A third packed format, "q6k", is a matrix format of GGUF files only (llama.cpp's Q6_K, served as
-stored; no session packs floats into it): `X.weight` U8 [out, in/256 * 208] holds each super-block
-of 256 inputs' 6-bit levels and sixteen int8 sub-scales in Q6_K's own order, `X.scales` F16
-[out, in/256] its float16 scale: 210 bytes per 256 weights, the file's bytes. So is "q5" (a GGUF's
-Q5_0, Q5_1 and Q5_K): q4's entries and a fifth bit per weight, `X.high` U8 [out, in/8] (in each
-group of 32, bit j of byte j / 8 is entry j's; llama.cpp's Q5_1 `qh`), w = scale * (q + 16 h) +
-min: 24 bytes per 32 weights.
+The other packed formats are a GGUF file's types served as stored (no session packs floats into
+them; LAYOUTS has each one's entries): "q5" (Q5_0 and Q5_1: q4's entries and a fifth bit per
+weight, `X.high` U8 [out, in/8]: in each group of 32, bit j of byte j / 8 is entry j's, llama.cpp's
+Q5_1 `qh`; w = scale * (q + 16 h) + min: 24 bytes per 32 weights); and the K-quants, super-blocks
+of `SUPER` = 256 inputs whose bytes besides their float16 scale d (`X.scales` [out, in/256]) and,
+for q4k and q5k, minimum dmin (`X.mins`) are `X.weight` U8 [out, in/256 * bytes] in llama.cpp's
+own order: "q6k" (Q6_K, 208 + 2 bytes per 256 weights), "q4k" (Q4_K, 140 + 4), "q5k" (Q5_K,
+172 + 4): the file's bytes (kafila.models.quant has the layouts).
 Policy: the linear layers of the blocks take the session's format; the embedding/unembedding
 matrix is int8 in either quantized format (the default GGUF's own Q8_0 embedding, kept); norms and
 biases stay in the compute dtype. A packed checkpoint (config.json's `quantization_config`, as a
@@ -66,10 +67,39 @@ GROUP = 32  # inputs per scale (and minimum) in both packed formats
 SCALES, MINS = "scales", "mins"  # sibling entries of a packed `X.weight`: `X.scales`, `X.mins`
 HIGH = "high"  # q5's sibling `X.high`: the fifth bit of each weight
 SIBLINGS = (SCALES, MINS, HIGH)
-PACKED_DTYPES = {"int8": "I8", "q4": "U8", "q6k": "U8", "q5": "U8"}
-SUPER = 256  # inputs per q6k super-block (llama.cpp's QK_K)
-# a q6k super-block's bytes besides its float16 scale: 128 low nibbles, 64 high bits, 16 sub-scales
-Q6K_BYTES = 208
+SUPER = 256  # inputs per super-block of the K-quant formats (llama.cpp's QK_K)
+# a super-block's bytes besides its float16 scale (and minimum) in each K-quant format
+Q6K_BYTES = 208  # q6k: 128 low nibbles, 64 bytes of high bits, 16 int8 sub-scales
+Q4K_BYTES = 140  # q4k: 12 bytes of 6-bit sub-scales and sub-minimums, 128 of nibbles
+Q5K_BYTES = 172  # q5k: q4k's 12, 32 bytes of fifth bits, 128 of nibbles
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a packed format stores a matrix [out, in]: `X.weight` of dtype `data` holding
+    `data_bytes` bytes per `per` inputs of a row, `X.scales` F16 one per `per` inputs, with `mins`
+    an `X.mins` F16 the same, with `high` an `X.high` U8 of one bit per input."""
+
+    data: str  # "I8" | "U8"
+    per: int  # inputs per scale
+    data_bytes: int  # `X.weight` bytes per scale
+    mins: bool = False
+    high: bool = False
+
+    def scale_bytes(self) -> int:
+        """Bytes per `per` inputs of a row, every entry counted."""
+        return self.data_bytes + (4 if self.mins else 2) + (self.per // 8 if self.high else 0)
+
+
+LAYOUTS = {
+    "int8": Layout("I8", GROUP, GROUP),
+    "q4": Layout("U8", GROUP, GROUP // 2, mins=True),
+    "q5": Layout("U8", GROUP, GROUP // 2, mins=True, high=True),
+    "q6k": Layout("U8", SUPER, Q6K_BYTES),
+    "q4k": Layout("U8", SUPER, Q4K_BYTES, mins=True),
+    "q5k": Layout("U8", SUPER, Q5K_BYTES, mins=True),
+}
+PACKED_DTYPES = {fmt: layout.data for fmt, layout in LAYOUTS.items()}
 NP_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "I8": "i1", "U8": "u1"}  # numpy's, of each
 
 EMBED = "model.embed_tokens.weight"
@@ -93,26 +123,27 @@ class TensorSpec:
 
 
 def packed_specs(name: str, fmt: str, shape: tuple[int, ...]) -> list[TensorSpec]:
-    """The entries a matrix [out, in] named `name` takes in `fmt` ("int8", "q4", "q6k")."""
+    """The entries a matrix [out, in] named `name` takes in packed format `fmt` (LAYOUTS)."""
     out, cols = shape
-    if cols % (SUPER if fmt == "q6k" else GROUP):
-        raise ValueError(f"{name} [{out}, {cols}]: {fmt} needs inputs in groups of {GROUP}")
-    base = name.removesuffix("weight")
-    if fmt == "q6k":
-        return [
-            TensorSpec(name, "U8", (out, cols // SUPER * Q6K_BYTES)),
-            TensorSpec(base + SCALES, "F16", (out, cols // SUPER)),
-        ]
-    data_cols = cols // 2 if fmt in ("q4", "q5") else cols
+    layout = _layout(fmt)
+    if cols % layout.per:
+        raise ValueError(f"{name} [{out}, {cols}]: {fmt} needs inputs in groups of {layout.per}")
+    base, n = name.removesuffix("weight"), cols // layout.per
     specs = [
-        TensorSpec(name, PACKED_DTYPES[fmt], (out, data_cols)),
-        TensorSpec(base + SCALES, "F16", (out, cols // GROUP)),
+        TensorSpec(name, layout.data, (out, n * layout.data_bytes)),
+        TensorSpec(base + SCALES, "F16", (out, n)),
     ]
-    if fmt in ("q4", "q5"):
-        specs.append(TensorSpec(base + MINS, "F16", (out, cols // GROUP)))
-    if fmt == "q5":
+    if layout.mins:
+        specs.append(TensorSpec(base + MINS, "F16", (out, n)))
+    if layout.high:
         specs.append(TensorSpec(base + HIGH, "U8", (out, cols // 8)))
     return specs
+
+
+def _layout(fmt: str) -> Layout:
+    if fmt not in LAYOUTS:
+        raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(QUANT_FORMATS)}")
+    return LAYOUTS[fmt]
 
 
 @dataclass(frozen=True)
@@ -166,47 +197,42 @@ def matrix_shape(fmt: str, data_shape: tuple[int, ...]) -> tuple[int, int]:
     """The [out, in] a packed `data` array of this shape stands for (two q4 values per byte; q6k's
     208 bytes per 256 inputs)."""
     out, cols = data_shape
-    if fmt == "q6k":
-        return (out, cols // Q6K_BYTES * SUPER)
-    return (out, cols * 2 if fmt in ("q4", "q5") else cols)
+    layout = LAYOUTS[fmt]
+    return (out, cols // layout.data_bytes * layout.per)
 
 
-def entries_format(data_dtype: str, has_mins: bool, has_high: bool = False) -> str:
+def entries_format(data_dtype: str, data_cols: int, scale_cols: int, has_mins: bool, has_high: bool) -> str:
     """The packed format of a matrix whose `X.weight` entry has safetensors dtype `data_dtype` and
-    a `X.scales` sibling, with `X.mins` and `X.high` ones or not: q5 (with high), q4 (U8 with
-    mins), q6k (U8), int8 (I8)."""
-    if has_high:
-        return "q5"
-    if has_mins:
-        return "q4"
-    return "q6k" if data_dtype == "U8" else "int8"
+    `data_cols` columns beside `X.scales` of `scale_cols`, with `X.mins` and `X.high` siblings or
+    not: the LAYOUTS entry they match (data bytes per scale tell q4 from q4k, q5k, q6k)."""
+    per_scale = data_cols // max(scale_cols, 1)
+    for fmt, layout in LAYOUTS.items():
+        if (layout.data, layout.data_bytes, layout.mins, layout.high) == (
+            data_dtype, per_scale, has_mins, has_high
+        ):  # fmt: skip
+            return fmt
+    siblings = "".join(f" + {n}" for n, on in ((MINS, has_mins), (HIGH, has_high)) if on)
+    raise ValueError(
+        f"packed entries {data_dtype} [.., {data_cols}] + scales [.., {scale_cols}]{siblings} "
+        "match no packed format"
+    )
 
 
 def session_format(fmt: str) -> str:
     """The session format (QUANT_FORMATS) a stored matrix format counts as where a checkpoint's
     format is voted: q6k as int8 (signed levels, no minimums; a session of either packed format
-    holds it as stored; q5 as q4)."""
-    return {"q6k": "int8", "q5": "q4"}.get(fmt, fmt)
+    holds it as stored), q5, q4k and q5k as q4."""
+    return {"q6k": "int8", "q5": "q4", "q4k": "q4", "q5k": "q4"}.get(fmt, fmt)
 
 
 def packed_bytes(fmt: str, rows: int, cols: int) -> int:
-    """Bytes of a [rows, cols] matrix in weight format `fmt` ("int8", "q4", "q6k"), scales included."""
-    if fmt == "q6k":
-        if cols % SUPER:
-            raise ValueError(
-                f"a q6k matrix needs inputs in super-blocks of {SUPER}; [{rows}, {cols}] has {cols}"
-            )
-        return rows * (cols // SUPER) * (Q6K_BYTES + 2)
-    if cols % GROUP:
-        raise ValueError(f"a {fmt} matrix needs inputs in groups of {GROUP}; [{rows}, {cols}] has {cols}")
-    groups = rows * (cols // GROUP)
-    if fmt == "int8":
-        return rows * cols + 2 * groups
-    if fmt == "q4":
-        return rows * cols // 2 + 4 * groups
-    if fmt == "q5":
-        return rows * cols // 2 + rows * cols // 8 + 4 * groups
-    raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(QUANT_FORMATS)}")
+    """Bytes of a [rows, cols] matrix in weight format `fmt` (LAYOUTS), scales included."""
+    layout = _layout(fmt)
+    if cols % layout.per:
+        raise ValueError(
+            f"a {fmt} matrix needs inputs in groups of {layout.per}; [{rows}, {cols}] has {cols}"
+        )
+    return rows * (cols // layout.per) * layout.scale_bytes()
 
 
 def is_linear(name: str) -> bool:
@@ -228,13 +254,17 @@ def packed_format(name: str, by_name: dict[str, TensorSpec]) -> str:
     base = name.removesuffix("weight")
     if not name.endswith(".weight") or base + SCALES not in by_name or name not in by_name:
         return "none"
-    return entries_format(by_name[name].dtype, base + MINS in by_name, base + HIGH in by_name)
+    data, scales = by_name[name], by_name[base + SCALES]
+    if len(data.shape) != 2 or len(scales.shape) != 2:
+        return "none"
+    has_mins, has_high = base + MINS in by_name, base + HIGH in by_name
+    return entries_format(data.dtype, data.shape[1], scales.shape[1], has_mins, has_high)
 
 
 def logical_shape(spec: TensorSpec, by_name: dict[str, TensorSpec]) -> tuple[int, ...]:
     """The unpacked shape of `spec` ([out, in] for a q4 matrix stored as [out, in/2])."""
     fmt = packed_format(spec.name, by_name)
-    if fmt in ("q4", "q5", "q6k"):
+    if fmt != "none":
         return matrix_shape(fmt, spec.shape)
     return spec.shape
 

@@ -13,9 +13,17 @@ Formats (kafila.models.manifest: `packed_bytes`, the policy of which matrix take
   (g < 8) takes its low bits from ql[64 (g // 4) + 32 (g % 2) + j] (the high nibble for g % 4 >= 2)
   and its high bits from bits 2 (g % 4) of qh[32 (g // 4) + j], j < 32; inputs 32 g .. 32 g + 15
   have scale sc[2 g], the next 16 sc[2 g + 1]: llama.cpp's layout (`dequantize_row_q6_K`).
-- q5 (a GGUF's Q5_0, Q5_1, Q5_K): q4's `data`, `scales` and `mins` and `high` uint8 [out, in/8], the
+- q5 (a GGUF's Q5_0, Q5_1): q4's `data`, `scales` and `mins` and `high` uint8 [out, in/8], the
   fifth bit of each level (group g's 4 bytes at 4 g: bit j % 8 of byte j / 8 is entry j's, as
   Q5_1's `qh`); w = scale * (q + 16 h) + min, levels in [0, 31].
+- q4k (a GGUF's Q4_K, as stored): `data` uint8 [out, in/256 * 140], `scales` and `mins` float16
+  [out, in/256] (the super-block's d and dmin); w = d * sc[s] * q - dmin * m[s] for q in [0, 15]
+  in sub-block s (0-7) of 32 inputs, sc and m 6-bit. In each super-block's 140 bytes: the 12 bytes
+  of sc and m (`scale_min_k4`), then 4 chunks of 32: byte j of chunk c holds entry 64 c + j (of
+  sub-block 2 c) in its low nibble and entry 64 c + 32 + j (sub-block 2 c + 1) in its high one:
+  llama.cpp's layout (`dequantize_row_q4_K`).
+- q5k (a GGUF's Q5_K, as stored): q4k with 172 bytes a super-block, 32 bytes of fifth bits after
+  the 12 (bit s of byte j is entry 32 s + j's), then the 128 of nibbles; levels in [0, 31].
 
 Packed rows are independent, so a fused matrix (q, k, v rows) is its parts' rows stacked, and a row
 permutation (llama.cpp's q/k order) permutes the packed rows.
@@ -30,6 +38,7 @@ import numpy as np
 from kafila.models.manifest import (
     GROUP,
     HIGH,
+    LAYOUTS,
     MINS,
     PACKED_DTYPES,
     Q6K_BYTES,
@@ -49,10 +58,10 @@ _GGML_BLOCKS = {GGML_Q8_0: ("int8", 34), GGML_Q4_1: ("q4", 20)}
 class Packed:
     """A matrix [out, in] in a packed format (numpy arrays, see the module docstring)."""
 
-    fmt: str  # "int8" | "q4" | "q6k" | "q5"
-    data: np.ndarray  # int8 [out, in] | uint8 [out, in/2] | uint8 [out, in/256 * 208]
-    scales: np.ndarray  # float16 [out, in/32] (q6k: [out, in/256])
-    mins: np.ndarray | None = None  # float16 [out, in/32] (q4, q5)
+    fmt: str  # "int8" | "q4" | "q5" | "q6k" | "q4k" | "q5k"
+    data: np.ndarray  # int8 [out, in] | uint8 [out, in/2] | uint8 [out, in/256 * bytes]
+    scales: np.ndarray  # float16 [out, in/32] (K-quants: [out, in/256])
+    mins: np.ndarray | None = None  # float16 like scales (q4, q5, q4k, q5k)
     high: np.ndarray | None = None  # uint8 [out, in/8] (q5)
 
     @property
@@ -103,9 +112,13 @@ def stacked(parts: list[Packed]) -> Packed:
     )
 
 
-def format_of(data: np.ndarray, mins: np.ndarray | None, high: np.ndarray | None = None) -> str:
-    """The packed format of stored entries: `data`'s dtype and which siblings are there."""
-    return entries_format("U8" if data.dtype == np.uint8 else "I8", mins is not None, high is not None)
+def format_of(
+    data: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, high: np.ndarray | None = None
+) -> str:
+    """The packed format of stored entries: `data`'s dtype, its bytes per scale and which siblings
+    are there."""
+    kind = "U8" if data.dtype == np.uint8 else "I8"
+    return entries_format(kind, data.shape[-1], scales.shape[-1], mins is not None, high is not None)
 
 
 CHUNK_ROWS = 2048  # rows quantized at once: the float temporaries stay a few MB for any matrix
@@ -162,12 +175,14 @@ def _quantize_rows(w: np.ndarray, fmt: str) -> Packed:
 
 
 def levels(p: Packed) -> np.ndarray:
-    """The quantized integers [out, in] (int8: -127..127, q4: 0..15, q5: 0..31, q6k: q - 32 in
-    -32..31) as int16."""
+    """The quantized integers [out, in] (int8: -127..127, q4 and q4k: 0..15, q5 and q5k: 0..31,
+    q6k: q - 32 in -32..31) as int16."""
     if p.fmt == "int8":
         return p.data.astype(np.int16)
     if p.fmt == "q6k":
         return _q6k_levels(p.data).astype(np.int16)
+    if p.fmt in ("q4k", "q5k"):
+        return _k_levels(p.data, p.fmt).astype(np.int16)
     out, half = p.data.shape
     b = p.data.reshape(out, half // 16, 16)
     q = np.concatenate([b & 15, b >> 4], axis=2).reshape(out, half * 2).astype(np.int16)
@@ -182,6 +197,10 @@ def dequantize(p: Packed) -> np.ndarray:
     out, cols = p.shape
     if p.fmt == "q6k":
         return _q6k_dequantize(p)
+    if p.fmt in ("q4k", "q5k"):
+        scale, low = k_scales(p)  # [out, in/32] each
+        q = levels(p).astype(np.float32).reshape(out, cols // GROUP, GROUP)
+        return (scale[..., None] * q - low[..., None]).reshape(out, cols)
     q = levels(p).astype(np.float32).reshape(out, cols // GROUP, GROUP)
     w = q * p.scales.astype(np.float32)[..., None]
     if p.mins is not None:
@@ -208,6 +227,41 @@ def _q6k_dequantize(p: Packed) -> np.ndarray:
     scale = p.scales.astype(np.float32)[..., None] * sc  # [out, n, 16]
     q = _q6k_levels(p.data).astype(np.float32).reshape(out, -1, 16, 16)  # [out, n, 16, 16]
     return (scale[..., None] * q).reshape(out, cols)
+
+
+def scale_min_k4(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The eight 6-bit scales and minimums of Q4_K/Q5_K's 12 bytes [..., 12] (uint8 [..., 8] each):
+    bytes 0-3 hold scales 0-3 (and the high bits of 4-7), 4-7 minimums 0-3 (and theirs), 8-11 the
+    low bits of scales and minimums 4-7 (llama.cpp's `get_scale_min_k4`)."""
+    s, m, low = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([s & 63, (low & 15) | ((s >> 2) & 48)], axis=-1)
+    mn = np.concatenate([m & 63, (low >> 4) | ((m >> 2) & 48)], axis=-1)
+    return sc, mn
+
+
+def k_scales(p: Packed) -> tuple[np.ndarray, np.ndarray]:
+    """A q4k/q5k matrix's per-group scale d * sc and minimum dmin * m (float32 [out, in/32] each,
+    exact: an 11-bit by 6-bit product); w = scale * q - minimum."""
+    out = p.data.shape[0]
+    blocks = p.data.reshape(out, -1, LAYOUTS[p.fmt].data_bytes)  # [out, n, bytes]
+    sc, m = scale_min_k4(blocks[..., :12])  # [out, n, 8] each
+    assert p.mins is not None, "a K-quant matrix has minimums"
+    d, dmin = p.scales.astype(np.float32)[..., None], p.mins.astype(np.float32)[..., None]
+    return (d * sc).reshape(out, -1), (dmin * m).reshape(out, -1)
+
+
+def _k_levels(data: np.ndarray, fmt: str) -> np.ndarray:
+    """The levels (uint8 [out, in]) of q4k or q5k `data` (see the module docstring)."""
+    out = data.shape[0]
+    blocks = data.reshape(out, -1, LAYOUTS[fmt].data_bytes)  # [out, n, bytes]
+    n = blocks.shape[1]
+    chunks = blocks[..., -128:].reshape(out, n, 4, 1, 32)  # [out, n, 4 chunks, 1, 32]
+    q = (chunks >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 15  # [out, n, 4, 2, 32]
+    q = q.reshape(out, n, 8, 32)  # sub-block 2 c + h
+    if fmt == "q5k":
+        bits = (blocks[..., None, 12:44] >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+        q = q | (bits << 4)  # [out, n, 8, 32]
+    return q.reshape(out, n * SUPER)
 
 
 def from_ggml(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> Packed:
@@ -237,14 +291,19 @@ def from_entries(
         raise ValueError(
             f"{fmt} matrix: data {data.dtype}{list(data.shape)}, scales {scales.dtype}: not {want} + F16"
         )
-    if fmt == "q6k" and data.shape[1] % Q6K_BYTES:
-        raise ValueError(f"q6k matrix: data {list(data.shape)} is not in super-blocks of {Q6K_BYTES} bytes")
+    layout = LAYOUTS[fmt]
+    if data.shape[1] % layout.data_bytes:
+        raise ValueError(
+            f"{fmt} matrix: data {list(data.shape)} is not in blocks of {layout.data_bytes} bytes"
+        )
+    if layout.mins and (mins is None or mins.dtype != np.float16):
+        raise ValueError(f"{fmt} matrix: mins {None if mins is None else mins.dtype}, want float16")
     p = Packed(fmt, data, scales, mins, high)
     out, cols = p.shape
     if fmt == "q5" and (high is None or high.dtype != np.uint8 or high.shape != (out, cols // 8)):
         got = None if high is None else f"{high.dtype}{list(high.shape)}"
         raise ValueError(f"q5 matrix [{out}, {cols}]: high {got}, want uint8 [{out}, {cols // 8}]")
-    per = SUPER if fmt == "q6k" else GROUP
+    per = layout.per
     if scales.shape != (out, cols // per) or (mins is not None and mins.shape != scales.shape):
         raise ValueError(
             f"{fmt} matrix [{out}, {cols}]: scales {list(scales.shape)}, want [{out}, {cols // per}]"

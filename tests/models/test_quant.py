@@ -153,8 +153,9 @@ def test_the_float_kernel_of_cpus_without_integer_dot_products_matches_the_dequa
     assert np.all(np.abs(y - ref) <= product_bound(x, p))
 
 
-def _q6k_matrix(rows: int, cols: int, seed: int, kind: str = "Q6_K") -> quant.Packed:
-    """A Q6_K (Q5_K) matrix of random blocks (tests.gguf_files.random_blocks) as q6k (q5)."""
+def _gguf_matrix(rows: int, cols: int, seed: int, kind: str = "Q6_K") -> quant.Packed:
+    """A matrix of random `kind` blocks (tests.gguf_files.random_blocks) in the format it is served
+    in (Q6_K: q6k, Q4_K: q4k, Q5_K: q5k, Q5_1: q5)."""
     import gguf
 
     from kafila.models import gguf_types
@@ -171,17 +172,18 @@ def _weights_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return n * U32 / (1 - n * U32) * (np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T)
 
 
-@pytest.mark.parametrize("kind", ["Q6_K", "Q5_K"])
+@pytest.mark.parametrize("kind", ["Q6_K", "Q4_K", "Q5_K", "Q5_1"])
 @pytest.mark.parametrize("supers", [1, 3])
-def test_q6k_and_q5_products_match_the_dequantized_matrix_and_rows_do_not_depend_on_the_batch(
+def test_gguf_format_products_match_the_dequantized_matrix_and_rows_do_not_depend_on_the_batch(
     supers: int, kind: str
 ) -> None:
-    """The q6k (q5) kernels (a GGUF's Q6_K as stored; Q5_K's levels and fifth bits) against the
-    dequantized matrix times x as this CPU's path rounds it (int8 groups with quant_cpu.INT_DOT, as
-    q4), rows alone as in a batch of 7, and the head's rounded product (round_x) the same."""
+    """The kernels of a GGUF's types as stored (q6k, q4k, q5k; q5: Q5_1's levels and fifth bits)
+    against the dequantized matrix times x as this CPU's path rounds it (int8 groups with
+    quant_cpu.INT_DOT, as q4), rows alone as in a batch of 7, and the head's rounded product
+    (round_x) the same."""
     from kafila.models.torch.packed import PackedLinear
 
-    p = _q6k_matrix(101, supers * 256, seed=supers, kind=kind)  # 101: a partial tile
+    p = _gguf_matrix(101, supers * 256, seed=supers, kind=kind)  # 101: a partial tile
     lin = PackedLinear.from_packed(p, torch.device("cpu"))
     x = np.random.default_rng(3).standard_normal((7, supers * 256)).astype(np.float32)
     seen = seen_by_blocks(x, "q4")
@@ -195,25 +197,25 @@ def test_q6k_and_q5_products_match_the_dequantized_matrix_and_rows_do_not_depend
     assert torch.equal(lin(torch.from_numpy(x)), y)
 
 
-@pytest.mark.parametrize("kind", ["Q6_K", "Q5_K"])
-def test_the_q6k_and_q5_float_kernels_of_cpus_without_integer_dot_products_match_the_dequantized_matrix(
+@pytest.mark.parametrize("kind", ["Q6_K", "Q4_K", "Q5_K", "Q5_1"])
+def test_the_gguf_format_float_kernels_of_cpus_without_integer_dot_products_match_the_dequantized_matrix(
     kind: str,
 ) -> None:
-    """quant_cpu.q6k_float_tile (packed_tile for q5), the path where the CPU lacks AVX-512 VNNI,
-    run tile by tile."""
+    """quant_cpu.k_tile with float32 x (packed_tile for q5), the path where the CPU lacks AVX-512
+    VNNI, run tile by tile."""
     from kafila.models.torch import quant_cpu
     from kafila.models.torch.packed import PackedLinear
 
-    p = _q6k_matrix(70, 512, seed=7, kind=kind)
+    p = _gguf_matrix(70, 512, seed=7, kind=kind)
     arrays = PackedLinear.from_packed(p, torch.device("cpu")).arrays()
     x = np.random.default_rng(4).standard_normal((6, 512)).astype(np.float32)
     y = np.empty((6, 70), np.float32)
 
     def tile(x: np.ndarray, y: np.ndarray, t: int) -> None:
-        if kind == "Q6_K":
-            quant_cpu.q6k_float_tile(x, *arrays, y, t)
-        else:
+        if kind == "Q5_1":
             quant_cpu.packed_tile(x, *arrays, y, t)
+        else:  # (q6k's d stands in for its absent dmin)
+            quant_cpu.k_tile(x, x.shape[0], arrays[0], arrays[1], arrays[-1], y, t)
 
     for t in range((70 + quant_cpu.QTILE - 1) // quant_cpu.QTILE):
         tile(x, y, t)
@@ -226,7 +228,8 @@ def test_the_q6k_and_q5_float_kernels_of_cpus_without_integer_dot_products_match
 
 
 @pytest.mark.parametrize(
-    "formats", [("q4", "q6k", "int8"), ("int8", "q4", "q4"), ("q6k", "q4"), ("q5", "q4", "q6k")]
+    "formats",
+    [("q4k", "q4k", "q6k"), ("q4", "q6k", "int8"), ("int8", "q4", "q4"), ("q5k", "q4"), ("q5", "q4k", "q6k")],
 )
 def test_a_stacked_product_of_several_formats_gives_each_parts_own_product_side_by_side(
     formats: tuple[str, ...],
@@ -239,9 +242,9 @@ def test_a_stacked_product_of_several_formats_gives_each_parts_own_product_side_
     from kafila.models.torch.packed import PackedLinear, StackedLinear
 
     rng = np.random.default_rng(6)
-    kinds = {"q6k": "Q6_K", "q5": "Q5_K"}
+    kinds = {"q6k": "Q6_K", "q4k": "Q4_K", "q5k": "Q5_K", "q5": "Q5_1"}
     packed = [
-        _q6k_matrix(40 + i, 512, seed=i, kind=kinds[f])
+        _gguf_matrix(40 + i, 512, seed=i, kind=kinds[f])
         if f in kinds
         else quant.quantize(rng.standard_normal((33 + i, 512)).astype(np.float32), f)
         for i, f in enumerate(formats)

@@ -41,7 +41,8 @@ log = get_logger(__name__)
 class Packed:
     """A packed matrix [out, in] in MLX's affine layout (w = scale * u + bias per group of 32, u
     unsigned, `bits` per value packed into uint32 words low bits first): q4 and q5 are ours as they
-    are (scale, min); int8's signed q becomes u = q + 128 with bias -128 scale."""
+    are (scale, min); q4k and q5k take each sub-block's scale d sc and bias -dmin m (float32:
+    exact); int8's signed q becomes u = q + 128 with bias -128 scale."""
 
     wq: mx.array  # uint32 [out, in * bits / 32]
     scales: mx.array  # [out, in / 32]
@@ -50,15 +51,19 @@ class Packed:
 
     @classmethod
     def of(cls, p: formats.Packed, dtype: mx.Dtype) -> Packed:
-        bits = {"q4": 4, "q5": 5}.get(p.fmt, 8)
+        bits = {"q4": 4, "q5": 5, "q4k": 4, "q5k": 5}.get(p.fmt, 8)
         u = formats.levels(p).astype(np.uint32) + (128 if p.fmt == "int8" else 0)  # [out, in]
         stream = (u[..., None] >> np.arange(bits, dtype=np.uint32)) & 1  # [out, in, bits]: a bit stream
         packed = np.packbits(stream.astype(np.uint8).reshape(u.shape[0], -1), axis=1, bitorder="little")
         words = np.ascontiguousarray(packed).view(
             "<u4"
         )  # [out, in * bits / 32], value i at bits 5 i.. for q5
-        scales = p.scales.astype(np.float32)
-        biases = p.mins.astype(np.float32) if p.mins is not None else -128 * scales
+        if p.fmt in ("q4k", "q5k"):
+            scales, minimums = formats.k_scales(p)  # [out, in / 32] each
+            biases = -minimums
+        else:
+            scales = p.scales.astype(np.float32)
+            biases = p.mins.astype(np.float32) if p.mins is not None else -128 * scales
         return cls(mx.array(words), mx.array(scales).astype(dtype), mx.array(biases).astype(dtype), bits)
 
     def __call__(self, x: mx.array) -> mx.array:  # [N, in] -> [N, out]
@@ -189,7 +194,7 @@ class LlamaModel:
         base = name.removesuffix("weight")
         mins, high = (np.array(weights[base + n]) if base + n in weights else None for n in (MINS, HIGH))
         data, scales = np.array(weights[name]), np.array(weights[base + SCALES])
-        return formats.from_entries(formats.format_of(data, mins, high), data, scales, mins, high)
+        return formats.from_entries(formats.format_of(data, scales, mins, high), data, scales, mins, high)
 
     def _packed(self, weights: Mapping[str, mx.array], name: str) -> formats.Packed:
         """Matrix `name` packed as MLX holds it: as stored, except q6k (a scale per 16 inputs, where

@@ -1,4 +1,4 @@
-"""A packed weight matrix (int8, q4, q5, q6k; kafila.models.quant) as torch tensors, and its product.
+"""A packed weight matrix (kafila.models.quant's formats) as torch tensors, and its product.
 
 On the CPU with numba, products of up to `KERNEL_ROWS` rows run quant_cpu's kernel (each packed
 byte read once per call for every row, decoded in registers); on CUDA, q4 products run torch's
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kafila.models import quant
-from kafila.models.manifest import GROUP, Q6K_BYTES, matrix_shape
+from kafila.models.manifest import GROUP, LAYOUTS, Q6K_BYTES, SUPER, entries_format, matrix_shape
 
 Tensor = torch.Tensor
 
@@ -42,8 +42,8 @@ def kernels_available() -> bool:
 @dataclass
 class PackedLinear:
     """y = x W^T + b for W [out, in] packed: `data` int8 [out, in] or uint8 [out, in/2], `scales`
-    (and for q4 and q5 `mins`) float16 [out, groups], for q5 `high` uint8 [out, in/8]; q6k:
-    `data` uint8 [out, in/256 * 208], `scales` float16 [out, in/256]."""
+    (and for q4 and q5 `mins`) float16 [out, groups], for q5 `high` uint8 [out, in/8]; the K-quants:
+    `data` uint8 [out, in/256 * bytes], `scales` (and for q4k and q5k `mins`) float16 [out, in/256]."""
 
     fmt: str
     data: Tensor
@@ -68,9 +68,9 @@ class PackedLinear:
     def of_entries(
         cls, data: Tensor, scales: Tensor, mins: Tensor | None, high: Tensor | None = None
     ) -> PackedLinear:
-        """A checkpoint's stored entries, in the format they are (quant.format_of)."""
-        u8 = data.dtype == torch.uint8
-        fmt = "q5" if high is not None else "q4" if mins is not None else "q6k" if u8 else "int8"
+        """A checkpoint's stored entries, in the format they are (manifest.entries_format)."""
+        kind = "U8" if data.dtype == torch.uint8 else "I8"
+        fmt = entries_format(kind, data.shape[-1], scales.shape[-1], mins is not None, high is not None)
         return cls(fmt, data, scales, mins, high=high)
 
     @classmethod
@@ -111,12 +111,16 @@ class PackedLinear:
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         """numpy views for quant_cpu: (data, scale bits), (data, scale bits, min bits), or for q5
-        (data, scale bits, min bits, high)."""
+        (data, scale bits, min bits, high); a K-quant's (q6k, q4k, q5k) data as [out, in/256,
+        bytes] (its dimensions tell the kernels from int8's and q4's)."""
 
         def bits(t: Tensor) -> np.ndarray:
             return t.view(torch.int16).numpy().view(np.uint16)
 
-        parts = [self.data.numpy(), bits(self.scales)]
+        data = self.data.numpy()
+        if LAYOUTS[self.fmt].per == SUPER:
+            data = data.reshape(data.shape[0], -1, LAYOUTS[self.fmt].data_bytes)
+        parts = [data, bits(self.scales)]
         if self.mins is not None:
             parts.append(bits(self.mins))
         if self.high is not None:
@@ -129,6 +133,9 @@ class PackedLinear:
         r = data.shape[0]
         if self.fmt == "q6k":
             return _q6k_rows(data, scales).to(dtype)
+        if self.fmt in ("q4k", "q5k"):
+            assert self.mins is not None, "a K-quant matrix has minimums"
+            return _k_rows(data, scales, self.mins[rows].float(), self.fmt).to(dtype)
         if self.fmt in ("q4", "q5"):
             b = data.view(r, -1, GROUP // 2)  # [R, groups, 16]
             q = torch.cat([b & 15, b >> 4], dim=2).float()  # [R, groups, 32]
@@ -227,6 +234,25 @@ def _q6k_rows(data: Tensor, d: Tensor) -> Tensor:
     sc = blocks[..., 192:].contiguous().view(torch.int8).float()  # [R, n, 16]
     scale = d[..., None] * sc  # [R, n, 16]: exact
     return (scale[..., None] * q.reshape(r, n, 16, 16)).reshape(r, n * 256)
+
+
+def _k_rows(data: Tensor, d: Tensor, dmin: Tensor, fmt: str) -> Tensor:
+    """q4k/q5k rows as float32 [R, in] from `data` uint8 [R, n * bytes], `d` and `dmin` float32
+    [R, n]: d sc q - dmin m per sub-block of 32, as quant.dequantize computes them."""
+    r = data.shape[0]
+    blocks = data.view(r, -1, LAYOUTS[fmt].data_bytes)  # [R, n, bytes]
+    n = blocks.shape[1]
+    s, m, low = (blocks[..., a : a + 4] for a in (0, 4, 8))  # [R, n, 4] each
+    sc = torch.cat([s & 63, (low & 15) | ((s >> 2) & 48)], dim=-1).float()  # [R, n, 8]
+    mn = torch.cat([m & 63, (low >> 4) | ((m >> 2) & 48)], dim=-1).float()
+    nib = torch.tensor([0, 4], dtype=torch.uint8, device=data.device).view(1, 1, 1, 2, 1)
+    q = (blocks[..., -128:].reshape(r, n, 4, 1, 32) >> nib) & 15  # [R, n, 4, 2, 32]
+    q = q.reshape(r, n, 8, 32)
+    if fmt == "q5k":  # bit s of byte j: entry 32 s + j's fifth
+        at = torch.arange(8, dtype=torch.uint8, device=data.device).view(1, 1, 8, 1)
+        q = q | (((blocks[..., None, 12:44] >> at) & 1) << 4)
+    scale, minimum = d[..., None] * sc, dmin[..., None] * mn  # [R, n, 8]: exact
+    return (scale[..., None] * q.float() - minimum[..., None]).reshape(r, n * 256)
 
 
 @dataclass

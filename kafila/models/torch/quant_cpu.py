@@ -1,4 +1,4 @@
-"""Few-row products with packed weights (int8, q4, q5, q6k) on the CPU, compiled by numba.
+"""Few-row products with packed weights (int8, q4, q5 and the K-quants) on the CPU, compiled by numba.
 
 `tile(x, w, y, t)` computes output rows [t * QTILE, (t + 1) * QTILE) of y = x W^T for x [N, in]
 float32, reading each packed weight byte once per call for all N rows: four weight rows at a time,
@@ -11,8 +11,9 @@ array, or bf16 bits) goes to few_rows.product_tile, so `decode_cpu.block_step` t
 through these generic `prepare`/`tiles`/`tile`/`rows_of`/`cols_of`: `prepare(x, w)` gives `tile`
 its x, the float rows, or for q4 on a CPU with AVX-512 VNNI (`INT_DOT`) the rows rounded to int8
 groups (`quantize_rows`), which `tile` then multiplies as integers (`int_tile`, the section
-"integer dot products" below: llama.cpp's way, 2-4x fewer instructions per weight byte). A q6k
-weight (a GGUF's Q6_K as stored: (data uint8, d bits)) has kernels of its own (the section "q6k");
+"integer dot products" below: llama.cpp's way, 2-4x fewer instructions per weight byte). A
+K-quant weight (a GGUF's Q6_K, Q4_K or Q5_K as stored: (data uint8 [out, in/256, bytes], d bits
+and, but for q6k, dmin bits)) has kernels of its own (the section "K-quants");
 a q5 one (q4's arrays and its fifth bits, `high`) takes q4's, the bits or'ed into the levels.
 `product` runs a whole product that way; `float_product` with x in floats, `rounded_product` with
 x rounded to int8 for any format (the head: PackedLinear.round_x). int8 weights take x rounded to
@@ -40,7 +41,7 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 from numba.extending import overload
 
-from kafila.models.manifest import Q6K_BYTES, SUPER
+from kafila.models.manifest import Q4K_BYTES, Q5K_BYTES, Q6K_BYTES, SUPER
 from kafila.models.torch import cpu_kernels
 from kafila.models.torch.few_rows import VF, _prefetch, product_tile
 from kafila.models.torch.few_rows import tiles as float_tiles
@@ -556,60 +557,116 @@ def int_tile(  # pragma: no cover (compiled)
                 y[rr, o + b] = ys[rr, b]
 
 
-# -- q6k: a GGUF's Q6_K as stored ---------------------------------------------------------------------
+# -- K-quants: a GGUF's Q6_K, Q4_K and Q5_K as stored -------------------------------------------------
 #
-# A q6k row is super-blocks of 256 inputs, 208 bytes each (kafila.models.quant has the layout) with
-# a float16 d apiece. Per super-block and weight row the 16 sub-scales are widened and multiplied
-# by d once (d sc: exact in float32), then each group g of 32 has its levels q (0..63) made from
-# Q6_K's two bit planes in one 256-bit vector (`_q6k_levels`). The integer path (INT_DOT): vpdpbusd
-# of q (unsigned) with the row's qx (quantize_rows: int8 per group of 32, as q4 takes it), each
-# int32 lane starting at -32 times the sum of its four qx (xc / 4), so the sums are sum((q - 32) qx)
-# exactly; lanes 0-3 hold the group's first 16 inputs (scale d sc[2 g]), lanes 4-7 its last 16
-# (sc[2 g + 1]), so the lanes are converted to float32 and multiply-added with (d sc) dx lane by
-# lane. The float path (elsewhere): (q - 32) d sc, the dequantized weight bit for bit, multiply-
-# added with x in 16 lanes in packed_tile's order (lane l: inputs l, l + 16 of each group). Rows go
-# four weight rows at a time in passes of up to four x rows (later passes find the rows in L1).
+# A K-quant row is super-blocks of 256 inputs (kafila.models.quant has the layouts), handed to the
+# kernels as data uint8 [out, n, bytes] with d (and dmin) as float16 bits [out, n]; the block size
+# tells q6k (208), q4k (140) and q5k (172) apart at run time (one switch per quadruple of weight
+# rows). Per super-block and weight row the sub-scales are widened and multiplied by d once (q6k:
+# 16 d sc, one per 16 inputs; q4k, q5k: 8 d sc and 8 dmin m, one per 32: all exact in float32),
+# then each group g of 32 has its levels made in a vector: q6k's from its two bit planes, q4k's the
+# low or high nibbles of one 32-byte chunk, q5k's with the fifth bits or'ed in. The integer path
+# (INT_DOT): two groups' levels (unsigned) in one `vpdpbusd` with the row's qx (quantize_rows: int8
+# per group of 32, as q4 takes it); q6k's int32 lanes start at -32 times the sum of their four qx
+# (xc / 4), so the sums are sum((q - 32) qx); lanes 0-3 hold a group's first 16 inputs, 4-7 its
+# last 16, converted to float32 and multiply-added with (d sc) dx lane by lane; q4k and q5k add
+# -(dmin m) sx per group once a super-block (sx: the row's rounded inputs' sums, as q4's minimums).
+# The float path (elsewhere): each weight dequantized bit for bit ((q - 32) (d sc); (d sc) q -
+# dmin m, two roundings as gguf.quants) and multiply-added with x in 16 lanes in packed_tile's
+# order (lane l: inputs l, l + 16 of each group). Rows go four weight rows at a time in passes of up
+# to four x rows (later passes find the rows in L1).
 
 _V16F = ir.VectorType(_F32, HALF)
+K_BYTES = {"q6k": Q6K_BYTES, "q4k": Q4K_BYTES, "q5k": Q5K_BYTES}
 
 
-def _q6k_levels(builder: ir.IRBuilder, blk: ir.Value, g: int, pair: bool, intp: ir.Type) -> ir.Value:
-    """The levels (0..63) of group g (0..7) of the q6k super-block at `blk` (i8*): <32 x i8>, or
-    with `pair` those of groups g and g + 1 (g even) as <64 x i8>. The high bits are shifted as
-    16-bit lanes (x86 has no byte shifts); masking each byte to its two bits after makes that exact."""
+def _vconst(t: ir.VectorType, values: list[int]) -> ir.Constant:
+    return ir.Constant(t, values)
+
+
+def _byte_shift(builder: ir.IRBuilder, v: ir.Value, shifts: list[int]) -> ir.Value:
+    """v (<n x i8>) shifted right by shifts[i] in byte i, shifted as 16-bit lanes (x86 has no byte
+    shifts; the two bytes of a lane must shift alike): the caller masks each byte after."""
+    n = v.type.count
+    v16 = ir.VectorType(ir.IntType(16), n // 2)
+    return builder.bitcast(builder.lshr(builder.bitcast(v, v16), _vconst(v16, shifts[::2])), v.type)
+
+
+def _k_levels(builder: ir.IRBuilder, kind: str, blk: ir.Value, g: int, pair: bool, intp: ir.Type) -> ir.Value:
+    """The levels of group g (0..7) of the super-block at `blk` (i8*) in format `kind`: <32 x i8>,
+    or with `pair` those of groups g and g + 1 (g even) as <64 x i8> (q6k: 0..63; q4k: 0..15; q5k:
+    0..31)."""
     n = 2 * GROUP if pair else GROUP
-    v8, v16 = ir.VectorType(_I8, n), ir.VectorType(ir.IntType(16), n // 2)
+    v8 = ir.VectorType(_I8, n)
 
     def load(offset: int, t: ir.Type) -> ir.Value:
         return builder.load(builder.bitcast(builder.gep(blk, [intp(offset)]), t.as_pointer()), align=1)
 
-    def const(t: ir.VectorType, values: list[int]) -> ir.Constant:
-        return ir.Constant(t, values)
+    def twice(v: ir.Value) -> ir.Value:  # a 32-byte vector repeated: both groups of a pair read it
+        return builder.shuffle_vector(v, v, _vconst(ir.VectorType(_I32, n), list(range(GROUP)) * 2))
 
-    half, quarter = g // 4, g % 4
-    ql = load(64 * half + 32 * (g % 2), v8)  # a pair's 64 bytes are one run (g even)
-    if quarter >= 2:
-        ql = builder.bitcast(builder.lshr(builder.bitcast(ql, v16), const(v16, [4] * (n // 2))), v8)
-    low = builder.and_(ql, const(v8, [15] * n))
-    qh = load(128 + 32 * half, _V32B)
-    if pair:  # both groups read the same 32 bytes, the second two bits higher
-        qh = builder.shuffle_vector(qh, qh, const(ir.VectorType(_I32, n), list(range(GROUP)) * 2))
-    shifts = [2 * quarter] * GROUP + ([2 * quarter + 2] * GROUP if pair else [])
-    shifted = builder.lshr(builder.bitcast(qh, v16), const(v16, shifts[::2]))
-    high = builder.and_(builder.bitcast(shifted, v8), const(v8, [3] * n))
-    return builder.or_(low, builder.shl(high, const(v8, [4] * n)))
+    if kind == "q6k":
+        half, quarter = g // 4, g % 4
+        ql = load(64 * half + 32 * (g % 2), v8)  # a pair's 64 bytes are one run (g even)
+        if quarter >= 2:
+            ql = _byte_shift(builder, ql, [4] * n)
+        low = builder.and_(ql, _vconst(v8, [15] * n))
+        qh = load(128 + 32 * half, _V32B)
+        shifts = [2 * quarter] * GROUP + ([2 * quarter + 2] * GROUP if pair else [])
+        high = builder.and_(_byte_shift(builder, twice(qh) if pair else qh, shifts), _vconst(v8, [3] * n))
+        return builder.or_(low, builder.shl(high, _vconst(v8, [4] * n)))
+    chunk = load(K_BYTES[kind] - 128 + 32 * (g // 2), _V32B)  # groups 2 c (low nibbles), 2 c + 1 (high)
+    if pair:
+        q = builder.and_(_byte_shift(builder, twice(chunk), [0] * GROUP + [4] * GROUP), _vconst(v8, [15] * n))
+    else:
+        q = builder.and_(_byte_shift(builder, chunk, [4 * (g % 2)] * GROUP), _vconst(v8, [15] * n))
+    if kind == "q5k":  # bit s of byte j of the 32 after the scales: entry 32 s + j's fifth
+        qh = load(12, _V32B)
+        shifts = [g] * GROUP + ([g + 1] * GROUP if pair else [])
+        bit = builder.and_(_byte_shift(builder, twice(qh) if pair else qh, shifts), _vconst(v8, [1] * n))
+        q = builder.or_(q, builder.shl(bit, _vconst(v8, [4] * n)))
+    return q
 
 
-def _q6k_scales(builder: ir.IRBuilder, blk: ir.Value, d_bits: ir.Value, intp: ir.Type) -> ir.Value:
-    """The super-block's 16 products d sc as <16 x float> (sc: the int8 at bytes 192..207)."""
+def _k_scales(
+    builder: ir.IRBuilder, kind: str, blk: ir.Value, d_bits: ir.Value, m_bits: ir.Value, intp: ir.Type
+) -> tuple[ir.Value, ir.Value | None]:
+    """The super-block's scales: (<16 x float> d sc, one per 16 inputs, and for q4k and q5k <8 x
+    float> dmin m, one per group of 32). q6k's sc are the int8 at bytes 192..207; q4k's and q5k's
+    sc and m the 6-bit fields of bytes 0..11 (quant.scale_min_k4), each d sc given twice."""
+
+    def widen(bits: ir.Value) -> ir.Value:
+        return builder.fpext(builder.bitcast(bits, ir.HalfType()), _F32)
+
+    def splat16(values: list[ir.Value]) -> ir.Value:  # values[i // (16 / len)] in lane i
+        v = ir.Constant(_V16F, ir.Undefined)
+        for i in range(HALF):
+            v = builder.insert_element(v, values[i * len(values) // HALF], _I32(i))
+        return v
+
     v16b = ir.VectorType(_I8, HALF)
-    sc = builder.load(builder.bitcast(builder.gep(blk, [intp(192)]), v16b.as_pointer()), align=1)
-    d = builder.fpext(builder.bitcast(d_bits, ir.HalfType()), _F32)
-    u = ir.Constant(_V16F, ir.Undefined)
-    splat = builder.shuffle_vector(
-        builder.insert_element(u, d, _I32(0)), u, ir.Constant(ir.VectorType(_I32, HALF), [0] * HALF)
-    )
-    return builder.fmul(builder.sitofp(sc, _V16F), splat)
+    if kind == "q6k":
+        sc = builder.load(builder.bitcast(builder.gep(blk, [intp(192)]), v16b.as_pointer()), align=1)
+        return builder.fmul(builder.sitofp(sc, _V16F), splat16([widen(d_bits)])), None
+    b = builder.load(builder.bitcast(blk, v16b.as_pointer()), align=1)  # bytes 0..15 (12 used)
+    a = _lanes(builder, b, [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11])
+    top = builder.and_(
+        _byte_shift(builder, _lanes(builder, b, [0, 1, 2, 3] * 2 + [4, 5, 6, 7] * 2), [2] * HALF),
+        _vconst(v16b, [48] * HALF),
+    )  # the high two bits of fields 4-7, in place
+    first = builder.and_(a, _vconst(v16b, [63] * HALF))  # fields 0-3 (sc), 8-11 (m)
+    low = builder.and_(a, _vconst(v16b, [15] * HALF))  # sc 4-7's low bits (lanes 4-7)
+    high = builder.and_(_byte_shift(builder, a, [4] * HALF), _vconst(v16b, [15] * HALF))  # m 4-7's
+    rest = builder.or_(builder.shuffle_vector(low, high, _vconst(ir.VectorType(_I32, HALF), [
+        *range(4), *range(4, 8), *range(24, 28), *range(28, 32)
+    ])), top)  # fmt: skip
+    fields = builder.shuffle_vector(
+        first,
+        rest,
+        _vconst(ir.VectorType(_I32, HALF), [0, 1, 2, 3, 20, 21, 22, 23, 8, 9, 10, 11, 28, 29, 30, 31]),
+    )  # sc 0-7, m 0-7
+    both = builder.fmul(builder.uitofp(fields, _V16F), splat16([widen(d_bits), widen(m_bits)]))
+    return _lanes(builder, both, [i // 2 for i in range(HALF)]), _lanes(builder, both, list(range(8, HALF)))
 
 
 def _lanes(builder: ir.IRBuilder, v: ir.Value, picks: list[int]) -> ir.Value:
@@ -617,174 +674,179 @@ def _lanes(builder: ir.IRBuilder, v: ir.Value, picks: list[int]) -> ir.Value:
     return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, len(picks)), picks))
 
 
-def _q6k_dot(nr: int, integer: bool):  # type: ignore[no-untyped-def]
-    """A compiled intrinsic: with `integer`, `dot(qx, dx, xc, r, data, d, o0, o1, o2, o3, ys)` on x
-    as quantize_rows gives it; else `dot(x, r, data, d, o0, o1, o2, o3, ys)` on float32 x. ys[r + a,
-    b] = x[r + a] . W[o_b] for a < nr and four q6k weight rows (see above). Each (row, weight row)
-    pair is added in one fixed order whatever nr is. The rows of the quadruple two ahead are
-    prefetched, one hint per cache line."""
+def _k_dot_code(integer: bool):  # type: ignore[no-untyped-def]
+    """`k_dot`'s code generator for x in int8 groups (`integer`) or float32."""
 
     def make(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
-        at = (0, 1, 2, 4, 5, 10) if integer else (0, 2, 3, 8)
-        arrays = [context.make_array(signature.args[i])(context, builder, args[i]) for i in at]
-        xa, wd, da, ya = (arrays[0], *arrays[3:]) if integer else arrays
-        r0 = args[3] if integer else args[1]
-        outs = args[6:10] if integer else args[4:8]
+        xs_t = signature.args[0].types if integer else (signature.args[0],)
+        xs_v = cgutils.unpack_tuple(builder, args[0]) if integer else [args[0]]
+        xa = [context.make_array(t)(context, builder, v) for t, v in zip(xs_t, xs_v, strict=True)]
+        weights = tuple(
+            context.make_array(signature.args[i])(context, builder, args[i]) for i in (3, 4, 5, 10)
+        )
+        r0, nr_v, outs = args[1], args[2], args[6:10]
         intp = r0.type
-        k = builder.extract_value(xa.shape, 1)
-        dcols = builder.extract_value(wd.shape, 1)
-        nblocks = builder.extract_value(da.shape, 1)
-        groups = builder.mul(nblocks, intp(8))
-        lanes = HALF  # integer: two groups' 8 int32 lanes each; float: a group's 16 halves
-        vf = ir.VectorType(_F32, lanes)
-        vi = ir.VectorType(_I32, lanes)
+        size = builder.extract_value(weights[0].shape, 2)
+        end = builder.append_basic_block("k_dot_end")
+        switch = builder.switch(builder.add(builder.mul(nr_v, intp(1024)), size), end)
+        for kind, nbytes in K_BYTES.items():
+            for nr in (1, 2, 3, 4):
+                block = builder.append_basic_block(f"{kind}_rows{nr}")
+                switch.add_case(intp(nr * 1024 + nbytes), block)
+                builder.position_at_end(block)
+                _k_rows(builder, kind, nr, integer, xa, weights, r0, outs)
+                builder.branch(end)
+        builder.position_at_end(end)
+        return context.get_dummy_value()
 
-        def fn(name: str, t: ir.Type) -> Any:
-            return cgutils.get_or_insert_function(builder.module, ir.FunctionType(t, [t] * 3), name)
+    return make
 
-        dpbusd, mad = fn("llvm.x86.avx512.vpdpbusd.512", vi), fn(f"llvm.fmuladd.v{lanes}f32", vf)
-        acc = [
-            [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(4)]
-            for _ in range(nr)
-        ]
-        rows = [builder.add(r0, intp(a)) for a in range(nr)]
-        i8p, i16p = _I8.as_pointer(), ir.IntType(16).as_pointer()
-        xrows = [builder.gep(xa.data, [builder.mul(row, k)]) for row in rows]
+
+def _k_dot() -> Any:
+    """`k_dot(xp, r, nr, data, d, dmin, o0, o1, o2, o3, ys)`: ys[r + a, b] = x[r + a] . W[o_b] for
+    a < nr (1..4) and four K-quant weight rows o_b (see above); xp is quantize_rows' tuple (the
+    integer path: INT_DOT only) or float32 x [N, in]. One switch picks the code of (nr, the
+    format); each (row, weight row) pair is added in one fixed order whatever nr is. The rows of
+    the quadruple two ahead are prefetched, one hint per cache line."""
+
+    @intrinsic
+    def dot(typingctx, xp, r, nr, data, d, dmin, o0, o1, o2, o3, ys):  # type: ignore[no-untyped-def]
+        sig = types.void(xp, r, nr, data, d, dmin, o0, o1, o2, o3, ys)
+        return sig, _k_dot_code(isinstance(xp, types.BaseTuple))
+
+    return dot
+
+
+k_dot = _k_dot()
+
+
+def _k_rows(
+    builder: ir.IRBuilder, kind: str, nr: int, integer: bool, xa: list[Any], weights: tuple[Any, ...],
+    r0: ir.Value, outs: list[ir.Value],
+) -> None:  # fmt: skip
+    """The code of `_k_dot` for nr rows of x and weights in format `kind`."""
+    wd, da, ma, ya = weights
+    intp = r0.type
+    nbytes = K_BYTES[kind]
+    mins = kind != "q6k"
+    k = builder.extract_value(xa[0].shape, 1)
+    nblocks = builder.extract_value(da.shape, 1)
+    row_bytes = builder.mul(nblocks, intp(nbytes))
+    groups = builder.mul(nblocks, intp(8))
+    lanes = HALF  # integer: two groups' 8 int32 lanes each; float: a group's 16 halves
+    vf, vi = ir.VectorType(_F32, lanes), ir.VectorType(_I32, lanes)
+
+    def fn(name: str, t: ir.Type) -> Any:
+        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(t, [t] * 3), name)
+
+    dpbusd, mad = fn("llvm.x86.avx512.vpdpbusd.512", vi), fn(f"llvm.fmuladd.v{lanes}f32", vf)
+    mad8 = fn("llvm.fmuladd.v8f32", _V8F)
+    acc = [
+        [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(4)]
+        for _ in range(nr)
+    ]
+    zero8 = ir.Constant(_V8F, [0.0] * 8)
+    macc = [[cgutils.alloca_once_value(builder, zero8) for _ in range(4)] for _ in range(nr)]
+    rows = [builder.add(r0, intp(a)) for a in range(nr)]
+    i8p, i16p = _I8.as_pointer(), ir.IntType(16).as_pointer()
+    xrows = [builder.gep(xa[0].data, [builder.mul(row, k)]) for row in rows]
+    if integer:
+        drows = [builder.gep(xa[1].data, [builder.mul(row, groups)]) for row in rows]
+        srows = [builder.gep(xa[2].data, [builder.mul(row, groups)]) for row in rows]
+        crows = [builder.gep(xa[3].data, [builder.mul(row, builder.mul(groups, intp(8)))]) for row in rows]
+    wrows = [builder.gep(builder.bitcast(wd.data, i8p), [builder.mul(ob, row_bytes)]) for ob in outs]
+    d_rows = [builder.gep(builder.bitcast(da.data, i16p), [builder.mul(ob, nblocks)]) for ob in outs]
+    m_rows = [builder.gep(builder.bitcast(ma.data, i16p), [builder.mul(ob, nblocks)]) for ob in outs]
+    ahead = builder.mul(row_bytes, intp(8))  # the same super-block of the rows two quadruples on
+
+    def load(p: ir.Value, t: ir.Type, align: int) -> ir.Value:
+        return builder.load(builder.bitcast(p, t.as_pointer()), align=align)
+
+    with cgutils.for_range(builder, nblocks, intp=intp) as loop:
+        sb = loop.index
+        blks = [builder.gep(row, [builder.mul(sb, intp(nbytes))]) for row in wrows]
+        scales = []
+        for b in range(4):
+            for line in range(0, nbytes, 64):
+                _prefetch(builder, builder.gep(blks[b], [builder.add(ahead, intp(line))]))
+            d_bits, m_bits = (builder.load(builder.gep(r, [sb])) for r in (d_rows[b], m_rows[b]))
+            scales.append(_k_scales(builder, kind, blks[b], d_bits, m_bits, intp))
+        g0 = builder.mul(sb, intp(8))
         if integer:
-            dxa, ca = arrays[1], arrays[2]
-            drows = [builder.gep(dxa.data, [builder.mul(row, groups)]) for row in rows]
-            crows = [builder.gep(ca.data, [builder.mul(row, builder.mul(groups, intp(8)))]) for row in rows]
-        wrows = [builder.gep(builder.bitcast(wd.data, i8p), [builder.mul(ob, dcols)]) for ob in outs]
-        drow_w = [builder.gep(builder.bitcast(da.data, i16p), [builder.mul(ob, nblocks)]) for ob in outs]
-        ahead = builder.mul(dcols, intp(8))  # the same super-block of the rows two quadruples on
-
-        def load(p: ir.Value, t: ir.Type, align: int) -> ir.Value:
-            return builder.load(builder.bitcast(p, t.as_pointer()), align=align)
-
-        with cgutils.for_range(builder, nblocks, intp=intp) as loop:
-            sb = loop.index
-            blks = [builder.gep(w, [builder.mul(sb, intp(Q6K_BYTES))]) for w in wrows]
-            dsc = []
-            for b in range(4):
-                for line in range(0, Q6K_BYTES, 64):
-                    _prefetch(builder, builder.gep(blks[b], [builder.add(ahead, intp(line))]))
-                dsc.append(_q6k_scales(builder, blks[b], builder.load(builder.gep(drow_w[b], [sb])), intp))
-            g0 = builder.mul(sb, intp(8))
-            if integer:
-                dx8 = [load(builder.gep(drows[a], [g0]), _V8F, 4) for a in range(nr)]
-            for g in range(0, 8, 2 if integer else 1):
-                gi = builder.add(g0, intp(g))
-                xp = [builder.gep(xrows[a], [builder.mul(gi, intp(GROUP))]) for a in range(nr)]
-                if integer:  # groups g and g + 1
-                    xs = [builder.bitcast(load(p, ir.VectorType(_I8, 2 * GROUP), 1), vi) for p in xp]
+            dx8 = [load(builder.gep(drows[a], [g0]), _V8F, 4) for a in range(nr)]
+            if mins:  # -(dmin m) sx, a super-block's eight groups at once
+                for a in range(nr):
+                    sx8 = load(builder.gep(srows[a], [g0]), _V8F, 4)
+                    for b in range(4):
+                        c = macc[a][b]
+                        builder.store(builder.call(mad8, [scales[b][1], sx8, builder.load(c)]), c)
+        for g in range(0, 8, 2 if integer else 1):
+            gi = builder.add(g0, intp(g))
+            xp = [builder.gep(xrows[a], [builder.mul(gi, intp(GROUP))]) for a in range(nr)]
+            if integer:  # groups g and g + 1
+                xs = [builder.bitcast(load(p, ir.VectorType(_I8, 2 * GROUP), 1), vi) for p in xp]
+                if mins:
+                    cs = [ir.Constant(vi, [0] * lanes)] * nr
+                else:
                     two = ir.Constant(vi, [2] * lanes)
                     cs = [
                         builder.ashr(load(builder.gep(crows[a], [builder.mul(gi, intp(8))]), vi, 4), two)
                         for a in range(nr)
                     ]
-                    dxs = [_lanes(builder, dx8[a], [g] * 8 + [g + 1] * 8) for a in range(nr)]
-                else:
-                    xs = [(load(p, _V16F, 4), load(builder.gep(p, [intp(HALF)]), _V16F, 4)) for p in xp]
-                for b in range(4):
-                    q = _q6k_levels(builder, blks[b], g, integer, intp)
-                    if integer:
-                        sc = _lanes(builder, dsc[b], [2 * g + i // 4 for i in range(HALF)])
-                        w = builder.bitcast(q, vi)
-                        for a in range(nr):
-                            total = builder.sitofp(builder.call(dpbusd, [cs[a], w, xs[a]]), vf)
-                            c = acc[a][b]
-                            builder.store(
-                                builder.call(mad, [total, builder.fmul(sc, dxs[a]), builder.load(c)]), c
-                            )
-                        continue
-                    centred = builder.sub(q, ir.Constant(_V32B, [32] * GROUP))
-                    ws = [
-                        builder.fmul(
-                            builder.sitofp(
-                                _lanes(builder, centred, list(range(h * HALF, (h + 1) * HALF))), _V16F
-                            ),
-                            _lanes(builder, dsc[b], [2 * g + h] * HALF),
-                        )
-                        for h in (0, 1)
-                    ]
-                    for a in range(nr):
-                        c = acc[a][b]
-                        v = builder.call(mad, [xs[a][0], ws[0], builder.load(c)])
-                        builder.store(builder.call(mad, [xs[a][1], ws[1], v]), c)
-        for a in range(nr):
-            yrow = builder.gep(ya.data, [builder.mul(rows[a], intp(4))])
+                dxs = [_lanes(builder, dx8[a], [g] * 8 + [g + 1] * 8) for a in range(nr)]
+            else:
+                xs = [(load(p, _V16F, 4), load(builder.gep(p, [intp(HALF)]), _V16F, 4)) for p in xp]
             for b in range(4):
-                builder.store(_hsum8(builder, builder.load(acc[a][b]), lanes), builder.gep(yrow, [intp(b)]))
-        return context.get_dummy_value()
-
-    if integer:
-
-        @intrinsic
-        def int_dot(typingctx, qx, dx, xc, r, data, d, o0, o1, o2, o3, ys):  # type: ignore[no-untyped-def]
-            return types.void(qx, dx, xc, r, data, d, o0, o1, o2, o3, ys), make
-
-        return int_dot
-
-    @intrinsic
-    def float_dot(typingctx, x, r, data, d, o0, o1, o2, o3, ys):  # type: ignore[no-untyped-def]
-        return types.void(x, r, data, d, o0, o1, o2, o3, ys), make
-
-    return float_dot
-
-
-f6_1, f6_2, f6_3, f6_4 = (_q6k_dot(n, False) for n in (1, 2, 3, 4))
-if INT_DOT:
-    i6_1, i6_2, i6_3, i6_4 = (_q6k_dot(n, True) for n in (1, 2, 3, 4))
-else:
-    i6_1 = i6_2 = i6_3 = i6_4 = None
+                q = _k_levels(builder, kind, blks[b], g, integer, intp)
+                dsc = scales[b][0]
+                if integer:
+                    sc = _lanes(builder, dsc, [2 * g + i // 4 for i in range(HALF)])
+                    w = builder.bitcast(q, vi)
+                    for a in range(nr):
+                        total = builder.sitofp(builder.call(dpbusd, [cs[a], w, xs[a]]), vf)
+                        c = acc[a][b]
+                        builder.store(
+                            builder.call(mad, [total, builder.fmul(sc, dxs[a]), builder.load(c)]), c
+                        )
+                    continue
+                ws = []
+                for h in (0, 1):
+                    part = _lanes(builder, q, list(range(h * HALF, (h + 1) * HALF)))
+                    scale = _lanes(builder, dsc, [2 * g + h] * HALF)
+                    if mins:
+                        assert scales[b][1] is not None
+                        low = _lanes(builder, scales[b][1], [g] * HALF)
+                        ws.append(builder.fsub(builder.fmul(builder.uitofp(part, _V16F), scale), low))
+                    else:
+                        centred = builder.sub(part, ir.Constant(_V16B, [32] * HALF))
+                        ws.append(builder.fmul(builder.sitofp(centred, _V16F), scale))
+                for a in range(nr):
+                    c = acc[a][b]
+                    v = builder.call(mad, [xs[a][0], ws[0], builder.load(c)])
+                    builder.store(builder.call(mad, [xs[a][1], ws[1], v]), c)
+    for a in range(nr):
+        yrow = builder.gep(ya.data, [builder.mul(rows[a], intp(4))])
+        for b in range(4):
+            total = _hsum8(builder, builder.load(acc[a][b]), lanes)
+            if integer and mins:
+                total = builder.fsub(total, _hsum8(builder, builder.load(macc[a][b])))
+            builder.store(total, builder.gep(yrow, [intp(b)]))
 
 
 @njit(cache=True, nogil=True, boundscheck=False, fastmath=False)
-def q6k_int_tile(  # pragma: no cover (compiled)
-    qx: np.ndarray, dx: np.ndarray, xc: np.ndarray, data: np.ndarray, d: np.ndarray, y: np.ndarray, t: int
+def k_tile(  # pragma: no cover (compiled)
+    xp: Any, n: int, data: np.ndarray, d: np.ndarray, dmin: np.ndarray, y: np.ndarray, t: int
 ) -> None:
-    """Rows [t QTILE, (t + 1) QTILE) of y [N, out] = x W^T for q6k W and x as `quantize_rows`
-    gives it, four weight rows at a time, in passes of up to four x rows."""
-    n = qx.shape[0]
+    """Rows [t QTILE, (t + 1) QTILE) of y [N, out] = x W^T for a K-quant W (data uint8 [out, n,
+    bytes], d and dmin float16 bits [out, n]; q6k's dmin: any [out, n] array, unused) and x as
+    quantize_rows gives it (the integer path) or float32 [N, in]: four weight rows at a time, in
+    passes of up to four x rows."""
     out = data.shape[0]
     ys = np.empty((n, 4), np.float32)
     for o in range(t * QTILE, min(out, (t + 1) * QTILE), 4):
         o1, o2, o3 = min(o + 1, out - 1), min(o + 2, out - 1), min(o + 3, out - 1)
-        r = 0
-        while n - r >= 4:
-            i6_4(qx, dx, xc, r, data, d, o, o1, o2, o3, ys)
-            r += 4
-        if n - r == 3:
-            i6_3(qx, dx, xc, r, data, d, o, o1, o2, o3, ys)
-        elif n - r == 2:
-            i6_2(qx, dx, xc, r, data, d, o, o1, o2, o3, ys)
-        elif n - r == 1:
-            i6_1(qx, dx, xc, r, data, d, o, o1, o2, o3, ys)
-        for b in range(min(4, out - o)):
-            for rr in range(n):
-                y[rr, o + b] = ys[rr, b]
-
-
-@njit(cache=True, nogil=True, boundscheck=False, fastmath=False)
-def q6k_float_tile(  # pragma: no cover (compiled)
-    x: np.ndarray, data: np.ndarray, d: np.ndarray, y: np.ndarray, t: int
-) -> None:
-    """Rows [t QTILE, (t + 1) QTILE) of y [N, out] = x W^T for q6k W and float32 x [N, in]."""
-    n = x.shape[0]
-    out = data.shape[0]
-    ys = np.empty((n, 4), np.float32)
-    for o in range(t * QTILE, min(out, (t + 1) * QTILE), 4):
-        o1, o2, o3 = min(o + 1, out - 1), min(o + 2, out - 1), min(o + 3, out - 1)
-        r = 0
-        while n - r >= 4:
-            f6_4(x, r, data, d, o, o1, o2, o3, ys)
-            r += 4
-        if n - r == 3:
-            f6_3(x, r, data, d, o, o1, o2, o3, ys)
-        elif n - r == 2:
-            f6_2(x, r, data, d, o, o1, o2, o3, ys)
-        elif n - r == 1:
-            f6_1(x, r, data, d, o, o1, o2, o3, ys)
+        for r in range(0, n, 4):
+            k_dot(xp, r, min(4, n - r), data, d, dmin, o, o1, o2, o3, ys)
         for b in range(min(4, out - o)):
             for rr in range(n):
                 y[rr, o + b] = ys[rr, b]
@@ -821,21 +883,19 @@ STACK = 9  # `_packed`'s kind of a stacked weight: a tuple of 2 or 3 packed tupl
 
 def _packed(w) -> int:  # type: ignore[no-untyped-def]
     """0 for a float weight array, 2 for an int8 tuple, 3 for a q4 tuple, 5 for a q5 tuple (q4's and
-    the high bits), 6 for a q6k tuple (uint8 data and d), STACK for a tuple of 2 or 3 of those, -1
-    otherwise."""
+    the high bits), 6 for a K-quant tuple (3-D uint8 data, d and for q4k and q5k dmin), STACK for a
+    tuple of 2 or 3 of those, -1 otherwise."""
     if isinstance(w, types.Array):
         return 0
-    if (
-        isinstance(w, types.BaseTuple)
-        and len(w) in (2, 3)
-        and all(_packed(p) in (2, 3, 5, 6) for p in w.types)
-    ):
+    if not isinstance(w, types.BaseTuple) or len(w) not in (2, 3, 4):
+        return -1
+    if len(w) in (2, 3) and all(_packed(p) in (2, 3, 5, 6) for p in w.types):
         return STACK
-    if isinstance(w, types.BaseTuple) and len(w) == 4 and all(isinstance(a, types.Array) for a in w.types):
-        return 5
-    if isinstance(w, types.BaseTuple) and len(w) in (2, 3):
-        return 6 if len(w) == 2 and w.types[0].dtype == types.uint8 else len(w)
-    return -1
+    if not all(isinstance(a, types.Array) for a in w.types):
+        return -1
+    if w.types[0].ndim == 3:
+        return 6 if len(w) in (2, 3) else -1
+    return 5 if len(w) == 4 else len(w)
 
 
 @overload(tiles)
@@ -857,10 +917,14 @@ def _tile(x, w, y, t):  # type: ignore[no-untyped-def]  # pragma: no cover (comp
     kind = _packed(w)
     if kind == 0:
         return lambda x, w, y, t: product_tile(x, w, y, t)
-    if kind == 6 and isinstance(x, types.BaseTuple):
-        return lambda x, w, y, t: q6k_int_tile(x[0], x[1], x[3], w[0], w[1], y, t)
+    if kind == 6 and isinstance(x, types.BaseTuple):  # (q6k's d stands in for its absent dmin)
+        if len(w) == 2:
+            return lambda x, w, y, t: k_tile(x, x[0].shape[0], w[0], w[1], w[1], y, t)
+        return lambda x, w, y, t: k_tile(x, x[0].shape[0], w[0], w[1], w[2], y, t)
     if kind == 6:
-        return lambda x, w, y, t: q6k_float_tile(x, w[0], w[1], y, t)
+        if len(w) == 2:
+            return lambda x, w, y, t: k_tile(x, x.shape[0], w[0], w[1], w[1], y, t)
+        return lambda x, w, y, t: k_tile(x, x.shape[0], w[0], w[1], w[2], y, t)
     if isinstance(x, types.BaseTuple):  # quantize_rows' output: the integer path
         if kind == 2:  # (scales stand in for the unused mins and high)
             return lambda x, w, y, t: int_tile(x[0], x[1], x[2], x[3], w[0], w[1], w[1], w[1], y, t)
@@ -880,7 +944,7 @@ def _tile(x, w, y, t):  # type: ignore[no-untyped-def]  # pragma: no cover (comp
 
 @overload(prepare)
 def _prepare(x, w):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
-    if _packed(w) in (3, 5, 6) and INT_DOT:  # q4, q5, q6k: x rounded to int8
+    if _packed(w) in (3, 5, 6) and INT_DOT:  # q4, q5, K-quants: x rounded to int8
         return lambda x, w: quantize_rows(x)
     if _packed(w) == 2 and INT_DOT:  # int8: to int16 (docs/engine-quant.md says why)
         return lambda x, w: quantize_rows16(x)
@@ -913,7 +977,7 @@ def _cols_of(w):  # type: ignore[no-untyped-def]  # pragma: no cover (compiled)
     if kind in (3, 5):
         return lambda w: w[0].shape[1] * 2
     if kind == 6:
-        return lambda w: w[0].shape[1] // Q6K_BYTES * SUPER
+        return lambda w: w[0].shape[1] * SUPER
     return None
 
 
@@ -995,15 +1059,18 @@ def warm_up() -> None:
     x = np.ones((1, GROUP), np.float32)
     y = np.empty((1, 2), np.float32)
     scales = np.zeros((2, 1), np.uint16)
-    q6k = (np.zeros((2, Q6K_BYTES), np.uint8), np.zeros((2, 1), np.uint16))
-    x6 = np.ones((1, SUPER), np.float32)
     q4 = (np.zeros((2, HALF), np.uint8), scales, scales)
-    for w in ((np.zeros((2, GROUP), np.int8), scales), q4, (*q4, np.zeros((2, GROUP // 8), np.uint8))):
-        product(x, w, y)
-        float_product(x, w, y)
+    x_k = np.ones((1, SUPER), np.float32)
+    q6k = (np.zeros((2, 1, Q6K_BYTES), np.uint8), scales)
+    q4k = (np.zeros((2, 1, Q4K_BYTES), np.uint8), scales, scales)
+    for xs, w in (
+        (x, (np.zeros((2, GROUP), np.int8), scales)),
+        (x, q4),
+        (x, (*q4, np.zeros((2, GROUP // 8), np.uint8))),
+        (x_k, q6k),
+        (x_k, q4k),
+    ):
+        product(xs, w, y)
+        float_product(xs, w, y)
         if INT_DOT:
-            rounded_product(x, w, y)
-    product(x6, q6k, y)
-    float_product(x6, q6k, y)
-    if INT_DOT:
-        rounded_product(x6, q6k, y)
+            rounded_product(xs, w, y)
