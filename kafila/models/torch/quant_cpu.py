@@ -638,34 +638,28 @@ def _k_scales(
     def widen(bits: ir.Value) -> ir.Value:
         return builder.fpext(builder.bitcast(bits, ir.HalfType()), _F32)
 
-    def splat16(values: list[ir.Value]) -> ir.Value:  # values[i // (16 / len)] in lane i
-        v = ir.Constant(_V16F, ir.Undefined)
-        for i in range(HALF):
-            v = builder.insert_element(v, values[i * len(values) // HALF], _I32(i))
-        return v
-
-    v16b = ir.VectorType(_I8, HALF)
+    v16b, v4 = ir.VectorType(_I8, HALF), ir.VectorType(_I32, 4)
     if kind == "q6k":
         sc = builder.load(builder.bitcast(builder.gep(blk, [intp(192)]), v16b.as_pointer()), align=1)
-        return builder.fmul(builder.sitofp(sc, _V16F), splat16([widen(d_bits)])), None
-    b = builder.load(builder.bitcast(blk, v16b.as_pointer()), align=1)  # bytes 0..15 (12 used)
-    a = _lanes(builder, b, [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11])
-    top = builder.and_(
-        _byte_shift(builder, _lanes(builder, b, [0, 1, 2, 3] * 2 + [4, 5, 6, 7] * 2), [2] * HALF),
-        _vconst(v16b, [48] * HALF),
-    )  # the high two bits of fields 4-7, in place
-    first = builder.and_(a, _vconst(v16b, [63] * HALF))  # fields 0-3 (sc), 8-11 (m)
-    low = builder.and_(a, _vconst(v16b, [15] * HALF))  # sc 4-7's low bits (lanes 4-7)
-    high = builder.and_(_byte_shift(builder, a, [4] * HALF), _vconst(v16b, [15] * HALF))  # m 4-7's
-    rest = builder.or_(builder.shuffle_vector(low, high, _vconst(ir.VectorType(_I32, HALF), [
-        *range(4), *range(4, 8), *range(24, 28), *range(28, 32)
-    ])), top)  # fmt: skip
-    fields = builder.shuffle_vector(
-        first,
-        rest,
-        _vconst(ir.VectorType(_I32, HALF), [0, 1, 2, 3, 20, 21, 22, 23, 8, 9, 10, 11, 28, 29, 30, 31]),
-    )  # sc 0-7, m 0-7
-    both = builder.fmul(builder.uitofp(fields, _V16F), splat16([widen(d_bits), widen(m_bits)]))
+        d = builder.insert_element(ir.Constant(_V16F, ir.Undefined), widen(d_bits), _I32(0))
+        return builder.fmul(builder.sitofp(sc, _V16F), _lanes(builder, d, [0] * HALF)), None
+    # the 12 bytes as 32-bit words u0, u1, u2 (u3: the block's next bytes, unused), each lane of
+    # the result four fields (llama.cpp's kmask arithmetic): sc 0-3, sc 4-7, m 0-3, m 4-7
+    u = builder.load(builder.bitcast(blk, v4.as_pointer()), align=1)
+    a = _lanes(builder, u, [0, 2, 1, 2])  # the low bits of each lane's fields
+    b = _lanes(builder, u, [0, 0, 1, 1])  # lanes 1, 3: the high two bits of fields 4-7
+    low = builder.and_(
+        builder.lshr(a, _vconst(v4, [0, 0, 0, 4])),
+        _vconst(v4, [0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F]),
+    )
+    high = builder.shl(
+        builder.and_(builder.lshr(b, _vconst(v4, [6] * 4)), _vconst(v4, [0, 0x03030303] * 2)),
+        _vconst(v4, [4] * 4),
+    )
+    fields = builder.bitcast(builder.or_(low, high), v16b)  # sc 0-7, m 0-7
+    pair = builder.insert_element(ir.Constant(_V16F, ir.Undefined), widen(d_bits), _I32(0))
+    pair = builder.insert_element(pair, widen(m_bits), _I32(1))
+    both = builder.fmul(builder.uitofp(fields, _V16F), _lanes(builder, pair, [0] * 8 + [1] * 8))
     return _lanes(builder, both, [i // 2 for i in range(HALF)]), _lanes(builder, both, list(range(8, HALF)))
 
 
@@ -774,6 +768,9 @@ def _k_rows(
         g0 = builder.mul(sb, intp(8))
         if integer:
             dx8 = [load(builder.gep(drows[a], [g0]), _V8F, 4) for a in range(nr)]
+            dx16 = [_lanes(builder, dx8[a], [i // 2 for i in range(HALF)]) for a in range(nr)]
+            # (d sc) dx per 16 inputs, for each (row, weight row) pair once a super-block
+            scdx = [[builder.fmul(scales[b][0], dx16[a]) for b in range(4)] for a in range(nr)]
             if mins:  # -(dmin m) sx, a super-block's eight groups at once
                 for a in range(nr):
                     sx8 = load(builder.gep(srows[a], [g0]), _V8F, 4)
@@ -793,21 +790,18 @@ def _k_rows(
                         builder.ashr(load(builder.gep(crows[a], [builder.mul(gi, intp(8))]), vi, 4), two)
                         for a in range(nr)
                     ]
-                dxs = [_lanes(builder, dx8[a], [g] * 8 + [g + 1] * 8) for a in range(nr)]
             else:
                 xs = [(load(p, _V16F, 4), load(builder.gep(p, [intp(HALF)]), _V16F, 4)) for p in xp]
             for b in range(4):
                 q = _k_levels(builder, kind, blks[b], g, integer, intp)
                 dsc = scales[b][0]
                 if integer:
-                    sc = _lanes(builder, dsc, [2 * g + i // 4 for i in range(HALF)])
                     w = builder.bitcast(q, vi)
                     for a in range(nr):
                         total = builder.sitofp(builder.call(dpbusd, [cs[a], w, xs[a]]), vf)
+                        sc = _lanes(builder, scdx[a][b], [2 * g + i // 4 for i in range(HALF)])
                         c = acc[a][b]
-                        builder.store(
-                            builder.call(mad, [total, builder.fmul(sc, dxs[a]), builder.load(c)]), c
-                        )
+                        builder.store(builder.call(mad, [total, sc, builder.load(c)]), c)
                     continue
                 ws = []
                 for h in (0, 1):
