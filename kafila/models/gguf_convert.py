@@ -10,9 +10,9 @@ command then reads as any model folder (kafila.models.checkpoint):
 - model.safetensors as its index, model.safetensors.gguf.json (kafila.models.gguf_inplace: the bytes
   are made from the GGUF where it lies when they are read; `convert(inplace=False)` writes the file
   itself, the copy they equal): every tensor in its own type (kafila.models.gguf_types): float
-  tensors as stored, Q8_0/Q4_1/Q4_0 repacked into int8/q4 entries, Q5_0/Q5_1 into q5 and Q6_K into
-  q6k ones with their values unchanged, Q4_K (Q5_K) into q4 (q5) with its product scales rounded to
-  float16, the other quantized types (Q3_K, Q2_K) requantized into q4, which `convert` prints on the
+  tensors as stored, Q8_0/Q4_1/Q4_0 repacked into int8/q4 entries, Q5_0/Q5_1 into q5 and Q4_K, Q5_K,
+  Q6_K into q4k, q5k, q6k ones with their values unchanged, the other quantized types (Q3_K, Q2_K)
+  requantized into q4, which `convert` prints on the
   console with the error it measured (one line per type: the tensors, their bytes in the file and
   served); a quantized tensor the engine cannot pack (in a fused product with a float one) is
   widened to F32 and said the same way. llama.cpp's converter permutes the rows of a Llama's q/k
@@ -335,7 +335,7 @@ def _recipes(gf: GGUFFile, config: dict[str, Any]) -> tuple[list[Recipe], Widene
 
 
 def _formats(named: dict[str, GGUFTensor]) -> dict[str, str]:
-    """Each tensor's served form: "int8"/"q4"/"q5"/"q6k" (packed), or a safetensors float dtype."""
+    """Each tensor's served form: a packed format (manifest.LAYOUTS), or a safetensors float dtype."""
     fmt: dict[str, str] = {}
     for name, t in named.items():
         if len(t.shape) == 2 and t.ggml_type in types.PACKED:

@@ -3,7 +3,7 @@
 A converted folder (kafila.models.gguf_convert) holds `model.safetensors.gguf.json` in place of
 `model.safetensors`: the GGUF's path and (size, mtime_ns, inode), the safetensors header the copy
 would have, and for every tensor its byte range in that file, its sha256 and its `Recipe`: where
-its source bytes lie in the GGUF (offset, ggml type, shape), the form it is served in (int8, q4, a
+its source bytes lie in the GGUF (offset, ggml type, shape), the form it is served in (int8, q4k, a
 float dtype) and the row order that puts back a Llama's q/k rows. `InPlaceFile` reads any byte
 range of that file by making the rows it covers from the GGUF (memory-mapped): repacking a kept
 type (Q8_0, Q4_1, Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) costs a copy of its bytes, requantizing one
@@ -47,8 +47,8 @@ INDEX_VERSION = 1
 
 @dataclass(frozen=True)
 class Recipe:
-    """How the entries of one GGUF tensor are made from its bytes: `target` "int8"/"q4"/"q5"/"q6k"
-    (packed: the matrix, its scales, for q4 and q5 its mins, for q5 its high bits) or the float dtype it
+    """How the entries of one GGUF tensor are made from its bytes: `target` a packed format
+    (manifest.LAYOUTS: the matrix, its scales and the siblings the format has) or the float dtype it
     is served in (F32 widens a type kept as stored otherwise); `unpermute`: the head count whose q/k
     rows are put back (Llama)."""
 

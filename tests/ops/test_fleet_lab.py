@@ -85,9 +85,15 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
     from ops.fleetfile import load
 
     fleet = tmp_path / "lab.toml"
-    # the members' APIs ask for a key, which `up` ships and every kafila-ops request sends
+    # the members' APIs ask for a key, which `up` ships and every kafila-ops request sends; the
+    # session host h1 (docker) serves the default model's own GGUF file, named as [fleet] weights
+    gguf = default_gguf()
     text = (ROOT / "fleets" / "lab.toml").read_text()
-    fleet.write_text(text.replace('session_host = "h1"', 'session_host = "h1"\napi_key_file = "lab-api.key"'))
+    fleet.write_text(
+        text.replace(
+            'session_host = "h1"', f'session_host = "h1"\napi_key_file = "lab-api.key"\nweights = "{gguf}"'
+        )
+    )
     (tmp_path / "lab-api.key").write_text(f"{secrets.token_urlsafe(24)}\n")
     (tmp_path / "lab-ssh_config").write_text(fleet_lab.ssh_config())
     venv = lab_venv.venv
@@ -110,6 +116,7 @@ def test_fleet_up_status_bench_traces_down_across_nats_with_a_simulated_service_
         assert sorted(h for h, _, _ in shipped) == ["h1", "h2"], up.stderr[-3000:]
         assert all(int(n) > 0 for _, n, _ in shipped), shipped
         only_the_new_layer_crosses(fleet_lab, fleet)
+        mounts_the_gguf_alone(fleet_lab, gguf)
         for name in ("h1", "h2", "h3"):
             assert re.search(rf"^{name}\s+site\d\s+\d+-\d+", out, re.M), out
         assert stat.S_IMODE((keys / "h3.api-key").stat().st_mode) == 0o600  # native
@@ -321,6 +328,34 @@ def build_on(image: str, step: str) -> None:
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert build.returncode == 0, build.stderr
+
+
+def default_gguf() -> Path:
+    from kafila.models.default import DEFAULT_MODEL, DEFAULT_MODELS, locate_gguf
+
+    return locate_gguf(DEFAULT_MODELS[DEFAULT_MODEL])
+
+
+def mounts_the_gguf_alone(fleet_lab: FleetLab, gguf: Path) -> None:
+    """h1's container has the GGUF file bind-mounted read-only (not its folder), and converted it in
+    place into its cache volume: the index there names the file where the container sees it."""
+
+    def docker(*args: str) -> str:
+        done = subprocess.run(
+            ["docker", "-H", fleet_lab.hosts["lab-h1"].socket, *args],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    inside = f"/srv/kafila-weights/{gguf.name}"
+    mounts = json.loads(docker("inspect", "-f", "{{json .Mounts}}", "kafila-lab-h1"))
+    binds = [(m["Destination"], m["RW"]) for m in mounts if m["Type"] == "bind" and m["Source"] == str(gguf)]
+    assert binds == [(inside, False)], mounts
+    index = docker(
+        "exec", "kafila-lab-h1", "sh", "-c", 'cat "$KAFILA_CACHE"/gguf/*/model.safetensors.gguf.json'
+    )
+    assert json.dumps(inside) in index, index[:2000]
 
 
 def runs_image(fleet_lab: FleetLab, alias: str, container: str) -> str:
