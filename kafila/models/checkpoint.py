@@ -247,7 +247,10 @@ def _check_tensors(folder: Path, config: ModelConfig, tensors: dict[str, TensorI
                 f"{folder}: tensor {name} is past config.json's num_hidden_layers={config.num_hidden_layers}"
             )
         shape = want.get(name)
-        has_shape = logical_shape(info.spec, specs)
+        try:
+            has_shape = logical_shape(info.spec, specs)
+        except ValueError as exc:  # packed entries of no format's shapes
+            raise CheckpointError(f"{folder}: tensor {name}: {exc}") from exc
         if shape is not None and tuple(has_shape) != tuple(shape):
             has, given = list(has_shape), list(shape)
             raise CheckpointError(f"{folder}: tensor {name} has shape {has}; config.json gives {given}")

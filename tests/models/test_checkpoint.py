@@ -344,6 +344,24 @@ def test_a_tensor_shape_other_than_the_config_gives_is_refused(
     _expect(folder, "tensor model.embed_tokens.weight has shape", f"config.json gives [{vocab - 1}, ")
 
 
+def test_packed_entries_of_no_formats_shapes_are_refused_naming_the_tensor(
+    tiny_checkpoint: TinyFactory, tmp_path: Path
+) -> None:
+    """A U8 matrix whose scales give it 20 bytes per scale (no packed format has that) is refused
+    with the folder, the tensor and the shapes, not taken for some format."""
+    import numpy as np
+
+    folder = _copy(tiny_checkpoint("llama-gqa3-tied"), tmp_path / "m")
+    file = folder / "model.safetensors"
+    tensors = load_file(file)
+    name = "model.layers.0.mlp.down_proj.weight"
+    out = tensors[name].shape[0]
+    tensors[name] = np.zeros((out, 40), np.uint8)
+    tensors[name.removesuffix("weight") + "scales"] = np.zeros((out, 2), np.float16)
+    save_file(tensors, str(file))
+    _expect(folder, str(folder), f"tensor {name}", "[.., 40] + scales [.., 2]", "match no packed format")
+
+
 def test_a_listed_bos_token_id_takes_the_first(tiny_checkpoint: TinyFactory, tmp_path: Path) -> None:
     folder = _copy(tiny_checkpoint("llama-gqa3-tied"), tmp_path / "m")
     (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": [1, 2]}))
