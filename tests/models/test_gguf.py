@@ -34,8 +34,8 @@ MIXED = {
     "blk.1.attn_v": "Q4_1",
     "blk.1.ffn_down": "Q5_1",
 }
-# the K-quants (and Q5_1): Q4_K as q4, Q5_K and Q5_1 as q5 and Q6_K as q6k (block 0's q/k/v: q4,
-# q4, q6k, a stacked product); Q3_K and Q2_K requantized to q4
+# the K-quants (and Q5_1): Q4_K, Q5_K, Q6_K as q4k, q5k, q6k and Q5_1 as q5 (block 0's q/k/v: q4k,
+# q4k, q6k, a stacked product); Q3_K and Q2_K requantized to q4
 KQUANTS = {
     "token_embd": "Q4_K",
     "attn_q": "Q4_K",

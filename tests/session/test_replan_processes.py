@@ -278,9 +278,12 @@ def test_a_frozen_member_is_planned_around_and_told_so_when_it_wakes(fleet4: Loc
 
 
 def _kill_two(host: FleetMember, first: FleetMember, second: FleetMember) -> None:
-    """SIGKILL `first`, then `second` the moment `host`'s console says its re-plan for epoch 2
-    started (the timing these tests set: the second loss lands during the move)."""
+    """Stop `second` (SIGSTOP: it can no longer say it is ready for any epoch), SIGKILL `first`,
+    then SIGKILL `second` the moment `host`'s console says its re-plan for epoch 2 started: the
+    second loss lands during the move however fast the survivors load their new blocks (a move can
+    be over in 0.1 s, before a kill made only at that moment is noticed)."""
     assert first.proc is not None and second.proc is not None
+    second.proc.send_signal(signal.SIGSTOP)
     first.proc.send_signal(signal.SIGKILL)
     deadline = time.monotonic() + 60
     while "re-planning for epoch 2" not in host.log_text() and time.monotonic() < deadline:
@@ -291,11 +294,11 @@ def _kill_two(host: FleetMember, first: FleetMember, second: FleetMember) -> Non
 def test_a_second_member_killed_when_the_host_says_its_replan_started_is_planned_around_too(
     fleet4: LocalFleet,
 ) -> None:
-    """Timing set by the test: a member is killed (SIGKILL) mid-answer, and a second one the moment
-    the host's console says its re-plan for epoch 2 started, so the second loss lands while the
-    survivors move to epoch 2 (the killed member can never say it is ready). The host abandons
-    that move and re-plans over the two members left for epoch 3; every streaming answer completes,
-    identical to its answer without the kills."""
+    """Timing set by the test: a member is killed (SIGKILL) mid-answer, and a second one, stopped
+    since, the moment the host's console says its re-plan for epoch 2 started, so the second loss
+    lands while the survivors move to epoch 2 (the stopped member can never say it is ready). The
+    host abandons that move and re-plans over the two members left for epoch 3; every streaming
+    answer completes, identical to its answer without the kills."""
     doc, head, _ = _head_and_victim(fleet4)
     host = fleet4.members[0]
     first, second = [m for m in fleet4.members if m.name not in (doc["head"], host.name)][:2]

@@ -1,7 +1,7 @@
 """A session of two members on loopback (a real rendezvous, host and join, QUIC links, the joiner
 fetching its blocks of the converted GGUF from the host) serving `--model FILE.gguf` of mixed types
-(tests.models.test_gguf.MIXED), served in place from the file: its greedy tokens are one process's,
-and a copy's."""
+(tests.models.test_gguf.MIXED) or of the K-quants (KQUANTS: Q4_K, Q5_K, Q6_K as stored, a stacked
+q/k/v), served in place from the file: its greedy tokens are one process's, and a copy's."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from kafila.session.forming.join import join
 from kafila.session.runtime import MemberRuntime
 from kafila.session.terms import Options
 from tests.gguf_files import Shape, greedy_ids, qwen3_tokenizer_meta, write_gguf
-from tests.models.test_gguf import MIXED
+from tests.models.test_gguf import KQUANTS, MIXED
 from tests.session.hosting import code_of
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
@@ -36,12 +36,14 @@ def one_process(folder: Path, n: int) -> list[int]:
     return greedy_ids(folder, PROMPT, n)
 
 
+@pytest.mark.parametrize("kinds", ["mixed", "kquants"])
 async def test_two_members_serving_a_gguf_give_one_process_greedy_tokens(
-    rdv, qwen3_tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    kinds: str, rdv, qwen3_tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("KAFILA_CACHE", str(tmp_path / "cache"))
     meta = qwen3_tokenizer_meta(qwen3_tokenizer_dir)
-    file = write_gguf(tmp_path / "tiny-qwen3-mixed.gguf", Shape(), meta, MIXED, tied=True)
+    types = {"mixed": MIXED, "kquants": KQUANTS}[kinds]
+    file = write_gguf(tmp_path / f"tiny-qwen3-{kinds}.gguf", Shape(), meta, types, tied=True)
     folder = ensure_gguf(file, progress=False)  # served in place: the host reads the GGUF itself
     assert not (folder / "model.safetensors").exists()
     want = one_process(folder, 6)
