@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kafila.models.manifest import GROUP, SUPER
+from kafila.models.manifest import GROUP, LAYOUTS, SUPER
 from kafila.models.quant import Packed, dequantize, from_ggml, quantize
 
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
@@ -58,9 +58,6 @@ BLOCK_BYTES = {
     Q5_1: 24,
     Q8_0: 34,
 }  # bytes per block of 32 of the repacked types
-Q4_K_BYTES = 144  # a Q4_K block: d, dmin (float16), 12 bytes of 6-bit scales, 128 of nibbles
-Q5_K_BYTES = 176  # a Q5_K block: Q4_K's with 32 bytes of high bits between the scales and the nibbles
-Q6_K_BYTES = 210  # a Q6_K block: 128 bytes of low nibbles, 64 of high bits, 16 int8 scales, d (float16)
 REQUANT_ROWS = 1024  # rows widened and requantized at once (the float temporaries stay a few MB)
 
 
@@ -219,7 +216,8 @@ def _super_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> Pa
     name = type_name(ggml_type)
     if cols % SUPER:
         raise ValueError(f"a {name} matrix [{out}, {cols}] has rows that are not a multiple of {SUPER}")
-    size = {Q4_K: Q4_K_BYTES, Q5_K: Q5_K_BYTES, Q6_K: Q6_K_BYTES}[ggml_type]
+    fmt = PACKED[ggml_type][0]
+    size = LAYOUTS[fmt].scale_bytes()  # a block: the format's data bytes, d (and dmin)
     blocks = np.asarray(raw, dtype=np.uint8).reshape(out, cols // SUPER, size)
 
     def halves(a: int) -> np.ndarray:  # the float16 at bytes a, a + 1 of each block: [out, n]
@@ -227,9 +225,9 @@ def _super_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> Pa
 
     if ggml_type == Q6_K:
         data = np.ascontiguousarray(blocks[..., : size - 2]).reshape(out, -1)  # [out, n * 208]
-        return Packed("q6k", data, halves(size - 2))
+        return Packed(fmt, data, halves(size - 2))
     data = np.ascontiguousarray(blocks[..., 4:]).reshape(out, -1)  # [out, n * (140 | 172)]
-    return Packed("q4k" if ggml_type == Q4_K else "q5k", data, halves(0), halves(2))
+    return Packed(fmt, data, halves(0), halves(2))
 
 
 def widen(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> np.ndarray:

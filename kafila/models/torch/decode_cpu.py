@@ -38,7 +38,7 @@ from kafila.models.torch.few_rows import at, bf16_bits, bits_to_f32, product_til
 # there, which changes this file too and makes numba compile these kernels again.
 FEW_ROWS_SHA256 = "feb50eb9316af2cb"
 # The same for quant_cpu.py, whose packed products block_step runs for int8 and q4 weights.
-QUANT_CPU_SHA256 = "ef6bb21dc4412f9e"
+QUANT_CPU_SHA256 = "c25b8554921d07c7"
 
 
 @njit(fastmath=True, cache=True, boundscheck=False, nogil=True, inline="always")

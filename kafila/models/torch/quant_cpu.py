@@ -739,8 +739,12 @@ def _k_rows(
         [cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * lanes)) for _ in range(4)]
         for _ in range(nr)
     ]
-    zero8 = ir.Constant(_V8F, [0.0] * 8)
-    macc = [[cgutils.alloca_once_value(builder, zero8) for _ in range(4)] for _ in range(nr)]
+    zero8 = ir.Constant(_V8F, [0.0] * 8)  # -(dmin m) sx sums: the integer path's q4k and q5k
+    macc = (
+        [[cgutils.alloca_once_value(builder, zero8) for _ in range(4)] for _ in range(nr)]
+        if integer and mins
+        else []
+    )
     rows = [builder.add(r0, intp(a)) for a in range(nr)]
     i8p, i16p = _I8.as_pointer(), ir.IntType(16).as_pointer()
     xrows = [builder.gep(xa[0].data, [builder.mul(row, k)]) for row in rows]
